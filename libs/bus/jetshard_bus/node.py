@@ -1,0 +1,83 @@
+"""What makes a machine a node: a persistent id, a profile, and a liveness key that lapses when it dies."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import platform
+import socket
+import tempfile
+from pathlib import Path
+
+import psutil
+from nats.js import JetStreamContext
+
+from jetshard_schema.ids import NodeId, new_id
+from jetshard_schema.subjects import LIVENESS_BUCKET
+from jetshard_schema.types import NodeProfile
+
+log = logging.getLogger(__name__)
+
+
+def config_dir(environ: dict[str, str] | os._Environ[str] = os.environ) -> Path:
+    if explicit := environ.get("JETSHARD_CONFIG_DIR"):
+        return Path(explicit).expanduser()
+    base = environ.get("XDG_CONFIG_HOME") or str(Path.home() / ".config")
+    return Path(base) / "jetshard"
+
+
+def node_id_for(directory: Path) -> NodeId:
+    """This machine's node id, created once. The worker and downloader start together and must agree:
+    the id file is written completely under a temporary name, then hard-linked into place, which fails if
+    another process got there first; both then read whatever won."""
+    path = directory / "node_id"
+    if path.exists():
+        return NodeId(path.read_text().strip())
+    directory.mkdir(parents=True, exist_ok=True)
+    candidate = f"node-{socket.gethostname().split('.')[0][:24]}-{new_id()[:8]}"
+    fd, temp = tempfile.mkstemp(dir=directory, prefix=".node_id.")
+    try:
+        with os.fdopen(fd, "w") as file:
+            file.write(candidate + "\n")
+        with contextlib.suppress(FileExistsError):
+            os.link(temp, path)
+    finally:
+        os.unlink(temp)
+    return NodeId(path.read_text().strip())
+
+
+def node_profile() -> NodeProfile:
+    memory = psutil.virtual_memory()
+    return NodeProfile(
+        hostname=socket.gethostname(),
+        os=f"{platform.system()} {platform.release()}",
+        cpu_cores=os.cpu_count() or 1,
+        memory_total_bytes=memory.total,
+        memory_available_bytes=memory.available,
+        accelerator=_accelerator(),
+    )
+
+
+def _accelerator() -> str:
+    if platform.system() == "Darwin" and platform.machine() == "arm64":
+        return "metal"
+    if Path("/dev/nvidiactl").exists():
+        return "cuda"
+    return "cpu"
+
+
+async def keep_alive(js: JetStreamContext, node_id: NodeId, session_id: str, ttl_s: float,
+                     stop: asyncio.Event) -> None:
+    """Refresh the node's liveness key well within its TTL until `stop`; then delete it."""
+    kv = await js.key_value(LIVENESS_BUCKET)
+    while not stop.is_set():
+        try:
+            await kv.put(node_id, session_id.encode())
+        except Exception as error:  # NATS down for a moment: the next beat retries
+            log.warning("liveness update failed: %s", error)
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(stop.wait(), ttl_s / 3)
+    with contextlib.suppress(Exception):
+        await kv.delete(node_id)

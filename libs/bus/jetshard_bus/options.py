@@ -1,0 +1,50 @@
+"""How a service reaches NATS. Every service takes the same options (flags `--nats`, `--nats-user`, …)."""
+
+from __future__ import annotations
+
+import ssl
+from dataclasses import dataclass, field
+from typing import Any
+
+DEFAULT_NATS_URL = "nats://127.0.0.1:4222"
+
+
+@dataclass(frozen=True)
+class NatsOptions:
+    """Connection settings for nats-py. Several `servers` form one cluster connection."""
+
+    servers: tuple[str, ...] = (DEFAULT_NATS_URL,)
+    user: str | None = None
+    password: str | None = None
+    token: str | None = None
+    creds_file: str | None = None
+    """A `.creds` file (JWT + nkey seed) as `nsc` writes it."""
+    tls_ca: str | None = None
+    tls_cert: str | None = None
+    tls_key: str | None = None
+    replicas: int = 1
+    """Replicas of jetshard's streams and buckets; 3 on a three-server JetStream cluster."""
+    name: str = "jetshard"
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def connect_kwargs(self) -> dict[str, Any]:
+        kwargs: dict[str, Any] = {
+            "servers": list(self.servers),
+            "name": self.name,
+            "max_reconnect_attempts": -1,
+            "reconnect_time_wait": 0.5,
+            "connect_timeout": 5,
+        }
+        if self.user is not None:
+            kwargs["user"] = self.user
+            kwargs["password"] = self.password or ""
+        if self.token is not None:
+            kwargs["token"] = self.token
+        if self.creds_file is not None:
+            kwargs["user_credentials"] = self.creds_file
+        if self.tls_ca or self.tls_cert:
+            context = ssl.create_default_context(cafile=self.tls_ca)
+            if self.tls_cert:
+                context.load_cert_chain(self.tls_cert, self.tls_key)
+            kwargs["tls"] = context
+        return {**kwargs, **self.extra}

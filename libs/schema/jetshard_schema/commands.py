@@ -1,0 +1,194 @@
+"""Commands: requests anyone may publish under `jetshard.cmd.>`; the sequencer turns them into events.
+
+Names are imperative. What a node observes (its profile, download progress, runner status) is a command
+too, named `Report…`: the nodes report, the sequencer records.
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+from jetshard_schema.cards import ModelCard
+from jetshard_schema.ids import InstanceId, ModelId, NodeId, TaskId
+from jetshard_schema.subjects import command_subject
+from jetshard_schema.types import (
+    DownloadStatus,
+    ModelDirInfo,
+    NodeProfile,
+    RunnerStatus,
+    TaskOutcome,
+    TaskRequest,
+    Usage,
+)
+
+
+class _Command(msgspec.Struct, frozen=True, kw_only=True, tag=True, tag_field="type"):
+    @property
+    def subject(self) -> str:
+        return command_subject(type(self).__name__)
+
+
+# --- nodes -------------------------------------------------------------------------------------------------
+
+
+class ReportNodeProfile(_Command):
+    node_id: NodeId
+    session_id: str
+    """New on every start of the node's worker: a new session of a known node is a re-join."""
+    profile: NodeProfile
+
+
+class ReportNodeStorage(_Command):
+    node_id: NodeId
+    model_dirs: tuple[ModelDirInfo, ...]
+
+
+class ExpireNode(_Command):
+    """The sequencer's own observation that a node's liveness key lapsed."""
+
+    node_id: NodeId
+    session_id: str
+
+
+# --- model cards -------------------------------------------------------------------------------------------
+
+
+class AddCustomModelCard(_Command):
+    card: ModelCard
+
+
+class DeleteCustomModelCard(_Command):
+    model_id: ModelId
+
+
+class ReportModelSize(_Command):
+    """The real total size of a model's weights, measured from its file list."""
+
+    model_id: ModelId
+    storage_size_bytes: int
+
+
+# --- downloads ---------------------------------------------------------------------------------------------
+
+
+class StartDownload(_Command):
+    model_id: ModelId
+    node_id: NodeId
+    start_layer: int | None = None
+    end_layer: int | None = None
+
+
+class CancelDownload(_Command):
+    model_id: ModelId
+    node_id: NodeId
+
+
+class DeleteDownload(_Command):
+    model_id: ModelId
+    node_id: NodeId
+
+
+class ReportDownloadProgress(_Command):
+    model_id: ModelId
+    node_id: NodeId
+    status: DownloadStatus
+    start_layer: int = 0
+    end_layer: int = 0
+    bytes_done: int = 0
+    bytes_total: int = 0
+    speed_bytes_per_s: float = 0.0
+    eta_s: float | None = None
+    directory: str = ""
+    read_only: bool = False
+    reason: str = ""
+
+
+class ReportDownloadDeleted(_Command):
+    model_id: ModelId
+    node_id: NodeId
+    directories: tuple[str, ...] = ()
+
+
+# --- instances and runners ---------------------------------------------------------------------------------
+
+
+class PlaceInstance(_Command):
+    instance_id: InstanceId
+    model_id: ModelId
+    node_ids: tuple[NodeId, ...] | None = None
+    min_nodes: int = 1
+
+
+class DeleteInstance(_Command):
+    instance_id: InstanceId
+
+
+class ReportRunnerEndpoint(_Command):
+    instance_id: InstanceId
+    generation: int
+    node_id: NodeId
+    rank: int
+    host: str
+    port: int
+
+
+class ReportRunnerStatus(_Command):
+    instance_id: InstanceId
+    generation: int
+    node_id: NodeId
+    rank: int
+    worker_session: str
+    status: RunnerStatus
+    layers_loaded: int = 0
+    layers_total: int = 0
+    reason: str = ""
+    loaded_tensors: tuple[str, ...] = ()
+
+
+# --- tasks -------------------------------------------------------------------------------------------------
+
+
+class SubmitTask(_Command):
+    request: TaskRequest
+
+
+class CancelTask(_Command):
+    task_id: TaskId
+    reason: str = "cancelled by the client"
+
+
+class ReportTaskStarted(_Command):
+    task_id: TaskId
+    instance_id: InstanceId
+    prompt_tokens: int
+
+
+class ReportTaskFinished(_Command):
+    task_id: TaskId
+    instance_id: InstanceId
+    outcome: TaskOutcome
+    usage: Usage
+    error: str = ""
+
+
+Command = (
+    ReportNodeProfile
+    | ReportNodeStorage
+    | ExpireNode
+    | AddCustomModelCard
+    | DeleteCustomModelCard
+    | ReportModelSize
+    | StartDownload
+    | CancelDownload
+    | DeleteDownload
+    | ReportDownloadProgress
+    | ReportDownloadDeleted
+    | PlaceInstance
+    | DeleteInstance
+    | ReportRunnerEndpoint
+    | ReportRunnerStatus
+    | SubmitTask
+    | CancelTask
+    | ReportTaskStarted
+    | ReportTaskFinished
+)

@@ -1,0 +1,257 @@
+"""Events: facts, in past tense, appended by the sequencer alone under `jetshard.evt.>`.
+
+On the wire each event travels in an `EventEnvelope` that records the command it came from, so a
+sequencer taking over knows which commands already have their outcome.
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+from jetshard_schema.cards import ModelCard
+from jetshard_schema.ids import CommandId, InstanceId, ModelId, NodeId, TaskId
+from jetshard_schema.subjects import event_subject
+from jetshard_schema.types import (
+    ModelDirInfo,
+    NodeProfile,
+    RejectCode,
+    RunnerStatus,
+    ShardAssignment,
+    TaskOutcome,
+    TaskRequest,
+    Usage,
+)
+
+
+class _Event(msgspec.Struct, frozen=True, kw_only=True, tag=True, tag_field="type"):
+    @property
+    def subject(self) -> str:
+        return event_subject(type(self).__name__)
+
+
+class CommandRejected(_Event):
+    command_type: str
+    code: RejectCode
+    reason: str
+    """What went wrong and what to do about it, for a person."""
+
+
+# --- nodes -------------------------------------------------------------------------------------------------
+
+
+class NodeJoined(_Event):
+    node_id: NodeId
+    session_id: str
+    profile: NodeProfile
+
+
+class NodeUpdated(_Event):
+    node_id: NodeId
+    profile: NodeProfile
+
+
+class NodeStorageUpdated(_Event):
+    node_id: NodeId
+    model_dirs: tuple[ModelDirInfo, ...]
+
+
+class NodeLost(_Event):
+    node_id: NodeId
+    reason: str
+
+
+# --- model cards -------------------------------------------------------------------------------------------
+
+
+class CustomModelCardAdded(_Event):
+    card: ModelCard
+
+
+class CustomModelCardDeleted(_Event):
+    model_id: ModelId
+
+
+class ModelSizeMeasured(_Event):
+    model_id: ModelId
+    storage_size_bytes: int
+
+
+# --- downloads ---------------------------------------------------------------------------------------------
+
+
+class DownloadRequested(_Event):
+    node_id: NodeId
+    model_id: ModelId
+    start_layer: int
+    end_layer: int
+
+
+class DownloadProgressed(_Event):
+    node_id: NodeId
+    model_id: ModelId
+    pending: bool
+    bytes_done: int
+    bytes_total: int
+    speed_bytes_per_s: float = 0.0
+    eta_s: float | None = None
+    directory: str = ""
+
+
+class DownloadCompleted(_Event):
+    node_id: NodeId
+    model_id: ModelId
+    directory: str
+    read_only: bool
+    start_layer: int
+    end_layer: int
+    bytes_total: int
+
+
+class DownloadFailed(_Event):
+    node_id: NodeId
+    model_id: ModelId
+    reason: str
+
+
+class DownloadCancelled(_Event):
+    node_id: NodeId
+    model_id: ModelId
+
+
+class DownloadDeleteRequested(_Event):
+    node_id: NodeId
+    model_id: ModelId
+
+
+class DownloadDeleted(_Event):
+    node_id: NodeId
+    model_id: ModelId
+
+
+# --- instances and runners ---------------------------------------------------------------------------------
+
+
+class InstancePlaced(_Event):
+    instance_id: InstanceId
+    model_id: ModelId
+    shards: tuple[ShardAssignment, ...]
+
+
+class InstanceDeleted(_Event):
+    instance_id: InstanceId
+    reason: str
+
+
+class RunnerEndpointReported(_Event):
+    instance_id: InstanceId
+    generation: int
+    node_id: NodeId
+    rank: int
+    host: str
+    port: int
+
+
+class RunnerStatusChanged(_Event):
+    instance_id: InstanceId
+    generation: int
+    node_id: NodeId
+    rank: int
+    worker_session: str
+    status: RunnerStatus
+    layers_loaded: int = 0
+    layers_total: int = 0
+    reason: str = ""
+    loaded_tensors: tuple[str, ...] = ()
+
+
+class InstanceRestarting(_Event):
+    """Every rank stops; runners start again for `generation` no earlier than `not_before_ms`."""
+
+    instance_id: InstanceId
+    generation: int
+    attempt: int
+    not_before_ms: int
+    reason: str
+
+
+class InstanceFailed(_Event):
+    instance_id: InstanceId
+    reason: str
+
+
+# --- tasks -------------------------------------------------------------------------------------------------
+
+
+class TaskAssigned(_Event):
+    request: TaskRequest
+    instance_id: InstanceId
+    generation: int
+
+
+class TaskStarted(_Event):
+    task_id: TaskId
+    prompt_tokens: int
+
+
+class TaskFinished(_Event):
+    task_id: TaskId
+    outcome: TaskOutcome
+    usage: Usage
+    error: str = ""
+
+
+class TaskCancelled(_Event):
+    task_id: TaskId
+    reason: str
+
+
+Event = (
+    CommandRejected
+    | NodeJoined
+    | NodeUpdated
+    | NodeStorageUpdated
+    | NodeLost
+    | CustomModelCardAdded
+    | CustomModelCardDeleted
+    | ModelSizeMeasured
+    | DownloadRequested
+    | DownloadProgressed
+    | DownloadCompleted
+    | DownloadFailed
+    | DownloadCancelled
+    | DownloadDeleteRequested
+    | DownloadDeleted
+    | InstancePlaced
+    | InstanceDeleted
+    | RunnerEndpointReported
+    | RunnerStatusChanged
+    | InstanceRestarting
+    | InstanceFailed
+    | TaskAssigned
+    | TaskStarted
+    | TaskFinished
+    | TaskCancelled
+)
+
+
+class EventEnvelope(msgspec.Struct, frozen=True, kw_only=True):
+    """What is stored in JETSHARD_EVENTS. `index`/`count`: this event's place among its command's events."""
+
+    command_id: CommandId
+    command_seq: int
+    """Stream sequence of the command in JETSHARD_COMMANDS; a new leader resumes after the last one."""
+    index: int
+    count: int
+    at_ms: int
+    event: Event
+
+
+class RawEventEnvelope(msgspec.Struct, frozen=True, kw_only=True):
+    """The envelope with its event left undecoded, so an event type from a newer version can be skipped."""
+
+    command_id: CommandId
+    command_seq: int
+    index: int
+    count: int
+    at_ms: int
+    event: msgspec.Raw

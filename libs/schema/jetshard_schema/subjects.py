@@ -1,0 +1,52 @@
+"""Every NATS name jetshard uses, in one place.
+
+| name                        | kind                 | what                                                        |
+| --------------------------- | -------------------- | ----------------------------------------------------------- |
+| `JETSHARD_COMMANDS`         | stream (file)        | `jetshard.cmd.>`: requests; `Nats-Msg-Id` = command id      |
+| `JETSHARD_EVENTS`           | stream (file)        | `jetshard.evt.>`: facts, written by the sequencer only      |
+| `jetshard.cmd.<type>`       | subject              | one command, type in snake case (`add_custom_model_card`)   |
+| `jetshard.evt.<type>`       | subject              | one event (`custom_model_card_added`)                       |
+| `jetshard.chunks.<task id>` | core NATS subject    | generated text of one task, not stored                      |
+| `jetshard-snapshots`        | object store         | `state`: the State at some event sequence                   |
+| `jetshard-leader`           | KV bucket, TTL       | `sequencer`: the id of the sequencer holding the lease      |
+| `jetshard-liveness`         | KV bucket, TTL       | `<node id>`: the node's current session; gone = node lost   |
+"""
+
+from __future__ import annotations
+
+import re
+
+COMMANDS_STREAM = "JETSHARD_COMMANDS"
+EVENTS_STREAM = "JETSHARD_EVENTS"
+COMMAND_PREFIX = "jetshard.cmd"
+EVENT_PREFIX = "jetshard.evt"
+CHUNK_PREFIX = "jetshard.chunks"
+
+SNAPSHOT_BUCKET = "jetshard-snapshots"
+SNAPSHOT_OBJECT = "state"
+LEADER_BUCKET = "jetshard-leader"
+LEADER_KEY = "sequencer"
+LIVENESS_BUCKET = "jetshard-liveness"
+
+SEQUENCER_DURABLE = "jetshard-sequencer"
+
+MSG_ID_HEADER = "Nats-Msg-Id"
+EXPECTED_LAST_SEQUENCE_HEADER = "Nats-Expected-Last-Sequence"
+
+_CAMEL_BOUNDARY = re.compile(r"(?<!^)(?=[A-Z])")
+
+
+def snake_case(type_name: str) -> str:
+    return _CAMEL_BOUNDARY.sub("_", type_name).lower()
+
+
+def command_subject(type_name: str) -> str:
+    return f"{COMMAND_PREFIX}.{snake_case(type_name)}"
+
+
+def event_subject(type_name: str) -> str:
+    return f"{EVENT_PREFIX}.{snake_case(type_name)}"
+
+
+def chunk_subject(task_id: str) -> str:
+    return f"{CHUNK_PREFIX}.{task_id}"

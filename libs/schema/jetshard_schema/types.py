@@ -1,0 +1,132 @@
+"""Value types shared by commands, events and State."""
+
+from __future__ import annotations
+
+import enum
+
+import msgspec
+
+from jetshard_schema.ids import InstanceId, ModelId, NodeId, TaskId
+
+
+class NodeProfile(msgspec.Struct, frozen=True, kw_only=True):
+    hostname: str
+    os: str
+    cpu_cores: int
+    memory_total_bytes: int
+    memory_available_bytes: int
+    accelerator: str = "cpu"
+
+
+class ModelDirInfo(msgspec.Struct, frozen=True, kw_only=True):
+    path: str
+    read_only: bool
+    free_bytes: int
+    total_bytes: int
+
+
+class ShardAssignment(msgspec.Struct, frozen=True, kw_only=True):
+    node_id: NodeId
+    rank: int
+    start_layer: int
+    """First layer of the shard; layer ranges are `[start_layer, end_layer)`, 0-based."""
+    end_layer: int
+
+
+class DownloadStatus(enum.StrEnum):
+    PENDING = "pending"
+    ONGOING = "ongoing"
+    COMPLETED = "completed"
+    FAILED = "failed"
+    CANCELLED = "cancelled"
+
+
+class RunnerStatus(enum.StrEnum):
+    WAITING = "waiting"
+    """Downloaded; waiting for every rank's endpoint before starting."""
+    LOADING = "loading"
+    READY = "ready"
+    FAILED = "failed"
+    STOPPED = "stopped"
+
+
+class InstanceStatus(enum.StrEnum):
+    DOWNLOADING = "downloading"
+    WAITING = "waiting"
+    LOADING = "loading"
+    READY = "ready"
+    RESTARTING = "restarting"
+    FAILED = "failed"
+
+
+class RejectCode(enum.StrEnum):
+    """Why a command was refused; the API maps each to an HTTP status."""
+
+    INVALID = "invalid"
+    NOT_FOUND = "not_found"
+    CONFLICT = "conflict"
+    ALREADY_EXISTS = "already_exists"
+    INSUFFICIENT_MEMORY = "insufficient_memory"
+    NO_CAPACITY = "no_capacity"
+
+
+class TaskKind(enum.StrEnum):
+    CHAT = "chat"
+    COMPLETION = "completion"
+
+
+class ChatMessage(msgspec.Struct, frozen=True):
+    role: str
+    content: str
+
+
+class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
+    max_tokens: int | None = None
+    """None: the rest of the context."""
+    temperature: float = 1.0
+    top_p: float = 1.0
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+
+
+class TaskRequest(msgspec.Struct, frozen=True, kw_only=True):
+    task_id: TaskId
+    model_id: ModelId
+    kind: TaskKind
+    messages: tuple[ChatMessage, ...] = ()
+    prompt: str = ""
+    sampling: SamplingParams = SamplingParams()
+
+
+class Usage(msgspec.Struct, frozen=True, kw_only=True):
+    prompt_tokens: int
+    completion_tokens: int
+
+    @property
+    def total_tokens(self) -> int:
+        return self.prompt_tokens + self.completion_tokens
+
+
+class TaskOutcome(enum.StrEnum):
+    STOP = "stop"
+    LENGTH = "length"
+    CANCELLED = "cancelled"
+    ERROR = "error"
+
+
+class Chunk(msgspec.Struct, frozen=True, kw_only=True):
+    """One piece of a task's output on `jetshard.chunks.<task id>`; `index` runs 0, 1, 2… with no gap."""
+
+    task_id: TaskId
+    index: int
+    text: str = ""
+    token_count: int = 0
+    finish_reason: TaskOutcome | None = None
+    usage: Usage | None = None
+    error: str | None = None
+    error_code: str | None = None
+
+
+class InstanceRef(msgspec.Struct, frozen=True):
+    instance_id: InstanceId
+    generation: int

@@ -1,0 +1,51 @@
+"""The API's view of the cluster: a State replica, and commands published with read-your-writes."""
+
+from __future__ import annotations
+
+import asyncio
+
+from nats.aio.client import Client
+from nats.js import JetStreamContext
+
+from jetshard_api.errors import REJECT_STATUS, ApiError
+from jetshard_bus.commands import publish_command
+from jetshard_bus.follower import StateFollower
+from jetshard_schema.commands import Command
+from jetshard_schema.events import CommandRejected, Event
+from jetshard_schema.ids import new_command_id
+from jetshard_schema.state import State
+
+
+class Cluster:
+    def __init__(self, client: Client, js: JetStreamContext, follower: StateFollower,
+                 command_timeout_s: float) -> None:
+        self.client = client
+        self.js = js
+        self.follower = follower
+        self.command_timeout_s = command_timeout_s
+
+    @property
+    def state(self) -> State:
+        return self.follower.state
+
+    async def submit(self, command: Command, timeout_s: float | None = None) -> list[Event]:
+        """Publish `command`; return its events once applied here, or raise ApiError (rejected / 504)."""
+        command_id = new_command_id()
+        outcome = self.follower.expect(command_id)
+        try:
+            await publish_command(self.js, command, command_id)
+            envelopes = await asyncio.wait_for(outcome, timeout_s or self.command_timeout_s)
+        except TimeoutError as error:
+            raise ApiError(504, f"{type(command).__name__} was not processed in time; is a sequencer running?",
+                           "command_timeout") from error
+        finally:
+            self.follower.forget(command_id)
+        events = [e.event for e in envelopes]
+        for event in events:
+            if isinstance(event, CommandRejected):
+                raise ApiError(REJECT_STATUS[event.code], event.reason, str(event.code))
+        return events
+
+    async def publish(self, command: Command) -> None:
+        """Publish without waiting for the outcome (fire-and-forget reports such as a cancel)."""
+        await publish_command(self.js, command)

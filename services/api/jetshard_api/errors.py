@@ -1,0 +1,50 @@
+"""Errors in the OpenAI shape: `{"error": {"message", "type", "param", "code"}}`."""
+
+from __future__ import annotations
+
+from litestar import Request, Response
+from litestar.exceptions import HTTPException, ValidationException
+
+from jetshard_schema.types import RejectCode
+
+_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+          404: "not_found_error", 409: "conflict_error", 413: "invalid_request_error",
+          429: "rate_limit_error", 502: "upstream_error", 503: "service_unavailable", 504: "timeout_error"}
+
+REJECT_STATUS = {
+    RejectCode.INVALID: 400,
+    RejectCode.NOT_FOUND: 404,
+    RejectCode.CONFLICT: 409,
+    RejectCode.ALREADY_EXISTS: 409,
+    RejectCode.INSUFFICIENT_MEMORY: 409,
+    RejectCode.NO_CAPACITY: 503,
+}
+
+
+class ApiError(Exception):
+    def __init__(self, status: int, message: str, code: str | None = None, param: str | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.code = code
+        self.param = param
+
+
+def error_body(status: int, message: str, code: str | None = None, param: str | None = None) -> dict[str, object]:
+    return {"error": {"message": message, "type": _TYPES.get(status, "api_error"), "param": param, "code": code}}
+
+
+def api_error_handler(_: Request, error: ApiError) -> Response[dict[str, object]]:
+    return Response(error_body(error.status, error.message, error.code, error.param), status_code=error.status)
+
+
+def http_error_handler(_: Request, error: HTTPException) -> Response[dict[str, object]]:
+    message = error.detail
+    if isinstance(error, ValidationException) and error.extra:
+        message = f"{error.detail}: {error.extra}"
+    code = "request_too_large" if error.status_code == 413 else None
+    return Response(error_body(error.status_code, str(message), code), status_code=error.status_code)
+
+
+def internal_error_handler(_: Request, error: Exception) -> Response[dict[str, object]]:
+    return Response(error_body(500, f"internal error: {error}"), status_code=500)

@@ -1,0 +1,67 @@
+"""Fetching a custom model card from the Hugging Face Hub (or `HF_ENDPOINT`)."""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+
+from huggingface_hub import HfApi, hf_hub_download
+from huggingface_hub.errors import (
+    EntryNotFoundError,
+    GatedRepoError,
+    HfHubHTTPError,
+    RepositoryNotFoundError,
+)
+
+from jetshard_api.errors import ApiError
+from jetshard_schema.card_from_config import card_from_hub_metadata
+from jetshard_schema.cards import ModelCard
+from jetshard_schema.ids import ModelId
+
+INDEX_FILE = "model.safetensors.index.json"
+
+
+def offline() -> bool:
+    return any(os.environ.get(name, "").lower() in ("1", "true", "yes", "on")
+               for name in ("JETSHARD_OFFLINE", "HF_HUB_OFFLINE"))
+
+
+def fetch_card(model_id: ModelId) -> ModelCard:
+    """Build a custom card from the repo's config.json and safetensors index. Blocking: run in a thread."""
+    if offline():
+        raise ApiError(503, "offline: adding a model needs the Hugging Face Hub (unset JETSHARD_OFFLINE / "
+                            "HF_HUB_OFFLINE)", "offline")
+    api = HfApi()
+    try:
+        info = api.model_info(model_id, files_metadata=True)
+        sizes = {s.rfilename: s.size or 0 for s in info.siblings or []}
+        if "config.json" not in sizes:
+            raise ApiError(400, f"{model_id} has no config.json; jetshard serves transformers-style MLX models",
+                           "no_config")
+        with tempfile.TemporaryDirectory() as scratch:
+            config = _read_json(model_id, "config.json", info.sha, scratch)
+            index = _read_json(model_id, INDEX_FILE, info.sha, scratch) if INDEX_FILE in sizes else None
+    except GatedRepoError as error:
+        raise ApiError(403, f"{model_id} is gated or private: accept its terms on the Hub and set HF_TOKEN",
+                       "gated_repo") from error
+    except RepositoryNotFoundError as error:
+        raise ApiError(404, f"{model_id} was not found on the Hub (or is private and HF_TOKEN is not set)",
+                       "model_not_found") from error
+    except EntryNotFoundError as error:
+        raise ApiError(400, f"{model_id}: {error}", "no_config") from error
+    except HfHubHTTPError as error:
+        raise ApiError(502, f"the Hub answered with an error for {model_id}: {error}", "hub_error") from error
+    except OSError as error:  # connection refused, DNS, timeouts
+        raise ApiError(502, f"the Hub is unreachable: {error}", "hub_unreachable") from error
+    try:
+        return card_from_hub_metadata(model_id, config, index, sizes)
+    except ValueError as error:
+        raise ApiError(400, str(error), "unsupported_model") from error
+
+
+def _read_json(model_id: ModelId, filename: str, revision: str | None, scratch: str) -> dict:  # type: ignore[type-arg]
+    path = hf_hub_download(model_id, filename, revision=revision, local_dir=scratch)
+    with open(path) as file:
+        result: dict = json.load(file)  # type: ignore[type-arg]
+        return result

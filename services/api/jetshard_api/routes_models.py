@@ -1,0 +1,81 @@
+"""Model catalogue routes: built-in and custom cards, with per-node download status."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import msgspec
+from litestar import Controller, Response, delete, get, post
+
+from jetshard_api.cluster import Cluster
+from jetshard_api.errors import ApiError
+from jetshard_api.hub import fetch_card
+from jetshard_schema.cards import ModelCard
+from jetshard_schema.commands import AddCustomModelCard, DeleteCustomModelCard
+from jetshard_schema.ids import ModelId, parse_model_id
+from jetshard_schema.models import all_cards, find_card, is_builtin
+from jetshard_schema.state import State
+
+
+class AddModelRequest(msgspec.Struct, frozen=True):
+    model_id: str
+
+
+def checked_model_id(value: str) -> ModelId:
+    try:
+        return parse_model_id(value)
+    except ValueError as error:
+        raise ApiError(400, str(error), "invalid_model_id", "model_id") from error
+
+
+def describe(state: State, card: ModelCard) -> dict[str, Any]:
+    downloads = {
+        node_id: msgspec.to_builtins(per_node[card.model_id])
+        for node_id, per_node in sorted(state.downloads.items()) if card.model_id in per_node
+    }
+    return {**msgspec.to_builtins(card), "downloads": downloads}
+
+
+class ModelsController(Controller):
+    path = "/models"
+    tags = ["models"]
+
+    @get("/")
+    async def list_models(self, cluster: Cluster) -> list[dict[str, Any]]:
+        state = cluster.state
+        return [describe(state, card) for card in all_cards(state).values()]
+
+    @get("/{org:str}/{name:str}")
+    async def show_model(self, cluster: Cluster, org: str, name: str) -> dict[str, Any]:
+        model_id = checked_model_id(f"{org}/{name}")
+        card = find_card(cluster.state, model_id)
+        if card is None:
+            raise ApiError(404, f"unknown model {model_id}", "model_not_found")
+        return describe(cluster.state, card)
+
+    @post("/", status_code=201)
+    async def add_model(self, cluster: Cluster, data: AddModelRequest) -> Response[dict[str, Any]]:
+        """Fetch a card from the Hub and add it to every node; 200 with the card if it exists already."""
+        model_id = checked_model_id(data.model_id)
+        if (existing := find_card(cluster.state, model_id)) is not None:
+            return Response(describe(cluster.state, existing), status_code=200)
+        card = await asyncio.to_thread(fetch_card, model_id)
+        try:
+            await cluster.submit(AddCustomModelCard(card=card))
+        except ApiError as error:
+            if error.code != "already_exists":
+                raise
+            return Response(describe(cluster.state, find_card(cluster.state, model_id) or card), status_code=200)
+        return Response(describe(cluster.state, find_card(cluster.state, model_id) or card), status_code=201)
+
+    @delete("/{org:str}/{name:str}", status_code=200)
+    async def delete_model(self, cluster: Cluster, org: str, name: str) -> dict[str, Any]:
+        """Delete a custom card; downloaded files stay where they are."""
+        model_id = checked_model_id(f"{org}/{name}")
+        if is_builtin(model_id):
+            raise ApiError(409, f"{model_id} is a built-in card; only custom cards can be deleted", "builtin_card")
+        if model_id not in cluster.state.custom_cards:
+            raise ApiError(404, f"no custom model card {model_id}", "model_not_found")
+        await cluster.submit(DeleteCustomModelCard(model_id=model_id))
+        return {"deleted": model_id}

@@ -1,0 +1,54 @@
+"""The API shell: connect, follow State, serve HTTP with uvicorn until stopped."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+import uvicorn
+
+from jetshard_api.app import create_app
+from jetshard_api.cluster import Cluster
+from jetshard_bus.connect import connect
+from jetshard_bus.follower import StateFollower
+from jetshard_bus.options import NatsOptions
+from jetshard_bus.streams import BusTimings
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class ApiConfig:
+    nats: NatsOptions = NatsOptions()
+    timings: BusTimings = BusTimings()
+    host: str = "127.0.0.1"
+    port: int = 52415
+    command_timeout_s: float = 30.0
+    port_file: Path | None = None
+    """Where to write the bound port (useful with `port=0`)."""
+
+
+async def run_api(config: ApiConfig, stop: asyncio.Event) -> None:
+    client, js = await connect(config.nats, "jetshard-api", config.timings)
+    follower = StateFollower(js)
+    await follower.start()
+    cluster = Cluster(client, js, follower, config.command_timeout_s)
+    server = uvicorn.Server(uvicorn.Config(create_app(cluster), host=config.host, port=config.port,
+                                           log_level="warning", lifespan="on"))
+    serving = asyncio.create_task(server.serve())
+    while not server.started and not serving.done():
+        await asyncio.sleep(0.02)
+    if serving.done():
+        await serving
+        return
+    port = server.servers[0].sockets[0].getsockname()[1]
+    if config.port_file:
+        config.port_file.write_text(f"{port}\n")
+    log.info("API listening on http://%s:%d", config.host, port)
+    await stop.wait()
+    server.should_exit = True
+    await serving
+    await follower.stop()
+    await client.drain()

@@ -1,0 +1,62 @@
+"""The only places that turn untrusted names (model ids, repo file names) into filesystem paths.
+
+Model ids arrive in HTTP paths and command payloads, file names in a repo's safetensors index or its Hub
+listing; either could be crafted to point outside a models directory. Everything below validates first and
+builds paths from the validated form only.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path, PurePosixPath
+
+from jetshard_schema.ids import ModelId, model_dir_name
+
+MANIFEST_NAME = ".jetshard-manifest.json"
+INDEX_NAME = "model.safetensors.index.json"
+SINGLE_WEIGHTS_NAME = "model.safetensors"
+CONFIG_NAME = "config.json"
+
+# Names jetshard itself keeps inside a model directory; a repo file may not shadow them.
+_RESERVED_TOP = {MANIFEST_NAME, ".cache"}
+_COMMIT_OR_REF = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,254}")
+
+
+def model_path(models_dir: Path, model_id: ModelId | str) -> Path:
+    """`<models_dir>/<org>--<name>`; raises ValueError for an id that is not a valid `org/name`."""
+    return models_dir / model_dir_name(ModelId(model_id))
+
+
+def hf_cache_repo_path(models_dir: Path, model_id: ModelId | str) -> Path:
+    """`<models_dir>/models--<org>--<name>`, the folder huggingface_hub's cache uses for a model repo."""
+    return models_dir / f"models--{model_dir_name(ModelId(model_id))}"
+
+
+def check_repo_filename(name: str) -> str:
+    """Return `name` if it is a safe relative file name inside a repo (`a/b.safetensors`), else ValueError."""
+    if not isinstance(name, str) or not name:
+        raise ValueError("repo file name is empty")
+    if "\\" in name or "\x00" in name:
+        raise ValueError(f"repo file name {name!r} contains a backslash or NUL")
+    pure = PurePosixPath(name)
+    if pure.is_absolute() or name.startswith("/"):
+        raise ValueError(f"repo file name {name!r} is absolute")
+    parts = name.split("/")
+    if any(part in ("", ".", "..") for part in parts):
+        raise ValueError(f"repo file name {name!r} has an empty, '.' or '..' component")
+    if parts[0] in _RESERVED_TOP or parts[0].startswith(".jetshard"):
+        raise ValueError(f"repo file name {name!r} would shadow jetshard's own bookkeeping")
+    return name
+
+
+def file_in(model_dir: Path, name: str) -> Path:
+    """Path of repo file `name` inside `model_dir`, validated."""
+    return model_dir.joinpath(*check_repo_filename(name).split("/"))
+
+
+def check_ref_component(value: str) -> str:
+    """A commit hash or ref name read from disk (`refs/main`) used as one path component."""
+    value = value.strip()
+    if not _COMMIT_OR_REF.fullmatch(value) or ".." in value:
+        raise ValueError(f"revision {value!r} is not a safe single path component")
+    return value

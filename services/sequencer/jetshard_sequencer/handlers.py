@@ -1,0 +1,390 @@
+"""Command handlers: pure functions of (State, Command, context) → events. Tested without NATS.
+
+A handler never raises for a bad command: it returns a `CommandRejected` with a reason a person can act
+on. The same inputs always give the same events, so a command redelivered after a crash is harmless.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import msgspec
+from msgspec.structs import replace
+
+from jetshard_schema.commands import (
+    AddCustomModelCard,
+    CancelDownload,
+    CancelTask,
+    Command,
+    DeleteCustomModelCard,
+    DeleteDownload,
+    DeleteInstance,
+    ExpireNode,
+    PlaceInstance,
+    ReportDownloadDeleted,
+    ReportDownloadProgress,
+    ReportModelSize,
+    ReportNodeProfile,
+    ReportNodeStorage,
+    ReportRunnerEndpoint,
+    ReportRunnerStatus,
+    ReportTaskFinished,
+    ReportTaskStarted,
+    StartDownload,
+    SubmitTask,
+)
+from jetshard_schema.events import (
+    CommandRejected,
+    CustomModelCardAdded,
+    CustomModelCardDeleted,
+    DownloadCancelled,
+    DownloadCompleted,
+    DownloadDeleted,
+    DownloadDeleteRequested,
+    DownloadFailed,
+    DownloadProgressed,
+    DownloadRequested,
+    Event,
+    InstanceDeleted,
+    InstanceFailed,
+    InstancePlaced,
+    InstanceRestarting,
+    ModelSizeMeasured,
+    NodeJoined,
+    NodeLost,
+    NodeStorageUpdated,
+    NodeUpdated,
+    RunnerEndpointReported,
+    RunnerStatusChanged,
+    TaskAssigned,
+    TaskCancelled,
+    TaskFinished,
+    TaskStarted,
+)
+from jetshard_schema.ids import CommandId, InstanceId, NodeId, parse_model_id
+from jetshard_schema.models import find_card, is_builtin
+from jetshard_schema.state import Instance, State, apply, instance_status
+from jetshard_schema.types import (
+    DownloadStatus,
+    InstanceStatus,
+    ModelDirInfo,
+    NodeProfile,
+    RejectCode,
+    RunnerStatus,
+)
+from jetshard_sequencer.placement import PlacementError, place
+
+
+class Context(msgspec.Struct, frozen=True):
+    command_id: CommandId
+    now_ms: int
+    max_restarts: int = 3
+    restart_backoff_ms: int = 1000
+
+
+AVAILABLE_MEMORY_CHANGE = 0.05
+"""A node's available memory must move by this share of its total before NodeUpdated is worth an event."""
+FREE_SPACE_CHANGE_BYTES = 256 * 2**20
+
+
+def _reject(command: Command, code: RejectCode, reason: str) -> list[Event]:
+    return [CommandRejected(command_type=type(command).__name__, code=code, reason=reason)]
+
+
+def handle(state: State, command: Command, ctx: Context) -> list[Event]:
+    handler: Callable[[State, Any, Context], list[Event]] = _HANDLERS[type(command)]
+    try:
+        return handler(state, command, ctx)
+    except ValueError as error:  # parse_model_id and friends: the command itself is malformed
+        return _reject(command, RejectCode.INVALID, str(error))
+
+
+# --- nodes -------------------------------------------------------------------------------------------------
+
+
+def profile_changed_meaningfully(old: NodeProfile, new: NodeProfile) -> bool:
+    fixed = ("hostname", "os", "cpu_cores", "memory_total_bytes", "accelerator")
+    if any(getattr(old, f) != getattr(new, f) for f in fixed):
+        return True
+    moved = abs(old.memory_available_bytes - new.memory_available_bytes)
+    return moved >= AVAILABLE_MEMORY_CHANGE * max(new.memory_total_bytes, 1)
+
+
+def storage_changed_meaningfully(old: Sequence[ModelDirInfo], new: Sequence[ModelDirInfo]) -> bool:
+    if [(d.path, d.read_only, d.total_bytes) for d in old] != [(d.path, d.read_only, d.total_bytes) for d in new]:
+        return True
+    return any(abs(a.free_bytes - b.free_bytes) >= FREE_SPACE_CHANGE_BYTES for a, b in zip(old, new, strict=True))
+
+
+def _report_node_profile(state: State, command: ReportNodeProfile, ctx: Context) -> list[Event]:
+    known = state.nodes.get(command.node_id)
+    if known is None or known.session_id != command.session_id:
+        return [NodeJoined(node_id=command.node_id, session_id=command.session_id, profile=command.profile)]
+    if profile_changed_meaningfully(known.profile, command.profile):
+        return [NodeUpdated(node_id=command.node_id, profile=command.profile)]
+    return []
+
+
+def _report_node_storage(state: State, command: ReportNodeStorage, ctx: Context) -> list[Event]:
+    known = state.node_storage.get(command.node_id)
+    if known is not None and not storage_changed_meaningfully(known, command.model_dirs):
+        return []
+    return [NodeStorageUpdated(node_id=command.node_id, model_dirs=command.model_dirs)]
+
+
+def _expire_node(state: State, command: ExpireNode, ctx: Context) -> list[Event]:
+    known = state.nodes.get(command.node_id)
+    if known is None or known.session_id != command.session_id:
+        return []  # already lost, or it came back with a new session meanwhile
+    events: list[Event] = [NodeLost(node_id=command.node_id, reason="its liveness key expired")]
+    after = apply(state, events[0], state.last_seq)
+    for instance in sorted(state.instances.values(), key=lambda i: i.instance_id):
+        if instance.shard_for(command.node_id) is None:
+            continue
+        reason = f"node {command.node_id} was lost"
+        deleted = InstanceDeleted(instance_id=instance.instance_id, reason=reason)
+        events.append(deleted)
+        after = apply(after, deleted, after.last_seq)
+        replacement = _try_place(after, instance, ctx)
+        if replacement is not None:
+            events.append(replacement)
+            after = apply(after, replacement, after.last_seq)
+    return events
+
+
+def _try_place(state: State, lost: Instance, ctx: Context) -> InstancePlaced | None:
+    card = find_card(state, lost.model_id)
+    if card is None or not state.nodes:
+        return None
+    try:
+        placement = place(card, list(state.nodes.values()))
+    except PlacementError:
+        return None
+    digest = hashlib.sha256(f"{ctx.command_id}/{lost.instance_id}".encode()).hexdigest()[:12]
+    return InstancePlaced(instance_id=InstanceId(f"inst-{digest}"), model_id=lost.model_id,
+                          shards=placement.shards)
+
+
+# --- model cards -------------------------------------------------------------------------------------------
+
+
+def _add_custom_model_card(state: State, command: AddCustomModelCard, ctx: Context) -> list[Event]:
+    card = command.card
+    parse_model_id(card.model_id)
+    if find_card(state, card.model_id) is not None:
+        return _reject(command, RejectCode.ALREADY_EXISTS, f"{card.model_id} is already in the catalogue")
+    if card.num_layers < 1 or card.hidden_size < 1 or card.storage_size_bytes < 0:
+        return _reject(command, RejectCode.INVALID, "a card needs at least one layer and a positive hidden size")
+    return [CustomModelCardAdded(card=replace(card, is_custom=True))]
+
+
+def _delete_custom_model_card(state: State, command: DeleteCustomModelCard, ctx: Context) -> list[Event]:
+    if is_builtin(command.model_id):
+        return _reject(command, RejectCode.CONFLICT,
+                       f"{command.model_id} is a built-in card; only custom cards can be deleted")
+    if command.model_id not in state.custom_cards:
+        return _reject(command, RejectCode.NOT_FOUND, f"no custom model card {command.model_id}")
+    return [CustomModelCardDeleted(model_id=command.model_id)]
+
+
+def _report_model_size(state: State, command: ReportModelSize, ctx: Context) -> list[Event]:
+    card = find_card(state, command.model_id)
+    if card is None or (card.storage_size_bytes == command.storage_size_bytes and not card.storage_size_estimated):
+        return []
+    return [ModelSizeMeasured(model_id=command.model_id, storage_size_bytes=command.storage_size_bytes)]
+
+
+# --- downloads ---------------------------------------------------------------------------------------------
+
+
+def _start_download(state: State, command: StartDownload, ctx: Context) -> list[Event]:
+    card = find_card(state, command.model_id)
+    if card is None:
+        return _reject(command, RejectCode.NOT_FOUND, f"unknown model {command.model_id}; add it with POST /models")
+    if command.node_id not in state.nodes:
+        return _reject(command, RejectCode.NOT_FOUND, f"unknown node {command.node_id}; see GET /nodes")
+    start = 0 if command.start_layer is None else command.start_layer
+    end = card.num_layers if command.end_layer is None else command.end_layer
+    if not 0 <= start < end <= card.num_layers:
+        return _reject(command, RejectCode.INVALID,
+                       f"layer range [{start}, {end}) is not within [0, {card.num_layers}) of {card.model_id}")
+    return [DownloadRequested(node_id=command.node_id, model_id=command.model_id, start_layer=start, end_layer=end)]
+
+
+def _cancel_download(state: State, command: CancelDownload, ctx: Context) -> list[Event]:
+    download = state.download(command.node_id, command.model_id)
+    if download is None:
+        return _reject(command, RejectCode.NOT_FOUND, f"no download of {command.model_id} on {command.node_id}")
+    if download.status not in (DownloadStatus.PENDING, DownloadStatus.ONGOING):
+        return _reject(command, RejectCode.CONFLICT, f"the download is {download.status}, not in progress")
+    return [DownloadCancelled(node_id=command.node_id, model_id=command.model_id)]
+
+
+def _delete_download(state: State, command: DeleteDownload, ctx: Context) -> list[Event]:
+    download = state.download(command.node_id, command.model_id)
+    if download is None:
+        return _reject(command, RejectCode.NOT_FOUND, f"{command.model_id} is not on node {command.node_id}")
+    if download.read_only:
+        return _reject(command, RejectCode.CONFLICT,
+                       f"{command.model_id} is in the read-only directory {download.directory}; "
+                       "jetshard never deletes from read-only directories")
+    users = [i.instance_id for i in state.instances.values()
+             if i.model_id == command.model_id and i.shard_for(command.node_id) is not None]
+    if users:
+        return _reject(command, RejectCode.CONFLICT,
+                       f"{command.model_id} is in use by instance(s) {', '.join(users)}; delete them first")
+    return [DownloadDeleteRequested(node_id=command.node_id, model_id=command.model_id)]
+
+
+def _report_download_progress(state: State, command: ReportDownloadProgress, ctx: Context) -> list[Event]:
+    node_id, model_id = command.node_id, command.model_id
+    match command.status:
+        case DownloadStatus.COMPLETED:
+            return [DownloadCompleted(
+                node_id=node_id, model_id=model_id, directory=command.directory, read_only=command.read_only,
+                start_layer=command.start_layer, end_layer=command.end_layer, bytes_total=command.bytes_total,
+            )]
+        case DownloadStatus.FAILED:
+            return [DownloadFailed(node_id=node_id, model_id=model_id, reason=command.reason)]
+        case DownloadStatus.CANCELLED:
+            current = state.download(node_id, model_id)
+            if current is not None and current.status is DownloadStatus.CANCELLED:
+                return []
+            return [DownloadCancelled(node_id=node_id, model_id=model_id)]
+        case _:
+            return [DownloadProgressed(
+                node_id=node_id, model_id=model_id, pending=command.status is DownloadStatus.PENDING,
+                bytes_done=command.bytes_done, bytes_total=command.bytes_total,
+                speed_bytes_per_s=command.speed_bytes_per_s, eta_s=command.eta_s, directory=command.directory,
+            )]
+
+
+def _report_download_deleted(state: State, command: ReportDownloadDeleted, ctx: Context) -> list[Event]:
+    if state.download(command.node_id, command.model_id) is None:
+        return []
+    return [DownloadDeleted(node_id=command.node_id, model_id=command.model_id)]
+
+
+# --- instances ---------------------------------------------------------------------------------------------
+
+
+def _place_instance(state: State, command: PlaceInstance, ctx: Context) -> list[Event]:
+    if command.instance_id in state.instances:
+        return _reject(command, RejectCode.ALREADY_EXISTS, f"instance {command.instance_id} already exists")
+    card = find_card(state, command.model_id)
+    if card is None:
+        return _reject(command, RejectCode.NOT_FOUND, f"unknown model {command.model_id}; add it with POST /models")
+    try:
+        placement = place(card, list(state.nodes.values()), command.node_ids, command.min_nodes)
+    except PlacementError as error:
+        return _reject(command, RejectCode.INSUFFICIENT_MEMORY, str(error))
+    return [InstancePlaced(instance_id=command.instance_id, model_id=command.model_id, shards=placement.shards)]
+
+
+def _delete_instance(state: State, command: DeleteInstance, ctx: Context) -> list[Event]:
+    if command.instance_id not in state.instances:
+        return _reject(command, RejectCode.NOT_FOUND, f"no instance {command.instance_id}")
+    return [InstanceDeleted(instance_id=command.instance_id, reason="deleted on request")]
+
+
+def _report_runner_endpoint(state: State, command: ReportRunnerEndpoint, ctx: Context) -> list[Event]:
+    instance = state.instances.get(command.instance_id)
+    if instance is None or instance.generation != command.generation:
+        return []
+    shard = instance.shard_for(command.node_id)
+    if shard is None or shard.rank != command.rank:
+        return _reject(command, RejectCode.INVALID, f"node {command.node_id} holds no rank {command.rank}")
+    return [RunnerEndpointReported(instance_id=command.instance_id, generation=command.generation,
+                                   node_id=command.node_id, rank=command.rank, host=command.host, port=command.port)]
+
+
+def _report_runner_status(state: State, command: ReportRunnerStatus, ctx: Context) -> list[Event]:
+    instance = state.instances.get(command.instance_id)
+    if instance is None or instance.generation != command.generation or instance.failed:
+        return []  # a report from a runner of an earlier generation or a deleted instance
+    changed = RunnerStatusChanged(
+        instance_id=command.instance_id, generation=command.generation, node_id=command.node_id,
+        rank=command.rank, worker_session=command.worker_session, status=command.status,
+        layers_loaded=command.layers_loaded, layers_total=command.layers_total, reason=command.reason,
+        loaded_tensors=command.loaded_tensors,
+    )
+    if command.status not in (RunnerStatus.FAILED, RunnerStatus.STOPPED):
+        return [changed]
+    reason = command.reason or f"rank {command.rank} on {command.node_id} stopped"
+    was_ready = instance_status(state, instance) is InstanceStatus.READY
+    attempt = 1 if was_ready else instance.restart_attempt + 1
+    if attempt > ctx.max_restarts:
+        return [changed, InstanceFailed(
+            instance_id=command.instance_id,
+            reason=f"{reason}; gave up after {ctx.max_restarts} restarts",
+        )]
+    backoff_ms = ctx.restart_backoff_ms * 2 ** (attempt - 1)
+    return [changed, InstanceRestarting(
+        instance_id=command.instance_id, generation=instance.generation + 1, attempt=attempt,
+        not_before_ms=ctx.now_ms + backoff_ms, reason=reason,
+    )]
+
+
+# --- tasks -------------------------------------------------------------------------------------------------
+
+
+def _submit_task(state: State, command: SubmitTask, ctx: Context) -> list[Event]:
+    request = command.request
+    if request.task_id in state.tasks:
+        return _reject(command, RejectCode.ALREADY_EXISTS, f"task {request.task_id} already exists")
+    ready = [i for i in state.instances.values()
+             if i.model_id == request.model_id and instance_status(state, i) is InstanceStatus.READY]
+    if not ready:
+        return _reject(command, RejectCode.NO_CAPACITY, f"no ready instance of {request.model_id}")
+    load = {i.instance_id: 0 for i in ready}
+    for task in state.tasks.values():
+        if task.instance_id in load:
+            load[task.instance_id] += 1
+    chosen = min(ready, key=lambda i: (load[i.instance_id], i.instance_id))
+    return [TaskAssigned(request=request, instance_id=chosen.instance_id, generation=chosen.generation)]
+
+
+def _cancel_task(state: State, command: CancelTask, ctx: Context) -> list[Event]:
+    if command.task_id not in state.tasks:
+        return []  # already finished: nothing left to cancel
+    return [TaskCancelled(task_id=command.task_id, reason=command.reason)]
+
+
+def _report_task_started(state: State, command: ReportTaskStarted, ctx: Context) -> list[Event]:
+    if command.task_id not in state.tasks:
+        return []
+    return [TaskStarted(task_id=command.task_id, prompt_tokens=command.prompt_tokens)]
+
+
+def _report_task_finished(state: State, command: ReportTaskFinished, ctx: Context) -> list[Event]:
+    if command.task_id not in state.tasks:
+        return []
+    return [TaskFinished(task_id=command.task_id, outcome=command.outcome, usage=command.usage,
+                         error=command.error)]
+
+
+_HANDLERS: dict[type, Callable[[State, Any, Context], list[Event]]] = {
+    ReportNodeProfile: _report_node_profile,
+    ReportNodeStorage: _report_node_storage,
+    ExpireNode: _expire_node,
+    AddCustomModelCard: _add_custom_model_card,
+    DeleteCustomModelCard: _delete_custom_model_card,
+    ReportModelSize: _report_model_size,
+    StartDownload: _start_download,
+    CancelDownload: _cancel_download,
+    DeleteDownload: _delete_download,
+    ReportDownloadProgress: _report_download_progress,
+    ReportDownloadDeleted: _report_download_deleted,
+    PlaceInstance: _place_instance,
+    DeleteInstance: _delete_instance,
+    ReportRunnerEndpoint: _report_runner_endpoint,
+    ReportRunnerStatus: _report_runner_status,
+    SubmitTask: _submit_task,
+    CancelTask: _cancel_task,
+    ReportTaskStarted: _report_task_started,
+    ReportTaskFinished: _report_task_finished,
+}
+
+

@@ -1,0 +1,249 @@
+"""The sequencer shell: lease, command consumption, event appends, snapshots, node expiry.
+
+Several sequencers may run; the one holding the lease (a KV key with a TTL) writes, the others follow
+the event stream and wait. Every append carries `Nats-Expected-Last-Sequence`, so a leader that lost its
+lease without noticing (paused, partitioned) is refused by the stream and steps down.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from dataclasses import dataclass, field
+
+import msgspec
+import nats.js.errors
+from nats.aio.msg import Msg
+from nats.js import JetStreamContext
+from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
+
+from jetshard_bus.commands import publish_command
+from jetshard_bus.connect import connect
+from jetshard_bus.follower import StateFollower
+from jetshard_bus.options import NatsOptions
+from jetshard_bus.snapshots import save_snapshot
+from jetshard_bus.streams import BusTimings
+from jetshard_schema import subjects
+from jetshard_schema.codec import decode_command, encode
+from jetshard_schema.commands import ExpireNode
+from jetshard_schema.events import CommandRejected, Event, EventEnvelope
+from jetshard_schema.ids import CommandId, new_id
+from jetshard_schema.state import State, apply
+from jetshard_schema.types import RejectCode
+from jetshard_sequencer.handlers import Context, handle
+
+log = logging.getLogger(__name__)
+
+WRONG_LAST_SEQUENCE = 10071
+
+
+@dataclass(frozen=True)
+class SequencerConfig:
+    nats: NatsOptions = NatsOptions()
+    timings: BusTimings = BusTimings()
+    snapshot_every: int = 1000
+    """Write a State snapshot after this many events."""
+    batch_size: int = 256
+    """Commands handled per round; their events are appended pipelined, then the commands acked."""
+    sequencer_id: str = field(default_factory=lambda: f"seq-{new_id()[:8]}")
+    max_restarts: int = 3
+
+
+class StaleLeaderError(RuntimeError):
+    pass
+
+
+async def run_sequencer(config: SequencerConfig, stop: asyncio.Event) -> None:
+    client, js = await connect(config.nats, f"jetshard-sequencer {config.sequencer_id}", config.timings)
+    try:
+        while not stop.is_set():
+            follower = StateFollower(js)
+            await follower.start()
+            lease = Lease(js, config.sequencer_id, config.timings.lease_ttl_s)
+            await _wait_for_lease(lease, stop)
+            if stop.is_set():
+                await follower.stop()
+                break
+            started = time.monotonic()
+            info = await js.stream_info(subjects.EVENTS_STREAM)
+            await follower.wait_until(lambda _: follower.received_seq >= info.state.last_seq, 30)
+            state, partial = follower.state, follower.partial
+            await follower.stop()
+            log.info("sequencer %s leads from event %d (took over in %.2f s)", config.sequencer_id,
+                     info.state.last_seq, time.monotonic() - started)
+            leader = Leader(js, config, state, partial, info.state.last_seq, lease)
+            try:
+                await leader.run(stop)
+            except StaleLeaderError as error:
+                log.warning("stepping down: %s", error)
+            finally:
+                await lease.release()
+    finally:
+        await client.drain()
+
+
+async def _wait_for_lease(lease: Lease, stop: asyncio.Event) -> None:
+    while not stop.is_set():
+        if await lease.try_acquire():
+            return
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(stop.wait(), lease.ttl_s / 6)
+
+
+class Lease:
+    """The leader lease: a KV key created by one sequencer and renewed well within its TTL."""
+
+    def __init__(self, js: JetStreamContext, holder: str, ttl_s: float) -> None:
+        self._js = js
+        self.holder = holder
+        self.ttl_s = ttl_s
+        self._revision: int | None = None
+
+    async def try_acquire(self) -> bool:
+        kv = await self._js.key_value(subjects.LEADER_BUCKET)
+        try:
+            self._revision = await kv.create(subjects.LEADER_KEY, self.holder.encode())
+        except nats.js.errors.KeyWrongLastSequenceError:
+            return False
+        return True
+
+    async def renew(self) -> None:
+        """Raises StaleLeaderError when someone else holds the lease now."""
+        kv = await self._js.key_value(subjects.LEADER_BUCKET)
+        try:
+            self._revision = await kv.update(subjects.LEADER_KEY, self.holder.encode(), last=self._revision)
+        except (nats.js.errors.KeyWrongLastSequenceError, nats.js.errors.KeyNotFoundError) as error:
+            raise StaleLeaderError(f"lease lost: {error}") from error
+
+    async def release(self) -> None:
+        if self._revision is None:
+            return
+        kv = await self._js.key_value(subjects.LEADER_BUCKET)
+        with contextlib.suppress(Exception):
+            await kv.delete(subjects.LEADER_KEY, last=self._revision)
+        self._revision = None
+
+
+class Leader:
+    def __init__(self, js: JetStreamContext, config: SequencerConfig, state: State,
+                 partial: list[tuple[int, EventEnvelope]], last_seq: int, lease: Lease) -> None:
+        self._js = js
+        self._config = config
+        self.state = state
+        self._partial = partial
+        self._last_seq = last_seq
+        self._lease = lease
+        self._since_snapshot = 0
+
+    async def run(self, stop: asyncio.Event) -> None:
+        subscription = await self._js.pull_subscribe(
+            f"{subjects.COMMAND_PREFIX}.>",
+            durable=subjects.SEQUENCER_DURABLE,
+            stream=subjects.COMMANDS_STREAM,
+            config=ConsumerConfig(ack_policy=AckPolicy.EXPLICIT, ack_wait=30, max_deliver=-1,
+                                  deliver_policy=DeliverPolicy.ALL, max_ack_pending=-1),
+        )
+        renewing = asyncio.create_task(self._renew_lease(stop))
+        expiring = asyncio.create_task(self._expire_nodes(stop))
+        try:
+            while not stop.is_set():
+                if renewing.done():
+                    renewing.result()  # re-raises StaleLeaderError
+                try:
+                    messages = await subscription.fetch(self._config.batch_size, timeout=0.2)
+                except (TimeoutError, nats.errors.TimeoutError):
+                    continue
+                await self._handle_batch(messages)
+        finally:
+            renewing.cancel()
+            expiring.cancel()
+            with contextlib.suppress(Exception):
+                await subscription.unsubscribe()
+
+    async def _renew_lease(self, stop: asyncio.Event) -> None:
+        while not stop.is_set():
+            await asyncio.sleep(self._lease.ttl_s / 3)
+            await self._lease.renew()
+
+    async def _handle_batch(self, messages: list[Msg]) -> None:
+        acks: list[asyncio.Future[object]] = []
+        now_ms = int(time.time() * 1000)
+        for msg in messages:
+            command_seq = msg.metadata.sequence.stream
+            if command_seq < self.state.last_command_seq or (
+                command_seq == self.state.last_command_seq and not self._partial
+            ):
+                continue  # its events are stored already: redelivered after a crash or a takeover
+            command_id = CommandId((msg.headers or {}).get(subjects.MSG_ID_HEADER) or f"cmd-{command_seq}")
+            events = self._events_for(msg, command_id, now_ms)
+            already_stored = self._take_partial(command_seq)
+            for index, event in enumerate(events):
+                envelope = EventEnvelope(command_id=command_id, command_seq=command_seq, index=index,
+                                         count=len(events), at_ms=now_ms, event=event)
+                if index < len(already_stored):
+                    seq = already_stored[index]
+                else:
+                    acks.append(await self._js.publish_async(
+                        event.subject, encode(envelope),
+                        headers={subjects.MSG_ID_HEADER: f"{command_id}/{index}",
+                                 subjects.EXPECTED_LAST_SEQUENCE_HEADER: str(self._last_seq)},
+                    ))
+                    self._last_seq += 1
+                    seq = self._last_seq
+                self.state = apply(self.state, event, seq, command_seq)
+            self._since_snapshot += len(events)
+        results = await asyncio.gather(*acks, return_exceptions=True)
+        for result in results:
+            if isinstance(result, nats.js.errors.APIError) and result.err_code == WRONG_LAST_SEQUENCE:
+                raise StaleLeaderError("another sequencer appended events (wrong last sequence)")
+            if isinstance(result, BaseException):
+                raise StaleLeaderError(f"appending events failed: {result!r}")
+        # Acked only now that every event is stored: a crash before this redelivers the commands.
+        await asyncio.gather(*(msg.ack() for msg in messages))
+        if self._since_snapshot >= self._config.snapshot_every:
+            self._since_snapshot = 0
+            await save_snapshot(self._js, self.state)
+
+    def _take_partial(self, command_seq: int) -> list[int]:
+        """Sequences of this command's events that a previous leader stored before it died."""
+        if not self._partial or self._partial[0][1].command_seq != command_seq:
+            return []
+        stored = [seq for seq, _ in self._partial]
+        self._partial = []
+        return stored
+
+    def _events_for(self, msg: Msg, command_id: CommandId, now_ms: int) -> list[Event]:
+        try:
+            command = decode_command(msg.data)
+        except (msgspec.ValidationError, msgspec.DecodeError) as error:
+            return [CommandRejected(command_type=msg.subject.removeprefix(f"{subjects.COMMAND_PREFIX}."),
+                                    code=RejectCode.INVALID, reason=f"malformed command: {error}")]
+        ctx = Context(command_id=command_id, now_ms=now_ms, max_restarts=self._config.max_restarts)
+        try:
+            return handle(self.state, command, ctx)
+        except Exception as error:  # a handler bug must not stop the cluster; the command is answered
+            log.exception("handler failed for %s", type(command).__name__)
+            return [CommandRejected(command_type=type(command).__name__, code=RejectCode.INVALID,
+                                    reason=f"internal error handling the command: {error}")]
+
+    async def _expire_nodes(self, stop: asyncio.Event) -> None:
+        """Publish `ExpireNode` for nodes in State whose liveness key lapsed (the bucket's TTL removed it)."""
+        interval = self._config.timings.liveness_ttl_s / 4
+        kv = await self._js.key_value(subjects.LIVENESS_BUCKET)
+        while not stop.is_set():
+            await asyncio.sleep(interval)
+            try:
+                alive = set(await kv.keys())
+            except nats.js.errors.NoKeysError:
+                alive = set()
+            except Exception as error:
+                log.warning("could not read liveness keys: %s", error)
+                continue
+            for node in list(self.state.nodes.values()):
+                if node.node_id not in alive:
+                    await publish_command(
+                        self._js, ExpireNode(node_id=node.node_id, session_id=node.session_id),
+                        CommandId(f"expire-{node.node_id}-{node.session_id}"),
+                    )

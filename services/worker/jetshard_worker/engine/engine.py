@@ -1,0 +1,372 @@
+"""Pipeline-parallel generation across ranks, with every decision made on the last rank.
+
+The last rank ("leader") owns the request queue, the sampler and all per-step decisions.
+Each step it sends one message around the ring (see `protocol`) naming the op, the task's
+slot and the tokens; the other ranks only follow messages, so ranks cannot disagree about
+which task a step belongs to, when a task starts (fresh KV cache) or ends (cache dropped).
+
+Tasks run one at a time in FIFO order for now. A step already names its slot and carries a
+batch dimension, so continuous batching can later interleave tasks between decode steps
+without changing the followers' loop.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import mlx.core as mx
+
+from .protocol import FLAG_RESET, Header, Link, Op
+from .sampling import TaskSampler
+from .shard import Shard
+
+log = logging.getLogger(__name__)
+
+FINISH_STOP = "stop"  # an EOS token, or the caller saw a stop string
+FINISH_LENGTH = "length"
+FINISH_CANCELLED = "cancelled"
+
+TokenCallback = Callable[[str, int, int, "str | None"], None]
+FinishedCallback = Callable[[str, str, int, int], None]
+
+# How long the idle leader sleeps on its queue between checks; it wakes at once on a request.
+IDLE_POLL_S = 0.5
+
+
+@dataclass(frozen=True)
+class GenerationRequest:
+    task_id: str
+    prompt_tokens: Sequence[int]
+    max_tokens: int
+    temperature: float = 0.0
+    top_p: float = 1.0
+    seed: int | None = None
+    # None: the model's own EOS ids (config.json and generation_config.json).
+    eos_token_ids: frozenset[int] | None = None
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "prompt_tokens", tuple(int(t) for t in self.prompt_tokens))
+        if not self.task_id:
+            raise ValueError("task_id must be a non-empty string")
+        if not self.prompt_tokens:
+            raise ValueError(f"task {self.task_id}: prompt_tokens must not be empty")
+        if self.max_tokens < 1:
+            raise ValueError(f"task {self.task_id}: max_tokens must be >= 1, got {self.max_tokens}")
+        if self.temperature < 0:
+            raise ValueError(f"task {self.task_id}: temperature must be >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"task {self.task_id}: top_p must be in (0, 1], got {self.top_p}")
+
+
+@dataclass
+class _Task:
+    request: GenerationRequest
+    slot: int
+    sampler: TaskSampler
+    eos: frozenset[int]
+    prompt_done: int = 0  # prompt tokens already in the KV cache
+    generated: int = 0  # tokens sampled, EOS included
+    last_token: int = -1
+    started: bool = False
+
+
+@dataclass
+class _Control:
+    kind: str  # "submit" | "finish" | "shutdown"
+    request: GenerationRequest | None = None
+    task_id: str = ""
+    reason: str = ""
+
+
+@dataclass
+class EngineStats:
+    steps: int = 0  # forward passes this rank ran (prefill chunks and decode steps)
+    tokens: int = 0  # tokens sampled (leader only)
+
+
+class PipelineEngine:
+    """One rank of a pipeline. On the last rank it also takes requests and samples.
+
+    `group` is the ring group (`mx.distributed.init(backend="ring")`), or None (or a group of
+    size 1) for a single process holding the whole model.
+    """
+
+    def __init__(
+        self,
+        shard: Shard,
+        group: mx.distributed.Group | None = None,
+        *,
+        on_token: TokenCallback | None = None,
+        on_finished: FinishedCallback | None = None,
+        prefill_step_size: int = 2048,
+    ) -> None:
+        size = 1 if group is None else group.size()
+        rank = 0 if group is None else group.rank()
+        if shard.is_first != (rank == 0):
+            raise ValueError(
+                f"rank {rank} holds layers [{shard.start_layer}, {shard.end_layer}); only rank 0 may "
+                "and must start at layer 0"
+            )
+        if shard.is_last != (rank == size - 1):
+            raise ValueError(
+                f"rank {rank} of {size} holds layers [{shard.start_layer}, {shard.end_layer}) of "
+                f"{shard.num_layers}; only the last rank may and must hold the last layer"
+            )
+        if prefill_step_size < 1:
+            raise ValueError(f"prefill_step_size must be >= 1, got {prefill_step_size}")
+        self.shard = shard
+        self.rank = rank
+        self.size = size
+        self.prefill_step_size = prefill_step_size
+        self.on_token = on_token
+        self.on_finished = on_finished
+        self._link = Link(group) if group is not None and size > 1 else None
+        self._control: queue.Queue[_Control] = queue.Queue()
+        self._lock = threading.Lock()
+        self._task_ids: set[str] = set()  # queued or running, to refuse duplicates
+        self._pending: deque[GenerationRequest] = deque()
+        self._active: _Task | None = None
+        self._caches: dict[int, list[Any]] = {}
+        self._seq = 0
+        self._shutdown_requested = False
+        self.stats = EngineStats()
+
+    @property
+    def is_leader(self) -> bool:
+        return self.shard.is_last
+
+    # ----------------------------------------------------------------- thread-safe API (leader)
+
+    def submit(self, request: GenerationRequest) -> None:
+        self._require_leader("submit")
+        with self._lock:
+            if self._shutdown_requested:
+                raise RuntimeError("engine is shutting down")
+            if request.task_id in self._task_ids:
+                raise ValueError(f"task {request.task_id} is already queued or running")
+            self._task_ids.add(request.task_id)
+        self._control.put(_Control("submit", request=request))
+
+    def finish(self, task_id: str, reason: str = FINISH_STOP) -> None:
+        """End a task before its next step with `reason` (e.g. "stop" after a stop string).
+        Unknown or already finished tasks are ignored: the caller may race the engine."""
+        self._require_leader("finish")
+        self._control.put(_Control("finish", task_id=task_id, reason=reason))
+
+    def cancel(self, task_id: str) -> None:
+        self.finish(task_id, FINISH_CANCELLED)
+
+    def shutdown(self) -> None:
+        """Cancel every task and stop all ranks; run_forever() returns on each of them."""
+        self._require_leader("shutdown")
+        with self._lock:
+            self._shutdown_requested = True
+        self._control.put(_Control("shutdown"))
+
+    # ----------------------------------------------------------------- loop
+
+    def run_forever(self) -> None:
+        """Serve until shutdown (leader) or until the leader's STOP arrives (other ranks)."""
+        if self.is_leader:
+            self._lead()
+        else:
+            self._follow()
+
+    def _lead(self) -> None:
+        while True:
+            idle = self._active is None and not self._pending
+            if not self._apply_control(block=idle):
+                break
+            if self._active is None:
+                if not self._pending:
+                    continue
+                self._active = self._start(self._pending.popleft())
+            self._step(self._active)
+        if self._link is not None:
+            self._round_trip(Header(Op.STOP))
+
+    def _follow(self) -> None:
+        assert self._link is not None
+        caches: dict[int, list[Any]] = {}
+        while True:
+            header, payload = self._link.recv()
+            if header.op == Op.STOP:
+                self._link.send(header)
+                return
+            if header.op == Op.RELEASE:
+                caches.pop(header.slot, None)
+                self._link.send(header)
+                continue
+            if header.flags & FLAG_RESET:
+                caches[header.slot] = self.shard.make_cache()
+            cache = caches.get(header.slot)
+            if cache is None:
+                raise RuntimeError(
+                    f"rank {self.rank}: step {header.seq} names slot {header.slot}, which has no cache"
+                )
+            assert payload is not None
+            h = self.shard.embed(payload) if self.shard.is_first else payload
+            h = self.shard.run_layers(h, cache)
+            self._link.send(header.with_payload(h), h, extra=[c.state for c in cache])
+            self.stats.steps += 1
+
+    # ----------------------------------------------------------------- leader internals
+
+    def _apply_control(self, block: bool) -> bool:
+        """Apply queued requests/finishes; False once shutdown was asked for."""
+        items: list[_Control] = []
+        if block:
+            try:
+                items.append(self._control.get(timeout=IDLE_POLL_S))
+            except queue.Empty:
+                pass
+        while True:
+            try:
+                items.append(self._control.get_nowait())
+            except queue.Empty:
+                break
+        for item in items:
+            if item.kind == "submit":
+                assert item.request is not None
+                self._pending.append(item.request)
+            elif item.kind == "finish":
+                self._finish_by_id(item.task_id, item.reason)
+            elif item.kind == "shutdown":
+                self._cancel_all()
+                return False
+        return True
+
+    def _finish_by_id(self, task_id: str, reason: str) -> None:
+        if self._active is not None and self._active.request.task_id == task_id:
+            self._finish(self._active, reason)
+            return
+        for queued in list(self._pending):
+            if queued.task_id == task_id:
+                self._pending.remove(queued)
+                self._forget(task_id)
+                self._emit_finished(task_id, reason, len(queued.prompt_tokens), 0)
+                return
+
+    def _cancel_all(self) -> None:
+        if self._active is not None:
+            self._finish(self._active, FINISH_CANCELLED, release=False)
+        while self._pending:
+            queued = self._pending.popleft()
+            self._forget(queued.task_id)
+            self._emit_finished(queued.task_id, FINISH_CANCELLED, len(queued.prompt_tokens), 0)
+
+    def _start(self, request: GenerationRequest) -> _Task:
+        slot = next(s for s in range(len(self._caches) + 1) if s not in self._caches)
+        eos = self.shard.eos_token_ids if request.eos_token_ids is None else request.eos_token_ids
+        sampler = TaskSampler(request.temperature, request.top_p, request.seed)
+        self._caches[slot] = []  # reserved; filled by the step that carries FLAG_RESET
+        return _Task(request=request, slot=slot, sampler=sampler, eos=frozenset(eos))
+
+    def _step(self, task: _Task) -> None:
+        # Same schedule as mlx_lm.generate_step: every prompt token but the last in chunks of
+        # prefill_step_size (no logits), then the last one alone, whose logits give token 1.
+        prompt = task.request.prompt_tokens
+        if task.prompt_done < len(prompt) - 1:
+            n = min(self.prefill_step_size, len(prompt) - 1 - task.prompt_done)
+            self._compute(Op.PREFILL, task, prompt[task.prompt_done : task.prompt_done + n])
+            task.prompt_done += n
+            return
+        if task.prompt_done == len(prompt) - 1:
+            tokens: Sequence[int] = prompt[-1:]
+            task.prompt_done = len(prompt)
+        else:
+            tokens = (task.last_token,)
+        token = self._compute(Op.DECODE, task, tokens)
+        assert token is not None
+        task.generated += 1
+        self.stats.tokens += 1
+        request = task.request
+        if token in task.eos:
+            self._finish(task, FINISH_STOP)
+            return
+        task.last_token = token
+        if task.generated >= request.max_tokens:
+            self._emit_token(request.task_id, token, task.generated - 1, FINISH_LENGTH)
+            self._finish(task, FINISH_LENGTH)
+        else:
+            self._emit_token(request.task_id, token, task.generated - 1, None)
+
+    def _compute(self, op: Op, task: _Task, tokens: Sequence[int]) -> int | None:
+        """Run one step through all ranks; the sampled token for DECODE."""
+        flags = 0 if task.started else FLAG_RESET
+        task.started = True
+        if flags & FLAG_RESET:
+            self._caches[task.slot] = self.shard.make_cache()
+        cache = self._caches[task.slot]
+        ids = mx.array([list(tokens)], dtype=mx.int32)
+        if self._link is None:
+            h = self.shard.embed(ids)
+        else:
+            h = self._round_trip(Header(op, task.slot, flags).with_payload(ids), ids)
+        h = self.shard.run_layers(h, cache)
+        self.stats.steps += 1
+        if op == Op.PREFILL:
+            mx.eval([c.state for c in cache])
+            return None
+        logits = self.shard.head(h)[:, -1, :]
+        logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+        token = task.sampler(logprobs)
+        mx.eval(token)
+        return int(token.item())
+
+    def _round_trip(self, header: Header, payload: mx.array | None = None) -> mx.array | None:
+        assert self._link is not None
+        self._seq += 1
+        sent = Header(header.op, header.slot, header.flags, header.batch, header.length, header.width,
+                      header.dtype, self._seq)
+        self._link.send(sent, payload)
+        back, data = self._link.recv()
+        if (back.op, back.slot, back.seq) != (sent.op, sent.slot, sent.seq):
+            raise RuntimeError(
+                f"pipeline out of step: sent {sent.op.name} slot {sent.slot} seq {sent.seq}, got back "
+                f"{back.op.name} slot {back.slot} seq {back.seq}"
+            )
+        return data
+
+    def _finish(self, task: _Task, reason: str, release: bool = True) -> None:
+        if self._active is task:
+            self._active = None
+        self._caches.pop(task.slot, None)
+        request = task.request
+        self._forget(request.task_id)
+        self._emit_finished(request.task_id, reason, len(request.prompt_tokens), task.generated)
+        if release and self._link is not None and task.started:
+            self._round_trip(Header(Op.RELEASE, task.slot))
+
+    def _forget(self, task_id: str) -> None:
+        with self._lock:
+            self._task_ids.discard(task_id)
+
+    def _emit_token(self, task_id: str, token: int, index: int, reason: str | None) -> None:
+        if self.on_token is None:
+            return
+        try:
+            self.on_token(task_id, token, index, reason)
+        except Exception:
+            # A failing consumer must not stall the ring for every other rank and task.
+            log.exception("on_token callback failed for task %s", task_id)
+
+    def _emit_finished(self, task_id: str, reason: str, prompt_tokens: int, completion_tokens: int) -> None:
+        if self.on_finished is None:
+            return
+        try:
+            self.on_finished(task_id, reason, prompt_tokens, completion_tokens)
+        except Exception:
+            log.exception("on_finished callback failed for task %s", task_id)
+
+    def _require_leader(self, what: str) -> None:
+        if not self.is_leader:
+            raise RuntimeError(
+                f"{what}() is only available on the last rank ({self.size - 1}); this is rank {self.rank}"
+            )

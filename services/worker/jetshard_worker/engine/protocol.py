@@ -1,0 +1,110 @@
+"""The step message that travels around the pipeline ring.
+
+Every step starts on the last rank (the only one that decides anything) and goes
+last -> rank 0 -> rank 1 -> ... -> last. Each hop carries a fixed-size int32 header,
+then (for compute ops) a payload whose shape and dtype the header declares, because
+`mx.distributed.recv` must know both before any byte arrives.
+
+Payload per hop: last -> rank 0 carries token ids `(batch, length)` int32; rank i -> i+1
+carries hidden states `(batch, length, width)` in the activation dtype.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from enum import IntEnum
+
+import mlx.core as mx
+
+
+class Op(IntEnum):
+    STOP = 1  # every rank forwards it, then leaves run_forever()
+    PREFILL = 2  # fill the slot's KV cache; the last rank samples nothing
+    DECODE = 3  # run the tokens; the last rank samples the next token
+    RELEASE = 4  # the slot's task is over: drop its KV cache
+
+
+FLAG_RESET = 1  # the step starts a new task in this slot: make a fresh KV cache first
+
+HEADER_LEN = 8
+
+# The index of a dtype here is its code in the header; append only.
+DTYPES: tuple[mx.Dtype, ...] = (mx.int32, mx.float32, mx.float16, mx.bfloat16)
+
+
+@dataclass(frozen=True)
+class Header:
+    op: Op
+    slot: int = 0  # which task (KV cache) the step belongs to
+    flags: int = 0
+    batch: int = 0  # rows in the payload; 0 for ops without payload
+    length: int = 0  # tokens per row
+    width: int = 0  # hidden size; 0 when the payload is token ids
+    dtype: mx.Dtype = mx.int32
+    seq: int = 0  # step counter set by the last rank, checked when the step comes back
+
+    def to_array(self) -> mx.array:
+        values = [
+            int(self.op), self.slot, self.flags, self.batch, self.length, self.width,
+            DTYPES.index(self.dtype), self.seq,
+        ]
+        return mx.array(values, dtype=mx.int32)
+
+    @classmethod
+    def from_array(cls, array: mx.array) -> Header:
+        values = [int(v) for v in array.tolist()]
+        if len(values) != HEADER_LEN:
+            raise ValueError(f"step header must have {HEADER_LEN} ints, got {len(values)}")
+        op, slot, flags, batch, length, width, dtype_code, seq = values
+        if not 0 <= dtype_code < len(DTYPES):
+            raise ValueError(f"step header names unknown dtype code {dtype_code}")
+        return cls(Op(op), slot, flags, batch, length, width, DTYPES[dtype_code], seq)
+
+    @property
+    def has_payload(self) -> bool:
+        return self.op in (Op.PREFILL, Op.DECODE)
+
+    @property
+    def payload_shape(self) -> tuple[int, ...]:
+        if self.width == 0:
+            return (self.batch, self.length)
+        return (self.batch, self.length, self.width)
+
+    def with_payload(self, payload: mx.array) -> Header:
+        width = payload.shape[-1] if payload.ndim == 3 else 0
+        return replace(self, batch=payload.shape[0], length=payload.shape[1], width=width,
+                       dtype=payload.dtype)
+
+
+class Link:
+    """Point-to-point messages between this rank and its ring neighbours."""
+
+    def __init__(self, group: mx.distributed.Group) -> None:
+        self.group = group
+        self.rank = group.rank()
+        self.size = group.size()
+        self.next_rank = (self.rank + 1) % self.size
+        self.prev_rank = (self.rank - 1) % self.size
+
+    def send(self, header: Header, payload: mx.array | None = None, extra: list | None = None) -> None:
+        """Send header then payload to the next rank; `extra` arrays (KV cache state) are
+        evaluated with the payload so one eval runs the whole step."""
+        # Two evals keep the order on the wire: the receiver reads the header to size the payload.
+        mx.eval(mx.distributed.send(header.to_array(), self.next_rank, group=self.group))
+        if payload is not None:
+            if header.payload_shape != tuple(payload.shape) or header.dtype != payload.dtype:
+                raise ValueError(
+                    f"payload {tuple(payload.shape)} {payload.dtype} does not match the header's "
+                    f"{header.payload_shape} {header.dtype}"
+                )
+            mx.eval(mx.distributed.send(payload, self.next_rank, group=self.group), extra or [])
+
+    def recv(self) -> tuple[Header, mx.array | None]:
+        raw = mx.distributed.recv((HEADER_LEN,), mx.int32, self.prev_rank, group=self.group)
+        mx.eval(raw)
+        header = Header.from_array(raw)
+        if not header.has_payload:
+            return header, None
+        payload = mx.distributed.recv(header.payload_shape, header.dtype, self.prev_rank, group=self.group)
+        mx.eval(payload)
+        return header, payload

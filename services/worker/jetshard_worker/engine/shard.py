@@ -1,0 +1,263 @@
+"""Load one contiguous layer range of an mlx-lm model, and run it.
+
+The model object is mlx-lm's own class for the architecture (so the layers are exactly
+mlx-lm's), but `model.model.layers` holds only the owned layers and the embedding, final
+norm and lm_head exist only on the ranks that need them. The forward pass is ours, because
+mlx-lm's `Model.__call__` always runs embedding -> all layers -> head.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx_lm.models.base import create_attention_mask
+from mlx_lm.models.cache import make_prompt_cache
+from mlx_lm.utils import _get_classes, _takes_global_scale, infer_quant_config, load_config
+
+ProgressCallback = Callable[[int, int], None]
+
+# The modules (after mlx-lm's remapping, e.g. mistral -> llama) whose decoder forward is
+# embed -> [scale] -> layers(h, mask, cache) -> norm -> lm_head | tied embedding, and the
+# embedding scale their `__call__` applies. Others may add state our forward would skip
+# (softcapping, per-layer inputs, ...), so they are refused rather than silently wrong.
+_EMBED_SCALE: dict[str, Callable[[mx.array, Any], mx.array] | None] = {
+    "llama": None,
+    "qwen2": None,
+    "qwen3": None,
+    "gemma": lambda h, args: h * (args.hidden_size**0.5),
+}
+
+_LAYER_KEY = re.compile(r"^model\.layers\.(\d+)\.")
+_ANY_LAYER_KEY = re.compile(r"(?:^|\.)layers\.(\d+)\.")
+
+
+@dataclass
+class Shard:
+    model: nn.Module
+    config: dict[str, Any]
+    arch: str
+    start_layer: int
+    end_layer: int
+    num_layers: int
+    tied_embeddings: bool
+    eos_token_ids: frozenset[int]
+    loaded_tensors: frozenset[str] = field(default_factory=frozenset)
+
+    @property
+    def is_first(self) -> bool:
+        return self.start_layer == 0
+
+    @property
+    def is_last(self) -> bool:
+        return self.end_layer == self.num_layers
+
+    @property
+    def layers(self) -> list[nn.Module]:
+        return self.model.model.layers
+
+    def make_cache(self) -> list[Any]:
+        # The model's own make_cache (sliding-window layers...) iterates model.layers, which now
+        # are the owned layers only, so the cache list lines up with them.
+        return make_prompt_cache(self.model)
+
+    def embed(self, tokens: mx.array) -> mx.array:
+        if not self.is_first:
+            raise ValueError(f"shard [{self.start_layer}, {self.end_layer}) has no embedding input")
+        h = self.model.model.embed_tokens(tokens)
+        scale = _EMBED_SCALE[self.arch]
+        return h if scale is None else scale(h, self.model.model.args)
+
+    def run_layers(self, h: mx.array, cache: list[Any]) -> mx.array:
+        sliding_window = getattr(self.model.model, "sliding_window", None)
+        masks: dict[bool, Any] = {}
+        for layer, layer_cache in zip(self.layers, cache, strict=True):
+            sliding = bool(getattr(layer, "use_sliding", False))
+            if sliding not in masks:
+                window = sliding_window if sliding else None
+                masks[sliding] = create_attention_mask(h, layer_cache, window_size=window)
+            h = layer(h, masks[sliding], layer_cache)
+        return h
+
+    def head(self, h: mx.array) -> mx.array:
+        if not self.is_last:
+            raise ValueError(f"shard [{self.start_layer}, {self.end_layer}) has no lm_head")
+        h = self.model.model.norm(h)
+        if self.tied_embeddings:
+            return self.model.model.embed_tokens.as_linear(h)
+        return self.model.lm_head(h)
+
+
+def load_shard(
+    model_dir: Path,
+    start_layer: int,
+    end_layer: int,
+    on_progress: ProgressCallback | None = None,
+) -> Shard:
+    """Build the mlx-lm model of `model_dir` holding layers `[start_layer, end_layer)` only,
+    reading only the tensors that range needs."""
+    model_dir = Path(model_dir)
+    config = load_config(model_dir)
+    model_class, args_class = _get_classes(config)
+    arch = model_class.__module__.rsplit(".", 1)[-1]
+    if arch not in _EMBED_SCALE:
+        raise ValueError(
+            f"model type {config.get('model_type')!r} (mlx-lm module {arch!r}) is not supported by the "
+            f"shard engine; supported: {sorted(_EMBED_SCALE)}"
+        )
+    # Parameters are created lazily, so building all layers costs no memory: the ones we drop
+    # are never evaluated.
+    model = model_class(args_class.from_dict(config))
+    inner = getattr(model, "model", None)
+    if inner is None or not isinstance(getattr(inner, "layers", None), list):
+        raise ValueError(f"mlx-lm module {arch!r} has no decoder layer list at model.model.layers")
+    num_layers = len(inner.layers)
+    if not 0 <= start_layer < end_layer <= num_layers:
+        raise ValueError(
+            f"layer range [{start_layer}, {end_layer}) is not a non-empty range within the model's "
+            f"{num_layers} layers"
+        )
+    tied = "lm_head" not in model
+    is_first, is_last = start_layer == 0, end_layer == num_layers
+    wants_embedding = is_first or (is_last and tied)
+
+    def needed(name: str) -> bool:
+        match = _ANY_LAYER_KEY.search(name)
+        if match:
+            return start_layer <= int(match.group(1)) < end_layer
+        if "embed_tokens" in name:
+            return wants_embedding
+        return is_last  # final norm, lm_head
+
+    weights = _read_weights(model_dir, needed)
+    loaded = frozenset(weights)
+    weights = model.sanitize(weights) if hasattr(model, "sanitize") else weights
+
+    quantization = config.get("quantization")
+    if quantization is None and config.get("quantization_config"):
+        raise ValueError(
+            "checkpoints with a 'quantization_config' only (AWQ, GPTQ, fp8...) are not supported by the "
+            "shard engine; convert them with mlx_lm.convert first"
+        )
+    if quantization is not None:
+        _quantize(model, config, quantization, weights, needed)
+
+    inner.layers = inner.layers[start_layer:end_layer]
+    if not wants_embedding:
+        del inner["embed_tokens"]
+    if not is_last:
+        del inner["norm"]
+        if not tied:
+            del model["lm_head"]
+    model.eval()
+    model.load_weights(list(_renumber(weights, start_layer).items()), strict=True)
+
+    total = end_layer - start_layer
+    if on_progress is not None:
+        on_progress(0, total)
+    extra = [m.parameters() for name, m in inner.items() if name != "layers" and isinstance(m, nn.Module)]
+    if "lm_head" in model:
+        extra.append(model.lm_head.parameters())
+    mx.eval(extra)
+    for done, layer in enumerate(inner.layers, start=1):
+        mx.eval(layer.parameters())
+        if on_progress is not None:
+            on_progress(done, total)
+
+    return Shard(
+        model=model,
+        config=config,
+        arch=arch,
+        start_layer=start_layer,
+        end_layer=end_layer,
+        num_layers=num_layers,
+        tied_embeddings=tied,
+        eos_token_ids=eos_token_ids(model_dir),
+        loaded_tensors=loaded,
+    )
+
+
+def eos_token_ids(model_dir: Path) -> frozenset[int]:
+    """The union of config.json's and generation_config.json's eos ids (mlx-lm keeps only one)."""
+    ids: set[int] = set()
+    for name in ("config.json", "generation_config.json"):
+        path = Path(model_dir) / name
+        if not path.exists():
+            continue
+        try:
+            value = json.loads(path.read_text()).get("eos_token_id")
+        except json.JSONDecodeError as exc:
+            if name == "config.json":
+                raise ValueError(f"{path} is not valid JSON: {exc}") from exc
+            continue
+        if isinstance(value, int):
+            ids.add(value)
+        elif isinstance(value, list):
+            ids.update(int(v) for v in value)
+    return frozenset(ids)
+
+
+def _read_weights(model_dir: Path, needed: Callable[[str], bool]) -> dict[str, mx.array]:
+    index_path = model_dir / "model.safetensors.index.json"
+    if index_path.exists():
+        weight_map: dict[str, str] = json.loads(index_path.read_text())["weight_map"]
+        files = sorted({file for name, file in weight_map.items() if needed(name)})
+    else:
+        files = sorted(p.name for p in model_dir.glob("model*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no safetensors holding the needed tensors in {model_dir}")
+    weights: dict[str, mx.array] = {}
+    for file in files:
+        # mx.load maps the file lazily: tensors we drop here are never read.
+        for name, value in mx.load(str(model_dir / file)).items():
+            if needed(name):
+                weights[name] = value
+    return weights
+
+
+def _quantize(
+    model: nn.Module,
+    config: dict[str, Any],
+    quantization: dict[str, Any],
+    weights: dict[str, mx.array],
+    needed: Callable[[str], bool],
+) -> None:
+    # Mirrors mlx_lm.utils.load_model's predicate, on global module paths (the layers are not
+    # renumbered yet), skipping modules this rank drops anyway.
+    def predicate(path: str, module: nn.Module) -> bool | dict[str, Any]:
+        if not needed(path + "."):
+            return False
+        if path in quantization:
+            return quantization[path]
+        if not hasattr(module, "to_quantized") or f"{path}.scales" not in weights:
+            return False
+        params = infer_quant_config(path, module, weights)
+        if f"{path}.global_scale" in weights and _takes_global_scale(module):
+            params["global_scale"] = True
+        return params
+
+    nn.quantize(
+        model,
+        group_size=quantization["group_size"],
+        bits=quantization["bits"],
+        mode=quantization.get("mode", "affine"),
+        class_predicate=predicate,
+    )
+
+
+def _renumber(weights: dict[str, mx.array], start_layer: int) -> dict[str, mx.array]:
+    out: dict[str, mx.array] = {}
+    for name, value in weights.items():
+        match = _LAYER_KEY.match(name)
+        if match:
+            name = f"model.layers.{int(match.group(1)) - start_layer}.{name[match.end():]}"
+        elif _ANY_LAYER_KEY.search(name):
+            raise ValueError(f"layer tensor {name!r} is not under model.layers; unsupported layout")
+        out[name] = value
+    return out

@@ -1,0 +1,87 @@
+"""The worker shell: joins the cluster as this machine's node, keeps custom cards on disk, hosts runners."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from jetshard_bus.commands import publish_command
+from jetshard_bus.connect import connect
+from jetshard_bus.follower import StateFollower
+from jetshard_bus.node import config_dir, keep_alive, node_id_for, node_profile
+from jetshard_bus.options import NatsOptions
+from jetshard_bus.streams import BusTimings
+from jetshard_schema.commands import ReportNodeProfile
+from jetshard_schema.events import CustomModelCardAdded, CustomModelCardDeleted, EventEnvelope
+from jetshard_schema.ids import new_id
+from jetshard_schema.state import State
+from jetshard_worker.cards import CardDirectory
+from jetshard_worker.runners import RunnerSupervisor
+
+log = logging.getLogger(__name__)
+
+
+def _default_card_dir() -> Path:
+    return config_dir() / "cards"
+
+
+@dataclass(frozen=True)
+class WorkerConfig:
+    nats: NatsOptions = NatsOptions()
+    timings: BusTimings = BusTimings()
+    config_dir: Path = field(default_factory=config_dir)
+    card_dir: Path | None = None
+    """Where custom cards are persisted; default `<config dir>/cards`."""
+    profile_interval_s: float = 5.0
+    runner_start_timeout_s: float = float(os.environ.get("JETSHARD_RUNNER_START_TIMEOUT_S", "120"))
+
+
+async def run_worker(config: WorkerConfig, stop: asyncio.Event) -> None:
+    node_id = node_id_for(config.config_dir)
+    session_id = new_id()[:12]
+    client, js = await connect(config.nats, f"jetshard-worker {node_id}", config.timings)
+    cards = CardDirectory(config.card_dir or config.config_dir / "cards")
+    follower = StateFollower(js)
+    supervisor = RunnerSupervisor(js, node_id, session_id, config.nats, config.runner_start_timeout_s)
+
+    def on_event(envelope: EventEnvelope, state: State, live: bool) -> None:
+        match envelope.event:
+            case CustomModelCardAdded(card=card):
+                cards.write(card)
+            case CustomModelCardDeleted(model_id=model_id):
+                cards.remove(model_id)
+        if live:
+            supervisor.on_state(state)
+
+    follower.add_listener(on_event)
+    await follower.start()
+    cards.reconcile(follower.state.custom_cards)
+    heartbeat = asyncio.create_task(keep_alive(js, node_id, session_id, config.timings.liveness_ttl_s, stop))
+    reporting = asyncio.create_task(_report_profile(js, node_id, session_id, config.profile_interval_s, stop))
+    log.info("worker for node %s (session %s) started; cards in %s", node_id, session_id, cards.path)
+    await supervisor.start(follower.state)
+    try:
+        await stop.wait()
+    finally:
+        await supervisor.shutdown()
+        for task in (heartbeat, reporting):
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(task, 5)
+        await follower.stop()
+        await client.drain()
+
+
+async def _report_profile(js, node_id, session_id, interval_s: float, stop: asyncio.Event) -> None:  # type: ignore[no-untyped-def]
+    """Report the profile now and periodically; the sequencer keeps only meaningful changes."""
+    while not stop.is_set():
+        try:
+            await publish_command(js, ReportNodeProfile(node_id=node_id, session_id=session_id,
+                                                        profile=node_profile()))
+        except Exception as error:
+            log.warning("profile report failed: %s", error)
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(stop.wait(), interval_s)

