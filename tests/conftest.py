@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 import pytest_asyncio
 
+from helpers.hub_fixtures import hf_env, hub_server  # noqa: F401  (fixtures)
 from jetshard.natsserver import NatsServer, start_nats_server
 
 ROOT = Path(__file__).resolve().parent.parent

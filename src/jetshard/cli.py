@@ -88,14 +88,20 @@ def sequencer(nats: NatsOptions, timings: BusTimings, snapshot_every: int) -> No
         help="how long a route waits for its command's outcome before answering 504")
 @option("--port-file", type=click.Path(dir_okay=False, path_type=Path), default=None,
         help="write the bound port here once listening")
+@option("--auto-place/--no-auto-place", default=True, show_default=True,
+        help="place a model that has no instance when a request asks for it")
+@option("--chunk-silence-s", type=float, default=60.0, show_default=True,
+        help="a generation silent this long (after its first chunk) ends with an error")
 def api(nats: NatsOptions, timings: BusTimings, host: str, port: int, command_timeout_s: float,
-        port_file: Path | None) -> None:
+        port_file: Path | None, auto_place: bool, chunk_silence_s: float) -> None:
     """Serve the OpenAI-compatible API and the cluster routes."""
+    from jetshard_api.routes_openai import InferenceSettings
     from jetshard_api.service import ApiConfig, run_api
     from jetshard_bus.service import run_service
 
+    inference = InferenceSettings(auto_place=auto_place, chunk_silence_s=chunk_silence_s)
     config = ApiConfig(nats=nats, timings=timings, host=host, port=port, command_timeout_s=command_timeout_s,
-                       port_file=port_file)
+                       port_file=port_file, inference=inference)
     run_service("api", lambda stop: run_api(config, stop))
 
 
@@ -151,3 +157,6 @@ def _run(coroutine: Any) -> None:
 from jetshard.up import up  # noqa: E402  (registered after the group exists)
 
 main.add_command(up)
+from jetshard.models_cli import models  # noqa: E402
+
+main.add_command(models)

@@ -9,6 +9,7 @@ import msgspec
 from jetshard_schema.commands import Command
 from jetshard_schema.events import Event, EventEnvelope, RawEventEnvelope
 from jetshard_schema.state import State
+from jetshard_schema.types import Chunk
 
 log = logging.getLogger(__name__)
 
@@ -59,3 +60,10 @@ def _event_type_name(raw: msgspec.Raw) -> str:
 
 def decode_state(data: bytes) -> State:
     return _state_decoder.decode(data)
+
+
+_chunk_decoder = msgspec.json.Decoder(Chunk)
+
+
+def decode_chunk(data: bytes) -> Chunk:
+    return _chunk_decoder.decode(data)

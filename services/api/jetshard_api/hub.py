@@ -11,6 +11,7 @@ from huggingface_hub.errors import (
     EntryNotFoundError,
     GatedRepoError,
     HfHubHTTPError,
+    LocalEntryNotFoundError,
     RepositoryNotFoundError,
 )
 
@@ -20,6 +21,14 @@ from jetshard_schema.cards import ModelCard
 from jetshard_schema.ids import ModelId
 
 INDEX_FILE = "model.safetensors.index.json"
+
+# Connection refused, DNS failures and timeouts surface as the HTTP library's own errors: `OSError`s with
+# requests, but neither `OSError` nor `HfHubHTTPError` with httpx (huggingface_hub >= 1) or its httpx2 fork.
+# The library's base error is the `HTTPError` that `HfHubHTTPError` itself derives from.
+_TRANSPORT_ERRORS: tuple[type[BaseException], ...] = (
+    *(cls for cls in HfHubHTTPError.__mro__[1:] if cls.__name__ == "HTTPError"),
+    OSError,
+)
 
 
 def offline() -> bool:
@@ -48,11 +57,13 @@ def fetch_card(model_id: ModelId) -> ModelCard:
     except RepositoryNotFoundError as error:
         raise ApiError(404, f"{model_id} was not found on the Hub (or is private and HF_TOKEN is not set)",
                        "model_not_found") from error
+    except LocalEntryNotFoundError as error:  # a download that could not reach the Hub at all
+        raise ApiError(502, f"the Hub is unreachable: {error}", "hub_unreachable") from error
     except EntryNotFoundError as error:
         raise ApiError(400, f"{model_id}: {error}", "no_config") from error
     except HfHubHTTPError as error:
         raise ApiError(502, f"the Hub answered with an error for {model_id}: {error}", "hub_error") from error
-    except OSError as error:  # connection refused, DNS, timeouts
+    except _TRANSPORT_ERRORS as error:  # connection refused, DNS, timeouts
         raise ApiError(502, f"the Hub is unreachable: {error}", "hub_unreachable") from error
     try:
         return card_from_hub_metadata(model_id, config, index, sizes)

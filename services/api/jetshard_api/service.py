@@ -11,6 +11,7 @@ import uvicorn
 
 from jetshard_api.app import create_app
 from jetshard_api.cluster import Cluster
+from jetshard_api.routes_openai import InferenceSettings
 from jetshard_bus.connect import connect
 from jetshard_bus.follower import StateFollower
 from jetshard_bus.options import NatsOptions
@@ -28,6 +29,7 @@ class ApiConfig:
     command_timeout_s: float = 30.0
     port_file: Path | None = None
     """Where to write the bound port (useful with `port=0`)."""
+    inference: InferenceSettings = InferenceSettings()
 
 
 async def run_api(config: ApiConfig, stop: asyncio.Event) -> None:
@@ -35,7 +37,7 @@ async def run_api(config: ApiConfig, stop: asyncio.Event) -> None:
     follower = StateFollower(js)
     await follower.start()
     cluster = Cluster(client, js, follower, config.command_timeout_s)
-    server = uvicorn.Server(uvicorn.Config(create_app(cluster), host=config.host, port=config.port,
+    server = uvicorn.Server(uvicorn.Config(create_app(cluster, config.inference), host=config.host, port=config.port,
                                            log_level="warning", lifespan="on"))
     serving = asyncio.create_task(server.serve())
     while not server.started and not serving.done():

@@ -311,7 +311,10 @@ def convert_gguf(
         raise FileNotFoundError(f"GGUF file {gguf_path} does not exist")
 
     report("reading", 0.0)
-    loaded = mx.load(str(gguf_path), return_metadata=True)
+    try:
+        loaded = mx.load(str(gguf_path), return_metadata=True)
+    except RuntimeError as e:  # mlx reports a malformed file as RuntimeError("[load_gguf] gguf_init failed")
+        raise ValueError(f"{gguf_path} is not a readable GGUF file: {e}") from e
     if not isinstance(loaded, tuple):
         raise ValueError(f"{gguf_path} is not a GGUF file (mx.load returned no metadata)")
     weights, metadata = loaded
@@ -324,6 +327,8 @@ def convert_gguf(
         # mlx-lm writes both keys; some readers (and older mlx-lm) look only at quantization_config.
         config["quantization_config"] = quant
 
+    # Tensors keep the dtypes mx.load gives them, notably float32 norm weights: they keep activations in
+    # float32, and on the CPU backend float16 activations ran ~60x slower and overflowed into nonsense.
     units: dict[int, dict[str, mx.array]] = {}
     for name, tensor in weights.items():
         new_name, unit = _rename(name)

@@ -74,7 +74,7 @@ from jetshard_schema.types import (
     RejectCode,
     RunnerStatus,
 )
-from jetshard_sequencer.placement import PlacementError, place
+from jetshard_schema.placement import PlacementError, place
 
 
 class Context(msgspec.Struct, frozen=True):

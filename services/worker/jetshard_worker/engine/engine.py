@@ -172,11 +172,20 @@ class PipelineEngine:
     # ----------------------------------------------------------------- loop
 
     def run_forever(self) -> None:
-        """Serve until shutdown (leader) or until the leader's STOP arrives (other ranks)."""
-        if self.is_leader:
-            self._lead()
-        else:
-            self._follow()
+        """Serve until shutdown (leader) or until the leader's STOP arrives (other ranks).
+
+        May run on any thread (load the shard on any thread too)."""
+        try:
+            if self.is_leader:
+                self._lead()
+            else:
+                self._follow()
+        finally:
+            if threading.current_thread() is not threading.main_thread():
+                # mlx 0.32 keeps per-thread stream state whose teardown at interpreter exit
+                # aborts the process ("terminate called without an active exception", exit 134)
+                # unless the thread that used it releases it first (ml-explore/mlx#3126).
+                mx.clear_streams()
 
     def _lead(self) -> None:
         while True:

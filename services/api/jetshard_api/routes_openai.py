@@ -1,0 +1,247 @@
+"""OpenAI-compatible routes: /v1/chat/completions, /v1/completions, /v1/models.
+
+A request becomes a `SubmitTask` command; the sequencer routes it to the ready instance with the fewest
+tasks in flight; the runner streams chunks on `jetshard.chunks.<task id>`. The API subscribes to that
+subject before it submits, checks the running index (a gap is an error) and treats silence as an error.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+import msgspec
+from litestar import Controller, Response, get, post
+from litestar.response import ServerSentEvent
+from litestar.response.sse import ServerSentEventMessage
+
+from jetshard_api.cluster import Cluster
+from jetshard_api.errors import ApiError, error_body
+from jetshard_api.openai_types import ChatCompletionRequest, CompletionRequest, chat_task, completion_task
+from jetshard_api.routes_instances import place_instance
+from jetshard_api.routes_models import checked_model_id
+from jetshard_schema.codec import decode_chunk
+from jetshard_schema.commands import CancelTask, SubmitTask
+from jetshard_schema.ids import ModelId, new_task_id
+from jetshard_schema.models import all_cards, find_card
+from jetshard_schema.state import State, instance_status
+from jetshard_schema.subjects import chunk_subject
+from jetshard_schema.types import Chunk, InstanceStatus, TaskKind, TaskRequest
+
+log = logging.getLogger(__name__)
+
+
+class InferenceSettings(msgspec.Struct, frozen=True):
+    auto_place: bool = True
+    """A request for a model with no instance places one and waits for it to be ready."""
+    ready_timeout_s: float = 600.0
+    chunk_silence_s: float = 60.0
+    """No chunk for this long (after the first) ends the request with an error."""
+    first_chunk_timeout_s: float = 300.0
+
+
+def ready_models(state: State) -> set[ModelId]:
+    return {i.model_id for i in state.instances.values() if instance_status(state, i) is InstanceStatus.READY}
+
+
+class ChunkStream:
+    """The chunks of one task in index order; raises ApiError on a gap, an error chunk, or silence."""
+
+    def __init__(self, cluster: Cluster, request: TaskRequest, settings: InferenceSettings) -> None:
+        self._cluster = cluster
+        self._request = request
+        self._settings = settings
+        self._queue: asyncio.Queue[bytes] = asyncio.Queue()
+        self._subscription: Any = None
+        self._next_index = 0
+        self.finished = False
+
+    async def __aenter__(self) -> ChunkStream:
+        async def on_chunk(msg: Any) -> None:
+            self._queue.put_nowait(msg.data)
+
+        self._subscription = await self._cluster.client.subscribe(chunk_subject(self._request.task_id),
+                                                                  cb=on_chunk)
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        if self._subscription is not None:
+            await self._subscription.unsubscribe()
+        if not self.finished:
+            # The client went away or we failed: stop generation at the runner's next step.
+            task = asyncio.create_task(self._cluster.publish(CancelTask(task_id=self._request.task_id)))
+            task.add_done_callback(lambda t: t.exception())
+
+    async def submit(self) -> None:
+        await self._cluster.submit(SubmitTask(request=self._request))
+
+    async def next(self) -> Chunk:
+        timeout = self._settings.first_chunk_timeout_s if self._next_index == 0 else self._settings.chunk_silence_s
+        try:
+            data = await asyncio.wait_for(self._queue.get(), timeout)
+        except TimeoutError as error:
+            raise ApiError(504, f"the runner sent nothing for {timeout:.0f} s", "runner_timeout") from error
+        chunk = decode_chunk(data)
+        if chunk.index != self._next_index:
+            raise ApiError(502, f"chunk {self._next_index} of the output was lost (got {chunk.index})", "chunk_gap")
+        self._next_index += 1
+        if chunk.error is not None:
+            self.finished = True
+            status = 400 if chunk.error_code == "context_length_exceeded" else 502
+            raise ApiError(status, chunk.error, chunk.error_code or "runner_error")
+        if chunk.finish_reason is not None:
+            self.finished = True
+        return chunk
+
+
+async def _ensure_ready(cluster: Cluster, model_id: ModelId, settings: InferenceSettings) -> None:
+    """Place an instance of `model_id` if none exists (auto-place), then wait until one is ready."""
+    state = cluster.state
+    if model_id in ready_models(state):
+        return
+    if find_card(state, model_id) is None:
+        raise ApiError(404, f"unknown model {model_id}; ready models: {sorted(ready_models(state)) or 'none'}",
+                       "model_not_found", "model")
+    placed = any(i.model_id == model_id and not i.failed for i in state.instances.values())
+    if not placed:
+        if not settings.auto_place:
+            raise ApiError(404, f"{model_id} has no instance and auto-placement is off; ready models: "
+                                f"{sorted(ready_models(state)) or 'none'}", "model_not_found", "model")
+        await place_instance(cluster, model_id)
+
+    def ready_or_failed(s: State) -> bool:
+        mine = [i for i in s.instances.values() if i.model_id == model_id]
+        return not mine or any(instance_status(s, i) in (InstanceStatus.READY, InstanceStatus.FAILED) for i in mine)
+
+    try:
+        state = await cluster.follower.wait_until(ready_or_failed, settings.ready_timeout_s)
+    except TimeoutError as error:
+        raise ApiError(504, f"{model_id} did not become ready in {settings.ready_timeout_s:.0f} s",
+                       "instance_timeout") from error
+    if model_id not in ready_models(state):
+        failed = [i.failed_reason for i in state.instances.values() if i.model_id == model_id]
+        raise ApiError(503, f"{model_id} could not be started: {'; '.join(failed) or 'instance removed'}",
+                       "instance_failed")
+
+
+def _sse(payload: dict[str, Any] | str) -> ServerSentEventMessage:
+    return ServerSentEventMessage(data=payload if isinstance(payload, str) else msgspec.json.encode(payload).decode())
+
+
+class OpenAIController(Controller):
+    path = "/v1"
+    tags = ["openai"]
+
+    @get("/models")
+    async def models(self, cluster: Cluster) -> dict[str, Any]:
+        state = cluster.state
+        ready = ready_models(state)
+        data = [{"id": model_id, "object": "model", "created": 0, "owned_by": model_id.split("/")[0],
+                 "ready": model_id in ready, "placeable": model_id not in ready}
+                for model_id in all_cards(state)]
+        data.sort(key=lambda m: (not m["ready"], m["id"]))
+        return {"object": "list", "data": data}
+
+    @post("/chat/completions", status_code=200)
+    async def chat_completions(self, cluster: Cluster, settings: InferenceSettings, data: ChatCompletionRequest,
+                               ) -> Response[Any] | ServerSentEvent:
+        model_id = checked_model_id(data.model)
+        task = chat_task(new_task_id(), model_id, data)
+        return await _serve(cluster, settings, task, data.stream,
+                            bool(data.stream_options and data.stream_options.include_usage))
+
+    @post("/completions", status_code=200)
+    async def completions(self, cluster: Cluster, settings: InferenceSettings,
+                          data: CompletionRequest) -> Response[Any] | ServerSentEvent:
+        model_id = checked_model_id(data.model)
+        task = completion_task(new_task_id(), model_id, data)
+        return await _serve(cluster, settings, task, data.stream,
+                            bool(data.stream_options and data.stream_options.include_usage))
+
+
+async def _serve(cluster: Cluster, settings: InferenceSettings, task: TaskRequest, stream: bool,
+                 include_usage: bool) -> Response[Any] | ServerSentEvent:
+    chat = task.kind is TaskKind.CHAT
+    created = int(time.time())
+    response_id = ("chatcmpl-" if chat else "cmpl-") + task.task_id.removeprefix("task-")
+    base = {"id": response_id, "object": "chat.completion.chunk" if chat else "text_completion",
+            "created": created, "model": task.model_id}
+    if not stream:
+        await _ensure_ready(cluster, task.model_id, settings)
+        text, finish, usage = [], None, None
+        async with ChunkStream(cluster, task, settings) as chunks:
+            await chunks.submit()
+            while not chunks.finished:
+                chunk = await chunks.next()
+                text.append(chunk.text)
+                finish, usage = chunk.finish_reason, chunk.usage
+        content = "".join(text)
+        choice: dict[str, Any] = {"index": 0, "finish_reason": str(finish) if finish else None, "logprobs": None}
+        if chat:
+            choice["message"] = {"role": "assistant", "content": content}
+        else:
+            choice["text"] = content
+        body = {**base, "object": "chat.completion" if chat else "text_completion", "choices": [choice],
+                "usage": _usage(usage)}
+        return Response(body)
+
+    needs_placement = task.model_id not in ready_models(cluster.state)
+    chunks = ChunkStream(cluster, task, settings)
+    first: Chunk | None = None
+    if not needs_placement:
+        # Submit before answering, so an early error (an over-long prompt) gets its proper HTTP status.
+        await chunks.__aenter__()
+        try:
+            await chunks.submit()
+            first = await chunks.next()
+        except BaseException:
+            await chunks.__aexit__()
+            raise
+
+    async def events() -> AsyncIterator[ServerSentEventMessage]:
+        try:
+            pending = first
+            if pending is None:
+                waiting = asyncio.create_task(_ensure_ready(cluster, task.model_id, settings))
+                while not waiting.done():
+                    await asyncio.wait({waiting}, timeout=5)
+                    if not waiting.done():
+                        yield ServerSentEventMessage(comment="waiting for the model to be ready")
+                waiting.result()
+                await chunks.__aenter__()
+                await chunks.submit()
+                pending = await chunks.next()
+            if chat:
+                yield _sse({**base, "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""},
+                                                  "finish_reason": None}]})
+            while True:
+                finish = str(pending.finish_reason) if pending.finish_reason else None
+                if pending.text or finish:
+                    piece = {"delta": {"content": pending.text} if pending.text else {}} if chat else \
+                        {"text": pending.text}
+                    yield _sse({**base, "choices": [{"index": 0, **piece, "finish_reason": finish,
+                                                      "logprobs": None}]})
+                if chunks.finished:
+                    if include_usage:
+                        yield _sse({**base, "choices": [], "usage": _usage(pending.usage)})
+                    break
+                pending = await chunks.next()
+        except ApiError as error:
+            yield _sse(error_body(error.status, error.message, error.code, error.param))
+        finally:
+            with contextlib.suppress(Exception):
+                await chunks.__aexit__()
+        yield _sse("[DONE]")
+
+    return ServerSentEvent(events())
+
+
+def _usage(usage: Any) -> dict[str, int]:
+    if usage is None:
+        return {"prompt_tokens": 0, "completion_tokens": 0, "total_tokens": 0}
+    return {"prompt_tokens": usage.prompt_tokens, "completion_tokens": usage.completion_tokens,
+            "total_tokens": usage.prompt_tokens + usage.completion_tokens}

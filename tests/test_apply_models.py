@@ -1,0 +1,95 @@
+"""`apply` for the model card events, their wire round-trip, and skipping event types from a newer version."""
+
+from __future__ import annotations
+
+import logging
+
+import msgspec
+import pytest
+
+from jetshard_schema import codec
+from jetshard_schema.cards import ModelCard
+from jetshard_schema.events import (
+    CustomModelCardAdded,
+    CustomModelCardDeleted,
+    Event,
+    EventEnvelope,
+    ModelSizeMeasured,
+)
+from jetshard_schema.ids import CommandId, ModelId
+from jetshard_schema.models import all_cards, find_card
+from jetshard_schema.state import State, apply
+
+MODEL = ModelId("acme/tiny-7")
+CARD = ModelCard(model_id=MODEL, num_layers=8, hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
+                 vocab_size=1000, architecture="llama", storage_size_bytes=1 << 20, storage_size_estimated=True,
+                 is_custom=True)
+
+SAMPLES: list[Event] = [
+    CustomModelCardAdded(card=CARD),
+    CustomModelCardDeleted(model_id=MODEL),
+    ModelSizeMeasured(model_id=MODEL, storage_size_bytes=3 << 20),
+]
+COVERED = {type(e) for e in SAMPLES}
+
+
+def fold(*events: Event, state: State | None = None) -> State:
+    state = state or State()
+    for event in events:
+        state = apply(state, event, state.last_seq + 1, state.last_command_seq + 1)
+    return state
+
+
+def test_card_added_then_deleted() -> None:
+    state = fold(CustomModelCardAdded(card=CARD))
+    assert state.custom_cards == {MODEL: CARD}
+    assert find_card(state, MODEL) is not None
+    state = fold(CustomModelCardDeleted(model_id=MODEL), state=state)
+    assert state.custom_cards == {}
+    assert find_card(state, MODEL) is None
+    assert state.last_seq == 2
+
+
+def test_deleting_an_unknown_card_changes_nothing_else() -> None:
+    state = fold(CustomModelCardDeleted(model_id=ModelId("acme/none")))
+    assert state == State(last_seq=1, last_command_seq=1)
+
+
+def test_measured_size_replaces_the_estimate() -> None:
+    state = fold(CustomModelCardAdded(card=CARD), ModelSizeMeasured(model_id=MODEL, storage_size_bytes=3 << 20))
+    assert state.measured_sizes == {MODEL: 3 << 20}
+    card = find_card(state, MODEL)
+    assert card is not None
+    assert card.storage_size_bytes == 3 << 20
+    assert not card.storage_size_estimated
+    assert all_cards(state)[MODEL] == card
+
+
+@pytest.mark.parametrize("event", SAMPLES, ids=lambda e: type(e).__name__)
+def test_envelope_round_trip(event: Event) -> None:
+    envelope = EventEnvelope(command_id=CommandId("c2"), command_seq=9, index=1, count=2, at_ms=5, event=event)
+    assert codec.decode_event(codec.encode(envelope)) == envelope
+
+
+def test_state_json_round_trip() -> None:
+    state = fold(CustomModelCardAdded(card=CARD), ModelSizeMeasured(model_id=MODEL, storage_size_bytes=7))
+    assert codec.decode_state(codec.encode(state)) == state
+
+
+def test_unknown_event_type_is_skipped_with_one_warning(caplog: pytest.LogCaptureFixture) -> None:
+    body = {"command_id": "c", "command_seq": 1, "index": 0, "count": 1, "at_ms": 0,
+            "event": {"type": "ModelTeleportedFromTheFuture", "model_id": MODEL}}
+    data = msgspec.json.encode(body)
+    with caplog.at_level(logging.WARNING, logger="jetshard_schema.codec"):
+        assert codec.decode_event(data) is None
+        assert codec.decode_event(data) is None
+    warnings = [r.getMessage() for r in caplog.records if "ModelTeleportedFromTheFuture" in r.getMessage()]
+    assert len(warnings) == 1
+
+
+def test_unknown_fields_of_a_known_event_are_ignored() -> None:
+    body = {"command_id": "c", "command_seq": 1, "index": 0, "count": 1, "at_ms": 0, "added_later": True,
+            "event": {"type": "ModelSizeMeasured", "model_id": MODEL, "storage_size_bytes": 5, "new": 1}}
+    envelope = codec.decode_event(msgspec.json.encode(body))
+    assert envelope is not None
+    assert envelope.event == ModelSizeMeasured(model_id=MODEL, storage_size_bytes=5)
