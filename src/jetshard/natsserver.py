@@ -12,6 +12,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from jetshard.procs import spawn
+
 MAX_PAYLOAD_BYTES = 8 * 2**20
 """Raised from NATS's 1 MB default so long prompts fit in one command."""
 
@@ -65,9 +67,7 @@ def start_nats_server(store_dir: Path, port: int = 4222, host: str = "127.0.0.1"
         f"ports_file_dir: {json.dumps(str(ports_dir))}\n"
         f"jetstream {{\n  store_dir: {json.dumps(str(store_dir / 'jetstream'))}\n}}\n"
     )
-    out = open(log_file, "ab") if log_file else subprocess.DEVNULL  # noqa: SIM115
-    process = subprocess.Popen([str(nats_server_binary()), "-c", str(config)], stdout=out,
-                               stderr=subprocess.STDOUT, start_new_session=True)
+    process = spawn([str(nats_server_binary()), "-c", str(config)], log_file)
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if process.poll() is not None:

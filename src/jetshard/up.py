@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import signal
 import sys
 import time
 from pathlib import Path
@@ -35,6 +36,7 @@ def data_dir() -> Path:
 def up(nats_url: str | None, nats_port: int, host: str, port: int, state_dir: Path | None, offline: bool) -> None:
     """Start everything on this machine; Ctrl-C stops it all. Running it again keeps the history."""
     console = Console(highlight=False)
+    signal.signal(signal.SIGTERM, _interrupt)
     root = state_dir or data_dir()
     logs = root / "logs"
     logs.mkdir(parents=True, exist_ok=True)
@@ -68,6 +70,10 @@ def up(nats_url: str | None, nats_port: int, host: str, port: int, state_dir: Pa
             stop_group(child)
         if server is not None:
             server.stop()
+
+
+def _interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt
 
 
 def _wait_healthy(api_url: str, children: dict, logs: Path, timeout_s: float = 120.0) -> None:  # type: ignore[type-arg]

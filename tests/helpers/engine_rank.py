@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 import threading
 import time
 from pathlib import Path
@@ -30,6 +31,7 @@ def main() -> None:
     parser.add_argument("--hostfile", type=Path)
     parser.add_argument("--requests", type=Path)
     parser.add_argument("--prefill-step-size", type=int, default=2048)
+    parser.add_argument("--idle-before", type=float, default=0.0, help="seconds to idle before submitting")
     args = parser.parse_args()
 
     progress: list[tuple[int, int]] = []
@@ -58,14 +60,26 @@ def main() -> None:
         shard, group, on_token=on_token, on_finished=on_finished, prefill_step_size=args.prefill_step_size
     )
     if engine.is_leader:
-        thread = threading.Thread(target=engine.run_forever, name="engine")
+        errors: list[BaseException] = []
+
+        def serve() -> None:
+            try:
+                engine.run_forever()
+            except BaseException as exc:
+                errors.append(exc)
+                raise
+
+        thread = threading.Thread(target=serve, name="engine")
         thread.start()
+        time.sleep(args.idle_before)
         for spec in specs:
             engine.submit(GenerationRequest(**spec))
-        if specs:
-            done.wait()
+        while specs and not done.wait(0.2) and thread.is_alive():
+            pass
         engine.shutdown()
         thread.join()
+        if errors:
+            sys.exit(f"engine failed: {errors[0]}")
     else:
         engine.run_forever()
 

@@ -10,6 +10,7 @@ from litestar.openapi import OpenAPIConfig
 from jetshard_api.cluster import Cluster
 from jetshard_api.errors import ApiError, api_error_handler, http_error_handler, internal_error_handler
 from jetshard_api.routes_cluster import ClusterController
+from jetshard_api.routes_downloads import DownloadsController
 from jetshard_api.routes_instances import InstancesController
 from jetshard_api.routes_models import ModelsController
 from jetshard_api.routes_openai import InferenceSettings, OpenAIController
@@ -26,7 +27,8 @@ def create_app(cluster: Cluster, inference: InferenceSettings = InferenceSetting
         return inference
 
     return Litestar(
-        route_handlers=[ClusterController, ModelsController, InstancesController, OpenAIController],
+        route_handlers=[ClusterController, ModelsController, InstancesController, OpenAIController,
+                        DownloadsController],
         dependencies={"cluster": Provide(provide_cluster, use_cache=True),
                       "settings": Provide(provide_inference, use_cache=True)},
         exception_handlers={

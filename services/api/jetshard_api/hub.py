@@ -16,7 +16,7 @@ from huggingface_hub.errors import (
 )
 
 from jetshard_api.errors import ApiError
-from jetshard_schema.card_from_config import card_from_hub_metadata
+from jetshard_schema.card_from_config import UnsupportedModelError, card_from_hub_metadata
 from jetshard_schema.cards import ModelCard
 from jetshard_schema.ids import ModelId
 
@@ -67,12 +67,17 @@ def fetch_card(model_id: ModelId) -> ModelCard:
         raise ApiError(502, f"the Hub is unreachable: {error}", "hub_unreachable") from error
     try:
         return card_from_hub_metadata(model_id, config, index, sizes)
-    except ValueError as error:
+    except UnsupportedModelError as error:
         raise ApiError(400, str(error), "unsupported_model") from error
+    except ValueError as error:  # a config.json that lacks or garbles a required value
+        raise ApiError(400, str(error), "invalid_config") from error
 
 
 def _read_json(model_id: ModelId, filename: str, revision: str | None, scratch: str) -> dict:  # type: ignore[type-arg]
     path = hf_hub_download(model_id, filename, revision=revision, local_dir=scratch)
-    with open(path) as file:
-        result: dict = json.load(file)  # type: ignore[type-arg]
-        return result
+    try:
+        with open(path, encoding="utf-8") as file:
+            result: dict = json.load(file)  # type: ignore[type-arg]
+    except ValueError as error:  # not JSON, or not UTF-8: the repo's fault, not a server error
+        raise ApiError(400, f"{model_id}: {filename} is not valid JSON: {error}", "invalid_config") from error
+    return result

@@ -63,7 +63,9 @@ _LAYER_RENAMES = {
     "ffn_norm": "post_attention_layernorm",
 }
 _TOP_RENAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
-_TENSOR_RE = re.compile(r"^(?:blk\.(?P<layer>\d+)\.(?P<part>[a-z_]+)|(?P<top>[a-z_]+))\.(?P<kind>weight|scales|biases)$")
+_TENSOR_RE = re.compile(
+    r"^(?:blk\.(?P<layer>\d+)\.(?P<part>[a-z_]+)|(?P<top>[a-z_]+))\.(?P<kind>weight|scales|biases)$"
+)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -96,7 +98,9 @@ def recorded_sha256(distribution: str, filename: str) -> str:
     for entry in importlib.metadata.distribution(distribution).files or ():
         if entry.name == filename and entry.hash is not None:
             if entry.hash.mode != "sha256":
-                raise ValueError(f"RECORD of {distribution} hashes {filename} with {entry.hash.mode}, not sha256")
+                raise ValueError(
+                    f"RECORD of {distribution} hashes {filename} with {entry.hash.mode}, not sha256"
+                )
             value = entry.hash.value
             return base64.urlsafe_b64decode(value + "=" * (-len(value) % 4)).hex()
     raise ValueError(f"RECORD of {distribution!r} has no sha256 for {filename!r}")
@@ -162,7 +166,9 @@ def _model_config(metadata: Mapping[str, Any], weights: Mapping[str, mx.array]) 
     vocab_size = int(get("vocab_size", len(tokens) or None))
     embed = _dequantized_shape(weights, "token_embd")
     if embed != (vocab_size, hidden):
-        raise ValueError(f"token_embd has shape {embed}, expected (vocab_size, hidden) = {(vocab_size, hidden)}")
+        raise ValueError(
+            f"token_embd has shape {embed}, expected (vocab_size, hidden) = {(vocab_size, hidden)}"
+        )
 
     config: dict[str, Any] = {
         "architectures": ["LlamaForCausalLM"],
@@ -185,7 +191,10 @@ def _model_config(metadata: Mapping[str, Any], weights: Mapping[str, mx.array]) 
     }
     if scaling == "linear":
         config["rope_scaling"] = {"type": "linear", "factor": _f32(get("rope.scaling.factor"))}
-    for field, key in (("bos_token_id", "tokenizer.ggml.bos_token_id"), ("eos_token_id", "tokenizer.ggml.eos_token_id")):
+    for field, key in (
+        ("bos_token_id", "tokenizer.ggml.bos_token_id"),
+        ("eos_token_id", "tokenizer.ggml.eos_token_id"),
+    ):
         if key in metadata:
             config[field] = int(to_python(metadata[key]))
     return config
@@ -335,7 +344,9 @@ def convert_gguf(
         units.setdefault(unit, {})[new_name] = tensor
     layers = sorted(u for u in units if 0 <= u < 1 << 30)
     if layers != list(range(config["num_hidden_layers"])):
-        raise ValueError(f"GGUF has layers {layers[:3]}...{layers[-3:]}, expected {config['num_hidden_layers']}")
+        raise ValueError(
+            f"GGUF has layers {layers[:3]}...{layers[-3:]}, expected {config['num_hidden_layers']}"
+        )
     shards = _plan_shards(units, max_shard_bytes)
 
     out_dir.parent.mkdir(parents=True, exist_ok=True)

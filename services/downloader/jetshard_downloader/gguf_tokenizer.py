@@ -25,7 +25,9 @@ TOKEN_BYTE = 6
 
 # `tokenizer.ggml.pre` names whose llama.cpp split is "each digit alone, then the GPT-2 regex":
 # exactly what Hugging Face writes as Sequence[Digits(individual_digits=True), ByteLevel(use_regex=True)].
-_DIGITS_THEN_GPT2 = frozenset({"smollm", "starcoder", "refact", "command-r", "codeshell", "exaone", "minerva"})
+_DIGITS_THEN_GPT2 = frozenset(
+    {"smollm", "starcoder", "refact", "command-r", "codeshell", "exaone", "minerva"}
+)
 # Plain GPT-2 regex, no digit split.
 _GPT2_ONLY = frozenset({"default", "gpt-2", "gpt2"})
 
@@ -144,8 +146,8 @@ def build_tokenizer(metadata: Mapping[str, Any]) -> tuple[Tokenizer, dict[str, A
         ("pad_token", "tokenizer.ggml.padding_token_id"),
         ("unk_token", "tokenizer.ggml.unknown_token_id"),
     ):
-        if (token := name(key)) is not None:
-            config[field] = token
+        if (content := name(key)) is not None:
+            config[field] = content
     if "tokenizer.chat_template" in metadata:
         config["chat_template"] = str(to_python(metadata["tokenizer.chat_template"]))
     return tok, config

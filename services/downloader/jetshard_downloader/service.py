@@ -1,10 +1,29 @@
-"""The downloader shell: reports this node's model directories and fetches what its shards need."""
+"""The downloader shell: reports this node's model directories and fetches what its shards need.
+
+A thin async shell around the pure storage core (dirs, locate, choose, fetch/resume, convert, delete); all
+blocking work runs in threads. It acts on events for this node:
+
+* `DownloadRequested`, `InstancePlaced` (a shard here: its layer range, with no further request), and at
+  start-up every download State shows pending/ongoing here (resume after a restart): find the shard
+  locally (read-only directories first; found: completed, no network call), else convert a packaged GGUF,
+  else list the repo, choose a directory (counting what this process's running downloads still expect in
+  each), and fetch the range's files, reporting progress at most once per second per model;
+* `DownloadCancelled`: stop that download (finished files and the partial file in flight are kept);
+* `DownloadDeleteRequested`: delete the model from every writable directory, then `ReportDownloadDeleted`.
+
+One job runs per model at a time (a second range of the same model waits, then finds the first's files).
+"""
 
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
+import json
 import logging
+import os
+import threading
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -14,32 +33,407 @@ from jetshard_bus.follower import StateFollower
 from jetshard_bus.node import config_dir, node_id_for
 from jetshard_bus.options import NatsOptions
 from jetshard_bus.streams import BusTimings
-from jetshard_downloader.dirs import ModelDirs, directory_report
-from jetshard_schema.commands import ReportNodeStorage
-from jetshard_schema.types import ModelDirInfo
+from jetshard_schema.cards import ModelCard, ModelSource
+from jetshard_schema.commands import (
+    Command,
+    ReportDownloadDeleted,
+    ReportDownloadProgress,
+    ReportModelSize,
+    ReportNodeStorage,
+)
+from jetshard_schema.events import (
+    DownloadCancelled,
+    DownloadDeleteRequested,
+    DownloadRequested,
+    EventEnvelope,
+    InstancePlaced,
+)
+from jetshard_schema.ids import ModelId, NodeId
+from jetshard_schema.models import find_card
+from jetshard_schema.state import State
+from jetshard_schema.types import DownloadStatus, ModelDirInfo
+
+from jetshard_downloader.choose import NoSpace, choose_directory
+from jetshard_downloader.convert import convert_packaged, sweep_staging
+from jetshard_downloader.delete import ReadOnlyModelError, delete_model, sweep_tombstones
+from jetshard_downloader.dirs import ModelDirs, directory_report, free_bytes
+from jetshard_downloader.fetch import Cancelled, FetchError, _offline_error, is_offline, list_remote_files
+from jetshard_downloader.local import find_shard
+from jetshard_downloader.locate import partial_bytes_for
+from jetshard_downloader.paths import INDEX_NAME, SINGLE_WEIGHTS_NAME
+from jetshard_downloader.resume import fetch_bytes, fetch_files_resumable, use_small_download_chunks
+from jetshard_downloader.shard_files import required_files
 
 log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
 class DownloaderConfig:
-    nats: NatsOptions = NatsOptions()
-    timings: BusTimings = BusTimings()
+    nats: NatsOptions = NatsOptions()  # noqa: RUF009 (frozen, shared safely)
+    timings: BusTimings = BusTimings()  # noqa: RUF009
     config_dir: Path = field(default_factory=config_dir)
     model_dirs: ModelDirs = field(default_factory=ModelDirs.from_env)
     storage_interval_s: float = 10.0
+    offline: bool = False
+    """Never make a network call (also on with JETSHARD_OFFLINE=1 or HF_HUB_OFFLINE=1)."""
+    progress_interval_s: float = 1.0
+    """At most one progress report per model per this many seconds."""
+    endpoint: str | None = None
+    """The Hub (default: HF_ENDPOINT, else huggingface.co)."""
+    token: str | bool | None = None
+
+
+class _Progress:
+    """The latest byte counts of one job, published as ReportDownloadProgress at most once per interval."""
+
+    def __init__(self, publish: _Publisher, model_id: ModelId, start: int, end: int, interval_s: float,
+                 cancel: threading.Event) -> None:
+        self.publish = publish
+        self.model_id = model_id
+        self.start, self.end = start, end
+        self.interval_s = interval_s
+        self.cancel = cancel
+        self.done = 0
+        self.total = 0
+        self.directory = ""
+        self.samples: collections.deque[tuple[float, int]] = collections.deque(maxlen=64)
+        self.dirty = False
+        self.last_sent = 0.0
+        self.wake = asyncio.Event()
+
+    def update(self, done: int, total: int) -> None:
+        self.done, self.total = done, total
+        self.samples.append((time.monotonic(), done))
+        self.dirty = True
+        self.wake.set()
+
+    def speed(self) -> float:
+        now = time.monotonic()
+        window = [(t, d) for t, d in self.samples if now - t <= 5.0]
+        if len(window) < 2 or window[-1][0] <= window[0][0]:
+            return 0.0
+        return max(0.0, (window[-1][1] - window[0][1]) / (window[-1][0] - window[0][0]))
+
+    async def run(self) -> None:
+        while True:
+            await self.wake.wait()
+            self.wake.clear()
+            wait = self.interval_s - (time.monotonic() - self.last_sent)
+            if wait > 0:
+                await asyncio.sleep(wait)
+            if not self.dirty or self.cancel.is_set():
+                continue
+            self.dirty = False
+            self.last_sent = time.monotonic()
+            speed = self.speed()
+            eta = (self.total - self.done) / speed if speed > 0 and self.total >= self.done else None
+            await self.publish(ReportDownloadProgress(
+                model_id=self.model_id, node_id=self.publish.node_id, status=DownloadStatus.ONGOING,
+                start_layer=self.start, end_layer=self.end, bytes_done=self.done, bytes_total=self.total,
+                speed_bytes_per_s=round(speed, 1), eta_s=None if eta is None else round(eta, 1),
+                directory=self.directory,
+            ))
+
+
+class _Publisher:
+    def __init__(self, js: object, node_id: NodeId) -> None:
+        self.js = js
+        self.node_id = node_id
+
+    async def __call__(self, command: Command) -> None:
+        for attempt in range(5):
+            try:
+                await publish_command(self.js, command)  # type: ignore[arg-type]
+                return
+            except Exception as error:  # NATS briefly away: retry, then give up on this report
+                log.warning("publishing %s failed (attempt %d): %s", type(command).__name__, attempt + 1,
+                            error)
+                await asyncio.sleep(0.5 * (attempt + 1))
+
+
+@dataclass
+class _Job:
+    model_id: ModelId
+    start: int
+    end: int
+    cancel: threading.Event = field(default_factory=threading.Event)
+    models_dir: Path | None = None
+    remaining: int = 0
+    """Bytes this job still expects to write into `models_dir` (its reservation)."""
+
+
+class Downloader:
+    def __init__(self, config: DownloaderConfig, publish: _Publisher, follower: StateFollower) -> None:
+        self.config = config
+        self.dirs = config.model_dirs
+        self.publish = publish
+        self.node_id = publish.node_id
+        self.follower = follower
+        self.environ = dict(os.environ)
+        if config.offline:
+            self.environ["JETSHARD_OFFLINE"] = "1"
+        self.offline = is_offline(self.environ)
+        self.running: dict[ModelId, _Job] = {}
+        self.locks: dict[ModelId, asyncio.Lock] = collections.defaultdict(asyncio.Lock)
+        self.generation: dict[ModelId, int] = collections.defaultdict(int)
+        """Bumped by a cancel or delete: requests queued before it for that model are dropped."""
+        self.choose_lock = asyncio.Lock()
+        self.tasks: set[asyncio.Task[None]] = set()
+
+    # --- events ------------------------------------------------------------------------------------------
+
+    def on_event(self, envelope: EventEnvelope, state: State, live: bool) -> None:
+        if not live:
+            return
+        match envelope.event:
+            case DownloadRequested(node_id=node_id, model_id=model_id, start_layer=start, end_layer=end) if (
+                node_id == self.node_id
+            ):
+                self.request(model_id, start, end)
+            case InstancePlaced(model_id=model_id, shards=shards):
+                for shard in shards:
+                    if shard.node_id == self.node_id:
+                        self.request(model_id, shard.start_layer, shard.end_layer)
+            case DownloadCancelled(node_id=node_id, model_id=model_id) if node_id == self.node_id:
+                self.cancel(model_id)
+            case DownloadDeleteRequested(node_id=node_id, model_id=model_id) if node_id == self.node_id:
+                self._spawn(self._delete(model_id))
+
+    def resume(self, state: State) -> None:
+        """Pick up what State says this node was doing when the downloader stopped."""
+        for download in state.downloads.get(self.node_id, {}).values():
+            if download.deleting:
+                self._spawn(self._delete(download.model_id))
+            elif download.status in (DownloadStatus.PENDING, DownloadStatus.ONGOING):
+                start, end = download.start_layer, download.end_layer
+                if end <= start:  # reported by a shard job before any DownloadRequested: the whole model
+                    card = find_card(state, download.model_id)
+                    start, end = 0, card.num_layers if card else 0
+                if end > start:
+                    self.request(download.model_id, start, end)
+        for instance in state.instances.values():
+            shard = instance.shard_for(self.node_id)
+            if shard is not None:
+                self.request(instance.model_id, shard.start_layer, shard.end_layer)
+
+    def request(self, model_id: ModelId, start: int, end: int) -> None:
+        job = self.running.get(model_id)
+        if job is not None and not job.cancel.is_set() and job.start <= start and end <= job.end:
+            return  # already being fetched
+        self._spawn(self._run(model_id, start, end, self.generation[model_id]))
+
+    def cancel(self, model_id: ModelId) -> None:
+        self.generation[model_id] += 1
+        job = self.running.get(model_id)
+        if job is not None:
+            log.info("cancelling the download of %s", model_id)
+            job.cancel.set()
+
+    def _spawn(self, coroutine: object) -> None:
+        task = asyncio.ensure_future(coroutine)  # type: ignore[call-overload]
+        self.tasks.add(task)
+        task.add_done_callback(self.tasks.discard)
+
+    async def shutdown(self) -> None:
+        for job in self.running.values():
+            job.cancel.set()
+        for task in list(self.tasks):
+            task.cancel()
+        if self.tasks:
+            await asyncio.wait(self.tasks, timeout=10)
+
+    # --- reports -----------------------------------------------------------------------------------------
+
+    async def _report(self, job: _Job, status: DownloadStatus, **fields: object) -> None:
+        await self.publish(ReportDownloadProgress(
+            model_id=job.model_id, node_id=self.node_id, status=status, start_layer=job.start,
+            end_layer=job.end, **fields,  # type: ignore[arg-type]
+        ))
+
+    async def _report_completed(self, job: _Job, card: ModelCard, directory: Path, read_only: bool,
+                                bytes_total: int) -> None:
+        # A node keeps one download record per model: report the widest range that is complete here, so a
+        # second shard of a model does not make State forget the first.
+        start, end = job.start, job.end
+        existing = self.follower.state.download(self.node_id, job.model_id)
+        if existing is not None and existing.status is DownloadStatus.COMPLETED and existing.end_layer > 0:
+            wide = (min(start, existing.start_layer), max(end, existing.end_layer))
+            if wide != (start, end):
+                found = await asyncio.to_thread(find_shard, self.dirs, card, *wide)
+                if found is not None and found[0].path == directory:
+                    start, end = wide
+                    bytes_total = found[1]
+        log.info("%s layers [%d, %d) complete in %s", job.model_id, start, end, directory)
+        await self.publish(ReportDownloadProgress(
+            model_id=job.model_id, node_id=self.node_id, status=DownloadStatus.COMPLETED, start_layer=start,
+            end_layer=end, bytes_done=bytes_total, bytes_total=bytes_total, directory=str(directory),
+            read_only=read_only,
+        ))
+
+    # --- one download ------------------------------------------------------------------------------------
+
+    async def _run(self, model_id: ModelId, start: int, end: int, generation: int) -> None:
+        async with self.locks[model_id]:
+            if self.generation[model_id] != generation:
+                return  # cancelled or deleted while queued
+            job = _Job(model_id, start, end)
+            self.running[model_id] = job
+            try:
+                await self._run_job(job)
+            except Cancelled:
+                log.info("download of %s stopped", model_id)
+            except asyncio.CancelledError:
+                job.cancel.set()
+                raise
+            except (FetchError, OSError, ValueError) as error:
+                log.warning("download of %s failed: %s", model_id, error)
+                if not job.cancel.is_set():
+                    await self._report(job, DownloadStatus.FAILED, reason=str(error))
+            except Exception as error:
+                log.exception("download of %s failed", model_id)
+                if not job.cancel.is_set():
+                    await self._report(job, DownloadStatus.FAILED, reason=f"{type(error).__name__}: {error}")
+            finally:
+                if self.running.get(model_id) is job:
+                    del self.running[model_id]
+
+    async def _run_job(self, job: _Job) -> None:
+        card = find_card(self.follower.state, job.model_id)
+        if card is None:
+            raise ValueError(f"unknown model {job.model_id}: no card in the catalogue")
+        if not 0 <= job.start < job.end <= card.num_layers:
+            job.start, job.end = 0, card.num_layers
+        found = await asyncio.to_thread(find_shard, self.dirs, card, job.start, job.end)
+        if found is not None:
+            await self._report_completed(job, card, found[0].path, found[0].read_only, found[1])
+            return
+        if card.source is ModelSource.GGUF_PACKAGE:
+            await self._convert(job, card)
+        elif card.source is ModelSource.LOCAL_GGUF:
+            raise FetchError(f"{job.model_id} was imported from a local GGUF file and is not in any model "
+                             "directory of this node any more; import it again")
+        else:
+            await self._fetch(job, card)
+
+    async def _with_progress(self, job: _Job, work: object, directory: Path) -> object:
+        """Run blocking `work(on_progress)` in a thread while publishing its progress."""
+        progress = _Progress(self.publish, job.model_id, job.start, job.end, self.config.progress_interval_s,
+                             job.cancel)
+        progress.directory = str(directory)
+        progress.last_sent = time.monotonic()  # the pending report just went out
+        loop = asyncio.get_running_loop()
+        base_remaining = job.remaining
+
+        def on_progress(done: int, total: int) -> None:
+            job.remaining = max(0, base_remaining - done)
+            loop.call_soon_threadsafe(progress.update, done, total)
+
+        reporter = asyncio.create_task(progress.run())
+        try:
+            return await asyncio.to_thread(work, on_progress)  # type: ignore[arg-type]
+        finally:
+            reporter.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await reporter
+
+    async def _convert(self, job: _Job, card: ModelCard) -> None:
+        job.start, job.end = 0, card.num_layers  # a conversion always produces the whole model
+        await self._report(job, DownloadStatus.PENDING, bytes_total=card.storage_size_bytes)
+        log.info("converting the packaged GGUF of %s", job.model_id)
+        target, size = await self._with_progress(  # type: ignore[misc]
+            job,
+            lambda on_progress: convert_packaged(card, self.dirs, on_progress=on_progress, cancel=job.cancel),
+            self.dirs.default_dir,
+        )
+        await self._report_completed(job, card, target, False, size)
+
+    async def _fetch(self, job: _Job, card: ModelCard) -> None:
+        if self.offline:
+            raise _offline_error(job.model_id)
+        await self._report(job, DownloadStatus.PENDING)
+        kwargs = {"token": self.config.token, "endpoint": self.config.endpoint, "environ": self.environ}
+        listing = await asyncio.to_thread(list_remote_files, job.model_id, cancel=job.cancel, **kwargs)
+        names = [f.name for f in listing.files]
+        sizes = {f.name: f.size or 0 for f in listing.files}
+        index = None
+        if INDEX_NAME in sizes:
+            raw = await asyncio.to_thread(fetch_bytes, job.model_id, listing.revision, INDEX_NAME,
+                                          size=sizes[INDEX_NAME] or None, **kwargs)
+            index = json.loads(raw)
+            weights = set(index.get("weight_map", {}).values())
+        else:
+            weights = {SINGLE_WEIGHTS_NAME}
+        measured = sum(sizes.get(name, 0) for name in weights)
+        if measured and (card.storage_size_estimated or measured != card.storage_size_bytes):
+            await self.publish(ReportModelSize(model_id=job.model_id, storage_size_bytes=measured))
+        files = listing.select(required_files(names, index, card.num_layers, job.start, job.end))
+        needed = sum(f.size or 0 for f in files)
+
+        async with self.choose_lock:
+            reserved: dict[Path, int] = collections.defaultdict(int)
+            for other in self.running.values():
+                if other is not job and other.models_dir is not None:
+                    reserved[other.models_dir] += other.remaining
+            choice = await asyncio.to_thread(choose_directory, self.dirs, job.model_id, needed, free_bytes,
+                                             reserved, partial_bytes_for(job.model_id))
+            if isinstance(choice, NoSpace):
+                raise FetchError(choice.message)
+            job.models_dir, job.remaining = choice.models_dir, choice.bytes_remaining
+        log.info("downloading %s layers [%d, %d): %d files, %d bytes into %s%s", job.model_id, job.start,
+                 job.end, len(files), needed, choice.model_dir, " (resuming)" if choice.resumes else "")
+        await self._with_progress(
+            job, lambda on_progress: fetch_files_resumable(
+                job.model_id, listing.revision, choice.model_dir, files, on_progress=on_progress,
+                cancel=job.cancel, **kwargs),
+            choice.model_dir,
+        )
+        found = await asyncio.to_thread(find_shard, self.dirs, card, job.start, job.end)
+        if found is None or found[0].path != choice.model_dir:
+            raise FetchError(f"{job.model_id}: the files were fetched into {choice.model_dir} but it does "
+                             "not hold the layer range completely; retry the download")
+        await self._report_completed(job, card, choice.model_dir, False, needed)
+
+    # --- deletes -----------------------------------------------------------------------------------------
+
+    async def _delete(self, model_id: ModelId) -> None:
+        self.cancel(model_id)
+        async with self.locks[model_id]:  # wait for a running job to stop
+            try:
+                deleted = await asyncio.to_thread(delete_model, self.dirs, model_id)
+                removed = tuple(str(p) for p in deleted.removed)
+            except ReadOnlyModelError as error:
+                # State thought the copy was writable (the configuration changed since): nothing of ours
+                # is left to delete; the node forgets the record, the files stay.
+                log.warning("%s", error)
+                removed = ()
+            log.info("deleted %s from %s", model_id, ", ".join(removed) or "nowhere")
+            await self.publish(ReportDownloadDeleted(model_id=model_id, node_id=self.node_id,
+                                                     directories=removed))
+
+
+def _storage(dirs: ModelDirs) -> tuple[ModelDirInfo, ...]:
+    return tuple(ModelDirInfo(path=str(d.path), read_only=d.read_only, free_bytes=d.free_bytes,
+                              total_bytes=d.total_bytes) for d in directory_report(dirs))
 
 
 async def run_downloader(config: DownloaderConfig, stop: asyncio.Event) -> None:
     node_id = node_id_for(config.config_dir)
+    use_small_download_chunks()
+    for models_dir in config.model_dirs.writable:
+        with contextlib.suppress(OSError):
+            sweep_tombstones(models_dir)
+            sweep_staging(models_dir)
     client, js = await connect(config.nats, f"jetshard-downloader {node_id}", config.timings)
     follower = StateFollower(js)
+    downloader = Downloader(config, _Publisher(js, node_id), follower)
+    follower.add_listener(downloader.on_event)
     await follower.start()
-    log.info("downloader for node %s started; model dirs %s", node_id, config.model_dirs)
+    log.info("downloader for node %s started; model dirs %s%s", node_id, config.model_dirs,
+             " (offline)" if downloader.offline else "")
+    downloader.resume(follower.state)
     try:
         while not stop.is_set():
-            dirs = tuple(ModelDirInfo(path=str(d.path), read_only=d.read_only, free_bytes=d.free_bytes,
-                                      total_bytes=d.total_bytes) for d in directory_report(config.model_dirs))
+            dirs = await asyncio.to_thread(_storage, config.model_dirs)
             try:
                 await publish_command(js, ReportNodeStorage(node_id=node_id, model_dirs=dirs))
             except Exception as error:
@@ -47,5 +441,6 @@ async def run_downloader(config: DownloaderConfig, stop: asyncio.Event) -> None:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(stop.wait(), config.storage_interval_s)
     finally:
+        await downloader.shutdown()
         await follower.stop()
         await client.drain()

@@ -254,6 +254,9 @@ def _report_download_progress(state: State, command: ReportDownloadProgress, ctx
                 return []
             return [DownloadCancelled(node_id=node_id, model_id=model_id)]
         case _:
+            current = state.download(node_id, model_id)
+            if current is not None and current.status is DownloadStatus.CANCELLED:
+                return []  # a report sent before the downloader saw the cancel; a new request resets it
             return [DownloadProgressed(
                 node_id=node_id, model_id=model_id, pending=command.status is DownloadStatus.PENDING,
                 bytes_done=command.bytes_done, bytes_total=command.bytes_total,

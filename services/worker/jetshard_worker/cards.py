@@ -47,6 +47,9 @@ class CardDirectory:
     def reconcile(self, cards: dict[ModelId, ModelCard]) -> None:
         """Make the directory hold exactly `cards`: added while down appear, deleted while down disappear."""
         wanted = {self._file(model_id).name: card for model_id, card in cards.items()}
+        if self.path.is_dir():
+            for stale in self.path.glob(".card-*.tmp"):  # left by a write the process died in
+                stale.unlink(missing_ok=True)
         for name in self.stored() - wanted.keys():
             (self.path / name).unlink(missing_ok=True)
             log.info("removed card file %s (the card was deleted)", name)

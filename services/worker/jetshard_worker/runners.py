@@ -1,28 +1,180 @@
-"""Runner supervision (filled in by the inference work): starts, watches and stops shard runners."""
+"""Runner supervision: a thin shell that carries out `planning.plan` — reports endpoints, starts runner
+processes (each in its own process group, dying with the worker), kills those no longer wanted, and
+reports runners that died or did not join their peers in time."""
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import msgspec
 from nats.js import JetStreamContext
 
+from jetshard_bus.commands import publish_command
 from jetshard_bus.options import NatsOptions
+from jetshard_schema.commands import ReportRunnerEndpoint, ReportRunnerStatus
 from jetshard_schema.ids import NodeId
 from jetshard_schema.state import State
+from jetshard_schema.types import RunnerStatus
+from jetshard_worker.engine.distributed import write_hostfile
+from jetshard_worker.planning import RunnerKey, RunnerPlan, plan
+from jetshard_worker.runner import RunnerSpec
+
+log = logging.getLogger(__name__)
+
+
+def _die_with_parent() -> None:
+    os.setsid()
+    if sys.platform == "linux":
+        import ctypes
+
+        ctypes.CDLL("libc.so.6").prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+
+
+def free_port(host: str) -> int:
+    with socket.socket() as sock:
+        sock.bind((host, 0))
+        return int(sock.getsockname()[1])
+
+
+@dataclass
+class RunningRunner:
+    plan: RunnerPlan
+    process: subprocess.Popen[bytes]
+    started_at: float
+    log_path: Path
 
 
 class RunnerSupervisor:
     def __init__(self, js: JetStreamContext, node_id: NodeId, session_id: str, nats: NatsOptions,
-                 start_timeout_s: float) -> None:
+                 start_timeout_s: float, advertise_host: str = "127.0.0.1") -> None:
         self._js = js
         self.node_id = node_id
         self.session_id = session_id
         self._nats = nats
         self._start_timeout_s = start_timeout_s
+        self._host = advertise_host
+        self._running: dict[RunnerKey, RunningRunner] = {}
+        self._reported: set[RunnerKey] = set()
+        self._state = State()
+        self._scratch = Path(tempfile.mkdtemp(prefix="jetshard-runners-"))
+        self._watching: asyncio.Task[None] | None = None
+        self._wake = asyncio.Event()
 
     async def start(self, state: State) -> None:
+        self._watching = asyncio.create_task(self._watch())
         self.on_state(state)
 
     def on_state(self, state: State) -> None:
-        pass
+        self._state = state
+        self._wake.set()
+
+    async def _watch(self) -> None:
+        while True:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._wake.wait(), 1.0)
+            self._wake.clear()
+            try:
+                await self._reconcile()
+            except Exception:
+                log.exception("runner reconciliation failed")
+
+    async def _reconcile(self) -> None:
+        state = self._state
+        now_ms = int(time.time() * 1000)
+        wanted = plan(state, self.node_id, self.session_id, frozenset(self._running), now_ms)
+        for instance_id, generation, rank in wanted.stale:
+            await self._report(instance_id, generation, rank, RunnerStatus.STOPPED,
+                               "its worker restarted; the runner of its previous life is gone")
+        for key in list(self._running):
+            if key not in wanted.keep:
+                self._stop(key)
+        for key in wanted.report_endpoint:
+            if key in self._reported:
+                continue
+            self._reported.add(key)
+            shard = state.instances[key.instance_id].shard_for(self.node_id)
+            assert shard is not None
+            await publish_command(self._js, ReportRunnerEndpoint(
+                instance_id=key.instance_id, generation=key.generation, node_id=self.node_id,
+                rank=shard.rank, host=self._host, port=free_port(self._host)))
+        for runner_plan in wanted.start:
+            self._spawn(runner_plan)
+        await self._check_health(state)
+
+    def _spawn(self, runner_plan: RunnerPlan) -> None:
+        key = runner_plan.key
+        hostfile = None
+        if runner_plan.world_size > 1:
+            hostfile = str(write_hostfile(self._scratch / f"{key.instance_id}-{key.generation}.json",
+                                          runner_plan.endpoints))
+        spec = RunnerSpec(nats=self._nats, instance_id=key.instance_id, generation=key.generation,
+                          node_id=self.node_id, worker_session=self.session_id, rank=runner_plan.rank,
+                          world_size=runner_plan.world_size, model_dir=runner_plan.model_dir,
+                          start_layer=runner_plan.start_layer, end_layer=runner_plan.end_layer, hostfile=hostfile)
+        log_path = self._scratch / f"{key.instance_id}-{key.generation}-rank{runner_plan.rank}.log"
+        with open(log_path, "ab") as log_file:
+            process = subprocess.Popen(
+                [sys.executable, "-m", "jetshard_worker.runner", msgspec.json.encode(spec).decode()],
+                stdout=log_file, stderr=subprocess.STDOUT, preexec_fn=_die_with_parent,  # noqa: PLW1509
+            )
+        log.info("started runner rank %d of %s (generation %d), pid %d, log %s", runner_plan.rank,
+                 key.instance_id, key.generation, process.pid, log_path)
+        self._running[key] = RunningRunner(runner_plan, process, time.monotonic(), log_path)
+
+    def _stop(self, key: RunnerKey) -> None:
+        runner = self._running.pop(key)
+        log.info("stopping runner of %s (generation %d)", key.instance_id, key.generation)
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(runner.process.pid, signal.SIGKILL)
+        runner.process.wait()
+
+    async def _check_health(self, state: State) -> None:
+        for key, runner in list(self._running.items()):
+            instance = state.instances.get(key.instance_id)
+            reported = instance.runners.get(runner.plan.rank) if instance else None
+            ready = reported is not None and reported.status is RunnerStatus.READY and (
+                reported.worker_session == self.session_id)
+            exit_code = runner.process.poll()
+            if exit_code is not None:
+                del self._running[key]
+                if reported is None or reported.status is not RunnerStatus.STOPPED:
+                    await self._report(key.instance_id, key.generation, runner.plan.rank, RunnerStatus.FAILED,
+                                       f"runner exited with {exit_code}: {_tail(runner.log_path)}")
+            elif not ready and time.monotonic() - runner.started_at > self._start_timeout_s:
+                self._stop(key)
+                await self._report(key.instance_id, key.generation, runner.plan.rank, RunnerStatus.FAILED,
+                                   f"did not load and join its peers within {self._start_timeout_s:.0f} s")
+
+    async def _report(self, instance_id: str, generation: int, rank: int, status: RunnerStatus,
+                      reason: str) -> None:
+        await publish_command(self._js, ReportRunnerStatus(
+            instance_id=instance_id, generation=generation, node_id=self.node_id, rank=rank,  # type: ignore[arg-type]
+            worker_session=self.session_id, status=status, reason=reason))
 
     async def shutdown(self) -> None:
-        pass
+        if self._watching is not None:
+            self._watching.cancel()
+        for key in list(self._running):
+            runner = self._running[key]
+            self._stop(key)
+            with contextlib.suppress(Exception):
+                await self._report(key.instance_id, key.generation, runner.plan.rank, RunnerStatus.STOPPED,
+                                   "the worker stopped")
+
+
+def _tail(path: Path, lines: int = 3) -> str:
+    try:
+        return " | ".join(path.read_text(errors="replace").strip().splitlines()[-lines:])
+    except OSError:
+        return ""

@@ -22,7 +22,17 @@ from typing import Any
 
 import mlx.core as mx
 
-from .protocol import FLAG_RESET, Header, Link, Op
+from .protocol import (
+    FLAG_RESET,
+    HELLO_BAD_END,
+    HELLO_BAD_RANK,
+    HELLO_BAD_START,
+    HELLO_NEXT,
+    HELLO_NUM_LAYERS,
+    Header,
+    Link,
+    Op,
+)
 from .sampling import TaskSampler
 from .shard import Shard
 
@@ -147,7 +157,7 @@ class PipelineEngine:
         self._require_leader("submit")
         with self._lock:
             if self._shutdown_requested:
-                raise RuntimeError("engine is shutting down")
+                raise RuntimeError("engine is shut down or shutting down")
             if request.task_id in self._task_ids:
                 raise ValueError(f"task {request.task_id} is already queued or running")
             self._task_ids.add(request.task_id)
@@ -181,6 +191,8 @@ class PipelineEngine:
             else:
                 self._follow()
         finally:
+            with self._lock:
+                self._shutdown_requested = True  # later submits fail instead of waiting forever
             if threading.current_thread() is not threading.main_thread():
                 # mlx 0.32 keeps per-thread stream state whose teardown at interpreter exit
                 # aborts the process ("terminate called without an active exception", exit 134)
@@ -188,6 +200,8 @@ class PipelineEngine:
                 mx.clear_streams()
 
     def _lead(self) -> None:
+        if self._link is not None:
+            self._check_layout()
         while True:
             idle = self._active is None and not self._pending
             if not self._apply_control(block=idle):
@@ -212,6 +226,10 @@ class PipelineEngine:
                 caches.pop(header.slot, None)
                 self._link.send(header)
                 continue
+            assert payload is not None
+            if header.op == Op.HELLO:
+                self._link.send(header, self._hello_hop(payload))
+                continue
             if header.flags & FLAG_RESET:
                 caches[header.slot] = self.shard.make_cache()
             cache = caches.get(header.slot)
@@ -219,11 +237,42 @@ class PipelineEngine:
                 raise RuntimeError(
                     f"rank {self.rank}: step {header.seq} names slot {header.slot}, which has no cache"
                 )
-            assert payload is not None
             h = self.shard.embed(payload) if self.shard.is_first else payload
             h = self.shard.run_layers(h, cache)
             self._link.send(header.with_payload(h), h, extra=[c.state for c in cache])
             self.stats.steps += 1
+
+    # ----------------------------------------------------------------- layout check
+
+    def _hello_hop(self, payload: mx.array) -> mx.array:
+        values = payload.tolist()[0]
+        shard = self.shard
+        fits = values[HELLO_NEXT] == shard.start_layer and values[HELLO_NUM_LAYERS] == shard.num_layers
+        if values[HELLO_BAD_RANK] < 0 and not fits:
+            values[HELLO_BAD_RANK] = self.rank
+            values[HELLO_BAD_START] = self.shard.start_layer
+            values[HELLO_BAD_END] = self.shard.end_layer
+        values[HELLO_NEXT] = self.shard.end_layer
+        return mx.array([values], dtype=mx.int32)
+
+    def _check_layout(self) -> None:
+        """Refuse to serve unless ranks 0..n-1 hold consecutive ranges covering every layer:
+        a gap or overlap would not fail, it would silently generate garbage."""
+        hello = mx.array([[0, self.shard.num_layers, -1, 0, 0]], dtype=mx.int32)
+        back = self._round_trip(Header(Op.HELLO).with_payload(hello), hello)
+        assert back is not None
+        values = back.tolist()[0]
+        if values[HELLO_BAD_RANK] < 0 and values[HELLO_NEXT] != self.shard.start_layer:
+            values[HELLO_BAD_RANK] = self.rank
+            values[HELLO_BAD_START], values[HELLO_BAD_END] = self.shard.start_layer, self.shard.end_layer
+        if values[HELLO_BAD_RANK] >= 0:
+            self._round_trip(Header(Op.STOP))
+            n = self.shard.num_layers
+            raise ValueError(
+                f"rank {values[HELLO_BAD_RANK]} holds layers [{values[HELLO_BAD_START]}, "
+                f"{values[HELLO_BAD_END]}), which does not continue the previous ranks' layers of a "
+                f"{n}-layer model; the ranks' ranges must tile [0, {n})"
+            )
 
     # ----------------------------------------------------------------- leader internals
 

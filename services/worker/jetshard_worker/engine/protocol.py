@@ -22,7 +22,12 @@ class Op(IntEnum):
     PREFILL = 2  # fill the slot's KV cache; the last rank samples nothing
     DECODE = 3  # run the tokens; the last rank samples the next token
     RELEASE = 4  # the slot's task is over: drop its KV cache
+    HELLO = 5  # once at start: check that the ranks' layer ranges tile the model (payload: HELLO_*)
 
+
+# HELLO payload (int32): the next layer expected, the model's layer count, and the first rank
+# whose range did not fit (-1: none yet) with that range.
+HELLO_NEXT, HELLO_NUM_LAYERS, HELLO_BAD_RANK, HELLO_BAD_START, HELLO_BAD_END = range(5)
 
 FLAG_RESET = 1  # the step starts a new task in this slot: make a fresh KV cache first
 
@@ -62,7 +67,7 @@ class Header:
 
     @property
     def has_payload(self) -> bool:
-        return self.op in (Op.PREFILL, Op.DECODE)
+        return self.op in (Op.PREFILL, Op.DECODE, Op.HELLO)
 
     @property
     def payload_shape(self) -> tuple[int, ...]:

@@ -1,0 +1,99 @@
+"""Download routes: every node's downloads, starting, cancelling and deleting one."""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any
+
+import msgspec
+from jetshard_schema.commands import CancelDownload, DeleteDownload, StartDownload
+from jetshard_schema.ids import ModelId, NodeId
+from jetshard_schema.state import Download, State
+from litestar import Controller, Response, delete, get, post
+
+from jetshard_api.cluster import Cluster
+from jetshard_api.errors import ApiError
+from jetshard_api.routes_models import checked_model_id
+
+
+class StartDownloadRequest(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    model_id: str
+    node_id: str | None = None
+    start_layer: int | None = None
+    end_layer: int | None = None
+
+
+class CancelDownloadRequest(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    model_id: str
+    node_id: str | None = None
+
+
+def describe(download: Download) -> dict[str, Any]:
+    result: dict[str, Any] = msgspec.to_builtins(download)
+    return result
+
+
+def _node(state: State, node_id: str | None) -> NodeId:
+    if node_id:
+        if node_id not in state.nodes:
+            raise ApiError(404, f"unknown node {node_id}; see GET /nodes", "node_not_found", "node_id")
+        return NodeId(node_id)
+    if len(state.nodes) == 1:
+        return next(iter(state.nodes))
+    if not state.nodes:
+        raise ApiError(400, "no node has joined the cluster; start `jetshard worker` (or `jetshard up`)",
+                       "no_nodes", "node_id")
+    raise ApiError(400, f"the cluster has {len(state.nodes)} nodes; say which one with node_id "
+                        f"({', '.join(sorted(state.nodes))})", "node_required", "node_id")
+
+
+def _current(state: State, node_id: NodeId, model_id: ModelId) -> dict[str, Any]:
+    download = state.download(node_id, model_id)
+    if download is None:
+        return {"node_id": node_id, "model_id": model_id, "status": None}
+    return describe(download)
+
+
+class DownloadsController(Controller):
+    path = "/downloads"
+    tags = ["downloads"]
+
+    @get("/")
+    async def list_downloads(self, cluster: Cluster) -> list[dict[str, Any]]:
+        """Every node's downloads: status, bytes, speed, ETA, directory, read_only, reason."""
+        state = cluster.state
+        return [describe(download) for _, per_node in sorted(state.downloads.items())
+                for _, download in sorted(per_node.items())]
+
+    @post("/", status_code=202)
+    async def start_download(self, cluster: Cluster, data: StartDownloadRequest) -> dict[str, Any]:
+        """Download a model (or a layer range of it) to a node; answers with the download's state."""
+        model_id = checked_model_id(data.model_id)
+        node_id = _node(cluster.state, data.node_id)
+        await cluster.submit(StartDownload(model_id=model_id, node_id=node_id, start_layer=data.start_layer,
+                                           end_layer=data.end_layer))
+        return _current(cluster.state, node_id, model_id)
+
+    @post("/cancel", status_code=200)
+    async def cancel_download(self, cluster: Cluster, data: CancelDownloadRequest) -> dict[str, Any]:
+        model_id = checked_model_id(data.model_id)
+        node_id = _node(cluster.state, data.node_id)
+        await cluster.submit(CancelDownload(model_id=model_id, node_id=node_id))
+        return _current(cluster.state, node_id, model_id)
+
+    @delete("/{node_id:str}/{org:str}/{name:str}", status_code=200)
+    async def delete_download(self, cluster: Cluster, node_id: str, org: str,
+                              name: str) -> Response[dict[str, Any]]:
+        """Delete a model's files from a node's writable directories (409 for read-only or in-use models).
+
+        200 once the node reports the files gone; 202 if it has not within the command timeout (the
+        deletion is requested and happens when the node's downloader runs)."""
+        model_id = checked_model_id(f"{org}/{name}")
+        node = NodeId(node_id)
+        await cluster.submit(DeleteDownload(model_id=model_id, node_id=node))
+        with contextlib.suppress(TimeoutError):
+            await cluster.follower.wait_until(lambda state: state.download(node, model_id) is None,
+                                              cluster.command_timeout_s)
+            return Response({"deleted": model_id, "node_id": node}, status_code=200)
+        return Response({"deleting": model_id, "node_id": node, **_current(cluster.state, node, model_id)},
+                        status_code=202)

@@ -1,0 +1,79 @@
+"""Worker planning: which runners this node should have, as a pure function of State. Tested without NATS."""
+
+from __future__ import annotations
+
+import msgspec
+
+from jetshard_schema.ids import InstanceId, NodeId
+from jetshard_schema.state import Instance, State
+from jetshard_schema.types import DownloadStatus, RunnerStatus
+
+
+class RunnerKey(msgspec.Struct, frozen=True):
+    instance_id: InstanceId
+    generation: int
+
+
+class RunnerPlan(msgspec.Struct, frozen=True, kw_only=True):
+    key: RunnerKey
+    rank: int
+    world_size: int
+    start_layer: int
+    end_layer: int
+    model_dir: str
+    endpoints: tuple[str, ...]
+    """`host:port` of every rank, in rank order."""
+
+
+class Plan(msgspec.Struct, frozen=True, kw_only=True):
+    report_endpoint: tuple[RunnerKey, ...] = ()
+    """Generations of instances for which this node must still report its rank's endpoint."""
+    start: tuple[RunnerPlan, ...] = ()
+    keep: frozenset[RunnerKey] = frozenset()
+    """Every runner that may run now; anything else running is stopped."""
+    stale: tuple[tuple[InstanceId, int, int], ...] = ()
+    """(instance, generation, rank) of runners a previous life of this worker reported as alive."""
+
+
+def plan(state: State, node_id: NodeId, session_id: str, running: frozenset[RunnerKey], now_ms: int) -> Plan:
+    report, start, keep, stale = [], [], set(), []
+    for instance in sorted(state.instances.values(), key=lambda i: i.instance_id):
+        shard = instance.shard_for(node_id)
+        if shard is None or instance.failed:
+            continue
+        key = RunnerKey(instance.instance_id, instance.generation)
+        mine = instance.runners.get(shard.rank)
+        if mine is not None and mine.worker_session != session_id and mine.status not in (
+            RunnerStatus.STOPPED, RunnerStatus.FAILED
+        ):
+            stale.append((instance.instance_id, instance.generation, shard.rank))
+            continue
+        if now_ms < instance.not_before_ms:
+            continue  # restart back-off
+        keep.add(key)
+        if shard.rank not in instance.endpoints:
+            report.append(key)
+            continue
+        if key in running or mine is not None and mine.status in (RunnerStatus.STOPPED, RunnerStatus.FAILED):
+            continue
+        runner_plan = _startable(state, instance, node_id)
+        if runner_plan is not None:
+            start.append(runner_plan)
+    return Plan(report_endpoint=tuple(report), start=tuple(start), keep=frozenset(keep), stale=tuple(stale))
+
+
+def _startable(state: State, instance: Instance, node_id: NodeId) -> RunnerPlan | None:
+    """A runner can start once this node's shard is downloaded and every rank's endpoint is known."""
+    shard = instance.shard_for(node_id)
+    assert shard is not None
+    download = state.download(node_id, instance.model_id)
+    if download is None or download.status is not DownloadStatus.COMPLETED:
+        return None
+    if download.start_layer > shard.start_layer or download.end_layer < shard.end_layer:
+        return None
+    if any(s.rank not in instance.endpoints for s in instance.shards):
+        return None
+    endpoints = tuple(f"{instance.endpoints[s.rank].host}:{instance.endpoints[s.rank].port}" for s in instance.shards)
+    return RunnerPlan(key=RunnerKey(instance.instance_id, instance.generation), rank=shard.rank,
+                      world_size=len(instance.shards), start_layer=shard.start_layer, end_layer=shard.end_layer,
+                      model_dir=download.directory, endpoints=endpoints)

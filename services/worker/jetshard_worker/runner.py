@@ -1,0 +1,260 @@
+"""A runner: one process hosting one shard of an instance. `python -m jetshard_worker.runner SPEC_JSON`.
+
+Every rank loads its layers, joins the ring, and reports its status. The last rank is the leader: it
+takes the tasks assigned to its instance from the event stream, renders and tokenizes prompts, drives the
+engine, and publishes the generated text on `jetshard.chunks.<task id>`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import msgspec
+from nats.js import JetStreamContext
+
+from jetshard_bus.commands import publish_command
+from jetshard_bus.connect import connect
+from jetshard_bus.follower import StateFollower
+from jetshard_bus.options import NatsOptions
+from jetshard_bus.service import run_service
+from jetshard_schema.codec import encode
+from jetshard_schema.commands import ReportRunnerStatus, ReportTaskFinished, ReportTaskStarted
+from jetshard_schema.events import (
+    EventEnvelope,
+    InstanceDeleted,
+    InstanceFailed,
+    InstanceRestarting,
+    TaskAssigned,
+    TaskCancelled,
+)
+from jetshard_schema.ids import InstanceId, NodeId, TaskId
+from jetshard_schema.state import State
+from jetshard_schema.subjects import chunk_subject
+from jetshard_schema.types import Chunk, RunnerStatus, TaskKind, TaskOutcome, TaskRequest, Usage
+from jetshard_worker.textstream import TextStream
+
+log = logging.getLogger(__name__)
+
+PROGRESS_INTERVAL_S = 0.5
+
+
+class RunnerSpec(msgspec.Struct, frozen=True, kw_only=True):
+    nats: NatsOptions
+    instance_id: InstanceId
+    generation: int
+    node_id: NodeId
+    worker_session: str
+    rank: int
+    world_size: int
+    model_dir: str
+    start_layer: int
+    end_layer: int
+    hostfile: str | None = None
+
+
+class Runner:
+    def __init__(self, spec: RunnerSpec, js: JetStreamContext, client: Any) -> None:
+        self.spec = spec
+        self._js = js
+        self._client = client
+        self._loop = asyncio.get_running_loop()
+        self._outbox: asyncio.Queue[tuple[str, bytes]] = asyncio.Queue()
+        self._streams: dict[str, TextStream] = {}
+        self._chunk_index: dict[str, int] = {}
+        self.engine: Any = None
+        self.tokenizer: Any = None
+        self.context_length = 4096
+        self.done = asyncio.Event()
+
+    async def report(self, status: RunnerStatus, **fields: Any) -> None:
+        await publish_command(self._js, ReportRunnerStatus(
+            instance_id=self.spec.instance_id, generation=self.spec.generation, node_id=self.spec.node_id,
+            rank=self.spec.rank, worker_session=self.spec.worker_session, status=status, **fields,
+        ))
+
+    async def load(self) -> None:
+        from jetshard_worker.engine import PipelineEngine, init_ring, load_shard
+
+        total = self.spec.end_layer - self.spec.start_layer
+        last_report = 0.0
+
+        def on_progress(done: int, of: int) -> None:
+            nonlocal last_report
+            now = time.monotonic()
+            if now - last_report >= PROGRESS_INTERVAL_S or done == of:
+                last_report = now
+                asyncio.run_coroutine_threadsafe(
+                    self.report(RunnerStatus.LOADING, layers_loaded=done, layers_total=of), self._loop)
+
+        await self.report(RunnerStatus.LOADING, layers_loaded=0, layers_total=total)
+        model_dir = Path(self.spec.model_dir)
+        shard = await asyncio.to_thread(load_shard, model_dir, self.spec.start_layer, self.spec.end_layer,
+                                        on_progress)
+        group = None
+        if self.spec.world_size > 1:
+            assert self.spec.hostfile is not None
+            # Blocks until both ring neighbours are up; the worker kills us if that takes too long.
+            group = await asyncio.to_thread(init_ring, self.spec.rank, Path(self.spec.hostfile))
+        self.engine = PipelineEngine(shard, group, on_token=self._on_token, on_finished=self._on_finished)
+        if self.engine.is_leader:
+            from mlx_lm.utils import load_tokenizer
+
+            self.tokenizer = await asyncio.to_thread(load_tokenizer, model_dir,
+                                                     None, sorted(shard.eos_token_ids))
+            self.context_length = int(shard.config.get("max_position_embeddings") or self.context_length)
+        await self.report(RunnerStatus.READY, layers_loaded=total, layers_total=total,
+                          loaded_tensors=tuple(sorted(shard.loaded_tensors)))
+
+    # --- leader: tasks in, chunks out ------------------------------------------------------------------
+
+    def on_event(self, envelope: EventEnvelope, state: State, live: bool) -> None:
+        if not live:
+            return
+        match envelope.event:
+            case TaskAssigned(request=request, instance_id=instance_id, generation=generation) if (
+                instance_id == self.spec.instance_id and generation == self.spec.generation
+            ):
+                self._start_task(request)
+            case TaskCancelled(task_id=task_id) if task_id in self._streams:
+                self.engine.cancel(task_id)
+            case InstanceDeleted(instance_id=i) | InstanceFailed(instance_id=i) if i == self.spec.instance_id:
+                self.done.set()
+            case InstanceRestarting(instance_id=i) if i == self.spec.instance_id:
+                self.done.set()
+
+    def _start_task(self, request: TaskRequest) -> None:
+        from jetshard_worker.engine import GenerationRequest
+
+        try:
+            tokens = self._tokenize(request)
+        except Exception as error:  # a template that rejects the conversation, for instance
+            self._fail_task(request.task_id, f"could not build the prompt: {error}", "invalid_prompt")
+            return
+        if len(tokens) >= self.context_length:
+            self._fail_task(request.task_id, f"the prompt has {len(tokens)} tokens; the model's context is "
+                            f"{self.context_length}", "context_length_exceeded")
+            return
+        room = self.context_length - len(tokens)
+        sampling = request.sampling
+        max_tokens = min(sampling.max_tokens or room, room)
+        self._streams[request.task_id] = TextStream(self.tokenizer.detokenizer, sampling.stop)
+        self._chunk_index[request.task_id] = 0
+        self._send_later(publish_command(self._js, ReportTaskStarted(
+            task_id=request.task_id, instance_id=self.spec.instance_id, prompt_tokens=len(tokens))))
+        self.engine.submit(GenerationRequest(
+            task_id=request.task_id, prompt_tokens=tokens, max_tokens=max_tokens,
+            temperature=sampling.temperature, top_p=sampling.top_p, seed=sampling.seed,
+        ))
+
+    def _tokenize(self, request: TaskRequest) -> list[int]:
+        if request.kind is TaskKind.CHAT:
+            messages = [{"role": m.role, "content": m.content} for m in request.messages]
+            rendered = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+            return list(self.tokenizer.encode(rendered, add_special_tokens=False))
+        return list(self.tokenizer.encode(request.prompt))
+
+    def _fail_task(self, task_id: TaskId, message: str, code: str) -> None:
+        self._publish_chunk(Chunk(task_id=task_id, index=0, error=message, error_code=code,
+                                  finish_reason=TaskOutcome.ERROR))
+        self._send_later(publish_command(self._js, ReportTaskFinished(
+            task_id=task_id, instance_id=self.spec.instance_id, outcome=TaskOutcome.ERROR,
+            usage=Usage(prompt_tokens=0, completion_tokens=0), error=message)))
+
+    def _on_token(self, task_id: str, token: int, index: int, reason: str | None) -> None:
+        """Engine thread: one sampled token."""
+        stream = self._streams.get(task_id)
+        if stream is None:
+            return
+        text = stream.add(token) if reason is None else ""
+        if stream.stopped:
+            self.engine.finish(task_id, "stop")
+        if text:
+            self._loop.call_soon_threadsafe(self._emit, task_id, text, 1)
+
+    def _on_finished(self, task_id: str, reason: str, prompt_tokens: int, completion_tokens: int) -> None:
+        """Engine thread: a task ended (EOS, length, stop string or cancel)."""
+        self._loop.call_soon_threadsafe(self._finish, task_id, reason, prompt_tokens, completion_tokens)
+
+    def _emit(self, task_id: str, text: str, tokens: int) -> None:
+        index = self._chunk_index[task_id]
+        self._chunk_index[task_id] = index + 1
+        self._publish_chunk(Chunk(task_id=TaskId(task_id), index=index, text=text, token_count=tokens))
+
+    def _finish(self, task_id: str, reason: str, prompt_tokens: int, completion_tokens: int) -> None:
+        stream = self._streams.pop(task_id, None)
+        if stream is None:
+            return
+        outcome = TaskOutcome(reason)
+        usage = Usage(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens)
+        index = self._chunk_index.pop(task_id)
+        self._publish_chunk(Chunk(task_id=TaskId(task_id), index=index, text=stream.finish(),
+                                  finish_reason=outcome, usage=usage))
+        self._send_later(publish_command(self._js, ReportTaskFinished(
+            task_id=TaskId(task_id), instance_id=self.spec.instance_id, outcome=outcome, usage=usage)))
+
+    def _publish_chunk(self, chunk: Chunk) -> None:
+        self._outbox.put_nowait((chunk_subject(chunk.task_id), encode(chunk)))
+
+    def _send_later(self, coroutine: Any) -> None:
+        task = asyncio.ensure_future(coroutine)
+        task.add_done_callback(lambda t: t.cancelled() or t.exception() and log.warning("report failed: %s",
+                                                                                         t.exception()))
+
+    async def publish_chunks(self) -> None:
+        """One publisher, so chunks leave in the order they were made."""
+        while True:
+            subject, data = await self._outbox.get()
+            await self._client.publish(subject, data)
+            if self._outbox.empty():
+                await self._client.flush()
+
+
+async def run_runner(spec: RunnerSpec, stop: asyncio.Event) -> None:
+    client, js = await connect(spec.nats, f"jetshard-runner {spec.instance_id}/{spec.rank}")
+    runner = Runner(spec, js, client)
+    try:
+        await runner.load()
+    except Exception as error:
+        log.exception("runner failed to start")
+        await runner.report(RunnerStatus.FAILED, reason=f"rank {spec.rank} failed to start: {error}")
+        await client.drain()
+        sys.exit(1)
+    engine_thread = threading.Thread(target=runner.engine.run_forever, name="engine", daemon=True)
+    engine_thread.start()
+    follower = None
+    publisher = None
+    if runner.engine.is_leader:
+        follower = StateFollower(js)
+        follower.add_listener(runner.on_event)
+        await follower.start()
+        publisher = asyncio.create_task(runner.publish_chunks())
+    waiters = [asyncio.create_task(stop.wait()), asyncio.create_task(runner.done.wait()),
+               asyncio.create_task(asyncio.to_thread(engine_thread.join))]
+    await asyncio.wait(waiters, return_when=asyncio.FIRST_COMPLETED)
+    if runner.engine.is_leader:
+        runner.engine.shutdown()
+    with contextlib.suppress(Exception):
+        await runner.report(RunnerStatus.STOPPED, reason="stopped")
+    if publisher is not None:
+        publisher.cancel()
+    if follower is not None:
+        await follower.stop()
+    for waiter in waiters:
+        waiter.cancel()
+    await client.drain()
+
+
+def main() -> None:
+    spec = msgspec.json.decode(sys.argv[1], type=RunnerSpec)
+    run_service(f"runner/{spec.rank}", lambda stop: run_runner(spec, stop))
+
+
+if __name__ == "__main__":
+    main()

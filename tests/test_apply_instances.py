@@ -1,0 +1,131 @@
+"""`apply` for instance and runner events, their wire round-trip, and the derived instance status."""
+
+from __future__ import annotations
+
+import pytest
+
+from jetshard_schema import codec
+from jetshard_schema.events import (
+    DownloadCompleted,
+    Event,
+    EventEnvelope,
+    InstanceDeleted,
+    InstanceFailed,
+    InstancePlaced,
+    InstanceRestarting,
+    RunnerEndpointReported,
+    RunnerStatusChanged,
+    TaskAssigned,
+)
+from jetshard_schema.ids import CommandId, InstanceId, ModelId, NodeId, TaskId
+from jetshard_schema.state import Endpoint, State, apply, instance_status
+from jetshard_schema.types import InstanceStatus, RunnerStatus, ShardAssignment, TaskKind, TaskRequest
+
+A, B = NodeId("node-a"), NodeId("node-b")
+MODEL = ModelId("acme/tiny-7")
+INST = InstanceId("inst-1")
+SHARDS = (ShardAssignment(node_id=A, rank=0, start_layer=0, end_layer=5),
+          ShardAssignment(node_id=B, rank=1, start_layer=5, end_layer=8))
+
+
+def runner(rank: int, status: RunnerStatus, generation: int = 0) -> RunnerStatusChanged:
+    return RunnerStatusChanged(instance_id=INST, generation=generation, node_id=SHARDS[rank].node_id, rank=rank,
+                               worker_session="w", status=status, layers_loaded=3, layers_total=5)
+
+
+SAMPLES: list[Event] = [
+    InstancePlaced(instance_id=INST, model_id=MODEL, shards=SHARDS),
+    InstanceDeleted(instance_id=INST, reason="deleted on request"),
+    RunnerEndpointReported(instance_id=INST, generation=0, node_id=A, rank=0, host="10.0.0.1", port=7000),
+    runner(0, RunnerStatus.LOADING),
+    InstanceRestarting(instance_id=INST, generation=1, attempt=1, not_before_ms=5000, reason="rank 1 failed"),
+    InstanceFailed(instance_id=INST, reason="gave up"),
+]
+COVERED = {type(e) for e in SAMPLES}
+
+
+def fold(*events: Event, state: State | None = None) -> State:
+    state = state or State()
+    for event in events:
+        state = apply(state, event, state.last_seq + 1, state.last_command_seq + 1)
+    return state
+
+
+def downloaded(node: NodeId, start: int, end: int) -> DownloadCompleted:
+    return DownloadCompleted(node_id=node, model_id=MODEL, directory="/m", read_only=False, start_layer=start,
+                             end_layer=end, bytes_total=1)
+
+
+def assigned(task: str) -> TaskAssigned:
+    request = TaskRequest(task_id=TaskId(task), model_id=MODEL, kind=TaskKind.CHAT)
+    return TaskAssigned(request=request, instance_id=INST, generation=0)
+
+
+def test_placed_instance_goes_from_downloading_to_ready() -> None:
+    state = fold(SAMPLES[0])
+    instance = state.instances[INST]
+    assert (instance.shards, instance.generation, instance.num_layers) == (SHARDS, 0, 8)
+    assert instance.shard_for(B) == SHARDS[1]
+    assert instance_status(state, instance) is InstanceStatus.DOWNLOADING
+    state = fold(downloaded(A, 0, 5), downloaded(B, 5, 8), state=state)
+    assert instance_status(state, state.instances[INST]) is InstanceStatus.WAITING
+    state = fold(runner(0, RunnerStatus.LOADING), state=state)
+    assert instance_status(state, state.instances[INST]) is InstanceStatus.LOADING
+    state = fold(runner(0, RunnerStatus.READY), runner(1, RunnerStatus.READY), state=state)
+    assert instance_status(state, state.instances[INST]) is InstanceStatus.READY
+
+
+def test_endpoint_and_runner_reports_of_another_generation_are_ignored() -> None:
+    state = fold(SAMPLES[0], SAMPLES[2], runner(1, RunnerStatus.LOADING))
+    assert state.instances[INST].endpoints == {0: Endpoint("10.0.0.1", 7000)}
+    assert state.instances[INST].runners[1].status is RunnerStatus.LOADING
+    stale = fold(
+        RunnerEndpointReported(instance_id=INST, generation=3, node_id=B, rank=1, host="h", port=1),
+        runner(0, RunnerStatus.READY, generation=3),
+        state=state,
+    )
+    assert stale.instances == state.instances
+    assert stale.last_seq == state.last_seq + 2
+
+
+def test_reports_about_an_unknown_instance_are_ignored() -> None:
+    state = fold(SAMPLES[2], SAMPLES[3], SAMPLES[4], SAMPLES[5])
+    assert state.instances == {}
+
+
+def test_restarting_bumps_the_generation_and_drops_runners_endpoints_and_tasks() -> None:
+    state = fold(SAMPLES[0], SAMPLES[2], runner(0, RunnerStatus.READY), assigned("task-1"), SAMPLES[4])
+    instance = state.instances[INST]
+    assert (instance.generation, instance.restart_attempt, instance.not_before_ms) == (1, 1, 5000)
+    assert (instance.endpoints, instance.runners, instance.failed_reason) == ({}, {}, "rank 1 failed")
+    assert state.tasks == {}
+    assert instance_status(state, instance) is InstanceStatus.RESTARTING
+
+
+def test_failed_instance_stays_with_its_reason() -> None:
+    state = fold(SAMPLES[0], runner(0, RunnerStatus.READY), assigned("task-1"), SAMPLES[5])
+    instance = state.instances[INST]
+    assert instance.failed
+    assert instance.failed_reason == "gave up"
+    assert instance.runners == {}
+    assert state.tasks == {}
+    assert instance_status(state, instance) is InstanceStatus.FAILED
+
+
+def test_deleted_instance_takes_its_tasks_along() -> None:
+    state = fold(SAMPLES[0], assigned("task-1"), SAMPLES[1])
+    assert state.instances == {}
+    assert state.tasks == {}
+
+
+@pytest.mark.parametrize("event", SAMPLES, ids=lambda e: type(e).__name__)
+def test_envelope_round_trip(event: Event) -> None:
+    envelope = EventEnvelope(command_id=CommandId("c4"), command_seq=1, index=0, count=1, at_ms=1, event=event)
+    assert codec.decode_event(codec.encode(envelope)) == envelope
+
+
+def test_state_json_round_trip_keeps_integer_rank_keys() -> None:
+    state = fold(SAMPLES[0], SAMPLES[2], runner(1, RunnerStatus.LOADING))
+    decoded = codec.decode_state(codec.encode(state))
+    assert decoded == state
+    assert list(decoded.instances[INST].endpoints) == [0]

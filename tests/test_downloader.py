@@ -1,0 +1,448 @@
+"""The downloader service end to end: real nats-server, sequencer and downloader processes, the local Hub,
+real files on real (sometimes size-limited or read-only tmpfs) directories, the API and `jetshard download`.
+
+Nodes are made present by the test itself (ReportNodeProfile + the liveness key a worker would keep), so no
+worker process (and no MLX runner) is needed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import pytest_asyncio
+from helpers.hub_server import HubServer
+from helpers.tiny_models import make_tiny_model
+from jetshard_bus.commands import publish_command
+from jetshard_bus.connect import connect
+from jetshard_bus.follower import StateFollower
+from jetshard_bus.node import keep_alive, node_id_for
+from jetshard_bus.options import NatsOptions
+from jetshard_downloader.dirs import ModelDirs
+from jetshard_downloader.locate import find_model
+from jetshard_downloader.paths import MANIFEST_NAME
+from jetshard_downloader.resume import PARTIAL_DIR
+from jetshard_schema.cards import ModelCard
+from jetshard_schema.catalogue import DEMO_MODEL_ID
+from jetshard_schema.commands import (
+    AddCustomModelCard,
+    Command,
+    PlaceInstance,
+    ReportNodeProfile,
+    StartDownload,
+)
+from jetshard_schema.events import (
+    CommandRejected,
+    DownloadCompleted,
+    DownloadFailed,
+    DownloadProgressed,
+    Event,
+    EventEnvelope,
+)
+from jetshard_schema.ids import ModelId, NodeId, new_command_id, new_instance_id
+from jetshard_schema.state import Download, State
+from jetshard_schema.types import DownloadStatus, NodeProfile
+
+from jetshard.natsserver import NatsServer
+
+pytestmark = pytest.mark.timeout(120)
+
+GiB = 2**30
+
+
+# --------------------------------------------------------------------------------------------------- harness
+
+
+@dataclass
+class Cluster:
+    nats: NatsServer
+    js: Any
+    follower: StateFollower
+    processes: Any
+    env: dict[str, str]
+    tmp: Path
+    events: list[Event] = field(default_factory=list)
+    heartbeats: list[tuple[asyncio.Event, asyncio.Task[None]]] = field(default_factory=list)
+
+    async def submit(self, command: Command, timeout_s: float = 15.0) -> list[Event]:
+        command_id = new_command_id()
+        outcome = self.follower.expect(command_id)
+        await publish_command(self.js, command, command_id)
+        return [e.event for e in await asyncio.wait_for(outcome, timeout_s)]
+
+    async def join(self, config_dir: Path) -> NodeId:
+        """Make the node of `config_dir` present, as its worker would."""
+        node_id = node_id_for(config_dir)
+        stop = asyncio.Event()
+        task = asyncio.create_task(keep_alive(self.js, node_id, "test-session", 10.0, stop))
+        self.heartbeats.append((stop, task))
+        profile = NodeProfile(hostname=node_id, os="test", cpu_cores=4, memory_total_bytes=64 * GiB,
+                              memory_available_bytes=32 * GiB)
+        await self.submit(ReportNodeProfile(node_id=node_id, session_id="test-session", profile=profile))
+        return node_id
+
+    async def add_card(self, model_id: str, num_layers: int, hidden_size: int = 64) -> None:
+        card = ModelCard(model_id=ModelId(model_id), num_layers=num_layers, hidden_size=hidden_size,
+                         num_attention_heads=4, num_key_value_heads=2, vocab_size=512, architecture="llama",
+                         storage_size_bytes=1000, storage_size_estimated=True)
+        events = await self.submit(AddCustomModelCard(card=card))
+        assert not any(isinstance(e, CommandRejected) for e in events), events
+
+    def start_downloader(self, name: str, config_dir: Path, *args: str, **env: str) -> Any:
+        full = {**self.env, "JETSHARD_CONFIG_DIR": str(config_dir), "JETSHARD_NATS": self.nats.url, **env}
+        return self.processes.start(name, "downloader", *args, env=full)
+
+    def start_api(self) -> str:
+        port_file = self.tmp / "api.port"
+        self.processes.start("api", "api", "--port", "0", "--port-file", str(port_file),
+                             env={**self.env, "JETSHARD_NATS": self.nats.url})
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            if port_file.exists() and port_file.read_text().strip():
+                return f"http://127.0.0.1:{port_file.read_text().strip()}"
+            time.sleep(0.05)
+        raise AssertionError("the API did not start:\n" + self.processes.log("api"))
+
+    async def wait(self, predicate: Callable[[State], bool], timeout_s: float = 30.0, what: str = "") -> State:
+        try:
+            return await self.follower.wait_until(predicate, timeout_s)
+        except TimeoutError:
+            logs = "\n".join(f"--- {p.name}\n{p.read_text(errors='replace')[-3000:]}"
+                             for p in sorted(self.processes.log_dir.glob("*.log")))
+            raise AssertionError(f"timed out waiting for {what}\n{logs}") from None
+
+    async def wait_download(self, node_id: NodeId, model_id: str, statuses: tuple[DownloadStatus, ...],
+                            timeout_s: float = 30.0) -> Download:
+        state = await self.wait(
+            lambda s: (d := s.download(node_id, ModelId(model_id))) is not None and d.status in statuses,
+            timeout_s, f"{model_id} on {node_id} to be {statuses}")
+        download = state.download(node_id, ModelId(model_id))
+        assert download is not None
+        return download
+
+
+@pytest_asyncio.fixture
+async def cluster(fresh_nats: NatsServer, processes: Any, hf_env: dict[str, str],
+                  tmp_path: Path) -> AsyncIterator[Cluster]:
+    processes.start("sequencer", "sequencer", env={**hf_env, "JETSHARD_NATS": fresh_nats.url})
+    client, js = await connect(NatsOptions(servers=(fresh_nats.url,)), "test")
+    follower = StateFollower(js)
+    result = Cluster(fresh_nats, js, follower, processes, hf_env, tmp_path)
+
+    def record(envelope: EventEnvelope, state: State, live: bool) -> None:
+        result.events.append(envelope.event)
+
+    follower.add_listener(record)
+    await follower.start()
+    yield result
+    for stop, task in result.heartbeats:
+        stop.set()
+        with contextlib.suppress(Exception):
+            await asyncio.wait_for(task, 5)
+    processes.stop_all()
+    await follower.stop()
+    await client.close()
+
+
+async def poll(predicate: Callable[[], bool], timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        assert time.monotonic() < deadline, "timed out"
+        await asyncio.sleep(0.05)
+
+
+def sha256(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def tree_digest(root: Path) -> dict[str, str]:
+    """Every entry under `root`: file contents, symlink targets, directories."""
+    out = {}
+    for path in sorted(root.rglob("*")):
+        rel = path.relative_to(root).as_posix()
+        if path.is_symlink():
+            out[rel] = "link:" + os.readlink(path)
+        elif path.is_file():
+            out[rel] = sha256(path)
+        else:
+            out[rel] = "dir"
+    return out
+
+
+def repo_files(model_dir: Path) -> set[str]:
+    return {p.relative_to(model_dir).as_posix() for p in model_dir.rglob("*")
+            if p.is_file() and not p.relative_to(model_dir).as_posix().startswith(".")}
+
+
+@contextlib.contextmanager
+def tmpfs(path: Path, size: str) -> Any:
+    path.mkdir(parents=True, exist_ok=True)
+    result = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)],
+                            capture_output=True, text=True)
+    if result.returncode != 0:
+        pytest.skip(f"cannot mount a size-limited tmpfs here (needs root / CAP_SYS_ADMIN): "
+                    f"{result.stderr.strip() or result.returncode}")
+    try:
+        yield path
+    finally:
+        subprocess.run(["umount", "-l", str(path)], capture_output=True)
+
+
+def remount_read_only(path: Path) -> None:
+    result = subprocess.run(["mount", "-o", "remount,ro", str(path)], capture_output=True, text=True)
+    if result.returncode != 0:
+        pytest.skip(f"cannot remount {path} read-only: {result.stderr.strip()}")
+
+
+# ------------------------------------------------------------------------------------------------------ tests
+
+
+async def test_spillover_to_the_second_dir_and_no_space_names_every_dir(
+    cluster: Cluster, hub_server: HubServer, tmp_path: Path,
+) -> None:
+    small = make_tiny_model(tmp_path / "src-small", num_layers=4, num_files=4, hidden_size=128)  # ~2.9 MB
+    big = make_tiny_model(tmp_path / "src-big", num_layers=8, num_files=4, hidden_size=128)  # ~5.3 MB
+    hub_server.add_repo("tiny/small", small)
+    hub_server.add_repo("tiny/big", big)
+    with tmpfs(tmp_path / "first", "1m") as first, tmpfs(tmp_path / "second", "4m") as second:
+        config = tmp_path / "node"
+        node = await cluster.join(config)
+        await cluster.add_card("tiny/small", 4, 128)
+        await cluster.add_card("tiny/big", 8, 128)
+        cluster.start_downloader("downloader", config, JETSHARD_DEFAULT_MODELS_DIR=str(first),
+                                 JETSHARD_MODELS_DIRS=str(second))
+
+        await cluster.submit(StartDownload(model_id=ModelId("tiny/small"), node_id=node))
+        done = await cluster.wait_download(node, "tiny/small", (DownloadStatus.COMPLETED, DownloadStatus.FAILED))
+        assert done.status is DownloadStatus.COMPLETED, done.reason
+        assert done.directory == str(second / "tiny--small")
+        assert repo_files(second / "tiny--small") == repo_files(small)
+        assert not (first / "tiny--small").exists()
+        # The real size replaced the card's estimate.
+        weights = sum(p.stat().st_size for p in small.glob("*.safetensors"))
+        assert cluster.follower.state.measured_sizes[ModelId("tiny/small")] == weights
+
+        await cluster.submit(StartDownload(model_id=ModelId("tiny/big"), node_id=node))
+        failed = await cluster.wait_download(node, "tiny/big", (DownloadStatus.COMPLETED, DownloadStatus.FAILED))
+        assert failed.status is DownloadStatus.FAILED
+        assert "not enough disk space" in failed.reason
+        assert str(first) in failed.reason and str(second) in failed.reason
+        assert not any(key[0] == "tiny/big" and key[1].endswith(".safetensors") for key in hub_server.bytes_served)
+        cluster.processes.stop_all()
+
+
+def _hf_cache_layout(root: Path, model_id: str, source: Path) -> str:
+    """`models--org--name/{blobs,refs,snapshots/<rev>}` with snapshot entries linking to blobs, as the Hub
+    client leaves it."""
+    repo = root / f"models--{model_id.replace('/', '--')}"
+    revision = hashlib.sha1(model_id.encode()).hexdigest()
+    snapshot = repo / "snapshots" / revision
+    (repo / "blobs").mkdir(parents=True)
+    snapshot.mkdir(parents=True)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text(revision)
+    for path in source.iterdir():
+        blob = sha256(path)
+        shutil.copy(path, repo / "blobs" / blob)
+        (snapshot / path.name).symlink_to(Path("..", "..", "blobs", blob))
+    return str(snapshot)
+
+
+async def test_read_only_dirs_are_used_without_network_and_never_changed(
+    cluster: Cluster, hub_server: HubServer, tmp_path: Path,
+) -> None:
+    source = make_tiny_model(tmp_path / "src", num_layers=4, num_files=2)
+    with tmpfs(tmp_path / "ro", "8m") as ro:
+        shutil.copytree(source, ro / "tiny--plain")  # jetshard layout, no manifest: another tool put it there
+        snapshot = _hf_cache_layout(ro, "tiny/cached", source)
+        remount_read_only(ro)
+        before = tree_digest(ro)
+
+        config = tmp_path / "node"
+        node = await cluster.join(config)
+        await cluster.add_card("tiny/plain", 4)
+        await cluster.add_card("tiny/cached", 4)
+        await cluster.add_card("tiny/nowhere", 4)  # a card whose repo the Hub does not have
+        api = cluster.start_api()
+        cluster.start_downloader("downloader", config, JETSHARD_DEFAULT_MODELS_DIR=str(tmp_path / "models"),
+                                 JETSHARD_MODELS_READ_ONLY_DIRS=str(ro))
+        hub_server.reset_counters()
+
+        async with httpx.AsyncClient(base_url=api, timeout=30) as http:
+            for model_id, where in (("tiny/plain", str(ro / "tiny--plain")), ("tiny/cached", snapshot)):
+                response = await http.post("/downloads", json={"model_id": model_id})  # the only node
+                assert response.status_code == 202, response.text
+                assert response.json()["node_id"] == node
+                done = await cluster.wait_download(node, model_id, (DownloadStatus.COMPLETED,
+                                                                    DownloadStatus.FAILED))
+                assert done.status is DownloadStatus.COMPLETED, done.reason
+                assert done.read_only and done.directory == where
+            assert sum(hub_server.requests.values()) == 0, hub_server.requests
+
+            listed = (await http.get("/downloads")).json()
+            assert {(d["model_id"], d["status"], d["read_only"]) for d in listed} == {
+                ("tiny/plain", "completed", True), ("tiny/cached", "completed", True)}
+
+            refused = await http.delete(f"/downloads/{node}/tiny/plain")
+            assert refused.status_code == 409, refused.text
+            assert "read-only" in refused.json()["error"]["message"]
+            bad = await http.post("/downloads", json={"model_id": "../etc"})
+            assert bad.status_code == 400
+            unknown_node = await http.post("/downloads", json={"model_id": "tiny/plain", "node_id": "nope"})
+            assert unknown_node.status_code == 404
+
+        # `jetshard download`: 0 for a model that is (already) there, 1 with the reason for a failure.
+        cli = [sys.executable, "-m", "jetshard", "download", "--api", api, "--timeout-s", "60"]
+        ok = await asyncio.to_thread(subprocess.run, [*cli, "tiny/plain"], capture_output=True, text=True,
+                                     timeout=90)
+        assert ok.returncode == 0, ok.stdout + ok.stderr
+        assert str(ro / "tiny--plain") in ok.stderr
+        failed = await asyncio.to_thread(subprocess.run, [*cli, "tiny/nowhere"], capture_output=True,
+                                         text=True, timeout=90)
+        assert failed.returncode == 1, failed.stdout + failed.stderr
+        assert "not found on the Hub" in failed.stderr
+
+        assert tree_digest(ro) == before
+
+
+async def test_killed_mid_download_resumes_in_the_same_directory(
+    cluster: Cluster, hub_server: HubServer, tmp_path: Path,
+) -> None:
+    source = make_tiny_model(tmp_path / "src", num_layers=2, num_files=2, hidden_size=256)  # 2 x ~2.9 MB
+    repo = "tiny/big"
+    held = "model-00001-of-00002.safetensors"
+    hold_at = 2 * 2**20
+    size = (source / held).stat().st_size
+    assert size > hold_at + 2**19
+    hub_server.add_repo(repo, source)
+    hub_server.hold_after(repo, held, hold_at)
+
+    config = tmp_path / "node"
+    models = tmp_path / "models"
+    other = tmp_path / "more-models"
+    node = await cluster.join(config)
+    await cluster.add_card(repo, 2, 256)
+    api = cluster.start_api()
+    env = {"JETSHARD_DEFAULT_MODELS_DIR": str(models), "JETSHARD_MODELS_DIRS": str(other)}
+    first = cluster.start_downloader("downloader-1", config, **env)
+    async with httpx.AsyncClient(base_url=api, timeout=30) as http:
+        response = await http.post("/downloads", json={"model_id": repo, "node_id": node})
+        assert response.status_code == 202, response.text
+        assert await asyncio.to_thread(hub_server.wait_held, repo, held, 30)
+        partial = models / "tiny--big" / PARTIAL_DIR / f"{held}.incomplete"
+        await poll(lambda: partial.exists() and partial.stat().st_size >= hold_at, 10)
+        ongoing = await cluster.wait_download(node, repo, (DownloadStatus.ONGOING,), 10)
+        assert ongoing.directory == str(models / "tiny--big") and ongoing.bytes_total > size
+
+        listed = (await http.get("/downloads")).json()
+        assert [(d["model_id"], d["status"]) for d in listed] == [(repo, "ongoing")]
+        assert listed[0]["bytes_done"] >= hold_at and listed[0]["speed_bytes_per_s"] >= 0
+        seen: list[str] = []
+        async with asyncio.timeout(15), http.stream("GET", "/events", params={"since": 1}) as stream:
+            async for line in stream.aiter_lines():
+                if line.startswith("event: "):
+                    seen.append(line[len("event: "):])
+                if "DownloadProgressed" in seen:
+                    break
+        assert "DownloadRequested" in seen
+
+    assert find_model(ModelDirs.from_options(models, [other]), repo) is None
+    assert not any(isinstance(e, DownloadCompleted) for e in cluster.events)
+    cluster.processes.kill(first)
+    kept = partial.stat().st_size
+    assert hold_at <= kept < size
+    assert not (models / "tiny--big" / MANIFEST_NAME).exists() or find_model(
+        ModelDirs.from_options(models, [other]), repo) is None
+
+    hub_server.release()
+    hub_server.reset_counters()
+    cluster.start_downloader("downloader-2", config, **env)  # resumes from State: no new request
+    done = await cluster.wait_download(node, repo, (DownloadStatus.COMPLETED, DownloadStatus.FAILED))
+    assert done.status is DownloadStatus.COMPLETED, done.reason
+    assert done.directory == str(models / "tiny--big")
+    assert hub_server.bytes_served[(repo, held)] == size - kept  # only the remainder
+    assert repo_files(models / "tiny--big") == repo_files(source)
+    for name in repo_files(source):
+        assert sha256(models / "tiny--big" / name) == sha256(source / name), name
+    assert not (models / "tiny--big" / PARTIAL_DIR).exists()
+    assert not other.exists() or not any(other.iterdir())
+    assert sum(isinstance(e, DownloadCompleted) for e in cluster.events) == 1
+
+
+async def test_two_nodes_fetch_complementary_shards_once(
+    cluster: Cluster, hub_server: HubServer, tmp_path: Path,
+) -> None:
+    source = make_tiny_model(tmp_path / "src", num_layers=4, num_files=4)
+    (source / "pytorch_model.bin").write_bytes(b"x" * 1000)  # another format: never fetched
+    repo = "tiny/sharded"
+    hub_server.add_repo(repo, source)
+    await cluster.add_card(repo, 4)
+    nodes = []
+    for name in ("a", "b"):
+        config = tmp_path / f"node-{name}"
+        nodes.append(await cluster.join(config))
+        cluster.start_downloader(f"downloader-{name}", config,
+                                 JETSHARD_DEFAULT_MODELS_DIR=str(tmp_path / f"models-{name}"))
+    await asyncio.sleep(1.0)  # both downloaders follow the stream (they act on live events only)
+    hub_server.reset_counters()
+    events = await cluster.submit(PlaceInstance(instance_id=new_instance_id(), model_id=ModelId(repo),
+                                                node_ids=tuple(nodes), min_nodes=2))
+    assert not any(isinstance(e, CommandRejected) for e in events), events
+    ranges = {}
+    for node in nodes:
+        done = await cluster.wait_download(node, repo, (DownloadStatus.COMPLETED, DownloadStatus.FAILED))
+        assert done.status is DownloadStatus.COMPLETED, done.reason
+        ranges[node] = (done.start_layer, done.end_layer)
+    assert sorted(ranges.values()) == [(0, 2), (2, 4)]
+
+    weights = sorted(p.name for p in source.glob("*.safetensors"))
+    served = {name: hub_server.bytes_served[(repo, name)] for name in weights}
+    assert served == {name: (source / name).stat().st_size for name in weights}  # each file exactly once
+    assert hub_server.bytes_served[(repo, "pytorch_model.bin")] == 0
+    on_a = {n for n in repo_files(tmp_path / "models-a" / "tiny--sharded") if n.endswith(".safetensors")}
+    on_b = {n for n in repo_files(tmp_path / "models-b" / "tiny--sharded") if n.endswith(".safetensors")}
+    assert on_a == set(weights[:2]) and on_b == set(weights[2:])
+
+
+async def test_offline_makes_no_request_and_converts_the_packaged_demo(
+    cluster: Cluster, hub_server: HubServer, tmp_path: Path,
+) -> None:
+    hub_server.add_repo("tiny/online", make_tiny_model(tmp_path / "src", num_layers=2, num_files=1))
+    config = tmp_path / "node"
+    node = await cluster.join(config)
+    await cluster.add_card("tiny/online", 2)
+    models = tmp_path / "models"
+    cluster.start_downloader("downloader", config, "--offline", "--default-models-dir", str(models))
+    hub_server.reset_counters()
+
+    started = time.monotonic()
+    await cluster.submit(StartDownload(model_id=ModelId("tiny/online"), node_id=node))
+    failed = await cluster.wait_download(node, "tiny/online", (DownloadStatus.FAILED, DownloadStatus.COMPLETED))
+    assert failed.status is DownloadStatus.FAILED and "not available offline" in failed.reason
+    assert time.monotonic() - started < 10
+
+    await cluster.submit(StartDownload(model_id=DEMO_MODEL_ID, node_id=node))
+    demo = await cluster.wait_download(node, DEMO_MODEL_ID, (DownloadStatus.FAILED, DownloadStatus.COMPLETED), 90)
+    assert demo.status is DownloadStatus.COMPLETED, demo.reason
+    target = models / "jetshard--SmolLM2-135M-Instruct-Q4"
+    assert demo.directory == str(target) and not demo.read_only
+    manifest = json.loads((target / MANIFEST_NAME).read_text())
+    assert {"config.json", "model.safetensors.index.json", "tokenizer.json"} <= {f["name"] for f in
+                                                                                  manifest["files"]}
+    assert not [p for p in models.iterdir() if p.name.startswith(".")]  # no staging left
+    assert any(isinstance(e, DownloadProgressed) for e in cluster.events)
+    assert sum(hub_server.requests.values()) == 0, hub_server.requests
+    assert not any(isinstance(e, DownloadFailed) and e.model_id == DEMO_MODEL_ID for e in cluster.events)

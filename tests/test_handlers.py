@@ -1,0 +1,410 @@
+"""Command handlers as pure functions: (State, Command, Context) -> events. No NATS."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import msgspec
+import pytest
+
+from jetshard_api.errors import REJECT_STATUS
+from jetshard_schema.cards import ModelCard
+from jetshard_schema.commands import (
+    AddCustomModelCard,
+    CancelDownload,
+    CancelTask,
+    Command,
+    DeleteCustomModelCard,
+    DeleteDownload,
+    DeleteInstance,
+    ExpireNode,
+    PlaceInstance,
+    ReportDownloadProgress,
+    ReportNodeProfile,
+    ReportNodeStorage,
+    ReportRunnerEndpoint,
+    ReportRunnerStatus,
+    ReportTaskFinished,
+    ReportTaskStarted,
+    StartDownload,
+    SubmitTask,
+)
+from jetshard_schema.events import (
+    CommandRejected,
+    CustomModelCardAdded,
+    CustomModelCardDeleted,
+    DownloadCancelled,
+    DownloadDeleteRequested,
+    DownloadRequested,
+    Event,
+    InstanceDeleted,
+    InstanceFailed,
+    InstancePlaced,
+    InstanceRestarting,
+    NodeJoined,
+    NodeLost,
+    NodeStorageUpdated,
+    NodeUpdated,
+    RunnerEndpointReported,
+    RunnerStatusChanged,
+    TaskAssigned,
+    TaskCancelled,
+    TaskFinished,
+    TaskStarted,
+)
+from jetshard_schema.ids import CommandId, InstanceId, ModelId, NodeId, TaskId
+from jetshard_schema.state import State, apply, instance_status
+from jetshard_schema.types import (
+    DownloadStatus,
+    InstanceStatus,
+    ModelDirInfo,
+    NodeProfile,
+    RejectCode,
+    RunnerStatus,
+    TaskKind,
+    TaskOutcome,
+    TaskRequest,
+    Usage,
+)
+from jetshard_sequencer.handlers import Context, handle
+
+GiB = 2**30
+A, B, C = NodeId("node-a"), NodeId("node-b"), NodeId("node-c")
+BUILTIN = ModelId("mlx-community/Qwen3-0.6B-4bit")
+MODEL = ModelId("acme/tiny-8")
+CARD = ModelCard(model_id=MODEL, num_layers=8, hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
+                 vocab_size=1000, architecture="llama", storage_size_bytes=GiB, context_length=256)
+
+
+def profile(available_gib: float, total_gib: int = 64) -> NodeProfile:
+    return NodeProfile(hostname="h", os="Linux", cpu_cores=4, memory_total_bytes=total_gib * GiB,
+                       memory_available_bytes=int(available_gib * GiB))
+
+
+class Cluster:
+    """A State plus the handler, applying each command's events as the sequencer would."""
+
+    def __init__(self, now_ms: int = 1_000_000) -> None:
+        self.state = State()
+        self.now_ms = now_ms
+        self.count = 0
+
+    def run(self, command: Command, **ctx: int) -> list[Event]:
+        self.count += 1
+        events = handle(self.state, command, Context(command_id=CommandId(f"cmd-{self.count}"),
+                                                     now_ms=self.now_ms, **ctx))
+        for event in events:
+            self.state = apply(self.state, event, self.state.last_seq + 1, self.count)
+        return events
+
+    def join(self, node: NodeId, available_gib: float = 16, session: str = "s1") -> None:
+        self.run(ReportNodeProfile(node_id=node, session_id=session, profile=profile(available_gib)))
+
+    def place(self, instance: str, nodes: Sequence[NodeId] | None = None) -> InstanceId:
+        events = self.run(PlaceInstance(instance_id=InstanceId(instance), model_id=MODEL,
+                                        node_ids=tuple(nodes) if nodes else None))
+        assert isinstance(events[0], InstancePlaced), events
+        return InstanceId(instance)
+
+    def make_ready(self, instance_id: InstanceId) -> None:
+        instance = self.state.instances[instance_id]
+        for shard in instance.shards:
+            self.run(ReportDownloadProgress(model_id=MODEL, node_id=shard.node_id, status=DownloadStatus.COMPLETED,
+                                            start_layer=shard.start_layer, end_layer=shard.end_layer,
+                                            directory="/m", bytes_total=1))
+            self.run(self.runner(instance_id, shard.rank, RunnerStatus.READY))
+        assert instance_status(self.state, self.state.instances[instance_id]) is InstanceStatus.READY
+
+    def runner(self, instance_id: InstanceId, rank: int, status: RunnerStatus, reason: str = "") -> ReportRunnerStatus:
+        instance = self.state.instances[instance_id]
+        return ReportRunnerStatus(instance_id=instance_id, generation=instance.generation,
+                                  node_id=instance.shards[rank].node_id, rank=rank, worker_session="w",
+                                  status=status, reason=reason)
+
+
+def rejected(events: list[Event], code: RejectCode) -> CommandRejected:
+    assert len(events) == 1 and isinstance(events[0], CommandRejected), events
+    assert events[0].code is code, events[0]
+    assert events[0].reason
+    return events[0]
+
+
+@pytest.fixture
+def cluster() -> Cluster:
+    cluster = Cluster()
+    assert cluster.run(AddCustomModelCard(card=CARD)) == [CustomModelCardAdded(card=msgspec.structs.replace(
+        CARD, is_custom=True))]
+    return cluster
+
+
+# --- nodes -------------------------------------------------------------------------------------------------
+
+
+def test_node_join_rejoin_and_meaningful_updates_only() -> None:
+    cluster = Cluster()
+    first = ReportNodeProfile(node_id=A, session_id="s1", profile=profile(16))
+    assert cluster.run(first) == [NodeJoined(node_id=A, session_id="s1", profile=profile(16))]
+    assert cluster.run(first) == []  # the same report again: nothing new
+    assert cluster.run(ReportNodeProfile(node_id=A, session_id="s1", profile=profile(16.5))) == []  # < 5 % of 64 GiB
+    assert cluster.state.nodes[A].profile == profile(16)
+    moved = ReportNodeProfile(node_id=A, session_id="s1", profile=profile(8))
+    assert cluster.run(moved) == [NodeUpdated(node_id=A, profile=profile(8))]
+    renamed = msgspec.structs.replace(profile(8), hostname="other")
+    assert cluster.run(ReportNodeProfile(node_id=A, session_id="s1", profile=renamed)) == [
+        NodeUpdated(node_id=A, profile=renamed)]
+    assert cluster.run(ReportNodeProfile(node_id=A, session_id="s2", profile=renamed)) == [
+        NodeJoined(node_id=A, session_id="s2", profile=renamed)]
+    assert list(cluster.state.nodes) == [A]
+
+
+def test_node_storage_reported_only_when_it_changes_meaningfully() -> None:
+    cluster = Cluster()
+    dirs = (ModelDirInfo(path="/m", read_only=False, free_bytes=10 * GiB, total_bytes=100 * GiB),)
+    assert cluster.run(ReportNodeStorage(node_id=A, model_dirs=dirs)) == [NodeStorageUpdated(node_id=A, model_dirs=dirs)]
+    nudged = (msgspec.structs.replace(dirs[0], free_bytes=10 * GiB - 2**20),)
+    assert cluster.run(ReportNodeStorage(node_id=A, model_dirs=nudged)) == []
+    shrunk = (msgspec.structs.replace(dirs[0], free_bytes=5 * GiB),)
+    assert cluster.run(ReportNodeStorage(node_id=A, model_dirs=shrunk)) == [
+        NodeStorageUpdated(node_id=A, model_dirs=shrunk)]
+
+
+def test_expire_node_tears_down_its_instances_and_places_them_again(cluster: Cluster) -> None:
+    cluster.join(A, 16)
+    cluster.join(B, 16)
+    lost = cluster.place("inst-1", [A])
+    untouched = cluster.place("inst-2", [B])
+    events = cluster.run(ExpireNode(node_id=A, session_id="s1"))
+    assert isinstance(events[0], NodeLost)
+    assert events[1] == InstanceDeleted(instance_id=lost, reason=f"node {A} was lost")
+    assert isinstance(events[2], InstancePlaced)
+    assert events[2].model_id == MODEL
+    assert [s.node_id for s in events[2].shards] == [B]
+    assert len(events) == 3
+    assert set(cluster.state.instances) == {untouched, events[2].instance_id}
+    assert list(cluster.state.nodes) == [B]
+
+
+def test_expire_node_is_deterministic() -> None:
+    def expire() -> list[Event]:
+        cluster = Cluster()
+        cluster.run(AddCustomModelCard(card=CARD))
+        cluster.join(A)
+        cluster.join(B)
+        cluster.place("inst-1", [A])
+        return cluster.run(ExpireNode(node_id=A, session_id="s1"))
+
+    assert expire() == expire()
+
+
+def test_expired_instance_is_not_placed_again_when_nothing_fits(cluster: Cluster) -> None:
+    cluster.join(A, 16)
+    cluster.join(B, 0.1)
+    cluster.place("inst-1", [A])
+    events = cluster.run(ExpireNode(node_id=A, session_id="s1"))
+    assert [type(e) for e in events] == [NodeLost, InstanceDeleted]
+    assert cluster.state.instances == {}
+
+
+def test_expire_of_an_old_session_or_unknown_node_does_nothing(cluster: Cluster) -> None:
+    cluster.join(A, session="s1")
+    cluster.join(A, session="s2")
+    assert cluster.run(ExpireNode(node_id=A, session_id="s1")) == []
+    assert cluster.run(ExpireNode(node_id=C, session_id="s1")) == []
+    assert list(cluster.state.nodes) == [A]
+
+
+# --- model cards -------------------------------------------------------------------------------------------
+
+
+def test_card_add_duplicate_builtin_and_invalid(cluster: Cluster) -> None:
+    assert MODEL in cluster.state.custom_cards
+    assert cluster.state.custom_cards[MODEL].is_custom
+    rejected(cluster.run(AddCustomModelCard(card=CARD)), RejectCode.ALREADY_EXISTS)
+    builtin = msgspec.structs.replace(CARD, model_id=BUILTIN)
+    rejected(cluster.run(AddCustomModelCard(card=builtin)), RejectCode.ALREADY_EXISTS)
+    bad_id = msgspec.structs.replace(CARD, model_id=ModelId("../etc"))
+    rejected(cluster.run(AddCustomModelCard(card=bad_id)), RejectCode.INVALID)
+    no_layers = msgspec.structs.replace(CARD, model_id=ModelId("acme/empty"), num_layers=0)
+    rejected(cluster.run(AddCustomModelCard(card=no_layers)), RejectCode.INVALID)
+
+
+def test_card_delete_builtin_is_a_409_conflict_and_unknown_is_404(cluster: Cluster) -> None:
+    refusal = rejected(cluster.run(DeleteCustomModelCard(model_id=BUILTIN)), RejectCode.CONFLICT)
+    assert "built-in" in refusal.reason
+    assert REJECT_STATUS[refusal.code] == 409
+    refusal = rejected(cluster.run(DeleteCustomModelCard(model_id=ModelId("acme/none"))), RejectCode.NOT_FOUND)
+    assert REJECT_STATUS[refusal.code] == 404
+    assert cluster.run(DeleteCustomModelCard(model_id=MODEL)) == [CustomModelCardDeleted(model_id=MODEL)]
+    assert cluster.state.custom_cards == {}
+
+
+# --- downloads ---------------------------------------------------------------------------------------------
+
+
+def test_start_download_checks_model_node_and_range(cluster: Cluster) -> None:
+    cluster.join(A)
+    rejected(cluster.run(StartDownload(model_id=ModelId("acme/none"), node_id=A)), RejectCode.NOT_FOUND)
+    rejected(cluster.run(StartDownload(model_id=MODEL, node_id=C)), RejectCode.NOT_FOUND)
+    rejected(cluster.run(StartDownload(model_id=MODEL, node_id=A, start_layer=4, end_layer=9)), RejectCode.INVALID)
+    rejected(cluster.run(StartDownload(model_id=MODEL, node_id=A, start_layer=4, end_layer=4)), RejectCode.INVALID)
+    assert cluster.run(StartDownload(model_id=MODEL, node_id=A)) == [
+        DownloadRequested(node_id=A, model_id=MODEL, start_layer=0, end_layer=8)]
+
+
+def test_cancel_download_only_while_in_progress(cluster: Cluster) -> None:
+    cluster.join(A)
+    rejected(cluster.run(CancelDownload(model_id=MODEL, node_id=A)), RejectCode.NOT_FOUND)
+    cluster.run(StartDownload(model_id=MODEL, node_id=A))
+    assert cluster.run(CancelDownload(model_id=MODEL, node_id=A)) == [DownloadCancelled(node_id=A, model_id=MODEL)]
+    rejected(cluster.run(CancelDownload(model_id=MODEL, node_id=A)), RejectCode.CONFLICT)
+    # the downloader's own report of the cancellation adds nothing
+    assert cluster.run(ReportDownloadProgress(model_id=MODEL, node_id=A, status=DownloadStatus.CANCELLED)) == []
+
+
+def test_delete_download_refuses_read_only_and_in_use(cluster: Cluster) -> None:
+    cluster.join(A)
+    rejected(cluster.run(DeleteDownload(model_id=MODEL, node_id=A)), RejectCode.NOT_FOUND)
+    cluster.run(ReportDownloadProgress(model_id=MODEL, node_id=A, status=DownloadStatus.COMPLETED, start_layer=0,
+                                       end_layer=8, directory="/ro", read_only=True, bytes_total=1))
+    refusal = rejected(cluster.run(DeleteDownload(model_id=MODEL, node_id=A)), RejectCode.CONFLICT)
+    assert "read-only" in refusal.reason
+    cluster.run(ReportDownloadProgress(model_id=MODEL, node_id=A, status=DownloadStatus.COMPLETED, start_layer=0,
+                                       end_layer=8, directory="/rw", bytes_total=1))
+    instance = cluster.place("inst-1", [A])
+    refusal = rejected(cluster.run(DeleteDownload(model_id=MODEL, node_id=A)), RejectCode.CONFLICT)
+    assert instance in refusal.reason
+    cluster.run(DeleteInstance(instance_id=instance))
+    assert cluster.run(DeleteDownload(model_id=MODEL, node_id=A)) == [
+        DownloadDeleteRequested(node_id=A, model_id=MODEL)]
+
+
+# --- instances and runners ---------------------------------------------------------------------------------
+
+
+def test_place_and_delete_instance(cluster: Cluster) -> None:
+    cluster.join(A, 16)
+    rejected(cluster.run(PlaceInstance(instance_id=InstanceId("i"), model_id=ModelId("acme/none"))),
+             RejectCode.NOT_FOUND)
+    instance = cluster.place("inst-1")
+    rejected(cluster.run(PlaceInstance(instance_id=instance, model_id=MODEL)), RejectCode.ALREADY_EXISTS)
+    big = msgspec.structs.replace(CARD, model_id=ModelId("acme/huge"), storage_size_bytes=100 * GiB)
+    cluster.run(AddCustomModelCard(card=big))
+    refusal = rejected(cluster.run(PlaceInstance(instance_id=InstanceId("i2"), model_id=big.model_id)),
+                       RejectCode.INSUFFICIENT_MEMORY)
+    assert "GiB" in refusal.reason
+    rejected(cluster.run(DeleteInstance(instance_id=InstanceId("nope"))), RejectCode.NOT_FOUND)
+    assert cluster.run(DeleteInstance(instance_id=instance)) == [
+        InstanceDeleted(instance_id=instance, reason="deleted on request")]
+
+
+def test_runner_endpoint_checks_rank_and_generation(cluster: Cluster) -> None:
+    cluster.join(A)
+    cluster.join(B)
+    instance = cluster.place("inst-1", [A, B])
+    ok = ReportRunnerEndpoint(instance_id=instance, generation=0, node_id=B, rank=1, host="h", port=9)
+    assert cluster.run(ok) == [RunnerEndpointReported(instance_id=instance, generation=0, node_id=B, rank=1,
+                                                      host="h", port=9)]
+    rejected(cluster.run(msgspec.structs.replace(ok, rank=0)), RejectCode.INVALID)
+    assert cluster.run(msgspec.structs.replace(ok, generation=5)) == []
+
+
+def test_runner_failure_restarts_with_backoff_then_fails(cluster: Cluster) -> None:
+    cluster.join(A)
+    cluster.join(B)
+    instance = cluster.place("inst-1", [A, B])
+    cluster.make_ready(instance)
+    now = cluster.now_ms
+    restarts: list[InstanceRestarting] = []
+    for attempt in (1, 2, 3):
+        old_generation = cluster.state.instances[instance].generation
+        events = cluster.run(cluster.runner(instance, 1, RunnerStatus.FAILED, reason="out of memory"))
+        assert isinstance(events[0], RunnerStatusChanged)
+        assert isinstance(events[1], InstanceRestarting)
+        restarts.append(events[1])
+        assert events[1].attempt == attempt
+        assert events[1].generation == old_generation + 1
+        assert events[1].reason == "out of memory"
+        assert cluster.state.instances[instance].generation == old_generation + 1
+        # a late report from the previous generation is ignored
+        stale = msgspec.structs.replace(cluster.runner(instance, 0, RunnerStatus.FAILED), generation=old_generation)
+        assert cluster.run(stale) == []
+    assert [r.not_before_ms - now for r in restarts] == [1000, 2000, 4000]
+    events = cluster.run(cluster.runner(instance, 0, RunnerStatus.FAILED, reason="segfault"))
+    assert isinstance(events[-1], InstanceFailed)
+    assert "gave up after 3 restarts" in events[-1].reason
+    assert instance_status(cluster.state, cluster.state.instances[instance]) is InstanceStatus.FAILED
+    assert cluster.run(cluster.runner(instance, 0, RunnerStatus.FAILED)) == []  # failed for good
+
+
+def test_a_ready_instance_failing_again_starts_counting_from_one(cluster: Cluster) -> None:
+    cluster.join(A)
+    instance = cluster.place("inst-1", [A])
+    cluster.make_ready(instance)
+    events = cluster.run(cluster.runner(instance, 0, RunnerStatus.FAILED), max_restarts=1)
+    assert isinstance(events[1], InstanceRestarting) and events[1].attempt == 1
+    for rank in (0,):
+        cluster.run(cluster.runner(instance, rank, RunnerStatus.READY))
+    events = cluster.run(cluster.runner(instance, 0, RunnerStatus.STOPPED), max_restarts=1)
+    assert isinstance(events[1], InstanceRestarting) and events[1].attempt == 1
+
+
+# --- tasks -------------------------------------------------------------------------------------------------
+
+
+def submit(cluster: Cluster, task: str) -> list[Event]:
+    return cluster.run(SubmitTask(request=TaskRequest(task_id=TaskId(task), model_id=MODEL, kind=TaskKind.CHAT)))
+
+
+def test_submit_routes_to_the_ready_instance_with_fewest_tasks(cluster: Cluster) -> None:
+    rejected(submit(cluster, "task-0"), RejectCode.NO_CAPACITY)
+    cluster.join(A)
+    cluster.join(B)
+    first, second = cluster.place("inst-1", [A]), cluster.place("inst-2", [B])
+    rejected(submit(cluster, "task-0"), RejectCode.NO_CAPACITY)  # placed but not ready
+    cluster.make_ready(first)
+    cluster.make_ready(second)
+    chosen = []
+    for n in range(4):
+        events = submit(cluster, f"task-{n}")
+        assert isinstance(events[0], TaskAssigned)
+        chosen.append(events[0].instance_id)
+    assert sorted(chosen) == [first, first, second, second]
+    # finishing two tasks of `first` makes it the least loaded
+    for n, instance in enumerate(chosen):
+        if instance == first:
+            cluster.run(ReportTaskFinished(task_id=TaskId(f"task-{n}"), instance_id=first, outcome=TaskOutcome.STOP,
+                                           usage=Usage(prompt_tokens=1, completion_tokens=1)))
+    events = submit(cluster, "task-9")
+    assert isinstance(events[0], TaskAssigned) and events[0].instance_id == first
+    rejected(submit(cluster, "task-9"), RejectCode.ALREADY_EXISTS)
+
+
+def test_task_lifecycle_and_cancel(cluster: Cluster) -> None:
+    cluster.join(A)
+    instance = cluster.place("inst-1", [A])
+    cluster.make_ready(instance)
+    submit(cluster, "task-1")
+    task = TaskId("task-1")
+    assert cluster.run(ReportTaskStarted(task_id=task, instance_id=instance, prompt_tokens=3)) == [
+        TaskStarted(task_id=task, prompt_tokens=3)]
+    assert cluster.run(CancelTask(task_id=task)) == [TaskCancelled(task_id=task, reason="cancelled by the client")]
+    assert cluster.state.tasks == {}
+    assert cluster.run(CancelTask(task_id=task)) == []
+    assert cluster.run(ReportTaskStarted(task_id=task, instance_id=instance, prompt_tokens=3)) == []
+    usage = Usage(prompt_tokens=3, completion_tokens=1)
+    assert cluster.run(ReportTaskFinished(task_id=task, instance_id=instance, outcome=TaskOutcome.STOP,
+                                          usage=usage)) == []
+    submit(cluster, "task-2")
+    assert cluster.run(ReportTaskFinished(task_id=TaskId("task-2"), instance_id=instance, outcome=TaskOutcome.LENGTH,
+                                          usage=usage)) == [
+        TaskFinished(task_id=TaskId("task-2"), outcome=TaskOutcome.LENGTH, usage=usage)]
+
+
+def test_handlers_are_pure() -> None:
+    cluster = Cluster()
+    cluster.join(A)
+    before = cluster.state
+    command = ReportNodeProfile(node_id=A, session_id="s2", profile=profile(1))
+    ctx = Context(command_id=CommandId("x"), now_ms=5)
+    assert handle(before, command, ctx) == handle(before, command, ctx)
+    assert cluster.state is before

@@ -1,0 +1,525 @@
+"""Model cards end to end: the /models routes, custom cards synced to every node, and `jetshard models`.
+
+One cluster per module, all real processes: a nats-server, a sequencer, three APIs (one pointed at the local
+fake Hub, one offline, one whose Hub is a closed port) and two workers with their own config directories, so
+they are two nodes. Each test uses model ids of its own, so the tests share the cluster without depending on
+each other's order.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from conftest import Processes
+from helpers.hub_fixtures import use_hub
+from helpers.hub_server import HubServer, wait_for
+from helpers.tiny_models import make_tiny_model
+from jetshard_schema.codec import decode_event
+from jetshard_schema.events import CustomModelCardAdded, CustomModelCardDeleted
+from jetshard_schema.ids import MODEL_ID_MAX_LENGTH
+from jetshard_schema.subjects import EVENTS_STREAM
+
+from jetshard.natsserver import NatsServer, start_nats_server
+
+ORG = "jetshard-test"
+SPLIT = f"{ORG}/tiny-split"
+SINGLE = f"{ORG}/tiny-single"
+BUILTIN = "mlx-community/Qwen3-0.6B-4bit"
+WORKER_STARTED = "started; cards in"
+
+pytestmark = pytest.mark.timeout(180)
+
+
+@dataclass
+class Cluster:
+    root: Path
+    nats: NatsServer
+    hub: HubServer
+    processes: Processes
+    api: str
+    offline_api: str
+    unreachable_api: str
+    worker_env: dict[str, dict[str, str]]
+    workers: dict[str, subprocess.Popen[bytes]]
+    split_dir: Path
+    single_dir: Path
+
+    def card_dir(self, node: str) -> Path:
+        return self.root / node / "cards"
+
+    def card_file(self, node: str, model_id: str) -> Path:
+        return self.card_dir(node) / (model_id.replace("/", "--") + ".json")
+
+    def start_worker(self, node: str) -> None:
+        """Start the node's worker and wait until it has reconciled its card directory with State."""
+        before = self._started_count(node)
+        self.workers[node] = self.processes.start(node, "worker", env=self.worker_env[node])
+        assert wait_for(lambda: self._started_count(node) > before, timeout=60), self.processes.log(node)
+
+    def stop_worker(self, node: str) -> None:
+        self.processes.kill(self.workers.pop(node), signal.SIGTERM)
+
+    def _started_count(self, node: str) -> int:
+        log = self.processes.log_dir / f"{node}.log"
+        return log.read_text(errors="replace").count(WORKER_STARTED) if log.exists() else 0
+
+    def serve(self, repo_id: str, path: Path, **kwargs: Any) -> None:
+        self.hub.add_repo(repo_id, path, **kwargs)
+
+    def hub_requests(self) -> int:
+        return sum(self.hub.requests.values())
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def _wait_port_file(path: Path, processes: Processes, name: str) -> str:
+    ready = wait_for(lambda: path.exists() and path.read_text().strip().isdigit(), timeout=60)
+    assert ready, processes.log(name)
+    return f"http://127.0.0.1:{int(path.read_text())}"
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
+    root = tmp_path_factory.mktemp("models_api")
+    (root / "logs").mkdir()
+    processes = Processes(root / "logs")
+    nats = start_nats_server(root / "nats", port=-1)
+    split_dir = make_tiny_model(root / "repos" / "split", arch="llama", num_layers=4, num_files=2)
+    single_dir = make_tiny_model(root / "repos" / "single", arch="qwen3", num_layers=2, num_files=1)
+    config = json.loads((single_dir / "config.json").read_text())
+    config["quantization"] = {"bits": 4, "group_size": 64}  # only the card reads it; the weights stay float
+    (single_dir / "config.json").write_text(json.dumps(config))
+
+    with HubServer() as hub, pytest.MonkeyPatch.context() as monkeypatch:
+        hub_env = use_hub(hub.url, root / "hf_home", monkeypatch)
+        hub.add_repo(SPLIT, split_dir)
+        hub.add_repo(SINGLE, single_dir)
+        base = {**hub_env, "JETSHARD_NATS": nats.url}
+        try:
+            processes.start("sequencer", "sequencer", env=base)
+            apis = {
+                "api": base,
+                "api-offline": {**base, "JETSHARD_OFFLINE": "1"},
+                "api-unreachable": {**base, "HF_ENDPOINT": f"http://127.0.0.1:{_free_port()}"},
+            }
+            for name, env in apis.items():
+                port_file = str(root / f"{name}.port")
+                processes.start(name, "api", "--port", "0", "--port-file", port_file, env=env)
+            worker_env = {node: {**base, "JETSHARD_CONFIG_DIR": str(root / node)}
+                          for node in ("node-a", "node-b")}
+            cluster = Cluster(
+                root=root, nats=nats, hub=hub, processes=processes,
+                api=_wait_port_file(root / "api.port", processes, "api"),
+                offline_api=_wait_port_file(root / "api-offline.port", processes, "api-offline"),
+                unreachable_api=_wait_port_file(root / "api-unreachable.port", processes, "api-unreachable"),
+                worker_env=worker_env, workers={}, split_dir=split_dir, single_dir=single_dir,
+            )
+            for node in worker_env:
+                cluster.start_worker(node)
+            yield cluster
+        finally:
+            processes.stop_all()
+            nats.stop()
+
+
+# ------------------------------------------------------------------------------------------------ helpers
+
+
+def _run_async(coroutine: Any) -> Any:
+    """Run a coroutine on a loop of its own in another thread, away from pytest-asyncio's loop."""
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        return pool.submit(asyncio.run, coroutine).result(timeout=60)
+
+
+async def _card_events(nats_url: str) -> list[CustomModelCardAdded | CustomModelCardDeleted]:
+    from jetshard_bus.connect import connect
+    from jetshard_bus.options import NatsOptions
+
+    client, js = await connect(NatsOptions(servers=(nats_url,)), "test-models-api")
+    try:
+        info = await js.stream_info(EVENTS_STREAM)
+        found = []
+        for seq in range(info.state.first_seq, info.state.last_seq + 1):
+            envelope = decode_event((await js.get_msg(EVENTS_STREAM, seq)).data)
+            event = None if envelope is None else envelope.event
+            if isinstance(event, (CustomModelCardAdded, CustomModelCardDeleted)):
+                found.append(event)
+        return found
+    finally:
+        await client.close()
+
+
+def added_events(cluster: Cluster, model_id: str) -> int:
+    events = _run_async(_card_events(cluster.nats.url))
+    return sum(1 for e in events if isinstance(e, CustomModelCardAdded) and e.card.model_id == model_id)
+
+
+def deleted_events(cluster: Cluster, model_id: str) -> int:
+    events = _run_async(_card_events(cluster.nats.url))
+    return sum(1 for e in events if isinstance(e, CustomModelCardDeleted) and e.model_id == model_id)
+
+
+def post(base: str, model_id: Any, timeout: float = 60) -> httpx.Response:
+    return httpx.post(f"{base}/models", json={"model_id": model_id}, timeout=timeout)
+
+
+def error_message(response: httpx.Response) -> str:
+    body = response.json()
+    assert set(body) == {"error"}, body
+    return str(body["error"]["message"])
+
+
+def _files_under(root: Path) -> set[Path]:
+    """Every file under `root` except nats-server's store and the service logs, which change on their own."""
+    return {p for p in root.rglob("*")
+            if not ({"logs", "jetstream"} & set(p.relative_to(root).parts)) and not p.name.endswith(".ports")}
+
+
+# ------------------------------------------------------------------------------------------------ routes
+
+
+def test_add_split_model_from_the_hub(cluster: Cluster) -> None:
+    response = post(cluster.api, SPLIT)
+    assert response.status_code == 201, response.text
+    card = response.json()
+    config = json.loads((cluster.split_dir / "config.json").read_text())
+    index = json.loads((cluster.split_dir / "model.safetensors.index.json").read_text())
+    assert card["model_id"] == SPLIT
+    assert card["is_custom"] is True
+    assert card["architecture"] == "llama"
+    assert card["num_layers"] == config["num_hidden_layers"] == 4
+    assert card["hidden_size"] == config["hidden_size"]
+    assert card["num_attention_heads"] == config["num_attention_heads"]
+    assert card["num_key_value_heads"] == config["num_key_value_heads"]
+    assert card["vocab_size"] == config["vocab_size"]
+    assert card["context_length"] == config["max_position_embeddings"]
+    assert card["storage_size_bytes"] == index["metadata"]["total_size"]
+    assert card["storage_size_estimated"] is False
+    assert card["quantization"] is None
+
+    again = post(cluster.api, SPLIT)
+    assert again.status_code == 200, again.text
+    assert again.json()["model_id"] == SPLIT
+    assert added_events(cluster, SPLIT) == 1
+
+
+def test_add_single_file_model_sizes_from_the_file(cluster: Cluster) -> None:
+    response = post(cluster.api, SINGLE)
+    assert response.status_code == 201, response.text
+    card = response.json()
+    assert not (cluster.single_dir / "model.safetensors.index.json").exists()
+    assert card["storage_size_bytes"] == (cluster.single_dir / "model.safetensors").stat().st_size
+    assert card["architecture"] == "qwen3"
+    assert card["num_layers"] == 2
+    assert card["quantization"] == {"bits": 4, "group_size": 64}
+    assert added_events(cluster, SINGLE) == 1
+
+
+def test_list_show_and_delete(cluster: Cluster) -> None:
+    model_id = f"{ORG}/tiny-listed"
+    cluster.serve(model_id, cluster.split_dir)
+    assert post(cluster.api, model_id).status_code == 201
+
+    listed = httpx.get(f"{cluster.api}/models", timeout=10).json()
+    by_id = {card["model_id"]: card for card in listed}
+    assert by_id[model_id]["is_custom"] is True
+    assert by_id[BUILTIN]["is_custom"] is False
+    assert sum(1 for card in listed if not card["is_custom"]) >= 10  # the built-in catalogue
+    assert all("downloads" in card for card in listed)
+
+    shown = httpx.get(f"{cluster.api}/models/{model_id}", timeout=10)
+    assert shown.status_code == 200
+    assert shown.json()["model_id"] == model_id and shown.json()["num_layers"] == 4
+    builtin = httpx.get(f"{cluster.api}/models/{BUILTIN}", timeout=10)
+    assert builtin.status_code == 200 and builtin.json()["is_custom"] is False
+
+    deleted = httpx.delete(f"{cluster.api}/models/{model_id}", timeout=30)
+    assert deleted.status_code == 200, deleted.text
+    assert deleted.json() == {"deleted": model_id}
+    assert httpx.get(f"{cluster.api}/models/{model_id}", timeout=10).status_code == 404
+    listed_after = httpx.get(f"{cluster.api}/models", timeout=10).json()
+    assert model_id not in {card["model_id"] for card in listed_after}
+    assert deleted_events(cluster, model_id) == 1
+
+    refused = httpx.delete(f"{cluster.api}/models/{BUILTIN}", timeout=10)
+    assert refused.status_code == 409
+    assert "built-in" in error_message(refused)
+    assert httpx.get(f"{cluster.api}/models/{BUILTIN}", timeout=10).status_code == 200
+
+    unknown = httpx.delete(f"{cluster.api}/models/{ORG}/never-added", timeout=10)
+    assert unknown.status_code == 404
+    assert error_message(unknown)
+    assert httpx.get(f"{cluster.api}/models/{ORG}/never-added", timeout=10).status_code == 404
+
+
+def _assert_not_added(cluster: Cluster, model_id: str) -> None:
+    assert httpx.get(f"{cluster.api}/models/{model_id}", timeout=10).status_code == 404
+    assert added_events(cluster, model_id) == 0
+
+
+def test_hub_errors_add_nothing(cluster: Cluster) -> None:
+    root = cluster.root / "repos"
+    gated = f"{ORG}/tiny-gated"
+    cluster.serve(gated, cluster.split_dir, gated=True)
+
+    no_config = root / "no-config"
+    no_config.mkdir()
+    shutil.copy(cluster.single_dir / "model.safetensors", no_config / "model.safetensors")
+    (no_config / "README.md").write_text("weights without a config\n")
+    cluster.serve(f"{ORG}/tiny-no-config", no_config)
+
+    unsupported = root / "unsupported"
+    shutil.copytree(cluster.single_dir, unsupported)
+    config = json.loads((unsupported / "config.json").read_text())
+    config["model_type"] = "mamba"
+    (unsupported / "config.json").write_text(json.dumps(config))
+    cluster.serve(f"{ORG}/tiny-mamba", unsupported)
+
+    cases = [
+        (f"{ORG}/does-not-exist", 404, "not found"),
+        (gated, 403, "gated"),
+        (f"{ORG}/tiny-no-config", 400, "config.json"),
+        (f"{ORG}/tiny-mamba", 400, "mamba"),
+    ]
+    for model_id, status, words in cases:
+        response = post(cluster.api, model_id)
+        assert response.status_code == status, (model_id, response.text)
+        assert words in error_message(response), response.text
+        _assert_not_added(cluster, model_id)
+
+    unreachable = post(cluster.unreachable_api, SPLIT.replace("split", "elsewhere"))
+    assert unreachable.status_code == 502, unreachable.text
+    assert "unreachable" in error_message(unreachable)
+    _assert_not_added(cluster, SPLIT.replace("split", "elsewhere"))
+
+    offline_id = f"{ORG}/tiny-offline"
+    cluster.serve(offline_id, cluster.split_dir)
+    cluster.hub.reset_counters()
+    offline = post(cluster.offline_api, offline_id)
+    assert offline.status_code == 503, offline.text
+    assert "offline" in error_message(offline)
+    assert cluster.hub_requests() == 0
+    _assert_not_added(cluster, offline_id)
+    # Known cards are still listed and shown offline: only adding needs the Hub.
+    assert httpx.get(f"{cluster.offline_api}/models/{BUILTIN}", timeout=10).status_code == 200
+
+
+UNTRUSTED_IDS = [
+    "../x",
+    "/etc/passwd",
+    "../../etc/passwd",
+    "a/b/c",
+    "a\\b",
+    "a\\..\\..\\b",
+    "",
+    "/",
+    "org/",
+    "/name",
+    "org//name",
+    "..",
+    "./x",
+    "org/..",
+    "org/.",
+    "org%2Fname",
+    "%2E%2E/x",
+    "org/%2E%2E%2F%2E%2E%2Fetc",
+    "org/name\x00.json",
+    "org/name\n",
+    "org /name",
+    "org/" + "n" * MODEL_ID_MAX_LENGTH,
+    "o" * 5000 + "/x",
+]
+
+
+def test_untrusted_ids_are_refused_before_any_network_call(cluster: Cluster) -> None:
+    card_dirs = {node: sorted(cluster.card_dir(node).iterdir()) for node in ("node-a", "node-b")}
+    before = _files_under(cluster.root.parent)
+    cluster.hub.reset_counters()
+
+    for model_id in UNTRUSTED_IDS:
+        response = post(cluster.api, model_id)
+        assert response.status_code == 400, (model_id, response.text)
+        assert error_message(response)
+    for bad in (None, 42, ["org/name"], {"org": "name"}):
+        assert post(cluster.api, bad).status_code == 400
+    assert httpx.post(f"{cluster.api}/models", content=b"not json", timeout=10).status_code == 400
+
+    # Ids in paths: percent-encoded separators and dots reach the route as one segment or do not match it.
+    raw_paths = ["..%2F..%2Fetc/passwd", "%2E%2E/%2E%2E", "org/%2E%2E", "org%2Fname/x", "a%5Cb/c",
+                 "org/name%00", "org/" + "n" * MODEL_ID_MAX_LENGTH]
+    with httpx.Client(base_url=cluster.api, timeout=10) as client:
+        for path in raw_paths:
+            for method in ("GET", "DELETE"):
+                response = client.request(method, f"/models/{path}")
+                assert response.status_code in (400, 404), (method, path, response.text)
+                assert error_message(response)
+        for model_id in ("org/.x", "-org/name", "org/name-", "org/a..b"):
+            response = client.get(f"/models/{model_id}")
+            assert response.status_code in (400, 404), (model_id, response.text)
+
+    assert cluster.hub_requests() == 0
+    assert _files_under(cluster.root.parent) == before
+    for node, files in card_dirs.items():
+        assert sorted(cluster.card_dir(node).iterdir()) == files
+    for name in ("x", "passwd", "etc", "b", "name", "x.json"):
+        assert not (cluster.root.parent / name).exists()
+        assert not (cluster.root / name).exists()
+
+
+# ------------------------------------------------------------------------------------------------ nodes
+
+
+def test_cards_sync_to_every_node(cluster: Cluster) -> None:
+    model_id = f"{ORG}/tiny-synced"
+    cluster.serve(model_id, cluster.split_dir)
+    nodes = ("node-a", "node-b")
+    assert post(cluster.api, model_id).status_code == 201
+    for node in nodes:
+        path = cluster.card_file(node, model_id)
+        assert wait_for(path.exists, timeout=15), (node, sorted(cluster.card_dir(node).iterdir()))
+        stored = json.loads(path.read_text())
+        assert stored["model_id"] == model_id and stored["is_custom"] is True and stored["num_layers"] == 4
+    # Only card files land in the card directories (no temporary files left behind).
+    for node in nodes:
+        names = [p.name for p in cluster.card_dir(node).iterdir()]
+        assert all(name.endswith(".json") and not name.startswith(".") for name in names), names
+
+    assert httpx.delete(f"{cluster.api}/models/{model_id}", timeout=30).status_code == 200
+    for node in nodes:
+        assert wait_for(lambda node=node: not cluster.card_file(node, model_id).exists(), timeout=15), node
+
+
+def test_a_node_that_was_down_catches_up(cluster: Cluster) -> None:
+    model_id = f"{ORG}/tiny-late"
+    cluster.serve(model_id, cluster.split_dir)
+
+    cluster.stop_worker("node-b")
+    stale = cluster.card_dir("node-b") / ".card-crashed.tmp"  # as left by a write the worker died in
+    stale.write_bytes(b"{")
+    assert post(cluster.api, model_id).status_code == 201
+    assert wait_for(cluster.card_file("node-a", model_id).exists, timeout=15)
+    assert not cluster.card_file("node-b", model_id).exists()
+    cluster.start_worker("node-b")
+    assert cluster.card_file("node-b", model_id).exists()
+    assert json.loads(cluster.card_file("node-b", model_id).read_text())["model_id"] == model_id
+    assert not stale.exists()
+
+    cluster.stop_worker("node-b")
+    assert httpx.delete(f"{cluster.api}/models/{model_id}", timeout=30).status_code == 200
+    assert wait_for(lambda: not cluster.card_file("node-a", model_id).exists(), timeout=15)
+    assert cluster.card_file("node-b", model_id).exists()  # down: it has not heard yet
+    cluster.start_worker("node-b")
+    assert not cluster.card_file("node-b", model_id).exists()
+    # Reconciling removed only the deleted card: both nodes hold the same cards (those other tests added).
+    names = {node: sorted(p.name for p in cluster.card_dir(node).iterdir()) for node in ("node-a", "node-b")}
+    assert names["node-a"] == names["node-b"], names
+
+
+# ------------------------------------------------------------------------------------------------ CLI
+
+
+def jetshard_models(cluster: Cluster, *args: str, api: str | None = None) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "JETSHARD_API": api or cluster.api, "COLUMNS": "200"}
+    return subprocess.run([sys.executable, "-m", "jetshard", "models", *args], capture_output=True, text=True,
+                          env=env, timeout=120)
+
+
+def test_cli(cluster: Cluster) -> None:
+    model_id = f"{ORG}/tiny-cli"
+    cluster.serve(model_id, cluster.single_dir)
+
+    added = jetshard_models(cluster, "add", model_id)
+    assert added.returncode == 0, added.stderr
+    assert f"added {model_id}" in added.stdout
+    assert "qwen3" in added.stdout
+
+    again = jetshard_models(cluster, "add", model_id)
+    assert again.returncode == 0, again.stderr
+    assert "already known" in again.stdout
+
+    listed = jetshard_models(cluster, "ls")
+    assert listed.returncode == 0, listed.stderr
+    line = next(line for line in listed.stdout.splitlines() if model_id in line)
+    assert "yes" in line and "4-bit" in line  # custom, quantized
+    builtin_line = next(line for line in listed.stdout.splitlines() if BUILTIN in line)
+    assert " no " in builtin_line
+    for header in ("id", "layers", "size", "quantization", "custom", "downloads"):
+        assert header in listed.stdout
+
+    as_json = jetshard_models(cluster, "ls", "--json")
+    assert as_json.returncode == 0
+    assert model_id in {card["model_id"] for card in json.loads(as_json.stdout)}
+
+    shown = jetshard_models(cluster, "show", model_id)
+    assert shown.returncode == 0, shown.stderr
+    assert "architecture" in shown.stdout and "qwen3" in shown.stdout
+
+    # Flags before the subcommand work too.
+    command = [sys.executable, "-m", "jetshard", "models", "--api", cluster.api, "rm", model_id]
+    removed = subprocess.run(command, capture_output=True, text=True, timeout=120)
+    assert removed.returncode == 0, removed.stderr
+    assert f"deleted {model_id}" in removed.stdout
+
+    missing = jetshard_models(cluster, "show", model_id)
+    assert missing.returncode == 1
+    assert "unknown model" in missing.stderr and "HTTP 404" in missing.stderr
+
+    builtin = jetshard_models(cluster, "rm", BUILTIN)
+    assert builtin.returncode == 1
+    assert "built-in" in builtin.stderr and "HTTP 409" in builtin.stderr
+
+    bad = jetshard_models(cluster, "add", "../x")
+    assert bad.returncode == 1
+    assert "HTTP 400" in bad.stderr
+
+    not_on_hub = jetshard_models(cluster, "add", f"{ORG}/not-on-the-hub")
+    assert not_on_hub.returncode == 1
+    assert "not found" in not_on_hub.stderr and "HTTP 404" in not_on_hub.stderr
+
+    down = jetshard_models(cluster, "ls", api=f"http://127.0.0.1:{_free_port()}")
+    assert down.returncode == 3
+    assert "cannot reach the jetshard API" in down.stderr
+    assert "Traceback" not in down.stderr
+
+
+def test_ls_table_shows_download_status_per_node() -> None:
+    """The table `jetshard models ls` prints for downloads in several states (no cluster needed)."""
+    from rich.console import Console
+
+    from jetshard.models_cli import models_table
+
+    cards = [
+        {"model_id": f"{ORG}/downloading", "num_layers": 4, "storage_size_bytes": 2_500_000_000,
+         "quantization": {"bits": 4, "group_size": 64}, "is_custom": True,
+         "downloads": {"node-a": {"status": "ongoing", "bytes_done": 25, "bytes_total": 100},
+                       "node-b": {"status": "completed", "bytes_done": 100, "bytes_total": 100},
+                       "node-c": {"status": "failed", "reason": "disk full"}}},
+        {"model_id": BUILTIN, "num_layers": 28, "storage_size_bytes": 335_000_000,
+         "storage_size_estimated": True, "quantization": None, "is_custom": False, "downloads": {}},
+    ]
+    console = Console(width=160, record=True)
+    console.print(models_table(cards))
+    text = console.export_text()
+    assert "node-a: ongoing 25%" in text
+    assert "node-b: completed" in text
+    assert "node-c: failed: disk full" in text
+    assert "2.5 GB" in text and "4-bit/g64" in text
+    assert "~335.0 MB" in text  # an estimated size is marked

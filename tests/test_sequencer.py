@@ -1,0 +1,322 @@
+"""The sequencer as a process: exactly-once outcomes, standby takeover, stale leaders, snapshots.
+
+Every test runs real `python -m jetshard sequencer` processes against a nats-server of its own. Deadlines
+are generous; nothing asserts on timing (the takeover time is printed, not checked, beyond 30 s).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import signal
+import time
+from collections.abc import Callable
+
+import msgspec
+import nats
+import nats.js.errors
+import pytest
+
+from jetshard_bus.commands import publish_command
+from jetshard_bus.connect import connect
+from jetshard_bus.follower import StateFollower
+from jetshard_bus.options import NatsOptions
+from jetshard_bus.streams import BusTimings, declare, subscribe_events
+from jetshard_schema import subjects
+from jetshard_schema.cards import ModelCard
+from jetshard_schema.codec import decode_event, decode_state, encode
+from jetshard_schema.commands import AddCustomModelCard, ReportNodeProfile
+from jetshard_schema.events import CommandRejected, CustomModelCardAdded, EventEnvelope, NodeJoined
+from jetshard_schema.ids import CommandId, ModelId, NodeId
+from jetshard_schema.state import State, apply
+from jetshard_schema.types import NodeProfile, RejectCode
+
+pytestmark = pytest.mark.timeout(120)
+
+PROFILE = NodeProfile(hostname="h", os="Linux", cpu_cores=2, memory_total_bytes=8 << 30,
+                      memory_available_bytes=4 << 30)
+
+
+def card(name: str) -> ModelCard:
+    return ModelCard(model_id=ModelId(f"burst/{name}"), num_layers=4, hidden_size=64, num_attention_heads=4,
+                     num_key_value_heads=2, vocab_size=100, architecture="llama", storage_size_bytes=1 << 20)
+
+
+def add_card(name: str) -> AddCustomModelCard:
+    return AddCustomModelCard(card=card(name))
+
+
+async def wait_for(predicate: Callable[[], object], timeout_s: float, what: str) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")
+        await asyncio.sleep(0.05)
+
+
+async def all_events(js) -> list[tuple[int, EventEnvelope | None]]:  # type: ignore[no-untyped-def]
+    """Every stored event, in order, with its stream sequence (None where it does not decode)."""
+    info = await js.stream_info(subjects.EVENTS_STREAM)
+    got: list[tuple[int, EventEnvelope | None]] = []
+
+    async def collect(msg) -> None:  # type: ignore[no-untyped-def]
+        got.append((msg.metadata.sequence.stream, decode_event(msg.data)))
+
+    if info.state.last_seq == 0:
+        return got
+    subscription = await subscribe_events(js, collect, 1)
+    try:
+        await wait_for(lambda: len(got) >= info.state.last_seq, 30, "reading the event stream")
+    finally:
+        await subscription.unsubscribe()
+    return got
+
+
+def assert_gapless(events: list[tuple[int, EventEnvelope | None]]) -> list[EventEnvelope]:
+    seqs = [seq for seq, _ in events]
+    assert seqs == list(range(1, len(events) + 1)), "the event stream has a gap"
+    envelopes = [envelope for _, envelope in events]
+    assert all(e is not None for e in envelopes), "an event does not decode"
+    return [e for e in envelopes if e is not None]
+
+
+def outcomes_per_command(envelopes: list[EventEnvelope]) -> dict[CommandId, list[EventEnvelope]]:
+    per: dict[CommandId, list[EventEnvelope]] = collections.defaultdict(list)
+    for envelope in envelopes:
+        per[envelope.command_id].append(envelope)
+    return per
+
+
+async def follow(js) -> StateFollower:  # type: ignore[no-untyped-def]
+    follower = StateFollower(js)
+    await follower.start()
+    return follower
+
+
+def sequencer(processes, name: str, url: str, *extra: str):  # type: ignore[no-untyped-def]
+    return processes.start(name, "sequencer", "--nats", url, "--lease-ttl-s", "1", *extra)
+
+
+async def leading(processes, name: str, times: int = 1, timeout_s: float = 30) -> None:  # type: ignore[no-untyped-def]
+    await wait_for(lambda: processes.log(name).count(" leads from event ") >= times, timeout_s, f"{name} to lead")
+
+
+async def standby_ready(js) -> None:  # type: ignore[no-untyped-def]
+    """A standby logs nothing while it waits; it is ready once its State replica's consumer exists
+    (next to the test's own follower), plus a moment so its process is surely past start-up."""
+    async def consumers() -> int:
+        return (await js.stream_info(subjects.EVENTS_STREAM)).state.consumer_count
+
+    deadline = time.monotonic() + 30
+    while await consumers() < 2 and time.monotonic() < deadline:
+        await asyncio.sleep(0.1)
+    await asyncio.sleep(1)
+
+
+async def test_the_same_command_published_twice_gives_one_set_of_events(bus, fresh_nats, processes) -> None:  # type: ignore[no-untyped-def]
+    _, js = bus
+    follower = await follow(js)
+    sequencer(processes, "seq1", fresh_nats.url)
+    command = add_card("twice")
+    command_id, first_seq = await publish_command(js, command, CommandId("cmd-twice"))
+    _, second_seq = await publish_command(js, command, CommandId("cmd-twice"))
+    assert first_seq == second_seq  # JETSHARD_COMMANDS stored it once (Nats-Msg-Id)
+    await follower.wait_until(lambda s: card("twice").model_id in s.custom_cards, 30)
+    await publish_command(js, add_card("after"), CommandId("cmd-after"))
+    await follower.wait_until(lambda s: card("after").model_id in s.custom_cards, 30)
+    per = outcomes_per_command(assert_gapless(await all_events(js)))
+    assert [type(e.event) for e in per[command_id]] == [CustomModelCardAdded]
+    await follower.stop()
+
+
+async def test_commands_published_while_no_sequencer_runs_are_applied_once_one_starts(  # type: ignore[no-untyped-def]
+        bus, fresh_nats, processes) -> None:
+    _, js = bus
+    ids = [(await publish_command(js, add_card(f"early-{n}")))[0] for n in range(25)]
+    follower = await follow(js)
+    assert follower.state.custom_cards == {}
+    sequencer(processes, "seq1", fresh_nats.url)
+    await follower.wait_until(lambda s: len(s.custom_cards) == 25, 60)
+    per = outcomes_per_command(assert_gapless(await all_events(js)))
+    assert sorted(per) == sorted(ids)
+    assert all(len(events) == 1 for events in per.values())
+    await follower.stop()
+
+
+async def test_a_command_redelivered_after_the_dedupe_window_has_one_outcome(fresh_nats, processes) -> None:  # type: ignore[no-untyped-def]
+    """Within the dedupe window JetStream drops a repeated `Nats-Msg-Id` (commands and events alike). After
+    it, two mechanisms keep one outcome per command:
+
+    * a command *redelivered* (same stream sequence: a leader stored its events, then died before acking
+      it) is skipped because its `command_seq` is not above `State.last_command_seq`, which every event
+      envelope carries. This test stores such a command and its event by hand, as a leader that died
+      before its ack would have, waits past the window, then starts a sequencer: the command comes to
+      it again, but its event is not stored twice.
+    * a command *republished* with the same id after the window is a new message (a new stream sequence),
+      so it is handled again; handlers are idempotent on State for what nodes repeat (the same profile
+      report from the same session gives no event), which the second half checks.
+    """
+    client, js = await connect(NatsOptions(servers=(fresh_nats.url,)), "test", BusTimings(dedupe_window_s=1))
+    try:
+        command = add_card("dead-leader")
+        command_id, command_seq = await publish_command(js, command, CommandId("cmd-dead-leader"))
+        envelope = EventEnvelope(command_id=command_id, command_seq=command_seq, index=0, count=1, at_ms=0,
+                                 event=CustomModelCardAdded(card=msgspec.structs.replace(command.card, is_custom=True)))
+        await js.publish(envelope.event.subject, encode(envelope),
+                         headers={subjects.MSG_ID_HEADER: f"{command_id}/0",
+                                  subjects.EXPECTED_LAST_SEQUENCE_HEADER: "0"})
+        await asyncio.sleep(1.5)  # past the dedupe window of both streams
+
+        sequencer(processes, "seq1", fresh_nats.url)
+        await leading(processes, "seq1")
+        # The sequencer declared the streams with its own (default) window; shorten it again for the rest.
+        await declare(js, BusTimings(dedupe_window_s=1))
+        info = await js.stream_info(subjects.COMMANDS_STREAM)
+        assert info.config.duplicate_window == 1
+
+        follower = await follow(js)
+        report = ReportNodeProfile(node_id=NodeId("node-r"), session_id="s1", profile=PROFILE)
+        report_id, first = await publish_command(js, report, CommandId("cmd-report"))
+        await follower.wait_until(lambda s: "node-r" in s.nodes, 30)
+        await asyncio.sleep(1.5)
+        _, second = await publish_command(js, report, CommandId("cmd-report"))
+        assert second > first  # stored again: the window had passed
+        marker_id, _ = await publish_command(js, add_card("marker"))
+        await follower.wait_until(lambda s: card("marker").model_id in s.custom_cards, 30)
+        per = outcomes_per_command(assert_gapless(await all_events(js)))
+        assert [type(e.event) for e in per[command_id]] == [CustomModelCardAdded]
+        assert [type(e.event) for e in per[report_id]] == [NodeJoined]
+        assert len(per) == 3
+        await follower.stop()
+    finally:
+        await client.close()
+
+
+@pytest.mark.timeout(180)
+async def test_kill_9_of_the_leader_during_a_burst_loses_and_duplicates_nothing(  # type: ignore[no-untyped-def]
+        bus, fresh_nats, processes) -> None:
+    _, js = bus
+    follower = await follow(js)
+    leader = sequencer(processes, "seq1", fresh_nats.url)
+    await leading(processes, "seq1")
+    sequencer(processes, "seq2", fresh_nats.url)
+    await standby_ready(js)
+
+    count = 2000
+    ids = [CommandId(f"burst-{n}") for n in range(count)]
+    acks = [await js.publish_async(add_card(f"m-{n}").subject, encode(add_card(f"m-{n}")),
+                                   headers={subjects.MSG_ID_HEADER: ids[n]}) for n in range(count)]
+    await asyncio.gather(*acks)
+    await follower.wait_until(lambda s: s.last_seq >= 200, 60)
+    killed_at_seq = follower.state.last_seq
+    killed_at = time.monotonic()
+    processes.kill(leader, signal.SIGKILL)
+    await follower.wait_until(lambda s: s.last_seq > killed_at_seq + 10 or s.last_seq >= count, 30)
+    takeover_s = time.monotonic() - killed_at
+    print(f"\nleader killed at event {killed_at_seq}; events flowed again after {takeover_s:.2f} s")
+    await follower.wait_until(lambda s: len(s.custom_cards) >= count, 60)
+    assert " leads from event " in processes.log("seq2")
+
+    per = outcomes_per_command(assert_gapless(await all_events(js)))
+    assert sorted(per) == sorted(ids)
+    duplicated = {cid: [type(e.event).__name__ for e in events] for cid, events in per.items() if len(events) != 1}
+    assert duplicated == {}
+    assert all(isinstance(events[0].event, CustomModelCardAdded) for events in per.values())
+    await follower.stop()
+
+
+async def test_an_append_with_a_stale_expected_sequence_is_refused(bus) -> None:  # type: ignore[no-untyped-def]
+    _, js = bus
+    envelope = EventEnvelope(command_id=CommandId("c"), command_seq=1, index=0, count=1, at_ms=0,
+                             event=CustomModelCardAdded(card=card("stale")))
+    headers = {subjects.EXPECTED_LAST_SEQUENCE_HEADER: "0", subjects.MSG_ID_HEADER: "c/0"}
+    await js.publish(envelope.event.subject, encode(envelope), headers=headers)
+    with pytest.raises(nats.js.errors.APIError) as raised:
+        await js.publish(envelope.event.subject, encode(envelope),
+                         headers={**headers, subjects.MSG_ID_HEADER: "d/0"})
+    assert raised.value.err_code == 10071
+
+
+@pytest.mark.timeout(180)
+async def test_a_paused_leader_steps_down_when_it_resumes(bus, fresh_nats, processes) -> None:  # type: ignore[no-untyped-def]
+    _, js = bus
+    follower = await follow(js)
+    old = sequencer(processes, "seq1", fresh_nats.url)
+    await leading(processes, "seq1")
+    sequencer(processes, "seq2", fresh_nats.url)
+    await standby_ready(js)
+
+    ids: list[CommandId] = []
+
+    async def publish(n: int) -> None:
+        ids.append((await publish_command(js, add_card(f"p-{n}"), CommandId(f"p-{n}")))[0])
+
+    for n in range(20):
+        await publish(n)
+    await follower.wait_until(lambda s: len(s.custom_cards) >= 20, 30)
+    old.send_signal(signal.SIGSTOP)
+    try:
+        await leading(processes, "seq2")  # lease TTL 1 s: the standby takes over
+        for n in range(20, 60):
+            await publish(n)
+        old.send_signal(signal.SIGCONT)
+        for n in range(60, 300):  # keep commands coming while the old leader wakes up
+            await publish(n)
+            await asyncio.sleep(0.005)
+    finally:
+        old.send_signal(signal.SIGCONT)
+    await wait_for(lambda: "stepping down" in processes.log("seq1"), 30, "the old leader to step down")
+    await follower.wait_until(lambda s: len(s.custom_cards) >= 300, 60)
+    assert old.poll() is None  # it stepped down and waits as a standby, it did not crash
+    per = outcomes_per_command(assert_gapless(await all_events(js)))
+    assert sorted(per) == sorted(ids)
+    assert {cid: len(events) for cid, events in per.items() if len(events) != 1} == {}
+    await follower.stop()
+
+
+async def test_garbage_commands_are_rejected_and_the_sequencer_carries_on(bus, fresh_nats, processes) -> None:  # type: ignore[no-untyped-def]
+    client, js = bus
+    follower = await follow(js)
+    seq = sequencer(processes, "seq1", fresh_nats.url)
+    garbage = follower.expect(CommandId("garbage-1"))
+    wrong_shape = follower.expect(CommandId("garbage-2"))
+    await js.publish("jetshard.cmd.x", b"\x00not json at all", headers={subjects.MSG_ID_HEADER: "garbage-1"})
+    await js.publish("jetshard.cmd.x", b'{"type": "AddCustomModelCard", "card": {"model_id": 7}}',
+                     headers={subjects.MSG_ID_HEADER: "garbage-2"})
+    for outcome in (await asyncio.wait_for(garbage, 30), await asyncio.wait_for(wrong_shape, 30)):
+        assert len(outcome) == 1
+        rejected = outcome[0].event
+        assert isinstance(rejected, CommandRejected)
+        assert rejected.code is RejectCode.INVALID
+        assert rejected.command_type == "x"
+        assert rejected.reason.startswith("malformed command")
+    valid = follower.expect(CommandId("valid"))
+    await publish_command(js, add_card("valid"), CommandId("valid"))
+    assert isinstance((await asyncio.wait_for(valid, 30))[0].event, CustomModelCardAdded)
+    assert seq.poll() is None
+    await follower.stop()
+
+
+async def test_a_new_follower_starts_from_the_snapshot(bus, fresh_nats, processes) -> None:  # type: ignore[no-untyped-def]
+    _, js = bus
+    sequencer(processes, "seq1", fresh_nats.url, "--snapshot-every", "50")
+    acks = [await js.publish_async(add_card(f"s-{n}").subject, encode(add_card(f"s-{n}")),
+                                   headers={subjects.MSG_ID_HEADER: f"s-{n}"}) for n in range(120)]
+    await asyncio.gather(*acks)
+    first = await follow(js)
+    await first.wait_until(lambda s: s.last_seq >= 120, 60)
+    await first.stop()
+
+    store = await js.object_store(subjects.SNAPSHOT_BUCKET)
+    snapshot = decode_state((await store.get(subjects.SNAPSHOT_OBJECT)).data or b"")
+    assert 50 <= snapshot.last_seq <= 120
+
+    from_snapshot = await follow(js)
+    await from_snapshot.wait_until(lambda s: s.last_seq >= 120, 30)
+    await from_snapshot.stop()
+    rebuilt = State()
+    for seq, envelope in await all_events(js):
+        assert envelope is not None
+        rebuilt = apply(rebuilt, envelope.event, seq, envelope.command_seq)
+    assert from_snapshot.state == rebuilt
+    assert len(rebuilt.custom_cards) == 120
