@@ -61,6 +61,7 @@ from jetshard.natsserver import NatsServer
 pytestmark = pytest.mark.timeout(120)
 
 GiB = 2**30
+FINAL = (DownloadStatus.COMPLETED, DownloadStatus.FAILED)
 
 
 # --------------------------------------------------------------------------------------------------- harness
@@ -116,7 +117,8 @@ class Cluster:
             time.sleep(0.05)
         raise AssertionError("the API did not start:\n" + self.processes.log("api"))
 
-    async def wait(self, predicate: Callable[[State], bool], timeout_s: float = 30.0, what: str = "") -> State:
+    async def wait(self, predicate: Callable[[State], bool], timeout_s: float = 30.0,
+                   what: str = "") -> State:
         try:
             return await self.follower.wait_until(predicate, timeout_s)
         except TimeoutError:
@@ -226,7 +228,7 @@ async def test_spillover_to_the_second_dir_and_no_space_names_every_dir(
                                  JETSHARD_MODELS_DIRS=str(second))
 
         await cluster.submit(StartDownload(model_id=ModelId("tiny/small"), node_id=node))
-        done = await cluster.wait_download(node, "tiny/small", (DownloadStatus.COMPLETED, DownloadStatus.FAILED))
+        done = await cluster.wait_download(node, "tiny/small", FINAL)
         assert done.status is DownloadStatus.COMPLETED, done.reason
         assert done.directory == str(second / "tiny--small")
         assert repo_files(second / "tiny--small") == repo_files(small)
@@ -236,11 +238,12 @@ async def test_spillover_to_the_second_dir_and_no_space_names_every_dir(
         assert cluster.follower.state.measured_sizes[ModelId("tiny/small")] == weights
 
         await cluster.submit(StartDownload(model_id=ModelId("tiny/big"), node_id=node))
-        failed = await cluster.wait_download(node, "tiny/big", (DownloadStatus.COMPLETED, DownloadStatus.FAILED))
+        failed = await cluster.wait_download(node, "tiny/big", FINAL)
         assert failed.status is DownloadStatus.FAILED
         assert "not enough disk space" in failed.reason
         assert str(first) in failed.reason and str(second) in failed.reason
-        assert not any(key[0] == "tiny/big" and key[1].endswith(".safetensors") for key in hub_server.bytes_served)
+        assert not any(repo == "tiny/big" and name.endswith(".safetensors")
+                       for repo, name in hub_server.bytes_served)
         cluster.processes.stop_all()
 
 
@@ -347,8 +350,16 @@ async def test_killed_mid_download_resumes_in_the_same_directory(
         ongoing = await cluster.wait_download(node, repo, (DownloadStatus.ONGOING,), 10)
         assert ongoing.directory == str(models / "tiny--big") and ongoing.bytes_total > size
 
-        listed = (await http.get("/downloads")).json()
-        assert [(d["model_id"], d["status"]) for d in listed] == [(repo, "ongoing")]
+        listed: list[dict[str, Any]] = []
+
+        async def api_shows_ongoing() -> bool:
+            listed[:] = (await http.get("/downloads")).json()
+            return [(d["model_id"], d["status"]) for d in listed] == [(repo, "ongoing")]
+
+        deadline = time.monotonic() + 10
+        while not await api_shows_ongoing():  # the API's replica may be a moment behind the test's
+            assert time.monotonic() < deadline, listed
+            await asyncio.sleep(0.1)
         assert listed[0]["bytes_done"] >= hold_at and listed[0]["speed_bytes_per_s"] >= 0
         seen: list[str] = []
         async with asyncio.timeout(15), http.stream("GET", "/events", params={"since": 1}) as stream:
@@ -370,7 +381,7 @@ async def test_killed_mid_download_resumes_in_the_same_directory(
     hub_server.release()
     hub_server.reset_counters()
     cluster.start_downloader("downloader-2", config, **env)  # resumes from State: no new request
-    done = await cluster.wait_download(node, repo, (DownloadStatus.COMPLETED, DownloadStatus.FAILED))
+    done = await cluster.wait_download(node, repo, FINAL)
     assert done.status is DownloadStatus.COMPLETED, done.reason
     assert done.directory == str(models / "tiny--big")
     assert hub_server.bytes_served[(repo, held)] == size - kept  # only the remainder
@@ -403,7 +414,7 @@ async def test_two_nodes_fetch_complementary_shards_once(
     assert not any(isinstance(e, CommandRejected) for e in events), events
     ranges = {}
     for node in nodes:
-        done = await cluster.wait_download(node, repo, (DownloadStatus.COMPLETED, DownloadStatus.FAILED))
+        done = await cluster.wait_download(node, repo, FINAL)
         assert done.status is DownloadStatus.COMPLETED, done.reason
         ranges[node] = (done.start_layer, done.end_layer)
     assert sorted(ranges.values()) == [(0, 2), (2, 4)]
@@ -430,12 +441,12 @@ async def test_offline_makes_no_request_and_converts_the_packaged_demo(
 
     started = time.monotonic()
     await cluster.submit(StartDownload(model_id=ModelId("tiny/online"), node_id=node))
-    failed = await cluster.wait_download(node, "tiny/online", (DownloadStatus.FAILED, DownloadStatus.COMPLETED))
+    failed = await cluster.wait_download(node, "tiny/online", FINAL)
     assert failed.status is DownloadStatus.FAILED and "not available offline" in failed.reason
     assert time.monotonic() - started < 10
 
     await cluster.submit(StartDownload(model_id=DEMO_MODEL_ID, node_id=node))
-    demo = await cluster.wait_download(node, DEMO_MODEL_ID, (DownloadStatus.FAILED, DownloadStatus.COMPLETED), 90)
+    demo = await cluster.wait_download(node, DEMO_MODEL_ID, FINAL, 90)
     assert demo.status is DownloadStatus.COMPLETED, demo.reason
     target = models / "jetshard--SmolLM2-135M-Instruct-Q4"
     assert demo.directory == str(target) and not demo.read_only
@@ -446,3 +457,42 @@ async def test_offline_makes_no_request_and_converts_the_packaged_demo(
     assert any(isinstance(e, DownloadProgressed) for e in cluster.events)
     assert sum(hub_server.requests.values()) == 0, hub_server.requests
     assert not any(isinstance(e, DownloadFailed) and e.model_id == DEMO_MODEL_ID for e in cluster.events)
+
+
+async def test_cancel_keeps_finished_files_and_delete_removes_them(
+    cluster: Cluster, hub_server: HubServer, tmp_path: Path,
+) -> None:
+    source = make_tiny_model(tmp_path / "src", num_layers=2, num_files=2, hidden_size=256)
+    repo = "tiny/cancel"
+    held = "model-00002-of-00002.safetensors"  # fetched after config.json, generation_config.json, 00001
+    hub_server.add_repo(repo, source)
+    hub_server.hold_after(repo, held, 2**20)
+    config = tmp_path / "node"
+    models = tmp_path / "models"
+    node = await cluster.join(config)
+    await cluster.add_card(repo, 2, 256)
+    api = cluster.start_api()
+    cluster.start_downloader("downloader", config, JETSHARD_DEFAULT_MODELS_DIR=str(models))
+    target = models / "tiny--cancel"
+    async with httpx.AsyncClient(base_url=api, timeout=30) as http:
+        assert (await http.post("/downloads", json={"model_id": repo})).status_code == 202
+        assert await asyncio.to_thread(hub_server.wait_held, repo, held, 30)
+        cancelled = await http.post("/downloads/cancel", json={"model_id": repo, "node_id": node})
+        assert cancelled.status_code == 200, cancelled.text
+        assert cancelled.json()["status"] == "cancelled"
+        hub_server.release()  # the next chunk reaches the downloader, which stops there
+        await poll(lambda: "download of tiny/cancel stopped" in cluster.processes.log("downloader"), 20)
+        assert cluster.follower.state.download(node, ModelId(repo)).status is DownloadStatus.CANCELLED
+        manifest = json.loads((target / MANIFEST_NAME).read_text())
+        assert "model-00001-of-00002.safetensors" in {f["name"] for f in manifest["files"]}
+        assert not (target / held).exists() and not (target / "tokenizer.json").exists()
+        assert (target / PARTIAL_DIR).is_dir()  # kept for the next attempt
+
+        again = await http.post("/downloads/cancel", json={"model_id": repo, "node_id": node})
+        assert again.status_code == 409  # not in progress any more
+        deleted = await http.delete(f"/downloads/{node}/{repo}")
+        assert deleted.status_code == 200, deleted.text
+        assert not target.exists()
+        assert (await http.get("/downloads")).json() == []
+        missing = await http.delete(f"/downloads/{node}/{repo}")
+        assert missing.status_code == 404

@@ -12,7 +12,10 @@ import click
 import httpx
 from rich.console import Console
 
+from jetshard_schema.catalogue import DEMO_MODEL_ID
+
 from jetshard.natsserver import NatsServer, start_nats_server
+from jetshard.placing import place_and_wait
 from jetshard.procs import spawn, stop_group
 
 SERVICES = ("sequencer", "api", "worker", "downloader")
@@ -33,7 +36,18 @@ def data_dir() -> Path:
 @click.option("--data-dir", "state_dir", envvar="JETSHARD_DATA_DIR", type=click.Path(path_type=Path),
               default=None, help="where NATS keeps the cluster's history and services their logs")
 @click.option("--offline", envvar="JETSHARD_OFFLINE", is_flag=True, help="make no network call at all")
-def up(nats_url: str | None, nats_port: int, host: str, port: int, state_dir: Path | None, offline: bool) -> None:
+@click.option("--model", envvar="JETSHARD_MODEL", default=DEMO_MODEL_ID, show_default=True,
+              help="model to place once the cluster is up")
+@click.option("--no-model", is_flag=True, help="place no model")
+@click.option("--default-models-dir", envvar="JETSHARD_DEFAULT_MODELS_DIR", default=None,
+              help="first writable model directory [default: XDG data dir/jetshard/models]")
+@click.option("--models-dirs", envvar="JETSHARD_MODELS_DIRS", default=None,
+              help="more writable model directories, colon-separated, tried in order")
+@click.option("--models-read-only-dirs", envvar="JETSHARD_MODELS_READ_ONLY_DIRS", default=None,
+              help="model directories searched but never written, colon-separated")
+def up(nats_url: str | None, nats_port: int, host: str, port: int, state_dir: Path | None, offline: bool,
+       model: str, no_model: bool, default_models_dir: str | None, models_dirs: str | None,
+       models_read_only_dirs: str | None) -> None:
     """Start everything on this machine; Ctrl-C stops it all. Running it again keeps the history."""
     console = Console(highlight=False)
     signal.signal(signal.SIGTERM, _interrupt)
@@ -47,6 +61,10 @@ def up(nats_url: str | None, nats_port: int, host: str, port: int, state_dir: Pa
     env = {**os.environ, "JETSHARD_NATS": nats_url}
     if offline:
         env["JETSHARD_OFFLINE"] = "1"
+    for name, value in (("JETSHARD_DEFAULT_MODELS_DIR", default_models_dir), ("JETSHARD_MODELS_DIRS", models_dirs),
+                        ("JETSHARD_MODELS_READ_ONLY_DIRS", models_read_only_dirs)):
+        if value is not None:
+            env[name] = value
     extra = {"api": ["--host", host, "--port", str(port)]}
     children = {
         name: spawn([sys.executable, "-m", "jetshard", name, *extra.get(name, [])], logs / f"{name}.log", env)
@@ -57,7 +75,10 @@ def up(nats_url: str | None, nats_port: int, host: str, port: int, state_dir: Pa
         _wait_healthy(api_url, children, logs)
         console.print(f"[bold green]jetshard is up[/]\n  API   {api_url}  (OpenAI base URL: {api_url}/v1)\n"
                       f"  NATS  {nats_url}  (try: nats --server {nats_url} stream view JETSHARD_EVENTS)\n"
-                      f"  logs  {logs}\nPress Ctrl-C to stop.")
+                      f"  logs  {logs}")
+        if not no_model:
+            place_and_wait(console, api_url, model, children)
+        console.print("Press Ctrl-C to stop.")
         while True:
             for name, child in children.items():
                 if child.poll() is not None:

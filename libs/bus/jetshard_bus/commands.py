@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from nats.js import JetStreamContext
 
+from jetshard_bus.tracing import inject
 from jetshard_schema.codec import encode
 from jetshard_schema.commands import Command
 from jetshard_schema.ids import CommandId, new_command_id
@@ -16,5 +17,5 @@ async def publish_command(
     """Store `command` in JETSHARD_COMMANDS; returns its id and stream sequence."""
     command_id = command_id or new_command_id()
     ack = await js.publish(command.subject, encode(command), timeout=timeout_s,
-                           headers={MSG_ID_HEADER: command_id})
+                           headers=inject({MSG_ID_HEADER: command_id}))
     return command_id, ack.seq

@@ -61,10 +61,10 @@ class StateFollower:
         if self._subscription is not None:
             await self._subscription.unsubscribe()
             self._subscription = None
-        for future, _ in self._outcomes.values():
-            future.cancel()
-        for _, future in self._conditions:
-            future.cancel()
+        for outcome, _ in self._outcomes.values():
+            outcome.cancel()
+        for _, condition in self._conditions:
+            condition.cancel()
 
     async def _on_message(self, msg: Msg) -> None:
         seq = msg.metadata.sequence.stream

@@ -9,6 +9,8 @@ import os
 import signal
 from collections.abc import Awaitable, Callable
 
+from jetshard_bus.tracing import configure_tracing
+
 
 def configure_logging(service: str) -> None:
     level = os.environ.get("JETSHARD_LOG_LEVEL", "INFO").upper()
@@ -19,6 +21,7 @@ def configure_logging(service: str) -> None:
 def run_service(service: str, main: Callable[[asyncio.Event], Awaitable[None]]) -> None:
     """Run `main(stop)` until it returns; SIGINT/SIGTERM set `stop` so it can shut down in order."""
     configure_logging(service)
+    configure_tracing(service)
 
     async def runner() -> None:
         stop = asyncio.Event()

@@ -31,19 +31,19 @@ class _Command(msgspec.Struct, frozen=True, kw_only=True, tag=True, tag_field="t
 # --- nodes -------------------------------------------------------------------------------------------------
 
 
-class ReportNodeProfile(_Command):
+class ReportNodeProfile(_Command, frozen=True):
     node_id: NodeId
     session_id: str
     """New on every start of the node's worker: a new session of a known node is a re-join."""
     profile: NodeProfile
 
 
-class ReportNodeStorage(_Command):
+class ReportNodeStorage(_Command, frozen=True):
     node_id: NodeId
     model_dirs: tuple[ModelDirInfo, ...]
 
 
-class ExpireNode(_Command):
+class ExpireNode(_Command, frozen=True):
     """The sequencer's own observation that a node's liveness key lapsed."""
 
     node_id: NodeId
@@ -53,15 +53,15 @@ class ExpireNode(_Command):
 # --- model cards -------------------------------------------------------------------------------------------
 
 
-class AddCustomModelCard(_Command):
+class AddCustomModelCard(_Command, frozen=True):
     card: ModelCard
 
 
-class DeleteCustomModelCard(_Command):
+class DeleteCustomModelCard(_Command, frozen=True):
     model_id: ModelId
 
 
-class ReportModelSize(_Command):
+class ReportModelSize(_Command, frozen=True):
     """The real total size of a model's weights, measured from its file list."""
 
     model_id: ModelId
@@ -71,24 +71,24 @@ class ReportModelSize(_Command):
 # --- downloads ---------------------------------------------------------------------------------------------
 
 
-class StartDownload(_Command):
+class StartDownload(_Command, frozen=True):
     model_id: ModelId
     node_id: NodeId
     start_layer: int | None = None
     end_layer: int | None = None
 
 
-class CancelDownload(_Command):
+class CancelDownload(_Command, frozen=True):
     model_id: ModelId
     node_id: NodeId
 
 
-class DeleteDownload(_Command):
+class DeleteDownload(_Command, frozen=True):
     model_id: ModelId
     node_id: NodeId
 
 
-class ReportDownloadProgress(_Command):
+class ReportDownloadProgress(_Command, frozen=True):
     model_id: ModelId
     node_id: NodeId
     status: DownloadStatus
@@ -103,7 +103,7 @@ class ReportDownloadProgress(_Command):
     reason: str = ""
 
 
-class ReportDownloadDeleted(_Command):
+class ReportDownloadDeleted(_Command, frozen=True):
     model_id: ModelId
     node_id: NodeId
     directories: tuple[str, ...] = ()
@@ -112,18 +112,18 @@ class ReportDownloadDeleted(_Command):
 # --- instances and runners ---------------------------------------------------------------------------------
 
 
-class PlaceInstance(_Command):
+class PlaceInstance(_Command, frozen=True):
     instance_id: InstanceId
     model_id: ModelId
     node_ids: tuple[NodeId, ...] | None = None
     min_nodes: int = 1
 
 
-class DeleteInstance(_Command):
+class DeleteInstance(_Command, frozen=True):
     instance_id: InstanceId
 
 
-class ReportRunnerEndpoint(_Command):
+class ReportRunnerEndpoint(_Command, frozen=True):
     instance_id: InstanceId
     generation: int
     node_id: NodeId
@@ -132,7 +132,7 @@ class ReportRunnerEndpoint(_Command):
     port: int
 
 
-class ReportRunnerStatus(_Command):
+class ReportRunnerStatus(_Command, frozen=True):
     instance_id: InstanceId
     generation: int
     node_id: NodeId
@@ -148,22 +148,22 @@ class ReportRunnerStatus(_Command):
 # --- tasks -------------------------------------------------------------------------------------------------
 
 
-class SubmitTask(_Command):
+class SubmitTask(_Command, frozen=True):
     request: TaskRequest
 
 
-class CancelTask(_Command):
+class CancelTask(_Command, frozen=True):
     task_id: TaskId
     reason: str = "cancelled by the client"
 
 
-class ReportTaskStarted(_Command):
+class ReportTaskStarted(_Command, frozen=True):
     task_id: TaskId
     instance_id: InstanceId
     prompt_tokens: int
 
 
-class ReportTaskFinished(_Command):
+class ReportTaskFinished(_Command, frozen=True):
     task_id: TaskId
     instance_id: InstanceId
     outcome: TaskOutcome

@@ -29,7 +29,7 @@ class _Event(msgspec.Struct, frozen=True, kw_only=True, tag=True, tag_field="typ
         return event_subject(type(self).__name__)
 
 
-class CommandRejected(_Event):
+class CommandRejected(_Event, frozen=True):
     command_type: str
     code: RejectCode
     reason: str
@@ -39,23 +39,23 @@ class CommandRejected(_Event):
 # --- nodes -------------------------------------------------------------------------------------------------
 
 
-class NodeJoined(_Event):
+class NodeJoined(_Event, frozen=True):
     node_id: NodeId
     session_id: str
     profile: NodeProfile
 
 
-class NodeUpdated(_Event):
+class NodeUpdated(_Event, frozen=True):
     node_id: NodeId
     profile: NodeProfile
 
 
-class NodeStorageUpdated(_Event):
+class NodeStorageUpdated(_Event, frozen=True):
     node_id: NodeId
     model_dirs: tuple[ModelDirInfo, ...]
 
 
-class NodeLost(_Event):
+class NodeLost(_Event, frozen=True):
     node_id: NodeId
     reason: str
 
@@ -63,15 +63,15 @@ class NodeLost(_Event):
 # --- model cards -------------------------------------------------------------------------------------------
 
 
-class CustomModelCardAdded(_Event):
+class CustomModelCardAdded(_Event, frozen=True):
     card: ModelCard
 
 
-class CustomModelCardDeleted(_Event):
+class CustomModelCardDeleted(_Event, frozen=True):
     model_id: ModelId
 
 
-class ModelSizeMeasured(_Event):
+class ModelSizeMeasured(_Event, frozen=True):
     model_id: ModelId
     storage_size_bytes: int
 
@@ -79,14 +79,14 @@ class ModelSizeMeasured(_Event):
 # --- downloads ---------------------------------------------------------------------------------------------
 
 
-class DownloadRequested(_Event):
+class DownloadRequested(_Event, frozen=True):
     node_id: NodeId
     model_id: ModelId
     start_layer: int
     end_layer: int
 
 
-class DownloadProgressed(_Event):
+class DownloadProgressed(_Event, frozen=True):
     node_id: NodeId
     model_id: ModelId
     pending: bool
@@ -97,7 +97,7 @@ class DownloadProgressed(_Event):
     directory: str = ""
 
 
-class DownloadCompleted(_Event):
+class DownloadCompleted(_Event, frozen=True):
     node_id: NodeId
     model_id: ModelId
     directory: str
@@ -107,23 +107,23 @@ class DownloadCompleted(_Event):
     bytes_total: int
 
 
-class DownloadFailed(_Event):
+class DownloadFailed(_Event, frozen=True):
     node_id: NodeId
     model_id: ModelId
     reason: str
 
 
-class DownloadCancelled(_Event):
+class DownloadCancelled(_Event, frozen=True):
     node_id: NodeId
     model_id: ModelId
 
 
-class DownloadDeleteRequested(_Event):
+class DownloadDeleteRequested(_Event, frozen=True):
     node_id: NodeId
     model_id: ModelId
 
 
-class DownloadDeleted(_Event):
+class DownloadDeleted(_Event, frozen=True):
     node_id: NodeId
     model_id: ModelId
 
@@ -131,18 +131,18 @@ class DownloadDeleted(_Event):
 # --- instances and runners ---------------------------------------------------------------------------------
 
 
-class InstancePlaced(_Event):
+class InstancePlaced(_Event, frozen=True):
     instance_id: InstanceId
     model_id: ModelId
     shards: tuple[ShardAssignment, ...]
 
 
-class InstanceDeleted(_Event):
+class InstanceDeleted(_Event, frozen=True):
     instance_id: InstanceId
     reason: str
 
 
-class RunnerEndpointReported(_Event):
+class RunnerEndpointReported(_Event, frozen=True):
     instance_id: InstanceId
     generation: int
     node_id: NodeId
@@ -151,7 +151,7 @@ class RunnerEndpointReported(_Event):
     port: int
 
 
-class RunnerStatusChanged(_Event):
+class RunnerStatusChanged(_Event, frozen=True):
     instance_id: InstanceId
     generation: int
     node_id: NodeId
@@ -164,7 +164,7 @@ class RunnerStatusChanged(_Event):
     loaded_tensors: tuple[str, ...] = ()
 
 
-class InstanceRestarting(_Event):
+class InstanceRestarting(_Event, frozen=True):
     """Every rank stops; runners start again for `generation` no earlier than `not_before_ms`."""
 
     instance_id: InstanceId
@@ -174,7 +174,7 @@ class InstanceRestarting(_Event):
     reason: str
 
 
-class InstanceFailed(_Event):
+class InstanceFailed(_Event, frozen=True):
     instance_id: InstanceId
     reason: str
 
@@ -182,25 +182,25 @@ class InstanceFailed(_Event):
 # --- tasks -------------------------------------------------------------------------------------------------
 
 
-class TaskAssigned(_Event):
+class TaskAssigned(_Event, frozen=True):
     request: TaskRequest
     instance_id: InstanceId
     generation: int
 
 
-class TaskStarted(_Event):
+class TaskStarted(_Event, frozen=True):
     task_id: TaskId
     prompt_tokens: int
 
 
-class TaskFinished(_Event):
+class TaskFinished(_Event, frozen=True):
     task_id: TaskId
     outcome: TaskOutcome
     usage: Usage
     error: str = ""
 
 
-class TaskCancelled(_Event):
+class TaskCancelled(_Event, frozen=True):
     task_id: TaskId
     reason: str
 

@@ -241,14 +241,14 @@ def apply(state: State, event: Event, seq: int, command_seq: int = 0) -> State:
                 tasks={k: t for k, t in state.tasks.items() if t.instance_id != instance_id},
             )
         case RunnerEndpointReported(instance_id=instance_id, generation=generation) as reported:
-            instance = state.instances.get(instance_id)
-            if instance is None or instance.generation != generation:
+            reporting = state.instances.get(instance_id)
+            if reporting is None or reporting.generation != generation:
                 return state
-            endpoints = _with(instance.endpoints, reported.rank, Endpoint(reported.host, reported.port))
+            endpoints = _with(reporting.endpoints, reported.rank, Endpoint(reported.host, reported.port))
             return _update_instance(state, instance_id, endpoints=endpoints)
         case RunnerStatusChanged(instance_id=instance_id, generation=generation) as changed:
-            instance = state.instances.get(instance_id)
-            if instance is None or instance.generation != generation:
+            changing = state.instances.get(instance_id)
+            if changing is None or changing.generation != generation:
                 return state
             runner = Runner(
                 node_id=changed.node_id, rank=changed.rank, worker_session=changed.worker_session,
@@ -256,7 +256,7 @@ def apply(state: State, event: Event, seq: int, command_seq: int = 0) -> State:
                 layers_total=changed.layers_total, reason=changed.reason,
                 loaded_tensors=changed.loaded_tensors,
             )
-            return _update_instance(state, instance_id, runners=_with(instance.runners, changed.rank, runner))
+            return _update_instance(state, instance_id, runners=_with(changing.runners, changed.rank, runner))
         case InstanceRestarting(instance_id=instance_id) as restarting:
             return replace(
                 _update_instance(
@@ -276,10 +276,10 @@ def apply(state: State, event: Event, seq: int, command_seq: int = 0) -> State:
                         instance_id=instance_id)
             return replace(state, tasks=_with(state.tasks, request.task_id, task))
         case TaskStarted(task_id=task_id, prompt_tokens=prompt_tokens):
-            task = state.tasks.get(task_id)
-            if task is None:
+            in_flight = state.tasks.get(task_id)
+            if in_flight is None:
                 return state
-            started = replace(task, started=True, prompt_tokens=prompt_tokens)
+            started = replace(in_flight, started=True, prompt_tokens=prompt_tokens)
             return replace(state, tasks=_with(state.tasks, task_id, started))
         case TaskFinished(task_id=task_id) | TaskCancelled(task_id=task_id):
             return replace(state, tasks=_without(state.tasks, task_id))

@@ -12,6 +12,7 @@ import contextlib
 import logging
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 import msgspec
 import nats.js.errors
@@ -25,6 +26,7 @@ from jetshard_bus.follower import StateFollower
 from jetshard_bus.options import NatsOptions
 from jetshard_bus.snapshots import save_snapshot
 from jetshard_bus.streams import BusTimings
+from jetshard_bus.tracing import inject, span_from
 from jetshard_schema import subjects
 from jetshard_schema.codec import decode_command, encode
 from jetshard_schema.commands import ExpireNode
@@ -138,12 +140,18 @@ class Leader:
         self._since_snapshot = 0
 
     async def run(self, stop: asyncio.Event) -> None:
+        # A consumer of this leadership term's own, starting right after the last command with events.
+        # A shared durable would still hold the commands a dead (or paused) leader had fetched but not
+        # acked: they would come back only after ack_wait, behind newer commands, and be skipped as done.
+        consumer = f"{subjects.SEQUENCER_DURABLE}-{self._config.sequencer_id}-{new_id()[:8]}"
         subscription = await self._js.pull_subscribe(
             f"{subjects.COMMAND_PREFIX}.>",
-            durable=subjects.SEQUENCER_DURABLE,
+            durable=consumer,
             stream=subjects.COMMANDS_STREAM,
             config=ConsumerConfig(ack_policy=AckPolicy.EXPLICIT, ack_wait=30, max_deliver=-1,
-                                  deliver_policy=DeliverPolicy.ALL, max_ack_pending=-1),
+                                  deliver_policy=DeliverPolicy.BY_START_SEQUENCE,
+                                  opt_start_seq=self.state.last_command_seq + 1, max_ack_pending=-1,
+                                  inactive_threshold=60),
         )
         renewing = asyncio.create_task(self._renew_lease(stop))
         expiring = asyncio.create_task(self._expire_nodes(stop))
@@ -155,12 +163,16 @@ class Leader:
                     messages = await subscription.fetch(self._config.batch_size, timeout=0.2)
                 except (TimeoutError, nats.errors.TimeoutError):
                     continue
+                except nats.js.errors.APIError as error:  # e.g. our consumer was removed while we were paused
+                    raise StaleLeaderError(f"reading commands failed: {error}") from error
                 await self._handle_batch(messages)
         finally:
             renewing.cancel()
             expiring.cancel()
             with contextlib.suppress(Exception):
                 await subscription.unsubscribe()
+            with contextlib.suppress(Exception):
+                await self._js.delete_consumer(subjects.COMMANDS_STREAM, consumer)
 
     async def _renew_lease(self, stop: asyncio.Event) -> None:
         while not stop.is_set():
@@ -168,7 +180,7 @@ class Leader:
             await self._lease.renew()
 
     async def _handle_batch(self, messages: list[Msg]) -> None:
-        acks: list[asyncio.Future[object]] = []
+        acks: list[asyncio.Future[Any]] = []
         now_ms = int(time.time() * 1000)
         for msg in messages:
             command_seq = msg.metadata.sequence.stream
@@ -177,7 +189,9 @@ class Leader:
             ):
                 continue  # its events are stored already: redelivered after a crash or a takeover
             command_id = CommandId((msg.headers or {}).get(subjects.MSG_ID_HEADER) or f"cmd-{command_seq}")
-            events = self._events_for(msg, command_id, now_ms)
+            with span_from(msg.headers, f"handle {msg.subject}"):
+                events = self._events_for(msg, command_id, now_ms)
+                trace_headers = inject({})
             already_stored = self._take_partial(command_seq)
             for index, event in enumerate(events):
                 envelope = EventEnvelope(command_id=command_id, command_seq=command_seq, index=index,
@@ -188,7 +202,7 @@ class Leader:
                     acks.append(await self._js.publish_async(
                         event.subject, encode(envelope),
                         headers={subjects.MSG_ID_HEADER: f"{command_id}/{index}",
-                                 subjects.EXPECTED_LAST_SEQUENCE_HEADER: str(self._last_seq)},
+                                 subjects.EXPECTED_LAST_SEQUENCE_HEADER: str(self._last_seq), **trace_headers},
                     ))
                     self._last_seq += 1
                     seq = self._last_seq

@@ -203,9 +203,7 @@ class Runner:
         self._outbox.put_nowait((chunk_subject(chunk.task_id), encode(chunk)))
 
     def _send_later(self, coroutine: Any) -> None:
-        task = asyncio.ensure_future(coroutine)
-        task.add_done_callback(lambda t: t.cancelled() or t.exception() and log.warning("report failed: %s",
-                                                                                         t.exception()))
+        asyncio.ensure_future(coroutine).add_done_callback(_log_failure)
 
     async def publish_chunks(self) -> None:
         """One publisher, so chunks leave in the order they were made."""
@@ -214,6 +212,11 @@ class Runner:
             await self._client.publish(subject, data)
             if self._outbox.empty():
                 await self._client.flush()
+
+
+def _log_failure(task: asyncio.Future[Any]) -> None:
+    if not task.cancelled() and task.exception() is not None:
+        log.warning("report failed: %s", task.exception())
 
 
 async def run_runner(spec: RunnerSpec, stop: asyncio.Event) -> None:

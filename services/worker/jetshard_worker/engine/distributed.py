@@ -38,3 +38,14 @@ def init_ring(rank: int, hostfile: Path) -> mx.distributed.Group:
             f"ring came up as rank {group.rank()} of {group.size()}, expected {rank} of {size}"
         )
     return group
+
+
+def ring_listen_port(rank: int) -> int | None:
+    """This rank's port in the ring hostfile named by MLX_HOSTFILE, if there is one."""
+    path = os.environ.get("MLX_HOSTFILE")
+    if not path or not Path(path).exists():
+        return None
+    addresses = json.loads(Path(path).read_text())
+    if not 0 <= rank < len(addresses) or not addresses[rank]:
+        return None
+    return int(addresses[rank][0].rpartition(":")[2])

@@ -22,6 +22,7 @@ from typing import Any
 
 import mlx.core as mx
 
+from .distributed import ring_listen_port
 from .protocol import (
     FLAG_RESET,
     HELLO_BAD_END,
@@ -136,7 +137,7 @@ class PipelineEngine:
         self.prefill_step_size = prefill_step_size
         self.on_token = on_token
         self.on_finished = on_finished
-        self._link = Link(group) if group is not None and size > 1 else None
+        self._link = Link(group, ring_listen_port(rank)) if group is not None and size > 1 else None
         self._control: queue.Queue[_Control] = queue.Queue()
         self._lock = threading.Lock()
         self._task_ids: set[str] = set()  # queued or running, to refuse duplicates

@@ -11,10 +11,17 @@ carries hidden states `(batch, length, width)` in the activation dtype.
 
 from __future__ import annotations
 
+import logging
+import os
+import select
+import socket
+import stat
 from dataclasses import dataclass, replace
 from enum import IntEnum
 
 import mlx.core as mx
+
+log = logging.getLogger(__name__)
 
 
 class Op(IntEnum):
@@ -82,29 +89,43 @@ class Header:
 
 
 class Link:
-    """Point-to-point messages between this rank and its ring neighbours."""
+    """Point-to-point messages between this rank and its ring neighbours.
 
-    def __init__(self, group: mx.distributed.Group) -> None:
+    `listen_port` is this rank's port in the hostfile. mlx's ring backend busy-polls a
+    non-blocking socket while a recv is pending, burning a core for as long as the previous
+    rank takes (forever, when idle). Knowing the port lets us find that socket and sleep in
+    select() until the next message starts arriving, and only then hand the recv to mlx.
+    """
+
+    def __init__(self, group: mx.distributed.Group, listen_port: int | None = None) -> None:
         self.group = group
         self.rank = group.rank()
         self.size = group.size()
         self.next_rank = (self.rank + 1) % self.size
         self.prev_rank = (self.rank - 1) % self.size
+        self._incoming = _find_incoming_socket(listen_port) if listen_port is not None else None
+        if listen_port is not None and self._incoming is None:
+            log.warning("rank %d: no socket accepted on port %d; recv will busy-wait", self.rank, listen_port)
 
     def send(self, header: Header, payload: mx.array | None = None, extra: list | None = None) -> None:
         """Send header then payload to the next rank; `extra` arrays (KV cache state) are
-        evaluated with the payload so one eval runs the whole step."""
-        # Two evals keep the order on the wire: the receiver reads the header to size the payload.
-        mx.eval(mx.distributed.send(header.to_array(), self.next_rank, group=self.group))
+        evaluated with the payload."""
         if payload is not None:
             if header.payload_shape != tuple(payload.shape) or header.dtype != payload.dtype:
                 raise ValueError(
                     f"payload {tuple(payload.shape)} {payload.dtype} does not match the header's "
                     f"{header.payload_shape} {header.dtype}"
                 )
-            mx.eval(mx.distributed.send(payload, self.next_rank, group=self.group), extra or [])
+            # Compute before announcing: the receiver spins from the header until the payload.
+            mx.eval(payload, extra or [])
+        # Separate evals keep the order on the wire: the receiver reads the header to size the payload.
+        mx.eval(mx.distributed.send(header.to_array(), self.next_rank, group=self.group))
+        if payload is not None:
+            mx.eval(mx.distributed.send(payload, self.next_rank, group=self.group))
 
     def recv(self) -> tuple[Header, mx.array | None]:
+        if self._incoming is not None:
+            select.select([self._incoming], [], [])
         raw = mx.distributed.recv((HEADER_LEN,), mx.int32, self.prev_rank, group=self.group)
         mx.eval(raw)
         header = Header.from_array(raw)
@@ -113,3 +134,24 @@ class Link:
         payload = mx.distributed.recv(header.payload_shape, header.dtype, self.prev_rank, group=self.group)
         mx.eval(payload)
         return header, payload
+
+
+def _find_incoming_socket(listen_port: int) -> socket.socket | None:
+    """The TCP socket the ring backend accepted from the previous rank: the one whose local
+    port is our hostfile port (mlx closes the listening socket after accepting)."""
+    for name in os.listdir("/proc/self/fd") if os.path.isdir("/proc/self/fd") else range(1024):
+        fd = int(name)
+        try:
+            if not stat.S_ISSOCK(os.fstat(fd).st_mode):
+                continue
+            sock = socket.socket(fileno=os.dup(fd))
+        except OSError:
+            continue
+        try:
+            if sock.type == socket.SOCK_STREAM and sock.getsockname()[1] == listen_port:
+                sock.getpeername()  # connected, not a listener
+                return sock
+        except OSError:
+            pass
+        sock.close()
+    return None
