@@ -39,6 +39,7 @@ from jetshard_sequencer.handlers import Context, handle
 log = logging.getLogger(__name__)
 
 WRONG_LAST_SEQUENCE = 10071
+APPEND_ACK_TIMEOUT_S = 10.0
 
 
 @dataclass(frozen=True)
@@ -208,7 +209,12 @@ class Leader:
                     seq = self._last_seq
                 self.state = apply(self.state, event, seq, command_seq)
             self._since_snapshot += len(events)
-        results = await asyncio.gather(*acks, return_exceptions=True)
+        try:
+            # nats-py raises a refused append's error (10071) inside its reply callback instead of failing
+            # the future, which then never resolves: an ack that does not come is a refusal too.
+            results = await asyncio.wait_for(asyncio.gather(*acks, return_exceptions=True), APPEND_ACK_TIMEOUT_S)
+        except TimeoutError as error:
+            raise StaleLeaderError("appended events were not acknowledged (wrong last sequence?)") from error
         for result in results:
             if isinstance(result, nats.js.errors.APIError) and result.err_code == WRONG_LAST_SEQUENCE:
                 raise StaleLeaderError("another sequencer appended events (wrong last sequence)")

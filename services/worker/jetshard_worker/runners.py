@@ -26,6 +26,7 @@ from jetshard_schema.commands import ReportRunnerEndpoint, ReportRunnerStatus
 from jetshard_schema.ids import NodeId
 from jetshard_schema.state import State
 from jetshard_schema.types import RunnerStatus
+from jetshard_worker.blas import runner_environment
 from jetshard_worker.engine.distributed import write_hostfile
 from jetshard_worker.planning import RunnerKey, RunnerPlan, plan
 from jetshard_worker.runner import RunnerSpec
@@ -126,7 +127,8 @@ class RunnerSupervisor:
         with open(log_path, "ab") as log_file:
             process = subprocess.Popen(
                 [sys.executable, "-m", "jetshard_worker.runner", msgspec.json.encode(spec).decode()],
-                stdout=log_file, stderr=subprocess.STDOUT, preexec_fn=_die_with_parent,  # noqa: PLW1509
+                stdout=log_file, stderr=subprocess.STDOUT, env=runner_environment(),
+                preexec_fn=_die_with_parent,  # noqa: PLW1509
             )
         log.info("started runner rank %d of %s (generation %d), pid %d, log %s", runner_plan.rank,
                  key.instance_id, key.generation, process.pid, log_path)

@@ -35,12 +35,11 @@ class TextStream:
         if self.stopped:
             return ""
         text = self._held + segment
-        for stop in self._stop:
-            at = text.find(stop)
-            if at != -1:
-                self.stopped = True
-                self._held = ""
-                return text[:at]
+        found = [at for stop in self._stop if (at := text.find(stop)) != -1]
+        if found:
+            self.stopped = True
+            self._held = ""
+            return text[: min(found)]
         keep = max((_overlap(text, stop) for stop in self._stop), default=0)
         self._held = text[len(text) - keep:] if keep else ""
         return text[: len(text) - keep]

@@ -1,0 +1,96 @@
+"""Worker planning is a pure function of State: which endpoints to report, which runners to start or stop."""
+
+from __future__ import annotations
+
+from jetshard_schema.events import (
+    DownloadCompleted,
+    Event,
+    InstancePlaced,
+    InstanceRestarting,
+    NodeJoined,
+    RunnerEndpointReported,
+    RunnerStatusChanged,
+)
+from jetshard_schema.ids import InstanceId, ModelId, NodeId
+from jetshard_schema.state import State, apply
+from jetshard_schema.types import NodeProfile, RunnerStatus, ShardAssignment
+from jetshard_worker.planning import RunnerKey, plan
+
+A, B = NodeId("node-a"), NodeId("node-b")
+MODEL = ModelId("test/tiny")
+INSTANCE = InstanceId("inst-1")
+PROFILE = NodeProfile(hostname="h", os="Linux", cpu_cores=2, memory_total_bytes=2**34, memory_available_bytes=2**33)
+
+
+def fold(*events: Event) -> State:
+    state = State()
+    for seq, event in enumerate(events, start=1):
+        state = apply(state, event, seq)
+    return state
+
+
+PLACED = (
+    NodeJoined(node_id=A, session_id="s-a", profile=PROFILE),
+    NodeJoined(node_id=B, session_id="s-b", profile=PROFILE),
+    InstancePlaced(instance_id=INSTANCE, model_id=MODEL, shards=(
+        ShardAssignment(node_id=A, rank=0, start_layer=0, end_layer=2),
+        ShardAssignment(node_id=B, rank=1, start_layer=2, end_layer=4),
+    )),
+)
+
+
+def downloaded(node: NodeId, start: int, end: int) -> DownloadCompleted:
+    return DownloadCompleted(node_id=node, model_id=MODEL, directory=f"/models/{node}", read_only=False,
+                             start_layer=start, end_layer=end, bytes_total=10)
+
+
+def endpoint(node: NodeId, rank: int, generation: int = 0) -> RunnerEndpointReported:
+    return RunnerEndpointReported(instance_id=INSTANCE, generation=generation, node_id=node, rank=rank,
+                                  host="127.0.0.1", port=5000 + rank)
+
+
+def test_a_placed_shard_first_reports_its_endpoint() -> None:
+    wanted = plan(fold(*PLACED), A, "s-a", frozenset(), now_ms=0)
+    assert wanted.report_endpoint == (RunnerKey(INSTANCE, 0),)
+    assert wanted.start == ()
+
+
+def test_a_runner_starts_only_once_downloaded_and_every_endpoint_is_known() -> None:
+    only_mine = fold(*PLACED, downloaded(A, 0, 2), endpoint(A, 0))
+    assert plan(only_mine, A, "s-a", frozenset(), now_ms=0).start == ()
+    everyone = fold(*PLACED, downloaded(A, 0, 2), endpoint(A, 0), endpoint(B, 1))
+    (start,) = plan(everyone, A, "s-a", frozenset(), now_ms=0).start
+    assert (start.rank, start.world_size, start.start_layer, start.end_layer) == (0, 2, 0, 2)
+    assert start.model_dir == "/models/node-a"
+    assert start.endpoints == ("127.0.0.1:5000", "127.0.0.1:5001")
+    assert plan(everyone, A, "s-a", frozenset({start.key}), now_ms=0).start == ()
+
+
+def test_a_download_of_another_layer_range_does_not_count() -> None:
+    state = fold(*PLACED, downloaded(A, 2, 4), endpoint(A, 0), endpoint(B, 1))
+    assert plan(state, A, "s-a", frozenset(), now_ms=0).start == ()
+
+
+def test_a_restart_waits_for_its_back_off_and_drops_the_old_generation() -> None:
+    restarting = InstanceRestarting(instance_id=INSTANCE, generation=1, attempt=1, not_before_ms=5_000,
+                                    reason="rank 1 failed")
+    state = fold(*PLACED, downloaded(A, 0, 2), endpoint(A, 0), endpoint(B, 1), restarting)
+    early = plan(state, A, "s-a", frozenset({RunnerKey(INSTANCE, 0)}), now_ms=1_000)
+    assert RunnerKey(INSTANCE, 0) not in early.keep
+    assert early.report_endpoint == ()
+    later = plan(state, A, "s-a", frozenset(), now_ms=6_000)
+    assert later.report_endpoint == (RunnerKey(INSTANCE, 1),)
+
+
+def test_runners_of_a_previous_worker_life_are_reported_stale() -> None:
+    ready = RunnerStatusChanged(instance_id=INSTANCE, generation=0, node_id=A, rank=0, worker_session="old",
+                                status=RunnerStatus.READY)
+    state = fold(*PLACED, downloaded(A, 0, 2), endpoint(A, 0), endpoint(B, 1), ready)
+    wanted = plan(state, A, "new", frozenset(), now_ms=0)
+    assert wanted.stale == ((INSTANCE, 0, 0),)
+    assert wanted.start == ()
+
+
+def test_nodes_without_a_shard_plan_nothing() -> None:
+    wanted = plan(fold(*PLACED), NodeId("node-c"), "s-c", frozenset({RunnerKey(INSTANCE, 0)}), now_ms=0)
+    assert (wanted.report_endpoint, wanted.start, wanted.keep) == ((), (), frozenset())
