@@ -6,7 +6,6 @@ import logging
 
 import msgspec
 import pytest
-
 from jetshard_schema import codec
 from jetshard_schema.events import (
     DownloadCancelled,
@@ -28,10 +27,25 @@ MODEL = ModelId("acme/tiny-7")
 
 SAMPLES: list[Event] = [
     DownloadRequested(node_id=NODE, model_id=MODEL, start_layer=0, end_layer=4),
-    DownloadProgressed(node_id=NODE, model_id=MODEL, pending=False, bytes_done=10, bytes_total=100,
-                       speed_bytes_per_s=5.0, eta_s=18.0, directory="/models"),
-    DownloadCompleted(node_id=NODE, model_id=MODEL, directory="/models", read_only=False, start_layer=0,
-                      end_layer=4, bytes_total=100),
+    DownloadProgressed(
+        node_id=NODE,
+        model_id=MODEL,
+        pending=False,
+        bytes_done=10,
+        bytes_total=100,
+        speed_bytes_per_s=5.0,
+        eta_s=18.0,
+        directory="/models",
+    ),
+    DownloadCompleted(
+        node_id=NODE,
+        model_id=MODEL,
+        directory="/models",
+        read_only=False,
+        start_layer=0,
+        end_layer=4,
+        bytes_total=100,
+    ),
     DownloadFailed(node_id=NODE, model_id=MODEL, reason="disk full"),
     DownloadCancelled(node_id=NODE, model_id=MODEL),
     DownloadDeleteRequested(node_id=NODE, model_id=MODEL),
@@ -58,9 +72,16 @@ def test_progress_moves_a_download_along_and_keeps_its_directory() -> None:
     download = state.download(NODE, MODEL)
     assert download is not None
     assert download.status is DownloadStatus.ONGOING
-    assert (download.bytes_done, download.bytes_total, download.eta_s, download.directory) == (10, 100, 18.0, "/models")
-    state = fold(DownloadProgressed(node_id=NODE, model_id=MODEL, pending=True, bytes_done=20, bytes_total=100),
-                 state=state)
+    assert (download.bytes_done, download.bytes_total, download.eta_s, download.directory) == (
+        10,
+        100,
+        18.0,
+        "/models",
+    )
+    state = fold(
+        DownloadProgressed(node_id=NODE, model_id=MODEL, pending=True, bytes_done=20, bytes_total=100),
+        state=state,
+    )
     download = state.download(NODE, MODEL)
     assert download is not None
     assert download.status is DownloadStatus.PENDING
@@ -95,10 +116,18 @@ def test_failed_and_cancelled_clear_speed_and_eta() -> None:
     failed = fold(SAMPLES[0], SAMPLES[1], SAMPLES[3]).download(NODE, MODEL)
     assert failed is not None
     assert (failed.status, failed.reason, failed.speed_bytes_per_s, failed.eta_s) == (
-        DownloadStatus.FAILED, "disk full", 0.0, None)
+        DownloadStatus.FAILED,
+        "disk full",
+        0.0,
+        None,
+    )
     cancelled = fold(SAMPLES[0], SAMPLES[1], SAMPLES[4]).download(NODE, MODEL)
     assert cancelled is not None
-    assert (cancelled.status, cancelled.speed_bytes_per_s, cancelled.eta_s) == (DownloadStatus.CANCELLED, 0.0, None)
+    assert (cancelled.status, cancelled.speed_bytes_per_s, cancelled.eta_s) == (
+        DownloadStatus.CANCELLED,
+        0.0,
+        None,
+    )
 
 
 def test_delete_requested_then_deleted() -> None:
@@ -113,13 +142,18 @@ def test_delete_requested_then_deleted() -> None:
 
 @pytest.mark.parametrize("event", SAMPLES, ids=lambda e: type(e).__name__)
 def test_envelope_round_trip(event: Event) -> None:
-    envelope = EventEnvelope(command_id=CommandId("c3"), command_seq=2, index=0, count=1, at_ms=1, event=event)
+    envelope = EventEnvelope(
+        command_id=CommandId("c3"), command_seq=2, index=0, count=1, at_ms=1, event=event
+    )
     assert codec.decode_event(codec.encode(envelope)) == envelope
 
 
 def test_state_json_round_trip() -> None:
-    state = fold(SAMPLES[0], SAMPLES[1], DownloadRequested(node_id=NodeId("node-b"), model_id=MODEL,
-                                                           start_layer=4, end_layer=8))
+    state = fold(
+        SAMPLES[0],
+        SAMPLES[1],
+        DownloadRequested(node_id=NodeId("node-b"), model_id=MODEL, start_layer=4, end_layer=8),
+    )
     assert codec.decode_state(codec.encode(state)) == state
 
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import pytest
-
 from jetshard_schema import codec
 from jetshard_schema.events import (
     DownloadCompleted,
@@ -24,13 +23,23 @@ from jetshard_schema.types import InstanceStatus, RunnerStatus, ShardAssignment,
 A, B = NodeId("node-a"), NodeId("node-b")
 MODEL = ModelId("acme/tiny-7")
 INST = InstanceId("inst-1")
-SHARDS = (ShardAssignment(node_id=A, rank=0, start_layer=0, end_layer=5),
-          ShardAssignment(node_id=B, rank=1, start_layer=5, end_layer=8))
+SHARDS = (
+    ShardAssignment(node_id=A, rank=0, start_layer=0, end_layer=5),
+    ShardAssignment(node_id=B, rank=1, start_layer=5, end_layer=8),
+)
 
 
 def runner(rank: int, status: RunnerStatus, generation: int = 0) -> RunnerStatusChanged:
-    return RunnerStatusChanged(instance_id=INST, generation=generation, node_id=SHARDS[rank].node_id, rank=rank,
-                               worker_session="w", status=status, layers_loaded=3, layers_total=5)
+    return RunnerStatusChanged(
+        instance_id=INST,
+        generation=generation,
+        node_id=SHARDS[rank].node_id,
+        rank=rank,
+        worker_session="w",
+        status=status,
+        layers_loaded=3,
+        layers_total=5,
+    )
 
 
 SAMPLES: list[Event] = [
@@ -52,8 +61,15 @@ def fold(*events: Event, state: State | None = None) -> State:
 
 
 def downloaded(node: NodeId, start: int, end: int) -> DownloadCompleted:
-    return DownloadCompleted(node_id=node, model_id=MODEL, directory="/m", read_only=False, start_layer=start,
-                             end_layer=end, bytes_total=1)
+    return DownloadCompleted(
+        node_id=node,
+        model_id=MODEL,
+        directory="/m",
+        read_only=False,
+        start_layer=start,
+        end_layer=end,
+        bytes_total=1,
+    )
 
 
 def assigned(task: str) -> TaskAssigned:
@@ -120,7 +136,9 @@ def test_deleted_instance_takes_its_tasks_along() -> None:
 
 @pytest.mark.parametrize("event", SAMPLES, ids=lambda e: type(e).__name__)
 def test_envelope_round_trip(event: Event) -> None:
-    envelope = EventEnvelope(command_id=CommandId("c4"), command_seq=1, index=0, count=1, at_ms=1, event=event)
+    envelope = EventEnvelope(
+        command_id=CommandId("c4"), command_seq=1, index=0, count=1, at_ms=1, event=event
+    )
     assert codec.decode_event(codec.encode(envelope)) == envelope
 
 

@@ -6,7 +6,6 @@ import logging
 
 import msgspec
 import pytest
-
 from jetshard_schema import codec
 from jetshard_schema.cards import ModelCard
 from jetshard_schema.events import (
@@ -21,9 +20,18 @@ from jetshard_schema.models import all_cards, find_card
 from jetshard_schema.state import State, apply
 
 MODEL = ModelId("acme/tiny-7")
-CARD = ModelCard(model_id=MODEL, num_layers=8, hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
-                 vocab_size=1000, architecture="llama", storage_size_bytes=1 << 20, storage_size_estimated=True,
-                 is_custom=True)
+CARD = ModelCard(
+    model_id=MODEL,
+    num_layers=8,
+    hidden_size=64,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    vocab_size=1000,
+    architecture="llama",
+    storage_size_bytes=1 << 20,
+    storage_size_estimated=True,
+    is_custom=True,
+)
 
 SAMPLES: list[Event] = [
     CustomModelCardAdded(card=CARD),
@@ -56,7 +64,9 @@ def test_deleting_an_unknown_card_changes_nothing_else() -> None:
 
 
 def test_measured_size_replaces_the_estimate() -> None:
-    state = fold(CustomModelCardAdded(card=CARD), ModelSizeMeasured(model_id=MODEL, storage_size_bytes=3 << 20))
+    state = fold(
+        CustomModelCardAdded(card=CARD), ModelSizeMeasured(model_id=MODEL, storage_size_bytes=3 << 20)
+    )
     assert state.measured_sizes == {MODEL: 3 << 20}
     card = find_card(state, MODEL)
     assert card is not None
@@ -67,7 +77,9 @@ def test_measured_size_replaces_the_estimate() -> None:
 
 @pytest.mark.parametrize("event", SAMPLES, ids=lambda e: type(e).__name__)
 def test_envelope_round_trip(event: Event) -> None:
-    envelope = EventEnvelope(command_id=CommandId("c2"), command_seq=9, index=1, count=2, at_ms=5, event=event)
+    envelope = EventEnvelope(
+        command_id=CommandId("c2"), command_seq=9, index=1, count=2, at_ms=5, event=event
+    )
     assert codec.decode_event(codec.encode(envelope)) == envelope
 
 
@@ -77,8 +89,14 @@ def test_state_json_round_trip() -> None:
 
 
 def test_unknown_event_type_is_skipped_with_one_warning(caplog: pytest.LogCaptureFixture) -> None:
-    body = {"command_id": "c", "command_seq": 1, "index": 0, "count": 1, "at_ms": 0,
-            "event": {"type": "ModelTeleportedFromTheFuture", "model_id": MODEL}}
+    body = {
+        "command_id": "c",
+        "command_seq": 1,
+        "index": 0,
+        "count": 1,
+        "at_ms": 0,
+        "event": {"type": "ModelTeleportedFromTheFuture", "model_id": MODEL},
+    }
     data = msgspec.json.encode(body)
     with caplog.at_level(logging.WARNING, logger="jetshard_schema.codec"):
         assert codec.decode_event(data) is None
@@ -88,8 +106,15 @@ def test_unknown_event_type_is_skipped_with_one_warning(caplog: pytest.LogCaptur
 
 
 def test_unknown_fields_of_a_known_event_are_ignored() -> None:
-    body = {"command_id": "c", "command_seq": 1, "index": 0, "count": 1, "at_ms": 0, "added_later": True,
-            "event": {"type": "ModelSizeMeasured", "model_id": MODEL, "storage_size_bytes": 5, "new": 1}}
+    body = {
+        "command_id": "c",
+        "command_seq": 1,
+        "index": 0,
+        "count": 1,
+        "at_ms": 0,
+        "added_later": True,
+        "event": {"type": "ModelSizeMeasured", "model_id": MODEL, "storage_size_bytes": 5, "new": 1},
+    }
     envelope = codec.decode_event(msgspec.json.encode(body))
     assert envelope is not None
     assert envelope.event == ModelSizeMeasured(model_id=MODEL, storage_size_bytes=5)

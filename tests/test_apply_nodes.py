@@ -6,7 +6,6 @@ import logging
 
 import msgspec
 import pytest
-
 from jetshard_schema import codec
 from jetshard_schema.events import (
     CommandRejected,
@@ -22,10 +21,13 @@ from jetshard_schema.state import Download, State, apply
 from jetshard_schema.types import DownloadStatus, ModelDirInfo, NodeProfile, RejectCode
 
 NODE = NodeId("node-a")
-PROFILE = NodeProfile(hostname="a", os="Linux", cpu_cores=8, memory_total_bytes=32 << 30,
-                      memory_available_bytes=24 << 30)
-DIRS = (ModelDirInfo(path="/models", read_only=False, free_bytes=100 << 30, total_bytes=200 << 30),
-        ModelDirInfo(path="/ro", read_only=True, free_bytes=0, total_bytes=50 << 30))
+PROFILE = NodeProfile(
+    hostname="a", os="Linux", cpu_cores=8, memory_total_bytes=32 << 30, memory_available_bytes=24 << 30
+)
+DIRS = (
+    ModelDirInfo(path="/models", read_only=False, free_bytes=100 << 30, total_bytes=200 << 30),
+    ModelDirInfo(path="/ro", read_only=True, free_bytes=0, total_bytes=50 << 30),
+)
 
 SAMPLES: list[Event] = [
     CommandRejected(command_type="AddCustomModelCard", code=RejectCode.CONFLICT, reason="why"),
@@ -65,7 +67,9 @@ def test_node_joined_then_rejoined_with_a_new_session() -> None:
 
 def test_node_updated_changes_the_profile_of_a_known_node_only() -> None:
     smaller = msgspec.structs.replace(PROFILE, memory_available_bytes=1 << 30)
-    state = fold(NodeJoined(node_id=NODE, session_id="s1", profile=PROFILE), NodeUpdated(node_id=NODE, profile=smaller))
+    state = fold(
+        NodeJoined(node_id=NODE, session_id="s1", profile=PROFILE), NodeUpdated(node_id=NODE, profile=smaller)
+    )
     assert state.nodes[NODE].profile == smaller
     assert state.nodes[NODE].session_id == "s1"
     unknown = fold(NodeUpdated(node_id=NodeId("ghost"), profile=smaller))
@@ -85,8 +89,9 @@ def test_node_lost_forgets_the_node_its_storage_and_downloads() -> None:
         NodeJoined(node_id=other, session_id="s9", profile=PROFILE),
         NodeStorageUpdated(node_id=NODE, model_dirs=DIRS),
     )
-    download = Download(node_id=NODE, model_id=ModelId("o/m"), status=DownloadStatus.COMPLETED,
-                        start_layer=0, end_layer=4)
+    download = Download(
+        node_id=NODE, model_id=ModelId("o/m"), status=DownloadStatus.COMPLETED, start_layer=0, end_layer=4
+    )
     state = msgspec.structs.replace(state, downloads={NODE: {download.model_id: download}})
     state = fold(NodeLost(node_id=NODE, reason="gone"), state=state)
     assert list(state.nodes) == [other]
@@ -103,7 +108,9 @@ def test_apply_never_mutates_its_input() -> None:
 
 @pytest.mark.parametrize("event", SAMPLES, ids=lambda e: type(e).__name__)
 def test_envelope_round_trip(event: Event) -> None:
-    envelope = EventEnvelope(command_id=CommandId("c1"), command_seq=4, index=0, count=1, at_ms=123, event=event)
+    envelope = EventEnvelope(
+        command_id=CommandId("c1"), command_seq=4, index=0, count=1, at_ms=123, event=event
+    )
     assert codec.decode_event(codec.encode(envelope)) == envelope
 
 
@@ -120,8 +127,14 @@ def test_malformed_payload_is_skipped_with_a_warning(caplog: pytest.LogCaptureFi
 
 
 def test_event_with_a_wrong_field_type_is_skipped(caplog: pytest.LogCaptureFixture) -> None:
-    body = {"command_id": "c", "command_seq": 1, "index": 0, "count": 1, "at_ms": 0,
-            "event": {"type": "NodeLost", "node_id": 42, "reason": "x"}}
+    body = {
+        "command_id": "c",
+        "command_seq": 1,
+        "index": 0,
+        "count": 1,
+        "at_ms": 0,
+        "event": {"type": "NodeLost", "node_id": 42, "reason": "x"},
+    }
     with caplog.at_level(logging.WARNING, logger="jetshard_schema.codec"):
         assert codec.decode_event(msgspec.json.encode(body)) is None
     # One warning per type per process: another test may have warned about NodeLost already.

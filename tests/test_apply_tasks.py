@@ -5,7 +5,6 @@ from __future__ import annotations
 import typing
 
 import pytest
-
 import test_apply_downloads
 import test_apply_instances
 import test_apply_models
@@ -35,8 +34,13 @@ from jetshard_schema.types import (
 MODEL = ModelId("acme/tiny-7")
 INST = InstanceId("inst-1")
 TASK = TaskId("task-1")
-REQUEST = TaskRequest(task_id=TASK, model_id=MODEL, kind=TaskKind.CHAT,
-                      messages=(ChatMessage("user", "hi"),), sampling=SamplingParams(max_tokens=4, stop=("\n",)))
+REQUEST = TaskRequest(
+    task_id=TASK,
+    model_id=MODEL,
+    kind=TaskKind.CHAT,
+    messages=(ChatMessage("user", "hi"),),
+    sampling=SamplingParams(max_tokens=4, stop=("\n",)),
+)
 
 SAMPLES: list[Event] = [
     TaskAssigned(request=REQUEST, instance_id=INST, generation=0),
@@ -46,8 +50,11 @@ SAMPLES: list[Event] = [
 ]
 COVERED = {type(e) for e in SAMPLES}
 
-PLACED = InstancePlaced(instance_id=INST, model_id=MODEL,
-                        shards=(ShardAssignment(node_id=NodeId("n"), rank=0, start_layer=0, end_layer=8),))
+PLACED = InstancePlaced(
+    instance_id=INST,
+    model_id=MODEL,
+    shards=(ShardAssignment(node_id=NodeId("n"), rank=0, start_layer=0, end_layer=8),),
+)
 
 
 def fold(*events: Event, state: State | None = None) -> State:
@@ -59,8 +66,13 @@ def fold(*events: Event, state: State | None = None) -> State:
 
 def test_every_event_type_is_exercised() -> None:
     members = set(typing.get_args(Event))
-    covered = (test_apply_nodes.COVERED | test_apply_models.COVERED | test_apply_downloads.COVERED
-               | test_apply_instances.COVERED | COVERED)
+    covered = (
+        test_apply_nodes.COVERED
+        | test_apply_models.COVERED
+        | test_apply_downloads.COVERED
+        | test_apply_instances.COVERED
+        | COVERED
+    )
     assert members - covered == set(), "add the new event type to a test_apply_* module"
     assert covered <= members
 
@@ -87,7 +99,9 @@ def test_reports_about_unknown_tasks_change_nothing() -> None:
 
 @pytest.mark.parametrize("event", SAMPLES, ids=lambda e: type(e).__name__)
 def test_envelope_round_trip(event: Event) -> None:
-    envelope = EventEnvelope(command_id=CommandId("c5"), command_seq=1, index=0, count=1, at_ms=1, event=event)
+    envelope = EventEnvelope(
+        command_id=CommandId("c5"), command_seq=1, index=0, count=1, at_ms=1, event=event
+    )
     assert codec.decode_event(codec.encode(envelope)) == envelope
 
 
@@ -97,8 +111,14 @@ def test_state_json_round_trip() -> None:
 
 
 def test_a_whole_history_round_trips_at_every_step() -> None:
-    history = [*test_apply_nodes.SAMPLES[:4], *test_apply_models.SAMPLES, *test_apply_downloads.SAMPLES,
-               *test_apply_instances.SAMPLES[:1], *test_apply_instances.SAMPLES[2:], *SAMPLES]
+    history = [
+        *test_apply_nodes.SAMPLES[:4],
+        *test_apply_models.SAMPLES,
+        *test_apply_downloads.SAMPLES,
+        *test_apply_instances.SAMPLES[:1],
+        *test_apply_instances.SAMPLES[2:],
+        *SAMPLES,
+    ]
     state = State()
     for seq, event in enumerate(history, start=1):
         state = apply(state, event, seq, seq)

@@ -166,6 +166,18 @@ async def poll(predicate: Callable[[], bool], timeout_s: float) -> None:
         await asyncio.sleep(0.05)
 
 
+async def api_until(http: httpx.AsyncClient, predicate: Callable[[Any], bool], path: str = "/downloads",
+                    timeout_s: float = 10.0) -> Any:
+    """GET `path` until `predicate(json)`: the API's State replica may be a moment behind the test's."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        body = (await http.get(path)).json()
+        if predicate(body):
+            return body
+        assert time.monotonic() < deadline, body
+        await asyncio.sleep(0.1)
+
+
 def sha256(path: Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()
 
@@ -295,9 +307,9 @@ async def test_read_only_dirs_are_used_without_network_and_never_changed(
                 assert done.read_only and done.directory == where
             assert sum(hub_server.requests.values()) == 0, hub_server.requests
 
-            listed = (await http.get("/downloads")).json()
-            assert {(d["model_id"], d["status"], d["read_only"]) for d in listed} == {
-                ("tiny/plain", "completed", True), ("tiny/cached", "completed", True)}
+            expected = {("tiny/plain", "completed", True), ("tiny/cached", "completed", True)}
+            await api_until(http, lambda listed: {(d["model_id"], d["status"], d["read_only"])
+                                                  for d in listed} == expected)
 
             refused = await http.delete(f"/downloads/{node}/tiny/plain")
             assert refused.status_code == 409, refused.text
@@ -350,16 +362,8 @@ async def test_killed_mid_download_resumes_in_the_same_directory(
         ongoing = await cluster.wait_download(node, repo, (DownloadStatus.ONGOING,), 10)
         assert ongoing.directory == str(models / "tiny--big") and ongoing.bytes_total > size
 
-        listed: list[dict[str, Any]] = []
-
-        async def api_shows_ongoing() -> bool:
-            listed[:] = (await http.get("/downloads")).json()
-            return [(d["model_id"], d["status"]) for d in listed] == [(repo, "ongoing")]
-
-        deadline = time.monotonic() + 10
-        while not await api_shows_ongoing():  # the API's replica may be a moment behind the test's
-            assert time.monotonic() < deadline, listed
-            await asyncio.sleep(0.1)
+        listed = await api_until(http, lambda listed: [(d["model_id"], d["status"]) for d in listed]
+                                 == [(repo, "ongoing")])
         assert listed[0]["bytes_done"] >= hold_at and listed[0]["speed_bytes_per_s"] >= 0
         seen: list[str] = []
         async with asyncio.timeout(15), http.stream("GET", "/events", params={"since": 1}) as stream:
@@ -493,6 +497,6 @@ async def test_cancel_keeps_finished_files_and_delete_removes_them(
         deleted = await http.delete(f"/downloads/{node}/{repo}")
         assert deleted.status_code == 200, deleted.text
         assert not target.exists()
-        assert (await http.get("/downloads")).json() == []
+        await api_until(http, lambda listed: listed == [])
         missing = await http.delete(f"/downloads/{node}/{repo}")
         assert missing.status_code == 404

@@ -398,3 +398,13 @@ def test_generation_request_validation() -> None:
         GenerationRequest("x", [1], 5, temperature=-1)
     with pytest.raises(ValueError, match="top_p"):
         GenerationRequest("x", [1], 5, top_p=0)
+
+
+def test_the_engine_handles_every_architecture_a_card_may_name() -> None:
+    from mlx_lm.utils import _get_classes
+
+    from jetshard_schema.card_from_config import SUPPORTED_ARCHITECTURES
+    from jetshard_worker.engine.shard import _EMBED_SCALE
+
+    modules = {_get_classes({"model_type": arch})[0].__module__.rsplit(".", 1)[-1] for arch in SUPPORTED_ARCHITECTURES}
+    assert modules <= set(_EMBED_SCALE)

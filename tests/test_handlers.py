@@ -6,7 +6,6 @@ from collections.abc import Sequence
 
 import msgspec
 import pytest
-
 from jetshard_api.errors import REJECT_STATUS
 from jetshard_schema.cards import ModelCard
 from jetshard_schema.commands import (
@@ -72,13 +71,27 @@ GiB = 2**30
 A, B, C = NodeId("node-a"), NodeId("node-b"), NodeId("node-c")
 BUILTIN = ModelId("mlx-community/Qwen3-0.6B-4bit")
 MODEL = ModelId("acme/tiny-8")
-CARD = ModelCard(model_id=MODEL, num_layers=8, hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
-                 vocab_size=1000, architecture="llama", storage_size_bytes=GiB, context_length=256)
+CARD = ModelCard(
+    model_id=MODEL,
+    num_layers=8,
+    hidden_size=64,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    vocab_size=1000,
+    architecture="llama",
+    storage_size_bytes=GiB,
+    context_length=256,
+)
 
 
 def profile(available_gib: float, total_gib: int = 64) -> NodeProfile:
-    return NodeProfile(hostname="h", os="Linux", cpu_cores=4, memory_total_bytes=total_gib * GiB,
-                       memory_available_bytes=int(available_gib * GiB))
+    return NodeProfile(
+        hostname="h",
+        os="Linux",
+        cpu_cores=4,
+        memory_total_bytes=total_gib * GiB,
+        memory_available_bytes=int(available_gib * GiB),
+    )
 
 
 class Cluster:
@@ -91,8 +104,9 @@ class Cluster:
 
     def run(self, command: Command, **ctx: int) -> list[Event]:
         self.count += 1
-        events = handle(self.state, command, Context(command_id=CommandId(f"cmd-{self.count}"),
-                                                     now_ms=self.now_ms, **ctx))
+        events = handle(
+            self.state, command, Context(command_id=CommandId(f"cmd-{self.count}"), now_ms=self.now_ms, **ctx)
+        )
         for event in events:
             self.state = apply(self.state, event, self.state.last_seq + 1, self.count)
         return events
@@ -101,25 +115,44 @@ class Cluster:
         self.run(ReportNodeProfile(node_id=node, session_id=session, profile=profile(available_gib)))
 
     def place(self, instance: str, nodes: Sequence[NodeId] | None = None) -> InstanceId:
-        events = self.run(PlaceInstance(instance_id=InstanceId(instance), model_id=MODEL,
-                                        node_ids=tuple(nodes) if nodes else None))
+        events = self.run(
+            PlaceInstance(
+                instance_id=InstanceId(instance), model_id=MODEL, node_ids=tuple(nodes) if nodes else None
+            )
+        )
         assert isinstance(events[0], InstancePlaced), events
         return InstanceId(instance)
 
     def make_ready(self, instance_id: InstanceId) -> None:
         instance = self.state.instances[instance_id]
         for shard in instance.shards:
-            self.run(ReportDownloadProgress(model_id=MODEL, node_id=shard.node_id, status=DownloadStatus.COMPLETED,
-                                            start_layer=shard.start_layer, end_layer=shard.end_layer,
-                                            directory="/m", bytes_total=1))
+            self.run(
+                ReportDownloadProgress(
+                    model_id=MODEL,
+                    node_id=shard.node_id,
+                    status=DownloadStatus.COMPLETED,
+                    start_layer=shard.start_layer,
+                    end_layer=shard.end_layer,
+                    directory="/m",
+                    bytes_total=1,
+                )
+            )
             self.run(self.runner(instance_id, shard.rank, RunnerStatus.READY))
         assert instance_status(self.state, self.state.instances[instance_id]) is InstanceStatus.READY
 
-    def runner(self, instance_id: InstanceId, rank: int, status: RunnerStatus, reason: str = "") -> ReportRunnerStatus:
+    def runner(
+        self, instance_id: InstanceId, rank: int, status: RunnerStatus, reason: str = ""
+    ) -> ReportRunnerStatus:
         instance = self.state.instances[instance_id]
-        return ReportRunnerStatus(instance_id=instance_id, generation=instance.generation,
-                                  node_id=instance.shards[rank].node_id, rank=rank, worker_session="w",
-                                  status=status, reason=reason)
+        return ReportRunnerStatus(
+            instance_id=instance_id,
+            generation=instance.generation,
+            node_id=instance.shards[rank].node_id,
+            rank=rank,
+            worker_session="w",
+            status=status,
+            reason=reason,
+        )
 
 
 def rejected(events: list[Event], code: RejectCode) -> CommandRejected:
@@ -132,8 +165,9 @@ def rejected(events: list[Event], code: RejectCode) -> CommandRejected:
 @pytest.fixture
 def cluster() -> Cluster:
     cluster = Cluster()
-    assert cluster.run(AddCustomModelCard(card=CARD)) == [CustomModelCardAdded(card=msgspec.structs.replace(
-        CARD, is_custom=True))]
+    assert cluster.run(AddCustomModelCard(card=CARD)) == [
+        CustomModelCardAdded(card=msgspec.structs.replace(CARD, is_custom=True))
+    ]
     return cluster
 
 
@@ -145,27 +179,34 @@ def test_node_join_rejoin_and_meaningful_updates_only() -> None:
     first = ReportNodeProfile(node_id=A, session_id="s1", profile=profile(16))
     assert cluster.run(first) == [NodeJoined(node_id=A, session_id="s1", profile=profile(16))]
     assert cluster.run(first) == []  # the same report again: nothing new
-    assert cluster.run(ReportNodeProfile(node_id=A, session_id="s1", profile=profile(16.5))) == []  # < 5 % of 64 GiB
+    assert (
+        cluster.run(ReportNodeProfile(node_id=A, session_id="s1", profile=profile(16.5))) == []
+    )  # < 5 % of 64 GiB
     assert cluster.state.nodes[A].profile == profile(16)
     moved = ReportNodeProfile(node_id=A, session_id="s1", profile=profile(8))
     assert cluster.run(moved) == [NodeUpdated(node_id=A, profile=profile(8))]
     renamed = msgspec.structs.replace(profile(8), hostname="other")
     assert cluster.run(ReportNodeProfile(node_id=A, session_id="s1", profile=renamed)) == [
-        NodeUpdated(node_id=A, profile=renamed)]
+        NodeUpdated(node_id=A, profile=renamed)
+    ]
     assert cluster.run(ReportNodeProfile(node_id=A, session_id="s2", profile=renamed)) == [
-        NodeJoined(node_id=A, session_id="s2", profile=renamed)]
+        NodeJoined(node_id=A, session_id="s2", profile=renamed)
+    ]
     assert list(cluster.state.nodes) == [A]
 
 
 def test_node_storage_reported_only_when_it_changes_meaningfully() -> None:
     cluster = Cluster()
     dirs = (ModelDirInfo(path="/m", read_only=False, free_bytes=10 * GiB, total_bytes=100 * GiB),)
-    assert cluster.run(ReportNodeStorage(node_id=A, model_dirs=dirs)) == [NodeStorageUpdated(node_id=A, model_dirs=dirs)]
+    assert cluster.run(ReportNodeStorage(node_id=A, model_dirs=dirs)) == [
+        NodeStorageUpdated(node_id=A, model_dirs=dirs)
+    ]
     nudged = (msgspec.structs.replace(dirs[0], free_bytes=10 * GiB - 2**20),)
     assert cluster.run(ReportNodeStorage(node_id=A, model_dirs=nudged)) == []
     shrunk = (msgspec.structs.replace(dirs[0], free_bytes=5 * GiB),)
     assert cluster.run(ReportNodeStorage(node_id=A, model_dirs=shrunk)) == [
-        NodeStorageUpdated(node_id=A, model_dirs=shrunk)]
+        NodeStorageUpdated(node_id=A, model_dirs=shrunk)
+    ]
 
 
 def test_expire_node_tears_down_its_instances_and_places_them_again(cluster: Cluster) -> None:
@@ -232,7 +273,9 @@ def test_card_delete_builtin_is_a_409_conflict_and_unknown_is_404(cluster: Clust
     refusal = rejected(cluster.run(DeleteCustomModelCard(model_id=BUILTIN)), RejectCode.CONFLICT)
     assert "built-in" in refusal.reason
     assert REJECT_STATUS[refusal.code] == 409
-    refusal = rejected(cluster.run(DeleteCustomModelCard(model_id=ModelId("acme/none"))), RejectCode.NOT_FOUND)
+    refusal = rejected(
+        cluster.run(DeleteCustomModelCard(model_id=ModelId("acme/none"))), RejectCode.NOT_FOUND
+    )
     assert REJECT_STATUS[refusal.code] == 404
     assert cluster.run(DeleteCustomModelCard(model_id=MODEL)) == [CustomModelCardDeleted(model_id=MODEL)]
     assert cluster.state.custom_cards == {}
@@ -245,37 +288,66 @@ def test_start_download_checks_model_node_and_range(cluster: Cluster) -> None:
     cluster.join(A)
     rejected(cluster.run(StartDownload(model_id=ModelId("acme/none"), node_id=A)), RejectCode.NOT_FOUND)
     rejected(cluster.run(StartDownload(model_id=MODEL, node_id=C)), RejectCode.NOT_FOUND)
-    rejected(cluster.run(StartDownload(model_id=MODEL, node_id=A, start_layer=4, end_layer=9)), RejectCode.INVALID)
-    rejected(cluster.run(StartDownload(model_id=MODEL, node_id=A, start_layer=4, end_layer=4)), RejectCode.INVALID)
+    rejected(
+        cluster.run(StartDownload(model_id=MODEL, node_id=A, start_layer=4, end_layer=9)), RejectCode.INVALID
+    )
+    rejected(
+        cluster.run(StartDownload(model_id=MODEL, node_id=A, start_layer=4, end_layer=4)), RejectCode.INVALID
+    )
     assert cluster.run(StartDownload(model_id=MODEL, node_id=A)) == [
-        DownloadRequested(node_id=A, model_id=MODEL, start_layer=0, end_layer=8)]
+        DownloadRequested(node_id=A, model_id=MODEL, start_layer=0, end_layer=8)
+    ]
 
 
 def test_cancel_download_only_while_in_progress(cluster: Cluster) -> None:
     cluster.join(A)
     rejected(cluster.run(CancelDownload(model_id=MODEL, node_id=A)), RejectCode.NOT_FOUND)
     cluster.run(StartDownload(model_id=MODEL, node_id=A))
-    assert cluster.run(CancelDownload(model_id=MODEL, node_id=A)) == [DownloadCancelled(node_id=A, model_id=MODEL)]
+    assert cluster.run(CancelDownload(model_id=MODEL, node_id=A)) == [
+        DownloadCancelled(node_id=A, model_id=MODEL)
+    ]
     rejected(cluster.run(CancelDownload(model_id=MODEL, node_id=A)), RejectCode.CONFLICT)
     # the downloader's own report of the cancellation adds nothing
-    assert cluster.run(ReportDownloadProgress(model_id=MODEL, node_id=A, status=DownloadStatus.CANCELLED)) == []
+    assert (
+        cluster.run(ReportDownloadProgress(model_id=MODEL, node_id=A, status=DownloadStatus.CANCELLED)) == []
+    )
 
 
 def test_delete_download_refuses_read_only_and_in_use(cluster: Cluster) -> None:
     cluster.join(A)
     rejected(cluster.run(DeleteDownload(model_id=MODEL, node_id=A)), RejectCode.NOT_FOUND)
-    cluster.run(ReportDownloadProgress(model_id=MODEL, node_id=A, status=DownloadStatus.COMPLETED, start_layer=0,
-                                       end_layer=8, directory="/ro", read_only=True, bytes_total=1))
+    cluster.run(
+        ReportDownloadProgress(
+            model_id=MODEL,
+            node_id=A,
+            status=DownloadStatus.COMPLETED,
+            start_layer=0,
+            end_layer=8,
+            directory="/ro",
+            read_only=True,
+            bytes_total=1,
+        )
+    )
     refusal = rejected(cluster.run(DeleteDownload(model_id=MODEL, node_id=A)), RejectCode.CONFLICT)
     assert "read-only" in refusal.reason
-    cluster.run(ReportDownloadProgress(model_id=MODEL, node_id=A, status=DownloadStatus.COMPLETED, start_layer=0,
-                                       end_layer=8, directory="/rw", bytes_total=1))
+    cluster.run(
+        ReportDownloadProgress(
+            model_id=MODEL,
+            node_id=A,
+            status=DownloadStatus.COMPLETED,
+            start_layer=0,
+            end_layer=8,
+            directory="/rw",
+            bytes_total=1,
+        )
+    )
     instance = cluster.place("inst-1", [A])
     refusal = rejected(cluster.run(DeleteDownload(model_id=MODEL, node_id=A)), RejectCode.CONFLICT)
     assert instance in refusal.reason
     cluster.run(DeleteInstance(instance_id=instance))
     assert cluster.run(DeleteDownload(model_id=MODEL, node_id=A)) == [
-        DownloadDeleteRequested(node_id=A, model_id=MODEL)]
+        DownloadDeleteRequested(node_id=A, model_id=MODEL)
+    ]
 
 
 # --- instances and runners ---------------------------------------------------------------------------------
@@ -283,18 +355,23 @@ def test_delete_download_refuses_read_only_and_in_use(cluster: Cluster) -> None:
 
 def test_place_and_delete_instance(cluster: Cluster) -> None:
     cluster.join(A, 16)
-    rejected(cluster.run(PlaceInstance(instance_id=InstanceId("i"), model_id=ModelId("acme/none"))),
-             RejectCode.NOT_FOUND)
+    rejected(
+        cluster.run(PlaceInstance(instance_id=InstanceId("i"), model_id=ModelId("acme/none"))),
+        RejectCode.NOT_FOUND,
+    )
     instance = cluster.place("inst-1")
     rejected(cluster.run(PlaceInstance(instance_id=instance, model_id=MODEL)), RejectCode.ALREADY_EXISTS)
     big = msgspec.structs.replace(CARD, model_id=ModelId("acme/huge"), storage_size_bytes=100 * GiB)
     cluster.run(AddCustomModelCard(card=big))
-    refusal = rejected(cluster.run(PlaceInstance(instance_id=InstanceId("i2"), model_id=big.model_id)),
-                       RejectCode.INSUFFICIENT_MEMORY)
+    refusal = rejected(
+        cluster.run(PlaceInstance(instance_id=InstanceId("i2"), model_id=big.model_id)),
+        RejectCode.INSUFFICIENT_MEMORY,
+    )
     assert "GiB" in refusal.reason
     rejected(cluster.run(DeleteInstance(instance_id=InstanceId("nope"))), RejectCode.NOT_FOUND)
     assert cluster.run(DeleteInstance(instance_id=instance)) == [
-        InstanceDeleted(instance_id=instance, reason="deleted on request")]
+        InstanceDeleted(instance_id=instance, reason="deleted on request")
+    ]
 
 
 def test_runner_endpoint_checks_rank_and_generation(cluster: Cluster) -> None:
@@ -302,8 +379,9 @@ def test_runner_endpoint_checks_rank_and_generation(cluster: Cluster) -> None:
     cluster.join(B)
     instance = cluster.place("inst-1", [A, B])
     ok = ReportRunnerEndpoint(instance_id=instance, generation=0, node_id=B, rank=1, host="h", port=9)
-    assert cluster.run(ok) == [RunnerEndpointReported(instance_id=instance, generation=0, node_id=B, rank=1,
-                                                      host="h", port=9)]
+    assert cluster.run(ok) == [
+        RunnerEndpointReported(instance_id=instance, generation=0, node_id=B, rank=1, host="h", port=9)
+    ]
     rejected(cluster.run(msgspec.structs.replace(ok, rank=0)), RejectCode.INVALID)
     assert cluster.run(msgspec.structs.replace(ok, generation=5)) == []
 
@@ -326,7 +404,9 @@ def test_runner_failure_restarts_with_backoff_then_fails(cluster: Cluster) -> No
         assert events[1].reason == "out of memory"
         assert cluster.state.instances[instance].generation == old_generation + 1
         # a late report from the previous generation is ignored
-        stale = msgspec.structs.replace(cluster.runner(instance, 0, RunnerStatus.FAILED), generation=old_generation)
+        stale = msgspec.structs.replace(
+            cluster.runner(instance, 0, RunnerStatus.FAILED), generation=old_generation
+        )
         assert cluster.run(stale) == []
     assert [r.not_before_ms - now for r in restarts] == [1000, 2000, 4000]
     events = cluster.run(cluster.runner(instance, 0, RunnerStatus.FAILED, reason="segfault"))
@@ -352,7 +432,9 @@ def test_a_ready_instance_failing_again_starts_counting_from_one(cluster: Cluste
 
 
 def submit(cluster: Cluster, task: str) -> list[Event]:
-    return cluster.run(SubmitTask(request=TaskRequest(task_id=TaskId(task), model_id=MODEL, kind=TaskKind.CHAT)))
+    return cluster.run(
+        SubmitTask(request=TaskRequest(task_id=TaskId(task), model_id=MODEL, kind=TaskKind.CHAT))
+    )
 
 
 def test_submit_routes_to_the_ready_instance_with_fewest_tasks(cluster: Cluster) -> None:
@@ -372,8 +454,14 @@ def test_submit_routes_to_the_ready_instance_with_fewest_tasks(cluster: Cluster)
     # finishing two tasks of `first` makes it the least loaded
     for n, instance in enumerate(chosen):
         if instance == first:
-            cluster.run(ReportTaskFinished(task_id=TaskId(f"task-{n}"), instance_id=first, outcome=TaskOutcome.STOP,
-                                           usage=Usage(prompt_tokens=1, completion_tokens=1)))
+            cluster.run(
+                ReportTaskFinished(
+                    task_id=TaskId(f"task-{n}"),
+                    instance_id=first,
+                    outcome=TaskOutcome.STOP,
+                    usage=Usage(prompt_tokens=1, completion_tokens=1),
+                )
+            )
     events = submit(cluster, "task-9")
     assert isinstance(events[0], TaskAssigned) and events[0].instance_id == first
     rejected(submit(cluster, "task-9"), RejectCode.ALREADY_EXISTS)
@@ -386,18 +474,27 @@ def test_task_lifecycle_and_cancel(cluster: Cluster) -> None:
     submit(cluster, "task-1")
     task = TaskId("task-1")
     assert cluster.run(ReportTaskStarted(task_id=task, instance_id=instance, prompt_tokens=3)) == [
-        TaskStarted(task_id=task, prompt_tokens=3)]
-    assert cluster.run(CancelTask(task_id=task)) == [TaskCancelled(task_id=task, reason="cancelled by the client")]
+        TaskStarted(task_id=task, prompt_tokens=3)
+    ]
+    assert cluster.run(CancelTask(task_id=task)) == [
+        TaskCancelled(task_id=task, reason="cancelled by the client")
+    ]
     assert cluster.state.tasks == {}
     assert cluster.run(CancelTask(task_id=task)) == []
     assert cluster.run(ReportTaskStarted(task_id=task, instance_id=instance, prompt_tokens=3)) == []
     usage = Usage(prompt_tokens=3, completion_tokens=1)
-    assert cluster.run(ReportTaskFinished(task_id=task, instance_id=instance, outcome=TaskOutcome.STOP,
-                                          usage=usage)) == []
+    assert (
+        cluster.run(
+            ReportTaskFinished(task_id=task, instance_id=instance, outcome=TaskOutcome.STOP, usage=usage)
+        )
+        == []
+    )
     submit(cluster, "task-2")
-    assert cluster.run(ReportTaskFinished(task_id=TaskId("task-2"), instance_id=instance, outcome=TaskOutcome.LENGTH,
-                                          usage=usage)) == [
-        TaskFinished(task_id=TaskId("task-2"), outcome=TaskOutcome.LENGTH, usage=usage)]
+    assert cluster.run(
+        ReportTaskFinished(
+            task_id=TaskId("task-2"), instance_id=instance, outcome=TaskOutcome.LENGTH, usage=usage
+        )
+    ) == [TaskFinished(task_id=TaskId("task-2"), outcome=TaskOutcome.LENGTH, usage=usage)]
 
 
 def test_handlers_are_pure() -> None:

@@ -2,25 +2,42 @@
 
 from __future__ import annotations
 
+import itertools
+
 import msgspec
 import pytest
-
 from jetshard_schema.cards import ModelCard
 from jetshard_schema.ids import ModelId, NodeId
+from jetshard_schema.placement import PlacementError, place, required_memory_bytes, split_layers
 from jetshard_schema.state import Node
 from jetshard_schema.types import NodeProfile
-from jetshard_schema.placement import PlacementError, place, required_memory_bytes, split_layers
 
 GiB = 2**30
-CARD = ModelCard(model_id=ModelId("acme/m"), num_layers=32, hidden_size=4096, num_attention_heads=32,
-                 num_key_value_heads=8, vocab_size=32000, architecture="llama", storage_size_bytes=4 * GiB,
-                 context_length=4096)
+CARD = ModelCard(
+    model_id=ModelId("acme/m"),
+    num_layers=32,
+    hidden_size=4096,
+    num_attention_heads=32,
+    num_key_value_heads=8,
+    vocab_size=32000,
+    architecture="llama",
+    storage_size_bytes=4 * GiB,
+    context_length=4096,
+)
 
 
 def node(name: str, available_gib: float) -> Node:
-    return Node(node_id=NodeId(name), session_id="s", profile=NodeProfile(
-        hostname=name, os="Linux", cpu_cores=8, memory_total_bytes=128 * GiB,
-        memory_available_bytes=int(available_gib * GiB)))
+    return Node(
+        node_id=NodeId(name),
+        session_id="s",
+        profile=NodeProfile(
+            hostname=name,
+            os="Linux",
+            cpu_cores=8,
+            memory_total_bytes=128 * GiB,
+            memory_available_bytes=int(available_gib * GiB),
+        ),
+    )
 
 
 def sizes(ranges: list[tuple[int, int]]) -> list[int]:
@@ -32,20 +49,25 @@ def test_required_memory_is_weights_plus_headroom_plus_kv_cache() -> None:
     assert required_memory_bytes(CARD) == int(4 * GiB * 1.1) + kv
 
 
-@pytest.mark.parametrize(("layers", "weights", "expected"), [
-    (10, [1, 1], [5, 5]),
-    (10, [3, 1], [7, 3]),
-    (32, [16, 8, 8], [16, 8, 8]),
-    (10, [1, 1, 1], [4, 3, 3]),  # largest remainder; ties go to the earlier node
-    (11, [5, 3, 2], [5, 3, 3]),  # exact 5+3+2 of 8 spare after one each: remainders .0/.4/.6
-    (4, [1000, 1, 1], [2, 1, 1]),  # at least one layer each, however little memory
-    (3, [1, 1, 1], [1, 1, 1]),
-])
-def test_split_is_proportional_contiguous_and_complete(layers: int, weights: list[int], expected: list[int]) -> None:
+@pytest.mark.parametrize(
+    ("layers", "weights", "expected"),
+    [
+        (10, [1, 1], [5, 5]),
+        (10, [3, 1], [7, 3]),
+        (32, [16, 8, 8], [16, 8, 8]),
+        (10, [1, 1, 1], [4, 3, 3]),  # largest remainder; ties go to the earlier node
+        (11, [5, 3, 2], [5, 3, 3]),  # exact 5+3+2 of 8 spare after one each: remainders .0/.4/.6
+        (4, [1000, 1, 1], [2, 1, 1]),  # at least one layer each, however little memory
+        (3, [1, 1, 1], [1, 1, 1]),
+    ],
+)
+def test_split_is_proportional_contiguous_and_complete(
+    layers: int, weights: list[int], expected: list[int]
+) -> None:
     ranges = split_layers(layers, weights)
     assert sizes(ranges) == expected
     assert ranges[0][0] == 0 and ranges[-1][1] == layers
-    assert all(a[1] == b[0] for a, b in zip(ranges, ranges[1:], strict=False))
+    assert all(a[1] == b[0] for a, b in itertools.pairwise(ranges))
 
 
 @pytest.mark.parametrize(("layers", "weights"), [(2, [1, 1, 1]), (4, []), (4, [0, 0])])
@@ -94,13 +116,16 @@ def test_explicit_node_ids_must_fit_the_model() -> None:
         place(CARD, [node("a", 30), node("b", 1)], node_ids=[NodeId("b")])
 
 
-@pytest.mark.parametrize(("node_ids", "min_nodes", "match"), [
-    (["a", "x"], 1, "unknown node"),
-    (["a", "a"], 1, "listed twice"),
-    (["a"], 2, "only 1 available"),
-    (None, 0, "at least 1"),
-    (None, 4, "only 3 available"),
-])
+@pytest.mark.parametrize(
+    ("node_ids", "min_nodes", "match"),
+    [
+        (["a", "x"], 1, "unknown node"),
+        (["a", "a"], 1, "listed twice"),
+        (["a"], 2, "only 1 available"),
+        (None, 0, "at least 1"),
+        (None, 4, "only 3 available"),
+    ],
+)
 def test_bad_requests_are_refused(node_ids: list[str] | None, min_nodes: int, match: str) -> None:
     nodes = [node("a", 30), node("b", 10), node("c", 10)]
     with pytest.raises(PlacementError, match=match):

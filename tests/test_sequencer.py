@@ -16,7 +16,6 @@ import msgspec
 import nats
 import nats.js.errors
 import pytest
-
 from jetshard_bus.commands import publish_command
 from jetshard_bus.connect import connect
 from jetshard_bus.follower import StateFollower
@@ -33,13 +32,22 @@ from jetshard_schema.types import NodeProfile, RejectCode
 
 pytestmark = pytest.mark.timeout(120)
 
-PROFILE = NodeProfile(hostname="h", os="Linux", cpu_cores=2, memory_total_bytes=8 << 30,
-                      memory_available_bytes=4 << 30)
+PROFILE = NodeProfile(
+    hostname="h", os="Linux", cpu_cores=2, memory_total_bytes=8 << 30, memory_available_bytes=4 << 30
+)
 
 
 def card(name: str) -> ModelCard:
-    return ModelCard(model_id=ModelId(f"burst/{name}"), num_layers=4, hidden_size=64, num_attention_heads=4,
-                     num_key_value_heads=2, vocab_size=100, architecture="llama", storage_size_bytes=1 << 20)
+    return ModelCard(
+        model_id=ModelId(f"burst/{name}"),
+        num_layers=4,
+        hidden_size=64,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=100,
+        architecture="llama",
+        storage_size_bytes=1 << 20,
+    )
 
 
 def add_card(name: str) -> AddCustomModelCard:
@@ -54,12 +62,12 @@ async def wait_for(predicate: Callable[[], object], timeout_s: float, what: str)
         await asyncio.sleep(0.05)
 
 
-async def all_events(js) -> list[tuple[int, EventEnvelope | None]]:  # type: ignore[no-untyped-def]
+async def all_events(js) -> list[tuple[int, EventEnvelope | None]]:
     """Every stored event, in order, with its stream sequence (None where it does not decode)."""
     info = await js.stream_info(subjects.EVENTS_STREAM)
     got: list[tuple[int, EventEnvelope | None]] = []
 
-    async def collect(msg) -> None:  # type: ignore[no-untyped-def]
+    async def collect(msg) -> None:
         got.append((msg.metadata.sequence.stream, decode_event(msg.data)))
 
     if info.state.last_seq == 0:
@@ -87,33 +95,36 @@ def outcomes_per_command(envelopes: list[EventEnvelope]) -> dict[CommandId, list
     return per
 
 
-async def follow(js) -> StateFollower:  # type: ignore[no-untyped-def]
+async def follow(js) -> StateFollower:
     follower = StateFollower(js)
     await follower.start()
     return follower
 
 
-def sequencer(processes, name: str, url: str, *extra: str):  # type: ignore[no-untyped-def]
+def sequencer(processes, name: str, url: str, *extra: str):
     return processes.start(name, "sequencer", "--nats", url, "--lease-ttl-s", "1", *extra)
 
 
-async def leading(processes, name: str, times: int = 1, timeout_s: float = 30) -> None:  # type: ignore[no-untyped-def]
-    await wait_for(lambda: processes.log(name).count(" leads from event ") >= times, timeout_s, f"{name} to lead")
+async def leading(processes, name: str, times: int = 1, timeout_s: float = 30) -> None:
+    await wait_for(
+        lambda: processes.log(name).count(" leads from event ") >= times, timeout_s, f"{name} to lead"
+    )
 
 
-async def standby_ready(js) -> None:  # type: ignore[no-untyped-def]
+async def standby_ready(js) -> None:
     """A standby logs nothing while it waits; it is ready once its State replica's consumer exists
     (next to the test's own follower), plus a moment so its process is surely past start-up."""
+
     async def consumers() -> int:
         return (await js.stream_info(subjects.EVENTS_STREAM)).state.consumer_count
 
     deadline = time.monotonic() + 30
-    while await consumers() < 2 and time.monotonic() < deadline:
+    while await consumers() < 2 and time.monotonic() < deadline:  # noqa: ASYNC110
         await asyncio.sleep(0.1)
     await asyncio.sleep(1)
 
 
-async def test_the_same_command_published_twice_gives_one_set_of_events(bus, fresh_nats, processes) -> None:  # type: ignore[no-untyped-def]
+async def test_the_same_command_published_twice_gives_one_set_of_events(bus, fresh_nats, processes) -> None:
     _, js = bus
     follower = await follow(js)
     sequencer(processes, "seq1", fresh_nats.url)
@@ -129,8 +140,9 @@ async def test_the_same_command_published_twice_gives_one_set_of_events(bus, fre
     await follower.stop()
 
 
-async def test_commands_published_while_no_sequencer_runs_are_applied_once_one_starts(  # type: ignore[no-untyped-def]
-        bus, fresh_nats, processes) -> None:
+async def test_commands_published_while_no_sequencer_runs_are_applied_once_one_starts(
+    bus, fresh_nats, processes
+) -> None:
     _, js = bus
     ids = [(await publish_command(js, add_card(f"early-{n}")))[0] for n in range(25)]
     follower = await follow(js)
@@ -143,7 +155,7 @@ async def test_commands_published_while_no_sequencer_runs_are_applied_once_one_s
     await follower.stop()
 
 
-async def test_a_command_redelivered_after_the_dedupe_window_has_one_outcome(fresh_nats, processes) -> None:  # type: ignore[no-untyped-def]
+async def test_a_command_redelivered_after_the_dedupe_window_has_one_outcome(fresh_nats, processes) -> None:
     """Within the dedupe window JetStream drops a repeated `Nats-Msg-Id` (commands and events alike). After
     it, two mechanisms keep one outcome per command:
 
@@ -160,11 +172,19 @@ async def test_a_command_redelivered_after_the_dedupe_window_has_one_outcome(fre
     try:
         command = add_card("dead-leader")
         command_id, command_seq = await publish_command(js, command, CommandId("cmd-dead-leader"))
-        envelope = EventEnvelope(command_id=command_id, command_seq=command_seq, index=0, count=1, at_ms=0,
-                                 event=CustomModelCardAdded(card=msgspec.structs.replace(command.card, is_custom=True)))
-        await js.publish(envelope.event.subject, encode(envelope),
-                         headers={subjects.MSG_ID_HEADER: f"{command_id}/0",
-                                  subjects.EXPECTED_LAST_SEQUENCE_HEADER: "0"})
+        envelope = EventEnvelope(
+            command_id=command_id,
+            command_seq=command_seq,
+            index=0,
+            count=1,
+            at_ms=0,
+            event=CustomModelCardAdded(card=msgspec.structs.replace(command.card, is_custom=True)),
+        )
+        await js.publish(
+            envelope.event.subject,
+            encode(envelope),
+            headers={subjects.MSG_ID_HEADER: f"{command_id}/0", subjects.EXPECTED_LAST_SEQUENCE_HEADER: "0"},
+        )
         await asyncio.sleep(1.5)  # past the dedupe window of both streams
 
         sequencer(processes, "seq1", fresh_nats.url)
@@ -181,7 +201,7 @@ async def test_a_command_redelivered_after_the_dedupe_window_has_one_outcome(fre
         await asyncio.sleep(1.5)
         _, second = await publish_command(js, report, CommandId("cmd-report"))
         assert second > first  # stored again: the window had passed
-        marker_id, _ = await publish_command(js, add_card("marker"))
+        _marker_id, _ = await publish_command(js, add_card("marker"))
         await follower.wait_until(lambda s: card("marker").model_id in s.custom_cards, 30)
         per = outcomes_per_command(assert_gapless(await all_events(js)))
         assert [type(e.event) for e in per[command_id]] == [CustomModelCardAdded]
@@ -193,8 +213,9 @@ async def test_a_command_redelivered_after_the_dedupe_window_has_one_outcome(fre
 
 
 @pytest.mark.timeout(180)
-async def test_kill_9_of_the_leader_during_a_burst_loses_and_duplicates_nothing(  # type: ignore[no-untyped-def]
-        bus, fresh_nats, processes) -> None:
+async def test_kill_9_of_the_leader_during_a_burst_loses_and_duplicates_nothing(
+    bus, fresh_nats, processes
+) -> None:
     _, js = bus
     follower = await follow(js)
     leader = sequencer(processes, "seq1", fresh_nats.url)
@@ -204,8 +225,12 @@ async def test_kill_9_of_the_leader_during_a_burst_loses_and_duplicates_nothing(
 
     count = 2000
     ids = [CommandId(f"burst-{n}") for n in range(count)]
-    acks = [await js.publish_async(add_card(f"m-{n}").subject, encode(add_card(f"m-{n}")),
-                                   headers={subjects.MSG_ID_HEADER: ids[n]}) for n in range(count)]
+    acks = [
+        await js.publish_async(
+            add_card(f"m-{n}").subject, encode(add_card(f"m-{n}")), headers={subjects.MSG_ID_HEADER: ids[n]}
+        )
+        for n in range(count)
+    ]
     await asyncio.gather(*acks)
     await follower.wait_until(lambda s: s.last_seq >= 200, 60)
     processes.kill(leader, signal.SIGKILL)
@@ -220,26 +245,35 @@ async def test_kill_9_of_the_leader_during_a_burst_loses_and_duplicates_nothing(
 
     per = outcomes_per_command(assert_gapless(await all_events(js)))
     assert sorted(per) == sorted(ids)
-    duplicated = {cid: [type(e.event).__name__ for e in events] for cid, events in per.items() if len(events) != 1}
+    duplicated = {
+        cid: [type(e.event).__name__ for e in events] for cid, events in per.items() if len(events) != 1
+    }
     assert duplicated == {}
     assert all(isinstance(events[0].event, CustomModelCardAdded) for events in per.values())
     await follower.stop()
 
 
-async def test_an_append_with_a_stale_expected_sequence_is_refused(bus) -> None:  # type: ignore[no-untyped-def]
+async def test_an_append_with_a_stale_expected_sequence_is_refused(bus) -> None:
     _, js = bus
-    envelope = EventEnvelope(command_id=CommandId("c"), command_seq=1, index=0, count=1, at_ms=0,
-                             event=CustomModelCardAdded(card=card("stale")))
+    envelope = EventEnvelope(
+        command_id=CommandId("c"),
+        command_seq=1,
+        index=0,
+        count=1,
+        at_ms=0,
+        event=CustomModelCardAdded(card=card("stale")),
+    )
     headers = {subjects.EXPECTED_LAST_SEQUENCE_HEADER: "0", subjects.MSG_ID_HEADER: "c/0"}
     await js.publish(envelope.event.subject, encode(envelope), headers=headers)
     with pytest.raises(nats.js.errors.APIError) as raised:
-        await js.publish(envelope.event.subject, encode(envelope),
-                         headers={**headers, subjects.MSG_ID_HEADER: "d/0"})
+        await js.publish(
+            envelope.event.subject, encode(envelope), headers={**headers, subjects.MSG_ID_HEADER: "d/0"}
+        )
     assert raised.value.err_code == 10071
 
 
 @pytest.mark.timeout(180)
-async def test_a_paused_leader_steps_down_when_it_resumes(bus, fresh_nats, processes) -> None:  # type: ignore[no-untyped-def]
+async def test_a_paused_leader_steps_down_when_it_resumes(bus, fresh_nats, processes) -> None:
     _, js = bus
     follower = await follow(js)
     old = sequencer(processes, "seq1", fresh_nats.url)
@@ -275,15 +309,18 @@ async def test_a_paused_leader_steps_down_when_it_resumes(bus, fresh_nats, proce
     await follower.stop()
 
 
-async def test_garbage_commands_are_rejected_and_the_sequencer_carries_on(bus, fresh_nats, processes) -> None:  # type: ignore[no-untyped-def]
-    client, js = bus
+async def test_garbage_commands_are_rejected_and_the_sequencer_carries_on(bus, fresh_nats, processes) -> None:
+    _client, js = bus
     follower = await follow(js)
     seq = sequencer(processes, "seq1", fresh_nats.url)
     garbage = follower.expect(CommandId("garbage-1"))
     wrong_shape = follower.expect(CommandId("garbage-2"))
     await js.publish("jetshard.cmd.x", b"\x00not json at all", headers={subjects.MSG_ID_HEADER: "garbage-1"})
-    await js.publish("jetshard.cmd.x", b'{"type": "AddCustomModelCard", "card": {"model_id": 7}}',
-                     headers={subjects.MSG_ID_HEADER: "garbage-2"})
+    await js.publish(
+        "jetshard.cmd.x",
+        b'{"type": "AddCustomModelCard", "card": {"model_id": 7}}',
+        headers={subjects.MSG_ID_HEADER: "garbage-2"},
+    )
     for outcome in (await asyncio.wait_for(garbage, 30), await asyncio.wait_for(wrong_shape, 30)):
         assert len(outcome) == 1
         rejected = outcome[0].event
@@ -298,18 +335,29 @@ async def test_garbage_commands_are_rejected_and_the_sequencer_carries_on(bus, f
     await follower.stop()
 
 
-async def test_a_new_follower_starts_from_the_snapshot(bus, fresh_nats, processes) -> None:  # type: ignore[no-untyped-def]
+async def test_a_new_follower_starts_from_the_snapshot(bus, fresh_nats, processes) -> None:
     _, js = bus
     sequencer(processes, "seq1", fresh_nats.url, "--snapshot-every", "50")
-    acks = [await js.publish_async(add_card(f"s-{n}").subject, encode(add_card(f"s-{n}")),
-                                   headers={subjects.MSG_ID_HEADER: f"s-{n}"}) for n in range(120)]
+    acks = [
+        await js.publish_async(
+            add_card(f"s-{n}").subject, encode(add_card(f"s-{n}")), headers={subjects.MSG_ID_HEADER: f"s-{n}"}
+        )
+        for n in range(120)
+    ]
     await asyncio.gather(*acks)
     first = await follow(js)
     await first.wait_until(lambda s: s.last_seq >= 120, 60)
     await first.stop()
 
     store = await js.object_store(subjects.SNAPSHOT_BUCKET)
-    snapshot = decode_state((await store.get(subjects.SNAPSHOT_OBJECT)).data or b"")
+    deadline = time.monotonic() + 30  # the sequencer writes it just after the events it covers
+    while True:
+        try:
+            snapshot = decode_state((await store.get(subjects.SNAPSHOT_OBJECT)).data or b"")
+            break
+        except nats.js.errors.ObjectNotFoundError:
+            assert time.monotonic() < deadline, "no snapshot was written"
+            await asyncio.sleep(0.1)
     assert 50 <= snapshot.last_seq <= 120
 
     from_snapshot = await follow(js)

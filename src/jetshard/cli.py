@@ -107,12 +107,17 @@ def api(nats: NatsOptions, timings: BusTimings, host: str, port: int, command_ti
 
 @main.command()
 @nats_options
-def worker(nats: NatsOptions, timings: BusTimings) -> None:
+@option("--advertise-host", default=None,
+        help="address other nodes reach this node's runners on [default: the address used to reach NATS]")
+@option("--runner-start-timeout-s", type=float, default=300.0, show_default=True,
+        help="a runner that has not loaded and joined its peers within this time is killed and reported")
+def worker(nats: NatsOptions, timings: BusTimings, advertise_host: str | None, runner_start_timeout_s: float) -> None:
     """The node agent: node profile, custom model cards, shard runners."""
     from jetshard_bus.service import run_service
     from jetshard_worker.service import WorkerConfig, run_worker
 
-    config = WorkerConfig(nats=nats, timings=timings)
+    config = WorkerConfig(nats=nats, timings=timings, advertise_host=advertise_host,
+                          runner_start_timeout_s=runner_start_timeout_s)
     run_service("worker", lambda stop: run_worker(config, stop))
 
 

@@ -10,25 +10,10 @@ from typing import Any
 from jetshard_schema.cards import ModelCard, Quantization
 from jetshard_schema.ids import parse_model_id
 
-SUPPORTED_ARCHITECTURES: frozenset[str] = frozenset(
-    {
-        "llama",
-        "mistral",
-        "qwen2",
-        "qwen3",
-        "gemma",
-        "gemma2",
-        "gemma3",
-        "gemma3_text",
-        "phi3",
-        "starcoder2",
-        "olmo2",
-        "granite",
-        "smollm3",
-    }
-)
-"""`model_type`s whose mlx-lm model is a plain stack of decoder layers, so a contiguous layer range can be
-loaded on its own. mlx-lm itself knows many more; they are refused until the shard engine handles them."""
+SUPPORTED_ARCHITECTURES: frozenset[str] = frozenset({"llama", "mistral", "qwen2", "qwen3", "gemma"})
+"""`model_type`s the worker's shard engine can split into layer ranges (its forward pass is written per
+architecture; tests/test_engine.py checks it covers this set). mlx-lm knows many more; they are refused
+until the shard engine handles them."""
 
 # Config keys differ between model families (GPT-2 style `n_layer`, T5 style `d_model`, ...); the first key
 # present wins, so the common Hugging Face name comes first.

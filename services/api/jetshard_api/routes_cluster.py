@@ -54,7 +54,7 @@ async def _follow(cluster: Cluster, start: int) -> AsyncIterator[ServerSentEvent
             try:
                 msg = await asyncio.wait_for(queue.get(), 15)
             except TimeoutError:
-                yield ServerSentEventMessage(comment="keep-alive")
+                yield ServerSentEventMessage(comment="keep-alive", data=None)
                 continue
             envelope = decode_event(msg.data)
             if envelope is None:

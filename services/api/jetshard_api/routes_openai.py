@@ -15,6 +15,14 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 import msgspec
+from jetshard_schema.codec import decode_chunk
+from jetshard_schema.commands import CancelTask, SubmitTask
+from jetshard_schema.events import TaskAssigned
+from jetshard_schema.ids import InstanceId, ModelId, new_task_id
+from jetshard_schema.models import all_cards, find_card
+from jetshard_schema.state import State, instance_status
+from jetshard_schema.subjects import chunk_subject
+from jetshard_schema.types import Chunk, InstanceStatus, TaskKind, TaskRequest
 from litestar import Controller, Response, get, post
 from litestar.response import ServerSentEvent
 from litestar.response.sse import ServerSentEventMessage
@@ -24,15 +32,11 @@ from jetshard_api.errors import ApiError, error_body
 from jetshard_api.openai_types import ChatCompletionRequest, CompletionRequest, chat_task, completion_task
 from jetshard_api.routes_instances import place_instance
 from jetshard_api.routes_models import checked_model_id
-from jetshard_schema.codec import decode_chunk
-from jetshard_schema.commands import CancelTask, SubmitTask
-from jetshard_schema.ids import ModelId, new_task_id
-from jetshard_schema.models import all_cards, find_card
-from jetshard_schema.state import State, instance_status
-from jetshard_schema.subjects import chunk_subject
-from jetshard_schema.types import Chunk, InstanceStatus, TaskKind, TaskRequest
 
 log = logging.getLogger(__name__)
+
+TASK_GONE_GRACE_S = 1.0
+KEEP_ALIVE_S = 5.0
 
 
 class InferenceSettings(msgspec.Struct, frozen=True):
@@ -58,6 +62,8 @@ class ChunkStream:
         self._queue: asyncio.Queue[bytes] = asyncio.Queue()
         self._subscription: Any = None
         self._next_index = 0
+        self._instance_id: InstanceId | None = None
+        self._watcher: asyncio.Task[None] | None = None
         self.finished = False
 
     async def __aenter__(self) -> ChunkStream:
@@ -69,6 +75,8 @@ class ChunkStream:
         return self
 
     async def __aexit__(self, *exc: object) -> None:
+        if self._watcher is not None:
+            self._watcher.cancel()
         if self._subscription is not None:
             await self._subscription.unsubscribe()
         if not self.finished:
@@ -77,7 +85,29 @@ class ChunkStream:
             task.add_done_callback(lambda t: t.exception())
 
     async def submit(self) -> None:
-        await self._cluster.submit(SubmitTask(request=self._request))
+        events = await self._cluster.submit(SubmitTask(request=self._request))
+        self._instance_id = next((e.instance_id for e in events if isinstance(e, TaskAssigned)), None)
+        self._watcher = asyncio.create_task(self._watch())
+
+    async def _watch(self) -> None:
+        """A task that leaves State without its last chunk (its instance restarted, failed or was deleted,
+        or someone cancelled it) will send nothing more: end the stream now instead of waiting for silence."""
+        task_id = self._request.task_id
+        await self._cluster.follower.wait_until(lambda s: task_id not in s.tasks, float("inf"))
+        # Chunks and events travel separately: give chunks already on their way a moment to arrive.
+        await asyncio.sleep(TASK_GONE_GRACE_S)
+        self._queue.put_nowait(b"")
+
+    def _gone_error(self) -> ApiError:
+        state = self._cluster.state
+        instance = state.instances.get(self._instance_id) if self._instance_id else None
+        if instance is None:
+            why = "its instance was deleted"
+        elif instance.failed or instance.restart_attempt:
+            why = f"its instance {'failed' if instance.failed else 'is restarting'}: {instance.failed_reason}"
+        else:
+            why = "it was cancelled"
+        return ApiError(502, f"the generation stopped: {why}", "runner_failed")
 
     async def next(self) -> Chunk:
         timeout = self._settings.first_chunk_timeout_s if self._next_index == 0 else self._settings.chunk_silence_s
@@ -85,6 +115,9 @@ class ChunkStream:
             data = await asyncio.wait_for(self._queue.get(), timeout)
         except TimeoutError as error:
             raise ApiError(504, f"the runner sent nothing for {timeout:.0f} s", "runner_timeout") from error
+        if not data:
+            self.finished = True
+            raise self._gone_error()
         chunk = decode_chunk(data)
         if chunk.index != self._next_index:
             raise ApiError(502, f"chunk {self._next_index} of the output was lost (got {chunk.index})", "chunk_gap")
@@ -100,9 +133,16 @@ class ChunkStream:
 
 async def _ensure_ready(cluster: Cluster, model_id: ModelId, settings: InferenceSettings) -> None:
     """Place an instance of `model_id` if none exists (auto-place), then wait until one is ready."""
+    if not await _ensure_placed(cluster, model_id, settings):
+        await _wait_ready(cluster, model_id, settings)
+
+
+async def _ensure_placed(cluster: Cluster, model_id: ModelId, settings: InferenceSettings) -> bool:
+    """True if `model_id` is ready now; else make sure an instance is on its way (placing one with
+    auto-place) and return False. Raises ApiError (404, or placement refused) before any streaming starts."""
     state = cluster.state
     if model_id in ready_models(state):
-        return
+        return True
     if find_card(state, model_id) is None:
         raise ApiError(404, f"unknown model {model_id}; ready models: {sorted(ready_models(state)) or 'none'}",
                        "model_not_found", "model")
@@ -112,7 +152,10 @@ async def _ensure_ready(cluster: Cluster, model_id: ModelId, settings: Inference
             raise ApiError(404, f"{model_id} has no instance and auto-placement is off; ready models: "
                                 f"{sorted(ready_models(state)) or 'none'}", "model_not_found", "model")
         await place_instance(cluster, model_id)
+    return False
 
+
+async def _wait_ready(cluster: Cluster, model_id: ModelId, settings: InferenceSettings) -> None:
     def ready_or_failed(s: State) -> bool:
         mine = [i for i in s.instances.values() if i.model_id == model_id]
         return not mine or any(instance_status(s, i) in (InstanceStatus.READY, InstanceStatus.FAILED) for i in mine)
@@ -189,7 +232,8 @@ async def _serve(cluster: Cluster, settings: InferenceSettings, task: TaskReques
                 "usage": _usage(usage)}
         return Response(body)
 
-    needs_placement = task.model_id not in ready_models(cluster.state)
+    # Unknown model, auto-place off, placement refused: a plain HTTP error, before the stream starts.
+    needs_placement = not await _ensure_placed(cluster, task.model_id, settings)
     chunks = ChunkStream(cluster, task, settings)
     first: Chunk | None = None
     if not needs_placement:
@@ -206,11 +250,11 @@ async def _serve(cluster: Cluster, settings: InferenceSettings, task: TaskReques
         try:
             pending = first
             if pending is None:
-                waiting = asyncio.create_task(_ensure_ready(cluster, task.model_id, settings))
+                waiting = asyncio.create_task(_wait_ready(cluster, task.model_id, settings))
                 while not waiting.done():
-                    await asyncio.wait({waiting}, timeout=5)
-                    if not waiting.done():
-                        yield ServerSentEventMessage(comment="waiting for the model to be ready")
+                    # At once (the client sees the response start), then every few seconds.
+                    yield ServerSentEventMessage(comment="waiting for the model to be ready", data=None)
+                    await asyncio.wait({waiting}, timeout=KEEP_ALIVE_S)
                 waiting.result()
                 await chunks.__aenter__()
                 await chunks.submit()

@@ -27,6 +27,7 @@ Xet: files are fetched with plain HTTP from the `resolve` URL, which the Hub ser
 
 from __future__ import annotations
 
+import functools
 import io
 import json
 import logging
@@ -45,6 +46,7 @@ from jetshard_schema.ids import ModelId, parse_model_id
 from jetshard_downloader.fetch import (
     Cancelled,
     IntegrityError,
+    ProgressCallback,
     RemoteFile,
     _offline_error,
     _progress_class,
@@ -156,7 +158,7 @@ def fetch_files_resumable(
     target: Path,
     files: Sequence[RemoteFile],
     *,
-    on_progress: object = None,
+    on_progress: ProgressCallback | None = None,
     cancel: threading.Event | None = None,
     token: str | bool | None = None,
     endpoint: str | None = None,
@@ -180,7 +182,7 @@ def fetch_files_resumable(
     manifest = existing or Manifest(model_id=model_id, revision=revision, files=())
     listed = manifest.sizes()
 
-    tally = _Tally(sum(f.size or 0 for f in files), on_progress, cancel)  # type: ignore[arg-type]
+    tally = _Tally(sum(f.size or 0 for f in files), on_progress, cancel)
     bar_class = _progress_class(tally)
     headers = build_hf_headers(token=token)
     tally.report()
@@ -203,8 +205,7 @@ def fetch_files_resumable(
         try:
             _prepare_partial(partial, revision, remote)
             _with_rate_limit_retries(
-                lambda partial=partial, url=url, remote=remote: _download_one(
-                    url, headers, partial, remote, bar_class),
+                functools.partial(_download_one, url, headers, partial, remote, bar_class),
                 cancel, max_rate_limit_wait_s, f"{model_id}/{remote.name}",
             )
             size = partial.stat().st_size

@@ -24,8 +24,10 @@ import logging
 import os
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any, TypeVar
 
 from jetshard_bus.commands import publish_command
 from jetshard_bus.connect import connect
@@ -65,6 +67,7 @@ from jetshard_downloader.resume import fetch_bytes, fetch_files_resumable, use_s
 from jetshard_downloader.shard_files import required_files
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -305,7 +308,11 @@ class Downloader:
             job.start, job.end = 0, card.num_layers
         found = await asyncio.to_thread(find_shard, self.dirs, card, job.start, job.end)
         if found is not None:
-            await self._report_completed(job, card, found[0].path, found[0].read_only, found[1])
+            known = self.follower.state.download(self.node_id, job.model_id)
+            if not (known is not None and known.status is DownloadStatus.COMPLETED
+                    and known.directory == str(found[0].path)
+                    and known.start_layer <= job.start and job.end <= known.end_layer):
+                await self._report_completed(job, card, found[0].path, found[0].read_only, found[1])
             return
         if card.source is ModelSource.GGUF_PACKAGE:
             await self._convert(job, card)
@@ -315,7 +322,8 @@ class Downloader:
         else:
             await self._fetch(job, card)
 
-    async def _with_progress(self, job: _Job, work: object, directory: Path) -> object:
+    async def _with_progress(self, job: _Job, work: Callable[[Callable[[int, int], None]], T],
+                             directory: Path) -> T:
         """Run blocking `work(on_progress)` in a thread while publishing its progress."""
         progress = _Progress(self.publish, job.model_id, job.start, job.end, self.config.progress_interval_s,
                              job.cancel)
@@ -330,7 +338,7 @@ class Downloader:
 
         reporter = asyncio.create_task(progress.run())
         try:
-            return await asyncio.to_thread(work, on_progress)  # type: ignore[arg-type]
+            return await asyncio.to_thread(work, on_progress)
         finally:
             reporter.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -340,7 +348,7 @@ class Downloader:
         job.start, job.end = 0, card.num_layers  # a conversion always produces the whole model
         await self._report(job, DownloadStatus.PENDING, bytes_total=card.storage_size_bytes)
         log.info("converting the packaged GGUF of %s", job.model_id)
-        target, size = await self._with_progress(  # type: ignore[misc]
+        target, size = await self._with_progress(
             job,
             lambda on_progress: convert_packaged(card, self.dirs, on_progress=on_progress, cancel=job.cancel),
             self.dirs.default_dir,
@@ -351,7 +359,8 @@ class Downloader:
         if self.offline:
             raise _offline_error(job.model_id)
         await self._report(job, DownloadStatus.PENDING)
-        kwargs = {"token": self.config.token, "endpoint": self.config.endpoint, "environ": self.environ}
+        kwargs: dict[str, Any] = {"token": self.config.token, "endpoint": self.config.endpoint,
+                                  "environ": self.environ}
         listing = await asyncio.to_thread(list_remote_files, job.model_id, cancel=job.cancel, **kwargs)
         names = [f.name for f in listing.files]
         sizes = {f.name: f.size or 0 for f in listing.files}

@@ -16,10 +16,6 @@ from typing import Any
 
 import msgspec
 import nats.js.errors
-from nats.aio.msg import Msg
-from nats.js import JetStreamContext
-from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
-
 from jetshard_bus.commands import publish_command
 from jetshard_bus.connect import connect
 from jetshard_bus.follower import StateFollower
@@ -34,12 +30,16 @@ from jetshard_schema.events import CommandRejected, Event, EventEnvelope
 from jetshard_schema.ids import CommandId, new_id
 from jetshard_schema.state import State, apply
 from jetshard_schema.types import RejectCode
+from nats.aio.msg import Msg
+from nats.js import JetStreamContext
+from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
+
 from jetshard_sequencer.handlers import Context, handle
 
 log = logging.getLogger(__name__)
 
 WRONG_LAST_SEQUENCE = 10071
-APPEND_ACK_TIMEOUT_S = 10.0
+APPEND_ACK_TIMEOUT_S = 5.0
 
 
 @dataclass(frozen=True)
@@ -149,7 +149,7 @@ class Leader:
             f"{subjects.COMMAND_PREFIX}.>",
             durable=consumer,
             stream=subjects.COMMANDS_STREAM,
-            config=ConsumerConfig(ack_policy=AckPolicy.EXPLICIT, ack_wait=30, max_deliver=-1,
+            config=ConsumerConfig(ack_policy=AckPolicy.ALL, ack_wait=30, max_deliver=-1,
                                   deliver_policy=DeliverPolicy.BY_START_SEQUENCE,
                                   opt_start_seq=self.state.last_command_seq + 1, max_ack_pending=-1,
                                   inactive_threshold=60),
@@ -157,16 +157,27 @@ class Leader:
         renewing = asyncio.create_task(self._renew_lease(stop))
         expiring = asyncio.create_task(self._expire_nodes(stop))
         try:
+            # While one batch's appends are in flight the next batch is fetched and handled: its events
+            # follow in the same stream, and its commands are acked only after its own appends are stored.
+            in_flight: tuple[list[asyncio.Future[Any]], Msg] | None = None
             while not stop.is_set():
                 if renewing.done():
                     renewing.result()  # re-raises StaleLeaderError
                 try:
                     messages = await subscription.fetch(self._config.batch_size, timeout=0.2)
                 except (TimeoutError, nats.errors.TimeoutError):
-                    continue
+                    messages = []
                 except nats.js.errors.APIError as error:  # e.g. our consumer was removed while we were paused
                     raise StaleLeaderError(f"reading commands failed: {error}") from error
-                await self._handle_batch(messages)
+                appended = await self._handle_batch(messages) if messages else None
+                if in_flight is not None:
+                    await self._confirm(*in_flight)
+                in_flight = (appended, messages[-1]) if appended is not None else None
+                if self._since_snapshot >= self._config.snapshot_every and in_flight is None:
+                    self._since_snapshot = 0
+                    await save_snapshot(self._js, self.state)
+            if in_flight is not None:
+                await self._confirm(*in_flight)
         finally:
             renewing.cancel()
             expiring.cancel()
@@ -180,7 +191,8 @@ class Leader:
             await asyncio.sleep(self._lease.ttl_s / 3)
             await self._lease.renew()
 
-    async def _handle_batch(self, messages: list[Msg]) -> None:
+    async def _handle_batch(self, messages: list[Msg]) -> list[asyncio.Future[Any]]:
+        """Handle commands and publish their events (pipelined); returns the appends' acks."""
         acks: list[asyncio.Future[Any]] = []
         now_ms = int(time.time() * 1000)
         for msg in messages:
@@ -209,10 +221,15 @@ class Leader:
                     seq = self._last_seq
                 self.state = apply(self.state, event, seq, command_seq)
             self._since_snapshot += len(events)
+        return acks
+
+    async def _confirm(self, acks: list[asyncio.Future[Any]], last: Msg) -> None:
+        """Wait until a batch's events are stored, then ack its commands."""
         try:
             # nats-py raises a refused append's error (10071) inside its reply callback instead of failing
             # the future, which then never resolves: an ack that does not come is a refusal too.
-            results = await asyncio.wait_for(asyncio.gather(*acks, return_exceptions=True), APPEND_ACK_TIMEOUT_S)
+            gathered = asyncio.gather(*acks, return_exceptions=True)
+            results = await asyncio.wait_for(gathered, APPEND_ACK_TIMEOUT_S)
         except TimeoutError as error:
             raise StaleLeaderError("appended events were not acknowledged (wrong last sequence?)") from error
         for result in results:
@@ -220,11 +237,9 @@ class Leader:
                 raise StaleLeaderError("another sequencer appended events (wrong last sequence)")
             if isinstance(result, BaseException):
                 raise StaleLeaderError(f"appending events failed: {result!r}")
-        # Acked only now that every event is stored: a crash before this redelivers the commands.
-        await asyncio.gather(*(msg.ack() for msg in messages))
-        if self._since_snapshot >= self._config.snapshot_every:
-            self._since_snapshot = 0
-            await save_snapshot(self._js, self.state)
+        # Acked only now that every event is stored: a crash before this redelivers the commands. With
+        # AckPolicy.ALL one ack of the batch's last command covers the whole batch.
+        await last.ack()
 
     def _take_partial(self, command_seq: int) -> list[int]:
         """Sequences of this command's events that a previous leader stored before it died."""

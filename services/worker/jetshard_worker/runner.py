@@ -172,8 +172,9 @@ class Runner:
         stream = self._streams.get(task_id)
         if stream is None:
             return
-        text = stream.add(token) if reason is None else ""
-        if stream.stopped:
+        # The token that reaches max_tokens (reason "length") is part of the output too, as in mlx-lm.
+        text = stream.add(token)
+        if stream.stopped and reason is None:
             self.engine.finish(task_id, "stop")
         if text:
             self._loop.call_soon_threadsafe(self._emit, task_id, text, 1)
@@ -191,7 +192,8 @@ class Runner:
         stream = self._streams.pop(task_id, None)
         if stream is None:
             return
-        outcome = TaskOutcome(reason)
+        # The last token may complete a stop string just as max_tokens is reached: that is a stop.
+        outcome = TaskOutcome.STOP if stream.stopped and reason == "length" else TaskOutcome(reason)
         usage = Usage(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens)
         index = self._chunk_index.pop(task_id)
         self._publish_chunk(Chunk(task_id=TaskId(task_id), index=index, text=stream.finish(),

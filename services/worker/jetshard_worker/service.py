@@ -5,9 +5,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import os
+import socket
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from nats.aio.client import Client
 
 from jetshard_bus.commands import publish_command
 from jetshard_bus.connect import connect
@@ -37,7 +39,9 @@ class WorkerConfig:
     card_dir: Path | None = None
     """Where custom cards are persisted; default `<config dir>/cards`."""
     profile_interval_s: float = 5.0
-    runner_start_timeout_s: float = float(os.environ.get("JETSHARD_RUNNER_START_TIMEOUT_S", "120"))
+    runner_start_timeout_s: float = 300.0
+    advertise_host: str | None = None
+    """Where peers reach this node's runners; None: the local address of the connection to NATS."""
 
 
 async def run_worker(config: WorkerConfig, stop: asyncio.Event) -> None:
@@ -46,7 +50,8 @@ async def run_worker(config: WorkerConfig, stop: asyncio.Event) -> None:
     client, js = await connect(config.nats, f"jetshard-worker {node_id}", config.timings)
     cards = CardDirectory(config.card_dir or config.config_dir / "cards")
     follower = StateFollower(js)
-    supervisor = RunnerSupervisor(js, node_id, session_id, config.nats, config.runner_start_timeout_s)
+    supervisor = RunnerSupervisor(js, node_id, session_id, config.nats, config.runner_start_timeout_s,
+                                  config.advertise_host or _local_address(client))
 
     def on_event(envelope: EventEnvelope, state: State, live: bool) -> None:
         match envelope.event:
@@ -73,6 +78,20 @@ async def run_worker(config: WorkerConfig, stop: asyncio.Event) -> None:
                 await asyncio.wait_for(task, 5)
         await follower.stop()
         await client.drain()
+
+
+def _local_address(client: Client) -> str:
+    """The address this machine uses to reach NATS: peers that reach the same server can reach it too."""
+    url = client.connected_url
+    if url is None or not url.hostname:
+        return "127.0.0.1"
+    # Connecting a UDP socket sends nothing; it only asks the kernel which local address routes there.
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+        try:
+            probe.connect((url.hostname, url.port or 4222))
+        except OSError:
+            return "127.0.0.1"
+        return str(probe.getsockname()[0])
 
 
 async def _report_profile(js, node_id, session_id, interval_s: float, stop: asyncio.Event) -> None:  # type: ignore[no-untyped-def]

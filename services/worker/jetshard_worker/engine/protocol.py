@@ -148,7 +148,9 @@ def _find_incoming_socket(listen_port: int) -> socket.socket | None:
         except OSError:
             continue
         try:
-            if sock.type == socket.SOCK_STREAM and sock.getsockname()[1] == listen_port:
+            # Only TCP: a unix socket's name is a str (the runner's own NATS or logging sockets).
+            if (sock.family in (socket.AF_INET, socket.AF_INET6) and sock.type == socket.SOCK_STREAM
+                    and sock.getsockname()[1] == listen_port):
                 sock.getpeername()  # connected, not a listener
                 return sock
         except OSError:

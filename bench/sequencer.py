@@ -1,0 +1,192 @@
+"""Sequencer throughput against raw JetStream, and State rebuild time with and without a snapshot.
+
+Anchors (2-core machine): raw async publishing to a stream (ARCHITECTURE.md: ~35,000 msgs/s);
+goal: commands -> events applied at a follower at >= 0.25 of the raw rate; rebuilding State from
+100k events <= 1 s with a snapshot.
+
+    uv run python bench/sequencer.py [--n 20000] [--rebuild 100000]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import nats
+from jetshard_bus.connect import connect
+from jetshard_bus.follower import StateFollower
+from jetshard_bus.options import NatsOptions
+from jetshard_bus.snapshots import save_snapshot
+from jetshard_schema import subjects
+from jetshard_schema.codec import encode
+from jetshard_schema.commands import ReportDownloadProgress
+from jetshard_schema.events import DownloadProgressed, EventEnvelope
+from jetshard_schema.ids import CommandId, ModelId, NodeId
+from jetshard_schema.types import DownloadStatus
+from nats.js.api import StreamConfig
+
+from jetshard.natsserver import start_nats_server
+
+RATIO_GOAL = 0.25
+REBUILD_GOAL_S = 1.0
+
+
+async def raw_publish_rate(url: str, n: int) -> float:
+    client = await nats.connect(url)
+    js = client.jetstream(publish_async_max_pending=20_000)
+    await js.add_stream(StreamConfig(name="BENCH_SCRATCH", subjects=["bench.>"]))
+    payload = b"x" * 200
+    started = time.perf_counter()
+    acks = [await js.publish_async(f"bench.{i % 16}", payload) for i in range(n)]
+    await asyncio.gather(*acks)
+    elapsed = time.perf_counter() - started
+    await js.delete_stream("BENCH_SCRATCH")
+    await client.close()
+    return n / elapsed
+
+
+def progress(i: int) -> ReportDownloadProgress:
+    return ReportDownloadProgress(
+        model_id=ModelId("bench/model"),
+        node_id=NodeId(f"node-{i % 4}"),
+        status=DownloadStatus.ONGOING,
+        bytes_done=i,
+        bytes_total=10**9,
+        speed_bytes_per_s=1e6,
+        directory="/models",
+    )
+
+
+async def sequencer_rate(url: str, n: int, log: Path) -> tuple[float, float]:
+    """Events applied at a follower per second, for `n` commands through a real sequencer process."""
+    client, js = await connect(NatsOptions(servers=(url,)), "bench")
+    sequencer = subprocess.Popen(  # noqa: ASYNC220
+        [sys.executable, "-m", "jetshard", "sequencer", "--nats", url],
+        stdout=open(log, "wb"),  # noqa: ASYNC230
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
+    try:
+        kv = await js.key_value(subjects.LEADER_BUCKET)
+        while True:  # wait until it leads
+            try:
+                await kv.get(subjects.LEADER_KEY)
+                break
+            except Exception:
+                await asyncio.sleep(0.05)
+        follower = StateFollower(js)
+        await follower.start()
+        base = follower.state.last_seq
+        commands = [(progress(i).subject, encode(progress(i)), CommandId(f"bench-{i}")) for i in range(n)]
+        started = time.perf_counter()
+        acks = [
+            await js.publish_async(subject, data, headers={subjects.MSG_ID_HEADER: cid})
+            for subject, data, cid in commands
+        ]
+        await asyncio.gather(*acks)
+        published = time.perf_counter() - started
+        await follower.wait_until(lambda s: s.last_seq >= base + n, 600)
+        elapsed = time.perf_counter() - started
+        await follower.stop()
+        return n / elapsed, n / published
+    finally:
+        sequencer.terminate()
+        sequencer.wait(10)
+        await client.close()
+
+
+async def rebuild_times(url: str, n: int) -> tuple[float, float, int]:
+    client, js = await connect(NatsOptions(servers=(url,)), "bench-rebuild")
+    info = await js.stream_info(subjects.EVENTS_STREAM)
+    last = info.state.last_seq
+    acks = []
+    for i in range(n):
+        event = DownloadProgressed(
+            node_id=NodeId(f"node-{i % 8}"),
+            model_id=ModelId(f"bench/m-{i % 50}"),
+            pending=False,
+            bytes_done=i,
+            bytes_total=10**9,
+            directory="/models",
+        )
+        envelope = EventEnvelope(
+            command_id=CommandId(f"r-{i}"), command_seq=i + 1, index=0, count=1, at_ms=0, event=event
+        )
+        acks.append(await js.publish_async(event.subject, encode(envelope)))
+    await asyncio.gather(*acks)
+    total = last + n
+
+    store = await js.object_store(subjects.SNAPSHOT_BUCKET)
+    await store.delete(subjects.SNAPSHOT_OBJECT) if await _has_snapshot(store) else None
+    started = time.perf_counter()
+    follower = StateFollower(js)
+    await follower.start(catch_up_timeout_s=600)
+    without = time.perf_counter() - started
+    assert follower.state.last_seq == total
+    await follower.stop()
+
+    await save_snapshot(js, follower.state)
+    started = time.perf_counter()
+    again = StateFollower(js)
+    await again.start()
+    with_snapshot = time.perf_counter() - started
+    assert again.state == follower.state
+    await again.stop()
+    await client.close()
+    return without, with_snapshot, total
+
+
+async def _has_snapshot(store) -> bool:
+    try:
+        await store.get_info(subjects.SNAPSHOT_OBJECT)
+    except Exception:
+        return False
+    return True
+
+
+async def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--n", type=int, default=20_000)
+    parser.add_argument("--rebuild", type=int, default=100_000)
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory() as tmp:
+        server = start_nats_server(Path(tmp) / "nats", port=-1)
+        try:
+            raw = await raw_publish_rate(server.url, args.n)
+            events_per_s, commands_per_s = await sequencer_rate(
+                server.url, args.n, Path(tmp) / "sequencer.log"
+            )
+            without, with_snapshot, total = await rebuild_times(server.url, args.rebuild)
+        finally:
+            server.stop()
+    ratio = events_per_s / raw
+    rows = [
+        ("raw JetStream publish_async", f"{raw:,.0f} msgs/s", ""),
+        ("commands published (async)", f"{commands_per_s:,.0f} cmds/s", ""),
+        (
+            "commands -> events at a follower",
+            f"{events_per_s:,.0f} events/s",
+            f"ratio {ratio:.2f} (goal >= {RATIO_GOAL})",
+        ),
+        (f"State rebuild, {total:,} events, no snapshot", f"{without:.2f} s", ""),
+        (
+            f"State rebuild, {total:,} events, snapshot",
+            f"{with_snapshot:.3f} s",
+            f"goal <= {REBUILD_GOAL_S} s",
+        ),
+    ]
+    width = max(len(r[0]) for r in rows)
+    print(f"\njetshard sequencer bench (N={args.n:,}, {os.cpu_count()} CPUs)")
+    for name, value, note in rows:
+        print(f"  {name:<{width}}  {value:>18}  {note}")
+    print(f"ratio {ratio:.2f}")
+
+
+if __name__ == "__main__":
+    asyncio.run(main())

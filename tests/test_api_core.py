@@ -1,0 +1,159 @@
+"""The API process: cluster routes, SSE, OpenAPI, OpenAI-shaped errors, restarts, 504 without a sequencer."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+from jetshard_bus.connect import connect
+from jetshard_bus.options import NatsOptions
+from jetshard_schema.cards import ModelCard
+from jetshard_schema.codec import encode
+from jetshard_schema.events import CustomModelCardAdded, EventEnvelope
+from jetshard_schema.ids import CommandId, ModelId
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def start_api(processes, name: str, url: str, tmp_path: Path, *extra: str) -> str:
+    port_file = tmp_path / f"{name}.port"
+    port_file.unlink(missing_ok=True)
+    process = processes.start(
+        name, "api", "--nats", url, "--port", "0", "--port-file", str(port_file), *extra
+    )
+    deadline = time.monotonic() + 60
+    while not port_file.exists() or not port_file.read_text().strip():
+        assert process.poll() is None, processes.log(name)
+        assert time.monotonic() < deadline, "the API did not start"
+        time.sleep(0.05)
+    return f"http://127.0.0.1:{int(port_file.read_text())}"
+
+
+def assert_openai_error(response: httpx.Response, status: int) -> dict[str, object]:
+    assert response.status_code == status, response.text
+    body = response.json()
+    assert set(body) == {"error"}
+    error = body["error"]
+    assert set(error) >= {"message", "type", "param", "code"}
+    assert isinstance(error["message"], str) and error["message"]
+    return error
+
+
+async def wait_json(client: httpx.AsyncClient, path: str, predicate, timeout_s: float = 30):
+    deadline = time.monotonic() + timeout_s
+    while True:
+        body = (await client.get(path)).json()
+        if predicate(body):
+            return body
+        assert time.monotonic() < deadline, f"{path} never matched: {body}"
+        await asyncio.sleep(0.1)
+
+
+async def test_cluster_routes(fresh_nats, processes, tmp_path: Path) -> None:
+    processes.start("seq", "sequencer", "--nats", fresh_nats.url)
+    processes.start(
+        "worker", "worker", "--nats", fresh_nats.url, env={"JETSHARD_CONFIG_DIR": str(tmp_path / "cfg")}
+    )
+    base = start_api(processes, "api1", fresh_nats.url, tmp_path)
+    async with httpx.AsyncClient(base_url=base, timeout=30) as client:
+        health = (await client.get("/healthz")).json()
+        assert health["status"] == "ok"
+
+        nodes = await wait_json(client, "/nodes", lambda body: len(body) == 1)
+        node_id = (tmp_path / "cfg" / "node_id").read_text().strip()
+        assert nodes[0]["node_id"] == node_id
+        assert nodes[0]["profile"]["cpu_cores"] >= 1
+        assert "model_dirs" in nodes[0]
+
+        state = (await client.get("/state")).json()
+        assert state["last_seq"] >= 1
+        assert node_id in state["nodes"]
+
+        # the event stream as Server-Sent Events, from the first event
+        seen: list[dict[str, object]] = []
+        async with client.stream("GET", "/events", params={"since": 1}) as response:
+            assert response.status_code == 200
+            assert response.headers["content-type"].startswith("text/event-stream")
+            event_name = None
+            async for line in response.aiter_lines():
+                if line.startswith("event:"):
+                    event_name = line.split(":", 1)[1].strip()
+                elif line.startswith("data:"):
+                    data = json.loads(line.split(":", 1)[1])
+                    assert data["event"]["type"] == event_name
+                    seen.append(data)
+                    if len(seen) >= 1:
+                        break
+        assert seen[0]["seq"] == 1
+        assert seen[0]["event"]["type"] == "NodeJoined"
+        assert seen[0]["event"]["node_id"] == node_id
+
+        schema = (await client.get("/openapi/openapi.json")).json()
+        assert schema["info"]["title"] == "jetshard"
+        assert "/state" in schema["paths"] and "/events" in schema["paths"]
+
+        assert_openai_error(await client.get("/no/such/route"), 404)
+        error = assert_openai_error(
+            await client.post(
+                "/models", content=b"x" * (9 * 2**20), headers={"content-type": "application/json"}
+            ),
+            413,
+        )
+        assert error["code"] == "request_too_large"
+
+        # a rejected command in OpenAI shape: deleting a built-in card is a conflict
+        assert_openai_error(await client.delete("/models/mlx-community/Qwen3-0.6B-4bit"), 409)
+        final = (await client.get("/state")).json()
+
+    # a restarted API rebuilds the same State from the stream
+    processes.kill(processes.started[-1])
+    base = start_api(processes, "api2", fresh_nats.url, tmp_path)
+    async with httpx.AsyncClient(base_url=base, timeout=30) as client:
+        again = await wait_json(client, "/state", lambda body: body["last_seq"] >= final["last_seq"])
+        again_nodes = (await client.get("/nodes")).json()
+    assert {k: v for k, v in again.items() if k != "last_seq"} == {
+        k: v for k, v in final.items() if k != "last_seq"
+    } or again["last_seq"] > final["last_seq"]
+    assert [n["node_id"] for n in again_nodes] == [node_id]
+
+
+async def test_a_state_changing_route_answers_504_without_a_sequencer(
+    fresh_nats, processes, tmp_path: Path
+) -> None:
+    # A custom card in State (its event appended by hand, as a sequencer would have), so that deleting it
+    # passes the API's own checks and publishes a command that no sequencer is there to answer.
+    client, js = await connect(NatsOptions(servers=(fresh_nats.url,)), "test")
+    try:
+        card = ModelCard(
+            model_id=ModelId("acme/orphan"),
+            num_layers=2,
+            hidden_size=8,
+            num_attention_heads=1,
+            num_key_value_heads=1,
+            vocab_size=10,
+            architecture="llama",
+            storage_size_bytes=1,
+            is_custom=True,
+        )
+        envelope = EventEnvelope(
+            command_id=CommandId("c"),
+            command_seq=0,
+            index=0,
+            count=1,
+            at_ms=0,
+            event=CustomModelCardAdded(card=card),
+        )
+        await js.publish(envelope.event.subject, encode(envelope))
+    finally:
+        await client.close()
+    base = start_api(processes, "api", fresh_nats.url, tmp_path, "--command-timeout-s", "1")
+    async with httpx.AsyncClient(base_url=base, timeout=30) as http:
+        await wait_json(http, "/state", lambda body: "acme/orphan" in body["custom_cards"])
+        error = assert_openai_error(await http.delete("/models/acme/orphan"), 504)
+    assert error["type"] == "timeout_error"
+    assert error["code"] == "command_timeout"
+    assert "sequencer" in str(error["message"])

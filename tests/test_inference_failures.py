@@ -1,0 +1,221 @@
+"""Inference when things go wrong: a runner killed mid-stream, an instance deleted, a node lost, and
+placement on demand (auto-place) or its refusal (`--no-auto-place`).
+
+One cluster per module, all real processes: nats-server, a sequencer, two APIs (one with `--no-auto-place`)
+and two full nodes (worker + downloader each). Every service runs with `--liveness-ttl-s 3`, so a stopped
+worker is noticed quickly. The lost-node test runs last: it leaves one node.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import openai
+import psutil
+import pytest
+from conftest import Processes
+from helpers.hub_fixtures import use_hub
+from helpers.hub_server import HubServer, wait_for
+from helpers.inference_cluster import InferenceCluster
+from helpers.tiny_models import make_tiny_model
+from jetshard_schema.events import (
+    InstanceDeleted,
+    InstancePlaced,
+    InstanceRestarting,
+    NodeLost,
+)
+
+from jetshard.natsserver import start_nats_server
+
+ORG = "jetshard-test"
+SPLIT = f"{ORG}/tiny-split"
+AUTO = f"{ORG}/tiny-auto"
+NO_AUTO = f"{ORG}/tiny-no-auto"
+DELETED = f"{ORG}/tiny-deleted"
+MESSAGES = [{"role": "user", "content": "Tell me a long story about the sea."}]
+ERROR_DEADLINE_S = 30
+
+pytestmark = pytest.mark.timeout(240)
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[InferenceCluster]:
+    root = tmp_path_factory.mktemp("inference-failures")
+    (root / "logs").mkdir()
+    processes = Processes(root / "logs")
+    nats = start_nats_server(root / "nats", port=-1)
+    repos = {SPLIT: ("llama", 0), AUTO: ("qwen3", 1), NO_AUTO: ("llama", 2), DELETED: ("qwen3", 3)}
+    with HubServer() as hub, pytest.MonkeyPatch.context() as monkeypatch:
+        hub_env = use_hub(hub.url, root / "hf_home", monkeypatch)
+        for model_id, (arch, seed) in repos.items():
+            hub.add_repo(model_id, make_tiny_model(root / "repos" / model_id.split("/")[1], arch=arch,
+                                                   num_layers=4, num_files=2, seed=seed))
+        base = {**hub_env, "JETSHARD_NATS": nats.url, "JETSHARD_LIVENESS_TTL_S": "3"}
+        c = InferenceCluster(root=root, nats=nats, hub=hub, processes=processes, base_env=base)
+        try:
+            c.start_core()
+            c.no_auto_api = c.start_api(["--no-auto-place"], name="api-no-auto")  # type: ignore[attr-defined]
+            for node in ("node-a", "node-b"):
+                c.start_node(node)
+            c.wait_nodes(2)
+            for model_id in repos:
+                c.add_model(model_id)
+            c.split_instance = c.place(SPLIT, min_nodes=2)  # type: ignore[attr-defined]
+            c.watch_until_ready([c.split_instance])  # type: ignore[attr-defined]
+            yield c
+        finally:
+            processes.stop_all()
+            nats.stop()
+
+
+@pytest.fixture(scope="module")
+def client(cluster: InferenceCluster) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{cluster.api}/v1", api_key="unused", timeout=120, max_retries=0)
+
+
+def _runner_spec(process: psutil.Process) -> dict[str, Any]:
+    return dict(json.loads(process.cmdline()[-1]))
+
+
+def runners_of(cluster: InferenceCluster, instance_id: str) -> list[psutil.Process]:
+    found = []
+    for process in cluster.runner_processes():
+        try:
+            if _runner_spec(process)["instance_id"] == instance_id:
+                found.append(process)
+        except (psutil.Error, ValueError, IndexError):
+            continue
+    return found
+
+
+def greedy(client: openai.OpenAI, model: str, max_tokens: int = 12) -> str:
+    response = client.chat.completions.create(model=model, messages=MESSAGES, temperature=0,  # type: ignore[arg-type]
+                                              max_tokens=max_tokens)
+    return response.choices[0].message.content or ""
+
+
+# ------------------------------------------------------------------------------------------- runner death
+
+
+@pytest.mark.parametrize("rank", [1, 0], ids=["leader", "first-rank"])
+def test_kill_9_of_a_runner_mid_stream(cluster: InferenceCluster, client: openai.OpenAI, rank: int) -> None:
+    instance_id = cluster.split_instance  # type: ignore[attr-defined]
+    cluster.wait_instance(instance_id, "ready")
+    before = greedy(client, SPLIT)
+    generation = cluster.get(f"/instances/{instance_id}")["generation"]
+    since = cluster.last_seq()
+    victim = next(p for p in runners_of(cluster, instance_id) if _runner_spec(p)["rank"] == rank)
+
+    stream = client.chat.completions.create(model=SPLIT, messages=MESSAGES, stream=True,  # type: ignore[arg-type]
+                                            max_tokens=1500, temperature=0)
+    first = next(stream)
+    assert first.choices
+    victim.kill()
+    started = time.monotonic()
+    with pytest.raises(openai.APIError) as caught:
+        for _ in stream:
+            assert time.monotonic() - started < ERROR_DEADLINE_S, "the stream did not end after a runner died"
+    assert time.monotonic() - started < ERROR_DEADLINE_S
+    assert "stopped" in str(caught.value.message) or "restart" in str(caught.value.message), caught.value
+
+    restarting = cluster.wait_event(
+        lambda e: isinstance(e, InstanceRestarting) and e.instance_id == instance_id, since)
+    assert isinstance(restarting, InstanceRestarting) and restarting.generation == generation + 1
+    assert restarting.reason
+    shown = cluster.wait_instance(instance_id, "ready", timeout=120)
+    assert shown["generation"] > generation
+    assert not victim.is_running() or victim.status() == psutil.STATUS_ZOMBIE
+    assert greedy(client, SPLIT) == before
+
+
+# ------------------------------------------------------------------------------------------- delete
+
+
+def test_deleting_an_instance_stops_its_runners(cluster: InferenceCluster, client: openai.OpenAI) -> None:
+    instance_id = cluster.place(DELETED, min_nodes=2)
+    cluster.watch_until_ready([instance_id])
+    assert greedy(client, DELETED)
+    runners = runners_of(cluster, instance_id)
+    assert len(runners) == 2
+    response = httpx.delete(f"{cluster.api}/instances/{instance_id}", timeout=30)
+    assert response.status_code == 200, response.text
+    assert httpx.get(f"{cluster.api}/instances/{instance_id}", timeout=10).status_code == 404
+    gone = psutil.wait_procs(runners, timeout=60)[1]
+    assert not gone, "runners still alive after their instance was deleted"
+    assert not runners_of(cluster, instance_id)
+
+
+# ------------------------------------------------------------------------------------------- auto-place
+
+
+def test_no_auto_place_is_404_listing_ready_models(cluster: InferenceCluster) -> None:
+    no_auto = openai.OpenAI(base_url=f"{cluster.no_auto_api}/v1", api_key="unused",  # type: ignore[attr-defined]
+                            timeout=60, max_retries=0)
+    for stream in (False, True):
+        with pytest.raises(openai.NotFoundError) as caught:
+            no_auto.chat.completions.create(model=NO_AUTO, messages=MESSAGES, max_tokens=3,  # type: ignore[arg-type]
+                                            stream=stream)
+        assert isinstance(caught.value.body, dict)
+        assert caught.value.body["code"] == "model_not_found"
+        assert SPLIT in caught.value.body["message"]
+    assert not cluster.instances_of(NO_AUTO)
+    # A ready model is served by that API as usual.
+    response = no_auto.chat.completions.create(model=SPLIT, messages=MESSAGES, max_tokens=3)  # type: ignore[arg-type]
+    assert response.usage is not None and response.usage.completion_tokens >= 1
+
+
+def test_auto_place_on_first_request(cluster: InferenceCluster) -> None:
+    assert not cluster.instances_of(AUTO)
+    body = {"model": AUTO, "messages": MESSAGES, "max_tokens": 5, "temperature": 0, "stream": True}
+    comments, data = [], []
+    with httpx.stream("POST", f"{cluster.api}/v1/chat/completions", json=body, timeout=180) as response:
+        assert response.status_code == 200
+        for line in response.iter_lines():
+            if line.startswith(":"):
+                comments.append(line)
+            elif line.startswith("data:"):
+                data.append(line.removeprefix("data:").strip())
+    assert comments, "no keep-alive comment while the model was being placed"
+    assert data[-1] == "[DONE]"
+    assert all(data), "an SSE event without data (a comment must not carry an empty data field)"
+    chunks = [json.loads(d) for d in data[:-1]]
+    assert not any("error" in c for c in chunks), chunks
+    assert [c["choices"][0]["finish_reason"] for c in chunks if c["choices"]][-1] in ("length", "stop")
+    placed = cluster.instances_of(AUTO)
+    assert len(placed) == 1 and placed[0]["status"] == "ready"
+    # Non-streaming requests now go to the same instance.
+    client = openai.OpenAI(base_url=f"{cluster.api}/v1", api_key="unused", timeout=60, max_retries=0)
+    assert greedy(client, AUTO, 3) is not None
+    assert len(cluster.instances_of(AUTO)) == 1
+
+
+# ------------------------------------------------------------------------------------------- lost node
+
+
+def test_a_lost_node_moves_its_instance(cluster: InferenceCluster, client: openai.OpenAI) -> None:
+    instance_id = cluster.split_instance  # type: ignore[attr-defined]
+    cluster.wait_instance(instance_id, "ready")
+    before = greedy(client, SPLIT)
+    since = cluster.last_seq()
+    lost = "node-b"
+    lost_id, kept_id = cluster.node_ids[lost], cluster.node_ids["node-a"]
+    cluster.stop_worker(lost, signal.SIGTERM)
+
+    cluster.wait_event(lambda e: isinstance(e, NodeLost) and e.node_id == lost_id, since, timeout=60)
+    deleted = cluster.wait_event(
+        lambda e: isinstance(e, InstanceDeleted) and e.instance_id == instance_id, since)
+    assert isinstance(deleted, InstanceDeleted) and lost_id in deleted.reason
+    replaced = cluster.wait_event(lambda e: isinstance(e, InstancePlaced) and e.model_id == SPLIT
+                                  and e.instance_id != instance_id, since)
+    assert isinstance(replaced, InstancePlaced)
+    assert [s.node_id for s in replaced.shards] == [kept_id]
+    assert (replaced.shards[0].start_layer, replaced.shards[0].end_layer) == (0, 4)
+    cluster.wait_instance(replaced.instance_id, "ready", timeout=120)
+    assert httpx.get(f"{cluster.api}/instances/{instance_id}", timeout=10).status_code == 404
+    assert greedy(client, SPLIT) == before
+    assert wait_for(lambda: lost_id not in {n["node_id"] for n in cluster.get("/nodes")}, timeout=30)

@@ -1,0 +1,94 @@
+"""Node identity and liveness: a stable id per machine, one node per machine however often it restarts,
+and `NodeLost` once a node stops beating. Every service of a cluster uses the same `--liveness-ttl-s`
+(the liveness bucket's TTL is set by whichever service creates it first)."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from jetshard_bus.connect import connect
+from jetshard_bus.follower import StateFollower
+from jetshard_bus.options import NatsOptions
+from jetshard_bus.streams import BusTimings
+from jetshard_schema.events import NodeJoined, NodeLost
+
+pytestmark = pytest.mark.timeout(120)
+
+TTL = "2"
+
+
+def test_two_processes_creating_the_node_id_at_once_agree(tmp_path: Path) -> None:
+    script = (
+        "import sys, time; from pathlib import Path; from jetshard_bus.node import node_id_for\n"
+        "base, start = Path(sys.argv[1]), float(sys.argv[2])\n"
+        "time.sleep(max(0.0, start - time.time()))\n"
+        "print(' '.join(node_id_for(base / str(i)) for i in range(200)))\n"
+    )
+    start = str(time.time() + 3)
+    runs = [
+        subprocess.Popen(
+            [sys.executable, "-c", script, str(tmp_path), start], stdout=subprocess.PIPE, text=True
+        )
+        for _ in range(2)
+    ]
+    outputs = [run.communicate(timeout=60)[0].split() for run in runs]
+    assert all(run.returncode == 0 for run in runs)
+    assert len(outputs[0]) == 200
+    assert outputs[0] == outputs[1]
+    assert len(set(outputs[0])) == 200
+    assert [(tmp_path / str(i) / "node_id").read_text().strip() for i in range(200)] == outputs[0]
+    assert not list(tmp_path.glob("*/.node_id.*"))  # no temporary file left behind
+
+
+async def test_a_restarted_worker_is_the_same_node_and_a_stopped_one_is_lost(
+    fresh_nats, processes, tmp_path: Path
+) -> None:
+    client, js = await connect(NatsOptions(servers=(fresh_nats.url,)), "test", BusTimings(liveness_ttl_s=2))
+    joined: list[NodeJoined] = []
+    lost: list[NodeLost] = []
+    follower = StateFollower(js)
+
+    def record(envelope, state, live) -> None:
+        if isinstance(envelope.event, NodeJoined):
+            joined.append(envelope.event)
+        elif isinstance(envelope.event, NodeLost):
+            lost.append(envelope.event)
+
+    follower.add_listener(record)
+    await follower.start()
+    try:
+        env = {"JETSHARD_CONFIG_DIR": str(tmp_path / "cfg")}
+        processes.start("seq", "sequencer", "--nats", fresh_nats.url, "--liveness-ttl-s", TTL)
+        worker = processes.start("w1", "worker", "--nats", fresh_nats.url, "--liveness-ttl-s", TTL, env=env)
+        await follower.wait_until(lambda s: len(s.nodes) == 1, 60)
+        node_id = (tmp_path / "cfg" / "node_id").read_text().strip()
+        first_session = follower.state.nodes[node_id].session_id
+
+        processes.kill(worker, signal.SIGTERM)
+        processes.start("w2", "worker", "--nats", fresh_nats.url, "--liveness-ttl-s", TTL, env=env)
+        await follower.wait_until(lambda s: len(joined) >= 2, 60)
+        assert [j.node_id for j in joined] == [node_id, node_id]
+        assert joined[1].session_id != first_session
+        assert list(follower.state.nodes) == [node_id]  # one node, not a ghost of the first run
+        assert follower.state.nodes[node_id].session_id == joined[1].session_id
+
+        # a worker that dies without a word is lost once its liveness key lapses
+        worker = processes.started[-1]
+        lost_before = len(lost)  # a graceful stop deletes the key: the restart above may have been a loss too
+        processes.kill(worker, signal.SIGKILL)
+        await follower.wait_until(lambda s: not s.nodes, 60)
+        assert [event.node_id for event in lost[lost_before:]] == [node_id]
+
+        # and comes back as the same node
+        processes.start("w3", "worker", "--nats", fresh_nats.url, "--liveness-ttl-s", TTL, env=env)
+        await follower.wait_until(lambda s: len(s.nodes) == 1, 60)
+        assert list(follower.state.nodes) == [node_id]
+        assert {event.node_id for event in lost} == {node_id}
+    finally:
+        await follower.stop()
+        await client.close()
