@@ -193,8 +193,10 @@ def main() -> None:
     print(f"model: {model_id}")
     nats = start_nats_server(root / "nats", port=-1)
     # The anchor runs without an OpenBLAS preload, so the runners do too: the same kernels on both sides.
+    # A 2-core machine running mlx-lm flat out in this process can starve a worker's liveness beat: a
+    # generous TTL keeps the node from being declared lost in the middle of the anchor's run.
     env = {**os.environ, "JETSHARD_NATS": nats.url, "JETSHARD_PRELOAD_OPENBLAS": "0",
-           "JETSHARD_LOG_LEVEL": "WARNING"}
+           "JETSHARD_LOG_LEVEL": "INFO", "JETSHARD_LIVENESS_TTL_S": "60"}
     if hub is not None:
         env.update({"HF_ENDPOINT": hub.url, "HF_HOME": str(root / "hf"), "HF_HUB_DISABLE_XET": "1"})
     services = Services(root, env)
@@ -229,6 +231,8 @@ def main() -> None:
             seed += 1
             prompts = fresh_prompts(args.prompts, seed)
             base = direct(model_dir, prompts, args.max_tokens)
+            if httpx.get(status_url, timeout=10).json().get("status") != "ready":
+                raise RuntimeError(f"the {label} instance is no longer ready; see the logs in {root}")
             ours = through_api(client, model_id, fresh_prompts(args.prompts, seed), args.max_tokens)
             summarize(f"{label} ({args.prompts} prompts, max_tokens {args.max_tokens})", base, ours)
     finally:

@@ -11,8 +11,9 @@ from pathlib import Path
 
 import pytest
 import pytest_asyncio
-
+from helpers.cluster import cluster  # noqa: F401  (fixture)
 from helpers.hub_fixtures import hf_env, hub_server  # noqa: F401  (fixtures)
+
 from jetshard.natsserver import NatsServer, start_nats_server
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -63,7 +64,7 @@ class Processes:
         self.started: list[subprocess.Popen[bytes]] = []
 
     def start(self, name: str, *args: str, env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
-        log = open(self.log_dir / f"{name}.log", "ab")  # noqa: SIM115
+        log = open(self.log_dir / f"{name}.log", "ab")
         process = subprocess.Popen(
             [sys.executable, "-m", "jetshard", *args], stdout=log, stderr=subprocess.STDOUT,
             env={**os.environ, "JETSHARD_LOG_LEVEL": "INFO", **(env or {})}, start_new_session=True,

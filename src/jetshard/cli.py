@@ -180,3 +180,5 @@ main.add_command(models)
 from jetshard.download_cli import download  # noqa: E402
 
 main.add_command(download)
+
+import jetshard.import_gguf  # noqa: E402, F401  (registers `models import-gguf`)

@@ -243,5 +243,3 @@ def remove_model(api: ApiClient, model_id: str) -> None:
     _, result = api.request("DELETE", _model_path(model_id))
     click.echo(f"deleted {(result or {}).get('deleted', model_id)}")
 
-
-# `models import-gguf PATH [--id ID]` is registered on this group by its own module.

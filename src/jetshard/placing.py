@@ -22,6 +22,9 @@ def place_and_wait(console: Console, api_url: str, model_id: str,
                    children: dict[str, subprocess.Popen[bytes]] | None = None, timeout_s: float = 1800) -> bool:
     """Place `model_id` unless an instance exists, show download and loading progress, print examples."""
     with httpx.Client(base_url=api_url, timeout=30) as http:
+        if not _wait_for_nodes(http, children):
+            console.print("[red]no node joined the cluster; see the worker's log[/]")
+            return False
         existing = [i for i in http.get("/instances").json() if i["model_id"] == model_id]
         if existing:
             instance = existing[0]
@@ -56,6 +59,19 @@ def place_and_wait(console: Console, api_url: str, model_id: str,
                 return False
     console.print(f"[bold green]{model_id} is ready.[/] Try it:\n\n" + examples(api_url, model_id))
     return True
+
+
+def _wait_for_nodes(http: httpx.Client, children: dict[str, subprocess.Popen[bytes]] | None,
+                    timeout_s: float = 120) -> bool:
+    """The API answers before this machine's worker has joined; placing needs at least one node."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if http.get("/nodes").json():
+            return True
+        if children and any(child.poll() is not None for child in children.values()):
+            return False
+        time.sleep(0.25)
+    return False
 
 
 def _update(progress: Progress, bars: dict[str, TaskID], instance: dict[str, Any]) -> None:

@@ -11,7 +11,7 @@ from litestar import Controller, Response, delete, get, post
 from jetshard_api.cluster import Cluster
 from jetshard_api.errors import ApiError
 from jetshard_api.hub import fetch_card
-from jetshard_schema.cards import ModelCard
+from jetshard_schema.cards import ModelCard, ModelSource
 from jetshard_schema.commands import AddCustomModelCard, DeleteCustomModelCard
 from jetshard_schema.ids import ModelId, parse_model_id
 from jetshard_schema.models import all_cards, find_card, is_builtin
@@ -20,6 +20,9 @@ from jetshard_schema.state import State
 
 class AddModelRequest(msgspec.Struct, frozen=True):
     model_id: str
+    card: ModelCard | None = None
+    """Only for models imported from a local GGUF file (`jetshard models import-gguf`): the card built from
+    the converted files. Every other card is fetched from the Hub."""
 
 
 def checked_model_id(value: str) -> ModelId:
@@ -60,7 +63,13 @@ class ModelsController(Controller):
         model_id = checked_model_id(data.model_id)
         if (existing := find_card(cluster.state, model_id)) is not None:
             return Response(describe(cluster.state, existing), status_code=200)
-        card = await asyncio.to_thread(fetch_card, model_id)
+        if data.card is not None:
+            if data.card.model_id != model_id or data.card.source is not ModelSource.LOCAL_GGUF:
+                raise ApiError(400, "a card may be supplied only for a model imported from a local GGUF file, "
+                                    "with the same model_id", "invalid_card", "card")
+            card = data.card
+        else:
+            card = await asyncio.to_thread(fetch_card, model_id)
         try:
             await cluster.submit(AddCustomModelCard(card=card))
         except ApiError as error:

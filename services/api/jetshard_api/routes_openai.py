@@ -63,6 +63,7 @@ class ChunkStream:
         self._subscription: Any = None
         self._next_index = 0
         self._instance_id: InstanceId | None = None
+        self._generation = 0
         self._watcher: asyncio.Task[None] | None = None
         self.finished = False
 
@@ -86,7 +87,9 @@ class ChunkStream:
 
     async def submit(self) -> None:
         events = await self._cluster.submit(SubmitTask(request=self._request))
-        self._instance_id = next((e.instance_id for e in events if isinstance(e, TaskAssigned)), None)
+        assigned = next((e for e in events if isinstance(e, TaskAssigned)), None)
+        if assigned is not None:
+            self._instance_id, self._generation = assigned.instance_id, assigned.generation
         self._watcher = asyncio.create_task(self._watch())
 
     async def _watch(self) -> None:
@@ -103,8 +106,10 @@ class ChunkStream:
         instance = state.instances.get(self._instance_id) if self._instance_id else None
         if instance is None:
             why = "its instance was deleted"
-        elif instance.failed or instance.restart_attempt:
-            why = f"its instance {'failed' if instance.failed else 'is restarting'}: {instance.failed_reason}"
+        elif instance.failed:
+            why = f"its instance failed: {instance.failed_reason}"
+        elif instance.generation != self._generation:
+            why = f"its instance restarted: {instance.failed_reason}"
         else:
             why = "it was cancelled"
         return ApiError(502, f"the generation stopped: {why}", "runner_failed")

@@ -100,10 +100,30 @@ def convert_packaged(
     Raises IntegrityError when the GGUF's sha256 is not the card's, Cancelled when `cancel` is set (the
     staging directory is removed), FileNotFoundError when the package is missing.
     """
+    gguf_path, expected = packaged_gguf_path(card)
+    return install_gguf(gguf_path, conversion_target(dirs, card), card.model_id, expected,
+                        progress_total=card.storage_size_bytes, on_progress=on_progress, cancel=cancel)
+
+
+def install_gguf(
+    gguf_path: Path,
+    target: Path,
+    model_id: str,
+    expected_sha256: str | None = None,
+    *,
+    progress_total: int = 0,
+    on_progress: ProgressCallback | None = None,
+    cancel: threading.Event | None = None,
+) -> tuple[Path, int]:
+    """Convert `gguf_path` into the model directory `target`, manifest included, all or nothing.
+
+    With `expected_sha256` the file is checked first (IntegrityError on a mismatch).
+    """
     from jetshard_downloader.gguf import convert_gguf
 
     cancel = cancel or threading.Event()
-    total = max(card.storage_size_bytes, 1)
+    size = gguf_path.stat().st_size
+    total = max(progress_total or size, 1)
 
     def report(fraction: float) -> None:
         if on_progress is not None:
@@ -111,16 +131,13 @@ def convert_packaged(
 
     def stage(name: str, fraction: float) -> None:
         if cancel.is_set():
-            raise Cancelled(f"conversion of {card.model_id} cancelled")
+            raise Cancelled(f"conversion of {model_id} cancelled")
         low, high = _STAGES.get(name, (0.0, 1.0))
         report(low + (high - low) * fraction)
 
-    target = conversion_target(dirs, card)
-    gguf_path, expected = packaged_gguf_path(card)
-    size = gguf_path.stat().st_size
     actual = _sha256(gguf_path, cancel, lambda done: stage("hashing", done / max(size, 1)))
-    if actual != expected:
-        raise IntegrityError(f"{gguf_path} has sha256 {actual}, {card.model_id} expects {expected}; "
+    if expected_sha256 is not None and actual != expected_sha256:
+        raise IntegrityError(f"{gguf_path} has sha256 {actual}, {model_id} expects {expected_sha256}; "
                              "reinstall the package it comes from")
 
     target.parent.mkdir(parents=True, exist_ok=True)
@@ -136,11 +153,10 @@ def convert_packaged(
         files = []
         for path in sorted(p for p in out.rglob("*") if p.is_file()):
             if cancel.is_set():
-                raise Cancelled(f"conversion of {card.model_id} cancelled")
+                raise Cancelled(f"conversion of {model_id} cancelled")
             digest = hashlib.sha256(path.read_bytes()).hexdigest()
             files.append(ManifestFile(path.relative_to(out).as_posix(), path.stat().st_size, digest))
-        write_manifest(out, Manifest(model_id=card.model_id, revision=f"gguf-sha256-{expected}",
-                                     files=tuple(files)))
+        write_manifest(out, Manifest(model_id=model_id, revision=f"gguf-sha256-{actual}", files=tuple(files)))
         os.rename(out, target)
         _fsync_dir(target.parent)
     finally:
