@@ -66,10 +66,16 @@ def _error_message(status: int, data: Any, text: str) -> str:
     return text.strip()[:500] or f"the API answered HTTP {status}"
 
 
+class CliError(click.ClickException):
+    """A ClickException with the exit status this module documents."""
+
+    def __init__(self, message: str, exit_code: int) -> None:
+        super().__init__(message)
+        self.exit_code = exit_code  # type: ignore[misc]
+
+
 def _fail(message: str, code: int = EXIT_API_ERROR) -> NoReturn:
-    error = click.ClickException(message)
-    error.exit_code = code
-    raise error
+    raise CliError(message, code)
 
 
 def _model_path(model_id: str) -> str:
