@@ -160,15 +160,20 @@ def state(nats: NatsOptions, timings: BusTimings) -> None:
     """Print the cluster State (rebuilt from the latest snapshot and the events after it)."""
     from jetshard.inspect import fetch_state
 
-    json.dump(asyncio.run(fetch_state(nats)), sys.stdout, indent=2)
+    json.dump(_run(fetch_state(nats)), sys.stdout, indent=2)
     sys.stdout.write("\n")
 
 
-def _run(coroutine: Any) -> None:
+def _run(coroutine: Any) -> Any:
+    """Run a one-shot tool's coroutine; Ctrl-C ends it quietly, an unreachable NATS with one clear line."""
+    from jetshard_bus.connect import NatsUnreachableError
+
     try:
-        asyncio.run(coroutine)
+        return asyncio.run(coroutine)
     except KeyboardInterrupt:
-        pass
+        return None
+    except NatsUnreachableError as error:
+        raise click.ClickException(str(error)) from None
 
 
 from jetshard.up import up  # noqa: E402  (registered after the group exists)

@@ -17,7 +17,7 @@ from jetshard_schema.codec import decode_event
 
 
 async def fetch_state(nats: NatsOptions) -> dict[str, Any]:
-    client, js = await connect(nats, "jetshard state")
+    client, js = await connect(nats, "jetshard state", wait_for_server=False)
     try:
         follower = StateFollower(js)
         await follower.start()
@@ -30,7 +30,7 @@ async def fetch_state(nats: NatsOptions) -> dict[str, Any]:
 
 async def print_events(nats: NatsOptions, since: int | None) -> None:
     console = Console(highlight=False)
-    client, js = await connect(nats, "jetshard events")
+    client, js = await connect(nats, "jetshard events", wait_for_server=False)
     done = asyncio.Event()
 
     async def show(msg: Any) -> None:

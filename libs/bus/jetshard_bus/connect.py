@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import logging
+
 import nats
 from nats.aio.client import Client
 from nats.js import JetStreamContext
@@ -9,12 +11,38 @@ from nats.js import JetStreamContext
 from jetshard_bus.options import NatsOptions
 from jetshard_bus.streams import BusTimings, declare
 
+log = logging.getLogger(__name__)
 
-async def connect(options: NatsOptions, name: str, timings: BusTimings = BusTimings()) -> tuple[Client, JetStreamContext]:
-    """Connect as `name` (shown by `nats server report connections`) and declare streams and buckets."""
+
+class NatsUnreachableError(ConnectionError):
+    pass
+
+
+async def connect(options: NatsOptions, name: str, timings: BusTimings = BusTimings(),
+                  wait_for_server: bool = True) -> tuple[Client, JetStreamContext]:
+    """Connect as `name` (shown by `nats server report connections`) and declare streams and buckets.
+
+    Services wait for a server that is not up yet (`wait_for_server`); one-shot tools fail at once with
+    NatsUnreachableError saying which servers were tried.
+    """
+    last_error: list[str] = []
+
+    async def on_error(error: Exception) -> None:
+        message = f"{type(error).__name__}: {error}"
+        if wait_for_server and (not last_error or last_error[-1] != message):  # a line per new problem
+            log.warning("NATS %s: %s", ", ".join(options.servers), message)
+        last_error[:] = [message]
+
     kwargs = options.connect_kwargs()
-    kwargs["name"] = name
-    client = await nats.connect(**kwargs)
+    kwargs.update(name=name, error_cb=on_error)
+    if not wait_for_server:
+        kwargs["max_reconnect_attempts"] = 1
+    try:
+        client = await nats.connect(**kwargs)
+    except Exception as error:
+        raise NatsUnreachableError(
+            f"cannot reach NATS at {', '.join(options.servers)} ({last_error[-1] if last_error else error}); "
+            "is `jetshard up` (or nats-server) running?") from error
     js = client.jetstream(publish_async_max_pending=20_000)
     await declare(js, timings, replicas=options.replicas)
     return client, js
