@@ -25,7 +25,8 @@ def place_and_wait(console: Console, api_url: str, model_id: str,
         if not _wait_for_nodes(http, children):
             console.print("[red]no node joined the cluster; see the worker's log[/]")
             return False
-        existing = [i for i in http.get("/instances").json() if i["model_id"] == model_id]
+        existing = [i for i in http.get("/instances").json()
+                    if i["model_id"] == model_id and i["status"] != "failed"]
         if existing:
             instance = existing[0]
         else:
