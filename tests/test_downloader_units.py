@@ -10,10 +10,10 @@ from helpers.hub_fixtures import hub_server  # noqa: F401
 from helpers.hub_server import HubServer
 from helpers.tiny_models import make_tiny_model
 from jetshard_downloader.dirs import ModelDirs
-from jetshard_downloader.fetch import list_remote_files
+from jetshard_downloader.fetch import fetch_bytes, fetch_files, list_remote_files
 from jetshard_downloader.local import find_shard, required_local_files
 from jetshard_downloader.manifest import read_manifest
-from jetshard_downloader.resume import PARTIAL_DIR, fetch_bytes, fetch_files_resumable, partial_path
+from jetshard_downloader.resume import PARTIAL_DIR, partial_path
 from jetshard_schema.cards import ModelCard
 from jetshard_schema.commands import ReportDownloadProgress
 from jetshard_schema.events import DownloadCancelled, DownloadRequested
@@ -50,8 +50,8 @@ def test_a_partial_file_left_by_another_process_is_resumed_with_a_range_request(
     hub_server.reset_counters()
 
     progress: list[tuple[int, int]] = []
-    manifest = fetch_files_resumable(REPO, listing.revision, target, remote, endpoint=hub_server.url,
-                                     on_progress=lambda d, t: progress.append((d, t)))
+    manifest = fetch_files(REPO, listing.revision, target, remote, endpoint=hub_server.url,
+                           on_progress=lambda d, t: progress.append((d, t)))
     assert hub_server.bytes_served[(REPO, name)] == len(data) - kept
     ranges = [r.headers.get("Range") for r in hub_server.request_log if r.path.endswith(name)]
     assert ranges == [f"bytes={kept}-"]
@@ -72,7 +72,7 @@ def test_a_partial_file_of_another_revision_is_discarded(hub_server: HubServer, 
     partial.write_bytes(b"garbage from an older commit")
     partial.with_name(partial.name + ".json").write_text(json.dumps({"revision": "0" * 40, "size": 1,
                                                                      "sha256": None}))
-    fetch_files_resumable(REPO, listing.revision, target, remote, endpoint=hub_server.url)
+    fetch_files(REPO, listing.revision, target, remote, endpoint=hub_server.url)
     assert (target / "model.safetensors").read_bytes() == (source / "model.safetensors").read_bytes()
     config = fetch_bytes(REPO, listing.revision, "config.json", endpoint=hub_server.url)
     assert json.loads(config) == json.loads((source / "config.json").read_text())

@@ -1,4 +1,4 @@
-"""Shard-aware downloads through the real huggingface_hub client against the local fake Hub."""
+"""Shard-aware, resumable downloads through the real huggingface_hub client against the local fake Hub."""
 
 from __future__ import annotations
 
@@ -25,6 +25,7 @@ from jetshard_downloader.fetch import (
 from jetshard_downloader.locate import find_model, partial_bytes_for
 from jetshard_downloader.manifest import read_manifest
 from jetshard_downloader.paths import INDEX_NAME, MANIFEST_NAME
+from jetshard_downloader.resume import partial_path
 from jetshard_downloader.shard_files import required_files, support_files
 
 pytestmark = pytest.mark.timeout(120)
@@ -152,11 +153,13 @@ def test_progress_within_a_file_and_cancel_keeps_finished_files(
     assert any(0 < d < big for d in progress), "no progress reported within a file"
     manifest = read_manifest(target)
     assert manifest is not None and [f.name for f in manifest.files] == ["a.bin"]
+    kept = partial_path(target, "b.bin").stat().st_size  # b.bin's bytes written before the cancel
+    assert 0 < kept < big
 
     hub_server.reset_counters()
     fetch_files("tiny/big", listing.revision, target, files, endpoint=hub_server.url)
     assert hub_server.bytes_served[("tiny/big", "a.bin")] == 0
-    assert hub_server.bytes_served[("tiny/big", "b.bin")] == big
+    assert hub_server.bytes_served[("tiny/big", "b.bin")] == big - kept  # resumed, not fetched again
     assert find_model(ModelDirs.from_options(tmp_path / "m"), "tiny/big", {"a.bin", "b.bin"})
     assert not (target / MANIFEST_NAME).with_suffix(".tmp").exists()
 

@@ -1,45 +1,47 @@
 """Downloading a model's files from the Hugging Face Hub (or `HF_ENDPOINT`) through huggingface_hub.
 
-Transport, resume and verification are huggingface_hub's: `hf_hub_download(local_dir=...)` HEADs each file
-for its etag and size, streams it into a temporary file and renames it into place, checks the size, and
-retries a few times on transient errors (resuming the stream with a Range request within the call). It
-also retries 429/5xx itself (up to 5 times, sleeping what `Retry-After` or the `RateLimit` headers ask).
-On top of that this module adds:
+`list_remote_files` lists a repo with sizes and LFS hashes through `HfApi.model_info`, pinned to one commit.
+`fetch_files` downloads the chosen files of that commit into a model directory, one at a time, each into
+a partial file that survives the process (`resume.py`): huggingface_hub's `http_get` appends to it with a
+Range request, so a download killed or cancelled mid-file continues from the bytes on disk in the next
+process, and a connection dropped mid-file is resumed within the call. huggingface_hub also retries 429/5xx
+itself (sleeping what `Retry-After` or the `RateLimit` headers ask). On top of that this module adds:
 
-* progress: huggingface_hub instantiates `tqdm_class` for each file and calls `update(n)` per chunk
-  (10 MiB for plain HTTP; for Xet storage, per flushed block). A tqdm subclass that never displays
-  forwards those counts, so `on_progress(bytes_done, bytes_total)` advances within a file as well as
-  at file boundaries, without a thread polling file sizes.
+* progress: `http_get` instantiates `tqdm_class` for each file (with the bytes already there as `initial`)
+  and calls `update(n)` per chunk (`DOWNLOAD_CHUNK_SIZE`). A tqdm subclass that never displays forwards
+  those counts, so `on_progress(bytes_done, bytes_total)` advances within a file as well as at file
+  boundaries, without a thread polling file sizes.
 * cancellation: the same `update` raises `Cancelled` when the event is set, which aborts the stream
   between chunks; it is also checked between files and while hashing. Files already finished stay, and
-  are listed in the manifest, so the next attempt skips them. The partial file of the file in flight is
-  not kept: huggingface_hub >= 1.x downloads into a process-unique temporary file and deletes it when the
-  download fails (it resumes within one call, not across calls), so a cancel loses at most one file's
-  progress. (Xet downloads run their callback from native code; if an exception cannot stop them there,
-  the file finishes and the cancel takes effect at the file boundary.)
+  are listed in the manifest, so the next attempt skips them; the partial file of the file in flight stays
+  too, and the next attempt resumes it.
 * rate limits that survive huggingface_hub's own retries: waited out again, as `Retry-After` asks but
   never more than `max_rate_limit_wait_s` in total, then `RateLimited`.
 * errors in words a user can act on: `AuthRequired` (401/403, gated repos: set `HF_TOKEN`),
   `NotFoundOnHub`, `HubUnreachable`, `OfflineUnavailable`.
 * offline mode (`JETSHARD_OFFLINE=1` or `HF_HUB_OFFLINE=1`): no request is made at all.
-* the manifest: after each file, its sha256 is computed (and compared with the Hub's LFS sha256 when the
-  Hub gave one: huggingface_hub checks only sizes), the file is fsynced, and `.jetshard-manifest.json`
-  is atomically rewritten to list every file now complete. The manifest never names a file that is not
-  whole, so it can be written as files finish (a crash mid-model keeps the finished files' hashes).
+* the manifest: once a file is whole, its size is checked against the listing, its sha256 computed (and
+  compared with the Hub's LFS sha256 when the Hub gave one), it is fsynced and moved into place, and
+  `.jetshard-manifest.json` is atomically rewritten to list every file now complete. The manifest never
+  names a file that is not whole, so it can be written as files finish (a crash mid-model keeps the
+  finished files' hashes).
 """
 
 from __future__ import annotations
 
+import functools
 import hashlib
+import io
 import logging
 import os
 import threading
+import weakref
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar
 
-from huggingface_hub import HfApi, hf_hub_download
+from huggingface_hub import HfApi, hf_hub_url
 from huggingface_hub.errors import (
     GatedRepoError,
     HfHubHTTPError,
@@ -49,6 +51,8 @@ from huggingface_hub.errors import (
     RepositoryNotFoundError,
     RevisionNotFoundError,
 )
+from huggingface_hub.file_download import http_get
+from huggingface_hub.utils import build_hf_headers
 from jetshard_schema.ids import ModelId, parse_model_id
 from tqdm import tqdm
 
@@ -60,6 +64,13 @@ from jetshard_downloader.manifest import (
     write_manifest,
 )
 from jetshard_downloader.paths import check_repo_filename, file_in
+from jetshard_downloader.resume import (
+    download_partial,
+    drop_partial,
+    partial_path,
+    prepare_partial,
+    sweep_partial_dir,
+)
 
 log = logging.getLogger(__name__)
 
@@ -243,7 +254,7 @@ def list_remote_files(
 
 
 class _Tally:
-    """Byte counts of one fetch_files call, fed by the progress bars huggingface_hub creates."""
+    """Byte counts of one fetch_files call, fed by the progress bars `http_get` creates."""
 
     def __init__(self, total: int, on_progress: ProgressCallback | None, cancel: threading.Event) -> None:
         self.done = 0
@@ -284,7 +295,7 @@ class _Tally:
 
 
 class _ProgressBar(tqdm):  # type: ignore[type-arg]
-    """Never displays; forwards huggingface_hub's per-chunk updates to a _Tally (see module doc)."""
+    """Never displays; forwards `http_get`'s per-chunk updates to a _Tally (see module doc)."""
 
     tally: ClassVar[_Tally]
 
@@ -296,11 +307,6 @@ class _ProgressBar(tqdm):  # type: ignore[type-arg]
     def update(self, n: float | None = 1) -> bool | None:
         self.tally.advance(int(n or 0))
         return None
-
-    def update_transfer(self, n: int) -> None:
-        # Having this method makes huggingface_hub's Xet reporter use one bar, fed with bytes written to
-        # disk; network transfer counts (which include retransfers) are not progress.
-        pass
 
 
 def _progress_class(tally: _Tally) -> type[_ProgressBar]:
@@ -319,24 +325,91 @@ def sha256_file(path: Path, cancel: threading.Event | None = None) -> str:
     return h.hexdigest()
 
 
-_manifest_locks: dict[Path, threading.Lock] = {}
-_manifest_locks_guard = threading.Lock()
+_locks: weakref.WeakValueDictionary[Path, threading.Lock] = weakref.WeakValueDictionary()
+_locks_guard = threading.Lock()
+
+
+def _lock_for(path: Path) -> threading.Lock:
+    """A process-local lock for `path`, alive while someone holds it.
+
+    Two shards of one model on one node may download into the same directory at the same time. The model
+    directory's lock guards its manifest (re-read under it, so one's rewrite keeps the other's files) and
+    the folders of `.jetshard-partial`; a partial file's lock makes a fetch wait while the other downloads
+    that file (both need the support files). One downloader runs per node, so process-local locks suffice.
+    """
+    with _locks_guard:
+        return _locks.setdefault(path.resolve(), threading.Lock())
 
 
 def _record_file(target: Path, base: Manifest, entry: ManifestFile) -> Manifest:
-    """Add `entry` to the manifest on disk, keeping entries other fetches into `target` added meanwhile."""
-    # Two shards of one model on one node download into the same directory at the same time; re-reading
-    # under a lock keeps one's manifest rewrite from dropping the other's files. One downloader runs per
-    # node, so a process-local lock is enough.
-    with _manifest_locks_guard:
-        lock = _manifest_locks.setdefault(target.resolve(), threading.Lock())
-    with lock:
-        current = read_manifest(target)
-        if current is None or (current.model_id, current.revision) != (base.model_id, base.revision):
-            current = base
-        updated = current.merged(Manifest(model_id=base.model_id, revision=base.revision, files=(entry,)))
-        write_manifest(target, updated)
-        return updated
+    """Add `entry` to the manifest on disk, keeping entries other fetches into `target` added meanwhile.
+
+    The caller holds `_lock_for(target)`.
+    """
+    current = read_manifest(target)
+    if current is None or (current.model_id, current.revision) != (base.model_id, base.revision):
+        current = base
+    updated = current.merged(Manifest(model_id=base.model_id, revision=base.revision, files=(entry,)))
+    write_manifest(target, updated)
+    return updated
+
+
+def _listed_size(target: Path, manifest: Manifest, remote: RemoteFile) -> int | None:
+    """The size of `remote` if `manifest` lists it with the Hub's size and it is that size on disk."""
+    size = manifest.sizes().get(remote.name)
+    if size is None or (remote.size is not None and size != remote.size):
+        return None
+    try:
+        return size if file_in(target, remote.name).stat().st_size == size else None
+    except OSError:
+        return None
+
+
+def _download_whole(download: Callable[[], None], target: Path, partial: Path, revision: str,
+                    remote: RemoteFile, cancel: threading.Event, max_rate_limit_wait_s: float,
+                    what: str) -> ManifestFile:
+    """Complete `partial` with `download` and check it against the listing; the entry it earns."""
+    with _lock_for(target):
+        prepare_partial(partial, revision, remote.size, remote.sha256)
+    _with_rate_limit_retries(download, cancel, max_rate_limit_wait_s, what)
+    size = partial.stat().st_size
+    if remote.size is not None and size != remote.size:
+        partial.unlink(missing_ok=True)
+        raise IntegrityError(f"{what} is {size} bytes on disk, the Hub says {remote.size}")
+    digest = sha256_file(partial, cancel)
+    if remote.sha256 is not None and digest != remote.sha256.lower():
+        with _lock_for(target):
+            drop_partial(partial, target)
+        raise IntegrityError(
+            f"{what} has sha256 {digest}, the Hub says {remote.sha256}; "
+            "the partial file was deleted, retry the download"
+        )
+    return ManifestFile(remote.name, size, digest)
+
+
+def fetch_bytes(
+    model_id: ModelId | str,
+    revision: str,
+    name: str,
+    *,
+    size: int | None = None,
+    token: str | bool | None = None,
+    endpoint: str | None = None,
+    environ: Mapping[str, str] = os.environ,
+) -> bytes:
+    """A small repo file (the safetensors index) read into memory, without touching any model directory."""
+    model_id = parse_model_id(model_id)
+    check_repo_filename(name)
+    if is_offline(environ):
+        raise _offline_error(model_id)
+    buffer = io.BytesIO()
+    url = hf_hub_url(model_id, name, revision=revision, endpoint=endpoint)
+    try:
+        http_get(url, buffer, headers=build_hf_headers(token=token), expected_size=size,
+                 displayed_filename=name)
+    except Exception as err:
+        raise _translate(err, model_id, revision, name) from err
+    return buffer.getvalue()
 
 
 def fetch_files(
@@ -355,9 +428,9 @@ def fetch_files(
     """Download `files` of `model_id` at `revision` (a commit sha, from `list_remote_files`) into `target`.
 
     `target` is the model directory itself (`Choice.model_dir`). Files a manifest of the same revision
-    already lists with the right size are skipped; the others go through huggingface_hub, which skips files
-    it already finished for that commit. Returns the manifest as written: the files of this call plus those
-    already listed.
+    already lists with the right size are skipped; the others are downloaded, continuing any partial file
+    an earlier attempt left (see module doc). Returns the manifest as written: the files of this call plus
+    those already listed.
     Raises FetchError subclasses (see module doc); ValueError for invalid ids or file names.
     """
     model_id = parse_model_id(model_id)
@@ -376,54 +449,42 @@ def fetch_files(
         remove_manifest(target)
         existing = None
     manifest = existing or Manifest(model_id=model_id, revision=revision, files=())
-    listed = manifest.sizes()
 
     tally = _Tally(sum(f.size or 0 for f in files), on_progress, cancel)
     bar_class = _progress_class(tally)
+    headers = build_hf_headers(token=token)
     tally.report()
 
     for remote in files:
         if cancel.is_set():
             raise Cancelled(f"download of {model_id} cancelled")
-        path = file_in(target, remote.name)
-        if remote.name in listed and (remote.size is None or listed[remote.name] == remote.size):
-            try:
-                if path.stat().st_size == listed[remote.name]:
-                    tally.start_file(size_known=remote.size is not None)
-                    tally.finish_file(listed[remote.name])
-                    continue
-            except OSError:
-                pass
         tally.start_file(size_known=remote.size is not None)
-
-        def download(name: str = remote.name) -> str:
-            return hf_hub_download(
-                model_id,
-                name,
-                revision=revision,
-                local_dir=target,
-                token=token,
-                endpoint=endpoint,
-                tqdm_class=bar_class,
-            )
-
-        try:
-            _with_rate_limit_retries(download, cancel, max_rate_limit_wait_s, f"{model_id}/{remote.name}")
-            size = path.stat().st_size
-            if remote.size is not None and size != remote.size:
-                raise IntegrityError(
-                    f"{model_id}/{remote.name} is {size} bytes on disk, the Hub says {remote.size}"
+        partial = partial_path(target, remote.name)
+        with _lock_for(partial):
+            # Another fetch into `target` may have finished this file while this one waited for the lock.
+            current = read_manifest(target)
+            if current is not None and (current.model_id, current.revision) == (model_id, revision):
+                manifest = current
+            size = _listed_size(target, manifest, remote)
+            if size is None:
+                url = hf_hub_url(model_id, remote.name, revision=revision, endpoint=endpoint)
+                download = functools.partial(
+                    download_partial, url, headers, partial, remote.name, remote.size, bar_class
                 )
-            digest = sha256_file(path, cancel)
-        except Exception as err:
-            raise _translate(err, model_id, revision, remote.name) from err
-        if remote.sha256 is not None and digest != remote.sha256.lower():
-            path.unlink(missing_ok=True)
-            raise IntegrityError(
-                f"{model_id}/{remote.name} has sha256 {digest}, the Hub says {remote.sha256}; "
-                "the file was deleted, retry the download"
-            )
-        manifest = _record_file(target, manifest, ManifestFile(remote.name, size, digest))
+                try:
+                    entry = _download_whole(download, target, partial, revision, remote, cancel,
+                                            max_rate_limit_wait_s, f"{model_id}/{remote.name}")
+                except Exception as err:
+                    raise _translate(err, model_id, revision, remote.name) from err
+                with _lock_for(target):
+                    path = file_in(target, remote.name)
+                    path.parent.mkdir(parents=True, exist_ok=True)
+                    os.replace(partial, path)
+                    drop_partial(partial, target)
+                    manifest = _record_file(target, manifest, entry)
+                size = entry.size
         tally.finish_file(size)
 
+    with _lock_for(target):
+        sweep_partial_dir(target)
     return manifest

@@ -59,7 +59,11 @@ def _meta_path(partial: Path) -> Path:
 
 
 def prepare_partial(partial: Path, revision: str, size: int | None, sha256: str | None) -> None:
-    """Keep `partial` only if it belongs to this revision and size; record what it belongs to."""
+    """Keep `partial` only if it belongs to this revision and size; record what it belongs to.
+
+    `partial` exists (maybe empty) afterwards, so `drop_partial` and `sweep_partial_dir` for other files
+    leave its folder alone.
+    """
     meta = _meta_path(partial)
     wanted = {"revision": revision, "size": size, "sha256": sha256}
     try:
@@ -71,6 +75,7 @@ def prepare_partial(partial: Path, revision: str, size: int | None, sha256: str 
     partial.parent.mkdir(parents=True, exist_ok=True)
     if known != wanted:
         meta.write_text(json.dumps(wanted), encoding="utf-8")
+    partial.touch()
 
 
 def download_partial(url: str, headers: dict[str, str], partial: Path, name: str, size: int | None,

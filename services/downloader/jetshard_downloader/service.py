@@ -59,11 +59,19 @@ from jetshard_downloader.choose import NoSpace, choose_directory
 from jetshard_downloader.convert import convert_packaged, sweep_staging
 from jetshard_downloader.delete import ReadOnlyModelError, delete_model, sweep_tombstones
 from jetshard_downloader.dirs import ModelDirs, directory_report, free_bytes
-from jetshard_downloader.fetch import Cancelled, FetchError, _offline_error, is_offline, list_remote_files
+from jetshard_downloader.fetch import (
+    Cancelled,
+    FetchError,
+    _offline_error,
+    fetch_bytes,
+    fetch_files,
+    is_offline,
+    list_remote_files,
+)
 from jetshard_downloader.local import find_shard
 from jetshard_downloader.locate import partial_bytes_for
 from jetshard_downloader.paths import INDEX_NAME, SINGLE_WEIGHTS_NAME
-from jetshard_downloader.resume import fetch_bytes, fetch_files_resumable, use_small_download_chunks
+from jetshard_downloader.resume import use_small_download_chunks
 from jetshard_downloader.shard_files import required_files
 
 log = logging.getLogger(__name__)
@@ -391,7 +399,7 @@ class Downloader:
         log.info("downloading %s layers [%d, %d): %d files, %d bytes into %s%s", job.model_id, job.start,
                  job.end, len(files), needed, choice.model_dir, " (resuming)" if choice.resumes else "")
         await self._with_progress(
-            job, lambda on_progress: fetch_files_resumable(
+            job, lambda on_progress: fetch_files(
                 job.model_id, listing.revision, choice.model_dir, files, on_progress=on_progress,
                 cancel=job.cancel, **kwargs),
             choice.model_dir,
