@@ -215,7 +215,11 @@ def test_a_lost_node_moves_its_instance(cluster: InferenceCluster, client: opena
     assert isinstance(replaced, InstancePlaced)
     assert [s.node_id for s in replaced.shards] == [kept_id]
     assert (replaced.shards[0].start_layer, replaced.shards[0].end_layer) == (0, 4)
-    cluster.wait_instance(replaced.instance_id, "ready", timeout=120)
+    try:
+        cluster.wait_instance(replaced.instance_id, "ready", timeout=180)
+    except AssertionError as error:
+        history = "\n".join(f"{seq} {event!r}"[:300] for seq, event in cluster.events(since))
+        raise AssertionError(f"{error}\nevents since the worker stopped:\n{history}") from None
     assert httpx.get(f"{cluster.api}/instances/{instance_id}", timeout=10).status_code == 404
     assert greedy(client, SPLIT) == before
     assert wait_for(lambda: lost_id not in {n["node_id"] for n in cluster.get("/nodes")}, timeout=30)
