@@ -98,49 +98,57 @@ Result = tuple[float, float, int]
 """(time to first token s, decode tokens/s, tokens) of one prompt."""
 
 
-def direct(model_dir: Path, prompts: list[list[dict[str, str]]], max_tokens: int) -> list[Result]:
-    """(ttft s, decode tokens/s, tokens) per prompt with mlx-lm in this process."""
-    from mlx_lm import load
-    from mlx_lm.generate import stream_generate
+class Direct:
+    """mlx-lm in this process: the anchor."""
 
-    model, tokenizer = load(str(model_dir))
-    results = []
-    for messages in [prompts[0], *prompts]:  # the first run warms up
-        rendered = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-        ids = tokenizer.encode(rendered, add_special_tokens=False)
+    def __init__(self, model_dir: Path) -> None:
+        from mlx_lm import load
+
+        self.model, self.tokenizer = load(str(model_dir))
+
+    def run(self, messages: list[dict[str, str]], max_tokens: int) -> Result:
+        from mlx_lm.generate import stream_generate
+
+        rendered = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        ids = self.tokenizer.encode(rendered, add_special_tokens=False)
         start = time.perf_counter()
         first = last = 0.0
         count = 0
-        for response in stream_generate(model, tokenizer, ids, max_tokens=max_tokens):
+        for response in stream_generate(self.model, self.tokenizer, ids, max_tokens=max_tokens):
             now = time.perf_counter()
             if count == 0:
                 first = now
             last, count = now, response.generation_tokens
-        results.append((first - start, (count - 1) / (last - first) if count > 1 else 0.0, count))
-    return results[1:]
+        return first - start, (count - 1) / (last - first) if count > 1 else 0.0, count
 
 
-def through_api(client: openai.OpenAI, model: str, prompts: list[list[dict[str, str]]],
-                max_tokens: int) -> list[Result]:
-    results = []
+def through_api(client: openai.OpenAI, model: str, messages: list[dict[str, str]], max_tokens: int) -> Result:
+    start = time.perf_counter()
+    first = last = 0.0
+    tokens = 0
+    stream = client.chat.completions.create(model=model, messages=messages, stream=True,  # type: ignore[arg-type]
+                                            max_tokens=max_tokens, temperature=0,
+                                            stream_options={"include_usage": True})
+    for chunk in stream:
+        now = time.perf_counter()
+        if chunk.choices and chunk.choices[0].delta.content:
+            if not first:
+                first = now
+            last = now
+        if chunk.usage is not None:
+            tokens = chunk.usage.completion_tokens
+    return first - start, (tokens - 1) / (last - first) if tokens > 1 and last > first else 0.0, tokens
+
+
+def compare(anchor: Direct, client: openai.OpenAI, model: str, prompts: list[list[dict[str, str]]],
+            max_tokens: int) -> tuple[list[Result], list[Result]]:
+    """Anchor and jetshard alternate prompt by prompt, so a machine whose speed drifts (a shared 2-core VM
+    does, by ±20 % over minutes) slows both sides alike. The first prompt warms both up and is not counted."""
+    base, ours = [], []
     for messages in [prompts[0], *prompts]:
-        start = time.perf_counter()
-        first = last = 0.0
-        tokens = 0
-        stream = client.chat.completions.create(model=model, messages=messages, stream=True,  # type: ignore[arg-type]
-                                                max_tokens=max_tokens, temperature=0,
-                                                stream_options={"include_usage": True})
-        for chunk in stream:
-            now = time.perf_counter()
-            if chunk.choices and chunk.choices[0].delta.content:
-                if not first:
-                    first = now
-                last = now
-            if chunk.usage is not None:
-                tokens = chunk.usage.completion_tokens
-        results.append((first - start, (tokens - 1) / (last - first) if tokens > 1 and last > first else 0.0,
-                        tokens))
-    return results[1:]
+        base.append(anchor.run(messages, max_tokens))
+        ours.append(through_api(client, model, messages, max_tokens))
+    return base[1:], ours[1:]
 
 
 def summarize(label: str, base: list[Result], ours: list[Result]) -> None:
@@ -200,6 +208,7 @@ def main() -> None:
     if hub is not None:
         env.update({"HF_ENDPOINT": hub.url, "HF_HOME": str(root / "hf"), "HF_HUB_DISABLE_XET": "1"})
     services = Services(root, env)
+    anchor = Direct(model_dir)
     seed = int(time.time())
     try:
         services.start("sequencer", "sequencer")
@@ -229,11 +238,9 @@ def main() -> None:
             wait(lambda u=status_url: httpx.get(u, timeout=10).json()["status"] == "ready", 600,
                  f"{label} instance ready")
             seed += 1
-            prompts = fresh_prompts(args.prompts, seed)
-            base = direct(model_dir, prompts, args.max_tokens)
+            base, ours = compare(anchor, client, model_id, fresh_prompts(args.prompts, seed), args.max_tokens)
             if httpx.get(status_url, timeout=10).json().get("status") != "ready":
                 raise RuntimeError(f"the {label} instance is no longer ready; see the logs in {root}")
-            ours = through_api(client, model_id, fresh_prompts(args.prompts, seed), args.max_tokens)
             summarize(f"{label} ({args.prompts} prompts, max_tokens {args.max_tokens})", base, ours)
     finally:
         services.stop()

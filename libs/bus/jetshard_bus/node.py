@@ -78,6 +78,7 @@ async def keep_alive(js: JetStreamContext, node_id: NodeId, session_id: str, ttl
         except Exception as error:  # NATS down for a moment: the next beat retries
             log.warning("liveness update failed: %s", error)
         with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(stop.wait(), ttl_s / 3)
+            # Five beats per TTL: a node survives a few seconds of a starved CPU without being declared lost.
+            await asyncio.wait_for(stop.wait(), ttl_s / 5)
     with contextlib.suppress(Exception):
         await kv.delete(node_id)

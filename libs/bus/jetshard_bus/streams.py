@@ -27,8 +27,8 @@ class BusTimings(msgspec.Struct, frozen=True, kw_only=True):
 
     lease_ttl_s: float = 3.0
     """A sequencer that has not renewed its lease for this long is replaced by a standby."""
-    liveness_ttl_s: float = 10.0
-    """A node whose liveness key is this old is lost."""
+    liveness_ttl_s: float = 15.0
+    """A node whose liveness key is this old is lost (it is refreshed every fifth of that)."""
     dedupe_window_s: float = 120.0
     """JETSHARD_COMMANDS drops a command whose `Nats-Msg-Id` it stored this recently."""
 

@@ -187,10 +187,12 @@ class PipelineEngine:
 
         May run on any thread (load the shard on any thread too)."""
         try:
-            if self.is_leader:
-                self._lead()
-            else:
-                self._follow()
+            # A stream of its own, as mlx_lm's generate_step uses: measured a few per cent faster decode on CPU.
+            with mx.stream(mx.new_stream(mx.default_device())):
+                if self.is_leader:
+                    self._lead()
+                else:
+                    self._follow()
         finally:
             with self._lock:
                 self._shutdown_requested = True  # later submits fail instead of waiting forever
