@@ -38,15 +38,16 @@ DEMO = "jetshard/SmolLM2-135M-Instruct-Q4"
 TINY = "jetshard-bench/tiny-llama"
 RATIO_GOAL = 0.97
 TTFT_GOAL_MS = 15.0
-WORDS = ("river stone light garden window music paper engine winter orange silver forest letter city "
-         "cloud morning bridge story market ocean").split()
+WORDS = (
+    "river stone light garden window music paper engine winter orange silver forest letter city "
+    "cloud morning bridge story market ocean"
+).split()
 
 
 def fresh_prompts(n: int, seed: int) -> list[list[dict[str, str]]]:
     rng = random.Random(seed)
     topics = [" ".join(rng.choices(WORDS, k=rng.randint(6, 14))) for _ in range(n)]
-    return [[{"role": "user", "content": f"Write about {topic}."}]
-            for topic in topics]
+    return [[{"role": "user", "content": f"Write about {topic}."}] for topic in topics]
 
 
 class Services:
@@ -58,13 +59,21 @@ class Services:
 
     def start(self, name: str, *args: str, env: dict[str, str] | None = None) -> None:
         log = open(self.root / "logs" / f"{name}.log", "ab")
-        self.procs.append(subprocess.Popen([sys.executable, "-m", "jetshard", *args], stdout=log,
-                                           stderr=subprocess.STDOUT, env={**self.env, **(env or {})},
-                                           start_new_session=True))
+        self.procs.append(
+            subprocess.Popen(
+                [sys.executable, "-m", "jetshard", *args],
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env={**self.env, **(env or {})},
+                start_new_session=True,
+            )
+        )
 
     def node(self, name: str) -> None:
-        env = {"JETSHARD_CONFIG_DIR": str(self.root / name / "config"),
-               "JETSHARD_DEFAULT_MODELS_DIR": str(self.root / name / "models")}
+        env = {
+            "JETSHARD_CONFIG_DIR": str(self.root / name / "config"),
+            "JETSHARD_DEFAULT_MODELS_DIR": str(self.root / name / "models"),
+        }
         self.start(f"{name}-worker", "worker", env=env)
         self.start(f"{name}-downloader", "downloader", env=env)
 
@@ -126,9 +135,14 @@ def through_api(client: openai.OpenAI, model: str, messages: list[dict[str, str]
     start = time.perf_counter()
     first = last = 0.0
     tokens = 0
-    stream = client.chat.completions.create(model=model, messages=messages, stream=True,  # type: ignore[arg-type]
-                                            max_tokens=max_tokens, temperature=0,
-                                            stream_options={"include_usage": True})
+    stream = client.chat.completions.create(
+        model=model,
+        messages=messages,
+        stream=True,  # type: ignore[arg-type]
+        max_tokens=max_tokens,
+        temperature=0,
+        stream_options={"include_usage": True},
+    )
     for chunk in stream:
         now = time.perf_counter()
         if chunk.choices and chunk.choices[0].delta.content:
@@ -140,8 +154,9 @@ def through_api(client: openai.OpenAI, model: str, messages: list[dict[str, str]
     return first - start, (tokens - 1) / (last - first) if tokens > 1 and last > first else 0.0, tokens
 
 
-def compare(anchor: Direct, client: openai.OpenAI, model: str, prompts: list[list[dict[str, str]]],
-            max_tokens: int) -> tuple[list[Result], list[Result]]:
+def compare(
+    anchor: Direct, client: openai.OpenAI, model: str, prompts: list[list[dict[str, str]]], max_tokens: int
+) -> tuple[list[Result], list[Result]]:
     """Anchor and jetshard alternate prompt by prompt, so a machine whose speed drifts (a shared 2-core VM
     does, by ±20 % over minutes) slows both sides alike. The first prompt warms both up and is not counted."""
     base, ours = [], []
@@ -155,10 +170,12 @@ def summarize(label: str, base: list[Result], ours: list[Result]) -> None:
     base_rate = sum(r[2] - 1 for r in base) / sum((r[2] - 1) / r[1] for r in base if r[1])
     our_rate = sum(r[2] - 1 for r in ours) / sum((r[2] - 1) / r[1] for r in ours if r[1])
     ttft_diff = statistics.median(o[0] - b[0] for o, b in zip(ours, base, strict=True)) * 1000
-    print(f"{label}: decode mlx-lm {base_rate:.1f} tok/s, jetshard {our_rate:.1f} tok/s, "
-          f"ratio {our_rate / base_rate:.3f}; TTFT p50 mlx-lm {_p50_ms(base):.1f} ms, "
-          f"jetshard {_p50_ms(ours):.1f} ms, difference p50 {ttft_diff:+.1f} ms; "
-          f"tokens {sum(b[2] for b in base)} vs {sum(o[2] for o in ours)}")
+    print(
+        f"{label}: decode mlx-lm {base_rate:.1f} tok/s, jetshard {our_rate:.1f} tok/s, "
+        f"ratio {our_rate / base_rate:.3f}; TTFT p50 mlx-lm {_p50_ms(base):.1f} ms, "
+        f"jetshard {_p50_ms(ours):.1f} ms, difference p50 {ttft_diff:+.1f} ms; "
+        f"tokens {sum(b[2] for b in base)} vs {sum(o[2] for o in ours)}"
+    )
     if label.startswith("one node"):
         verdict = "meets" if our_rate / base_rate >= RATIO_GOAL and ttft_diff <= TTFT_GOAL_MS else "misses"
         print(f"  goal ratio >= {RATIO_GOAL}, TTFT difference <= {TTFT_GOAL_MS} ms: {verdict}")
@@ -187,24 +204,30 @@ def model_source(root: Path) -> tuple[str, Path, Any]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--prompts", type=int, default=8)
     parser.add_argument("--max-tokens", type=int, default=128)
     args = parser.parse_args()
 
     root = Path(tempfile.mkdtemp(prefix="jetshard-bench-"))
     model_id, model_dir, hub = model_source(root)
-    print(f"machine: {platform.node()} {platform.machine()} {os.cpu_count()} cores, "
-          f"{psutil.virtual_memory().total / 2**30:.1f} GiB, {platform.system()} {platform.release()}; "
-          f"python {platform.python_version()}")
+    print(
+        f"machine: {platform.node()} {platform.machine()} {os.cpu_count()} cores, "
+        f"{psutil.virtual_memory().total / 2**30:.1f} GiB, {platform.system()} {platform.release()}; "
+        f"python {platform.python_version()}"
+    )
     print(f"model: {model_id}")
     nats = start_nats_server(root / "nats", port=-1)
     # The anchor runs without an OpenBLAS preload, so the runners do too: the same kernels on both sides.
     # A 2-core machine running mlx-lm flat out in this process can starve a worker's liveness beat: a
     # generous TTL keeps the node from being declared lost in the middle of the anchor's run.
-    env = {**os.environ, "JETSHARD_NATS": nats.url, "JETSHARD_PRELOAD_OPENBLAS": "0",
-           "JETSHARD_LOG_LEVEL": "INFO", "JETSHARD_LIVENESS_TTL_S": "60"}
+    env = {
+        **os.environ,
+        "JETSHARD_NATS": nats.url,
+        "JETSHARD_PRELOAD_OPENBLAS": "0",
+        "JETSHARD_LOG_LEVEL": "INFO",
+        "JETSHARD_LIVENESS_TTL_S": "60",
+    }
     if hub is not None:
         env.update({"HF_ENDPOINT": hub.url, "HF_HOME": str(root / "hf"), "HF_HUB_DISABLE_XET": "1"})
     services = Services(root, env)
@@ -235,8 +258,11 @@ def main() -> None:
             placed.raise_for_status()
             instance_id = placed.json()["instance_id"]
             status_url = f"{api}/instances/{instance_id}"
-            wait(lambda u=status_url: httpx.get(u, timeout=10).json()["status"] == "ready", 600,
-                 f"{label} instance ready")
+            wait(
+                lambda u=status_url: httpx.get(u, timeout=10).json()["status"] == "ready",
+                600,
+                f"{label} instance ready",
+            )
             seed += 1
             base, ours = compare(anchor, client, model_id, fresh_prompts(args.prompts, seed), args.max_tokens)
             if httpx.get(status_url, timeout=10).json().get("status") != "ready":

@@ -159,9 +159,7 @@ async def main() -> None:
         server = start_nats_server(Path(tmp) / "nats", port=-1)
         try:
             raw = await raw_publish_rate(server.url, args.n)
-            events_per_s, commands_per_s = await sequencer_rate(
-                server.url, args.n, Path(tmp) / "sequencer.log"
-            )
+            events_per_s, commands_per_s = await sequencer_rate(server.url, args.n, Path(tmp) / "sequencer.log")
             without, with_snapshot, total = await rebuild_times(server.url, args.rebuild)
         finally:
             server.stop()

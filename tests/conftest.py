@@ -24,16 +24,18 @@ def isolated_home(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
     """No test reads or writes the real HOME, XDG dirs or Hugging Face cache."""
     home = tmp_path_factory.mktemp("home")
     saved = dict(os.environ)
-    os.environ.update({
-        "HOME": str(home),
-        "XDG_CONFIG_HOME": str(home / ".config"),
-        "XDG_DATA_HOME": str(home / ".local/share"),
-        "XDG_CACHE_HOME": str(home / ".cache"),
-        "HF_HOME": str(home / ".cache/huggingface"),
-        "HF_HUB_DISABLE_TELEMETRY": "1",
-        # Runners must compute exactly what in-process mlx_lm does for the equality tests.
-        "JETSHARD_PRELOAD_OPENBLAS": "0",
-    })
+    os.environ.update(
+        {
+            "HOME": str(home),
+            "XDG_CONFIG_HOME": str(home / ".config"),
+            "XDG_DATA_HOME": str(home / ".local/share"),
+            "XDG_CACHE_HOME": str(home / ".cache"),
+            "HF_HOME": str(home / ".cache/huggingface"),
+            "HF_HUB_DISABLE_TELEMETRY": "1",
+            # Runners must compute exactly what in-process mlx_lm does for the equality tests.
+            "JETSHARD_PRELOAD_OPENBLAS": "0",
+        }
+    )
     for name in ("HF_HUB_OFFLINE", "JETSHARD_OFFLINE", "HF_TOKEN"):
         os.environ.pop(name, None)
     yield home
@@ -66,8 +68,11 @@ class Processes:
     def start(self, name: str, *args: str, env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
         log = open(self.log_dir / f"{name}.log", "ab")
         process = subprocess.Popen(
-            [sys.executable, "-m", "jetshard", *args], stdout=log, stderr=subprocess.STDOUT,
-            env={**os.environ, "JETSHARD_LOG_LEVEL": "INFO", **(env or {})}, start_new_session=True,
+            [sys.executable, "-m", "jetshard", *args],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env={**os.environ, "JETSHARD_LOG_LEVEL": "INFO", **(env or {})},
+            start_new_session=True,
         )
         self.started.append(process)
         return process

@@ -22,9 +22,7 @@ pytestmark = pytest.mark.timeout(120)
 def start_api(processes, name: str, url: str, tmp_path: Path, *extra: str) -> str:
     port_file = tmp_path / f"{name}.port"
     port_file.unlink(missing_ok=True)
-    process = processes.start(
-        name, "api", "--nats", url, "--port", "0", "--port-file", str(port_file), *extra
-    )
+    process = processes.start(name, "api", "--nats", url, "--port", "0", "--port-file", str(port_file), *extra)
     deadline = time.monotonic() + 60
     while not port_file.exists() or not port_file.read_text().strip():
         assert process.poll() is None, processes.log(name)
@@ -55,9 +53,7 @@ async def wait_json(client: httpx.AsyncClient, path: str, predicate, timeout_s: 
 
 async def test_cluster_routes(fresh_nats, processes, tmp_path: Path) -> None:
     processes.start("seq", "sequencer", "--nats", fresh_nats.url)
-    processes.start(
-        "worker", "worker", "--nats", fresh_nats.url, env={"JETSHARD_CONFIG_DIR": str(tmp_path / "cfg")}
-    )
+    processes.start("worker", "worker", "--nats", fresh_nats.url, env={"JETSHARD_CONFIG_DIR": str(tmp_path / "cfg")})
     base = start_api(processes, "api1", fresh_nats.url, tmp_path)
     async with httpx.AsyncClient(base_url=base, timeout=30) as client:
         health = (await client.get("/healthz")).json()
@@ -98,9 +94,7 @@ async def test_cluster_routes(fresh_nats, processes, tmp_path: Path) -> None:
 
         assert_openai_error(await client.get("/no/such/route"), 404)
         error = assert_openai_error(
-            await client.post(
-                "/models", content=b"x" * (9 * 2**20), headers={"content-type": "application/json"}
-            ),
+            await client.post("/models", content=b"x" * (9 * 2**20), headers={"content-type": "application/json"}),
             413,
         )
         assert error["code"] == "request_too_large"
@@ -121,9 +115,7 @@ async def test_cluster_routes(fresh_nats, processes, tmp_path: Path) -> None:
     assert [n["node_id"] for n in again_nodes] == [node_id]
 
 
-async def test_a_state_changing_route_answers_504_without_a_sequencer(
-    fresh_nats, processes, tmp_path: Path
-) -> None:
+async def test_a_state_changing_route_answers_504_without_a_sequencer(fresh_nats, processes, tmp_path: Path) -> None:
     # A custom card in State (its event appended by hand, as a sequencer would have), so that deleting it
     # passes the API's own checks and publishes a command that no sequencer is there to answer.
     client, js = await connect(NatsOptions(servers=(fresh_nats.url,)), "test")

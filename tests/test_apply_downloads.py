@@ -142,9 +142,7 @@ def test_delete_requested_then_deleted() -> None:
 
 @pytest.mark.parametrize("event", SAMPLES, ids=lambda e: type(e).__name__)
 def test_envelope_round_trip(event: Event) -> None:
-    envelope = EventEnvelope(
-        command_id=CommandId("c3"), command_seq=2, index=0, count=1, at_ms=1, event=event
-    )
+    envelope = EventEnvelope(command_id=CommandId("c3"), command_seq=2, index=0, count=1, at_ms=1, event=event)
     assert codec.decode_event(codec.encode(envelope)) == envelope
 
 

@@ -136,9 +136,7 @@ def test_deleted_instance_takes_its_tasks_along() -> None:
 
 @pytest.mark.parametrize("event", SAMPLES, ids=lambda e: type(e).__name__)
 def test_envelope_round_trip(event: Event) -> None:
-    envelope = EventEnvelope(
-        command_id=CommandId("c4"), command_seq=1, index=0, count=1, at_ms=1, event=event
-    )
+    envelope = EventEnvelope(command_id=CommandId("c4"), command_seq=1, index=0, count=1, at_ms=1, event=event)
     assert codec.decode_event(codec.encode(envelope)) == envelope
 
 

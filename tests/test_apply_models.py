@@ -64,9 +64,7 @@ def test_deleting_an_unknown_card_changes_nothing_else() -> None:
 
 
 def test_measured_size_replaces_the_estimate() -> None:
-    state = fold(
-        CustomModelCardAdded(card=CARD), ModelSizeMeasured(model_id=MODEL, storage_size_bytes=3 << 20)
-    )
+    state = fold(CustomModelCardAdded(card=CARD), ModelSizeMeasured(model_id=MODEL, storage_size_bytes=3 << 20))
     assert state.measured_sizes == {MODEL: 3 << 20}
     card = find_card(state, MODEL)
     assert card is not None
@@ -77,9 +75,7 @@ def test_measured_size_replaces_the_estimate() -> None:
 
 @pytest.mark.parametrize("event", SAMPLES, ids=lambda e: type(e).__name__)
 def test_envelope_round_trip(event: Event) -> None:
-    envelope = EventEnvelope(
-        command_id=CommandId("c2"), command_seq=9, index=1, count=2, at_ms=5, event=event
-    )
+    envelope = EventEnvelope(command_id=CommandId("c2"), command_seq=9, index=1, count=2, at_ms=5, event=event)
     assert codec.decode_event(codec.encode(envelope)) == envelope
 
 

@@ -67,9 +67,7 @@ def test_node_joined_then_rejoined_with_a_new_session() -> None:
 
 def test_node_updated_changes_the_profile_of_a_known_node_only() -> None:
     smaller = msgspec.structs.replace(PROFILE, memory_available_bytes=1 << 30)
-    state = fold(
-        NodeJoined(node_id=NODE, session_id="s1", profile=PROFILE), NodeUpdated(node_id=NODE, profile=smaller)
-    )
+    state = fold(NodeJoined(node_id=NODE, session_id="s1", profile=PROFILE), NodeUpdated(node_id=NODE, profile=smaller))
     assert state.nodes[NODE].profile == smaller
     assert state.nodes[NODE].session_id == "s1"
     unknown = fold(NodeUpdated(node_id=NodeId("ghost"), profile=smaller))
@@ -108,9 +106,7 @@ def test_apply_never_mutates_its_input() -> None:
 
 @pytest.mark.parametrize("event", SAMPLES, ids=lambda e: type(e).__name__)
 def test_envelope_round_trip(event: Event) -> None:
-    envelope = EventEnvelope(
-        command_id=CommandId("c1"), command_seq=4, index=0, count=1, at_ms=123, event=event
-    )
+    envelope = EventEnvelope(command_id=CommandId("c1"), command_seq=4, index=0, count=1, at_ms=123, event=event)
     assert codec.decode_event(codec.encode(envelope)) == envelope
 
 

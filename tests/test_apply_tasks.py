@@ -99,9 +99,7 @@ def test_reports_about_unknown_tasks_change_nothing() -> None:
 
 @pytest.mark.parametrize("event", SAMPLES, ids=lambda e: type(e).__name__)
 def test_envelope_round_trip(event: Event) -> None:
-    envelope = EventEnvelope(
-        command_id=CommandId("c5"), command_seq=1, index=0, count=1, at_ms=1, event=event
-    )
+    envelope = EventEnvelope(command_id=CommandId("c5"), command_seq=1, index=0, count=1, at_ms=1, event=event)
     assert codec.decode_event(codec.encode(envelope)) == envelope
 
 

@@ -21,11 +21,7 @@ from jetshard_schema.catalogue import DEMO_MODEL_ID, _parse_card, builtin_cards
 from jetshard_schema.ids import model_dir_name
 
 CATALOGUE_FILES = sorted(
-    (
-        entry
-        for entry in resources.files("jetshard_schema.catalogue").iterdir()
-        if entry.name.endswith(".toml")
-    ),
+    (entry for entry in resources.files("jetshard_schema.catalogue").iterdir() if entry.name.endswith(".toml")),
     key=lambda entry: entry.name,
 )
 
@@ -179,9 +175,7 @@ def test_without_an_index_sizes_of_every_safetensors_file_are_summed() -> None:
     files = {"a.safetensors": 10, "sub/b.safetensors": 32, "README.md": 1_000_000, "pytorch_model.bin": 99}
     assert card_from_hub_metadata("org/m", QWEN3_4BIT_CONFIG, None, files).storage_size_bytes == 42
     # An index without a total falls back to the files too.
-    assert (
-        card_from_hub_metadata("org/m", QWEN3_4BIT_CONFIG, {"weight_map": {}}, files).storage_size_bytes == 42
-    )
+    assert card_from_hub_metadata("org/m", QWEN3_4BIT_CONFIG, {"weight_map": {}}, files).storage_size_bytes == 42
 
 
 def test_nested_text_config_of_a_multimodal_model() -> None:
@@ -235,9 +229,7 @@ def test_gpt2_style_aliases_and_kv_heads_default_to_heads() -> None:
     assert card.quantization is None
 
 
-@pytest.mark.parametrize(
-    ("layers_key", "hidden_key"), [("num_layers", "d_model"), ("n_layers", "hidden_size")]
-)
+@pytest.mark.parametrize(("layers_key", "hidden_key"), [("num_layers", "d_model"), ("n_layers", "hidden_size")])
 def test_other_layer_and_hidden_aliases(layers_key: str, hidden_key: str) -> None:
     config = {
         "model_type": "llama",

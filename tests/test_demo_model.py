@@ -22,7 +22,6 @@ import httpx
 import psutil
 import pytest
 from helpers.cluster import Cluster, poll
-
 from jetshard_downloader.dirs import ModelDirs
 from jetshard_downloader.gguf import packaged_demo_gguf
 from jetshard_downloader.locate import find_model
@@ -59,12 +58,32 @@ def test_jetshard_up_serves_the_demo_model_offline_and_stops_cleanly(tmp_path: P
 
     port = free_port()
     data = tmp_path / "data"
-    env = {**os.environ, "JETSHARD_CONFIG_DIR": str(tmp_path / "config"),
-           "JETSHARD_DEFAULT_MODELS_DIR": str(tmp_path / "models"), "JETSHARD_LOG_LEVEL": "INFO"}
-    log = open(tmp_path / "up.log", "wb")  # noqa: SIM115
-    up = subprocess.Popen([sys.executable, "-m", "jetshard", "up", "--offline", "--port", str(port),
-                           "--nats-port", "-1", "--data-dir", str(data)],
-                          stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    env = {
+        **os.environ,
+        "JETSHARD_CONFIG_DIR": str(tmp_path / "config"),
+        "JETSHARD_DEFAULT_MODELS_DIR": str(tmp_path / "models"),
+        "JETSHARD_LOG_LEVEL": "INFO",
+    }
+    log = open(tmp_path / "up.log", "wb")
+    up = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "jetshard",
+            "up",
+            "--offline",
+            "--port",
+            str(port),
+            "--nats-port",
+            "-1",
+            "--data-dir",
+            str(data),
+        ],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        env=env,
+        start_new_session=True,
+    )
     try:
         deadline = time.monotonic() + 300
         while "is ready" not in (output := (tmp_path / "up.log").read_text(errors="replace")):
@@ -79,8 +98,11 @@ def test_jetshard_up_serves_the_demo_model_offline_and_stops_cleanly(tmp_path: P
         listed = {m.id: m for m in client.models.list().data}
         assert listed[DEMO_MODEL_ID].model_extra["ready"] is True
         reply = client.chat.completions.create(
-            model=DEMO_MODEL_ID, temperature=0, max_tokens=16,
-            messages=[{"role": "user", "content": "What is the capital of France?"}])
+            model=DEMO_MODEL_ID,
+            temperature=0,
+            max_tokens=16,
+            messages=[{"role": "user", "content": "What is the capital of France?"}],
+        )
         assert "Paris" in (reply.choices[0].message.content or "")
         assert reply.usage is not None and 0 < reply.usage.completion_tokens <= 16
     finally:
@@ -92,8 +114,7 @@ def test_jetshard_up_serves_the_demo_model_offline_and_stops_cleanly(tmp_path: P
         assert left == [], [p.info["cmdline"] for p in left]
 
 
-async def test_a_killed_conversion_or_a_half_written_model_is_never_complete(cluster: Cluster,
-                                                                            tmp_path: Path) -> None:
+async def test_a_killed_conversion_or_a_half_written_model_is_never_complete(cluster: Cluster, tmp_path: Path) -> None:
     config, models = tmp_path / "node", tmp_path / "models"
     node = await cluster.join(config)
     dirs = ModelDirs.from_options(models)
@@ -130,28 +151,46 @@ async def test_a_killed_conversion_or_a_half_written_model_is_never_complete(clu
     assert config_json["num_hidden_layers"] == 30 and "quantization" in config_json
 
 
-async def test_import_gguf_adds_a_local_model_that_its_node_serves_from_disk(cluster: Cluster,
-                                                                            tmp_path: Path) -> None:
+async def test_import_gguf_adds_a_local_model_that_its_node_serves_from_disk(cluster: Cluster, tmp_path: Path) -> None:
     config, models = tmp_path / "node", tmp_path / "models"
     node = await cluster.join(config)
     cluster.start_downloader("downloader", config, "--offline", "--default-models-dir", str(models))
     api = cluster.start_api()
     env = {**cluster.env, "JETSHARD_DEFAULT_MODELS_DIR": str(models), "JETSHARD_NATS": cluster.nats.url}
     result = await asyncio.to_thread(
-        subprocess.run, [sys.executable, "-m", "jetshard", "models", "--api", api, "import-gguf",
-                         str(packaged_demo_gguf()), "--id", "local/smol"],
-        capture_output=True, text=True, env=env, timeout=120)
+        subprocess.run,
+        [
+            sys.executable,
+            "-m",
+            "jetshard",
+            "models",
+            "--api",
+            api,
+            "import-gguf",
+            str(packaged_demo_gguf()),
+            "--id",
+            "local/smol",
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+    )
     assert result.returncode == 0, result.stdout + result.stderr
     assert "imported local/smol" in result.stdout
 
-    card: dict[str, Any] = httpx.get(f"{api}/models/local/smol").json()
+    async with httpx.AsyncClient() as http:
+        card: dict[str, Any] = (await http.get(f"{api}/models/local/smol")).json()
     assert card["is_custom"] and card["source"] == "local-gguf" and card["num_layers"] == 30
     await cluster.submit(StartDownload(model_id=ModelId("local/smol"), node_id=node))
     done = await cluster.wait_download(node, "local/smol", FINAL, 60)
     assert done.status is DownloadStatus.COMPLETED and done.directory == str(models / "local--smol")
 
     again = await asyncio.to_thread(
-        subprocess.run, [sys.executable, "-m", "jetshard", "models", "--api", api, "import-gguf",
-                         str(tmp_path / "missing.gguf")], capture_output=True, text=True, env=env)
+        subprocess.run,
+        [sys.executable, "-m", "jetshard", "models", "--api", api, "import-gguf", str(tmp_path / "missing.gguf")],
+        capture_output=True,
+        text=True,
+        env=env,
+    )
     assert again.returncode != 0 and "does not exist" in again.stderr
-

@@ -47,8 +47,6 @@ pytestmark = pytest.mark.timeout(120)
 FINAL = (DownloadStatus.COMPLETED, DownloadStatus.FAILED)
 
 
-
-
 def sha256(path: Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()
 
@@ -68,18 +66,24 @@ def tree_digest(root: Path) -> dict[str, str]:
 
 
 def repo_files(model_dir: Path) -> set[str]:
-    return {p.relative_to(model_dir).as_posix() for p in model_dir.rglob("*")
-            if p.is_file() and not p.relative_to(model_dir).as_posix().startswith(".")}
+    return {
+        p.relative_to(model_dir).as_posix()
+        for p in model_dir.rglob("*")
+        if p.is_file() and not p.relative_to(model_dir).as_posix().startswith(".")
+    }
 
 
 @contextlib.contextmanager
 def tmpfs(path: Path, size: str) -> Any:
     path.mkdir(parents=True, exist_ok=True)
-    result = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)],
-                            capture_output=True, text=True)
+    result = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)], capture_output=True, text=True
+    )
     if result.returncode != 0:
-        pytest.skip(f"cannot mount a size-limited tmpfs here (needs root / CAP_SYS_ADMIN): "
-                    f"{result.stderr.strip() or result.returncode}")
+        pytest.skip(
+            f"cannot mount a size-limited tmpfs here (needs root / CAP_SYS_ADMIN): "
+            f"{result.stderr.strip() or result.returncode}"
+        )
     try:
         yield path
     finally:
@@ -96,7 +100,9 @@ def remount_read_only(path: Path) -> None:
 
 
 async def test_spillover_to_the_second_dir_and_no_space_names_every_dir(
-    cluster: Cluster, hub_server: HubServer, tmp_path: Path,
+    cluster: Cluster,
+    hub_server: HubServer,
+    tmp_path: Path,
 ) -> None:
     small = make_tiny_model(tmp_path / "src-small", num_layers=4, num_files=4, hidden_size=128)  # ~2.9 MB
     big = make_tiny_model(tmp_path / "src-big", num_layers=8, num_files=4, hidden_size=128)  # ~5.3 MB
@@ -107,8 +113,9 @@ async def test_spillover_to_the_second_dir_and_no_space_names_every_dir(
         node = await cluster.join(config)
         await cluster.add_card("tiny/small", 4, 128)
         await cluster.add_card("tiny/big", 8, 128)
-        cluster.start_downloader("downloader", config, JETSHARD_DEFAULT_MODELS_DIR=str(first),
-                                 JETSHARD_MODELS_DIRS=str(second))
+        cluster.start_downloader(
+            "downloader", config, JETSHARD_DEFAULT_MODELS_DIR=str(first), JETSHARD_MODELS_DIRS=str(second)
+        )
 
         await cluster.submit(StartDownload(model_id=ModelId("tiny/small"), node_id=node))
         done = await cluster.wait_download(node, "tiny/small", FINAL)
@@ -125,8 +132,7 @@ async def test_spillover_to_the_second_dir_and_no_space_names_every_dir(
         assert failed.status is DownloadStatus.FAILED
         assert "not enough disk space" in failed.reason
         assert str(first) in failed.reason and str(second) in failed.reason
-        assert not any(repo == "tiny/big" and name.endswith(".safetensors")
-                       for repo, name in hub_server.bytes_served)
+        assert not any(repo == "tiny/big" and name.endswith(".safetensors") for repo, name in hub_server.bytes_served)
         cluster.processes.stop_all()
 
 
@@ -148,7 +154,9 @@ def _hf_cache_layout(root: Path, model_id: str, source: Path) -> str:
 
 
 async def test_read_only_dirs_are_used_without_network_and_never_changed(
-    cluster: Cluster, hub_server: HubServer, tmp_path: Path,
+    cluster: Cluster,
+    hub_server: HubServer,
+    tmp_path: Path,
 ) -> None:
     source = make_tiny_model(tmp_path / "src", num_layers=4, num_files=2)
     with tmpfs(tmp_path / "ro", "8m") as ro:
@@ -163,8 +171,12 @@ async def test_read_only_dirs_are_used_without_network_and_never_changed(
         await cluster.add_card("tiny/cached", 4)
         await cluster.add_card("tiny/nowhere", 4)  # a card whose repo the Hub does not have
         api = cluster.start_api()
-        cluster.start_downloader("downloader", config, JETSHARD_DEFAULT_MODELS_DIR=str(tmp_path / "models"),
-                                 JETSHARD_MODELS_READ_ONLY_DIRS=str(ro))
+        cluster.start_downloader(
+            "downloader",
+            config,
+            JETSHARD_DEFAULT_MODELS_DIR=str(tmp_path / "models"),
+            JETSHARD_MODELS_READ_ONLY_DIRS=str(ro),
+        )
         hub_server.reset_counters()
 
         async with httpx.AsyncClient(base_url=api, timeout=30) as http:
@@ -172,15 +184,15 @@ async def test_read_only_dirs_are_used_without_network_and_never_changed(
                 response = await http.post("/downloads", json={"model_id": model_id})  # the only node
                 assert response.status_code == 202, response.text
                 assert response.json()["node_id"] == node
-                done = await cluster.wait_download(node, model_id, (DownloadStatus.COMPLETED,
-                                                                    DownloadStatus.FAILED))
+                done = await cluster.wait_download(node, model_id, (DownloadStatus.COMPLETED, DownloadStatus.FAILED))
                 assert done.status is DownloadStatus.COMPLETED, done.reason
                 assert done.read_only and done.directory == where
             assert sum(hub_server.requests.values()) == 0, hub_server.requests
 
             expected = {("tiny/plain", "completed", True), ("tiny/cached", "completed", True)}
-            await api_until(http, lambda listed: {(d["model_id"], d["status"], d["read_only"])
-                                                  for d in listed} == expected)
+            await api_until(
+                http, lambda listed: {(d["model_id"], d["status"], d["read_only"]) for d in listed} == expected
+            )
 
             refused = await http.delete(f"/downloads/{node}/tiny/plain")
             assert refused.status_code == 409, refused.text
@@ -192,12 +204,12 @@ async def test_read_only_dirs_are_used_without_network_and_never_changed(
 
         # `jetshard download`: 0 for a model that is (already) there, 1 with the reason for a failure.
         cli = [sys.executable, "-m", "jetshard", "download", "--api", api, "--timeout-s", "60"]
-        ok = await asyncio.to_thread(subprocess.run, [*cli, "tiny/plain"], capture_output=True, text=True,
-                                     timeout=90)
+        ok = await asyncio.to_thread(subprocess.run, [*cli, "tiny/plain"], capture_output=True, text=True, timeout=90)
         assert ok.returncode == 0, ok.stdout + ok.stderr
         assert str(ro / "tiny--plain") in ok.stderr
-        failed = await asyncio.to_thread(subprocess.run, [*cli, "tiny/nowhere"], capture_output=True,
-                                         text=True, timeout=90)
+        failed = await asyncio.to_thread(
+            subprocess.run, [*cli, "tiny/nowhere"], capture_output=True, text=True, timeout=90
+        )
         assert failed.returncode == 1, failed.stdout + failed.stderr
         assert "not found on the Hub" in failed.stderr
 
@@ -205,7 +217,9 @@ async def test_read_only_dirs_are_used_without_network_and_never_changed(
 
 
 async def test_killed_mid_download_resumes_in_the_same_directory(
-    cluster: Cluster, hub_server: HubServer, tmp_path: Path,
+    cluster: Cluster,
+    hub_server: HubServer,
+    tmp_path: Path,
 ) -> None:
     source = make_tiny_model(tmp_path / "src", num_layers=2, num_files=2, hidden_size=256)  # 2 x ~2.9 MB
     repo = "tiny/big"
@@ -233,14 +247,15 @@ async def test_killed_mid_download_resumes_in_the_same_directory(
         ongoing = await cluster.wait_download(node, repo, (DownloadStatus.ONGOING,), 10)
         assert ongoing.directory == str(models / "tiny--big") and ongoing.bytes_total > size
 
-        listed = await api_until(http, lambda listed: [(d["model_id"], d["status"]) for d in listed]
-                                 == [(repo, "ongoing")])
+        listed = await api_until(
+            http, lambda listed: [(d["model_id"], d["status"]) for d in listed] == [(repo, "ongoing")]
+        )
         assert listed[0]["bytes_done"] >= hold_at and listed[0]["speed_bytes_per_s"] >= 0
         seen: list[str] = []
         async with asyncio.timeout(15), http.stream("GET", "/events", params={"since": 1}) as stream:
             async for line in stream.aiter_lines():
                 if line.startswith("event: "):
-                    seen.append(line[len("event: "):])
+                    seen.append(line[len("event: ") :])
                 if "DownloadProgressed" in seen:
                     break
         assert "DownloadRequested" in seen
@@ -250,8 +265,10 @@ async def test_killed_mid_download_resumes_in_the_same_directory(
     cluster.processes.kill(first)
     kept = partial.stat().st_size
     assert hold_at <= kept < size
-    assert not (models / "tiny--big" / MANIFEST_NAME).exists() or find_model(
-        ModelDirs.from_options(models, [other]), repo) is None
+    assert (
+        not (models / "tiny--big" / MANIFEST_NAME).exists()
+        or find_model(ModelDirs.from_options(models, [other]), repo) is None
+    )
 
     hub_server.release()
     hub_server.reset_counters()
@@ -269,7 +286,9 @@ async def test_killed_mid_download_resumes_in_the_same_directory(
 
 
 async def test_two_nodes_fetch_complementary_shards_once(
-    cluster: Cluster, hub_server: HubServer, tmp_path: Path,
+    cluster: Cluster,
+    hub_server: HubServer,
+    tmp_path: Path,
 ) -> None:
     source = make_tiny_model(tmp_path / "src", num_layers=4, num_files=4)
     (source / "pytorch_model.bin").write_bytes(b"x" * 1000)  # another format: never fetched
@@ -280,12 +299,14 @@ async def test_two_nodes_fetch_complementary_shards_once(
     for name in ("a", "b"):
         config = tmp_path / f"node-{name}"
         nodes.append(await cluster.join(config))
-        cluster.start_downloader(f"downloader-{name}", config,
-                                 JETSHARD_DEFAULT_MODELS_DIR=str(tmp_path / f"models-{name}"))
+        cluster.start_downloader(
+            f"downloader-{name}", config, JETSHARD_DEFAULT_MODELS_DIR=str(tmp_path / f"models-{name}")
+        )
     await asyncio.sleep(1.0)  # both downloaders follow the stream (they act on live events only)
     hub_server.reset_counters()
-    events = await cluster.submit(PlaceInstance(instance_id=new_instance_id(), model_id=ModelId(repo),
-                                                node_ids=tuple(nodes), min_nodes=2))
+    events = await cluster.submit(
+        PlaceInstance(instance_id=new_instance_id(), model_id=ModelId(repo), node_ids=tuple(nodes), min_nodes=2)
+    )
     assert not any(isinstance(e, CommandRejected) for e in events), events
     ranges = {}
     for node in nodes:
@@ -304,7 +325,9 @@ async def test_two_nodes_fetch_complementary_shards_once(
 
 
 async def test_offline_makes_no_request_and_converts_the_packaged_demo(
-    cluster: Cluster, hub_server: HubServer, tmp_path: Path,
+    cluster: Cluster,
+    hub_server: HubServer,
+    tmp_path: Path,
 ) -> None:
     hub_server.add_repo("tiny/online", make_tiny_model(tmp_path / "src", num_layers=2, num_files=1))
     config = tmp_path / "node"
@@ -326,8 +349,7 @@ async def test_offline_makes_no_request_and_converts_the_packaged_demo(
     target = models / "jetshard--SmolLM2-135M-Instruct-Q4"
     assert demo.directory == str(target) and not demo.read_only
     manifest = json.loads((target / MANIFEST_NAME).read_text())
-    assert {"config.json", "model.safetensors.index.json", "tokenizer.json"} <= {f["name"] for f in
-                                                                                  manifest["files"]}
+    assert {"config.json", "model.safetensors.index.json", "tokenizer.json"} <= {f["name"] for f in manifest["files"]}
     assert not [p for p in models.iterdir() if p.name.startswith(".")]  # no staging left
     assert any(isinstance(e, DownloadProgressed) for e in cluster.events)
     assert sum(hub_server.requests.values()) == 0, hub_server.requests
@@ -335,7 +357,9 @@ async def test_offline_makes_no_request_and_converts_the_packaged_demo(
 
 
 async def test_cancel_keeps_finished_files_and_delete_removes_them(
-    cluster: Cluster, hub_server: HubServer, tmp_path: Path,
+    cluster: Cluster,
+    hub_server: HubServer,
+    tmp_path: Path,
 ) -> None:
     source = make_tiny_model(tmp_path / "src", num_layers=2, num_files=2, hidden_size=256)
     repo = "tiny/cancel"
@@ -371,4 +395,3 @@ async def test_cancel_keeps_finished_files_and_delete_removes_them(
         await api_until(http, lambda listed: listed == [])
         missing = await http.delete(f"/downloads/{node}/{repo}")
         assert missing.status_code == 404
-

@@ -6,7 +6,6 @@ import json
 from pathlib import Path
 
 import pytest
-from helpers.hub_fixtures import hub_server  # noqa: F401
 from helpers.hub_server import HubServer
 from helpers.tiny_models import make_tiny_model
 from jetshard_downloader.dirs import ModelDirs
@@ -26,12 +25,21 @@ REPO = "tiny/resume"
 
 
 def _card(num_layers: int) -> ModelCard:
-    return ModelCard(model_id=ModelId(REPO), num_layers=num_layers, hidden_size=64, num_attention_heads=4,
-                     num_key_value_heads=2, vocab_size=512, architecture="llama", storage_size_bytes=1)
+    return ModelCard(
+        model_id=ModelId(REPO),
+        num_layers=num_layers,
+        hidden_size=64,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=512,
+        architecture="llama",
+        storage_size_bytes=1,
+    )
 
 
 def test_a_partial_file_left_by_another_process_is_resumed_with_a_range_request(
-    hub_server: HubServer, tmp_path: Path,  # noqa: F811
+    hub_server: HubServer,
+    tmp_path: Path,
 ) -> None:
     source = make_tiny_model(tmp_path / "src", num_layers=2, num_files=2)
     hub_server.add_repo(REPO, source)
@@ -45,13 +53,20 @@ def test_a_partial_file_left_by_another_process_is_resumed_with_a_range_request(
     data = (source / name).read_bytes()
     kept = len(data) // 3
     partial.write_bytes(data[:kept])
-    partial.with_name(partial.name + ".json").write_text(json.dumps(
-        {"revision": listing.revision, "size": remote[0].size, "sha256": remote[0].sha256}))
+    partial.with_name(partial.name + ".json").write_text(
+        json.dumps({"revision": listing.revision, "size": remote[0].size, "sha256": remote[0].sha256})
+    )
     hub_server.reset_counters()
 
     progress: list[tuple[int, int]] = []
-    manifest = fetch_files(REPO, listing.revision, target, remote, endpoint=hub_server.url,
-                           on_progress=lambda d, t: progress.append((d, t)))
+    manifest = fetch_files(
+        REPO,
+        listing.revision,
+        target,
+        remote,
+        endpoint=hub_server.url,
+        on_progress=lambda d, t: progress.append((d, t)),
+    )
     assert hub_server.bytes_served[(REPO, name)] == len(data) - kept
     ranges = [r.headers.get("Range") for r in hub_server.request_log if r.path.endswith(name)]
     assert ranges == [f"bytes={kept}-"]
@@ -61,7 +76,7 @@ def test_a_partial_file_left_by_another_process_is_resumed_with_a_range_request(
     assert progress[-1] == (len(data), len(data))
 
 
-def test_a_partial_file_of_another_revision_is_discarded(hub_server: HubServer, tmp_path: Path) -> None:  # noqa: F811
+def test_a_partial_file_of_another_revision_is_discarded(hub_server: HubServer, tmp_path: Path) -> None:
     source = make_tiny_model(tmp_path / "src", num_layers=2, num_files=1)
     hub_server.add_repo(REPO, source)
     listing = list_remote_files(REPO, endpoint=hub_server.url)
@@ -70,8 +85,7 @@ def test_a_partial_file_of_another_revision_is_discarded(hub_server: HubServer, 
     partial = partial_path(target, "model.safetensors")
     partial.parent.mkdir(parents=True)
     partial.write_bytes(b"garbage from an older commit")
-    partial.with_name(partial.name + ".json").write_text(json.dumps({"revision": "0" * 40, "size": 1,
-                                                                     "sha256": None}))
+    partial.with_name(partial.name + ".json").write_text(json.dumps({"revision": "0" * 40, "size": 1, "sha256": None}))
     fetch_files(REPO, listing.revision, target, remote, endpoint=hub_server.url)
     assert (target / "model.safetensors").read_bytes() == (source / "model.safetensors").read_bytes()
     config = fetch_bytes(REPO, listing.revision, "config.json", endpoint=hub_server.url)
@@ -83,8 +97,11 @@ def test_find_shard_uses_the_local_index(tmp_path: Path) -> None:
     dirs = ModelDirs.from_options(tmp_path / "default", read_only_dirs=[tmp_path / "models"])
     card = _card(4)
     assert required_local_files(dirs, card, 0, 2) == {
-        "config.json", "model.safetensors.index.json", "model-00001-of-00004.safetensors",
-        "model-00002-of-00004.safetensors"}
+        "config.json",
+        "model.safetensors.index.json",
+        "model-00001-of-00004.safetensors",
+        "model-00002-of-00004.safetensors",
+    }
     (source / "model-00004-of-00004.safetensors").unlink()
     found = find_shard(dirs, card, 0, 2)
     assert found is not None and found[0].read_only and found[0].path == source

@@ -134,10 +134,22 @@ def launch_ranks(
             log = open(work / f"rank{rank}.log", "wb")
             logs.append(log)
             cmd = [
-                sys.executable, str(RANK_SCRIPT), "--model-dir", str(model_dir),
-                "--start", str(ranges[rank][0]), "--end", str(ranges[rank][1]),
-                "--rank", str(rank), "--hostfile", str(hostfile), "--out", str(work / f"rank{rank}.json"),
-                "--prefill-step-size", str(prefill_step_size),
+                sys.executable,
+                str(RANK_SCRIPT),
+                "--model-dir",
+                str(model_dir),
+                "--start",
+                str(ranges[rank][0]),
+                "--end",
+                str(ranges[rank][1]),
+                "--rank",
+                str(rank),
+                "--hostfile",
+                str(hostfile),
+                "--out",
+                str(work / f"rank{rank}.json"),
+                "--prefill-step-size",
+                str(prefill_step_size),
             ]
             if rank == ranks - 1:
                 cmd += ["--requests", str(work / "requests.json")]
@@ -214,9 +226,7 @@ def test_pipeline_greedy_equals_mlx_lm(
     model_dir = models[arch]
     prompts = prompt_ids(model_dir)
     expected = reference(model_dir, prompts, prefill_step_size)
-    requests = [
-        {"task_id": f"t{i}", "prompt_tokens": p, "max_tokens": MAX_TOKENS} for i, p in enumerate(prompts)
-    ]
+    requests = [{"task_id": f"t{i}", "prompt_tokens": p, "max_tokens": MAX_TOKENS} for i, p in enumerate(prompts)]
 
     outputs = run_pipeline(model_dir, bounds, requests, tmp_path, prefill_step_size)
 
@@ -322,14 +332,10 @@ def test_seeded_sampling_is_reproducible(models: dict[str, Path]) -> None:
     model_dir = models["llama"]
     prompt = prompt_ids(model_dir)[1]
     collector = Collector()
-    engine = PipelineEngine(
-        load_shard(model_dir, 0, 4), on_token=collector.on_token, on_finished=collector.on_finished
-    )
+    engine = PipelineEngine(load_shard(model_dir, 0, 4), on_token=collector.on_token, on_finished=collector.on_finished)
     # No EOS ids: every task runs to max_tokens, so the sequences are comparable.
     requests = [
-        GenerationRequest(
-            task, prompt, MAX_TOKENS, temperature=1.0, top_p=0.9, seed=seed, eos_token_ids=frozenset()
-        )
+        GenerationRequest(task, prompt, MAX_TOKENS, temperature=1.0, top_p=0.9, seed=seed, eos_token_ids=frozenset())
         for task, seed in [("s1", 7), ("s2", 7), ("s3", 8)]
     ]
     run_single(engine, requests, collector)
@@ -401,10 +407,9 @@ def test_generation_request_validation() -> None:
 
 
 def test_the_engine_handles_every_architecture_a_card_may_name() -> None:
-    from mlx_lm.utils import _get_classes
-
     from jetshard_schema.card_from_config import SUPPORTED_ARCHITECTURES
     from jetshard_worker.engine.shard import _EMBED_SCALE
+    from mlx_lm.utils import _get_classes
 
     modules = {_get_classes({"model_type": arch})[0].__module__.rsplit(".", 1)[-1] for arch in SUPPORTED_ARCHITECTURES}
     assert modules <= set(_EMBED_SCALE)

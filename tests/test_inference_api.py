@@ -37,8 +37,11 @@ CONVERSATIONS: list[list[dict[str, Any]]] = [
     [{"role": "user", "content": "hello world"}],
     [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "the quick brown fox"}],
     [{"role": "user", "content": "a"}],
-    [{"role": "user", "content": "what is two plus two?"}, {"role": "assistant", "content": "four"},
-     {"role": "user", "content": "and three plus three?"}],
+    [
+        {"role": "user", "content": "what is two plus two?"},
+        {"role": "assistant", "content": "four"},
+        {"role": "user", "content": "and three plus three?"},
+    ],
     [{"role": "user", "content": "Tell me a story about a lighthouse keeper and a storm."}],
 ]
 
@@ -51,10 +54,11 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[InferenceClust
     (root / "logs").mkdir()
     processes = Processes(root / "logs")
     nats = start_nats_server(root / "nats", port=-1)
-    dirs = {model_id: make_tiny_model(root / "repos" / arch, arch=arch, num_layers=4, num_files=3)
-            for model_id, arch in MODELS.items()}
-    dirs[UNPLACED] = make_tiny_model(root / "repos" / "unplaced", arch="llama", num_layers=2, num_files=2,
-                                     seed=3)
+    dirs = {
+        model_id: make_tiny_model(root / "repos" / arch, arch=arch, num_layers=4, num_files=3)
+        for model_id, arch in MODELS.items()
+    }
+    dirs[UNPLACED] = make_tiny_model(root / "repos" / "unplaced", arch="llama", num_layers=2, num_files=2, seed=3)
     with HubServer() as hub, pytest.MonkeyPatch.context() as monkeypatch:
         hub_env = use_hub(hub.url, root / "hf_home", monkeypatch)
         for model_id, path in dirs.items():
@@ -106,16 +110,22 @@ def chat_ids(tokenizer: Any, messages: list[dict[str, Any]]) -> list[int]:
 @pytest.fixture(scope="module")
 def references(mlx_models: dict[str, tuple[Any, Any]]) -> dict[str, list[str]]:
     """mlx-lm's greedy output for every conversation, per model."""
-    return {m: [generate(loaded, chat_ids(loaded[1], messages)) for messages in CONVERSATIONS]
-            for m, loaded in mlx_models.items()}
+    return {
+        m: [generate(loaded, chat_ids(loaded[1], messages)) for messages in CONVERSATIONS]
+        for m, loaded in mlx_models.items()
+    }
 
 
 def chat(client: openai.OpenAI, model: str, messages: list[dict[str, Any]], **kwargs: Any) -> Any:
     return client.chat.completions.create(model=model, messages=messages, **kwargs)  # type: ignore[arg-type]
 
 
-def stream_text(client: openai.OpenAI, model: str, messages: list[dict[str, Any]], **kwargs: Any,
-                ) -> tuple[str, list[Any]]:
+def stream_text(
+    client: openai.OpenAI,
+    model: str,
+    messages: list[dict[str, Any]],
+    **kwargs: Any,
+) -> tuple[str, list[Any]]:
     chunks = list(chat(client, model, messages, stream=True, **kwargs))
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     return text, chunks
@@ -145,8 +155,9 @@ def test_instances_span_both_nodes(cluster: InferenceCluster) -> None:
 
 
 @pytest.mark.parametrize("model_id", list(MODELS))
-def test_greedy_output_equals_mlx_lm(cluster: InferenceCluster, client: openai.OpenAI,
-                                     references: dict[str, list[str]], model_id: str) -> None:
+def test_greedy_output_equals_mlx_lm(
+    cluster: InferenceCluster, client: openai.OpenAI, references: dict[str, list[str]], model_id: str
+) -> None:
     for messages, expected in zip(CONVERSATIONS, references[model_id], strict=True):
         response = chat(client, model_id, messages, temperature=0, max_tokens=MAX_TOKENS)
         assert response.choices[0].message.content == expected, messages
@@ -162,8 +173,13 @@ def test_completions_equal_mlx_lm(client: openai.OpenAI, mlx_models: dict[str, t
         response = client.completions.create(model=QWEN, prompt=prompt, temperature=0, max_tokens=MAX_TOKENS)
         assert response.choices[0].text == expected
         assert response.object == "text_completion"
-        streamed = "".join(c.choices[0].text for c in client.completions.create(
-            model=QWEN, prompt=prompt, temperature=0, max_tokens=MAX_TOKENS, stream=True) if c.choices)
+        streamed = "".join(
+            c.choices[0].text
+            for c in client.completions.create(
+                model=QWEN, prompt=prompt, temperature=0, max_tokens=MAX_TOKENS, stream=True
+            )
+            if c.choices
+        )
         assert streamed == expected
 
 
@@ -171,8 +187,14 @@ def test_completions_equal_mlx_lm(client: openai.OpenAI, mlx_models: dict[str, t
 
 
 def test_stream_ends_with_done_and_a_usage_chunk(cluster: InferenceCluster) -> None:
-    body = {"model": LLAMA, "messages": CONVERSATIONS[0], "max_tokens": 5, "temperature": 0, "stream": True,
-            "stream_options": {"include_usage": True}}
+    body = {
+        "model": LLAMA,
+        "messages": CONVERSATIONS[0],
+        "max_tokens": 5,
+        "temperature": 0,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
     with httpx.stream("POST", f"{cluster.api}/v1/chat/completions", json=body, timeout=120) as response:
         assert response.status_code == 200
         assert response.headers["content-type"].startswith("text/event-stream")
@@ -189,8 +211,17 @@ def test_stream_ends_with_done_and_a_usage_chunk(cluster: InferenceCluster) -> N
 
 
 def test_include_usage_with_the_openai_client(client: openai.OpenAI) -> None:
-    chunks = list(chat(client, QWEN, CONVERSATIONS[1], stream=True, max_tokens=4, temperature=0,
-                       stream_options={"include_usage": True}))
+    chunks = list(
+        chat(
+            client,
+            QWEN,
+            CONVERSATIONS[1],
+            stream=True,
+            max_tokens=4,
+            temperature=0,
+            stream_options={"include_usage": True},
+        )
+    )
     assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == 4
     assert not chunks[-1].choices
     without = list(chat(client, QWEN, CONVERSATIONS[1], stream=True, max_tokens=4, temperature=0))
@@ -218,7 +249,7 @@ def test_max_completion_tokens(client: openai.OpenAI, references: dict[str, list
 def _stop_string(text: str) -> str:
     """Three ASCII letters from the middle of `text`: several tokens, so the match spans chunks."""
     for start in range(2, len(text) - 3):
-        candidate = text[start:start + 3]
+        candidate = text[start : start + 3]
         if candidate.isascii() and candidate.isalpha() and text.find(candidate) == start:
             return candidate
     raise AssertionError(f"no usable stop string in {text!r}")
@@ -232,8 +263,7 @@ def test_stop_strings(client: openai.OpenAI, references: dict[str, list[str]], m
         response = chat(client, model_id, messages, temperature=0, max_tokens=MAX_TOKENS, stop=[stop, "@@@@"])
         assert response.choices[0].message.content == expected
         assert response.choices[0].finish_reason == "stop"
-        streamed, chunks = stream_text(client, model_id, messages, temperature=0, max_tokens=MAX_TOKENS,
-                                       stop=stop)
+        streamed, chunks = stream_text(client, model_id, messages, temperature=0, max_tokens=MAX_TOKENS, stop=stop)
         assert streamed == expected
         assert stop not in streamed
         assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "stop"
@@ -246,26 +276,40 @@ def test_seed_makes_sampling_reproducible(client: openai.OpenAI) -> None:
     assert first.choices[0].message.content == second.choices[0].message.content
     streamed, _ = stream_text(client, QWEN, messages, temperature=1.0, seed=1234, max_tokens=MAX_TOKENS)
     assert streamed == first.choices[0].message.content
-    others = {chat(client, QWEN, messages, temperature=1.0, seed=s, max_tokens=MAX_TOKENS)
-              .choices[0].message.content for s in (1, 2, 3)}
+    others = {
+        chat(client, QWEN, messages, temperature=1.0, seed=s, max_tokens=MAX_TOKENS).choices[0].message.content
+        for s in (1, 2, 3)
+    }
     assert len(others | {first.choices[0].message.content}) > 1, "the seed changes nothing"
 
 
-def test_content_as_text_parts_and_neutral_parameters(client: openai.OpenAI,
-                                                       references: dict[str, list[str]]) -> None:
+def test_content_as_text_parts_and_neutral_parameters(client: openai.OpenAI, references: dict[str, list[str]]) -> None:
     text_parts = [{"type": "text", "text": "hello "}, {"type": "text", "text": "world"}]
     parts = [{"role": "user", "content": text_parts}]
-    response = chat(client, LLAMA, parts, temperature=0, max_tokens=MAX_TOKENS, n=1, presence_penalty=0,
-                    frequency_penalty=0, logprobs=False, top_p=1)
+    response = chat(
+        client,
+        LLAMA,
+        parts,
+        temperature=0,
+        max_tokens=MAX_TOKENS,
+        n=1,
+        presence_penalty=0,
+        frequency_penalty=0,
+        logprobs=False,
+        top_p=1,
+    )
     assert response.choices[0].message.content == references[LLAMA][0]
 
 
-@pytest.mark.parametrize("extra", [
-    {"n": 2},
-    {"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]},
-    {"response_format": {"type": "json_object"}},
-    {"logit_bias": {"42": 5}},
-])
+@pytest.mark.parametrize(
+    "extra",
+    [
+        {"n": 2},
+        {"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]},
+        {"response_format": {"type": "json_object"}},
+        {"logit_bias": {"42": 5}},
+    ],
+)
 def test_unsupported_parameters_are_refused(client: openai.OpenAI, extra: dict[str, Any]) -> None:
     for stream in (False, True):
         with pytest.raises(openai.BadRequestError) as caught:
@@ -317,8 +361,9 @@ def _task_id(chunk_id: str) -> str:
     return "task-" + chunk_id.removeprefix("chatcmpl-")
 
 
-def test_disconnect_mid_stream_cancels_the_task(cluster: InferenceCluster, client: openai.OpenAI,
-                                                references: dict[str, list[str]]) -> None:
+def test_disconnect_mid_stream_cancels_the_task(
+    cluster: InferenceCluster, client: openai.OpenAI, references: dict[str, list[str]]
+) -> None:
     max_tokens = 1500
     since = cluster.last_seq()
     with ChunkTap(cluster.nats.url) as tap:
@@ -333,21 +378,31 @@ def test_disconnect_mid_stream_cancels_the_task(cluster: InferenceCluster, clien
     assert final.finish_reason == TaskOutcome.CANCELLED
     assert final.usage is not None and final.usage.completion_tokens < max_tokens
     assert sum(c.token_count for c in tap.chunks[task_id]) < max_tokens
-    assert not any(isinstance(e, TaskFinished) and e.task_id == task_id and e.outcome != TaskOutcome.CANCELLED
-                   for _, e in cluster.events(since))
+    assert not any(
+        isinstance(e, TaskFinished) and e.task_id == task_id and e.outcome != TaskOutcome.CANCELLED
+        for _, e in cluster.events(since)
+    )
     # The next request is served, with the same output as before.
     response = chat(client, LLAMA, CONVERSATIONS[0], temperature=0, max_tokens=MAX_TOKENS)
     assert response.choices[0].message.content == references[LLAMA][0]
 
 
-def test_cancel_at_random_steps_keeps_serving(cluster: InferenceCluster, client: openai.OpenAI,
-                                              references: dict[str, list[str]]) -> None:
+def test_cancel_at_random_steps_keeps_serving(
+    cluster: InferenceCluster, client: openai.OpenAI, references: dict[str, list[str]]
+) -> None:
     rng = random.Random(7)
     task_ids = []
     for i in range(20):
         model_id = (LLAMA, QWEN)[i % 2]
-        stream = chat(client, model_id, CONVERSATIONS[i % len(CONVERSATIONS)], stream=True, max_tokens=1000,
-                      temperature=rng.choice([0, 0.8]), seed=i)
+        stream = chat(
+            client,
+            model_id,
+            CONVERSATIONS[i % len(CONVERSATIONS)],
+            stream=True,
+            max_tokens=1000,
+            temperature=rng.choice([0, 0.8]),
+            seed=i,
+        )
         for _ in range(rng.randint(1, 12)):
             chunk = next(stream)
             task_ids.append(_task_id(chunk.id))

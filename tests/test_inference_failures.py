@@ -53,8 +53,12 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[InferenceClust
     with HubServer() as hub, pytest.MonkeyPatch.context() as monkeypatch:
         hub_env = use_hub(hub.url, root / "hf_home", monkeypatch)
         for model_id, (arch, seed) in repos.items():
-            hub.add_repo(model_id, make_tiny_model(root / "repos" / model_id.split("/")[1], arch=arch,
-                                                   num_layers=4, num_files=2, seed=seed))
+            hub.add_repo(
+                model_id,
+                make_tiny_model(
+                    root / "repos" / model_id.split("/")[1], arch=arch, num_layers=4, num_files=2, seed=seed
+                ),
+            )
         base = {**hub_env, "JETSHARD_NATS": nats.url, "JETSHARD_LIVENESS_TTL_S": "3"}
         c = InferenceCluster(root=root, nats=nats, hub=hub, processes=processes, base_env=base)
         try:
@@ -94,8 +98,12 @@ def runners_of(cluster: InferenceCluster, instance_id: str) -> list[psutil.Proce
 
 
 def greedy(client: openai.OpenAI, model: str, max_tokens: int = 12) -> str:
-    response = client.chat.completions.create(model=model, messages=MESSAGES, temperature=0,  # type: ignore[arg-type]
-                                              max_tokens=max_tokens)
+    response = client.chat.completions.create(
+        model=model,
+        messages=MESSAGES,
+        temperature=0,  # type: ignore[arg-type]
+        max_tokens=max_tokens,
+    )
     return response.choices[0].message.content or ""
 
 
@@ -111,8 +119,13 @@ def test_kill_9_of_a_runner_mid_stream(cluster: InferenceCluster, client: openai
     since = cluster.last_seq()
     victim = next(p for p in runners_of(cluster, instance_id) if _runner_spec(p)["rank"] == rank)
 
-    stream = client.chat.completions.create(model=SPLIT, messages=MESSAGES, stream=True,  # type: ignore[arg-type]
-                                            max_tokens=1500, temperature=0)
+    stream = client.chat.completions.create(
+        model=SPLIT,
+        messages=MESSAGES,
+        stream=True,  # type: ignore[arg-type]
+        max_tokens=1500,
+        temperature=0,
+    )
     first = next(stream)
     assert first.choices
     victim.kill()
@@ -123,8 +136,7 @@ def test_kill_9_of_a_runner_mid_stream(cluster: InferenceCluster, client: openai
     assert time.monotonic() - started < ERROR_DEADLINE_S
     assert "stopped" in str(caught.value.message) or "restart" in str(caught.value.message), caught.value
 
-    restarting = cluster.wait_event(
-        lambda e: isinstance(e, InstanceRestarting) and e.instance_id == instance_id, since)
+    restarting = cluster.wait_event(lambda e: isinstance(e, InstanceRestarting) and e.instance_id == instance_id, since)
     assert isinstance(restarting, InstanceRestarting) and restarting.generation == generation + 1
     assert restarting.reason
     shown = cluster.wait_instance(instance_id, "ready", timeout=120)
@@ -154,12 +166,20 @@ def test_deleting_an_instance_stops_its_runners(cluster: InferenceCluster, clien
 
 
 def test_no_auto_place_is_404_listing_ready_models(cluster: InferenceCluster) -> None:
-    no_auto = openai.OpenAI(base_url=f"{cluster.no_auto_api}/v1", api_key="unused",  # type: ignore[attr-defined]
-                            timeout=60, max_retries=0)
+    no_auto = openai.OpenAI(
+        base_url=f"{cluster.no_auto_api}/v1",
+        api_key="unused",  # type: ignore[attr-defined]
+        timeout=60,
+        max_retries=0,
+    )
     for stream in (False, True):
         with pytest.raises(openai.NotFoundError) as caught:
-            no_auto.chat.completions.create(model=NO_AUTO, messages=MESSAGES, max_tokens=3,  # type: ignore[arg-type]
-                                            stream=stream)
+            no_auto.chat.completions.create(
+                model=NO_AUTO,
+                messages=MESSAGES,
+                max_tokens=3,  # type: ignore[arg-type]
+                stream=stream,
+            )
         assert isinstance(caught.value.body, dict)
         assert caught.value.body["code"] == "model_not_found"
         assert SPLIT in caught.value.body["message"]
@@ -207,11 +227,11 @@ def test_a_lost_node_moves_its_instance(cluster: InferenceCluster, client: opena
     cluster.stop_worker(lost, signal.SIGTERM)
 
     cluster.wait_event(lambda e: isinstance(e, NodeLost) and e.node_id == lost_id, since, timeout=60)
-    deleted = cluster.wait_event(
-        lambda e: isinstance(e, InstanceDeleted) and e.instance_id == instance_id, since)
+    deleted = cluster.wait_event(lambda e: isinstance(e, InstanceDeleted) and e.instance_id == instance_id, since)
     assert isinstance(deleted, InstanceDeleted) and lost_id in deleted.reason
-    replaced = cluster.wait_event(lambda e: isinstance(e, InstancePlaced) and e.model_id == SPLIT
-                                  and e.instance_id != instance_id, since)
+    replaced = cluster.wait_event(
+        lambda e: isinstance(e, InstancePlaced) and e.model_id == SPLIT and e.instance_id != instance_id, since
+    )
     assert isinstance(replaced, InstancePlaced)
     assert [s.node_id for s in replaced.shards] == [kept_id]
     assert (replaced.shards[0].start_layer, replaced.shards[0].end_layer) == (0, 4)

@@ -123,14 +123,19 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
             for name, env in apis.items():
                 port_file = str(root / f"{name}.port")
                 processes.start(name, "api", "--port", "0", "--port-file", port_file, env=env)
-            worker_env = {node: {**base, "JETSHARD_CONFIG_DIR": str(root / node)}
-                          for node in ("node-a", "node-b")}
+            worker_env = {node: {**base, "JETSHARD_CONFIG_DIR": str(root / node)} for node in ("node-a", "node-b")}
             cluster = Cluster(
-                root=root, nats=nats, hub=hub, processes=processes,
+                root=root,
+                nats=nats,
+                hub=hub,
+                processes=processes,
                 api=_wait_port_file(root / "api.port", processes, "api"),
                 offline_api=_wait_port_file(root / "api-offline.port", processes, "api-offline"),
                 unreachable_api=_wait_port_file(root / "api-unreachable.port", processes, "api-unreachable"),
-                worker_env=worker_env, workers={}, split_dir=split_dir, single_dir=single_dir,
+                worker_env=worker_env,
+                workers={},
+                split_dir=split_dir,
+                single_dir=single_dir,
             )
             for node in worker_env:
                 cluster.start_worker(node)
@@ -189,8 +194,11 @@ def error_message(response: httpx.Response) -> str:
 
 def _files_under(root: Path) -> set[Path]:
     """Every file under `root` except nats-server's store and the service logs, which change on their own."""
-    return {p for p in root.rglob("*")
-            if not ({"logs", "jetstream"} & set(p.relative_to(root).parts)) and not p.name.endswith(".ports")}
+    return {
+        p
+        for p in root.rglob("*")
+        if not ({"logs", "jetstream"} & set(p.relative_to(root).parts)) and not p.name.endswith(".ports")
+    }
 
 
 # ------------------------------------------------------------------------------------------------ routes
@@ -363,8 +371,15 @@ def test_untrusted_ids_are_refused_before_any_network_call(cluster: Cluster) -> 
     assert httpx.post(f"{cluster.api}/models", content=b"not json", timeout=10).status_code == 400
 
     # Ids in paths: percent-encoded separators and dots reach the route as one segment or do not match it.
-    raw_paths = ["..%2F..%2Fetc/passwd", "%2E%2E/%2E%2E", "org/%2E%2E", "org%2Fname/x", "a%5Cb/c",
-                 "org/name%00", "org/" + "n" * MODEL_ID_MAX_LENGTH]
+    raw_paths = [
+        "..%2F..%2Fetc/passwd",
+        "%2E%2E/%2E%2E",
+        "org/%2E%2E",
+        "org%2Fname/x",
+        "a%5Cb/c",
+        "org/name%00",
+        "org/" + "n" * MODEL_ID_MAX_LENGTH,
+    ]
     with httpx.Client(base_url=cluster.api, timeout=10) as client:
         for path in raw_paths:
             for method in ("GET", "DELETE"):
@@ -438,8 +453,9 @@ def test_a_node_that_was_down_catches_up(cluster: Cluster) -> None:
 
 def jetshard_models(cluster: Cluster, *args: str, api: str | None = None) -> subprocess.CompletedProcess[str]:
     env = {**os.environ, "JETSHARD_API": api or cluster.api, "COLUMNS": "200"}
-    return subprocess.run([sys.executable, "-m", "jetshard", "models", *args], capture_output=True, text=True,
-                          env=env, timeout=120)
+    return subprocess.run(
+        [sys.executable, "-m", "jetshard", "models", *args], capture_output=True, text=True, env=env, timeout=120
+    )
 
 
 def test_cli(cluster: Cluster) -> None:
@@ -507,13 +523,27 @@ def test_ls_table_shows_download_status_per_node() -> None:
     from jetshard.models_cli import models_table
 
     cards = [
-        {"model_id": f"{ORG}/downloading", "num_layers": 4, "storage_size_bytes": 2_500_000_000,
-         "quantization": {"bits": 4, "group_size": 64}, "is_custom": True,
-         "downloads": {"node-a": {"status": "ongoing", "bytes_done": 25, "bytes_total": 100},
-                       "node-b": {"status": "completed", "bytes_done": 100, "bytes_total": 100},
-                       "node-c": {"status": "failed", "reason": "disk full"}}},
-        {"model_id": BUILTIN, "num_layers": 28, "storage_size_bytes": 335_000_000,
-         "storage_size_estimated": True, "quantization": None, "is_custom": False, "downloads": {}},
+        {
+            "model_id": f"{ORG}/downloading",
+            "num_layers": 4,
+            "storage_size_bytes": 2_500_000_000,
+            "quantization": {"bits": 4, "group_size": 64},
+            "is_custom": True,
+            "downloads": {
+                "node-a": {"status": "ongoing", "bytes_done": 25, "bytes_total": 100},
+                "node-b": {"status": "completed", "bytes_done": 100, "bytes_total": 100},
+                "node-c": {"status": "failed", "reason": "disk full"},
+            },
+        },
+        {
+            "model_id": BUILTIN,
+            "num_layers": 28,
+            "storage_size_bytes": 335_000_000,
+            "storage_size_estimated": True,
+            "quantization": None,
+            "is_custom": False,
+            "downloads": {},
+        },
     ]
     console = Console(width=160, record=True)
     console.print(models_table(cards))

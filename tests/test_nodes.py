@@ -31,9 +31,7 @@ def test_two_processes_creating_the_node_id_at_once_agree(tmp_path: Path) -> Non
     )
     start = str(time.time() + 3)
     runs = [
-        subprocess.Popen(
-            [sys.executable, "-c", script, str(tmp_path), start], stdout=subprocess.PIPE, text=True
-        )
+        subprocess.Popen([sys.executable, "-c", script, str(tmp_path), start], stdout=subprocess.PIPE, text=True)
         for _ in range(2)
     ]
     outputs = [run.communicate(timeout=60)[0].split() for run in runs]

@@ -61,9 +61,7 @@ def test_required_memory_is_weights_plus_headroom_plus_kv_cache() -> None:
         (3, [1, 1, 1], [1, 1, 1]),
     ],
 )
-def test_split_is_proportional_contiguous_and_complete(
-    layers: int, weights: list[int], expected: list[int]
-) -> None:
+def test_split_is_proportional_contiguous_and_complete(layers: int, weights: list[int], expected: list[int]) -> None:
     ranges = split_layers(layers, weights)
     assert sizes(ranges) == expected
     assert ranges[0][0] == 0 and ranges[-1][1] == layers

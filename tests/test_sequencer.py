@@ -32,9 +32,7 @@ from jetshard_schema.types import NodeProfile, RejectCode
 
 pytestmark = pytest.mark.timeout(120)
 
-PROFILE = NodeProfile(
-    hostname="h", os="Linux", cpu_cores=2, memory_total_bytes=8 << 30, memory_available_bytes=4 << 30
-)
+PROFILE = NodeProfile(hostname="h", os="Linux", cpu_cores=2, memory_total_bytes=8 << 30, memory_available_bytes=4 << 30)
 
 
 def card(name: str) -> ModelCard:
@@ -106,9 +104,7 @@ def sequencer(processes, name: str, url: str, *extra: str):
 
 
 async def leading(processes, name: str, times: int = 1, timeout_s: float = 30) -> None:
-    await wait_for(
-        lambda: processes.log(name).count(" leads from event ") >= times, timeout_s, f"{name} to lead"
-    )
+    await wait_for(lambda: processes.log(name).count(" leads from event ") >= times, timeout_s, f"{name} to lead")
 
 
 async def standby_ready(js) -> None:
@@ -213,9 +209,7 @@ async def test_a_command_redelivered_after_the_dedupe_window_has_one_outcome(fre
 
 
 @pytest.mark.timeout(180)
-async def test_kill_9_of_the_leader_during_a_burst_loses_and_duplicates_nothing(
-    bus, fresh_nats, processes
-) -> None:
+async def test_kill_9_of_the_leader_during_a_burst_loses_and_duplicates_nothing(bus, fresh_nats, processes) -> None:
     _, js = bus
     follower = await follow(js)
     leader = sequencer(processes, "seq1", fresh_nats.url)
@@ -245,9 +239,7 @@ async def test_kill_9_of_the_leader_during_a_burst_loses_and_duplicates_nothing(
 
     per = outcomes_per_command(assert_gapless(await all_events(js)))
     assert sorted(per) == sorted(ids)
-    duplicated = {
-        cid: [type(e.event).__name__ for e in events] for cid, events in per.items() if len(events) != 1
-    }
+    duplicated = {cid: [type(e.event).__name__ for e in events] for cid, events in per.items() if len(events) != 1}
     assert duplicated == {}
     assert all(isinstance(events[0].event, CustomModelCardAdded) for events in per.values())
     await follower.stop()
@@ -266,9 +258,7 @@ async def test_an_append_with_a_stale_expected_sequence_is_refused(bus) -> None:
     headers = {subjects.EXPECTED_LAST_SEQUENCE_HEADER: "0", subjects.MSG_ID_HEADER: "c/0"}
     await js.publish(envelope.event.subject, encode(envelope), headers=headers)
     with pytest.raises(nats.js.errors.APIError) as raised:
-        await js.publish(
-            envelope.event.subject, encode(envelope), headers={**headers, subjects.MSG_ID_HEADER: "d/0"}
-        )
+        await js.publish(envelope.event.subject, encode(envelope), headers={**headers, subjects.MSG_ID_HEADER: "d/0"})
     assert raised.value.err_code == 10071
 
 

@@ -277,9 +277,7 @@ def test_unsafe_repo_file_names_are_refused(tmp_path: Path, bad: str) -> None:
 # ---------------------------------------------------------------------- completeness
 
 
-def write_model(
-    model_dir: Path, files: dict[str, bytes], *, manifest: bool, revision: str = "c0ffee"
-) -> None:
+def write_model(model_dir: Path, files: dict[str, bytes], *, manifest: bool, revision: str = "c0ffee") -> None:
     model_dir.mkdir(parents=True, exist_ok=True)
     for name, data in files.items():
         path = model_dir / name

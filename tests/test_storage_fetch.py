@@ -62,9 +62,7 @@ def test_layer_range_download_fetches_only_its_files(
 
     # Support files first: the index says which weight files a layer range needs.
     support = listing.select(support_files(names))
-    choice = choose_directory(
-        dirs, REPO, sum(f.size or 0 for f in support), free_bytes, {}, partial_bytes_for(REPO)
-    )
+    choice = choose_directory(dirs, REPO, sum(f.size or 0 for f in support), free_bytes, {}, partial_bytes_for(REPO))
     assert isinstance(choice, Choice) and not choice.resumes
     fetch_files(REPO, listing.revision, choice.model_dir, support, endpoint=hub_server.url)
     index = json.loads((choice.model_dir / INDEX_NAME).read_text())
@@ -111,9 +109,7 @@ def test_layer_range_download_fetches_only_its_files(
     assert "pytorch_model.bin" not in files_on_disk(choice.model_dir)
 
     hub_server.reset_counters()
-    fetch_files(
-        REPO, listing.revision, choice.model_dir, listing.select(shard | rest), endpoint=hub_server.url
-    )
+    fetch_files(REPO, listing.revision, choice.model_dir, listing.select(shard | rest), endpoint=hub_server.url)
     assert sum(hub_server.bytes_served.values()) == 0  # everything is vouched for by the manifest
 
 
@@ -189,9 +185,7 @@ def test_errors_in_words(hub_server: HubServer, repo: Path, tmp_path: Path) -> N
     config = listing.select(["config.json"])
     with pytest.raises(AuthRequired, match="HF_TOKEN"):
         fetch_files("tiny/gated", listing.revision, tmp_path / "g", config, endpoint=hub_server.url)
-    fetch_files(
-        "tiny/gated", listing.revision, tmp_path / "g", config, endpoint=hub_server.url, token=DEFAULT_TOKEN
-    )
+    fetch_files("tiny/gated", listing.revision, tmp_path / "g", config, endpoint=hub_server.url, token=DEFAULT_TOKEN)
 
     listing = list_remote_files(REPO, endpoint=hub_server.url)
     with pytest.raises(NotFoundOnHub, match="no revision"):

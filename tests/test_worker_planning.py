@@ -32,21 +32,33 @@ def fold(*events: Event) -> State:
 PLACED = (
     NodeJoined(node_id=A, session_id="s-a", profile=PROFILE),
     NodeJoined(node_id=B, session_id="s-b", profile=PROFILE),
-    InstancePlaced(instance_id=INSTANCE, model_id=MODEL, shards=(
-        ShardAssignment(node_id=A, rank=0, start_layer=0, end_layer=2),
-        ShardAssignment(node_id=B, rank=1, start_layer=2, end_layer=4),
-    )),
+    InstancePlaced(
+        instance_id=INSTANCE,
+        model_id=MODEL,
+        shards=(
+            ShardAssignment(node_id=A, rank=0, start_layer=0, end_layer=2),
+            ShardAssignment(node_id=B, rank=1, start_layer=2, end_layer=4),
+        ),
+    ),
 )
 
 
 def downloaded(node: NodeId, start: int, end: int) -> DownloadCompleted:
-    return DownloadCompleted(node_id=node, model_id=MODEL, directory=f"/models/{node}", read_only=False,
-                             start_layer=start, end_layer=end, bytes_total=10)
+    return DownloadCompleted(
+        node_id=node,
+        model_id=MODEL,
+        directory=f"/models/{node}",
+        read_only=False,
+        start_layer=start,
+        end_layer=end,
+        bytes_total=10,
+    )
 
 
 def endpoint(node: NodeId, rank: int, generation: int = 0) -> RunnerEndpointReported:
-    return RunnerEndpointReported(instance_id=INSTANCE, generation=generation, node_id=node, rank=rank,
-                                  host="127.0.0.1", port=5000 + rank)
+    return RunnerEndpointReported(
+        instance_id=INSTANCE, generation=generation, node_id=node, rank=rank, host="127.0.0.1", port=5000 + rank
+    )
 
 
 def test_a_placed_shard_first_reports_its_endpoint() -> None:
@@ -72,8 +84,9 @@ def test_a_download_of_another_layer_range_does_not_count() -> None:
 
 
 def test_a_restart_waits_for_its_back_off_and_drops_the_old_generation() -> None:
-    restarting = InstanceRestarting(instance_id=INSTANCE, generation=1, attempt=1, not_before_ms=5_000,
-                                    reason="rank 1 failed")
+    restarting = InstanceRestarting(
+        instance_id=INSTANCE, generation=1, attempt=1, not_before_ms=5_000, reason="rank 1 failed"
+    )
     state = fold(*PLACED, downloaded(A, 0, 2), endpoint(A, 0), endpoint(B, 1), restarting)
     early = plan(state, A, "s-a", frozenset({RunnerKey(INSTANCE, 0)}), now_ms=1_000)
     assert RunnerKey(INSTANCE, 0) not in early.keep
@@ -83,8 +96,9 @@ def test_a_restart_waits_for_its_back_off_and_drops_the_old_generation() -> None
 
 
 def test_runners_of_a_previous_worker_life_are_reported_stale() -> None:
-    ready = RunnerStatusChanged(instance_id=INSTANCE, generation=0, node_id=A, rank=0, worker_session="old",
-                                status=RunnerStatus.READY)
+    ready = RunnerStatusChanged(
+        instance_id=INSTANCE, generation=0, node_id=A, rank=0, worker_session="old", status=RunnerStatus.READY
+    )
     state = fold(*PLACED, downloaded(A, 0, 2), endpoint(A, 0), endpoint(B, 1), ready)
     wanted = plan(state, A, "new", frozenset(), now_ms=0)
     assert wanted.stale == ((INSTANCE, 0, 0),)

@@ -11,7 +11,6 @@ from pathlib import Path
 from typing import Any
 
 import click
-
 from jetshard_bus.options import DEFAULT_NATS_URL, NatsOptions
 from jetshard_bus.streams import BusTimings
 
@@ -29,7 +28,9 @@ def option(*names: str, **kwargs: Any) -> Callable[[Callable[..., Any]], Callabl
 def nats_options(command: Callable[..., Any]) -> Callable[..., Any]:
     """Connection and cluster-timing flags every service takes; passed on as `nats` and `timings`."""
     decorators = [
-        option("--nats", "nats_urls", multiple=True, help=f"NATS server URL; repeat for a cluster [{DEFAULT_NATS_URL}]"),
+        option(
+            "--nats", "nats_urls", multiple=True, help=f"NATS server URL; repeat for a cluster [{DEFAULT_NATS_URL}]"
+        ),
         option("--nats-user", help="NATS user name"),
         option("--nats-password", help="NATS password"),
         option("--nats-token", help="NATS token"),
@@ -37,22 +38,42 @@ def nats_options(command: Callable[..., Any]) -> Callable[..., Any]:
         option("--nats-tls-ca", type=click.Path(exists=True, dir_okay=False), help="CA certificate for TLS"),
         option("--nats-tls-cert", type=click.Path(exists=True, dir_okay=False), help="client certificate for TLS"),
         option("--nats-tls-key", type=click.Path(exists=True, dir_okay=False), help="client key for TLS"),
-        option("--replicas", type=int, default=1, show_default=True,
-               help="replicas of jetshard's streams and buckets (3 on a NATS cluster)"),
-        option("--lease-ttl-s", type=float, default=BusTimings().lease_ttl_s, show_default=True,
-               help="a sequencer lease not renewed for this long passes to a standby"),
-        option("--liveness-ttl-s", type=float, default=BusTimings().liveness_ttl_s, show_default=True,
-               help="a node not heard from for this long is lost"),
+        option(
+            "--replicas",
+            type=int,
+            default=1,
+            show_default=True,
+            help="replicas of jetshard's streams and buckets (3 on a NATS cluster)",
+        ),
+        option(
+            "--lease-ttl-s",
+            type=float,
+            default=BusTimings().lease_ttl_s,
+            show_default=True,
+            help="a sequencer lease not renewed for this long passes to a standby",
+        ),
+        option(
+            "--liveness-ttl-s",
+            type=float,
+            default=BusTimings().liveness_ttl_s,
+            show_default=True,
+            help="a node not heard from for this long is lost",
+        ),
     ]
 
     @functools.wraps(command)
     def wrapper(**kwargs: Any) -> Any:
         urls = tuple(kwargs.pop("nats_urls") or (DEFAULT_NATS_URL,))
         nats = NatsOptions(
-            servers=urls, user=kwargs.pop("nats_user"), password=kwargs.pop("nats_password"),
-            token=kwargs.pop("nats_token"), creds_file=kwargs.pop("nats_creds"),
-            tls_ca=kwargs.pop("nats_tls_ca"), tls_cert=kwargs.pop("nats_tls_cert"),
-            tls_key=kwargs.pop("nats_tls_key"), replicas=kwargs.pop("replicas"),
+            servers=urls,
+            user=kwargs.pop("nats_user"),
+            password=kwargs.pop("nats_password"),
+            token=kwargs.pop("nats_token"),
+            creds_file=kwargs.pop("nats_creds"),
+            tls_ca=kwargs.pop("nats_tls_ca"),
+            tls_cert=kwargs.pop("nats_tls_cert"),
+            tls_key=kwargs.pop("nats_tls_key"),
+            replicas=kwargs.pop("replicas"),
         )
         timings = BusTimings(lease_ttl_s=kwargs.pop("lease_ttl_s"), liveness_ttl_s=kwargs.pop("liveness_ttl_s"))
         return command(nats=nats, timings=timings, **kwargs)
@@ -84,53 +105,107 @@ def sequencer(nats: NatsOptions, timings: BusTimings, snapshot_every: int) -> No
 @nats_options
 @option("--host", default="127.0.0.1", show_default=True, help="address the HTTP API listens on")
 @option("--port", type=int, default=DEFAULT_API_PORT, show_default=True, help="HTTP port (0: any free port)")
-@option("--command-timeout-s", type=float, default=30.0, show_default=True,
-        help="how long a route waits for its command's outcome before answering 504")
-@option("--port-file", type=click.Path(dir_okay=False, path_type=Path), default=None,
-        help="write the bound port here once listening")
-@option("--auto-place/--no-auto-place", default=True, show_default=True,
-        help="place a model that has no instance when a request asks for it")
-@option("--chunk-silence-s", type=float, default=60.0, show_default=True,
-        help="a generation silent this long (after its first chunk) ends with an error")
-def api(nats: NatsOptions, timings: BusTimings, host: str, port: int, command_timeout_s: float,
-        port_file: Path | None, auto_place: bool, chunk_silence_s: float) -> None:
+@option(
+    "--command-timeout-s",
+    type=float,
+    default=30.0,
+    show_default=True,
+    help="how long a route waits for its command's outcome before answering 504",
+)
+@option(
+    "--port-file",
+    type=click.Path(dir_okay=False, path_type=Path),
+    default=None,
+    help="write the bound port here once listening",
+)
+@option(
+    "--auto-place/--no-auto-place",
+    default=True,
+    show_default=True,
+    help="place a model that has no instance when a request asks for it",
+)
+@option(
+    "--chunk-silence-s",
+    type=float,
+    default=60.0,
+    show_default=True,
+    help="a generation silent this long (after its first chunk) ends with an error",
+)
+def api(
+    nats: NatsOptions,
+    timings: BusTimings,
+    host: str,
+    port: int,
+    command_timeout_s: float,
+    port_file: Path | None,
+    auto_place: bool,
+    chunk_silence_s: float,
+) -> None:
     """Serve the OpenAI-compatible API and the cluster routes."""
     from jetshard_api.routes_openai import InferenceSettings
     from jetshard_api.service import ApiConfig, run_api
     from jetshard_bus.service import run_service
 
     inference = InferenceSettings(auto_place=auto_place, chunk_silence_s=chunk_silence_s)
-    config = ApiConfig(nats=nats, timings=timings, host=host, port=port, command_timeout_s=command_timeout_s,
-                       port_file=port_file, inference=inference)
+    config = ApiConfig(
+        nats=nats,
+        timings=timings,
+        host=host,
+        port=port,
+        command_timeout_s=command_timeout_s,
+        port_file=port_file,
+        inference=inference,
+    )
     run_service("api", lambda stop: run_api(config, stop))
 
 
 @main.command()
 @nats_options
-@option("--advertise-host", default=None,
-        help="address other nodes reach this node's runners on [default: the address used to reach NATS]")
-@option("--runner-start-timeout-s", type=float, default=300.0, show_default=True,
-        help="a runner that has not loaded and joined its peers within this time is killed and reported")
+@option(
+    "--advertise-host",
+    default=None,
+    help="address other nodes reach this node's runners on [default: the address used to reach NATS]",
+)
+@option(
+    "--runner-start-timeout-s",
+    type=float,
+    default=300.0,
+    show_default=True,
+    help="a runner that has not loaded and joined its peers within this time is killed and reported",
+)
 def worker(nats: NatsOptions, timings: BusTimings, advertise_host: str | None, runner_start_timeout_s: float) -> None:
     """The node agent: node profile, custom model cards, shard runners."""
     from jetshard_bus.service import run_service
     from jetshard_worker.service import WorkerConfig, run_worker
 
-    config = WorkerConfig(nats=nats, timings=timings, advertise_host=advertise_host,
-                          runner_start_timeout_s=runner_start_timeout_s)
+    config = WorkerConfig(
+        nats=nats, timings=timings, advertise_host=advertise_host, runner_start_timeout_s=runner_start_timeout_s
+    )
     run_service("worker", lambda stop: run_worker(config, stop))
 
 
 @main.command()
 @nats_options
-@option("--default-models-dir", default=None,
-        help="the default (first) writable model directory [$XDG_DATA_HOME/jetshard/models]")
+@option(
+    "--default-models-dir",
+    default=None,
+    help="the default (first) writable model directory [$XDG_DATA_HOME/jetshard/models]",
+)
 @option("--models-dirs", default=None, help="more writable model directories, colon-separated, in order")
-@option("--models-read-only-dirs", default=None,
-        help="colon-separated directories searched first and never written (e.g. ~/.cache/huggingface/hub)")
+@option(
+    "--models-read-only-dirs",
+    default=None,
+    help="colon-separated directories searched first and never written (e.g. ~/.cache/huggingface/hub)",
+)
 @option("--offline", is_flag=True, help="make no network call (also HF_HUB_OFFLINE=1)")
-def downloader(nats: NatsOptions, timings: BusTimings, default_models_dir: str | None,
-               models_dirs: str | None, models_read_only_dirs: str | None, offline: bool) -> None:
+def downloader(
+    nats: NatsOptions,
+    timings: BusTimings,
+    default_models_dir: str | None,
+    models_dirs: str | None,
+    models_read_only_dirs: str | None,
+    offline: bool,
+) -> None:
     """Find models on this machine's disks and download what its shards need."""
     from jetshard_bus.service import run_service
     from jetshard_downloader.dirs import ModelDirs

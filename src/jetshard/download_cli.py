@@ -39,19 +39,35 @@ def _find(downloads: list[dict[str, Any]], node_id: str, model_id: str) -> dict[
 
 @click.command()
 @click.argument("model_id")
-@click.option("--node", "node_id", envvar="JETSHARD_NODE", default=None,
-              help="node to download to (default: the only node of the cluster)")
-@click.option("--api", "api_url", envvar="JETSHARD_API", default=DEFAULT_API, show_default=True,
-              help="URL of a jetshard API")
+@click.option(
+    "--node",
+    "node_id",
+    envvar="JETSHARD_NODE",
+    default=None,
+    help="node to download to (default: the only node of the cluster)",
+)
+@click.option(
+    "--api", "api_url", envvar="JETSHARD_API", default=DEFAULT_API, show_default=True, help="URL of a jetshard API"
+)
 @click.option("--start-layer", type=int, default=None, help="first layer of a shard to download")
 @click.option("--end-layer", type=int, default=None, help="end (exclusive) of a shard's layer range")
 @click.option("--timeout-s", type=float, default=None, help="give up after this many seconds")
-def download(model_id: str, node_id: str | None, api_url: str, start_layer: int | None, end_layer: int | None,
-             timeout_s: float | None) -> None:
+def download(
+    model_id: str,
+    node_id: str | None,
+    api_url: str,
+    start_layer: int | None,
+    end_layer: int | None,
+    timeout_s: float | None,
+) -> None:
     """Download MODEL (org/name) to a node, with a live progress bar; exits 1 with the reason on failure."""
     console = Console(stderr=True, highlight=False)
-    body: dict[str, Any] = {"model_id": model_id, "node_id": node_id, "start_layer": start_layer,
-                            "end_layer": end_layer}
+    body: dict[str, Any] = {
+        "model_id": model_id,
+        "node_id": node_id,
+        "start_layer": start_layer,
+        "end_layer": end_layer,
+    }
     with httpx.Client(base_url=api_url.rstrip("/"), timeout=60) as client:
         try:
             response = client.post("/downloads", json={k: v for k, v in body.items() if v is not None})
@@ -62,8 +78,13 @@ def download(model_id: str, node_id: str | None, api_url: str, start_layer: int 
         current = response.json()
         node_id = current["node_id"]
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
-        columns = (TextColumn("[bold]{task.description}"), BarColumn(), DownloadColumn(),
-                   TransferSpeedColumn(), TimeRemainingColumn())
+        columns = (
+            TextColumn("[bold]{task.description}"),
+            BarColumn(),
+            DownloadColumn(),
+            TransferSpeedColumn(),
+            TimeRemainingColumn(),
+        )
         with Progress(*columns, console=console, transient=False) as progress:
             task = progress.add_task(f"{model_id} → {node_id}", total=None)
             while current.get("status") not in _FINAL:
@@ -80,8 +101,9 @@ def download(model_id: str, node_id: str | None, api_url: str, start_layer: int 
                     continue
                 found = _find(response.json(), node_id, model_id)
                 if found is None:
-                    raise click.ClickException(f"the download of {model_id} on {node_id} disappeared "
-                                               "(deleted, or the node left the cluster)")
+                    raise click.ClickException(
+                        f"the download of {model_id} on {node_id} disappeared (deleted, or the node left the cluster)"
+                    )
                 current = found
             if current["status"] == "completed":
                 done = current.get("bytes_total") or 0

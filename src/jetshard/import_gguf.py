@@ -13,14 +13,14 @@ from pathlib import Path
 
 import click
 import msgspec
+from jetshard_schema.card_from_config import card_from_hub_metadata
+from jetshard_schema.cards import ModelSource
+from jetshard_schema.ids import parse_model_id
 from msgspec.structs import replace
 from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn
 
 from jetshard.models_cli import ADD_TIMEOUT_S, ApiClient, card_table, models
-from jetshard_schema.card_from_config import card_from_hub_metadata
-from jetshard_schema.cards import ModelSource
-from jetshard_schema.ids import parse_model_id
 
 
 def default_id(path: Path) -> str:
@@ -47,21 +47,29 @@ def import_gguf(api: ApiClient, path: Path, model_id: str | None) -> None:
     dirs = ModelDirs.from_env()
     target = model_path(dirs.writable[0] if dirs.writable else dirs.default_dir, model_id)
     console = Console(stderr=True)
-    with Progress(TextColumn("converting {task.description}"), BarColumn(), console=console,
-                  transient=True) as progress:
+    with Progress(
+        TextColumn("converting {task.description}"), BarColumn(), console=console, transient=True
+    ) as progress:
         task = progress.add_task(path.name, total=None)
         try:
-            directory, _ = install_gguf(path.resolve(), target, model_id,
-                                        on_progress=lambda done, total: progress.update(task, completed=done,
-                                                                                        total=total))
+            directory, _ = install_gguf(
+                path.resolve(),
+                target,
+                model_id,
+                on_progress=lambda done, total: progress.update(task, completed=done, total=total),
+            )
         except ValueError as error:
             raise click.ClickException(f"{path} cannot be converted: {error}") from error
     config = json.loads((directory / "config.json").read_text())
     index = json.loads((directory / "model.safetensors.index.json").read_text())
     sizes = {p.name: p.stat().st_size for p in directory.glob("*.safetensors")}
-    card = replace(card_from_hub_metadata(model_id, config, index, sizes), source=ModelSource.LOCAL_GGUF,
-                   source_ref=str(path.resolve()))
-    status, result = api.request("POST", "/models", timeout=ADD_TIMEOUT_S,
-                                 body={"model_id": model_id, "card": msgspec.to_builtins(card)})
+    card = replace(
+        card_from_hub_metadata(model_id, config, index, sizes),
+        source=ModelSource.LOCAL_GGUF,
+        source_ref=str(path.resolve()),
+    )
+    status, result = api.request(
+        "POST", "/models", timeout=ADD_TIMEOUT_S, body={"model_id": model_id, "card": msgspec.to_builtins(card)}
+    )
     click.echo(f"{'imported' if status == 201 else 'already known:'} {model_id} (files in {directory})")
     Console().print(card_table(result))

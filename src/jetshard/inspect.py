@@ -7,13 +7,12 @@ import datetime
 from typing import Any
 
 import msgspec
-from rich.console import Console
-
 from jetshard_bus.connect import connect
 from jetshard_bus.follower import StateFollower
 from jetshard_bus.options import NatsOptions
 from jetshard_bus.streams import subscribe_events
 from jetshard_schema.codec import decode_event
+from rich.console import Console
 
 
 async def fetch_state(nats: NatsOptions) -> dict[str, Any]:

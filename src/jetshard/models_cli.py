@@ -33,8 +33,9 @@ class ApiClient:
     def __init__(self, base_url: str) -> None:
         self.base_url = base_url.rstrip("/")
 
-    def request(self, method: str, path: str, *, timeout: float = TIMEOUT_S,
-                body: dict[str, Any] | None = None) -> tuple[int, Any]:
+    def request(
+        self, method: str, path: str, *, timeout: float = TIMEOUT_S, body: dict[str, Any] | None = None
+    ) -> tuple[int, Any]:
         url = self.base_url + path
         try:
             with httpx.Client(timeout=timeout) as client:
@@ -42,8 +43,11 @@ class ApiClient:
         except httpx.TimeoutException:
             _fail(f"the API at {self.base_url} did not answer within {timeout:.0f} s", EXIT_UNREACHABLE)
         except httpx.HTTPError as error:
-            _fail(f"cannot reach the jetshard API at {self.base_url} ({error}); is `jetshard up` or "
-                  "`jetshard api` running? (set --api or JETSHARD_API)", EXIT_UNREACHABLE)
+            _fail(
+                f"cannot reach the jetshard API at {self.base_url} ({error}); is `jetshard up` or "
+                "`jetshard api` running? (set --api or JETSHARD_API)",
+                EXIT_UNREACHABLE,
+            )
         try:
             data = response.json()
         except ValueError:
@@ -165,16 +169,17 @@ def card_table(card: dict[str, Any]) -> Table:
         ("architecture", str(card.get("architecture", "-"))),
         ("layers", str(card.get("num_layers", "-"))),
         ("hidden size", str(card.get("hidden_size", "-"))),
-        ("attention heads", f"{card.get('num_attention_heads', '-')} "
-                            f"({card.get('num_key_value_heads', '-')} key/value)"),
+        (
+            "attention heads",
+            f"{card.get('num_attention_heads', '-')} ({card.get('num_key_value_heads', '-')} key/value)",
+        ),
         ("vocabulary", str(card.get("vocab_size", "-"))),
         ("context length", str(card.get("context_length", "-"))),
         ("size", _size_text(card)),
         ("quantization", format_quantization(card)),
         ("tasks", ", ".join(card.get("tasks") or []) or "-"),
         ("custom", "yes" if card.get("is_custom") else "no (built-in)"),
-        ("source", str(card.get("source", "-"))
-                   + (f" ({card['source_ref']})" if card.get("source_ref") else "")),
+        ("source", str(card.get("source", "-")) + (f" ({card['source_ref']})" if card.get("source_ref") else "")),
     ]
     for name, value in rows:
         table.add_row(name, value)
@@ -188,8 +193,15 @@ def card_table(card: dict[str, Any]) -> Table:
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 110})
-@click.option("--api", "api_url", envvar="JETSHARD_API", default=DEFAULT_API_URL, show_default=True,
-              show_envvar=True, help="base URL of a jetshard API")
+@click.option(
+    "--api",
+    "api_url",
+    envvar="JETSHARD_API",
+    default=DEFAULT_API_URL,
+    show_default=True,
+    show_envvar=True,
+    help="base URL of a jetshard API",
+)
 @click.pass_context
 def models(ctx: click.Context, api_url: str) -> None:
     """List, add, show and delete model cards (built-in and custom)."""
@@ -248,4 +260,3 @@ def remove_model(api: ApiClient, model_id: str) -> None:
     """Delete a custom card from every node (downloaded files stay; built-in cards cannot be deleted)."""
     _, result = api.request("DELETE", _model_path(model_id))
     click.echo(f"deleted {(result or {}).get('deleted', model_id)}")
-

@@ -52,8 +52,9 @@ def with_group(process: subprocess.Popen[bytes], sig: signal.Signals) -> None:
         pass
 
 
-def start_nats_server(store_dir: Path, port: int = 4222, host: str = "127.0.0.1",
-                      log_file: Path | None = None, timeout_s: float = 20.0) -> NatsServer:
+def start_nats_server(
+    store_dir: Path, port: int = 4222, host: str = "127.0.0.1", log_file: Path | None = None, timeout_s: float = 20.0
+) -> NatsServer:
     """Start nats-server with JetStream on loopback; `port=-1` picks a free port. Returns once it listens."""
     store_dir.mkdir(parents=True, exist_ok=True)
     ports_dir = store_dir / "ports"

@@ -18,15 +18,19 @@ def _error_message(response: httpx.Response) -> str:
         return response.text
 
 
-def place_and_wait(console: Console, api_url: str, model_id: str,
-                   children: dict[str, subprocess.Popen[bytes]] | None = None, timeout_s: float = 1800) -> bool:
+def place_and_wait(
+    console: Console,
+    api_url: str,
+    model_id: str,
+    children: dict[str, subprocess.Popen[bytes]] | None = None,
+    timeout_s: float = 1800,
+) -> bool:
     """Place `model_id` unless an instance exists, show download and loading progress, print examples."""
     with httpx.Client(base_url=api_url, timeout=30) as http:
         if not _wait_for_nodes(http, children):
             console.print("[red]no node joined the cluster; see the worker's log[/]")
             return False
-        existing = [i for i in http.get("/instances").json()
-                    if i["model_id"] == model_id and i["status"] != "failed"]
+        existing = [i for i in http.get("/instances").json() if i["model_id"] == model_id and i["status"] != "failed"]
         if existing:
             instance = existing[0]
         else:
@@ -37,8 +41,14 @@ def place_and_wait(console: Console, api_url: str, model_id: str,
             instance = response.json()
         console.print(f"placing [bold]{model_id}[/] as {instance['instance_id']}")
         deadline = time.monotonic() + timeout_s
-        with Progress(TextColumn("{task.description}"), BarColumn(), DownloadColumn(), TimeRemainingColumn(),
-                      console=console, transient=True) as progress:
+        with Progress(
+            TextColumn("{task.description}"),
+            BarColumn(),
+            DownloadColumn(),
+            TimeRemainingColumn(),
+            console=console,
+            transient=True,
+        ) as progress:
             bars: dict[str, TaskID] = {}
             while time.monotonic() < deadline:
                 if children and any(child.poll() is not None for child in children.values()):
@@ -62,8 +72,9 @@ def place_and_wait(console: Console, api_url: str, model_id: str,
     return True
 
 
-def _wait_for_nodes(http: httpx.Client, children: dict[str, subprocess.Popen[bytes]] | None,
-                    timeout_s: float = 120) -> bool:
+def _wait_for_nodes(
+    http: httpx.Client, children: dict[str, subprocess.Popen[bytes]] | None, timeout_s: float = 120
+) -> bool:
     """The API answers before this machine's worker has joined; placing needs at least one node."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
@@ -80,11 +91,19 @@ def _update(progress: Progress, bars: dict[str, TaskID], instance: dict[str, Any
         name = f"{shard['node_id']} layers {shard['start_layer']}-{shard['end_layer']}"
         status = shard["status"]
         if status == "downloading":
-            key, done, total, label = name + "/dl", shard.get("bytes_done", 0), shard.get("bytes_total") or None, \
-                f"downloading {name}"
+            key, done, total, label = (
+                name + "/dl",
+                shard.get("bytes_done", 0),
+                shard.get("bytes_total") or None,
+                f"downloading {name}",
+            )
         elif status == "loading":
-            key, done, total, label = name + "/load", shard.get("layers_loaded", 0), shard.get("layers_total") or None, \
-                f"loading {name}"
+            key, done, total, label = (
+                name + "/load",
+                shard.get("layers_loaded", 0),
+                shard.get("layers_total") or None,
+                f"loading {name}",
+            )
         else:
             continue
         if key not in bars:

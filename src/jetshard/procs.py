@@ -22,9 +22,8 @@ def _die_with_parent() -> None:
 
 def spawn(args: Sequence[str], log_file: Path | None, env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
     """Start `args` in a new process group that is signalled when this process dies."""
-    log = open(log_file, "ab") if log_file else subprocess.DEVNULL  # noqa: SIM115 (the child keeps it)
-    return subprocess.Popen(list(args), stdout=log, stderr=subprocess.STDOUT, env=env,
-                            preexec_fn=_die_with_parent)  # noqa: PLW1509
+    log = open(log_file, "ab") if log_file else subprocess.DEVNULL
+    return subprocess.Popen(list(args), stdout=log, stderr=subprocess.STDOUT, env=env, preexec_fn=_die_with_parent)
 
 
 def stop_group(process: subprocess.Popen[bytes], timeout_s: float = 10.0) -> None:

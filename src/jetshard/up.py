@@ -10,9 +10,8 @@ from pathlib import Path
 
 import click
 import httpx
-from rich.console import Console
-
 from jetshard_schema.catalogue import DEMO_MODEL_ID
+from rich.console import Console
 
 from jetshard.natsserver import NatsServer, start_nats_server
 from jetshard.placing import place_and_wait
@@ -27,27 +26,71 @@ def data_dir() -> Path:
 
 
 @click.command()
-@click.option("--nats", "nats_url", envvar="JETSHARD_NATS", default=None,
-              help="join this NATS server instead of starting the embedded one")
-@click.option("--nats-port", envvar="JETSHARD_NATS_PORT", type=int, default=4222, show_default=True,
-              help="port of the embedded NATS server (loopback only)")
+@click.option(
+    "--nats",
+    "nats_url",
+    envvar="JETSHARD_NATS",
+    default=None,
+    help="join this NATS server instead of starting the embedded one",
+)
+@click.option(
+    "--nats-port",
+    envvar="JETSHARD_NATS_PORT",
+    type=int,
+    default=4222,
+    show_default=True,
+    help="port of the embedded NATS server (loopback only)",
+)
 @click.option("--host", envvar="JETSHARD_HOST", default="127.0.0.1", show_default=True, help="API address")
 @click.option("--port", envvar="JETSHARD_PORT", type=int, default=52415, show_default=True, help="API port")
-@click.option("--data-dir", "state_dir", envvar="JETSHARD_DATA_DIR", type=click.Path(path_type=Path),
-              default=None, help="where NATS keeps the cluster's history and services their logs")
+@click.option(
+    "--data-dir",
+    "state_dir",
+    envvar="JETSHARD_DATA_DIR",
+    type=click.Path(path_type=Path),
+    default=None,
+    help="where NATS keeps the cluster's history and services their logs",
+)
 @click.option("--offline", envvar="JETSHARD_OFFLINE", is_flag=True, help="make no network call at all")
-@click.option("--model", envvar="JETSHARD_MODEL", default=DEMO_MODEL_ID, show_default=True,
-              help="model to place once the cluster is up")
+@click.option(
+    "--model",
+    envvar="JETSHARD_MODEL",
+    default=DEMO_MODEL_ID,
+    show_default=True,
+    help="model to place once the cluster is up",
+)
 @click.option("--no-model", is_flag=True, help="place no model")
-@click.option("--default-models-dir", envvar="JETSHARD_DEFAULT_MODELS_DIR", default=None,
-              help="first writable model directory [default: XDG data dir/jetshard/models]")
-@click.option("--models-dirs", envvar="JETSHARD_MODELS_DIRS", default=None,
-              help="more writable model directories, colon-separated, tried in order")
-@click.option("--models-read-only-dirs", envvar="JETSHARD_MODELS_READ_ONLY_DIRS", default=None,
-              help="model directories searched but never written, colon-separated")
-def up(nats_url: str | None, nats_port: int, host: str, port: int, state_dir: Path | None, offline: bool,
-       model: str, no_model: bool, default_models_dir: str | None, models_dirs: str | None,
-       models_read_only_dirs: str | None) -> None:
+@click.option(
+    "--default-models-dir",
+    envvar="JETSHARD_DEFAULT_MODELS_DIR",
+    default=None,
+    help="first writable model directory [default: XDG data dir/jetshard/models]",
+)
+@click.option(
+    "--models-dirs",
+    envvar="JETSHARD_MODELS_DIRS",
+    default=None,
+    help="more writable model directories, colon-separated, tried in order",
+)
+@click.option(
+    "--models-read-only-dirs",
+    envvar="JETSHARD_MODELS_READ_ONLY_DIRS",
+    default=None,
+    help="model directories searched but never written, colon-separated",
+)
+def up(
+    nats_url: str | None,
+    nats_port: int,
+    host: str,
+    port: int,
+    state_dir: Path | None,
+    offline: bool,
+    model: str,
+    no_model: bool,
+    default_models_dir: str | None,
+    models_dirs: str | None,
+    models_read_only_dirs: str | None,
+) -> None:
     """Start everything on this machine; Ctrl-C stops it all. Running it again keeps the history."""
     console = Console(highlight=False)
     signal.signal(signal.SIGTERM, _interrupt)
@@ -61,8 +104,11 @@ def up(nats_url: str | None, nats_port: int, host: str, port: int, state_dir: Pa
     env = {**os.environ, "JETSHARD_NATS": nats_url}
     if offline:
         env["JETSHARD_OFFLINE"] = "1"
-    for name, value in (("JETSHARD_DEFAULT_MODELS_DIR", default_models_dir), ("JETSHARD_MODELS_DIRS", models_dirs),
-                        ("JETSHARD_MODELS_READ_ONLY_DIRS", models_read_only_dirs)):
+    for name, value in (
+        ("JETSHARD_DEFAULT_MODELS_DIR", default_models_dir),
+        ("JETSHARD_MODELS_DIRS", models_dirs),
+        ("JETSHARD_MODELS_READ_ONLY_DIRS", models_read_only_dirs),
+    ):
         if value is not None:
             env[name] = value
     extra = {"api": ["--host", host, "--port", str(port)]}
@@ -73,9 +119,11 @@ def up(nats_url: str | None, nats_port: int, host: str, port: int, state_dir: Pa
     api_url = f"http://{host}:{port}"
     try:
         _wait_healthy(api_url, children, logs)
-        console.print(f"[bold green]jetshard is up[/]\n  API   {api_url}  (OpenAI base URL: {api_url}/v1)\n"
-                      f"  NATS  {nats_url}  (try: nats --server {nats_url} stream view JETSHARD_EVENTS)\n"
-                      f"  logs  {logs}")
+        console.print(
+            f"[bold green]jetshard is up[/]\n  API   {api_url}  (OpenAI base URL: {api_url}/v1)\n"
+            f"  NATS  {nats_url}  (try: nats --server {nats_url} stream view JETSHARD_EVENTS)\n"
+            f"  logs  {logs}"
+        )
         if not no_model:
             place_and_wait(console, api_url, model, children)
         console.print("Press Ctrl-C to stop.")

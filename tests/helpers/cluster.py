@@ -65,15 +65,24 @@ class Cluster:
         stop = asyncio.Event()
         task = asyncio.create_task(keep_alive(self.js, node_id, "test-session", 10.0, stop))
         self.heartbeats.append((stop, task))
-        profile = NodeProfile(hostname=node_id, os="test", cpu_cores=4, memory_total_bytes=64 * GiB,
-                              memory_available_bytes=32 * GiB)
+        profile = NodeProfile(
+            hostname=node_id, os="test", cpu_cores=4, memory_total_bytes=64 * GiB, memory_available_bytes=32 * GiB
+        )
         await self.submit(ReportNodeProfile(node_id=node_id, session_id="test-session", profile=profile))
         return node_id
 
     async def add_card(self, model_id: str, num_layers: int, hidden_size: int = 64) -> None:
-        card = ModelCard(model_id=ModelId(model_id), num_layers=num_layers, hidden_size=hidden_size,
-                         num_attention_heads=4, num_key_value_heads=2, vocab_size=512, architecture="llama",
-                         storage_size_bytes=1000, storage_size_estimated=True)
+        card = ModelCard(
+            model_id=ModelId(model_id),
+            num_layers=num_layers,
+            hidden_size=hidden_size,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            vocab_size=512,
+            architecture="llama",
+            storage_size_bytes=1000,
+            storage_size_estimated=True,
+        )
         events = await self.submit(AddCustomModelCard(card=card))
         assert not any(isinstance(e, CommandRejected) for e in events), events
 
@@ -83,8 +92,9 @@ class Cluster:
 
     def start_api(self) -> str:
         port_file = self.tmp / "api.port"
-        self.processes.start("api", "api", "--port", "0", "--port-file", str(port_file),
-                             env={**self.env, "JETSHARD_NATS": self.nats.url})
+        self.processes.start(
+            "api", "api", "--port", "0", "--port-file", str(port_file), env={**self.env, "JETSHARD_NATS": self.nats.url}
+        )
         deadline = time.monotonic() + 30
         while time.monotonic() < deadline:
             if port_file.exists() and port_file.read_text().strip():
@@ -92,28 +102,33 @@ class Cluster:
             time.sleep(0.05)
         raise AssertionError("the API did not start:\n" + self.processes.log("api"))
 
-    async def wait(self, predicate: Callable[[State], bool], timeout_s: float = 30.0,
-                   what: str = "") -> State:
+    async def wait(self, predicate: Callable[[State], bool], timeout_s: float = 30.0, what: str = "") -> State:
         try:
             return await self.follower.wait_until(predicate, timeout_s)
         except TimeoutError:
-            logs = "\n".join(f"--- {p.name}\n{p.read_text(errors='replace')[-3000:]}"
-                             for p in sorted(self.processes.log_dir.glob("*.log")))
+            logs = "\n".join(
+                f"--- {p.name}\n{p.read_text(errors='replace')[-3000:]}"
+                for p in sorted(self.processes.log_dir.glob("*.log"))
+            )
             raise AssertionError(f"timed out waiting for {what}\n{logs}") from None
 
-    async def wait_download(self, node_id: NodeId, model_id: str, statuses: tuple[DownloadStatus, ...],
-                            timeout_s: float = 30.0) -> Download:
+    async def wait_download(
+        self, node_id: NodeId, model_id: str, statuses: tuple[DownloadStatus, ...], timeout_s: float = 30.0
+    ) -> Download:
         state = await self.wait(
             lambda s: (d := s.download(node_id, ModelId(model_id))) is not None and d.status in statuses,
-            timeout_s, f"{model_id} on {node_id} to be {statuses}")
+            timeout_s,
+            f"{model_id} on {node_id} to be {statuses}",
+        )
         download = state.download(node_id, ModelId(model_id))
         assert download is not None
         return download
 
 
 @pytest_asyncio.fixture
-async def cluster(fresh_nats: NatsServer, processes: Any, hf_env: dict[str, str],
-                  tmp_path: Path) -> AsyncIterator[Cluster]:
+async def cluster(
+    fresh_nats: NatsServer, processes: Any, hf_env: dict[str, str], tmp_path: Path
+) -> AsyncIterator[Cluster]:
     processes.start("sequencer", "sequencer", env={**hf_env, "JETSHARD_NATS": fresh_nats.url})
     client, js = await connect(NatsOptions(servers=(fresh_nats.url,)), "test")
     follower = StateFollower(js)
@@ -141,8 +156,9 @@ async def poll(predicate: Callable[[], bool], timeout_s: float) -> None:
         await asyncio.sleep(0.05)
 
 
-async def api_until(http: httpx.AsyncClient, predicate: Callable[[Any], bool], path: str = "/downloads",
-                    timeout_s: float = 10.0) -> Any:
+async def api_until(
+    http: httpx.AsyncClient, predicate: Callable[[Any], bool], path: str = "/downloads", timeout_s: float = 10.0
+) -> Any:
     """GET `path` until `predicate(json)`: the API's State replica may be a moment behind the test's."""
     deadline = time.monotonic() + timeout_s
     while True:
@@ -151,5 +167,3 @@ async def api_until(http: httpx.AsyncClient, predicate: Callable[[Any], bool], p
             return body
         assert time.monotonic() < deadline, body
         await asyncio.sleep(0.1)
-
-

@@ -38,9 +38,7 @@ def direct_tps(model_dir: Path, prompt: list[int], tokens: int) -> float:
     return (len(times) - 1) / (times[-1] - times[0])
 
 
-def engine_tps(
-    model_dir: Path, num_layers: int, ranks: int, prompt: list[int], tokens: int, work: Path
-) -> float:
+def engine_tps(model_dir: Path, num_layers: int, ranks: int, prompt: list[int], tokens: int, work: Path) -> float:
     work.mkdir(parents=True, exist_ok=True)
     cuts = [round(num_layers * r / ranks) for r in range(ranks + 1)]
     spec = [{"task_id": "bench", "prompt_tokens": prompt, "max_tokens": tokens, "eos_token_ids": []}]
@@ -55,8 +53,20 @@ def engine_tps(
         hostfile = write_hostfile(work / "hosts.json", [f"127.0.0.1:{p}" for p in ports])
     procs = []
     for rank, (start, end) in enumerate(itertools.pairwise(cuts)):
-        cmd = [sys.executable, str(RANK_SCRIPT), "--model-dir", str(model_dir), "--start", str(start),
-               "--end", str(end), "--rank", str(rank), "--out", str(work / f"rank{rank}.json")]
+        cmd = [
+            sys.executable,
+            str(RANK_SCRIPT),
+            "--model-dir",
+            str(model_dir),
+            "--start",
+            str(start),
+            "--end",
+            str(end),
+            "--rank",
+            str(rank),
+            "--out",
+            str(work / f"rank{rank}.json"),
+        ]
         if hostfile:
             cmd += ["--hostfile", str(hostfile)]
         if rank == ranks - 1:
@@ -76,8 +86,9 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=100)
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
-        model_dir = make_tiny_model(Path(tmp) / "model", "llama", args.num_layers, min(3, args.num_layers),
-                                    hidden_size=args.hidden_size)
+        model_dir = make_tiny_model(
+            Path(tmp) / "model", "llama", args.num_layers, min(3, args.num_layers), hidden_size=args.hidden_size
+        )
         prompt = list(range(5, 37))
         rows = [("mlx_lm generate_step", direct_tps(model_dir, prompt, args.tokens))]
         for ranks in (1, 2, 3):

@@ -331,9 +331,7 @@ class _HubHandler(BaseHTTPRequestHandler):
         except (BrokenPipeError, ConnectionResetError):
             self.close_connection = True
         finally:
-            self.hub._record(
-                RequestRecord(method, split.path, split.query, dict(self.headers.items()), self._status)
-            )
+            self.hub._record(RequestRecord(method, split.path, split.query, dict(self.headers.items()), self._status))
 
     def _route(self, method: str, seg: list[str], body: bytes) -> None:
         if seg[:2] == ["api", "agent-harnesses"]:
@@ -430,9 +428,7 @@ class _HubHandler(BaseHTTPRequestHandler):
             "usedStorage": sum(f.size for f in repo.files.values()),
         }
         if repo.config is not None:
-            info["config"] = {
-                key: repo.config[key] for key in ("architectures", "model_type") if key in repo.config
-            }
+            info["config"] = {key: repo.config[key] for key in ("architectures", "model_type") if key in repo.config}
         if repo.safetensors is not None:
             info["safetensors"] = repo.safetensors
         self._send_json(info)
@@ -582,9 +578,7 @@ class _HubHandler(BaseHTTPRequestHandler):
 
     def _send_json(self, data: Any, status: int = 200, headers: dict[str, str] | None = None) -> None:
         body = json.dumps(data).encode()
-        self._start(
-            status, {"Content-Type": "application/json", "Content-Length": str(len(body)), **(headers or {})}
-        )
+        self._start(status, {"Content-Type": "application/json", "Content-Length": str(len(body)), **(headers or {})})
         if self.command != "HEAD":
             self.wfile.write(body)
 

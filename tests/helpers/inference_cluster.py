@@ -48,8 +48,7 @@ class InferenceCluster:
 
     def start_api(self, api_args: Sequence[str] = (), name: str = "api") -> str:
         port_file = self.root / f"{name}.port"
-        self.processes.start(name, "api", "--port", "0", "--port-file", str(port_file), *api_args,
-                             env=self.base_env)
+        self.processes.start(name, "api", "--port", "0", "--port-file", str(port_file), *api_args, env=self.base_env)
         ready = wait_for(lambda: port_file.exists() and port_file.read_text().strip().isdigit(), timeout=60)
         assert ready, self.processes.log(name)
         url = f"http://127.0.0.1:{int(port_file.read_text())}"
@@ -60,22 +59,28 @@ class InferenceCluster:
     def node_env(self, node: str) -> dict[str, str]:
         tmp = self.root / node / "tmp"  # the worker keeps its runners' logs in a temporary directory
         tmp.mkdir(parents=True, exist_ok=True)
-        return {**self.base_env, "JETSHARD_CONFIG_DIR": str(self.root / node / "config"),
-                "JETSHARD_DEFAULT_MODELS_DIR": str(self.root / node / "models"), "TMPDIR": str(tmp)}
+        return {
+            **self.base_env,
+            "JETSHARD_CONFIG_DIR": str(self.root / node / "config"),
+            "JETSHARD_DEFAULT_MODELS_DIR": str(self.root / node / "models"),
+            "TMPDIR": str(tmp),
+        }
 
     def start_node(self, node: str) -> None:
         env = self.node_env(node)
         self.workers[node] = self.processes.start(f"{node}-worker", "worker", env=env)
         self.downloaders[node] = self.processes.start(f"{node}-downloader", "downloader", env=env)
         id_file = self.root / node / "config" / "node_id"
-        assert wait_for(lambda: id_file.exists() and id_file.read_text().strip() != "", timeout=60), \
-            self.processes.log(f"{node}-worker")
+        assert wait_for(lambda: id_file.exists() and id_file.read_text().strip() != "", timeout=60), self.processes.log(
+            f"{node}-worker"
+        )
         self.node_ids[node] = id_file.read_text().strip()
 
     def wait_nodes(self, count: int, timeout: float = 90) -> None:
         def joined() -> bool:
             nodes = httpx.get(f"{self.api}/nodes", timeout=10).json()
             return len(nodes) >= count and all(n.get("model_dirs") for n in nodes)
+
         assert wait_for(joined, timeout=timeout), self.get("/nodes")
 
     def stop_worker(self, node: str, sig: signal.Signals = signal.SIGTERM) -> None:
@@ -106,13 +111,13 @@ class InferenceCluster:
         assert response.status_code in (200, 201), response.text
 
     def place(self, model_id: str, min_nodes: int = 2) -> str:
-        response = httpx.post(f"{self.api}/instances", json={"model_id": model_id, "min_nodes": min_nodes},
-                              timeout=60)
+        response = httpx.post(f"{self.api}/instances", json={"model_id": model_id, "min_nodes": min_nodes}, timeout=60)
         assert response.status_code == 201, response.text
         return str(response.json()["instance_id"])
 
-    def wait_instance(self, instance_id: str, status: str = "ready", timeout: float = 180,
-                      seen: list[str] | None = None) -> dict[str, Any]:
+    def wait_instance(
+        self, instance_id: str, status: str = "ready", timeout: float = 180, seen: list[str] | None = None
+    ) -> dict[str, Any]:
         """Poll GET /instances/{id} until `status`; record every distinct status in `seen`."""
         last: dict[str, Any] = {}
 

@@ -137,9 +137,7 @@ def _merges(count: int) -> list[tuple[str, str]]:
     candidates += [(a, b) for a in frequent for b in frequent]
     candidates += [(a.upper(), b) for a in letters for b in frequent]
     if count > len(candidates):
-        raise ValueError(
-            f"vocab_size too large for the tiny tokenizer (max {MIN_VOCAB_SIZE + len(candidates)})"
-        )
+        raise ValueError(f"vocab_size too large for the tiny tokenizer (max {MIN_VOCAB_SIZE + len(candidates)})")
     return candidates[:count]
 
 
@@ -160,9 +158,7 @@ def _write_tokenizer(out_dir: Path, vocab_size: int) -> dict[str, int]:
     tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=merges))
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
     tokenizer.decoder = decoders.ByteLevel()
-    tokenizer.add_special_tokens(
-        [AddedToken(token, special=True, normalized=False) for token in SPECIAL_TOKENS]
-    )
+    tokenizer.add_special_tokens([AddedToken(token, special=True, normalized=False) for token in SPECIAL_TOKENS])
     tokenizer.save(str(out_dir / "tokenizer.json"))
 
     _write_json(

@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-from nats.js import JetStreamContext
-
-from jetshard_bus.tracing import inject
 from jetshard_schema.codec import encode
 from jetshard_schema.commands import Command
 from jetshard_schema.ids import CommandId, new_command_id
 from jetshard_schema.subjects import MSG_ID_HEADER
+from nats.js import JetStreamContext
+
+from jetshard_bus.tracing import inject
 
 
 async def publish_command(
@@ -16,6 +16,7 @@ async def publish_command(
 ) -> tuple[CommandId, int]:
     """Store `command` in JETSHARD_COMMANDS; returns its id and stream sequence."""
     command_id = command_id or new_command_id()
-    ack = await js.publish(command.subject, encode(command), timeout=timeout_s,
-                           headers=inject({MSG_ID_HEADER: command_id}))
+    ack = await js.publish(
+        command.subject, encode(command), timeout=timeout_s, headers=inject({MSG_ID_HEADER: command_id})
+    )
     return command_id, ack.seq

@@ -18,8 +18,9 @@ class NatsUnreachableError(ConnectionError):
     pass
 
 
-async def connect(options: NatsOptions, name: str, timings: BusTimings = BusTimings(),
-                  wait_for_server: bool = True) -> tuple[Client, JetStreamContext]:
+async def connect(
+    options: NatsOptions, name: str, timings: BusTimings = BusTimings(), wait_for_server: bool = True
+) -> tuple[Client, JetStreamContext]:
     """Connect as `name` (shown by `nats server report connections`) and declare streams and buckets.
 
     Services wait for a server that is not up yet (`wait_for_server`); one-shot tools fail at once with
@@ -42,7 +43,8 @@ async def connect(options: NatsOptions, name: str, timings: BusTimings = BusTimi
     except Exception as error:
         raise NatsUnreachableError(
             f"cannot reach NATS at {', '.join(options.servers)} ({last_error[-1] if last_error else error}); "
-            "is `jetshard up` (or nats-server) running?") from error
+            "is `jetshard up` (or nats-server) running?"
+        ) from error
     js = client.jetstream(publish_async_max_pending=20_000)
     await declare(js, timings, replicas=options.replicas)
     return client, js

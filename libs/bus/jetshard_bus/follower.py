@@ -11,18 +11,17 @@ import logging
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-from nats.aio.msg import Msg
-from nats.js import JetStreamContext
-
-from msgspec.structs import replace
-
-from jetshard_bus.snapshots import load_snapshot
-from jetshard_bus.streams import subscribe_events
 from jetshard_schema import subjects
 from jetshard_schema.codec import decode_event
 from jetshard_schema.events import EventEnvelope
 from jetshard_schema.ids import CommandId
 from jetshard_schema.state import State, apply
+from msgspec.structs import replace
+from nats.aio.msg import Msg
+from nats.js import JetStreamContext
+
+from jetshard_bus.snapshots import load_snapshot
+from jetshard_bus.streams import subscribe_events
 
 log = logging.getLogger(__name__)
 

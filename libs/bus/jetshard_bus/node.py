@@ -12,11 +12,10 @@ import tempfile
 from pathlib import Path
 
 import psutil
-from nats.js import JetStreamContext
-
 from jetshard_schema.ids import NodeId, new_id
 from jetshard_schema.subjects import LIVENESS_BUCKET
 from jetshard_schema.types import NodeProfile
+from nats.js import JetStreamContext
 
 log = logging.getLogger(__name__)
 
@@ -68,8 +67,7 @@ def _accelerator() -> str:
     return "cpu"
 
 
-async def keep_alive(js: JetStreamContext, node_id: NodeId, session_id: str, ttl_s: float,
-                     stop: asyncio.Event) -> None:
+async def keep_alive(js: JetStreamContext, node_id: NodeId, session_id: str, ttl_s: float, stop: asyncio.Event) -> None:
     """Refresh the node's liveness key well within its TTL until `stop`; then delete it."""
     kv = await js.key_value(LIVENESS_BUCKET)
     while not stop.is_set():

@@ -6,11 +6,10 @@ import logging
 
 import msgspec
 import nats.js.errors
-from nats.js import JetStreamContext
-
 from jetshard_schema.codec import decode_state, encode
 from jetshard_schema.state import State
 from jetshard_schema.subjects import SNAPSHOT_BUCKET, SNAPSHOT_OBJECT
+from nats.js import JetStreamContext
 
 log = logging.getLogger(__name__)
 

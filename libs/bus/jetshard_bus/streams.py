@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
-import msgspec.json
-import nats.js.errors
-from nats.js import JetStreamContext
 from collections.abc import Awaitable, Callable
 
+import msgspec.json
+import nats.js.errors
+from jetshard_schema import subjects
 from nats.aio.msg import Msg
+from nats.js import JetStreamContext
 from nats.js.api import (
     ConsumerConfig,
     DeliverPolicy,
@@ -18,8 +19,6 @@ from nats.js.api import (
     StorageType,
     StreamConfig,
 )
-
-from jetshard_schema import subjects
 
 
 class BusTimings(msgspec.Struct, frozen=True, kw_only=True):
@@ -34,36 +33,51 @@ class BusTimings(msgspec.Struct, frozen=True, kw_only=True):
 
 
 async def declare(js: JetStreamContext, timings: BusTimings = BusTimings(), replicas: int = 1) -> None:
-    await _ensure_stream(js, StreamConfig(
-        name=subjects.COMMANDS_STREAM,
-        subjects=[f"{subjects.COMMAND_PREFIX}.>"],
-        storage=StorageType.FILE,
-        retention=RetentionPolicy.LIMITS,
-        max_age=7 * 24 * 3600,
-        duplicate_window=timings.dedupe_window_s,
-        num_replicas=replicas,
-        discard=DiscardPolicy.OLD,
-    ))
-    await _ensure_stream(js, StreamConfig(
-        name=subjects.EVENTS_STREAM,
-        subjects=[f"{subjects.EVENT_PREFIX}.>"],
-        storage=StorageType.FILE,
-        retention=RetentionPolicy.LIMITS,
-        duplicate_window=timings.dedupe_window_s,
-        num_replicas=replicas,
-        # Events are the history State is folded from: never discard one silently.
-        discard=DiscardPolicy.NEW,
-    ))
-    await _ensure_kv(js, KeyValueConfig(bucket=subjects.LEADER_BUCKET, ttl=timings.lease_ttl_s,
-                                        replicas=replicas, history=1))
-    await _ensure_kv(js, KeyValueConfig(bucket=subjects.LIVENESS_BUCKET, ttl=timings.liveness_ttl_s,
-                                        replicas=replicas, history=1))
+    await _ensure_stream(
+        js,
+        StreamConfig(
+            name=subjects.COMMANDS_STREAM,
+            subjects=[f"{subjects.COMMAND_PREFIX}.>"],
+            storage=StorageType.FILE,
+            retention=RetentionPolicy.LIMITS,
+            max_age=7 * 24 * 3600,
+            duplicate_window=timings.dedupe_window_s,
+            num_replicas=replicas,
+            discard=DiscardPolicy.OLD,
+        ),
+    )
+    await _ensure_stream(
+        js,
+        StreamConfig(
+            name=subjects.EVENTS_STREAM,
+            subjects=[f"{subjects.EVENT_PREFIX}.>"],
+            storage=StorageType.FILE,
+            retention=RetentionPolicy.LIMITS,
+            # Shorter than the commands' window: a command the commands stream accepts again (re-sent after
+            # its window) can never collide with its earlier events' ids, which would make an append a silent
+            # no-op and throw the sequencer's count of the stream's sequence off.
+            duplicate_window=timings.dedupe_window_s / 2,
+            num_replicas=replicas,
+            # Events are the history State is folded from: never discard one silently.
+            discard=DiscardPolicy.NEW,
+        ),
+    )
+    await _ensure_kv(
+        js, KeyValueConfig(bucket=subjects.LEADER_BUCKET, ttl=timings.lease_ttl_s, replicas=replicas, history=1)
+    )
+    await _ensure_kv(
+        js, KeyValueConfig(bucket=subjects.LIVENESS_BUCKET, ttl=timings.liveness_ttl_s, replicas=replicas, history=1)
+    )
     try:
         await js.object_store(subjects.SNAPSHOT_BUCKET)
     except nats.js.errors.BucketNotFoundError:
-        await js.create_object_store(subjects.SNAPSHOT_BUCKET, config=ObjectStoreConfig(
-            storage=StorageType.FILE, replicas=replicas,
-        ))
+        await js.create_object_store(
+            subjects.SNAPSHOT_BUCKET,
+            config=ObjectStoreConfig(
+                storage=StorageType.FILE,
+                replicas=replicas,
+            ),
+        )
 
 
 async def _ensure_stream(js: JetStreamContext, config: StreamConfig) -> None:
@@ -80,14 +94,20 @@ async def _ensure_kv(js: JetStreamContext, config: KeyValueConfig) -> None:
         await js.create_key_value(config)
 
 
-async def subscribe_events(js: JetStreamContext, cb: Callable[[Msg], Awaitable[None]],
-                           start_seq: int | None = None) -> JetStreamContext.PushSubscription:
+async def subscribe_events(
+    js: JetStreamContext, cb: Callable[[Msg], Awaitable[None]], start_seq: int | None = None
+) -> JetStreamContext.PushSubscription:
     """An ordered push consumer on JETSHARD_EVENTS from `start_seq` (None: only new events)."""
     if start_seq is None:
         config = ConsumerConfig(deliver_policy=DeliverPolicy.NEW)
     else:
         config = ConsumerConfig(deliver_policy=DeliverPolicy.BY_START_SEQUENCE, opt_start_seq=max(start_seq, 1))
     return await js.subscribe(
-        f"{subjects.EVENT_PREFIX}.>", stream=subjects.EVENTS_STREAM, ordered_consumer=True, config=config,
-        cb=cb, pending_msgs_limit=1_000_000, pending_bytes_limit=1 << 30,
+        f"{subjects.EVENT_PREFIX}.>",
+        stream=subjects.EVENTS_STREAM,
+        ordered_consumer=True,
+        config=config,
+        cb=cb,
+        pending_msgs_limit=1_000_000,
+        pending_bytes_limit=1 << 30,
     )

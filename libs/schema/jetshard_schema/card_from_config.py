@@ -98,9 +98,7 @@ def _architecture(model_id: str, config: Mapping[str, Any], text_config: Mapping
     if model_type is None:
         raise ValueError(f"{model_id}: config.json has no 'model_type'")
     if not isinstance(model_type, str) or not model_type:
-        raise ValueError(
-            f"{model_id}: config.json 'model_type' must be a non-empty string, got {model_type!r}"
-        )
+        raise ValueError(f"{model_id}: config.json 'model_type' must be a non-empty string, got {model_type!r}")
     if model_type not in SUPPORTED_ARCHITECTURES:
         raise UnsupportedModelError(
             f"{model_id}: architecture {model_type!r} is not supported; supported architectures: "

@@ -46,8 +46,12 @@ def decode_event(data: bytes) -> EventEnvelope | None:
             log.warning("skipping event type %r that this version cannot read (%s)", type_name, error)
         return None
     return EventEnvelope(
-        command_id=raw.command_id, command_seq=raw.command_seq, index=raw.index, count=raw.count,
-        at_ms=raw.at_ms, event=event,
+        command_id=raw.command_id,
+        command_seq=raw.command_seq,
+        index=raw.index,
+        count=raw.count,
+        at_ms=raw.at_ms,
+        event=event,
     )
 
 

@@ -90,7 +90,7 @@ def place(
     if not node_ids:
         # The fewest nodes (at least min_nodes) whose memory covers the model: fewer hops per token.
         count, held = 0, 0
-        for count, node in enumerate(chosen, start=1):  # noqa: B007
+        for count, node in enumerate(chosen, start=1):
             held += node.profile.memory_available_bytes
             if count >= min_nodes and held >= required:
                 break

@@ -152,8 +152,9 @@ def _set_download(state: State, download: Download) -> State:
 def _update_download(state: State, node_id: NodeId, model_id: ModelId, **changes: object) -> State:
     current = state.download(node_id, model_id)
     if current is None:
-        current = Download(node_id=node_id, model_id=model_id, status=DownloadStatus.PENDING,
-                           start_layer=0, end_layer=0)
+        current = Download(
+            node_id=node_id, model_id=model_id, status=DownloadStatus.PENDING, start_layer=0, end_layer=0
+        )
     return _set_download(state, replace(current, **changes))
 
 
@@ -195,37 +196,59 @@ def apply(state: State, event: Event, seq: int, command_seq: int = 0) -> State:
             return replace(state, measured_sizes=_with(state.measured_sizes, model_id, size))
         case DownloadRequested(node_id=node_id, model_id=model_id, start_layer=start, end_layer=end):
             existing = state.download(node_id, model_id)
-            if existing is not None and existing.status is DownloadStatus.COMPLETED and (
-                existing.start_layer <= start and end <= existing.end_layer
+            if (
+                existing is not None
+                and existing.status is DownloadStatus.COMPLETED
+                and (existing.start_layer <= start and end <= existing.end_layer)
             ):
                 return state
-            return _set_download(state, Download(
-                node_id=node_id, model_id=model_id, status=DownloadStatus.PENDING,
-                start_layer=start, end_layer=end,
-            ))
+            return _set_download(
+                state,
+                Download(
+                    node_id=node_id,
+                    model_id=model_id,
+                    status=DownloadStatus.PENDING,
+                    start_layer=start,
+                    end_layer=end,
+                ),
+            )
         case DownloadProgressed(node_id=node_id, model_id=model_id, pending=pending) as progressed:
             return _update_download(
-                state, node_id, model_id,
+                state,
+                node_id,
+                model_id,
                 status=DownloadStatus.PENDING if pending else DownloadStatus.ONGOING,
-                bytes_done=progressed.bytes_done, bytes_total=progressed.bytes_total,
-                speed_bytes_per_s=progressed.speed_bytes_per_s, eta_s=progressed.eta_s,
-                directory=progressed.directory or (existing.directory if (
-                    existing := state.download(node_id, model_id)) else ""),
+                bytes_done=progressed.bytes_done,
+                bytes_total=progressed.bytes_total,
+                speed_bytes_per_s=progressed.speed_bytes_per_s,
+                eta_s=progressed.eta_s,
+                directory=progressed.directory
+                or (existing.directory if (existing := state.download(node_id, model_id)) else ""),
                 reason="",
             )
         case DownloadCompleted(node_id=node_id, model_id=model_id) as completed:
-            return _set_download(state, Download(
-                node_id=node_id, model_id=model_id, status=DownloadStatus.COMPLETED,
-                start_layer=completed.start_layer, end_layer=completed.end_layer,
-                bytes_done=completed.bytes_total, bytes_total=completed.bytes_total,
-                directory=completed.directory, read_only=completed.read_only,
-            ))
+            return _set_download(
+                state,
+                Download(
+                    node_id=node_id,
+                    model_id=model_id,
+                    status=DownloadStatus.COMPLETED,
+                    start_layer=completed.start_layer,
+                    end_layer=completed.end_layer,
+                    bytes_done=completed.bytes_total,
+                    bytes_total=completed.bytes_total,
+                    directory=completed.directory,
+                    read_only=completed.read_only,
+                ),
+            )
         case DownloadFailed(node_id=node_id, model_id=model_id, reason=reason):
-            return _update_download(state, node_id, model_id, status=DownloadStatus.FAILED, reason=reason,
-                                    speed_bytes_per_s=0.0, eta_s=None)
+            return _update_download(
+                state, node_id, model_id, status=DownloadStatus.FAILED, reason=reason, speed_bytes_per_s=0.0, eta_s=None
+            )
         case DownloadCancelled(node_id=node_id, model_id=model_id):
-            return _update_download(state, node_id, model_id, status=DownloadStatus.CANCELLED,
-                                    speed_bytes_per_s=0.0, eta_s=None)
+            return _update_download(
+                state, node_id, model_id, status=DownloadStatus.CANCELLED, speed_bytes_per_s=0.0, eta_s=None
+            )
         case DownloadDeleteRequested(node_id=node_id, model_id=model_id):
             return _update_download(state, node_id, model_id, deleting=True)
         case DownloadDeleted(node_id=node_id, model_id=model_id):
@@ -251,18 +274,27 @@ def apply(state: State, event: Event, seq: int, command_seq: int = 0) -> State:
             if changing is None or changing.generation != generation:
                 return state
             runner = Runner(
-                node_id=changed.node_id, rank=changed.rank, worker_session=changed.worker_session,
-                status=changed.status, layers_loaded=changed.layers_loaded,
-                layers_total=changed.layers_total, reason=changed.reason,
+                node_id=changed.node_id,
+                rank=changed.rank,
+                worker_session=changed.worker_session,
+                status=changed.status,
+                layers_loaded=changed.layers_loaded,
+                layers_total=changed.layers_total,
+                reason=changed.reason,
                 loaded_tensors=changed.loaded_tensors,
             )
             return _update_instance(state, instance_id, runners=_with(changing.runners, changed.rank, runner))
         case InstanceRestarting(instance_id=instance_id) as restarting:
             return replace(
                 _update_instance(
-                    state, instance_id, generation=restarting.generation,
-                    restart_attempt=restarting.attempt, not_before_ms=restarting.not_before_ms,
-                    endpoints={}, runners={}, failed_reason=restarting.reason,
+                    state,
+                    instance_id,
+                    generation=restarting.generation,
+                    restart_attempt=restarting.attempt,
+                    not_before_ms=restarting.not_before_ms,
+                    endpoints={},
+                    runners={},
+                    failed_reason=restarting.reason,
                 ),
                 tasks={k: t for k, t in state.tasks.items() if t.instance_id != instance_id},
             )
@@ -272,8 +304,7 @@ def apply(state: State, event: Event, seq: int, command_seq: int = 0) -> State:
                 tasks={k: t for k, t in state.tasks.items() if t.instance_id != instance_id},
             )
         case TaskAssigned(request=request, instance_id=instance_id):
-            task = Task(task_id=request.task_id, model_id=request.model_id, kind=request.kind,
-                        instance_id=instance_id)
+            task = Task(task_id=request.task_id, model_id=request.model_id, kind=request.kind, instance_id=instance_id)
             return replace(state, tasks=_with(state.tasks, request.task_id, task))
         case TaskStarted(task_id=task_id, prompt_tokens=prompt_tokens):
             in_flight = state.tasks.get(task_id)

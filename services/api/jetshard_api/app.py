@@ -27,10 +27,17 @@ def create_app(cluster: Cluster, inference: InferenceSettings = InferenceSetting
         return inference
 
     return Litestar(
-        route_handlers=[ClusterController, ModelsController, InstancesController, OpenAIController,
-                        DownloadsController],
-        dependencies={"cluster": Provide(provide_cluster, use_cache=True),
-                      "settings": Provide(provide_inference, use_cache=True)},
+        route_handlers=[
+            ClusterController,
+            ModelsController,
+            InstancesController,
+            OpenAIController,
+            DownloadsController,
+        ],
+        dependencies={
+            "cluster": Provide(provide_cluster, use_cache=True),
+            "settings": Provide(provide_inference, use_cache=True),
+        },
         exception_handlers={
             ApiError: api_error_handler,
             HTTPException: http_error_handler,

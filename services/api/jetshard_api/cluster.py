@@ -4,21 +4,20 @@ from __future__ import annotations
 
 import asyncio
 
-from nats.aio.client import Client
-from nats.js import JetStreamContext
-
-from jetshard_api.errors import REJECT_STATUS, ApiError
 from jetshard_bus.commands import publish_command
 from jetshard_bus.follower import StateFollower
 from jetshard_schema.commands import Command
 from jetshard_schema.events import CommandRejected, Event
 from jetshard_schema.ids import new_command_id
 from jetshard_schema.state import State
+from nats.aio.client import Client
+from nats.js import JetStreamContext
+
+from jetshard_api.errors import REJECT_STATUS, ApiError
 
 
 class Cluster:
-    def __init__(self, client: Client, js: JetStreamContext, follower: StateFollower,
-                 command_timeout_s: float) -> None:
+    def __init__(self, client: Client, js: JetStreamContext, follower: StateFollower, command_timeout_s: float) -> None:
         self.client = client
         self.js = js
         self.follower = follower
@@ -36,8 +35,9 @@ class Cluster:
             await publish_command(self.js, command, command_id)
             envelopes = await asyncio.wait_for(outcome, timeout_s or self.command_timeout_s)
         except TimeoutError as error:
-            raise ApiError(504, f"{type(command).__name__} was not processed in time; is a sequencer running?",
-                           "command_timeout") from error
+            raise ApiError(
+                504, f"{type(command).__name__} was not processed in time; is a sequencer running?", "command_timeout"
+            ) from error
         finally:
             self.follower.forget(command_id)
         events = [e.event for e in envelopes]

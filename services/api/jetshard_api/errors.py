@@ -2,14 +2,22 @@
 
 from __future__ import annotations
 
+from jetshard_schema.types import RejectCode
 from litestar import Request, Response
 from litestar.exceptions import HTTPException, ValidationException
 
-from jetshard_schema.types import RejectCode
-
-_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
-          404: "not_found_error", 409: "conflict_error", 413: "invalid_request_error",
-          429: "rate_limit_error", 502: "upstream_error", 503: "service_unavailable", 504: "timeout_error"}
+_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    409: "conflict_error",
+    413: "invalid_request_error",
+    429: "rate_limit_error",
+    502: "upstream_error",
+    503: "service_unavailable",
+    504: "timeout_error",
+}
 
 REJECT_STATUS = {
     RejectCode.INVALID: 400,

@@ -14,11 +14,11 @@ from huggingface_hub.errors import (
     LocalEntryNotFoundError,
     RepositoryNotFoundError,
 )
-
-from jetshard_api.errors import ApiError
 from jetshard_schema.card_from_config import UnsupportedModelError, card_from_hub_metadata
 from jetshard_schema.cards import ModelCard
 from jetshard_schema.ids import ModelId
+
+from jetshard_api.errors import ApiError
 
 INDEX_FILE = "model.safetensors.index.json"
 
@@ -32,31 +32,39 @@ _TRANSPORT_ERRORS: tuple[type[BaseException], ...] = (
 
 
 def offline() -> bool:
-    return any(os.environ.get(name, "").lower() in ("1", "true", "yes", "on")
-               for name in ("JETSHARD_OFFLINE", "HF_HUB_OFFLINE"))
+    return any(
+        os.environ.get(name, "").lower() in ("1", "true", "yes", "on")
+        for name in ("JETSHARD_OFFLINE", "HF_HUB_OFFLINE")
+    )
 
 
 def fetch_card(model_id: ModelId) -> ModelCard:
     """Build a custom card from the repo's config.json and safetensors index. Blocking: run in a thread."""
     if offline():
-        raise ApiError(503, "offline: adding a model needs the Hugging Face Hub (unset JETSHARD_OFFLINE / "
-                            "HF_HUB_OFFLINE)", "offline")
+        raise ApiError(
+            503,
+            "offline: adding a model needs the Hugging Face Hub (unset JETSHARD_OFFLINE / HF_HUB_OFFLINE)",
+            "offline",
+        )
     api = HfApi()
     try:
         info = api.model_info(model_id, files_metadata=True)
         sizes = {s.rfilename: s.size or 0 for s in info.siblings or []}
         if "config.json" not in sizes:
-            raise ApiError(400, f"{model_id} has no config.json; jetshard serves transformers-style MLX models",
-                           "no_config")
+            raise ApiError(
+                400, f"{model_id} has no config.json; jetshard serves transformers-style MLX models", "no_config"
+            )
         with tempfile.TemporaryDirectory() as scratch:
             config = _read_json(model_id, "config.json", info.sha, scratch)
             index = _read_json(model_id, INDEX_FILE, info.sha, scratch) if INDEX_FILE in sizes else None
     except GatedRepoError as error:
-        raise ApiError(403, f"{model_id} is gated or private: accept its terms on the Hub and set HF_TOKEN",
-                       "gated_repo") from error
+        raise ApiError(
+            403, f"{model_id} is gated or private: accept its terms on the Hub and set HF_TOKEN", "gated_repo"
+        ) from error
     except RepositoryNotFoundError as error:
-        raise ApiError(404, f"{model_id} was not found on the Hub (or is private and HF_TOKEN is not set)",
-                       "model_not_found") from error
+        raise ApiError(
+            404, f"{model_id} was not found on the Hub (or is private and HF_TOKEN is not set)", "model_not_found"
+        ) from error
     except LocalEntryNotFoundError as error:  # a download that could not reach the Hub at all
         raise ApiError(502, f"the Hub is unreachable: {error}", "hub_unreachable") from error
     except EntryNotFoundError as error:

@@ -9,10 +9,10 @@ from __future__ import annotations
 from typing import Any
 
 import msgspec
-
-from jetshard_api.errors import ApiError
 from jetshard_schema.ids import ModelId, TaskId
 from jetshard_schema.types import ChatMessage, SamplingParams, TaskKind, TaskRequest
+
+from jetshard_api.errors import ApiError
 
 
 class StreamOptions(msgspec.Struct, frozen=True):
@@ -88,12 +88,20 @@ def _text_content(content: Any, index: int) -> str:
         parts = []
         for part in content:
             if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
-                raise ApiError(400, f"messages[{index}].content: only text parts are supported",
-                               "unsupported_content", f"messages[{index}].content")
+                raise ApiError(
+                    400,
+                    f"messages[{index}].content: only text parts are supported",
+                    "unsupported_content",
+                    f"messages[{index}].content",
+                )
             parts.append(part["text"])
         return "".join(parts)
-    raise ApiError(400, f"messages[{index}].content must be a string or a list of text parts",
-                   "invalid_value", f"messages[{index}].content")
+    raise ApiError(
+        400,
+        f"messages[{index}].content must be a string or a list of text parts",
+        "invalid_value",
+        f"messages[{index}].content",
+    )
 
 
 def chat_task(task_id: TaskId, model_id: ModelId, request: ChatCompletionRequest) -> TaskRequest:
@@ -108,12 +116,17 @@ def chat_task(task_id: TaskId, model_id: ModelId, request: ChatCompletionRequest
     for i, message in enumerate(request.messages):
         role = message.get("role")
         if role not in ("system", "user", "assistant", "developer"):
-            raise ApiError(400, f"messages[{i}].role must be system, user or assistant", "invalid_value",
-                           f"messages[{i}].role")
-        messages.append(ChatMessage(role="system" if role == "developer" else role,
-                                    content=_text_content(message.get("content"), i)))
-    return TaskRequest(task_id=task_id, model_id=model_id, kind=TaskKind.CHAT, messages=tuple(messages),
-                       sampling=sampling)
+            raise ApiError(
+                400, f"messages[{i}].role must be system, user or assistant", "invalid_value", f"messages[{i}].role"
+            )
+        messages.append(
+            ChatMessage(
+                role="system" if role == "developer" else role, content=_text_content(message.get("content"), i)
+            )
+        )
+    return TaskRequest(
+        task_id=task_id, model_id=model_id, kind=TaskKind.CHAT, messages=tuple(messages), sampling=sampling
+    )
 
 
 def completion_task(task_id: TaskId, model_id: ModelId, request: CompletionRequest) -> TaskRequest:
@@ -125,5 +138,4 @@ def completion_task(task_id: TaskId, model_id: ModelId, request: CompletionReque
         if len(prompt) != 1:
             raise _unsupported("prompt", "as a list of several prompts")
         prompt = prompt[0]
-    return TaskRequest(task_id=task_id, model_id=model_id, kind=TaskKind.COMPLETION, prompt=prompt,
-                       sampling=sampling)
+    return TaskRequest(task_id=task_id, model_id=model_id, kind=TaskKind.COMPLETION, prompt=prompt, sampling=sampling)

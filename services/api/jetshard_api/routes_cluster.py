@@ -7,13 +7,13 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 import msgspec
+from jetshard_bus.streams import subscribe_events
+from jetshard_schema.codec import decode_event
 from litestar import Controller, get
 from litestar.response import ServerSentEvent
 from litestar.response.sse import ServerSentEventMessage
 
 from jetshard_api.cluster import Cluster
-from jetshard_bus.streams import subscribe_events
-from jetshard_schema.codec import decode_event
 
 
 class ClusterController(Controller):
@@ -22,8 +22,7 @@ class ClusterController(Controller):
     @get("/healthz")
     async def healthz(self, cluster: Cluster) -> dict[str, Any]:
         """Liveness: answers while the API is connected to NATS."""
-        return {"status": "ok" if cluster.client.is_connected else "disconnected",
-                "last_seq": cluster.state.last_seq}
+        return {"status": "ok" if cluster.client.is_connected else "disconnected", "last_seq": cluster.state.last_seq}
 
     @get("/state")
     async def state(self, cluster: Cluster) -> dict[str, Any]:
@@ -59,9 +58,16 @@ async def _follow(cluster: Cluster, start: int) -> AsyncIterator[ServerSentEvent
             envelope = decode_event(msg.data)
             if envelope is None:
                 continue
-            body = msgspec.json.encode({"seq": msg.metadata.sequence.stream, "at_ms": envelope.at_ms,
-                                        "command_id": envelope.command_id, "event": envelope.event})
-            yield ServerSentEventMessage(data=body.decode(), event=type(envelope.event).__name__,
-                                         id=str(msg.metadata.sequence.stream))
+            body = msgspec.json.encode(
+                {
+                    "seq": msg.metadata.sequence.stream,
+                    "at_ms": envelope.at_ms,
+                    "command_id": envelope.command_id,
+                    "event": envelope.event,
+                }
+            )
+            yield ServerSentEventMessage(
+                data=body.decode(), event=type(envelope.event).__name__, id=str(msg.metadata.sequence.stream)
+            )
     finally:
         await subscription.unsubscribe()

@@ -41,10 +41,15 @@ def _node(state: State, node_id: str | None) -> NodeId:
     if len(state.nodes) == 1:
         return next(iter(state.nodes))
     if not state.nodes:
-        raise ApiError(400, "no node has joined the cluster; start `jetshard worker` (or `jetshard up`)",
-                       "no_nodes", "node_id")
-    raise ApiError(400, f"the cluster has {len(state.nodes)} nodes; say which one with node_id "
-                        f"({', '.join(sorted(state.nodes))})", "node_required", "node_id")
+        raise ApiError(
+            400, "no node has joined the cluster; start `jetshard worker` (or `jetshard up`)", "no_nodes", "node_id"
+        )
+    raise ApiError(
+        400,
+        f"the cluster has {len(state.nodes)} nodes; say which one with node_id ({', '.join(sorted(state.nodes))})",
+        "node_required",
+        "node_id",
+    )
 
 
 def _current(state: State, node_id: NodeId, model_id: ModelId) -> dict[str, Any]:
@@ -62,16 +67,20 @@ class DownloadsController(Controller):
     async def list_downloads(self, cluster: Cluster) -> list[dict[str, Any]]:
         """Every node's downloads: status, bytes, speed, ETA, directory, read_only, reason."""
         state = cluster.state
-        return [describe(download) for _, per_node in sorted(state.downloads.items())
-                for _, download in sorted(per_node.items())]
+        return [
+            describe(download)
+            for _, per_node in sorted(state.downloads.items())
+            for _, download in sorted(per_node.items())
+        ]
 
     @post("/", status_code=202)
     async def start_download(self, cluster: Cluster, data: StartDownloadRequest) -> dict[str, Any]:
         """Download a model (or a layer range of it) to a node; answers with the download's state."""
         model_id = checked_model_id(data.model_id)
         node_id = _node(cluster.state, data.node_id)
-        await cluster.submit(StartDownload(model_id=model_id, node_id=node_id, start_layer=data.start_layer,
-                                           end_layer=data.end_layer))
+        await cluster.submit(
+            StartDownload(model_id=model_id, node_id=node_id, start_layer=data.start_layer, end_layer=data.end_layer)
+        )
         return _current(cluster.state, node_id, model_id)
 
     @post("/cancel", status_code=200)
@@ -82,8 +91,7 @@ class DownloadsController(Controller):
         return _current(cluster.state, node_id, model_id)
 
     @delete("/{node_id:str}/{org:str}/{name:str}", status_code=200)
-    async def delete_download(self, cluster: Cluster, node_id: str, org: str,
-                              name: str) -> Response[dict[str, Any]]:
+    async def delete_download(self, cluster: Cluster, node_id: str, org: str, name: str) -> Response[dict[str, Any]]:
         """Delete a model's files from a node's writable directories (409 for read-only or in-use models).
 
         200 once the node reports the files gone; 202 if it has not within the command timeout (the
@@ -92,8 +100,10 @@ class DownloadsController(Controller):
         node = NodeId(node_id)
         await cluster.submit(DeleteDownload(model_id=model_id, node_id=node))
         with contextlib.suppress(TimeoutError):
-            await cluster.follower.wait_until(lambda state: state.download(node, model_id) is None,
-                                              cluster.command_timeout_s)
+            await cluster.follower.wait_until(
+                lambda state: state.download(node, model_id) is None, cluster.command_timeout_s
+            )
             return Response({"deleted": model_id, "node_id": node}, status_code=200)
-        return Response({"deleting": model_id, "node_id": node, **_current(cluster.state, node, model_id)},
-                        status_code=202)
+        return Response(
+            {"deleting": model_id, "node_id": node, **_current(cluster.state, node, model_id)}, status_code=202
+        )

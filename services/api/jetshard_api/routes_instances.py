@@ -5,17 +5,17 @@ from __future__ import annotations
 from typing import Any
 
 import msgspec
-from litestar import Controller, delete, get, post
-
-from jetshard_api.cluster import Cluster
-from jetshard_api.errors import ApiError
-from jetshard_api.routes_models import checked_model_id
 from jetshard_schema.commands import DeleteInstance, PlaceInstance
 from jetshard_schema.ids import InstanceId, NodeId, new_instance_id
 from jetshard_schema.models import find_card
 from jetshard_schema.placement import PlacementError, place
 from jetshard_schema.state import Instance, State, instance_status
 from jetshard_schema.types import DownloadStatus, RunnerStatus
+from litestar import Controller, delete, get, post
+
+from jetshard_api.cluster import Cluster
+from jetshard_api.errors import ApiError
+from jetshard_api.routes_models import checked_model_id
 
 
 class PlaceRequest(msgspec.Struct, frozen=True):
@@ -31,33 +31,46 @@ def describe_instance(state: State, instance: Instance) -> dict[str, Any]:
         runner = instance.runners.get(shard.rank)
         entry: dict[str, Any] = {**msgspec.to_builtins(shard)}
         if runner is not None and runner.status is not RunnerStatus.WAITING:
-            entry.update(status=str(runner.status), layers_loaded=runner.layers_loaded,
-                         layers_total=runner.layers_total, reason=runner.reason or None)
+            entry.update(
+                status=str(runner.status),
+                layers_loaded=runner.layers_loaded,
+                layers_total=runner.layers_total,
+                reason=runner.reason or None,
+            )
         elif download is None or download.status is not DownloadStatus.COMPLETED:
-            entry.update(status="downloading" if download is None or download.status is not DownloadStatus.FAILED
-                         else "failed",
-                         bytes_done=download.bytes_done if download else 0,
-                         bytes_total=download.bytes_total if download else 0,
-                         reason=(download.reason or None) if download else None)
+            entry.update(
+                status="downloading" if download is None or download.status is not DownloadStatus.FAILED else "failed",
+                bytes_done=download.bytes_done if download else 0,
+                bytes_total=download.bytes_total if download else 0,
+                reason=(download.reason or None) if download else None,
+            )
         else:
             entry.update(status="waiting")
         shards.append(entry)
     return {
-        "instance_id": instance.instance_id, "model_id": instance.model_id,
-        "status": str(instance_status(state, instance)), "generation": instance.generation,
-        "restart_attempt": instance.restart_attempt, "reason": instance.failed_reason or None,
+        "instance_id": instance.instance_id,
+        "model_id": instance.model_id,
+        "status": str(instance_status(state, instance)),
+        "generation": instance.generation,
+        "restart_attempt": instance.restart_attempt,
+        "reason": instance.failed_reason or None,
         "shards": shards,
         "tasks_in_flight": sum(1 for t in state.tasks.values() if t.instance_id == instance.instance_id),
     }
 
 
-async def place_instance(cluster: Cluster, model_id: str, node_ids: list[str] | None = None,
-                         min_nodes: int = 1) -> Instance:
+async def place_instance(
+    cluster: Cluster, model_id: str, node_ids: list[str] | None = None, min_nodes: int = 1
+) -> Instance:
     instance_id = new_instance_id()
-    await cluster.submit(PlaceInstance(
-        instance_id=instance_id, model_id=checked_model_id(model_id),
-        node_ids=tuple(NodeId(n) for n in node_ids) if node_ids else None, min_nodes=min_nodes,
-    ))
+    await cluster.submit(
+        PlaceInstance(
+            instance_id=instance_id,
+            model_id=checked_model_id(model_id),
+            node_ids=tuple(NodeId(n) for n in node_ids) if node_ids else None,
+            min_nodes=min_nodes,
+        )
+    )
     return cluster.state.instances[instance_id]
 
 
@@ -80,8 +93,11 @@ class InstancesController(Controller):
             placement = place(card, list(cluster.state.nodes.values()), None, min_nodes)
         except PlacementError as error:
             raise ApiError(409, str(error), "insufficient_memory") from error
-        return {"model_id": card.model_id, "required_bytes": placement.required_bytes,
-                "shards": msgspec.to_builtins(placement.shards)}
+        return {
+            "model_id": card.model_id,
+            "required_bytes": placement.required_bytes,
+            "shards": msgspec.to_builtins(placement.shards),
+        }
 
     @get("/{instance_id:str}")
     async def show(self, cluster: Cluster, instance_id: str) -> dict[str, Any]:

@@ -6,16 +6,16 @@ import asyncio
 from typing import Any
 
 import msgspec
-from litestar import Controller, Response, delete, get, post
-
-from jetshard_api.cluster import Cluster
-from jetshard_api.errors import ApiError
-from jetshard_api.hub import fetch_card
 from jetshard_schema.cards import ModelCard, ModelSource
 from jetshard_schema.commands import AddCustomModelCard, DeleteCustomModelCard
 from jetshard_schema.ids import ModelId, parse_model_id
 from jetshard_schema.models import all_cards, find_card, is_builtin
 from jetshard_schema.state import State
+from litestar import Controller, Response, delete, get, post
+
+from jetshard_api.cluster import Cluster
+from jetshard_api.errors import ApiError
+from jetshard_api.hub import fetch_card
 
 
 class AddModelRequest(msgspec.Struct, frozen=True):
@@ -35,7 +35,8 @@ def checked_model_id(value: str) -> ModelId:
 def describe(state: State, card: ModelCard) -> dict[str, Any]:
     downloads = {
         node_id: msgspec.to_builtins(per_node[card.model_id])
-        for node_id, per_node in sorted(state.downloads.items()) if card.model_id in per_node
+        for node_id, per_node in sorted(state.downloads.items())
+        if card.model_id in per_node
     }
     return {**msgspec.to_builtins(card), "downloads": downloads}
 
@@ -65,8 +66,12 @@ class ModelsController(Controller):
             return Response(describe(cluster.state, existing), status_code=200)
         if data.card is not None:
             if data.card.model_id != model_id or data.card.source is not ModelSource.LOCAL_GGUF:
-                raise ApiError(400, "a card may be supplied only for a model imported from a local GGUF file, "
-                                    "with the same model_id", "invalid_card", "card")
+                raise ApiError(
+                    400,
+                    "a card may be supplied only for a model imported from a local GGUF file, with the same model_id",
+                    "invalid_card",
+                    "card",
+                )
             card = data.card
         else:
             card = await asyncio.to_thread(fetch_card, model_id)

@@ -71,8 +71,7 @@ class ChunkStream:
         async def on_chunk(msg: Any) -> None:
             self._queue.put_nowait(msg.data)
 
-        self._subscription = await self._cluster.client.subscribe(chunk_subject(self._request.task_id),
-                                                                  cb=on_chunk)
+        self._subscription = await self._cluster.client.subscribe(chunk_subject(self._request.task_id), cb=on_chunk)
         return self
 
     async def __aexit__(self, *exc: object) -> None:
@@ -149,13 +148,22 @@ async def _ensure_placed(cluster: Cluster, model_id: ModelId, settings: Inferenc
     if model_id in ready_models(state):
         return True
     if find_card(state, model_id) is None:
-        raise ApiError(404, f"unknown model {model_id}; ready models: {sorted(ready_models(state)) or 'none'}",
-                       "model_not_found", "model")
+        raise ApiError(
+            404,
+            f"unknown model {model_id}; ready models: {sorted(ready_models(state)) or 'none'}",
+            "model_not_found",
+            "model",
+        )
     placed = any(i.model_id == model_id and not i.failed for i in state.instances.values())
     if not placed:
         if not settings.auto_place:
-            raise ApiError(404, f"{model_id} has no instance and auto-placement is off; ready models: "
-                                f"{sorted(ready_models(state)) or 'none'}", "model_not_found", "model")
+            raise ApiError(
+                404,
+                f"{model_id} has no instance and auto-placement is off; ready models: "
+                f"{sorted(ready_models(state)) or 'none'}",
+                "model_not_found",
+                "model",
+            )
         await place_instance(cluster, model_id)
     return False
 
@@ -168,12 +176,14 @@ async def _wait_ready(cluster: Cluster, model_id: ModelId, settings: InferenceSe
     try:
         state = await cluster.follower.wait_until(ready_or_failed, settings.ready_timeout_s)
     except TimeoutError as error:
-        raise ApiError(504, f"{model_id} did not become ready in {settings.ready_timeout_s:.0f} s",
-                       "instance_timeout") from error
+        raise ApiError(
+            504, f"{model_id} did not become ready in {settings.ready_timeout_s:.0f} s", "instance_timeout"
+        ) from error
     if model_id not in ready_models(state):
         failed = [i.failed_reason for i in state.instances.values() if i.model_id == model_id]
-        raise ApiError(503, f"{model_id} could not be started: {'; '.join(failed) or 'instance removed'}",
-                       "instance_failed")
+        raise ApiError(
+            503, f"{model_id} could not be started: {'; '.join(failed) or 'instance removed'}", "instance_failed"
+        )
 
 
 def _sse(payload: dict[str, Any] | str) -> ServerSentEventMessage:
@@ -188,36 +198,56 @@ class OpenAIController(Controller):
     async def models(self, cluster: Cluster) -> dict[str, Any]:
         state = cluster.state
         ready = ready_models(state)
-        data = [{"id": model_id, "object": "model", "created": 0, "owned_by": model_id.split("/")[0],
-                 "ready": model_id in ready, "placeable": model_id not in ready}
-                for model_id in all_cards(state)]
+        data = [
+            {
+                "id": model_id,
+                "object": "model",
+                "created": 0,
+                "owned_by": model_id.split("/")[0],
+                "ready": model_id in ready,
+                "placeable": model_id not in ready,
+            }
+            for model_id in all_cards(state)
+        ]
         data.sort(key=lambda m: (not m["ready"], m["id"]))
         return {"object": "list", "data": data}
 
     @post("/chat/completions", status_code=200)
-    async def chat_completions(self, cluster: Cluster, settings: InferenceSettings, data: ChatCompletionRequest,
-                               ) -> Response[Any] | ServerSentEvent:
+    async def chat_completions(
+        self,
+        cluster: Cluster,
+        settings: InferenceSettings,
+        data: ChatCompletionRequest,
+    ) -> Response[Any] | ServerSentEvent:
         model_id = checked_model_id(data.model)
         task = chat_task(new_task_id(), model_id, data)
-        return await _serve(cluster, settings, task, data.stream,
-                            bool(data.stream_options and data.stream_options.include_usage))
+        return await _serve(
+            cluster, settings, task, data.stream, bool(data.stream_options and data.stream_options.include_usage)
+        )
 
     @post("/completions", status_code=200)
-    async def completions(self, cluster: Cluster, settings: InferenceSettings,
-                          data: CompletionRequest) -> Response[Any] | ServerSentEvent:
+    async def completions(
+        self, cluster: Cluster, settings: InferenceSettings, data: CompletionRequest
+    ) -> Response[Any] | ServerSentEvent:
         model_id = checked_model_id(data.model)
         task = completion_task(new_task_id(), model_id, data)
-        return await _serve(cluster, settings, task, data.stream,
-                            bool(data.stream_options and data.stream_options.include_usage))
+        return await _serve(
+            cluster, settings, task, data.stream, bool(data.stream_options and data.stream_options.include_usage)
+        )
 
 
-async def _serve(cluster: Cluster, settings: InferenceSettings, task: TaskRequest, stream: bool,
-                 include_usage: bool) -> Response[Any] | ServerSentEvent:
+async def _serve(
+    cluster: Cluster, settings: InferenceSettings, task: TaskRequest, stream: bool, include_usage: bool
+) -> Response[Any] | ServerSentEvent:
     chat = task.kind is TaskKind.CHAT
     created = int(time.time())
     response_id = ("chatcmpl-" if chat else "cmpl-") + task.task_id.removeprefix("task-")
-    base = {"id": response_id, "object": "chat.completion.chunk" if chat else "text_completion",
-            "created": created, "model": task.model_id}
+    base = {
+        "id": response_id,
+        "object": "chat.completion.chunk" if chat else "text_completion",
+        "created": created,
+        "model": task.model_id,
+    }
     if not stream:
         await _ensure_ready(cluster, task.model_id, settings)
         text, finish, usage = [], None, None
@@ -233,8 +263,12 @@ async def _serve(cluster: Cluster, settings: InferenceSettings, task: TaskReques
             choice["message"] = {"role": "assistant", "content": content}
         else:
             choice["text"] = content
-        body = {**base, "object": "chat.completion" if chat else "text_completion", "choices": [choice],
-                "usage": _usage(usage)}
+        body = {
+            **base,
+            "object": "chat.completion" if chat else "text_completion",
+            "choices": [choice],
+            "usage": _usage(usage),
+        }
         return Response(body)
 
     # Unknown model, auto-place off, placement refused: a plain HTTP error, before the stream starts.
@@ -265,15 +299,19 @@ async def _serve(cluster: Cluster, settings: InferenceSettings, task: TaskReques
                 await chunks.submit()
                 pending = await chunks.next()
             if chat:
-                yield _sse({**base, "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""},
-                                                  "finish_reason": None}]})
+                yield _sse(
+                    {
+                        **base,
+                        "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}],
+                    }
+                )
             while True:
                 finish = str(pending.finish_reason) if pending.finish_reason else None
                 if pending.text or finish:
-                    piece = {"delta": {"content": pending.text} if pending.text else {}} if chat else \
-                        {"text": pending.text}
-                    yield _sse({**base, "choices": [{"index": 0, **piece, "finish_reason": finish,
-                                                      "logprobs": None}]})
+                    piece = (
+                        {"delta": {"content": pending.text} if pending.text else {}} if chat else {"text": pending.text}
+                    )
+                    yield _sse({**base, "choices": [{"index": 0, **piece, "finish_reason": finish, "logprobs": None}]})
                 if chunks.finished:
                     if include_usage:
                         yield _sse({**base, "choices": [], "usage": _usage(pending.usage)})
@@ -292,5 +330,8 @@ async def _serve(cluster: Cluster, settings: InferenceSettings, task: TaskReques
 def _usage(usage: Any) -> dict[str, int]:
     if usage is None:
         return {"prompt_tokens": 0, "completion_tokens": 0, "total_tokens": 0}
-    return {"prompt_tokens": usage.prompt_tokens, "completion_tokens": usage.completion_tokens,
-            "total_tokens": usage.prompt_tokens + usage.completion_tokens}
+    return {
+        "prompt_tokens": usage.prompt_tokens,
+        "completion_tokens": usage.completion_tokens,
+        "total_tokens": usage.prompt_tokens + usage.completion_tokens,
+    }

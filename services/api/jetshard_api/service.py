@@ -8,14 +8,14 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import uvicorn
-
-from jetshard_api.app import create_app
-from jetshard_api.cluster import Cluster
-from jetshard_api.routes_openai import InferenceSettings
 from jetshard_bus.connect import connect
 from jetshard_bus.follower import StateFollower
 from jetshard_bus.options import NatsOptions
 from jetshard_bus.streams import BusTimings
+
+from jetshard_api.app import create_app
+from jetshard_api.cluster import Cluster
+from jetshard_api.routes_openai import InferenceSettings
 
 log = logging.getLogger(__name__)
 
@@ -37,10 +37,17 @@ async def run_api(config: ApiConfig, stop: asyncio.Event) -> None:
     follower = StateFollower(js)
     await follower.start()
     cluster = Cluster(client, js, follower, config.command_timeout_s)
-    server = uvicorn.Server(uvicorn.Config(create_app(cluster, config.inference), host=config.host, port=config.port,
-                                           log_level="warning", lifespan="on"))
+    server = uvicorn.Server(
+        uvicorn.Config(
+            create_app(cluster, config.inference),
+            host=config.host,
+            port=config.port,
+            log_level="warning",
+            lifespan="on",
+        )
+    )
     serving = asyncio.create_task(server.serve())
-    while not server.started and not serving.done():
+    while not server.started and not serving.done():  # noqa: ASYNC110 (uvicorn offers no event for it)
         await asyncio.sleep(0.02)
     if serving.done():
         await serving

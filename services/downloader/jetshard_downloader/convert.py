@@ -28,8 +28,7 @@ from jetshard_downloader.paths import model_path
 ProgressCallback = Callable[[int, int], None]
 
 # Shares of the work, for a progress bar: hashing the GGUF, then the converter's own stages.
-_STAGES = {"hashing": (0.0, 0.2), "reading": (0.2, 0.35), "converting": (0.35, 0.9),
-           "writing tokenizer": (0.9, 0.98)}
+_STAGES = {"hashing": (0.0, 0.2), "reading": (0.2, 0.35), "converting": (0.35, 0.9), "writing tokenizer": (0.9, 0.98)}
 _HASH_CHUNK = 8 * 1024 * 1024
 
 
@@ -39,8 +38,10 @@ def conversion_target(dirs: ModelDirs, card: ModelCard) -> Path:
     elif dirs.writable:
         root = dirs.writable[0]
     else:
-        raise OSError(f"{card.model_id} must be converted from its GGUF file, but every model directory is "
-                      "read-only; set JETSHARD_DEFAULT_MODELS_DIR to a writable directory")
+        raise OSError(
+            f"{card.model_id} must be converted from its GGUF file, but every model directory is "
+            "read-only; set JETSHARD_DEFAULT_MODELS_DIR to a writable directory"
+        )
     return model_path(root, card.model_id)
 
 
@@ -101,8 +102,15 @@ def convert_packaged(
     staging directory is removed), FileNotFoundError when the package is missing.
     """
     gguf_path, expected = packaged_gguf_path(card)
-    return install_gguf(gguf_path, conversion_target(dirs, card), card.model_id, expected,
-                        progress_total=card.storage_size_bytes, on_progress=on_progress, cancel=cancel)
+    return install_gguf(
+        gguf_path,
+        conversion_target(dirs, card),
+        card.model_id,
+        expected,
+        progress_total=card.storage_size_bytes,
+        on_progress=on_progress,
+        cancel=cancel,
+    )
 
 
 def install_gguf(
@@ -137,8 +145,10 @@ def install_gguf(
 
     actual = _sha256(gguf_path, cancel, lambda done: stage("hashing", done / max(size, 1)))
     if expected_sha256 is not None and actual != expected_sha256:
-        raise IntegrityError(f"{gguf_path} has sha256 {actual}, {model_id} expects {expected_sha256}; "
-                             "reinstall the package it comes from")
+        raise IntegrityError(
+            f"{gguf_path} has sha256 {actual}, {model_id} expects {expected_sha256}; "
+            "reinstall the package it comes from"
+        )
 
     target.parent.mkdir(parents=True, exist_ok=True)
     if target.exists():

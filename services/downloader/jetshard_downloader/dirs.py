@@ -108,9 +108,7 @@ class ModelDirs:
         read_only = _dedupe(_normalize(p, environ) for p in read_only_dirs if os.fspath(p).strip())
         ro = set(read_only)
         writable = _dedupe(
-            p
-            for p in (default, *(_normalize(p, environ) for p in models_dirs if os.fspath(p).strip()))
-            if p not in ro
+            p for p in (default, *(_normalize(p, environ) for p in models_dirs if os.fspath(p).strip())) if p not in ro
         )
         return cls(default_dir=default, writable=writable, read_only=read_only)
 

@@ -158,8 +158,7 @@ def _translate(err: BaseException, model_id: str, revision: str | None, filename
         )
     if isinstance(err, RepositoryNotFoundError):
         return NotFoundOnHub(
-            f"{model_id} was not found on the Hub; if it is private or gated, set HF_TOKEN to a token "
-            "that can read it"
+            f"{model_id} was not found on the Hub; if it is private or gated, set HF_TOKEN to a token that can read it"
         )
     if isinstance(err, RevisionNotFoundError):
         return NotFoundOnHub(f"{model_id} has no revision {revision!r}")
@@ -189,9 +188,7 @@ def _retry_after_s(err: HfHubHTTPError) -> float | None:
     return float(value) if value.isdigit() else None
 
 
-def _with_rate_limit_retries(
-    call: Callable[[], Any], cancel: threading.Event, max_wait_s: float, what: str
-) -> Any:
+def _with_rate_limit_retries(call: Callable[[], Any], cancel: threading.Event, max_wait_s: float, what: str) -> Any:
     waited = 0.0
     backoff = 1.0
     while True:
@@ -365,9 +362,16 @@ def _listed_size(target: Path, manifest: Manifest, remote: RemoteFile) -> int | 
         return None
 
 
-def _download_whole(download: Callable[[], None], target: Path, partial: Path, revision: str,
-                    remote: RemoteFile, cancel: threading.Event, max_rate_limit_wait_s: float,
-                    what: str) -> ManifestFile:
+def _download_whole(
+    download: Callable[[], None],
+    target: Path,
+    partial: Path,
+    revision: str,
+    remote: RemoteFile,
+    cancel: threading.Event,
+    max_rate_limit_wait_s: float,
+    what: str,
+) -> ManifestFile:
     """Complete `partial` with `download` and check it against the listing; the entry it earns."""
     with _lock_for(target):
         prepare_partial(partial, revision, remote.size, remote.sha256)
@@ -405,8 +409,7 @@ def fetch_bytes(
     buffer = io.BytesIO()
     url = hf_hub_url(model_id, name, revision=revision, endpoint=endpoint)
     try:
-        http_get(url, buffer, headers=build_hf_headers(token=token), expected_size=size,
-                 displayed_filename=name)
+        http_get(url, buffer, headers=build_hf_headers(token=token), expected_size=size, displayed_filename=name)
     except Exception as err:
         raise _translate(err, model_id, revision, name) from err
     return buffer.getvalue()
@@ -472,8 +475,16 @@ def fetch_files(
                     download_partial, url, headers, partial, remote.name, remote.size, bar_class
                 )
                 try:
-                    entry = _download_whole(download, target, partial, revision, remote, cancel,
-                                            max_rate_limit_wait_s, f"{model_id}/{remote.name}")
+                    entry = _download_whole(
+                        download,
+                        target,
+                        partial,
+                        revision,
+                        remote,
+                        cancel,
+                        max_rate_limit_wait_s,
+                        f"{model_id}/{remote.name}",
+                    )
                 except Exception as err:
                     raise _translate(err, model_id, revision, remote.name) from err
                 with _lock_for(target):

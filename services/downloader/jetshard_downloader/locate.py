@@ -149,9 +149,7 @@ def _validated_required(required_files: Iterable[str] | None) -> set[str] | None
     return {check_repo_filename(name) for name in required_files}
 
 
-def find_model(
-    dirs: ModelDirs, model_id: ModelId | str, required_files: Iterable[str] | None = None
-) -> Found | None:
+def find_model(dirs: ModelDirs, model_id: ModelId | str, required_files: Iterable[str] | None = None) -> Found | None:
     """The first complete copy of `model_id` (for `required_files`, or the whole model when None).
 
     Raises ValueError for an invalid model id or an unsafe file name, before touching the filesystem.

@@ -41,8 +41,7 @@ class Manifest(msgspec.Struct, frozen=True, kw_only=True):
         """This manifest plus `other`'s files (other wins on a name clash); same model and revision only."""
         if (other.model_id, other.revision) != (self.model_id, self.revision):
             raise ValueError(
-                f"cannot merge manifests of {self.model_id}@{self.revision} "
-                f"and {other.model_id}@{other.revision}"
+                f"cannot merge manifests of {self.model_id}@{self.revision} and {other.model_id}@{other.revision}"
             )
         by_name = {f.name: f for f in self.files}
         by_name.update({f.name: f for f in other.files})

@@ -78,8 +78,9 @@ def prepare_partial(partial: Path, revision: str, size: int | None, sha256: str 
     partial.touch()
 
 
-def download_partial(url: str, headers: dict[str, str], partial: Path, name: str, size: int | None,
-                     bar_class: type) -> None:
+def download_partial(
+    url: str, headers: dict[str, str], partial: Path, name: str, size: int | None, bar_class: type
+) -> None:
     """Append the bytes of `url` that `partial` still lacks, then fsync it."""
     with open(partial, "ab") as f:
         resume = f.tell()
@@ -88,8 +89,15 @@ def download_partial(url: str, headers: dict[str, str], partial: Path, name: str
             resume = 0
         if resume:
             log.info("resuming %s at byte %d of %s", name, resume, size)
-        http_get(url, f, resume_size=resume, headers=headers, expected_size=size,
-                 displayed_filename=name, tqdm_class=bar_class)
+        http_get(
+            url,
+            f,
+            resume_size=resume,
+            headers=headers,
+            expected_size=size,
+            displayed_filename=name,
+            tqdm_class=bar_class,
+        )
         f.flush()
         os.fsync(f.fileno())
 

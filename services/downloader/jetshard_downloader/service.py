@@ -80,8 +80,8 @@ T = TypeVar("T")
 
 @dataclass(frozen=True)
 class DownloaderConfig:
-    nats: NatsOptions = NatsOptions()  # noqa: RUF009 (frozen, shared safely)
-    timings: BusTimings = BusTimings()  # noqa: RUF009
+    nats: NatsOptions = NatsOptions()
+    timings: BusTimings = BusTimings()
     config_dir: Path = field(default_factory=config_dir)
     model_dirs: ModelDirs = field(default_factory=ModelDirs.from_env)
     storage_interval_s: float = 10.0
@@ -97,8 +97,9 @@ class DownloaderConfig:
 class _Progress:
     """The latest byte counts of one job, published as ReportDownloadProgress at most once per interval."""
 
-    def __init__(self, publish: _Publisher, model_id: ModelId, start: int, end: int, interval_s: float,
-                 cancel: threading.Event) -> None:
+    def __init__(
+        self, publish: _Publisher, model_id: ModelId, start: int, end: int, interval_s: float, cancel: threading.Event
+    ) -> None:
         self.publish = publish
         self.model_id = model_id
         self.start, self.end = start, end
@@ -138,12 +139,20 @@ class _Progress:
             self.last_sent = time.monotonic()
             speed = self.speed()
             eta = (self.total - self.done) / speed if speed > 0 and self.total >= self.done else None
-            await self.publish(ReportDownloadProgress(
-                model_id=self.model_id, node_id=self.publish.node_id, status=DownloadStatus.ONGOING,
-                start_layer=self.start, end_layer=self.end, bytes_done=self.done, bytes_total=self.total,
-                speed_bytes_per_s=round(speed, 1), eta_s=None if eta is None else round(eta, 1),
-                directory=self.directory,
-            ))
+            await self.publish(
+                ReportDownloadProgress(
+                    model_id=self.model_id,
+                    node_id=self.publish.node_id,
+                    status=DownloadStatus.ONGOING,
+                    start_layer=self.start,
+                    end_layer=self.end,
+                    bytes_done=self.done,
+                    bytes_total=self.total,
+                    speed_bytes_per_s=round(speed, 1),
+                    eta_s=None if eta is None else round(eta, 1),
+                    directory=self.directory,
+                )
+            )
 
 
 class _Publisher:
@@ -157,8 +166,7 @@ class _Publisher:
                 await publish_command(self.js, command)  # type: ignore[arg-type]
                 return
             except Exception as error:  # NATS briefly away: retry, then give up on this report
-                log.warning("publishing %s failed (attempt %d): %s", type(command).__name__, attempt + 1,
-                            error)
+                log.warning("publishing %s failed (attempt %d): %s", type(command).__name__, attempt + 1, error)
                 await asyncio.sleep(0.5 * (attempt + 1))
 
 
@@ -256,13 +264,20 @@ class Downloader:
     # --- reports -----------------------------------------------------------------------------------------
 
     async def _report(self, job: _Job, status: DownloadStatus, **fields: object) -> None:
-        await self.publish(ReportDownloadProgress(
-            model_id=job.model_id, node_id=self.node_id, status=status, start_layer=job.start,
-            end_layer=job.end, **fields,  # type: ignore[arg-type]
-        ))
+        await self.publish(
+            ReportDownloadProgress(
+                model_id=job.model_id,
+                node_id=self.node_id,
+                status=status,
+                start_layer=job.start,
+                end_layer=job.end,
+                **fields,  # type: ignore[arg-type]
+            )
+        )
 
-    async def _report_completed(self, job: _Job, card: ModelCard, directory: Path, read_only: bool,
-                                bytes_total: int) -> None:
+    async def _report_completed(
+        self, job: _Job, card: ModelCard, directory: Path, read_only: bool, bytes_total: int
+    ) -> None:
         # A node keeps one download record per model: report the widest range that is complete here, so a
         # second shard of a model does not make State forget the first.
         start, end = job.start, job.end
@@ -275,11 +290,19 @@ class Downloader:
                     start, end = wide
                     bytes_total = found[1]
         log.info("%s layers [%d, %d) complete in %s", job.model_id, start, end, directory)
-        await self.publish(ReportDownloadProgress(
-            model_id=job.model_id, node_id=self.node_id, status=DownloadStatus.COMPLETED, start_layer=start,
-            end_layer=end, bytes_done=bytes_total, bytes_total=bytes_total, directory=str(directory),
-            read_only=read_only,
-        ))
+        await self.publish(
+            ReportDownloadProgress(
+                model_id=job.model_id,
+                node_id=self.node_id,
+                status=DownloadStatus.COMPLETED,
+                start_layer=start,
+                end_layer=end,
+                bytes_done=bytes_total,
+                bytes_total=bytes_total,
+                directory=str(directory),
+                read_only=read_only,
+            )
+        )
 
     # --- one download ------------------------------------------------------------------------------------
 
@@ -317,24 +340,30 @@ class Downloader:
         found = await asyncio.to_thread(find_shard, self.dirs, card, job.start, job.end)
         if found is not None:
             known = self.follower.state.download(self.node_id, job.model_id)
-            if not (known is not None and known.status is DownloadStatus.COMPLETED
-                    and known.directory == str(found[0].path)
-                    and known.start_layer <= job.start and job.end <= known.end_layer):
+            if not (
+                known is not None
+                and known.status is DownloadStatus.COMPLETED
+                and known.directory == str(found[0].path)
+                and known.start_layer <= job.start
+                and job.end <= known.end_layer
+            ):
                 await self._report_completed(job, card, found[0].path, found[0].read_only, found[1])
             return
         if card.source is ModelSource.GGUF_PACKAGE:
             await self._convert(job, card)
         elif card.source is ModelSource.LOCAL_GGUF:
-            raise FetchError(f"{job.model_id} was imported from a local GGUF file and is not in any model "
-                             "directory of this node any more; import it again")
+            raise FetchError(
+                f"{job.model_id} was imported from a local GGUF file and is not in any model "
+                "directory of this node any more; import it again"
+            )
         else:
             await self._fetch(job, card)
 
-    async def _with_progress(self, job: _Job, work: Callable[[Callable[[int, int], None]], T],
-                             directory: Path) -> T:
+    async def _with_progress(self, job: _Job, work: Callable[[Callable[[int, int], None]], T], directory: Path) -> T:
         """Run blocking `work(on_progress)` in a thread while publishing its progress."""
-        progress = _Progress(self.publish, job.model_id, job.start, job.end, self.config.progress_interval_s,
-                             job.cancel)
+        progress = _Progress(
+            self.publish, job.model_id, job.start, job.end, self.config.progress_interval_s, job.cancel
+        )
         progress.directory = str(directory)
         progress.last_sent = time.monotonic()  # the pending report just went out
         loop = asyncio.get_running_loop()
@@ -367,15 +396,15 @@ class Downloader:
         if self.offline:
             raise _offline_error(job.model_id)
         await self._report(job, DownloadStatus.PENDING)
-        kwargs: dict[str, Any] = {"token": self.config.token, "endpoint": self.config.endpoint,
-                                  "environ": self.environ}
+        kwargs: dict[str, Any] = {"token": self.config.token, "endpoint": self.config.endpoint, "environ": self.environ}
         listing = await asyncio.to_thread(list_remote_files, job.model_id, cancel=job.cancel, **kwargs)
         names = [f.name for f in listing.files]
         sizes = {f.name: f.size or 0 for f in listing.files}
         index = None
         if INDEX_NAME in sizes:
-            raw = await asyncio.to_thread(fetch_bytes, job.model_id, listing.revision, INDEX_NAME,
-                                          size=sizes[INDEX_NAME] or None, **kwargs)
+            raw = await asyncio.to_thread(
+                fetch_bytes, job.model_id, listing.revision, INDEX_NAME, size=sizes[INDEX_NAME] or None, **kwargs
+            )
             index = json.loads(raw)
             weights = set(index.get("weight_map", {}).values())
         else:
@@ -391,23 +420,41 @@ class Downloader:
             for other in self.running.values():
                 if other is not job and other.models_dir is not None:
                     reserved[other.models_dir] += other.remaining
-            choice = await asyncio.to_thread(choose_directory, self.dirs, job.model_id, needed, free_bytes,
-                                             reserved, partial_bytes_for(job.model_id))
+            choice = await asyncio.to_thread(
+                choose_directory, self.dirs, job.model_id, needed, free_bytes, reserved, partial_bytes_for(job.model_id)
+            )
             if isinstance(choice, NoSpace):
                 raise FetchError(choice.message)
             job.models_dir, job.remaining = choice.models_dir, choice.bytes_remaining
-        log.info("downloading %s layers [%d, %d): %d files, %d bytes into %s%s", job.model_id, job.start,
-                 job.end, len(files), needed, choice.model_dir, " (resuming)" if choice.resumes else "")
+        log.info(
+            "downloading %s layers [%d, %d): %d files, %d bytes into %s%s",
+            job.model_id,
+            job.start,
+            job.end,
+            len(files),
+            needed,
+            choice.model_dir,
+            " (resuming)" if choice.resumes else "",
+        )
         await self._with_progress(
-            job, lambda on_progress: fetch_files(
-                job.model_id, listing.revision, choice.model_dir, files, on_progress=on_progress,
-                cancel=job.cancel, **kwargs),
+            job,
+            lambda on_progress: fetch_files(
+                job.model_id,
+                listing.revision,
+                choice.model_dir,
+                files,
+                on_progress=on_progress,
+                cancel=job.cancel,
+                **kwargs,
+            ),
             choice.model_dir,
         )
         found = await asyncio.to_thread(find_shard, self.dirs, card, job.start, job.end)
         if found is None or found[0].path != choice.model_dir:
-            raise FetchError(f"{job.model_id}: the files were fetched into {choice.model_dir} but it does "
-                             "not hold the layer range completely; retry the download")
+            raise FetchError(
+                f"{job.model_id}: the files were fetched into {choice.model_dir} but it does "
+                "not hold the layer range completely; retry the download"
+            )
         await self._report_completed(job, card, choice.model_dir, False, needed)
 
     # --- deletes -----------------------------------------------------------------------------------------
@@ -424,13 +471,14 @@ class Downloader:
                 log.warning("%s", error)
                 removed = ()
             log.info("deleted %s from %s", model_id, ", ".join(removed) or "nowhere")
-            await self.publish(ReportDownloadDeleted(model_id=model_id, node_id=self.node_id,
-                                                     directories=removed))
+            await self.publish(ReportDownloadDeleted(model_id=model_id, node_id=self.node_id, directories=removed))
 
 
 def _storage(dirs: ModelDirs) -> tuple[ModelDirInfo, ...]:
-    return tuple(ModelDirInfo(path=str(d.path), read_only=d.read_only, free_bytes=d.free_bytes,
-                              total_bytes=d.total_bytes) for d in directory_report(dirs))
+    return tuple(
+        ModelDirInfo(path=str(d.path), read_only=d.read_only, free_bytes=d.free_bytes, total_bytes=d.total_bytes)
+        for d in directory_report(dirs)
+    )
 
 
 async def run_downloader(config: DownloaderConfig, stop: asyncio.Event) -> None:
@@ -445,8 +493,12 @@ async def run_downloader(config: DownloaderConfig, stop: asyncio.Event) -> None:
     downloader = Downloader(config, _Publisher(js, node_id), follower)
     follower.add_listener(downloader.on_event)
     await follower.start()
-    log.info("downloader for node %s started; model dirs %s%s", node_id, config.model_dirs,
-             " (offline)" if downloader.offline else "")
+    log.info(
+        "downloader for node %s started; model dirs %s%s",
+        node_id,
+        config.model_dirs,
+        " (offline)" if downloader.offline else "",
+    )
     downloader.resume(follower.state)
     try:
         while not stop.is_set():

@@ -80,16 +80,12 @@ def _language_stack(prefix_layers: Mapping[str, set[int]], num_layers: int) -> s
     return max(prefix_layers, key=lambda p: len(prefix_layers[p]))
 
 
-def files_for_layer_range(
-    index: Mapping[str, Any], num_layers: int, start_layer: int, end_layer: int
-) -> set[str]:
+def files_for_layer_range(index: Mapping[str, Any], num_layers: int, start_layer: int, end_layer: int) -> set[str]:
     """The safetensors files holding the tensors layers `[start_layer, end_layer)` need (see module doc)."""
     if num_layers <= 0:
         raise ValueError(f"num_layers must be positive, got {num_layers}")
     if not 0 <= start_layer < end_layer <= num_layers:
-        raise ValueError(
-            f"layer range [{start_layer}, {end_layer}) is not a non-empty range within [0, {num_layers})"
-        )
+        raise ValueError(f"layer range [{start_layer}, {end_layer}) is not a non-empty range within [0, {num_layers})")
     weight_map = _weight_map(index)
 
     prefix_layers: dict[str, set[int]] = {}

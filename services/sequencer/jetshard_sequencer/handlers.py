@@ -11,8 +11,6 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import msgspec
-from msgspec.structs import replace
-
 from jetshard_schema.commands import (
     AddCustomModelCard,
     CancelDownload,
@@ -63,8 +61,9 @@ from jetshard_schema.events import (
     TaskFinished,
     TaskStarted,
 )
-from jetshard_schema.ids import CommandId, InstanceId, NodeId, parse_model_id
+from jetshard_schema.ids import CommandId, InstanceId, parse_model_id
 from jetshard_schema.models import find_card, is_builtin
+from jetshard_schema.placement import PlacementError, place
 from jetshard_schema.state import Instance, State, apply, instance_status
 from jetshard_schema.types import (
     DownloadStatus,
@@ -74,7 +73,7 @@ from jetshard_schema.types import (
     RejectCode,
     RunnerStatus,
 )
-from jetshard_schema.placement import PlacementError, place
+from msgspec.structs import replace
 
 
 class Context(msgspec.Struct, frozen=True):
@@ -163,8 +162,7 @@ def _try_place(state: State, lost: Instance, ctx: Context) -> InstancePlaced | N
     except PlacementError:
         return None
     digest = hashlib.sha256(f"{ctx.command_id}/{lost.instance_id}".encode()).hexdigest()[:12]
-    return InstancePlaced(instance_id=InstanceId(f"inst-{digest}"), model_id=lost.model_id,
-                          shards=placement.shards)
+    return InstancePlaced(instance_id=InstanceId(f"inst-{digest}"), model_id=lost.model_id, shards=placement.shards)
 
 
 # --- model cards -------------------------------------------------------------------------------------------
@@ -182,8 +180,9 @@ def _add_custom_model_card(state: State, command: AddCustomModelCard, ctx: Conte
 
 def _delete_custom_model_card(state: State, command: DeleteCustomModelCard, ctx: Context) -> list[Event]:
     if is_builtin(command.model_id):
-        return _reject(command, RejectCode.CONFLICT,
-                       f"{command.model_id} is a built-in card; only custom cards can be deleted")
+        return _reject(
+            command, RejectCode.CONFLICT, f"{command.model_id} is a built-in card; only custom cards can be deleted"
+        )
     if command.model_id not in state.custom_cards:
         return _reject(command, RejectCode.NOT_FOUND, f"no custom model card {command.model_id}")
     return [CustomModelCardDeleted(model_id=command.model_id)]
@@ -208,8 +207,11 @@ def _start_download(state: State, command: StartDownload, ctx: Context) -> list[
     start = 0 if command.start_layer is None else command.start_layer
     end = card.num_layers if command.end_layer is None else command.end_layer
     if not 0 <= start < end <= card.num_layers:
-        return _reject(command, RejectCode.INVALID,
-                       f"layer range [{start}, {end}) is not within [0, {card.num_layers}) of {card.model_id}")
+        return _reject(
+            command,
+            RejectCode.INVALID,
+            f"layer range [{start}, {end}) is not within [0, {card.num_layers}) of {card.model_id}",
+        )
     return [DownloadRequested(node_id=command.node_id, model_id=command.model_id, start_layer=start, end_layer=end)]
 
 
@@ -227,14 +229,23 @@ def _delete_download(state: State, command: DeleteDownload, ctx: Context) -> lis
     if download is None:
         return _reject(command, RejectCode.NOT_FOUND, f"{command.model_id} is not on node {command.node_id}")
     if download.read_only:
-        return _reject(command, RejectCode.CONFLICT,
-                       f"{command.model_id} is in the read-only directory {download.directory}; "
-                       "jetshard never deletes from read-only directories")
-    users = [i.instance_id for i in state.instances.values()
-             if i.model_id == command.model_id and i.shard_for(command.node_id) is not None]
+        return _reject(
+            command,
+            RejectCode.CONFLICT,
+            f"{command.model_id} is in the read-only directory {download.directory}; "
+            "jetshard never deletes from read-only directories",
+        )
+    users = [
+        i.instance_id
+        for i in state.instances.values()
+        if i.model_id == command.model_id and i.shard_for(command.node_id) is not None
+    ]
     if users:
-        return _reject(command, RejectCode.CONFLICT,
-                       f"{command.model_id} is in use by instance(s) {', '.join(users)}; delete them first")
+        return _reject(
+            command,
+            RejectCode.CONFLICT,
+            f"{command.model_id} is in use by instance(s) {', '.join(users)}; delete them first",
+        )
     return [DownloadDeleteRequested(node_id=command.node_id, model_id=command.model_id)]
 
 
@@ -242,10 +253,17 @@ def _report_download_progress(state: State, command: ReportDownloadProgress, ctx
     node_id, model_id = command.node_id, command.model_id
     match command.status:
         case DownloadStatus.COMPLETED:
-            return [DownloadCompleted(
-                node_id=node_id, model_id=model_id, directory=command.directory, read_only=command.read_only,
-                start_layer=command.start_layer, end_layer=command.end_layer, bytes_total=command.bytes_total,
-            )]
+            return [
+                DownloadCompleted(
+                    node_id=node_id,
+                    model_id=model_id,
+                    directory=command.directory,
+                    read_only=command.read_only,
+                    start_layer=command.start_layer,
+                    end_layer=command.end_layer,
+                    bytes_total=command.bytes_total,
+                )
+            ]
         case DownloadStatus.FAILED:
             return [DownloadFailed(node_id=node_id, model_id=model_id, reason=command.reason)]
         case DownloadStatus.CANCELLED:
@@ -257,11 +275,18 @@ def _report_download_progress(state: State, command: ReportDownloadProgress, ctx
             current = state.download(node_id, model_id)
             if current is not None and current.status is DownloadStatus.CANCELLED:
                 return []  # a report sent before the downloader saw the cancel; a new request resets it
-            return [DownloadProgressed(
-                node_id=node_id, model_id=model_id, pending=command.status is DownloadStatus.PENDING,
-                bytes_done=command.bytes_done, bytes_total=command.bytes_total,
-                speed_bytes_per_s=command.speed_bytes_per_s, eta_s=command.eta_s, directory=command.directory,
-            )]
+            return [
+                DownloadProgressed(
+                    node_id=node_id,
+                    model_id=model_id,
+                    pending=command.status is DownloadStatus.PENDING,
+                    bytes_done=command.bytes_done,
+                    bytes_total=command.bytes_total,
+                    speed_bytes_per_s=command.speed_bytes_per_s,
+                    eta_s=command.eta_s,
+                    directory=command.directory,
+                )
+            ]
 
 
 def _report_download_deleted(state: State, command: ReportDownloadDeleted, ctx: Context) -> list[Event]:
@@ -299,8 +324,16 @@ def _report_runner_endpoint(state: State, command: ReportRunnerEndpoint, ctx: Co
     shard = instance.shard_for(command.node_id)
     if shard is None or shard.rank != command.rank:
         return _reject(command, RejectCode.INVALID, f"node {command.node_id} holds no rank {command.rank}")
-    return [RunnerEndpointReported(instance_id=command.instance_id, generation=command.generation,
-                                   node_id=command.node_id, rank=command.rank, host=command.host, port=command.port)]
+    return [
+        RunnerEndpointReported(
+            instance_id=command.instance_id,
+            generation=command.generation,
+            node_id=command.node_id,
+            rank=command.rank,
+            host=command.host,
+            port=command.port,
+        )
+    ]
 
 
 def _report_runner_status(state: State, command: ReportRunnerStatus, ctx: Context) -> list[Event]:
@@ -308,9 +341,15 @@ def _report_runner_status(state: State, command: ReportRunnerStatus, ctx: Contex
     if instance is None or instance.generation != command.generation or instance.failed:
         return []  # a report from a runner of an earlier generation or a deleted instance
     changed = RunnerStatusChanged(
-        instance_id=command.instance_id, generation=command.generation, node_id=command.node_id,
-        rank=command.rank, worker_session=command.worker_session, status=command.status,
-        layers_loaded=command.layers_loaded, layers_total=command.layers_total, reason=command.reason,
+        instance_id=command.instance_id,
+        generation=command.generation,
+        node_id=command.node_id,
+        rank=command.rank,
+        worker_session=command.worker_session,
+        status=command.status,
+        layers_loaded=command.layers_loaded,
+        layers_total=command.layers_total,
+        reason=command.reason,
         loaded_tensors=command.loaded_tensors,
     )
     if command.status not in (RunnerStatus.FAILED, RunnerStatus.STOPPED):
@@ -319,15 +358,24 @@ def _report_runner_status(state: State, command: ReportRunnerStatus, ctx: Contex
     was_ready = instance_status(state, instance) is InstanceStatus.READY
     attempt = 1 if was_ready else instance.restart_attempt + 1
     if attempt > ctx.max_restarts:
-        return [changed, InstanceFailed(
-            instance_id=command.instance_id,
-            reason=f"{reason}; gave up after {ctx.max_restarts} restarts",
-        )]
+        return [
+            changed,
+            InstanceFailed(
+                instance_id=command.instance_id,
+                reason=f"{reason}; gave up after {ctx.max_restarts} restarts",
+            ),
+        ]
     backoff_ms = ctx.restart_backoff_ms * 2 ** (attempt - 1)
-    return [changed, InstanceRestarting(
-        instance_id=command.instance_id, generation=instance.generation + 1, attempt=attempt,
-        not_before_ms=ctx.now_ms + backoff_ms, reason=reason,
-    )]
+    return [
+        changed,
+        InstanceRestarting(
+            instance_id=command.instance_id,
+            generation=instance.generation + 1,
+            attempt=attempt,
+            not_before_ms=ctx.now_ms + backoff_ms,
+            reason=reason,
+        ),
+    ]
 
 
 # --- tasks -------------------------------------------------------------------------------------------------
@@ -337,8 +385,11 @@ def _submit_task(state: State, command: SubmitTask, ctx: Context) -> list[Event]
     request = command.request
     if request.task_id in state.tasks:
         return _reject(command, RejectCode.ALREADY_EXISTS, f"task {request.task_id} already exists")
-    ready = [i for i in state.instances.values()
-             if i.model_id == request.model_id and instance_status(state, i) is InstanceStatus.READY]
+    ready = [
+        i
+        for i in state.instances.values()
+        if i.model_id == request.model_id and instance_status(state, i) is InstanceStatus.READY
+    ]
     if not ready:
         return _reject(command, RejectCode.NO_CAPACITY, f"no ready instance of {request.model_id}")
     load = {i.instance_id: 0 for i in ready}
@@ -364,8 +415,7 @@ def _report_task_started(state: State, command: ReportTaskStarted, ctx: Context)
 def _report_task_finished(state: State, command: ReportTaskFinished, ctx: Context) -> list[Event]:
     if command.task_id not in state.tasks:
         return []
-    return [TaskFinished(task_id=command.task_id, outcome=command.outcome, usage=command.usage,
-                         error=command.error)]
+    return [TaskFinished(task_id=command.task_id, outcome=command.outcome, usage=command.usage, error=command.error)]
 
 
 _HANDLERS: dict[type, Callable[[State, Any, Context], list[Event]]] = {
@@ -389,5 +439,3 @@ _HANDLERS: dict[type, Callable[[State, Any, Context], list[Event]]] = {
     ReportTaskStarted: _report_task_started,
     ReportTaskFinished: _report_task_finished,
 }
-
-

@@ -70,13 +70,17 @@ async def run_sequencer(config: SequencerConfig, stop: asyncio.Event) -> None:
                 await follower.stop()
                 break
             started = time.monotonic()
-            info = await js.stream_info(subjects.EVENTS_STREAM)
-            await follower.wait_until(lambda _: follower.received_seq >= info.state.last_seq, 30)
+            last_seq = (await js.stream_info(subjects.EVENTS_STREAM)).state.last_seq
+            await _caught_up(follower, last_seq)
             state, partial = follower.state, follower.partial
             await follower.stop()
-            log.info("sequencer %s leads from event %d (took over in %.2f s)", config.sequencer_id,
-                     info.state.last_seq, time.monotonic() - started)
-            leader = Leader(js, config, state, partial, info.state.last_seq, lease)
+            log.info(
+                "sequencer %s leads from event %d (took over in %.2f s)",
+                config.sequencer_id,
+                last_seq,
+                time.monotonic() - started,
+            )
+            leader = Leader(js, config, state, partial, last_seq, lease)
             try:
                 await leader.run(stop)
             except StaleLeaderError as error:
@@ -85,6 +89,10 @@ async def run_sequencer(config: SequencerConfig, stop: asyncio.Event) -> None:
                 await lease.release()
     finally:
         await client.drain()
+
+
+async def _caught_up(follower: StateFollower, last_seq: int) -> None:
+    await follower.wait_until(lambda _: follower.received_seq >= last_seq, 30)
 
 
 async def _wait_for_lease(lease: Lease, stop: asyncio.Event) -> None:
@@ -130,8 +138,15 @@ class Lease:
 
 
 class Leader:
-    def __init__(self, js: JetStreamContext, config: SequencerConfig, state: State,
-                 partial: list[tuple[int, EventEnvelope]], last_seq: int, lease: Lease) -> None:
+    def __init__(
+        self,
+        js: JetStreamContext,
+        config: SequencerConfig,
+        state: State,
+        partial: list[tuple[int, EventEnvelope]],
+        last_seq: int,
+        lease: Lease,
+    ) -> None:
         self._js = js
         self._config = config
         self.state = state
@@ -149,10 +164,15 @@ class Leader:
             f"{subjects.COMMAND_PREFIX}.>",
             durable=consumer,
             stream=subjects.COMMANDS_STREAM,
-            config=ConsumerConfig(ack_policy=AckPolicy.ALL, ack_wait=30, max_deliver=-1,
-                                  deliver_policy=DeliverPolicy.BY_START_SEQUENCE,
-                                  opt_start_seq=self.state.last_command_seq + 1, max_ack_pending=-1,
-                                  inactive_threshold=60),
+            config=ConsumerConfig(
+                ack_policy=AckPolicy.ALL,
+                ack_wait=30,
+                max_deliver=-1,
+                deliver_policy=DeliverPolicy.BY_START_SEQUENCE,
+                opt_start_seq=self.state.last_command_seq + 1,
+                max_ack_pending=-1,
+                inactive_threshold=60,
+            ),
         )
         renewing = asyncio.create_task(self._renew_lease(stop))
         expiring = asyncio.create_task(self._expire_nodes(stop))
@@ -207,16 +227,28 @@ class Leader:
                 trace_headers = inject({})
             already_stored = self._take_partial(command_seq)
             for index, event in enumerate(events):
-                envelope = EventEnvelope(command_id=command_id, command_seq=command_seq, index=index,
-                                         count=len(events), at_ms=now_ms, event=event)
+                envelope = EventEnvelope(
+                    command_id=command_id,
+                    command_seq=command_seq,
+                    index=index,
+                    count=len(events),
+                    at_ms=now_ms,
+                    event=event,
+                )
                 if index < len(already_stored):
                     seq = already_stored[index]
                 else:
-                    acks.append(await self._js.publish_async(
-                        event.subject, encode(envelope),
-                        headers={subjects.MSG_ID_HEADER: f"{command_id}/{index}",
-                                 subjects.EXPECTED_LAST_SEQUENCE_HEADER: str(self._last_seq), **trace_headers},
-                    ))
+                    acks.append(
+                        await self._js.publish_async(
+                            event.subject,
+                            encode(envelope),
+                            headers={
+                                subjects.MSG_ID_HEADER: f"{command_id}/{index}",
+                                subjects.EXPECTED_LAST_SEQUENCE_HEADER: str(self._last_seq),
+                                **trace_headers,
+                            },
+                        )
+                    )
                     self._last_seq += 1
                     seq = self._last_seq
                 self.state = apply(self.state, event, seq, command_seq)
@@ -237,6 +269,10 @@ class Leader:
                 raise StaleLeaderError("another sequencer appended events (wrong last sequence)")
             if isinstance(result, BaseException):
                 raise StaleLeaderError(f"appending events failed: {result!r}")
+            if result.duplicate:
+                # Cannot happen while the events' dedupe window is shorter than the commands' (streams.py);
+                # if it does, our count of the stream's sequence is off: re-read it as a follower.
+                raise StaleLeaderError("an appended event was a duplicate; resynchronising")
         # Acked only now that every event is stored: a crash before this redelivers the commands. With
         # AckPolicy.ALL one ack of the batch's last command covers the whole batch.
         await last.ack()
@@ -253,15 +289,25 @@ class Leader:
         try:
             command = decode_command(msg.data)
         except (msgspec.ValidationError, msgspec.DecodeError) as error:
-            return [CommandRejected(command_type=msg.subject.removeprefix(f"{subjects.COMMAND_PREFIX}."),
-                                    code=RejectCode.INVALID, reason=f"malformed command: {error}")]
+            return [
+                CommandRejected(
+                    command_type=msg.subject.removeprefix(f"{subjects.COMMAND_PREFIX}."),
+                    code=RejectCode.INVALID,
+                    reason=f"malformed command: {error}",
+                )
+            ]
         ctx = Context(command_id=command_id, now_ms=now_ms, max_restarts=self._config.max_restarts)
         try:
             return handle(self.state, command, ctx)
         except Exception as error:  # a handler bug must not stop the cluster; the command is answered
             log.exception("handler failed for %s", type(command).__name__)
-            return [CommandRejected(command_type=type(command).__name__, code=RejectCode.INVALID,
-                                    reason=f"internal error handling the command: {error}")]
+            return [
+                CommandRejected(
+                    command_type=type(command).__name__,
+                    code=RejectCode.INVALID,
+                    reason=f"internal error handling the command: {error}",
+                )
+            ]
 
     async def _expire_nodes(self, stop: asyncio.Event) -> None:
         """Publish `ExpireNode` for nodes in State whose liveness key lapsed (the bucket's TTL removed it)."""
@@ -279,6 +325,7 @@ class Leader:
             for node in list(self.state.nodes.values()):
                 if node.node_id not in alive:
                     await publish_command(
-                        self._js, ExpireNode(node_id=node.node_id, session_id=node.session_id),
+                        self._js,
+                        ExpireNode(node_id=node.node_id, session_id=node.session_id),
                         CommandId(f"expire-{node.node_id}-{node.session_id}"),
                     )

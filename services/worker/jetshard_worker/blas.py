@@ -1,7 +1,7 @@
 """OpenBLAS for runners on Linux CPUs.
 
 The `mlx[cpu]` wheel bundles the reference BLAS (about 6 GFLOP/s on a small x86 machine). OpenBLAS, preloaded
-before MLX loads, measured 195 GFLOP/s there and 2.2× faster float32 decode; quantized layers use MLX's own
+before MLX loads, measured 195 GFLOP/s there and 2.2x faster float32 decode; quantized layers use MLX's own
 kernels and do not gain. `JETSHARD_PRELOAD_OPENBLAS`: `auto` (default: use it when installed), `0` (never),
 or a path to the library.
 """

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import msgspec
-
 from jetshard_schema.ids import InstanceId, NodeId
 from jetshard_schema.state import Instance, State
 from jetshard_schema.types import DownloadStatus, RunnerStatus
@@ -43,8 +42,10 @@ def plan(state: State, node_id: NodeId, session_id: str, running: frozenset[Runn
             continue
         key = RunnerKey(instance.instance_id, instance.generation)
         mine = instance.runners.get(shard.rank)
-        if mine is not None and mine.worker_session != session_id and mine.status not in (
-            RunnerStatus.STOPPED, RunnerStatus.FAILED
+        if (
+            mine is not None
+            and mine.worker_session != session_id
+            and mine.status not in (RunnerStatus.STOPPED, RunnerStatus.FAILED)
         ):
             stale.append((instance.instance_id, instance.generation, shard.rank))
             continue
@@ -54,7 +55,7 @@ def plan(state: State, node_id: NodeId, session_id: str, running: frozenset[Runn
         if shard.rank not in instance.endpoints:
             report.append(key)
             continue
-        if key in running or mine is not None and mine.status in (RunnerStatus.STOPPED, RunnerStatus.FAILED):
+        if key in running or (mine is not None and mine.status in (RunnerStatus.STOPPED, RunnerStatus.FAILED)):
             continue
         runner_plan = _startable(state, instance, node_id)
         if runner_plan is not None:
@@ -74,6 +75,12 @@ def _startable(state: State, instance: Instance, node_id: NodeId) -> RunnerPlan 
     if any(s.rank not in instance.endpoints for s in instance.shards):
         return None
     endpoints = tuple(f"{instance.endpoints[s.rank].host}:{instance.endpoints[s.rank].port}" for s in instance.shards)
-    return RunnerPlan(key=RunnerKey(instance.instance_id, instance.generation), rank=shard.rank,
-                      world_size=len(instance.shards), start_layer=shard.start_layer, end_layer=shard.end_layer,
-                      model_dir=download.directory, endpoints=endpoints)
+    return RunnerPlan(
+        key=RunnerKey(instance.instance_id, instance.generation),
+        rank=shard.rank,
+        world_size=len(instance.shards),
+        start_layer=shard.start_layer,
+        end_layer=shard.end_layer,
+        model_dir=download.directory,
+        endpoints=endpoints,
+    )

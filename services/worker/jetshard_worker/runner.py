@@ -17,8 +17,6 @@ from pathlib import Path
 from typing import Any
 
 import msgspec
-from nats.js import JetStreamContext
-
 from jetshard_bus.commands import publish_command
 from jetshard_bus.connect import connect
 from jetshard_bus.follower import StateFollower
@@ -38,6 +36,8 @@ from jetshard_schema.ids import InstanceId, NodeId, TaskId
 from jetshard_schema.state import State
 from jetshard_schema.subjects import chunk_subject
 from jetshard_schema.types import Chunk, RunnerStatus, TaskKind, TaskOutcome, TaskRequest, Usage
+from nats.js import JetStreamContext
+
 from jetshard_worker.textstream import TextStream
 
 log = logging.getLogger(__name__)
@@ -74,10 +74,18 @@ class Runner:
         self.done = asyncio.Event()
 
     async def report(self, status: RunnerStatus, **fields: Any) -> None:
-        await publish_command(self._js, ReportRunnerStatus(
-            instance_id=self.spec.instance_id, generation=self.spec.generation, node_id=self.spec.node_id,
-            rank=self.spec.rank, worker_session=self.spec.worker_session, status=status, **fields,
-        ))
+        await publish_command(
+            self._js,
+            ReportRunnerStatus(
+                instance_id=self.spec.instance_id,
+                generation=self.spec.generation,
+                node_id=self.spec.node_id,
+                rank=self.spec.rank,
+                worker_session=self.spec.worker_session,
+                status=status,
+                **fields,
+            ),
+        )
 
     async def load(self) -> None:
         from jetshard_worker.engine import PipelineEngine, init_ring, load_shard
@@ -91,12 +99,12 @@ class Runner:
             if now - last_report >= PROGRESS_INTERVAL_S or done == of:
                 last_report = now
                 asyncio.run_coroutine_threadsafe(
-                    self.report(RunnerStatus.LOADING, layers_loaded=done, layers_total=of), self._loop)
+                    self.report(RunnerStatus.LOADING, layers_loaded=done, layers_total=of), self._loop
+                )
 
         await self.report(RunnerStatus.LOADING, layers_loaded=0, layers_total=total)
         model_dir = Path(self.spec.model_dir)
-        shard = await asyncio.to_thread(load_shard, model_dir, self.spec.start_layer, self.spec.end_layer,
-                                        on_progress)
+        shard = await asyncio.to_thread(load_shard, model_dir, self.spec.start_layer, self.spec.end_layer, on_progress)
         group = None
         if self.spec.world_size > 1:
             assert self.spec.hostfile is not None
@@ -106,11 +114,14 @@ class Runner:
         if self.engine.is_leader:
             from mlx_lm.utils import load_tokenizer
 
-            self.tokenizer = await asyncio.to_thread(load_tokenizer, model_dir,
-                                                     None, sorted(shard.eos_token_ids))
+            self.tokenizer = await asyncio.to_thread(load_tokenizer, model_dir, None, sorted(shard.eos_token_ids))
             self.context_length = int(shard.config.get("max_position_embeddings") or self.context_length)
-        await self.report(RunnerStatus.READY, layers_loaded=total, layers_total=total,
-                          loaded_tensors=tuple(sorted(shard.loaded_tensors)))
+        await self.report(
+            RunnerStatus.READY,
+            layers_loaded=total,
+            layers_total=total,
+            loaded_tensors=tuple(sorted(shard.loaded_tensors)),
+        )
 
     # --- leader: tasks in, chunks out ------------------------------------------------------------------
 
@@ -138,20 +149,35 @@ class Runner:
             self._fail_task(request.task_id, f"could not build the prompt: {error}", "invalid_prompt")
             return
         if len(tokens) >= self.context_length:
-            self._fail_task(request.task_id, f"the prompt has {len(tokens)} tokens; the model's context is "
-                            f"{self.context_length}", "context_length_exceeded")
+            self._fail_task(
+                request.task_id,
+                f"the prompt has {len(tokens)} tokens; the model's context is {self.context_length}",
+                "context_length_exceeded",
+            )
             return
         room = self.context_length - len(tokens)
         sampling = request.sampling
         max_tokens = min(sampling.max_tokens or room, room)
         self._streams[request.task_id] = TextStream(self.tokenizer.detokenizer, sampling.stop)
         self._chunk_index[request.task_id] = 0
-        self._send_later(publish_command(self._js, ReportTaskStarted(
-            task_id=request.task_id, instance_id=self.spec.instance_id, prompt_tokens=len(tokens))))
-        self.engine.submit(GenerationRequest(
-            task_id=request.task_id, prompt_tokens=tokens, max_tokens=max_tokens,
-            temperature=sampling.temperature, top_p=sampling.top_p, seed=sampling.seed,
-        ))
+        self._send_later(
+            publish_command(
+                self._js,
+                ReportTaskStarted(
+                    task_id=request.task_id, instance_id=self.spec.instance_id, prompt_tokens=len(tokens)
+                ),
+            )
+        )
+        self.engine.submit(
+            GenerationRequest(
+                task_id=request.task_id,
+                prompt_tokens=tokens,
+                max_tokens=max_tokens,
+                temperature=sampling.temperature,
+                top_p=sampling.top_p,
+                seed=sampling.seed,
+            )
+        )
 
     def _tokenize(self, request: TaskRequest) -> list[int]:
         if request.kind is TaskKind.CHAT:
@@ -161,11 +187,21 @@ class Runner:
         return list(self.tokenizer.encode(request.prompt))
 
     def _fail_task(self, task_id: TaskId, message: str, code: str) -> None:
-        self._publish_chunk(Chunk(task_id=task_id, index=0, error=message, error_code=code,
-                                  finish_reason=TaskOutcome.ERROR))
-        self._send_later(publish_command(self._js, ReportTaskFinished(
-            task_id=task_id, instance_id=self.spec.instance_id, outcome=TaskOutcome.ERROR,
-            usage=Usage(prompt_tokens=0, completion_tokens=0), error=message)))
+        self._publish_chunk(
+            Chunk(task_id=task_id, index=0, error=message, error_code=code, finish_reason=TaskOutcome.ERROR)
+        )
+        self._send_later(
+            publish_command(
+                self._js,
+                ReportTaskFinished(
+                    task_id=task_id,
+                    instance_id=self.spec.instance_id,
+                    outcome=TaskOutcome.ERROR,
+                    usage=Usage(prompt_tokens=0, completion_tokens=0),
+                    error=message,
+                ),
+            )
+        )
 
     def _on_token(self, task_id: str, token: int, index: int, reason: str | None) -> None:
         """Engine thread: one sampled token."""
@@ -196,10 +232,17 @@ class Runner:
         outcome = TaskOutcome.STOP if stream.stopped and reason == "length" else TaskOutcome(reason)
         usage = Usage(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens)
         index = self._chunk_index.pop(task_id)
-        self._publish_chunk(Chunk(task_id=TaskId(task_id), index=index, text=stream.finish(),
-                                  finish_reason=outcome, usage=usage))
-        self._send_later(publish_command(self._js, ReportTaskFinished(
-            task_id=TaskId(task_id), instance_id=self.spec.instance_id, outcome=outcome, usage=usage)))
+        self._publish_chunk(
+            Chunk(task_id=TaskId(task_id), index=index, text=stream.finish(), finish_reason=outcome, usage=usage)
+        )
+        self._send_later(
+            publish_command(
+                self._js,
+                ReportTaskFinished(
+                    task_id=TaskId(task_id), instance_id=self.spec.instance_id, outcome=outcome, usage=usage
+                ),
+            )
+        )
 
     def _publish_chunk(self, chunk: Chunk) -> None:
         self._outbox.put_nowait((chunk_subject(chunk.task_id), encode(chunk)))
@@ -240,8 +283,11 @@ async def run_runner(spec: RunnerSpec, stop: asyncio.Event) -> None:
         follower.add_listener(runner.on_event)
         await follower.start()
         publisher = asyncio.create_task(runner.publish_chunks())
-    waiters = [asyncio.create_task(stop.wait()), asyncio.create_task(runner.done.wait()),
-               asyncio.create_task(asyncio.to_thread(engine_thread.join))]
+    waiters = [
+        asyncio.create_task(stop.wait()),
+        asyncio.create_task(runner.done.wait()),
+        asyncio.create_task(asyncio.to_thread(engine_thread.join)),
+    ]
     await asyncio.wait(waiters, return_when=asyncio.FIRST_COMPLETED)
     if runner.engine.is_leader:
         runner.engine.shutdown()

@@ -18,14 +18,14 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import msgspec
-from nats.js import JetStreamContext
-
 from jetshard_bus.commands import publish_command
 from jetshard_bus.options import NatsOptions
 from jetshard_schema.commands import ReportRunnerEndpoint, ReportRunnerStatus
-from jetshard_schema.ids import NodeId
+from jetshard_schema.ids import InstanceId, NodeId
 from jetshard_schema.state import State
 from jetshard_schema.types import RunnerStatus
+from nats.js import JetStreamContext
+
 from jetshard_worker.blas import runner_environment
 from jetshard_worker.engine.distributed import write_hostfile
 from jetshard_worker.planning import RunnerKey, RunnerPlan, plan
@@ -57,8 +57,15 @@ class RunningRunner:
 
 
 class RunnerSupervisor:
-    def __init__(self, js: JetStreamContext, node_id: NodeId, session_id: str, nats: NatsOptions,
-                 start_timeout_s: float, advertise_host: str = "127.0.0.1") -> None:
+    def __init__(
+        self,
+        js: JetStreamContext,
+        node_id: NodeId,
+        session_id: str,
+        nats: NatsOptions,
+        start_timeout_s: float,
+        advertise_host: str = "127.0.0.1",
+    ) -> None:
         self._js = js
         self.node_id = node_id
         self.session_id = session_id
@@ -95,8 +102,13 @@ class RunnerSupervisor:
         now_ms = int(time.time() * 1000)
         wanted = plan(state, self.node_id, self.session_id, frozenset(self._running), now_ms)
         for instance_id, generation, rank in wanted.stale:
-            await self._report(instance_id, generation, rank, RunnerStatus.STOPPED,
-                               "its worker restarted; the runner of its previous life is gone")
+            await self._report(
+                instance_id,
+                generation,
+                rank,
+                RunnerStatus.STOPPED,
+                "its worker restarted; the runner of its previous life is gone",
+            )
         for key in list(self._running):
             if key not in wanted.keep:
                 self._stop(key)
@@ -106,9 +118,17 @@ class RunnerSupervisor:
             self._reported.add(key)
             shard = state.instances[key.instance_id].shard_for(self.node_id)
             assert shard is not None
-            await publish_command(self._js, ReportRunnerEndpoint(
-                instance_id=key.instance_id, generation=key.generation, node_id=self.node_id,
-                rank=shard.rank, host=self._host, port=free_port(self._host)))
+            await publish_command(
+                self._js,
+                ReportRunnerEndpoint(
+                    instance_id=key.instance_id,
+                    generation=key.generation,
+                    node_id=self.node_id,
+                    rank=shard.rank,
+                    host=self._host,
+                    port=free_port(self._host),
+                ),
+            )
         for runner_plan in wanted.start:
             self._spawn(runner_plan)
         await self._check_health(state)
@@ -117,21 +137,39 @@ class RunnerSupervisor:
         key = runner_plan.key
         hostfile = None
         if runner_plan.world_size > 1:
-            hostfile = str(write_hostfile(self._scratch / f"{key.instance_id}-{key.generation}.json",
-                                          runner_plan.endpoints))
-        spec = RunnerSpec(nats=self._nats, instance_id=key.instance_id, generation=key.generation,
-                          node_id=self.node_id, worker_session=self.session_id, rank=runner_plan.rank,
-                          world_size=runner_plan.world_size, model_dir=runner_plan.model_dir,
-                          start_layer=runner_plan.start_layer, end_layer=runner_plan.end_layer, hostfile=hostfile)
+            hostfile = str(
+                write_hostfile(self._scratch / f"{key.instance_id}-{key.generation}.json", runner_plan.endpoints)
+            )
+        spec = RunnerSpec(
+            nats=self._nats,
+            instance_id=key.instance_id,
+            generation=key.generation,
+            node_id=self.node_id,
+            worker_session=self.session_id,
+            rank=runner_plan.rank,
+            world_size=runner_plan.world_size,
+            model_dir=runner_plan.model_dir,
+            start_layer=runner_plan.start_layer,
+            end_layer=runner_plan.end_layer,
+            hostfile=hostfile,
+        )
         log_path = self._scratch / f"{key.instance_id}-{key.generation}-rank{runner_plan.rank}.log"
         with open(log_path, "ab") as log_file:
             process = subprocess.Popen(
                 [sys.executable, "-m", "jetshard_worker.runner", msgspec.json.encode(spec).decode()],
-                stdout=log_file, stderr=subprocess.STDOUT, env=runner_environment(),
-                preexec_fn=_die_with_parent,  # noqa: PLW1509
+                stdout=log_file,
+                stderr=subprocess.STDOUT,
+                env=runner_environment(),
+                preexec_fn=_die_with_parent,
             )
-        log.info("started runner rank %d of %s (generation %d), pid %d, log %s", runner_plan.rank,
-                 key.instance_id, key.generation, process.pid, log_path)
+        log.info(
+            "started runner rank %d of %s (generation %d), pid %d, log %s",
+            runner_plan.rank,
+            key.instance_id,
+            key.generation,
+            process.pid,
+            log_path,
+        )
         self._running[key] = RunningRunner(runner_plan, process, time.monotonic(), log_path)
 
     def _stop(self, key: RunnerKey) -> None:
@@ -145,24 +183,47 @@ class RunnerSupervisor:
         for key, runner in list(self._running.items()):
             instance = state.instances.get(key.instance_id)
             reported = instance.runners.get(runner.plan.rank) if instance else None
-            ready = reported is not None and reported.status is RunnerStatus.READY and (
-                reported.worker_session == self.session_id)
+            ready = (
+                reported is not None
+                and reported.status is RunnerStatus.READY
+                and (reported.worker_session == self.session_id)
+            )
             exit_code = runner.process.poll()
             if exit_code is not None:
                 del self._running[key]
                 if reported is None or reported.status is not RunnerStatus.STOPPED:
-                    await self._report(key.instance_id, key.generation, runner.plan.rank, RunnerStatus.FAILED,
-                                       f"runner exited with {exit_code}: {_tail(runner.log_path)}")
+                    await self._report(
+                        key.instance_id,
+                        key.generation,
+                        runner.plan.rank,
+                        RunnerStatus.FAILED,
+                        f"runner exited with {exit_code}: {_tail(runner.log_path)}",
+                    )
             elif not ready and time.monotonic() - runner.started_at > self._start_timeout_s:
                 self._stop(key)
-                await self._report(key.instance_id, key.generation, runner.plan.rank, RunnerStatus.FAILED,
-                                   f"did not load and join its peers within {self._start_timeout_s:.0f} s")
+                await self._report(
+                    key.instance_id,
+                    key.generation,
+                    runner.plan.rank,
+                    RunnerStatus.FAILED,
+                    f"did not load and join its peers within {self._start_timeout_s:.0f} s",
+                )
 
-    async def _report(self, instance_id: str, generation: int, rank: int, status: RunnerStatus,
-                      reason: str) -> None:
-        await publish_command(self._js, ReportRunnerStatus(
-            instance_id=instance_id, generation=generation, node_id=self.node_id, rank=rank,  # type: ignore[arg-type]
-            worker_session=self.session_id, status=status, reason=reason))
+    async def _report(
+        self, instance_id: InstanceId, generation: int, rank: int, status: RunnerStatus, reason: str
+    ) -> None:
+        await publish_command(
+            self._js,
+            ReportRunnerStatus(
+                instance_id=instance_id,
+                generation=generation,
+                node_id=self.node_id,
+                rank=rank,
+                worker_session=self.session_id,
+                status=status,
+                reason=reason,
+            ),
+        )
 
     async def shutdown(self) -> None:
         if self._watching is not None:
@@ -171,8 +232,9 @@ class RunnerSupervisor:
             runner = self._running[key]
             self._stop(key)
             with contextlib.suppress(Exception):
-                await self._report(key.instance_id, key.generation, runner.plan.rank, RunnerStatus.STOPPED,
-                                   "the worker stopped")
+                await self._report(
+                    key.instance_id, key.generation, runner.plan.rank, RunnerStatus.STOPPED, "the worker stopped"
+                )
 
 
 def _tail(path: Path, lines: int = 3) -> str:

@@ -9,8 +9,6 @@ import socket
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from nats.aio.client import Client
-
 from jetshard_bus.commands import publish_command
 from jetshard_bus.connect import connect
 from jetshard_bus.follower import StateFollower
@@ -21,6 +19,8 @@ from jetshard_schema.commands import ReportNodeProfile
 from jetshard_schema.events import CustomModelCardAdded, CustomModelCardDeleted, EventEnvelope
 from jetshard_schema.ids import new_id
 from jetshard_schema.state import State
+from nats.aio.client import Client
+
 from jetshard_worker.cards import CardDirectory
 from jetshard_worker.runners import RunnerSupervisor
 
@@ -50,8 +50,14 @@ async def run_worker(config: WorkerConfig, stop: asyncio.Event) -> None:
     client, js = await connect(config.nats, f"jetshard-worker {node_id}", config.timings)
     cards = CardDirectory(config.card_dir or config.config_dir / "cards")
     follower = StateFollower(js)
-    supervisor = RunnerSupervisor(js, node_id, session_id, config.nats, config.runner_start_timeout_s,
-                                  config.advertise_host or _local_address(client))
+    supervisor = RunnerSupervisor(
+        js,
+        node_id,
+        session_id,
+        config.nats,
+        config.runner_start_timeout_s,
+        config.advertise_host or _local_address(client),
+    )
 
     def on_event(envelope: EventEnvelope, state: State, live: bool) -> None:
         match envelope.event:
@@ -98,8 +104,7 @@ async def _report_profile(js, node_id, session_id, interval_s: float, stop: asyn
     """Report the profile now and periodically; the sequencer keeps only meaningful changes."""
     while not stop.is_set():
         try:
-            await publish_command(js, ReportNodeProfile(node_id=node_id, session_id=session_id,
-                                                        profile=node_profile()))
+            await publish_command(js, ReportNodeProfile(node_id=node_id, session_id=session_id, profile=node_profile()))
         except Exception as error:
             log.warning("profile report failed: %s", error)
         with contextlib.suppress(TimeoutError):

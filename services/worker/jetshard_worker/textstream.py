@@ -41,7 +41,7 @@ class TextStream:
             self._held = ""
             return text[: min(found)]
         keep = max((_overlap(text, stop) for stop in self._stop), default=0)
-        self._held = text[len(text) - keep:] if keep else ""
+        self._held = text[len(text) - keep :] if keep else ""
         return text[: len(text) - keep]
 
 

@@ -50,9 +50,7 @@ def _parse_card(file_name: str, text: str) -> ModelCard:
         raise ValueError(f"built-in model card {file_name}: {e}") from e
     expected = f"{model_dir_name(card.model_id)}.toml"
     if file_name != expected:
-        raise ValueError(
-            f"built-in model card {file_name}: holds {card.model_id!r}, so it must be named {expected}"
-        )
+        raise ValueError(f"built-in model card {file_name}: holds {card.model_id!r}, so it must be named {expected}")
     counts = {
         "num_layers": card.num_layers,
         "hidden_size": card.hidden_size,

@@ -34,9 +34,7 @@ def init_ring(rank: int, hostfile: Path) -> mx.distributed.Group:
     os.environ["MLX_HOSTFILE"] = str(hostfile)
     group = mx.distributed.init(strict=True, backend="ring")
     if group.size() != size or group.rank() != rank:
-        raise RuntimeError(
-            f"ring came up as rank {group.rank()} of {group.size()}, expected {rank} of {size}"
-        )
+        raise RuntimeError(f"ring came up as rank {group.rank()} of {group.size()}, expected {rank} of {size}")
     return group
 
 

@@ -18,7 +18,7 @@ import threading
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import mlx.core as mx
 
@@ -237,9 +237,7 @@ class PipelineEngine:
                 caches[header.slot] = self.shard.make_cache()
             cache = caches.get(header.slot)
             if cache is None:
-                raise RuntimeError(
-                    f"rank {self.rank}: step {header.seq} names slot {header.slot}, which has no cache"
-                )
+                raise RuntimeError(f"rank {self.rank}: step {header.seq} names slot {header.slot}, which has no cache")
             h = self.shard.embed(payload) if self.shard.is_first else payload
             h = self.shard.run_layers(h, cache)
             self._link.send(header.with_payload(h), h, extra=[c.state for c in cache])
@@ -248,7 +246,7 @@ class PipelineEngine:
     # ----------------------------------------------------------------- layout check
 
     def _hello_hop(self, payload: mx.array) -> mx.array:
-        values = payload.tolist()[0]
+        values = cast("list[list[int]]", payload.tolist())[0]
         shard = self.shard
         fits = values[HELLO_NEXT] == shard.start_layer and values[HELLO_NUM_LAYERS] == shard.num_layers
         if values[HELLO_BAD_RANK] < 0 and not fits:
@@ -264,7 +262,7 @@ class PipelineEngine:
         hello = mx.array([[0, self.shard.num_layers, -1, 0, 0]], dtype=mx.int32)
         back = self._round_trip(Header(Op.HELLO).with_payload(hello), hello)
         assert back is not None
-        values = back.tolist()[0]
+        values = cast("list[list[int]]", back.tolist())[0]
         if values[HELLO_BAD_RANK] < 0 and values[HELLO_NEXT] != self.shard.start_layer:
             values[HELLO_BAD_RANK] = self.rank
             values[HELLO_BAD_START], values[HELLO_BAD_END] = self.shard.start_layer, self.shard.end_layer
@@ -369,7 +367,9 @@ class PipelineEngine:
         if self._link is None:
             h = self.shard.embed(ids)
         else:
-            h = self._round_trip(Header(op, task.slot, flags).with_payload(ids), ids)
+            received = self._round_trip(Header(op, task.slot, flags).with_payload(ids), ids)
+            assert received is not None  # the previous rank always returns hidden states for a step
+            h = received
         h = self.shard.run_layers(h, cache)
         self.stats.steps += 1
         if op == Op.PREFILL:
@@ -379,13 +379,14 @@ class PipelineEngine:
         logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
         token = task.sampler(logprobs)
         mx.eval(token)
-        return int(token.item())
+        return int(cast(int, token.item()))
 
     def _round_trip(self, header: Header, payload: mx.array | None = None) -> mx.array | None:
         assert self._link is not None
         self._seq += 1
-        sent = Header(header.op, header.slot, header.flags, header.batch, header.length, header.width,
-                      header.dtype, self._seq)
+        sent = Header(
+            header.op, header.slot, header.flags, header.batch, header.length, header.width, header.dtype, self._seq
+        )
         self._link.send(sent, payload)
         back, data = self._link.recv()
         if (back.op, back.slot, back.seq) != (sent.op, sent.slot, sent.seq):

@@ -18,6 +18,7 @@ import socket
 import stat
 from dataclasses import dataclass, replace
 from enum import IntEnum
+from typing import cast
 
 import mlx.core as mx
 
@@ -57,14 +58,20 @@ class Header:
 
     def to_array(self) -> mx.array:
         values = [
-            int(self.op), self.slot, self.flags, self.batch, self.length, self.width,
-            DTYPES.index(self.dtype), self.seq,
+            int(self.op),
+            self.slot,
+            self.flags,
+            self.batch,
+            self.length,
+            self.width,
+            DTYPES.index(self.dtype),
+            self.seq,
         ]
         return mx.array(values, dtype=mx.int32)
 
     @classmethod
     def from_array(cls, array: mx.array) -> Header:
-        values = [int(v) for v in array.tolist()]
+        values = [int(v) for v in cast("list[int]", array.tolist())]
         if len(values) != HEADER_LEN:
             raise ValueError(f"step header must have {HEADER_LEN} ints, got {len(values)}")
         op, slot, flags, batch, length, width, dtype_code, seq = values
@@ -84,8 +91,7 @@ class Header:
 
     def with_payload(self, payload: mx.array) -> Header:
         width = payload.shape[-1] if payload.ndim == 3 else 0
-        return replace(self, batch=payload.shape[0], length=payload.shape[1], width=width,
-                       dtype=payload.dtype)
+        return replace(self, batch=payload.shape[0], length=payload.shape[1], width=width, dtype=payload.dtype)
 
 
 class Link:
@@ -149,8 +155,11 @@ def _find_incoming_socket(listen_port: int) -> socket.socket | None:
             continue
         try:
             # Only TCP: a unix socket's name is a str (the runner's own NATS or logging sockets).
-            if (sock.family in (socket.AF_INET, socket.AF_INET6) and sock.type == socket.SOCK_STREAM
-                    and sock.getsockname()[1] == listen_port):
+            if (
+                sock.family in (socket.AF_INET, socket.AF_INET6)
+                and sock.type == socket.SOCK_STREAM
+                and sock.getsockname()[1] == listen_port
+            ):
                 sock.getpeername()  # connected, not a listener
                 return sock
         except OSError:

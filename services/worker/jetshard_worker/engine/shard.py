@@ -120,8 +120,7 @@ def load_shard(
     num_layers = len(inner.layers)
     if not 0 <= start_layer < end_layer <= num_layers:
         raise ValueError(
-            f"layer range [{start_layer}, {end_layer}) is not a non-empty range within the model's "
-            f"{num_layers} layers"
+            f"layer range [{start_layer}, {end_layer}) is not a non-empty range within the model's {num_layers} layers"
         )
     tied = "lm_head" not in model
     is_first, is_last = start_layer == 0, end_layer == num_layers
@@ -215,7 +214,9 @@ def _read_weights(model_dir: Path, needed: Callable[[str], bool]) -> dict[str, m
     weights: dict[str, mx.array] = {}
     for file in files:
         # mx.load maps the file lazily: tensors we drop here are never read.
-        for name, value in mx.load(str(model_dir / file)).items():
+        tensors = mx.load(str(model_dir / file))
+        assert isinstance(tensors, dict)  # safetensors always load as a name -> array mapping
+        for name, value in tensors.items():
             if needed(name):
                 weights[name] = value
     return weights
@@ -256,7 +257,7 @@ def _renumber(weights: dict[str, mx.array], start_layer: int) -> dict[str, mx.ar
     for name, value in weights.items():
         match = _LAYER_KEY.match(name)
         if match:
-            name = f"model.layers.{int(match.group(1)) - start_layer}.{name[match.end():]}"
+            name = f"model.layers.{int(match.group(1)) - start_layer}.{name[match.end() :]}"
         elif _ANY_LAYER_KEY.search(name):
             raise ValueError(f"layer tensor {name!r} is not under model.layers; unsupported layout")
         out[name] = value
