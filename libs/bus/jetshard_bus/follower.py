@@ -139,6 +139,3 @@ class StateFollower:
             return await asyncio.wait_for(future, timeout_s)
         finally:
             future.cancel()
-
-    async def wait_for_seq(self, seq: int, timeout_s: float) -> State:
-        return await self.wait_until(lambda state: state.last_seq >= seq, timeout_s)

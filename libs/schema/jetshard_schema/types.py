@@ -6,7 +6,7 @@ import enum
 
 import msgspec
 
-from jetshard_schema.ids import InstanceId, ModelId, NodeId, TaskId
+from jetshard_schema.ids import ModelId, NodeId, TaskId
 
 
 class NodeProfile(msgspec.Struct, frozen=True, kw_only=True):
@@ -42,8 +42,6 @@ class DownloadStatus(enum.StrEnum):
 
 
 class RunnerStatus(enum.StrEnum):
-    WAITING = "waiting"
-    """Downloaded; waiting for every rank's endpoint before starting."""
     LOADING = "loading"
     READY = "ready"
     FAILED = "failed"
@@ -125,8 +123,3 @@ class Chunk(msgspec.Struct, frozen=True, kw_only=True):
     usage: Usage | None = None
     error: str | None = None
     error_code: str | None = None
-
-
-class InstanceRef(msgspec.Struct, frozen=True):
-    instance_id: InstanceId
-    generation: int

@@ -10,7 +10,7 @@ from jetshard_schema.ids import InstanceId, NodeId, new_instance_id
 from jetshard_schema.models import find_card
 from jetshard_schema.placement import PlacementError, place
 from jetshard_schema.state import Instance, State, instance_status
-from jetshard_schema.types import DownloadStatus, RunnerStatus
+from jetshard_schema.types import DownloadStatus
 from litestar import Controller, delete, get, post
 
 from jetshard_api.cluster import Cluster
@@ -30,7 +30,7 @@ def describe_instance(state: State, instance: Instance) -> dict[str, Any]:
         download = state.download(shard.node_id, instance.model_id)
         runner = instance.runners.get(shard.rank)
         entry: dict[str, Any] = {**msgspec.to_builtins(shard)}
-        if runner is not None and runner.status is not RunnerStatus.WAITING:
+        if runner is not None:
             entry.update(
                 status=str(runner.status),
                 layers_loaded=runner.layers_loaded,

@@ -22,7 +22,7 @@ from jetshard_schema.ids import InstanceId, ModelId, new_task_id
 from jetshard_schema.models import all_cards, find_card
 from jetshard_schema.state import State, instance_status
 from jetshard_schema.subjects import chunk_subject
-from jetshard_schema.types import Chunk, InstanceStatus, TaskKind, TaskRequest
+from jetshard_schema.types import Chunk, InstanceStatus, TaskKind, TaskRequest, Usage
 from litestar import Controller, Response, get, post
 from litestar.response import ServerSentEvent
 from litestar.response.sse import ServerSentEventMessage
@@ -327,11 +327,10 @@ async def _serve(
     return ServerSentEvent(events())
 
 
-def _usage(usage: Any) -> dict[str, int]:
-    if usage is None:
-        return {"prompt_tokens": 0, "completion_tokens": 0, "total_tokens": 0}
+def _usage(usage: Usage | None) -> dict[str, int]:
+    usage = usage or Usage(prompt_tokens=0, completion_tokens=0)
     return {
         "prompt_tokens": usage.prompt_tokens,
         "completion_tokens": usage.completion_tokens,
-        "total_tokens": usage.prompt_tokens + usage.completion_tokens,
+        "total_tokens": usage.total_tokens,
     }

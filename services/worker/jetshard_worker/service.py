@@ -27,10 +27,6 @@ from jetshard_worker.runners import RunnerSupervisor
 log = logging.getLogger(__name__)
 
 
-def _default_card_dir() -> Path:
-    return config_dir() / "cards"
-
-
 @dataclass(frozen=True)
 class WorkerConfig:
     nats: NatsOptions = NatsOptions()
