@@ -310,22 +310,26 @@ class Leader:
             ]
 
     async def _expire_nodes(self, stop: asyncio.Event) -> None:
-        """Publish `ExpireNode` for nodes in State whose liveness key lapsed (the bucket's TTL removed it)."""
+        """Publish `ExpireNode` for nodes in State whose liveness key lapsed (the bucket's TTL removed it).
+
+        Each node's key is read directly: only the server's own "no such key" counts as lapsed. (Listing the
+        bucket's keys is a watch that can come back empty under load, which once declared a live node lost.)
+        """
         interval = self._config.timings.liveness_ttl_s / 4
         kv = await self._js.key_value(subjects.LIVENESS_BUCKET)
         while not stop.is_set():
             await asyncio.sleep(interval)
-            try:
-                alive = set(await kv.keys())
-            except nats.js.errors.NoKeysError:
-                alive = set()
-            except Exception as error:
-                log.warning("could not read liveness keys: %s", error)
-                continue
             for node in list(self.state.nodes.values()):
-                if node.node_id not in alive:
-                    await publish_command(
-                        self._js,
-                        ExpireNode(node_id=node.node_id, session_id=node.session_id),
-                        CommandId(f"expire-{node.node_id}-{node.session_id}"),
-                    )
+                try:
+                    await kv.get(node.node_id)
+                    continue
+                except nats.js.errors.KeyNotFoundError:  # includes a key deleted by a clean stop
+                    pass
+                except Exception as error:
+                    log.warning("could not read the liveness of %s: %s", node.node_id, error)
+                    continue
+                await publish_command(
+                    self._js,
+                    ExpireNode(node_id=node.node_id, session_id=node.session_id),
+                    CommandId(f"expire-{node.node_id}-{node.session_id}"),
+                )

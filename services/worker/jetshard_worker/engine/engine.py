@@ -85,6 +85,7 @@ class _Task:
     generated: int = 0  # tokens sampled, EOS included
     last_token: int = -1
     started: bool = False
+    ahead: mx.array | None = None  # single rank: the next token, already being computed (see _decode_ahead)
 
 
 @dataclass
@@ -341,7 +342,7 @@ class PipelineEngine:
             task.prompt_done = len(prompt)
         else:
             tokens = (task.last_token,)
-        token = self._compute(Op.DECODE, task, tokens)
+        token = self._decode_ahead(task, tokens) if self._link is None else self._compute(Op.DECODE, task, tokens)
         assert token is not None
         task.generated += 1
         self.stats.tokens += 1
@@ -375,11 +376,34 @@ class PipelineEngine:
         if op == Op.PREFILL:
             mx.eval([c.state for c in cache])
             return None
-        logits = self.shard.head(h)[:, -1, :]
-        logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
-        token = task.sampler(logprobs)
+        token = self._next_token(task, h)
         mx.eval(token)
         return int(cast(int, token.item()))
+
+    def _decode_ahead(self, task: _Task, tokens: Sequence[int]) -> int:
+        """One decode step on a single rank, the way mlx_lm's generate_step runs it: while this step's token
+        is read back, the next step's graph is already built and evaluating (`mx.async_eval`) with that
+        token as its input, so building a graph never leaves the CPU idle. If the task ends instead, the
+        step ahead only advanced a KV cache that is dropped with the task."""
+        if not task.started:  # a one-token prompt: this is the task's first step
+            task.started = True
+            self._caches[task.slot] = self.shard.make_cache()
+        current = task.ahead if task.ahead is not None else self._sample(task, mx.array([list(tokens)], dtype=mx.int32))
+        task.ahead = None
+        if task.generated + 1 < task.request.max_tokens:
+            task.ahead = self._sample(task, current.reshape(1, 1))
+            mx.async_eval(task.ahead)
+        return int(cast(int, current.item()))
+
+    def _sample(self, task: _Task, ids: mx.array) -> mx.array:
+        """The lazy next token after `ids` (shape (1, n)) on a single rank."""
+        h = self.shard.run_layers(self.shard.embed(ids), self._caches[task.slot])
+        self.stats.steps += 1
+        return self._next_token(task, h)
+
+    def _next_token(self, task: _Task, h: mx.array) -> mx.array:
+        logits = self.shard.head(h)[:, -1, :]
+        return task.sampler(logits - mx.logsumexp(logits, axis=-1, keepdims=True))
 
     def _round_trip(self, header: Header, payload: mx.array | None = None) -> mx.array | None:
         assert self._link is not None
