@@ -6,6 +6,7 @@ import logging
 
 import msgspec
 import pytest
+from helpers.states import fold
 from jetshard_schema import codec
 from jetshard_schema.events import (
     DownloadCancelled,
@@ -19,7 +20,6 @@ from jetshard_schema.events import (
     EventEnvelope,
 )
 from jetshard_schema.ids import CommandId, ModelId, NodeId
-from jetshard_schema.state import State, apply
 from jetshard_schema.types import DownloadStatus
 
 NODE = NodeId("node-a")
@@ -52,13 +52,6 @@ SAMPLES: list[Event] = [
     DownloadDeleted(node_id=NODE, model_id=MODEL),
 ]
 COVERED = {type(e) for e in SAMPLES}
-
-
-def fold(*events: Event, state: State | None = None) -> State:
-    state = state or State()
-    for event in events:
-        state = apply(state, event, state.last_seq + 1, state.last_command_seq + 1)
-    return state
 
 
 def test_requested_is_pending_over_its_layer_range() -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+from helpers.states import fold
 from jetshard_schema import codec
 from jetshard_schema.events import (
     DownloadCompleted,
@@ -17,7 +18,7 @@ from jetshard_schema.events import (
     TaskAssigned,
 )
 from jetshard_schema.ids import CommandId, InstanceId, ModelId, NodeId, TaskId
-from jetshard_schema.state import Endpoint, State, apply, instance_status
+from jetshard_schema.state import Endpoint, instance_status
 from jetshard_schema.types import InstanceStatus, RunnerStatus, ShardAssignment, TaskKind, TaskRequest
 
 A, B = NodeId("node-a"), NodeId("node-b")
@@ -51,13 +52,6 @@ SAMPLES: list[Event] = [
     InstanceFailed(instance_id=INST, reason="gave up"),
 ]
 COVERED = {type(e) for e in SAMPLES}
-
-
-def fold(*events: Event, state: State | None = None) -> State:
-    state = state or State()
-    for event in events:
-        state = apply(state, event, state.last_seq + 1, state.last_command_seq + 1)
-    return state
 
 
 def downloaded(node: NodeId, start: int, end: int) -> DownloadCompleted:

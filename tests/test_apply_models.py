@@ -6,6 +6,7 @@ import logging
 
 import msgspec
 import pytest
+from helpers.states import fold
 from jetshard_schema import codec
 from jetshard_schema.cards import ModelCard
 from jetshard_schema.events import (
@@ -17,7 +18,7 @@ from jetshard_schema.events import (
 )
 from jetshard_schema.ids import CommandId, ModelId
 from jetshard_schema.models import all_cards, find_card
-from jetshard_schema.state import State, apply
+from jetshard_schema.state import State
 
 MODEL = ModelId("acme/tiny-7")
 CARD = ModelCard(
@@ -39,13 +40,6 @@ SAMPLES: list[Event] = [
     ModelSizeMeasured(model_id=MODEL, storage_size_bytes=3 << 20),
 ]
 COVERED = {type(e) for e in SAMPLES}
-
-
-def fold(*events: Event, state: State | None = None) -> State:
-    state = state or State()
-    for event in events:
-        state = apply(state, event, state.last_seq + 1, state.last_command_seq + 1)
-    return state
 
 
 def test_card_added_then_deleted() -> None:

@@ -6,6 +6,7 @@ import logging
 
 import msgspec
 import pytest
+from helpers.states import fold
 from jetshard_schema import codec
 from jetshard_schema.events import (
     CommandRejected,
@@ -37,13 +38,6 @@ SAMPLES: list[Event] = [
     NodeLost(node_id=NODE, reason="its liveness key expired"),
 ]
 COVERED = {type(e) for e in SAMPLES}
-
-
-def fold(*events: Event, state: State | None = None) -> State:
-    state = state or State()
-    for event in events:
-        state = apply(state, event, state.last_seq + 1, state.last_command_seq + 1)
-    return state
 
 
 def test_command_rejected_changes_nothing_but_the_sequences() -> None:

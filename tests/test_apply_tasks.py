@@ -9,6 +9,7 @@ import test_apply_downloads
 import test_apply_instances
 import test_apply_models
 import test_apply_nodes
+from helpers.states import fold
 from jetshard_schema import codec
 from jetshard_schema.events import (
     Event,
@@ -55,13 +56,6 @@ PLACED = InstancePlaced(
     model_id=MODEL,
     shards=(ShardAssignment(node_id=NodeId("n"), rank=0, start_layer=0, end_layer=8),),
 )
-
-
-def fold(*events: Event, state: State | None = None) -> State:
-    state = state or State()
-    for event in events:
-        state = apply(state, event, state.last_seq + 1, state.last_command_seq + 1)
-    return state
 
 
 def test_every_event_type_is_exercised() -> None:

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
+from helpers.states import fold
 from jetshard_schema.events import (
     DownloadCompleted,
-    Event,
     InstancePlaced,
     InstanceRestarting,
     NodeJoined,
@@ -12,7 +12,6 @@ from jetshard_schema.events import (
     RunnerStatusChanged,
 )
 from jetshard_schema.ids import InstanceId, ModelId, NodeId
-from jetshard_schema.state import State, apply
 from jetshard_schema.types import NodeProfile, RunnerStatus, ShardAssignment
 from jetshard_worker.planning import RunnerKey, plan
 
@@ -20,13 +19,6 @@ A, B = NodeId("node-a"), NodeId("node-b")
 MODEL = ModelId("test/tiny")
 INSTANCE = InstanceId("inst-1")
 PROFILE = NodeProfile(hostname="h", os="Linux", cpu_cores=2, memory_total_bytes=2**34, memory_available_bytes=2**33)
-
-
-def fold(*events: Event) -> State:
-    state = State()
-    for seq, event in enumerate(events, start=1):
-        state = apply(state, event, seq)
-    return state
 
 
 PLACED = (
