@@ -62,33 +62,43 @@ async def run_sequencer(config: SequencerConfig, stop: asyncio.Event) -> None:
     client, js = await connect(config.nats, f"jetshard-sequencer {config.sequencer_id}", config.timings)
     try:
         while not stop.is_set():
-            follower = StateFollower(js)
-            await follower.start()
-            lease = Lease(js, config.sequencer_id, config.timings.lease_ttl_s)
-            await _wait_for_lease(lease, stop)
-            if stop.is_set():
-                await follower.stop()
-                break
-            started = time.monotonic()
-            last_seq = (await js.stream_info(subjects.EVENTS_STREAM)).state.last_seq
-            await _caught_up(follower, last_seq)
-            state, partial = follower.state, follower.partial
-            await follower.stop()
-            log.info(
-                "sequencer %s leads from event %d (took over in %.2f s)",
-                config.sequencer_id,
-                last_seq,
-                time.monotonic() - started,
-            )
-            leader = Leader(js, config, state, partial, last_seq, lease)
             try:
-                await leader.run(stop)
-            except StaleLeaderError as error:
-                log.warning("stepping down: %s", error)
-            finally:
-                await lease.release()
+                await _follow_then_lead(js, config, stop)
+            except Exception:  # NATS timeouts under load and the like: start over as a standby
+                log.exception("sequencer %s: starting over as a standby", config.sequencer_id)
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(stop.wait(), 1.0)
     finally:
         await client.drain()
+
+
+async def _follow_then_lead(js: JetStreamContext, config: SequencerConfig, stop: asyncio.Event) -> None:
+    """Follow the events as a standby until the lease is ours, then lead until stopped or stale."""
+    follower = StateFollower(js)
+    await follower.start()
+    try:
+        lease = Lease(js, config.sequencer_id, config.timings.lease_ttl_s)
+        await _wait_for_lease(lease, stop)
+        if stop.is_set():
+            return
+        started = time.monotonic()
+        last_seq = (await js.stream_info(subjects.EVENTS_STREAM)).state.last_seq
+        await _caught_up(follower, last_seq)
+    finally:
+        await follower.stop()
+    log.info(
+        "sequencer %s leads from event %d (took over in %.2f s)",
+        config.sequencer_id,
+        last_seq,
+        time.monotonic() - started,
+    )
+    leader = Leader(js, config, follower.state, follower.partial, last_seq, lease)
+    try:
+        await leader.run(stop)
+    except StaleLeaderError as error:
+        log.warning("stepping down: %s", error)
+    finally:
+        await lease.release()
 
 
 async def _caught_up(follower: StateFollower, last_seq: int) -> None:
@@ -97,8 +107,11 @@ async def _caught_up(follower: StateFollower, last_seq: int) -> None:
 
 async def _wait_for_lease(lease: Lease, stop: asyncio.Event) -> None:
     while not stop.is_set():
-        if await lease.try_acquire():
-            return
+        try:
+            if await lease.try_acquire():
+                return
+        except Exception as error:  # a slow or briefly unreachable server: keep waiting as a standby
+            log.warning("could not try the lease: %s", error)
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(stop.wait(), lease.ttl_s / 6)
 
@@ -207,9 +220,18 @@ class Leader:
                 await self._js.delete_consumer(subjects.COMMANDS_STREAM, consumer)
 
     async def _renew_lease(self, stop: asyncio.Event) -> None:
+        renewed = time.monotonic()
         while not stop.is_set():
             await asyncio.sleep(self._lease.ttl_s / 3)
-            await self._lease.renew()
+            try:
+                await self._lease.renew()
+                renewed = time.monotonic()
+            except StaleLeaderError:
+                raise
+            except Exception as error:  # a slow server: the lease holds until its TTL runs out
+                if time.monotonic() - renewed >= self._lease.ttl_s:
+                    raise StaleLeaderError(f"could not renew the lease for {self._lease.ttl_s} s: {error}") from error
+                log.warning("lease renewal failed, retrying: %s", error)
 
     async def _handle_batch(self, messages: list[Msg]) -> list[asyncio.Future[Any]]:
         """Handle commands and publish their events (pipelined); returns the appends' acks."""
