@@ -52,9 +52,10 @@ def test_catalogue_file_is_a_plausible_card(entry: Any) -> None:
         assert card.quantization.group_size in (32, 64, 128)
 
 
-def test_builtin_cards_returns_a_copy() -> None:
+def test_callers_cannot_change_the_builtin_catalogue() -> None:
     cards = builtin_cards()
-    cards.clear()
+    with pytest.raises(TypeError):
+        del cards[DEMO_MODEL_ID]  # type: ignore[attr-defined]
     assert DEMO_MODEL_ID in builtin_cards()
 
 

