@@ -19,7 +19,7 @@ from jetshard_schema.events import (
 )
 from jetshard_schema.ids import CommandId, ModelId, NodeId
 from jetshard_schema.state import Download, State, apply
-from jetshard_schema.types import DownloadStatus, ModelDirInfo, NodeProfile, RejectCode
+from jetshard_schema.types import DownloadStatus, ModelDirInfo, NodeProfile, NodeStorage, RejectCode
 
 NODE = NodeId("node-a")
 PROFILE = NodeProfile(
@@ -29,12 +29,13 @@ DIRS = (
     ModelDirInfo(path="/models", read_only=False, free_bytes=100 << 30, total_bytes=200 << 30),
     ModelDirInfo(path="/ro", read_only=True, free_bytes=0, total_bytes=50 << 30),
 )
+STORAGE = NodeStorage(model_dirs=DIRS, offline=True, available_models=(ModelId("acme/tiny"),))
 
 SAMPLES: list[Event] = [
     CommandRejected(command_type="AddCustomModelCard", code=RejectCode.CONFLICT, reason="why"),
     NodeJoined(node_id=NODE, session_id="s1", profile=PROFILE),
     NodeUpdated(node_id=NODE, profile=PROFILE),
-    NodeStorageUpdated(node_id=NODE, model_dirs=DIRS),
+    NodeStorageUpdated(node_id=NODE, storage=STORAGE),
     NodeLost(node_id=NODE, reason="its liveness key expired"),
 ]
 COVERED = {type(e) for e in SAMPLES}
@@ -70,8 +71,8 @@ def test_node_updated_changes_the_profile_of_a_known_node_only() -> None:
 
 
 def test_node_storage_updated() -> None:
-    state = fold(NodeStorageUpdated(node_id=NODE, model_dirs=DIRS))
-    assert state.node_storage[NODE] == DIRS
+    state = fold(NodeStorageUpdated(node_id=NODE, storage=STORAGE))
+    assert state.node_storage[NODE] == STORAGE
 
 
 def test_node_lost_forgets_the_node_its_storage_and_downloads() -> None:
@@ -79,7 +80,7 @@ def test_node_lost_forgets_the_node_its_storage_and_downloads() -> None:
     state = fold(
         NodeJoined(node_id=NODE, session_id="s1", profile=PROFILE),
         NodeJoined(node_id=other, session_id="s9", profile=PROFILE),
-        NodeStorageUpdated(node_id=NODE, model_dirs=DIRS),
+        NodeStorageUpdated(node_id=NODE, storage=STORAGE),
     )
     download = Download(
         node_id=NODE, model_id=ModelId("o/m"), status=DownloadStatus.COMPLETED, start_layer=0, end_layer=4

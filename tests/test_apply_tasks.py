@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import typing
 
+import msgspec
 import pytest
 import test_apply_downloads
 import test_apply_instances
@@ -73,10 +74,29 @@ def test_every_event_type_is_exercised() -> None:
 
 def test_assigned_then_started() -> None:
     state = fold(PLACED, SAMPLES[0])
-    assert state.tasks == {TASK: Task(task_id=TASK, model_id=MODEL, kind=TaskKind.CHAT, instance_id=INST)}
+    assert state.tasks == {
+        TASK: Task(task_id=TASK, model_id=MODEL, kind=TaskKind.CHAT, instance_id=INST, generation=0, request_seq=2)
+    }
+    assert state.unstarted_tasks(INST, 0) == [state.tasks[TASK]]
     state = fold(SAMPLES[1], state=state)
     assert state.tasks[TASK].started
     assert state.tasks[TASK].prompt_tokens == 12
+    assert state.unstarted_tasks(INST, 0) == []
+
+
+def test_unstarted_tasks_are_those_of_one_generation_in_assignment_order() -> None:
+    later = TaskId("task-2")
+    other_generation = TaskId("task-3")
+    state = fold(
+        PLACED,
+        TaskAssigned(request=REQUEST, instance_id=INST, generation=0),
+        TaskAssigned(request=msgspec.structs.replace(REQUEST, task_id=later), instance_id=INST, generation=0),
+        TaskAssigned(
+            request=msgspec.structs.replace(REQUEST, task_id=other_generation), instance_id=INST, generation=1
+        ),
+    )
+    assert [(t.task_id, t.request_seq) for t in state.unstarted_tasks(INST, 0)] == [(TASK, 2), (later, 3)]
+    assert [t.task_id for t in state.unstarted_tasks(INST, 1)] == [other_generation]
 
 
 @pytest.mark.parametrize("end", SAMPLES[2:], ids=lambda e: type(e).__name__)

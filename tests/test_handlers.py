@@ -34,6 +34,8 @@ from jetshard_schema.events import (
     CustomModelCardDeleted,
     DownloadCancelled,
     DownloadDeleteRequested,
+    DownloadFailed,
+    DownloadProgressed,
     DownloadRequested,
     Event,
     InstanceDeleted,
@@ -58,6 +60,7 @@ from jetshard_schema.types import (
     InstanceStatus,
     ModelDirInfo,
     NodeProfile,
+    NodeStorage,
     RejectCode,
     RunnerStatus,
     TaskKind,
@@ -192,15 +195,21 @@ def test_node_join_rejoin_and_meaningful_updates_only() -> None:
 def test_node_storage_reported_only_when_it_changes_meaningfully() -> None:
     cluster = Cluster()
     dirs = (ModelDirInfo(path="/m", read_only=False, free_bytes=10 * GiB, total_bytes=100 * GiB),)
-    assert cluster.run(ReportNodeStorage(node_id=A, model_dirs=dirs)) == [
-        NodeStorageUpdated(node_id=A, model_dirs=dirs)
+    storage = NodeStorage(model_dirs=dirs)
+    assert cluster.run(ReportNodeStorage(node_id=A, storage=storage)) == [
+        NodeStorageUpdated(node_id=A, storage=storage)
     ]
-    nudged = (msgspec.structs.replace(dirs[0], free_bytes=10 * GiB - 2**20),)
-    assert cluster.run(ReportNodeStorage(node_id=A, model_dirs=nudged)) == []
-    shrunk = (msgspec.structs.replace(dirs[0], free_bytes=5 * GiB),)
-    assert cluster.run(ReportNodeStorage(node_id=A, model_dirs=shrunk)) == [
-        NodeStorageUpdated(node_id=A, model_dirs=shrunk)
-    ]
+    nudged = NodeStorage(model_dirs=(msgspec.structs.replace(dirs[0], free_bytes=10 * GiB - 2**20),))
+    assert cluster.run(ReportNodeStorage(node_id=A, storage=nudged)) == []
+    shrunk = NodeStorage(model_dirs=(msgspec.structs.replace(dirs[0], free_bytes=5 * GiB),))
+    assert cluster.run(ReportNodeStorage(node_id=A, storage=shrunk)) == [NodeStorageUpdated(node_id=A, storage=shrunk)]
+    for changed in (
+        msgspec.structs.replace(shrunk, offline=True),
+        msgspec.structs.replace(shrunk, offline=True, available_models=(MODEL,)),
+    ):
+        assert cluster.run(ReportNodeStorage(node_id=A, storage=changed)) == [
+            NodeStorageUpdated(node_id=A, storage=changed)
+        ]
 
 
 def test_expire_node_tears_down_its_instances_and_places_them_again(cluster: Cluster) -> None:
@@ -478,3 +487,66 @@ def test_handlers_are_pure() -> None:
     ctx = Context(command_id=CommandId("x"), now_ms=5)
     assert handle(before, command, ctx) == handle(before, command, ctx)
     assert cluster.state is before
+
+
+# --- download failures and offline nodes -------------------------------------------------------------------
+
+
+def test_a_failed_download_fails_the_instances_waiting_for_it_at_once(cluster: Cluster) -> None:
+    cluster.join(A, 16)
+    cluster.join(B, 16)
+    waiting = cluster.place("inst-1", [A])
+    elsewhere = cluster.place("inst-2", [B])
+    retrying = ReportDownloadProgress(
+        model_id=MODEL, node_id=A, status=DownloadStatus.PENDING, reason="connection reset", attempt=1, max_attempts=3
+    )
+    assert cluster.run(retrying) == [
+        DownloadProgressed(
+            node_id=A,
+            model_id=MODEL,
+            pending=True,
+            bytes_done=0,
+            bytes_total=0,
+            reason="connection reset",
+            attempt=1,
+            max_attempts=3,
+        )
+    ]
+    download = cluster.state.download(A, MODEL)
+    assert download is not None and (download.attempt, download.max_attempts) == (1, 3)
+    assert not cluster.state.instances[waiting].failed
+    events = cluster.run(
+        ReportDownloadProgress(model_id=MODEL, node_id=A, status=DownloadStatus.FAILED, reason="Hub unreachable")
+    )
+    assert events == [
+        DownloadFailed(node_id=A, model_id=MODEL, reason="Hub unreachable"),
+        InstanceFailed(instance_id=waiting, reason=f"downloading {MODEL} to node {A} failed: Hub unreachable"),
+    ]
+    assert cluster.state.instances[waiting].failed
+    assert not cluster.state.instances[elsewhere].failed
+
+
+def test_a_failed_download_leaves_a_ready_instance_alone(cluster: Cluster) -> None:
+    cluster.join(A, 16)
+    ready = cluster.place("inst-1", [A])
+    cluster.make_ready(ready)
+    events = cluster.run(
+        ReportDownloadProgress(model_id=MODEL, node_id=A, status=DownloadStatus.FAILED, reason="disk full")
+    )
+    assert [type(e) for e in events] == [DownloadFailed]
+    assert instance_status(cluster.state, cluster.state.instances[ready]) is InstanceStatus.READY
+
+
+def test_placement_skips_offline_nodes_that_lack_the_model(cluster: Cluster) -> None:
+    cluster.join(A, 32)  # the roomier node, but offline without the model
+    cluster.join(B, 16)
+    cluster.run(ReportNodeStorage(node_id=A, storage=NodeStorage(offline=True)))
+    placed = cluster.place("inst-1")
+    assert [s.node_id for s in cluster.state.instances[placed].shards] == [B]
+    named = cluster.run(PlaceInstance(instance_id=InstanceId("inst-2"), model_id=MODEL, node_ids=(A,)))
+    assert A in rejected(named, RejectCode.MODEL_UNAVAILABLE).reason
+    cluster.run(ReportNodeStorage(node_id=B, storage=NodeStorage(offline=True)))
+    nowhere = cluster.run(PlaceInstance(instance_id=InstanceId("inst-3"), model_id=MODEL))
+    assert "offline" in rejected(nowhere, RejectCode.MODEL_UNAVAILABLE).reason
+    cluster.run(ReportNodeStorage(node_id=A, storage=NodeStorage(offline=True, available_models=(MODEL,))))
+    assert isinstance(cluster.run(PlaceInstance(instance_id=InstanceId("inst-4"), model_id=MODEL))[0], InstancePlaced)

@@ -21,7 +21,7 @@ import httpx
 import psutil
 from conftest import Processes
 from jetshard_schema.codec import decode_event
-from jetshard_schema.events import Event
+from jetshard_schema.events import Event, EventEnvelope
 from jetshard_schema.subjects import EVENTS_STREAM
 
 from helpers.hub_server import HubServer, wait_for
@@ -66,8 +66,9 @@ class InferenceCluster:
             "TMPDIR": str(tmp),
         }
 
-    def start_node(self, node: str) -> None:
-        env = self.node_env(node)
+    def start_node(self, node: str, env: dict[str, str] | None = None) -> None:
+        """Start a worker and a downloader as one node; `env` adds to (or overrides) the node's environment."""
+        env = {**self.node_env(node), **(env or {})}
         self.workers[node] = self.processes.start(f"{node}-worker", "worker", env=env)
         self.downloaders[node] = self.processes.start(f"{node}-downloader", "downloader", env=env)
         id_file = self.root / node / "config" / "node_id"
@@ -168,8 +169,11 @@ class InferenceCluster:
 
     # --- events ------------------------------------------------------------------------------------------
 
+    def envelopes(self, since: int = 1) -> list[tuple[int, EventEnvelope]]:
+        return run_async(_envelopes(self.nats.url, since))
+
     def events(self, since: int = 1) -> list[tuple[int, Event]]:
-        return run_async(_events(self.nats.url, since))
+        return [(seq, envelope.event) for seq, envelope in self.envelopes(since)]
 
     def last_seq(self) -> int:
         return int(self.get("/state")["last_seq"])
@@ -198,7 +202,7 @@ def run_async(coroutine: Any) -> Any:
         return pool.submit(asyncio.run, coroutine).result(timeout=60)
 
 
-async def _events(nats_url: str, since: int) -> list[tuple[int, Event]]:
+async def _envelopes(nats_url: str, since: int) -> list[tuple[int, EventEnvelope]]:
     from jetshard_bus.connect import connect
     from jetshard_bus.options import NatsOptions
 
@@ -209,7 +213,7 @@ async def _events(nats_url: str, since: int) -> list[tuple[int, Event]]:
         for seq in range(max(since, info.state.first_seq), info.state.last_seq + 1):
             envelope = decode_event((await js.get_msg(EVENTS_STREAM, seq)).data)
             if envelope is not None:
-                found.append((seq, envelope.event))
+                found.append((seq, envelope))
         return found
     finally:
         await client.close()

@@ -13,8 +13,8 @@ from jetshard_schema.ids import InstanceId, ModelId, NodeId, TaskId
 from jetshard_schema.subjects import command_subject
 from jetshard_schema.types import (
     DownloadStatus,
-    ModelDirInfo,
     NodeProfile,
+    NodeStorage,
     RunnerStatus,
     TaskOutcome,
     TaskRequest,
@@ -40,7 +40,7 @@ class ReportNodeProfile(_Command, frozen=True):
 
 class ReportNodeStorage(_Command, frozen=True):
     node_id: NodeId
-    model_dirs: tuple[ModelDirInfo, ...]
+    storage: NodeStorage
 
 
 class ExpireNode(_Command, frozen=True):
@@ -101,6 +101,10 @@ class ReportDownloadProgress(_Command, frozen=True):
     directory: str = ""
     read_only: bool = False
     reason: str = ""
+    """Why it failed; while retrying, why the last attempt failed."""
+    attempt: int = 0
+    """0 for the first attempt; n for the n-th retry after an error mid-transfer."""
+    max_attempts: int = 0
 
 
 class ReportDownloadDeleted(_Command, frozen=True):

@@ -12,8 +12,8 @@ from jetshard_schema.cards import ModelCard
 from jetshard_schema.ids import CommandId, InstanceId, ModelId, NodeId, TaskId
 from jetshard_schema.subjects import event_subject
 from jetshard_schema.types import (
-    ModelDirInfo,
     NodeProfile,
+    NodeStorage,
     RejectCode,
     RunnerStatus,
     ShardAssignment,
@@ -52,7 +52,7 @@ class NodeUpdated(_Event, frozen=True):
 
 class NodeStorageUpdated(_Event, frozen=True):
     node_id: NodeId
-    model_dirs: tuple[ModelDirInfo, ...]
+    storage: NodeStorage
 
 
 class NodeLost(_Event, frozen=True):
@@ -95,6 +95,10 @@ class DownloadProgressed(_Event, frozen=True):
     speed_bytes_per_s: float = 0.0
     eta_s: float | None = None
     directory: str = ""
+    reason: str = ""
+    """While retrying: why the last attempt failed."""
+    attempt: int = 0
+    max_attempts: int = 0
 
 
 class DownloadCompleted(_Event, frozen=True):

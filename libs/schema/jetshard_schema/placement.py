@@ -12,9 +12,9 @@ from collections.abc import Sequence
 
 import msgspec
 
-from jetshard_schema.cards import ModelCard
+from jetshard_schema.cards import ModelCard, ModelSource
 from jetshard_schema.ids import NodeId
-from jetshard_schema.state import Node
+from jetshard_schema.state import Node, State
 from jetshard_schema.types import ShardAssignment
 
 ACTIVATION_HEADROOM = 0.10
@@ -23,6 +23,10 @@ KV_BYTES_PER_VALUE = 2
 
 class PlacementError(ValueError):
     """The model cannot be placed; the message says why, for a person."""
+
+
+class ModelUnavailable(PlacementError):
+    """The nodes that could hold the model cannot get its files (offline, and it is not on their disks)."""
 
 
 class Placement(msgspec.Struct, frozen=True):
@@ -108,3 +112,30 @@ def place(
         for rank, (node, (start, end)) in enumerate(zip(chosen, ranges, strict=True))
     )
     return Placement(shards=shards, required_bytes=required)
+
+
+def cannot_fetch(state: State, card: ModelCard) -> set[NodeId]:
+    """Nodes that could not get `card`'s files: offline, and the model is not complete on their disks.
+    (A packaged GGUF is converted on the node itself, which needs no network.)"""
+    if card.source is ModelSource.GGUF_PACKAGE:
+        return set()
+    return {
+        node_id
+        for node_id, storage in state.node_storage.items()
+        if storage.offline and card.model_id not in storage.available_models
+    }
+
+
+def place_in(state: State, card: ModelCard, node_ids: Sequence[NodeId] | None = None, min_nodes: int = 1) -> Placement:
+    """`place` on the nodes of `state` that can get the model's files; ModelUnavailable when none can."""
+    excluded = cannot_fetch(state, card)
+    offline_named = sorted(excluded & set(node_ids or ()))
+    usable = [node for node in state.nodes.values() if node.node_id not in excluded]
+    if offline_named or (state.nodes and not usable):
+        offline = offline_named or sorted(excluded & set(state.nodes))
+        raise ModelUnavailable(
+            f"{card.model_id} is not in any model directory of {', '.join(offline)}, which "
+            f"{'is' if len(offline) == 1 else 'are'} offline (no downloads): put the model there, or start "
+            "the downloader without --offline"
+        )
+    return place(card, usable, node_ids, min_nodes)

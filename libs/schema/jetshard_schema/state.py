@@ -42,8 +42,8 @@ from jetshard_schema.ids import InstanceId, ModelId, NodeId, TaskId
 from jetshard_schema.types import (
     DownloadStatus,
     InstanceStatus,
-    ModelDirInfo,
     NodeProfile,
+    NodeStorage,
     RunnerStatus,
     ShardAssignment,
     TaskKind,
@@ -69,6 +69,9 @@ class Download(msgspec.Struct, frozen=True, kw_only=True):
     directory: str = ""
     read_only: bool = False
     reason: str = ""
+    attempt: int = 0
+    """Retries so far after errors mid-transfer, of at most `max_attempts`."""
+    max_attempts: int = 0
     deleting: bool = False
 
 
@@ -115,6 +118,11 @@ class Task(msgspec.Struct, frozen=True, kw_only=True):
     model_id: ModelId
     kind: TaskKind
     instance_id: InstanceId
+    generation: int = 0
+    """The instance generation the task was assigned to; a restart drops the task."""
+    request_seq: int = 0
+    """Where the request is: the JETSHARD_EVENTS sequence of its `TaskAssigned`. A runner that starts after
+    the assignment re-reads the prompt from there (State never holds prompts)."""
     started: bool = False
     prompt_tokens: int = 0
 
@@ -125,7 +133,7 @@ class State(msgspec.Struct, frozen=True, kw_only=True):
     last_command_seq: int = 0
     """Stream sequence (in JETSHARD_COMMANDS) of the last command whose events are applied."""
     nodes: dict[NodeId, Node] = {}
-    node_storage: dict[NodeId, tuple[ModelDirInfo, ...]] = {}
+    node_storage: dict[NodeId, NodeStorage] = {}
     custom_cards: dict[ModelId, ModelCard] = {}
     measured_sizes: dict[ModelId, int] = {}
     downloads: dict[NodeId, dict[ModelId, Download]] = {}
@@ -134,6 +142,15 @@ class State(msgspec.Struct, frozen=True, kw_only=True):
 
     def download(self, node_id: NodeId, model_id: ModelId) -> Download | None:
         return self.downloads.get(node_id, {}).get(model_id)
+
+    def unstarted_tasks(self, instance_id: InstanceId, generation: int) -> list[Task]:
+        """Tasks assigned to one generation of an instance that its leader has not started, oldest first."""
+        waiting = [
+            t
+            for t in self.tasks.values()
+            if t.instance_id == instance_id and t.generation == generation and not t.started
+        ]
+        return sorted(waiting, key=lambda t: t.request_seq)
 
 
 def _with(mapping: dict, key, value) -> dict:  # type: ignore[type-arg]
@@ -179,8 +196,8 @@ def apply(state: State, event: Event, seq: int, command_seq: int = 0) -> State:
             if known is None:
                 return state
             return replace(state, nodes=_with(state.nodes, node_id, replace(known, profile=profile)))
-        case NodeStorageUpdated(node_id=node_id, model_dirs=model_dirs):
-            return replace(state, node_storage=_with(state.node_storage, node_id, model_dirs))
+        case NodeStorageUpdated(node_id=node_id, storage=storage):
+            return replace(state, node_storage=_with(state.node_storage, node_id, storage))
         case NodeLost(node_id=node_id):
             return replace(
                 state,
@@ -224,7 +241,9 @@ def apply(state: State, event: Event, seq: int, command_seq: int = 0) -> State:
                 eta_s=progressed.eta_s,
                 directory=progressed.directory
                 or (existing.directory if (existing := state.download(node_id, model_id)) else ""),
-                reason="",
+                reason=progressed.reason,
+                attempt=progressed.attempt,
+                max_attempts=progressed.max_attempts,
             )
         case DownloadCompleted(node_id=node_id, model_id=model_id) as completed:
             return _set_download(
@@ -303,8 +322,15 @@ def apply(state: State, event: Event, seq: int, command_seq: int = 0) -> State:
                 _update_instance(state, instance_id, failed=True, failed_reason=reason, endpoints={}, runners={}),
                 tasks={k: t for k, t in state.tasks.items() if t.instance_id != instance_id},
             )
-        case TaskAssigned(request=request, instance_id=instance_id):
-            task = Task(task_id=request.task_id, model_id=request.model_id, kind=request.kind, instance_id=instance_id)
+        case TaskAssigned(request=request, instance_id=instance_id, generation=generation):
+            task = Task(
+                task_id=request.task_id,
+                model_id=request.model_id,
+                kind=request.kind,
+                instance_id=instance_id,
+                generation=generation,
+                request_seq=seq,
+            )
             return replace(state, tasks=_with(state.tasks, request.task_id, task))
         case TaskStarted(task_id=task_id, prompt_tokens=prompt_tokens):
             in_flight = state.tasks.get(task_id)

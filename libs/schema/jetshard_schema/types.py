@@ -25,6 +25,16 @@ class ModelDirInfo(msgspec.Struct, frozen=True, kw_only=True):
     total_bytes: int
 
 
+class NodeStorage(msgspec.Struct, frozen=True, kw_only=True):
+    """What a node's downloader sees on its disks."""
+
+    model_dirs: tuple[ModelDirInfo, ...] = ()
+    offline: bool = False
+    """The downloader makes no network call: it can serve only `available_models` (and packaged GGUFs)."""
+    available_models: tuple[ModelId, ...] = ()
+    """Models complete (every layer) in one of the node's directories."""
+
+
 class ShardAssignment(msgspec.Struct, frozen=True, kw_only=True):
     node_id: NodeId
     rank: int
@@ -66,6 +76,8 @@ class RejectCode(enum.StrEnum):
     ALREADY_EXISTS = "already_exists"
     INSUFFICIENT_MEMORY = "insufficient_memory"
     NO_CAPACITY = "no_capacity"
+    MODEL_UNAVAILABLE = "model_unavailable"
+    """The model's files cannot be had where it would run (offline nodes without it)."""
 
 
 class TaskKind(enum.StrEnum):

@@ -26,6 +26,7 @@ REJECT_STATUS = {
     RejectCode.ALREADY_EXISTS: 409,
     RejectCode.INSUFFICIENT_MEMORY: 409,
     RejectCode.NO_CAPACITY: 503,
+    RejectCode.MODEL_UNAVAILABLE: 503,
 }
 
 

@@ -51,8 +51,9 @@ class CompletionRequest(_Common, frozen=True, kw_only=True):
     suffix: str | None = None
 
 
-def _unsupported(param: str, why: str) -> ApiError:
-    return ApiError(400, f"'{param}' {why} is not supported yet", "unsupported_parameter", param)
+def _unsupported(param: str, why: str = "") -> ApiError:
+    what = f"'{param}' {why}" if why else f"'{param}'"
+    return ApiError(400, f"{what} is not supported yet", "unsupported_parameter", param)
 
 
 def _check_common(request: _Common) -> SamplingParams:
@@ -61,9 +62,9 @@ def _check_common(request: _Common) -> SamplingParams:
     if request.presence_penalty or request.frequency_penalty:
         raise _unsupported("presence_penalty" if request.presence_penalty else "frequency_penalty", "other than 0")
     if request.logit_bias:
-        raise _unsupported("logit_bias", "")
+        raise _unsupported("logit_bias")
     if request.logprobs or request.top_logprobs:
-        raise _unsupported("logprobs", "")
+        raise _unsupported("logprobs")
     max_tokens = request.max_completion_tokens if request.max_completion_tokens is not None else request.max_tokens
     if max_tokens is not None and max_tokens < 1:
         raise ApiError(400, "max_tokens must be at least 1", "invalid_value", "max_tokens")
@@ -107,7 +108,7 @@ def _text_content(content: Any, index: int) -> str:
 def chat_task(task_id: TaskId, model_id: ModelId, request: ChatCompletionRequest) -> TaskRequest:
     sampling = _check_common(request)
     if request.tools:
-        raise _unsupported("tools", "")
+        raise _unsupported("tools")
     if request.response_format and request.response_format.get("type", "text") != "text":
         raise _unsupported("response_format", "other than text")
     if not request.messages:
@@ -132,7 +133,7 @@ def chat_task(task_id: TaskId, model_id: ModelId, request: ChatCompletionRequest
 def completion_task(task_id: TaskId, model_id: ModelId, request: CompletionRequest) -> TaskRequest:
     sampling = _check_common(request)
     if request.echo or request.suffix:
-        raise _unsupported("echo" if request.echo else "suffix", "")
+        raise _unsupported("echo" if request.echo else "suffix")
     prompt = request.prompt
     if isinstance(prompt, list):
         if len(prompt) != 1:

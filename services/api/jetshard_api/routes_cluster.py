@@ -9,6 +9,7 @@ from typing import Any
 import msgspec
 from jetshard_bus.streams import subscribe_events
 from jetshard_schema.codec import decode_event
+from jetshard_schema.types import NodeStorage
 from litestar import Controller, get
 from litestar.response import ServerSentEvent
 from litestar.response.sse import ServerSentEventMessage
@@ -34,7 +35,7 @@ class ClusterController(Controller):
     async def nodes(self, cluster: Cluster) -> list[dict[str, Any]]:
         state = cluster.state
         return [
-            {**msgspec.to_builtins(node), "model_dirs": msgspec.to_builtins(state.node_storage.get(node_id, ()))}
+            {**msgspec.to_builtins(node), **msgspec.to_builtins(state.node_storage.get(node_id, NodeStorage()))}
             for node_id, node in sorted(state.nodes.items())
         ]
 

@@ -8,9 +8,9 @@ import msgspec
 from jetshard_schema.commands import DeleteInstance, PlaceInstance
 from jetshard_schema.ids import InstanceId, NodeId, new_instance_id
 from jetshard_schema.models import find_card
-from jetshard_schema.placement import PlacementError, place
+from jetshard_schema.placement import ModelUnavailable, PlacementError, place_in
 from jetshard_schema.state import Instance, State, instance_status
-from jetshard_schema.types import DownloadStatus
+from jetshard_schema.types import DownloadStatus, InstanceStatus
 from litestar import Controller, delete, get, post
 
 from jetshard_api.cluster import Cluster
@@ -25,6 +25,7 @@ class PlaceRequest(msgspec.Struct, frozen=True):
 
 
 def describe_instance(state: State, instance: Instance) -> dict[str, Any]:
+    status = instance_status(state, instance)
     shards = []
     for shard in instance.shards:
         download = state.download(shard.node_id, instance.model_id)
@@ -50,10 +51,11 @@ def describe_instance(state: State, instance: Instance) -> dict[str, Any]:
     return {
         "instance_id": instance.instance_id,
         "model_id": instance.model_id,
-        "status": str(instance_status(state, instance)),
+        "status": str(status),
         "generation": instance.generation,
         "restart_attempt": instance.restart_attempt,
-        "reason": instance.failed_reason or None,
+        # Why it failed or last restarted: news only until it is ready again.
+        "reason": (instance.failed_reason or None) if status is not InstanceStatus.READY else None,
         "shards": shards,
         "tasks_in_flight": sum(1 for t in state.tasks.values() if t.instance_id == instance.instance_id),
     }
@@ -90,7 +92,9 @@ class InstancesController(Controller):
         if card is None:
             raise ApiError(404, f"unknown model {model_id}", "model_not_found")
         try:
-            placement = place(card, list(cluster.state.nodes.values()), None, min_nodes)
+            placement = place_in(cluster.state, card, None, min_nodes)
+        except ModelUnavailable as error:
+            raise ApiError(503, str(error), "model_unavailable") from error
         except PlacementError as error:
             raise ApiError(409, str(error), "insufficient_memory") from error
         return {

@@ -25,11 +25,12 @@ class AddModelRequest(msgspec.Struct, frozen=True):
     the converted files. Every other card is fetched from the Hub."""
 
 
-def checked_model_id(value: str) -> ModelId:
+def checked_model_id(value: str, param: str = "model_id") -> ModelId:
+    """`value` as a model id, or a 400 naming `param`, the request field it came from."""
     try:
         return parse_model_id(value)
     except ValueError as error:
-        raise ApiError(400, str(error), "invalid_model_id", "model_id") from error
+        raise ApiError(400, str(error), "invalid_model_id", param) from error
 
 
 def describe(state: State, card: ModelCard) -> dict[str, Any]:

@@ -8,7 +8,6 @@ subject before it submits, checks the running index (a gap is an error) and trea
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -23,17 +22,20 @@ from jetshard_schema.models import all_cards, find_card
 from jetshard_schema.state import State, instance_status
 from jetshard_schema.subjects import chunk_subject
 from jetshard_schema.types import Chunk, InstanceStatus, TaskKind, TaskRequest, Usage
-from litestar import Controller, Response, get, post
+from litestar import Controller, Request, Response, get, post
 from litestar.response import ServerSentEvent
 from litestar.response.sse import ServerSentEventMessage
+from litestar.types import Receive
 
 from jetshard_api.cluster import Cluster
+from jetshard_api.disconnect import unless_disconnected
 from jetshard_api.errors import ApiError, error_body
 from jetshard_api.openai_types import ChatCompletionRequest, CompletionRequest, chat_task, completion_task
 from jetshard_api.routes_instances import place_instance
 from jetshard_api.routes_models import checked_model_id
 
 log = logging.getLogger(__name__)
+AnyRequest = Request[Any, Any, Any]
 
 TASK_GONE_GRACE_S = 1.0
 KEEP_ALIVE_S = 5.0
@@ -75,14 +77,16 @@ class ChunkStream:
         return self
 
     async def __aexit__(self, *exc: object) -> None:
+        if not self.finished:
+            # The client went away or we failed: stop generation at the runner's next step. Scheduled before
+            # any await, which a cancelled caller (a disconnected client) would not get past.
+            task = asyncio.create_task(self._cluster.publish(CancelTask(task_id=self._request.task_id)))
+            task.add_done_callback(lambda t: t.cancelled() or t.exception())
         if self._watcher is not None:
             self._watcher.cancel()
         if self._subscription is not None:
-            await self._subscription.unsubscribe()
-        if not self.finished:
-            # The client went away or we failed: stop generation at the runner's next step.
-            task = asyncio.create_task(self._cluster.publish(CancelTask(task_id=self._request.task_id)))
-            task.add_done_callback(lambda t: t.exception())
+            subscription, self._subscription = self._subscription, None
+            await subscription.unsubscribe()
 
     async def submit(self) -> None:
         events = await self._cluster.submit(SubmitTask(request=self._request))
@@ -136,17 +140,18 @@ class ChunkStream:
 
 
 async def _ensure_ready(cluster: Cluster, model_id: ModelId, settings: InferenceSettings) -> None:
-    """Place an instance of `model_id` if none exists (auto-place), then wait until one is ready."""
-    if not await _ensure_placed(cluster, model_id, settings):
-        await _wait_ready(cluster, model_id, settings)
+    """Place an instance of `model_id` if none is alive (auto-place), then wait until one is ready."""
+    coming = await _ensure_placed(cluster, model_id, settings)
+    if coming:
+        await _wait_ready(cluster, model_id, coming, settings)
 
 
-async def _ensure_placed(cluster: Cluster, model_id: ModelId, settings: InferenceSettings) -> bool:
-    """True if `model_id` is ready now; else make sure an instance is on its way (placing one with
-    auto-place) and return False. Raises ApiError (404, or placement refused) before any streaming starts."""
+async def _ensure_placed(cluster: Cluster, model_id: ModelId, settings: InferenceSettings) -> frozenset[InstanceId]:
+    """The instances of `model_id` on their way to ready (none: one is ready now), placing one with auto-place
+    when every earlier one failed. Raises ApiError (404, or placement refused) before any streaming starts."""
     state = cluster.state
     if model_id in ready_models(state):
-        return True
+        return frozenset()
     if find_card(state, model_id) is None:
         raise ApiError(
             404,
@@ -154,35 +159,40 @@ async def _ensure_placed(cluster: Cluster, model_id: ModelId, settings: Inferenc
             "model_not_found",
             "model",
         )
-    placed = any(i.model_id == model_id and not i.failed for i in state.instances.values())
-    if not placed:
-        if not settings.auto_place:
-            raise ApiError(
-                404,
-                f"{model_id} has no instance and auto-placement is off; ready models: "
-                f"{sorted(ready_models(state)) or 'none'}",
-                "model_not_found",
-                "model",
-            )
-        await place_instance(cluster, model_id)
-    return False
+    alive = frozenset(i.instance_id for i in state.instances.values() if i.model_id == model_id and not i.failed)
+    if alive:
+        return alive
+    if not settings.auto_place:
+        raise ApiError(
+            404,
+            f"{model_id} has no instance and auto-placement is off; ready models: "
+            f"{sorted(ready_models(state)) or 'none'}",
+            "model_not_found",
+            "model",
+        )
+    return frozenset({(await place_instance(cluster, model_id)).instance_id})
 
 
-async def _wait_ready(cluster: Cluster, model_id: ModelId, settings: InferenceSettings) -> None:
-    def ready_or_failed(s: State) -> bool:
-        mine = [i for i in s.instances.values() if i.model_id == model_id]
-        return not mine or any(instance_status(s, i) in (InstanceStatus.READY, InstanceStatus.FAILED) for i in mine)
+async def _wait_ready(
+    cluster: Cluster, model_id: ModelId, coming: frozenset[InstanceId], settings: InferenceSettings
+) -> None:
+    """Until an instance of `model_id` is ready; 503 as soon as every instance in `coming` failed or left."""
+
+    def ready_or_hopeless(s: State) -> bool:
+        if model_id in ready_models(s):
+            return True
+        return all(i not in s.instances or s.instances[i].failed for i in coming)
 
     try:
-        state = await cluster.follower.wait_until(ready_or_failed, settings.ready_timeout_s)
+        state = await cluster.follower.wait_until(ready_or_hopeless, settings.ready_timeout_s)
     except TimeoutError as error:
         raise ApiError(
             504, f"{model_id} did not become ready in {settings.ready_timeout_s:.0f} s", "instance_timeout"
         ) from error
     if model_id not in ready_models(state):
-        failed = [i.failed_reason for i in state.instances.values() if i.model_id == model_id]
+        failed = [state.instances[i].failed_reason for i in sorted(coming) if i in state.instances]
         raise ApiError(
-            503, f"{model_id} could not be started: {'; '.join(failed) or 'instance removed'}", "instance_failed"
+            503, f"{model_id} is unavailable: {'; '.join(failed) or 'its instance was removed'}", "model_unavailable"
         )
 
 
@@ -198,19 +208,17 @@ class OpenAIController(Controller):
     async def models(self, cluster: Cluster) -> dict[str, Any]:
         state = cluster.state
         ready = ready_models(state)
-        data = [
-            {
-                "id": model_id,
-                "object": "model",
-                "created": 0,
-                "owned_by": model_id.split("/")[0],
-                "ready": model_id in ready,
-                "placeable": model_id not in ready,
-            }
-            for model_id in all_cards(state)
-        ]
+        data = [_model_object(model_id, ready) for model_id in all_cards(state)]
         data.sort(key=lambda m: (not m["ready"], m["id"]))
         return {"object": "list", "data": data}
+
+    @get("/models/{model_id:path}")
+    async def model(self, cluster: Cluster, model_id: str) -> dict[str, Any]:
+        """One model, as `client.models.retrieve("org/name")` asks for it."""
+        checked = checked_model_id(model_id.lstrip("/"), param="model")
+        if find_card(cluster.state, checked) is None:
+            raise ApiError(404, f"unknown model {checked}", "model_not_found", "model")
+        return _model_object(checked, ready_models(cluster.state))
 
     @post("/chat/completions", status_code=200)
     async def chat_completions(
@@ -218,26 +226,39 @@ class OpenAIController(Controller):
         cluster: Cluster,
         settings: InferenceSettings,
         data: ChatCompletionRequest,
+        request: AnyRequest,
     ) -> Response[Any] | ServerSentEvent:
-        model_id = checked_model_id(data.model)
-        task = chat_task(new_task_id(), model_id, data)
-        return await _serve(
-            cluster, settings, task, data.stream, bool(data.stream_options and data.stream_options.include_usage)
-        )
+        task = chat_task(new_task_id(), checked_model_id(data.model, param="model"), data)
+        include_usage = bool(data.stream_options and data.stream_options.include_usage)
+        return await _serve(cluster, settings, task, data.stream, include_usage, request.receive)
 
     @post("/completions", status_code=200)
     async def completions(
-        self, cluster: Cluster, settings: InferenceSettings, data: CompletionRequest
+        self, cluster: Cluster, settings: InferenceSettings, data: CompletionRequest, request: AnyRequest
     ) -> Response[Any] | ServerSentEvent:
-        model_id = checked_model_id(data.model)
-        task = completion_task(new_task_id(), model_id, data)
-        return await _serve(
-            cluster, settings, task, data.stream, bool(data.stream_options and data.stream_options.include_usage)
-        )
+        task = completion_task(new_task_id(), checked_model_id(data.model, param="model"), data)
+        include_usage = bool(data.stream_options and data.stream_options.include_usage)
+        return await _serve(cluster, settings, task, data.stream, include_usage, request.receive)
+
+
+def _model_object(model_id: ModelId, ready: set[ModelId]) -> dict[str, Any]:
+    return {
+        "id": model_id,
+        "object": "model",
+        "created": 0,
+        "owned_by": model_id.split("/")[0],
+        "ready": model_id in ready,
+        "placeable": model_id not in ready,
+    }
 
 
 async def _serve(
-    cluster: Cluster, settings: InferenceSettings, task: TaskRequest, stream: bool, include_usage: bool
+    cluster: Cluster,
+    settings: InferenceSettings,
+    task: TaskRequest,
+    stream: bool,
+    include_usage: bool,
+    receive: Receive,
 ) -> Response[Any] | ServerSentEvent:
     chat = task.kind is TaskKind.CHAT
     created = int(time.time())
@@ -249,47 +270,34 @@ async def _serve(
         "model": task.model_id,
     }
     if not stream:
-        await _ensure_ready(cluster, task.model_id, settings)
-        text, finish, usage = [], None, None
-        async with ChunkStream(cluster, task, settings) as chunks:
-            await chunks.submit()
-            while not chunks.finished:
-                chunk = await chunks.next()
-                text.append(chunk.text)
-                finish, usage = chunk.finish_reason, chunk.usage
-        content = "".join(text)
-        choice: dict[str, Any] = {"index": 0, "finish_reason": str(finish) if finish else None, "logprobs": None}
-        if chat:
-            choice["message"] = {"role": "assistant", "content": content}
-        else:
-            choice["text"] = content
-        body = {
-            **base,
-            "object": "chat.completion" if chat else "text_completion",
-            "choices": [choice],
-            "usage": _usage(usage),
-        }
+        body = await unless_disconnected(receive, _complete(cluster, settings, task, base))
         return Response(body)
 
-    # Unknown model, auto-place off, placement refused: a plain HTTP error, before the stream starts.
-    needs_placement = not await _ensure_placed(cluster, task.model_id, settings)
     chunks = ChunkStream(cluster, task, settings)
-    first: Chunk | None = None
-    if not needs_placement:
-        # Submit before answering, so an early error (an over-long prompt) gets its proper HTTP status.
+    coming: frozenset[InstanceId] = frozenset()
+
+    async def first_chunk() -> Chunk | None:
+        """Unknown model, auto-place off, placement refused, an over-long prompt: a plain HTTP error, before
+        the stream starts. None: the model is still being placed (the stream waits for it)."""
+        nonlocal coming
+        coming = await _ensure_placed(cluster, task.model_id, settings)
+        if coming:
+            return None
         await chunks.__aenter__()
         try:
             await chunks.submit()
-            first = await chunks.next()
+            return await chunks.next()
         except BaseException:
             await chunks.__aexit__()
             raise
+
+    first = await unless_disconnected(receive, first_chunk())
 
     async def events() -> AsyncIterator[ServerSentEventMessage]:
         try:
             pending = first
             if pending is None:
-                waiting = asyncio.create_task(_wait_ready(cluster, task.model_id, settings))
+                waiting = asyncio.create_task(_wait_ready(cluster, task.model_id, coming, settings))
                 while not waiting.done():
                     # At once (the client sees the response start), then every few seconds.
                     yield ServerSentEventMessage(comment="waiting for the model to be ready", data=None)
@@ -320,11 +328,38 @@ async def _serve(
         except ApiError as error:
             yield _sse(error_body(error.status, error.message, error.code, error.param))
         finally:
-            with contextlib.suppress(Exception):
-                await chunks.__aexit__()
+            # A client that leaves cancels this generator: the stream's clean-up cancels the task first thing.
+            await chunks.__aexit__()
         yield _sse("[DONE]")
 
     return ServerSentEvent(events())
+
+
+async def _complete(
+    cluster: Cluster, settings: InferenceSettings, task: TaskRequest, base: dict[str, Any]
+) -> dict[str, Any]:
+    """The whole answer of a non-streaming request."""
+    chat = task.kind is TaskKind.CHAT
+    await _ensure_ready(cluster, task.model_id, settings)
+    text, finish, usage = [], None, None
+    async with ChunkStream(cluster, task, settings) as chunks:
+        await chunks.submit()
+        while not chunks.finished:
+            chunk = await chunks.next()
+            text.append(chunk.text)
+            finish, usage = chunk.finish_reason, chunk.usage
+    content = "".join(text)
+    choice: dict[str, Any] = {"index": 0, "finish_reason": str(finish) if finish else None, "logprobs": None}
+    if chat:
+        choice["message"] = {"role": "assistant", "content": content}
+    else:
+        choice["text"] = content
+    return {
+        **base,
+        "object": "chat.completion" if chat else "text_completion",
+        "choices": [choice],
+        "usage": _usage(usage),
+    }
 
 
 def _usage(usage: Usage | None) -> dict[str, int]:

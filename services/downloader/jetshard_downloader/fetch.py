@@ -41,6 +41,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar
 
+import httpx2  # huggingface_hub's HTTP client: its connection errors are this library's
 from huggingface_hub import HfApi, hf_hub_url
 from huggingface_hub.errors import (
     GatedRepoError,
@@ -76,6 +77,8 @@ log = logging.getLogger(__name__)
 
 ProgressCallback = Callable[[int, int], None]
 _HASH_CHUNK = 8 * 1024 * 1024
+HUB_API_TIMEOUT_S = 20.0
+"""A Hub that does not answer a listing within this is unreachable: its instance fails instead of waiting."""
 _TRUE = {"1", "true", "yes", "on"}
 
 
@@ -141,7 +144,7 @@ class RepoListing:
         return tuple(by_name[n] for n in sorted(wanted))
 
 
-def _offline_error(model_id: str) -> OfflineUnavailable:
+def offline_error(model_id: str) -> OfflineUnavailable:
     return OfflineUnavailable(
         f"{model_id} is not available offline: it is not complete in any model directory and offline mode "
         "(JETSHARD_OFFLINE or HF_HUB_OFFLINE) forbids downloading it"
@@ -165,7 +168,7 @@ def _translate(err: BaseException, model_id: str, revision: str | None, filename
     if isinstance(err, RemoteEntryNotFoundError):
         return NotFoundOnHub(f"{what} was not found on the Hub at revision {revision!r}")
     if isinstance(err, OfflineModeIsEnabled):
-        return _offline_error(model_id)
+        return offline_error(model_id)
     if isinstance(err, HfHubHTTPError) and err.response is not None:
         status = err.response.status_code
         if status in (401, 403):
@@ -176,7 +179,7 @@ def _translate(err: BaseException, model_id: str, revision: str | None, filename
         if status == 429:
             return RateLimited(f"the Hub kept rate-limiting requests for {what} (HTTP 429); try again later")
         return HubUnreachable(f"the Hub answered HTTP {status} for {what}: {err}")
-    if isinstance(err, LocalEntryNotFoundError | ConnectionError | TimeoutError):
+    if isinstance(err, LocalEntryNotFoundError | ConnectionError | TimeoutError | httpx2.TransportError):
         return HubUnreachable(f"could not reach the Hub for {what}: {err}")
     return HubUnreachable(f"downloading {what} failed: {type(err).__name__}: {err}")
 
@@ -223,11 +226,11 @@ def list_remote_files(
     """The repo's files with sizes and LFS hashes, pinned to the commit `revision` resolves to."""
     model_id = parse_model_id(model_id)
     if is_offline(environ):
-        raise _offline_error(model_id)
+        raise offline_error(model_id)
     api = HfApi(endpoint=endpoint, token=token)
     try:
         info = _with_rate_limit_retries(
-            lambda: api.model_info(model_id, revision=revision, files_metadata=True),
+            lambda: api.model_info(model_id, revision=revision, files_metadata=True, timeout=HUB_API_TIMEOUT_S),
             cancel or threading.Event(),
             max_rate_limit_wait_s,
             model_id,
@@ -405,7 +408,7 @@ def fetch_bytes(
     model_id = parse_model_id(model_id)
     check_repo_filename(name)
     if is_offline(environ):
-        raise _offline_error(model_id)
+        raise offline_error(model_id)
     buffer = io.BytesIO()
     url = hf_hub_url(model_id, name, revision=revision, endpoint=endpoint)
     try:
@@ -441,7 +444,7 @@ def fetch_files(
     if len(set(names)) != len(names):
         raise ValueError("fetch_files got the same file twice")
     if is_offline(environ):
-        raise _offline_error(model_id)
+        raise offline_error(model_id)
     cancel = cancel or threading.Event()
 
     target.mkdir(parents=True, exist_ok=True)

@@ -24,7 +24,7 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
@@ -51,25 +51,29 @@ from jetshard_schema.events import (
     InstancePlaced,
 )
 from jetshard_schema.ids import ModelId, NodeId
-from jetshard_schema.models import find_card
+from jetshard_schema.models import all_cards, find_card
 from jetshard_schema.state import State
-from jetshard_schema.types import DownloadStatus, ModelDirInfo
+from jetshard_schema.types import DownloadStatus, ModelDirInfo, NodeStorage
 
 from jetshard_downloader.choose import NoSpace, choose_directory
 from jetshard_downloader.convert import convert_packaged, sweep_staging
 from jetshard_downloader.delete import ReadOnlyModelError, delete_model, sweep_tombstones
 from jetshard_downloader.dirs import ModelDirs, directory_report, free_bytes
 from jetshard_downloader.fetch import (
+    AuthRequired,
     Cancelled,
     FetchError,
-    _offline_error,
+    NotFoundOnHub,
+    OfflineUnavailable,
+    RateLimited,
     fetch_bytes,
     fetch_files,
     is_offline,
     list_remote_files,
+    offline_error,
 )
 from jetshard_downloader.local import find_shard
-from jetshard_downloader.locate import partial_bytes_for
+from jetshard_downloader.locate import find_model, partial_bytes_for
 from jetshard_downloader.paths import INDEX_NAME, SINGLE_WEIGHTS_NAME
 from jetshard_downloader.resume import use_small_download_chunks
 from jetshard_downloader.shard_files import required_files
@@ -92,6 +96,9 @@ class DownloaderConfig:
     endpoint: str | None = None
     """The Hub (default: HF_ENDPOINT, else huggingface.co)."""
     token: str | bool | None = None
+    retry_backoff_s: tuple[float, ...] = (2.0, 4.0, 8.0)
+    """Waits before each retry of a download that failed mid-transfer; one retry per entry. A Hub that
+    cannot be reached at all, refuses, or lacks the model is not retried: its instance fails at once."""
 
 
 class _Progress:
@@ -179,6 +186,12 @@ class _Job:
     models_dir: Path | None = None
     remaining: int = 0
     """Bytes this job still expects to write into `models_dir` (its reservation)."""
+    transferring: bool = False
+    """The Hub answered the listing: an error from now on happened mid-transfer and is worth a retry."""
+
+
+_NOT_RETRIED = (AuthRequired, NotFoundOnHub, OfflineUnavailable, RateLimited, Cancelled)
+"""Errors another attempt would only repeat (rate limits were already waited out as the Hub asked)."""
 
 
 class Downloader:
@@ -313,25 +326,45 @@ class Downloader:
             job = _Job(model_id, start, end)
             self.running[model_id] = job
             try:
-                await self._run_job(job)
+                await self._run_with_retries(job)
             except Cancelled:
                 log.info("download of %s stopped", model_id)
             except asyncio.CancelledError:
                 job.cancel.set()
                 raise
-            except (FetchError, OSError, ValueError) as error:
+            except Exception as error:
+                if not isinstance(error, FetchError | OSError | ValueError):
+                    log.exception("download of %s failed", model_id)
+                    error = FetchError(f"{type(error).__name__}: {error}")
                 log.warning("download of %s failed: %s", model_id, error)
                 if not job.cancel.is_set():
                     await self._report(job, DownloadStatus.FAILED, reason=str(error))
-            except Exception as error:
-                log.exception("download of %s failed", model_id)
-                if not job.cancel.is_set():
-                    await self._report(job, DownloadStatus.FAILED, reason=f"{type(error).__name__}: {error}")
             finally:
                 if self.running.get(model_id) is job:
                     del self.running[model_id]
 
-    async def _run_job(self, job: _Job) -> None:
+    async def _run_with_retries(self, job: _Job) -> None:
+        backoffs = self.config.retry_backoff_s
+        for attempt in range(len(backoffs) + 1):
+            try:
+                await self._run_job(job, attempt)
+                return
+            except FetchError as error:
+                if not job.transferring or isinstance(error, _NOT_RETRIED) or attempt == len(backoffs):
+                    raise
+                wait_s = backoffs[attempt]
+                log.warning("download of %s failed mid-transfer (%s); retrying in %.0f s", job.model_id, error, wait_s)
+                await self._report(
+                    job,
+                    DownloadStatus.PENDING,
+                    reason=f"retrying in {wait_s:.0f} s: {error}",
+                    attempt=attempt + 1,
+                    max_attempts=len(backoffs),
+                )
+                if await asyncio.to_thread(job.cancel.wait, wait_s):
+                    raise Cancelled(f"download of {job.model_id} cancelled") from error
+
+    async def _run_job(self, job: _Job, attempt: int) -> None:
         card = find_card(self.follower.state, job.model_id)
         if card is None:
             raise ValueError(f"unknown model {job.model_id}: no card in the catalogue")
@@ -357,7 +390,7 @@ class Downloader:
                 "directory of this node any more; import it again"
             )
         else:
-            await self._fetch(job, card)
+            await self._fetch(job, card, attempt)
 
     async def _with_progress(self, job: _Job, work: Callable[[Callable[[int, int], None]], T], directory: Path) -> T:
         """Run blocking `work(on_progress)` in a thread while publishing its progress."""
@@ -392,12 +425,14 @@ class Downloader:
         )
         await self._report_completed(job, card, target, False, size)
 
-    async def _fetch(self, job: _Job, card: ModelCard) -> None:
+    async def _fetch(self, job: _Job, card: ModelCard, attempt: int) -> None:
         if self.offline:
-            raise _offline_error(job.model_id)
-        await self._report(job, DownloadStatus.PENDING)
+            raise offline_error(job.model_id)
+        if attempt == 0:
+            await self._report(job, DownloadStatus.PENDING)
         kwargs: dict[str, Any] = {"token": self.config.token, "endpoint": self.config.endpoint, "environ": self.environ}
         listing = await asyncio.to_thread(list_remote_files, job.model_id, cancel=job.cancel, **kwargs)
+        job.transferring = True
         names = [f.name for f in listing.files]
         sizes = {f.name: f.size or 0 for f in listing.files}
         index = None
@@ -474,10 +509,14 @@ class Downloader:
             await self.publish(ReportDownloadDeleted(model_id=model_id, node_id=self.node_id, directories=removed))
 
 
-def _storage(dirs: ModelDirs) -> tuple[ModelDirInfo, ...]:
-    return tuple(
-        ModelDirInfo(path=str(d.path), read_only=d.read_only, free_bytes=d.free_bytes, total_bytes=d.total_bytes)
-        for d in directory_report(dirs)
+def _storage(dirs: ModelDirs, offline: bool, model_ids: Iterable[ModelId]) -> NodeStorage:
+    return NodeStorage(
+        model_dirs=tuple(
+            ModelDirInfo(path=str(d.path), read_only=d.read_only, free_bytes=d.free_bytes, total_bytes=d.total_bytes)
+            for d in directory_report(dirs)
+        ),
+        offline=offline,
+        available_models=tuple(m for m in model_ids if find_model(dirs, m) is not None),
     )
 
 
@@ -502,9 +541,11 @@ async def run_downloader(config: DownloaderConfig, stop: asyncio.Event) -> None:
     downloader.resume(follower.state)
     try:
         while not stop.is_set():
-            dirs = await asyncio.to_thread(_storage, config.model_dirs)
+            storage = await asyncio.to_thread(
+                _storage, config.model_dirs, downloader.offline, list(all_cards(follower.state))
+            )
             try:
-                await publish_command(js, ReportNodeStorage(node_id=node_id, model_dirs=dirs))
+                await publish_command(js, ReportNodeStorage(node_id=node_id, storage=storage))
             except Exception as error:
                 log.warning("storage report failed: %s", error)
             with contextlib.suppress(TimeoutError):

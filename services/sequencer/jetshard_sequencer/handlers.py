@@ -7,7 +7,7 @@ on. The same inputs always give the same events, so a command redelivered after 
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any
 
 import msgspec
@@ -61,15 +61,15 @@ from jetshard_schema.events import (
     TaskFinished,
     TaskStarted,
 )
-from jetshard_schema.ids import CommandId, InstanceId, parse_model_id
+from jetshard_schema.ids import CommandId, InstanceId, ModelId, NodeId, parse_model_id
 from jetshard_schema.models import find_card, is_builtin
-from jetshard_schema.placement import PlacementError, place
+from jetshard_schema.placement import ModelUnavailable, PlacementError, place_in
 from jetshard_schema.state import Instance, State, apply, instance_status
 from jetshard_schema.types import (
     DownloadStatus,
     InstanceStatus,
-    ModelDirInfo,
     NodeProfile,
+    NodeStorage,
     RejectCode,
     RunnerStatus,
 )
@@ -111,10 +111,13 @@ def profile_changed_meaningfully(old: NodeProfile, new: NodeProfile) -> bool:
     return moved >= AVAILABLE_MEMORY_CHANGE * max(new.memory_total_bytes, 1)
 
 
-def storage_changed_meaningfully(old: Sequence[ModelDirInfo], new: Sequence[ModelDirInfo]) -> bool:
-    if [(d.path, d.read_only, d.total_bytes) for d in old] != [(d.path, d.read_only, d.total_bytes) for d in new]:
+def storage_changed_meaningfully(old: NodeStorage, new: NodeStorage) -> bool:
+    if (old.offline, set(old.available_models)) != (new.offline, set(new.available_models)):
         return True
-    return any(abs(a.free_bytes - b.free_bytes) >= FREE_SPACE_CHANGE_BYTES for a, b in zip(old, new, strict=True))
+    before, after = old.model_dirs, new.model_dirs
+    if [(d.path, d.read_only, d.total_bytes) for d in before] != [(d.path, d.read_only, d.total_bytes) for d in after]:
+        return True
+    return any(abs(a.free_bytes - b.free_bytes) >= FREE_SPACE_CHANGE_BYTES for a, b in zip(before, after, strict=True))
 
 
 def _report_node_profile(state: State, command: ReportNodeProfile, ctx: Context) -> list[Event]:
@@ -128,9 +131,9 @@ def _report_node_profile(state: State, command: ReportNodeProfile, ctx: Context)
 
 def _report_node_storage(state: State, command: ReportNodeStorage, ctx: Context) -> list[Event]:
     known = state.node_storage.get(command.node_id)
-    if known is not None and not storage_changed_meaningfully(known, command.model_dirs):
+    if known is not None and not storage_changed_meaningfully(known, command.storage):
         return []
-    return [NodeStorageUpdated(node_id=command.node_id, model_dirs=command.model_dirs)]
+    return [NodeStorageUpdated(node_id=command.node_id, storage=command.storage)]
 
 
 def _expire_node(state: State, command: ExpireNode, ctx: Context) -> list[Event]:
@@ -158,7 +161,7 @@ def _try_place(state: State, lost: Instance, ctx: Context) -> InstancePlaced | N
     if card is None or not state.nodes:
         return None
     try:
-        placement = place(card, list(state.nodes.values()))
+        placement = place_in(state, card)
     except PlacementError:
         return None
     digest = hashlib.sha256(f"{ctx.command_id}/{lost.instance_id}".encode()).hexdigest()[:12]
@@ -265,7 +268,14 @@ def _report_download_progress(state: State, command: ReportDownloadProgress, ctx
                 )
             ]
         case DownloadStatus.FAILED:
-            return [DownloadFailed(node_id=node_id, model_id=model_id, reason=command.reason)]
+            failed: list[Event] = [DownloadFailed(node_id=node_id, model_id=model_id, reason=command.reason)]
+            return failed + [
+                InstanceFailed(
+                    instance_id=instance.instance_id,
+                    reason=f"downloading {model_id} to node {node_id} failed: {command.reason}",
+                )
+                for instance in _waiting_for_files(state, node_id, model_id)
+            ]
         case DownloadStatus.CANCELLED:
             current = state.download(node_id, model_id)
             if current is not None and current.status is DownloadStatus.CANCELLED:
@@ -285,8 +295,22 @@ def _report_download_progress(state: State, command: ReportDownloadProgress, ctx
                     speed_bytes_per_s=command.speed_bytes_per_s,
                     eta_s=command.eta_s,
                     directory=command.directory,
+                    reason=command.reason,
+                    attempt=command.attempt,
+                    max_attempts=command.max_attempts,
                 )
             ]
+
+
+def _waiting_for_files(state: State, node_id: NodeId, model_id: ModelId) -> list[Instance]:
+    """Instances of `model_id` with a shard on `node_id` that have not loaded yet: they need its files."""
+    return [
+        instance
+        for _, instance in sorted(state.instances.items())
+        if instance.model_id == model_id
+        and instance.shard_for(node_id) is not None
+        and instance_status(state, instance) not in (InstanceStatus.READY, InstanceStatus.FAILED)
+    ]
 
 
 def _report_download_deleted(state: State, command: ReportDownloadDeleted, ctx: Context) -> list[Event]:
@@ -305,7 +329,9 @@ def _place_instance(state: State, command: PlaceInstance, ctx: Context) -> list[
     if card is None:
         return _reject(command, RejectCode.NOT_FOUND, f"unknown model {command.model_id}; add it with POST /models")
     try:
-        placement = place(card, list(state.nodes.values()), command.node_ids, command.min_nodes)
+        placement = place_in(state, card, command.node_ids, command.min_nodes)
+    except ModelUnavailable as error:
+        return _reject(command, RejectCode.MODEL_UNAVAILABLE, str(error))
     except PlacementError as error:
         return _reject(command, RejectCode.INSUFFICIENT_MEMORY, str(error))
     return [InstancePlaced(instance_id=command.instance_id, model_id=command.model_id, shards=placement.shards)]

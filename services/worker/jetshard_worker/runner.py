@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import sys
 import threading
 import time
@@ -22,7 +23,7 @@ from jetshard_bus.connect import connect
 from jetshard_bus.follower import StateFollower
 from jetshard_bus.options import NatsOptions
 from jetshard_bus.service import run_service
-from jetshard_schema.codec import encode
+from jetshard_schema.codec import decode_event, encode
 from jetshard_schema.commands import ReportRunnerStatus, ReportTaskFinished, ReportTaskStarted
 from jetshard_schema.events import (
     EventEnvelope,
@@ -34,7 +35,7 @@ from jetshard_schema.events import (
 )
 from jetshard_schema.ids import InstanceId, NodeId, TaskId
 from jetshard_schema.state import State
-from jetshard_schema.subjects import chunk_subject
+from jetshard_schema.subjects import EVENTS_STREAM, chunk_subject
 from jetshard_schema.types import Chunk, RunnerStatus, TaskKind, TaskOutcome, TaskRequest, Usage
 from nats.js import JetStreamContext
 
@@ -43,6 +44,8 @@ from jetshard_worker.textstream import TextStream
 log = logging.getLogger(__name__)
 
 PROGRESS_INTERVAL_S = 0.5
+FOLLOW_DELAY_ENV = "JETSHARD_TEST_RUNNER_FOLLOW_DELAY_S"
+"""Fault injection for tests: hold the leader's State follower this long before it starts."""
 
 
 class RunnerSpec(msgspec.Struct, frozen=True, kw_only=True):
@@ -68,6 +71,7 @@ class Runner:
         self._outbox: asyncio.Queue[tuple[str, bytes]] = asyncio.Queue()
         self._streams: dict[str, TextStream] = {}
         self._chunk_index: dict[str, int] = {}
+        self._taken: set[TaskId] = set()
         self.engine: Any = None
         self.tokenizer: Any = None
         self.context_length = 4096
@@ -110,17 +114,22 @@ class Runner:
             assert self.spec.hostfile is not None
             # Blocks until both ring neighbours are up; the worker kills us if that takes too long.
             group = await asyncio.to_thread(init_ring, self.spec.rank, Path(self.spec.hostfile))
-        self.engine = PipelineEngine(shard, group, on_token=self._on_token, on_finished=self._on_finished)
+        self.engine = PipelineEngine(
+            shard, group, on_started=self._on_started, on_token=self._on_token, on_finished=self._on_finished
+        )
         if self.engine.is_leader:
             from mlx_lm.utils import load_tokenizer
 
             self.tokenizer = await asyncio.to_thread(load_tokenizer, model_dir, None, sorted(shard.eos_token_ids))
             self.context_length = int(shard.config.get("max_position_embeddings") or self.context_length)
+
+    async def report_ready(self) -> None:
+        total = self.spec.end_layer - self.spec.start_layer
         await self.report(
             RunnerStatus.READY,
             layers_loaded=total,
             layers_total=total,
-            loaded_tensors=tuple(sorted(shard.loaded_tensors)),
+            loaded_tensors=tuple(sorted(self.engine.shard.loaded_tensors)),
         )
 
     # --- leader: tasks in, chunks out ------------------------------------------------------------------
@@ -132,13 +141,31 @@ class Runner:
             case TaskAssigned(request=request, instance_id=instance_id, generation=generation) if (
                 instance_id == self.spec.instance_id and generation == self.spec.generation
             ):
-                self._start_task(request)
+                self._take(request)
             case TaskCancelled(task_id=task_id) if task_id in self._streams:
                 self.engine.cancel(task_id)
             case InstanceDeleted(instance_id=i) | InstanceFailed(instance_id=i) if i == self.spec.instance_id:
                 self.done.set()
             case InstanceRestarting(instance_id=i) if i == self.spec.instance_id:
                 self.done.set()
+
+    async def pick_up(self, state: State) -> None:
+        """Take every task State assigned to this generation that no runner started: one assigned before
+        this follower saw events live would otherwise wait forever. The prompt is read back from the
+        `TaskAssigned` event State points to, never kept in State."""
+        for task in state.unstarted_tasks(self.spec.instance_id, self.spec.generation):
+            if task.task_id in self._taken:
+                continue
+            envelope = decode_event((await self._js.get_msg(EVENTS_STREAM, task.request_seq)).data or b"")
+            if envelope is None or not isinstance(envelope.event, TaskAssigned):
+                self._fail_task(task.task_id, "the task's request could not be read back", "request_lost")
+                continue
+            self._take(envelope.event.request)
+
+    def _take(self, request: TaskRequest) -> None:
+        if request.task_id not in self._taken:  # seen live and again in State while starting
+            self._taken.add(request.task_id)
+            self._start_task(request)
 
     def _start_task(self, request: TaskRequest) -> None:
         from jetshard_worker.engine import GenerationRequest
@@ -160,14 +187,6 @@ class Runner:
         max_tokens = min(sampling.max_tokens or room, room)
         self._streams[request.task_id] = TextStream(self.tokenizer.detokenizer, sampling.stop)
         self._chunk_index[request.task_id] = 0
-        self._send_later(
-            publish_command(
-                self._js,
-                ReportTaskStarted(
-                    task_id=request.task_id, instance_id=self.spec.instance_id, prompt_tokens=len(tokens)
-                ),
-            )
-        )
         self.engine.submit(
             GenerationRequest(
                 task_id=request.task_id,
@@ -202,6 +221,13 @@ class Runner:
                 ),
             )
         )
+
+    def _on_started(self, task_id: str, prompt_tokens: int) -> None:
+        """Engine thread: a queued task's prefill begins."""
+        report = ReportTaskStarted(
+            task_id=TaskId(task_id), instance_id=self.spec.instance_id, prompt_tokens=prompt_tokens
+        )
+        self._loop.call_soon_threadsafe(self._send_later, publish_command(self._js, report))
 
     def _on_token(self, task_id: str, token: int, index: int, reason: str | None) -> None:
         """Engine thread: one sampled token."""
@@ -279,10 +305,16 @@ async def run_runner(spec: RunnerSpec, stop: asyncio.Event) -> None:
     follower = None
     publisher = None
     if runner.engine.is_leader:
+        # Follow before reporting ready: tasks are assigned once every rank is ready, and each of them
+        # must reach this follower as a live event (or be in State for pick_up below).
         follower = StateFollower(js)
         follower.add_listener(runner.on_event)
+        await asyncio.sleep(float(os.environ.get(FOLLOW_DELAY_ENV, "0")))
         await follower.start()
         publisher = asyncio.create_task(runner.publish_chunks())
+    await runner.report_ready()
+    if follower is not None:
+        await runner.pick_up(follower.state)
     waiters = [
         asyncio.create_task(stop.wait()),
         asyncio.create_task(runner.done.wait()),

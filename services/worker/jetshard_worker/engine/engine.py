@@ -43,6 +43,7 @@ FINISH_STOP = "stop"  # an EOS token, or the caller saw a stop string
 FINISH_LENGTH = "length"
 FINISH_CANCELLED = "cancelled"
 
+StartedCallback = Callable[[str, int], None]
 TokenCallback = Callable[[str, int, int, "str | None"], None]
 FinishedCallback = Callable[[str, str, int, int], None]
 
@@ -114,6 +115,7 @@ class PipelineEngine:
         shard: Shard,
         group: mx.distributed.Group | None = None,
         *,
+        on_started: StartedCallback | None = None,
         on_token: TokenCallback | None = None,
         on_finished: FinishedCallback | None = None,
         prefill_step_size: int = 2048,
@@ -136,6 +138,7 @@ class PipelineEngine:
         self.rank = rank
         self.size = size
         self.prefill_step_size = prefill_step_size
+        self.on_started = on_started
         self.on_token = on_token
         self.on_finished = on_finished
         self._link = Link(group, ring_listen_port(rank)) if group is not None and size > 1 else None
@@ -326,6 +329,11 @@ class PipelineEngine:
         eos = self.shard.eos_token_ids if request.eos_token_ids is None else request.eos_token_ids
         sampler = TaskSampler(request.temperature, request.top_p, request.seed)
         self._caches[slot] = []  # reserved; filled by the step that carries FLAG_RESET
+        if self.on_started is not None:
+            try:
+                self.on_started(request.task_id, len(request.prompt_tokens))
+            except Exception:
+                log.exception("on_started callback failed for task %s", request.task_id)
         return _Task(request=request, slot=slot, sampler=sampler, eos=frozenset(eos))
 
     def _step(self, task: _Task) -> None:

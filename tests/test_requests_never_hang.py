@@ -1,0 +1,208 @@
+"""Requests never hang: a task assigned as its runner becomes ready, a download that cannot succeed, an
+offline node without the model, and clients that leave before their answer is done.
+
+One cluster per module, all real processes: nats-server, a sequencer, an API and three nodes:
+* `fast` holds its runners' State follower back for a few seconds (fault injection,
+  `JETSHARD_TEST_RUNNER_FOLLOW_DELAY_S`), which opens wide the window between a runner's start and its
+  follower going live;
+* `no-hub` reaches no Hub (its downloader's `HF_ENDPOINT` is a closed port);
+* `offline` runs its downloader offline.
+Placement names its nodes explicitly, so each test knows where its model lands.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import contextlib
+import json
+import socket
+import threading
+import time
+from collections.abc import Iterator
+
+import httpx
+import openai
+import pytest
+from conftest import Processes
+from helpers.hub_fixtures import use_hub
+from helpers.hub_server import HubServer, wait_for
+from helpers.inference_cluster import ChunkTap, InferenceCluster
+from helpers.tiny_models import make_tiny_model
+from jetshard_schema.events import TaskAssigned, TaskCancelled, TaskFinished
+from jetshard_schema.types import TaskOutcome
+
+from jetshard.natsserver import start_nats_server
+
+ORG = "jetshard-test"
+WINDOW = f"{ORG}/tiny-window"
+NO_HUB = f"{ORG}/tiny-no-hub"
+OFFLINE = f"{ORG}/tiny-offline"
+LEAVING = f"{ORG}/tiny-leaving"
+MESSAGES = [{"role": "user", "content": "Tell me a long story about the sea."}]
+FOLLOW_DELAY_S = 4
+UNAVAILABLE_DEADLINE_S = 30
+
+pytestmark = pytest.mark.timeout(240)
+
+
+class SilentHub:
+    """A "Hub" that accepts connections and never answers, until `go_away` closes them and stops listening:
+    the downloader then sees a dropped connection, and a refused one on any retry."""
+
+    def __init__(self) -> None:
+        self._listener = socket.create_server(("127.0.0.1", 0))
+        self.url = f"http://127.0.0.1:{self._listener.getsockname()[1]}"
+        self._accepted: list[socket.socket] = []
+        self._thread = threading.Thread(target=self._accept, daemon=True)
+        self._thread.start()
+
+    def _accept(self) -> None:
+        with contextlib.suppress(OSError):
+            while True:
+                self._accepted.append(self._listener.accept()[0])
+
+    def go_away(self) -> None:
+        self._listener.close()
+        for connection in self._accepted:
+            connection.close()
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[InferenceCluster]:
+    root = tmp_path_factory.mktemp("never-hang")
+    (root / "logs").mkdir()
+    processes = Processes(root / "logs")
+    nats = start_nats_server(root / "nats", port=-1)
+    with HubServer() as hub, pytest.MonkeyPatch.context() as monkeypatch:
+        hub_env = use_hub(hub.url, root / "hf_home", monkeypatch)
+        # Seed 0 with MESSAGES decodes greedily for well over 1,500 tokens without an EOS.
+        for seed, model_id in enumerate((LEAVING, WINDOW, NO_HUB, OFFLINE)):
+            hub.add_repo(model_id, make_tiny_model(root / "repos" / model_id.split("/")[1], num_files=1, seed=seed))
+        base = {**hub_env, "JETSHARD_NATS": nats.url}
+        c = InferenceCluster(root=root, nats=nats, hub=hub, processes=processes, base_env=base)
+        try:
+            c.start_core()
+            c.start_node("fast", {"JETSHARD_TEST_RUNNER_FOLLOW_DELAY_S": str(FOLLOW_DELAY_S)})
+            c.silent_hub = SilentHub()  # type: ignore[attr-defined]
+            c.start_node("no-hub", {"HF_ENDPOINT": c.silent_hub.url})  # type: ignore[attr-defined]
+            c.start_node("offline", {"JETSHARD_OFFLINE": "1"})
+            c.wait_nodes(3)
+            for model_id in (WINDOW, NO_HUB, OFFLINE, LEAVING):
+                c.add_model(model_id)
+            yield c
+        finally:
+            processes.stop_all()
+            nats.stop()
+
+
+@pytest.fixture(scope="module")
+def client(cluster: InferenceCluster) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{cluster.api}/v1", api_key="unused", timeout=90, max_retries=0)
+
+
+def place_on(cluster: InferenceCluster, model_id: str, node: str) -> httpx.Response:
+    body = {"model_id": model_id, "node_ids": [cluster.node_ids[node]]}
+    return httpx.post(f"{cluster.api}/instances", json=body, timeout=60)
+
+
+def test_a_task_assigned_as_its_runner_becomes_ready_is_served(
+    cluster: InferenceCluster, client: openai.OpenAI
+) -> None:
+    """The request waits for the instance and is submitted the moment it is ready, while the runner's
+    follower is still held back: the runner must see the task anyway."""
+    since = cluster.last_seq()
+    assert place_on(cluster, WINDOW, "fast").status_code == 201
+    started = time.monotonic()
+    reply = client.chat.completions.create(model=WINDOW, messages=MESSAGES, max_tokens=4, temperature=0)
+    assert reply.choices[0].finish_reason == "length"
+    assert reply.usage is not None and reply.usage.completion_tokens == 4
+    assert time.monotonic() - started < 60
+    assigned = [e for _, e in cluster.events(since) if isinstance(e, TaskAssigned)]
+    assert len(assigned) == 1, "the request was not submitted while the instance came up"
+
+
+def test_a_download_that_cannot_reach_the_hub_fails_its_instance_and_answers_503(
+    cluster: InferenceCluster, client: openai.OpenAI
+) -> None:
+    assert place_on(cluster, NO_HUB, "no-hub").status_code == 201
+
+    def non_streaming() -> openai.APIStatusError:
+        with pytest.raises(openai.APIStatusError) as caught:
+            client.chat.completions.create(model=NO_HUB, messages=MESSAGES, max_tokens=4)
+        return caught.value
+
+    def streaming() -> dict[str, object]:
+        body = {"model": NO_HUB, "messages": MESSAGES, "max_tokens": 4, "stream": True}
+        with httpx.stream("POST", f"{cluster.api}/v1/chat/completions", json=body, timeout=90) as response:
+            data = [line[5:].strip() for line in response.iter_lines() if line.startswith("data:")]
+        assert data[-1] == "[DONE]"
+        return dict(json.loads(data[-2]))
+
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        waiting = pool.submit(non_streaming), pool.submit(streaming)
+        time.sleep(1)  # deliberate fault timing: both requests wait for the instance, its download is stuck
+        assert not any(w.done() for w in waiting)
+        cluster.silent_hub.go_away()  # type: ignore[attr-defined]
+        gone = time.monotonic()
+        error, streamed = waiting[0].result(), waiting[1].result()
+    elapsed = time.monotonic() - gone
+    print(f"waiting requests answered {elapsed:.1f} s after the Hub went away")
+    assert elapsed < UNAVAILABLE_DEADLINE_S
+    assert error.status_code == 503
+    assert isinstance(error.body, dict) and error.body["code"] == "model_unavailable"
+    assert "could not reach the Hub" in error.body["message"], error.body
+    assert streamed["error"]["code"] == "model_unavailable"  # type: ignore[index]
+    (instance,) = cluster.instances_of(NO_HUB)
+    assert instance["status"] == "failed" and "could not reach the Hub" in instance["reason"]
+
+
+def test_an_offline_node_without_the_model_is_refused_at_once(cluster: InferenceCluster) -> None:
+    nodes = {n["node_id"]: n for n in cluster.get("/nodes")}
+    assert nodes[cluster.node_ids["offline"]]["offline"] is True
+    assert nodes[cluster.node_ids["fast"]]["offline"] is False
+    started = time.monotonic()
+    response = place_on(cluster, OFFLINE, "offline")
+    assert time.monotonic() - started < 5
+    assert response.status_code == 503, response.text
+    assert response.json()["error"]["code"] == "model_unavailable"
+    assert "offline" in response.json()["error"]["message"]
+    assert not cluster.instances_of(OFFLINE)
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["non-streaming", "streaming"])
+def test_a_client_that_leaves_cancels_its_task(cluster: InferenceCluster, stream: bool) -> None:
+    if not cluster.instances_of(LEAVING):
+        assert place_on(cluster, LEAVING, "fast").status_code == 201
+    cluster.wait_instance(cluster.instances_of(LEAVING)[0]["instance_id"], "ready", timeout=90)
+    since = cluster.last_seq() + 1
+    # Until the context is full: minutes on this machine, unless the task is cancelled.
+    body = {"model": LEAVING, "messages": MESSAGES, "max_tokens": 2**70, "temperature": 0, "stream": stream}
+    with ChunkTap(cluster.nats.url) as tap:
+        if stream:
+            with httpx.stream("POST", f"{cluster.api}/v1/chat/completions", json=body, timeout=30) as response:
+                next(line for line in response.iter_lines() if line.startswith("data:"))
+        else:
+            try:
+                answered = httpx.post(
+                    f"{cluster.api}/v1/chat/completions", json=body, timeout=httpx.Timeout(30, read=1)
+                )
+            except httpx.ReadTimeout:
+                pass  # the client gives up and closes the connection
+            else:
+                pytest.fail(f"answered before the client left: {answered.status_code} {answered.text[:300]}")
+        left_at_ms = time.time() * 1000
+        cancelled = cluster.wait_event(lambda e: isinstance(e, TaskCancelled), since, timeout=10)
+        assert isinstance(cancelled, TaskCancelled)
+        (task_id,) = [e.request.task_id for _, e in cluster.events(since) if isinstance(e, TaskAssigned)]
+        assert cancelled.task_id == task_id
+        at_ms = next(env.at_ms for _, env in cluster.envelopes(since) if isinstance(env.event, TaskCancelled))
+        print(
+            f"{'streaming' if stream else 'non-streaming'}: cancelled {at_ms - left_at_ms:.0f} ms after the client left"
+        )
+        assert at_ms - left_at_ms < 1000
+        # The runner stops at its next step: its last chunk says so, long before the context is full.
+        assert wait_for(lambda: tap.final(task_id) is not None, timeout=10)
+        final = tap.final(task_id)
+        assert final.finish_reason is TaskOutcome.CANCELLED
+        assert final.usage.completion_tokens < 1500
+    assert not any(isinstance(e, TaskFinished) and e.task_id == task_id for _, e in cluster.events(since))
