@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import time
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -51,6 +53,51 @@ async def wait_json(client: httpx.AsyncClient, path: str, predicate, timeout_s: 
         await asyncio.sleep(0.1)
 
 
+async def first_event(client: httpx.AsyncClient, **request: Any) -> dict[str, Any]:
+    """The first message of `GET /events`, checked against its SSE `id:` and `event:` fields."""
+    async with client.stream("GET", "/events", **request) as response:
+        assert response.status_code == 200
+        assert response.headers["content-type"].startswith("text/event-stream")
+        fields: dict[str, str] = {}
+        async for line in response.aiter_lines():
+            name, _, value = line.partition(":")
+            fields[name] = value.strip()
+            if name == "data":
+                data: dict[str, Any] = json.loads(value)
+                assert data["event"]["type"] == fields["event"] and str(data["seq"]) == fields["id"]
+                return data
+    raise AssertionError("the event stream ended before its first event")
+
+
+async def append_card_events(url: str, *model_ids: str) -> None:
+    """One CustomModelCardAdded event per id, appended by hand as a sequencer would have."""
+    client, js = await connect(NatsOptions(servers=(url,)), "test")
+    try:
+        for model_id in model_ids:
+            card = ModelCard(
+                model_id=ModelId(model_id),
+                num_layers=2,
+                hidden_size=8,
+                num_attention_heads=1,
+                num_key_value_heads=1,
+                vocab_size=10,
+                architecture="llama",
+                storage_size_bytes=1,
+                is_custom=True,
+            )
+            envelope = EventEnvelope(
+                command_id=CommandId(f"c-{model_id}"),
+                command_seq=0,
+                index=0,
+                count=1,
+                at_ms=0,
+                event=CustomModelCardAdded(card=card),
+            )
+            await js.publish(envelope.event.subject, encode(envelope))
+    finally:
+        await client.close()
+
+
 async def test_cluster_routes(fresh_nats, processes, tmp_path: Path) -> None:
     processes.start("seq", "sequencer", "--nats", fresh_nats.url)
     processes.start("worker", "worker", "--nats", fresh_nats.url, env={"JETSHARD_CONFIG_DIR": str(tmp_path / "cfg")})
@@ -70,23 +117,10 @@ async def test_cluster_routes(fresh_nats, processes, tmp_path: Path) -> None:
         assert node_id in state["nodes"]
 
         # the event stream as Server-Sent Events, from the first event
-        seen: list[dict[str, object]] = []
-        async with client.stream("GET", "/events", params={"since": 1}) as response:
-            assert response.status_code == 200
-            assert response.headers["content-type"].startswith("text/event-stream")
-            event_name = None
-            async for line in response.aiter_lines():
-                if line.startswith("event:"):
-                    event_name = line.split(":", 1)[1].strip()
-                elif line.startswith("data:"):
-                    data = json.loads(line.split(":", 1)[1])
-                    assert data["event"]["type"] == event_name
-                    seen.append(data)
-                    if len(seen) >= 1:
-                        break
-        assert seen[0]["seq"] == 1
-        assert seen[0]["event"]["type"] == "NodeJoined"
-        assert seen[0]["event"]["node_id"] == node_id
+        first = await first_event(client, params={"since": 1})
+        assert first["seq"] == 1
+        assert first["event"]["type"] == "NodeJoined"
+        assert first["event"]["node_id"] == node_id
 
         schema = (await client.get("/openapi/openapi.json")).json()
         assert schema["info"]["title"] == "jetshard"
@@ -118,30 +152,7 @@ async def test_cluster_routes(fresh_nats, processes, tmp_path: Path) -> None:
 async def test_a_state_changing_route_answers_504_without_a_sequencer(fresh_nats, processes, tmp_path: Path) -> None:
     # A custom card in State (its event appended by hand, as a sequencer would have), so that deleting it
     # passes the API's own checks and publishes a command that no sequencer is there to answer.
-    client, js = await connect(NatsOptions(servers=(fresh_nats.url,)), "test")
-    try:
-        card = ModelCard(
-            model_id=ModelId("acme/orphan"),
-            num_layers=2,
-            hidden_size=8,
-            num_attention_heads=1,
-            num_key_value_heads=1,
-            vocab_size=10,
-            architecture="llama",
-            storage_size_bytes=1,
-            is_custom=True,
-        )
-        envelope = EventEnvelope(
-            command_id=CommandId("c"),
-            command_seq=0,
-            index=0,
-            count=1,
-            at_ms=0,
-            event=CustomModelCardAdded(card=card),
-        )
-        await js.publish(envelope.event.subject, encode(envelope))
-    finally:
-        await client.close()
+    await append_card_events(fresh_nats.url, "acme/orphan")
     base = start_api(processes, "api", fresh_nats.url, tmp_path, "--command-timeout-s", "1")
     async with httpx.AsyncClient(base_url=base, timeout=30) as http:
         await wait_json(http, "/state", lambda body: "acme/orphan" in body["custom_cards"])
@@ -149,3 +160,35 @@ async def test_a_state_changing_route_answers_504_without_a_sequencer(fresh_nats
     assert error["type"] == "timeout_error"
     assert error["code"] == "command_timeout"
     assert "sequencer" in str(error["message"])
+
+
+async def test_events_resume_after_last_event_id(fresh_nats, processes, tmp_path: Path) -> None:
+    await append_card_events(fresh_nats.url, "acme/one", "acme/two", "acme/three")
+    base = start_api(processes, "api", fresh_nats.url, tmp_path)
+    async with httpx.AsyncClient(base_url=base, timeout=30) as http:
+        # An EventSource reconnects to the URL it opened, `since` included, and says where it got to.
+        resumed = await first_event(http, params={"since": 1}, headers={"Last-Event-ID": "2"})
+        assert resumed["seq"] == 3 and resumed["event"]["card"]["model_id"] == "acme/three"
+        assert (await first_event(http, headers={"Last-Event-ID": "1"}))["seq"] == 2
+        assert (await first_event(http, params={"since": 2}))["seq"] == 2
+        for bad in ("two", "-1", "1.5", ""):
+            error = assert_openai_error(await http.get("/events", headers={"Last-Event-ID": bad}), 400)
+            assert error["param"] == "Last-Event-ID" and error["code"] == "invalid_value"
+
+
+async def test_the_docs_page_loads_every_asset_from_the_api(fresh_nats, processes, tmp_path: Path) -> None:
+    base = start_api(processes, "api", fresh_nats.url, tmp_path)
+    async with httpx.AsyncClient(base_url=base, timeout=30) as http:
+        page = await http.get("/openapi")
+        assert page.status_code == 200 and page.headers["content-type"].startswith("text/html")
+        assets = re.findall(r"""<(?:script|link)\b[^>]*\b(?:src|href)=["']([^"']+)["']""", page.text)
+        elsewhere = [url for url in assets if not url.startswith("/") or url.startswith("//")]
+        assert elsewhere == [], "the docs page loads these from outside the API"
+        assert {Path(url).suffix for url in assets} >= {".js", ".css"}, assets
+        for url in assets:
+            asset = await http.get(url)
+            assert asset.status_code == 200 and asset.content, url
+            if url.endswith(".js"):
+                assert "javascript" in asset.headers["content-type"] and b"SwaggerUI" in asset.content, url
+            elif url.endswith(".css"):
+                assert asset.headers["content-type"].startswith("text/css") and b".swagger-ui" in asset.content, url

@@ -22,11 +22,13 @@ import httpx
 import psutil
 import pytest
 from helpers.cluster import Cluster, poll
-from jetshard_downloader.dirs import ModelDirs
+from helpers.mounts import tmpfs
+from jetshard_downloader.convert import NotEnoughSpace, convert_packaged
+from jetshard_downloader.dirs import ModelDirs, free_bytes
 from jetshard_downloader.gguf import packaged_demo_gguf
 from jetshard_downloader.locate import find_model
 from jetshard_downloader.paths import MANIFEST_NAME
-from jetshard_schema.catalogue import DEMO_MODEL_ID
+from jetshard_schema.catalogue import DEMO_MODEL_ID, builtin_cards
 from jetshard_schema.commands import StartDownload
 from jetshard_schema.ids import ModelId
 from jetshard_schema.types import DownloadStatus
@@ -112,6 +114,42 @@ def test_jetshard_up_serves_the_demo_model_offline_and_stops_cleanly(tmp_path: P
     for marker in (str(data), str(tmp_path / "models")):
         left = processes_mentioning(marker)
         assert left == [], [p.info["cmdline"] for p in left]
+
+
+def test_conversion_skips_a_full_default_dir_and_names_every_dir_when_none_has_room(tmp_path: Path) -> None:
+    card = builtin_cards()[DEMO_MODEL_ID]
+    roomy = tmp_path / "roomy"
+    with tmpfs(tmp_path / "full", "1m") as full, tmpfs(tmp_path / "also-full", "1m") as also_full:
+        with pytest.raises(NotEnoughSpace) as refused:
+            convert_packaged(card, ModelDirs.from_options(full, [also_full]))
+        assert f"{card.storage_size_bytes / 2**20:.1f} MiB needed" in str(refused.value)
+        assert f"{full}: " in str(refused.value) and f"{also_full}: " in str(refused.value)
+
+        directory, size = convert_packaged(card, ModelDirs.from_options(full, [roomy]))
+        assert directory == roomy / DEMO_DIR_NAME and size > 0
+        found = find_model(ModelDirs.from_options(full, [roomy]), DEMO_MODEL_ID)
+        assert found is not None and found.path == directory
+        assert list(full.iterdir()) == []
+
+
+def test_a_dir_that_fills_up_mid_conversion_is_cleaned_up_and_the_next_one_used(tmp_path: Path) -> None:
+    card = builtin_cards()[DEMO_MODEL_ID]
+    roomy = tmp_path / "roomy"
+    # The card's size is the GGUF's, a few MB short of the converted model: this tmpfs looks big enough.
+    with tmpfs(tmp_path / "tight", "99000k") as tight:
+        assert free_bytes(tight) >= card.storage_size_bytes
+        targets: list[Path] = []
+        directory, size = convert_packaged(
+            card, ModelDirs.from_options(tight, [roomy]), on_target=lambda model_dir, _: targets.append(model_dir)
+        )
+        assert targets == [tight / DEMO_DIR_NAME, roomy / DEMO_DIR_NAME]
+        assert directory == roomy / DEMO_DIR_NAME and size > free_bytes(tight)
+        assert list(tight.iterdir()) == []  # the staging directory went with the failed write
+
+        with pytest.raises(NotEnoughSpace) as refused:
+            convert_packaged(card, ModelDirs.from_options(tight))
+        assert f"{tight}: filled up while the model was written there" in str(refused.value)
+        assert list(tight.iterdir()) == []
 
 
 async def test_a_killed_conversion_or_a_half_written_model_is_never_complete(cluster: Cluster, tmp_path: Path) -> None:

@@ -8,7 +8,6 @@ worker process (and no MLX runner) is needed.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import hashlib
 import json
 import os
@@ -17,12 +16,12 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any
 
 import httpx
 import pytest
 from helpers.cluster import Cluster, api_until, poll
 from helpers.hub_server import HubServer
+from helpers.mounts import remount_read_only, tmpfs
 from helpers.tiny_models import make_tiny_model
 from jetshard_downloader.dirs import ModelDirs
 from jetshard_downloader.locate import find_model
@@ -71,29 +70,6 @@ def repo_files(model_dir: Path) -> set[str]:
         for p in model_dir.rglob("*")
         if p.is_file() and not p.relative_to(model_dir).as_posix().startswith(".")
     }
-
-
-@contextlib.contextmanager
-def tmpfs(path: Path, size: str) -> Any:
-    path.mkdir(parents=True, exist_ok=True)
-    result = subprocess.run(
-        ["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)], capture_output=True, text=True
-    )
-    if result.returncode != 0:
-        pytest.skip(
-            f"cannot mount a size-limited tmpfs here (needs root / CAP_SYS_ADMIN): "
-            f"{result.stderr.strip() or result.returncode}"
-        )
-    try:
-        yield path
-    finally:
-        subprocess.run(["umount", "-l", str(path)], capture_output=True)
-
-
-def remount_read_only(path: Path) -> None:
-    result = subprocess.run(["mount", "-o", "remount,ro", str(path)], capture_output=True, text=True)
-    if result.returncode != 0:
-        pytest.skip(f"cannot remount {path} read-only: {result.stderr.strip()}")
 
 
 # ------------------------------------------------------------------------------------------------------ tests

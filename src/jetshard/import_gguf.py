@@ -1,8 +1,8 @@
 """`jetshard models import-gguf PATH [--id ID]`: serve a llama-family GGUF file you already have.
 
-The file is converted on this machine into the default models directory (all or nothing, with a manifest,
-exactly as the demo model is), then its card is added to the cluster through the API. This node's
-downloader then finds the model complete, like any download.
+The file is converted on this machine into the first writable models directory with room for it (all or
+nothing, with a manifest, exactly as the demo model is), then its card is added to the cluster through the
+API. This node's downloader then finds the model complete, like any download.
 """
 
 from __future__ import annotations
@@ -36,16 +36,13 @@ def default_id(path: Path) -> str:
 @click.pass_obj
 def import_gguf(api: ApiClient, path: Path, model_id: str | None) -> None:
     """Convert a llama-family GGUF file on this machine and add it to the cluster's catalogue."""
-    from jetshard_downloader.convert import install_gguf  # imports mlx: only when converting
+    from jetshard_downloader.convert import NotEnoughSpace, install_gguf  # imports mlx: only when converting
     from jetshard_downloader.dirs import ModelDirs
-    from jetshard_downloader.paths import model_path
 
     try:
         model_id = parse_model_id(model_id or default_id(path))
     except ValueError as error:
         raise click.BadParameter(str(error), param_hint="--id") from error
-    dirs = ModelDirs.from_env()
-    target = model_path(dirs.writable[0] if dirs.writable else dirs.default_dir, model_id)
     console = Console(stderr=True)
     with Progress(
         TextColumn("converting {task.description}"), BarColumn(), console=console, transient=True
@@ -54,12 +51,14 @@ def import_gguf(api: ApiClient, path: Path, model_id: str | None) -> None:
         try:
             directory, _ = install_gguf(
                 path.resolve(),
-                target,
+                ModelDirs.from_env(),
                 model_id,
                 on_progress=lambda done, total: progress.update(task, completed=done, total=total),
             )
         except ValueError as error:
             raise click.ClickException(f"{path} cannot be converted: {error}") from error
+        except NotEnoughSpace as error:
+            raise click.ClickException(str(error)) from error
     config = json.loads((directory / "config.json").read_text())
     index = json.loads((directory / "model.safetensors.index.json").read_text())
     sizes = {p.name: p.stat().st_size for p in directory.glob("*.safetensors")}

@@ -6,6 +6,9 @@ from litestar import Litestar
 from litestar.di import Provide
 from litestar.exceptions import HTTPException
 from litestar.openapi import OpenAPIConfig
+from litestar.openapi.plugins import SwaggerRenderPlugin
+from litestar.static_files import create_static_files_router
+from swagger_ui_bundle import swagger_ui_path
 
 from jetshard_api.cluster import Cluster
 from jetshard_api.errors import ApiError, api_error_handler, http_error_handler, internal_error_handler
@@ -17,6 +20,22 @@ from jetshard_api.routes_openai import InferenceSettings, OpenAIController
 
 MAX_REQUEST_BYTES = 8 * 2**20
 """An HTTP body larger than NATS's (raised) max payload could not be carried as a command: 413."""
+
+OPENAPI_PATH = "/openapi"
+SWAGGER_UI_ASSETS_PATH = f"{OPENAPI_PATH}/assets"
+"""Swagger UI's files, served from the `swagger-ui-bundle-v2` package: the docs page works offline (Litestar's
+default pages load them from a CDN)."""
+
+
+def _openapi_config() -> OpenAPIConfig:
+    swagger_ui = SwaggerRenderPlugin(
+        js_url=f"{SWAGGER_UI_ASSETS_PATH}/swagger-ui-bundle.js",
+        css_url=f"{SWAGGER_UI_ASSETS_PATH}/swagger-ui.css",
+        standalone_preset_js_url=f"{SWAGGER_UI_ASSETS_PATH}/swagger-ui-standalone-preset.js",
+        favicon=f"<link rel='icon' type='image/png' href='{SWAGGER_UI_ASSETS_PATH}/favicon-32x32.png'>",
+        path="/",
+    )
+    return OpenAPIConfig(title="jetshard", version="0.1.0", path=OPENAPI_PATH, render_plugins=[swagger_ui])
 
 
 def create_app(cluster: Cluster, inference: InferenceSettings = InferenceSettings()) -> Litestar:
@@ -33,6 +52,9 @@ def create_app(cluster: Cluster, inference: InferenceSettings = InferenceSetting
             InstancesController,
             OpenAIController,
             DownloadsController,
+            create_static_files_router(
+                SWAGGER_UI_ASSETS_PATH, directories=[swagger_ui_path], name="swagger-ui", include_in_schema=False
+            ),
         ],
         dependencies={
             "cluster": Provide(provide_cluster, use_cache=True),
@@ -43,6 +65,6 @@ def create_app(cluster: Cluster, inference: InferenceSettings = InferenceSetting
             HTTPException: http_error_handler,
             Exception: internal_error_handler,
         },
-        openapi_config=OpenAPIConfig(title="jetshard", version="0.1.0", path="/openapi"),
+        openapi_config=_openapi_config(),
         request_max_body_size=MAX_REQUEST_BYTES,
     )

@@ -11,10 +11,12 @@ from jetshard_bus.streams import subscribe_events
 from jetshard_schema.codec import decode_event
 from jetshard_schema.types import NodeStorage
 from litestar import Controller, get
+from litestar.params import Parameter
 from litestar.response import ServerSentEvent
 from litestar.response.sse import ServerSentEventMessage
 
 from jetshard_api.cluster import Cluster
+from jetshard_api.errors import ApiError
 
 
 class ClusterController(Controller):
@@ -40,10 +42,36 @@ class ClusterController(Controller):
         ]
 
     @get("/events")
-    async def events(self, cluster: Cluster, since: int | None = None) -> ServerSentEvent:
-        """Events from sequence `since` (default: the next one), then live, as `text/event-stream`."""
-        start = since if since is not None else cluster.state.last_seq + 1
+    async def events(
+        self,
+        cluster: Cluster,
+        since: int | None = None,
+        last_event_id: str | None = Parameter(header="Last-Event-ID", default=None),
+    ) -> ServerSentEvent:
+        """Events from sequence `since` (default: the next one), then live, as `text/event-stream`.
+
+        Each message's id is its sequence. A `Last-Event-ID` header resumes after that event and wins over
+        `since`: an EventSource that reconnects sends it along with the URL it first opened.
+        """
+        if last_event_id is not None:
+            start = _after_last_event_id(last_event_id)
+        elif since is not None:
+            start = since
+        else:
+            start = cluster.state.last_seq + 1
         return ServerSentEvent(_follow(cluster, max(start, 1)))
+
+
+def _after_last_event_id(value: str) -> int:
+    text = value.strip()
+    if not (text.isascii() and text.isdigit()):
+        raise ApiError(
+            400,
+            f"Last-Event-ID must be an event sequence (an integer >= 0), got {value!r}",
+            "invalid_value",
+            "Last-Event-ID",
+        )
+    return int(text) + 1
 
 
 async def _follow(cluster: Cluster, start: int) -> AsyncIterator[ServerSentEventMessage]:

@@ -1,7 +1,10 @@
 """Models whose source is a packaged GGUF file: checked, converted to an MLX directory, never downloaded.
 
-The converted model goes to `<default models dir>/<org>--<name>/` (the first writable directory when the
-default was made read-only). `gguf.convert_gguf` writes into a temporary directory and renames it; here that
+The converted model goes to `<models dir>/<org>--<name>/` in the first writable directory (the default
+first) with room for it, chosen by `choose.choose_directory` as for downloads; the room needed is the card's
+size, or the GGUF file's size when there is no card. That is an estimate, so a directory can still fill up
+mid-write: the staging directory is then removed and the next writable directory with room is tried.
+`gguf.convert_gguf` writes into a temporary directory and renames it; here that
 whole step runs inside a hidden staging directory `.<org>--<name>.convert-<random>/`, the manifest is
 written into the converted directory, and only then is it renamed to its final name. So the final directory
 either does not exist or is complete and vouched for by its manifest; a crash leaves only a staging
@@ -10,39 +13,44 @@ directory, which `sweep_staging` removes at the next start.
 
 from __future__ import annotations
 
+import dataclasses
+import errno
 import hashlib
+import logging
 import os
 import secrets
 import shutil
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path, PurePosixPath
 
 from jetshard_schema.cards import ModelCard
 
-from jetshard_downloader.dirs import ModelDirs
+from jetshard_downloader.choose import NoSpace, choose_directory, format_bytes
+from jetshard_downloader.dirs import ModelDirs, free_bytes
 from jetshard_downloader.fetch import Cancelled, IntegrityError
 from jetshard_downloader.manifest import Manifest, ManifestFile, write_manifest
-from jetshard_downloader.paths import model_path
+
+log = logging.getLogger(__name__)
 
 ProgressCallback = Callable[[int, int], None]
+TargetCallback = Callable[[Path, int], None]
+"""Called with the model directory a conversion is about to write and the bytes it expects to write there."""
 
 # Shares of the work, for a progress bar: hashing the GGUF, then the converter's own stages.
 _STAGES = {"hashing": (0.0, 0.2), "reading": (0.2, 0.35), "converting": (0.35, 0.9), "writing tokenizer": (0.9, 0.98)}
 _HASH_CHUNK = 8 * 1024 * 1024
 
 
-def conversion_target(dirs: ModelDirs, card: ModelCard) -> Path:
-    if dirs.default_dir in dirs.writable:
-        root = dirs.default_dir
-    elif dirs.writable:
-        root = dirs.writable[0]
-    else:
-        raise OSError(
-            f"{card.model_id} must be converted from its GGUF file, but every model directory is "
-            "read-only; set JETSHARD_DEFAULT_MODELS_DIR to a writable directory"
-        )
-    return model_path(root, card.model_id)
+class NotEnoughSpace(OSError):
+    """No writable model directory has room for a converted model."""
+
+
+def _ran_out_of_space(error: BaseException) -> bool:
+    # mlx reports a failed write without its errno, as RuntimeError("[write] Unable to write N bytes to file.").
+    if isinstance(error, RuntimeError):
+        return str(error).startswith("[write]")
+    return isinstance(error, OSError) and error.errno in (errno.ENOSPC, errno.EDQUOT)
 
 
 def packaged_gguf_path(card: ModelCard) -> tuple[Path, str]:
@@ -93,21 +101,26 @@ def convert_packaged(
     card: ModelCard,
     dirs: ModelDirs,
     *,
+    reserved: Mapping[Path, int] | None = None,
+    on_target: TargetCallback | None = None,
     on_progress: ProgressCallback | None = None,
     cancel: threading.Event | None = None,
 ) -> tuple[Path, int]:
     """Convert the card's packaged GGUF into its model directory; returns (directory, bytes written).
 
     Raises IntegrityError when the GGUF's sha256 is not the card's, Cancelled when `cancel` is set (the
-    staging directory is removed), FileNotFoundError when the package is missing.
+    staging directory is removed), FileNotFoundError when the package is missing, NotEnoughSpace when no
+    writable directory has room.
     """
     gguf_path, expected = packaged_gguf_path(card)
     return install_gguf(
         gguf_path,
-        conversion_target(dirs, card),
+        dirs,
         card.model_id,
         expected,
-        progress_total=card.storage_size_bytes,
+        bytes_needed=card.storage_size_bytes,
+        reserved=reserved,
+        on_target=on_target,
         on_progress=on_progress,
         cancel=cancel,
     )
@@ -115,23 +128,26 @@ def convert_packaged(
 
 def install_gguf(
     gguf_path: Path,
-    target: Path,
+    dirs: ModelDirs,
     model_id: str,
     expected_sha256: str | None = None,
     *,
-    progress_total: int = 0,
+    bytes_needed: int = 0,
+    reserved: Mapping[Path, int] | None = None,
+    on_target: TargetCallback | None = None,
     on_progress: ProgressCallback | None = None,
     cancel: threading.Event | None = None,
 ) -> tuple[Path, int]:
-    """Convert `gguf_path` into the model directory `target`, manifest included, all or nothing.
+    """Convert `gguf_path` into `<models dir>/<org>--<name>` in a writable directory of `dirs` with room for
+    `bytes_needed` (default: the GGUF's size) beyond what `reserved` holds back, manifest included, all or
+    nothing; returns (directory, bytes written).
 
     With `expected_sha256` the file is checked first (IntegrityError on a mismatch).
     """
-    from jetshard_downloader.gguf import convert_gguf
-
     cancel = cancel or threading.Event()
     size = gguf_path.stat().st_size
-    total = max(progress_total or size, 1)
+    bytes_needed = bytes_needed or size
+    total = max(bytes_needed, 1)
 
     def report(fraction: float) -> None:
         if on_progress is not None:
@@ -150,6 +166,58 @@ def install_gguf(
             "reinstall the package it comes from"
         )
 
+    ran_out: list[Path] = []
+    while True:
+        candidates = dataclasses.replace(dirs, writable=tuple(d for d in dirs.writable if d not in ran_out))
+        choice = choose_directory(candidates, model_id, bytes_needed, free_bytes, reserved or {}, lambda _: 0)
+        if isinstance(choice, NoSpace):
+            raise NotEnoughSpace(
+                _filled_up_message(model_id, bytes_needed, ran_out, choice) if ran_out else choice.message
+            )
+        if on_target is not None:
+            on_target(choice.model_dir, bytes_needed)
+        try:
+            written = _write_converted(gguf_path, choice.model_dir, model_id, f"gguf-sha256-{actual}", stage, cancel)
+        except (OSError, RuntimeError) as error:
+            if not _ran_out_of_space(error):
+                raise
+            log.warning(
+                "%s ran out of space converting %s (%s estimated): %s; trying the next directory",
+                choice.models_dir,
+                model_id,
+                format_bytes(bytes_needed),
+                error,
+            )
+            ran_out.append(choice.models_dir)
+            continue
+        report(1.0)
+        return choice.model_dir, written
+
+
+def _filled_up_message(model_id: str, bytes_needed: int, ran_out: list[Path], no_space: NoSpace) -> str:
+    lines = [f"not enough disk space for {model_id}: it needs more than the {format_bytes(bytes_needed)} estimated;"]
+    lines += [f"  {d}: filled up while the model was written there" for d in ran_out]
+    lines += [
+        f"  {c.models_dir}: {format_bytes(max(0, c.free_bytes - c.reserved_bytes))} available" for c in no_space.checked
+    ]
+    lines.append("free some space or add a directory with JETSHARD_MODELS_DIRS")
+    return "\n".join(lines)
+
+
+def _write_converted(
+    gguf_path: Path,
+    target: Path,
+    model_id: str,
+    revision: str,
+    stage: Callable[[str, float], None],
+    cancel: threading.Event,
+) -> int:
+    """Convert into a staging directory beside `target`, add the manifest, rename; returns bytes written.
+
+    The staging directory is removed whatever happens, so a failed write leaves nothing behind.
+    """
+    from jetshard_downloader.gguf import convert_gguf
+
     target.parent.mkdir(parents=True, exist_ok=True)
     if target.exists():
         # No manifest (else it was found complete): what a crash or another tool left. It is ours to replace.
@@ -166,13 +234,12 @@ def install_gguf(
                 raise Cancelled(f"conversion of {model_id} cancelled")
             digest = hashlib.sha256(path.read_bytes()).hexdigest()
             files.append(ManifestFile(path.relative_to(out).as_posix(), path.stat().st_size, digest))
-        write_manifest(out, Manifest(model_id=model_id, revision=f"gguf-sha256-{actual}", files=tuple(files)))
+        write_manifest(out, Manifest(model_id=model_id, revision=revision, files=tuple(files)))
         os.rename(out, target)
         _fsync_dir(target.parent)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
-    report(1.0)
-    return target, sum(f.size for f in files)
+    return sum(f.size for f in files)
 
 
 def sweep_staging(models_dir: Path) -> int:

@@ -154,5 +154,7 @@ def write_tokenizer(metadata: Mapping[str, Any], out_dir: Path, *, context_lengt
     tok, config = build_tokenizer(metadata)
     if context_length is not None:
         config["model_max_length"] = context_length
-    tok.save(str(out_dir / "tokenizer.json"))
+    # Written from Python, not with `tok.save`: a failed write then raises OSError with its errno (the Rust
+    # side raises a bare Exception), so a full disk is recognised as one.
+    (out_dir / "tokenizer.json").write_text(tok.to_str(pretty=True), encoding="utf-8")
     (out_dir / "tokenizer_config.json").write_text(json.dumps(config, indent=2, ensure_ascii=False) + "\n")

@@ -56,7 +56,7 @@ from jetshard_schema.state import State
 from jetshard_schema.types import DownloadStatus, ModelDirInfo, NodeStorage
 
 from jetshard_downloader.choose import NoSpace, choose_directory
-from jetshard_downloader.convert import convert_packaged, sweep_staging
+from jetshard_downloader.convert import ProgressCallback, TargetCallback, convert_packaged, sweep_staging
 from jetshard_downloader.delete import ReadOnlyModelError, delete_model, sweep_tombstones
 from jetshard_downloader.dirs import ModelDirs, directory_report, free_bytes
 from jetshard_downloader.fetch import (
@@ -392,12 +392,18 @@ class Downloader:
         else:
             await self._fetch(job, card, attempt)
 
-    async def _with_progress(self, job: _Job, work: Callable[[Callable[[int, int], None]], T], directory: Path) -> T:
-        """Run blocking `work(on_progress)` in a thread while publishing its progress."""
+    async def _with_progress(
+        self, job: _Job, work: Callable[[ProgressCallback, TargetCallback], T], directory: Path | None
+    ) -> T:
+        """Run blocking `work(on_progress, on_target)` in a thread while publishing its progress.
+
+        `directory` is where the work writes; `on_target(model_dir, bytes_expected)` tells a new one, and
+        the job's reservation moves there.
+        """
         progress = _Progress(
             self.publish, job.model_id, job.start, job.end, self.config.progress_interval_s, job.cancel
         )
-        progress.directory = str(directory)
+        progress.directory = "" if directory is None else str(directory)
         progress.last_sent = time.monotonic()  # the pending report just went out
         loop = asyncio.get_running_loop()
         base_remaining = job.remaining
@@ -406,22 +412,44 @@ class Downloader:
             job.remaining = max(0, base_remaining - done)
             loop.call_soon_threadsafe(progress.update, done, total)
 
+        def on_target(model_dir: Path, bytes_expected: int) -> None:
+            nonlocal base_remaining
+            job.models_dir, job.remaining = model_dir.parent, bytes_expected
+            base_remaining = bytes_expected
+            progress.directory = str(model_dir)
+
         reporter = asyncio.create_task(progress.run())
         try:
-            return await asyncio.to_thread(work, on_progress)
+            return await asyncio.to_thread(work, on_progress, on_target)
         finally:
             reporter.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await reporter
 
+    def _reserved_by_others(self, job: _Job) -> dict[Path, int]:
+        """Bytes the other running jobs still expect to write, per models directory."""
+        reserved: dict[Path, int] = collections.defaultdict(int)
+        for other in self.running.values():
+            if other is not job and other.models_dir is not None:
+                reserved[other.models_dir] += other.remaining
+        return reserved
+
     async def _convert(self, job: _Job, card: ModelCard) -> None:
         job.start, job.end = 0, card.num_layers  # a conversion always produces the whole model
         await self._report(job, DownloadStatus.PENDING, bytes_total=card.storage_size_bytes)
         log.info("converting the packaged GGUF of %s", job.model_id)
+        reserved = self._reserved_by_others(job)
         target, size = await self._with_progress(
             job,
-            lambda on_progress: convert_packaged(card, self.dirs, on_progress=on_progress, cancel=job.cancel),
-            self.dirs.default_dir,
+            lambda on_progress, on_target: convert_packaged(
+                card,
+                self.dirs,
+                reserved=reserved,
+                on_target=on_target,
+                on_progress=on_progress,
+                cancel=job.cancel,
+            ),
+            None,
         )
         await self._report_completed(job, card, target, False, size)
 
@@ -451,12 +479,14 @@ class Downloader:
         needed = sum(f.size or 0 for f in files)
 
         async with self.choose_lock:
-            reserved: dict[Path, int] = collections.defaultdict(int)
-            for other in self.running.values():
-                if other is not job and other.models_dir is not None:
-                    reserved[other.models_dir] += other.remaining
             choice = await asyncio.to_thread(
-                choose_directory, self.dirs, job.model_id, needed, free_bytes, reserved, partial_bytes_for(job.model_id)
+                choose_directory,
+                self.dirs,
+                job.model_id,
+                needed,
+                free_bytes,
+                self._reserved_by_others(job),
+                partial_bytes_for(job.model_id),
             )
             if isinstance(choice, NoSpace):
                 raise FetchError(choice.message)
@@ -473,7 +503,7 @@ class Downloader:
         )
         await self._with_progress(
             job,
-            lambda on_progress: fetch_files(
+            lambda on_progress, _on_target: fetch_files(
                 job.model_id,
                 listing.revision,
                 choice.model_dir,
