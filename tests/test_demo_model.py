@@ -176,29 +176,55 @@ def test_jetshard_up_serves_the_demo_model_offline_stops_in_order_and_restarts_r
     assert max(stopped["api"], stopped["worker"]) <= stopped["downloader"] <= stopped["sequencer"]
     assert stopped["sequencer"] <= stopped["nats-server"]
     assert not (data / "cluster.json").exists()
-    # Everything `up` started (nats-server, services, runners) mentions the data or models dir.
-    for marker in (str(data), str(tmp_path / "models")):
-        left = processes_mentioning(marker)
-        assert left == [], [p.info["cmdline"] for p in left]
+    assert_nothing_left(data, tmp_path / "models")
 
-    # Started again on the same history, "ready" means this start's runner answers: State still shows the
-    # previous start's runner as ready until the new worker has replaced it.
+    # Started again on the same history, then killed without a stop: its services get SIGTERM from the
+    # kernel (the parent-death signal) while NATS goes away at the same moment, and must still end soon.
+    up = start_in_own_group(command, tmp_path / "up-killed.log", env)
+    try:
+        wait_until_ready(up, tmp_path / "up-killed.log", data, 180)
+        assert_ready_means_answering(api, client, "after a clean stop")
+    finally:
+        os.killpg(up.pid, signal.SIGKILL)
+        up.wait()
+    killed = time.monotonic()
+    while processes_mentioning(str(data)) or processes_mentioning(str(tmp_path / "models")):
+        assert time.monotonic() - killed < 8, "services outlived their NATS server"
+        time.sleep(0.1)
+    print(f"services without NATS ended {time.monotonic() - killed:.2f} s after `up` was killed")
+
+    # That left State showing the killed start's runner as ready: "ready" must wait for this start's own.
     up = start_in_own_group(command, tmp_path / "up-again.log", env)
     try:
         wait_until_ready(up, tmp_path / "up-again.log", data, 180)
-        asked = time.monotonic()
-        reply = client.with_options(timeout=15).chat.completions.create(
-            model=DEMO_MODEL_ID, max_tokens=2, messages=[{"role": "user", "content": "Hi"}]
-        )
-        print(f"a chat sent right after the second 'ready' answered in {time.monotonic() - asked:.2f} s")
-        assert reply.choices[0].message.content
+        assert_ready_means_answering(api, client, "after a crash")
     finally:
         stop_s = ctrl_c(up)
-    print(f"second stop took {stop_s:.2f} s")
+    print(f"last stop took {stop_s:.2f} s")
     assert stop_s < 5
-    for marker in (str(data), str(tmp_path / "models")):
-        left = processes_mentioning(marker)
+    assert_nothing_left(data, tmp_path / "models")
+
+
+def assert_nothing_left(*dirs: Path) -> None:
+    """Everything `up` started (nats-server, services, runners) mentions the data or models dir."""
+    for marker in dirs:
+        left = processes_mentioning(str(marker))
         assert left == [], [p.info["cmdline"] for p in left]
+
+
+def assert_ready_means_answering(api: str, client: Any, after: str) -> None:
+    """Right after "ready": this start's runner serves the instance, and a chat is answered at once."""
+    asked = time.monotonic()
+    state = httpx.get(f"{api}/state", timeout=10).json()
+    [node] = state["nodes"].values()
+    [instance] = state["instances"].values()
+    runners = [(r["worker_session"], r["status"]) for r in instance["runners"].values()]
+    assert runners == [(node["session_id"], "ready")], runners
+    reply = client.with_options(timeout=15).chat.completions.create(
+        model=DEMO_MODEL_ID, max_tokens=2, messages=[{"role": "user", "content": "Hi"}]
+    )
+    assert reply.choices[0].message.content
+    print(f"{after}: a chat sent right after 'ready' answered in {time.monotonic() - asked:.2f} s")
 
 
 async def test_a_killed_conversion_or_a_half_written_model_is_never_complete(cluster: Cluster, tmp_path: Path) -> None:
