@@ -8,8 +8,11 @@ chat request, with at most 16 tokens.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import datetime
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -33,6 +36,7 @@ from jetshard_schema.commands import StartDownload
 from jetshard_schema.ids import ModelId
 from jetshard_schema.types import DownloadStatus
 
+ROOT = Path(__file__).resolve().parent.parent
 DEMO_DIR_NAME = "jetshard--SmolLM2-135M-Instruct-Q4"
 FINAL = (DownloadStatus.COMPLETED, DownloadStatus.FAILED)
 
@@ -54,49 +58,100 @@ def processes_mentioning(text: str) -> list[psutil.Process]:
     return found
 
 
-@pytest.mark.timeout(420)
-def test_jetshard_up_serves_the_demo_model_offline_and_stops_cleanly(tmp_path: Path) -> None:
+def up_command(*args: str) -> list[str]:
+    """`jetshard up` as the README starts it, through `uv run`, when this test runs under uv (which sets UV)."""
+    uv = os.environ.get("UV")
+    prefix = [uv, "run", "jetshard"] if uv else [sys.executable, "-m", "jetshard"]
+    return [*prefix, "up", *args]
+
+
+def start_in_own_group(command: list[str], log_path: Path, env: dict[str, str]) -> subprocess.Popen[bytes]:
+    """Started as a shell starts a foreground job: a process group of its own, which Ctrl-C signals whole."""
+    with open(log_path, "wb") as log:
+        return subprocess.Popen(
+            command, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=ROOT, start_new_session=True
+        )
+
+
+def wait_until_ready(up: subprocess.Popen[bytes], log_path: Path, data: Path, timeout_s: float) -> str:
+    deadline = time.monotonic() + timeout_s
+    while "is ready" not in (output := log_path.read_text(errors="replace")):
+        logs = "".join(p.read_text(errors="replace")[-3000:] for p in (data / "logs").glob("*.log"))
+        assert up.poll() is None and "could not place" not in output, output + logs
+        assert time.monotonic() < deadline, output
+        time.sleep(0.2)
+    return output
+
+
+def ctrl_c(up: subprocess.Popen[bytes]) -> float:
+    """Ctrl-C twice, as an impatient user would; returns how long `up` took to stop."""
+    started = time.monotonic()
+    os.killpg(up.pid, signal.SIGINT)
+    time.sleep(0.3)
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(up.pid, signal.SIGINT)
+    up.wait(60)
+    return time.monotonic() - started
+
+
+def stop_times(logs: Path) -> dict[str, datetime.datetime]:
+    """When each service logged that it stopped, and when nats-server exited (each log's last line)."""
+    times = {}
+    for service in ("api", "worker", "downloader", "sequencer"):
+        last = (logs / f"{service}.log").read_text(errors="replace").strip().splitlines()[-1]
+        assert last.endswith(f"{service} stopped"), f"{service} did not stop cleanly: {last}"
+        logged_at = re.search(r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}", last)  # the API's format differs
+        assert logged_at is not None, last
+        times[service] = datetime.datetime.strptime(logged_at.group(), "%Y-%m-%d %H:%M:%S,%f")
+    last = (logs / "nats-server.log").read_text(errors="replace").strip().splitlines()[-1]
+    assert "Server Exiting" in last, last
+    times["nats-server"] = datetime.datetime.strptime(last.split()[1] + " " + last.split()[2], "%Y/%m/%d %H:%M:%S.%f")
+    return times
+
+
+def curl_example(output: str) -> dict[str, Any]:
+    """The JSON body of the curl command `up` prints; it must parse as printed, line by line."""
+    lines = output.splitlines()
+    curl = next(n for n, line in enumerate(lines) if line.strip().startswith("curl "))
+    assert lines[curl].endswith("\\"), lines[curl]
+    body = lines[curl + 1].strip()
+    assert body.startswith("-d '") and body.endswith("'"), body
+    parsed: dict[str, Any] = json.loads(body[len("-d '") : -1])
+    return parsed
+
+
+def run_cli(*args: str, env: dict[str, str]) -> str:
+    result = subprocess.run(
+        [sys.executable, "-m", "jetshard", *args], capture_output=True, text=True, env=env, timeout=60
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    return result.stdout
+
+
+@pytest.mark.timeout(480)
+def test_jetshard_up_serves_the_demo_model_offline_stops_in_order_and_restarts_ready(tmp_path: Path) -> None:
     from openai import OpenAI
 
-    port = free_port()
+    port, nats_port = free_port(), free_port()
     data = tmp_path / "data"
     env = {
-        **os.environ,
+        **{k: v for k, v in os.environ.items() if k not in ("JETSHARD_API", "JETSHARD_NATS")},
+        "JETSHARD_DATA_DIR": str(data),
         "JETSHARD_CONFIG_DIR": str(tmp_path / "config"),
         "JETSHARD_DEFAULT_MODELS_DIR": str(tmp_path / "models"),
         "JETSHARD_LOG_LEVEL": "INFO",
     }
-    log = open(tmp_path / "up.log", "wb")
-    up = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "jetshard",
-            "up",
-            "--offline",
-            "--port",
-            str(port),
-            "--nats-port",
-            "-1",
-            "--data-dir",
-            str(data),
-        ],
-        stdout=log,
-        stderr=subprocess.STDOUT,
-        env=env,
-        start_new_session=True,
-    )
-    try:
-        deadline = time.monotonic() + 300
-        while "is ready" not in (output := (tmp_path / "up.log").read_text(errors="replace")):
-            logs = "".join(p.read_text(errors="replace")[-3000:] for p in (data / "logs").glob("*.log"))
-            assert up.poll() is None and "could not place" not in output, output + logs
-            assert time.monotonic() < deadline, output
-            time.sleep(0.5)
-        assert f"curl http://127.0.0.1:{port}/v1/chat/completions" in output
-        assert 'OpenAI(base_url="http://127.0.0.1:' in output
+    command = up_command("--offline", "--port", str(port), "--nats-port", str(nats_port))
+    api = f"http://127.0.0.1:{port}"
+    client = OpenAI(base_url=f"{api}/v1", api_key="unused", timeout=120, max_retries=0)
 
-        client = OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", timeout=120)
+    up = start_in_own_group(command, tmp_path / "up.log", env)
+    try:
+        output = wait_until_ready(up, tmp_path / "up.log", data, 300)
+        assert curl_example(output)["model"] == DEMO_MODEL_ID  # printed unwrapped though stdout is a file
+        assert f"curl {api}/v1/chat/completions" in output
+        assert f'OpenAI(base_url="{api}/v1"' in output
+
         listed = {m.id: m for m in client.models.list().data}
         assert listed[DEMO_MODEL_ID].model_extra["ready"] is True
         reply = client.chat.completions.create(
@@ -107,13 +162,71 @@ def test_jetshard_up_serves_the_demo_model_offline_and_stops_cleanly(tmp_path: P
         )
         assert "Paris" in (reply.choices[0].message.content or "")
         assert reply.usage is not None and 0 < reply.usage.completion_tokens <= 16
+
+        # The client commands find this cluster's non-default ports through the data dir.
+        cluster_file = data / "cluster.json"
+        assert json.loads(cluster_file.read_text()) == {"api": api, "nats": f"nats://127.0.0.1:{nats_port}"}
+        assert cluster_file.stat().st_mode & 0o777 == 0o600
+        assert DEMO_MODEL_ID in run_cli("models", "ls", env=env)
+        assert json.loads(run_cli("state", env=env))["instances"]
     finally:
-        os.killpg(up.pid, signal.SIGINT)  # Ctrl-C
-        up.wait(60)
-    # Everything `up` started (nats-server, services, runners) mentions the data or models dir.
-    for marker in (str(data), str(tmp_path / "models")):
-        left = processes_mentioning(marker)
+        stop_s = ctrl_c(up)
+    print(f"\nfirst stop took {stop_s:.2f} s")
+    assert stop_s < 5
+    assert "Aborted" not in (tmp_path / "up.log").read_text()
+    stopped = stop_times(data / "logs")
+    assert max(stopped["api"], stopped["worker"]) <= stopped["downloader"] <= stopped["sequencer"]
+    assert stopped["sequencer"] <= stopped["nats-server"]
+    assert not (data / "cluster.json").exists()
+    assert_nothing_left(data, tmp_path / "models")
+
+    # Started again on the same history, then killed without a stop: its services get SIGTERM from the
+    # kernel (the parent-death signal) while NATS goes away at the same moment, and must still end soon.
+    up = start_in_own_group(command, tmp_path / "up-killed.log", env)
+    try:
+        wait_until_ready(up, tmp_path / "up-killed.log", data, 180)
+        assert_ready_means_answering(api, client, "after a clean stop")
+    finally:
+        os.killpg(up.pid, signal.SIGKILL)
+        up.wait()
+    killed = time.monotonic()
+    while processes_mentioning(str(data)) or processes_mentioning(str(tmp_path / "models")):
+        assert time.monotonic() - killed < 8, "services outlived their NATS server"
+        time.sleep(0.1)
+    print(f"services without NATS ended {time.monotonic() - killed:.2f} s after `up` was killed")
+
+    # That left State showing the killed start's runner as ready: "ready" must wait for this start's own.
+    up = start_in_own_group(command, tmp_path / "up-again.log", env)
+    try:
+        wait_until_ready(up, tmp_path / "up-again.log", data, 180)
+        assert_ready_means_answering(api, client, "after a crash")
+    finally:
+        stop_s = ctrl_c(up)
+    print(f"last stop took {stop_s:.2f} s")
+    assert stop_s < 5
+    assert_nothing_left(data, tmp_path / "models")
+
+
+def assert_nothing_left(*dirs: Path) -> None:
+    """Everything `up` started (nats-server, services, runners) mentions the data or models dir."""
+    for marker in dirs:
+        left = processes_mentioning(str(marker))
         assert left == [], [p.info["cmdline"] for p in left]
+
+
+def assert_ready_means_answering(api: str, client: Any, after: str) -> None:
+    """Right after "ready": this start's runner serves the instance, and a chat is answered at once."""
+    asked = time.monotonic()
+    state = httpx.get(f"{api}/state", timeout=10).json()
+    [node] = state["nodes"].values()
+    [instance] = state["instances"].values()
+    runners = [(r["worker_session"], r["status"]) for r in instance["runners"].values()]
+    assert runners == [(node["session_id"], "ready")], runners
+    reply = client.with_options(timeout=15).chat.completions.create(
+        model=DEMO_MODEL_ID, max_tokens=2, messages=[{"role": "user", "content": "Hi"}]
+    )
+    assert reply.choices[0].message.content
+    print(f"{after}: a chat sent right after 'ready' answered in {time.monotonic() - asked:.2f} s")
 
 
 def test_conversion_skips_a_full_default_dir_and_names_every_dir_when_none_has_room(tmp_path: Path) -> None:

@@ -19,6 +19,7 @@ import pytest
 from jetshard_bus.commands import publish_command
 from jetshard_bus.connect import connect
 from jetshard_bus.follower import StateFollower
+from jetshard_bus.node import keep_alive
 from jetshard_bus.options import NatsOptions
 from jetshard_bus.streams import BusTimings, declare, subscribe_events
 from jetshard_schema import subjects
@@ -359,3 +360,32 @@ async def test_a_new_follower_starts_from_the_snapshot(bus, fresh_nats, processe
         rebuilt = apply(rebuilt, envelope.event, seq, envelope.command_seq)
     assert from_snapshot.state == rebuilt
     assert len(rebuilt.custom_cards) == 120
+
+
+async def test_a_failing_node_expiry_ends_the_term_and_the_sequencer_leads_again(bus, fresh_nats, processes) -> None:
+    """Node expiry runs beside the command loop for a whole term; when it fails (here the liveness bucket is
+    deleted under it, which nats-py reports as every key missing) the leader must neither declare live nodes
+    lost nor go on leading without expiry: it steps down, restarts as a standby and leads again."""
+    _, js = bus
+    follower = await follow(js)
+    sequencer(processes, "seq1", fresh_nats.url, "--liveness-ttl-s", "2")
+    await leading(processes, "seq1")
+    node = NodeId("node-live")
+    stop_heartbeat = asyncio.Event()
+    heartbeat = asyncio.create_task(keep_alive(js, node, "s1", 2.0, stop_heartbeat))
+    try:
+        await publish_command(js, ReportNodeProfile(node_id=node, session_id="s1", profile=PROFILE))
+        await follower.wait_until(lambda s: node in s.nodes, 30)
+
+        await js.delete_key_value(subjects.LIVENESS_BUCKET)
+        await leading(processes, "seq1", times=2)
+        assert "the liveness bucket" in processes.log("seq1")
+        await publish_command(js, add_card("after-restart"))
+        await follower.wait_until(lambda s: card("after-restart").model_id in s.custom_cards, 30)
+        assert node in follower.state.nodes  # its heartbeat went on; it was never lost
+    finally:
+        stop_heartbeat.set()
+        await heartbeat
+    # Expiry works again in the new term: the node whose heartbeat stopped is lost.
+    await follower.wait_until(lambda s: node not in s.nodes, 30)
+    await follower.stop()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import functools
 import json
 import sys
@@ -13,6 +14,8 @@ from typing import Any
 import click
 from jetshard_bus.options import DEFAULT_NATS_URL, NatsOptions
 from jetshard_bus.streams import BusTimings
+
+from jetshard.clusterfile import recorded_url
 
 DEFAULT_API_PORT = 52415
 
@@ -27,10 +30,20 @@ def option(*names: str, **kwargs: Any) -> Callable[[Callable[..., Any]], Callabl
 
 def nats_options(command: Callable[..., Any]) -> Callable[..., Any]:
     """Connection and cluster-timing flags every service takes; passed on as `nats` and `timings`."""
+    return _with_nats_options(command, lambda: DEFAULT_NATS_URL, DEFAULT_NATS_URL)
+
+
+def client_nats_options(command: Callable[..., Any]) -> Callable[..., Any]:
+    """`nats_options` for the commands that inspect a cluster: without `--nats`, the server `up` runs."""
+    default_help = f"the one `jetshard up` runs, else {DEFAULT_NATS_URL}"
+    return _with_nats_options(command, lambda: recorded_url("nats") or DEFAULT_NATS_URL, default_help)
+
+
+def _with_nats_options(
+    command: Callable[..., Any], default_url: Callable[[], str], default_help: str
+) -> Callable[..., Any]:
     decorators = [
-        option(
-            "--nats", "nats_urls", multiple=True, help=f"NATS server URL; repeat for a cluster [{DEFAULT_NATS_URL}]"
-        ),
+        option("--nats", "nats_urls", multiple=True, help=f"NATS server URL; repeat for a cluster [{default_help}]"),
         option("--nats-user", help="NATS user name"),
         option("--nats-password", help="NATS password"),
         option("--nats-token", help="NATS token"),
@@ -63,7 +76,7 @@ def nats_options(command: Callable[..., Any]) -> Callable[..., Any]:
 
     @functools.wraps(command)
     def wrapper(**kwargs: Any) -> Any:
-        urls = tuple(kwargs.pop("nats_urls") or (DEFAULT_NATS_URL,))
+        urls = tuple(kwargs.pop("nats_urls") or (default_url(),))
         nats = NatsOptions(
             servers=urls,
             user=kwargs.pop("nats_user"),
@@ -173,7 +186,14 @@ def api(
     show_default=True,
     help="a runner that has not loaded and joined its peers within this time is killed and reported",
 )
-def worker(nats: NatsOptions, timings: BusTimings, advertise_host: str | None, runner_start_timeout_s: float) -> None:
+@option("--worker-session", default=None, hidden=True, help="this start's session id, chosen by `jetshard up`")
+def worker(
+    nats: NatsOptions,
+    timings: BusTimings,
+    advertise_host: str | None,
+    runner_start_timeout_s: float,
+    worker_session: str | None,
+) -> None:
     """The node agent: node profile, custom model cards, shard runners."""
     from jetshard_bus.service import run_service
     from jetshard_worker.service import WorkerConfig, run_worker
@@ -181,6 +201,8 @@ def worker(nats: NatsOptions, timings: BusTimings, advertise_host: str | None, r
     config = WorkerConfig(
         nats=nats, timings=timings, advertise_host=advertise_host, runner_start_timeout_s=runner_start_timeout_s
     )
+    if worker_session:
+        config = dataclasses.replace(config, session_id=worker_session)
     run_service("worker", lambda stop: run_worker(config, stop))
 
 
@@ -220,7 +242,7 @@ def downloader(
 
 
 @main.command()
-@nats_options
+@client_nats_options
 @option("--since", type=int, default=None, help="first event sequence to show (default: only new events)")
 def events(nats: NatsOptions, timings: BusTimings, since: int | None) -> None:
     """Print the event stream readably, live."""
@@ -230,7 +252,7 @@ def events(nats: NatsOptions, timings: BusTimings, since: int | None) -> None:
 
 
 @main.command()
-@nats_options
+@client_nats_options
 def state(nats: NatsOptions, timings: BusTimings) -> None:
     """Print the cluster State (rebuilt from the latest snapshot and the events after it)."""
     from jetshard.inspect import fetch_state

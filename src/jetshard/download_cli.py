@@ -22,6 +22,8 @@ from rich.progress import (
     TransferSpeedColumn,
 )
 
+from jetshard.clusterfile import recorded_url
+
 DEFAULT_API = "http://127.0.0.1:52415"
 _FINAL = ("completed", "failed", "cancelled")
 
@@ -47,7 +49,11 @@ def _find(downloads: list[dict[str, Any]], node_id: str, model_id: str) -> dict[
     help="node to download to (default: the only node of the cluster)",
 )
 @click.option(
-    "--api", "api_url", envvar="JETSHARD_API", default=DEFAULT_API, show_default=True, help="URL of a jetshard API"
+    "--api",
+    "api_url",
+    envvar="JETSHARD_API",
+    default=None,
+    help=f"URL of a jetshard API [default: the one `jetshard up` runs, else {DEFAULT_API}]",
 )
 @click.option("--start-layer", type=int, default=None, help="first layer of a shard to download")
 @click.option("--end-layer", type=int, default=None, help="end (exclusive) of a shard's layer range")
@@ -55,13 +61,14 @@ def _find(downloads: list[dict[str, Any]], node_id: str, model_id: str) -> dict[
 def download(
     model_id: str,
     node_id: str | None,
-    api_url: str,
+    api_url: str | None,
     start_layer: int | None,
     end_layer: int | None,
     timeout_s: float | None,
 ) -> None:
     """Download MODEL (org/name) to a node, with a live progress bar; exits 1 with the reason on failure."""
     console = Console(stderr=True, highlight=False)
+    api_url = api_url or recorded_url("api") or DEFAULT_API
     body: dict[str, Any] = {
         "model_id": model_id,
         "node_id": node_id,

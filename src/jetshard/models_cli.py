@@ -17,6 +17,8 @@ import httpx
 from rich.console import Console
 from rich.table import Table
 
+from jetshard.clusterfile import recorded_url
+
 DEFAULT_API_URL = "http://127.0.0.1:52415"
 ADD_TIMEOUT_S = 120.0
 """Adding a card fetches config.json and the safetensors index from the Hub, then waits for the sequencer."""
@@ -197,15 +199,14 @@ def card_table(card: dict[str, Any]) -> Table:
     "--api",
     "api_url",
     envvar="JETSHARD_API",
-    default=DEFAULT_API_URL,
-    show_default=True,
+    default=None,
     show_envvar=True,
-    help="base URL of a jetshard API",
+    help=f"base URL of a jetshard API [default: the one `jetshard up` runs, else {DEFAULT_API_URL}]",
 )
 @click.pass_context
-def models(ctx: click.Context, api_url: str) -> None:
+def models(ctx: click.Context, api_url: str | None) -> None:
     """List, add, show and delete model cards (built-in and custom)."""
-    ctx.obj = ApiClient(api_url)
+    ctx.obj = ApiClient(api_url or recorded_url("api") or DEFAULT_API_URL)
 
 
 @models.command("ls")

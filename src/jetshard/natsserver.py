@@ -3,16 +3,14 @@
 from __future__ import annotations
 
 import json
-import os
 import shutil
-import signal
 import subprocess
 import sysconfig
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from jetshard.procs import spawn
+from jetshard.procs import spawn, stop_groups
 
 MAX_PAYLOAD_BYTES = 8 * 2**20
 """Raised from NATS's 1 MB default so long prompts fit in one command."""
@@ -35,21 +33,7 @@ class NatsServer:
     store_dir: Path
 
     def stop(self, timeout_s: float = 10.0) -> None:
-        if self.process.poll() is not None:
-            return
-        with_group(self.process, signal.SIGTERM)
-        try:
-            self.process.wait(timeout_s)
-        except subprocess.TimeoutExpired:
-            with_group(self.process, signal.SIGKILL)
-            self.process.wait()
-
-
-def with_group(process: subprocess.Popen[bytes], sig: signal.Signals) -> None:
-    try:
-        os.killpg(process.pid, sig)
-    except ProcessLookupError:
-        pass
+        stop_groups([self.process], timeout_s)
 
 
 def start_nats_server(

@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
-import subprocess
 import time
+from collections.abc import Callable
 from typing import Any
 
 import httpx
 from rich.console import Console
 from rich.progress import BarColumn, DownloadColumn, Progress, TaskID, TextColumn, TimeRemainingColumn
+
+NODE_JOIN_TIMEOUT_S = 120.0
 
 
 def _error_message(response: httpx.Response) -> str:
@@ -22,13 +24,19 @@ def place_and_wait(
     console: Console,
     api_url: str,
     model_id: str,
-    children: dict[str, subprocess.Popen[bytes]] | None = None,
+    worker_session: str,
+    services_running: Callable[[], bool],
     timeout_s: float = 1800,
 ) -> bool:
-    """Place `model_id` unless an instance exists, show download and loading progress, print examples."""
+    """Place `model_id` unless an instance exists, show download and loading progress, print examples.
+
+    Ready means served by this start of the worker (`worker_session`): after a restart State still shows
+    the previous start's runners as ready until the new worker has replaced them.
+    """
     with httpx.Client(base_url=api_url, timeout=30) as http:
-        if not _wait_for_nodes(http, children):
-            console.print("[red]no node joined the cluster; see the worker's log[/]")
+        node_id = _wait_for_node(http, worker_session, services_running)
+        if node_id is None:
+            console.print("[red]this machine's node did not join the cluster; see the worker's log[/]")
             return False
         existing = [i for i in http.get("/instances").json() if i["model_id"] == model_id and i["status"] != "failed"]
         if existing:
@@ -51,7 +59,7 @@ def place_and_wait(
         ) as progress:
             bars: dict[str, TaskID] = {}
             while time.monotonic() < deadline:
-                if children and any(child.poll() is not None for child in children.values()):
+                if not services_running():
                     return False
                 response = http.get(f"/instances/{instance['instance_id']}")
                 if response.status_code == 404:
@@ -59,7 +67,7 @@ def place_and_wait(
                     return False
                 instance = response.json()
                 _update(progress, bars, instance)
-                if instance["status"] == "ready":
+                if _served_by(instance, node_id, worker_session):
                     break
                 if instance["status"] == "failed":
                     console.print(f"[red]{model_id} failed:[/] {instance['reason']}")
@@ -68,22 +76,28 @@ def place_and_wait(
             else:
                 console.print(f"[red]{model_id} was not ready within {timeout_s:.0f} s[/]")
                 return False
-    console.print(f"[bold green]{model_id} is ready.[/] Try it:\n\n" + examples(api_url, model_id))
+    console.print(f"[bold green]{model_id} is ready.[/] Try it:\n")
+    # Not wrapped to the terminal (or to 80 columns when not a terminal): the commands must copy whole.
+    console.print(examples(api_url, model_id), soft_wrap=True, markup=False)
     return True
 
 
-def _wait_for_nodes(
-    http: httpx.Client, children: dict[str, subprocess.Popen[bytes]] | None, timeout_s: float = 120
-) -> bool:
-    """The API answers before this machine's worker has joined; placing needs at least one node."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if http.get("/nodes").json():
-            return True
-        if children and any(child.poll() is not None for child in children.values()):
-            return False
+def _wait_for_node(http: httpx.Client, worker_session: str, services_running: Callable[[], bool]) -> str | None:
+    """The id of this machine's node once its worker of this start has joined (the API answers before)."""
+    deadline = time.monotonic() + NODE_JOIN_TIMEOUT_S
+    while time.monotonic() < deadline and services_running():
+        for node in http.get("/nodes").json():
+            if node["session_id"] == worker_session:
+                return str(node["node_id"])
         time.sleep(0.25)
-    return False
+    return None
+
+
+def _served_by(instance: dict[str, Any], node_id: str, worker_session: str) -> bool:
+    """Ready, with this node's runners started by this start of its worker."""
+    return instance["status"] == "ready" and all(
+        shard.get("worker_session") == worker_session for shard in instance["shards"] if shard["node_id"] == node_id
+    )
 
 
 def _update(progress: Progress, bars: dict[str, TaskID], instance: dict[str, Any]) -> None:

@@ -7,6 +7,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -15,6 +16,9 @@ PR_SET_PDEATHSIG = 1
 
 def _die_with_parent() -> None:
     os.setsid()
+    # A blocked signal stays blocked across exec: a parent that held Ctrl-C back while starting the child
+    # would leave it deaf to SIGTERM.
+    signal.pthread_sigmask(signal.SIG_SETMASK, set())
     if sys.platform == "linux":
         libc = ctypes.CDLL("libc.so.6", use_errno=True)
         libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
@@ -26,18 +30,28 @@ def spawn(args: Sequence[str], log_file: Path | None, env: dict[str, str] | None
     return subprocess.Popen(list(args), stdout=log, stderr=subprocess.STDOUT, env=env, preexec_fn=_die_with_parent)
 
 
-def stop_group(process: subprocess.Popen[bytes], timeout_s: float = 10.0) -> None:
-    """SIGTERM the process group, then SIGKILL whatever is left after `timeout_s`."""
-    for sig, wait in ((signal.SIGTERM, timeout_s), (signal.SIGKILL, 5.0)):
+def signal_group(process: subprocess.Popen[bytes], sig: signal.Signals) -> None:
+    try:
+        os.killpg(process.pid, sig)
+    except ProcessLookupError:
+        pass
+
+
+def stop_groups(processes: Sequence[subprocess.Popen[bytes]], grace_s: float) -> None:
+    """SIGTERM the processes' groups together, then SIGKILL whatever is left of them after `grace_s`.
+
+    The SIGKILL goes to every group, also of leaders that exited in time: helpers in the group that
+    outlived their leader would otherwise be left behind.
+    """
+    for process in processes:
+        signal_group(process, signal.SIGTERM)
+    deadline = time.monotonic() + grace_s
+    for process in processes:
         try:
-            os.killpg(process.pid, sig)
-        except ProcessLookupError:
-            return
-        try:
-            process.wait(wait)
-            os.killpg(process.pid, signal.SIGKILL)  # runners in the group that outlived their leader
-        except ProcessLookupError:
-            return
+            process.wait(max(0.0, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
-            continue
-        return
+            pass
+    for process in processes:
+        signal_group(process, signal.SIGKILL)
+    for process in processes:
+        process.wait()

@@ -34,6 +34,7 @@ def describe_instance(state: State, instance: Instance) -> dict[str, Any]:
         if runner is not None:
             entry.update(
                 status=str(runner.status),
+                worker_session=runner.worker_session,
                 layers_loaded=runner.layers_loaded,
                 layers_total=runner.layers_total,
                 reason=runner.reason or None,

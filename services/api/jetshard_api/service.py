@@ -44,6 +44,8 @@ async def run_api(config: ApiConfig, stop: asyncio.Event) -> None:
             port=config.port,
             log_level="warning",
             lifespan="on",
+            # Open event streams (GET /events) never end by themselves; a stop must not wait for them.
+            timeout_graceful_shutdown=1,
         )
     )
     serving = asyncio.create_task(server.serve())

@@ -21,18 +21,19 @@ from jetshard_bus.connect import connect
 from jetshard_bus.follower import StateFollower
 from jetshard_bus.options import NatsOptions
 from jetshard_bus.snapshots import save_snapshot
-from jetshard_bus.streams import BusTimings
+from jetshard_bus.streams import BusTimings, declare
 from jetshard_bus.tracing import inject, span_from
 from jetshard_schema import subjects
 from jetshard_schema.codec import decode_command, encode
 from jetshard_schema.commands import ExpireNode
 from jetshard_schema.events import CommandRejected, Event, EventEnvelope
-from jetshard_schema.ids import CommandId, new_id
+from jetshard_schema.ids import CommandId, NodeId, new_id
 from jetshard_schema.state import State, apply
 from jetshard_schema.types import RejectCode
 from nats.aio.msg import Msg
 from nats.js import JetStreamContext
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
+from nats.js.kv import KeyValue
 
 from jetshard_sequencer.handlers import Context, handle
 
@@ -58,6 +59,10 @@ class StaleLeaderError(RuntimeError):
     pass
 
 
+class LivenessUnknownError(RuntimeError):
+    pass
+
+
 async def run_sequencer(config: SequencerConfig, stop: asyncio.Event) -> None:
     client, js = await connect(config.nats, f"jetshard-sequencer {config.sequencer_id}", config.timings)
     try:
@@ -74,6 +79,8 @@ async def run_sequencer(config: SequencerConfig, stop: asyncio.Event) -> None:
 
 async def _follow_then_lead(js: JetStreamContext, config: SequencerConfig, stop: asyncio.Event) -> None:
     """Follow the events as a standby until the lease is ours, then lead until stopped or stale."""
+    # Each term starts from the streams and buckets as they should be: one may have been deleted since.
+    await declare(js, config.timings, replicas=config.nats.replicas)
     follower = StateFollower(js)
     await follower.start()
     try:
@@ -95,10 +102,16 @@ async def _follow_then_lead(js: JetStreamContext, config: SequencerConfig, stop:
     leader = Leader(js, config, follower.state, follower.partial, last_seq, lease)
     try:
         await leader.run(stop)
-    except StaleLeaderError as error:
-        log.warning("stepping down: %s", error)
+    except* StaleLeaderError as stale:
+        log.warning("stepping down: %s", stale.exceptions[0])
     finally:
         await lease.release()
+
+
+async def _stopped_within(stop: asyncio.Event, timeout_s: float) -> bool:
+    with contextlib.suppress(TimeoutError):
+        await asyncio.wait_for(stop.wait(), timeout_s)
+    return stop.is_set()
 
 
 async def _caught_up(follower: StateFollower, last_seq: int) -> None:
@@ -187,42 +200,43 @@ class Leader:
                 inactive_threshold=60,
             ),
         )
-        renewing = asyncio.create_task(self._renew_lease(stop))
-        expiring = asyncio.create_task(self._expire_nodes(stop))
         try:
-            # While one batch's appends are in flight the next batch is fetched and handled: its events
-            # follow in the same stream, and its commands are acked only after its own appends are stored.
-            in_flight: tuple[list[asyncio.Future[Any]], Msg] | None = None
-            while not stop.is_set():
-                if renewing.done():
-                    renewing.result()  # re-raises StaleLeaderError
-                try:
-                    messages = await subscription.fetch(self._config.batch_size, timeout=0.2)
-                except (TimeoutError, nats.errors.TimeoutError):
-                    messages = []
-                except nats.js.errors.APIError as error:  # e.g. our consumer was removed while we were paused
-                    raise StaleLeaderError(f"reading commands failed: {error}") from error
-                appended = await self._handle_batch(messages) if messages else None
-                if in_flight is not None:
-                    await self._confirm(*in_flight)
-                in_flight = (appended, messages[-1]) if appended is not None else None
-                if self._since_snapshot >= self._config.snapshot_every and in_flight is None:
-                    self._since_snapshot = 0
-                    await save_snapshot(self._js, self.state)
-            if in_flight is not None:
-                await self._confirm(*in_flight)
+            # The lease and node expiry run beside the commands for the whole term: if any of the three
+            # fails, the group cancels the others and the failure ends the term (a standby starts over).
+            async with asyncio.TaskGroup() as term:
+                term.create_task(self._renew_lease(stop))
+                term.create_task(self._expire_nodes(stop))
+                await self._sequence_commands(subscription, stop)
         finally:
-            renewing.cancel()
-            expiring.cancel()
             with contextlib.suppress(Exception):
                 await subscription.unsubscribe()
             with contextlib.suppress(Exception):
                 await self._js.delete_consumer(subjects.COMMANDS_STREAM, consumer)
 
+    async def _sequence_commands(self, subscription: JetStreamContext.PullSubscription, stop: asyncio.Event) -> None:
+        # While one batch's appends are in flight the next batch is fetched and handled: its events
+        # follow in the same stream, and its commands are acked only after its own appends are stored.
+        in_flight: tuple[list[asyncio.Future[Any]], Msg] | None = None
+        while not stop.is_set():
+            try:
+                messages = await subscription.fetch(self._config.batch_size, timeout=0.2)
+            except (TimeoutError, nats.errors.TimeoutError):
+                messages = []
+            except nats.js.errors.APIError as error:  # e.g. our consumer was removed while we were paused
+                raise StaleLeaderError(f"reading commands failed: {error}") from error
+            appended = await self._handle_batch(messages) if messages else None
+            if in_flight is not None:
+                await self._confirm(*in_flight)
+            in_flight = (appended, messages[-1]) if appended is not None else None
+            if self._since_snapshot >= self._config.snapshot_every and in_flight is None:
+                self._since_snapshot = 0
+                await save_snapshot(self._js, self.state)
+        if in_flight is not None:
+            await self._confirm(*in_flight)
+
     async def _renew_lease(self, stop: asyncio.Event) -> None:
         renewed = time.monotonic()
-        while not stop.is_set():
-            await asyncio.sleep(self._lease.ttl_s / 3)
+        while not await _stopped_within(stop, self._lease.ttl_s / 3):
             try:
                 await self._lease.renew()
                 renewed = time.monotonic()
@@ -339,19 +353,31 @@ class Leader:
         """
         interval = self._config.timings.liveness_ttl_s / 4
         kv = await self._js.key_value(subjects.LIVENESS_BUCKET)
-        while not stop.is_set():
-            await asyncio.sleep(interval)
-            for node in list(self.state.nodes.values()):
-                try:
-                    await kv.get(node.node_id)
-                    continue
-                except nats.js.errors.KeyNotFoundError:  # includes a key deleted by a clean stop
-                    pass
-                except Exception as error:
-                    log.warning("could not read the liveness of %s: %s", node.node_id, error)
-                    continue
+        while not await _stopped_within(stop, interval):
+            lapsed = [node for node in list(self.state.nodes.values()) if not await _alive(kv, node.node_id)]
+            if lapsed:
+                await _check_liveness_bucket(self._js)
+            for node in lapsed:
                 await publish_command(
                     self._js,
                     ExpireNode(node_id=node.node_id, session_id=node.session_id),
                     CommandId(f"expire-{node.node_id}-{node.session_id}"),
                 )
+
+
+async def _alive(kv: KeyValue, node_id: NodeId) -> bool:
+    try:
+        await kv.get(node_id)
+    except nats.js.errors.KeyNotFoundError:  # includes a key deleted by a clean stop
+        return False
+    except Exception as error:
+        log.warning("could not read the liveness of %s: %s", node_id, error)
+    return True
+
+
+async def _check_liveness_bucket(js: JetStreamContext) -> None:
+    """nats-py reports a key of a bucket that is gone as not found: every node would seem lost at once."""
+    try:
+        await js.stream_info(f"KV_{subjects.LIVENESS_BUCKET}")
+    except nats.js.errors.NotFoundError as error:
+        raise LivenessUnknownError(f"the liveness bucket {subjects.LIVENESS_BUCKET} is gone") from error

@@ -38,11 +38,13 @@ class WorkerConfig:
     runner_start_timeout_s: float = 300.0
     advertise_host: str | None = None
     """Where peers reach this node's runners; None: the local address of the connection to NATS."""
+    session_id: str = field(default_factory=lambda: new_id()[:12])
+    """This start of the worker; runners and liveness carry it, so State tells them from a previous life's."""
 
 
 async def run_worker(config: WorkerConfig, stop: asyncio.Event) -> None:
     node_id = node_id_for(config.config_dir)
-    session_id = new_id()[:12]
+    session_id = config.session_id
     client, js = await connect(config.nats, f"jetshard-worker {node_id}", config.timings)
     cards = CardDirectory(config.card_dir or config.config_dir / "cards")
     follower = StateFollower(js)
