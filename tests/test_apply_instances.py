@@ -19,7 +19,7 @@ from jetshard_schema.events import (
 )
 from jetshard_schema.ids import CommandId, InstanceId, ModelId, NodeId, TaskId
 from jetshard_schema.state import Endpoint, instance_status
-from jetshard_schema.types import InstanceStatus, RunnerStatus, ShardAssignment, TaskKind, TaskRequest
+from jetshard_schema.types import InstanceStatus, RunnerStatus, ShardAssignment, TaskKind, TaskRef
 
 A, B = NodeId("node-a"), NodeId("node-b")
 MODEL = ModelId("acme/tiny-7")
@@ -67,8 +67,8 @@ def downloaded(node: NodeId, start: int, end: int) -> DownloadCompleted:
 
 
 def assigned(task: str) -> TaskAssigned:
-    request = TaskRequest(task_id=TaskId(task), model_id=MODEL, kind=TaskKind.CHAT)
-    return TaskAssigned(request=request, instance_id=INST, generation=0)
+    ref = TaskRef(task_id=TaskId(task), model_id=MODEL, kind=TaskKind.CHAT, request_seq=1)
+    return TaskAssigned(task=ref, instance_id=INST, generation=0)
 
 
 def test_placed_instance_goes_from_downloading_to_ready() -> None:

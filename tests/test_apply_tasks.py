@@ -24,28 +24,20 @@ from jetshard_schema.events import (
 from jetshard_schema.ids import CommandId, InstanceId, ModelId, NodeId, TaskId
 from jetshard_schema.state import State, Task, apply
 from jetshard_schema.types import (
-    ChatMessage,
-    SamplingParams,
     ShardAssignment,
     TaskKind,
     TaskOutcome,
-    TaskRequest,
+    TaskRef,
     Usage,
 )
 
 MODEL = ModelId("acme/tiny-7")
 INST = InstanceId("inst-1")
 TASK = TaskId("task-1")
-REQUEST = TaskRequest(
-    task_id=TASK,
-    model_id=MODEL,
-    kind=TaskKind.CHAT,
-    messages=(ChatMessage("user", "hi"),),
-    sampling=SamplingParams(max_tokens=4, stop=("\n",)),
-)
+REF = TaskRef(task_id=TASK, model_id=MODEL, kind=TaskKind.CHAT, request_seq=7)
 
 SAMPLES: list[Event] = [
-    TaskAssigned(request=REQUEST, instance_id=INST, generation=0),
+    TaskAssigned(task=REF, instance_id=INST, generation=0),
     TaskStarted(task_id=TASK, prompt_tokens=12),
     TaskFinished(task_id=TASK, outcome=TaskOutcome.STOP, usage=Usage(prompt_tokens=12, completion_tokens=3)),
     TaskCancelled(task_id=TASK, reason="cancelled by the client"),
@@ -74,9 +66,7 @@ def test_every_event_type_is_exercised() -> None:
 
 def test_assigned_then_started() -> None:
     state = fold(PLACED, SAMPLES[0])
-    assert state.tasks == {
-        TASK: Task(task_id=TASK, model_id=MODEL, kind=TaskKind.CHAT, instance_id=INST, generation=0, request_seq=2)
-    }
+    assert state.tasks == {TASK: Task(ref=REF, instance_id=INST, generation=0)}
     assert state.unstarted_tasks(INST, 0) == [state.tasks[TASK]]
     state = fold(SAMPLES[1], state=state)
     assert state.tasks[TASK].started
@@ -89,13 +79,13 @@ def test_unstarted_tasks_are_those_of_one_generation_in_assignment_order() -> No
     other_generation = TaskId("task-3")
     state = fold(
         PLACED,
-        TaskAssigned(request=REQUEST, instance_id=INST, generation=0),
-        TaskAssigned(request=msgspec.structs.replace(REQUEST, task_id=later), instance_id=INST, generation=0),
+        TaskAssigned(task=REF, instance_id=INST, generation=0),
+        TaskAssigned(task=msgspec.structs.replace(REF, task_id=later, request_seq=8), instance_id=INST, generation=0),
         TaskAssigned(
-            request=msgspec.structs.replace(REQUEST, task_id=other_generation), instance_id=INST, generation=1
+            task=msgspec.structs.replace(REF, task_id=other_generation, request_seq=9), instance_id=INST, generation=1
         ),
     )
-    assert [(t.task_id, t.request_seq) for t in state.unstarted_tasks(INST, 0)] == [(TASK, 2), (later, 3)]
+    assert [(t.task_id, t.ref.request_seq) for t in state.unstarted_tasks(INST, 0)] == [(TASK, 7), (later, 8)]
     assert [t.task_id for t in state.unstarted_tasks(INST, 1)] == [other_generation]
 
 

@@ -65,7 +65,7 @@ from jetshard_schema.types import (
     RunnerStatus,
     TaskKind,
     TaskOutcome,
-    TaskRequest,
+    TaskRef,
     Usage,
 )
 from jetshard_sequencer.handlers import Context, handle
@@ -423,7 +423,9 @@ def test_a_ready_instance_failing_again_starts_counting_from_one(cluster: Cluste
 
 
 def submit(cluster: Cluster, task: str) -> list[Event]:
-    return cluster.run(SubmitTask(request=TaskRequest(task_id=TaskId(task), model_id=MODEL, kind=TaskKind.CHAT)))
+    return cluster.run(
+        SubmitTask(task=TaskRef(task_id=TaskId(task), model_id=MODEL, kind=TaskKind.CHAT, request_seq=1))
+    )
 
 
 def test_submit_routes_to_the_ready_instance_with_fewest_tasks(cluster: Cluster) -> None:

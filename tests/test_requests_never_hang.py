@@ -193,7 +193,7 @@ def test_a_client_that_leaves_cancels_its_task(cluster: InferenceCluster, stream
         left_at_ms = time.time() * 1000
         cancelled = cluster.wait_event(lambda e: isinstance(e, TaskCancelled), since, timeout=10)
         assert isinstance(cancelled, TaskCancelled)
-        (task_id,) = [e.request.task_id for _, e in cluster.events(since) if isinstance(e, TaskAssigned)]
+        (task_id,) = [e.task.task_id for _, e in cluster.events(since) if isinstance(e, TaskAssigned)]
         assert cancelled.task_id == task_id
         at_ms = next(env.at_ms for _, env in cluster.envelopes(since) if isinstance(env.event, TaskCancelled))
         print(

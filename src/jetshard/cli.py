@@ -72,6 +72,13 @@ def _with_nats_options(
             show_default=True,
             help="a node not heard from for this long is lost",
         ),
+        option(
+            "--task-retention-s",
+            type=float,
+            default=BusTimings().task_retention_s,
+            show_default=True,
+            help="how long a task's request (its prompt) is kept in JETSHARD_TASKS; nothing keeps it longer",
+        ),
     ]
 
     @functools.wraps(command)
@@ -88,7 +95,11 @@ def _with_nats_options(
             tls_key=kwargs.pop("nats_tls_key"),
             replicas=kwargs.pop("replicas"),
         )
-        timings = BusTimings(lease_ttl_s=kwargs.pop("lease_ttl_s"), liveness_ttl_s=kwargs.pop("liveness_ttl_s"))
+        timings = BusTimings(
+            lease_ttl_s=kwargs.pop("lease_ttl_s"),
+            liveness_ttl_s=kwargs.pop("liveness_ttl_s"),
+            task_retention_s=kwargs.pop("task_retention_s"),
+        )
         return command(nats=nats, timings=timings, **kwargs)
 
     for decorate in reversed(decorators):

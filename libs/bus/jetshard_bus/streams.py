@@ -30,6 +30,9 @@ class BusTimings(msgspec.Struct, frozen=True, kw_only=True):
     """A node whose liveness key is this old is lost (it is refreshed every fifth of that)."""
     dedupe_window_s: float = 120.0
     """JETSHARD_COMMANDS drops a command whose `Nats-Msg-Id` it stored this recently."""
+    task_retention_s: float = 4 * 3600.0
+    """How long JETSHARD_TASKS keeps a task's request (its prompt): long enough for any task to start, and
+    no user data kept beyond that."""
 
 
 async def declare(js: JetStreamContext, timings: BusTimings = BusTimings(), replicas: int = 1) -> None:
@@ -60,6 +63,20 @@ async def declare(js: JetStreamContext, timings: BusTimings = BusTimings(), repl
             num_replicas=replicas,
             # Events are the history State is folded from: never discard one silently.
             discard=DiscardPolicy.NEW,
+        ),
+    )
+    await _ensure_stream(
+        js,
+        StreamConfig(
+            name=subjects.TASKS_STREAM,
+            subjects=[f"{subjects.TASK_PREFIX}.>"],
+            storage=StorageType.FILE,
+            retention=RetentionPolicy.LIMITS,
+            max_age=timings.task_retention_s,
+            max_msgs_per_subject=1,
+            duplicate_window=min(timings.dedupe_window_s, timings.task_retention_s),
+            num_replicas=replicas,
+            discard=DiscardPolicy.OLD,
         ),
     )
     await _ensure_kv(

@@ -9,7 +9,7 @@ import msgspec
 from jetshard_schema.commands import Command
 from jetshard_schema.events import Event, EventEnvelope, RawEventEnvelope
 from jetshard_schema.state import State
-from jetshard_schema.types import Chunk
+from jetshard_schema.types import Chunk, TaskRequest
 
 log = logging.getLogger(__name__)
 
@@ -67,7 +67,12 @@ def decode_state(data: bytes) -> State:
 
 
 _chunk_decoder = msgspec.json.Decoder(Chunk)
+_task_request_decoder = msgspec.json.Decoder(TaskRequest)
 
 
 def decode_chunk(data: bytes) -> Chunk:
     return _chunk_decoder.decode(data)
+
+
+def decode_task_request(data: bytes) -> TaskRequest:
+    return _task_request_decoder.decode(data)

@@ -17,7 +17,7 @@ from jetshard_schema.types import (
     NodeStorage,
     RunnerStatus,
     TaskOutcome,
-    TaskRequest,
+    TaskRef,
     Usage,
 )
 
@@ -153,7 +153,7 @@ class ReportRunnerStatus(_Command, frozen=True):
 
 
 class SubmitTask(_Command, frozen=True):
-    request: TaskRequest
+    task: TaskRef
 
 
 class CancelTask(_Command, frozen=True):

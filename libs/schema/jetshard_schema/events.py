@@ -18,7 +18,7 @@ from jetshard_schema.types import (
     RunnerStatus,
     ShardAssignment,
     TaskOutcome,
-    TaskRequest,
+    TaskRef,
     Usage,
 )
 
@@ -187,7 +187,7 @@ class InstanceFailed(_Event, frozen=True):
 
 
 class TaskAssigned(_Event, frozen=True):
-    request: TaskRequest
+    task: TaskRef
     instance_id: InstanceId
     generation: int
 

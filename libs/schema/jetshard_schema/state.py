@@ -46,7 +46,7 @@ from jetshard_schema.types import (
     NodeStorage,
     RunnerStatus,
     ShardAssignment,
-    TaskKind,
+    TaskRef,
 )
 
 
@@ -114,17 +114,17 @@ class Instance(msgspec.Struct, frozen=True, kw_only=True):
 
 
 class Task(msgspec.Struct, frozen=True, kw_only=True):
-    task_id: TaskId
-    model_id: ModelId
-    kind: TaskKind
+    ref: TaskRef
+    """Which task, for which model, and where its request is (State never holds prompts)."""
     instance_id: InstanceId
     generation: int = 0
     """The instance generation the task was assigned to; a restart drops the task."""
-    request_seq: int = 0
-    """Where the request is: the JETSHARD_EVENTS sequence of its `TaskAssigned`. A runner that starts after
-    the assignment re-reads the prompt from there (State never holds prompts)."""
     started: bool = False
     prompt_tokens: int = 0
+
+    @property
+    def task_id(self) -> TaskId:
+        return self.ref.task_id
 
 
 class State(msgspec.Struct, frozen=True, kw_only=True):
@@ -150,7 +150,7 @@ class State(msgspec.Struct, frozen=True, kw_only=True):
             for t in self.tasks.values()
             if t.instance_id == instance_id and t.generation == generation and not t.started
         ]
-        return sorted(waiting, key=lambda t: t.request_seq)
+        return sorted(waiting, key=lambda t: t.ref.request_seq)
 
 
 def _with(mapping: dict, key, value) -> dict:  # type: ignore[type-arg]
@@ -322,16 +322,9 @@ def apply(state: State, event: Event, seq: int, command_seq: int = 0) -> State:
                 _update_instance(state, instance_id, failed=True, failed_reason=reason, endpoints={}, runners={}),
                 tasks={k: t for k, t in state.tasks.items() if t.instance_id != instance_id},
             )
-        case TaskAssigned(request=request, instance_id=instance_id, generation=generation):
-            task = Task(
-                task_id=request.task_id,
-                model_id=request.model_id,
-                kind=request.kind,
-                instance_id=instance_id,
-                generation=generation,
-                request_seq=seq,
-            )
-            return replace(state, tasks=_with(state.tasks, request.task_id, task))
+        case TaskAssigned(task=ref, instance_id=instance_id, generation=generation):
+            task = Task(ref=ref, instance_id=instance_id, generation=generation)
+            return replace(state, tasks=_with(state.tasks, ref.task_id, task))
         case TaskStarted(task_id=task_id, prompt_tokens=prompt_tokens):
             in_flight = state.tasks.get(task_id)
             if in_flight is None:

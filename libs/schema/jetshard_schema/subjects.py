@@ -4,6 +4,8 @@
 | --------------------------- | -------------------- | ----------------------------------------------------------- |
 | `JETSHARD_COMMANDS`         | stream (file)        | `jetshard.cmd.>`: requests; `Nats-Msg-Id` = command id      |
 | `JETSHARD_EVENTS`           | stream (file)        | `jetshard.evt.>`: facts, written by the sequencer only      |
+| `JETSHARD_TASKS`            | stream (file, TTL)   | `jetshard.task.<task id>`: a task's request (the prompt),   |
+|                             |                      | kept for the task retention only                            |
 | `jetshard.cmd.<type>`       | subject              | one command, type in snake case (`add_custom_model_card`)   |
 | `jetshard.evt.<type>`       | subject              | one event (`custom_model_card_added`)                       |
 | `jetshard.chunks.<task id>` | core NATS subject    | generated text of one task, not stored                      |
@@ -18,7 +20,9 @@ import re
 
 COMMANDS_STREAM = "JETSHARD_COMMANDS"
 EVENTS_STREAM = "JETSHARD_EVENTS"
+TASKS_STREAM = "JETSHARD_TASKS"
 COMMAND_PREFIX = "jetshard.cmd"
+TASK_PREFIX = "jetshard.task"
 EVENT_PREFIX = "jetshard.evt"
 CHUNK_PREFIX = "jetshard.chunks"
 
@@ -46,6 +50,10 @@ def command_subject(type_name: str) -> str:
 
 def event_subject(type_name: str) -> str:
     return f"{EVENT_PREFIX}.{snake_case(type_name)}"
+
+
+def task_subject(task_id: str) -> str:
+    return f"{TASK_PREFIX}.{task_id}"
 
 
 def chunk_subject(task_id: str) -> str:

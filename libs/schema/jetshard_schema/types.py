@@ -108,6 +108,17 @@ class TaskRequest(msgspec.Struct, frozen=True, kw_only=True):
     sampling: SamplingParams = SamplingParams()
 
 
+class TaskRef(msgspec.Struct, frozen=True, kw_only=True):
+    """A task as commands, events and State know it. The request itself (prompt, sampling) is user data:
+    it is kept in JETSHARD_TASKS at `request_seq`, for the task retention only, never in a permanent log."""
+
+    task_id: TaskId
+    model_id: ModelId
+    kind: TaskKind
+    request_seq: int
+    """The sequence of the `TaskRequest` in JETSHARD_TASKS."""
+
+
 class Usage(msgspec.Struct, frozen=True, kw_only=True):
     prompt_tokens: int
     completion_tokens: int

@@ -6,10 +6,13 @@ import asyncio
 
 from jetshard_bus.commands import publish_command
 from jetshard_bus.follower import StateFollower
+from jetshard_schema.codec import encode
 from jetshard_schema.commands import Command
 from jetshard_schema.events import CommandRejected, Event
 from jetshard_schema.ids import new_command_id
 from jetshard_schema.state import State
+from jetshard_schema.subjects import MSG_ID_HEADER, task_subject
+from jetshard_schema.types import TaskRef, TaskRequest
 from nats.aio.client import Client
 from nats.js import JetStreamContext
 
@@ -45,6 +48,14 @@ class Cluster:
             if isinstance(event, CommandRejected):
                 raise ApiError(REJECT_STATUS[event.code], event.reason, str(event.code))
         return events
+
+    async def store_request(self, request: TaskRequest) -> TaskRef:
+        """Keep a task's request (its prompt) in JETSHARD_TASKS, where its runner reads it; the reference
+        goes into the command, so no permanent log holds the prompt."""
+        ack = await self.js.publish(
+            task_subject(request.task_id), encode(request), headers={MSG_ID_HEADER: request.task_id}, timeout=5.0
+        )
+        return TaskRef(task_id=request.task_id, model_id=request.model_id, kind=request.kind, request_seq=ack.seq)
 
     async def publish(self, command: Command) -> None:
         """Publish without waiting for the outcome (fire-and-forget reports such as a cancel)."""

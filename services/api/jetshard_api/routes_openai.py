@@ -89,7 +89,8 @@ class ChunkStream:
             await subscription.unsubscribe()
 
     async def submit(self) -> None:
-        events = await self._cluster.submit(SubmitTask(request=self._request))
+        task = await self._cluster.store_request(self._request)
+        events = await self._cluster.submit(SubmitTask(task=task))
         assigned = next((e for e in events if isinstance(e, TaskAssigned)), None)
         if assigned is not None:
             self._instance_id, self._generation = assigned.instance_id, assigned.generation

@@ -408,22 +408,22 @@ def _report_runner_status(state: State, command: ReportRunnerStatus, ctx: Contex
 
 
 def _submit_task(state: State, command: SubmitTask, ctx: Context) -> list[Event]:
-    request = command.request
-    if request.task_id in state.tasks:
-        return _reject(command, RejectCode.ALREADY_EXISTS, f"task {request.task_id} already exists")
+    task_ref = command.task
+    if task_ref.task_id in state.tasks:
+        return _reject(command, RejectCode.ALREADY_EXISTS, f"task {task_ref.task_id} already exists")
     ready = [
         i
         for i in state.instances.values()
-        if i.model_id == request.model_id and instance_status(state, i) is InstanceStatus.READY
+        if i.model_id == task_ref.model_id and instance_status(state, i) is InstanceStatus.READY
     ]
     if not ready:
-        return _reject(command, RejectCode.NO_CAPACITY, f"no ready instance of {request.model_id}")
+        return _reject(command, RejectCode.NO_CAPACITY, f"no ready instance of {task_ref.model_id}")
     load = {i.instance_id: 0 for i in ready}
     for task in state.tasks.values():
         if task.instance_id in load:
             load[task.instance_id] += 1
     chosen = min(ready, key=lambda i: (load[i.instance_id], i.instance_id))
-    return [TaskAssigned(request=request, instance_id=chosen.instance_id, generation=chosen.generation)]
+    return [TaskAssigned(task=task_ref, instance_id=chosen.instance_id, generation=chosen.generation)]
 
 
 def _cancel_task(state: State, command: CancelTask, ctx: Context) -> list[Event]:

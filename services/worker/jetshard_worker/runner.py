@@ -23,7 +23,7 @@ from jetshard_bus.connect import connect
 from jetshard_bus.follower import StateFollower
 from jetshard_bus.options import NatsOptions
 from jetshard_bus.service import run_service
-from jetshard_schema.codec import decode_event, encode
+from jetshard_schema.codec import decode_task_request, encode
 from jetshard_schema.commands import ReportRunnerStatus, ReportTaskFinished, ReportTaskStarted
 from jetshard_schema.events import (
     EventEnvelope,
@@ -35,8 +35,8 @@ from jetshard_schema.events import (
 )
 from jetshard_schema.ids import InstanceId, NodeId, TaskId
 from jetshard_schema.state import State
-from jetshard_schema.subjects import EVENTS_STREAM, chunk_subject
-from jetshard_schema.types import Chunk, RunnerStatus, TaskKind, TaskOutcome, TaskRequest, Usage
+from jetshard_schema.subjects import TASKS_STREAM, chunk_subject
+from jetshard_schema.types import Chunk, RunnerStatus, TaskKind, TaskOutcome, TaskRef, TaskRequest, Usage
 from nats.js import JetStreamContext
 
 from jetshard_worker.textstream import TextStream
@@ -72,6 +72,7 @@ class Runner:
         self._streams: dict[str, TextStream] = {}
         self._chunk_index: dict[str, int] = {}
         self._taken: set[TaskId] = set()
+        self._requests: asyncio.Queue[TaskRef] = asyncio.Queue()
         self.engine: Any = None
         self.tokenizer: Any = None
         self.context_length = 4096
@@ -138,10 +139,10 @@ class Runner:
         if not live:
             return
         match envelope.event:
-            case TaskAssigned(request=request, instance_id=instance_id, generation=generation) if (
+            case TaskAssigned(task=task, instance_id=instance_id, generation=generation) if (
                 instance_id == self.spec.instance_id and generation == self.spec.generation
             ):
-                self._take(request)
+                self._take(task)
             case TaskCancelled(task_id=task_id) if task_id in self._streams:
                 self.engine.cancel(task_id)
             case InstanceDeleted(instance_id=i) | InstanceFailed(instance_id=i) if i == self.spec.instance_id:
@@ -149,22 +150,35 @@ class Runner:
             case InstanceRestarting(instance_id=i) if i == self.spec.instance_id:
                 self.done.set()
 
-    async def pick_up(self, state: State) -> None:
+    def pick_up(self, state: State) -> None:
         """Take every task State assigned to this generation that no runner started: one assigned before
-        this follower saw events live would otherwise wait forever. The prompt is read back from the
-        `TaskAssigned` event State points to, never kept in State."""
+        this follower saw events live would otherwise wait forever."""
         for task in state.unstarted_tasks(self.spec.instance_id, self.spec.generation):
-            if task.task_id in self._taken:
-                continue
-            envelope = decode_event((await self._js.get_msg(EVENTS_STREAM, task.request_seq)).data or b"")
-            if envelope is None or not isinstance(envelope.event, TaskAssigned):
-                self._fail_task(task.task_id, "the task's request could not be read back", "request_lost")
-                continue
-            self._take(envelope.event.request)
+            self._take(task.ref)
 
-    def _take(self, request: TaskRequest) -> None:
-        if request.task_id not in self._taken:  # seen live and again in State while starting
-            self._taken.add(request.task_id)
+    def _take(self, task: TaskRef) -> None:
+        if task.task_id not in self._taken:  # seen live and again in State while starting
+            self._taken.add(task.task_id)
+            self._requests.put_nowait(task)
+
+    async def read_requests(self) -> None:
+        """One reader, so tasks start in the order they were assigned: each request (the prompt) is read from
+        JETSHARD_TASKS, where the API stored it; events and State hold only its place."""
+        while True:
+            task = await self._requests.get()
+            try:
+                stored = await self._js.get_msg(TASKS_STREAM, task.request_seq)
+                request = decode_task_request(stored.data or b"")
+            except Exception as error:
+                log.warning("request of %s unreadable: %s", task.task_id, error)
+                request = None
+            if request is None or request.task_id != task.task_id:
+                self._fail_task(
+                    task.task_id,
+                    "the task's request is gone from JETSHARD_TASKS (older than the task retention?)",
+                    "request_lost",
+                )
+                continue
             self._start_task(request)
 
     def _start_task(self, request: TaskRequest) -> None:
@@ -303,7 +317,7 @@ async def run_runner(spec: RunnerSpec, stop: asyncio.Event) -> None:
     engine_thread = threading.Thread(target=runner.engine.run_forever, name="engine", daemon=True)
     engine_thread.start()
     follower = None
-    publisher = None
+    background: list[asyncio.Task[None]] = []
     if runner.engine.is_leader:
         # Follow before reporting ready: tasks are assigned once every rank is ready, and each of them
         # must reach this follower as a live event (or be in State for pick_up below).
@@ -311,10 +325,10 @@ async def run_runner(spec: RunnerSpec, stop: asyncio.Event) -> None:
         follower.add_listener(runner.on_event)
         await asyncio.sleep(float(os.environ.get(FOLLOW_DELAY_ENV, "0")))
         await follower.start()
-        publisher = asyncio.create_task(runner.publish_chunks())
+        background += [asyncio.create_task(runner.publish_chunks()), asyncio.create_task(runner.read_requests())]
     await runner.report_ready()
     if follower is not None:
-        await runner.pick_up(follower.state)
+        runner.pick_up(follower.state)
     waiters = [
         asyncio.create_task(stop.wait()),
         asyncio.create_task(runner.done.wait()),
@@ -325,8 +339,8 @@ async def run_runner(spec: RunnerSpec, stop: asyncio.Event) -> None:
         runner.engine.shutdown()
     with contextlib.suppress(Exception):
         await runner.report(RunnerStatus.STOPPED, reason="stopped")
-    if publisher is not None:
-        publisher.cancel()
+    for task in background:
+        task.cancel()
     if follower is not None:
         await follower.stop()
     for waiter in waiters:
