@@ -20,16 +20,23 @@ from jetshard_schema.commands import CancelTask, SubmitTask
 from jetshard_schema.events import TaskAssigned
 from jetshard_schema.ids import InstanceId, ModelId, new_task_id
 from jetshard_schema.models import all_cards, find_card
+from jetshard_schema.sampling import documented_defaults
 from jetshard_schema.state import State, instance_status
 from jetshard_schema.subjects import chunk_subject
 from jetshard_schema.types import Chunk, InstanceStatus, TaskKind, TaskRequest, Usage
-from litestar import Controller, Response, get, post
+from litestar import Controller, Request, Response, get, post
 from litestar.response import ServerSentEvent
 from litestar.response.sse import ServerSentEventMessage
 
 from jetshard_api.cluster import Cluster
 from jetshard_api.errors import ApiError, error_body
-from jetshard_api.openai_types import ChatCompletionRequest, CompletionRequest, chat_task, completion_task
+from jetshard_api.openai_types import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    chat_task,
+    completion_task,
+    strictly_decoded,
+)
 from jetshard_api.routes_instances import place_instance
 from jetshard_api.routes_models import checked_model_id
 
@@ -206,8 +213,11 @@ class OpenAIController(Controller):
                 "owned_by": model_id.split("/")[0],
                 "ready": model_id in ready,
                 "placeable": model_id not in ready,
+                # What a request that leaves these out gets, unless the model directory's
+                # generation_config.json sets them (the runner reads it; see jetshard_schema.sampling).
+                "generation_defaults": msgspec.to_builtins(documented_defaults(card.generation)),
             }
-            for model_id in all_cards(state)
+            for model_id, card in all_cards(state).items()
         ]
         data.sort(key=lambda m: (not m["ready"], m["id"]))
         return {"object": "list", "data": data}
@@ -217,8 +227,10 @@ class OpenAIController(Controller):
         self,
         cluster: Cluster,
         settings: InferenceSettings,
+        request: Request[Any, Any, Any],
         data: ChatCompletionRequest,
     ) -> Response[Any] | ServerSentEvent:
+        data = strictly_decoded(await request.body(), ChatCompletionRequest)
         model_id = checked_model_id(data.model)
         task = chat_task(new_task_id(), model_id, data)
         return await _serve(
@@ -227,8 +239,9 @@ class OpenAIController(Controller):
 
     @post("/completions", status_code=200)
     async def completions(
-        self, cluster: Cluster, settings: InferenceSettings, data: CompletionRequest
+        self, cluster: Cluster, settings: InferenceSettings, request: Request[Any, Any, Any], data: CompletionRequest
     ) -> Response[Any] | ServerSentEvent:
+        data = strictly_decoded(await request.body(), CompletionRequest)
         model_id = checked_model_id(data.model)
         task = completion_task(new_task_id(), model_id, data)
         return await _serve(
