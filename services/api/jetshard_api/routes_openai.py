@@ -14,11 +14,13 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 import msgspec
+from jetshard_schema.cards import ModelCard
 from jetshard_schema.codec import decode_chunk
 from jetshard_schema.commands import CancelTask, SubmitTask
 from jetshard_schema.events import TaskAssigned
 from jetshard_schema.ids import InstanceId, ModelId, new_task_id
 from jetshard_schema.models import all_cards, find_card
+from jetshard_schema.sampling import documented_defaults
 from jetshard_schema.state import State, instance_status
 from jetshard_schema.subjects import chunk_subject
 from jetshard_schema.types import Chunk, InstanceStatus, TaskKind, TaskRequest, Usage
@@ -30,7 +32,13 @@ from litestar.types import Receive
 from jetshard_api.cluster import Cluster
 from jetshard_api.disconnect import unless_disconnected
 from jetshard_api.errors import ApiError, error_body
-from jetshard_api.openai_types import ChatCompletionRequest, CompletionRequest, chat_task, completion_task
+from jetshard_api.openai_types import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    chat_task,
+    completion_task,
+    strictly_decoded,
+)
 from jetshard_api.routes_instances import place_instance
 from jetshard_api.routes_models import checked_model_id
 
@@ -209,7 +217,7 @@ class OpenAIController(Controller):
     async def models(self, cluster: Cluster) -> dict[str, Any]:
         state = cluster.state
         ready = ready_models(state)
-        data = [_model_object(model_id, ready) for model_id in all_cards(state)]
+        data = [_model_object(model_id, card, ready) for model_id, card in all_cards(state).items()]
         data.sort(key=lambda m: (not m["ready"], m["id"]))
         return {"object": "list", "data": data}
 
@@ -217,9 +225,10 @@ class OpenAIController(Controller):
     async def model(self, cluster: Cluster, model_id: str) -> dict[str, Any]:
         """One model, as `client.models.retrieve("org/name")` asks for it."""
         checked = checked_model_id(model_id.lstrip("/"), param="model")
-        if find_card(cluster.state, checked) is None:
+        card = find_card(cluster.state, checked)
+        if card is None:
             raise ApiError(404, f"unknown model {checked}", "model_not_found", "model")
-        return _model_object(checked, ready_models(cluster.state))
+        return _model_object(checked, card, ready_models(cluster.state))
 
     @post("/chat/completions", status_code=200)
     async def chat_completions(
@@ -229,6 +238,7 @@ class OpenAIController(Controller):
         data: ChatCompletionRequest,
         request: AnyRequest,
     ) -> Response[Any] | ServerSentEvent:
+        data = strictly_decoded(await request.body(), ChatCompletionRequest)
         task = chat_task(new_task_id(), checked_model_id(data.model, param="model"), data)
         include_usage = bool(data.stream_options and data.stream_options.include_usage)
         return await _serve(cluster, settings, task, data.stream, include_usage, request.receive)
@@ -237,12 +247,13 @@ class OpenAIController(Controller):
     async def completions(
         self, cluster: Cluster, settings: InferenceSettings, data: CompletionRequest, request: AnyRequest
     ) -> Response[Any] | ServerSentEvent:
+        data = strictly_decoded(await request.body(), CompletionRequest)
         task = completion_task(new_task_id(), checked_model_id(data.model, param="model"), data)
         include_usage = bool(data.stream_options and data.stream_options.include_usage)
         return await _serve(cluster, settings, task, data.stream, include_usage, request.receive)
 
 
-def _model_object(model_id: ModelId, ready: set[ModelId]) -> dict[str, Any]:
+def _model_object(model_id: ModelId, card: ModelCard, ready: set[ModelId]) -> dict[str, Any]:
     return {
         "id": model_id,
         "object": "model",
@@ -250,6 +261,9 @@ def _model_object(model_id: ModelId, ready: set[ModelId]) -> dict[str, Any]:
         "owned_by": model_id.split("/")[0],
         "ready": model_id in ready,
         "placeable": model_id not in ready,
+        # What a request that leaves these out gets, unless the model directory's generation_config.json
+        # sets them (the runner reads it; see jetshard_schema.sampling).
+        "generation_defaults": msgspec.to_builtins(documented_defaults(card.generation)),
     }
 
 

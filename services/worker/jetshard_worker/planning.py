@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import msgspec
-from jetshard_schema.ids import InstanceId, NodeId
+from jetshard_schema.ids import InstanceId, ModelId, NodeId
 from jetshard_schema.state import Instance, State
 from jetshard_schema.types import DownloadStatus, RunnerStatus
 
@@ -15,6 +15,7 @@ class RunnerKey(msgspec.Struct, frozen=True):
 
 class RunnerPlan(msgspec.Struct, frozen=True, kw_only=True):
     key: RunnerKey
+    model_id: ModelId
     rank: int
     world_size: int
     start_layer: int
@@ -77,6 +78,7 @@ def _startable(state: State, instance: Instance, node_id: NodeId) -> RunnerPlan 
     endpoints = tuple(f"{instance.endpoints[s.rank].host}:{instance.endpoints[s.rank].port}" for s in instance.shards)
     return RunnerPlan(
         key=RunnerKey(instance.instance_id, instance.generation),
+        model_id=instance.model_id,
         rank=shard.rank,
         world_size=len(instance.shards),
         start_layer=shard.start_layer,

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 import os
 import sys
@@ -23,6 +24,7 @@ from jetshard_bus.connect import connect
 from jetshard_bus.follower import StateFollower
 from jetshard_bus.options import NatsOptions
 from jetshard_bus.service import run_service
+from jetshard_schema.cards import GenerationDefaults
 from jetshard_schema.codec import decode_task_request, encode
 from jetshard_schema.commands import ReportRunnerStatus, ReportTaskFinished, ReportTaskStarted
 from jetshard_schema.events import (
@@ -34,6 +36,7 @@ from jetshard_schema.events import (
     TaskCancelled,
 )
 from jetshard_schema.ids import InstanceId, NodeId, TaskId
+from jetshard_schema.sampling import generation_config_defaults, resolve_sampling
 from jetshard_schema.state import State
 from jetshard_schema.subjects import TASKS_STREAM, chunk_subject
 from jetshard_schema.types import Chunk, RunnerStatus, TaskKind, TaskOutcome, TaskRef, TaskRequest, Usage
@@ -60,6 +63,8 @@ class RunnerSpec(msgspec.Struct, frozen=True, kw_only=True):
     start_layer: int
     end_layer: int
     hostfile: str | None = None
+    card_generation: GenerationDefaults = GenerationDefaults()
+    """The model card's sampling defaults; the model directory's generation_config.json overrides them."""
 
 
 class Runner:
@@ -76,6 +81,7 @@ class Runner:
         self.engine: Any = None
         self.tokenizer: Any = None
         self.context_length = 4096
+        self.model_generation = GenerationDefaults()
         self.done = asyncio.Event()
 
     async def report(self, status: RunnerStatus, **fields: Any) -> None:
@@ -123,6 +129,7 @@ class Runner:
 
             self.tokenizer = await asyncio.to_thread(load_tokenizer, model_dir, None, sorted(shard.eos_token_ids))
             self.context_length = int(shard.config.get("max_position_embeddings") or self.context_length)
+            self.model_generation = _read_generation_config(model_dir)
 
     async def report_ready(self) -> None:
         total = self.spec.end_layer - self.spec.start_layer
@@ -198,7 +205,8 @@ class Runner:
             return
         room = self.context_length - len(tokens)
         sampling = request.sampling
-        max_tokens = min(sampling.max_tokens or room, room)
+        resolved = resolve_sampling(sampling, self.model_generation, self.spec.card_generation)
+        max_tokens = min(resolved.max_tokens, room)
         self._streams[request.task_id] = TextStream(self.tokenizer.detokenizer, sampling.stop)
         self._chunk_index[request.task_id] = 0
         self.engine.submit(
@@ -206,8 +214,8 @@ class Runner:
                 task_id=request.task_id,
                 prompt_tokens=tokens,
                 max_tokens=max_tokens,
-                temperature=sampling.temperature,
-                top_p=sampling.top_p,
+                temperature=resolved.temperature,
+                top_p=resolved.top_p,
                 seed=sampling.seed,
             )
         )
@@ -297,6 +305,19 @@ class Runner:
             await self._client.publish(subject, data)
             if self._outbox.empty():
                 await self._client.flush()
+
+
+def _read_generation_config(model_dir: Path) -> GenerationDefaults:
+    """The sampling defaults in the model's generation_config.json; a missing or unreadable file sets none
+    (it is optional, and a broken one must not keep the model from serving)."""
+    try:
+        config = json.loads((model_dir / "generation_config.json").read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        return GenerationDefaults()
+    except (OSError, ValueError) as error:
+        log.warning("ignoring %s/generation_config.json: %s", model_dir, error)
+        return GenerationDefaults()
+    return generation_config_defaults(config)
 
 
 def _log_failure(task: asyncio.Future[Any]) -> None:

@@ -20,8 +20,10 @@ from pathlib import Path
 import msgspec
 from jetshard_bus.commands import publish_command
 from jetshard_bus.options import NatsOptions
+from jetshard_schema.cards import GenerationDefaults
 from jetshard_schema.commands import ReportRunnerEndpoint, ReportRunnerStatus
 from jetshard_schema.ids import InstanceId, NodeId
+from jetshard_schema.models import find_card
 from jetshard_schema.state import State
 from jetshard_schema.types import RunnerStatus
 from nats.js import JetStreamContext
@@ -140,6 +142,7 @@ class RunnerSupervisor:
             hostfile = str(
                 write_hostfile(self._scratch / f"{key.instance_id}-{key.generation}.json", runner_plan.endpoints)
             )
+        card = find_card(self._state, runner_plan.model_id)
         spec = RunnerSpec(
             nats=self._nats,
             instance_id=key.instance_id,
@@ -152,6 +155,7 @@ class RunnerSupervisor:
             start_layer=runner_plan.start_layer,
             end_layer=runner_plan.end_layer,
             hostfile=hostfile,
+            card_generation=card.generation if card is not None else GenerationDefaults(),
         )
         log_path = self._scratch / f"{key.instance_id}-{key.generation}-rank{runner_plan.rank}.log"
         with open(log_path, "ab") as log_file:

@@ -14,7 +14,7 @@ from types import MappingProxyType
 
 import msgspec
 
-from jetshard_schema.cards import ModelCard
+from jetshard_schema.cards import GenerationDefaults, ModelCard
 from jetshard_schema.ids import ModelId, model_dir_name, parse_model_id
 
 DEMO_MODEL_ID: ModelId = parse_model_id("jetshard/SmolLM2-135M-Instruct-Q4")
@@ -45,6 +45,11 @@ def _parse_card(file_name: str, text: str) -> ModelCard:
         # ModelCard ignores unknown keys on the wire (for forward compatibility); here a stray key is a
         # misspelt field whose value would otherwise be silently replaced by the default.
         unknown = sorted(set(data) - set(ModelCard.__struct_fields__))
+        generation = data.get("generation", {})
+        if isinstance(generation, dict):
+            unknown += sorted(
+                f"generation.{key}" for key in set(generation) - set(GenerationDefaults.__struct_fields__)
+            )
         if unknown:
             raise ValueError(f"unknown field(s) {', '.join(unknown)}")
         card = msgspec.convert(data, ModelCard)

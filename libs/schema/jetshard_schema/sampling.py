@@ -1,0 +1,87 @@
+"""Where a task's sampling values come from when its request leaves them out.
+
+Like vLLM (`--generation-config auto`) and Ollama (a Modelfile's parameters), the model decides: per value,
+the first of these that sets it wins:
+
+1. the request (`temperature`, `top_p`, `max_tokens` / `max_completion_tokens`);
+2. the model directory's `generation_config.json` (`temperature`, `top_p`, `max_new_tokens`; `do_sample`
+   set to false means greedy, temperature 0, as in transformers);
+3. the model card's `generation` table (its authors' recommended settings);
+4. the documented defaults below.
+
+The runner then clamps `max_tokens` to the room the prompt leaves in the context.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from typing import Any
+
+import msgspec
+
+from jetshard_schema.cards import GenerationDefaults
+from jetshard_schema.types import SamplingParams
+
+DEFAULT_TEMPERATURE = 1.0
+"""OpenAI's default: the model's own distribution."""
+DEFAULT_TOP_P = 1.0
+"""OpenAI's default: no nucleus cut."""
+DEFAULT_MAX_TOKENS = 512
+"""mlx_lm.server's default. Bounded, so a request without `max_tokens` cannot run to the end of the context."""
+
+
+class ResolvedSampling(msgspec.Struct, frozen=True, kw_only=True):
+    temperature: float
+    top_p: float
+    max_tokens: int
+
+
+def documented_defaults(card_defaults: GenerationDefaults) -> ResolvedSampling:
+    """What a request without sampling values gets from a card alone (no `generation_config.json`)."""
+    return resolve_sampling(SamplingParams(), GenerationDefaults(), card_defaults)
+
+
+def resolve_sampling(
+    params: SamplingParams, model_defaults: GenerationDefaults, card_defaults: GenerationDefaults
+) -> ResolvedSampling:
+    """Each value from the first source that sets it: request, `generation_config.json`
+    (`model_defaults`, see `generation_config_defaults`), card, documented default."""
+
+    def first(*values: Any) -> Any:
+        return next(v for v in values if v is not None)
+
+    return ResolvedSampling(
+        temperature=first(
+            params.temperature, model_defaults.temperature, card_defaults.temperature, DEFAULT_TEMPERATURE
+        ),
+        top_p=first(params.top_p, model_defaults.top_p, card_defaults.top_p, DEFAULT_TOP_P),
+        max_tokens=first(params.max_tokens, model_defaults.max_tokens, card_defaults.max_tokens, DEFAULT_MAX_TOKENS),
+    )
+
+
+def generation_config_defaults(config: object) -> GenerationDefaults:
+    """The sampling values of a parsed Hugging Face `generation_config.json`.
+
+    Tolerant, since the file is the model author's and not ours: a value of the wrong type or out of the
+    API's range is ignored, not an error. `do_sample: false` (explicitly; transformers' own default is
+    false too, but most files that omit it list values meant for sampling, so, as vLLM does, those are
+    used) means greedy decoding: temperature 0, whatever `temperature` says.
+    """
+    if not isinstance(config, Mapping):
+        return GenerationDefaults()
+    temperature = _number(config.get("temperature"), lambda v: 0 <= v <= 2)
+    if config.get("do_sample") is False:
+        temperature = 0.0
+    top_p = _number(config.get("top_p"), lambda v: 0 < v <= 1)
+    max_new_tokens = config.get("max_new_tokens")
+    max_tokens = max_new_tokens if type(max_new_tokens) is int and max_new_tokens >= 1 else None
+    return GenerationDefaults(temperature=temperature, top_p=top_p, max_tokens=max_tokens)
+
+
+def _number(value: object, in_range: Any) -> float | None:
+    # bool is an int in Python; `true` is not a temperature.
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return None
+    number = float(value)
+    return number if math.isfinite(number) and in_range(number) else None
