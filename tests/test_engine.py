@@ -309,7 +309,12 @@ def test_finish_with_reason_and_queued_cancel(models: dict[str, Path]) -> None:
     model_dir = models["qwen3"]
     prompts = prompt_ids(model_dir)
     collector = Collector()
-    engine = PipelineEngine(load_shard(model_dir, 0, 4), on_finished=collector.on_finished)
+    started: list[tuple[str, set[str]]] = []
+    engine = PipelineEngine(
+        load_shard(model_dir, 0, 4),
+        on_finished=collector.on_finished,
+        on_started=lambda task_id, prompt_tokens: started.append((task_id, set(collector.finished))),
+    )
 
     def on_token(task_id: str, token: int, index: int, reason: str | None) -> None:
         collector.on_token(task_id, token, index, reason)
@@ -325,6 +330,8 @@ def test_finish_with_reason_and_queued_cancel(models: dict[str, Path]) -> None:
     assert collector.finished["b"] == ("cancelled", len(prompts[1]), 0)
     assert "b" not in collector.tokens
     assert collector.finished["c"][0] in ("length", "stop")
+    # A task is reported started when its prefill begins, not while it waits in the queue.
+    assert started == [("a", set()), ("c", {"a", "b"})]
 
 
 @pytest.mark.timeout(60)
@@ -404,6 +411,9 @@ def test_generation_request_validation() -> None:
         GenerationRequest("x", [1], 5, temperature=-1)
     with pytest.raises(ValueError, match="top_p"):
         GenerationRequest("x", [1], 5, top_p=0)
+    for seed in (-1, 2**64):
+        with pytest.raises(ValueError, match="seed"):
+            GenerationRequest("x", [1], 5, seed=seed)
 
 
 def test_the_engine_handles_every_architecture_a_card_may_name() -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+from typing import Annotated
 
 import msgspec
 
@@ -93,10 +94,13 @@ class ChatMessage(msgspec.Struct, frozen=True):
 class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
     """A request's sampling values; None leaves the value to the model (`jetshard_schema.sampling`)."""
 
-    max_tokens: int | None = None
-    temperature: float | None = None
-    top_p: float | None = None
-    seed: int | None = None
+    # Bounds on the wire: a request read back from JETSHARD_TASKS is untrusted input to the engine, whose
+    # PRNG refuses a seed outside 64 bits.
+    max_tokens: Annotated[int, msgspec.Meta(ge=1)] | None = None
+    temperature: Annotated[float, msgspec.Meta(ge=0, le=2)] | None = None
+    top_p: Annotated[float, msgspec.Meta(gt=0, le=1)] | None = None
+    seed: Annotated[int, msgspec.Meta(ge=0)] | None = None
+    """Below 2**64 too (the engine checks: msgspec bounds stop at 64-bit signed)."""
     stop: tuple[str, ...] = ()
 
 

@@ -206,19 +206,21 @@ class Runner:
         room = self.context_length - len(tokens)
         sampling = request.sampling
         resolved = resolve_sampling(sampling, self.model_generation, self.spec.card_generation)
-        max_tokens = min(resolved.max_tokens, room)
-        self._streams[request.task_id] = TextStream(self.tokenizer.detokenizer, sampling.stop)
-        self._chunk_index[request.task_id] = 0
-        self.engine.submit(
-            GenerationRequest(
+        try:
+            generation = GenerationRequest(
                 task_id=request.task_id,
                 prompt_tokens=tokens,
-                max_tokens=max_tokens,
+                max_tokens=min(resolved.max_tokens, room),
                 temperature=resolved.temperature,
                 top_p=resolved.top_p,
                 seed=sampling.seed,
             )
-        )
+        except ValueError as error:  # values no API would pass on: a request written to NATS directly
+            self._fail_task(request.task_id, str(error), "invalid_request")
+            return
+        self._streams[request.task_id] = TextStream(self.tokenizer.detokenizer, sampling.stop)
+        self._chunk_index[request.task_id] = 0
+        self.engine.submit(generation)
 
     def _tokenize(self, request: TaskRequest) -> list[int]:
         if request.kind is TaskKind.CHAT:

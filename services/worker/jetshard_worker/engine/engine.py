@@ -74,6 +74,8 @@ class GenerationRequest:
             raise ValueError(f"task {self.task_id}: temperature must be >= 0, got {self.temperature}")
         if not 0 < self.top_p <= 1:
             raise ValueError(f"task {self.task_id}: top_p must be in (0, 1], got {self.top_p}")
+        if self.seed is not None and not 0 <= self.seed < 2**64:
+            raise ValueError(f"task {self.task_id}: seed must be in [0, 2**64), got {self.seed}")
 
 
 @dataclass
