@@ -25,6 +25,7 @@ from jetshard_schema.state import State, instance_status
 from jetshard_schema.subjects import chunk_subject
 from jetshard_schema.types import Chunk, InstanceStatus, TaskKind, TaskRequest, Usage
 from litestar import Controller, Request, Response, get, post
+from litestar.background_tasks import BackgroundTask
 from litestar.response import ServerSentEvent
 from litestar.response.sse import ServerSentEventMessage
 from litestar.types import Receive
@@ -76,6 +77,7 @@ class ChunkStream:
         self._generation = 0
         self._watcher: asyncio.Task[None] | None = None
         self.finished = False
+        self._closed = False
 
     async def __aenter__(self) -> ChunkStream:
         async def on_chunk(msg: Any) -> None:
@@ -85,6 +87,13 @@ class ChunkStream:
         return self
 
     async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    async def close(self) -> None:
+        """Stop listening; cancel the task unless it finished. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
         if not self.finished:
             # The client went away or we failed: stop generation at the runner's next step. Scheduled before
             # any await, which a cancelled caller (a disconnected client) would not get past.
@@ -303,7 +312,7 @@ async def _serve(
             await chunks.submit()
             return await chunks.next()
         except BaseException:
-            await chunks.__aexit__()
+            await chunks.close()
             raise
 
     first = await unless_disconnected(receive, first_chunk())
@@ -343,11 +352,13 @@ async def _serve(
         except ApiError as error:
             yield _sse(error_body(error.status, error.message, error.code, error.param))
         finally:
-            # A client that leaves cancels this generator: the stream's clean-up cancels the task first thing.
-            await chunks.__aexit__()
+            # The stream ends, fails, or its generator is cancelled: the task is cancelled unless it finished.
+            await chunks.close()
         yield _sse("[DONE]")
 
-    return ServerSentEvent(events())
+    # A client that leaves while the stream waits to send cancels the sending task, not this generator (its
+    # finally would wait for garbage collection): the response's background step closes the stream for sure.
+    return ServerSentEvent(events(), background=BackgroundTask(chunks.close))
 
 
 async def _complete(
