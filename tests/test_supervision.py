@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import json
 import signal
+import sys
 import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
@@ -30,6 +31,8 @@ from test_demo_model import ctrl_c, free_port, processes_mentioning, start_in_ow
 from test_sequencer import add_card, all_events, assert_gapless, outcomes_per_command
 
 from jetshard.natsserver import start_nats_server
+from jetshard.procs import spawn
+from jetshard.supervisor import Supervisor
 
 FAULTS = ("sequencer", "api", "worker", "downloader", "nats-server")
 COMMANDS = 1000
@@ -204,3 +207,27 @@ async def _healthz_status(http: httpx.AsyncClient, status: int) -> bool:
 
 async def _status_is(request: Awaitable[httpx.Response], status: int) -> bool:
     return (await request).status_code == status
+
+
+def test_a_crash_looping_process_is_restarted_ever_more_slowly_said_so_and_not_restarted_once_stopping(
+    tmp_path: Path,
+) -> None:
+    lines: list[str] = []
+    log_file = tmp_path / "crashing.log"
+    supervisor = Supervisor((1.0,), lines.append, first_restart_delay_s=0.1, max_restart_delay_s=0.4)
+    crashing = supervisor.start("crashing", lambda: spawn([sys.executable, "-c", "exit(3)"], log_file), 0, log_file)
+    deadline = time.monotonic() + 30
+    while crashing.restarts < 4:
+        assert time.monotonic() < deadline, lines
+        supervisor.tend()
+        time.sleep(0.02)
+    delays = [float(line.split("restarting it in ")[1].split(" s")[0]) for line in lines if "restarting it in" in line]
+    assert delays[:4] == [0.1, 0.2, 0.4, 0.4], lines
+    assert "keeps failing: 2 restarts so far" in next(line for line in lines if "0.4 s" in line)
+    assert lines[0] in log_file.read_text()  # the reason stays in the log, next to the process's own output
+
+    supervisor.stop()
+    restarts = crashing.restarts
+    time.sleep(0.5)
+    supervisor.tend()
+    assert crashing.restarts == restarts and crashing.process.poll() is not None

@@ -38,8 +38,8 @@ class ManagedProcess:
     """Processes of the same stage stop together; lower stages stop first."""
     log_file: Path | None
     process: subprocess.Popen[bytes]
+    restart_delay_s: float
     started_at: float = field(default_factory=time.monotonic)
-    restart_delay_s: float = FIRST_RESTART_DELAY_S
     restart_at: float | None = None
     """When the dead process is due to start again; None while it runs."""
     restarts: int = 0
@@ -48,10 +48,18 @@ class ManagedProcess:
 class Supervisor:
     """Starts processes, each in a group of its own, restarts those that die, and stops them stage by stage."""
 
-    def __init__(self, stop_grace_s: Sequence[float], report: Callable[[str], None] = print) -> None:
+    def __init__(
+        self,
+        stop_grace_s: Sequence[float],
+        report: Callable[[str], None] = print,
+        first_restart_delay_s: float = FIRST_RESTART_DELAY_S,
+        max_restart_delay_s: float = MAX_RESTART_DELAY_S,
+    ) -> None:
         """`stop_grace_s[n]`: how long the processes of stop stage n get between SIGTERM and SIGKILL.
         `report` shows a line to the user (each line also goes to the process's log)."""
         self.stop_grace_s = stop_grace_s
+        self.first_restart_delay_s = first_restart_delay_s
+        self.max_restart_delay_s = max_restart_delay_s
         self.report = report
         self.managed: list[ManagedProcess] = []
         self.stopping = False
@@ -60,7 +68,7 @@ class Supervisor:
         self, name: str, start: Callable[[], subprocess.Popen[bytes]], stop_stage: int, log_file: Path | None
     ) -> ManagedProcess:
         with stop_signals_deferred():
-            managed = ManagedProcess(name, start, stop_stage, log_file, start())
+            managed = ManagedProcess(name, start, stop_stage, log_file, start(), self.first_restart_delay_s)
             self.managed.append(managed)
         return managed
 
@@ -83,12 +91,12 @@ class Supervisor:
 
     def _schedule_restart(self, managed: ManagedProcess, why: str, now: float) -> None:
         if now - managed.started_at >= STABLE_AFTER_S:
-            managed.restart_delay_s = FIRST_RESTART_DELAY_S
+            managed.restart_delay_s = self.first_restart_delay_s
         delay_s = managed.restart_delay_s
         managed.restart_at = now + delay_s
-        managed.restart_delay_s = min(delay_s * 2, MAX_RESTART_DELAY_S)
+        managed.restart_delay_s = min(delay_s * 2, self.max_restart_delay_s)
         line = f"{managed.name} {why}; restarting it in {delay_s:.1f} s"
-        if delay_s >= MAX_RESTART_DELAY_S:
+        if delay_s >= self.max_restart_delay_s:
             line += f" (it keeps failing: {managed.restarts} restarts so far; see {managed.log_file})"
         self._tell(managed, line)
 
