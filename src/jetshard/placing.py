@@ -24,17 +24,17 @@ def place_and_wait(
     console: Console,
     api_url: str,
     model_id: str,
-    worker_session: str,
-    services_running: Callable[[], bool],
+    worker_session: Callable[[], str],
+    keep_waiting: Callable[[], bool],
     timeout_s: float = 1800,
 ) -> bool:
     """Place `model_id` unless an instance exists, show download and loading progress, print examples.
 
-    Ready means served by this start of the worker (`worker_session`): after a restart State still shows
-    the previous start's runners as ready until the new worker has replaced them.
+    Ready means served by the current start of the worker (`worker_session()`): after a restart State still
+    shows the previous start's runners as ready until the new worker has replaced them.
     """
     with httpx.Client(base_url=api_url, timeout=30) as http:
-        node_id = _wait_for_node(http, worker_session, services_running)
+        node_id = _wait_for_node(http, worker_session, keep_waiting)
         if node_id is None:
             console.print("[red]this machine's node did not join the cluster; see the worker's log[/]")
             return False
@@ -59,7 +59,7 @@ def place_and_wait(
         ) as progress:
             bars: dict[str, TaskID] = {}
             while time.monotonic() < deadline:
-                if not services_running():
+                if not keep_waiting():
                     return False
                 response = http.get(f"/instances/{instance['instance_id']}")
                 if response.status_code == 404:
@@ -67,7 +67,7 @@ def place_and_wait(
                     return False
                 instance = response.json()
                 _update(progress, bars, instance)
-                if _served_by(instance, node_id, worker_session):
+                if _served_by(instance, node_id, worker_session()):
                     break
                 if instance["status"] == "failed":
                     console.print(f"[red]{model_id} failed:[/] {instance['reason']}")
@@ -82,12 +82,14 @@ def place_and_wait(
     return True
 
 
-def _wait_for_node(http: httpx.Client, worker_session: str, services_running: Callable[[], bool]) -> str | None:
+def _wait_for_node(
+    http: httpx.Client, worker_session: Callable[[], str], keep_waiting: Callable[[], bool]
+) -> str | None:
     """The id of this machine's node once its worker of this start has joined (the API answers before)."""
     deadline = time.monotonic() + NODE_JOIN_TIMEOUT_S
-    while time.monotonic() < deadline and services_running():
+    while time.monotonic() < deadline and keep_waiting():
         for node in http.get("/nodes").json():
-            if node["session_id"] == worker_session:
+            if node["session_id"] == worker_session():
                 return str(node["node_id"])
         time.sleep(0.25)
     return None

@@ -26,8 +26,12 @@ def _die_with_parent() -> None:
 
 def spawn(args: Sequence[str], log_file: Path | None, env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
     """Start `args` in a new process group that is signalled when this process dies."""
-    log = open(log_file, "ab") if log_file else subprocess.DEVNULL
-    return subprocess.Popen(list(args), stdout=log, stderr=subprocess.STDOUT, env=env, preexec_fn=_die_with_parent)
+    if log_file is None:
+        return subprocess.Popen(
+            list(args), stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT, env=env, preexec_fn=_die_with_parent
+        )
+    with open(log_file, "ab") as log:  # the child has its own copy; ours would leak one per restart
+        return subprocess.Popen(list(args), stdout=log, stderr=subprocess.STDOUT, env=env, preexec_fn=_die_with_parent)
 
 
 def signal_group(process: subprocess.Popen[bytes], sig: signal.Signals) -> None:

@@ -1,17 +1,22 @@
-"""The processes `jetshard up` runs, and the order in which they stop."""
+"""The processes `jetshard up` runs: restarted with back-off when they die, stopped in order."""
 
 from __future__ import annotations
 
 import contextlib
 import signal
 import subprocess
-from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 
-from jetshard.procs import spawn, stop_groups
+from jetshard.procs import signal_group, stop_groups
 
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+FIRST_RESTART_DELAY_S = 0.5
+MAX_RESTART_DELAY_S = 30.0
+STABLE_AFTER_S = 30.0
+"""A process that ran this long before it died is restarted after the first delay again, not the last one."""
 
 
 @contextlib.contextmanager
@@ -27,36 +32,94 @@ def stop_signals_deferred() -> Iterator[None]:
 @dataclass
 class ManagedProcess:
     name: str
-    process: subprocess.Popen[bytes]
+    start: Callable[[], subprocess.Popen[bytes]]
+    """Starts (and restarts) the process; returns once it may be used."""
     stop_stage: int
     """Processes of the same stage stop together; lower stages stop first."""
     log_file: Path | None
+    process: subprocess.Popen[bytes]
+    restart_delay_s: float
+    started_at: float = field(default_factory=time.monotonic)
+    restart_at: float | None = None
+    """When the dead process is due to start again; None while it runs."""
+    restarts: int = 0
 
 
 class Supervisor:
-    """Starts processes, each in a group of its own, and stops them stage by stage."""
+    """Starts processes, each in a group of its own, restarts those that die, and stops them stage by stage."""
 
-    def __init__(self, stop_grace_s: Sequence[float]) -> None:
-        """`stop_grace_s[n]`: how long the processes of stop stage n get between SIGTERM and SIGKILL."""
+    def __init__(
+        self,
+        stop_grace_s: Sequence[float],
+        report: Callable[[str], None] = print,
+        first_restart_delay_s: float = FIRST_RESTART_DELAY_S,
+        max_restart_delay_s: float = MAX_RESTART_DELAY_S,
+    ) -> None:
+        """`stop_grace_s[n]`: how long the processes of stop stage n get between SIGTERM and SIGKILL.
+        `report` shows a line to the user (each line also goes to the process's log)."""
         self.stop_grace_s = stop_grace_s
+        self.first_restart_delay_s = first_restart_delay_s
+        self.max_restart_delay_s = max_restart_delay_s
+        self.report = report
         self.managed: list[ManagedProcess] = []
+        self.stopping = False
 
     def start(
-        self, name: str, args: Sequence[str], stop_stage: int, log_file: Path, env: dict[str, str]
+        self, name: str, start: Callable[[], subprocess.Popen[bytes]], stop_stage: int, log_file: Path | None
     ) -> ManagedProcess:
         with stop_signals_deferred():
-            managed = ManagedProcess(name, spawn(args, log_file, env), stop_stage, log_file)
+            managed = ManagedProcess(name, start, stop_stage, log_file, start(), self.first_restart_delay_s)
             self.managed.append(managed)
         return managed
-
-    def adopt(self, name: str, process: subprocess.Popen[bytes], stop_stage: int, log_file: Path | None) -> None:
-        self.managed.append(ManagedProcess(name, process, stop_stage, log_file))
 
     def exited(self) -> ManagedProcess | None:
         """The first process that has exited, if one has."""
         return next((m for m in self.managed if m.process.poll() is not None), None)
 
+    def tend(self) -> None:
+        """Schedule a restart of each process that died, and restart those whose back-off has passed."""
+        now = time.monotonic()
+        for managed in self.managed:
+            if self.stopping:
+                return
+            if managed.restart_at is None and managed.process.poll() is not None:
+                # Helpers of the dead process (a worker's runners) must not outlive it next to its successor.
+                signal_group(managed.process, signal.SIGKILL)
+                self._schedule_restart(managed, f"exited with {managed.process.returncode}", now)
+            elif managed.restart_at is not None and now >= managed.restart_at:
+                self._restart(managed, now)
+
+    def _schedule_restart(self, managed: ManagedProcess, why: str, now: float) -> None:
+        if now - managed.started_at >= STABLE_AFTER_S:
+            managed.restart_delay_s = self.first_restart_delay_s
+        delay_s = managed.restart_delay_s
+        managed.restart_at = now + delay_s
+        managed.restart_delay_s = min(delay_s * 2, self.max_restart_delay_s)
+        line = f"{managed.name} {why}; restarting it in {delay_s:.1f} s"
+        if delay_s >= self.max_restart_delay_s:
+            line += f" (it keeps failing: {managed.restarts} restarts so far; see {managed.log_file})"
+        self._tell(managed, line)
+
+    def _restart(self, managed: ManagedProcess, now: float) -> None:
+        managed.restart_at = None
+        managed.started_at = now
+        managed.restarts += 1
+        try:
+            with stop_signals_deferred():
+                managed.process = managed.start()
+        except Exception as error:  # e.g. nats-server's port still taken: try again later, as for a crash
+            self._schedule_restart(managed, f"failed to start ({error})", now)
+            return
+        self._tell(managed, f"{managed.name} restarted (restart {managed.restarts})")
+
+    def _tell(self, managed: ManagedProcess, line: str) -> None:
+        self.report(line)
+        if managed.log_file is not None:
+            with open(managed.log_file, "a") as log:
+                log.write(f"{time.strftime('%Y-%m-%d %H:%M:%S')} jetshard up: {line}\n")
+
     def stop(self) -> None:
+        self.stopping = True
         for stage, grace_s in enumerate(self.stop_grace_s):
             processes = [m.process for m in self.managed if m.stop_stage == stage]
             if processes:

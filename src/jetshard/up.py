@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import click
@@ -17,7 +19,8 @@ from rich.console import Console
 from jetshard.clusterfile import data_dir, remove_cluster_file, write_cluster_file
 from jetshard.natsserver import start_nats_server
 from jetshard.placing import place_and_wait
-from jetshard.supervisor import STOP_SIGNALS, Supervisor, stop_signals_deferred
+from jetshard.procs import spawn
+from jetshard.supervisor import STOP_SIGNALS, Supervisor
 
 SERVICE_STOP_STAGES = {"sequencer": 2, "api": 0, "worker": 0, "downloader": 1}
 """Started in this order; stopped by stage: what serves users and runs models first, the sequencer after the
@@ -100,15 +103,23 @@ def up(
     root = state_dir or data_dir()
     logs = root / "logs"
     logs.mkdir(parents=True, exist_ok=True)
-    supervisor = Supervisor(STOP_GRACE_S)
+    supervisor = Supervisor(STOP_GRACE_S, report=lambda line: console.print(f"[yellow]{line}[/]", soft_wrap=True))
     api_url = f"http://{host}:{port}"
-    worker_session = new_id()[:12]
+    # Each start of the worker is a session of its own: a restarted worker must not pass for its predecessor,
+    # whose runners died with it.
+    worker_sessions: list[str] = []
     try:
         if nats_url is None:
-            with stop_signals_deferred():
+            server_url: list[str] = []
+
+            def start_nats() -> subprocess.Popen[bytes]:
+                # Same port and store on every restart: services reconnect to it and find their history.
                 server = start_nats_server(root / "nats", port=nats_port, log_file=logs / "nats-server.log")
-                supervisor.adopt("nats-server", server.process, NATS_STOP_STAGE, logs / "nats-server.log")
-            nats_url = server.url
+                server_url[:] = [server.url]
+                return server.process
+
+            supervisor.start("nats-server", start_nats, NATS_STOP_STAGE, logs / "nats-server.log")
+            nats_url = server_url[0]
         env = {**os.environ, "JETSHARD_NATS": nats_url}
         if offline:
             env["JETSHARD_OFFLINE"] = "1"
@@ -120,15 +131,21 @@ def up(
             if value is not None:
                 env[name] = value
         extra_args = {"api": ["--host", host, "--port", str(port)]}
-        extra_env = {"worker": {"JETSHARD_WORKER_SESSION": worker_session}}
+
+        def starter(name: str) -> Callable[[], subprocess.Popen[bytes]]:
+            args = [sys.executable, "-m", "jetshard", name, *extra_args.get(name, [])]
+            log_file = logs / f"{name}.log"
+
+            def start() -> subprocess.Popen[bytes]:
+                if name != "worker":
+                    return spawn(args, log_file, env)
+                worker_sessions.append(new_id()[:12])
+                return spawn(args, log_file, {**env, "JETSHARD_WORKER_SESSION": worker_sessions[-1]})
+
+            return start
+
         for name, stage in SERVICE_STOP_STAGES.items():
-            supervisor.start(
-                name,
-                [sys.executable, "-m", "jetshard", name, *extra_args.get(name, [])],
-                stage,
-                logs / f"{name}.log",
-                {**env, **extra_env.get(name, {})},
-            )
+            supervisor.start(name, starter(name), stage, logs / f"{name}.log")
         _wait_healthy(api_url, supervisor, logs)
         write_cluster_file(root, api_url, nats_url)
         console.print(
@@ -137,12 +154,16 @@ def up(
             f"  logs  {logs}",
             soft_wrap=True,
         )
+
+        def tend() -> bool:
+            supervisor.tend()
+            return True
+
         if not no_model:
-            place_and_wait(console, api_url, model, worker_session, lambda: supervisor.exited() is None)
+            place_and_wait(console, api_url, model, lambda: worker_sessions[-1], tend)
         console.print("Press Ctrl-C to stop.")
-        while (exited := supervisor.exited()) is None:
-            time.sleep(0.5)
-        raise click.ClickException(f"{exited.name} exited with {exited.process.returncode}; see {exited.log_file}")
+        while tend():
+            time.sleep(0.2)
     except KeyboardInterrupt:
         console.print("stopping…")
     finally:

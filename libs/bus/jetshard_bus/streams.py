@@ -111,6 +111,12 @@ async def _ensure_kv(js: JetStreamContext, config: KeyValueConfig) -> None:
         await js.create_key_value(config)
 
 
+ORDERED_CONSUMER_HEARTBEAT_S = 1.0
+"""The server's idle heartbeat to an ordered consumer. Two missed ones make nats-py recreate the consumer:
+a restarted server (or a lost cluster member) forgets ordered consumers, so this bounds how long a follower
+goes without events after one (nats-py's default, 5 s, left followers ten seconds behind)."""
+
+
 async def subscribe_events(
     js: JetStreamContext, cb: Callable[[Msg], Awaitable[None]], start_seq: int | None = None
 ) -> JetStreamContext.PushSubscription:
@@ -123,6 +129,7 @@ async def subscribe_events(
         f"{subjects.EVENT_PREFIX}.>",
         stream=subjects.EVENTS_STREAM,
         ordered_consumer=True,
+        idle_heartbeat=ORDERED_CONSUMER_HEARTBEAT_S,
         config=config,
         cb=cb,
         pending_msgs_limit=1_000_000,

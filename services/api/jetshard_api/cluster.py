@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 
+import nats.errors
 from jetshard_bus.commands import publish_command
 from jetshard_bus.follower import StateFollower
 from jetshard_schema.codec import encode
@@ -19,6 +20,15 @@ from nats.js import JetStreamContext
 from jetshard_api.errors import REJECT_STATUS, ApiError
 
 
+def broker_unavailable(why: str = "") -> ApiError:
+    detail = f" ({why})" if why else ""
+    return ApiError(
+        503,
+        f"the message broker (NATS) is unreachable{detail}; the cluster cannot take requests until it is back",
+        "broker_unavailable",
+    )
+
+
 class Cluster:
     def __init__(self, client: Client, js: JetStreamContext, follower: StateFollower, command_timeout_s: float) -> None:
         self.client = client
@@ -30,12 +40,22 @@ class Cluster:
     def state(self) -> State:
         return self.follower.state
 
+    def require_broker(self) -> None:
+        """Raise 503 at once while NATS is unreachable: a request would otherwise wait out its timeout."""
+        if not self.client.is_connected:
+            raise broker_unavailable()
+
     async def submit(self, command: Command, timeout_s: float | None = None) -> list[Event]:
-        """Publish `command`; return its events once applied here, or raise ApiError (rejected / 504)."""
+        """Publish `command`; return its events once applied here, or raise ApiError (rejected / 503 / 504)."""
+        self.require_broker()
         command_id = new_command_id()
         outcome = self.follower.expect(command_id)
         try:
-            await publish_command(self.js, command, command_id)
+            try:
+                await publish_command(self.js, command, command_id)
+            except (nats.errors.Error, TimeoutError) as error:
+                # Not stored (or not confirmed): NATS went away, or JetStream has no stream leader right now.
+                raise broker_unavailable(f"{type(error).__name__}: {error}".rstrip(": ")) from error
             envelopes = await asyncio.wait_for(outcome, timeout_s or self.command_timeout_s)
         except TimeoutError as error:
             raise ApiError(
@@ -59,4 +79,5 @@ class Cluster:
 
     async def publish(self, command: Command) -> None:
         """Publish without waiting for the outcome (fire-and-forget reports such as a cancel)."""
+        self.require_broker()
         await publish_command(self.js, command)

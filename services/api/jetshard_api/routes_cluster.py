@@ -10,12 +10,12 @@ import msgspec
 from jetshard_bus.streams import subscribe_events
 from jetshard_schema.codec import decode_event
 from jetshard_schema.types import NodeStorage
-from litestar import Controller, get
+from litestar import Controller, Response, get
 from litestar.params import Parameter
 from litestar.response import ServerSentEvent
 from litestar.response.sse import ServerSentEventMessage
 
-from jetshard_api.cluster import Cluster
+from jetshard_api.cluster import Cluster, broker_unavailable
 from jetshard_api.errors import ApiError
 
 
@@ -23,9 +23,19 @@ class ClusterController(Controller):
     tags = ["cluster"]
 
     @get("/healthz")
-    async def healthz(self, cluster: Cluster) -> dict[str, Any]:
-        """Liveness: answers while the API is connected to NATS."""
-        return {"status": "ok" if cluster.client.is_connected else "disconnected", "last_seq": cluster.state.last_seq}
+    async def healthz(self, cluster: Cluster) -> Response[dict[str, Any]]:
+        """200 while the API reaches the message broker (NATS); 503 with the reason while it does not."""
+        if cluster.client.is_connected:
+            return Response({"status": "ok", "broker": "connected", "last_seq": cluster.state.last_seq})
+        return Response(
+            {
+                "status": "unavailable",
+                "broker": "unreachable",
+                "reason": broker_unavailable().message,
+                "last_seq": cluster.state.last_seq,
+            },
+            status_code=503,
+        )
 
     @get("/state")
     async def state(self, cluster: Cluster) -> dict[str, Any]:

@@ -48,6 +48,8 @@ AnyRequest = Request[Any, Any, Any]
 
 TASK_GONE_GRACE_S = 1.0
 KEEP_ALIVE_S = 5.0
+BROKER_CHECK_S = 1.0
+"""How often a request waiting for chunks checks that NATS is still reachable."""
 
 
 class InferenceSettings(msgspec.Struct, frozen=True):
@@ -83,6 +85,7 @@ class ChunkStream:
         async def on_chunk(msg: Any) -> None:
             self._queue.put_nowait(msg.data)
 
+        self._cluster.require_broker()
         self._subscription = await self._cluster.client.subscribe(chunk_subject(self._request.task_id), cb=on_chunk)
         return self
 
@@ -137,10 +140,16 @@ class ChunkStream:
 
     async def next(self) -> Chunk:
         timeout = self._settings.first_chunk_timeout_s if self._next_index == 0 else self._settings.chunk_silence_s
-        try:
-            data = await asyncio.wait_for(self._queue.get(), timeout)
-        except TimeoutError as error:
-            raise ApiError(504, f"the runner sent nothing for {timeout:.0f} s", "runner_timeout") from error
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                data = await asyncio.wait_for(self._queue.get(), min(BROKER_CHECK_S, deadline - time.monotonic()))
+                break
+            except TimeoutError as error:
+                # Chunks travel over NATS: without it none can come, so say so now rather than at the deadline.
+                self._cluster.require_broker()
+                if time.monotonic() >= deadline:
+                    raise ApiError(504, f"the runner sent nothing for {timeout:.0f} s", "runner_timeout") from error
         if not data:
             self.finished = True
             raise self._gone_error()
@@ -284,6 +293,7 @@ async def _serve(
     include_usage: bool,
     receive: Receive,
 ) -> Response[Any] | ServerSentEvent:
+    cluster.require_broker()
     chat = task.kind is TaskKind.CHAT
     created = int(time.time())
     response_id = ("chatcmpl-" if chat else "cmpl-") + task.task_id.removeprefix("task-")
