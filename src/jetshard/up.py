@@ -2,14 +2,20 @@
 
 from __future__ import annotations
 
+import asyncio
 import os
 import signal
 import sys
 import time
 from pathlib import Path
+from urllib.parse import urlsplit, urlunsplit
 
 import click
 import httpx
+from jetshard_bus.auth import ADMIN, VIEWER, Identity, cluster_identities, server_authorization
+from jetshard_bus.connect import connect
+from jetshard_bus.node import config_dir, node_id_for
+from jetshard_bus.options import NatsOptions
 from jetshard_schema.catalogue import DEMO_MODEL_ID
 from jetshard_schema.ids import new_id
 from rich.console import Console
@@ -104,11 +110,19 @@ def up(
     api_url = f"http://{host}:{port}"
     worker_session = new_id()[:12]
     try:
+        identities: dict[str, Identity] = {}
         if nats_url is None:
+            identities = cluster_identities(root / "creds", node_id_for(config_dir()))
             with stop_signals_deferred():
-                server = start_nats_server(root / "nats", port=nats_port, log_file=logs / "nats-server.log")
+                server = start_nats_server(
+                    root / "nats",
+                    port=nats_port,
+                    log_file=logs / "nats-server.log",
+                    authorization=server_authorization(list(identities.values())),
+                )
                 supervisor.adopt("nats-server", server.process, NATS_STOP_STAGE, logs / "nats-server.log")
             nats_url = server.url
+            asyncio.run(_declare_streams(NatsOptions(servers=(nats_url,), nkey_file=str(identities[ADMIN].seed_file))))
         env = {**os.environ, "JETSHARD_NATS": nats_url}
         if offline:
             env["JETSHARD_OFFLINE"] = "1"
@@ -122,18 +136,23 @@ def up(
         extra_args = {"api": ["--host", host, "--port", str(port)]}
         extra_env = {"worker": {"JETSHARD_WORKER_SESSION": worker_session}}
         for name, stage in SERVICE_STOP_STAGES.items():
+            identity = {"JETSHARD_NATS_NKEY": str(identities[name].seed_file)} if identities else {}
             supervisor.start(
                 name,
                 [sys.executable, "-m", "jetshard", name, *extra_args.get(name, [])],
                 stage,
                 logs / f"{name}.log",
-                {**env, **extra_env.get(name, {})},
+                {**env, **extra_env.get(name, {}), **identity},
             )
         _wait_healthy(api_url, supervisor, logs)
-        write_cluster_file(root, api_url, nats_url)
+        write_cluster_file(root, api_url, nats_url, identities[VIEWER].seed_file if identities else None)
+        shown_url = _without_userinfo(nats_url)
+        nats_cli = f"nats --server {shown_url}"
+        if identities:
+            nats_cli += f" --nkey {identities[ADMIN].seed_file}"
         console.print(
             f"[bold green]jetshard is up[/]\n  API   {api_url}  (OpenAI base URL: {api_url}/v1)\n"
-            f"  NATS  {nats_url}  (try: nats --server {nats_url} stream view JETSHARD_EVENTS)\n"
+            f"  NATS  {shown_url}  (as admin: {nats_cli} stream view JETSHARD_EVENTS)\n"
             f"  logs  {logs}",
             soft_wrap=True,
         )
@@ -151,6 +170,20 @@ def up(
         supervisor.stop()
         remove_cluster_file(root)
         console.print("stopped")
+
+
+async def _declare_streams(options: NatsOptions) -> None:
+    """Declare as admin before any service starts: only the admin and the sequencer may."""
+    client, _ = await connect(options, "jetshard up", wait_for_server=False)
+    await client.close()
+
+
+def _without_userinfo(url: str) -> str:
+    """The URL to show: a user name or password in it stays off the screen."""
+    parts = urlsplit(url)
+    if parts.username is None and parts.password is None:
+        return url
+    return urlunsplit(parts._replace(netloc=parts.netloc.rpartition("@")[2]))
 
 
 def _stop_on_signal(signum: int, frame: object) -> None:
