@@ -22,7 +22,7 @@ import nats
 from jetshard_bus.connect import connect
 from jetshard_bus.follower import StateFollower
 from jetshard_bus.options import NatsOptions
-from jetshard_bus.snapshots import save_snapshot
+from jetshard_bus.snapshots import save_snapshot, stream_created
 from jetshard_schema import subjects
 from jetshard_schema.codec import encode
 from jetshard_schema.commands import ReportDownloadProgress
@@ -131,7 +131,7 @@ async def rebuild_times(url: str, n: int) -> tuple[float, float, int]:
     assert follower.state.last_seq == total
     await follower.stop()
 
-    await save_snapshot(js, follower.state)
+    await save_snapshot(js, follower.state, stream_created(await js.stream_info(subjects.EVENTS_STREAM)))
     started = time.perf_counter()
     again = StateFollower(js)
     await again.start()

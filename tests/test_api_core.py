@@ -176,7 +176,8 @@ async def test_events_resume_after_last_event_id(fresh_nats, processes, tmp_path
             assert error["param"] == "Last-Event-ID" and error["code"] == "invalid_value"
 
 
-async def test_the_docs_page_loads_every_asset_from_the_api(fresh_nats, processes, tmp_path: Path) -> None:
+async def test_the_docs_page_loads_every_asset_from_the_api(fresh_nats, bus, processes, tmp_path: Path) -> None:
+    """`bus` declares the streams, as a sequencer would: the API waits for them."""
     base = start_api(processes, "api", fresh_nats.url, tmp_path)
     async with httpx.AsyncClient(base_url=base, timeout=30) as http:
         page = await http.get("/openapi")

@@ -167,10 +167,19 @@ def test_jetshard_up_serves_the_demo_model_offline_stops_in_order_and_restarts_r
         assert "Paris" in (reply.choices[0].message.content or "")
         assert reply.usage is not None and 0 < reply.usage.completion_tokens <= 16
 
-        # The client commands find this cluster's non-default ports through the data dir.
+        # The client commands find this cluster's non-default ports, and the read-only identity to reach its
+        # NATS with (a seed's path, never a seed), through the data dir.
         cluster_file = data / "cluster.json"
-        assert json.loads(cluster_file.read_text()) == {"api": api, "nats": f"nats://127.0.0.1:{nats_port}"}
+        viewer = data / "creds" / "viewer.nk"
+        assert json.loads(cluster_file.read_text()) == {
+            "api": api,
+            "nats": f"nats://127.0.0.1:{nats_port}",
+            "nats_nkey": str(viewer),
+        }
         assert cluster_file.stat().st_mode & 0o777 == 0o600
+        assert all(seed.stat().st_mode & 0o777 == 0o600 for seed in (data / "creds").iterdir())
+        assert f"--nkey {data / 'creds' / 'admin.nk'}" in output
+        assert (data / "creds" / "admin.nk").read_text().strip() not in output
         assert DEMO_MODEL_ID in run_cli("models", "ls", env=env)
         assert json.loads(run_cli("state", env=env))["instances"]
         raw_models = httpx.get(f"{api}/v1/models").json()["data"]

@@ -15,7 +15,7 @@ import click
 from jetshard_bus.options import DEFAULT_NATS_URL, NatsOptions
 from jetshard_bus.streams import BusTimings
 
-from jetshard.clusterfile import recorded_url
+from jetshard.clusterfile import recorded
 
 DEFAULT_API_PORT = 52415
 
@@ -30,17 +30,23 @@ def option(*names: str, **kwargs: Any) -> Callable[[Callable[..., Any]], Callabl
 
 def nats_options(command: Callable[..., Any]) -> Callable[..., Any]:
     """Connection and cluster-timing flags every service takes; passed on as `nats` and `timings`."""
-    return _with_nats_options(command, lambda: DEFAULT_NATS_URL, DEFAULT_NATS_URL)
+    return _with_nats_options(command, lambda: DEFAULT_NATS_URL, DEFAULT_NATS_URL, lambda: None)
 
 
 def client_nats_options(command: Callable[..., Any]) -> Callable[..., Any]:
-    """`nats_options` for the commands that inspect a cluster: without `--nats`, the server `up` runs."""
+    """`nats_options` for the commands that inspect a cluster: without `--nats`, the server `up` runs, as the
+    read-only identity `up` recorded for them."""
     default_help = f"the one `jetshard up` runs, else {DEFAULT_NATS_URL}"
-    return _with_nats_options(command, lambda: recorded_url("nats") or DEFAULT_NATS_URL, default_help)
+    return _with_nats_options(
+        command, lambda: recorded("nats") or DEFAULT_NATS_URL, default_help, lambda: recorded("nats_nkey")
+    )
 
 
 def _with_nats_options(
-    command: Callable[..., Any], default_url: Callable[[], str], default_help: str
+    command: Callable[..., Any],
+    default_url: Callable[[], str],
+    default_help: str,
+    default_nkey: Callable[[], str | None],
 ) -> Callable[..., Any]:
     decorators = [
         option("--nats", "nats_urls", multiple=True, help=f"NATS server URL; repeat for a cluster [{default_help}]"),
@@ -48,6 +54,11 @@ def _with_nats_options(
         option("--nats-password", help="NATS password"),
         option("--nats-token", help="NATS token"),
         option("--nats-creds", type=click.Path(exists=True, dir_okay=False), help="NATS credentials file"),
+        option(
+            "--nats-nkey",
+            type=click.Path(exists=True, dir_okay=False),
+            help="file holding the NATS nkey seed of this identity (`jetshard up` writes them to <data dir>/creds)",
+        ),
         option("--nats-tls-ca", type=click.Path(exists=True, dir_okay=False), help="CA certificate for TLS"),
         option("--nats-tls-cert", type=click.Path(exists=True, dir_okay=False), help="client certificate for TLS"),
         option("--nats-tls-key", type=click.Path(exists=True, dir_okay=False), help="client key for TLS"),
@@ -83,13 +94,16 @@ def _with_nats_options(
 
     @functools.wraps(command)
     def wrapper(**kwargs: Any) -> Any:
-        urls = tuple(kwargs.pop("nats_urls") or (default_url(),))
+        explicit_urls = kwargs.pop("nats_urls")
+        urls = tuple(explicit_urls or (default_url(),))
+        nkey_file = kwargs.pop("nats_nkey") or (None if explicit_urls else default_nkey())
         nats = NatsOptions(
             servers=urls,
             user=kwargs.pop("nats_user"),
             password=kwargs.pop("nats_password"),
             token=kwargs.pop("nats_token"),
             creds_file=kwargs.pop("nats_creds"),
+            nkey_file=nkey_file,
             tls_ca=kwargs.pop("nats_tls_ca"),
             tls_cert=kwargs.pop("nats_tls_cert"),
             tls_key=kwargs.pop("nats_tls_key"),
@@ -275,12 +289,13 @@ def state(nats: NatsOptions, timings: BusTimings) -> None:
 def _run(coroutine: Any) -> Any:
     """Run a one-shot tool's coroutine; Ctrl-C ends it quietly, an unreachable NATS with one clear line."""
     from jetshard_bus.connect import NatsUnreachableError
+    from jetshard_bus.streams import StreamsMissingError
 
     try:
         return asyncio.run(coroutine)
     except KeyboardInterrupt:
         return None
-    except NatsUnreachableError as error:
+    except (NatsUnreachableError, StreamsMissingError) as error:
         raise click.ClickException(str(error)) from None
 
 

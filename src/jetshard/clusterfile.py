@@ -22,14 +22,15 @@ def data_dir() -> Path:
     return Path(base) / "jetshard"
 
 
-def write_cluster_file(root: Path, api_url: str, nats_url: str) -> None:
+def write_cluster_file(root: Path, api_url: str, nats_url: str, nats_nkey: Path | None) -> None:
+    """Record how to reach the cluster; `nats_nkey` is the path of a read-only identity's seed, never a seed."""
     path = root / CLUSTER_FILE_NAME
     # Written under another name and renamed, so a reader never sees half a file; created 0600 because it
-    # points at a cluster that may hold credentials one day.
+    # tells where the cluster's credentials are.
     temporary = path.with_name(f".{CLUSTER_FILE_NAME}.{os.getpid()}")
     descriptor = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     with os.fdopen(descriptor, "w") as file:
-        json.dump({"api": api_url, "nats": nats_url}, file)
+        json.dump({"api": api_url, "nats": nats_url, "nats_nkey": str(nats_nkey) if nats_nkey else None}, file)
     os.replace(temporary, path)
 
 
@@ -37,10 +38,10 @@ def remove_cluster_file(root: Path) -> None:
     (root / CLUSTER_FILE_NAME).unlink(missing_ok=True)
 
 
-def recorded_url(kind: Literal["api", "nats"]) -> str | None:
-    """The URL a running `up` recorded in the data dir, if any."""
+def recorded(kind: Literal["api", "nats", "nats_nkey"]) -> str | None:
+    """What a running `up` recorded in the data dir (a URL, or the path of an nkey seed file), if any."""
     try:
-        url = json.loads((data_dir() / CLUSTER_FILE_NAME).read_text())[kind]
+        value = json.loads((data_dir() / CLUSTER_FILE_NAME).read_text())[kind]
     except (OSError, ValueError, KeyError, TypeError):
         return None
-    return url if isinstance(url, str) else None
+    return value if isinstance(value, str) else None

@@ -22,7 +22,7 @@ from rich.progress import (
     TransferSpeedColumn,
 )
 
-from jetshard.clusterfile import recorded_url
+from jetshard.clusterfile import recorded
 
 DEFAULT_API = "http://127.0.0.1:52415"
 _FINAL = ("completed", "failed", "cancelled")
@@ -68,7 +68,7 @@ def download(
 ) -> None:
     """Download MODEL (org/name) to a node, with a live progress bar; exits 1 with the reason on failure."""
     console = Console(stderr=True, highlight=False)
-    api_url = api_url or recorded_url("api") or DEFAULT_API
+    api_url = api_url or recorded("api") or DEFAULT_API
     body: dict[str, Any] = {
         "model_id": model_id,
         "node_id": node_id,

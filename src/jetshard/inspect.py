@@ -16,7 +16,7 @@ from rich.console import Console
 
 
 async def fetch_state(nats: NatsOptions) -> dict[str, Any]:
-    client, js = await connect(nats, "jetshard state", wait_for_server=False)
+    client, js = await connect(nats, "jetshard state", wait_for_server=False, declare_streams=False)
     try:
         follower = StateFollower(js)
         await follower.start()
@@ -29,7 +29,7 @@ async def fetch_state(nats: NatsOptions) -> dict[str, Any]:
 
 async def print_events(nats: NatsOptions, since: int | None) -> None:
     console = Console(highlight=False)
-    client, js = await connect(nats, "jetshard events", wait_for_server=False)
+    client, js = await connect(nats, "jetshard events", wait_for_server=False, declare_streams=False)
     done = asyncio.Event()
 
     async def show(msg: Any) -> None:

@@ -17,7 +17,7 @@ import httpx
 from rich.console import Console
 from rich.table import Table
 
-from jetshard.clusterfile import recorded_url
+from jetshard.clusterfile import recorded
 
 DEFAULT_API_URL = "http://127.0.0.1:52415"
 ADD_TIMEOUT_S = 120.0
@@ -206,7 +206,7 @@ def card_table(card: dict[str, Any]) -> Table:
 @click.pass_context
 def models(ctx: click.Context, api_url: str | None) -> None:
     """List, add, show and delete model cards (built-in and custom)."""
-    ctx.obj = ApiClient(api_url or recorded_url("api") or DEFAULT_API_URL)
+    ctx.obj = ApiClient(api_url or recorded("api") or DEFAULT_API_URL)
 
 
 @models.command("ls")

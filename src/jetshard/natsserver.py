@@ -37,9 +37,17 @@ class NatsServer:
 
 
 def start_nats_server(
-    store_dir: Path, port: int = 4222, host: str = "127.0.0.1", log_file: Path | None = None, timeout_s: float = 20.0
+    store_dir: Path,
+    port: int = 4222,
+    host: str = "127.0.0.1",
+    log_file: Path | None = None,
+    timeout_s: float = 20.0,
+    authorization: str = "",
 ) -> NatsServer:
-    """Start nats-server with JetStream on loopback; `port=-1` picks a free port. Returns once it listens."""
+    """Start nats-server with JetStream on loopback; `port=-1` picks a free port. Returns once it listens.
+
+    Without `authorization` (a config block, see `jetshard_bus.auth.server_authorization`) anyone may connect.
+    """
     store_dir.mkdir(parents=True, exist_ok=True)
     ports_dir = store_dir / "ports"
     ports_dir.mkdir(exist_ok=True)
@@ -50,7 +58,7 @@ def start_nats_server(
         f"listen: {json.dumps(f'{host}:{port}')}\n"
         f"max_payload: {MAX_PAYLOAD_BYTES}\n"
         f"ports_file_dir: {json.dumps(str(ports_dir))}\n"
-        f"jetstream {{\n  store_dir: {json.dumps(str(store_dir / 'jetstream'))}\n}}\n"
+        f"jetstream {{\n  store_dir: {json.dumps(str(store_dir / 'jetstream'))}\n}}\n{authorization}"
     )
     process = spawn([str(nats_server_binary()), "-c", str(config)], log_file)
     deadline = time.monotonic() + timeout_s

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import os
 import signal
 import subprocess
@@ -9,9 +10,14 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
+from urllib.parse import urlsplit, urlunsplit
 
 import click
 import httpx
+from jetshard_bus.auth import ADMIN, VIEWER, Identity, cluster_identities, server_authorization
+from jetshard_bus.connect import connect
+from jetshard_bus.node import config_dir, node_id_for
+from jetshard_bus.options import NatsOptions
 from jetshard_schema.catalogue import DEMO_MODEL_ID
 from jetshard_schema.ids import new_id
 from rich.console import Console
@@ -109,17 +115,23 @@ def up(
     # whose runners died with it.
     worker_sessions: list[str] = []
     try:
+        identities: dict[str, Identity] = {}
         if nats_url is None:
+            identities = cluster_identities(root / "creds", node_id_for(config_dir()))
+            authorization = server_authorization(list(identities.values()))
             server_url: list[str] = []
 
             def start_nats() -> subprocess.Popen[bytes]:
-                # Same port and store on every restart: services reconnect to it and find their history.
-                server = start_nats_server(root / "nats", port=nats_port, log_file=logs / "nats-server.log")
+                # Same port, store and users on every restart: services reconnect to it and find their history.
+                server = start_nats_server(
+                    root / "nats", port=nats_port, log_file=logs / "nats-server.log", authorization=authorization
+                )
                 server_url[:] = [server.url]
                 return server.process
 
             supervisor.start("nats-server", start_nats, NATS_STOP_STAGE, logs / "nats-server.log")
             nats_url = server_url[0]
+            asyncio.run(_declare_streams(NatsOptions(servers=(nats_url,), nkey_file=str(identities[ADMIN].seed_file))))
         env = {**os.environ, "JETSHARD_NATS": nats_url}
         if offline:
             env["JETSHARD_OFFLINE"] = "1"
@@ -135,22 +147,27 @@ def up(
         def starter(name: str) -> Callable[[], subprocess.Popen[bytes]]:
             args = [sys.executable, "-m", "jetshard", name, *extra_args.get(name, [])]
             log_file = logs / f"{name}.log"
+            service_env = {**env, "JETSHARD_NATS_NKEY": str(identities[name].seed_file)} if identities else env
 
             def start() -> subprocess.Popen[bytes]:
                 if name != "worker":
-                    return spawn(args, log_file, env)
+                    return spawn(args, log_file, service_env)
                 worker_sessions.append(new_id()[:12])
-                return spawn(args, log_file, {**env, "JETSHARD_WORKER_SESSION": worker_sessions[-1]})
+                return spawn(args, log_file, {**service_env, "JETSHARD_WORKER_SESSION": worker_sessions[-1]})
 
             return start
 
         for name, stage in SERVICE_STOP_STAGES.items():
             supervisor.start(name, starter(name), stage, logs / f"{name}.log")
         _wait_healthy(api_url, supervisor, logs)
-        write_cluster_file(root, api_url, nats_url)
+        write_cluster_file(root, api_url, nats_url, identities[VIEWER].seed_file if identities else None)
+        shown_url = _without_userinfo(nats_url)
+        nats_cli = f"nats --server {shown_url}"
+        if identities:
+            nats_cli += f" --nkey {identities[ADMIN].seed_file}"
         console.print(
             f"[bold green]jetshard is up[/]\n  API   {api_url}  (OpenAI base URL: {api_url}/v1)\n"
-            f"  NATS  {nats_url}  (try: nats --server {nats_url} stream view JETSHARD_EVENTS)\n"
+            f"  NATS  {shown_url}  (as admin: {nats_cli} stream view JETSHARD_EVENTS)\n"
             f"  logs  {logs}",
             soft_wrap=True,
         )
@@ -172,6 +189,20 @@ def up(
         supervisor.stop()
         remove_cluster_file(root)
         console.print("stopped")
+
+
+async def _declare_streams(options: NatsOptions) -> None:
+    """Declare as admin before any service starts: only the admin and the sequencer may."""
+    client, _ = await connect(options, "jetshard up", wait_for_server=False)
+    await client.close()
+
+
+def _without_userinfo(url: str) -> str:
+    """The URL to show: a user name or password in it stays off the screen."""
+    parts = urlsplit(url)
+    if parts.username is None and parts.password is None:
+        return url
+    return urlunsplit(parts._replace(netloc=parts.netloc.rpartition("@")[2]))
 
 
 def _stop_on_signal(signum: int, frame: object) -> None:

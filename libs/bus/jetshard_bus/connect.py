@@ -9,7 +9,7 @@ from nats.aio.client import Client
 from nats.js import JetStreamContext
 
 from jetshard_bus.options import NatsOptions
-from jetshard_bus.streams import BusTimings, declare
+from jetshard_bus.streams import BusTimings, declare, wait_for_streams
 
 log = logging.getLogger(__name__)
 
@@ -19,12 +19,17 @@ class NatsUnreachableError(ConnectionError):
 
 
 async def connect(
-    options: NatsOptions, name: str, timings: BusTimings = BusTimings(), wait_for_server: bool = True
+    options: NatsOptions,
+    name: str,
+    timings: BusTimings = BusTimings(),
+    wait_for_server: bool = True,
+    declare_streams: bool = True,
 ) -> tuple[Client, JetStreamContext]:
-    """Connect as `name` (shown by `nats server report connections`) and declare streams and buckets.
+    """Connect as `name` (shown by `nats server report connections`); declare streams and buckets, or, for an
+    identity that may not (`declare_streams=False`), wait until they exist.
 
-    Services wait for a server that is not up yet (`wait_for_server`); one-shot tools fail at once with
-    NatsUnreachableError saying which servers were tried.
+    Services wait for a server (and streams) that are not up yet (`wait_for_server`); one-shot tools fail at
+    once with NatsUnreachableError saying which servers were tried (or StreamsMissingError).
     """
     last_error: list[str] = []
 
@@ -46,5 +51,12 @@ async def connect(
             "is `jetshard up` (or nats-server) running?"
         ) from error
     js = client.jetstream(publish_async_max_pending=20_000)
-    await declare(js, timings, replicas=options.replicas)
+    try:
+        if declare_streams:
+            await declare(js, timings, replicas=options.replicas)
+        else:
+            await wait_for_streams(js, wait=wait_for_server)
+    except BaseException:
+        await client.close()
+        raise
     return client, js

@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import ssl
-from dataclasses import dataclass, field
+from collections.abc import Mapping
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 DEFAULT_NATS_URL = "nats://127.0.0.1:4222"
+PASSWORD_VARIABLE = "JETSHARD_NATS_PASSWORD"
+TOKEN_VARIABLE = "JETSHARD_NATS_TOKEN"
 
 
 @dataclass(frozen=True)
@@ -19,6 +22,8 @@ class NatsOptions:
     token: str | None = None
     creds_file: str | None = None
     """A `.creds` file (JWT + nkey seed) as `nsc` writes it."""
+    nkey_file: str | None = None
+    """A file holding an nkey seed (`jetshard up` writes one per role under `<data dir>/creds/`)."""
     tls_ca: str | None = None
     tls_cert: str | None = None
     tls_key: str | None = None
@@ -26,6 +31,20 @@ class NatsOptions:
     """Replicas of jetshard's streams and buckets; 3 on a three-server JetStream cluster."""
     name: str = "jetshard"
     extra: dict[str, Any] = field(default_factory=dict)
+
+    def without_secrets(self) -> tuple[NatsOptions, dict[str, str]]:
+        """These options with the password and token moved into environment variables, for a child process
+        whose command line (visible to every local user in `ps`) carries the options: see `with_secrets`."""
+        variables = {PASSWORD_VARIABLE: self.password, TOKEN_VARIABLE: self.token}
+        secrets = {name: value for name, value in variables.items() if value is not None}
+        return replace(self, password=None, token=None), secrets
+
+    def with_secrets(self, environ: Mapping[str, str]) -> NatsOptions:
+        return replace(
+            self,
+            password=environ.get(PASSWORD_VARIABLE, self.password),
+            token=environ.get(TOKEN_VARIABLE, self.token),
+        )
 
     def connect_kwargs(self) -> dict[str, Any]:
         kwargs: dict[str, Any] = {
@@ -42,6 +61,8 @@ class NatsOptions:
             kwargs["token"] = self.token
         if self.creds_file is not None:
             kwargs["user_credentials"] = self.creds_file
+        if self.nkey_file is not None:
+            kwargs["nkeys_seed"] = self.nkey_file
         if self.tls_ca or self.tls_cert:
             context = ssl.create_default_context(cafile=self.tls_ca)
             if self.tls_cert:

@@ -1,7 +1,10 @@
-"""Declaring jetshard's streams and buckets. Idempotent: every service calls it at start-up."""
+"""Declaring jetshard's streams and buckets. Idempotent; only privileged identities (the sequencer, the admin
+`jetshard up` connects as) may: the other services wait for them to exist (`wait_for_streams`)."""
 
 from __future__ import annotations
 
+import asyncio
+import logging
 from collections.abc import Awaitable, Callable
 
 import msgspec.json
@@ -19,6 +22,8 @@ from nats.js.api import (
     StorageType,
     StreamConfig,
 )
+
+log = logging.getLogger(__name__)
 
 
 class BusTimings(msgspec.Struct, frozen=True, kw_only=True):
@@ -61,8 +66,12 @@ async def declare(js: JetStreamContext, timings: BusTimings = BusTimings(), repl
             # no-op and throw the sequencer's count of the stream's sequence off.
             duplicate_window=timings.dedupe_window_s / 2,
             num_replicas=replicas,
-            # Events are the history State is folded from: never discard one silently.
+            # Events are the history State is folded from: never discard one silently, and let no one delete
+            # or purge them through the API. The log is compacted by State snapshots instead, and user data
+            # leaves it through the retention of task data.
             discard=DiscardPolicy.NEW,
+            deny_delete=True,
+            deny_purge=True,
         ),
     )
     await _ensure_stream(
@@ -95,6 +104,30 @@ async def declare(js: JetStreamContext, timings: BusTimings = BusTimings(), repl
                 replicas=replicas,
             ),
         )
+
+
+async def wait_for_streams(js: JetStreamContext, wait: bool = True, interval_s: float = 0.5) -> None:
+    """Return once every jetshard stream and bucket exists; raises StreamsMissingError if not and not `wait`."""
+    logged = False
+    while missing := [name for name in subjects.ALL_STREAMS if not await _stream_exists(js, name)]:
+        if not wait:
+            raise StreamsMissingError(f"NATS has no {', '.join(missing)} yet; is a sequencer running?")
+        if not logged:
+            log.info("waiting for the sequencer to declare %s", ", ".join(missing))
+            logged = True
+        await asyncio.sleep(interval_s)
+
+
+class StreamsMissingError(ConnectionError):
+    pass
+
+
+async def _stream_exists(js: JetStreamContext, name: str) -> bool:
+    try:
+        await js.stream_info(name)
+    except nats.js.errors.NotFoundError:
+        return False
+    return True
 
 
 async def _ensure_stream(js: JetStreamContext, config: StreamConfig) -> None:

@@ -12,6 +12,8 @@
 | `jetshard-snapshots`        | object store         | `state`: the State at some event sequence                   |
 | `jetshard-leader`           | KV bucket, TTL       | `sequencer`: the id of the sequencer holding the lease      |
 | `jetshard-liveness`         | KV bucket, TTL       | `<node id>`: the node's current session; gone = node lost   |
+
+Key-value and object buckets are streams too (`KV_<bucket>`, `OBJ_<bucket>`); `ALL_STREAMS` names all six.
 """
 
 from __future__ import annotations
@@ -33,6 +35,24 @@ LEADER_KEY = "sequencer"
 LIVENESS_BUCKET = "jetshard-liveness"
 
 SEQUENCER_DURABLE = "jetshard-sequencer"
+
+
+def kv_stream(bucket: str) -> str:
+    return f"KV_{bucket}"
+
+
+def object_stream(bucket: str) -> str:
+    return f"OBJ_{bucket}"
+
+
+ALL_STREAMS = (
+    COMMANDS_STREAM,
+    EVENTS_STREAM,
+    TASKS_STREAM,
+    kv_stream(LEADER_BUCKET),
+    kv_stream(LIVENESS_BUCKET),
+    object_stream(SNAPSHOT_BUCKET),
+)
 
 MSG_ID_HEADER = "Nats-Msg-Id"
 EXPECTED_LAST_SEQUENCE_HEADER = "Nats-Expected-Last-Sequence"

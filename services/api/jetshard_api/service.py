@@ -33,7 +33,7 @@ class ApiConfig:
 
 
 async def run_api(config: ApiConfig, stop: asyncio.Event) -> None:
-    client, js = await connect(config.nats, "jetshard-api", config.timings)
+    client, js = await connect(config.nats, "jetshard-api", config.timings, declare_streams=False)
     follower = StateFollower(js)
     await follower.start()
     cluster = Cluster(client, js, follower, config.command_timeout_s)

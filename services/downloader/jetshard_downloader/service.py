@@ -557,7 +557,7 @@ async def run_downloader(config: DownloaderConfig, stop: asyncio.Event) -> None:
         with contextlib.suppress(OSError):
             sweep_tombstones(models_dir)
             sweep_staging(models_dir)
-    client, js = await connect(config.nats, f"jetshard-downloader {node_id}", config.timings)
+    client, js = await connect(config.nats, f"jetshard-downloader {node_id}", config.timings, declare_streams=False)
     follower = StateFollower(js)
     downloader = Downloader(config, _Publisher(js, node_id), follower)
     follower.add_listener(downloader.on_event)

@@ -20,7 +20,7 @@ from jetshard_bus.commands import publish_command
 from jetshard_bus.connect import connect
 from jetshard_bus.follower import StateFollower
 from jetshard_bus.options import NatsOptions
-from jetshard_bus.snapshots import save_snapshot
+from jetshard_bus.snapshots import save_snapshot, stream_created
 from jetshard_bus.streams import BusTimings, declare
 from jetshard_bus.tracing import inject, span_from
 from jetshard_schema import subjects
@@ -89,7 +89,8 @@ async def _follow_then_lead(js: JetStreamContext, config: SequencerConfig, stop:
         if stop.is_set():
             return
         started = time.monotonic()
-        last_seq = (await js.stream_info(subjects.EVENTS_STREAM)).state.last_seq
+        events_info = await js.stream_info(subjects.EVENTS_STREAM)
+        last_seq = events_info.state.last_seq
         await _caught_up(follower, last_seq)
     finally:
         await follower.stop()
@@ -99,7 +100,7 @@ async def _follow_then_lead(js: JetStreamContext, config: SequencerConfig, stop:
         last_seq,
         time.monotonic() - started,
     )
-    leader = Leader(js, config, follower.state, follower.partial, last_seq, lease)
+    leader = Leader(js, config, follower.state, follower.partial, last_seq, lease, stream_created(events_info))
     try:
         await leader.run(stop)
     except* StaleLeaderError as stale:
@@ -172,6 +173,7 @@ class Leader:
         partial: list[tuple[int, EventEnvelope]],
         last_seq: int,
         lease: Lease,
+        events_created: str,
     ) -> None:
         self._js = js
         self._config = config
@@ -180,6 +182,8 @@ class Leader:
         self._last_seq = last_seq
         self._lease = lease
         self._since_snapshot = 0
+        self._events_created = events_created
+        """The incarnation of the events stream this term appends to, named in its snapshots."""
 
     async def run(self, stop: asyncio.Event) -> None:
         # A consumer of this leadership term's own, starting right after the last command with events.
@@ -230,7 +234,7 @@ class Leader:
             in_flight = (appended, messages[-1]) if appended is not None else None
             if self._since_snapshot >= self._config.snapshot_every and in_flight is None:
                 self._since_snapshot = 0
-                await save_snapshot(self._js, self.state)
+                await save_snapshot(self._js, self.state, self._events_created)
         if in_flight is not None:
             await self._confirm(*in_flight)
 
@@ -378,6 +382,6 @@ async def _alive(kv: KeyValue, node_id: NodeId) -> bool:
 async def _check_liveness_bucket(js: JetStreamContext) -> None:
     """nats-py reports a key of a bucket that is gone as not found: every node would seem lost at once."""
     try:
-        await js.stream_info(f"KV_{subjects.LIVENESS_BUCKET}")
+        await js.stream_info(subjects.kv_stream(subjects.LIVENESS_BUCKET))
     except nats.js.errors.NotFoundError as error:
         raise LivenessUnknownError(f"the liveness bucket {subjects.LIVENESS_BUCKET} is gone") from error

@@ -1,4 +1,5 @@
-"""A runner: one process hosting one shard of an instance. `python -m jetshard_worker.runner SPEC_JSON`.
+"""A runner: one process hosting one shard of an instance. `python -m jetshard_worker.runner SPEC_JSON`
+(the spec holds no secret: a NATS password or token comes in the environment).
 
 Every rank loads its layers, joins the ring, and reports its status. The last rank is the leader: it
 takes the tasks assigned to its instance from the event stream, renders and tokenizes prompts, drives the
@@ -328,7 +329,7 @@ def _log_failure(task: asyncio.Future[Any]) -> None:
 
 
 async def run_runner(spec: RunnerSpec, stop: asyncio.Event) -> None:
-    client, js = await connect(spec.nats, f"jetshard-runner {spec.instance_id}/{spec.rank}")
+    client, js = await connect(spec.nats, f"jetshard-runner {spec.instance_id}/{spec.rank}", declare_streams=False)
     runner = Runner(spec, js, client)
     try:
         await runner.load()
@@ -373,6 +374,7 @@ async def run_runner(spec: RunnerSpec, stop: asyncio.Event) -> None:
 
 def main() -> None:
     spec = msgspec.json.decode(sys.argv[1], type=RunnerSpec)
+    spec = msgspec.structs.replace(spec, nats=spec.nats.with_secrets(os.environ))
     run_service(f"runner/{spec.rank}", lambda stop: run_runner(spec, stop))
 
 

@@ -143,8 +143,9 @@ class RunnerSupervisor:
                 write_hostfile(self._scratch / f"{key.instance_id}-{key.generation}.json", runner_plan.endpoints)
             )
         card = find_card(self._state, runner_plan.model_id)
+        nats, nats_secrets = self._nats.without_secrets()
         spec = RunnerSpec(
-            nats=self._nats,
+            nats=nats,
             instance_id=key.instance_id,
             generation=key.generation,
             node_id=self.node_id,
@@ -163,7 +164,7 @@ class RunnerSupervisor:
                 [sys.executable, "-m", "jetshard_worker.runner", msgspec.json.encode(spec).decode()],
                 stdout=log_file,
                 stderr=subprocess.STDOUT,
-                env=runner_environment(),
+                env={**runner_environment(), **nats_secrets},
                 preexec_fn=_die_with_parent,
             )
         log.info(

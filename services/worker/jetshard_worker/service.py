@@ -45,7 +45,7 @@ class WorkerConfig:
 async def run_worker(config: WorkerConfig, stop: asyncio.Event) -> None:
     node_id = node_id_for(config.config_dir)
     session_id = config.session_id
-    client, js = await connect(config.nats, f"jetshard-worker {node_id}", config.timings)
+    client, js = await connect(config.nats, f"jetshard-worker {node_id}", config.timings, declare_streams=False)
     cards = CardDirectory(config.card_dir or config.config_dir / "cards")
     follower = StateFollower(js)
     supervisor = RunnerSupervisor(

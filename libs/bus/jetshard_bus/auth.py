@@ -1,0 +1,180 @@
+"""Who may do what on NATS: an nkey identity per role, and each role's permissions, as data.
+
+The server's configuration lists public keys only; each role's seed (its secret) lives in a 0600 file that
+the role's processes read by path (`--nats-nkey FILE`), never on a command line.
+
+| role                  | publishes, besides reads                                           | subscribes         |
+| --------------------- | ------------------------------------------------------------------ | ------------------ |
+| admin                 | anything (deletes and purges streams; `up` declares with it)       | anything           |
+| sequencer             | events, commands, stream create/update, command consumers, leader  | `_INBOX.>`         |
+|                       | key, snapshots (and purging the previous snapshot's chunks)        |                    |
+| api                   | commands, task requests (prompts, to JETSHARD_TASKS)               | chunks, `_INBOX.>` |
+| worker (per node)     | commands, chunks, its own liveness key; reads task requests        | `_INBOX.>`         |
+| downloader (per node) | commands, its own liveness key                                     | `_INBOX.>`         |
+| viewer                | nothing (`jetshard state`, `jetshard events`)                      | `_INBOX.>`         |
+
+Every role but admin may read the event stream and the snapshots (stream info, an ordered consumer, a
+message by sequence); none but admin may delete or purge `JETSHARD_EVENTS` or `JETSHARD_COMMANDS`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import nkeys
+from jetshard_schema import subjects
+
+ADMIN = "admin"
+SEQUENCER = "sequencer"
+API = "api"
+VIEWER = "viewer"
+WORKER = "worker"
+DOWNLOADER = "downloader"
+
+JS_API = "$JS.API"
+INBOXES = "_INBOX.>"
+SNAPSHOT_STREAM = subjects.object_stream(subjects.SNAPSHOT_BUCKET)
+LIVENESS_STREAM = subjects.kv_stream(subjects.LIVENESS_BUCKET)
+LEADER_STREAM = subjects.kv_stream(subjects.LEADER_BUCKET)
+
+
+@dataclass(frozen=True)
+class Permissions:
+    publish: tuple[str, ...]
+    subscribe: tuple[str, ...] = (INBOXES,)
+    publish_deny: tuple[str, ...] = field(
+        default=(f"{subjects.EVENT_PREFIX}.>", f"{JS_API}.STREAM.DELETE.>", f"{JS_API}.STREAM.PURGE.>")
+    )
+    """Denied even where an allow above would match: what a role must never do, stated on its own."""
+
+
+def _read_stream(stream: str) -> tuple[str, ...]:
+    """An ordered consumer on `stream` (how followers and object-store reads fetch) and single-message reads."""
+    return (
+        f"{JS_API}.CONSUMER.CREATE.{stream}",
+        f"{JS_API}.CONSUMER.CREATE.{stream}.>",
+        f"{JS_API}.CONSUMER.INFO.{stream}.>",
+        f"{JS_API}.CONSUMER.DELETE.{stream}.>",
+        f"{JS_API}.STREAM.MSG.GET.{stream}",
+        f"{JS_API}.DIRECT.GET.{stream}",
+        f"{JS_API}.DIRECT.GET.{stream}.>",
+        f"$JS.FC.{stream}.>",
+    )
+
+
+FOLLOW = (
+    f"{JS_API}.INFO",
+    f"{JS_API}.STREAM.NAMES",
+    *(f"{JS_API}.STREAM.INFO.{stream}" for stream in subjects.ALL_STREAMS),
+    *_read_stream(subjects.EVENTS_STREAM),
+    *_read_stream(SNAPSHOT_STREAM),
+)
+"""Follow State: stream info, the events from a sequence, the snapshot."""
+
+COMMANDS = f"{subjects.COMMAND_PREFIX}.>"
+CHUNKS = f"{subjects.CHUNK_PREFIX}.>"
+TASK_REQUESTS = f"{subjects.TASK_PREFIX}.>"
+READ_TASK_REQUEST = (f"{JS_API}.STREAM.MSG.GET.{subjects.TASKS_STREAM}", f"{JS_API}.DIRECT.GET.{subjects.TASKS_STREAM}")
+"""A leader runner reads each task's request (the prompt) by its sequence in JETSHARD_TASKS."""
+
+
+def _liveness_key(node_id: str) -> str:
+    return f"$KV.{subjects.LIVENESS_BUCKET}.{node_id}"
+
+
+def role_permissions(role: str, node_id: str | None = None) -> Permissions | None:
+    """The permissions of `role` (None: unrestricted). Node roles need the node whose liveness key they keep."""
+    if role == ADMIN:
+        return None
+    if role == SEQUENCER:
+        return Permissions(
+            publish=(
+                *FOLLOW,
+                f"{subjects.EVENT_PREFIX}.>",
+                COMMANDS,
+                *(
+                    f"{JS_API}.STREAM.{verb}.{stream}"
+                    for verb in ("CREATE", "UPDATE")
+                    for stream in subjects.ALL_STREAMS
+                ),
+                # Commands are read through a pull consumer per leadership term, acked once their events are stored.
+                f"{JS_API}.CONSUMER.CREATE.{subjects.COMMANDS_STREAM}.>",
+                f"{JS_API}.CONSUMER.DURABLE.CREATE.{subjects.COMMANDS_STREAM}.>",
+                f"{JS_API}.CONSUMER.INFO.{subjects.COMMANDS_STREAM}.>",
+                f"{JS_API}.CONSUMER.DELETE.{subjects.COMMANDS_STREAM}.>",
+                f"{JS_API}.CONSUMER.MSG.NEXT.{subjects.COMMANDS_STREAM}.>",
+                f"$JS.ACK.{subjects.COMMANDS_STREAM}.>",
+                f"$KV.{subjects.LEADER_BUCKET}.{subjects.LEADER_KEY}",
+                *_read_stream(LEADER_STREAM),
+                *_read_stream(LIVENESS_STREAM),
+                f"$O.{subjects.SNAPSHOT_BUCKET}.>",
+                # Replacing the snapshot purges the previous one's chunks, in its own bucket only.
+                f"{JS_API}.STREAM.PURGE.{SNAPSHOT_STREAM}",
+            ),
+            publish_deny=(f"{JS_API}.STREAM.DELETE.>",),
+        )
+    if role == API:
+        return Permissions(publish=(*FOLLOW, COMMANDS, TASK_REQUESTS), subscribe=(INBOXES, CHUNKS))
+    if role == VIEWER:
+        return Permissions(publish=FOLLOW)
+    if role in (WORKER, DOWNLOADER):
+        if node_id is None:
+            raise ValueError(f"the {role} role belongs to a node: give its node id")
+        runners = (CHUNKS, *READ_TASK_REQUEST) if role == WORKER else ()
+        return Permissions(publish=(*FOLLOW, COMMANDS, *runners, _liveness_key(node_id)))
+    raise ValueError(f"unknown role {role!r}")
+
+
+@dataclass(frozen=True)
+class Identity:
+    """One role's nkey: the seed file a client connects with, and the public key the server knows it by."""
+
+    role: str
+    seed_file: Path
+    public_key: str
+    node_id: str | None = None
+
+
+def ensure_identity(creds_dir: Path, role: str, node_id: str | None = None) -> Identity:
+    """The role's identity from `creds_dir`, created (0600) the first time, so restarts keep it."""
+    creds_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+    seed_file = creds_dir / (f"{role}-{node_id}.nk" if node_id else f"{role}.nk")
+    if not seed_file.exists():
+        seed = nkeys.encode_seed(secrets.token_bytes(32), nkeys.PREFIX_BYTE_USER)
+        temporary = seed_file.with_name(f".{seed_file.name}.{os.getpid()}")
+        descriptor = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(descriptor, "wb") as file:
+            file.write(seed + b"\n")
+        os.replace(temporary, seed_file)
+    key_pair = nkeys.from_seed(bytearray(seed_file.read_bytes().strip()))
+    try:
+        public_key = key_pair.public_key.decode()
+    finally:
+        key_pair.wipe()
+    return Identity(role=role, seed_file=seed_file, public_key=public_key, node_id=node_id)
+
+
+def server_authorization(identities: list[Identity]) -> str:
+    """The nats-server `authorization` block admitting exactly these identities, each with its role's rights."""
+    users = []
+    for identity in identities:
+        user: dict[str, object] = {"nkey": identity.public_key}
+        permissions = role_permissions(identity.role, identity.node_id)
+        if permissions is not None:
+            user["permissions"] = {
+                "publish": {"allow": list(permissions.publish), "deny": list(permissions.publish_deny)},
+                "subscribe": {"allow": list(permissions.subscribe)},
+            }
+        users.append(user)
+    # JSON is valid nats-server configuration syntax.
+    return f"authorization {json.dumps({'users': users}, indent=2)}\n"
+
+
+def cluster_identities(creds_dir: Path, node_id: str) -> dict[str, Identity]:
+    """Every identity of a one-machine cluster (`jetshard up`), by role."""
+    roles = {role: ensure_identity(creds_dir, role) for role in (ADMIN, SEQUENCER, API, VIEWER)}
+    return roles | {role: ensure_identity(creds_dir, role, node_id) for role in (WORKER, DOWNLOADER)}
