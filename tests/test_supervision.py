@@ -99,7 +99,8 @@ async def test_up_restarts_each_killed_service_and_nats_server_and_loses_no_comm
         while "Press Ctrl-C to stop." not in up_log.read_text():
             assert up.poll() is None and time.monotonic() < deadline, up_log.read_text()
             await asyncio.sleep(0.2)
-        client, js = await connect(NatsOptions(servers=(f"nats://127.0.0.1:{nats_port}",)), "chaos-test")
+        admin = NatsOptions(servers=(f"nats://127.0.0.1:{nats_port}",), nkey_file=str(data / "creds" / "admin.nk"))
+        client, js = await connect(admin, "chaos-test")
         http = httpx.AsyncClient(base_url=api, timeout=5)
         recovery: dict[str, float] = {}
         published: list[CommandId] = []
