@@ -6,7 +6,7 @@ import enum
 
 import msgspec
 
-from jetshard_schema.ids import ModelId
+from jetshard_schema.ids import ValidModelId
 
 
 class ModelTask(enum.StrEnum):
@@ -29,7 +29,7 @@ class Quantization(msgspec.Struct, frozen=True, forbid_unknown_fields=False):
 
 
 class ModelCard(msgspec.Struct, frozen=True, kw_only=True):
-    model_id: ModelId
+    model_id: ValidModelId
     num_layers: int
     hidden_size: int
     num_attention_heads: int

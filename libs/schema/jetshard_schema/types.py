@@ -6,7 +6,7 @@ import enum
 
 import msgspec
 
-from jetshard_schema.ids import ModelId, NodeId, TaskId
+from jetshard_schema.ids import ValidModelId, ValidNodeId, ValidTaskId
 
 
 class NodeProfile(msgspec.Struct, frozen=True, kw_only=True):
@@ -31,12 +31,12 @@ class NodeStorage(msgspec.Struct, frozen=True, kw_only=True):
     model_dirs: tuple[ModelDirInfo, ...] = ()
     offline: bool = False
     """The downloader makes no network call: it can serve only `available_models` (and packaged GGUFs)."""
-    available_models: tuple[ModelId, ...] = ()
+    available_models: tuple[ValidModelId, ...] = ()
     """Models complete (every layer) in one of the node's directories."""
 
 
 class ShardAssignment(msgspec.Struct, frozen=True, kw_only=True):
-    node_id: NodeId
+    node_id: ValidNodeId
     rank: int
     start_layer: int
     """First layer of the shard; layer ranges are `[start_layer, end_layer)`, 0-based."""
@@ -100,8 +100,8 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
 
 
 class TaskRequest(msgspec.Struct, frozen=True, kw_only=True):
-    task_id: TaskId
-    model_id: ModelId
+    task_id: ValidTaskId
+    model_id: ValidModelId
     kind: TaskKind
     messages: tuple[ChatMessage, ...] = ()
     prompt: str = ""
@@ -127,7 +127,7 @@ class TaskOutcome(enum.StrEnum):
 class Chunk(msgspec.Struct, frozen=True, kw_only=True):
     """One piece of a task's output on `jetshard.chunks.<task id>`; `index` runs 0, 1, 2… with no gap."""
 
-    task_id: TaskId
+    task_id: ValidTaskId
     index: int
     text: str = ""
     token_count: int = 0
