@@ -1,7 +1,8 @@
 """How to reach the cluster `jetshard up` runs: `<data dir>/cluster.json`, read by the client commands.
 
 `up` writes it once the API answers and removes it when it stops cleanly; `jetshard models`, `download`,
-`events` and `state` use it when no `--api`/`--nats` (or their environment variables) is given.
+`events` and `state` use it when no `--api`/`--nats` (or their environment variables) is given, and send
+the API key it records (mode 0600) unless `JETSHARD_API_KEY` names one.
 """
 
 from __future__ import annotations
@@ -22,14 +23,14 @@ def data_dir() -> Path:
     return Path(base) / "jetshard"
 
 
-def write_cluster_file(root: Path, api_url: str, nats_url: str) -> None:
+def write_cluster_file(root: Path, api_url: str, nats_url: str, api_key: str | None = None) -> None:
     path = root / CLUSTER_FILE_NAME
     # Written under another name and renamed, so a reader never sees half a file; created 0600 because it
     # points at a cluster that may hold credentials one day.
     temporary = path.with_name(f".{CLUSTER_FILE_NAME}.{os.getpid()}")
     descriptor = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     with os.fdopen(descriptor, "w") as file:
-        json.dump({"api": api_url, "nats": nats_url}, file)
+        json.dump({"api": api_url, "nats": nats_url} | ({"api_key": api_key} if api_key else {}), file)
     os.replace(temporary, path)
 
 
@@ -39,8 +40,18 @@ def remove_cluster_file(root: Path) -> None:
 
 def recorded_url(kind: Literal["api", "nats"]) -> str | None:
     """The URL a running `up` recorded in the data dir, if any."""
+    return _recorded(kind)
+
+
+def api_headers() -> dict[str, str]:
+    """The API key to send: `JETSHARD_API_KEY`, else the one a running `up` recorded; none if neither."""
+    key = os.environ.get("JETSHARD_API_KEY") or _recorded("api_key")
+    return {"Authorization": f"Bearer {key}"} if key else {}
+
+
+def _recorded(key: str) -> str | None:
     try:
-        url = json.loads((data_dir() / CLUSTER_FILE_NAME).read_text())[kind]
+        value = json.loads((data_dir() / CLUSTER_FILE_NAME).read_text())[key]
     except (OSError, ValueError, KeyError, TypeError):
         return None
-    return url if isinstance(url, str) else None
+    return value if isinstance(value, str) else None

@@ -45,6 +45,13 @@ STOP_GRACE_S = (2.0, 1.0, 0.8, 0.8)
 )
 @click.option("--host", envvar="JETSHARD_HOST", default="127.0.0.1", show_default=True, help="API address")
 @click.option("--port", envvar="JETSHARD_PORT", type=int, default=52415, show_default=True, help="API port")
+@click.option("--api-key", envvar="JETSHARD_API_KEY", default=None, help="require this key of API clients")
+@click.option(
+    "--allowed-host",
+    "allowed_hosts",
+    multiple=True,
+    help="also answer API requests naming this Host (besides loopback names and --host's addresses)",
+)
 @click.option(
     "--data-dir",
     "state_dir",
@@ -85,6 +92,8 @@ def up(
     nats_port: int,
     host: str,
     port: int,
+    api_key: str | None,
+    allowed_hosts: tuple[str, ...],
     state_dir: Path | None,
     offline: bool,
     model: str,
@@ -119,8 +128,9 @@ def up(
         ):
             if value is not None:
                 env[name] = value
-        extra_args = {"api": ["--host", host, "--port", str(port)]}
-        extra_env = {"worker": {"JETSHARD_WORKER_SESSION": worker_session}}
+        extra_args = {"api": ["--host", host, "--port", str(port), *(f"--allowed-host={h}" for h in allowed_hosts)]}
+        # The key travels in the environment: a command line is visible to every user of the machine.
+        extra_env = {"worker": {"JETSHARD_WORKER_SESSION": worker_session}, "api": {"JETSHARD_API_KEY": api_key or ""}}
         for name, stage in SERVICE_STOP_STAGES.items():
             supervisor.start(
                 name,
@@ -130,7 +140,7 @@ def up(
                 {**env, **extra_env.get(name, {})},
             )
         _wait_healthy(api_url, supervisor, logs)
-        write_cluster_file(root, api_url, nats_url)
+        write_cluster_file(root, api_url, nats_url, api_key)
         console.print(
             f"[bold green]jetshard is up[/]\n  API   {api_url}  (OpenAI base URL: {api_url}/v1)\n"
             f"  NATS  {nats_url}  (try: nats --server {nats_url} stream view JETSHARD_EVENTS)\n"
@@ -138,7 +148,8 @@ def up(
             soft_wrap=True,
         )
         if not no_model:
-            place_and_wait(console, api_url, model, worker_session, lambda: supervisor.exited() is None)
+            headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+            place_and_wait(console, api_url, model, worker_session, lambda: supervisor.exited() is None, headers)
         console.print("Press Ctrl-C to stop.")
         while (exited := supervisor.exited()) is None:
             time.sleep(0.5)

@@ -13,6 +13,7 @@ _TYPES = {
     404: "not_found_error",
     409: "conflict_error",
     413: "invalid_request_error",
+    415: "invalid_request_error",
     429: "rate_limit_error",
     502: "upstream_error",
     503: "service_unavailable",
@@ -53,6 +54,11 @@ def http_error_handler(_: Request, error: HTTPException) -> Response[dict[str, o
         message = f"{error.detail}: {error.extra}"
     code = "request_too_large" if error.status_code == 413 else None
     return Response(error_body(error.status_code, str(message), code), status_code=error.status_code)
+
+
+def nesting_error_handler(_: Request, error: RecursionError) -> Response[dict[str, object]]:
+    # msgspec gives up on a deeply nested body with a RecursionError: the request is at fault, not the server.
+    return Response(error_body(400, f"the JSON body is nested too deeply: {error}"), status_code=400)
 
 
 def internal_error_handler(_: Request, error: Exception) -> Response[dict[str, object]]:
