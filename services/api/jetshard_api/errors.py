@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import msgspec
 from jetshard_schema.types import RejectCode
 from litestar import Request, Response
 from litestar.exceptions import HTTPException, ValidationException
+from litestar.openapi.datastructures import ResponseSpec
 
 _TYPES = {
     400: "invalid_request_error",
@@ -29,6 +31,34 @@ REJECT_STATUS = {
     RejectCode.NO_CAPACITY: 503,
     RejectCode.MODEL_UNAVAILABLE: 503,
 }
+
+
+class ErrorDetail(msgspec.Struct, frozen=True):
+    message: str
+    type: str
+    param: str | None
+    code: str | None
+
+
+class ErrorBody(msgspec.Struct, frozen=True):
+    error: ErrorDetail
+
+
+ERROR_RESPONSES = {
+    status: ResponseSpec(data_container=ErrorBody, description=description)
+    for status, description in {
+        400: "invalid request",
+        401: "missing or wrong API key",
+        403: "refused: a foreign Origin",
+        404: "not found",
+        409: "conflicts with the cluster's state",
+        413: "request body too large",
+        415: "not a JSON body",
+        503: "no capacity, or the model cannot be served",
+        504: "the cluster did not answer in time",
+    }.items()
+}
+"""Documented on every route, in the shape every error takes (Litestar would document its own)."""
 
 
 class ApiError(Exception):

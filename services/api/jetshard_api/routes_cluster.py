@@ -16,24 +16,24 @@ from litestar.response import ServerSentEvent
 from litestar.response.sse import ServerSentEventMessage
 
 from jetshard_api.cluster import Cluster
-from jetshard_api.errors import ApiError
+from jetshard_api.errors import ERROR_RESPONSES, ApiError
 
 
 class ClusterController(Controller):
     tags = ["cluster"]
 
-    @get("/healthz")
+    @get("/healthz", responses=ERROR_RESPONSES)
     async def healthz(self, cluster: Cluster) -> dict[str, Any]:
         """Liveness: answers while the API is connected to NATS."""
         return {"status": "ok" if cluster.client.is_connected else "disconnected", "last_seq": cluster.state.last_seq}
 
-    @get("/state")
+    @get("/state", responses=ERROR_RESPONSES)
     async def state(self, cluster: Cluster) -> dict[str, Any]:
         """This API's State replica, with `last_seq`: the stream sequence of the last event applied."""
         result: dict[str, Any] = msgspec.to_builtins(cluster.state)
         return result
 
-    @get("/nodes")
+    @get("/nodes", responses=ERROR_RESPONSES)
     async def nodes(self, cluster: Cluster) -> list[dict[str, Any]]:
         state = cluster.state
         return [
@@ -41,7 +41,7 @@ class ClusterController(Controller):
             for node_id, node in sorted(state.nodes.items())
         ]
 
-    @get("/events")
+    @get("/events", responses=ERROR_RESPONSES)
     async def events(
         self,
         cluster: Cluster,
