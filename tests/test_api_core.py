@@ -86,7 +86,7 @@ async def append_card_events(url: str, *model_ids: str) -> None:
                 is_custom=True,
             )
             envelope = EventEnvelope(
-                command_id=CommandId(f"c-{model_id}"),
+                command_id=CommandId(f"c-{model_id.replace('/', '--')}"),
                 command_seq=0,
                 index=0,
                 count=1,

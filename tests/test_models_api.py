@@ -388,7 +388,9 @@ def test_untrusted_ids_are_refused_before_any_network_call(cluster: Cluster) -> 
         assert error_message(response)
     for bad in (None, 42, ["org/name"], {"org": "name"}):
         assert post(cluster.api, bad).status_code == 400
-    assert httpx.post(f"{cluster.api}/models", content=b"not json", timeout=10).status_code == 400
+    json_type = {"content-type": "application/json"}
+    assert httpx.post(f"{cluster.api}/models", content=b"not json", headers=json_type, timeout=10).status_code == 400
+    assert httpx.post(f"{cluster.api}/models", content=b"not json", timeout=10).status_code == 415
 
     # Ids in paths: percent-encoded separators and dots reach the route as one segment or do not match it.
     raw_paths = [

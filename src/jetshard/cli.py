@@ -169,6 +169,21 @@ def sequencer(nats: NatsOptions, timings: BusTimings, snapshot_every: int) -> No
     show_default=True,
     help="a generation silent this long (after its first chunk) ends with an error",
 )
+@option(
+    "--api-key", default=None, help="require this key ('Authorization: Bearer' or 'x-api-key'); /healthz stays open"
+)
+@option(
+    "--allowed-host",
+    "allowed_hosts",
+    multiple=True,
+    help="also answer requests naming this Host (besides loopback names and --host's addresses); '*': any",
+)
+@option(
+    "--cors-origin",
+    "cors_origins",
+    multiple=True,
+    help="let web pages from this origin (scheme://host[:port]) call the API; none by default",
+)
 def api(
     nats: NatsOptions,
     timings: BusTimings,
@@ -178,9 +193,13 @@ def api(
     port_file: Path | None,
     auto_place: bool,
     chunk_silence_s: float,
+    api_key: str | None,
+    allowed_hosts: tuple[str, ...],
+    cors_origins: tuple[str, ...],
 ) -> None:
     """Serve the OpenAI-compatible API and the cluster routes."""
     from jetshard_api.routes_openai import InferenceSettings
+    from jetshard_api.safety import HttpSafety, allowed_hosts_for
     from jetshard_api.service import ApiConfig, run_api
     from jetshard_bus.service import run_service
 
@@ -193,6 +212,7 @@ def api(
         command_timeout_s=command_timeout_s,
         port_file=port_file,
         inference=inference,
+        safety=HttpSafety(api_key or None, allowed_hosts_for(host, allowed_hosts), cors_origins),
     )
     run_service("api", lambda stop: run_api(config, stop))
 

@@ -22,7 +22,7 @@ from rich.progress import (
     TransferSpeedColumn,
 )
 
-from jetshard.clusterfile import recorded
+from jetshard.clusterfile import api_headers, recorded
 
 DEFAULT_API = "http://127.0.0.1:52415"
 _FINAL = ("completed", "failed", "cancelled")
@@ -75,7 +75,7 @@ def download(
         "start_layer": start_layer,
         "end_layer": end_layer,
     }
-    with httpx.Client(base_url=api_url.rstrip("/"), timeout=60) as client:
+    with httpx.Client(base_url=api_url.rstrip("/"), timeout=60, headers=api_headers()) as client:
         try:
             response = client.post("/downloads", json={k: v for k, v in body.items() if v is not None})
         except httpx.HTTPError as error:

@@ -17,7 +17,7 @@ import httpx
 from rich.console import Console
 from rich.table import Table
 
-from jetshard.clusterfile import recorded
+from jetshard.clusterfile import api_headers, recorded
 
 DEFAULT_API_URL = "http://127.0.0.1:52415"
 ADD_TIMEOUT_S = 120.0
@@ -40,7 +40,7 @@ class ApiClient:
     ) -> tuple[int, Any]:
         url = self.base_url + path
         try:
-            with httpx.Client(timeout=timeout) as client:
+            with httpx.Client(timeout=timeout, headers=api_headers()) as client:
                 response = client.request(method, url, json=body)
         except httpx.TimeoutException:
             _fail(f"the API at {self.base_url} did not answer within {timeout:.0f} s", EXIT_UNREACHABLE)

@@ -26,6 +26,7 @@ def place_and_wait(
     model_id: str,
     worker_session: Callable[[], str],
     keep_waiting: Callable[[], bool],
+    headers: dict[str, str],
     timeout_s: float = 1800,
 ) -> bool:
     """Place `model_id` unless an instance exists, show download and loading progress, print examples.
@@ -33,7 +34,7 @@ def place_and_wait(
     Ready means served by the current start of the worker (`worker_session()`): after a restart State still
     shows the previous start's runners as ready until the new worker has replaced them.
     """
-    with httpx.Client(base_url=api_url, timeout=30) as http:
+    with httpx.Client(base_url=api_url, timeout=30, headers=headers) as http:
         node_id = _wait_for_node(http, worker_session, keep_waiting)
         if node_id is None:
             console.print("[red]this machine's node did not join the cluster; see the worker's log[/]")

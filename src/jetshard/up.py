@@ -54,6 +54,13 @@ STOP_GRACE_S = (2.0, 1.0, 0.8, 0.8)
 )
 @click.option("--host", envvar="JETSHARD_HOST", default="127.0.0.1", show_default=True, help="API address")
 @click.option("--port", envvar="JETSHARD_PORT", type=int, default=52415, show_default=True, help="API port")
+@click.option("--api-key", envvar="JETSHARD_API_KEY", default=None, help="require this key of API clients")
+@click.option(
+    "--allowed-host",
+    "allowed_hosts",
+    multiple=True,
+    help="also answer API requests naming this Host (besides loopback names and --host's addresses)",
+)
 @click.option(
     "--data-dir",
     "state_dir",
@@ -94,6 +101,8 @@ def up(
     nats_port: int,
     host: str,
     port: int,
+    api_key: str | None,
+    allowed_hosts: tuple[str, ...],
     state_dir: Path | None,
     offline: bool,
     model: str,
@@ -142,12 +151,15 @@ def up(
         ):
             if value is not None:
                 env[name] = value
-        extra_args = {"api": ["--host", host, "--port", str(port)]}
+        extra_args = {"api": ["--host", host, "--port", str(port), *(f"--allowed-host={h}" for h in allowed_hosts)]}
 
         def starter(name: str) -> Callable[[], subprocess.Popen[bytes]]:
             args = [sys.executable, "-m", "jetshard", name, *extra_args.get(name, [])]
             log_file = logs / f"{name}.log"
             service_env = {**env, "JETSHARD_NATS_NKEY": str(identities[name].seed_file)} if identities else env
+            if name == "api":
+                # The key travels in the environment: a command line is visible to every user of the machine.
+                service_env = {**service_env, "JETSHARD_API_KEY": api_key or ""}
 
             def start() -> subprocess.Popen[bytes]:
                 if name != "worker":
@@ -160,7 +172,7 @@ def up(
         for name, stage in SERVICE_STOP_STAGES.items():
             supervisor.start(name, starter(name), stage, logs / f"{name}.log")
         _wait_healthy(api_url, supervisor, logs)
-        write_cluster_file(root, api_url, nats_url, identities[VIEWER].seed_file if identities else None)
+        write_cluster_file(root, api_url, nats_url, identities[VIEWER].seed_file if identities else None, api_key)
         shown_url = _without_userinfo(nats_url)
         nats_cli = f"nats --server {shown_url}"
         if identities:
@@ -177,7 +189,8 @@ def up(
             return True
 
         if not no_model:
-            place_and_wait(console, api_url, model, lambda: worker_sessions[-1], tend)
+            headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+            place_and_wait(console, api_url, model, lambda: worker_sessions[-1], tend, headers)
         console.print("Press Ctrl-C to stop.")
         while tend():
             time.sleep(0.2)

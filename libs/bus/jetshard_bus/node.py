@@ -7,12 +7,14 @@ import contextlib
 import logging
 import os
 import platform
+import re
 import socket
 import tempfile
 from pathlib import Path
 
+import msgspec
 import psutil
-from jetshard_schema.ids import NodeId, new_id
+from jetshard_schema.ids import NodeId, ValidNodeId, new_id
 from jetshard_schema.subjects import LIVENESS_BUCKET
 from jetshard_schema.types import NodeProfile
 from nats.js import JetStreamContext
@@ -33,9 +35,11 @@ def node_id_for(directory: Path) -> NodeId:
     another process got there first; both then read whatever won."""
     path = directory / "node_id"
     if path.exists():
-        return NodeId(path.read_text().strip())
+        return _read_node_id(path)
     directory.mkdir(parents=True, exist_ok=True)
-    candidate = f"node-{socket.gethostname().split('.')[0][:24]}-{new_id()[:8]}"
+    # A hostname may hold anything a node id may not (dots, spaces, non-ASCII): keep only what is allowed.
+    host = re.sub(r"[^A-Za-z0-9_-]", "", socket.gethostname().split(".")[0])[:24]
+    candidate = f"node-{host or 'host'}-{new_id()[:8]}"
     fd, temp = tempfile.mkstemp(dir=directory, prefix=".node_id.")
     try:
         with os.fdopen(fd, "w") as file:
@@ -44,7 +48,14 @@ def node_id_for(directory: Path) -> NodeId:
             os.link(temp, path)
     finally:
         os.unlink(temp)
-    return NodeId(path.read_text().strip())
+    return _read_node_id(path)
+
+
+def _read_node_id(path: Path) -> NodeId:
+    try:
+        return msgspec.convert(path.read_text().strip(), ValidNodeId)
+    except msgspec.ValidationError as error:
+        raise ValueError(f"{path} holds no valid node id ({error}); delete it to get a new one") from None
 
 
 def node_profile() -> NodeProfile:

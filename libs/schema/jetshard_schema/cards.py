@@ -7,7 +7,7 @@ from typing import Annotated
 
 import msgspec
 
-from jetshard_schema.ids import ModelId
+from jetshard_schema.ids import ValidModelId
 
 
 class ModelTask(enum.StrEnum):
@@ -40,7 +40,7 @@ class GenerationDefaults(msgspec.Struct, frozen=True, kw_only=True):
 
 
 class ModelCard(msgspec.Struct, frozen=True, kw_only=True):
-    model_id: ModelId
+    model_id: ValidModelId
     num_layers: int
     hidden_size: int
     num_attention_heads: int

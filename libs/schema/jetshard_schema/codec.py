@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import typing
 
 import msgspec
 
@@ -19,6 +20,7 @@ _raw_envelope_decoder = msgspec.json.Decoder(RawEventEnvelope)
 _event_decoder = msgspec.json.Decoder(Event)  # type: ignore[arg-type]
 _state_decoder = msgspec.json.Decoder(State)
 _warned_types: set[str] = set()
+_known_event_types = {member.__name__ for member in typing.get_args(Event)}
 
 
 def encode(value: object) -> bytes:
@@ -41,7 +43,9 @@ def decode_event(data: bytes) -> EventEnvelope | None:
         event = _event_decoder.decode(raw.event)
     except msgspec.ValidationError as error:
         type_name = _event_type_name(raw.event)
-        if type_name not in _warned_types:
+        if type_name in _known_event_types:  # a hostile or corrupt event: worth a warning every time
+            log.warning("skipping an invalid %s event: %s", type_name, error)
+        elif type_name not in _warned_types:
             _warned_types.add(type_name)
             log.warning("skipping event type %r that this version cannot read (%s)", type_name, error)
         return None

@@ -9,7 +9,7 @@ from __future__ import annotations
 import msgspec
 
 from jetshard_schema.cards import ModelCard
-from jetshard_schema.ids import InstanceId, ModelId, NodeId, TaskId
+from jetshard_schema.ids import ValidInstanceId, ValidModelId, ValidNodeId, ValidSessionId, ValidTaskId
 from jetshard_schema.subjects import command_subject
 from jetshard_schema.types import (
     DownloadStatus,
@@ -32,22 +32,22 @@ class _Command(msgspec.Struct, frozen=True, kw_only=True, tag=True, tag_field="t
 
 
 class ReportNodeProfile(_Command, frozen=True):
-    node_id: NodeId
-    session_id: str
+    node_id: ValidNodeId
+    session_id: ValidSessionId
     """New on every start of the node's worker: a new session of a known node is a re-join."""
     profile: NodeProfile
 
 
 class ReportNodeStorage(_Command, frozen=True):
-    node_id: NodeId
+    node_id: ValidNodeId
     storage: NodeStorage
 
 
 class ExpireNode(_Command, frozen=True):
     """The sequencer's own observation that a node's liveness key lapsed."""
 
-    node_id: NodeId
-    session_id: str
+    node_id: ValidNodeId
+    session_id: ValidSessionId
 
 
 # --- model cards -------------------------------------------------------------------------------------------
@@ -58,13 +58,13 @@ class AddCustomModelCard(_Command, frozen=True):
 
 
 class DeleteCustomModelCard(_Command, frozen=True):
-    model_id: ModelId
+    model_id: ValidModelId
 
 
 class ReportModelSize(_Command, frozen=True):
     """The real total size of a model's weights, measured from its file list."""
 
-    model_id: ModelId
+    model_id: ValidModelId
     storage_size_bytes: int
 
 
@@ -72,25 +72,25 @@ class ReportModelSize(_Command, frozen=True):
 
 
 class StartDownload(_Command, frozen=True):
-    model_id: ModelId
-    node_id: NodeId
+    model_id: ValidModelId
+    node_id: ValidNodeId
     start_layer: int | None = None
     end_layer: int | None = None
 
 
 class CancelDownload(_Command, frozen=True):
-    model_id: ModelId
-    node_id: NodeId
+    model_id: ValidModelId
+    node_id: ValidNodeId
 
 
 class DeleteDownload(_Command, frozen=True):
-    model_id: ModelId
-    node_id: NodeId
+    model_id: ValidModelId
+    node_id: ValidNodeId
 
 
 class ReportDownloadProgress(_Command, frozen=True):
-    model_id: ModelId
-    node_id: NodeId
+    model_id: ValidModelId
+    node_id: ValidNodeId
     status: DownloadStatus
     start_layer: int = 0
     end_layer: int = 0
@@ -108,8 +108,8 @@ class ReportDownloadProgress(_Command, frozen=True):
 
 
 class ReportDownloadDeleted(_Command, frozen=True):
-    model_id: ModelId
-    node_id: NodeId
+    model_id: ValidModelId
+    node_id: ValidNodeId
     directories: tuple[str, ...] = ()
 
 
@@ -117,29 +117,29 @@ class ReportDownloadDeleted(_Command, frozen=True):
 
 
 class PlaceInstance(_Command, frozen=True):
-    instance_id: InstanceId
-    model_id: ModelId
-    node_ids: tuple[NodeId, ...] | None = None
+    instance_id: ValidInstanceId
+    model_id: ValidModelId
+    node_ids: tuple[ValidNodeId, ...] | None = None
     min_nodes: int = 1
 
 
 class DeleteInstance(_Command, frozen=True):
-    instance_id: InstanceId
+    instance_id: ValidInstanceId
 
 
 class ReportRunnerEndpoint(_Command, frozen=True):
-    instance_id: InstanceId
+    instance_id: ValidInstanceId
     generation: int
-    node_id: NodeId
+    node_id: ValidNodeId
     rank: int
     host: str
     port: int
 
 
 class ReportRunnerStatus(_Command, frozen=True):
-    instance_id: InstanceId
+    instance_id: ValidInstanceId
     generation: int
-    node_id: NodeId
+    node_id: ValidNodeId
     rank: int
     worker_session: str
     status: RunnerStatus
@@ -157,19 +157,19 @@ class SubmitTask(_Command, frozen=True):
 
 
 class CancelTask(_Command, frozen=True):
-    task_id: TaskId
+    task_id: ValidTaskId
     reason: str = "cancelled by the client"
 
 
 class ReportTaskStarted(_Command, frozen=True):
-    task_id: TaskId
-    instance_id: InstanceId
+    task_id: ValidTaskId
+    instance_id: ValidInstanceId
     prompt_tokens: int
 
 
 class ReportTaskFinished(_Command, frozen=True):
-    task_id: TaskId
-    instance_id: InstanceId
+    task_id: ValidTaskId
+    instance_id: ValidInstanceId
     outcome: TaskOutcome
     usage: Usage
     error: str = ""

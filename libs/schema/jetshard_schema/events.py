@@ -9,7 +9,7 @@ from __future__ import annotations
 import msgspec
 
 from jetshard_schema.cards import ModelCard
-from jetshard_schema.ids import CommandId, InstanceId, ModelId, NodeId, TaskId
+from jetshard_schema.ids import ValidCommandId, ValidInstanceId, ValidModelId, ValidNodeId, ValidSessionId, ValidTaskId
 from jetshard_schema.subjects import event_subject
 from jetshard_schema.types import (
     NodeProfile,
@@ -40,23 +40,23 @@ class CommandRejected(_Event, frozen=True):
 
 
 class NodeJoined(_Event, frozen=True):
-    node_id: NodeId
-    session_id: str
+    node_id: ValidNodeId
+    session_id: ValidSessionId
     profile: NodeProfile
 
 
 class NodeUpdated(_Event, frozen=True):
-    node_id: NodeId
+    node_id: ValidNodeId
     profile: NodeProfile
 
 
 class NodeStorageUpdated(_Event, frozen=True):
-    node_id: NodeId
+    node_id: ValidNodeId
     storage: NodeStorage
 
 
 class NodeLost(_Event, frozen=True):
-    node_id: NodeId
+    node_id: ValidNodeId
     reason: str
 
 
@@ -68,11 +68,11 @@ class CustomModelCardAdded(_Event, frozen=True):
 
 
 class CustomModelCardDeleted(_Event, frozen=True):
-    model_id: ModelId
+    model_id: ValidModelId
 
 
 class ModelSizeMeasured(_Event, frozen=True):
-    model_id: ModelId
+    model_id: ValidModelId
     storage_size_bytes: int
 
 
@@ -80,15 +80,15 @@ class ModelSizeMeasured(_Event, frozen=True):
 
 
 class DownloadRequested(_Event, frozen=True):
-    node_id: NodeId
-    model_id: ModelId
+    node_id: ValidNodeId
+    model_id: ValidModelId
     start_layer: int
     end_layer: int
 
 
 class DownloadProgressed(_Event, frozen=True):
-    node_id: NodeId
-    model_id: ModelId
+    node_id: ValidNodeId
+    model_id: ValidModelId
     pending: bool
     bytes_done: int
     bytes_total: int
@@ -102,8 +102,8 @@ class DownloadProgressed(_Event, frozen=True):
 
 
 class DownloadCompleted(_Event, frozen=True):
-    node_id: NodeId
-    model_id: ModelId
+    node_id: ValidNodeId
+    model_id: ValidModelId
     directory: str
     read_only: bool
     start_layer: int
@@ -112,53 +112,53 @@ class DownloadCompleted(_Event, frozen=True):
 
 
 class DownloadFailed(_Event, frozen=True):
-    node_id: NodeId
-    model_id: ModelId
+    node_id: ValidNodeId
+    model_id: ValidModelId
     reason: str
 
 
 class DownloadCancelled(_Event, frozen=True):
-    node_id: NodeId
-    model_id: ModelId
+    node_id: ValidNodeId
+    model_id: ValidModelId
 
 
 class DownloadDeleteRequested(_Event, frozen=True):
-    node_id: NodeId
-    model_id: ModelId
+    node_id: ValidNodeId
+    model_id: ValidModelId
 
 
 class DownloadDeleted(_Event, frozen=True):
-    node_id: NodeId
-    model_id: ModelId
+    node_id: ValidNodeId
+    model_id: ValidModelId
 
 
 # --- instances and runners ---------------------------------------------------------------------------------
 
 
 class InstancePlaced(_Event, frozen=True):
-    instance_id: InstanceId
-    model_id: ModelId
+    instance_id: ValidInstanceId
+    model_id: ValidModelId
     shards: tuple[ShardAssignment, ...]
 
 
 class InstanceDeleted(_Event, frozen=True):
-    instance_id: InstanceId
+    instance_id: ValidInstanceId
     reason: str
 
 
 class RunnerEndpointReported(_Event, frozen=True):
-    instance_id: InstanceId
+    instance_id: ValidInstanceId
     generation: int
-    node_id: NodeId
+    node_id: ValidNodeId
     rank: int
     host: str
     port: int
 
 
 class RunnerStatusChanged(_Event, frozen=True):
-    instance_id: InstanceId
+    instance_id: ValidInstanceId
     generation: int
-    node_id: NodeId
+    node_id: ValidNodeId
     rank: int
     worker_session: str
     status: RunnerStatus
@@ -171,7 +171,7 @@ class RunnerStatusChanged(_Event, frozen=True):
 class InstanceRestarting(_Event, frozen=True):
     """Every rank stops; runners start again for `generation` no earlier than `not_before_ms`."""
 
-    instance_id: InstanceId
+    instance_id: ValidInstanceId
     generation: int
     attempt: int
     not_before_ms: int
@@ -179,7 +179,7 @@ class InstanceRestarting(_Event, frozen=True):
 
 
 class InstanceFailed(_Event, frozen=True):
-    instance_id: InstanceId
+    instance_id: ValidInstanceId
     reason: str
 
 
@@ -188,24 +188,24 @@ class InstanceFailed(_Event, frozen=True):
 
 class TaskAssigned(_Event, frozen=True):
     task: TaskRef
-    instance_id: InstanceId
+    instance_id: ValidInstanceId
     generation: int
 
 
 class TaskStarted(_Event, frozen=True):
-    task_id: TaskId
+    task_id: ValidTaskId
     prompt_tokens: int
 
 
 class TaskFinished(_Event, frozen=True):
-    task_id: TaskId
+    task_id: ValidTaskId
     outcome: TaskOutcome
     usage: Usage
     error: str = ""
 
 
 class TaskCancelled(_Event, frozen=True):
-    task_id: TaskId
+    task_id: ValidTaskId
     reason: str
 
 
@@ -241,7 +241,7 @@ Event = (
 class EventEnvelope(msgspec.Struct, frozen=True, kw_only=True):
     """What is stored in JETSHARD_EVENTS. `index`/`count`: this event's place among its command's events."""
 
-    command_id: CommandId
+    command_id: ValidCommandId
     command_seq: int
     """Stream sequence of the command in JETSHARD_COMMANDS; a new leader resumes after the last one."""
     index: int
@@ -253,7 +253,7 @@ class EventEnvelope(msgspec.Struct, frozen=True, kw_only=True):
 class RawEventEnvelope(msgspec.Struct, frozen=True, kw_only=True):
     """The envelope with its event left undecoded, so an event type from a newer version can be skipped."""
 
-    command_id: CommandId
+    command_id: ValidCommandId
     command_seq: int
     index: int
     count: int

@@ -1,14 +1,18 @@
 """Identifiers. Plain strings on the wire; `NewType`s in code so a node id is never passed as a model id.
 
-`ModelId` is untrusted input everywhere (HTTP paths, command payloads): `parse_model_id` is the only way to
-make one, and its directory form can never escape a models directory.
+Every id is untrusted input (HTTP paths, command payloads, events anyone with stream access could append):
+the `Valid…` aliases carry msgspec constraints and are what wire Structs declare, so a message holding a bad
+id fails to decode instead of reaching a path, a NATS subject or a KV key. `parse_model_id` validates a model
+id from code with a message saying what is wrong; its directory form can never escape a models directory.
 """
 
 from __future__ import annotations
 
 import re
 import uuid
-from typing import NewType
+from typing import Annotated, NewType
+
+import msgspec
 
 NodeId = NewType("NodeId", str)
 CommandId = NewType("CommandId", str)
@@ -21,7 +25,24 @@ MODEL_ID_MAX_LENGTH = 96
 
 # The Hub allows letters, digits, '-', '_' and '.' in an owner or repo name; '--' and '..' are forbidden,
 # and a name can neither start nor end with '-' or '.'.
-_PART = re.compile(r"[A-Za-z0-9](?:[A-Za-z0-9._-]*[A-Za-z0-9_])?")
+_PART_PATTERN = r"[A-Za-z0-9](?:[A-Za-z0-9._-]*[A-Za-z0-9_])?"
+_PART = re.compile(_PART_PATTERN)
+MODEL_ID_PATTERN = rf"^(?!.*(?:\.\.|--)){_PART_PATTERN}/{_PART_PATTERN}$"
+
+NAME_MAX_LENGTH = 64
+"""Node, instance, task and session ids: one path component, one NATS subject token, one KV key."""
+COMMAND_ID_MAX_LENGTH = 160
+"""Room for the sequencer's `expire-<node id>-<session id>`."""
+# No '.', '*', '>' or '/': such ids become file names, subject tokens and KV keys. A leading letter, digit or
+# '_' also keeps them from reading as an option or a hidden file.
+NAME_PATTERN = r"^[A-Za-z0-9_][A-Za-z0-9_-]*$"
+
+ValidModelId = Annotated[ModelId, msgspec.Meta(pattern=MODEL_ID_PATTERN, max_length=MODEL_ID_MAX_LENGTH)]
+ValidNodeId = Annotated[NodeId, msgspec.Meta(pattern=NAME_PATTERN, max_length=NAME_MAX_LENGTH)]
+ValidInstanceId = Annotated[InstanceId, msgspec.Meta(pattern=NAME_PATTERN, max_length=NAME_MAX_LENGTH)]
+ValidTaskId = Annotated[TaskId, msgspec.Meta(pattern=NAME_PATTERN, max_length=NAME_MAX_LENGTH)]
+ValidSessionId = Annotated[str, msgspec.Meta(pattern=NAME_PATTERN, max_length=NAME_MAX_LENGTH)]
+ValidCommandId = Annotated[CommandId, msgspec.Meta(pattern=NAME_PATTERN, max_length=COMMAND_ID_MAX_LENGTH)]
 
 
 def parse_model_id(value: str) -> ModelId:

@@ -38,7 +38,17 @@ from jetshard_schema.events import (
     TaskFinished,
     TaskStarted,
 )
-from jetshard_schema.ids import InstanceId, ModelId, NodeId, TaskId
+from jetshard_schema.ids import (
+    InstanceId,
+    ModelId,
+    NodeId,
+    TaskId,
+    ValidInstanceId,
+    ValidModelId,
+    ValidNodeId,
+    ValidSessionId,
+    ValidTaskId,
+)
 from jetshard_schema.types import (
     DownloadStatus,
     InstanceStatus,
@@ -51,14 +61,14 @@ from jetshard_schema.types import (
 
 
 class Node(msgspec.Struct, frozen=True, kw_only=True):
-    node_id: NodeId
-    session_id: str
+    node_id: ValidNodeId
+    session_id: ValidSessionId
     profile: NodeProfile
 
 
 class Download(msgspec.Struct, frozen=True, kw_only=True):
-    node_id: NodeId
-    model_id: ModelId
+    node_id: ValidNodeId
+    model_id: ValidModelId
     status: DownloadStatus
     start_layer: int
     end_layer: int
@@ -81,7 +91,7 @@ class Endpoint(msgspec.Struct, frozen=True):
 
 
 class Runner(msgspec.Struct, frozen=True, kw_only=True):
-    node_id: NodeId
+    node_id: ValidNodeId
     rank: int
     worker_session: str
     status: RunnerStatus
@@ -92,8 +102,8 @@ class Runner(msgspec.Struct, frozen=True, kw_only=True):
 
 
 class Instance(msgspec.Struct, frozen=True, kw_only=True):
-    instance_id: InstanceId
-    model_id: ModelId
+    instance_id: ValidInstanceId
+    model_id: ValidModelId
     shards: tuple[ShardAssignment, ...]
     generation: int = 0
     """Bumped on every whole-instance restart; endpoints and runner reports belong to one generation."""
@@ -116,7 +126,7 @@ class Instance(msgspec.Struct, frozen=True, kw_only=True):
 class Task(msgspec.Struct, frozen=True, kw_only=True):
     ref: TaskRef
     """Which task, for which model, and where its request is (State never holds prompts)."""
-    instance_id: InstanceId
+    instance_id: ValidInstanceId
     generation: int = 0
     """The instance generation the task was assigned to; a restart drops the task."""
     started: bool = False
@@ -132,13 +142,13 @@ class State(msgspec.Struct, frozen=True, kw_only=True):
     """Stream sequence of the last event applied."""
     last_command_seq: int = 0
     """Stream sequence (in JETSHARD_COMMANDS) of the last command whose events are applied."""
-    nodes: dict[NodeId, Node] = {}
-    node_storage: dict[NodeId, NodeStorage] = {}
-    custom_cards: dict[ModelId, ModelCard] = {}
-    measured_sizes: dict[ModelId, int] = {}
-    downloads: dict[NodeId, dict[ModelId, Download]] = {}
-    instances: dict[InstanceId, Instance] = {}
-    tasks: dict[TaskId, Task] = {}
+    nodes: dict[ValidNodeId, Node] = {}
+    node_storage: dict[ValidNodeId, NodeStorage] = {}
+    custom_cards: dict[ValidModelId, ModelCard] = {}
+    measured_sizes: dict[ValidModelId, int] = {}
+    downloads: dict[ValidNodeId, dict[ValidModelId, Download]] = {}
+    instances: dict[ValidInstanceId, Instance] = {}
+    tasks: dict[ValidTaskId, Task] = {}
 
     def download(self, node_id: NodeId, model_id: ModelId) -> Download | None:
         return self.downloads.get(node_id, {}).get(model_id)

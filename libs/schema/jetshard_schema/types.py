@@ -7,7 +7,7 @@ from typing import Annotated
 
 import msgspec
 
-from jetshard_schema.ids import ModelId, NodeId, TaskId
+from jetshard_schema.ids import ValidModelId, ValidNodeId, ValidTaskId
 
 
 class NodeProfile(msgspec.Struct, frozen=True, kw_only=True):
@@ -32,12 +32,12 @@ class NodeStorage(msgspec.Struct, frozen=True, kw_only=True):
     model_dirs: tuple[ModelDirInfo, ...] = ()
     offline: bool = False
     """The downloader makes no network call: it can serve only `available_models` (and packaged GGUFs)."""
-    available_models: tuple[ModelId, ...] = ()
+    available_models: tuple[ValidModelId, ...] = ()
     """Models complete (every layer) in one of the node's directories."""
 
 
 class ShardAssignment(msgspec.Struct, frozen=True, kw_only=True):
-    node_id: NodeId
+    node_id: ValidNodeId
     rank: int
     start_layer: int
     """First layer of the shard; layer ranges are `[start_layer, end_layer)`, 0-based."""
@@ -105,8 +105,8 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
 
 
 class TaskRequest(msgspec.Struct, frozen=True, kw_only=True):
-    task_id: TaskId
-    model_id: ModelId
+    task_id: ValidTaskId
+    model_id: ValidModelId
     kind: TaskKind
     messages: tuple[ChatMessage, ...] = ()
     prompt: str = ""
@@ -117,8 +117,8 @@ class TaskRef(msgspec.Struct, frozen=True, kw_only=True):
     """A task as commands, events and State know it. The request itself (prompt, sampling) is user data:
     it is kept in JETSHARD_TASKS at `request_seq`, for the task retention only, never in a permanent log."""
 
-    task_id: TaskId
-    model_id: ModelId
+    task_id: ValidTaskId
+    model_id: ValidModelId
     kind: TaskKind
     request_seq: int
     """The sequence of the `TaskRequest` in JETSHARD_TASKS."""
@@ -143,7 +143,7 @@ class TaskOutcome(enum.StrEnum):
 class Chunk(msgspec.Struct, frozen=True, kw_only=True):
     """One piece of a task's output on `jetshard.chunks.<task id>`; `index` runs 0, 1, 2… with no gap."""
 
-    task_id: TaskId
+    task_id: ValidTaskId
     index: int
     text: str = ""
     token_count: int = 0

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from litestar import Litestar
+from litestar.config.cors import CORSConfig
 from litestar.di import Provide
 from litestar.exceptions import HTTPException
 from litestar.openapi import OpenAPIConfig
@@ -11,12 +12,19 @@ from litestar.static_files import create_static_files_router
 from swagger_ui_bundle import swagger_ui_path
 
 from jetshard_api.cluster import Cluster
-from jetshard_api.errors import ApiError, api_error_handler, http_error_handler, internal_error_handler
+from jetshard_api.errors import (
+    ApiError,
+    api_error_handler,
+    http_error_handler,
+    internal_error_handler,
+    nesting_error_handler,
+)
 from jetshard_api.routes_cluster import ClusterController
 from jetshard_api.routes_downloads import DownloadsController
 from jetshard_api.routes_instances import InstancesController
 from jetshard_api.routes_models import ModelsController
 from jetshard_api.routes_openai import InferenceSettings, OpenAIController
+from jetshard_api.safety import HttpSafety, HttpSafetyMiddleware
 
 MAX_REQUEST_BYTES = 8 * 2**20
 """An HTTP body larger than NATS's (raised) max payload could not be carried as a command: 413."""
@@ -38,7 +46,9 @@ def _openapi_config() -> OpenAPIConfig:
     return OpenAPIConfig(title="jetshard", version="0.1.0", path=OPENAPI_PATH, render_plugins=[swagger_ui])
 
 
-def create_app(cluster: Cluster, inference: InferenceSettings = InferenceSettings()) -> Litestar:
+def create_app(
+    cluster: Cluster, inference: InferenceSettings = InferenceSettings(), safety: HttpSafety = HttpSafety()
+) -> Litestar:
     async def provide_cluster() -> Cluster:
         return cluster
 
@@ -63,8 +73,11 @@ def create_app(cluster: Cluster, inference: InferenceSettings = InferenceSetting
         exception_handlers={
             ApiError: api_error_handler,
             HTTPException: http_error_handler,
+            RecursionError: nesting_error_handler,
             Exception: internal_error_handler,
         },
+        middleware=[HttpSafetyMiddleware(safety)],
+        cors_config=CORSConfig(allow_origins=list(safety.cors_origins)) if safety.cors_origins else None,
         openapi_config=_openapi_config(),
         request_max_body_size=MAX_REQUEST_BYTES,
     )

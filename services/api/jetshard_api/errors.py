@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import msgspec
 from jetshard_schema.types import RejectCode
 from litestar import Request, Response
 from litestar.exceptions import HTTPException, ValidationException
+from litestar.openapi.datastructures import ResponseSpec
 
 _TYPES = {
     400: "invalid_request_error",
@@ -13,6 +15,7 @@ _TYPES = {
     404: "not_found_error",
     409: "conflict_error",
     413: "invalid_request_error",
+    415: "invalid_request_error",
     429: "rate_limit_error",
     502: "upstream_error",
     503: "service_unavailable",
@@ -28,6 +31,34 @@ REJECT_STATUS = {
     RejectCode.NO_CAPACITY: 503,
     RejectCode.MODEL_UNAVAILABLE: 503,
 }
+
+
+class ErrorDetail(msgspec.Struct, frozen=True):
+    message: str
+    type: str
+    param: str | None
+    code: str | None
+
+
+class ErrorBody(msgspec.Struct, frozen=True):
+    error: ErrorDetail
+
+
+ERROR_RESPONSES = {
+    status: ResponseSpec(data_container=ErrorBody, description=description)
+    for status, description in {
+        400: "invalid request",
+        401: "missing or wrong API key",
+        403: "refused: a foreign Origin",
+        404: "not found",
+        409: "conflicts with the cluster's state",
+        413: "request body too large",
+        415: "not a JSON body",
+        503: "no capacity, or the model cannot be served",
+        504: "the cluster did not answer in time",
+    }.items()
+}
+"""Documented on every route, in the shape every error takes (Litestar would document its own)."""
 
 
 class ApiError(Exception):
@@ -53,6 +84,11 @@ def http_error_handler(_: Request, error: HTTPException) -> Response[dict[str, o
         message = f"{error.detail}: {error.extra}"
     code = "request_too_large" if error.status_code == 413 else None
     return Response(error_body(error.status_code, str(message), code), status_code=error.status_code)
+
+
+def nesting_error_handler(_: Request, error: RecursionError) -> Response[dict[str, object]]:
+    # msgspec gives up on a deeply nested body with a RecursionError: the request is at fault, not the server.
+    return Response(error_body(400, f"the JSON body is nested too deeply: {error}"), status_code=400)
 
 
 def internal_error_handler(_: Request, error: Exception) -> Response[dict[str, object]]:

@@ -16,13 +16,13 @@ from litestar.response import ServerSentEvent
 from litestar.response.sse import ServerSentEventMessage
 
 from jetshard_api.cluster import Cluster, broker_unavailable
-from jetshard_api.errors import ApiError
+from jetshard_api.errors import ERROR_RESPONSES, ApiError
 
 
 class ClusterController(Controller):
     tags = ["cluster"]
 
-    @get("/healthz")
+    @get("/healthz", responses=ERROR_RESPONSES)
     async def healthz(self, cluster: Cluster) -> Response[dict[str, Any]]:
         """200 while the API reaches the message broker (NATS); 503 with the reason while it does not."""
         if cluster.client.is_connected:
@@ -37,13 +37,13 @@ class ClusterController(Controller):
             status_code=503,
         )
 
-    @get("/state")
+    @get("/state", responses=ERROR_RESPONSES)
     async def state(self, cluster: Cluster) -> dict[str, Any]:
         """This API's State replica, with `last_seq`: the stream sequence of the last event applied."""
         result: dict[str, Any] = msgspec.to_builtins(cluster.state)
         return result
 
-    @get("/nodes")
+    @get("/nodes", responses=ERROR_RESPONSES)
     async def nodes(self, cluster: Cluster) -> list[dict[str, Any]]:
         state = cluster.state
         return [
@@ -51,7 +51,7 @@ class ClusterController(Controller):
             for node_id, node in sorted(state.nodes.items())
         ]
 
-    @get("/events")
+    @get("/events", responses=ERROR_RESPONSES)
     async def events(
         self,
         cluster: Cluster,

@@ -12,7 +12,7 @@ from jetshard_schema.state import Download, State
 from litestar import Controller, Response, delete, get, post
 
 from jetshard_api.cluster import Cluster
-from jetshard_api.errors import ApiError
+from jetshard_api.errors import ERROR_RESPONSES, ApiError
 from jetshard_api.routes_models import checked_model_id
 
 
@@ -63,7 +63,7 @@ class DownloadsController(Controller):
     path = "/downloads"
     tags = ["downloads"]
 
-    @get("/")
+    @get("/", responses=ERROR_RESPONSES)
     async def list_downloads(self, cluster: Cluster) -> list[dict[str, Any]]:
         """Every node's downloads: status, bytes, speed, ETA, directory, read_only, reason."""
         state = cluster.state
@@ -73,7 +73,7 @@ class DownloadsController(Controller):
             for _, download in sorted(per_node.items())
         ]
 
-    @post("/", status_code=202)
+    @post("/", status_code=202, responses=ERROR_RESPONSES)
     async def start_download(self, cluster: Cluster, data: StartDownloadRequest) -> dict[str, Any]:
         """Download a model (or a layer range of it) to a node; answers with the download's state."""
         model_id = checked_model_id(data.model_id)
@@ -83,14 +83,14 @@ class DownloadsController(Controller):
         )
         return _current(cluster.state, node_id, model_id)
 
-    @post("/cancel", status_code=200)
+    @post("/cancel", status_code=200, responses=ERROR_RESPONSES)
     async def cancel_download(self, cluster: Cluster, data: CancelDownloadRequest) -> dict[str, Any]:
         model_id = checked_model_id(data.model_id)
         node_id = _node(cluster.state, data.node_id)
         await cluster.submit(CancelDownload(model_id=model_id, node_id=node_id))
         return _current(cluster.state, node_id, model_id)
 
-    @delete("/{node_id:str}/{org:str}/{name:str}", status_code=200)
+    @delete("/{node_id:str}/{org:str}/{name:str}", status_code=200, responses=ERROR_RESPONSES)
     async def delete_download(self, cluster: Cluster, node_id: str, org: str, name: str) -> Response[dict[str, Any]]:
         """Delete a model's files from a node's writable directories (409 for read-only or in-use models).
 

@@ -14,7 +14,7 @@ from jetshard_schema.types import DownloadStatus, InstanceStatus
 from litestar import Controller, delete, get, post
 
 from jetshard_api.cluster import Cluster
-from jetshard_api.errors import ApiError
+from jetshard_api.errors import ERROR_RESPONSES, ApiError
 from jetshard_api.routes_models import checked_model_id
 
 
@@ -81,12 +81,12 @@ class InstancesController(Controller):
     path = "/instances"
     tags = ["instances"]
 
-    @get("/")
+    @get("/", responses=ERROR_RESPONSES)
     async def list_instances(self, cluster: Cluster) -> list[dict[str, Any]]:
         state = cluster.state
         return [describe_instance(state, i) for _, i in sorted(state.instances.items())]
 
-    @get("/preview")
+    @get("/preview", responses=ERROR_RESPONSES)
     async def preview(self, cluster: Cluster, model_id: str, min_nodes: int = 1) -> dict[str, Any]:
         """The placement that would be chosen now, without placing anything."""
         card = find_card(cluster.state, checked_model_id(model_id))
@@ -104,19 +104,19 @@ class InstancesController(Controller):
             "shards": msgspec.to_builtins(placement.shards),
         }
 
-    @get("/{instance_id:str}")
+    @get("/{instance_id:str}", responses=ERROR_RESPONSES)
     async def show(self, cluster: Cluster, instance_id: str) -> dict[str, Any]:
         instance = cluster.state.instances.get(InstanceId(instance_id))
         if instance is None:
             raise ApiError(404, f"no instance {instance_id}", "instance_not_found")
         return describe_instance(cluster.state, instance)
 
-    @post("/", status_code=201)
+    @post("/", status_code=201, responses=ERROR_RESPONSES)
     async def create(self, cluster: Cluster, data: PlaceRequest) -> dict[str, Any]:
         instance = await place_instance(cluster, data.model_id, data.node_ids, data.min_nodes)
         return describe_instance(cluster.state, instance)
 
-    @delete("/{instance_id:str}", status_code=200)
+    @delete("/{instance_id:str}", status_code=200, responses=ERROR_RESPONSES)
     async def remove(self, cluster: Cluster, instance_id: str) -> dict[str, Any]:
         await cluster.submit(DeleteInstance(instance_id=InstanceId(instance_id)))
         return {"deleted": instance_id}

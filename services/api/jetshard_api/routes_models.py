@@ -14,7 +14,7 @@ from jetshard_schema.state import State
 from litestar import Controller, Response, delete, get, post
 
 from jetshard_api.cluster import Cluster
-from jetshard_api.errors import ApiError
+from jetshard_api.errors import ERROR_RESPONSES, ApiError
 from jetshard_api.hub import fetch_card
 
 
@@ -46,12 +46,12 @@ class ModelsController(Controller):
     path = "/models"
     tags = ["models"]
 
-    @get("/")
+    @get("/", responses=ERROR_RESPONSES)
     async def list_models(self, cluster: Cluster) -> list[dict[str, Any]]:
         state = cluster.state
         return [describe(state, card) for card in all_cards(state).values()]
 
-    @get("/{org:str}/{name:str}")
+    @get("/{org:str}/{name:str}", responses=ERROR_RESPONSES)
     async def show_model(self, cluster: Cluster, org: str, name: str) -> dict[str, Any]:
         model_id = checked_model_id(f"{org}/{name}")
         card = find_card(cluster.state, model_id)
@@ -59,7 +59,7 @@ class ModelsController(Controller):
             raise ApiError(404, f"unknown model {model_id}", "model_not_found")
         return describe(cluster.state, card)
 
-    @post("/", status_code=201)
+    @post("/", status_code=201, responses=ERROR_RESPONSES)
     async def add_model(self, cluster: Cluster, data: AddModelRequest) -> Response[dict[str, Any]]:
         """Fetch a card from the Hub and add it to every node; 200 with the card if it exists already."""
         model_id = checked_model_id(data.model_id)
@@ -84,7 +84,7 @@ class ModelsController(Controller):
             return Response(describe(cluster.state, find_card(cluster.state, model_id) or card), status_code=200)
         return Response(describe(cluster.state, find_card(cluster.state, model_id) or card), status_code=201)
 
-    @delete("/{org:str}/{name:str}", status_code=200)
+    @delete("/{org:str}/{name:str}", status_code=200, responses=ERROR_RESPONSES)
     async def delete_model(self, cluster: Cluster, org: str, name: str) -> dict[str, Any]:
         """Delete a custom card; downloaded files stay where they are."""
         model_id = checked_model_id(f"{org}/{name}")

@@ -32,7 +32,7 @@ from litestar.types import Receive
 
 from jetshard_api.cluster import Cluster
 from jetshard_api.disconnect import unless_disconnected
-from jetshard_api.errors import ApiError, error_body
+from jetshard_api.errors import ERROR_RESPONSES, ApiError, error_body
 from jetshard_api.openai_types import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -231,7 +231,7 @@ class OpenAIController(Controller):
     path = "/v1"
     tags = ["openai"]
 
-    @get("/models")
+    @get("/models", responses=ERROR_RESPONSES)
     async def models(self, cluster: Cluster) -> dict[str, Any]:
         state = cluster.state
         ready = ready_models(state)
@@ -239,7 +239,7 @@ class OpenAIController(Controller):
         data.sort(key=lambda m: (not m["ready"], m["id"]))
         return {"object": "list", "data": data}
 
-    @get("/models/{model_id:path}")
+    @get("/models/{model_id:path}", responses=ERROR_RESPONSES)
     async def model(self, cluster: Cluster, model_id: str) -> dict[str, Any]:
         """One model, as `client.models.retrieve("org/name")` asks for it."""
         checked = checked_model_id(model_id.lstrip("/"), param="model")
@@ -248,7 +248,7 @@ class OpenAIController(Controller):
             raise ApiError(404, f"unknown model {checked}", "model_not_found", "model")
         return _model_object(checked, card, ready_models(cluster.state))
 
-    @post("/chat/completions", status_code=200)
+    @post("/chat/completions", status_code=200, responses=ERROR_RESPONSES)
     async def chat_completions(
         self,
         cluster: Cluster,
@@ -261,7 +261,7 @@ class OpenAIController(Controller):
         include_usage = bool(data.stream_options and data.stream_options.include_usage)
         return await _serve(cluster, settings, task, data.stream, include_usage, request.receive)
 
-    @post("/completions", status_code=200)
+    @post("/completions", status_code=200, responses=ERROR_RESPONSES)
     async def completions(
         self, cluster: Cluster, settings: InferenceSettings, data: CompletionRequest, request: AnyRequest
     ) -> Response[Any] | ServerSentEvent:

@@ -16,6 +16,7 @@ from jetshard_bus.streams import BusTimings
 from jetshard_api.app import create_app
 from jetshard_api.cluster import Cluster
 from jetshard_api.routes_openai import InferenceSettings
+from jetshard_api.safety import HttpSafety
 
 log = logging.getLogger(__name__)
 
@@ -30,6 +31,7 @@ class ApiConfig:
     port_file: Path | None = None
     """Where to write the bound port (useful with `port=0`)."""
     inference: InferenceSettings = InferenceSettings()
+    safety: HttpSafety = HttpSafety()
 
 
 async def run_api(config: ApiConfig, stop: asyncio.Event) -> None:
@@ -39,7 +41,7 @@ async def run_api(config: ApiConfig, stop: asyncio.Event) -> None:
     cluster = Cluster(client, js, follower, config.command_timeout_s)
     server = uvicorn.Server(
         uvicorn.Config(
-            create_app(cluster, config.inference),
+            create_app(cluster, config.inference, config.safety),
             host=config.host,
             port=config.port,
             log_level="warning",

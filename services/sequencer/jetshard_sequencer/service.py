@@ -27,7 +27,7 @@ from jetshard_schema import subjects
 from jetshard_schema.codec import decode_command, encode
 from jetshard_schema.commands import ExpireNode
 from jetshard_schema.events import CommandRejected, Event, EventEnvelope
-from jetshard_schema.ids import CommandId, NodeId, new_id
+from jetshard_schema.ids import CommandId, NodeId, ValidCommandId, new_id
 from jetshard_schema.state import State, apply
 from jetshard_schema.types import RejectCode
 from nats.aio.msg import Msg
@@ -261,9 +261,9 @@ class Leader:
                 command_seq == self.state.last_command_seq and not self._partial
             ):
                 continue  # its events are stored already: redelivered after a crash or a takeover
-            command_id = CommandId((msg.headers or {}).get(subjects.MSG_ID_HEADER) or f"cmd-{command_seq}")
+            command_id, id_error = _command_id(msg, command_seq)
             with span_from(msg.headers, f"handle {msg.subject}"):
-                events = self._events_for(msg, command_id, now_ms)
+                events = self._events_for(msg, command_id, now_ms) if id_error is None else [id_error]
                 trace_headers = inject({})
             already_stored = self._take_partial(command_seq)
             for index, event in enumerate(events):
@@ -328,7 +328,7 @@ class Leader:
     def _events_for(self, msg: Msg, command_id: CommandId, now_ms: int) -> list[Event]:
         try:
             command = decode_command(msg.data)
-        except (msgspec.ValidationError, msgspec.DecodeError) as error:
+        except msgspec.DecodeError as error:  # a ValidationError too: a bad id among them
             return [
                 CommandRejected(
                     command_type=msg.subject.removeprefix(f"{subjects.COMMAND_PREFIX}."),
@@ -367,6 +367,23 @@ class Leader:
                     ExpireNode(node_id=node.node_id, session_id=node.session_id),
                     CommandId(f"expire-{node.node_id}-{node.session_id}"),
                 )
+
+
+def _command_id(msg: Msg, command_seq: int) -> tuple[CommandId, CommandRejected | None]:
+    """The command's id from its `Nats-Msg-Id`, else `cmd-<seq>`. An id that is not valid is replaced too
+    (events may carry only ids every follower can decode), and the command is rejected saying why."""
+    fallback = CommandId(f"cmd-{command_seq}")
+    header = (msg.headers or {}).get(subjects.MSG_ID_HEADER)
+    if not header:
+        return fallback, None
+    try:
+        return msgspec.convert(header, ValidCommandId), None
+    except msgspec.ValidationError as error:
+        return fallback, CommandRejected(
+            command_type=msg.subject.removeprefix(f"{subjects.COMMAND_PREFIX}."),
+            code=RejectCode.INVALID,
+            reason=f"invalid command id in {subjects.MSG_ID_HEADER}: {error}",
+        )
 
 
 async def _alive(kv: KeyValue, node_id: NodeId) -> bool:

@@ -1,4 +1,8 @@
-"""Custom model cards persisted on the node: one JSON file per card, written atomically."""
+"""Custom model cards persisted on the node: one JSON file per card, written atomically.
+
+The directory is the node's own copy of what State says; nothing there can stop the worker from starting:
+a card that cannot be stored, or a file that cannot be removed, is a warning.
+"""
 
 from __future__ import annotations
 
@@ -46,12 +50,29 @@ class CardDirectory:
 
     def reconcile(self, cards: dict[ModelId, ModelCard]) -> None:
         """Make the directory hold exactly `cards`: added while down appear, deleted while down disappear."""
-        wanted = {self._file(model_id).name: card for model_id, card in cards.items()}
+        wanted: dict[str, ModelCard] = {}
+        for model_id, card in cards.items():
+            try:
+                wanted[self._file(model_id).name] = card
+            except ValueError as error:
+                log.warning("not storing the card %r: %s", model_id, error)
         if self.path.is_dir():
             for stale in self.path.glob(".card-*.tmp"):  # left by a write the process died in
-                stale.unlink(missing_ok=True)
+                _remove(stale)
         for name in self.stored() - wanted.keys():
-            (self.path / name).unlink(missing_ok=True)
-            log.info("removed card file %s (the card was deleted)", name)
+            if _remove(self.path / name):
+                log.info("removed card file %s (the card was deleted)", name)
         for card in wanted.values():
-            self.write(card)
+            try:
+                self.write(card)
+            except OSError as error:
+                log.warning("could not store the card %s: %s", card.model_id, error)
+
+
+def _remove(path: Path) -> bool:
+    try:
+        path.unlink(missing_ok=True)
+    except OSError as error:  # a directory or an unwritable entry where a card file was expected
+        log.warning("could not remove %s: %s", path, error)
+        return False
+    return True

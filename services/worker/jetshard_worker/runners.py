@@ -8,6 +8,7 @@ import asyncio
 import contextlib
 import logging
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -22,7 +23,7 @@ from jetshard_bus.commands import publish_command
 from jetshard_bus.options import NatsOptions
 from jetshard_schema.cards import GenerationDefaults
 from jetshard_schema.commands import ReportRunnerEndpoint, ReportRunnerStatus
-from jetshard_schema.ids import InstanceId, NodeId
+from jetshard_schema.ids import InstanceId, NodeId, ValidInstanceId
 from jetshard_schema.models import find_card
 from jetshard_schema.state import State
 from jetshard_schema.types import RunnerStatus
@@ -77,11 +78,12 @@ class RunnerSupervisor:
         self._running: dict[RunnerKey, RunningRunner] = {}
         self._reported: set[RunnerKey] = set()
         self._state = State()
-        self._scratch = Path(tempfile.mkdtemp(prefix="jetshard-runners-"))
+        self._scratch: Path | None = None
         self._watching: asyncio.Task[None] | None = None
         self._wake = asyncio.Event()
 
     async def start(self, state: State) -> None:
+        self._scratch = Path(tempfile.mkdtemp(prefix="jetshard-runners-"))
         self._watching = asyncio.create_task(self._watch())
         self.on_state(state)
 
@@ -139,9 +141,7 @@ class RunnerSupervisor:
         key = runner_plan.key
         hostfile = None
         if runner_plan.world_size > 1:
-            hostfile = str(
-                write_hostfile(self._scratch / f"{key.instance_id}-{key.generation}.json", runner_plan.endpoints)
-            )
+            hostfile = str(write_hostfile(self._scratch_file(key, ".json"), runner_plan.endpoints))
         card = find_card(self._state, runner_plan.model_id)
         nats, nats_secrets = self._nats.without_secrets()
         spec = RunnerSpec(
@@ -158,7 +158,7 @@ class RunnerSupervisor:
             hostfile=hostfile,
             card_generation=card.generation if card is not None else GenerationDefaults(),
         )
-        log_path = self._scratch / f"{key.instance_id}-{key.generation}-rank{runner_plan.rank}.log"
+        log_path = self._scratch_file(key, f"-rank{runner_plan.rank}.log")
         with open(log_path, "ab") as log_file:
             process = subprocess.Popen(
                 [sys.executable, "-m", "jetshard_worker.runner", msgspec.json.encode(spec).decode()],
@@ -176,6 +176,12 @@ class RunnerSupervisor:
             log_path,
         )
         self._running[key] = RunningRunner(runner_plan, process, time.monotonic(), log_path)
+
+    def _scratch_file(self, key: RunnerKey, suffix: str) -> Path:
+        assert self._scratch is not None, "start() makes the scratch directory"
+        # Ids are validated when decoded; a State built in code is not, so the name is checked again here.
+        instance_id = msgspec.convert(key.instance_id, ValidInstanceId)
+        return self._scratch / f"{instance_id}-{key.generation}{suffix}"
 
     def _stop(self, key: RunnerKey) -> None:
         runner = self._running.pop(key)
@@ -240,6 +246,8 @@ class RunnerSupervisor:
                 await self._report(
                     key.instance_id, key.generation, runner.plan.rank, RunnerStatus.STOPPED, "the worker stopped"
                 )
+        if self._scratch is not None:
+            shutil.rmtree(self._scratch, ignore_errors=True)
 
 
 def _tail(path: Path, lines: int = 3) -> str:

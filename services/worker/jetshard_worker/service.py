@@ -72,8 +72,8 @@ async def run_worker(config: WorkerConfig, stop: asyncio.Event) -> None:
     heartbeat = asyncio.create_task(keep_alive(js, node_id, session_id, config.timings.liveness_ttl_s, stop))
     reporting = asyncio.create_task(_report_profile(js, node_id, session_id, config.profile_interval_s, stop))
     log.info("worker for node %s (session %s) started; cards in %s", node_id, session_id, cards.path)
-    await supervisor.start(follower.state)
     try:
+        await supervisor.start(follower.state)
         await stop.wait()
     finally:
         await supervisor.shutdown()

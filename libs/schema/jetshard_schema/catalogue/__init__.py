@@ -52,8 +52,8 @@ def _parse_card(file_name: str, text: str) -> ModelCard:
             )
         if unknown:
             raise ValueError(f"unknown field(s) {', '.join(unknown)}")
+        parse_model_id(str(data.get("model_id", "")))  # first, for its readable message
         card = msgspec.convert(data, ModelCard)
-        parse_model_id(card.model_id)
     except (tomllib.TOMLDecodeError, msgspec.ValidationError, ValueError) as e:
         raise ValueError(f"built-in model card {file_name}: {e}") from e
     expected = f"{model_dir_name(card.model_id)}.toml"

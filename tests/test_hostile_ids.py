@@ -1,0 +1,187 @@
+"""Hostile ids, as an attacker with access to NATS would send them: every id is validated when decoded, so
+a bad command is rejected, a bad event is skipped with a warning, and nothing becomes a path.
+
+The cluster is real: nats-server, the sequencer and a worker as processes; hostile messages are published
+as raw JSON, the way a client that does not use this code would.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import signal
+import time
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import pytest
+from helpers.cluster import Cluster
+from jetshard_bus.node import node_id_for
+from jetshard_schema import subjects
+from jetshard_schema.codec import decode_command, decode_event, decode_state
+from jetshard_schema.events import CommandRejected, CustomModelCardAdded
+from jetshard_schema.ids import NAME_MAX_LENGTH, CommandId, ModelId
+from jetshard_schema.types import RejectCode
+
+pytestmark = pytest.mark.timeout(120)
+
+WORKER_STARTED = "started; cards in"
+
+CARD = {
+    "num_layers": 4,
+    "hidden_size": 64,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "vocab_size": 100,
+    "architecture": "llama",
+    "storage_size_bytes": 1000,
+}
+
+
+def place(instance_id: str, model_id: str = "org/model") -> tuple[str, dict[str, Any]]:
+    return "PlaceInstance", {"instance_id": instance_id, "model_id": model_id}
+
+
+def add_card(model_id: str) -> tuple[str, dict[str, Any]]:
+    return "AddCustomModelCard", {"card": {"model_id": model_id, **CARD}}
+
+
+def escape_target(tmp_path: Path) -> Path:
+    return tmp_path / "escaped"
+
+
+def hostile_commands(tmp_path: Path) -> list[tuple[str, dict[str, Any]]]:
+    # Relative to any scratch directory under /tmp, this climbs to the root and back down into tmp_path.
+    traversal = "../../../../../../.." + str(escape_target(tmp_path))
+    return [
+        place(traversal),
+        place("inst/../../x"),
+        place("x" * (NAME_MAX_LENGTH + 1)),
+        place("inst-ok", model_id="../../etc"),
+        add_card("../../../tmp/card"),
+        add_card("org/" + "m" * 200),
+        ("ReportNodeProfile", {"node_id": "../node", "session_id": "s", "profile": {}}),
+        ("DeleteInstance", {"instance_id": "inst.>"}),
+    ]
+
+
+def test_every_id_is_checked_when_decoded() -> None:
+    """Nested ids too: tuple items and dict keys of State."""
+    for command_type, body in hostile_commands(Path("/tmp")):
+        data = json.dumps({"type": command_type, **body}).encode()
+        with pytest.raises(msgspec.ValidationError):
+            decode_command(data)
+    with pytest.raises(msgspec.ValidationError, match=r"node_ids\[1\]"):
+        decode_command(b'{"type":"PlaceInstance","instance_id":"i","model_id":"o/m","node_ids":["a","../b"]}')
+    with pytest.raises(msgspec.ValidationError, match="key"):
+        decode_state(b'{"custom_cards":{"../x":{}}}')
+
+
+def test_a_hostile_event_decodes_to_nothing_with_a_warning(caplog: pytest.LogCaptureFixture) -> None:
+    envelope = {"command_id": "c1", "command_seq": 1, "index": 0, "count": 1, "at_ms": 0}
+    card_added = {"type": "CustomModelCardAdded", "card": {"model_id": "../../x", **CARD}}
+    with caplog.at_level(logging.WARNING):
+        assert decode_event(json.dumps({**envelope, "event": card_added}).encode()) is None
+        assert decode_event(json.dumps({**envelope, "command_id": "../c", "event": card_added}).encode()) is None
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 2, warnings
+    assert "CustomModelCardAdded" in warnings[0]
+
+
+async def publish_raw(cluster: Cluster, command_type: str, body: dict[str, Any], command_id: str) -> None:
+    await cluster.js.publish(
+        subjects.command_subject(command_type),
+        json.dumps({"type": command_type, **body}).encode(),
+        headers={subjects.MSG_ID_HEADER: command_id},
+    )
+
+
+async def rejection_of(cluster: Cluster, command_type: str, body: dict[str, Any], command_id: str) -> CommandRejected:
+    outcome = cluster.follower.expect(CommandId(command_id))
+    await publish_raw(cluster, command_type, body, command_id)
+    (envelope,) = await asyncio.wait_for(outcome, 15)
+    assert isinstance(envelope.event, CommandRejected), envelope
+    return envelope.event
+
+
+async def test_hostile_commands_are_rejected_and_the_worker_survives(cluster: Cluster, tmp_path: Path) -> None:
+    config_dir = tmp_path / "node"
+    cards = config_dir / "cards"
+    cards.mkdir(parents=True)
+    # What a crash, a clumsy operator or an older version may leave: none of it may stop the worker.
+    (cards / "org--garbage.json").write_text("{not json")
+    (cards / "a-directory.json").mkdir()
+    (cards / "notes.txt").write_text("not a card")
+    worker_tmp = tmp_path / "worker-tmp"
+    worker_tmp.mkdir()
+    worker = cluster.processes.start(
+        "worker",
+        "worker",
+        env={
+            **cluster.env,
+            "JETSHARD_CONFIG_DIR": str(config_dir),
+            "JETSHARD_NATS": cluster.nats.url,
+            "TMPDIR": str(worker_tmp),
+        },
+    )
+    await wait_for_log(cluster, "worker", WORKER_STARTED)
+    node_id = node_id_for(config_dir)
+    await cluster.wait(lambda s: node_id in s.nodes, what="the worker to join")
+
+    for n, (command_type, body) in enumerate(hostile_commands(tmp_path)):
+        rejected = await rejection_of(cluster, command_type, body, f"hostile-{n}")
+        assert rejected.code is RejectCode.INVALID
+        assert "malformed command" in rejected.reason, rejected
+    # The command id itself becomes part of events and of the events' Nats-Msg-Id: it is checked too.
+    before = len(cluster.events)
+    await publish_raw(cluster, *add_card("org/fine"), command_id="../../id")
+    state = await cluster.wait(lambda s: len(cluster.events) > before, what="the bad command id's outcome")
+    rejected = cluster.events[before]
+    assert isinstance(rejected, CommandRejected) and "invalid command id" in rejected.reason, rejected
+    assert ModelId("org/fine") not in state.custom_cards
+
+    assert not escape_target(tmp_path).exists()
+    assert worker.poll() is None, cluster.processes.log("worker")
+    await cluster.add_card("org/after-attack", num_layers=2)
+    await wait_until(lambda: (cards / "org--after-attack.json").is_file(), "the card file to be written")
+    assert not (cards / "org--garbage.json").exists()  # not in State: removed
+    assert (cards / "a-directory.json").is_dir()  # not removable as a file: left, with a warning
+    assert "could not remove" in cluster.processes.log("worker")
+
+    cluster.processes.kill(worker, signal.SIGTERM)
+    assert list(worker_tmp.iterdir()) == []  # the runners' scratch directory went with the worker
+
+
+async def test_a_hostile_event_is_skipped_and_the_cluster_goes_on(cluster: Cluster) -> None:
+    """An event appended straight to JETSHARD_EVENTS, as anyone with write access to the stream could."""
+    await cluster.add_card("org/before", num_layers=2)
+    envelope = {"command_id": "forged", "command_seq": 1, "index": 0, "count": 1, "at_ms": 0}
+    forged = {"type": "CustomModelCardAdded", "card": {"model_id": "../../../tmp/forged", **CARD}}
+    seq = (
+        await cluster.js.publish(
+            subjects.event_subject("CustomModelCardAdded"), json.dumps({**envelope, "event": forged}).encode()
+        )
+    ).seq
+    state = await cluster.wait(lambda s: s.last_seq >= seq, what="the follower to pass the forged event")
+    assert set(state.custom_cards) == {ModelId("org/before")}
+    assert not any(isinstance(e, CustomModelCardAdded) and "forged" in e.card.model_id for e in cluster.events), (
+        cluster.events
+    )
+    # The sequencer's next append expected the old last sequence: it steps down, re-reads, and goes on.
+    await cluster.add_card("org/after", num_layers=2)
+    state = await cluster.wait(lambda s: ModelId("org/after") in s.custom_cards, what="a card after the forgery")
+    assert set(state.custom_cards) == {ModelId("org/before"), ModelId("org/after")}
+
+
+async def wait_for_log(cluster: Cluster, name: str, text: str, timeout_s: float = 60) -> None:
+    await wait_until(lambda: text in cluster.processes.log(name), f"{name} to log {text!r}", timeout_s)
+
+
+async def wait_until(predicate: Any, what: str, timeout_s: float = 30) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        await asyncio.sleep(0.05)
