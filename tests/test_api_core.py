@@ -2,15 +2,14 @@
 
 from __future__ import annotations
 
-import asyncio
 import json
 import re
-import time
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
+from helpers.harness import api_until
 from jetshard_bus.connect import connect
 from jetshard_bus.options import NatsOptions
 from jetshard_schema.cards import ModelCard
@@ -21,18 +20,6 @@ from jetshard_schema.ids import CommandId, ModelId
 pytestmark = pytest.mark.timeout(120)
 
 
-def start_api(processes, name: str, url: str, tmp_path: Path, *extra: str) -> str:
-    port_file = tmp_path / f"{name}.port"
-    port_file.unlink(missing_ok=True)
-    process = processes.start(name, "api", "--nats", url, "--port", "0", "--port-file", str(port_file), *extra)
-    deadline = time.monotonic() + 60
-    while not port_file.exists() or not port_file.read_text().strip():
-        assert process.poll() is None, processes.log(name)
-        assert time.monotonic() < deadline, "the API did not start"
-        time.sleep(0.05)
-    return f"http://127.0.0.1:{int(port_file.read_text())}"
-
-
 def assert_openai_error(response: httpx.Response, status: int) -> dict[str, object]:
     assert response.status_code == status, response.text
     body = response.json()
@@ -41,16 +28,6 @@ def assert_openai_error(response: httpx.Response, status: int) -> dict[str, obje
     assert set(error) >= {"message", "type", "param", "code"}
     assert isinstance(error["message"], str) and error["message"]
     return error
-
-
-async def wait_json(client: httpx.AsyncClient, path: str, predicate, timeout_s: float = 30):
-    deadline = time.monotonic() + timeout_s
-    while True:
-        body = (await client.get(path)).json()
-        if predicate(body):
-            return body
-        assert time.monotonic() < deadline, f"{path} never matched: {body}"
-        await asyncio.sleep(0.1)
 
 
 async def first_event(client: httpx.AsyncClient, **request: Any) -> dict[str, Any]:
@@ -101,12 +78,12 @@ async def append_card_events(url: str, *model_ids: str) -> None:
 async def test_cluster_routes(fresh_nats, processes, tmp_path: Path) -> None:
     processes.start("seq", "sequencer", "--nats", fresh_nats.url)
     processes.start("worker", "worker", "--nats", fresh_nats.url, env={"JETSHARD_CONFIG_DIR": str(tmp_path / "cfg")})
-    base = start_api(processes, "api1", fresh_nats.url, tmp_path)
+    base = processes.start_api("api1", "--nats", fresh_nats.url)
     async with httpx.AsyncClient(base_url=base, timeout=30) as client:
         health = (await client.get("/healthz")).json()
         assert health["status"] == "ok"
 
-        nodes = await wait_json(client, "/nodes", lambda body: len(body) == 1)
+        nodes = await api_until(client, lambda body: len(body) == 1, "/nodes", timeout_s=30)
         node_id = (tmp_path / "cfg" / "node_id").read_text().strip()
         assert nodes[0]["node_id"] == node_id
         assert nodes[0]["profile"]["cpu_cores"] >= 1
@@ -139,9 +116,9 @@ async def test_cluster_routes(fresh_nats, processes, tmp_path: Path) -> None:
 
     # a restarted API rebuilds the same State from the stream
     processes.kill(processes.started[-1])
-    base = start_api(processes, "api2", fresh_nats.url, tmp_path)
+    base = processes.start_api("api2", "--nats", fresh_nats.url)
     async with httpx.AsyncClient(base_url=base, timeout=30) as client:
-        again = await wait_json(client, "/state", lambda body: body["last_seq"] >= final["last_seq"])
+        again = await api_until(client, lambda body: body["last_seq"] >= final["last_seq"], "/state", timeout_s=30)
         again_nodes = (await client.get("/nodes")).json()
     assert {k: v for k, v in again.items() if k != "last_seq"} == {
         k: v for k, v in final.items() if k != "last_seq"
@@ -149,22 +126,22 @@ async def test_cluster_routes(fresh_nats, processes, tmp_path: Path) -> None:
     assert [n["node_id"] for n in again_nodes] == [node_id]
 
 
-async def test_a_state_changing_route_answers_504_without_a_sequencer(fresh_nats, processes, tmp_path: Path) -> None:
+async def test_a_state_changing_route_answers_504_without_a_sequencer(fresh_nats, processes) -> None:
     # A custom card in State (its event appended by hand, as a sequencer would have), so that deleting it
     # passes the API's own checks and publishes a command that no sequencer is there to answer.
     await append_card_events(fresh_nats.url, "acme/orphan")
-    base = start_api(processes, "api", fresh_nats.url, tmp_path, "--command-timeout-s", "1")
+    base = processes.start_api("api", "--nats", fresh_nats.url, "--command-timeout-s", "1")
     async with httpx.AsyncClient(base_url=base, timeout=30) as http:
-        await wait_json(http, "/state", lambda body: "acme/orphan" in body["custom_cards"])
+        await api_until(http, lambda body: "acme/orphan" in body["custom_cards"], "/state", timeout_s=30)
         error = assert_openai_error(await http.delete("/models/acme/orphan"), 504)
     assert error["type"] == "timeout_error"
     assert error["code"] == "command_timeout"
     assert "sequencer" in str(error["message"])
 
 
-async def test_events_resume_after_last_event_id(fresh_nats, processes, tmp_path: Path) -> None:
+async def test_events_resume_after_last_event_id(fresh_nats, processes) -> None:
     await append_card_events(fresh_nats.url, "acme/one", "acme/two", "acme/three")
-    base = start_api(processes, "api", fresh_nats.url, tmp_path)
+    base = processes.start_api("api", "--nats", fresh_nats.url)
     async with httpx.AsyncClient(base_url=base, timeout=30) as http:
         # An EventSource reconnects to the URL it opened, `since` included, and says where it got to.
         resumed = await first_event(http, params={"since": 1}, headers={"Last-Event-ID": "2"})
@@ -176,9 +153,9 @@ async def test_events_resume_after_last_event_id(fresh_nats, processes, tmp_path
             assert error["param"] == "Last-Event-ID" and error["code"] == "invalid_value"
 
 
-async def test_the_docs_page_loads_every_asset_from_the_api(fresh_nats, bus, processes, tmp_path: Path) -> None:
+async def test_the_docs_page_loads_every_asset_from_the_api(fresh_nats, bus, processes) -> None:
     """`bus` declares the streams, as a sequencer would: the API waits for them."""
-    base = start_api(processes, "api", fresh_nats.url, tmp_path)
+    base = processes.start_api("api", "--nats", fresh_nats.url)
     async with httpx.AsyncClient(base_url=base, timeout=30) as http:
         page = await http.get("/openapi")
         assert page.status_code == 200 and page.headers["content-type"].startswith("text/html")

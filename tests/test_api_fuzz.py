@@ -11,15 +11,10 @@ from typing import Any
 
 import pytest
 import schemathesis
-from conftest import Processes
-from helpers.hub_fixtures import use_hub
-from helpers.hub_server import HubServer
-from helpers.inference_cluster import InferenceCluster
+from helpers.harness import InferenceCluster, hub_cluster
 from helpers.tiny_models import make_tiny_model
 from hypothesis import HealthCheck, given, settings
 from schemathesis.checks import content_type_conformance, not_a_server_error, response_schema_conformance
-
-from jetshard.natsserver import start_nats_server
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -30,25 +25,11 @@ MAX_EXAMPLES = 25
 @pytest.fixture(scope="module")
 def fuzz_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[InferenceCluster]:
     root = tmp_path_factory.mktemp("api-fuzz")
-    (root / "logs").mkdir()
-    processes = Processes(root / "logs")
-    nats = start_nats_server(root / "nats", port=-1)
-    with HubServer() as hub, pytest.MonkeyPatch.context() as monkeypatch:
-        hub_env = use_hub(hub.url, root / "hf_home", monkeypatch)
-        hub.add_repo(MODEL, make_tiny_model(root / "repos" / "tiny", arch="llama", num_layers=2, num_files=1))
-        cluster = InferenceCluster(
-            root=root, nats=nats, hub=hub, processes=processes, base_env={**hub_env, "JETSHARD_NATS": nats.url}
-        )
-        try:
-            cluster.start_core()
-            cluster.start_node("node-a")
-            cluster.wait_nodes(1)
-            cluster.add_model(MODEL)
-            cluster.wait_instance(cluster.place(MODEL, min_nodes=1))
-            yield cluster
-        finally:
-            processes.stop_all()
-            nats.stop()
+    with hub_cluster(root) as cluster:
+        cluster.hub.add_repo(MODEL, make_tiny_model(root / "repos" / "tiny", arch="llama", num_layers=2, num_files=1))
+        cluster.start_core()
+        cluster.serve_one_node(MODEL)
+        yield cluster
 
 
 @schemathesis.check

@@ -7,7 +7,7 @@ from __future__ import annotations
 import httpx
 import pytest
 from jetshard_api.safety import allowed_hosts_for, host_of
-from test_api_core import assert_openai_error, start_api
+from test_api_core import assert_openai_error
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -30,9 +30,9 @@ def test_allowed_hosts_are_loopback_plus_the_listen_address_plus_extras() -> Non
     ]
 
 
-async def test_api_key_host_origin_content_type_and_nesting(processes, nats_server, tmp_path) -> None:
-    processes.start("sequencer", "sequencer", "--nats", nats_server.url)
-    base = start_api(processes, "api", nats_server.url, tmp_path, "--api-key", KEY)
+async def test_api_key_host_origin_content_type_and_nesting(processes, fresh_nats) -> None:
+    processes.start("sequencer", "sequencer", "--nats", fresh_nats.url)
+    base = processes.start_api("api", "--nats", fresh_nats.url, "--api-key", KEY)
     bearer = {"Authorization": f"Bearer {KEY}"}
     async with httpx.AsyncClient(base_url=base, timeout=30) as client:
         assert (await client.get("/healthz")).status_code == 200  # open: a load balancer has no key
@@ -73,9 +73,9 @@ async def test_api_key_host_origin_content_type_and_nesting(processes, nats_serv
         assert "nested too deeply" in str(assert_openai_error(response, 400)["message"])
 
 
-async def test_cors_is_off_unless_configured(processes, nats_server, tmp_path) -> None:
-    processes.start("sequencer", "sequencer", "--nats", nats_server.url)
-    base = start_api(processes, "api", nats_server.url, tmp_path, "--cors-origin", "https://app.example")
+async def test_cors_is_off_unless_configured(processes, fresh_nats) -> None:
+    processes.start("sequencer", "sequencer", "--nats", fresh_nats.url)
+    base = processes.start_api("api", "--nats", fresh_nats.url, "--cors-origin", "https://app.example")
     async with httpx.AsyncClient(base_url=base, timeout=30) as client:
         response = await client.get("/v1/models", headers={"Origin": "https://other.example"})
         assert "access-control-allow-origin" not in response.headers

@@ -16,7 +16,6 @@ import json
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -26,7 +25,7 @@ from typing import Any
 import httpx
 import psutil
 import pytest
-from helpers.cluster import Cluster, poll
+from helpers.harness import Cluster, free_port, until, wait_for
 from helpers.mounts import tmpfs
 from jetshard_downloader.convert import NotEnoughSpace, convert_packaged
 from jetshard_downloader.dirs import ModelDirs, free_bytes
@@ -43,12 +42,6 @@ DEMO_DIR_NAME = "jetshard--SmolLM2-135M-Instruct-Q4"
 README = Path(__file__).parent.parent / "README.md"
 README_URL = "http://127.0.0.1:52415"
 FINAL = (DownloadStatus.COMPLETED, DownloadStatus.FAILED)
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def processes_mentioning(text: str) -> list[psutil.Process]:
@@ -78,20 +71,22 @@ def start_in_own_group(command: list[str], log_path: Path, env: dict[str, str]) 
 
 
 def wait_until_ready(up: subprocess.Popen[bytes], log_path: Path, data: Path, timeout_s: float) -> str:
-    deadline = time.monotonic() + timeout_s
-    while "is ready" not in (output := log_path.read_text(errors="replace")):
+
+    def ready() -> bool:
+        output = log_path.read_text(errors="replace")
         logs = "".join(p.read_text(errors="replace")[-3000:] for p in (data / "logs").glob("*.log"))
         assert up.poll() is None and "could not place" not in output, output + logs
-        assert time.monotonic() < deadline, output
-        time.sleep(0.2)
-    return output
+        return "is ready" in output  # what `up` tells its user
+
+    assert wait_for(ready, timeout=timeout_s, interval=0.2), log_path.read_text(errors="replace")
+    return log_path.read_text(errors="replace")
 
 
 def ctrl_c(up: subprocess.Popen[bytes]) -> float:
     """Ctrl-C twice, as an impatient user would; returns how long `up` took to stop."""
     started = time.monotonic()
     os.killpg(up.pid, signal.SIGINT)
-    time.sleep(0.3)
+    time.sleep(0.3)  # deliberate fault timing: the second Ctrl-C lands while the first is being handled
     with contextlib.suppress(ProcessLookupError):
         os.killpg(up.pid, signal.SIGINT)
     up.wait(60)
@@ -208,9 +203,12 @@ def test_jetshard_up_serves_the_demo_model_offline_stops_in_order_and_restarts_r
         os.killpg(up.pid, signal.SIGKILL)
         up.wait()
     killed = time.monotonic()
-    while processes_mentioning(str(data)) or processes_mentioning(str(tmp_path / "models")):
-        assert time.monotonic() - killed < 8, "services outlived their NATS server"
-        time.sleep(0.1)
+    services_ended = wait_for(
+        lambda: not processes_mentioning(str(data)) and not processes_mentioning(str(tmp_path / "models")),
+        timeout=8,
+        interval=0.1,
+    )
+    assert services_ended, "services outlived their NATS server"
     print(f"services without NATS ended {time.monotonic() - killed:.2f} s after `up` was killed")
 
     # That left State showing the killed start's runner as ready: "ready" must wait for this start's own.
@@ -330,7 +328,7 @@ async def test_a_killed_conversion_or_a_half_written_model_is_never_complete(clu
         staging[:] = [p for p in models.iterdir() if p.name.startswith(f".{DEMO_DIR_NAME}.convert-")]
         return bool(staging)
 
-    await poll(conversion_started, 60)
+    await until(conversion_started, 60)
     cluster.processes.kill(downloader)  # kill -9 mid-conversion
     assert find_model(dirs, DEMO_MODEL_ID) is None
     assert not (target / MANIFEST_NAME).exists()

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from helpers.cluster import Cluster, api_until, poll
+from helpers.harness import Cluster, api_until, until
 from helpers.hub_server import HubServer
 from helpers.mounts import remount_read_only, tmpfs
 from helpers.tiny_models import make_tiny_model
@@ -219,7 +219,7 @@ async def test_killed_mid_download_resumes_in_the_same_directory(
         assert response.status_code == 202, response.text
         assert await asyncio.to_thread(hub_server.wait_held, repo, held, 30)
         partial = models / "tiny--big" / PARTIAL_DIR / f"{held}.incomplete"
-        await poll(lambda: partial.exists() and partial.stat().st_size >= hold_at, 10)
+        await until(lambda: partial.exists() and partial.stat().st_size >= hold_at, 10)
         ongoing = await cluster.wait_download(node, repo, (DownloadStatus.ONGOING,), 10)
         assert ongoing.directory == str(models / "tiny--big") and ongoing.bytes_total > size
 
@@ -278,7 +278,9 @@ async def test_two_nodes_fetch_complementary_shards_once(
         cluster.start_downloader(
             f"downloader-{name}", config, JETSHARD_DEFAULT_MODELS_DIR=str(tmp_path / f"models-{name}")
         )
-    await asyncio.sleep(1.0)  # both downloaders follow the stream (they act on live events only)
+    # Deliberate timing: both downloaders follow the stream (they act on live events only), which nothing
+    # observable confirms.
+    await asyncio.sleep(1.0)
     hub_server.reset_counters()
     events = await cluster.submit(
         PlaceInstance(instance_id=new_instance_id(), model_id=ModelId(repo), node_ids=tuple(nodes), min_nodes=2)
@@ -356,7 +358,7 @@ async def test_cancel_keeps_finished_files_and_delete_removes_them(
         assert cancelled.status_code == 200, cancelled.text
         assert cancelled.json()["status"] == "cancelled"
         hub_server.release()  # the next chunk reaches the downloader, which stops there
-        await poll(lambda: "download of tiny/cancel stopped" in cluster.processes.log("downloader"), 20)
+        await until(lambda: "download of tiny/cancel stopped" in cluster.processes.log("downloader"), 20)
         assert cluster.follower.state.download(node, ModelId(repo)).status is DownloadStatus.CANCELLED
         manifest = json.loads((target / MANIFEST_NAME).read_text())
         assert "model-00001-of-00002.safetensors" in {f["name"] for f in manifest["files"]}

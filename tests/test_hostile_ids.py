@@ -11,13 +11,12 @@ import asyncio
 import json
 import logging
 import signal
-import time
 from pathlib import Path
 from typing import Any
 
 import msgspec
 import pytest
-from helpers.cluster import Cluster
+from helpers.harness import Cluster, until
 from jetshard_bus.node import node_id_for
 from jetshard_schema import subjects
 from jetshard_schema.codec import decode_command, decode_event, decode_state
@@ -145,7 +144,7 @@ async def test_hostile_commands_are_rejected_and_the_worker_survives(cluster: Cl
     assert not escape_target(tmp_path).exists()
     assert worker.poll() is None, cluster.processes.log("worker")
     await cluster.add_card("org/after-attack", num_layers=2)
-    await wait_until(lambda: (cards / "org--after-attack.json").is_file(), "the card file to be written")
+    await until(lambda: (cards / "org--after-attack.json").is_file(), 30, "the card file to be written")
     assert not (cards / "org--garbage.json").exists()  # not in State: removed
     assert (cards / "a-directory.json").is_dir()  # not removable as a file: left, with a warning
     assert "could not remove" in cluster.processes.log("worker")
@@ -176,12 +175,4 @@ async def test_a_hostile_event_is_skipped_and_the_cluster_goes_on(cluster: Clust
 
 
 async def wait_for_log(cluster: Cluster, name: str, text: str, timeout_s: float = 60) -> None:
-    await wait_until(lambda: text in cluster.processes.log(name), f"{name} to log {text!r}", timeout_s)
-
-
-async def wait_until(predicate: Any, what: str, timeout_s: float = 30) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        await asyncio.sleep(0.05)
+    await until(lambda: text in cluster.processes.log(name), timeout_s, f"{name} to log {text!r}")

@@ -14,8 +14,9 @@ from pathlib import Path
 import httpx
 import mlx_lm
 import pytest
+from helpers.harness import wait_for
 from helpers.hub_fixtures import hf_env, hub_server  # noqa: F401
-from helpers.hub_server import DEFAULT_TOKEN, HubServer, wait_for
+from helpers.hub_server import DEFAULT_TOKEN, HubServer
 from helpers.tiny_models import greedy_token_ids, layer_of, make_tiny_model
 from huggingface_hub import HfApi, hf_hub_download, snapshot_download
 from huggingface_hub.errors import (

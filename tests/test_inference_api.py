@@ -17,15 +17,10 @@ from typing import Any
 import httpx
 import openai
 import pytest
-from conftest import Processes
-from helpers.hub_fixtures import use_hub
-from helpers.hub_server import HubServer, wait_for
-from helpers.inference_cluster import ChunkTap, InferenceCluster, assert_layer_ranges
+from helpers.harness import ChunkTap, InferenceCluster, assert_layer_ranges, hub_cluster, wait_for
 from helpers.tiny_models import make_tiny_model
 from jetshard_schema.events import TaskCancelled, TaskFinished
 from jetshard_schema.types import TaskOutcome
-
-from jetshard.natsserver import start_nats_server
 
 ORG = "jetshard-test"
 LLAMA = f"{ORG}/tiny-llama"
@@ -51,35 +46,25 @@ pytestmark = pytest.mark.timeout(240)
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[InferenceCluster]:
     root = tmp_path_factory.mktemp("inference")
-    (root / "logs").mkdir()
-    processes = Processes(root / "logs")
-    nats = start_nats_server(root / "nats", port=-1)
     dirs = {
         model_id: make_tiny_model(root / "repos" / arch, arch=arch, num_layers=4, num_files=3)
         for model_id, arch in MODELS.items()
     }
     dirs[UNPLACED] = make_tiny_model(root / "repos" / "unplaced", arch="llama", num_layers=2, num_files=2, seed=3)
-    with HubServer() as hub, pytest.MonkeyPatch.context() as monkeypatch:
-        hub_env = use_hub(hub.url, root / "hf_home", monkeypatch)
+    with hub_cluster(root) as c:
         for model_id, path in dirs.items():
-            hub.add_repo(model_id, path)
-        base = {**hub_env, "JETSHARD_NATS": nats.url}
-        c = InferenceCluster(root=root, nats=nats, hub=hub, processes=processes, base_env=base)
+            c.hub.add_repo(model_id, path)
         c.model_dirs = dirs  # type: ignore[attr-defined]
-        try:
-            c.start_core()
-            for node in ("node-a", "node-b"):
-                c.start_node(node)
-            c.wait_nodes(2)
-            for model_id in dirs:
-                c.add_model(model_id)
-            c.instance_ids = {m: c.place(m, min_nodes=2) for m in MODELS}  # type: ignore[attr-defined]
-            seen = c.watch_until_ready(c.instance_ids.values())  # type: ignore[attr-defined]
-            c.statuses = {m: seen[i] for m, i in c.instance_ids.items()}  # type: ignore[attr-defined]
-            yield c
-        finally:
-            processes.stop_all()
-            nats.stop()
+        c.start_core()
+        for node in ("node-a", "node-b"):
+            c.start_node(node)
+        c.wait_nodes(2)
+        for model_id in dirs:
+            c.add_model(model_id)
+        c.instance_ids = {m: c.place(m, min_nodes=2) for m in MODELS}  # type: ignore[attr-defined]
+        seen = c.watch_until_ready(c.instance_ids.values())  # type: ignore[attr-defined]
+        c.statuses = {m: seen[i] for m, i in c.instance_ids.items()}  # type: ignore[attr-defined]
+        yield c
 
 
 @pytest.fixture(scope="module")

@@ -18,10 +18,7 @@ import httpx
 import openai
 import psutil
 import pytest
-from conftest import Processes
-from helpers.hub_fixtures import use_hub
-from helpers.hub_server import HubServer, wait_for
-from helpers.inference_cluster import InferenceCluster
+from helpers.harness import InferenceCluster, hub_cluster, wait_for
 from helpers.tiny_models import make_tiny_model
 from jetshard_schema.events import (
     InstanceDeleted,
@@ -29,8 +26,6 @@ from jetshard_schema.events import (
     InstanceRestarting,
     NodeLost,
 )
-
-from jetshard.natsserver import start_nats_server
 
 ORG = "jetshard-test"
 SPLIT = f"{ORG}/tiny-split"
@@ -46,35 +41,25 @@ pytestmark = pytest.mark.timeout(240)
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[InferenceCluster]:
     root = tmp_path_factory.mktemp("inference-failures")
-    (root / "logs").mkdir()
-    processes = Processes(root / "logs")
-    nats = start_nats_server(root / "nats", port=-1)
     repos = {SPLIT: ("llama", 0), AUTO: ("qwen3", 1), NO_AUTO: ("llama", 2), DELETED: ("qwen3", 3)}
-    with HubServer() as hub, pytest.MonkeyPatch.context() as monkeypatch:
-        hub_env = use_hub(hub.url, root / "hf_home", monkeypatch)
+    with hub_cluster(root, {"JETSHARD_LIVENESS_TTL_S": "3"}) as c:
         for model_id, (arch, seed) in repos.items():
-            hub.add_repo(
+            c.hub.add_repo(
                 model_id,
                 make_tiny_model(
                     root / "repos" / model_id.split("/")[1], arch=arch, num_layers=4, num_files=2, seed=seed
                 ),
             )
-        base = {**hub_env, "JETSHARD_NATS": nats.url, "JETSHARD_LIVENESS_TTL_S": "3"}
-        c = InferenceCluster(root=root, nats=nats, hub=hub, processes=processes, base_env=base)
-        try:
-            c.start_core()
-            c.no_auto_api = c.start_api(["--no-auto-place"], name="api-no-auto")  # type: ignore[attr-defined]
-            for node in ("node-a", "node-b"):
-                c.start_node(node)
-            c.wait_nodes(2)
-            for model_id in repos:
-                c.add_model(model_id)
-            c.split_instance = c.place(SPLIT, min_nodes=2)  # type: ignore[attr-defined]
-            c.watch_until_ready([c.split_instance])  # type: ignore[attr-defined]
-            yield c
-        finally:
-            processes.stop_all()
-            nats.stop()
+        c.start_core()
+        c.no_auto_api = c.start_api(["--no-auto-place"], name="api-no-auto")  # type: ignore[attr-defined]
+        for node in ("node-a", "node-b"):
+            c.start_node(node)
+        c.wait_nodes(2)
+        for model_id in repos:
+            c.add_model(model_id)
+        c.split_instance = c.place(SPLIT, min_nodes=2)  # type: ignore[attr-defined]
+        c.watch_until_ready([c.split_instance])  # type: ignore[attr-defined]
+        yield c
 
 
 @pytest.fixture(scope="module")

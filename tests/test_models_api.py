@@ -8,32 +8,22 @@ each other's order.
 
 from __future__ import annotations
 
-import asyncio
-import concurrent.futures
 import json
 import os
 import shutil
-import signal
-import socket
 import subprocess
 import sys
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
-from conftest import Processes
-from helpers.hub_fixtures import use_hub
-from helpers.hub_server import HubServer, wait_for
+from helpers.harness import InferenceCluster, free_port, hub_cluster, wait_for
 from helpers.tiny_models import make_tiny_model
-from jetshard_schema.codec import decode_event
-from jetshard_schema.events import CustomModelCardAdded, CustomModelCardDeleted
+from jetshard_schema.events import CustomModelCardAdded, CustomModelCardDeleted, Event
 from jetshard_schema.ids import MODEL_ID_MAX_LENGTH
-from jetshard_schema.subjects import EVENTS_STREAM
-
-from jetshard.natsserver import NatsServer, start_nats_server
 
 ORG = "jetshard-test"
 SPLIT = f"{ORG}/tiny-split"
@@ -45,21 +35,16 @@ pytestmark = pytest.mark.timeout(180)
 
 
 @dataclass
-class Cluster:
-    root: Path
-    nats: NatsServer
-    hub: HubServer
-    processes: Processes
-    api: str
-    offline_api: str
-    unreachable_api: str
-    worker_env: dict[str, dict[str, str]]
-    workers: dict[str, subprocess.Popen[bytes]]
-    split_dir: Path
-    single_dir: Path
+class ModelsCluster(InferenceCluster):
+    """The module's cluster: three APIs, nodes that are workers only, and the two tiny models' directories."""
+
+    offline_api: str = field(init=False)
+    unreachable_api: str = field(init=False)
+    split_dir: Path = field(init=False)
+    single_dir: Path = field(init=False)
 
     def card_dir(self, node: str) -> Path:
-        return self.root / node / "cards"
+        return self.root / node / "config" / "cards"
 
     def card_file(self, node: str, model_id: str) -> Path:
         return self.card_dir(node) / (model_id.replace("/", "--") + ".json")
@@ -67,14 +52,12 @@ class Cluster:
     def start_worker(self, node: str) -> None:
         """Start the node's worker and wait until it has reconciled its card directory with State."""
         before = self._started_count(node)
-        self.workers[node] = self.processes.start(node, "worker", env=self.worker_env[node])
-        assert wait_for(lambda: self._started_count(node) > before, timeout=60), self.processes.log(node)
-
-    def stop_worker(self, node: str) -> None:
-        self.processes.kill(self.workers.pop(node), signal.SIGTERM)
+        self.workers[node] = self.processes.start(f"{node}-worker", "worker", env=self.node_env(node))
+        # State does not say when a worker has reconciled its card directory: only its log does.
+        assert wait_for(lambda: self._started_count(node) > before, timeout=60), self.processes.log(f"{node}-worker")
 
     def _started_count(self, node: str) -> int:
-        log = self.processes.log_dir / f"{node}.log"
+        log = self.processes.log_dir / f"{node}-worker.log"
         return log.read_text(errors="replace").count(WORKER_STARTED) if log.exists() else 0
 
     def serve(self, repo_id: str, path: Path, **kwargs: Any) -> None:
@@ -84,24 +67,9 @@ class Cluster:
         return sum(self.hub.requests.values())
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
-def _wait_port_file(path: Path, processes: Processes, name: str) -> str:
-    ready = wait_for(lambda: path.exists() and path.read_text().strip().isdigit(), timeout=60)
-    assert ready, processes.log(name)
-    return f"http://127.0.0.1:{int(path.read_text())}"
-
-
 @pytest.fixture(scope="module")
-def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ModelsCluster]:
     root = tmp_path_factory.mktemp("models_api")
-    (root / "logs").mkdir()
-    processes = Processes(root / "logs")
-    nats = start_nats_server(root / "nats", port=-1)
     split_dir = make_tiny_model(root / "repos" / "split", arch="llama", num_layers=4, num_files=2)
     single_dir = make_tiny_model(root / "repos" / "single", arch="qwen3", num_layers=2, num_files=1)
     config = json.loads((single_dir / "config.json").read_text())
@@ -112,77 +80,34 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
     generation.update(do_sample=True, temperature=0.6, top_p=0.95, top_k=20)
     (single_dir / "generation_config.json").write_text(json.dumps(generation))
 
-    with HubServer() as hub, pytest.MonkeyPatch.context() as monkeypatch:
-        hub_env = use_hub(hub.url, root / "hf_home", monkeypatch)
-        hub.add_repo(SPLIT, split_dir)
-        hub.add_repo(SINGLE, single_dir)
-        base = {**hub_env, "JETSHARD_NATS": nats.url}
-        try:
-            processes.start("sequencer", "sequencer", env=base)
-            apis = {
-                "api": base,
-                "api-offline": {**base, "JETSHARD_OFFLINE": "1"},
-                "api-unreachable": {**base, "HF_ENDPOINT": f"http://127.0.0.1:{_free_port()}"},
-            }
-            for name, env in apis.items():
-                port_file = str(root / f"{name}.port")
-                processes.start(name, "api", "--port", "0", "--port-file", port_file, env=env)
-            worker_env = {node: {**base, "JETSHARD_CONFIG_DIR": str(root / node)} for node in ("node-a", "node-b")}
-            cluster = Cluster(
-                root=root,
-                nats=nats,
-                hub=hub,
-                processes=processes,
-                api=_wait_port_file(root / "api.port", processes, "api"),
-                offline_api=_wait_port_file(root / "api-offline.port", processes, "api-offline"),
-                unreachable_api=_wait_port_file(root / "api-unreachable.port", processes, "api-unreachable"),
-                worker_env=worker_env,
-                workers={},
-                split_dir=split_dir,
-                single_dir=single_dir,
-            )
-            for node in worker_env:
-                cluster.start_worker(node)
-            yield cluster
-        finally:
-            processes.stop_all()
-            nats.stop()
+    with hub_cluster(root) as started:
+        cluster = ModelsCluster(**vars(started))
+        cluster.split_dir, cluster.single_dir = split_dir, single_dir
+        cluster.serve(SPLIT, split_dir)
+        cluster.serve(SINGLE, single_dir)
+        cluster.start_core()
+        cluster.offline_api = cluster.start_api(name="api-offline", env={"JETSHARD_OFFLINE": "1"})
+        unreachable_hub = {"HF_ENDPOINT": f"http://127.0.0.1:{free_port()}"}
+        cluster.unreachable_api = cluster.start_api(name="api-unreachable", env=unreachable_hub)
+        for node in ("node-a", "node-b"):
+            cluster.start_worker(node)
+        yield cluster
 
 
 # ------------------------------------------------------------------------------------------------ helpers
 
 
-def _run_async(coroutine: Any) -> Any:
-    """Run a coroutine on a loop of its own in another thread, away from pytest-asyncio's loop."""
-    with concurrent.futures.ThreadPoolExecutor(1) as pool:
-        return pool.submit(asyncio.run, coroutine).result(timeout=60)
+def _card_events(cluster: ModelsCluster) -> list[Event]:
+    return [e for _, e in cluster.events() if isinstance(e, (CustomModelCardAdded, CustomModelCardDeleted))]
 
 
-async def _card_events(nats_url: str) -> list[CustomModelCardAdded | CustomModelCardDeleted]:
-    from jetshard_bus.connect import connect
-    from jetshard_bus.options import NatsOptions
-
-    client, js = await connect(NatsOptions(servers=(nats_url,)), "test-models-api")
-    try:
-        info = await js.stream_info(EVENTS_STREAM)
-        found = []
-        for seq in range(info.state.first_seq, info.state.last_seq + 1):
-            envelope = decode_event((await js.get_msg(EVENTS_STREAM, seq)).data)
-            event = None if envelope is None else envelope.event
-            if isinstance(event, (CustomModelCardAdded, CustomModelCardDeleted)):
-                found.append(event)
-        return found
-    finally:
-        await client.close()
-
-
-def added_events(cluster: Cluster, model_id: str) -> int:
-    events = _run_async(_card_events(cluster.nats.url))
+def added_events(cluster: ModelsCluster, model_id: str) -> int:
+    events = _card_events(cluster)
     return sum(1 for e in events if isinstance(e, CustomModelCardAdded) and e.card.model_id == model_id)
 
 
-def deleted_events(cluster: Cluster, model_id: str) -> int:
-    events = _run_async(_card_events(cluster.nats.url))
+def deleted_events(cluster: ModelsCluster, model_id: str) -> int:
+    events = _card_events(cluster)
     return sum(1 for e in events if isinstance(e, CustomModelCardDeleted) and e.model_id == model_id)
 
 
@@ -208,7 +133,7 @@ def _files_under(root: Path) -> set[Path]:
 # ------------------------------------------------------------------------------------------------ routes
 
 
-def test_add_split_model_from_the_hub(cluster: Cluster) -> None:
+def test_add_split_model_from_the_hub(cluster: ModelsCluster) -> None:
     response = post(cluster.api, SPLIT)
     assert response.status_code == 201, response.text
     card = response.json()
@@ -235,7 +160,7 @@ def test_add_split_model_from_the_hub(cluster: Cluster) -> None:
     assert added_events(cluster, SPLIT) == 1
 
 
-def test_add_single_file_model_sizes_from_the_file(cluster: Cluster) -> None:
+def test_add_single_file_model_sizes_from_the_file(cluster: ModelsCluster) -> None:
     response = post(cluster.api, SINGLE)
     assert response.status_code == 201, response.text
     card = response.json()
@@ -250,7 +175,7 @@ def test_add_single_file_model_sizes_from_the_file(cluster: Cluster) -> None:
     assert listed[SINGLE]["generation_defaults"] == {"temperature": 0.6, "top_p": 0.95, "max_tokens": 512}
 
 
-def test_a_broken_generation_config_only_loses_the_sampling_defaults(cluster: Cluster) -> None:
+def test_a_broken_generation_config_only_loses_the_sampling_defaults(cluster: ModelsCluster) -> None:
     model_id = f"{ORG}/tiny-broken-generation"
     repo = cluster.root / "repos" / "broken-generation"
     shutil.copytree(cluster.split_dir, repo)
@@ -261,7 +186,7 @@ def test_a_broken_generation_config_only_loses_the_sampling_defaults(cluster: Cl
     assert response.json()["generation"] == {"temperature": None, "top_p": None, "max_tokens": None}
 
 
-def test_list_show_and_delete(cluster: Cluster) -> None:
+def test_list_show_and_delete(cluster: ModelsCluster) -> None:
     model_id = f"{ORG}/tiny-listed"
     cluster.serve(model_id, cluster.split_dir)
     assert post(cluster.api, model_id).status_code == 201
@@ -298,12 +223,12 @@ def test_list_show_and_delete(cluster: Cluster) -> None:
     assert httpx.get(f"{cluster.api}/models/{ORG}/never-added", timeout=10).status_code == 404
 
 
-def _assert_not_added(cluster: Cluster, model_id: str) -> None:
+def _assert_not_added(cluster: ModelsCluster, model_id: str) -> None:
     assert httpx.get(f"{cluster.api}/models/{model_id}", timeout=10).status_code == 404
     assert added_events(cluster, model_id) == 0
 
 
-def test_hub_errors_add_nothing(cluster: Cluster) -> None:
+def test_hub_errors_add_nothing(cluster: ModelsCluster) -> None:
     root = cluster.root / "repos"
     gated = f"{ORG}/tiny-gated"
     cluster.serve(gated, cluster.split_dir, gated=True)
@@ -377,7 +302,7 @@ UNTRUSTED_IDS = [
 ]
 
 
-def test_untrusted_ids_are_refused_before_any_network_call(cluster: Cluster) -> None:
+def test_untrusted_ids_are_refused_before_any_network_call(cluster: ModelsCluster) -> None:
     card_dirs = {node: sorted(cluster.card_dir(node).iterdir()) for node in ("node-a", "node-b")}
     before = _files_under(cluster.root.parent)
     cluster.hub.reset_counters()
@@ -424,7 +349,7 @@ def test_untrusted_ids_are_refused_before_any_network_call(cluster: Cluster) -> 
 # ------------------------------------------------------------------------------------------------ nodes
 
 
-def test_cards_sync_to_every_node(cluster: Cluster) -> None:
+def test_cards_sync_to_every_node(cluster: ModelsCluster) -> None:
     model_id = f"{ORG}/tiny-synced"
     cluster.serve(model_id, cluster.split_dir)
     nodes = ("node-a", "node-b")
@@ -444,7 +369,7 @@ def test_cards_sync_to_every_node(cluster: Cluster) -> None:
         assert wait_for(lambda node=node: not cluster.card_file(node, model_id).exists(), timeout=15), node
 
 
-def test_a_node_that_was_down_catches_up(cluster: Cluster) -> None:
+def test_a_node_that_was_down_catches_up(cluster: ModelsCluster) -> None:
     model_id = f"{ORG}/tiny-late"
     cluster.serve(model_id, cluster.split_dir)
 
@@ -473,14 +398,14 @@ def test_a_node_that_was_down_catches_up(cluster: Cluster) -> None:
 # ------------------------------------------------------------------------------------------------ CLI
 
 
-def jetshard_models(cluster: Cluster, *args: str, api: str | None = None) -> subprocess.CompletedProcess[str]:
+def jetshard_models(cluster: ModelsCluster, *args: str, api: str | None = None) -> subprocess.CompletedProcess[str]:
     env = {**os.environ, "JETSHARD_API": api or cluster.api, "COLUMNS": "200"}
     return subprocess.run(
         [sys.executable, "-m", "jetshard", "models", *args], capture_output=True, text=True, env=env, timeout=120
     )
 
 
-def test_cli(cluster: Cluster) -> None:
+def test_cli(cluster: ModelsCluster) -> None:
     model_id = f"{ORG}/tiny-cli"
     cluster.serve(model_id, cluster.single_dir)
 
@@ -532,7 +457,7 @@ def test_cli(cluster: Cluster) -> None:
     assert not_on_hub.returncode == 1
     assert "not found" in not_on_hub.stderr and "HTTP 404" in not_on_hub.stderr
 
-    down = jetshard_models(cluster, "ls", api=f"http://127.0.0.1:{_free_port()}")
+    down = jetshard_models(cluster, "ls", api=f"http://127.0.0.1:{free_port()}")
     assert down.returncode == 3
     assert "cannot reach the jetshard API" in down.stderr
     assert "Traceback" not in down.stderr

@@ -19,10 +19,7 @@ import nats.js.errors
 import openai
 import pytest
 import pytest_asyncio
-from conftest import Processes
-from helpers.hub_fixtures import use_hub
-from helpers.hub_server import HubServer
-from helpers.inference_cluster import InferenceCluster
+from helpers.harness import InferenceCluster, hub_cluster
 from helpers.tiny_models import make_tiny_model
 from jetshard_bus.auth import (
     ADMIN,
@@ -56,6 +53,8 @@ pytestmark = pytest.mark.timeout(180)
 
 
 class SecuredCluster(InferenceCluster):
+    """The module's cluster, with each service's NATS identity and the one node's id."""
+
     identities: dict[str, Identity]
     node_id: str
 
@@ -64,7 +63,6 @@ class SecuredCluster(InferenceCluster):
 def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SecuredCluster]:
     root = tmp_path_factory.mktemp("nats-auth")
     (root / "logs").mkdir()
-    processes = Processes(root / "logs")
     node_id = node_id_for(root / "node-a" / "config")
     identities = cluster_identities(root / "creds", node_id)
     server = start_nats_server(
@@ -73,30 +71,25 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SecuredCluster
         log_file=root / "logs" / "nats-server.log",
         authorization=server_authorization(list(identities.values())),
     )
-    with HubServer() as hub, pytest.MonkeyPatch.context() as monkeypatch:
-        hub_env = use_hub(hub.url, root / "hf_home", monkeypatch)
-        hub.add_repo(MODEL, make_tiny_model(root / "repos" / "tiny-auth", arch="llama", num_layers=4, num_files=2))
-        base = {**hub_env, "JETSHARD_NATS": server.url}
-        c = SecuredCluster(root=root, nats=server, hub=hub, processes=processes, base_env=base)
+    with hub_cluster(root, nats_servers=[server]) as cluster:
+        c = SecuredCluster(**vars(cluster))
         c.identities, c.node_id = identities, node_id
-        try:
-            # Frequent snapshots: the sequencer writes (and replaces) some under its identity.
-            processes.start("sequencer", "sequencer", "--snapshot-every", "5", env=_as(base, identities[SEQUENCER]))
-            c.base_env = _as(base, identities[API])
-            c.start_api()
-            # One node: a worker and a downloader, each with the node's identity for its role.
-            node_env = c.node_env("node-a")
-            c.workers["node-a"] = processes.start("node-a-worker", "worker", env=_as(node_env, identities[WORKER]))
-            c.downloaders["node-a"] = processes.start(
-                "node-a-downloader", "downloader", env=_as(node_env, identities[DOWNLOADER])
-            )
-            c.wait_nodes(1)
-            c.add_model(MODEL)
-            c.wait_instance(c.place(MODEL, min_nodes=1))
-            yield c
-        finally:
-            processes.stop_all()
-            server.stop()
+        c.hub.add_repo(MODEL, make_tiny_model(root / "repos" / "tiny-auth", arch="llama", num_layers=4, num_files=2))
+        base = c.base_env
+        # Frequent snapshots: the sequencer writes (and replaces) some under its identity.
+        c.processes.start("sequencer", "sequencer", "--snapshot-every", "5", env=_as(base, identities[SEQUENCER]))
+        c.base_env = _as(base, identities[API])
+        c.start_api()
+        # One node: a worker and a downloader, each with the node's identity for its role.
+        node_env = c.node_env("node-a")
+        c.workers["node-a"] = c.processes.start("node-a-worker", "worker", env=_as(node_env, identities[WORKER]))
+        c.downloaders["node-a"] = c.processes.start(
+            "node-a-downloader", "downloader", env=_as(node_env, identities[DOWNLOADER])
+        )
+        c.wait_nodes(1)
+        c.add_model(MODEL)
+        c.wait_instance(c.place(MODEL, min_nodes=1))
+        yield c
 
 
 def _as(env: dict[str, str], identity: Identity) -> dict[str, str]:

@@ -18,21 +18,17 @@ import httpx
 import nats
 import nats.errors
 import pytest
-from conftest import Processes
-from helpers.hub_fixtures import use_hub
-from helpers.hub_server import HubServer
-from helpers.inference_cluster import InferenceCluster
+from helpers.harness import InferenceCluster, free_port, hub_cluster, until
 from helpers.tiny_models import make_tiny_model
 from jetshard_bus.connect import connect
 from jetshard_bus.options import NatsOptions
-from jetshard_schema.events import CustomModelCardAdded
+from jetshard_schema.events import CustomModelCardAdded, EventEnvelope
 from jetshard_schema.ids import CommandId
-from test_demo_model import free_port
 from test_sequencer import all_events, assert_gapless, outcomes_per_command
 from test_supervision import publish_surely
 
 from jetshard.natsserver import MAX_PAYLOAD_BYTES, NatsServer, nats_server_binary
-from jetshard.procs import spawn, stop_groups
+from jetshard.procs import spawn
 
 MODEL = "jetshard-test/tiny-r3"
 SERVERS = 3
@@ -61,15 +57,14 @@ def start_nats_cluster(root: Path) -> list[NatsServer]:
 async def _wait_for_jetstream(urls: list[str], timeout_s: float = 60) -> None:
     """Until the cluster has elected its JetStream meta leader (an account info request answers)."""
     client = await nats.connect(servers=urls, max_reconnect_attempts=-1)
-    deadline = time.monotonic() + timeout_s
     try:
-        while True:
-            try:
-                await client.jetstream().account_info()
-                return
-            except (nats.errors.Error, TimeoutError):
-                assert time.monotonic() < deadline, "the NATS cluster elected no JetStream leader"
-                await asyncio.sleep(0.5)
+        await until(
+            client.jetstream().account_info,
+            timeout_s,
+            "the NATS cluster to elect a JetStream leader",
+            interval_s=0.5,
+            retry_on=(nats.errors.Error, TimeoutError),
+        )
     finally:
         await client.close()
 
@@ -77,25 +72,13 @@ async def _wait_for_jetstream(urls: list[str], timeout_s: float = 60) -> None:
 @pytest.fixture(scope="module")
 def r3_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[InferenceCluster]:
     root = tmp_path_factory.mktemp("r3")
-    (root / "logs").mkdir()
-    processes = Processes(root / "logs")
     servers = start_nats_cluster(root)
-    with HubServer() as hub, pytest.MonkeyPatch.context() as monkeypatch:
-        hub_env = use_hub(hub.url, root / "hf_home", monkeypatch)
-        hub.add_repo(MODEL, make_tiny_model(root / "repos" / "tiny-r3", num_files=1))
-        base = {**hub_env, "JETSHARD_NATS": " ".join(s.url for s in servers), "JETSHARD_REPLICAS": "3"}
-        cluster = InferenceCluster(root=root, nats=servers[0], hub=hub, processes=processes, base_env=base)
+    with hub_cluster(root, {"JETSHARD_REPLICAS": "3"}, nats_servers=servers) as cluster:
+        cluster.hub.add_repo(MODEL, make_tiny_model(root / "repos" / "tiny-r3", num_files=1))
         cluster.servers = servers  # type: ignore[attr-defined]
-        try:
-            cluster.start_core()
-            cluster.start_node("node")
-            cluster.wait_nodes(1)
-            cluster.add_model(MODEL)
-            cluster.wait_instance(cluster.place(MODEL, min_nodes=1))
-            yield cluster
-        finally:
-            processes.stop_all()
-            stop_groups([s.process for s in servers], 5)
+        cluster.start_core()
+        cluster.serve_one_node(MODEL)
+        yield cluster
 
 
 def chat(api: str) -> int:
@@ -122,7 +105,7 @@ async def test_killing_one_of_three_nats_servers_loses_nothing_acked_and_the_api
         while not stop.is_set():
             acked.append(await publish_surely(js, n, "r3"))
             n += 1
-            await asyncio.sleep(0.01)
+            await asyncio.sleep(0.01)  # deliberate pacing: a steady stream of commands, not a flood
 
     async def chats_loop() -> None:
         while not stop.is_set():
@@ -130,13 +113,13 @@ async def test_killing_one_of_three_nats_servers_loses_nothing_acked_and_the_api
 
     try:
         traffic = [asyncio.create_task(commands()), asyncio.create_task(chats_loop())]
-        await asyncio.sleep(3)
+        await asyncio.sleep(3)  # deliberate fault timing: traffic flows before the kill
         # Clients pick their server at random from the three URLs: some services lose theirs here.
         victim = servers[1]
         victim.process.send_signal(signal.SIGKILL)
         victim.process.wait()
         killed_at = time.monotonic()
-        await asyncio.sleep(12)
+        await asyncio.sleep(12)  # deliberate fault timing: traffic flows on for a while after the kill
         stop.set()
         await asyncio.gather(*traffic)
 
@@ -151,12 +134,15 @@ async def test_killing_one_of_three_nats_servers_loses_nothing_acked_and_the_api
         )
 
         # Nothing acked is lost: each acked command has exactly one outcome, in a gapless stream.
-        deadline = time.monotonic() + 60
-        while True:
+        per: dict[CommandId, list[EventEnvelope]] = {}
+
+        async def every_acked_command_has_an_outcome() -> bool:
+            nonlocal per
             per = outcomes_per_command(assert_gapless(await all_events(js)))
-            if all(c in per for c in acked) or time.monotonic() > deadline:
-                break
-            await asyncio.sleep(0.5)
+            return all(c in per for c in acked)
+
+        missing = lambda: [c for c in acked if c not in per]  # noqa: E731
+        await until(every_acked_command_has_an_outcome, 60, lambda: f"outcomes of {missing()}", interval_s=0.5)
         assert {c: [type(e.event) for e in per.get(c, [])] for c in acked} == {c: [CustomModelCardAdded] for c in acked}
         # Services reconnected to the other servers: the node is still alive and a new command is answered.
         async with httpx.AsyncClient(base_url=r3_cluster.api, timeout=30) as http:

@@ -26,7 +26,7 @@ def test_two_processes_creating_the_node_id_at_once_agree(tmp_path: Path) -> Non
     script = (
         "import sys, time; from pathlib import Path; from jetshard_bus.node import node_id_for\n"
         "base, start = Path(sys.argv[1]), float(sys.argv[2])\n"
-        "time.sleep(max(0.0, start - time.time()))\n"
+        "time.sleep(max(0.0, start - time.time()))\n"  # deliberate timing: all processes race at one instant
         "print(' '.join(node_id_for(base / str(i)) for i in range(200)))\n"
     )
     start = str(time.time() + 3)

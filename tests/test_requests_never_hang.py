@@ -23,15 +23,10 @@ from collections.abc import Iterator
 import httpx
 import openai
 import pytest
-from conftest import Processes
-from helpers.hub_fixtures import use_hub
-from helpers.hub_server import HubServer, wait_for
-from helpers.inference_cluster import ChunkTap, InferenceCluster
+from helpers.harness import ChunkTap, InferenceCluster, hub_cluster, wait_for
 from helpers.tiny_models import make_tiny_model
 from jetshard_schema.events import TaskAssigned, TaskCancelled, TaskFinished
 from jetshard_schema.types import TaskOutcome
-
-from jetshard.natsserver import start_nats_server
 
 ORG = "jetshard-test"
 WINDOW = f"{ORG}/tiny-window"
@@ -70,29 +65,19 @@ class SilentHub:
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[InferenceCluster]:
     root = tmp_path_factory.mktemp("never-hang")
-    (root / "logs").mkdir()
-    processes = Processes(root / "logs")
-    nats = start_nats_server(root / "nats", port=-1)
-    with HubServer() as hub, pytest.MonkeyPatch.context() as monkeypatch:
-        hub_env = use_hub(hub.url, root / "hf_home", monkeypatch)
+    with hub_cluster(root) as c:
         # Seed 0 with MESSAGES decodes greedily for well over 1,500 tokens without an EOS.
         for seed, model_id in enumerate((LEAVING, WINDOW, NO_HUB, OFFLINE)):
-            hub.add_repo(model_id, make_tiny_model(root / "repos" / model_id.split("/")[1], num_files=1, seed=seed))
-        base = {**hub_env, "JETSHARD_NATS": nats.url}
-        c = InferenceCluster(root=root, nats=nats, hub=hub, processes=processes, base_env=base)
-        try:
-            c.start_core()
-            c.start_node("fast", {"JETSHARD_TEST_RUNNER_FOLLOW_DELAY_S": str(FOLLOW_DELAY_S)})
-            c.silent_hub = SilentHub()  # type: ignore[attr-defined]
-            c.start_node("no-hub", {"HF_ENDPOINT": c.silent_hub.url})  # type: ignore[attr-defined]
-            c.start_node("offline", {"JETSHARD_OFFLINE": "1"})
-            c.wait_nodes(3)
-            for model_id in (WINDOW, NO_HUB, OFFLINE, LEAVING):
-                c.add_model(model_id)
-            yield c
-        finally:
-            processes.stop_all()
-            nats.stop()
+            c.hub.add_repo(model_id, make_tiny_model(root / "repos" / model_id.split("/")[1], num_files=1, seed=seed))
+        c.start_core()
+        c.start_node("fast", {"JETSHARD_TEST_RUNNER_FOLLOW_DELAY_S": str(FOLLOW_DELAY_S)})
+        c.silent_hub = SilentHub()  # type: ignore[attr-defined]
+        c.start_node("no-hub", {"HF_ENDPOINT": c.silent_hub.url})  # type: ignore[attr-defined]
+        c.start_node("offline", {"JETSHARD_OFFLINE": "1"})
+        c.wait_nodes(3)
+        for model_id in (WINDOW, NO_HUB, OFFLINE, LEAVING):
+            c.add_model(model_id)
+        yield c
 
 
 @pytest.fixture(scope="module")

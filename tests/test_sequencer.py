@@ -10,12 +10,12 @@ import asyncio
 import collections
 import signal
 import time
-from collections.abc import Callable
 
 import msgspec
 import nats
 import nats.js.errors
 import pytest
+from helpers.harness import until
 from jetshard_bus.commands import publish_command
 from jetshard_bus.connect import connect
 from jetshard_bus.follower import StateFollower
@@ -53,14 +53,6 @@ def add_card(name: str) -> AddCustomModelCard:
     return AddCustomModelCard(card=card(name))
 
 
-async def wait_for(predicate: Callable[[], object], timeout_s: float, what: str) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")
-        await asyncio.sleep(0.05)
-
-
 async def all_events(js) -> list[tuple[int, EventEnvelope | None]]:
     """Every stored event, in order, with its stream sequence (None where it does not decode)."""
     info = await js.stream_info(subjects.EVENTS_STREAM)
@@ -73,7 +65,7 @@ async def all_events(js) -> list[tuple[int, EventEnvelope | None]]:
         return got
     subscription = await subscribe_events(js, collect, 1)
     try:
-        await wait_for(lambda: len(got) >= info.state.last_seq, 30, "reading the event stream")
+        await until(lambda: len(got) >= info.state.last_seq, 30, "reading the event stream")
     finally:
         await subscription.unsubscribe()
     return got
@@ -105,20 +97,18 @@ def sequencer(processes, name: str, url: str, *extra: str):
 
 
 async def leading(processes, name: str, times: int = 1, timeout_s: float = 30) -> None:
-    await wait_for(lambda: processes.log(name).count(" leads from event ") >= times, timeout_s, f"{name} to lead")
+    await until(lambda: processes.log(name).count(" leads from event ") >= times, timeout_s, f"{name} to lead")
 
 
 async def standby_ready(js) -> None:
     """A standby logs nothing while it waits; it is ready once its State replica's consumer exists
     (next to the test's own follower), plus a moment so its process is surely past start-up."""
 
-    async def consumers() -> int:
-        return (await js.stream_info(subjects.EVENTS_STREAM)).state.consumer_count
+    async def both_consumers_exist() -> bool:
+        return (await js.stream_info(subjects.EVENTS_STREAM)).state.consumer_count >= 2
 
-    deadline = time.monotonic() + 30
-    while await consumers() < 2 and time.monotonic() < deadline:  # noqa: ASYNC110
-        await asyncio.sleep(0.1)
-    await asyncio.sleep(1)
+    await until(both_consumers_exist, 30, "the standby's State replica", interval_s=0.1)
+    await asyncio.sleep(1)  # deliberate timing: nothing observable says the standby is past start-up
 
 
 async def test_the_same_command_published_twice_gives_one_set_of_events(bus, fresh_nats, processes) -> None:
@@ -182,7 +172,7 @@ async def test_a_command_redelivered_after_the_dedupe_window_has_one_outcome(fre
             encode(envelope),
             headers={subjects.MSG_ID_HEADER: f"{command_id}/0", subjects.EXPECTED_LAST_SEQUENCE_HEADER: "0"},
         )
-        await asyncio.sleep(1.5)  # past the dedupe window of both streams
+        await asyncio.sleep(1.5)  # deliberate timing: past the dedupe window of both streams
 
         sequencer(processes, "seq1", fresh_nats.url)
         await leading(processes, "seq1")
@@ -195,7 +185,7 @@ async def test_a_command_redelivered_after_the_dedupe_window_has_one_outcome(fre
         report = ReportNodeProfile(node_id=NodeId("node-r"), session_id="s1", profile=PROFILE)
         report_id, first = await publish_command(js, report, CommandId("cmd-report"))
         await follower.wait_until(lambda s: "node-r" in s.nodes, 30)
-        await asyncio.sleep(1.5)
+        await asyncio.sleep(1.5)  # deliberate timing: past the dedupe window again
         _, second = await publish_command(js, report, CommandId("cmd-report"))
         assert second > first  # stored again: the window had passed
         _marker_id, _ = await publish_command(js, add_card("marker"))
@@ -289,10 +279,10 @@ async def test_a_paused_leader_steps_down_when_it_resumes(bus, fresh_nats, proce
         old.send_signal(signal.SIGCONT)
         for n in range(60, 300):  # keep commands coming while the old leader wakes up
             await publish(n)
-            await asyncio.sleep(0.005)
+            await asyncio.sleep(0.005)  # deliberate pacing: commands keep arriving while the old leader wakes
     finally:
         old.send_signal(signal.SIGCONT)
-    await wait_for(lambda: "stepping down" in processes.log("seq1"), 30, "the old leader to step down")
+    await until(lambda: "stepping down" in processes.log("seq1"), 30, "the old leader to step down")
     await follower.wait_until(lambda s: len(s.custom_cards) >= 300, 60)
     assert old.poll() is None  # it stepped down and waits as a standby, it did not crash
     per = outcomes_per_command(assert_gapless(await all_events(js)))
@@ -342,14 +332,15 @@ async def test_a_new_follower_starts_from_the_snapshot(bus, fresh_nats, processe
     await first.stop()
 
     store = await js.object_store(subjects.SNAPSHOT_BUCKET)
-    deadline = time.monotonic() + 30  # the sequencer writes it just after the events it covers
-    while True:
-        try:
-            snapshot = decode_state((await store.get(subjects.SNAPSHOT_OBJECT)).data or b"")
-            break
-        except nats.js.errors.ObjectNotFoundError:
-            assert time.monotonic() < deadline, "no snapshot was written"
-            await asyncio.sleep(0.1)
+    # The sequencer writes it just after the events it covers.
+    await until(
+        lambda: store.get(subjects.SNAPSHOT_OBJECT),
+        30,
+        "a snapshot to be written",
+        interval_s=0.1,
+        retry_on=(nats.js.errors.ObjectNotFoundError,),
+    )
+    snapshot = decode_state((await store.get(subjects.SNAPSHOT_OBJECT)).data or b"")
     assert 50 <= snapshot.last_seq <= 120
 
     from_snapshot = await follow(js)

@@ -11,7 +11,7 @@ import json
 import signal
 import sys
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable
 from pathlib import Path
 from typing import Any
 
@@ -20,14 +20,14 @@ import msgspec
 import nats.errors
 import psutil
 import pytest
-from helpers.cluster import poll
+from helpers.harness import free_port, until, wait_for
 from jetshard_bus.commands import publish_command
 from jetshard_bus.connect import connect
 from jetshard_bus.follower import StateFollower
 from jetshard_bus.options import NatsOptions
 from jetshard_schema.events import CustomModelCardAdded
 from jetshard_schema.ids import CommandId
-from test_demo_model import ctrl_c, free_port, processes_mentioning, start_in_own_group, up_command
+from test_demo_model import ctrl_c, processes_mentioning, start_in_own_group, up_command
 from test_sequencer import add_card, all_events, assert_gapless, outcomes_per_command
 
 from jetshard.natsserver import start_nats_server
@@ -60,20 +60,11 @@ async def publish_surely(js: Any, n: int, prefix: str = "chaos") -> CommandId:
             await publish_command(js, add_card(f"{prefix}-{n}"), command_id, timeout_s=2)
             return command_id
         except (nats.errors.Error, TimeoutError):
-            await asyncio.sleep(0.2)
+            await asyncio.sleep(0.2)  # deliberate: a pause between retries while the server restarts
 
 
-async def until(check: Callable[[], Awaitable[bool]], timeout_s: float, what: str) -> float:
-    """Seconds until `check()` holds; exceptions count as "not yet" (a service restarting)."""
-    started = time.monotonic()
-    while True:
-        try:
-            if await check():
-                return time.monotonic() - started
-        except (httpx.HTTPError, nats.errors.Error, TimeoutError):
-            pass
-        assert time.monotonic() - started < timeout_s, f"timed out after {timeout_s} s waiting for {what}"
-        await asyncio.sleep(0.05)
+# A service restarting: not yet.
+RESTARTING = (httpx.HTTPError, nats.errors.Error, TimeoutError)
 
 
 @pytest.mark.timeout(240)
@@ -95,10 +86,12 @@ async def test_up_restarts_each_killed_service_and_nats_server_and_loses_no_comm
     up_log = tmp_path / "up.log"
     client = None
     try:
-        deadline = time.monotonic() + 120
-        while "Press Ctrl-C to stop." not in up_log.read_text():
-            assert up.poll() is None and time.monotonic() < deadline, up_log.read_text()
-            await asyncio.sleep(0.2)
+
+        def up_is_serving() -> bool:
+            assert up.poll() is None, up_log.read_text()
+            return "Press Ctrl-C to stop." in up_log.read_text()  # what `up` tells its user
+
+        await until(up_is_serving, 120, lambda: up_log.read_text(), interval_s=0.2)
         admin = NatsOptions(servers=(f"nats://127.0.0.1:{nats_port}",), nkey_file=str(data / "creds" / "admin.nk"))
         client, js = await connect(admin, "chaos-test")
         http = httpx.AsyncClient(base_url=api, timeout=5)
@@ -109,33 +102,38 @@ async def test_up_restarts_each_killed_service_and_nats_server_and_loses_no_comm
         async def publish_range(start: int) -> None:
             for n in range(start, start + per_fault):
                 published.append(await publish_surely(js, n))
-                await asyncio.sleep(0.002)
+                await asyncio.sleep(0.002)  # deliberate pacing: a burst spread over the fault
 
         async def api_has(name: str) -> bool:
             return f"burst/{name}" in (await http.get("/state")).json()["custom_cards"]
 
         for round_, fault in enumerate(FAULTS):
             burst = asyncio.create_task(publish_range(round_ * per_fault))
-            await poll(lambda start=round_ * per_fault: len(published) >= start + per_fault // 4, 60)
+            await until(lambda start=round_ * per_fault: len(published) >= start + per_fault // 4, 60)
             victim = service_process(psutil.Process(up.pid), fault)
             victim.send_signal(signal.SIGKILL)
             killed_at = time.monotonic()
             # Recovered: a command published after the kill has its outcome in the (possibly new) API's State.
             probe = await publish_surely(js, round_, "probe")
             published.append(probe)
-            await until(lambda probe=probe: api_has(probe), 60, f"the cluster to recover from killing {fault}")
+            await until(
+                lambda probe=probe: api_has(probe),
+                60,
+                f"the cluster to recover from killing {fault}",
+                retry_on=RESTARTING,
+            )
             # The node services are not on a command's path: they have recovered once they act again.
             if fault == "worker":
-                await poll(lambda probe=probe: (config / "cards" / f"burst--{probe}.json").exists(), 60)
+                await until(lambda probe=probe: (config / "cards" / f"burst--{probe}.json").exists(), 60)
             if fault == "downloader":
-                await poll(lambda: (data / "logs/downloader.log").read_text().count(" started; model dirs") == 2, 60)
+                await until(lambda: (data / "logs/downloader.log").read_text().count(" started; model dirs") == 2, 60)
             recovery[fault] = time.monotonic() - killed_at
             await burst
             assert up.poll() is None, up_log.read_text()
             assert f"{fault} restarted" in up_log.read_text()
 
         assert len(set(published)) == COMMANDS + len(FAULTS)
-        await poll(lambda: len(list((config / "cards").glob("*.json"))) >= len(published), 60)
+        await until(lambda: len(list((config / "cards").glob("*.json"))) >= len(published), 60)
         per = outcomes_per_command(assert_gapless(await all_events(js)))
         assert {c: [type(e.event) for e in per[c]] for c in published} == {c: [CustomModelCardAdded] for c in published}
 
@@ -168,16 +166,13 @@ async def test_the_api_answers_503_at_once_while_nats_is_down_and_serves_again_a
 ) -> None:
     server = start_nats_server(tmp_path / "nats", port=-1)
     nats_port = int(server.url.rsplit(":", 1)[1])
-    port_file = tmp_path / "api.port"
-    processes.start("api", "api", "--port", "0", "--port-file", str(port_file), env={"JETSHARD_NATS": server.url})
+    api = processes.start_api("api", env={"JETSHARD_NATS": server.url})
     processes.start("sequencer", "sequencer", env={"JETSHARD_NATS": server.url})
-    async with httpx.AsyncClient(timeout=30) as http:
-        await poll(lambda: port_file.exists() and bool(port_file.read_text().strip()), 30)
-        http.base_url = httpx.URL(f"http://127.0.0.1:{port_file.read_text().strip()}")
+    async with httpx.AsyncClient(base_url=api, timeout=30) as http:
         assert (await http.get("/healthz")).json()["broker"] == "connected"
 
         server.stop()
-        await until(lambda: _healthz_status(http, 503), 10, "/healthz to notice")
+        await until(lambda: _healthz_status(http, 503), 10, "/healthz to notice", retry_on=RESTARTING)
         health = (await http.get("/healthz")).json()
         assert health["status"] == "unavailable" and "NATS" in health["reason"], health
         for method, path, body in (
@@ -194,10 +189,15 @@ async def test_the_api_answers_503_at_once_while_nats_is_down_and_serves_again_a
 
         restarted = start_nats_server(tmp_path / "nats", port=nats_port)
         try:
-            back_s = await until(lambda: _healthz_status(http, 200), 30, "/healthz to recover")
+            back_s = await until(lambda: _healthz_status(http, 200), 30, "/healthz to recover", retry_on=RESTARTING)
             print(f"/healthz said ok again {back_s:.2f} s after nats-server restarted")
             # Answered by the sequencer again: the API's command and event paths both work.
-            await until(lambda: _status_is(http.delete("/instances/some-instance"), 404), 30, "a command's outcome")
+            await until(
+                lambda: _status_is(http.delete("/instances/some-instance"), 404),
+                30,
+                "a command's outcome",
+                retry_on=RESTARTING,
+            )
         finally:
             restarted.stop()
 
@@ -217,11 +217,12 @@ def test_a_crash_looping_process_is_restarted_ever_more_slowly_said_so_and_not_r
     log_file = tmp_path / "crashing.log"
     supervisor = Supervisor((1.0,), lines.append, first_restart_delay_s=0.1, max_restart_delay_s=0.4)
     crashing = supervisor.start("crashing", lambda: spawn([sys.executable, "-c", "exit(3)"], log_file), 0, log_file)
-    deadline = time.monotonic() + 30
-    while crashing.restarts < 4:
-        assert time.monotonic() < deadline, lines
+
+    def restarted_four_times() -> bool:
         supervisor.tend()
-        time.sleep(0.02)
+        return crashing.restarts >= 4
+
+    assert wait_for(restarted_four_times, timeout=30), lines
     delays = [float(line.split("restarting it in ")[1].split(" s")[0]) for line in lines if "restarting it in" in line]
     assert delays[:4] == [0.1, 0.2, 0.4, 0.4], lines
     assert "keeps failing: 2 restarts so far" in next(line for line in lines if "0.4 s" in line)
@@ -229,6 +230,6 @@ def test_a_crash_looping_process_is_restarted_ever_more_slowly_said_so_and_not_r
 
     supervisor.stop()
     restarts = crashing.restarts
-    time.sleep(0.5)
+    time.sleep(0.5)  # deliberate timing: longer than any restart delay, and still no restart
     supervisor.tend()
     assert crashing.restarts == restarts and crashing.process.poll() is not None

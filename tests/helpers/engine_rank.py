@@ -71,7 +71,7 @@ def main() -> None:
 
         thread = threading.Thread(target=serve, name="engine")
         thread.start()
-        time.sleep(args.idle_before)
+        time.sleep(args.idle_before)  # deliberate timing: the engine idles before the first request
         for spec in specs:
             engine.submit(GenerationRequest(**spec))
         while specs and not done.wait(0.2) and thread.is_alive():

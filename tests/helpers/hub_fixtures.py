@@ -5,7 +5,7 @@ constants when it is first imported (and binds the module-level `huggingface_hub
 to an `HfApi` created at import time). Setting the environment is therefore enough for
 subprocesses, but in this process the constants must be patched too: `use_hub()` does both.
 
-Import the fixtures from a conftest: `from helpers.hub_fixtures import hub_server, hf_env  # noqa: F401`.
+`conftest.py` registers this module as a pytest plugin, so its fixtures need no import.
 """
 
 from __future__ import annotations

@@ -25,7 +25,6 @@ import json
 import select
 import socket
 import threading
-import time
 from collections import Counter
 from dataclasses import dataclass, field
 from email.utils import formatdate
@@ -662,13 +661,3 @@ def _safetensors_summary(files: Any) -> dict[str, Any] | None:
     if not counts:
         return None
     return {"parameters": dict(counts), "total": sum(counts.values())}
-
-
-def wait_for(predicate: Any, timeout: float = 10.0, interval: float = 0.02) -> bool:
-    """Poll `predicate()` until it is true or `timeout` passes."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(interval)
-    return bool(predicate())
