@@ -6,9 +6,9 @@ import logging
 
 import msgspec
 import pytest
+from helpers.cards import tiny_card
 from helpers.states import fold
 from jetshard_schema import codec
-from jetshard_schema.cards import ModelCard
 from jetshard_schema.events import (
     CustomModelCardAdded,
     CustomModelCardDeleted,
@@ -21,18 +21,7 @@ from jetshard_schema.models import all_cards, find_card
 from jetshard_schema.state import State
 
 MODEL = ModelId("acme/tiny-7")
-CARD = ModelCard(
-    model_id=MODEL,
-    num_layers=8,
-    hidden_size=64,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    vocab_size=1000,
-    architecture="llama",
-    storage_size_bytes=1 << 20,
-    storage_size_estimated=True,
-    is_custom=True,
-)
+CARD = tiny_card(MODEL, num_layers=8, vocab_size=1000, storage_size_estimated=True, is_custom=True)
 
 SAMPLES: list[Event] = [
     CustomModelCardAdded(card=CARD),

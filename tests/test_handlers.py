@@ -6,8 +6,8 @@ from collections.abc import Sequence
 
 import msgspec
 import pytest
+from helpers.cards import tiny_card
 from jetshard_api.errors import REJECT_STATUS
-from jetshard_schema.cards import ModelCard
 from jetshard_schema.commands import (
     AddCustomModelCard,
     CancelDownload,
@@ -74,17 +74,7 @@ GiB = 2**30
 A, B, C = NodeId("node-a"), NodeId("node-b"), NodeId("node-c")
 BUILTIN = ModelId("mlx-community/Qwen3-0.6B-4bit")
 MODEL = ModelId("acme/tiny-8")
-CARD = ModelCard(
-    model_id=MODEL,
-    num_layers=8,
-    hidden_size=64,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    vocab_size=1000,
-    architecture="llama",
-    storage_size_bytes=GiB,
-    context_length=256,
-)
+CARD = tiny_card(MODEL, num_layers=8, vocab_size=1000, storage_size_bytes=GiB, context_length=256)
 
 
 def profile(available_gib: float, total_gib: int = 64) -> NodeProfile:
@@ -97,7 +87,7 @@ def profile(available_gib: float, total_gib: int = 64) -> NodeProfile:
     )
 
 
-class Cluster:
+class InMemoryCluster:
     """A State plus the handler, applying each command's events as the sequencer would."""
 
     def __init__(self, now_ms: int = 1_000_000) -> None:
@@ -162,8 +152,8 @@ def rejected(events: list[Event], code: RejectCode) -> CommandRejected:
 
 
 @pytest.fixture
-def cluster() -> Cluster:
-    cluster = Cluster()
+def cluster() -> InMemoryCluster:
+    cluster = InMemoryCluster()
     assert cluster.run(AddCustomModelCard(card=CARD)) == [
         CustomModelCardAdded(card=msgspec.structs.replace(CARD, is_custom=True))
     ]
@@ -174,7 +164,7 @@ def cluster() -> Cluster:
 
 
 def test_node_join_rejoin_and_meaningful_updates_only() -> None:
-    cluster = Cluster()
+    cluster = InMemoryCluster()
     first = ReportNodeProfile(node_id=A, session_id="s1", profile=profile(16))
     assert cluster.run(first) == [NodeJoined(node_id=A, session_id="s1", profile=profile(16))]
     assert cluster.run(first) == []  # the same report again: nothing new
@@ -193,7 +183,7 @@ def test_node_join_rejoin_and_meaningful_updates_only() -> None:
 
 
 def test_node_storage_reported_only_when_it_changes_meaningfully() -> None:
-    cluster = Cluster()
+    cluster = InMemoryCluster()
     dirs = (ModelDirInfo(path="/m", read_only=False, free_bytes=10 * GiB, total_bytes=100 * GiB),)
     storage = NodeStorage(model_dirs=dirs)
     assert cluster.run(ReportNodeStorage(node_id=A, storage=storage)) == [
@@ -212,7 +202,7 @@ def test_node_storage_reported_only_when_it_changes_meaningfully() -> None:
         ]
 
 
-def test_expire_node_tears_down_its_instances_and_places_them_again(cluster: Cluster) -> None:
+def test_expire_node_tears_down_its_instances_and_places_them_again(cluster: InMemoryCluster) -> None:
     cluster.join(A, 16)
     cluster.join(B, 16)
     lost = cluster.place("inst-1", [A])
@@ -230,7 +220,7 @@ def test_expire_node_tears_down_its_instances_and_places_them_again(cluster: Clu
 
 def test_expire_node_is_deterministic() -> None:
     def expire() -> list[Event]:
-        cluster = Cluster()
+        cluster = InMemoryCluster()
         cluster.run(AddCustomModelCard(card=CARD))
         cluster.join(A)
         cluster.join(B)
@@ -240,7 +230,7 @@ def test_expire_node_is_deterministic() -> None:
     assert expire() == expire()
 
 
-def test_expired_instance_is_not_placed_again_when_nothing_fits(cluster: Cluster) -> None:
+def test_expired_instance_is_not_placed_again_when_nothing_fits(cluster: InMemoryCluster) -> None:
     cluster.join(A, 16)
     cluster.join(B, 0.1)
     cluster.place("inst-1", [A])
@@ -249,7 +239,7 @@ def test_expired_instance_is_not_placed_again_when_nothing_fits(cluster: Cluster
     assert cluster.state.instances == {}
 
 
-def test_expire_of_an_old_session_or_unknown_node_does_nothing(cluster: Cluster) -> None:
+def test_expire_of_an_old_session_or_unknown_node_does_nothing(cluster: InMemoryCluster) -> None:
     cluster.join(A, session="s1")
     cluster.join(A, session="s2")
     assert cluster.run(ExpireNode(node_id=A, session_id="s1")) == []
@@ -260,7 +250,7 @@ def test_expire_of_an_old_session_or_unknown_node_does_nothing(cluster: Cluster)
 # --- model cards -------------------------------------------------------------------------------------------
 
 
-def test_card_add_duplicate_builtin_and_invalid(cluster: Cluster) -> None:
+def test_card_add_duplicate_builtin_and_invalid(cluster: InMemoryCluster) -> None:
     assert MODEL in cluster.state.custom_cards
     assert cluster.state.custom_cards[MODEL].is_custom
     rejected(cluster.run(AddCustomModelCard(card=CARD)), RejectCode.ALREADY_EXISTS)
@@ -272,7 +262,7 @@ def test_card_add_duplicate_builtin_and_invalid(cluster: Cluster) -> None:
     rejected(cluster.run(AddCustomModelCard(card=no_layers)), RejectCode.INVALID)
 
 
-def test_card_delete_builtin_is_a_409_conflict_and_unknown_is_404(cluster: Cluster) -> None:
+def test_card_delete_builtin_is_a_409_conflict_and_unknown_is_404(cluster: InMemoryCluster) -> None:
     refusal = rejected(cluster.run(DeleteCustomModelCard(model_id=BUILTIN)), RejectCode.CONFLICT)
     assert "built-in" in refusal.reason
     assert REJECT_STATUS[refusal.code] == 409
@@ -285,7 +275,7 @@ def test_card_delete_builtin_is_a_409_conflict_and_unknown_is_404(cluster: Clust
 # --- downloads ---------------------------------------------------------------------------------------------
 
 
-def test_start_download_checks_model_node_and_range(cluster: Cluster) -> None:
+def test_start_download_checks_model_node_and_range(cluster: InMemoryCluster) -> None:
     cluster.join(A)
     rejected(cluster.run(StartDownload(model_id=ModelId("acme/none"), node_id=A)), RejectCode.NOT_FOUND)
     rejected(cluster.run(StartDownload(model_id=MODEL, node_id=C)), RejectCode.NOT_FOUND)
@@ -296,7 +286,7 @@ def test_start_download_checks_model_node_and_range(cluster: Cluster) -> None:
     ]
 
 
-def test_cancel_download_only_while_in_progress(cluster: Cluster) -> None:
+def test_cancel_download_only_while_in_progress(cluster: InMemoryCluster) -> None:
     cluster.join(A)
     rejected(cluster.run(CancelDownload(model_id=MODEL, node_id=A)), RejectCode.NOT_FOUND)
     cluster.run(StartDownload(model_id=MODEL, node_id=A))
@@ -306,7 +296,7 @@ def test_cancel_download_only_while_in_progress(cluster: Cluster) -> None:
     assert cluster.run(ReportDownloadProgress(model_id=MODEL, node_id=A, status=DownloadStatus.CANCELLED)) == []
 
 
-def test_delete_download_refuses_read_only_and_in_use(cluster: Cluster) -> None:
+def test_delete_download_refuses_read_only_and_in_use(cluster: InMemoryCluster) -> None:
     cluster.join(A)
     rejected(cluster.run(DeleteDownload(model_id=MODEL, node_id=A)), RejectCode.NOT_FOUND)
     cluster.run(
@@ -346,7 +336,7 @@ def test_delete_download_refuses_read_only_and_in_use(cluster: Cluster) -> None:
 # --- instances and runners ---------------------------------------------------------------------------------
 
 
-def test_place_and_delete_instance(cluster: Cluster) -> None:
+def test_place_and_delete_instance(cluster: InMemoryCluster) -> None:
     cluster.join(A, 16)
     rejected(
         cluster.run(PlaceInstance(instance_id=InstanceId("i"), model_id=ModelId("acme/none"))),
@@ -367,7 +357,7 @@ def test_place_and_delete_instance(cluster: Cluster) -> None:
     ]
 
 
-def test_runner_endpoint_checks_rank_and_generation(cluster: Cluster) -> None:
+def test_runner_endpoint_checks_rank_and_generation(cluster: InMemoryCluster) -> None:
     cluster.join(A)
     cluster.join(B)
     instance = cluster.place("inst-1", [A, B])
@@ -379,7 +369,7 @@ def test_runner_endpoint_checks_rank_and_generation(cluster: Cluster) -> None:
     assert cluster.run(msgspec.structs.replace(ok, generation=5)) == []
 
 
-def test_runner_failure_restarts_with_backoff_then_fails(cluster: Cluster) -> None:
+def test_runner_failure_restarts_with_backoff_then_fails(cluster: InMemoryCluster) -> None:
     cluster.join(A)
     cluster.join(B)
     instance = cluster.place("inst-1", [A, B])
@@ -407,7 +397,7 @@ def test_runner_failure_restarts_with_backoff_then_fails(cluster: Cluster) -> No
     assert cluster.run(cluster.runner(instance, 0, RunnerStatus.FAILED)) == []  # failed for good
 
 
-def test_a_ready_instance_failing_again_starts_counting_from_one(cluster: Cluster) -> None:
+def test_a_ready_instance_failing_again_starts_counting_from_one(cluster: InMemoryCluster) -> None:
     cluster.join(A)
     instance = cluster.place("inst-1", [A])
     cluster.make_ready(instance)
@@ -422,13 +412,13 @@ def test_a_ready_instance_failing_again_starts_counting_from_one(cluster: Cluste
 # --- tasks -------------------------------------------------------------------------------------------------
 
 
-def submit(cluster: Cluster, task: str) -> list[Event]:
+def submit(cluster: InMemoryCluster, task: str) -> list[Event]:
     return cluster.run(
         SubmitTask(task=TaskRef(task_id=TaskId(task), model_id=MODEL, kind=TaskKind.CHAT, request_seq=1))
     )
 
 
-def test_submit_routes_to_the_ready_instance_with_fewest_tasks(cluster: Cluster) -> None:
+def test_submit_routes_to_the_ready_instance_with_fewest_tasks(cluster: InMemoryCluster) -> None:
     rejected(submit(cluster, "task-0"), RejectCode.NO_CAPACITY)
     cluster.join(A)
     cluster.join(B)
@@ -458,7 +448,7 @@ def test_submit_routes_to_the_ready_instance_with_fewest_tasks(cluster: Cluster)
     rejected(submit(cluster, "task-9"), RejectCode.ALREADY_EXISTS)
 
 
-def test_task_lifecycle_and_cancel(cluster: Cluster) -> None:
+def test_task_lifecycle_and_cancel(cluster: InMemoryCluster) -> None:
     cluster.join(A)
     instance = cluster.place("inst-1", [A])
     cluster.make_ready(instance)
@@ -482,7 +472,7 @@ def test_task_lifecycle_and_cancel(cluster: Cluster) -> None:
 
 
 def test_handlers_are_pure() -> None:
-    cluster = Cluster()
+    cluster = InMemoryCluster()
     cluster.join(A)
     before = cluster.state
     command = ReportNodeProfile(node_id=A, session_id="s2", profile=profile(1))
@@ -494,7 +484,7 @@ def test_handlers_are_pure() -> None:
 # --- download failures and offline nodes -------------------------------------------------------------------
 
 
-def test_a_failed_download_fails_the_instances_waiting_for_it_at_once(cluster: Cluster) -> None:
+def test_a_failed_download_fails_the_instances_waiting_for_it_at_once(cluster: InMemoryCluster) -> None:
     cluster.join(A, 16)
     cluster.join(B, 16)
     waiting = cluster.place("inst-1", [A])
@@ -528,7 +518,7 @@ def test_a_failed_download_fails_the_instances_waiting_for_it_at_once(cluster: C
     assert not cluster.state.instances[elsewhere].failed
 
 
-def test_a_failed_download_leaves_a_ready_instance_alone(cluster: Cluster) -> None:
+def test_a_failed_download_leaves_a_ready_instance_alone(cluster: InMemoryCluster) -> None:
     cluster.join(A, 16)
     ready = cluster.place("inst-1", [A])
     cluster.make_ready(ready)
@@ -539,7 +529,7 @@ def test_a_failed_download_leaves_a_ready_instance_alone(cluster: Cluster) -> No
     assert instance_status(cluster.state, cluster.state.instances[ready]) is InstanceStatus.READY
 
 
-def test_placement_skips_offline_nodes_that_lack_the_model(cluster: Cluster) -> None:
+def test_placement_skips_offline_nodes_that_lack_the_model(cluster: InMemoryCluster) -> None:
     cluster.join(A, 32)  # the roomier node, but offline without the model
     cluster.join(B, 16)
     cluster.run(ReportNodeStorage(node_id=A, storage=NodeStorage(offline=True)))

@@ -15,6 +15,7 @@ import msgspec
 import nats
 import nats.js.errors
 import pytest
+from helpers.cards import tiny_card
 from helpers.harness import until
 from jetshard_bus.commands import publish_command
 from jetshard_bus.connect import connect
@@ -27,7 +28,7 @@ from jetshard_schema.cards import ModelCard
 from jetshard_schema.codec import decode_event, decode_state, encode
 from jetshard_schema.commands import AddCustomModelCard, ReportNodeProfile
 from jetshard_schema.events import CommandRejected, CustomModelCardAdded, EventEnvelope, NodeJoined
-from jetshard_schema.ids import CommandId, ModelId, NodeId
+from jetshard_schema.ids import CommandId, NodeId
 from jetshard_schema.state import State, apply
 from jetshard_schema.types import NodeProfile, RejectCode
 
@@ -37,16 +38,7 @@ PROFILE = NodeProfile(hostname="h", os="Linux", cpu_cores=2, memory_total_bytes=
 
 
 def card(name: str) -> ModelCard:
-    return ModelCard(
-        model_id=ModelId(f"burst/{name}"),
-        num_layers=4,
-        hidden_size=64,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        vocab_size=100,
-        architecture="llama",
-        storage_size_bytes=1 << 20,
-    )
+    return tiny_card(f"burst/{name}")
 
 
 def add_card(name: str) -> AddCustomModelCard:

@@ -42,7 +42,6 @@ from jetshard_bus.connect import connect
 from jetshard_bus.follower import StateFollower
 from jetshard_bus.node import keep_alive, node_id_for
 from jetshard_bus.options import NatsOptions
-from jetshard_schema.cards import ModelCard
 from jetshard_schema.codec import decode_event
 from jetshard_schema.commands import AddCustomModelCard, Command, ReportNodeProfile
 from jetshard_schema.events import CommandRejected, Event, EventEnvelope
@@ -51,6 +50,7 @@ from jetshard_schema.state import Download, State
 from jetshard_schema.subjects import EVENTS_STREAM
 from jetshard_schema.types import DownloadStatus, NodeProfile
 
+from helpers.cards import tiny_card
 from helpers.hub_fixtures import use_hub
 from helpers.hub_server import HubServer
 from jetshard.natsserver import NatsServer, start_nats_server
@@ -248,14 +248,11 @@ class Cluster:
         return node_id
 
     async def add_card(self, model_id: str, num_layers: int, hidden_size: int = 64) -> None:
-        card = ModelCard(
-            model_id=ModelId(model_id),
+        card = tiny_card(
+            model_id,
             num_layers=num_layers,
             hidden_size=hidden_size,
-            num_attention_heads=4,
-            num_key_value_heads=2,
             vocab_size=512,
-            architecture="llama",
             storage_size_bytes=1000,
             storage_size_estimated=True,
         )
