@@ -9,13 +9,13 @@ from typing import Any
 
 import httpx
 import pytest
+from helpers.cards import tiny_card
 from helpers.harness import api_until
 from jetshard_bus.connect import connect
 from jetshard_bus.options import NatsOptions
-from jetshard_schema.cards import ModelCard
 from jetshard_schema.codec import encode
 from jetshard_schema.events import CustomModelCardAdded, EventEnvelope
-from jetshard_schema.ids import CommandId, ModelId
+from jetshard_schema.ids import CommandId
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -51,14 +51,13 @@ async def append_card_events(url: str, *model_ids: str) -> None:
     client, js = await connect(NatsOptions(servers=(url,)), "test")
     try:
         for model_id in model_ids:
-            card = ModelCard(
-                model_id=ModelId(model_id),
+            card = tiny_card(
+                model_id,
                 num_layers=2,
                 hidden_size=8,
                 num_attention_heads=1,
                 num_key_value_heads=1,
                 vocab_size=10,
-                architecture="llama",
                 storage_size_bytes=1,
                 is_custom=True,
             )

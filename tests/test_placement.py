@@ -6,21 +6,20 @@ import itertools
 
 import msgspec
 import pytest
-from jetshard_schema.cards import ModelCard
-from jetshard_schema.ids import ModelId, NodeId
+from helpers.cards import tiny_card
+from jetshard_schema.ids import NodeId
 from jetshard_schema.placement import PlacementError, place, required_memory_bytes, split_layers
 from jetshard_schema.state import Node
 from jetshard_schema.types import NodeProfile
 
 GiB = 2**30
-CARD = ModelCard(
-    model_id=ModelId("acme/m"),
+CARD = tiny_card(
+    "acme/m",
     num_layers=32,
     hidden_size=4096,
     num_attention_heads=32,
     num_key_value_heads=8,
     vocab_size=32000,
-    architecture="llama",
     storage_size_bytes=4 * GiB,
     context_length=4096,
 )
