@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-pytest_plugins = ["helpers.harness", "helpers.hub_fixtures"]
+pytest_plugins = ["helpers.hub_fixtures", "helpers.harness"]
 
 
 @pytest.fixture(scope="session", autouse=True)
