@@ -32,7 +32,7 @@ from nats.js import JetStreamContext
 from jetshard_worker.blas import runner_environment
 from jetshard_worker.engine.distributed import write_hostfile
 from jetshard_worker.planning import RunnerKey, RunnerPlan, plan
-from jetshard_worker.runner import RunnerSpec
+from jetshard_worker.runner_spec import RunnerSpec
 
 log = logging.getLogger(__name__)
 
