@@ -17,9 +17,9 @@ import httpx
 from rich.console import Console
 from rich.table import Table
 
-from jetshard.clusterfile import api_headers, recorded
+from jetshard.clusterfile import api_headers
+from jetshard.options import api_url_option
 
-DEFAULT_API_URL = "http://127.0.0.1:52415"
 ADD_TIMEOUT_S = 120.0
 """Adding a card fetches config.json and the safetensors index from the Hub, then waits for the sequencer."""
 TIMEOUT_S = 30.0
@@ -195,18 +195,11 @@ def card_table(card: dict[str, Any]) -> Table:
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 110})
-@click.option(
-    "--api",
-    "api_url",
-    envvar="JETSHARD_API",
-    default=None,
-    show_envvar=True,
-    help=f"base URL of a jetshard API [default: the one `jetshard up` runs, else {DEFAULT_API_URL}]",
-)
+@api_url_option
 @click.pass_context
-def models(ctx: click.Context, api_url: str | None) -> None:
+def models(ctx: click.Context, api_url: str) -> None:
     """List, add, show and delete model cards (built-in and custom)."""
-    ctx.obj = ApiClient(api_url or recorded("api") or DEFAULT_API_URL)
+    ctx.obj = ApiClient(api_url)
 
 
 @models.command("ls")
