@@ -194,6 +194,9 @@ def card_table(card: dict[str, Any]) -> Table:
     return table
 
 
+_json_option = click.option("--json", "as_json", is_flag=True, help="print the API's JSON instead of a table")
+
+
 @click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 110})
 @api_url_option
 @click.pass_context
@@ -204,7 +207,7 @@ def models(ctx: click.Context, api_url: str) -> None:
 
 @models.command("ls")
 @click.option("--custom", "only_custom", is_flag=True, help="only custom cards")
-@click.option("--json", "as_json", is_flag=True, help="print the API's JSON instead of a table")
+@_json_option
 @click.pass_obj
 def list_models(api: ApiClient, only_custom: bool, as_json: bool) -> None:
     """List every model card with its download status on each node."""
@@ -221,7 +224,7 @@ def list_models(api: ApiClient, only_custom: bool, as_json: bool) -> None:
 
 @models.command("add")
 @click.argument("model_id")
-@click.option("--json", "as_json", is_flag=True, help="print the API's JSON instead of a table")
+@_json_option
 @click.pass_obj
 def add_model(api: ApiClient, model_id: str, as_json: bool) -> None:
     """Fetch MODEL_ID's card (org/name) from the Hugging Face Hub and add it to every node."""
@@ -236,7 +239,7 @@ def add_model(api: ApiClient, model_id: str, as_json: bool) -> None:
 
 @models.command("show")
 @click.argument("model_id")
-@click.option("--json", "as_json", is_flag=True, help="print the API's JSON instead of a table")
+@_json_option
 @click.pass_obj
 def show_model(api: ApiClient, model_id: str, as_json: bool) -> None:
     """Show one model card and its download status on each node."""
