@@ -16,7 +16,7 @@ from jetshard_bus.streams import BusTimings
 from jetshard.download_cli import download
 from jetshard.import_gguf import import_gguf
 from jetshard.models_cli import models
-from jetshard.options import client_nats_options, nats_options, option
+from jetshard.options import client_nats_options, model_dir_options, nats_options, option
 from jetshard.up import up
 
 
@@ -158,17 +158,7 @@ def worker(
 
 @main.command()
 @nats_options
-@option(
-    "--default-models-dir",
-    default=None,
-    help="the default (first) writable model directory [$XDG_DATA_HOME/jetshard/models]",
-)
-@option("--models-dirs", default=None, help="more writable model directories, colon-separated, in order")
-@option(
-    "--models-read-only-dirs",
-    default=None,
-    help="colon-separated directories searched first and never written (e.g. ~/.cache/huggingface/hub)",
-)
+@model_dir_options
 @option("--offline", is_flag=True, help="make no network call (also HF_HUB_OFFLINE=1)")
 def downloader(
     nats: NatsOptions,

@@ -117,3 +117,23 @@ def api_url_option(command: Callable[..., Any]) -> Callable[..., Any]:
         callback=lambda _context, _parameter, value: value or recorded("api") or DEFAULT_API_URL,
         help=f"base URL of a jetshard API [default: the one `jetshard up` runs, else {DEFAULT_API_URL}]",
     )(command)
+
+
+def model_dir_options(command: Callable[..., Any]) -> Callable[..., Any]:
+    """The model directory flags of `jetshard downloader`, which `jetshard up` passes on to it."""
+    decorators = [
+        option(
+            "--default-models-dir",
+            default=None,
+            help="the default (first) writable model directory [$XDG_DATA_HOME/jetshard/models]",
+        ),
+        option("--models-dirs", default=None, help="more writable model directories, colon-separated, in order"),
+        option(
+            "--models-read-only-dirs",
+            default=None,
+            help="colon-separated directories searched first and never written (e.g. ~/.cache/huggingface/hub)",
+        ),
+    ]
+    for decorate in reversed(decorators):
+        command = decorate(command)
+    return command

@@ -24,7 +24,7 @@ from rich.console import Console
 
 from jetshard.clusterfile import data_dir, remove_cluster_file, write_cluster_file
 from jetshard.natsserver import start_nats_server
-from jetshard.options import option
+from jetshard.options import model_dir_options, option
 from jetshard.placing import place_and_wait
 from jetshard.procs import spawn
 from jetshard.supervisor import STOP_SIGNALS, Supervisor
@@ -75,21 +75,7 @@ STOP_GRACE_S = (2.0, 1.0, 0.8, 0.8)
     help="model to place once the cluster is up",
 )
 @option("--no-model", is_flag=True, help="place no model")
-@option(
-    "--default-models-dir",
-    default=None,
-    help="first writable model directory [default: XDG data dir/jetshard/models]",
-)
-@option(
-    "--models-dirs",
-    default=None,
-    help="more writable model directories, colon-separated, tried in order",
-)
-@option(
-    "--models-read-only-dirs",
-    default=None,
-    help="model directories searched but never written, colon-separated",
-)
+@model_dir_options
 def up(
     nats_url: str | None,
     nats_port: int,
