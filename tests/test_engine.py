@@ -21,6 +21,7 @@ from typing import Any
 import mlx.core as mx
 import pytest
 from helpers.tiny_models import layer_of, make_tiny_model
+from jetshard_schema.types import TaskOutcome
 from jetshard_worker.engine import (
     GenerationRequest,
     PipelineEngine,
@@ -71,15 +72,15 @@ def reference(model_dir: Path, prompts: list[list[int]], prefill_step_size: int 
 class Collector:
     def __init__(self) -> None:
         self.tokens: dict[str, list[int]] = {}
-        self.finished: dict[str, tuple[str, int, int]] = {}
+        self.finished: dict[str, tuple[TaskOutcome, int, int]] = {}
         self.done = threading.Condition()
 
-    def on_token(self, task_id: str, token: int, index: int, reason: str | None) -> None:
+    def on_token(self, task_id: str, token: int, index: int, reason: TaskOutcome | None) -> None:
         got = self.tokens.setdefault(task_id, [])
         assert index == len(got)
         got.append(token)
 
-    def on_finished(self, task_id: str, reason: str, prompt_tokens: int, completion_tokens: int) -> None:
+    def on_finished(self, task_id: str, reason: TaskOutcome, prompt_tokens: int, completion_tokens: int) -> None:
         with self.done:
             self.finished[task_id] = (reason, prompt_tokens, completion_tokens)
             self.done.notify_all()
@@ -298,10 +299,10 @@ def test_single_rank_greedy_equals_mlx_lm(models: dict[str, Path], arch: str, pr
         assert collector.tokens.get(f"t{i}", []) == tokens, f"prompt {i}"
         reason, prompt_tokens, completion_tokens = collector.finished[f"t{i}"]
         assert prompt_tokens == len(prompts[i])
-        if reason == "length":
+        if reason is TaskOutcome.LENGTH:
             assert completion_tokens == len(tokens) == MAX_TOKENS
         else:
-            assert (reason, completion_tokens) == ("stop", len(tokens) + 1)  # the EOS counts
+            assert (reason, completion_tokens) == (TaskOutcome.STOP, len(tokens) + 1)  # the EOS counts
 
 
 @pytest.mark.timeout(60)
@@ -316,20 +317,20 @@ def test_finish_with_reason_and_queued_cancel(models: dict[str, Path]) -> None:
         on_started=lambda task_id, prompt_tokens: started.append((task_id, set(collector.finished))),
     )
 
-    def on_token(task_id: str, token: int, index: int, reason: str | None) -> None:
+    def on_token(task_id: str, token: int, index: int, reason: TaskOutcome | None) -> None:
         collector.on_token(task_id, token, index, reason)
         if task_id == "a" and index == 1:
-            engine.finish("a", "stop")  # as the runner does after matching a stop string
+            engine.finish("a", TaskOutcome.STOP)  # as the runner does after matching a stop string
             engine.cancel("b")  # still queued: never starts
 
     engine.on_token = on_token
     requests = [GenerationRequest(t, prompts[1], MAX_TOKENS) for t in ("a", "b", "c")]
     run_single(engine, requests, collector)
 
-    assert collector.finished["a"] == ("stop", len(prompts[1]), 2)
-    assert collector.finished["b"] == ("cancelled", len(prompts[1]), 0)
+    assert collector.finished["a"] == (TaskOutcome.STOP, len(prompts[1]), 2)
+    assert collector.finished["b"] == (TaskOutcome.CANCELLED, len(prompts[1]), 0)
     assert "b" not in collector.tokens
-    assert collector.finished["c"][0] in ("length", "stop")
+    assert collector.finished["c"][0] in (TaskOutcome.LENGTH, TaskOutcome.STOP)
     # A task is reported started when its prefill begins, not while it waits in the queue.
     assert started == [("a", set()), ("c", {"a", "b"})]
 
@@ -418,8 +419,7 @@ def test_generation_request_validation() -> None:
 
 def test_the_engine_handles_every_architecture_a_card_may_name() -> None:
     from jetshard_schema.card_from_config import SUPPORTED_ARCHITECTURES
-    from jetshard_worker.engine.shard import _EMBED_SCALE
-    from mlx_lm.utils import _get_classes
+    from jetshard_worker.engine.shard import model_classes
 
-    modules = {_get_classes({"model_type": arch})[0].__module__.rsplit(".", 1)[-1] for arch in SUPPORTED_ARCHITECTURES}
-    assert modules <= set(_EMBED_SCALE)
+    for arch in SUPPORTED_ARCHITECTURES:
+        model_classes({"model_type": arch})  # refuses an architecture the shard engine cannot run

@@ -4,127 +4,32 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import functools
 import json
 import sys
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import click
-from jetshard_bus.options import DEFAULT_NATS_URL, NatsOptions
+from jetshard_bus.options import DEFAULT_API_PORT, NatsOptions
 from jetshard_bus.streams import BusTimings
 
-from jetshard.clusterfile import recorded
-
-DEFAULT_API_PORT = 52415
-
-
-def option(*names: str, **kwargs: Any) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
-    """A click option whose environment variable is derived from its long name: --x-y → JETSHARD_X_Y."""
-    long_name = next(n for n in names if n.startswith("--")).split("/")[0]
-    kwargs.setdefault("envvar", "JETSHARD_" + long_name[2:].replace("-", "_").upper())
-    kwargs.setdefault("show_envvar", True)
-    return click.option(*names, **kwargs)
-
-
-def nats_options(command: Callable[..., Any]) -> Callable[..., Any]:
-    """Connection and cluster-timing flags every service takes; passed on as `nats` and `timings`."""
-    return _with_nats_options(command, lambda: DEFAULT_NATS_URL, DEFAULT_NATS_URL, lambda: None)
-
-
-def client_nats_options(command: Callable[..., Any]) -> Callable[..., Any]:
-    """`nats_options` for the commands that inspect a cluster: without `--nats`, the server `up` runs, as the
-    read-only identity `up` recorded for them."""
-    default_help = f"the one `jetshard up` runs, else {DEFAULT_NATS_URL}"
-    return _with_nats_options(
-        command, lambda: recorded("nats") or DEFAULT_NATS_URL, default_help, lambda: recorded("nats_nkey")
-    )
-
-
-def _with_nats_options(
-    command: Callable[..., Any],
-    default_url: Callable[[], str],
-    default_help: str,
-    default_nkey: Callable[[], str | None],
-) -> Callable[..., Any]:
-    decorators = [
-        option("--nats", "nats_urls", multiple=True, help=f"NATS server URL; repeat for a cluster [{default_help}]"),
-        option("--nats-user", help="NATS user name"),
-        option("--nats-password", help="NATS password"),
-        option("--nats-token", help="NATS token"),
-        option("--nats-creds", type=click.Path(exists=True, dir_okay=False), help="NATS credentials file"),
-        option(
-            "--nats-nkey",
-            type=click.Path(exists=True, dir_okay=False),
-            help="file holding the NATS nkey seed of this identity (`jetshard up` writes them to <data dir>/creds)",
-        ),
-        option("--nats-tls-ca", type=click.Path(exists=True, dir_okay=False), help="CA certificate for TLS"),
-        option("--nats-tls-cert", type=click.Path(exists=True, dir_okay=False), help="client certificate for TLS"),
-        option("--nats-tls-key", type=click.Path(exists=True, dir_okay=False), help="client key for TLS"),
-        option(
-            "--replicas",
-            type=int,
-            default=1,
-            show_default=True,
-            help="replicas of jetshard's streams and buckets (3 on a NATS cluster)",
-        ),
-        option(
-            "--lease-ttl-s",
-            type=float,
-            default=BusTimings().lease_ttl_s,
-            show_default=True,
-            help="a sequencer lease not renewed for this long passes to a standby",
-        ),
-        option(
-            "--liveness-ttl-s",
-            type=float,
-            default=BusTimings().liveness_ttl_s,
-            show_default=True,
-            help="a node not heard from for this long is lost",
-        ),
-        option(
-            "--task-retention-s",
-            type=float,
-            default=BusTimings().task_retention_s,
-            show_default=True,
-            help="how long a task's request (its prompt) is kept in JETSHARD_TASKS; nothing keeps it longer",
-        ),
-    ]
-
-    @functools.wraps(command)
-    def wrapper(**kwargs: Any) -> Any:
-        explicit_urls = kwargs.pop("nats_urls")
-        urls = tuple(explicit_urls or (default_url(),))
-        nkey_file = kwargs.pop("nats_nkey") or (None if explicit_urls else default_nkey())
-        nats = NatsOptions(
-            servers=urls,
-            user=kwargs.pop("nats_user"),
-            password=kwargs.pop("nats_password"),
-            token=kwargs.pop("nats_token"),
-            creds_file=kwargs.pop("nats_creds"),
-            nkey_file=nkey_file,
-            tls_ca=kwargs.pop("nats_tls_ca"),
-            tls_cert=kwargs.pop("nats_tls_cert"),
-            tls_key=kwargs.pop("nats_tls_key"),
-            replicas=kwargs.pop("replicas"),
-        )
-        timings = BusTimings(
-            lease_ttl_s=kwargs.pop("lease_ttl_s"),
-            liveness_ttl_s=kwargs.pop("liveness_ttl_s"),
-            task_retention_s=kwargs.pop("task_retention_s"),
-        )
-        return command(nats=nats, timings=timings, **kwargs)
-
-    for decorate in reversed(decorators):
-        wrapper = decorate(wrapper)
-    return wrapper
+from jetshard.download_cli import download
+from jetshard.import_gguf import import_gguf
+from jetshard.models_cli import models
+from jetshard.options import client_nats_options, model_dir_options, nats_options, option
+from jetshard.up import up
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 110})
 @click.version_option(package_name="jetshard")
 def main() -> None:
     """jetshard: run large language models across the machines you already own."""
+
+
+main.add_command(up)
+main.add_command(models)
+main.add_command(download)
+models.add_command(import_gguf)
 
 
 @main.command()
@@ -253,17 +158,7 @@ def worker(
 
 @main.command()
 @nats_options
-@option(
-    "--default-models-dir",
-    default=None,
-    help="the default (first) writable model directory [$XDG_DATA_HOME/jetshard/models]",
-)
-@option("--models-dirs", default=None, help="more writable model directories, colon-separated, in order")
-@option(
-    "--models-read-only-dirs",
-    default=None,
-    help="colon-separated directories searched first and never written (e.g. ~/.cache/huggingface/hub)",
-)
+@model_dir_options
 @option("--offline", is_flag=True, help="make no network call (also HF_HUB_OFFLINE=1)")
 def downloader(
     nats: NatsOptions,
@@ -317,16 +212,3 @@ def _run(coroutine: Any) -> Any:
         return None
     except (NatsUnreachableError, StreamsMissingError) as error:
         raise click.ClickException(str(error)) from None
-
-
-from jetshard.up import up  # noqa: E402  (registered after the group exists)
-
-main.add_command(up)
-from jetshard.models_cli import models  # noqa: E402
-
-main.add_command(models)
-from jetshard.download_cli import download  # noqa: E402
-
-main.add_command(download)
-
-import jetshard.import_gguf  # noqa: E402, F401  (registers `models import-gguf`)

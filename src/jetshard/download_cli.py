@@ -22,9 +22,9 @@ from rich.progress import (
     TransferSpeedColumn,
 )
 
-from jetshard.clusterfile import api_headers, recorded
+from jetshard.clusterfile import api_headers
+from jetshard.options import api_url_option
 
-DEFAULT_API = "http://127.0.0.1:52415"
 _FINAL = ("completed", "failed", "cancelled")
 
 
@@ -48,27 +48,20 @@ def _find(downloads: list[dict[str, Any]], node_id: str, model_id: str) -> dict[
     default=None,
     help="node to download to (default: the only node of the cluster)",
 )
-@click.option(
-    "--api",
-    "api_url",
-    envvar="JETSHARD_API",
-    default=None,
-    help=f"URL of a jetshard API [default: the one `jetshard up` runs, else {DEFAULT_API}]",
-)
+@api_url_option
 @click.option("--start-layer", type=int, default=None, help="first layer of a shard to download")
 @click.option("--end-layer", type=int, default=None, help="end (exclusive) of a shard's layer range")
 @click.option("--timeout-s", type=float, default=None, help="give up after this many seconds")
 def download(
     model_id: str,
     node_id: str | None,
-    api_url: str | None,
+    api_url: str,
     start_layer: int | None,
     end_layer: int | None,
     timeout_s: float | None,
 ) -> None:
     """Download MODEL (org/name) to a node, with a live progress bar; exits 1 with the reason on failure."""
     console = Console(stderr=True, highlight=False)
-    api_url = api_url or recorded("api") or DEFAULT_API
     body: dict[str, Any] = {
         "model_id": model_id,
         "node_id": node_id,

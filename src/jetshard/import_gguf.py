@@ -20,7 +20,7 @@ from msgspec.structs import replace
 from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn
 
-from jetshard.models_cli import ADD_TIMEOUT_S, ApiClient, card_table, models
+from jetshard.models_cli import ADD_TIMEOUT_S, ApiClient, card_table
 
 
 def default_id(path: Path) -> str:
@@ -30,7 +30,7 @@ def default_id(path: Path) -> str:
     return f"local/{name}"
 
 
-@models.command("import-gguf")
+@click.command("import-gguf")
 @click.argument("path", type=click.Path(exists=True, dir_okay=False, path_type=Path))
 @click.option("--id", "model_id", default=None, help="model id to serve it as [default: local/<file name>]")
 @click.pass_obj

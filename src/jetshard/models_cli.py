@@ -17,9 +17,9 @@ import httpx
 from rich.console import Console
 from rich.table import Table
 
-from jetshard.clusterfile import api_headers, recorded
+from jetshard.clusterfile import api_headers
+from jetshard.options import api_url_option
 
-DEFAULT_API_URL = "http://127.0.0.1:52415"
 ADD_TIMEOUT_S = 120.0
 """Adding a card fetches config.json and the safetensors index from the Hub, then waits for the sequencer."""
 TIMEOUT_S = 30.0
@@ -194,24 +194,20 @@ def card_table(card: dict[str, Any]) -> Table:
     return table
 
 
+_json_option = click.option("--json", "as_json", is_flag=True, help="print the API's JSON instead of a table")
+
+
 @click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 110})
-@click.option(
-    "--api",
-    "api_url",
-    envvar="JETSHARD_API",
-    default=None,
-    show_envvar=True,
-    help=f"base URL of a jetshard API [default: the one `jetshard up` runs, else {DEFAULT_API_URL}]",
-)
+@api_url_option
 @click.pass_context
-def models(ctx: click.Context, api_url: str | None) -> None:
+def models(ctx: click.Context, api_url: str) -> None:
     """List, add, show and delete model cards (built-in and custom)."""
-    ctx.obj = ApiClient(api_url or recorded("api") or DEFAULT_API_URL)
+    ctx.obj = ApiClient(api_url)
 
 
 @models.command("ls")
 @click.option("--custom", "only_custom", is_flag=True, help="only custom cards")
-@click.option("--json", "as_json", is_flag=True, help="print the API's JSON instead of a table")
+@_json_option
 @click.pass_obj
 def list_models(api: ApiClient, only_custom: bool, as_json: bool) -> None:
     """List every model card with its download status on each node."""
@@ -228,7 +224,7 @@ def list_models(api: ApiClient, only_custom: bool, as_json: bool) -> None:
 
 @models.command("add")
 @click.argument("model_id")
-@click.option("--json", "as_json", is_flag=True, help="print the API's JSON instead of a table")
+@_json_option
 @click.pass_obj
 def add_model(api: ApiClient, model_id: str, as_json: bool) -> None:
     """Fetch MODEL_ID's card (org/name) from the Hugging Face Hub and add it to every node."""
@@ -243,7 +239,7 @@ def add_model(api: ApiClient, model_id: str, as_json: bool) -> None:
 
 @models.command("show")
 @click.argument("model_id")
-@click.option("--json", "as_json", is_flag=True, help="print the API's JSON instead of a table")
+@_json_option
 @click.pass_obj
 def show_model(api: ApiClient, model_id: str, as_json: bool) -> None:
     """Show one model card and its download status on each node."""

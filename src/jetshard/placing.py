@@ -103,29 +103,22 @@ def _served_by(instance: dict[str, Any], node_id: str, worker_session: str) -> b
     )
 
 
+_PROGRESS_FIELDS = {"downloading": ("bytes_done", "bytes_total"), "loading": ("layers_loaded", "layers_total")}
+"""A shard's status that has a progress bar: the instance's fields holding how far it is, and of what."""
+
+
 def _update(progress: Progress, bars: dict[str, TaskID], instance: dict[str, Any]) -> None:
     for shard in instance["shards"]:
-        name = f"{shard['node_id']} layers {shard['start_layer']}-{shard['end_layer']}"
         status = shard["status"]
-        if status == "downloading":
-            key, done, total, label = (
-                name + "/dl",
-                shard.get("bytes_done", 0),
-                shard.get("bytes_total") or None,
-                f"downloading {name}",
-            )
-        elif status == "loading":
-            key, done, total, label = (
-                name + "/load",
-                shard.get("layers_loaded", 0),
-                shard.get("layers_total") or None,
-                f"loading {name}",
-            )
-        else:
+        if status not in _PROGRESS_FIELDS:
             continue
+        done_field, total_field = _PROGRESS_FIELDS[status]
+        name = f"{shard['node_id']} layers {shard['start_layer']}-{shard['end_layer']}"
+        key = f"{name}/{status}"
+        total = shard.get(total_field) or None
         if key not in bars:
-            bars[key] = progress.add_task(label, total=total)
-        progress.update(bars[key], completed=done, total=total)
+            bars[key] = progress.add_task(f"{status} {name}", total=total)
+        progress.update(bars[key], completed=shard.get(done_field, 0), total=total)
 
 
 def examples(api_url: str, model_id: str) -> str:

@@ -2,26 +2,17 @@
 
 from __future__ import annotations
 
-import ctypes
 import os
 import signal
 import subprocess
-import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
 
-PR_SET_PDEATHSIG = 1
+from jetshard_bus.procs import die_with_parent
 
-
-def _die_with_parent() -> None:
-    os.setsid()
-    # A blocked signal stays blocked across exec: a parent that held Ctrl-C back while starting the child
-    # would leave it deaf to SIGTERM.
-    signal.pthread_sigmask(signal.SIG_SETMASK, set())
-    if sys.platform == "linux":
-        libc = ctypes.CDLL("libc.so.6", use_errno=True)
-        libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+# SIGTERM: a service whose `jetshard up` died still shuts down cleanly (its last reports, a drained connection).
+_die_with_parent = die_with_parent(signal.SIGTERM)
 
 
 def spawn(args: Sequence[str], log_file: Path | None, env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:

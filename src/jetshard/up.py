@@ -17,13 +17,14 @@ import httpx
 from jetshard_bus.auth import ADMIN, VIEWER, Identity, cluster_identities, server_authorization
 from jetshard_bus.connect import connect
 from jetshard_bus.node import config_dir, node_id_for
-from jetshard_bus.options import NatsOptions
+from jetshard_bus.options import DEFAULT_API_PORT, NatsOptions
 from jetshard_schema.catalogue import DEMO_MODEL_ID
 from jetshard_schema.ids import new_id
 from rich.console import Console
 
 from jetshard.clusterfile import data_dir, remove_cluster_file, write_cluster_file
 from jetshard.natsserver import start_nats_server
+from jetshard.options import model_dir_options, option
 from jetshard.placing import place_and_wait
 from jetshard.procs import spawn
 from jetshard.supervisor import STOP_SIGNALS, Supervisor
@@ -37,65 +38,44 @@ STOP_GRACE_S = (2.0, 1.0, 0.8, 0.8)
 
 
 @click.command()
-@click.option(
+@option(
     "--nats",
     "nats_url",
-    envvar="JETSHARD_NATS",
     default=None,
     help="join this NATS server instead of starting the embedded one",
 )
-@click.option(
+@option(
     "--nats-port",
-    envvar="JETSHARD_NATS_PORT",
     type=int,
     default=4222,
     show_default=True,
     help="port of the embedded NATS server (loopback only)",
 )
-@click.option("--host", envvar="JETSHARD_HOST", default="127.0.0.1", show_default=True, help="API address")
-@click.option("--port", envvar="JETSHARD_PORT", type=int, default=52415, show_default=True, help="API port")
-@click.option("--api-key", envvar="JETSHARD_API_KEY", default=None, help="require this key of API clients")
-@click.option(
+@option("--host", default="127.0.0.1", show_default=True, help="API address")
+@option("--port", type=int, default=DEFAULT_API_PORT, show_default=True, help="API port")
+@option("--api-key", default=None, help="require this key of API clients")
+@option(
     "--allowed-host",
     "allowed_hosts",
     multiple=True,
     help="also answer API requests naming this Host (besides loopback names and --host's addresses)",
 )
-@click.option(
+@option(
     "--data-dir",
     "state_dir",
-    envvar="JETSHARD_DATA_DIR",
     type=click.Path(path_type=Path),
     default=None,
     help="where NATS keeps the cluster's history and services their logs",
 )
-@click.option("--offline", envvar="JETSHARD_OFFLINE", is_flag=True, help="make no network call at all")
-@click.option(
+@option("--offline", is_flag=True, help="make no network call at all")
+@option(
     "--model",
-    envvar="JETSHARD_MODEL",
     default=DEMO_MODEL_ID,
     show_default=True,
     help="model to place once the cluster is up",
 )
-@click.option("--no-model", is_flag=True, help="place no model")
-@click.option(
-    "--default-models-dir",
-    envvar="JETSHARD_DEFAULT_MODELS_DIR",
-    default=None,
-    help="first writable model directory [default: XDG data dir/jetshard/models]",
-)
-@click.option(
-    "--models-dirs",
-    envvar="JETSHARD_MODELS_DIRS",
-    default=None,
-    help="more writable model directories, colon-separated, tried in order",
-)
-@click.option(
-    "--models-read-only-dirs",
-    envvar="JETSHARD_MODELS_READ_ONLY_DIRS",
-    default=None,
-    help="model directories searched but never written, colon-separated",
-)
+@option("--no-model", is_flag=True, help="place no model")
+@model_dir_options
 def up(
     nats_url: str | None,
     nats_port: int,

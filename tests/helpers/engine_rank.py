@@ -18,6 +18,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from jetshard_schema.types import TaskOutcome
 from jetshard_worker.engine import GenerationRequest, PipelineEngine, init_ring, load_shard
 
 
@@ -43,14 +44,14 @@ def main() -> None:
     specs: list[dict[str, Any]] = json.loads(args.requests.read_text()) if args.requests else []
     cancel_after = {s["task_id"]: s.pop("cancel_after") for s in specs if "cancel_after" in s}
 
-    def on_token(task_id: str, token: int, index: int, reason: str | None) -> None:
+    def on_token(task_id: str, token: int, index: int, reason: TaskOutcome | None) -> None:
         entry = results.setdefault(task_id, {"tokens": [], "times": []})
         entry["tokens"].append(token)
         entry["times"].append(time.perf_counter())
         if cancel_after.get(task_id) == index + 1:
             engine.cancel(task_id)
 
-    def on_finished(task_id: str, reason: str, prompt_tokens: int, completion_tokens: int) -> None:
+    def on_finished(task_id: str, reason: TaskOutcome, prompt_tokens: int, completion_tokens: int) -> None:
         entry = results.setdefault(task_id, {"tokens": [], "times": []})
         entry.update(finish=reason, prompt_tokens=prompt_tokens, completion_tokens=completion_tokens)
         if all("finish" in results.get(s["task_id"], {}) for s in specs):

@@ -217,9 +217,9 @@ def _model_config(
 
 def build_model(config: dict[str, Any]) -> Any:
     """An mlx-lm model instance for `config`, from mlx-lm's own model classes."""
-    from mlx_lm.utils import _get_classes
+    from jetshard_worker.engine.shard import model_classes
 
-    model_class, args_class = _get_classes(config)
+    model_class, args_class = model_classes(config)
     return model_class(args_class.from_dict(config))
 
 

@@ -8,6 +8,8 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 DEFAULT_NATS_URL = "nats://127.0.0.1:4222"
+DEFAULT_API_PORT = 52415
+"""The HTTP API's port: where `jetshard api` listens and where the command-line clients look for it."""
 PASSWORD_VARIABLE = "JETSHARD_NATS_PASSWORD"
 TOKEN_VARIABLE = "JETSHARD_NATS_TOKEN"
 

@@ -10,7 +10,7 @@ from pathlib import Path
 import uvicorn
 from jetshard_bus.connect import connect
 from jetshard_bus.follower import StateFollower
-from jetshard_bus.options import NatsOptions
+from jetshard_bus.options import DEFAULT_API_PORT, NatsOptions
 from jetshard_bus.streams import BusTimings
 
 from jetshard_api.app import create_app
@@ -26,7 +26,7 @@ class ApiConfig:
     nats: NatsOptions = NatsOptions()
     timings: BusTimings = BusTimings()
     host: str = "127.0.0.1"
-    port: int = 52415
+    port: int = DEFAULT_API_PORT
     command_timeout_s: float = 30.0
     port_file: Path | None = None
     """Where to write the bound port (useful with `port=0`)."""

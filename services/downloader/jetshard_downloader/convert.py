@@ -18,7 +18,6 @@ import errno
 import hashlib
 import logging
 import os
-import secrets
 import shutil
 import threading
 from collections.abc import Callable, Mapping
@@ -30,6 +29,7 @@ from jetshard_downloader.choose import NoSpace, choose_directory, format_bytes
 from jetshard_downloader.dirs import ModelDirs, free_bytes
 from jetshard_downloader.fetch import Cancelled, IntegrityError
 from jetshard_downloader.manifest import Manifest, ManifestFile, write_manifest
+from jetshard_downloader.paths import STAGING, TOMBSTONE, side_directory, sweep_side_directories
 
 log = logging.getLogger(__name__)
 
@@ -221,10 +221,10 @@ def _write_converted(
     target.parent.mkdir(parents=True, exist_ok=True)
     if target.exists():
         # No manifest (else it was found complete): what a crash or another tool left. It is ours to replace.
-        tombstone = target.with_name(f".{target.name}.deleting-{secrets.token_hex(6)}")
+        tombstone = side_directory(target, TOMBSTONE)
         target.rename(tombstone)
         shutil.rmtree(tombstone, ignore_errors=True)
-    staging = target.parent / f".{target.name}.convert-{secrets.token_hex(6)}"
+    staging = side_directory(target, STAGING)
     staging.mkdir()
     try:
         out = convert_gguf(gguf_path, staging / target.name, progress=stage)
@@ -244,12 +244,4 @@ def _write_converted(
 
 def sweep_staging(models_dir: Path) -> int:
     """Remove staging directories of conversions a crash interrupted; returns how many."""
-    count = 0
-    if not models_dir.is_dir():
-        return 0
-    for entry in models_dir.iterdir():
-        staging = entry.name.startswith(".") and ".convert-" in entry.name
-        if staging and entry.is_dir() and not entry.is_symlink():
-            shutil.rmtree(entry, ignore_errors=True)
-            count += 1
-    return count
+    return sweep_side_directories(models_dir, STAGING)

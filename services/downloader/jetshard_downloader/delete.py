@@ -3,14 +3,13 @@
 from __future__ import annotations
 
 import shutil
-import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
 from jetshard_schema.ids import ModelId, parse_model_id
 
 from jetshard_downloader.dirs import ModelDirs
-from jetshard_downloader.paths import hf_cache_repo_path, model_path
+from jetshard_downloader.paths import TOMBSTONE, hf_cache_repo_path, model_path, side_directory, sweep_side_directories
 
 
 class ReadOnlyModelError(Exception):
@@ -41,7 +40,7 @@ def _remove(path: Path) -> None:
         return
     # Rename first: the directory (and its manifest) disappears atomically, so a concurrent find_model never
     # sees a half-deleted model that still looks complete, and a crash mid-delete leaves only a tombstone.
-    tombstone = path.with_name(f".{path.name}.deleting-{uuid.uuid4().hex}")
+    tombstone = side_directory(path, TOMBSTONE)
     path.rename(tombstone)
     shutil.rmtree(tombstone)
 
@@ -72,12 +71,4 @@ def delete_model(dirs: ModelDirs, model_id: ModelId | str) -> Deleted:
 
 def sweep_tombstones(models_dir: Path) -> int:
     """Finish deletes a crash interrupted (run at startup on each writable directory); returns how many."""
-    count = 0
-    if not models_dir.is_dir():
-        return 0
-    for entry in models_dir.iterdir():
-        tombstone = entry.name.startswith(".") and ".deleting-" in entry.name
-        if tombstone and entry.is_dir() and not entry.is_symlink():
-            shutil.rmtree(entry, ignore_errors=True)
-            count += 1
-    return count
+    return sweep_side_directories(models_dir, TOMBSTONE)

@@ -8,6 +8,8 @@ builds paths from the validated form only.
 from __future__ import annotations
 
 import re
+import secrets
+import shutil
 from pathlib import Path, PurePosixPath
 
 from jetshard_schema.ids import ModelId, model_dir_name
@@ -60,3 +62,27 @@ def check_ref_component(value: str) -> str:
     if not _COMMIT_OR_REF.fullmatch(value) or ".." in value:
         raise ValueError(f"revision {value!r} is not a safe single path component")
     return value
+
+
+STAGING = "convert"
+TOMBSTONE = "deleting"
+
+
+def side_directory(target: Path, kind: str) -> Path:
+    """A hidden sibling of `target` for work in progress, `.<name>.<kind>-<random>`: a model directory being
+    built (STAGING) or removed (TOMBSTONE). A rename between siblings is atomic, so `target` is never seen
+    half-made or half-gone; a crash leaves only the side directory, which `sweep_side_directories` removes."""
+    return target.with_name(f".{target.name}.{kind}-{secrets.token_hex(6)}")
+
+
+def sweep_side_directories(models_dir: Path, kind: str) -> int:
+    """Remove the side directories of `kind` that interrupted work left in `models_dir`; returns how many."""
+    count = 0
+    if not models_dir.is_dir():
+        return 0
+    for entry in models_dir.iterdir():
+        left_over = entry.name.startswith(".") and f".{kind}-" in entry.name
+        if left_over and entry.is_dir() and not entry.is_symlink():
+            shutil.rmtree(entry, ignore_errors=True)
+            count += 1
+    return count

@@ -23,7 +23,6 @@ import msgspec
 from jetshard_bus.commands import publish_command
 from jetshard_bus.connect import connect
 from jetshard_bus.follower import StateFollower
-from jetshard_bus.options import NatsOptions
 from jetshard_bus.service import run_service
 from jetshard_schema.cards import GenerationDefaults
 from jetshard_schema.codec import decode_task_request, encode
@@ -36,13 +35,16 @@ from jetshard_schema.events import (
     TaskAssigned,
     TaskCancelled,
 )
-from jetshard_schema.ids import InstanceId, NodeId, TaskId
+from jetshard_schema.ids import TaskId
 from jetshard_schema.sampling import generation_config_defaults, resolve_sampling
 from jetshard_schema.state import State
 from jetshard_schema.subjects import TASKS_STREAM, chunk_subject
 from jetshard_schema.types import Chunk, RunnerStatus, TaskKind, TaskOutcome, TaskRef, TaskRequest, Usage
+from mlx_lm.utils import load_tokenizer
 from nats.js import JetStreamContext
 
+from jetshard_worker.engine import GenerationRequest, PipelineEngine, init_ring, load_shard
+from jetshard_worker.runner_spec import RunnerSpec
 from jetshard_worker.textstream import TextStream
 
 log = logging.getLogger(__name__)
@@ -50,22 +52,6 @@ log = logging.getLogger(__name__)
 PROGRESS_INTERVAL_S = 0.5
 FOLLOW_DELAY_ENV = "JETSHARD_TEST_RUNNER_FOLLOW_DELAY_S"
 """Fault injection for tests: hold the leader's State follower this long before it starts."""
-
-
-class RunnerSpec(msgspec.Struct, frozen=True, kw_only=True):
-    nats: NatsOptions
-    instance_id: InstanceId
-    generation: int
-    node_id: NodeId
-    worker_session: str
-    rank: int
-    world_size: int
-    model_dir: str
-    start_layer: int
-    end_layer: int
-    hostfile: str | None = None
-    card_generation: GenerationDefaults = GenerationDefaults()
-    """The model card's sampling defaults; the model directory's generation_config.json overrides them."""
 
 
 class Runner:
@@ -100,8 +86,6 @@ class Runner:
         )
 
     async def load(self) -> None:
-        from jetshard_worker.engine import PipelineEngine, init_ring, load_shard
-
         total = self.spec.end_layer - self.spec.start_layer
         last_report = 0.0
 
@@ -126,8 +110,6 @@ class Runner:
             shard, group, on_started=self._on_started, on_token=self._on_token, on_finished=self._on_finished
         )
         if self.engine.is_leader:
-            from mlx_lm.utils import load_tokenizer
-
             self.tokenizer = await asyncio.to_thread(load_tokenizer, model_dir, None, sorted(shard.eos_token_ids))
             self.context_length = int(shard.config.get("max_position_embeddings") or self.context_length)
             self.model_generation = _read_generation_config(model_dir)
@@ -190,8 +172,6 @@ class Runner:
             self._start_task(request)
 
     def _start_task(self, request: TaskRequest) -> None:
-        from jetshard_worker.engine import GenerationRequest
-
         try:
             tokens = self._tokenize(request)
         except Exception as error:  # a template that rejects the conversation, for instance
@@ -254,19 +234,19 @@ class Runner:
         )
         self._loop.call_soon_threadsafe(self._send_later, publish_command(self._js, report))
 
-    def _on_token(self, task_id: str, token: int, index: int, reason: str | None) -> None:
+    def _on_token(self, task_id: str, token: int, index: int, reason: TaskOutcome | None) -> None:
         """Engine thread: one sampled token."""
         stream = self._streams.get(task_id)
         if stream is None:
             return
-        # The token that reaches max_tokens (reason "length") is part of the output too, as in mlx-lm.
+        # The token that reaches max_tokens (reason LENGTH) is part of the output too, as in mlx-lm.
         text = stream.add(token)
         if stream.stopped and reason is None:
-            self.engine.finish(task_id, "stop")
+            self.engine.finish(task_id, TaskOutcome.STOP)
         if text:
             self._loop.call_soon_threadsafe(self._emit, task_id, text, 1)
 
-    def _on_finished(self, task_id: str, reason: str, prompt_tokens: int, completion_tokens: int) -> None:
+    def _on_finished(self, task_id: str, reason: TaskOutcome, prompt_tokens: int, completion_tokens: int) -> None:
         """Engine thread: a task ended (EOS, length, stop string or cancel)."""
         self._loop.call_soon_threadsafe(self._finish, task_id, reason, prompt_tokens, completion_tokens)
 
@@ -275,12 +255,12 @@ class Runner:
         self._chunk_index[task_id] = index + 1
         self._publish_chunk(Chunk(task_id=TaskId(task_id), index=index, text=text, token_count=tokens))
 
-    def _finish(self, task_id: str, reason: str, prompt_tokens: int, completion_tokens: int) -> None:
+    def _finish(self, task_id: str, reason: TaskOutcome, prompt_tokens: int, completion_tokens: int) -> None:
         stream = self._streams.pop(task_id, None)
         if stream is None:
             return
         # The last token may complete a stop string just as max_tokens is reached: that is a stop.
-        outcome = TaskOutcome.STOP if stream.stopped and reason == "length" else TaskOutcome(reason)
+        outcome = TaskOutcome.STOP if stream.stopped and reason is TaskOutcome.LENGTH else reason
         usage = Usage(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens)
         index = self._chunk_index.pop(task_id)
         self._publish_chunk(

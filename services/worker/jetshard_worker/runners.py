@@ -21,6 +21,7 @@ from pathlib import Path
 import msgspec
 from jetshard_bus.commands import publish_command
 from jetshard_bus.options import NatsOptions
+from jetshard_bus.procs import die_with_parent
 from jetshard_schema.cards import GenerationDefaults
 from jetshard_schema.commands import ReportRunnerEndpoint, ReportRunnerStatus
 from jetshard_schema.ids import InstanceId, NodeId, ValidInstanceId
@@ -32,17 +33,13 @@ from nats.js import JetStreamContext
 from jetshard_worker.blas import runner_environment
 from jetshard_worker.engine.distributed import write_hostfile
 from jetshard_worker.planning import RunnerKey, RunnerPlan, plan
-from jetshard_worker.runner import RunnerSpec
+from jetshard_worker.runner_spec import RunnerSpec
 
 log = logging.getLogger(__name__)
 
-
-def _die_with_parent() -> None:
-    os.setsid()
-    if sys.platform == "linux":
-        import ctypes
-
-        ctypes.CDLL("libc.so.6").prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+# SIGKILL, as the worker stops its runners: a runner of a dead worker holds a model's memory and has nothing
+# to report.
+_die_with_parent = die_with_parent(signal.SIGKILL)
 
 
 def free_port(host: str) -> int:

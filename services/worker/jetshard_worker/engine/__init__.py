@@ -1,20 +1,10 @@
 """MLX shard engine: pipeline-parallel generation over a ring of processes, one layer range each."""
 
 from .distributed import init_ring, write_hostfile
-from .engine import (
-    FINISH_CANCELLED,
-    FINISH_LENGTH,
-    FINISH_STOP,
-    EngineStats,
-    GenerationRequest,
-    PipelineEngine,
-)
+from .engine import EngineStats, GenerationRequest, PipelineEngine
 from .shard import Shard, eos_token_ids, load_shard
 
 __all__ = [
-    "FINISH_CANCELLED",
-    "FINISH_LENGTH",
-    "FINISH_STOP",
     "EngineStats",
     "GenerationRequest",
     "PipelineEngine",

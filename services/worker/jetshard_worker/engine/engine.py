@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from typing import Any, cast
 
 import mlx.core as mx
+from jetshard_schema.types import TaskOutcome
 
 from .distributed import ring_listen_port
 from .protocol import (
@@ -39,13 +40,11 @@ from .shard import Shard
 
 log = logging.getLogger(__name__)
 
-FINISH_STOP = "stop"  # an EOS token, or the caller saw a stop string
-FINISH_LENGTH = "length"
-FINISH_CANCELLED = "cancelled"
-
+# Why a task ends is the outcome the runner reports: STOP for an EOS token or a stop string the caller saw,
+# LENGTH at max_tokens, CANCELLED; the engine never ends a task with ERROR.
 StartedCallback = Callable[[str, int], None]
-TokenCallback = Callable[[str, int, int, "str | None"], None]
-FinishedCallback = Callable[[str, str, int, int], None]
+TokenCallback = Callable[[str, int, int, TaskOutcome | None], None]
+FinishedCallback = Callable[[str, TaskOutcome, int, int], None]
 
 # How long the idle leader sleeps on its queue between checks; it wakes at once on a request.
 IDLE_POLL_S = 0.5
@@ -91,12 +90,24 @@ class _Task:
     ahead: mx.array | None = None  # single rank: the next token, already being computed (see _decode_ahead)
 
 
-@dataclass
-class _Control:
-    kind: str  # "submit" | "finish" | "shutdown"
-    request: GenerationRequest | None = None
-    task_id: str = ""
-    reason: str = ""
+# Messages from the caller's threads to the leader's loop, which alone touches the queue and the caches.
+@dataclass(frozen=True)
+class _Submit:
+    request: GenerationRequest
+
+
+@dataclass(frozen=True)
+class _Finish:
+    task_id: str
+    reason: TaskOutcome
+
+
+@dataclass(frozen=True)
+class _Shutdown:
+    pass
+
+
+_Control = _Submit | _Finish | _Shutdown
 
 
 @dataclass
@@ -168,23 +179,23 @@ class PipelineEngine:
             if request.task_id in self._task_ids:
                 raise ValueError(f"task {request.task_id} is already queued or running")
             self._task_ids.add(request.task_id)
-        self._control.put(_Control("submit", request=request))
+        self._control.put(_Submit(request))
 
-    def finish(self, task_id: str, reason: str = FINISH_STOP) -> None:
-        """End a task before its next step with `reason` (e.g. "stop" after a stop string).
+    def finish(self, task_id: str, reason: TaskOutcome = TaskOutcome.STOP) -> None:
+        """End a task before its next step with `reason` (e.g. STOP after a stop string).
         Unknown or already finished tasks are ignored: the caller may race the engine."""
         self._require_leader("finish")
-        self._control.put(_Control("finish", task_id=task_id, reason=reason))
+        self._control.put(_Finish(task_id, reason))
 
     def cancel(self, task_id: str) -> None:
-        self.finish(task_id, FINISH_CANCELLED)
+        self.finish(task_id, TaskOutcome.CANCELLED)
 
     def shutdown(self) -> None:
         """Cancel every task and stop all ranks; run_forever() returns on each of them."""
         self._require_leader("shutdown")
         with self._lock:
             self._shutdown_requested = True
-        self._control.put(_Control("shutdown"))
+        self._control.put(_Shutdown())
 
     # ----------------------------------------------------------------- loop
 
@@ -297,17 +308,17 @@ class PipelineEngine:
             except queue.Empty:
                 break
         for item in items:
-            if item.kind == "submit":
-                assert item.request is not None
-                self._pending.append(item.request)
-            elif item.kind == "finish":
-                self._finish_by_id(item.task_id, item.reason)
-            elif item.kind == "shutdown":
-                self._cancel_all()
-                return False
+            match item:
+                case _Submit(request):
+                    self._pending.append(request)
+                case _Finish(task_id, reason):
+                    self._finish_by_id(task_id, reason)
+                case _Shutdown():
+                    self._cancel_all()
+                    return False
         return True
 
-    def _finish_by_id(self, task_id: str, reason: str) -> None:
+    def _finish_by_id(self, task_id: str, reason: TaskOutcome) -> None:
         if self._active is not None and self._active.request.task_id == task_id:
             self._finish(self._active, reason)
             return
@@ -320,22 +331,18 @@ class PipelineEngine:
 
     def _cancel_all(self) -> None:
         if self._active is not None:
-            self._finish(self._active, FINISH_CANCELLED, release=False)
+            self._finish(self._active, TaskOutcome.CANCELLED, release=False)
         while self._pending:
             queued = self._pending.popleft()
             self._forget(queued.task_id)
-            self._emit_finished(queued.task_id, FINISH_CANCELLED, len(queued.prompt_tokens), 0)
+            self._emit_finished(queued.task_id, TaskOutcome.CANCELLED, len(queued.prompt_tokens), 0)
 
     def _start(self, request: GenerationRequest) -> _Task:
         slot = next(s for s in range(len(self._caches) + 1) if s not in self._caches)
         eos = self.shard.eos_token_ids if request.eos_token_ids is None else request.eos_token_ids
         sampler = TaskSampler(request.temperature, request.top_p, request.seed)
         self._caches[slot] = []  # reserved; filled by the step that carries FLAG_RESET
-        if self.on_started is not None:
-            try:
-                self.on_started(request.task_id, len(request.prompt_tokens))
-            except Exception:
-                log.exception("on_started callback failed for task %s", request.task_id)
+        _notify(self.on_started, request.task_id, len(request.prompt_tokens))
         return _Task(request=request, slot=slot, sampler=sampler, eos=frozenset(eos))
 
     def _step(self, task: _Task) -> None:
@@ -358,12 +365,12 @@ class PipelineEngine:
         self.stats.tokens += 1
         request = task.request
         if token in task.eos:
-            self._finish(task, FINISH_STOP)
+            self._finish(task, TaskOutcome.STOP)
             return
         task.last_token = token
         if task.generated >= request.max_tokens:
-            self._emit_token(request.task_id, token, task.generated - 1, FINISH_LENGTH)
-            self._finish(task, FINISH_LENGTH)
+            self._emit_token(request.task_id, token, task.generated - 1, TaskOutcome.LENGTH)
+            self._finish(task, TaskOutcome.LENGTH)
         else:
             self._emit_token(request.task_id, token, task.generated - 1, None)
 
@@ -430,7 +437,7 @@ class PipelineEngine:
             )
         return data
 
-    def _finish(self, task: _Task, reason: str, release: bool = True) -> None:
+    def _finish(self, task: _Task, reason: TaskOutcome, release: bool = True) -> None:
         if self._active is task:
             self._active = None
         self._caches.pop(task.slot, None)
@@ -444,25 +451,24 @@ class PipelineEngine:
         with self._lock:
             self._task_ids.discard(task_id)
 
-    def _emit_token(self, task_id: str, token: int, index: int, reason: str | None) -> None:
-        if self.on_token is None:
-            return
-        try:
-            self.on_token(task_id, token, index, reason)
-        except Exception:
-            # A failing consumer must not stall the ring for every other rank and task.
-            log.exception("on_token callback failed for task %s", task_id)
+    def _emit_token(self, task_id: str, token: int, index: int, reason: TaskOutcome | None) -> None:
+        _notify(self.on_token, task_id, token, index, reason)
 
-    def _emit_finished(self, task_id: str, reason: str, prompt_tokens: int, completion_tokens: int) -> None:
-        if self.on_finished is None:
-            return
-        try:
-            self.on_finished(task_id, reason, prompt_tokens, completion_tokens)
-        except Exception:
-            log.exception("on_finished callback failed for task %s", task_id)
+    def _emit_finished(self, task_id: str, reason: TaskOutcome, prompt_tokens: int, completion_tokens: int) -> None:
+        _notify(self.on_finished, task_id, reason, prompt_tokens, completion_tokens)
 
     def _require_leader(self, what: str) -> None:
         if not self.is_leader:
             raise RuntimeError(
                 f"{what}() is only available on the last rank ({self.size - 1}); this is rank {self.rank}"
             )
+
+
+def _notify(callback: Callable[..., None] | None, task_id: str, *args: object) -> None:
+    if callback is None:
+        return
+    try:
+        callback(task_id, *args)
+    except Exception:
+        # A failing consumer must not stall the ring for every other rank and task.
+        log.exception("%s failed for task %s", getattr(callback, "__name__", "callback"), task_id)

@@ -8,9 +8,11 @@ mlx-lm's `Model.__call__` always runs embedding -> all layers -> head.
 
 from __future__ import annotations
 
+import importlib
+import inspect
 import json
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -19,7 +21,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.base import create_attention_mask
 from mlx_lm.models.cache import make_prompt_cache
-from mlx_lm.utils import _get_classes, _takes_global_scale, infer_quant_config, load_config
+from mlx_lm.utils import MODEL_REMAPPING, infer_quant_config, load_config
 
 ProgressCallback = Callable[[int, int], None]
 
@@ -104,13 +106,8 @@ def load_shard(
     reading only the tensors that range needs."""
     model_dir = Path(model_dir)
     config = load_config(model_dir)
-    model_class, args_class = _get_classes(config)
+    model_class, args_class = model_classes(config)
     arch = model_class.__module__.rsplit(".", 1)[-1]
-    if arch not in _EMBED_SCALE:
-        raise ValueError(
-            f"model type {config.get('model_type')!r} (mlx-lm module {arch!r}) is not supported by the "
-            f"shard engine; supported: {sorted(_EMBED_SCALE)}"
-        )
     # Parameters are created lazily, so building all layers costs no memory: the ones we drop
     # are never evaluated.
     model = model_class(args_class.from_dict(config))
@@ -182,6 +179,21 @@ def load_shard(
     )
 
 
+def model_classes(config: Mapping[str, Any]) -> tuple[Any, Any]:
+    """mlx-lm's model class and its arguments class for `config`, found as mlx-lm's loader finds them (its
+    function for that is private). An architecture the shard engine's forward pass does not know is refused."""
+    model_type: str = config["model_type"]
+    # mlx-lm also remaps a few (model_type, architectures) pairs; none of them is a module listed above.
+    module_name = MODEL_REMAPPING.get(model_type, model_type)
+    if module_name not in _EMBED_SCALE:
+        raise ValueError(
+            f"model type {model_type!r} (mlx-lm module {module_name!r}) is not supported by the shard engine; "
+            f"supported: {sorted(_EMBED_SCALE)}"
+        )
+    module = importlib.import_module(f"mlx_lm.models.{module_name}")
+    return module.Model, module.ModelArgs
+
+
 def eos_token_ids(model_dir: Path) -> frozenset[int]:
     """The union of config.json's and generation_config.json's eos ids (mlx-lm keeps only one)."""
     ids: set[int] = set()
@@ -239,7 +251,8 @@ def _quantize(
         if not hasattr(module, "to_quantized") or f"{path}.scales" not in weights:
             return False
         params = infer_quant_config(path, module, weights)
-        if f"{path}.global_scale" in weights and _takes_global_scale(module):
+        # Only some layers hold an nvfp4 tensor scale: those whose to_quantized takes one.
+        if f"{path}.global_scale" in weights and "global_scale" in inspect.signature(module.to_quantized).parameters:
             params["global_scale"] = True
         return params
 
