@@ -221,7 +221,7 @@ async def test_killed_mid_download_resumes_in_the_same_directory(
         partial = models / "tiny--big" / PARTIAL_DIR / f"{held}.incomplete"
         await poll(lambda: partial.exists() and partial.stat().st_size >= hold_at, 10)
         ongoing = await cluster.wait_download(node, repo, (DownloadStatus.ONGOING,), 10)
-        assert ongoing.directory == str(models / "tiny--big") and ongoing.bytes_total > size
+        assert ongoing.progress.directory == str(models / "tiny--big") and ongoing.progress.bytes_total > size
 
         listed = await api_until(
             http, lambda listed: [(d["model_id"], d["status"]) for d in listed] == [(repo, "ongoing")]
