@@ -28,7 +28,7 @@ from jetshard_schema.codec import encode
 from jetshard_schema.commands import ReportDownloadProgress
 from jetshard_schema.events import DownloadProgressed, EventEnvelope
 from jetshard_schema.ids import CommandId, ModelId, NodeId
-from jetshard_schema.types import DownloadStatus
+from jetshard_schema.types import DownloadProgress, DownloadStatus
 from nats.js.api import StreamConfig
 
 from jetshard.natsserver import start_nats_server
@@ -55,11 +55,9 @@ def progress(i: int) -> ReportDownloadProgress:
     return ReportDownloadProgress(
         model_id=ModelId("bench/model"),
         node_id=NodeId(f"node-{i % 4}"),
-        status=DownloadStatus.ONGOING,
-        bytes_done=i,
-        bytes_total=10**9,
-        speed_bytes_per_s=1e6,
-        directory="/models",
+        progress=DownloadProgress(
+            status=DownloadStatus.ONGOING, bytes_done=i, bytes_total=10**9, speed_bytes_per_s=1e6, directory="/models"
+        ),
     )
 
 
@@ -110,10 +108,9 @@ async def rebuild_times(url: str, n: int) -> tuple[float, float, int]:
         event = DownloadProgressed(
             node_id=NodeId(f"node-{i % 8}"),
             model_id=ModelId(f"bench/m-{i % 50}"),
-            pending=False,
-            bytes_done=i,
-            bytes_total=10**9,
-            directory="/models",
+            progress=DownloadProgress(
+                status=DownloadStatus.ONGOING, bytes_done=i, bytes_total=10**9, directory="/models"
+            ),
         )
         envelope = EventEnvelope(
             command_id=CommandId(f"r-{i}"), command_seq=i + 1, index=0, count=1, at_ms=0, event=event

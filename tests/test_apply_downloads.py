@@ -20,7 +20,7 @@ from jetshard_schema.events import (
     EventEnvelope,
 )
 from jetshard_schema.ids import CommandId, ModelId, NodeId
-from jetshard_schema.types import DownloadStatus
+from jetshard_schema.types import DownloadProgress, DownloadStatus
 
 NODE = NodeId("node-a")
 MODEL = ModelId("acme/tiny-7")
@@ -30,21 +30,27 @@ SAMPLES: list[Event] = [
     DownloadProgressed(
         node_id=NODE,
         model_id=MODEL,
-        pending=False,
-        bytes_done=10,
-        bytes_total=100,
-        speed_bytes_per_s=5.0,
-        eta_s=18.0,
-        directory="/models",
+        progress=DownloadProgress(
+            status=DownloadStatus.ONGOING,
+            bytes_done=10,
+            bytes_total=100,
+            speed_bytes_per_s=5.0,
+            eta_s=18.0,
+            directory="/models",
+        ),
     ),
     DownloadCompleted(
         node_id=NODE,
         model_id=MODEL,
-        directory="/models",
-        read_only=False,
-        start_layer=0,
-        end_layer=4,
-        bytes_total=100,
+        progress=DownloadProgress(
+            status=DownloadStatus.COMPLETED,
+            bytes_done=100,
+            directory="/models",
+            read_only=False,
+            start_layer=0,
+            end_layer=4,
+            bytes_total=100,
+        ),
     ),
     DownloadFailed(node_id=NODE, model_id=MODEL, reason="disk full"),
     DownloadCancelled(node_id=NODE, model_id=MODEL),
@@ -57,58 +63,80 @@ COVERED = {type(e) for e in SAMPLES}
 def test_requested_is_pending_over_its_layer_range() -> None:
     download = fold(SAMPLES[0]).download(NODE, MODEL)
     assert download is not None
-    assert (download.status, download.start_layer, download.end_layer) == (DownloadStatus.PENDING, 0, 4)
+    assert (download.progress.status, download.progress.start_layer, download.progress.end_layer) == (
+        DownloadStatus.PENDING,
+        0,
+        4,
+    )
 
 
 def test_progress_moves_a_download_along_and_keeps_its_directory() -> None:
     state = fold(SAMPLES[0], SAMPLES[1])
     download = state.download(NODE, MODEL)
     assert download is not None
-    assert download.status is DownloadStatus.ONGOING
-    assert (download.bytes_done, download.bytes_total, download.eta_s, download.directory) == (
+    assert download.progress.status is DownloadStatus.ONGOING
+    assert (
+        download.progress.bytes_done,
+        download.progress.bytes_total,
+        download.progress.eta_s,
+        download.progress.directory,
+    ) == (
         10,
         100,
         18.0,
         "/models",
     )
     state = fold(
-        DownloadProgressed(node_id=NODE, model_id=MODEL, pending=True, bytes_done=20, bytes_total=100),
+        DownloadProgressed(
+            node_id=NODE,
+            model_id=MODEL,
+            progress=DownloadProgress(status=DownloadStatus.PENDING, bytes_done=20, bytes_total=100),
+        ),
         state=state,
     )
     download = state.download(NODE, MODEL)
     assert download is not None
-    assert download.status is DownloadStatus.PENDING
-    assert download.directory == "/models"  # an empty directory in a report keeps the known one
+    assert download.progress.status is DownloadStatus.PENDING
+    assert download.progress.directory == "/models"  # an empty directory in a report keeps the known one
 
 
 def test_progress_of_an_unknown_download_creates_it() -> None:
     download = fold(SAMPLES[1]).download(NODE, MODEL)
     assert download is not None
-    assert download.status is DownloadStatus.ONGOING
+    assert download.progress.status is DownloadStatus.ONGOING
 
 
 def test_completed() -> None:
     download = fold(SAMPLES[0], SAMPLES[1], SAMPLES[2]).download(NODE, MODEL)
     assert download is not None
-    assert download.status is DownloadStatus.COMPLETED
-    assert (download.bytes_done, download.bytes_total, download.directory) == (100, 100, "/models")
+    assert download.progress.status is DownloadStatus.COMPLETED
+    assert (download.progress.bytes_done, download.progress.bytes_total, download.progress.directory) == (
+        100,
+        100,
+        "/models",
+    )
 
 
 def test_requesting_a_range_inside_a_completed_download_keeps_it_completed() -> None:
     state = fold(SAMPLES[2], DownloadRequested(node_id=NODE, model_id=MODEL, start_layer=1, end_layer=3))
     download = state.download(NODE, MODEL)
     assert download is not None
-    assert download.status is DownloadStatus.COMPLETED
+    assert download.progress.status is DownloadStatus.COMPLETED
     wider = fold(DownloadRequested(node_id=NODE, model_id=MODEL, start_layer=0, end_layer=8), state=state)
     download = wider.download(NODE, MODEL)
     assert download is not None
-    assert (download.status, download.end_layer) == (DownloadStatus.PENDING, 8)
+    assert (download.progress.status, download.progress.end_layer) == (DownloadStatus.PENDING, 8)
 
 
 def test_failed_and_cancelled_clear_speed_and_eta() -> None:
     failed = fold(SAMPLES[0], SAMPLES[1], SAMPLES[3]).download(NODE, MODEL)
     assert failed is not None
-    assert (failed.status, failed.reason, failed.speed_bytes_per_s, failed.eta_s) == (
+    assert (
+        failed.progress.status,
+        failed.progress.reason,
+        failed.progress.speed_bytes_per_s,
+        failed.progress.eta_s,
+    ) == (
         DownloadStatus.FAILED,
         "disk full",
         0.0,
@@ -116,7 +144,7 @@ def test_failed_and_cancelled_clear_speed_and_eta() -> None:
     )
     cancelled = fold(SAMPLES[0], SAMPLES[1], SAMPLES[4]).download(NODE, MODEL)
     assert cancelled is not None
-    assert (cancelled.status, cancelled.speed_bytes_per_s, cancelled.eta_s) == (
+    assert (cancelled.progress.status, cancelled.progress.speed_bytes_per_s, cancelled.progress.eta_s) == (
         DownloadStatus.CANCELLED,
         0.0,
         None,
@@ -128,7 +156,7 @@ def test_delete_requested_then_deleted() -> None:
     download = state.download(NODE, MODEL)
     assert download is not None
     assert download.deleting
-    assert download.status is DownloadStatus.COMPLETED
+    assert download.progress.status is DownloadStatus.COMPLETED
     state = fold(SAMPLES[6], state=state)
     assert state.download(NODE, MODEL) is None
 

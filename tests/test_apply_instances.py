@@ -18,8 +18,18 @@ from jetshard_schema.events import (
     TaskAssigned,
 )
 from jetshard_schema.ids import CommandId, InstanceId, ModelId, NodeId, TaskId
-from jetshard_schema.state import Endpoint, instance_status
-from jetshard_schema.types import InstanceStatus, RunnerStatus, ShardAssignment, TaskKind, TaskRef
+from jetshard_schema.state import instance_status
+from jetshard_schema.types import (
+    DownloadProgress,
+    DownloadStatus,
+    Endpoint,
+    InstanceStatus,
+    RunnerReport,
+    RunnerStatus,
+    ShardAssignment,
+    TaskKind,
+    TaskRef,
+)
 
 A, B = NodeId("node-a"), NodeId("node-b")
 MODEL = ModelId("acme/tiny-7")
@@ -34,19 +44,16 @@ def runner(rank: int, status: RunnerStatus, generation: int = 0) -> RunnerStatus
     return RunnerStatusChanged(
         instance_id=INST,
         generation=generation,
-        node_id=SHARDS[rank].node_id,
-        rank=rank,
-        worker_session="w",
-        status=status,
-        layers_loaded=3,
-        layers_total=5,
+        runner=RunnerReport(
+            node_id=SHARDS[rank].node_id, rank=rank, worker_session="w", status=status, layers_loaded=3, layers_total=5
+        ),
     )
 
 
 SAMPLES: list[Event] = [
     InstancePlaced(instance_id=INST, model_id=MODEL, shards=SHARDS),
     InstanceDeleted(instance_id=INST, reason="deleted on request"),
-    RunnerEndpointReported(instance_id=INST, generation=0, node_id=A, rank=0, host="10.0.0.1", port=7000),
+    RunnerEndpointReported(instance_id=INST, generation=0, node_id=A, rank=0, endpoint=Endpoint("10.0.0.1", 7000)),
     runner(0, RunnerStatus.LOADING),
     InstanceRestarting(instance_id=INST, generation=1, attempt=1, not_before_ms=5000, reason="rank 1 failed"),
     InstanceFailed(instance_id=INST, reason="gave up"),
@@ -58,11 +65,15 @@ def downloaded(node: NodeId, start: int, end: int) -> DownloadCompleted:
     return DownloadCompleted(
         node_id=node,
         model_id=MODEL,
-        directory="/m",
-        read_only=False,
-        start_layer=start,
-        end_layer=end,
-        bytes_total=1,
+        progress=DownloadProgress(
+            status=DownloadStatus.COMPLETED,
+            bytes_done=1,
+            directory="/m",
+            read_only=False,
+            start_layer=start,
+            end_layer=end,
+            bytes_total=1,
+        ),
     )
 
 
@@ -90,7 +101,7 @@ def test_endpoint_and_runner_reports_of_another_generation_are_ignored() -> None
     assert state.instances[INST].endpoints == {0: Endpoint("10.0.0.1", 7000)}
     assert state.instances[INST].runners[1].status is RunnerStatus.LOADING
     stale = fold(
-        RunnerEndpointReported(instance_id=INST, generation=3, node_id=B, rank=1, host="h", port=1),
+        RunnerEndpointReported(instance_id=INST, generation=3, node_id=B, rank=1, endpoint=Endpoint("h", 1)),
         runner(0, RunnerStatus.READY, generation=3),
         state=state,
     )

@@ -19,7 +19,7 @@ from jetshard_schema.events import (
 )
 from jetshard_schema.ids import CommandId, ModelId, NodeId
 from jetshard_schema.state import Download, State, apply
-from jetshard_schema.types import DownloadStatus, ModelDirInfo, NodeProfile, NodeStorage, RejectCode
+from jetshard_schema.types import DownloadProgress, DownloadStatus, ModelDirInfo, NodeProfile, NodeStorage, RejectCode
 
 NODE = NodeId("node-a")
 PROFILE = NodeProfile(
@@ -42,7 +42,7 @@ COVERED = {type(e) for e in SAMPLES}
 
 
 def test_command_rejected_changes_nothing_but_the_sequences() -> None:
-    state = apply(State(), SAMPLES[0], seq=7, command_seq=3)
+    state = apply(State(last_seq=6), SAMPLES[0], seq=7, command_seq=3)
     assert state == State(last_seq=7, last_command_seq=3)
 
 
@@ -82,9 +82,8 @@ def test_node_lost_forgets_the_node_its_storage_and_downloads() -> None:
         NodeJoined(node_id=other, session_id="s9", profile=PROFILE),
         NodeStorageUpdated(node_id=NODE, storage=STORAGE),
     )
-    download = Download(
-        node_id=NODE, model_id=ModelId("o/m"), status=DownloadStatus.COMPLETED, start_layer=0, end_layer=4
-    )
+    completed = DownloadProgress(status=DownloadStatus.COMPLETED, start_layer=0, end_layer=4)
+    download = Download(node_id=NODE, model_id=ModelId("o/m"), progress=completed)
     state = msgspec.structs.replace(state, downloads={NODE: {download.model_id: download}})
     state = fold(NodeLost(node_id=NODE, reason="gone"), state=state)
     assert list(state.nodes) == [other]

@@ -335,7 +335,7 @@ async def test_a_killed_conversion_or_a_half_written_model_is_never_complete(clu
 
     cluster.start_downloader("downloader-again", config, "--offline", "--default-models-dir", str(models))
     demo = await cluster.wait_download(node, DEMO_MODEL_ID, FINAL, 120)
-    assert demo.status is DownloadStatus.COMPLETED, demo.reason
+    assert demo.progress.status is DownloadStatus.COMPLETED, demo.progress.reason
     found = find_model(dirs, DEMO_MODEL_ID)
     assert found is not None and found.path == target
     assert not [p for p in models.iterdir() if p.name.startswith(".")], list(models.iterdir())
@@ -376,7 +376,7 @@ async def test_import_gguf_adds_a_local_model_that_its_node_serves_from_disk(clu
     assert card["is_custom"] and card["source"] == "local-gguf" and card["num_layers"] == 30
     await cluster.submit(StartDownload(model_id=ModelId("local/smol"), node_id=node))
     done = await cluster.wait_download(node, "local/smol", FINAL, 60)
-    assert done.status is DownloadStatus.COMPLETED and done.directory == str(models / "local--smol")
+    assert done.progress.status is DownloadStatus.COMPLETED and done.progress.directory == str(models / "local--smol")
 
     again = await asyncio.to_thread(
         subprocess.run,

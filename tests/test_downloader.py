@@ -95,8 +95,8 @@ async def test_spillover_to_the_second_dir_and_no_space_names_every_dir(
 
         await cluster.submit(StartDownload(model_id=ModelId("tiny/small"), node_id=node))
         done = await cluster.wait_download(node, "tiny/small", FINAL)
-        assert done.status is DownloadStatus.COMPLETED, done.reason
-        assert done.directory == str(second / "tiny--small")
+        assert done.progress.status is DownloadStatus.COMPLETED, done.progress.reason
+        assert done.progress.directory == str(second / "tiny--small")
         assert repo_files(second / "tiny--small") == repo_files(small)
         assert not (first / "tiny--small").exists()
         # The real size replaced the card's estimate.
@@ -105,9 +105,9 @@ async def test_spillover_to_the_second_dir_and_no_space_names_every_dir(
 
         await cluster.submit(StartDownload(model_id=ModelId("tiny/big"), node_id=node))
         failed = await cluster.wait_download(node, "tiny/big", FINAL)
-        assert failed.status is DownloadStatus.FAILED
-        assert "not enough disk space" in failed.reason
-        assert str(first) in failed.reason and str(second) in failed.reason
+        assert failed.progress.status is DownloadStatus.FAILED
+        assert "not enough disk space" in failed.progress.reason
+        assert str(first) in failed.progress.reason and str(second) in failed.progress.reason
         assert not any(repo == "tiny/big" and name.endswith(".safetensors") for repo, name in hub_server.bytes_served)
         cluster.processes.stop_all()
 
@@ -161,8 +161,8 @@ async def test_read_only_dirs_are_used_without_network_and_never_changed(
                 assert response.status_code == 202, response.text
                 assert response.json()["node_id"] == node
                 done = await cluster.wait_download(node, model_id, (DownloadStatus.COMPLETED, DownloadStatus.FAILED))
-                assert done.status is DownloadStatus.COMPLETED, done.reason
-                assert done.read_only and done.directory == where
+                assert done.progress.status is DownloadStatus.COMPLETED, done.progress.reason
+                assert done.progress.read_only and done.progress.directory == where
             assert sum(hub_server.requests.values()) == 0, hub_server.requests
 
             expected = {("tiny/plain", "completed", True), ("tiny/cached", "completed", True)}
@@ -221,7 +221,7 @@ async def test_killed_mid_download_resumes_in_the_same_directory(
         partial = models / "tiny--big" / PARTIAL_DIR / f"{held}.incomplete"
         await until(lambda: partial.exists() and partial.stat().st_size >= hold_at, 10)
         ongoing = await cluster.wait_download(node, repo, (DownloadStatus.ONGOING,), 10)
-        assert ongoing.directory == str(models / "tiny--big") and ongoing.bytes_total > size
+        assert ongoing.progress.directory == str(models / "tiny--big") and ongoing.progress.bytes_total > size
 
         listed = await api_until(
             http, lambda listed: [(d["model_id"], d["status"]) for d in listed] == [(repo, "ongoing")]
@@ -250,8 +250,8 @@ async def test_killed_mid_download_resumes_in_the_same_directory(
     hub_server.reset_counters()
     cluster.start_downloader("downloader-2", config, **env)  # resumes from State: no new request
     done = await cluster.wait_download(node, repo, FINAL)
-    assert done.status is DownloadStatus.COMPLETED, done.reason
-    assert done.directory == str(models / "tiny--big")
+    assert done.progress.status is DownloadStatus.COMPLETED, done.progress.reason
+    assert done.progress.directory == str(models / "tiny--big")
     assert hub_server.bytes_served[(repo, held)] == size - kept  # only the remainder
     assert repo_files(models / "tiny--big") == repo_files(source)
     for name in repo_files(source):
@@ -289,8 +289,8 @@ async def test_two_nodes_fetch_complementary_shards_once(
     ranges = {}
     for node in nodes:
         done = await cluster.wait_download(node, repo, FINAL)
-        assert done.status is DownloadStatus.COMPLETED, done.reason
-        ranges[node] = (done.start_layer, done.end_layer)
+        assert done.progress.status is DownloadStatus.COMPLETED, done.progress.reason
+        ranges[node] = (done.progress.start_layer, done.progress.end_layer)
     assert sorted(ranges.values()) == [(0, 2), (2, 4)]
 
     weights = sorted(p.name for p in source.glob("*.safetensors"))
@@ -318,14 +318,14 @@ async def test_offline_makes_no_request_and_converts_the_packaged_demo(
     started = time.monotonic()
     await cluster.submit(StartDownload(model_id=ModelId("tiny/online"), node_id=node))
     failed = await cluster.wait_download(node, "tiny/online", FINAL)
-    assert failed.status is DownloadStatus.FAILED and "not available offline" in failed.reason
+    assert failed.progress.status is DownloadStatus.FAILED and "not available offline" in failed.progress.reason
     assert time.monotonic() - started < 10
 
     await cluster.submit(StartDownload(model_id=DEMO_MODEL_ID, node_id=node))
     demo = await cluster.wait_download(node, DEMO_MODEL_ID, FINAL, 90)
-    assert demo.status is DownloadStatus.COMPLETED, demo.reason
+    assert demo.progress.status is DownloadStatus.COMPLETED, demo.progress.reason
     target = models / "jetshard--SmolLM2-135M-Instruct-Q4"
-    assert demo.directory == str(target) and not demo.read_only
+    assert demo.progress.directory == str(target) and not demo.progress.read_only
     manifest = json.loads((target / MANIFEST_NAME).read_text())
     assert {"config.json", "model.safetensors.index.json", "tokenizer.json"} <= {f["name"] for f in manifest["files"]}
     assert not [p for p in models.iterdir() if p.name.startswith(".")]  # no staging left
@@ -359,7 +359,7 @@ async def test_cancel_keeps_finished_files_and_delete_removes_them(
         assert cancelled.json()["status"] == "cancelled"
         hub_server.release()  # the next chunk reaches the downloader, which stops there
         await until(lambda: "download of tiny/cancel stopped" in cluster.processes.log("downloader"), 20)
-        assert cluster.follower.state.download(node, ModelId(repo)).status is DownloadStatus.CANCELLED
+        assert cluster.follower.state.download(node, ModelId(repo)).progress.status is DownloadStatus.CANCELLED
         manifest = json.loads((target / MANIFEST_NAME).read_text())
         assert "model-00001-of-00002.safetensors" in {f["name"] for f in manifest["files"]}
         assert not (target / held).exists() and not (target / "tokenizer.json").exists()

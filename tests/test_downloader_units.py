@@ -18,7 +18,7 @@ from jetshard_schema.commands import ReportDownloadProgress
 from jetshard_schema.events import DownloadCancelled, DownloadRequested
 from jetshard_schema.ids import CommandId, ModelId, NodeId
 from jetshard_schema.state import State, apply
-from jetshard_schema.types import DownloadStatus
+from jetshard_schema.types import DownloadProgress, DownloadStatus
 from jetshard_sequencer.handlers import Context, handle
 
 REPO = "tiny/resume"
@@ -116,7 +116,9 @@ def test_a_progress_report_sent_before_a_cancel_does_not_revive_the_download(sta
     node, model = NodeId("n1"), ModelId(REPO)
     state = apply(State(), DownloadRequested(node_id=node, model_id=model, start_layer=0, end_layer=2), 1)
     state = apply(state, DownloadCancelled(node_id=node, model_id=model), 2)
-    late = ReportDownloadProgress(model_id=model, node_id=node, status=status, bytes_done=5, bytes_total=10)
+    late = ReportDownloadProgress(
+        node_id=node, model_id=model, progress=DownloadProgress(status=status, bytes_done=5, bytes_total=10)
+    )
     assert handle(state, late, Context(command_id=CommandId("c"), now_ms=0)) == []
     # A new request resets the download; its reports count again.
     state = apply(state, DownloadRequested(node_id=node, model_id=model, start_layer=0, end_layer=2), 3)

@@ -56,12 +56,15 @@ from jetshard_schema.events import (
 from jetshard_schema.ids import CommandId, InstanceId, ModelId, NodeId, TaskId
 from jetshard_schema.state import State, apply, instance_status
 from jetshard_schema.types import (
+    DownloadProgress,
     DownloadStatus,
+    Endpoint,
     InstanceStatus,
     ModelDirInfo,
     NodeProfile,
     NodeStorage,
     RejectCode,
+    RunnerReport,
     RunnerStatus,
     TaskKind,
     TaskOutcome,
@@ -119,13 +122,15 @@ class InMemoryCluster:
         for shard in instance.shards:
             self.run(
                 ReportDownloadProgress(
-                    model_id=MODEL,
                     node_id=shard.node_id,
-                    status=DownloadStatus.COMPLETED,
-                    start_layer=shard.start_layer,
-                    end_layer=shard.end_layer,
-                    directory="/m",
-                    bytes_total=1,
+                    model_id=MODEL,
+                    progress=DownloadProgress(
+                        status=DownloadStatus.COMPLETED,
+                        start_layer=shard.start_layer,
+                        end_layer=shard.end_layer,
+                        directory="/m",
+                        bytes_total=1,
+                    ),
                 )
             )
             self.run(self.runner(instance_id, shard.rank, RunnerStatus.READY))
@@ -136,11 +141,9 @@ class InMemoryCluster:
         return ReportRunnerStatus(
             instance_id=instance_id,
             generation=instance.generation,
-            node_id=instance.shards[rank].node_id,
-            rank=rank,
-            worker_session="w",
-            status=status,
-            reason=reason,
+            runner=RunnerReport(
+                node_id=instance.shards[rank].node_id, rank=rank, worker_session="w", status=status, reason=reason
+            ),
         )
 
 
@@ -293,7 +296,14 @@ def test_cancel_download_only_while_in_progress(cluster: InMemoryCluster) -> Non
     assert cluster.run(CancelDownload(model_id=MODEL, node_id=A)) == [DownloadCancelled(node_id=A, model_id=MODEL)]
     rejected(cluster.run(CancelDownload(model_id=MODEL, node_id=A)), RejectCode.CONFLICT)
     # the downloader's own report of the cancellation adds nothing
-    assert cluster.run(ReportDownloadProgress(model_id=MODEL, node_id=A, status=DownloadStatus.CANCELLED)) == []
+    assert (
+        cluster.run(
+            ReportDownloadProgress(
+                node_id=A, model_id=MODEL, progress=DownloadProgress(status=DownloadStatus.CANCELLED)
+            )
+        )
+        == []
+    )
 
 
 def test_delete_download_refuses_read_only_and_in_use(cluster: InMemoryCluster) -> None:
@@ -301,27 +311,27 @@ def test_delete_download_refuses_read_only_and_in_use(cluster: InMemoryCluster) 
     rejected(cluster.run(DeleteDownload(model_id=MODEL, node_id=A)), RejectCode.NOT_FOUND)
     cluster.run(
         ReportDownloadProgress(
-            model_id=MODEL,
             node_id=A,
-            status=DownloadStatus.COMPLETED,
-            start_layer=0,
-            end_layer=8,
-            directory="/ro",
-            read_only=True,
-            bytes_total=1,
+            model_id=MODEL,
+            progress=DownloadProgress(
+                status=DownloadStatus.COMPLETED,
+                start_layer=0,
+                end_layer=8,
+                directory="/ro",
+                read_only=True,
+                bytes_total=1,
+            ),
         )
     )
     refusal = rejected(cluster.run(DeleteDownload(model_id=MODEL, node_id=A)), RejectCode.CONFLICT)
     assert "read-only" in refusal.reason
     cluster.run(
         ReportDownloadProgress(
-            model_id=MODEL,
             node_id=A,
-            status=DownloadStatus.COMPLETED,
-            start_layer=0,
-            end_layer=8,
-            directory="/rw",
-            bytes_total=1,
+            model_id=MODEL,
+            progress=DownloadProgress(
+                status=DownloadStatus.COMPLETED, start_layer=0, end_layer=8, directory="/rw", bytes_total=1
+            ),
         )
     )
     instance = cluster.place("inst-1", [A])
@@ -361,9 +371,9 @@ def test_runner_endpoint_checks_rank_and_generation(cluster: InMemoryCluster) ->
     cluster.join(A)
     cluster.join(B)
     instance = cluster.place("inst-1", [A, B])
-    ok = ReportRunnerEndpoint(instance_id=instance, generation=0, node_id=B, rank=1, host="h", port=9)
+    ok = ReportRunnerEndpoint(instance_id=instance, generation=0, node_id=B, rank=1, endpoint=Endpoint("h", 9))
     assert cluster.run(ok) == [
-        RunnerEndpointReported(instance_id=instance, generation=0, node_id=B, rank=1, host="h", port=9)
+        RunnerEndpointReported(instance_id=instance, generation=0, node_id=B, rank=1, endpoint=Endpoint("h", 9))
     ]
     rejected(cluster.run(msgspec.structs.replace(ok, rank=0)), RejectCode.INVALID)
     assert cluster.run(msgspec.structs.replace(ok, generation=5)) == []
@@ -490,25 +500,31 @@ def test_a_failed_download_fails_the_instances_waiting_for_it_at_once(cluster: I
     waiting = cluster.place("inst-1", [A])
     elsewhere = cluster.place("inst-2", [B])
     retrying = ReportDownloadProgress(
-        model_id=MODEL, node_id=A, status=DownloadStatus.PENDING, reason="connection reset", attempt=1, max_attempts=3
+        node_id=A,
+        model_id=MODEL,
+        progress=DownloadProgress(status=DownloadStatus.PENDING, reason="connection reset", attempt=1, max_attempts=3),
     )
     assert cluster.run(retrying) == [
         DownloadProgressed(
             node_id=A,
             model_id=MODEL,
-            pending=True,
-            bytes_done=0,
-            bytes_total=0,
-            reason="connection reset",
-            attempt=1,
-            max_attempts=3,
+            progress=DownloadProgress(
+                status=DownloadStatus.PENDING,
+                bytes_done=0,
+                bytes_total=0,
+                reason="connection reset",
+                attempt=1,
+                max_attempts=3,
+            ),
         )
     ]
     download = cluster.state.download(A, MODEL)
-    assert download is not None and (download.attempt, download.max_attempts) == (1, 3)
+    assert download is not None and (download.progress.attempt, download.progress.max_attempts) == (1, 3)
     assert not cluster.state.instances[waiting].failed
     events = cluster.run(
-        ReportDownloadProgress(model_id=MODEL, node_id=A, status=DownloadStatus.FAILED, reason="Hub unreachable")
+        ReportDownloadProgress(
+            node_id=A, model_id=MODEL, progress=DownloadProgress(status=DownloadStatus.FAILED, reason="Hub unreachable")
+        )
     )
     assert events == [
         DownloadFailed(node_id=A, model_id=MODEL, reason="Hub unreachable"),
@@ -523,7 +539,9 @@ def test_a_failed_download_leaves_a_ready_instance_alone(cluster: InMemoryCluste
     ready = cluster.place("inst-1", [A])
     cluster.make_ready(ready)
     events = cluster.run(
-        ReportDownloadProgress(model_id=MODEL, node_id=A, status=DownloadStatus.FAILED, reason="disk full")
+        ReportDownloadProgress(
+            node_id=A, model_id=MODEL, progress=DownloadProgress(status=DownloadStatus.FAILED, reason="disk full")
+        )
     )
     assert [type(e) for e in events] == [DownloadFailed]
     assert instance_status(cluster.state, cluster.state.instances[ready]) is InstanceStatus.READY

@@ -12,7 +12,15 @@ from jetshard_schema.events import (
     RunnerStatusChanged,
 )
 from jetshard_schema.ids import InstanceId, ModelId, NodeId
-from jetshard_schema.types import NodeProfile, RunnerStatus, ShardAssignment
+from jetshard_schema.types import (
+    DownloadProgress,
+    DownloadStatus,
+    Endpoint,
+    NodeProfile,
+    RunnerReport,
+    RunnerStatus,
+    ShardAssignment,
+)
 from jetshard_worker.planning import RunnerKey, plan
 
 A, B = NodeId("node-a"), NodeId("node-b")
@@ -39,17 +47,25 @@ def downloaded(node: NodeId, start: int, end: int) -> DownloadCompleted:
     return DownloadCompleted(
         node_id=node,
         model_id=MODEL,
-        directory=f"/models/{node}",
-        read_only=False,
-        start_layer=start,
-        end_layer=end,
-        bytes_total=10,
+        progress=DownloadProgress(
+            status=DownloadStatus.COMPLETED,
+            bytes_done=10,
+            directory=f"/models/{node}",
+            read_only=False,
+            start_layer=start,
+            end_layer=end,
+            bytes_total=10,
+        ),
     )
 
 
 def endpoint(node: NodeId, rank: int, generation: int = 0) -> RunnerEndpointReported:
     return RunnerEndpointReported(
-        instance_id=INSTANCE, generation=generation, node_id=node, rank=rank, host="127.0.0.1", port=5000 + rank
+        instance_id=INSTANCE,
+        generation=generation,
+        node_id=node,
+        rank=rank,
+        endpoint=Endpoint("127.0.0.1", 5000 + rank),
     )
 
 
@@ -89,7 +105,9 @@ def test_a_restart_waits_for_its_back_off_and_drops_the_old_generation() -> None
 
 def test_runners_of_a_previous_worker_life_are_reported_stale() -> None:
     ready = RunnerStatusChanged(
-        instance_id=INSTANCE, generation=0, node_id=A, rank=0, worker_session="old", status=RunnerStatus.READY
+        instance_id=INSTANCE,
+        generation=0,
+        runner=RunnerReport(node_id=A, rank=0, worker_session="old", status=RunnerStatus.READY),
     )
     state = fold(*PLACED, downloaded(A, 0, 2), endpoint(A, 0), endpoint(B, 1), ready)
     wanted = plan(state, A, "new", frozenset(), now_ms=0)

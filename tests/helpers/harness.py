@@ -276,7 +276,7 @@ class Cluster:
         self, node_id: NodeId, model_id: str, statuses: tuple[DownloadStatus, ...], timeout_s: float = 30.0
     ) -> Download:
         state = await self.wait(
-            lambda s: (d := s.download(node_id, ModelId(model_id))) is not None and d.status in statuses,
+            lambda s: (d := s.download(node_id, ModelId(model_id))) is not None and d.progress.status in statuses,
             timeout_s,
             f"{model_id} on {node_id} to be {statuses}",
         )

@@ -15,8 +15,7 @@ from jetshard_schema import subjects
 from jetshard_schema.codec import decode_event
 from jetshard_schema.events import EventEnvelope
 from jetshard_schema.ids import CommandId
-from jetshard_schema.state import State, apply
-from msgspec.structs import replace
+from jetshard_schema.state import State, apply, skip
 from nats.aio.msg import Msg
 from nats.js import JetStreamContext
 
@@ -73,7 +72,7 @@ class StateFollower:
         envelope = decode_event(msg.data)
         if envelope is None:
             await self._commit()
-            self.state = replace(self.state, last_seq=seq)
+            self.state = skip(self.state, seq)
             self._check_conditions()
             return
         if self.partial and self.partial[0][1].command_id != envelope.command_id:

@@ -12,10 +12,11 @@ from jetshard_schema.cards import ModelCard
 from jetshard_schema.ids import ValidInstanceId, ValidModelId, ValidNodeId, ValidSessionId, ValidTaskId
 from jetshard_schema.subjects import command_subject
 from jetshard_schema.types import (
-    DownloadStatus,
+    DownloadProgress,
+    Endpoint,
     NodeProfile,
     NodeStorage,
-    RunnerStatus,
+    RunnerReport,
     TaskOutcome,
     TaskRef,
     Usage,
@@ -91,20 +92,7 @@ class DeleteDownload(_Command, frozen=True):
 class ReportDownloadProgress(_Command, frozen=True):
     model_id: ValidModelId
     node_id: ValidNodeId
-    status: DownloadStatus
-    start_layer: int = 0
-    end_layer: int = 0
-    bytes_done: int = 0
-    bytes_total: int = 0
-    speed_bytes_per_s: float = 0.0
-    eta_s: float | None = None
-    directory: str = ""
-    read_only: bool = False
-    reason: str = ""
-    """Why it failed; while retrying, why the last attempt failed."""
-    attempt: int = 0
-    """0 for the first attempt; n for the n-th retry after an error mid-transfer."""
-    max_attempts: int = 0
+    progress: DownloadProgress
 
 
 class ReportDownloadDeleted(_Command, frozen=True):
@@ -132,21 +120,13 @@ class ReportRunnerEndpoint(_Command, frozen=True):
     generation: int
     node_id: ValidNodeId
     rank: int
-    host: str
-    port: int
+    endpoint: Endpoint
 
 
 class ReportRunnerStatus(_Command, frozen=True):
     instance_id: ValidInstanceId
     generation: int
-    node_id: ValidNodeId
-    rank: int
-    worker_session: str
-    status: RunnerStatus
-    layers_loaded: int = 0
-    layers_total: int = 0
-    reason: str = ""
-    loaded_tensors: tuple[str, ...] = ()
+    runner: RunnerReport
 
 
 # --- tasks -------------------------------------------------------------------------------------------------

@@ -12,10 +12,12 @@ from jetshard_schema.cards import ModelCard
 from jetshard_schema.ids import ValidCommandId, ValidInstanceId, ValidModelId, ValidNodeId, ValidSessionId, ValidTaskId
 from jetshard_schema.subjects import event_subject
 from jetshard_schema.types import (
+    DownloadProgress,
+    Endpoint,
     NodeProfile,
     NodeStorage,
     RejectCode,
-    RunnerStatus,
+    RunnerReport,
     ShardAssignment,
     TaskOutcome,
     TaskRef,
@@ -87,28 +89,17 @@ class DownloadRequested(_Event, frozen=True):
 
 
 class DownloadProgressed(_Event, frozen=True):
+    """Still pending or ongoing. State keeps the requested layer range and the directory already known."""
+
     node_id: ValidNodeId
     model_id: ValidModelId
-    pending: bool
-    bytes_done: int
-    bytes_total: int
-    speed_bytes_per_s: float = 0.0
-    eta_s: float | None = None
-    directory: str = ""
-    reason: str = ""
-    """While retrying: why the last attempt failed."""
-    attempt: int = 0
-    max_attempts: int = 0
+    progress: DownloadProgress
 
 
 class DownloadCompleted(_Event, frozen=True):
     node_id: ValidNodeId
     model_id: ValidModelId
-    directory: str
-    read_only: bool
-    start_layer: int
-    end_layer: int
-    bytes_total: int
+    progress: DownloadProgress
 
 
 class DownloadFailed(_Event, frozen=True):
@@ -151,21 +142,13 @@ class RunnerEndpointReported(_Event, frozen=True):
     generation: int
     node_id: ValidNodeId
     rank: int
-    host: str
-    port: int
+    endpoint: Endpoint
 
 
 class RunnerStatusChanged(_Event, frozen=True):
     instance_id: ValidInstanceId
     generation: int
-    node_id: ValidNodeId
-    rank: int
-    worker_session: str
-    status: RunnerStatus
-    layers_loaded: int = 0
-    layers_total: int = 0
-    reason: str = ""
-    loaded_tensors: tuple[str, ...] = ()
+    runner: RunnerReport
 
 
 class InstanceRestarting(_Event, frozen=True):

@@ -2,42 +2,18 @@
 
 `apply(state, event, seq)` never mutates: it returns a new State sharing what did not change. Only tasks
 in flight are kept (a finished task lives on in the event history, not in State), so State stays small.
+Each event type has its own small applier below, registered with `_fold` by the type it takes.
 """
 
 from __future__ import annotations
 
+import functools
+
 import msgspec
 from msgspec.structs import replace
 
+from jetshard_schema import events
 from jetshard_schema.cards import ModelCard
-from jetshard_schema.events import (
-    CommandRejected,
-    CustomModelCardAdded,
-    CustomModelCardDeleted,
-    DownloadCancelled,
-    DownloadCompleted,
-    DownloadDeleted,
-    DownloadDeleteRequested,
-    DownloadFailed,
-    DownloadProgressed,
-    DownloadRequested,
-    Event,
-    InstanceDeleted,
-    InstanceFailed,
-    InstancePlaced,
-    InstanceRestarting,
-    ModelSizeMeasured,
-    NodeJoined,
-    NodeLost,
-    NodeStorageUpdated,
-    NodeUpdated,
-    RunnerEndpointReported,
-    RunnerStatusChanged,
-    TaskAssigned,
-    TaskCancelled,
-    TaskFinished,
-    TaskStarted,
-)
 from jetshard_schema.ids import (
     InstanceId,
     ModelId,
@@ -50,10 +26,13 @@ from jetshard_schema.ids import (
     ValidTaskId,
 )
 from jetshard_schema.types import (
+    DownloadProgress,
     DownloadStatus,
+    Endpoint,
     InstanceStatus,
     NodeProfile,
     NodeStorage,
+    RunnerReport,
     RunnerStatus,
     ShardAssignment,
     TaskRef,
@@ -69,36 +48,8 @@ class Node(msgspec.Struct, frozen=True, kw_only=True):
 class Download(msgspec.Struct, frozen=True, kw_only=True):
     node_id: ValidNodeId
     model_id: ValidModelId
-    status: DownloadStatus
-    start_layer: int
-    end_layer: int
-    bytes_done: int = 0
-    bytes_total: int = 0
-    speed_bytes_per_s: float = 0.0
-    eta_s: float | None = None
-    directory: str = ""
-    read_only: bool = False
-    reason: str = ""
-    attempt: int = 0
-    """Retries so far after errors mid-transfer, of at most `max_attempts`."""
-    max_attempts: int = 0
+    progress: DownloadProgress
     deleting: bool = False
-
-
-class Endpoint(msgspec.Struct, frozen=True):
-    host: str
-    port: int
-
-
-class Runner(msgspec.Struct, frozen=True, kw_only=True):
-    node_id: ValidNodeId
-    rank: int
-    worker_session: str
-    status: RunnerStatus
-    layers_loaded: int = 0
-    layers_total: int = 0
-    reason: str = ""
-    loaded_tensors: tuple[str, ...] = ()
 
 
 class Instance(msgspec.Struct, frozen=True, kw_only=True):
@@ -110,7 +61,7 @@ class Instance(msgspec.Struct, frozen=True, kw_only=True):
     restart_attempt: int = 0
     not_before_ms: int = 0
     endpoints: dict[int, Endpoint] = {}
-    runners: dict[int, Runner] = {}
+    runners: dict[int, RunnerReport] = {}
     failed: bool = False
     failed_reason: str = ""
     """Why the instance failed, or why it last restarted."""
@@ -171,18 +122,177 @@ def _without(mapping: dict, key) -> dict:  # type: ignore[type-arg]
     return {k: v for k, v in mapping.items() if k != key}
 
 
+class EventOutOfOrderError(RuntimeError):
+    """An event was offered at a stream sequence other than the one after the last applied: applying it
+    would fold a history with a gap or a repeat into State."""
+
+
+def _check_next(state: State, seq: int) -> None:
+    if seq != state.last_seq + 1:
+        raise EventOutOfOrderError(f"event at sequence {seq} does not follow the last applied, {state.last_seq}")
+
+
+def apply(state: State, event: events.Event, seq: int, command_seq: int = 0) -> State:
+    """Fold one event (stored at stream sequence `seq`, from the command at `command_seq`) into State.
+
+    Raises EventOutOfOrderError unless `seq` follows `state.last_seq`: JetStream's sequences have no gap
+    (the events stream denies deletes), so any other `seq` is a bug in the caller."""
+    _check_next(state, seq)
+    state = replace(state, last_seq=seq, last_command_seq=max(state.last_command_seq, command_seq))
+    return _fold(event, state)
+
+
+def skip(state: State, seq: int) -> State:
+    """Pass over the event at `seq` without folding it (its type is from a newer version), keeping the order."""
+    _check_next(state, seq)
+    return replace(state, last_seq=seq)
+
+
+@functools.singledispatch
+def _fold(event: events.Event, state: State) -> State:
+    raise TypeError(f"no applier for {type(event).__name__}")
+
+
+@_fold.register
+def _command_rejected(event: events.CommandRejected, state: State) -> State:
+    return state
+
+
+# --- nodes -------------------------------------------------------------------------------------------------
+
+
+@_fold.register
+def _node_joined(event: events.NodeJoined, state: State) -> State:
+    node = Node(node_id=event.node_id, session_id=event.session_id, profile=event.profile)
+    return replace(state, nodes=_with(state.nodes, event.node_id, node))
+
+
+@_fold.register
+def _node_updated(event: events.NodeUpdated, state: State) -> State:
+    known = state.nodes.get(event.node_id)
+    if known is None:
+        return state
+    return replace(state, nodes=_with(state.nodes, event.node_id, replace(known, profile=event.profile)))
+
+
+@_fold.register
+def _node_storage_updated(event: events.NodeStorageUpdated, state: State) -> State:
+    return replace(state, node_storage=_with(state.node_storage, event.node_id, event.storage))
+
+
+@_fold.register
+def _node_lost(event: events.NodeLost, state: State) -> State:
+    return replace(
+        state,
+        nodes=_without(state.nodes, event.node_id),
+        node_storage=_without(state.node_storage, event.node_id),
+        downloads=_without(state.downloads, event.node_id),
+    )
+
+
+# --- model cards -------------------------------------------------------------------------------------------
+
+
+@_fold.register
+def _custom_model_card_added(event: events.CustomModelCardAdded, state: State) -> State:
+    return replace(state, custom_cards=_with(state.custom_cards, event.card.model_id, event.card))
+
+
+@_fold.register
+def _custom_model_card_deleted(event: events.CustomModelCardDeleted, state: State) -> State:
+    return replace(state, custom_cards=_without(state.custom_cards, event.model_id))
+
+
+@_fold.register
+def _model_size_measured(event: events.ModelSizeMeasured, state: State) -> State:
+    return replace(state, measured_sizes=_with(state.measured_sizes, event.model_id, event.storage_size_bytes))
+
+
+# --- downloads ---------------------------------------------------------------------------------------------
+
+
 def _set_download(state: State, download: Download) -> State:
     per_node = _with(state.downloads.get(download.node_id, {}), download.model_id, download)
     return replace(state, downloads=_with(state.downloads, download.node_id, per_node))
 
 
-def _update_download(state: State, node_id: NodeId, model_id: ModelId, **changes: object) -> State:
-    current = state.download(node_id, model_id)
-    if current is None:
-        current = Download(
-            node_id=node_id, model_id=model_id, status=DownloadStatus.PENDING, start_layer=0, end_layer=0
-        )
-    return _set_download(state, replace(current, **changes))
+def _known_download(state: State, node_id: ValidNodeId, model_id: ValidModelId) -> Download:
+    """The download State holds, or a pending one of no layers for a report that came before its request."""
+    known = state.download(node_id, model_id)
+    if known is None:
+        return Download(node_id=node_id, model_id=model_id, progress=DownloadProgress(status=DownloadStatus.PENDING))
+    return known
+
+
+def _update_progress(state: State, node_id: ValidNodeId, model_id: ValidModelId, **changes: object) -> State:
+    known = _known_download(state, node_id, model_id)
+    return _set_download(state, replace(known, progress=replace(known.progress, **changes)))
+
+
+@_fold.register
+def _download_requested(event: events.DownloadRequested, state: State) -> State:
+    known = state.download(event.node_id, event.model_id)
+    if (
+        known is not None
+        and known.progress.status is DownloadStatus.COMPLETED
+        and known.progress.start_layer <= event.start_layer
+        and event.end_layer <= known.progress.end_layer
+    ):
+        return state
+    progress = DownloadProgress(status=DownloadStatus.PENDING, start_layer=event.start_layer, end_layer=event.end_layer)
+    return _set_download(state, Download(node_id=event.node_id, model_id=event.model_id, progress=progress))
+
+
+@_fold.register
+def _download_progressed(event: events.DownloadProgressed, state: State) -> State:
+    known = _known_download(state, event.node_id, event.model_id)
+    progress = replace(
+        event.progress,
+        start_layer=known.progress.start_layer,
+        end_layer=known.progress.end_layer,
+        read_only=known.progress.read_only,
+        directory=event.progress.directory or known.progress.directory,
+    )
+    return _set_download(state, replace(known, progress=progress))
+
+
+@_fold.register
+def _download_completed(event: events.DownloadCompleted, state: State) -> State:
+    return _set_download(state, Download(node_id=event.node_id, model_id=event.model_id, progress=event.progress))
+
+
+@_fold.register
+def _download_failed(event: events.DownloadFailed, state: State) -> State:
+    return _update_progress(
+        state,
+        event.node_id,
+        event.model_id,
+        status=DownloadStatus.FAILED,
+        reason=event.reason,
+        speed_bytes_per_s=0.0,
+        eta_s=None,
+    )
+
+
+@_fold.register
+def _download_cancelled(event: events.DownloadCancelled, state: State) -> State:
+    return _update_progress(
+        state, event.node_id, event.model_id, status=DownloadStatus.CANCELLED, speed_bytes_per_s=0.0, eta_s=None
+    )
+
+
+@_fold.register
+def _download_delete_requested(event: events.DownloadDeleteRequested, state: State) -> State:
+    return _set_download(state, replace(_known_download(state, event.node_id, event.model_id), deleting=True))
+
+
+@_fold.register
+def _download_deleted(event: events.DownloadDeleted, state: State) -> State:
+    per_node = _without(state.downloads.get(event.node_id, {}), event.model_id)
+    return replace(state, downloads=_with(state.downloads, event.node_id, per_node))
+
+
+# --- instances and runners ---------------------------------------------------------------------------------
 
 
 def _update_instance(state: State, instance_id: InstanceId, **changes: object) -> State:
@@ -192,158 +302,89 @@ def _update_instance(state: State, instance_id: InstanceId, **changes: object) -
     return replace(state, instances=_with(state.instances, instance_id, replace(instance, **changes)))
 
 
-def apply(state: State, event: Event, seq: int, command_seq: int = 0) -> State:
-    """Fold one event (stored at stream sequence `seq`, from the command at `command_seq`) into State."""
-    state = replace(state, last_seq=seq, last_command_seq=max(state.last_command_seq, command_seq))
-    match event:
-        case CommandRejected():
-            return state
-        case NodeJoined(node_id=node_id, session_id=session_id, profile=profile):
-            node = Node(node_id=node_id, session_id=session_id, profile=profile)
-            return replace(state, nodes=_with(state.nodes, node_id, node))
-        case NodeUpdated(node_id=node_id, profile=profile):
-            known = state.nodes.get(node_id)
-            if known is None:
-                return state
-            return replace(state, nodes=_with(state.nodes, node_id, replace(known, profile=profile)))
-        case NodeStorageUpdated(node_id=node_id, storage=storage):
-            return replace(state, node_storage=_with(state.node_storage, node_id, storage))
-        case NodeLost(node_id=node_id):
-            return replace(
-                state,
-                nodes=_without(state.nodes, node_id),
-                node_storage=_without(state.node_storage, node_id),
-                downloads=_without(state.downloads, node_id),
-            )
-        case CustomModelCardAdded(card=card):
-            return replace(state, custom_cards=_with(state.custom_cards, card.model_id, card))
-        case CustomModelCardDeleted(model_id=model_id):
-            return replace(state, custom_cards=_without(state.custom_cards, model_id))
-        case ModelSizeMeasured(model_id=model_id, storage_size_bytes=size):
-            return replace(state, measured_sizes=_with(state.measured_sizes, model_id, size))
-        case DownloadRequested(node_id=node_id, model_id=model_id, start_layer=start, end_layer=end):
-            existing = state.download(node_id, model_id)
-            if (
-                existing is not None
-                and existing.status is DownloadStatus.COMPLETED
-                and (existing.start_layer <= start and end <= existing.end_layer)
-            ):
-                return state
-            return _set_download(
-                state,
-                Download(
-                    node_id=node_id,
-                    model_id=model_id,
-                    status=DownloadStatus.PENDING,
-                    start_layer=start,
-                    end_layer=end,
-                ),
-            )
-        case DownloadProgressed(node_id=node_id, model_id=model_id, pending=pending) as progressed:
-            return _update_download(
-                state,
-                node_id,
-                model_id,
-                status=DownloadStatus.PENDING if pending else DownloadStatus.ONGOING,
-                bytes_done=progressed.bytes_done,
-                bytes_total=progressed.bytes_total,
-                speed_bytes_per_s=progressed.speed_bytes_per_s,
-                eta_s=progressed.eta_s,
-                directory=progressed.directory
-                or (existing.directory if (existing := state.download(node_id, model_id)) else ""),
-                reason=progressed.reason,
-                attempt=progressed.attempt,
-                max_attempts=progressed.max_attempts,
-            )
-        case DownloadCompleted(node_id=node_id, model_id=model_id) as completed:
-            return _set_download(
-                state,
-                Download(
-                    node_id=node_id,
-                    model_id=model_id,
-                    status=DownloadStatus.COMPLETED,
-                    start_layer=completed.start_layer,
-                    end_layer=completed.end_layer,
-                    bytes_done=completed.bytes_total,
-                    bytes_total=completed.bytes_total,
-                    directory=completed.directory,
-                    read_only=completed.read_only,
-                ),
-            )
-        case DownloadFailed(node_id=node_id, model_id=model_id, reason=reason):
-            return _update_download(
-                state, node_id, model_id, status=DownloadStatus.FAILED, reason=reason, speed_bytes_per_s=0.0, eta_s=None
-            )
-        case DownloadCancelled(node_id=node_id, model_id=model_id):
-            return _update_download(
-                state, node_id, model_id, status=DownloadStatus.CANCELLED, speed_bytes_per_s=0.0, eta_s=None
-            )
-        case DownloadDeleteRequested(node_id=node_id, model_id=model_id):
-            return _update_download(state, node_id, model_id, deleting=True)
-        case DownloadDeleted(node_id=node_id, model_id=model_id):
-            per_node = _without(state.downloads.get(node_id, {}), model_id)
-            return replace(state, downloads=_with(state.downloads, node_id, per_node))
-        case InstancePlaced(instance_id=instance_id, model_id=model_id, shards=shards):
-            instance = Instance(instance_id=instance_id, model_id=model_id, shards=shards)
-            return replace(state, instances=_with(state.instances, instance_id, instance))
-        case InstanceDeleted(instance_id=instance_id):
-            return replace(
-                state,
-                instances=_without(state.instances, instance_id),
-                tasks={k: t for k, t in state.tasks.items() if t.instance_id != instance_id},
-            )
-        case RunnerEndpointReported(instance_id=instance_id, generation=generation) as reported:
-            reporting = state.instances.get(instance_id)
-            if reporting is None or reporting.generation != generation:
-                return state
-            endpoints = _with(reporting.endpoints, reported.rank, Endpoint(reported.host, reported.port))
-            return _update_instance(state, instance_id, endpoints=endpoints)
-        case RunnerStatusChanged(instance_id=instance_id, generation=generation) as changed:
-            changing = state.instances.get(instance_id)
-            if changing is None or changing.generation != generation:
-                return state
-            runner = Runner(
-                node_id=changed.node_id,
-                rank=changed.rank,
-                worker_session=changed.worker_session,
-                status=changed.status,
-                layers_loaded=changed.layers_loaded,
-                layers_total=changed.layers_total,
-                reason=changed.reason,
-                loaded_tensors=changed.loaded_tensors,
-            )
-            return _update_instance(state, instance_id, runners=_with(changing.runners, changed.rank, runner))
-        case InstanceRestarting(instance_id=instance_id) as restarting:
-            return replace(
-                _update_instance(
-                    state,
-                    instance_id,
-                    generation=restarting.generation,
-                    restart_attempt=restarting.attempt,
-                    not_before_ms=restarting.not_before_ms,
-                    endpoints={},
-                    runners={},
-                    failed_reason=restarting.reason,
-                ),
-                tasks={k: t for k, t in state.tasks.items() if t.instance_id != instance_id},
-            )
-        case InstanceFailed(instance_id=instance_id, reason=reason):
-            return replace(
-                _update_instance(state, instance_id, failed=True, failed_reason=reason, endpoints={}, runners={}),
-                tasks={k: t for k, t in state.tasks.items() if t.instance_id != instance_id},
-            )
-        case TaskAssigned(task=ref, instance_id=instance_id, generation=generation):
-            task = Task(ref=ref, instance_id=instance_id, generation=generation)
-            return replace(state, tasks=_with(state.tasks, ref.task_id, task))
-        case TaskStarted(task_id=task_id, prompt_tokens=prompt_tokens):
-            in_flight = state.tasks.get(task_id)
-            if in_flight is None:
-                return state
-            started = replace(in_flight, started=True, prompt_tokens=prompt_tokens)
-            return replace(state, tasks=_with(state.tasks, task_id, started))
-        case TaskFinished(task_id=task_id) | TaskCancelled(task_id=task_id):
-            return replace(state, tasks=_without(state.tasks, task_id))
-    return state
+def _without_tasks_of(state: State, instance_id: InstanceId) -> State:
+    return replace(state, tasks={k: t for k, t in state.tasks.items() if t.instance_id != instance_id})
+
+
+def _of_generation(state: State, instance_id: InstanceId, generation: int) -> Instance | None:
+    """The instance if `generation` is its current one: a runner's report of an earlier one is stale."""
+    instance = state.instances.get(instance_id)
+    return instance if instance is not None and instance.generation == generation else None
+
+
+@_fold.register
+def _instance_placed(event: events.InstancePlaced, state: State) -> State:
+    instance = Instance(instance_id=event.instance_id, model_id=event.model_id, shards=event.shards)
+    return replace(state, instances=_with(state.instances, event.instance_id, instance))
+
+
+@_fold.register
+def _instance_deleted(event: events.InstanceDeleted, state: State) -> State:
+    return _without_tasks_of(replace(state, instances=_without(state.instances, event.instance_id)), event.instance_id)
+
+
+@_fold.register
+def _runner_endpoint_reported(event: events.RunnerEndpointReported, state: State) -> State:
+    reporting = _of_generation(state, event.instance_id, event.generation)
+    if reporting is None:
+        return state
+    endpoints = _with(reporting.endpoints, event.rank, event.endpoint)
+    return _update_instance(state, event.instance_id, endpoints=endpoints)
+
+
+@_fold.register
+def _runner_status_changed(event: events.RunnerStatusChanged, state: State) -> State:
+    changing = _of_generation(state, event.instance_id, event.generation)
+    if changing is None:
+        return state
+    runners = _with(changing.runners, event.runner.rank, event.runner)
+    return _update_instance(state, event.instance_id, runners=runners)
+
+
+@_fold.register
+def _instance_restarting(event: events.InstanceRestarting, state: State) -> State:
+    restarted = _update_instance(
+        state,
+        event.instance_id,
+        generation=event.generation,
+        restart_attempt=event.attempt,
+        not_before_ms=event.not_before_ms,
+        endpoints={},
+        runners={},
+        failed_reason=event.reason,
+    )
+    return _without_tasks_of(restarted, event.instance_id)
+
+
+@_fold.register
+def _instance_failed(event: events.InstanceFailed, state: State) -> State:
+    failed = _update_instance(
+        state, event.instance_id, failed=True, failed_reason=event.reason, endpoints={}, runners={}
+    )
+    return _without_tasks_of(failed, event.instance_id)
+
+
+# --- tasks -------------------------------------------------------------------------------------------------
+
+
+@_fold.register
+def _task_assigned(event: events.TaskAssigned, state: State) -> State:
+    task = Task(ref=event.task, instance_id=event.instance_id, generation=event.generation)
+    return replace(state, tasks=_with(state.tasks, event.task.task_id, task))
+
+
+@_fold.register
+def _task_started(event: events.TaskStarted, state: State) -> State:
+    in_flight = state.tasks.get(event.task_id)
+    if in_flight is None:
+        return state
+    started = replace(in_flight, started=True, prompt_tokens=event.prompt_tokens)
+    return replace(state, tasks=_with(state.tasks, event.task_id, started))
+
+
+@_fold.register
+def _task_ended(event: events.TaskFinished | events.TaskCancelled, state: State) -> State:
+    return replace(state, tasks=_without(state.tasks, event.task_id))
 
 
 def instance_status(state: State, instance: Instance) -> InstanceStatus:
@@ -359,6 +400,6 @@ def instance_status(state: State, instance: Instance) -> InstanceStatus:
         return InstanceStatus.RESTARTING
     for shard in instance.shards:
         download = state.download(shard.node_id, instance.model_id)
-        if download is None or download.status is not DownloadStatus.COMPLETED:
+        if download is None or download.progress.status is not DownloadStatus.COMPLETED:
             return InstanceStatus.DOWNLOADING
     return InstanceStatus.WAITING

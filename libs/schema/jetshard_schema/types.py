@@ -59,6 +59,47 @@ class RunnerStatus(enum.StrEnum):
     STOPPED = "stopped"
 
 
+class DownloadProgress(msgspec.Struct, frozen=True, kw_only=True):
+    """Where one node's download of one model stands: what its downloader reports, and State records."""
+
+    status: DownloadStatus
+    start_layer: int = 0
+    """The layers downloaded are `[start_layer, end_layer)`, 0-based."""
+    end_layer: int = 0
+    bytes_done: int = 0
+    bytes_total: int = 0
+    speed_bytes_per_s: float = 0.0
+    eta_s: float | None = None
+    directory: str = ""
+    read_only: bool = False
+    reason: str = ""
+    """Why it failed; while retrying, why the last attempt failed."""
+    attempt: int = 0
+    """0 for the first attempt; n for the n-th retry after an error mid-transfer, of at most `max_attempts`."""
+    max_attempts: int = 0
+
+
+class RunnerReport(msgspec.Struct, frozen=True, kw_only=True):
+    """What one rank's runner last said about itself: its worker reports it, State records it per rank."""
+
+    node_id: ValidNodeId
+    rank: int
+    worker_session: str
+    """The session of the worker that started the runner: a restarted worker's runners are new ones."""
+    status: RunnerStatus
+    layers_loaded: int = 0
+    layers_total: int = 0
+    reason: str = ""
+    loaded_tensors: tuple[str, ...] = ()
+
+
+class Endpoint(msgspec.Struct, frozen=True):
+    """Where a rank's runner listens for its neighbours in the ring."""
+
+    host: str
+    port: int
+
+
 class InstanceStatus(enum.StrEnum):
     DOWNLOADING = "downloading"
     WAITING = "waiting"

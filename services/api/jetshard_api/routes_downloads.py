@@ -29,8 +29,9 @@ class CancelDownloadRequest(msgspec.Struct, frozen=True, forbid_unknown_fields=T
 
 
 def describe(download: Download) -> dict[str, Any]:
-    result: dict[str, Any] = msgspec.to_builtins(download)
-    return result
+    """One flat object per download: its node and model beside its progress."""
+    progress: dict[str, Any] = msgspec.to_builtins(download.progress)
+    return {"node_id": download.node_id, "model_id": download.model_id, **progress, "deleting": download.deleting}
 
 
 def _node(state: State, node_id: str | None) -> NodeId:

@@ -29,6 +29,7 @@ def describe_instance(state: State, instance: Instance) -> dict[str, Any]:
     shards = []
     for shard in instance.shards:
         download = state.download(shard.node_id, instance.model_id)
+        progress = download.progress if download else None
         runner = instance.runners.get(shard.rank)
         entry: dict[str, Any] = {**msgspec.to_builtins(shard)}
         if runner is not None:
@@ -39,12 +40,12 @@ def describe_instance(state: State, instance: Instance) -> dict[str, Any]:
                 layers_total=runner.layers_total,
                 reason=runner.reason or None,
             )
-        elif download is None or download.status is not DownloadStatus.COMPLETED:
+        elif progress is None or progress.status is not DownloadStatus.COMPLETED:
             entry.update(
-                status="downloading" if download is None or download.status is not DownloadStatus.FAILED else "failed",
-                bytes_done=download.bytes_done if download else 0,
-                bytes_total=download.bytes_total if download else 0,
-                reason=(download.reason or None) if download else None,
+                status="downloading" if progress is None or progress.status is not DownloadStatus.FAILED else "failed",
+                bytes_done=progress.bytes_done if progress else 0,
+                bytes_total=progress.bytes_total if progress else 0,
+                reason=(progress.reason or None) if progress else None,
             )
         else:
             entry.update(status="waiting")

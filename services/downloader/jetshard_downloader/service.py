@@ -53,7 +53,7 @@ from jetshard_schema.events import (
 from jetshard_schema.ids import ModelId, NodeId
 from jetshard_schema.models import all_cards, find_card
 from jetshard_schema.state import State
-from jetshard_schema.types import DownloadStatus, ModelDirInfo, NodeStorage
+from jetshard_schema.types import DownloadProgress, DownloadStatus, ModelDirInfo, NodeStorage
 
 from jetshard_downloader.choose import NoSpace, choose_directory
 from jetshard_downloader.convert import ProgressCallback, TargetCallback, convert_packaged, sweep_staging
@@ -150,14 +150,16 @@ class _Progress:
                 ReportDownloadProgress(
                     model_id=self.model_id,
                     node_id=self.publish.node_id,
-                    status=DownloadStatus.ONGOING,
-                    start_layer=self.start,
-                    end_layer=self.end,
-                    bytes_done=self.done,
-                    bytes_total=self.total,
-                    speed_bytes_per_s=round(speed, 1),
-                    eta_s=None if eta is None else round(eta, 1),
-                    directory=self.directory,
+                    progress=DownloadProgress(
+                        status=DownloadStatus.ONGOING,
+                        start_layer=self.start,
+                        end_layer=self.end,
+                        bytes_done=self.done,
+                        bytes_total=self.total,
+                        speed_bytes_per_s=round(speed, 1),
+                        eta_s=None if eta is None else round(eta, 1),
+                        directory=self.directory,
+                    ),
                 )
             )
 
@@ -236,8 +238,8 @@ class Downloader:
         for download in state.downloads.get(self.node_id, {}).values():
             if download.deleting:
                 self._spawn(self._delete(download.model_id))
-            elif download.status in (DownloadStatus.PENDING, DownloadStatus.ONGOING):
-                start, end = download.start_layer, download.end_layer
+            elif download.progress.status in (DownloadStatus.PENDING, DownloadStatus.ONGOING):
+                start, end = download.progress.start_layer, download.progress.end_layer
                 if end <= start:  # reported by a shard job before any DownloadRequested: the whole model
                     card = find_card(state, download.model_id)
                     start, end = 0, card.num_layers if card else 0
@@ -281,10 +283,12 @@ class Downloader:
             ReportDownloadProgress(
                 model_id=job.model_id,
                 node_id=self.node_id,
-                status=status,
-                start_layer=job.start,
-                end_layer=job.end,
-                **fields,  # type: ignore[arg-type]
+                progress=DownloadProgress(
+                    status=status,
+                    start_layer=job.start,
+                    end_layer=job.end,
+                    **fields,  # type: ignore[arg-type]
+                ),
             )
         )
 
@@ -295,8 +299,9 @@ class Downloader:
         # second shard of a model does not make State forget the first.
         start, end = job.start, job.end
         existing = self.follower.state.download(self.node_id, job.model_id)
-        if existing is not None and existing.status is DownloadStatus.COMPLETED and existing.end_layer > 0:
-            wide = (min(start, existing.start_layer), max(end, existing.end_layer))
+        done = existing.progress if existing is not None else None
+        if done is not None and done.status is DownloadStatus.COMPLETED and done.end_layer > 0:
+            wide = (min(start, done.start_layer), max(end, done.end_layer))
             if wide != (start, end):
                 found = await asyncio.to_thread(find_shard, self.dirs, card, *wide)
                 if found is not None and found[0].path == directory:
@@ -307,13 +312,15 @@ class Downloader:
             ReportDownloadProgress(
                 model_id=job.model_id,
                 node_id=self.node_id,
-                status=DownloadStatus.COMPLETED,
-                start_layer=start,
-                end_layer=end,
-                bytes_done=bytes_total,
-                bytes_total=bytes_total,
-                directory=str(directory),
-                read_only=read_only,
+                progress=DownloadProgress(
+                    status=DownloadStatus.COMPLETED,
+                    start_layer=start,
+                    end_layer=end,
+                    bytes_done=bytes_total,
+                    bytes_total=bytes_total,
+                    directory=str(directory),
+                    read_only=read_only,
+                ),
             )
         )
 
@@ -375,10 +382,10 @@ class Downloader:
             known = self.follower.state.download(self.node_id, job.model_id)
             if not (
                 known is not None
-                and known.status is DownloadStatus.COMPLETED
-                and known.directory == str(found[0].path)
-                and known.start_layer <= job.start
-                and job.end <= known.end_layer
+                and known.progress.status is DownloadStatus.COMPLETED
+                and known.progress.directory == str(found[0].path)
+                and known.progress.start_layer <= job.start
+                and job.end <= known.progress.end_layer
             ):
                 await self._report_completed(job, card, found[0].path, found[0].read_only, found[1])
             return

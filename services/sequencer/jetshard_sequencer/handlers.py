@@ -11,56 +11,7 @@ from collections.abc import Callable
 from typing import Any
 
 import msgspec
-from jetshard_schema.commands import (
-    AddCustomModelCard,
-    CancelDownload,
-    CancelTask,
-    Command,
-    DeleteCustomModelCard,
-    DeleteDownload,
-    DeleteInstance,
-    ExpireNode,
-    PlaceInstance,
-    ReportDownloadDeleted,
-    ReportDownloadProgress,
-    ReportModelSize,
-    ReportNodeProfile,
-    ReportNodeStorage,
-    ReportRunnerEndpoint,
-    ReportRunnerStatus,
-    ReportTaskFinished,
-    ReportTaskStarted,
-    StartDownload,
-    SubmitTask,
-)
-from jetshard_schema.events import (
-    CommandRejected,
-    CustomModelCardAdded,
-    CustomModelCardDeleted,
-    DownloadCancelled,
-    DownloadCompleted,
-    DownloadDeleted,
-    DownloadDeleteRequested,
-    DownloadFailed,
-    DownloadProgressed,
-    DownloadRequested,
-    Event,
-    InstanceDeleted,
-    InstanceFailed,
-    InstancePlaced,
-    InstanceRestarting,
-    ModelSizeMeasured,
-    NodeJoined,
-    NodeLost,
-    NodeStorageUpdated,
-    NodeUpdated,
-    RunnerEndpointReported,
-    RunnerStatusChanged,
-    TaskAssigned,
-    TaskCancelled,
-    TaskFinished,
-    TaskStarted,
-)
+from jetshard_schema import commands, events
 from jetshard_schema.ids import CommandId, InstanceId, ModelId, NodeId, parse_model_id
 from jetshard_schema.models import find_card, is_builtin
 from jetshard_schema.placement import ModelUnavailable, PlacementError, place_in
@@ -88,12 +39,12 @@ AVAILABLE_MEMORY_CHANGE = 0.05
 FREE_SPACE_CHANGE_BYTES = 256 * 2**20
 
 
-def _reject(command: Command, code: RejectCode, reason: str) -> list[Event]:
-    return [CommandRejected(command_type=type(command).__name__, code=code, reason=reason)]
+def _reject(command: commands.Command, code: RejectCode, reason: str) -> list[events.Event]:
+    return [events.CommandRejected(command_type=type(command).__name__, code=code, reason=reason)]
 
 
-def handle(state: State, command: Command, ctx: Context) -> list[Event]:
-    handler: Callable[[State, Any, Context], list[Event]] = _HANDLERS[type(command)]
+def handle(state: State, command: commands.Command, ctx: Context) -> list[events.Event]:
+    handler: Callable[[State, Any, Context], list[events.Event]] = _HANDLERS[type(command)]
     try:
         return handler(state, command, ctx)
     except ValueError as error:  # parse_model_id and friends: the command itself is malformed
@@ -120,43 +71,43 @@ def storage_changed_meaningfully(old: NodeStorage, new: NodeStorage) -> bool:
     return any(abs(a.free_bytes - b.free_bytes) >= FREE_SPACE_CHANGE_BYTES for a, b in zip(before, after, strict=True))
 
 
-def _report_node_profile(state: State, command: ReportNodeProfile, ctx: Context) -> list[Event]:
+def _report_node_profile(state: State, command: commands.ReportNodeProfile, ctx: Context) -> list[events.Event]:
     known = state.nodes.get(command.node_id)
     if known is None or known.session_id != command.session_id:
-        return [NodeJoined(node_id=command.node_id, session_id=command.session_id, profile=command.profile)]
+        return [events.NodeJoined(node_id=command.node_id, session_id=command.session_id, profile=command.profile)]
     if profile_changed_meaningfully(known.profile, command.profile):
-        return [NodeUpdated(node_id=command.node_id, profile=command.profile)]
+        return [events.NodeUpdated(node_id=command.node_id, profile=command.profile)]
     return []
 
 
-def _report_node_storage(state: State, command: ReportNodeStorage, ctx: Context) -> list[Event]:
+def _report_node_storage(state: State, command: commands.ReportNodeStorage, ctx: Context) -> list[events.Event]:
     known = state.node_storage.get(command.node_id)
     if known is not None and not storage_changed_meaningfully(known, command.storage):
         return []
-    return [NodeStorageUpdated(node_id=command.node_id, storage=command.storage)]
+    return [events.NodeStorageUpdated(node_id=command.node_id, storage=command.storage)]
 
 
-def _expire_node(state: State, command: ExpireNode, ctx: Context) -> list[Event]:
+def _expire_node(state: State, command: commands.ExpireNode, ctx: Context) -> list[events.Event]:
     known = state.nodes.get(command.node_id)
     if known is None or known.session_id != command.session_id:
         return []  # already lost, or it came back with a new session meanwhile
-    events: list[Event] = [NodeLost(node_id=command.node_id, reason="its liveness key expired")]
-    after = apply(state, events[0], state.last_seq)
+    emitted: list[events.Event] = [events.NodeLost(node_id=command.node_id, reason="its liveness key expired")]
+    after = apply(state, emitted[0], state.last_seq + 1)
     for instance in sorted(state.instances.values(), key=lambda i: i.instance_id):
         if instance.shard_for(command.node_id) is None:
             continue
         reason = f"node {command.node_id} was lost"
-        deleted = InstanceDeleted(instance_id=instance.instance_id, reason=reason)
-        events.append(deleted)
-        after = apply(after, deleted, after.last_seq)
+        deleted = events.InstanceDeleted(instance_id=instance.instance_id, reason=reason)
+        emitted.append(deleted)
+        after = apply(after, deleted, after.last_seq + 1)
         replacement = _try_place(after, instance, ctx)
         if replacement is not None:
-            events.append(replacement)
-            after = apply(after, replacement, after.last_seq)
-    return events
+            emitted.append(replacement)
+            after = apply(after, replacement, after.last_seq + 1)
+    return emitted
 
 
-def _try_place(state: State, lost: Instance, ctx: Context) -> InstancePlaced | None:
+def _try_place(state: State, lost: Instance, ctx: Context) -> events.InstancePlaced | None:
     card = find_card(state, lost.model_id)
     if card is None or not state.nodes:
         return None
@@ -165,43 +116,47 @@ def _try_place(state: State, lost: Instance, ctx: Context) -> InstancePlaced | N
     except PlacementError:
         return None
     digest = hashlib.sha256(f"{ctx.command_id}/{lost.instance_id}".encode()).hexdigest()[:12]
-    return InstancePlaced(instance_id=InstanceId(f"inst-{digest}"), model_id=lost.model_id, shards=placement.shards)
+    return events.InstancePlaced(
+        instance_id=InstanceId(f"inst-{digest}"), model_id=lost.model_id, shards=placement.shards
+    )
 
 
 # --- model cards -------------------------------------------------------------------------------------------
 
 
-def _add_custom_model_card(state: State, command: AddCustomModelCard, ctx: Context) -> list[Event]:
+def _add_custom_model_card(state: State, command: commands.AddCustomModelCard, ctx: Context) -> list[events.Event]:
     card = command.card
     parse_model_id(card.model_id)
     if find_card(state, card.model_id) is not None:
         return _reject(command, RejectCode.ALREADY_EXISTS, f"{card.model_id} is already in the catalogue")
     if card.num_layers < 1 or card.hidden_size < 1 or card.storage_size_bytes < 0:
         return _reject(command, RejectCode.INVALID, "a card needs at least one layer and a positive hidden size")
-    return [CustomModelCardAdded(card=replace(card, is_custom=True))]
+    return [events.CustomModelCardAdded(card=replace(card, is_custom=True))]
 
 
-def _delete_custom_model_card(state: State, command: DeleteCustomModelCard, ctx: Context) -> list[Event]:
+def _delete_custom_model_card(
+    state: State, command: commands.DeleteCustomModelCard, ctx: Context
+) -> list[events.Event]:
     if is_builtin(command.model_id):
         return _reject(
             command, RejectCode.CONFLICT, f"{command.model_id} is a built-in card; only custom cards can be deleted"
         )
     if command.model_id not in state.custom_cards:
         return _reject(command, RejectCode.NOT_FOUND, f"no custom model card {command.model_id}")
-    return [CustomModelCardDeleted(model_id=command.model_id)]
+    return [events.CustomModelCardDeleted(model_id=command.model_id)]
 
 
-def _report_model_size(state: State, command: ReportModelSize, ctx: Context) -> list[Event]:
+def _report_model_size(state: State, command: commands.ReportModelSize, ctx: Context) -> list[events.Event]:
     card = find_card(state, command.model_id)
     if card is None or (card.storage_size_bytes == command.storage_size_bytes and not card.storage_size_estimated):
         return []
-    return [ModelSizeMeasured(model_id=command.model_id, storage_size_bytes=command.storage_size_bytes)]
+    return [events.ModelSizeMeasured(model_id=command.model_id, storage_size_bytes=command.storage_size_bytes)]
 
 
 # --- downloads ---------------------------------------------------------------------------------------------
 
 
-def _start_download(state: State, command: StartDownload, ctx: Context) -> list[Event]:
+def _start_download(state: State, command: commands.StartDownload, ctx: Context) -> list[events.Event]:
     card = find_card(state, command.model_id)
     if card is None:
         return _reject(command, RejectCode.NOT_FOUND, f"unknown model {command.model_id}; add it with POST /models")
@@ -215,27 +170,29 @@ def _start_download(state: State, command: StartDownload, ctx: Context) -> list[
             RejectCode.INVALID,
             f"layer range [{start}, {end}) is not within [0, {card.num_layers}) of {card.model_id}",
         )
-    return [DownloadRequested(node_id=command.node_id, model_id=command.model_id, start_layer=start, end_layer=end)]
+    return [
+        events.DownloadRequested(node_id=command.node_id, model_id=command.model_id, start_layer=start, end_layer=end)
+    ]
 
 
-def _cancel_download(state: State, command: CancelDownload, ctx: Context) -> list[Event]:
+def _cancel_download(state: State, command: commands.CancelDownload, ctx: Context) -> list[events.Event]:
     download = state.download(command.node_id, command.model_id)
     if download is None:
         return _reject(command, RejectCode.NOT_FOUND, f"no download of {command.model_id} on {command.node_id}")
-    if download.status not in (DownloadStatus.PENDING, DownloadStatus.ONGOING):
-        return _reject(command, RejectCode.CONFLICT, f"the download is {download.status}, not in progress")
-    return [DownloadCancelled(node_id=command.node_id, model_id=command.model_id)]
+    if download.progress.status not in (DownloadStatus.PENDING, DownloadStatus.ONGOING):
+        return _reject(command, RejectCode.CONFLICT, f"the download is {download.progress.status}, not in progress")
+    return [events.DownloadCancelled(node_id=command.node_id, model_id=command.model_id)]
 
 
-def _delete_download(state: State, command: DeleteDownload, ctx: Context) -> list[Event]:
+def _delete_download(state: State, command: commands.DeleteDownload, ctx: Context) -> list[events.Event]:
     download = state.download(command.node_id, command.model_id)
     if download is None:
         return _reject(command, RejectCode.NOT_FOUND, f"{command.model_id} is not on node {command.node_id}")
-    if download.read_only:
+    if download.progress.read_only:
         return _reject(
             command,
             RejectCode.CONFLICT,
-            f"{command.model_id} is in the read-only directory {download.directory}; "
+            f"{command.model_id} is in the read-only directory {download.progress.directory}; "
             "jetshard never deletes from read-only directories",
         )
     users = [
@@ -249,57 +206,40 @@ def _delete_download(state: State, command: DeleteDownload, ctx: Context) -> lis
             RejectCode.CONFLICT,
             f"{command.model_id} is in use by instance(s) {', '.join(users)}; delete them first",
         )
-    return [DownloadDeleteRequested(node_id=command.node_id, model_id=command.model_id)]
+    return [events.DownloadDeleteRequested(node_id=command.node_id, model_id=command.model_id)]
 
 
-def _report_download_progress(state: State, command: ReportDownloadProgress, ctx: Context) -> list[Event]:
-    node_id, model_id = command.node_id, command.model_id
-    match command.status:
+def _report_download_progress(
+    state: State, command: commands.ReportDownloadProgress, ctx: Context
+) -> list[events.Event]:
+    node_id, model_id, progress = command.node_id, command.model_id, command.progress
+    match progress.status:
         case DownloadStatus.COMPLETED:
-            return [
-                DownloadCompleted(
-                    node_id=node_id,
-                    model_id=model_id,
-                    directory=command.directory,
-                    read_only=command.read_only,
-                    start_layer=command.start_layer,
-                    end_layer=command.end_layer,
-                    bytes_total=command.bytes_total,
-                )
-            ]
+            return [events.DownloadCompleted(node_id=node_id, model_id=model_id, progress=progress)]
         case DownloadStatus.FAILED:
-            failed: list[Event] = [DownloadFailed(node_id=node_id, model_id=model_id, reason=command.reason)]
+            failed: list[events.Event] = [
+                events.DownloadFailed(node_id=node_id, model_id=model_id, reason=progress.reason)
+            ]
             return failed + [
-                InstanceFailed(
+                events.InstanceFailed(
                     instance_id=instance.instance_id,
-                    reason=f"downloading {model_id} to node {node_id} failed: {command.reason}",
+                    reason=f"downloading {model_id} to node {node_id} failed: {progress.reason}",
                 )
                 for instance in _waiting_for_files(state, node_id, model_id)
             ]
         case DownloadStatus.CANCELLED:
-            current = state.download(node_id, model_id)
-            if current is not None and current.status is DownloadStatus.CANCELLED:
+            if _cancelled(state, node_id, model_id):
                 return []
-            return [DownloadCancelled(node_id=node_id, model_id=model_id)]
+            return [events.DownloadCancelled(node_id=node_id, model_id=model_id)]
         case _:
-            current = state.download(node_id, model_id)
-            if current is not None and current.status is DownloadStatus.CANCELLED:
+            if _cancelled(state, node_id, model_id):
                 return []  # a report sent before the downloader saw the cancel; a new request resets it
-            return [
-                DownloadProgressed(
-                    node_id=node_id,
-                    model_id=model_id,
-                    pending=command.status is DownloadStatus.PENDING,
-                    bytes_done=command.bytes_done,
-                    bytes_total=command.bytes_total,
-                    speed_bytes_per_s=command.speed_bytes_per_s,
-                    eta_s=command.eta_s,
-                    directory=command.directory,
-                    reason=command.reason,
-                    attempt=command.attempt,
-                    max_attempts=command.max_attempts,
-                )
-            ]
+            return [events.DownloadProgressed(node_id=node_id, model_id=model_id, progress=progress)]
+
+
+def _cancelled(state: State, node_id: NodeId, model_id: ModelId) -> bool:
+    current = state.download(node_id, model_id)
+    return current is not None and current.progress.status is DownloadStatus.CANCELLED
 
 
 def _waiting_for_files(state: State, node_id: NodeId, model_id: ModelId) -> list[Instance]:
@@ -313,16 +253,16 @@ def _waiting_for_files(state: State, node_id: NodeId, model_id: ModelId) -> list
     ]
 
 
-def _report_download_deleted(state: State, command: ReportDownloadDeleted, ctx: Context) -> list[Event]:
+def _report_download_deleted(state: State, command: commands.ReportDownloadDeleted, ctx: Context) -> list[events.Event]:
     if state.download(command.node_id, command.model_id) is None:
         return []
-    return [DownloadDeleted(node_id=command.node_id, model_id=command.model_id)]
+    return [events.DownloadDeleted(node_id=command.node_id, model_id=command.model_id)]
 
 
 # --- instances ---------------------------------------------------------------------------------------------
 
 
-def _place_instance(state: State, command: PlaceInstance, ctx: Context) -> list[Event]:
+def _place_instance(state: State, command: commands.PlaceInstance, ctx: Context) -> list[events.Event]:
     if command.instance_id in state.instances:
         return _reject(command, RejectCode.ALREADY_EXISTS, f"instance {command.instance_id} already exists")
     card = find_card(state, command.model_id)
@@ -334,16 +274,16 @@ def _place_instance(state: State, command: PlaceInstance, ctx: Context) -> list[
         return _reject(command, RejectCode.MODEL_UNAVAILABLE, str(error))
     except PlacementError as error:
         return _reject(command, RejectCode.INSUFFICIENT_MEMORY, str(error))
-    return [InstancePlaced(instance_id=command.instance_id, model_id=command.model_id, shards=placement.shards)]
+    return [events.InstancePlaced(instance_id=command.instance_id, model_id=command.model_id, shards=placement.shards)]
 
 
-def _delete_instance(state: State, command: DeleteInstance, ctx: Context) -> list[Event]:
+def _delete_instance(state: State, command: commands.DeleteInstance, ctx: Context) -> list[events.Event]:
     if command.instance_id not in state.instances:
         return _reject(command, RejectCode.NOT_FOUND, f"no instance {command.instance_id}")
-    return [InstanceDeleted(instance_id=command.instance_id, reason="deleted on request")]
+    return [events.InstanceDeleted(instance_id=command.instance_id, reason="deleted on request")]
 
 
-def _report_runner_endpoint(state: State, command: ReportRunnerEndpoint, ctx: Context) -> list[Event]:
+def _report_runner_endpoint(state: State, command: commands.ReportRunnerEndpoint, ctx: Context) -> list[events.Event]:
     instance = state.instances.get(command.instance_id)
     if instance is None or instance.generation != command.generation:
         return []
@@ -351,42 +291,31 @@ def _report_runner_endpoint(state: State, command: ReportRunnerEndpoint, ctx: Co
     if shard is None or shard.rank != command.rank:
         return _reject(command, RejectCode.INVALID, f"node {command.node_id} holds no rank {command.rank}")
     return [
-        RunnerEndpointReported(
+        events.RunnerEndpointReported(
             instance_id=command.instance_id,
             generation=command.generation,
             node_id=command.node_id,
             rank=command.rank,
-            host=command.host,
-            port=command.port,
+            endpoint=command.endpoint,
         )
     ]
 
 
-def _report_runner_status(state: State, command: ReportRunnerStatus, ctx: Context) -> list[Event]:
+def _report_runner_status(state: State, command: commands.ReportRunnerStatus, ctx: Context) -> list[events.Event]:
     instance = state.instances.get(command.instance_id)
     if instance is None or instance.generation != command.generation or instance.failed:
         return []  # a report from a runner of an earlier generation or a deleted instance
-    changed = RunnerStatusChanged(
-        instance_id=command.instance_id,
-        generation=command.generation,
-        node_id=command.node_id,
-        rank=command.rank,
-        worker_session=command.worker_session,
-        status=command.status,
-        layers_loaded=command.layers_loaded,
-        layers_total=command.layers_total,
-        reason=command.reason,
-        loaded_tensors=command.loaded_tensors,
-    )
-    if command.status not in (RunnerStatus.FAILED, RunnerStatus.STOPPED):
+    runner = command.runner
+    changed = events.RunnerStatusChanged(instance_id=command.instance_id, generation=command.generation, runner=runner)
+    if runner.status not in (RunnerStatus.FAILED, RunnerStatus.STOPPED):
         return [changed]
-    reason = command.reason or f"rank {command.rank} on {command.node_id} stopped"
+    reason = runner.reason or f"rank {runner.rank} on {runner.node_id} stopped"
     was_ready = instance_status(state, instance) is InstanceStatus.READY
     attempt = 1 if was_ready else instance.restart_attempt + 1
     if attempt > ctx.max_restarts:
         return [
             changed,
-            InstanceFailed(
+            events.InstanceFailed(
                 instance_id=command.instance_id,
                 reason=f"{reason}; gave up after {ctx.max_restarts} restarts",
             ),
@@ -394,7 +323,7 @@ def _report_runner_status(state: State, command: ReportRunnerStatus, ctx: Contex
     backoff_ms = ctx.restart_backoff_ms * 2 ** (attempt - 1)
     return [
         changed,
-        InstanceRestarting(
+        events.InstanceRestarting(
             instance_id=command.instance_id,
             generation=instance.generation + 1,
             attempt=attempt,
@@ -407,7 +336,7 @@ def _report_runner_status(state: State, command: ReportRunnerStatus, ctx: Contex
 # --- tasks -------------------------------------------------------------------------------------------------
 
 
-def _submit_task(state: State, command: SubmitTask, ctx: Context) -> list[Event]:
+def _submit_task(state: State, command: commands.SubmitTask, ctx: Context) -> list[events.Event]:
     task_ref = command.task
     if task_ref.task_id in state.tasks:
         return _reject(command, RejectCode.ALREADY_EXISTS, f"task {task_ref.task_id} already exists")
@@ -423,45 +352,47 @@ def _submit_task(state: State, command: SubmitTask, ctx: Context) -> list[Event]
         if task.instance_id in load:
             load[task.instance_id] += 1
     chosen = min(ready, key=lambda i: (load[i.instance_id], i.instance_id))
-    return [TaskAssigned(task=task_ref, instance_id=chosen.instance_id, generation=chosen.generation)]
+    return [events.TaskAssigned(task=task_ref, instance_id=chosen.instance_id, generation=chosen.generation)]
 
 
-def _cancel_task(state: State, command: CancelTask, ctx: Context) -> list[Event]:
+def _cancel_task(state: State, command: commands.CancelTask, ctx: Context) -> list[events.Event]:
     if command.task_id not in state.tasks:
         return []  # already finished: nothing left to cancel
-    return [TaskCancelled(task_id=command.task_id, reason=command.reason)]
+    return [events.TaskCancelled(task_id=command.task_id, reason=command.reason)]
 
 
-def _report_task_started(state: State, command: ReportTaskStarted, ctx: Context) -> list[Event]:
+def _report_task_started(state: State, command: commands.ReportTaskStarted, ctx: Context) -> list[events.Event]:
     if command.task_id not in state.tasks:
         return []
-    return [TaskStarted(task_id=command.task_id, prompt_tokens=command.prompt_tokens)]
+    return [events.TaskStarted(task_id=command.task_id, prompt_tokens=command.prompt_tokens)]
 
 
-def _report_task_finished(state: State, command: ReportTaskFinished, ctx: Context) -> list[Event]:
+def _report_task_finished(state: State, command: commands.ReportTaskFinished, ctx: Context) -> list[events.Event]:
     if command.task_id not in state.tasks:
         return []
-    return [TaskFinished(task_id=command.task_id, outcome=command.outcome, usage=command.usage, error=command.error)]
+    return [
+        events.TaskFinished(task_id=command.task_id, outcome=command.outcome, usage=command.usage, error=command.error)
+    ]
 
 
-_HANDLERS: dict[type, Callable[[State, Any, Context], list[Event]]] = {
-    ReportNodeProfile: _report_node_profile,
-    ReportNodeStorage: _report_node_storage,
-    ExpireNode: _expire_node,
-    AddCustomModelCard: _add_custom_model_card,
-    DeleteCustomModelCard: _delete_custom_model_card,
-    ReportModelSize: _report_model_size,
-    StartDownload: _start_download,
-    CancelDownload: _cancel_download,
-    DeleteDownload: _delete_download,
-    ReportDownloadProgress: _report_download_progress,
-    ReportDownloadDeleted: _report_download_deleted,
-    PlaceInstance: _place_instance,
-    DeleteInstance: _delete_instance,
-    ReportRunnerEndpoint: _report_runner_endpoint,
-    ReportRunnerStatus: _report_runner_status,
-    SubmitTask: _submit_task,
-    CancelTask: _cancel_task,
-    ReportTaskStarted: _report_task_started,
-    ReportTaskFinished: _report_task_finished,
+_HANDLERS: dict[type, Callable[[State, Any, Context], list[events.Event]]] = {
+    commands.ReportNodeProfile: _report_node_profile,
+    commands.ReportNodeStorage: _report_node_storage,
+    commands.ExpireNode: _expire_node,
+    commands.AddCustomModelCard: _add_custom_model_card,
+    commands.DeleteCustomModelCard: _delete_custom_model_card,
+    commands.ReportModelSize: _report_model_size,
+    commands.StartDownload: _start_download,
+    commands.CancelDownload: _cancel_download,
+    commands.DeleteDownload: _delete_download,
+    commands.ReportDownloadProgress: _report_download_progress,
+    commands.ReportDownloadDeleted: _report_download_deleted,
+    commands.PlaceInstance: _place_instance,
+    commands.DeleteInstance: _delete_instance,
+    commands.ReportRunnerEndpoint: _report_runner_endpoint,
+    commands.ReportRunnerStatus: _report_runner_status,
+    commands.SubmitTask: _submit_task,
+    commands.CancelTask: _cancel_task,
+    commands.ReportTaskStarted: _report_task_started,
+    commands.ReportTaskFinished: _report_task_finished,
 }

@@ -261,11 +261,11 @@ class Leader:
                 command_seq == self.state.last_command_seq and not self._partial
             ):
                 continue  # its events are stored already: redelivered after a crash or a takeover
+            already_stored = self._take_partial(command_seq)
             command_id, id_error = _command_id(msg, command_seq)
             with span_from(msg.headers, f"handle {msg.subject}"):
                 events = self._events_for(msg, command_id, now_ms) if id_error is None else [id_error]
                 trace_headers = inject({})
-            already_stored = self._take_partial(command_seq)
             for index, event in enumerate(events):
                 envelope = EventEnvelope(
                     command_id=command_id,
@@ -318,12 +318,18 @@ class Leader:
         await last.ack()
 
     def _take_partial(self, command_seq: int) -> list[int]:
-        """Sequences of this command's events that a previous leader stored before it died."""
-        if not self._partial or self._partial[0][1].command_seq != command_seq:
+        """Sequences of this command's events that a previous leader stored before it died.
+
+        The stored events of an earlier command that is not coming again (gone from the commands stream) are
+        applied as they stand, as every follower applies them, so that the next append follows them."""
+        if not self._partial or self._partial[0][1].command_seq > command_seq:
             return []
-        stored = [seq for seq, _ in self._partial]
-        self._partial = []
-        return stored
+        partial, self._partial = self._partial, []
+        if partial[0][1].command_seq == command_seq:
+            return [seq for seq, _ in partial]
+        for seq, envelope in partial:
+            self.state = apply(self.state, envelope.event, seq, envelope.command_seq)
+        return []
 
     def _events_for(self, msg: Msg, command_id: CommandId, now_ms: int) -> list[Event]:
         try:

@@ -69,9 +69,9 @@ def _startable(state: State, instance: Instance, node_id: NodeId) -> RunnerPlan 
     shard = instance.shard_for(node_id)
     assert shard is not None
     download = state.download(node_id, instance.model_id)
-    if download is None or download.status is not DownloadStatus.COMPLETED:
+    if download is None or download.progress.status is not DownloadStatus.COMPLETED:
         return None
-    if download.start_layer > shard.start_layer or download.end_layer < shard.end_layer:
+    if download.progress.start_layer > shard.start_layer or download.progress.end_layer < shard.end_layer:
         return None
     if any(s.rank not in instance.endpoints for s in instance.shards):
         return None
@@ -83,6 +83,6 @@ def _startable(state: State, instance: Instance, node_id: NodeId) -> RunnerPlan 
         world_size=len(instance.shards),
         start_layer=shard.start_layer,
         end_layer=shard.end_layer,
-        model_dir=download.directory,
+        model_dir=download.progress.directory,
         endpoints=endpoints,
     )

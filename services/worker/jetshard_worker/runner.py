@@ -39,7 +39,7 @@ from jetshard_schema.ids import TaskId
 from jetshard_schema.sampling import generation_config_defaults, resolve_sampling
 from jetshard_schema.state import State
 from jetshard_schema.subjects import TASKS_STREAM, chunk_subject
-from jetshard_schema.types import Chunk, RunnerStatus, TaskKind, TaskOutcome, TaskRef, TaskRequest, Usage
+from jetshard_schema.types import Chunk, RunnerReport, RunnerStatus, TaskKind, TaskOutcome, TaskRef, TaskRequest, Usage
 from mlx_lm.utils import load_tokenizer
 from nats.js import JetStreamContext
 
@@ -77,11 +77,13 @@ class Runner:
             ReportRunnerStatus(
                 instance_id=self.spec.instance_id,
                 generation=self.spec.generation,
-                node_id=self.spec.node_id,
-                rank=self.spec.rank,
-                worker_session=self.spec.worker_session,
-                status=status,
-                **fields,
+                runner=RunnerReport(
+                    node_id=self.spec.node_id,
+                    rank=self.spec.rank,
+                    worker_session=self.spec.worker_session,
+                    status=status,
+                    **fields,
+                ),
             ),
         )
 

@@ -27,7 +27,7 @@ from jetshard_schema.commands import ReportRunnerEndpoint, ReportRunnerStatus
 from jetshard_schema.ids import InstanceId, NodeId, ValidInstanceId
 from jetshard_schema.models import find_card
 from jetshard_schema.state import State
-from jetshard_schema.types import RunnerStatus
+from jetshard_schema.types import Endpoint, RunnerReport, RunnerStatus
 from nats.js import JetStreamContext
 
 from jetshard_worker.blas import runner_environment
@@ -126,8 +126,7 @@ class RunnerSupervisor:
                     generation=key.generation,
                     node_id=self.node_id,
                     rank=shard.rank,
-                    host=self._host,
-                    port=free_port(self._host),
+                    endpoint=Endpoint(self._host, free_port(self._host)),
                 ),
             )
         for runner_plan in wanted.start:
@@ -225,11 +224,9 @@ class RunnerSupervisor:
             ReportRunnerStatus(
                 instance_id=instance_id,
                 generation=generation,
-                node_id=self.node_id,
-                rank=rank,
-                worker_session=self.session_id,
-                status=status,
-                reason=reason,
+                runner=RunnerReport(
+                    node_id=self.node_id, rank=rank, worker_session=self.session_id, status=status, reason=reason
+                ),
             ),
         )
 
