@@ -11,13 +11,14 @@ import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator
+from contextlib import AsyncExitStack
 from typing import Any
 
 import msgspec
 from jetshard_schema.cards import ModelCard
 from jetshard_schema.codec import decode_chunk
 from jetshard_schema.commands import CancelTask, SubmitTask
-from jetshard_schema.events import TaskAssigned
+from jetshard_schema.events import TaskAssigned, TaskFinished
 from jetshard_schema.ids import InstanceId, ModelId, new_task_id
 from jetshard_schema.models import all_cards, find_card
 from jetshard_schema.sampling import documented_defaults
@@ -46,7 +47,6 @@ from jetshard_api.routes_models import checked_model_id
 log = logging.getLogger(__name__)
 AnyRequest = Request[Any, Any, Any]
 
-TASK_GONE_GRACE_S = 1.0
 KEEP_ALIVE_S = 5.0
 BROKER_CHECK_S = 1.0
 """How often a request waiting for chunks checks that NATS is still reachable."""
@@ -72,9 +72,12 @@ class ChunkStream:
         self._cluster = cluster
         self._request = request
         self._settings = settings
-        self._queue: asyncio.Queue[bytes] = asyncio.Queue()
+        self._queue: asyncio.Queue[bytes | TaskFinished | None] = asyncio.Queue()
+        """Chunks as they arrive; then, once the task leaves State, its TaskFinished, or None if it left
+        without finishing."""
         self._subscription: Any = None
         self._next_index = 0
+        self._last_index: int | None = None
         self._instance_id: InstanceId | None = None
         self._generation = 0
         self._watcher: asyncio.Task[None] | None = None
@@ -102,6 +105,7 @@ class ChunkStream:
             # any await, which a cancelled caller (a disconnected client) would not get past.
             task = asyncio.create_task(self._cluster.publish(CancelTask(task_id=self._request.task_id)))
             task.add_done_callback(lambda t: t.cancelled() or t.exception())
+        self._cluster.forget_finish(self._request.task_id)
         if self._watcher is not None:
             self._watcher.cancel()
         if self._subscription is not None:
@@ -110,20 +114,20 @@ class ChunkStream:
 
     async def submit(self) -> None:
         task = await self._cluster.store_request(self._request)
+        finishing = self._cluster.expect_finish(self._request.task_id)
         events = await self._cluster.submit(SubmitTask(task=task))
         assigned = next((e for e in events if isinstance(e, TaskAssigned)), None)
         if assigned is not None:
             self._instance_id, self._generation = assigned.instance_id, assigned.generation
-        self._watcher = asyncio.create_task(self._watch())
+        self._watcher = asyncio.create_task(self._watch(finishing))
 
-    async def _watch(self) -> None:
-        """A task that leaves State without its last chunk (its instance restarted, failed or was deleted,
-        or someone cancelled it) will send nothing more: end the stream now instead of waiting for silence."""
+    async def _watch(self, finishing: asyncio.Future[TaskFinished]) -> None:
+        """Tell the reader when the task leaves State: with its TaskFinished (the index of its last chunk), or
+        with None when it left without finishing (its instance restarted, failed or was deleted, or someone
+        cancelled it), so the stream ends now instead of waiting for silence."""
         task_id = self._request.task_id
         await self._cluster.follower.wait_until(lambda s: task_id not in s.tasks, float("inf"))
-        # Chunks and events travel separately: give chunks already on their way a moment to arrive.
-        await asyncio.sleep(TASK_GONE_GRACE_S)
-        self._queue.put_nowait(b"")
+        self._queue.put_nowait(finishing.result() if finishing.done() else None)
 
     def _gone_error(self) -> ApiError:
         state = self._cluster.state
@@ -138,22 +142,30 @@ class ChunkStream:
             why = "it was cancelled"
         return ApiError(502, f"the generation stopped: {why}", "runner_failed")
 
-    async def next(self) -> Chunk:
+    async def _receive(self) -> bytes:
+        """The next chunk's bytes; raises ApiError when the task left without finishing, or on silence."""
         timeout = self._settings.first_chunk_timeout_s if self._next_index == 0 else self._settings.chunk_silence_s
         deadline = time.monotonic() + timeout
         while True:
             try:
-                data = await asyncio.wait_for(self._queue.get(), min(BROKER_CHECK_S, deadline - time.monotonic()))
-                break
+                item = await asyncio.wait_for(self._queue.get(), min(BROKER_CHECK_S, deadline - time.monotonic()))
             except TimeoutError as error:
                 # Chunks travel over NATS: without it none can come, so say so now rather than at the deadline.
                 self._cluster.require_broker()
                 if time.monotonic() >= deadline:
                     raise ApiError(504, f"the runner sent nothing for {timeout:.0f} s", "runner_timeout") from error
-        if not data:
-            self.finished = True
-            raise self._gone_error()
-        chunk = decode_chunk(data)
+                continue
+            if item is None:
+                self.finished = True
+                raise self._gone_error()
+            if isinstance(item, TaskFinished):
+                # Finished, and chunks travel apart from events: the ones up to its last are still on their way.
+                self._last_index = item.last_chunk_index
+                continue
+            return item
+
+    async def next(self) -> Chunk:
+        chunk = decode_chunk(await self._receive())
         if chunk.index != self._next_index:
             raise ApiError(502, f"chunk {self._next_index} of the output was lost (got {chunk.index})", "chunk_gap")
         self._next_index += 1
@@ -161,7 +173,7 @@ class ChunkStream:
             self.finished = True
             status = 400 if chunk.error_code == "context_length_exceeded" else 502
             raise ApiError(status, chunk.error, chunk.error_code or "runner_error")
-        if chunk.finish_reason is not None:
+        if chunk.finish_reason is not None or chunk.index == self._last_index:
             self.finished = True
         return chunk
 
@@ -307,6 +319,11 @@ async def _serve(
         body = await unless_disconnected(receive, _complete(cluster, settings, task, base))
         return Response(body)
 
+    # Everything the stream holds open (the chunk subscription, the task watcher) is entered on this stack,
+    # which the generator owns from its first step. A client that leaves while the stream waits to send
+    # cancels the sending task, not the generator (its clean-up would wait for garbage collection), and a
+    # generator never iterated never cleans up: the response's background step closes the stack for sure.
+    resources = AsyncExitStack()
     chunks = ChunkStream(cluster, task, settings)
     coming: frozenset[InstanceId] = frozenset()
 
@@ -317,58 +334,60 @@ async def _serve(
         coming = await _ensure_placed(cluster, task.model_id, settings)
         if coming:
             return None
-        await chunks.__aenter__()
-        try:
-            await chunks.submit()
-            return await chunks.next()
-        except BaseException:
-            await chunks.close()
-            raise
+        await resources.enter_async_context(chunks)
+        await chunks.submit()
+        return await chunks.next()
 
-    first = await unless_disconnected(receive, first_chunk())
+    try:
+        first = await unless_disconnected(receive, first_chunk())
+    except BaseException:
+        await resources.aclose()
+        raise
 
     async def events() -> AsyncIterator[ServerSentEventMessage]:
-        try:
-            pending = first
-            if pending is None:
-                waiting = asyncio.create_task(_wait_ready(cluster, task.model_id, coming, settings))
-                while not waiting.done():
-                    # At once (the client sees the response start), then every few seconds.
-                    yield ServerSentEventMessage(comment="waiting for the model to be ready", data=None)
-                    await asyncio.wait({waiting}, timeout=KEEP_ALIVE_S)
-                waiting.result()
-                await chunks.__aenter__()
-                await chunks.submit()
-                pending = await chunks.next()
-            if chat:
-                yield _sse(
-                    {
-                        **base,
-                        "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}],
-                    }
-                )
-            while True:
-                finish = str(pending.finish_reason) if pending.finish_reason else None
-                if pending.text or finish:
-                    piece = (
-                        {"delta": {"content": pending.text} if pending.text else {}} if chat else {"text": pending.text}
+        async with resources:
+            try:
+                pending = first
+                if pending is None:
+                    waiting = asyncio.create_task(_wait_ready(cluster, task.model_id, coming, settings))
+                    while not waiting.done():
+                        # At once (the client sees the response start), then every few seconds.
+                        yield ServerSentEventMessage(comment="waiting for the model to be ready", data=None)
+                        await asyncio.wait({waiting}, timeout=KEEP_ALIVE_S)
+                    waiting.result()
+                    await resources.enter_async_context(chunks)
+                    await chunks.submit()
+                    pending = await chunks.next()
+                if chat:
+                    yield _sse(
+                        {
+                            **base,
+                            "choices": [
+                                {"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}
+                            ],
+                        }
                     )
-                    yield _sse({**base, "choices": [{"index": 0, **piece, "finish_reason": finish, "logprobs": None}]})
-                if chunks.finished:
-                    if include_usage:
-                        yield _sse({**base, "choices": [], "usage": _usage(pending.usage)})
-                    break
-                pending = await chunks.next()
-        except ApiError as error:
-            yield _sse(error_body(error.status, error.message, error.code, error.param))
-        finally:
-            # The stream ends, fails, or its generator is cancelled: the task is cancelled unless it finished.
-            await chunks.close()
+                while True:
+                    finish = str(pending.finish_reason) if pending.finish_reason else None
+                    if pending.text or finish:
+                        piece = (
+                            {"delta": {"content": pending.text} if pending.text else {}}
+                            if chat
+                            else {"text": pending.text}
+                        )
+                        yield _sse(
+                            {**base, "choices": [{"index": 0, **piece, "finish_reason": finish, "logprobs": None}]}
+                        )
+                    if chunks.finished:
+                        if include_usage:
+                            yield _sse({**base, "choices": [], "usage": _usage(pending.usage)})
+                        break
+                    pending = await chunks.next()
+            except ApiError as error:
+                yield _sse(error_body(error.status, error.message, error.code, error.param))
         yield _sse("[DONE]")
 
-    # A client that leaves while the stream waits to send cancels the sending task, not this generator (its
-    # finally would wait for garbage collection): the response's background step closes the stream for sure.
-    return ServerSentEvent(events(), background=BackgroundTask(chunks.close))
+    return ServerSentEvent(events(), background=BackgroundTask(resources.aclose))
 
 
 async def _complete(

@@ -441,7 +441,15 @@ def _report_task_started(state: State, command: ReportTaskStarted, ctx: Context)
 def _report_task_finished(state: State, command: ReportTaskFinished, ctx: Context) -> list[Event]:
     if command.task_id not in state.tasks:
         return []
-    return [TaskFinished(task_id=command.task_id, outcome=command.outcome, usage=command.usage, error=command.error)]
+    return [
+        TaskFinished(
+            task_id=command.task_id,
+            outcome=command.outcome,
+            usage=command.usage,
+            error=command.error,
+            last_chunk_index=command.last_chunk_index,
+        )
+    ]
 
 
 _HANDLERS: dict[type, Callable[[State, Any, Context], list[Event]]] = {
