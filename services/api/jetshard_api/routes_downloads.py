@@ -13,7 +13,7 @@ from litestar import Controller, Response, delete, get, post
 
 from jetshard_api.cluster import Cluster
 from jetshard_api.errors import ERROR_RESPONSES, ApiError
-from jetshard_api.routes_models import checked_model_id
+from jetshard_api.route_steps import checked_model_id
 
 
 class StartDownloadRequest(msgspec.Struct, frozen=True, forbid_unknown_fields=True):

@@ -5,8 +5,8 @@ from __future__ import annotations
 from typing import Any
 
 import msgspec
-from jetshard_schema.commands import DeleteInstance, PlaceInstance
-from jetshard_schema.ids import InstanceId, NodeId, new_instance_id
+from jetshard_schema.commands import DeleteInstance
+from jetshard_schema.ids import InstanceId
 from jetshard_schema.models import find_card
 from jetshard_schema.placement import ModelUnavailable, PlacementError, place_in
 from jetshard_schema.state import Instance, State, instance_status
@@ -15,7 +15,7 @@ from litestar import Controller, delete, get, post
 
 from jetshard_api.cluster import Cluster
 from jetshard_api.errors import ERROR_RESPONSES, ApiError
-from jetshard_api.routes_models import checked_model_id
+from jetshard_api.route_steps import checked_model_id, place_instance
 
 
 class PlaceRequest(msgspec.Struct, frozen=True):
@@ -62,21 +62,6 @@ def describe_instance(state: State, instance: Instance) -> dict[str, Any]:
     }
 
 
-async def place_instance(
-    cluster: Cluster, model_id: str, node_ids: list[str] | None = None, min_nodes: int = 1
-) -> Instance:
-    instance_id = new_instance_id()
-    await cluster.submit(
-        PlaceInstance(
-            instance_id=instance_id,
-            model_id=checked_model_id(model_id),
-            node_ids=tuple(NodeId(n) for n in node_ids) if node_ids else None,
-            min_nodes=min_nodes,
-        )
-    )
-    return cluster.state.instances[instance_id]
-
-
 class InstancesController(Controller):
     path = "/instances"
     tags = ["instances"]
@@ -113,7 +98,7 @@ class InstancesController(Controller):
 
     @post("/", status_code=201, responses=ERROR_RESPONSES)
     async def create(self, cluster: Cluster, data: PlaceRequest) -> dict[str, Any]:
-        instance = await place_instance(cluster, data.model_id, data.node_ids, data.min_nodes)
+        instance = await place_instance(cluster, checked_model_id(data.model_id), data.node_ids, data.min_nodes)
         return describe_instance(cluster.state, instance)
 
     @delete("/{instance_id:str}", status_code=200, responses=ERROR_RESPONSES)

@@ -8,7 +8,6 @@ from typing import Any
 import msgspec
 from jetshard_schema.cards import ModelCard, ModelSource
 from jetshard_schema.commands import AddCustomModelCard, DeleteCustomModelCard
-from jetshard_schema.ids import ModelId, parse_model_id
 from jetshard_schema.models import all_cards, find_card, is_builtin
 from jetshard_schema.state import State
 from litestar import Controller, Response, delete, get, post
@@ -16,6 +15,7 @@ from litestar import Controller, Response, delete, get, post
 from jetshard_api.cluster import Cluster
 from jetshard_api.errors import ERROR_RESPONSES, ApiError
 from jetshard_api.hub import fetch_card
+from jetshard_api.route_steps import checked_model_id
 
 
 class AddModelRequest(msgspec.Struct, frozen=True):
@@ -23,14 +23,6 @@ class AddModelRequest(msgspec.Struct, frozen=True):
     card: ModelCard | None = None
     """Only for models imported from a local GGUF file (`jetshard models import-gguf`): the card built from
     the converted files. Every other card is fetched from the Hub."""
-
-
-def checked_model_id(value: str, param: str = "model_id") -> ModelId:
-    """`value` as a model id, or a 400 naming `param`, the request field it came from."""
-    try:
-        return parse_model_id(value)
-    except ValueError as error:
-        raise ApiError(400, str(error), "invalid_model_id", param) from error
 
 
 def describe(state: State, card: ModelCard) -> dict[str, Any]:

@@ -22,9 +22,8 @@ from jetshard_schema.events import TaskAssigned, TaskFinished
 from jetshard_schema.ids import InstanceId, ModelId, new_task_id
 from jetshard_schema.models import all_cards, find_card
 from jetshard_schema.sampling import documented_defaults
-from jetshard_schema.state import State, instance_status
 from jetshard_schema.subjects import chunk_subject
-from jetshard_schema.types import Chunk, InstanceStatus, TaskKind, TaskRequest, Usage
+from jetshard_schema.types import Chunk, TaskKind, TaskRequest, Usage
 from litestar import Controller, Request, Response, get, post
 from litestar.background_tasks import BackgroundTask
 from litestar.response import ServerSentEvent
@@ -41,8 +40,14 @@ from jetshard_api.openai_types import (
     completion_task,
     strictly_decoded,
 )
-from jetshard_api.routes_instances import place_instance
-from jetshard_api.routes_models import checked_model_id
+from jetshard_api.route_steps import (
+    InferenceSettings,
+    checked_model_id,
+    ensure_placed,
+    ensure_ready,
+    ready_models,
+    wait_ready,
+)
 
 log = logging.getLogger(__name__)
 AnyRequest = Request[Any, Any, Any]
@@ -50,19 +55,6 @@ AnyRequest = Request[Any, Any, Any]
 KEEP_ALIVE_S = 5.0
 BROKER_CHECK_S = 1.0
 """How often a request waiting for chunks checks that NATS is still reachable."""
-
-
-class InferenceSettings(msgspec.Struct, frozen=True):
-    auto_place: bool = True
-    """A request for a model with no instance places one and waits for it to be ready."""
-    ready_timeout_s: float = 600.0
-    chunk_silence_s: float = 60.0
-    """No chunk for this long (after the first) ends the request with an error."""
-    first_chunk_timeout_s: float = 300.0
-
-
-def ready_models(state: State) -> set[ModelId]:
-    return {i.model_id for i in state.instances.values() if instance_status(state, i) is InstanceStatus.READY}
 
 
 class ChunkStream:
@@ -178,63 +170,6 @@ class ChunkStream:
         return chunk
 
 
-async def _ensure_ready(cluster: Cluster, model_id: ModelId, settings: InferenceSettings) -> None:
-    """Place an instance of `model_id` if none is alive (auto-place), then wait until one is ready."""
-    coming = await _ensure_placed(cluster, model_id, settings)
-    if coming:
-        await _wait_ready(cluster, model_id, coming, settings)
-
-
-async def _ensure_placed(cluster: Cluster, model_id: ModelId, settings: InferenceSettings) -> frozenset[InstanceId]:
-    """The instances of `model_id` on their way to ready (none: one is ready now), placing one with auto-place
-    when every earlier one failed. Raises ApiError (404, or placement refused) before any streaming starts."""
-    state = cluster.state
-    if model_id in ready_models(state):
-        return frozenset()
-    if find_card(state, model_id) is None:
-        raise ApiError(
-            404,
-            f"unknown model {model_id}; ready models: {sorted(ready_models(state)) or 'none'}",
-            "model_not_found",
-            "model",
-        )
-    alive = frozenset(i.instance_id for i in state.instances.values() if i.model_id == model_id and not i.failed)
-    if alive:
-        return alive
-    if not settings.auto_place:
-        raise ApiError(
-            404,
-            f"{model_id} has no instance and auto-placement is off; ready models: "
-            f"{sorted(ready_models(state)) or 'none'}",
-            "model_not_found",
-            "model",
-        )
-    return frozenset({(await place_instance(cluster, model_id)).instance_id})
-
-
-async def _wait_ready(
-    cluster: Cluster, model_id: ModelId, coming: frozenset[InstanceId], settings: InferenceSettings
-) -> None:
-    """Until an instance of `model_id` is ready; 503 as soon as every instance in `coming` failed or left."""
-
-    def ready_or_hopeless(s: State) -> bool:
-        if model_id in ready_models(s):
-            return True
-        return all(i not in s.instances or s.instances[i].failed for i in coming)
-
-    try:
-        state = await cluster.follower.wait_until(ready_or_hopeless, settings.ready_timeout_s)
-    except TimeoutError as error:
-        raise ApiError(
-            504, f"{model_id} did not become ready in {settings.ready_timeout_s:.0f} s", "instance_timeout"
-        ) from error
-    if model_id not in ready_models(state):
-        failed = [state.instances[i].failed_reason for i in sorted(coming) if i in state.instances]
-        raise ApiError(
-            503, f"{model_id} is unavailable: {'; '.join(failed) or 'its instance was removed'}", "model_unavailable"
-        )
-
-
 def _sse(payload: dict[str, Any] | str) -> ServerSentEventMessage:
     return ServerSentEventMessage(data=payload if isinstance(payload, str) else msgspec.json.encode(payload).decode())
 
@@ -331,7 +266,7 @@ async def _serve(
         """Unknown model, auto-place off, placement refused, an over-long prompt: a plain HTTP error, before
         the stream starts. None: the model is still being placed (the stream waits for it)."""
         nonlocal coming
-        coming = await _ensure_placed(cluster, task.model_id, settings)
+        coming = await ensure_placed(cluster, task.model_id, settings)
         if coming:
             return None
         await resources.enter_async_context(chunks)
@@ -349,7 +284,7 @@ async def _serve(
             try:
                 pending = first
                 if pending is None:
-                    waiting = asyncio.create_task(_wait_ready(cluster, task.model_id, coming, settings))
+                    waiting = asyncio.create_task(wait_ready(cluster, task.model_id, coming, settings))
                     while not waiting.done():
                         # At once (the client sees the response start), then every few seconds.
                         yield ServerSentEventMessage(comment="waiting for the model to be ready", data=None)
@@ -395,7 +330,7 @@ async def _complete(
 ) -> dict[str, Any]:
     """The whole answer of a non-streaming request."""
     chat = task.kind is TaskKind.CHAT
-    await _ensure_ready(cluster, task.model_id, settings)
+    await ensure_ready(cluster, task.model_id, settings)
     text, finish, usage = [], None, None
     async with ChunkStream(cluster, task, settings) as chunks:
         await chunks.submit()
