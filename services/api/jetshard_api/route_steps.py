@@ -1,4 +1,5 @@
-"""Steps the routes share: checking a model id, placing an instance, waiting for a model to be ready.
+"""Steps the routes share: checking a model id, placing an instance, waiting for a model to be ready; and
+the answer of every DELETE.
 
 Route modules call down into this one and never into each other, so a request flows one way.
 """
@@ -23,6 +24,10 @@ class InferenceSettings(msgspec.Struct, frozen=True):
     chunk_silence_s: float = 60.0
     """No chunk for this long (after the first) ends the request with an error."""
     first_chunk_timeout_s: float = 300.0
+
+
+class Deleted(msgspec.Struct, frozen=True):
+    deleted: str
 
 
 def checked_model_id(value: str, param: str = "model_id") -> ModelId:

@@ -24,7 +24,7 @@ from jetshard_schema.models import all_cards, find_card
 from jetshard_schema.sampling import documented_defaults
 from jetshard_schema.subjects import chunk_subject
 from jetshard_schema.types import Chunk, TaskKind, TaskRequest, Usage
-from litestar import Controller, Request, Response, get, post
+from litestar import Controller, Request, get, post
 from litestar.background_tasks import BackgroundTask
 from litestar.response import ServerSentEvent
 from litestar.response.sse import ServerSentEventMessage
@@ -34,8 +34,16 @@ from jetshard_api.cluster import Cluster
 from jetshard_api.disconnect import unless_disconnected
 from jetshard_api.errors import ERROR_RESPONSES, ApiError, error_body
 from jetshard_api.openai_types import (
+    AssistantMessage,
+    ChatChoice,
+    ChatCompletion,
     ChatCompletionRequest,
+    Completion,
+    CompletionChoice,
     CompletionRequest,
+    ModelList,
+    ModelObject,
+    UsageBody,
     chat_task,
     completion_task,
     strictly_decoded,
@@ -170,7 +178,7 @@ class ChunkStream:
         return chunk
 
 
-def _sse(payload: dict[str, Any] | str) -> ServerSentEventMessage:
+def _sse(payload: object) -> ServerSentEventMessage:
     return ServerSentEventMessage(data=payload if isinstance(payload, str) else msgspec.json.encode(payload).decode())
 
 
@@ -179,15 +187,15 @@ class OpenAIController(Controller):
     tags = ["openai"]
 
     @get("/models", responses=ERROR_RESPONSES)
-    async def models(self, cluster: Cluster) -> dict[str, Any]:
+    async def models(self, cluster: Cluster) -> ModelList:
         state = cluster.state
         ready = ready_models(state)
         data = [_model_object(model_id, card, ready) for model_id, card in all_cards(state).items()]
-        data.sort(key=lambda m: (not m["ready"], m["id"]))
-        return {"object": "list", "data": data}
+        data.sort(key=lambda m: (not m.ready, m.id))
+        return ModelList(data=data)
 
     @get("/models/{model_id:path}", responses=ERROR_RESPONSES)
-    async def model(self, cluster: Cluster, model_id: str) -> dict[str, Any]:
+    async def model(self, cluster: Cluster, model_id: str) -> ModelObject:
         """One model, as `client.models.retrieve("org/name")` asks for it."""
         checked = checked_model_id(model_id.lstrip("/"), param="model")
         card = find_card(cluster.state, checked)
@@ -202,58 +210,71 @@ class OpenAIController(Controller):
         settings: InferenceSettings,
         data: ChatCompletionRequest,
         request: AnyRequest,
-    ) -> Response[Any] | ServerSentEvent:
+    ) -> ChatCompletion | ServerSentEvent:
+        """The answer as one JSON body, or with `stream` as Server-Sent Events of `chat.completion.chunk`s."""
         data = strictly_decoded(await request.body(), ChatCompletionRequest)
         task = chat_task(new_task_id(), checked_model_id(data.model, param="model"), data)
         include_usage = bool(data.stream_options and data.stream_options.include_usage)
-        return await _serve(cluster, settings, task, data.stream, include_usage, request.receive)
+        if data.stream:
+            return await _stream(cluster, settings, task, include_usage, request.receive)
+        content, finish, usage = await unless_disconnected(request.receive, _collect(cluster, settings, task))
+        return ChatCompletion(
+            id=_response_id(task),
+            created=int(time.time()),
+            model=task.model_id,
+            choices=[ChatChoice(finish_reason=finish, message=AssistantMessage(content=content))],
+            usage=UsageBody.of(usage),
+        )
 
     @post("/completions", status_code=200, responses=ERROR_RESPONSES)
     async def completions(
         self, cluster: Cluster, settings: InferenceSettings, data: CompletionRequest, request: AnyRequest
-    ) -> Response[Any] | ServerSentEvent:
+    ) -> Completion | ServerSentEvent:
+        """The answer as one JSON body, or with `stream` as Server-Sent Events of `text_completion`s."""
         data = strictly_decoded(await request.body(), CompletionRequest)
         task = completion_task(new_task_id(), checked_model_id(data.model, param="model"), data)
         include_usage = bool(data.stream_options and data.stream_options.include_usage)
-        return await _serve(cluster, settings, task, data.stream, include_usage, request.receive)
+        if data.stream:
+            return await _stream(cluster, settings, task, include_usage, request.receive)
+        text, finish, usage = await unless_disconnected(request.receive, _collect(cluster, settings, task))
+        return Completion(
+            id=_response_id(task),
+            created=int(time.time()),
+            model=task.model_id,
+            choices=[CompletionChoice(finish_reason=finish, text=text)],
+            usage=UsageBody.of(usage),
+        )
 
 
-def _model_object(model_id: ModelId, card: ModelCard, ready: set[ModelId]) -> dict[str, Any]:
-    return {
-        "id": model_id,
-        "object": "model",
-        "created": 0,
-        "owned_by": model_id.split("/")[0],
-        "ready": model_id in ready,
-        "placeable": model_id not in ready,
-        # What a request that leaves these out gets, unless the model directory's generation_config.json
-        # sets them (the runner reads it; see jetshard_schema.sampling).
-        "generation_defaults": msgspec.to_builtins(documented_defaults(card.generation)),
-    }
+def _model_object(model_id: ModelId, card: ModelCard, ready: set[ModelId]) -> ModelObject:
+    return ModelObject(
+        id=model_id,
+        owned_by=model_id.split("/")[0],
+        ready=model_id in ready,
+        placeable=model_id not in ready,
+        generation_defaults=documented_defaults(card.generation),
+    )
 
 
-async def _serve(
+def _response_id(task: TaskRequest) -> str:
+    return ("chatcmpl-" if task.kind is TaskKind.CHAT else "cmpl-") + task.task_id.removeprefix("task-")
+
+
+async def _stream(
     cluster: Cluster,
     settings: InferenceSettings,
     task: TaskRequest,
-    stream: bool,
     include_usage: bool,
     receive: Receive,
-) -> Response[Any] | ServerSentEvent:
+) -> ServerSentEvent:
     cluster.require_broker()
     chat = task.kind is TaskKind.CHAT
-    created = int(time.time())
-    response_id = ("chatcmpl-" if chat else "cmpl-") + task.task_id.removeprefix("task-")
     base = {
-        "id": response_id,
+        "id": _response_id(task),
         "object": "chat.completion.chunk" if chat else "text_completion",
-        "created": created,
+        "created": int(time.time()),
         "model": task.model_id,
     }
-    if not stream:
-        body = await unless_disconnected(receive, _complete(cluster, settings, task, base))
-        return Response(body)
-
     # Everything the stream holds open (the chunk subscription, the task watcher) is entered on this stack,
     # which the generator owns from its first step. A client that leaves while the stream waits to send
     # cancels the sending task, not the generator (its clean-up would wait for garbage collection), and a
@@ -315,7 +336,7 @@ async def _serve(
                         )
                     if chunks.finished:
                         if include_usage:
-                            yield _sse({**base, "choices": [], "usage": _usage(pending.usage)})
+                            yield _sse({**base, "choices": [], "usage": UsageBody.of(pending.usage)})
                         break
                     pending = await chunks.next()
             except ApiError as error:
@@ -325,11 +346,11 @@ async def _serve(
     return ServerSentEvent(events(), background=BackgroundTask(resources.aclose))
 
 
-async def _complete(
-    cluster: Cluster, settings: InferenceSettings, task: TaskRequest, base: dict[str, Any]
-) -> dict[str, Any]:
-    """The whole answer of a non-streaming request."""
-    chat = task.kind is TaskKind.CHAT
+async def _collect(
+    cluster: Cluster, settings: InferenceSettings, task: TaskRequest
+) -> tuple[str, str | None, Usage | None]:
+    """The whole answer of a non-streaming request: its text, finish reason and usage."""
+    cluster.require_broker()
     await ensure_ready(cluster, task.model_id, settings)
     text, finish, usage = [], None, None
     async with ChunkStream(cluster, task, settings) as chunks:
@@ -338,24 +359,4 @@ async def _complete(
             chunk = await chunks.next()
             text.append(chunk.text)
             finish, usage = chunk.finish_reason, chunk.usage
-    content = "".join(text)
-    choice: dict[str, Any] = {"index": 0, "finish_reason": str(finish) if finish else None, "logprobs": None}
-    if chat:
-        choice["message"] = {"role": "assistant", "content": content}
-    else:
-        choice["text"] = content
-    return {
-        **base,
-        "object": "chat.completion" if chat else "text_completion",
-        "choices": [choice],
-        "usage": _usage(usage),
-    }
-
-
-def _usage(usage: Usage | None) -> dict[str, int]:
-    usage = usage or Usage(prompt_tokens=0, completion_tokens=0)
-    return {
-        "prompt_tokens": usage.prompt_tokens,
-        "completion_tokens": usage.completion_tokens,
-        "total_tokens": usage.total_tokens,
-    }
+    return "".join(text), str(finish) if finish else None, usage
