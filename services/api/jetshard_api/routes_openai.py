@@ -24,7 +24,7 @@ from jetshard_schema.models import all_cards, find_card
 from jetshard_schema.sampling import documented_defaults
 from jetshard_schema.subjects import chunk_subject
 from jetshard_schema.types import Chunk, TaskKind, TaskRequest, Usage
-from litestar import Controller, Request, get, post
+from litestar import Controller, Request, Response, get, post
 from litestar.background_tasks import BackgroundTask
 from litestar.response import ServerSentEvent
 from litestar.response.sse import ServerSentEventMessage
@@ -210,7 +210,7 @@ class OpenAIController(Controller):
         settings: InferenceSettings,
         data: ChatCompletionRequest,
         request: AnyRequest,
-    ) -> ChatCompletion | ServerSentEvent:
+    ) -> Response[ChatCompletion] | ServerSentEvent:
         """The answer as one JSON body, or with `stream` as Server-Sent Events of `chat.completion.chunk`s."""
         data = strictly_decoded(await request.body(), ChatCompletionRequest)
         task = chat_task(new_task_id(), checked_model_id(data.model, param="model"), data)
@@ -218,18 +218,21 @@ class OpenAIController(Controller):
         if data.stream:
             return await _stream(cluster, settings, task, include_usage, request.receive)
         content, finish, usage = await unless_disconnected(request.receive, _collect(cluster, settings, task))
-        return ChatCompletion(
-            id=_response_id(task),
-            created=int(time.time()),
-            model=task.model_id,
-            choices=[ChatChoice(finish_reason=finish, message=AssistantMessage(content=content))],
-            usage=UsageBody.of(usage),
+        # A Response, not the bare body: the route's media type would otherwise be JSON for the stream too.
+        return Response(
+            ChatCompletion(
+                id=_response_id(task),
+                created=int(time.time()),
+                model=task.model_id,
+                choices=[ChatChoice(finish_reason=finish, message=AssistantMessage(content=content))],
+                usage=UsageBody.of(usage),
+            )
         )
 
     @post("/completions", status_code=200, responses=ERROR_RESPONSES)
     async def completions(
         self, cluster: Cluster, settings: InferenceSettings, data: CompletionRequest, request: AnyRequest
-    ) -> Completion | ServerSentEvent:
+    ) -> Response[Completion] | ServerSentEvent:
         """The answer as one JSON body, or with `stream` as Server-Sent Events of `text_completion`s."""
         data = strictly_decoded(await request.body(), CompletionRequest)
         task = completion_task(new_task_id(), checked_model_id(data.model, param="model"), data)
@@ -237,12 +240,14 @@ class OpenAIController(Controller):
         if data.stream:
             return await _stream(cluster, settings, task, include_usage, request.receive)
         text, finish, usage = await unless_disconnected(request.receive, _collect(cluster, settings, task))
-        return Completion(
-            id=_response_id(task),
-            created=int(time.time()),
-            model=task.model_id,
-            choices=[CompletionChoice(finish_reason=finish, text=text)],
-            usage=UsageBody.of(usage),
+        return Response(
+            Completion(
+                id=_response_id(task),
+                created=int(time.time()),
+                model=task.model_id,
+                choices=[CompletionChoice(finish_reason=finish, text=text)],
+                usage=UsageBody.of(usage),
+            )
         )
 
 
