@@ -1,6 +1,7 @@
 """Schemathesis against the OpenAPI schema the API serves, on a one-node cluster serving a tiny model.
 
-No 500s, responses match their documented schemas, and every error is in the OpenAI error shape.
+No 500s, every status (503 and 504 included) is documented for its operation, responses match their
+documented schemas, and every error is in the OpenAI error shape.
 Destructive operations (DELETE) run last, so the earlier ones see a cluster with its model in place.
 """
 
@@ -14,7 +15,12 @@ import schemathesis
 from helpers.harness import InferenceCluster, hub_cluster
 from helpers.tiny_models import make_tiny_model
 from hypothesis import HealthCheck, given, settings
-from schemathesis.checks import content_type_conformance, not_a_server_error, response_schema_conformance
+from schemathesis.checks import (
+    content_type_conformance,
+    not_a_server_error,
+    response_schema_conformance,
+    status_code_conformance,
+)
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -45,7 +51,13 @@ def openai_error_shape(ctx: Any, response: Any, case: Any) -> bool | None:
     return None
 
 
-CHECKS = [not_a_server_error, response_schema_conformance, content_type_conformance, openai_error_shape]
+CHECKS = [
+    not_a_server_error,
+    status_code_conformance,
+    response_schema_conformance,
+    content_type_conformance,
+    openai_error_shape,
+]
 
 
 def fuzz(api: str, destructive: bool) -> None:

@@ -103,7 +103,7 @@ def api(
     cors_origins: tuple[str, ...],
 ) -> None:
     """Serve the OpenAI-compatible API and the cluster routes."""
-    from jetshard_api.routes_openai import InferenceSettings
+    from jetshard_api.route_steps import InferenceSettings
     from jetshard_api.safety import HttpSafety, allowed_hosts_for
     from jetshard_api.service import ApiConfig, run_api
     from jetshard_bus.service import run_service

@@ -153,6 +153,8 @@ class ReportTaskFinished(_Command, frozen=True):
     outcome: TaskOutcome
     usage: Usage
     error: str = ""
+    last_chunk_index: int = 0
+    """The index of the task's last chunk (the one with its finish reason or error)."""
 
 
 Command = (

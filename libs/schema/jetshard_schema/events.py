@@ -185,6 +185,9 @@ class TaskFinished(_Event, frozen=True):
     outcome: TaskOutcome
     usage: Usage
     error: str = ""
+    last_chunk_index: int = 0
+    """The index of the task's last chunk: chunks travel apart from events, so a client that has not seen
+    that chunk yet knows more are on their way."""
 
 
 class TaskCancelled(_Event, frozen=True):

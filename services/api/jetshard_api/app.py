@@ -19,11 +19,12 @@ from jetshard_api.errors import (
     internal_error_handler,
     nesting_error_handler,
 )
+from jetshard_api.route_steps import InferenceSettings
 from jetshard_api.routes_cluster import ClusterController
 from jetshard_api.routes_downloads import DownloadsController
 from jetshard_api.routes_instances import InstancesController
 from jetshard_api.routes_models import ModelsController
-from jetshard_api.routes_openai import InferenceSettings, OpenAIController
+from jetshard_api.routes_openai import OpenAIController
 from jetshard_api.safety import HttpSafety, HttpSafetyMiddleware
 
 MAX_REQUEST_BYTES = 8 * 2**20

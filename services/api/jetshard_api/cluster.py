@@ -9,8 +9,8 @@ from jetshard_bus.commands import publish_command
 from jetshard_bus.follower import StateFollower
 from jetshard_schema.codec import encode
 from jetshard_schema.commands import Command
-from jetshard_schema.events import CommandRejected, Event
-from jetshard_schema.ids import new_command_id
+from jetshard_schema.events import CommandRejected, Event, EventEnvelope, TaskFinished
+from jetshard_schema.ids import TaskId, new_command_id
 from jetshard_schema.state import State
 from jetshard_schema.subjects import MSG_ID_HEADER, task_subject
 from jetshard_schema.types import TaskRef, TaskRequest
@@ -35,6 +35,8 @@ class Cluster:
         self.js = js
         self.follower = follower
         self.command_timeout_s = command_timeout_s
+        self._finishing: dict[TaskId, asyncio.Future[TaskFinished]] = {}
+        follower.add_listener(self._on_event)
 
     @property
     def state(self) -> State:
@@ -44,6 +46,23 @@ class Cluster:
         """Raise 503 at once while NATS is unreachable: a request would otherwise wait out its timeout."""
         if not self.client.is_connected:
             raise broker_unavailable()
+
+    def _on_event(self, envelope: EventEnvelope, state: State, live: bool) -> None:
+        event = envelope.event
+        if isinstance(event, TaskFinished):
+            future = self._finishing.get(event.task_id)
+            if future is not None and not future.done():
+                future.set_result(event)
+
+    def expect_finish(self, task_id: TaskId) -> asyncio.Future[TaskFinished]:
+        """A future of `task_id`'s TaskFinished, resolved by the time State no longer holds the task (a task
+        that leaves State any other way never resolves it). Call before submitting; `forget_finish` after."""
+        future: asyncio.Future[TaskFinished] = asyncio.get_running_loop().create_future()
+        self._finishing[task_id] = future
+        return future
+
+    def forget_finish(self, task_id: TaskId) -> None:
+        self._finishing.pop(task_id, None)
 
     async def submit(self, command: Command, timeout_s: float | None = None) -> list[Event]:
         """Publish `command`; return its events once applied here, or raise ApiError (rejected / 503 / 504)."""

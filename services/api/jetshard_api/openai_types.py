@@ -1,4 +1,5 @@
-"""Request bodies of the OpenAI-compatible routes, and the checks that turn them into a TaskRequest.
+"""Request and response bodies of the OpenAI-compatible routes, and the checks that turn a request into a
+TaskRequest.
 
 Fields at their neutral values are accepted; fields that would change the output and are not supported
 yet are refused with 400, never silently ignored.
@@ -11,7 +12,8 @@ from typing import Any, TypeVar
 
 import msgspec
 from jetshard_schema.ids import ModelId, TaskId
-from jetshard_schema.types import ChatMessage, SamplingParams, TaskKind, TaskRequest
+from jetshard_schema.sampling import ResolvedSampling
+from jetshard_schema.types import ChatMessage, SamplingParams, TaskKind, TaskRequest, Usage
 
 from jetshard_api.errors import ApiError
 
@@ -163,3 +165,71 @@ def completion_task(task_id: TaskId, model_id: ModelId, request: CompletionReque
             raise _unsupported("prompt", "as a list of several prompts")
         prompt = prompt[0]
     return TaskRequest(task_id=task_id, model_id=model_id, kind=TaskKind.COMPLETION, prompt=prompt, sampling=sampling)
+
+
+# --- response bodies ---------------------------------------------------------------------------------------
+
+
+class UsageBody(msgspec.Struct, frozen=True):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+    @classmethod
+    def of(cls, usage: Usage | None) -> UsageBody:
+        usage = usage or Usage(prompt_tokens=0, completion_tokens=0)
+        return cls(usage.prompt_tokens, usage.completion_tokens, usage.total_tokens)
+
+
+class AssistantMessage(msgspec.Struct, frozen=True):
+    content: str
+    role: str = "assistant"
+
+
+class ChatChoice(msgspec.Struct, frozen=True, kw_only=True):
+    index: int = 0
+    finish_reason: str | None
+    logprobs: None = None
+    message: AssistantMessage
+
+
+class CompletionChoice(msgspec.Struct, frozen=True, kw_only=True):
+    index: int = 0
+    finish_reason: str | None
+    logprobs: None = None
+    text: str
+
+
+class ChatCompletion(msgspec.Struct, frozen=True, kw_only=True):
+    id: str
+    object: str = "chat.completion"
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: UsageBody
+
+
+class Completion(msgspec.Struct, frozen=True, kw_only=True):
+    id: str
+    object: str = "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: UsageBody
+
+
+class ModelObject(msgspec.Struct, frozen=True, kw_only=True):
+    id: str
+    object: str = "model"
+    created: int = 0
+    owned_by: str
+    ready: bool
+    placeable: bool
+    generation_defaults: ResolvedSampling
+    """What a request that leaves these out gets, unless the model directory's generation_config.json sets
+    them (the runner reads it; see jetshard_schema.sampling)."""
+
+
+class ModelList(msgspec.Struct, frozen=True):
+    data: list[ModelObject]
+    object: str = "list"

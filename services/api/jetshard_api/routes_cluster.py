@@ -9,8 +9,10 @@ from typing import Any
 import msgspec
 from jetshard_bus.streams import subscribe_events
 from jetshard_schema.codec import decode_event
+from jetshard_schema.state import Node, State
 from jetshard_schema.types import NodeStorage
 from litestar import Controller, Response, get
+from litestar.openapi.datastructures import ResponseSpec
 from litestar.params import Parameter
 from litestar.response import ServerSentEvent
 from litestar.response.sse import ServerSentEventMessage
@@ -19,35 +21,55 @@ from jetshard_api.cluster import Cluster, broker_unavailable
 from jetshard_api.errors import ERROR_RESPONSES, ApiError
 
 
+class Health(msgspec.Struct, frozen=True, kw_only=True):
+    status: str
+    broker: str
+    reason: str | msgspec.UnsetType = msgspec.UNSET
+    """Only while the broker is unreachable."""
+    last_seq: int
+
+
+NodeDescription = msgspec.defstruct(
+    "NodeDescription",
+    [(f.name, f.type, f.default) for f in msgspec.structs.fields(NodeStorage)],
+    bases=(Node,),
+    frozen=True,
+    kw_only=True,
+)
+"""A node and its storage, flat: built from both structs so the two keep one definition each."""
+
+
 class ClusterController(Controller):
     tags = ["cluster"]
 
-    @get("/healthz", responses=ERROR_RESPONSES)
-    async def healthz(self, cluster: Cluster) -> Response[dict[str, Any]]:
+    @get("/healthz", responses={**ERROR_RESPONSES, 503: ResponseSpec(Health, description="NATS is unreachable")})
+    async def healthz(self, cluster: Cluster) -> Response[Health]:
         """200 while the API reaches the message broker (NATS); 503 with the reason while it does not."""
         if cluster.client.is_connected:
-            return Response({"status": "ok", "broker": "connected", "last_seq": cluster.state.last_seq})
+            return Response(Health(status="ok", broker="connected", last_seq=cluster.state.last_seq))
         return Response(
-            {
-                "status": "unavailable",
-                "broker": "unreachable",
-                "reason": broker_unavailable().message,
-                "last_seq": cluster.state.last_seq,
-            },
+            Health(
+                status="unavailable",
+                broker="unreachable",
+                reason=broker_unavailable().message,
+                last_seq=cluster.state.last_seq,
+            ),
             status_code=503,
         )
 
     @get("/state", responses=ERROR_RESPONSES)
-    async def state(self, cluster: Cluster) -> dict[str, Any]:
+    async def state(self, cluster: Cluster) -> State:
         """This API's State replica, with `last_seq`: the stream sequence of the last event applied."""
-        result: dict[str, Any] = msgspec.to_builtins(cluster.state)
-        return result
+        return cluster.state
 
     @get("/nodes", responses=ERROR_RESPONSES)
-    async def nodes(self, cluster: Cluster) -> list[dict[str, Any]]:
+    async def nodes(self, cluster: Cluster) -> list[NodeDescription]:  # type: ignore[valid-type]
         state = cluster.state
         return [
-            {**msgspec.to_builtins(node), **msgspec.to_builtins(state.node_storage.get(node_id, NodeStorage()))}
+            NodeDescription(
+                **msgspec.structs.asdict(node),
+                **msgspec.structs.asdict(state.node_storage.get(node_id, NodeStorage())),
+            )
             for node_id, node in sorted(state.nodes.items())
         ]
 

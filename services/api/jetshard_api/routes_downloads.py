@@ -3,17 +3,18 @@
 from __future__ import annotations
 
 import contextlib
-from typing import Any
 
 import msgspec
 from jetshard_schema.commands import CancelDownload, DeleteDownload, StartDownload
 from jetshard_schema.ids import ModelId, NodeId
 from jetshard_schema.state import Download, State
+from jetshard_schema.types import DownloadProgress
 from litestar import Controller, Response, delete, get, post
+from litestar.openapi.datastructures import ResponseSpec
 
 from jetshard_api.cluster import Cluster
 from jetshard_api.errors import ERROR_RESPONSES, ApiError
-from jetshard_api.routes_models import checked_model_id
+from jetshard_api.route_steps import checked_model_id
 
 
 class StartDownloadRequest(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -28,10 +29,34 @@ class CancelDownloadRequest(msgspec.Struct, frozen=True, forbid_unknown_fields=T
     node_id: str | None = None
 
 
-def describe(download: Download) -> dict[str, Any]:
-    """One flat object per download: its node and model beside its progress."""
-    progress: dict[str, Any] = msgspec.to_builtins(download.progress)
-    return {"node_id": download.node_id, "model_id": download.model_id, **progress, "deleting": download.deleting}
+class DownloadDescription(DownloadProgress, frozen=True, kw_only=True):
+    """One download, flat: its node and model beside its progress."""
+
+    node_id: NodeId
+    model_id: ModelId
+    deleting: bool = False
+
+
+def describe(download: Download) -> DownloadDescription:
+    return DownloadDescription(
+        node_id=download.node_id,
+        model_id=download.model_id,
+        deleting=download.deleting,
+        **msgspec.structs.asdict(download.progress),
+    )
+
+
+class NoDownload(msgspec.Struct, frozen=True, kw_only=True):
+    """A model this node has no download of."""
+
+    node_id: NodeId
+    model_id: ModelId
+    status: None = None
+
+
+class DownloadDeleted(msgspec.Struct, frozen=True):
+    deleted: ModelId
+    node_id: NodeId
 
 
 def _node(state: State, node_id: str | None) -> NodeId:
@@ -53,11 +78,9 @@ def _node(state: State, node_id: str | None) -> NodeId:
     )
 
 
-def _current(state: State, node_id: NodeId, model_id: ModelId) -> dict[str, Any]:
+def _current(state: State, node_id: NodeId, model_id: ModelId) -> DownloadDescription | NoDownload:
     download = state.download(node_id, model_id)
-    if download is None:
-        return {"node_id": node_id, "model_id": model_id, "status": None}
-    return describe(download)
+    return describe(download) if download else NoDownload(node_id=node_id, model_id=model_id)
 
 
 class DownloadsController(Controller):
@@ -65,7 +88,7 @@ class DownloadsController(Controller):
     tags = ["downloads"]
 
     @get("/", responses=ERROR_RESPONSES)
-    async def list_downloads(self, cluster: Cluster) -> list[dict[str, Any]]:
+    async def list_downloads(self, cluster: Cluster) -> list[DownloadDescription]:
         """Every node's downloads: status, bytes, speed, ETA, directory, read_only, reason."""
         state = cluster.state
         return [
@@ -75,7 +98,7 @@ class DownloadsController(Controller):
         ]
 
     @post("/", status_code=202, responses=ERROR_RESPONSES)
-    async def start_download(self, cluster: Cluster, data: StartDownloadRequest) -> dict[str, Any]:
+    async def start_download(self, cluster: Cluster, data: StartDownloadRequest) -> DownloadDescription | NoDownload:
         """Download a model (or a layer range of it) to a node; answers with the download's state."""
         model_id = checked_model_id(data.model_id)
         node_id = _node(cluster.state, data.node_id)
@@ -85,14 +108,23 @@ class DownloadsController(Controller):
         return _current(cluster.state, node_id, model_id)
 
     @post("/cancel", status_code=200, responses=ERROR_RESPONSES)
-    async def cancel_download(self, cluster: Cluster, data: CancelDownloadRequest) -> dict[str, Any]:
+    async def cancel_download(self, cluster: Cluster, data: CancelDownloadRequest) -> DownloadDescription | NoDownload:
         model_id = checked_model_id(data.model_id)
         node_id = _node(cluster.state, data.node_id)
         await cluster.submit(CancelDownload(model_id=model_id, node_id=node_id))
         return _current(cluster.state, node_id, model_id)
 
-    @delete("/{node_id:str}/{org:str}/{name:str}", status_code=200, responses=ERROR_RESPONSES)
-    async def delete_download(self, cluster: Cluster, node_id: str, org: str, name: str) -> Response[dict[str, Any]]:
+    @delete(
+        "/{node_id:str}/{org:str}/{name:str}",
+        status_code=200,
+        responses={
+            **ERROR_RESPONSES,
+            202: ResponseSpec(DownloadDescription, description="requested; the node has not deleted it yet"),
+        },
+    )
+    async def delete_download(
+        self, cluster: Cluster, node_id: str, org: str, name: str
+    ) -> Response[DownloadDeleted | DownloadDescription]:
         """Delete a model's files from a node's writable directories (409 for read-only or in-use models).
 
         200 once the node reports the files gone; 202 if it has not within the command timeout (the
@@ -104,7 +136,7 @@ class DownloadsController(Controller):
             await cluster.follower.wait_until(
                 lambda state: state.download(node, model_id) is None, cluster.command_timeout_s
             )
-            return Response({"deleted": model_id, "node_id": node}, status_code=200)
-        return Response(
-            {"deleting": model_id, "node_id": node, **_current(cluster.state, node, model_id)}, status_code=202
-        )
+        download = cluster.state.download(node, model_id)
+        if download is None:
+            return Response(DownloadDeleted(deleted=model_id, node_id=node), status_code=200)
+        return Response(describe(download), status_code=202)

@@ -2,20 +2,18 @@
 
 from __future__ import annotations
 
-from typing import Any
-
 import msgspec
-from jetshard_schema.commands import DeleteInstance, PlaceInstance
-from jetshard_schema.ids import InstanceId, NodeId, new_instance_id
+from jetshard_schema.commands import DeleteInstance
+from jetshard_schema.ids import InstanceId, ModelId
 from jetshard_schema.models import find_card
 from jetshard_schema.placement import ModelUnavailable, PlacementError, place_in
 from jetshard_schema.state import Instance, State, instance_status
-from jetshard_schema.types import DownloadStatus, InstanceStatus
+from jetshard_schema.types import DownloadStatus, InstanceStatus, ShardAssignment
 from litestar import Controller, delete, get, post
 
 from jetshard_api.cluster import Cluster
 from jetshard_api.errors import ERROR_RESPONSES, ApiError
-from jetshard_api.routes_models import checked_model_id
+from jetshard_api.route_steps import Deleted, checked_model_id, place_instance
 
 
 class PlaceRequest(msgspec.Struct, frozen=True):
@@ -24,58 +22,73 @@ class PlaceRequest(msgspec.Struct, frozen=True):
     min_nodes: int = 1
 
 
-def describe_instance(state: State, instance: Instance) -> dict[str, Any]:
-    status = instance_status(state, instance)
-    shards = []
-    for shard in instance.shards:
-        download = state.download(shard.node_id, instance.model_id)
-        progress = download.progress if download else None
-        runner = instance.runners.get(shard.rank)
-        entry: dict[str, Any] = {**msgspec.to_builtins(shard)}
-        if runner is not None:
-            entry.update(
-                status=str(runner.status),
-                worker_session=runner.worker_session,
-                layers_loaded=runner.layers_loaded,
-                layers_total=runner.layers_total,
-                reason=runner.reason or None,
-            )
-        elif progress is None or progress.status is not DownloadStatus.COMPLETED:
-            entry.update(
-                status="downloading" if progress is None or progress.status is not DownloadStatus.FAILED else "failed",
-                bytes_done=progress.bytes_done if progress else 0,
-                bytes_total=progress.bytes_total if progress else 0,
-                reason=(progress.reason or None) if progress else None,
-            )
-        else:
-            entry.update(status="waiting")
-        shards.append(entry)
-    return {
-        "instance_id": instance.instance_id,
-        "model_id": instance.model_id,
-        "status": str(status),
-        "generation": instance.generation,
-        "restart_attempt": instance.restart_attempt,
-        # Why it failed or last restarted: news only until it is ready again.
-        "reason": (instance.failed_reason or None) if status is not InstanceStatus.READY else None,
-        "shards": shards,
-        "tasks_in_flight": sum(1 for t in state.tasks.values() if t.instance_id == instance.instance_id),
-    }
+class ShardDescription(ShardAssignment, frozen=True, kw_only=True):
+    """A shard and how far it is: its runner's progress once it has one, else its download's."""
+
+    status: str
+    worker_session: str | msgspec.UnsetType = msgspec.UNSET
+    layers_loaded: int | msgspec.UnsetType = msgspec.UNSET
+    layers_total: int | msgspec.UnsetType = msgspec.UNSET
+    bytes_done: int | msgspec.UnsetType = msgspec.UNSET
+    bytes_total: int | msgspec.UnsetType = msgspec.UNSET
+    reason: str | msgspec.UnsetType | None = msgspec.UNSET
 
 
-async def place_instance(
-    cluster: Cluster, model_id: str, node_ids: list[str] | None = None, min_nodes: int = 1
-) -> Instance:
-    instance_id = new_instance_id()
-    await cluster.submit(
-        PlaceInstance(
-            instance_id=instance_id,
-            model_id=checked_model_id(model_id),
-            node_ids=tuple(NodeId(n) for n in node_ids) if node_ids else None,
-            min_nodes=min_nodes,
+class InstanceDescription(msgspec.Struct, frozen=True, kw_only=True):
+    instance_id: InstanceId
+    model_id: ModelId
+    status: InstanceStatus
+    generation: int
+    restart_attempt: int
+    reason: str | None
+    """Why it failed or last restarted: news only until it is ready again."""
+    shards: list[ShardDescription]
+    tasks_in_flight: int
+
+
+class PlacementPreview(msgspec.Struct, frozen=True):
+    model_id: ModelId
+    required_bytes: int
+    shards: tuple[ShardAssignment, ...]
+
+
+def _describe_shard(state: State, instance: Instance, shard: ShardAssignment) -> ShardDescription:
+    fields = msgspec.structs.asdict(shard)
+    runner = instance.runners.get(shard.rank)
+    if runner is not None:
+        return ShardDescription(
+            **fields,
+            status=str(runner.status),
+            worker_session=runner.worker_session,
+            layers_loaded=runner.layers_loaded,
+            layers_total=runner.layers_total,
+            reason=runner.reason or None,
         )
+    download = state.download(shard.node_id, instance.model_id)
+    progress = download.progress if download else None
+    if progress is None or progress.status is not DownloadStatus.COMPLETED:
+        return ShardDescription(
+            **fields,
+            status="downloading" if progress is None or progress.status is not DownloadStatus.FAILED else "failed",
+            bytes_done=progress.bytes_done if progress else 0,
+            bytes_total=progress.bytes_total if progress else 0,
+            reason=(progress.reason or None) if progress else None,
+        )
+    return ShardDescription(**fields, status="waiting")
+
+
+def describe_instance(state: State, instance: Instance) -> InstanceDescription:
+    status = instance_status(state, instance)
+    return InstanceDescription(
+        instance_id=instance.instance_id,
+        model_id=instance.model_id,
+        status=status,
+        generation=instance.generation,
+        restart_attempt=instance.restart_attempt,
+        reason=(instance.failed_reason or None) if status is not InstanceStatus.READY else None,
+        shards=[_describe_shard(state, instance, shard) for shard in instance.shards],
+        tasks_in_flight=sum(1 for t in state.tasks.values() if t.instance_id == instance.instance_id),
     )
-    return cluster.state.instances[instance_id]
 
 
 class InstancesController(Controller):
@@ -83,12 +96,12 @@ class InstancesController(Controller):
     tags = ["instances"]
 
     @get("/", responses=ERROR_RESPONSES)
-    async def list_instances(self, cluster: Cluster) -> list[dict[str, Any]]:
+    async def list_instances(self, cluster: Cluster) -> list[InstanceDescription]:
         state = cluster.state
         return [describe_instance(state, i) for _, i in sorted(state.instances.items())]
 
     @get("/preview", responses=ERROR_RESPONSES)
-    async def preview(self, cluster: Cluster, model_id: str, min_nodes: int = 1) -> dict[str, Any]:
+    async def preview(self, cluster: Cluster, model_id: str, min_nodes: int = 1) -> PlacementPreview:
         """The placement that would be chosen now, without placing anything."""
         card = find_card(cluster.state, checked_model_id(model_id))
         if card is None:
@@ -99,25 +112,23 @@ class InstancesController(Controller):
             raise ApiError(503, str(error), "model_unavailable") from error
         except PlacementError as error:
             raise ApiError(409, str(error), "insufficient_memory") from error
-        return {
-            "model_id": card.model_id,
-            "required_bytes": placement.required_bytes,
-            "shards": msgspec.to_builtins(placement.shards),
-        }
+        return PlacementPreview(
+            model_id=card.model_id, required_bytes=placement.required_bytes, shards=placement.shards
+        )
 
     @get("/{instance_id:str}", responses=ERROR_RESPONSES)
-    async def show(self, cluster: Cluster, instance_id: str) -> dict[str, Any]:
+    async def show(self, cluster: Cluster, instance_id: str) -> InstanceDescription:
         instance = cluster.state.instances.get(InstanceId(instance_id))
         if instance is None:
             raise ApiError(404, f"no instance {instance_id}", "instance_not_found")
         return describe_instance(cluster.state, instance)
 
     @post("/", status_code=201, responses=ERROR_RESPONSES)
-    async def create(self, cluster: Cluster, data: PlaceRequest) -> dict[str, Any]:
-        instance = await place_instance(cluster, data.model_id, data.node_ids, data.min_nodes)
+    async def create(self, cluster: Cluster, data: PlaceRequest) -> InstanceDescription:
+        instance = await place_instance(cluster, checked_model_id(data.model_id), data.node_ids, data.min_nodes)
         return describe_instance(cluster.state, instance)
 
     @delete("/{instance_id:str}", status_code=200, responses=ERROR_RESPONSES)
-    async def remove(self, cluster: Cluster, instance_id: str) -> dict[str, Any]:
+    async def remove(self, cluster: Cluster, instance_id: str) -> Deleted:
         await cluster.submit(DeleteInstance(instance_id=InstanceId(instance_id)))
-        return {"deleted": instance_id}
+        return Deleted(deleted=instance_id)

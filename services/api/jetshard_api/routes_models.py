@@ -3,19 +3,20 @@
 from __future__ import annotations
 
 import asyncio
-from typing import Any
 
 import msgspec
 from jetshard_schema.cards import ModelCard, ModelSource
 from jetshard_schema.commands import AddCustomModelCard, DeleteCustomModelCard
-from jetshard_schema.ids import ModelId, parse_model_id
+from jetshard_schema.ids import NodeId
 from jetshard_schema.models import all_cards, find_card, is_builtin
-from jetshard_schema.state import State
+from jetshard_schema.state import Download, State
 from litestar import Controller, Response, delete, get, post
+from litestar.openapi.datastructures import ResponseSpec
 
 from jetshard_api.cluster import Cluster
 from jetshard_api.errors import ERROR_RESPONSES, ApiError
 from jetshard_api.hub import fetch_card
+from jetshard_api.route_steps import Deleted, checked_model_id
 
 
 class AddModelRequest(msgspec.Struct, frozen=True):
@@ -25,21 +26,18 @@ class AddModelRequest(msgspec.Struct, frozen=True):
     the converted files. Every other card is fetched from the Hub."""
 
 
-def checked_model_id(value: str, param: str = "model_id") -> ModelId:
-    """`value` as a model id, or a 400 naming `param`, the request field it came from."""
-    try:
-        return parse_model_id(value)
-    except ValueError as error:
-        raise ApiError(400, str(error), "invalid_model_id", param) from error
+class ModelDescription(ModelCard, frozen=True, kw_only=True):
+    downloads: dict[NodeId, Download]
+    """This model's download on each node that has one."""
 
 
-def describe(state: State, card: ModelCard) -> dict[str, Any]:
+def describe(state: State, card: ModelCard) -> ModelDescription:
     downloads = {
-        node_id: msgspec.to_builtins(per_node[card.model_id])
+        node_id: per_node[card.model_id]
         for node_id, per_node in sorted(state.downloads.items())
         if card.model_id in per_node
     }
-    return {**msgspec.to_builtins(card), "downloads": downloads}
+    return ModelDescription(**msgspec.structs.asdict(card), downloads=downloads)
 
 
 class ModelsController(Controller):
@@ -47,20 +45,24 @@ class ModelsController(Controller):
     tags = ["models"]
 
     @get("/", responses=ERROR_RESPONSES)
-    async def list_models(self, cluster: Cluster) -> list[dict[str, Any]]:
+    async def list_models(self, cluster: Cluster) -> list[ModelDescription]:
         state = cluster.state
         return [describe(state, card) for card in all_cards(state).values()]
 
     @get("/{org:str}/{name:str}", responses=ERROR_RESPONSES)
-    async def show_model(self, cluster: Cluster, org: str, name: str) -> dict[str, Any]:
+    async def show_model(self, cluster: Cluster, org: str, name: str) -> ModelDescription:
         model_id = checked_model_id(f"{org}/{name}")
         card = find_card(cluster.state, model_id)
         if card is None:
             raise ApiError(404, f"unknown model {model_id}", "model_not_found")
         return describe(cluster.state, card)
 
-    @post("/", status_code=201, responses=ERROR_RESPONSES)
-    async def add_model(self, cluster: Cluster, data: AddModelRequest) -> Response[dict[str, Any]]:
+    @post(
+        "/",
+        status_code=201,
+        responses={**ERROR_RESPONSES, 200: ResponseSpec(ModelDescription, description="the model exists already")},
+    )
+    async def add_model(self, cluster: Cluster, data: AddModelRequest) -> Response[ModelDescription]:
         """Fetch a card from the Hub and add it to every node; 200 with the card if it exists already."""
         model_id = checked_model_id(data.model_id)
         if (existing := find_card(cluster.state, model_id)) is not None:
@@ -85,7 +87,7 @@ class ModelsController(Controller):
         return Response(describe(cluster.state, find_card(cluster.state, model_id) or card), status_code=201)
 
     @delete("/{org:str}/{name:str}", status_code=200, responses=ERROR_RESPONSES)
-    async def delete_model(self, cluster: Cluster, org: str, name: str) -> dict[str, Any]:
+    async def delete_model(self, cluster: Cluster, org: str, name: str) -> Deleted:
         """Delete a custom card; downloaded files stay where they are."""
         model_id = checked_model_id(f"{org}/{name}")
         if is_builtin(model_id):
@@ -93,4 +95,4 @@ class ModelsController(Controller):
         if model_id not in cluster.state.custom_cards:
             raise ApiError(404, f"no custom model card {model_id}", "model_not_found")
         await cluster.submit(DeleteCustomModelCard(model_id=model_id))
-        return {"deleted": model_id}
+        return Deleted(deleted=model_id)

@@ -11,19 +11,19 @@ import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator
+from contextlib import AsyncExitStack
 from typing import Any
 
 import msgspec
 from jetshard_schema.cards import ModelCard
 from jetshard_schema.codec import decode_chunk
 from jetshard_schema.commands import CancelTask, SubmitTask
-from jetshard_schema.events import TaskAssigned
+from jetshard_schema.events import TaskAssigned, TaskFinished
 from jetshard_schema.ids import InstanceId, ModelId, new_task_id
 from jetshard_schema.models import all_cards, find_card
 from jetshard_schema.sampling import documented_defaults
-from jetshard_schema.state import State, instance_status
 from jetshard_schema.subjects import chunk_subject
-from jetshard_schema.types import Chunk, InstanceStatus, TaskKind, TaskRequest, Usage
+from jetshard_schema.types import Chunk, TaskKind, TaskRequest, Usage
 from litestar import Controller, Request, Response, get, post
 from litestar.background_tasks import BackgroundTask
 from litestar.response import ServerSentEvent
@@ -34,35 +34,35 @@ from jetshard_api.cluster import Cluster
 from jetshard_api.disconnect import unless_disconnected
 from jetshard_api.errors import ERROR_RESPONSES, ApiError, error_body
 from jetshard_api.openai_types import (
+    AssistantMessage,
+    ChatChoice,
+    ChatCompletion,
     ChatCompletionRequest,
+    Completion,
+    CompletionChoice,
     CompletionRequest,
+    ModelList,
+    ModelObject,
+    UsageBody,
     chat_task,
     completion_task,
     strictly_decoded,
 )
-from jetshard_api.routes_instances import place_instance
-from jetshard_api.routes_models import checked_model_id
+from jetshard_api.route_steps import (
+    InferenceSettings,
+    checked_model_id,
+    ensure_placed,
+    ensure_ready,
+    ready_models,
+    wait_ready,
+)
 
 log = logging.getLogger(__name__)
 AnyRequest = Request[Any, Any, Any]
 
-TASK_GONE_GRACE_S = 1.0
 KEEP_ALIVE_S = 5.0
 BROKER_CHECK_S = 1.0
 """How often a request waiting for chunks checks that NATS is still reachable."""
-
-
-class InferenceSettings(msgspec.Struct, frozen=True):
-    auto_place: bool = True
-    """A request for a model with no instance places one and waits for it to be ready."""
-    ready_timeout_s: float = 600.0
-    chunk_silence_s: float = 60.0
-    """No chunk for this long (after the first) ends the request with an error."""
-    first_chunk_timeout_s: float = 300.0
-
-
-def ready_models(state: State) -> set[ModelId]:
-    return {i.model_id for i in state.instances.values() if instance_status(state, i) is InstanceStatus.READY}
 
 
 class ChunkStream:
@@ -72,9 +72,12 @@ class ChunkStream:
         self._cluster = cluster
         self._request = request
         self._settings = settings
-        self._queue: asyncio.Queue[bytes] = asyncio.Queue()
+        self._queue: asyncio.Queue[bytes | TaskFinished | None] = asyncio.Queue()
+        """Chunks as they arrive; then, once the task leaves State, its TaskFinished, or None if it left
+        without finishing."""
         self._subscription: Any = None
         self._next_index = 0
+        self._last_index: int | None = None
         self._instance_id: InstanceId | None = None
         self._generation = 0
         self._watcher: asyncio.Task[None] | None = None
@@ -102,6 +105,7 @@ class ChunkStream:
             # any await, which a cancelled caller (a disconnected client) would not get past.
             task = asyncio.create_task(self._cluster.publish(CancelTask(task_id=self._request.task_id)))
             task.add_done_callback(lambda t: t.cancelled() or t.exception())
+        self._cluster.forget_finish(self._request.task_id)
         if self._watcher is not None:
             self._watcher.cancel()
         if self._subscription is not None:
@@ -110,20 +114,20 @@ class ChunkStream:
 
     async def submit(self) -> None:
         task = await self._cluster.store_request(self._request)
+        finishing = self._cluster.expect_finish(self._request.task_id)
         events = await self._cluster.submit(SubmitTask(task=task))
         assigned = next((e for e in events if isinstance(e, TaskAssigned)), None)
         if assigned is not None:
             self._instance_id, self._generation = assigned.instance_id, assigned.generation
-        self._watcher = asyncio.create_task(self._watch())
+        self._watcher = asyncio.create_task(self._watch(finishing))
 
-    async def _watch(self) -> None:
-        """A task that leaves State without its last chunk (its instance restarted, failed or was deleted,
-        or someone cancelled it) will send nothing more: end the stream now instead of waiting for silence."""
+    async def _watch(self, finishing: asyncio.Future[TaskFinished]) -> None:
+        """Tell the reader when the task leaves State: with its TaskFinished (the index of its last chunk), or
+        with None when it left without finishing (its instance restarted, failed or was deleted, or someone
+        cancelled it), so the stream ends now instead of waiting for silence."""
         task_id = self._request.task_id
         await self._cluster.follower.wait_until(lambda s: task_id not in s.tasks, float("inf"))
-        # Chunks and events travel separately: give chunks already on their way a moment to arrive.
-        await asyncio.sleep(TASK_GONE_GRACE_S)
-        self._queue.put_nowait(b"")
+        self._queue.put_nowait(finishing.result() if finishing.done() else None)
 
     def _gone_error(self) -> ApiError:
         state = self._cluster.state
@@ -138,22 +142,30 @@ class ChunkStream:
             why = "it was cancelled"
         return ApiError(502, f"the generation stopped: {why}", "runner_failed")
 
-    async def next(self) -> Chunk:
+    async def _receive(self) -> bytes:
+        """The next chunk's bytes; raises ApiError when the task left without finishing, or on silence."""
         timeout = self._settings.first_chunk_timeout_s if self._next_index == 0 else self._settings.chunk_silence_s
         deadline = time.monotonic() + timeout
         while True:
             try:
-                data = await asyncio.wait_for(self._queue.get(), min(BROKER_CHECK_S, deadline - time.monotonic()))
-                break
+                item = await asyncio.wait_for(self._queue.get(), min(BROKER_CHECK_S, deadline - time.monotonic()))
             except TimeoutError as error:
                 # Chunks travel over NATS: without it none can come, so say so now rather than at the deadline.
                 self._cluster.require_broker()
                 if time.monotonic() >= deadline:
                     raise ApiError(504, f"the runner sent nothing for {timeout:.0f} s", "runner_timeout") from error
-        if not data:
-            self.finished = True
-            raise self._gone_error()
-        chunk = decode_chunk(data)
+                continue
+            if item is None:
+                self.finished = True
+                raise self._gone_error()
+            if isinstance(item, TaskFinished):
+                # Finished, and chunks travel apart from events: the ones up to its last are still on their way.
+                self._last_index = item.last_chunk_index
+                continue
+            return item
+
+    async def next(self) -> Chunk:
+        chunk = decode_chunk(await self._receive())
         if chunk.index != self._next_index:
             raise ApiError(502, f"chunk {self._next_index} of the output was lost (got {chunk.index})", "chunk_gap")
         self._next_index += 1
@@ -161,69 +173,12 @@ class ChunkStream:
             self.finished = True
             status = 400 if chunk.error_code == "context_length_exceeded" else 502
             raise ApiError(status, chunk.error, chunk.error_code or "runner_error")
-        if chunk.finish_reason is not None:
+        if chunk.finish_reason is not None or chunk.index == self._last_index:
             self.finished = True
         return chunk
 
 
-async def _ensure_ready(cluster: Cluster, model_id: ModelId, settings: InferenceSettings) -> None:
-    """Place an instance of `model_id` if none is alive (auto-place), then wait until one is ready."""
-    coming = await _ensure_placed(cluster, model_id, settings)
-    if coming:
-        await _wait_ready(cluster, model_id, coming, settings)
-
-
-async def _ensure_placed(cluster: Cluster, model_id: ModelId, settings: InferenceSettings) -> frozenset[InstanceId]:
-    """The instances of `model_id` on their way to ready (none: one is ready now), placing one with auto-place
-    when every earlier one failed. Raises ApiError (404, or placement refused) before any streaming starts."""
-    state = cluster.state
-    if model_id in ready_models(state):
-        return frozenset()
-    if find_card(state, model_id) is None:
-        raise ApiError(
-            404,
-            f"unknown model {model_id}; ready models: {sorted(ready_models(state)) or 'none'}",
-            "model_not_found",
-            "model",
-        )
-    alive = frozenset(i.instance_id for i in state.instances.values() if i.model_id == model_id and not i.failed)
-    if alive:
-        return alive
-    if not settings.auto_place:
-        raise ApiError(
-            404,
-            f"{model_id} has no instance and auto-placement is off; ready models: "
-            f"{sorted(ready_models(state)) or 'none'}",
-            "model_not_found",
-            "model",
-        )
-    return frozenset({(await place_instance(cluster, model_id)).instance_id})
-
-
-async def _wait_ready(
-    cluster: Cluster, model_id: ModelId, coming: frozenset[InstanceId], settings: InferenceSettings
-) -> None:
-    """Until an instance of `model_id` is ready; 503 as soon as every instance in `coming` failed or left."""
-
-    def ready_or_hopeless(s: State) -> bool:
-        if model_id in ready_models(s):
-            return True
-        return all(i not in s.instances or s.instances[i].failed for i in coming)
-
-    try:
-        state = await cluster.follower.wait_until(ready_or_hopeless, settings.ready_timeout_s)
-    except TimeoutError as error:
-        raise ApiError(
-            504, f"{model_id} did not become ready in {settings.ready_timeout_s:.0f} s", "instance_timeout"
-        ) from error
-    if model_id not in ready_models(state):
-        failed = [state.instances[i].failed_reason for i in sorted(coming) if i in state.instances]
-        raise ApiError(
-            503, f"{model_id} is unavailable: {'; '.join(failed) or 'its instance was removed'}", "model_unavailable"
-        )
-
-
-def _sse(payload: dict[str, Any] | str) -> ServerSentEventMessage:
+def _sse(payload: object) -> ServerSentEventMessage:
     return ServerSentEventMessage(data=payload if isinstance(payload, str) else msgspec.json.encode(payload).decode())
 
 
@@ -232,15 +187,15 @@ class OpenAIController(Controller):
     tags = ["openai"]
 
     @get("/models", responses=ERROR_RESPONSES)
-    async def models(self, cluster: Cluster) -> dict[str, Any]:
+    async def models(self, cluster: Cluster) -> ModelList:
         state = cluster.state
         ready = ready_models(state)
         data = [_model_object(model_id, card, ready) for model_id, card in all_cards(state).items()]
-        data.sort(key=lambda m: (not m["ready"], m["id"]))
-        return {"object": "list", "data": data}
+        data.sort(key=lambda m: (not m.ready, m.id))
+        return ModelList(data=data)
 
     @get("/models/{model_id:path}", responses=ERROR_RESPONSES)
-    async def model(self, cluster: Cluster, model_id: str) -> dict[str, Any]:
+    async def model(self, cluster: Cluster, model_id: str) -> ModelObject:
         """One model, as `client.models.retrieve("org/name")` asks for it."""
         checked = checked_model_id(model_id.lstrip("/"), param="model")
         card = find_card(cluster.state, checked)
@@ -255,58 +210,81 @@ class OpenAIController(Controller):
         settings: InferenceSettings,
         data: ChatCompletionRequest,
         request: AnyRequest,
-    ) -> Response[Any] | ServerSentEvent:
+    ) -> Response[ChatCompletion] | ServerSentEvent:
+        """The answer as one JSON body, or with `stream` as Server-Sent Events of `chat.completion.chunk`s."""
         data = strictly_decoded(await request.body(), ChatCompletionRequest)
         task = chat_task(new_task_id(), checked_model_id(data.model, param="model"), data)
         include_usage = bool(data.stream_options and data.stream_options.include_usage)
-        return await _serve(cluster, settings, task, data.stream, include_usage, request.receive)
+        if data.stream:
+            return await _stream(cluster, settings, task, include_usage, request.receive)
+        content, finish, usage = await unless_disconnected(request.receive, _collect(cluster, settings, task))
+        # A Response, not the bare body: the route's media type would otherwise be JSON for the stream too.
+        return Response(
+            ChatCompletion(
+                id=_response_id(task),
+                created=int(time.time()),
+                model=task.model_id,
+                choices=[ChatChoice(finish_reason=finish, message=AssistantMessage(content=content))],
+                usage=UsageBody.of(usage),
+            )
+        )
 
     @post("/completions", status_code=200, responses=ERROR_RESPONSES)
     async def completions(
         self, cluster: Cluster, settings: InferenceSettings, data: CompletionRequest, request: AnyRequest
-    ) -> Response[Any] | ServerSentEvent:
+    ) -> Response[Completion] | ServerSentEvent:
+        """The answer as one JSON body, or with `stream` as Server-Sent Events of `text_completion`s."""
         data = strictly_decoded(await request.body(), CompletionRequest)
         task = completion_task(new_task_id(), checked_model_id(data.model, param="model"), data)
         include_usage = bool(data.stream_options and data.stream_options.include_usage)
-        return await _serve(cluster, settings, task, data.stream, include_usage, request.receive)
+        if data.stream:
+            return await _stream(cluster, settings, task, include_usage, request.receive)
+        text, finish, usage = await unless_disconnected(request.receive, _collect(cluster, settings, task))
+        return Response(
+            Completion(
+                id=_response_id(task),
+                created=int(time.time()),
+                model=task.model_id,
+                choices=[CompletionChoice(finish_reason=finish, text=text)],
+                usage=UsageBody.of(usage),
+            )
+        )
 
 
-def _model_object(model_id: ModelId, card: ModelCard, ready: set[ModelId]) -> dict[str, Any]:
-    return {
-        "id": model_id,
-        "object": "model",
-        "created": 0,
-        "owned_by": model_id.split("/")[0],
-        "ready": model_id in ready,
-        "placeable": model_id not in ready,
-        # What a request that leaves these out gets, unless the model directory's generation_config.json
-        # sets them (the runner reads it; see jetshard_schema.sampling).
-        "generation_defaults": msgspec.to_builtins(documented_defaults(card.generation)),
-    }
+def _model_object(model_id: ModelId, card: ModelCard, ready: set[ModelId]) -> ModelObject:
+    return ModelObject(
+        id=model_id,
+        owned_by=model_id.split("/")[0],
+        ready=model_id in ready,
+        placeable=model_id not in ready,
+        generation_defaults=documented_defaults(card.generation),
+    )
 
 
-async def _serve(
+def _response_id(task: TaskRequest) -> str:
+    return ("chatcmpl-" if task.kind is TaskKind.CHAT else "cmpl-") + task.task_id.removeprefix("task-")
+
+
+async def _stream(
     cluster: Cluster,
     settings: InferenceSettings,
     task: TaskRequest,
-    stream: bool,
     include_usage: bool,
     receive: Receive,
-) -> Response[Any] | ServerSentEvent:
+) -> ServerSentEvent:
     cluster.require_broker()
     chat = task.kind is TaskKind.CHAT
-    created = int(time.time())
-    response_id = ("chatcmpl-" if chat else "cmpl-") + task.task_id.removeprefix("task-")
     base = {
-        "id": response_id,
+        "id": _response_id(task),
         "object": "chat.completion.chunk" if chat else "text_completion",
-        "created": created,
+        "created": int(time.time()),
         "model": task.model_id,
     }
-    if not stream:
-        body = await unless_disconnected(receive, _complete(cluster, settings, task, base))
-        return Response(body)
-
+    # Everything the stream holds open (the chunk subscription, the task watcher) is entered on this stack,
+    # which the generator owns from its first step. A client that leaves while the stream waits to send
+    # cancels the sending task, not the generator (its clean-up would wait for garbage collection), and a
+    # generator never iterated never cleans up: the response's background step closes the stack for sure.
+    resources = AsyncExitStack()
     chunks = ChunkStream(cluster, task, settings)
     coming: frozenset[InstanceId] = frozenset()
 
@@ -314,69 +292,71 @@ async def _serve(
         """Unknown model, auto-place off, placement refused, an over-long prompt: a plain HTTP error, before
         the stream starts. None: the model is still being placed (the stream waits for it)."""
         nonlocal coming
-        coming = await _ensure_placed(cluster, task.model_id, settings)
+        coming = await ensure_placed(cluster, task.model_id, settings)
         if coming:
             return None
-        await chunks.__aenter__()
-        try:
-            await chunks.submit()
-            return await chunks.next()
-        except BaseException:
-            await chunks.close()
-            raise
+        await resources.enter_async_context(chunks)
+        await chunks.submit()
+        return await chunks.next()
 
-    first = await unless_disconnected(receive, first_chunk())
+    try:
+        first = await unless_disconnected(receive, first_chunk())
+    except BaseException:
+        await resources.aclose()
+        raise
 
     async def events() -> AsyncIterator[ServerSentEventMessage]:
-        try:
-            pending = first
-            if pending is None:
-                waiting = asyncio.create_task(_wait_ready(cluster, task.model_id, coming, settings))
-                while not waiting.done():
-                    # At once (the client sees the response start), then every few seconds.
-                    yield ServerSentEventMessage(comment="waiting for the model to be ready", data=None)
-                    await asyncio.wait({waiting}, timeout=KEEP_ALIVE_S)
-                waiting.result()
-                await chunks.__aenter__()
-                await chunks.submit()
-                pending = await chunks.next()
-            if chat:
-                yield _sse(
-                    {
-                        **base,
-                        "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}],
-                    }
-                )
-            while True:
-                finish = str(pending.finish_reason) if pending.finish_reason else None
-                if pending.text or finish:
-                    piece = (
-                        {"delta": {"content": pending.text} if pending.text else {}} if chat else {"text": pending.text}
+        async with resources:
+            try:
+                pending = first
+                if pending is None:
+                    waiting = asyncio.create_task(wait_ready(cluster, task.model_id, coming, settings))
+                    while not waiting.done():
+                        # At once (the client sees the response start), then every few seconds.
+                        yield ServerSentEventMessage(comment="waiting for the model to be ready", data=None)
+                        await asyncio.wait({waiting}, timeout=KEEP_ALIVE_S)
+                    waiting.result()
+                    await resources.enter_async_context(chunks)
+                    await chunks.submit()
+                    pending = await chunks.next()
+                if chat:
+                    yield _sse(
+                        {
+                            **base,
+                            "choices": [
+                                {"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}
+                            ],
+                        }
                     )
-                    yield _sse({**base, "choices": [{"index": 0, **piece, "finish_reason": finish, "logprobs": None}]})
-                if chunks.finished:
-                    if include_usage:
-                        yield _sse({**base, "choices": [], "usage": _usage(pending.usage)})
-                    break
-                pending = await chunks.next()
-        except ApiError as error:
-            yield _sse(error_body(error.status, error.message, error.code, error.param))
-        finally:
-            # The stream ends, fails, or its generator is cancelled: the task is cancelled unless it finished.
-            await chunks.close()
+                while True:
+                    finish = str(pending.finish_reason) if pending.finish_reason else None
+                    if pending.text or finish:
+                        piece = (
+                            {"delta": {"content": pending.text} if pending.text else {}}
+                            if chat
+                            else {"text": pending.text}
+                        )
+                        yield _sse(
+                            {**base, "choices": [{"index": 0, **piece, "finish_reason": finish, "logprobs": None}]}
+                        )
+                    if chunks.finished:
+                        if include_usage:
+                            yield _sse({**base, "choices": [], "usage": UsageBody.of(pending.usage)})
+                        break
+                    pending = await chunks.next()
+            except ApiError as error:
+                yield _sse(error_body(error.status, error.message, error.code, error.param))
         yield _sse("[DONE]")
 
-    # A client that leaves while the stream waits to send cancels the sending task, not this generator (its
-    # finally would wait for garbage collection): the response's background step closes the stream for sure.
-    return ServerSentEvent(events(), background=BackgroundTask(chunks.close))
+    return ServerSentEvent(events(), background=BackgroundTask(resources.aclose))
 
 
-async def _complete(
-    cluster: Cluster, settings: InferenceSettings, task: TaskRequest, base: dict[str, Any]
-) -> dict[str, Any]:
-    """The whole answer of a non-streaming request."""
-    chat = task.kind is TaskKind.CHAT
-    await _ensure_ready(cluster, task.model_id, settings)
+async def _collect(
+    cluster: Cluster, settings: InferenceSettings, task: TaskRequest
+) -> tuple[str, str | None, Usage | None]:
+    """The whole answer of a non-streaming request: its text, finish reason and usage."""
+    cluster.require_broker()
+    await ensure_ready(cluster, task.model_id, settings)
     text, finish, usage = [], None, None
     async with ChunkStream(cluster, task, settings) as chunks:
         await chunks.submit()
@@ -384,24 +364,4 @@ async def _complete(
             chunk = await chunks.next()
             text.append(chunk.text)
             finish, usage = chunk.finish_reason, chunk.usage
-    content = "".join(text)
-    choice: dict[str, Any] = {"index": 0, "finish_reason": str(finish) if finish else None, "logprobs": None}
-    if chat:
-        choice["message"] = {"role": "assistant", "content": content}
-    else:
-        choice["text"] = content
-    return {
-        **base,
-        "object": "chat.completion" if chat else "text_completion",
-        "choices": [choice],
-        "usage": _usage(usage),
-    }
-
-
-def _usage(usage: Usage | None) -> dict[str, int]:
-    usage = usage or Usage(prompt_tokens=0, completion_tokens=0)
-    return {
-        "prompt_tokens": usage.prompt_tokens,
-        "completion_tokens": usage.completion_tokens,
-        "total_tokens": usage.total_tokens,
-    }
+    return "".join(text), str(finish) if finish else None, usage

@@ -15,7 +15,7 @@ from jetshard_bus.streams import BusTimings
 
 from jetshard_api.app import create_app
 from jetshard_api.cluster import Cluster
-from jetshard_api.routes_openai import InferenceSettings
+from jetshard_api.route_steps import InferenceSettings
 from jetshard_api.safety import HttpSafety
 
 log = logging.getLogger(__name__)

@@ -371,7 +371,13 @@ def _report_task_finished(state: State, command: commands.ReportTaskFinished, ct
     if command.task_id not in state.tasks:
         return []
     return [
-        events.TaskFinished(task_id=command.task_id, outcome=command.outcome, usage=command.usage, error=command.error)
+        events.TaskFinished(
+            task_id=command.task_id,
+            outcome=command.outcome,
+            usage=command.usage,
+            error=command.error,
+            last_chunk_index=command.last_chunk_index,
+        )
     ]
 
 

@@ -225,6 +225,7 @@ class Runner:
                     outcome=TaskOutcome.ERROR,
                     usage=Usage(prompt_tokens=0, completion_tokens=0),
                     error=message,
+                    last_chunk_index=0,
                 ),
             )
         )
@@ -272,7 +273,11 @@ class Runner:
             publish_command(
                 self._js,
                 ReportTaskFinished(
-                    task_id=TaskId(task_id), instance_id=self.spec.instance_id, outcome=outcome, usage=usage
+                    task_id=TaskId(task_id),
+                    instance_id=self.spec.instance_id,
+                    outcome=outcome,
+                    usage=usage,
+                    last_chunk_index=index,
                 ),
             )
         )

@@ -1,0 +1,114 @@
+"""Steps the routes share: checking a model id, placing an instance, waiting for a model to be ready; and
+the answer of every DELETE.
+
+Route modules call down into this one and never into each other, so a request flows one way.
+"""
+
+from __future__ import annotations
+
+import msgspec
+from jetshard_schema.commands import PlaceInstance
+from jetshard_schema.ids import InstanceId, ModelId, NodeId, new_instance_id, parse_model_id
+from jetshard_schema.models import find_card
+from jetshard_schema.state import Instance, State, instance_status
+from jetshard_schema.types import InstanceStatus
+
+from jetshard_api.cluster import Cluster
+from jetshard_api.errors import ApiError
+
+
+class InferenceSettings(msgspec.Struct, frozen=True):
+    auto_place: bool = True
+    """A request for a model with no instance places one and waits for it to be ready."""
+    ready_timeout_s: float = 600.0
+    chunk_silence_s: float = 60.0
+    """No chunk for this long (after the first) ends the request with an error."""
+    first_chunk_timeout_s: float = 300.0
+
+
+class Deleted(msgspec.Struct, frozen=True):
+    deleted: str
+
+
+def checked_model_id(value: str, param: str = "model_id") -> ModelId:
+    """`value` as a model id, or a 400 naming `param`, the request field it came from."""
+    try:
+        return parse_model_id(value)
+    except ValueError as error:
+        raise ApiError(400, str(error), "invalid_model_id", param) from error
+
+
+def ready_models(state: State) -> set[ModelId]:
+    return {i.model_id for i in state.instances.values() if instance_status(state, i) is InstanceStatus.READY}
+
+
+async def place_instance(
+    cluster: Cluster, model_id: ModelId, node_ids: list[str] | None = None, min_nodes: int = 1
+) -> Instance:
+    instance_id = new_instance_id()
+    await cluster.submit(
+        PlaceInstance(
+            instance_id=instance_id,
+            model_id=model_id,
+            node_ids=tuple(NodeId(n) for n in node_ids) if node_ids else None,
+            min_nodes=min_nodes,
+        )
+    )
+    return cluster.state.instances[instance_id]
+
+
+async def ensure_ready(cluster: Cluster, model_id: ModelId, settings: InferenceSettings) -> None:
+    """Place an instance of `model_id` if none is alive (auto-place), then wait until one is ready."""
+    coming = await ensure_placed(cluster, model_id, settings)
+    if coming:
+        await wait_ready(cluster, model_id, coming, settings)
+
+
+async def ensure_placed(cluster: Cluster, model_id: ModelId, settings: InferenceSettings) -> frozenset[InstanceId]:
+    """The instances of `model_id` on their way to ready (none: one is ready now), placing one with auto-place
+    when every earlier one failed. Raises ApiError (404, or placement refused) before any streaming starts."""
+    state = cluster.state
+    if model_id in ready_models(state):
+        return frozenset()
+    if find_card(state, model_id) is None:
+        raise ApiError(
+            404,
+            f"unknown model {model_id}; ready models: {sorted(ready_models(state)) or 'none'}",
+            "model_not_found",
+            "model",
+        )
+    alive = frozenset(i.instance_id for i in state.instances.values() if i.model_id == model_id and not i.failed)
+    if alive:
+        return alive
+    if not settings.auto_place:
+        raise ApiError(
+            404,
+            f"{model_id} has no instance and auto-placement is off; ready models: "
+            f"{sorted(ready_models(state)) or 'none'}",
+            "model_not_found",
+            "model",
+        )
+    return frozenset({(await place_instance(cluster, model_id)).instance_id})
+
+
+async def wait_ready(
+    cluster: Cluster, model_id: ModelId, coming: frozenset[InstanceId], settings: InferenceSettings
+) -> None:
+    """Until an instance of `model_id` is ready; 503 as soon as every instance in `coming` failed or left."""
+
+    def ready_or_hopeless(s: State) -> bool:
+        if model_id in ready_models(s):
+            return True
+        return all(i not in s.instances or s.instances[i].failed for i in coming)
+
+    try:
+        state = await cluster.follower.wait_until(ready_or_hopeless, settings.ready_timeout_s)
+    except TimeoutError as error:
+        raise ApiError(
+            504, f"{model_id} did not become ready in {settings.ready_timeout_s:.0f} s", "instance_timeout"
+        ) from error
+    if model_id not in ready_models(state):
+        failed = [state.instances[i].failed_reason for i in sorted(coming) if i in state.instances]
+        raise ApiError(
+            503, f"{model_id} is unavailable: {'; '.join(failed) or 'its instance was removed'}", "model_unavailable"
+        )
