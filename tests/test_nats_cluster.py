@@ -84,9 +84,12 @@ def r3_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[InferenceCl
 def chat(api: str) -> int:
     body = {"model": MODEL, "max_tokens": 4, "messages": [{"role": "user", "content": "hello"}]}
     try:
-        return httpx.post(f"{api}/v1/chat/completions", json=body, timeout=60).status_code
+        response = httpx.post(f"{api}/v1/chat/completions", json=body, timeout=60)
     except httpx.HTTPError:
         return 0
+    if response.status_code != 200:
+        print(f"chat answered {response.status_code}: {response.text[:300]}")
+    return response.status_code
 
 
 @pytest.mark.timeout(240)

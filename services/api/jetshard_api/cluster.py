@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import time
+from collections.abc import Awaitable, Callable
+from typing import TypeVar
 
 import nats.errors
 from jetshard_bus.commands import publish_command
@@ -18,6 +21,11 @@ from nats.aio.client import Client
 from nats.js import JetStreamContext
 
 from jetshard_api.errors import REJECT_STATUS, ApiError
+
+ELECTION_WAIT_S = 15.0
+"""How long a publish waits for a stream without a leader (a few seconds of raft election, longer on a loaded
+machine) before the request is answered 503."""
+T = TypeVar("T")
 
 
 def broker_unavailable(why: str = "") -> ApiError:
@@ -70,11 +78,7 @@ class Cluster:
         command_id = new_command_id()
         outcome = self.follower.expect(command_id)
         try:
-            try:
-                await publish_command(self.js, command, command_id)
-            except (nats.errors.Error, TimeoutError) as error:
-                # Not stored (or not confirmed): NATS went away, or JetStream has no stream leader right now.
-                raise broker_unavailable(f"{type(error).__name__}: {error}".rstrip(": ")) from error
+            await self._stored(lambda: publish_command(self.js, command, command_id))
             envelopes = await asyncio.wait_for(outcome, timeout_s or self.command_timeout_s)
         except TimeoutError as error:
             raise ApiError(
@@ -91,10 +95,26 @@ class Cluster:
     async def store_request(self, request: TaskRequest) -> TaskRef:
         """Keep a task's request (its prompt) in JETSHARD_TASKS, where its runner reads it; the reference
         goes into the command, so no permanent log holds the prompt."""
-        ack = await self.js.publish(
-            task_subject(request.task_id), encode(request), headers={MSG_ID_HEADER: request.task_id}, timeout=5.0
+        self.require_broker()
+        ack = await self._stored(
+            lambda: self.js.publish(
+                task_subject(request.task_id), encode(request), headers={MSG_ID_HEADER: request.task_id}, timeout=5.0
+            )
         )
         return TaskRef(task_id=request.task_id, model_id=request.model_id, kind=request.kind, request_seq=ack.seq)
+
+    async def _stored(self, publish: Callable[[], Awaitable[T]]) -> T:
+        """A JetStream publish, tried again while the stream elects a new leader (a NATS server of a cluster
+        went away): the message id makes a repeat harmless. 503 once NATS itself is unreachable, or the
+        stream stays leaderless longer than `ELECTION_WAIT_S`."""
+        deadline = time.monotonic() + ELECTION_WAIT_S
+        while True:
+            try:
+                return await publish()
+            except (nats.errors.Error, TimeoutError) as error:
+                if not self.client.is_connected or time.monotonic() >= deadline:
+                    raise broker_unavailable(f"{type(error).__name__}: {error}".rstrip(": ")) from error
+                await asyncio.sleep(0.25)
 
     async def publish(self, command: Command) -> None:
         """Publish without waiting for the outcome (fire-and-forget reports such as a cancel)."""

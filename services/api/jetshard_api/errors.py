@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import logging
+
 import msgspec
 from jetshard_schema.types import RejectCode
 from litestar import Request, Response
 from litestar.exceptions import HTTPException, ValidationException
 from litestar.openapi.datastructures import ResponseSpec
+
+log = logging.getLogger(__name__)
 
 _TYPES = {
     400: "invalid_request_error",
@@ -91,5 +95,6 @@ def nesting_error_handler(_: Request, error: RecursionError) -> Response[dict[st
     return Response(error_body(400, f"the JSON body is nested too deeply: {error}"), status_code=400)
 
 
-def internal_error_handler(_: Request, error: Exception) -> Response[dict[str, object]]:
+def internal_error_handler(request: Request, error: Exception) -> Response[dict[str, object]]:
+    log.error("%s %s failed", request.method, request.url.path, exc_info=error)
     return Response(error_body(500, f"internal error: {error}"), status_code=500)
