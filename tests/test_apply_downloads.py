@@ -6,11 +6,10 @@ import logging
 
 import msgspec
 import pytest
-from helpers.states import fold
+from helpers.states import downloaded, fold, raw_envelope
 from jetshard_schema import codec
 from jetshard_schema.events import (
     DownloadCancelled,
-    DownloadCompleted,
     DownloadDeleted,
     DownloadDeleteRequested,
     DownloadFailed,
@@ -39,19 +38,7 @@ SAMPLES: list[Event] = [
             directory="/models",
         ),
     ),
-    DownloadCompleted(
-        node_id=NODE,
-        model_id=MODEL,
-        progress=DownloadProgress(
-            status=DownloadStatus.COMPLETED,
-            bytes_done=100,
-            directory="/models",
-            read_only=False,
-            start_layer=0,
-            end_layer=4,
-            bytes_total=100,
-        ),
-    ),
+    downloaded(NODE, MODEL, 0, 4, "/models", size=100),
     DownloadFailed(node_id=NODE, model_id=MODEL, reason="disk full"),
     DownloadCancelled(node_id=NODE, model_id=MODEL),
     DownloadDeleteRequested(node_id=NODE, model_id=MODEL),
@@ -177,6 +164,6 @@ def test_state_json_round_trip() -> None:
 
 
 def test_an_event_whose_body_is_not_an_object_is_skipped(caplog: pytest.LogCaptureFixture) -> None:
-    body = {"command_id": "c", "command_seq": 1, "index": 0, "count": 1, "at_ms": 0, "event": [1, 2]}
+    body = raw_envelope([1, 2])
     with caplog.at_level(logging.WARNING, logger="jetshard_schema.codec"):
         assert codec.decode_event(msgspec.json.encode(body)) is None

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+from helpers import states
 from helpers.states import fold
 from jetshard_schema import codec
 from jetshard_schema.events import (
@@ -20,8 +21,6 @@ from jetshard_schema.events import (
 from jetshard_schema.ids import CommandId, InstanceId, ModelId, NodeId, TaskId
 from jetshard_schema.state import instance_status
 from jetshard_schema.types import (
-    DownloadProgress,
-    DownloadStatus,
     Endpoint,
     InstanceStatus,
     RunnerReport,
@@ -62,19 +61,7 @@ COVERED = {type(e) for e in SAMPLES}
 
 
 def downloaded(node: NodeId, start: int, end: int) -> DownloadCompleted:
-    return DownloadCompleted(
-        node_id=node,
-        model_id=MODEL,
-        progress=DownloadProgress(
-            status=DownloadStatus.COMPLETED,
-            bytes_done=1,
-            directory="/m",
-            read_only=False,
-            start_layer=start,
-            end_layer=end,
-            bytes_total=1,
-        ),
-    )
+    return states.downloaded(node, MODEL, start, end)
 
 
 def assigned(task: str) -> TaskAssigned:

@@ -7,7 +7,7 @@ import logging
 import msgspec
 import pytest
 from helpers.cards import tiny_card
-from helpers.states import fold
+from helpers.states import fold, raw_envelope
 from jetshard_schema import codec
 from jetshard_schema.events import (
     CustomModelCardAdded,
@@ -68,14 +68,7 @@ def test_state_json_round_trip() -> None:
 
 
 def test_unknown_event_type_is_skipped_with_one_warning(caplog: pytest.LogCaptureFixture) -> None:
-    body = {
-        "command_id": "c",
-        "command_seq": 1,
-        "index": 0,
-        "count": 1,
-        "at_ms": 0,
-        "event": {"type": "ModelTeleportedFromTheFuture", "model_id": MODEL},
-    }
+    body = raw_envelope({"type": "ModelTeleportedFromTheFuture", "model_id": MODEL})
     data = msgspec.json.encode(body)
     with caplog.at_level(logging.WARNING, logger="jetshard_schema.codec"):
         assert codec.decode_event(data) is None
@@ -85,15 +78,8 @@ def test_unknown_event_type_is_skipped_with_one_warning(caplog: pytest.LogCaptur
 
 
 def test_unknown_fields_of_a_known_event_are_ignored() -> None:
-    body = {
-        "command_id": "c",
-        "command_seq": 1,
-        "index": 0,
-        "count": 1,
-        "at_ms": 0,
-        "added_later": True,
-        "event": {"type": "ModelSizeMeasured", "model_id": MODEL, "storage_size_bytes": 5, "new": 1},
-    }
+    event = {"type": "ModelSizeMeasured", "model_id": MODEL, "storage_size_bytes": 5, "new": 1}
+    body = raw_envelope(event, added_later=True)
     envelope = codec.decode_event(msgspec.json.encode(body))
     assert envelope is not None
     assert envelope.event == ModelSizeMeasured(model_id=MODEL, storage_size_bytes=5)

@@ -6,7 +6,7 @@ import logging
 
 import msgspec
 import pytest
-from helpers.states import fold
+from helpers.states import fold, raw_envelope
 from jetshard_schema import codec
 from jetshard_schema.events import (
     CommandRejected,
@@ -117,14 +117,7 @@ def test_malformed_payload_is_skipped_with_a_warning(caplog: pytest.LogCaptureFi
 
 
 def test_event_with_a_wrong_field_type_is_skipped(caplog: pytest.LogCaptureFixture) -> None:
-    body = {
-        "command_id": "c",
-        "command_seq": 1,
-        "index": 0,
-        "count": 1,
-        "at_ms": 0,
-        "event": {"type": "NodeLost", "node_id": 42, "reason": "x"},
-    }
+    body = raw_envelope({"type": "NodeLost", "node_id": 42, "reason": "x"})
     with caplog.at_level(logging.WARNING, logger="jetshard_schema.codec"):
         assert codec.decode_event(msgspec.json.encode(body)) is None
     # One warning per type per process: another test may have warned about NodeLost already.

@@ -10,9 +10,7 @@ import itertools
 import json
 import os
 import signal
-import socket
 import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
@@ -20,6 +18,7 @@ from typing import Any
 
 import mlx.core as mx
 import pytest
+from helpers.engine_rank import free_ports, rank_command
 from helpers.tiny_models import layer_of, make_tiny_model
 from jetshard_schema.types import TaskOutcome
 from jetshard_worker.engine import (
@@ -31,7 +30,6 @@ from jetshard_worker.engine import (
 from mlx_lm import load as mlx_load
 from mlx_lm.generate import stream_generate
 
-RANK_SCRIPT = Path(__file__).parent / "helpers" / "engine_rank.py"
 MAX_TOKENS = 20
 ARCHS = ("llama", "qwen3")
 PROMPTS = (
@@ -103,18 +101,6 @@ def run_single(engine: PipelineEngine, requests: list[GenerationRequest], collec
     assert not thread.is_alive()
 
 
-def free_ports(n: int) -> list[int]:
-    sockets = []
-    for _ in range(n):
-        s = socket.socket()
-        s.bind(("127.0.0.1", 0))
-        sockets.append(s)
-    ports = [s.getsockname()[1] for s in sockets]
-    for s in sockets:
-        s.close()
-    return ports
-
-
 def launch_ranks(
     model_dir: Path,
     ranges: list[tuple[int, int]],
@@ -134,26 +120,11 @@ def launch_ranks(
         for rank in range(ranks):
             log = open(work / f"rank{rank}.log", "wb")
             logs.append(log)
-            cmd = [
-                sys.executable,
-                str(RANK_SCRIPT),
-                "--model-dir",
-                str(model_dir),
-                "--start",
-                str(ranges[rank][0]),
-                "--end",
-                str(ranges[rank][1]),
-                "--rank",
-                str(rank),
-                "--hostfile",
-                str(hostfile),
-                "--out",
-                str(work / f"rank{rank}.json"),
-                "--prefill-step-size",
-                str(prefill_step_size),
-            ]
-            if rank == ranks - 1:
-                cmd += ["--requests", str(work / "requests.json")]
+            start, end = ranges[rank]
+            out = work / f"rank{rank}.json"
+            requests_file = work / "requests.json" if rank == ranks - 1 else None
+            extra = ("--prefill-step-size", str(prefill_step_size))
+            cmd = rank_command(model_dir, start, end, rank, out, hostfile, requests_file, *extra)
             # Own process group each, so teardown can kill a rank and anything it started.
             procs.append(subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True))
         deadline = time.monotonic() + timeout

@@ -7,6 +7,7 @@ from collections.abc import Sequence
 import msgspec
 import pytest
 from helpers.cards import tiny_card
+from helpers.states import completed
 from jetshard_api.errors import REJECT_STATUS
 from jetshard_schema.commands import (
     AddCustomModelCard,
@@ -124,13 +125,7 @@ class InMemoryCluster:
                 ReportDownloadProgress(
                     node_id=shard.node_id,
                     model_id=MODEL,
-                    progress=DownloadProgress(
-                        status=DownloadStatus.COMPLETED,
-                        start_layer=shard.start_layer,
-                        end_layer=shard.end_layer,
-                        directory="/m",
-                        bytes_total=1,
-                    ),
+                    progress=completed(shard.start_layer, shard.end_layer),
                 )
             )
             self.run(self.runner(instance_id, shard.rank, RunnerStatus.READY))
@@ -313,14 +308,7 @@ def test_delete_download_refuses_read_only_and_in_use(cluster: InMemoryCluster) 
         ReportDownloadProgress(
             node_id=A,
             model_id=MODEL,
-            progress=DownloadProgress(
-                status=DownloadStatus.COMPLETED,
-                start_layer=0,
-                end_layer=8,
-                directory="/ro",
-                read_only=True,
-                bytes_total=1,
-            ),
+            progress=completed(0, 8, "/ro", read_only=True),
         )
     )
     refusal = rejected(cluster.run(DeleteDownload(model_id=MODEL, node_id=A)), RejectCode.CONFLICT)
@@ -329,9 +317,7 @@ def test_delete_download_refuses_read_only_and_in_use(cluster: InMemoryCluster) 
         ReportDownloadProgress(
             node_id=A,
             model_id=MODEL,
-            progress=DownloadProgress(
-                status=DownloadStatus.COMPLETED, start_layer=0, end_layer=8, directory="/rw", bytes_total=1
-            ),
+            progress=completed(0, 8, "/rw"),
         )
     )
     instance = cluster.place("inst-1", [A])

@@ -16,6 +16,7 @@ from typing import Any
 
 import msgspec
 import pytest
+from helpers.cards import TINY_SHAPE
 from helpers.harness import Cluster, until
 from jetshard_bus.node import node_id_for
 from jetshard_schema import subjects
@@ -28,15 +29,7 @@ pytestmark = pytest.mark.timeout(120)
 
 WORKER_STARTED = "started; cards in"
 
-CARD = {
-    "num_layers": 4,
-    "hidden_size": 64,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "vocab_size": 100,
-    "architecture": "llama",
-    "storage_size_bytes": 1000,
-}
+CARD = {**TINY_SHAPE, "storage_size_bytes": 1000}
 
 
 def place(instance_id: str, model_id: str = "org/model") -> tuple[str, dict[str, Any]]:

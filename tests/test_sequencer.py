@@ -103,6 +103,15 @@ async def standby_ready(js) -> None:
     await asyncio.sleep(1)  # deliberate timing: nothing observable says the standby is past start-up
 
 
+async def leader_and_standby(processes, js, url: str):
+    """seq1 leading and seq2 standing by; the leader's process."""
+    leader = sequencer(processes, "seq1", url)
+    await leading(processes, "seq1")
+    sequencer(processes, "seq2", url)
+    await standby_ready(js)
+    return leader
+
+
 async def test_the_same_command_published_twice_gives_one_set_of_events(bus, fresh_nats, processes) -> None:
     _, js = bus
     follower = await follow(js)
@@ -195,10 +204,7 @@ async def test_a_command_redelivered_after_the_dedupe_window_has_one_outcome(fre
 async def test_kill_9_of_the_leader_during_a_burst_loses_and_duplicates_nothing(bus, fresh_nats, processes) -> None:
     _, js = bus
     follower = await follow(js)
-    leader = sequencer(processes, "seq1", fresh_nats.url)
-    await leading(processes, "seq1")
-    sequencer(processes, "seq2", fresh_nats.url)
-    await standby_ready(js)
+    leader = await leader_and_standby(processes, js, fresh_nats.url)
 
     count = 2000
     ids = [CommandId(f"burst-{n}") for n in range(count)]
@@ -250,10 +256,7 @@ async def test_an_append_with_a_stale_expected_sequence_is_refused(bus) -> None:
 async def test_a_paused_leader_steps_down_when_it_resumes(bus, fresh_nats, processes) -> None:
     _, js = bus
     follower = await follow(js)
-    old = sequencer(processes, "seq1", fresh_nats.url)
-    await leading(processes, "seq1")
-    sequencer(processes, "seq2", fresh_nats.url)
-    await standby_ready(js)
+    old = await leader_and_standby(processes, js, fresh_nats.url)
 
     ids: list[CommandId] = []
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from helpers import states
 from helpers.states import fold
 from jetshard_schema.events import (
     DownloadCompleted,
@@ -13,8 +14,6 @@ from jetshard_schema.events import (
 )
 from jetshard_schema.ids import InstanceId, ModelId, NodeId
 from jetshard_schema.types import (
-    DownloadProgress,
-    DownloadStatus,
     Endpoint,
     NodeProfile,
     RunnerReport,
@@ -44,19 +43,7 @@ PLACED = (
 
 
 def downloaded(node: NodeId, start: int, end: int) -> DownloadCompleted:
-    return DownloadCompleted(
-        node_id=node,
-        model_id=MODEL,
-        progress=DownloadProgress(
-            status=DownloadStatus.COMPLETED,
-            bytes_done=10,
-            directory=f"/models/{node}",
-            read_only=False,
-            start_layer=start,
-            end_layer=end,
-            bytes_total=10,
-        ),
-    )
+    return states.downloaded(node, MODEL, start, end, f"/models/{node}", size=10)
 
 
 def endpoint(node: NodeId, rank: int, generation: int = 0) -> RunnerEndpointReported:

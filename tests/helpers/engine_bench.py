@@ -11,7 +11,6 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
-import socket
 import subprocess
 import sys
 import tempfile
@@ -25,9 +24,8 @@ from mlx_lm.generate import generate_step
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from jetshard_worker.engine import write_hostfile
 
+from helpers.engine_rank import free_ports, rank_command
 from helpers.tiny_models import make_tiny_model
-
-RANK_SCRIPT = Path(__file__).with_name("engine_rank.py")
 
 
 def direct_tps(model_dir: Path, prompt: list[int], tokens: int) -> float:
@@ -45,32 +43,12 @@ def engine_tps(model_dir: Path, num_layers: int, ranks: int, prompt: list[int], 
     (work / "requests.json").write_text(json.dumps(spec))
     hostfile: Path | None = None
     if ranks > 1:
-        ports = []
-        for _ in range(ranks):
-            with socket.socket() as s:
-                s.bind(("127.0.0.1", 0))
-                ports.append(s.getsockname()[1])
-        hostfile = write_hostfile(work / "hosts.json", [f"127.0.0.1:{p}" for p in ports])
+        hostfile = write_hostfile(work / "hosts.json", [f"127.0.0.1:{p}" for p in free_ports(ranks)])
     procs = []
     for rank, (start, end) in enumerate(itertools.pairwise(cuts)):
-        cmd = [
-            sys.executable,
-            str(RANK_SCRIPT),
-            "--model-dir",
-            str(model_dir),
-            "--start",
-            str(start),
-            "--end",
-            str(end),
-            "--rank",
-            str(rank),
-            "--out",
-            str(work / f"rank{rank}.json"),
-        ]
-        if hostfile:
-            cmd += ["--hostfile", str(hostfile)]
-        if rank == ranks - 1:
-            cmd += ["--requests", str(work / "requests.json")]
+        last = rank == ranks - 1
+        requests = work / "requests.json" if last else None
+        cmd = rank_command(model_dir, start, end, rank, work / f"rank{rank}.json", hostfile, requests)
         procs.append(subprocess.Popen(cmd))
     for proc in procs:
         if proc.wait(timeout=600) != 0:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import socket
 import sys
 import threading
 import time
@@ -20,6 +21,41 @@ from typing import Any
 
 from jetshard_schema.types import TaskOutcome
 from jetshard_worker.engine import GenerationRequest, PipelineEngine, init_ring, load_shard
+
+SCRIPT = Path(__file__)
+
+
+def free_ports(n: int) -> list[int]:
+    """`n` distinct ports free on 127.0.0.1 now (all held at once, so no two are the same)."""
+    sockets = []
+    for _ in range(n):
+        s = socket.socket()
+        s.bind(("127.0.0.1", 0))
+        sockets.append(s)
+    ports = [s.getsockname()[1] for s in sockets]
+    for s in sockets:
+        s.close()
+    return ports
+
+
+def rank_command(
+    model_dir: Path,
+    start: int,
+    end: int,
+    rank: int,
+    out: Path,
+    hostfile: Path | None = None,
+    requests: Path | None = None,
+    *extra: str,
+) -> list[str]:
+    """The command line that runs this script as rank `rank`, holding layers [start, end)."""
+    cmd = [sys.executable, str(SCRIPT), "--model-dir", str(model_dir), "--start", str(start), "--end", str(end)]
+    cmd += ["--rank", str(rank), "--out", str(out), *extra]
+    if hostfile:
+        cmd += ["--hostfile", str(hostfile)]
+    if requests:
+        cmd += ["--requests", str(requests)]
+    return cmd
 
 
 def main() -> None:

@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
-from jetshard_schema.events import Event
+from typing import Any
+
+from jetshard_schema.events import DownloadCompleted, Event
+from jetshard_schema.ids import ModelId, NodeId
 from jetshard_schema.state import State, apply
+from jetshard_schema.types import DownloadProgress, DownloadStatus
 
 
 def fold(*events: Event, state: State | None = None) -> State:
@@ -11,3 +15,37 @@ def fold(*events: Event, state: State | None = None) -> State:
     for event in events:
         state = apply(state, event, state.last_seq + 1, state.last_command_seq + 1)
     return state
+
+
+def raw_envelope(event: Any, **fields: Any) -> dict[str, Any]:
+    """An event envelope as raw JSON-ready data (the first event of command "c"); `fields` add or override."""
+    return {"command_id": "c", "command_seq": 1, "index": 0, "count": 1, "at_ms": 0, **fields, "event": event}
+
+
+def completed(
+    start_layer: int,
+    end_layer: int,
+    directory: str = "/m",
+    *,
+    bytes_total: int = 1,
+    bytes_done: int = 0,
+    read_only: bool = False,
+) -> DownloadProgress:
+    """A finished download of layers [start_layer, end_layer) in `directory`."""
+    return DownloadProgress(
+        status=DownloadStatus.COMPLETED,
+        start_layer=start_layer,
+        end_layer=end_layer,
+        bytes_done=bytes_done,
+        bytes_total=bytes_total,
+        directory=directory,
+        read_only=read_only,
+    )
+
+
+def downloaded(
+    node: NodeId, model: ModelId, start: int, end: int, directory: str = "/m", size: int = 1
+) -> DownloadCompleted:
+    """The event of `node` having all `size` bytes of `model`'s layers [start, end) in `directory`."""
+    progress = completed(start, end, directory, bytes_total=size, bytes_done=size)
+    return DownloadCompleted(node_id=node, model_id=model, progress=progress)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Awaitable, Callable
+from typing import Any
 
 import msgspec.json
 import nats.js.errors
@@ -43,11 +44,9 @@ class BusTimings(msgspec.Struct, frozen=True, kw_only=True):
 async def declare(js: JetStreamContext, timings: BusTimings = BusTimings(), replicas: int = 1) -> None:
     await _ensure_stream(
         js,
-        StreamConfig(
-            name=subjects.COMMANDS_STREAM,
-            subjects=[f"{subjects.COMMAND_PREFIX}.>"],
-            storage=StorageType.FILE,
-            retention=RetentionPolicy.LIMITS,
+        _file_stream(
+            subjects.COMMANDS_STREAM,
+            subjects.COMMAND_PREFIX,
             max_age=7 * 24 * 3600,
             duplicate_window=timings.dedupe_window_s,
             num_replicas=replicas,
@@ -56,11 +55,9 @@ async def declare(js: JetStreamContext, timings: BusTimings = BusTimings(), repl
     )
     await _ensure_stream(
         js,
-        StreamConfig(
-            name=subjects.EVENTS_STREAM,
-            subjects=[f"{subjects.EVENT_PREFIX}.>"],
-            storage=StorageType.FILE,
-            retention=RetentionPolicy.LIMITS,
+        _file_stream(
+            subjects.EVENTS_STREAM,
+            subjects.EVENT_PREFIX,
             # Shorter than the commands' window: a command the commands stream accepts again (re-sent after
             # its window) can never collide with its earlier events' ids, which would make an append a silent
             # no-op and throw the sequencer's count of the stream's sequence off.
@@ -76,11 +73,9 @@ async def declare(js: JetStreamContext, timings: BusTimings = BusTimings(), repl
     )
     await _ensure_stream(
         js,
-        StreamConfig(
-            name=subjects.TASKS_STREAM,
-            subjects=[f"{subjects.TASK_PREFIX}.>"],
-            storage=StorageType.FILE,
-            retention=RetentionPolicy.LIMITS,
+        _file_stream(
+            subjects.TASKS_STREAM,
+            subjects.TASK_PREFIX,
             max_age=timings.task_retention_s,
             max_msgs_per_subject=1,
             duplicate_window=min(timings.dedupe_window_s, timings.task_retention_s),
@@ -104,6 +99,17 @@ async def declare(js: JetStreamContext, timings: BusTimings = BusTimings(), repl
                 replicas=replicas,
             ),
         )
+
+
+def _file_stream(name: str, prefix: str, **config: Any) -> StreamConfig:
+    """A stream of every subject under `prefix`, kept on disk until its limits (`config`) drop a message."""
+    return StreamConfig(
+        name=name,
+        subjects=[f"{prefix}.>"],
+        storage=StorageType.FILE,
+        retention=RetentionPolicy.LIMITS,
+        **config,
+    )
 
 
 async def wait_for_streams(js: JetStreamContext, wait: bool = True, interval_s: float = 0.5) -> None:

@@ -200,22 +200,23 @@ class CompletionChoice(msgspec.Struct, frozen=True, kw_only=True):
     text: str
 
 
-class ChatCompletion(msgspec.Struct, frozen=True, kw_only=True):
+class Answer(msgspec.Struct, frozen=True, kw_only=True):
+    """What a chat completion and a text completion both say besides their choices."""
+
     id: str
+    created: int
+    model: str
+    usage: UsageBody
+
+
+class ChatCompletion(Answer, frozen=True, kw_only=True):
     object: str = "chat.completion"
-    created: int
-    model: str
     choices: list[ChatChoice]
-    usage: UsageBody
 
 
-class Completion(msgspec.Struct, frozen=True, kw_only=True):
-    id: str
+class Completion(Answer, frozen=True, kw_only=True):
     object: str = "text_completion"
-    created: int
-    model: str
     choices: list[CompletionChoice]
-    usage: UsageBody
 
 
 class ModelObject(msgspec.Struct, frozen=True, kw_only=True):

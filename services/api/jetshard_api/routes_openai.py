@@ -10,9 +10,9 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import AsyncExitStack
-from typing import Any
+from typing import Any, TypeVar
 
 import msgspec
 from jetshard_schema.cards import ModelCard
@@ -34,6 +34,7 @@ from jetshard_api.cluster import Cluster
 from jetshard_api.disconnect import unless_disconnected
 from jetshard_api.errors import ERROR_RESPONSES, ApiError, error_body
 from jetshard_api.openai_types import (
+    Answer,
     AssistantMessage,
     ChatChoice,
     ChatCompletion,
@@ -59,6 +60,7 @@ from jetshard_api.route_steps import (
 
 log = logging.getLogger(__name__)
 AnyRequest = Request[Any, Any, Any]
+A = TypeVar("A", bound=Answer)
 
 KEEP_ALIVE_S = 5.0
 BROKER_CHECK_S = 1.0
@@ -214,20 +216,12 @@ class OpenAIController(Controller):
         """The answer as one JSON body, or with `stream` as Server-Sent Events of `chat.completion.chunk`s."""
         data = strictly_decoded(await request.body(), ChatCompletionRequest)
         task = chat_task(new_task_id(), checked_model_id(data.model, param="model"), data)
-        include_usage = bool(data.stream_options and data.stream_options.include_usage)
-        if data.stream:
-            return await _stream(cluster, settings, task, include_usage, request.receive)
-        content, finish, usage = await unless_disconnected(request.receive, _collect(cluster, settings, task))
-        # A Response, not the bare body: the route's media type would otherwise be JSON for the stream too.
-        return Response(
-            ChatCompletion(
-                id=_response_id(task),
-                created=int(time.time()),
-                model=task.model_id,
-                choices=[ChatChoice(finish_reason=finish, message=AssistantMessage(content=content))],
-                usage=UsageBody.of(usage),
-            )
-        )
+
+        def body(content: str, finish: str | None, head: dict[str, Any]) -> ChatCompletion:
+            message = AssistantMessage(content=content)
+            return ChatCompletion(**head, choices=[ChatChoice(finish_reason=finish, message=message)])
+
+        return await _answer(cluster, settings, request, task, data, body)
 
     @post("/completions", status_code=200, responses=ERROR_RESPONSES)
     async def completions(
@@ -236,19 +230,30 @@ class OpenAIController(Controller):
         """The answer as one JSON body, or with `stream` as Server-Sent Events of `text_completion`s."""
         data = strictly_decoded(await request.body(), CompletionRequest)
         task = completion_task(new_task_id(), checked_model_id(data.model, param="model"), data)
-        include_usage = bool(data.stream_options and data.stream_options.include_usage)
-        if data.stream:
-            return await _stream(cluster, settings, task, include_usage, request.receive)
-        text, finish, usage = await unless_disconnected(request.receive, _collect(cluster, settings, task))
-        return Response(
-            Completion(
-                id=_response_id(task),
-                created=int(time.time()),
-                model=task.model_id,
-                choices=[CompletionChoice(finish_reason=finish, text=text)],
-                usage=UsageBody.of(usage),
-            )
-        )
+
+        def body(text: str, finish: str | None, head: dict[str, Any]) -> Completion:
+            return Completion(**head, choices=[CompletionChoice(finish_reason=finish, text=text)])
+
+        return await _answer(cluster, settings, request, task, data, body)
+
+
+async def _answer(
+    cluster: Cluster,
+    settings: InferenceSettings,
+    request: AnyRequest,
+    task: TaskRequest,
+    data: ChatCompletionRequest | CompletionRequest,
+    body: Callable[[str, str | None, dict[str, Any]], A],
+) -> Response[A] | ServerSentEvent:
+    """Both routes' steps once the task is built: stream it, or collect it into the body `body` makes from the
+    text, the finish reason and the fields every answer has."""
+    include_usage = bool(data.stream_options and data.stream_options.include_usage)
+    if data.stream:
+        return await _stream(cluster, settings, task, include_usage, request.receive)
+    text, finish, usage = await unless_disconnected(request.receive, _collect(cluster, settings, task))
+    head = {"id": _response_id(task), "created": int(time.time()), "model": task.model_id, "usage": UsageBody.of(usage)}
+    # A Response, not the bare body: the route's media type would otherwise be JSON for the stream too.
+    return Response(body(text, finish, head))
 
 
 def _model_object(model_id: ModelId, card: ModelCard, ready: set[ModelId]) -> ModelObject:
