@@ -166,8 +166,9 @@ async def test_the_api_answers_503_at_once_while_nats_is_down_and_serves_again_a
 ) -> None:
     server = start_nats_server(tmp_path / "nats", port=-1)
     nats_port = int(server.url.rsplit(":", 1)[1])
-    api = processes.start_api("api", env={"JETSHARD_NATS": server.url})
+    # The sequencer declares the streams the API waits for.
     processes.start("sequencer", "sequencer", env={"JETSHARD_NATS": server.url})
+    api = processes.start_api("api", env={"JETSHARD_NATS": server.url})
     async with httpx.AsyncClient(base_url=api, timeout=30) as http:
         assert (await http.get("/healthz")).json()["broker"] == "connected"
 

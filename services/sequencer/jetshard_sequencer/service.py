@@ -181,6 +181,7 @@ class Leader:
         self._partial = partial
         self._last_seq = last_seq
         self._lease = lease
+        self._renewed_at = time.monotonic()  # the lease was acquired just before this leader was made
         self._since_snapshot = 0
         self._events_created = events_created
         """The incarnation of the events stream this term appends to, named in its snapshots."""
@@ -222,12 +223,14 @@ class Leader:
         # follow in the same stream, and its commands are acked only after its own appends are stored.
         in_flight: tuple[list[asyncio.Future[Any]], Msg] | None = None
         while not stop.is_set():
+            self._check_lease()
             try:
                 messages = await subscription.fetch(self._config.batch_size, timeout=0.2)
             except (TimeoutError, nats.errors.TimeoutError):
                 messages = []
             except nats.js.errors.APIError as error:  # e.g. our consumer was removed while we were paused
                 raise StaleLeaderError(f"reading commands failed: {error}") from error
+            self._check_lease()  # the fetch may have waited while the process was paused
             appended = await self._handle_batch(messages) if messages else None
             if in_flight is not None:
                 await self._confirm(*in_flight)
@@ -239,17 +242,23 @@ class Leader:
             await self._confirm(*in_flight)
 
     async def _renew_lease(self, stop: asyncio.Event) -> None:
-        renewed = time.monotonic()
         while not await _stopped_within(stop, self._lease.ttl_s / 3):
             try:
                 await self._lease.renew()
-                renewed = time.monotonic()
+                self._renewed_at = time.monotonic()
             except StaleLeaderError:
                 raise
             except Exception as error:  # a slow server: the lease holds until its TTL runs out
-                if time.monotonic() - renewed >= self._lease.ttl_s:
+                if time.monotonic() - self._renewed_at >= self._lease.ttl_s:
                     raise StaleLeaderError(f"could not renew the lease for {self._lease.ttl_s} s: {error}") from error
                 log.warning("lease renewal failed, retrying: %s", error)
+
+    def _check_lease(self) -> None:
+        """Refuse to lead on a lease older than its TTL. The renewal task's failure cancels the command loop,
+        but a cancellation can be swallowed inside a NATS fetch, and a leader paused past its TTL (SIGSTOP, a
+        starved VM) wakes with overdue timers: before it handles another command it must know it still leads."""
+        if time.monotonic() - self._renewed_at >= self._lease.ttl_s:
+            raise StaleLeaderError(f"the lease was not renewed for {self._lease.ttl_s} s")
 
     async def _handle_batch(self, messages: list[Msg]) -> list[asyncio.Future[Any]]:
         """Handle commands and publish their events (pipelined); returns the appends' acks."""
