@@ -278,9 +278,7 @@ async def test_two_nodes_fetch_complementary_shards_once(
         cluster.start_downloader(
             f"downloader-{name}", config, JETSHARD_DEFAULT_MODELS_DIR=str(tmp_path / f"models-{name}")
         )
-    # Deliberate timing: both downloaders follow the stream (they act on live events only), which nothing
-    # observable confirms.
-    await asyncio.sleep(1.0)
+    # A downloader that starts following after the placement picks it up from State (`resume`): no wait.
     hub_server.reset_counters()
     events = await cluster.submit(
         PlaceInstance(instance_id=new_instance_id(), model_id=ModelId(repo), node_ids=tuple(nodes), min_nodes=2)

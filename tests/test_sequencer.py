@@ -93,14 +93,13 @@ async def leading(processes, name: str, times: int = 1, timeout_s: float = 30) -
 
 
 async def standby_ready(js) -> None:
-    """A standby logs nothing while it waits; it is ready once its State replica's consumer exists
-    (next to the test's own follower), plus a moment so its process is surely past start-up."""
+    """A standby logs nothing while it waits; it is ready once its State replica's consumer exists (next to
+    the test's own follower): from then on it only tries the lease."""
 
     async def both_consumers_exist() -> bool:
         return (await js.stream_info(subjects.EVENTS_STREAM)).state.consumer_count >= 2
 
     await until(both_consumers_exist, 30, "the standby's State replica", interval_s=0.1)
-    await asyncio.sleep(1)  # deliberate timing: nothing observable says the standby is past start-up
 
 
 async def leader_and_standby(processes, js, url: str):
