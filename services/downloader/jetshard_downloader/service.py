@@ -79,6 +79,8 @@ from jetshard_downloader.resume import use_small_download_chunks
 from jetshard_downloader.shard_files import required_files
 
 log = logging.getLogger(__name__)
+REPORT_TIMEOUT_S = 6.0
+"""Longer than one progress report's publish (5 s timeout): a job waits this long at most for its last one."""
 T = TypeVar("T")
 
 
@@ -119,6 +121,7 @@ class _Progress:
         self.dirty = False
         self.last_sent = 0.0
         self.wake = asyncio.Event()
+        self.stopped = False
 
     def update(self, done: int, total: int) -> None:
         self.done, self.total = done, total
@@ -133,14 +136,20 @@ class _Progress:
             return 0.0
         return max(0.0, (window[-1][1] - window[0][1]) / (window[-1][0] - window[0][0]))
 
+    def stop(self) -> None:
+        self.stopped = True
+        self.wake.set()
+
     async def run(self) -> None:
-        while True:
+        # Ends on `stop`, not only on cancellation: Python 3.11's wait_for (inside nats-py's publish) can
+        # swallow a cancellation that lands as the publish completes, and the loop would wait for ever.
+        while not self.stopped:
             await self.wake.wait()
             self.wake.clear()
             wait = self.interval_s - (time.monotonic() - self.last_sent)
-            if wait > 0:
+            if wait > 0 and not self.stopped:
                 await asyncio.sleep(wait)
-            if not self.dirty or self.cancel.is_set():
+            if self.stopped or not self.dirty or self.cancel.is_set():
                 continue
             self.dirty = False
             self.last_sent = time.monotonic()
@@ -429,9 +438,11 @@ class Downloader:
         try:
             return await asyncio.to_thread(work, on_progress, on_target)
         finally:
+            # Never `await reporter` under a suppress(CancelledError): that would also swallow our own
+            # cancellation. A report in flight may finish; the loop ends on `stop`.
+            progress.stop()
+            await asyncio.wait({reporter}, timeout=REPORT_TIMEOUT_S)
             reporter.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await reporter
 
     def _reserved_by_others(self, job: _Job) -> dict[Path, int]:
         """Bytes the other running jobs still expect to write, per models directory."""
