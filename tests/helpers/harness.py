@@ -22,6 +22,7 @@ import concurrent.futures
 import contextlib
 import inspect
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -165,9 +166,17 @@ class Processes:
 
 
 def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind((LOOPBACK, 0))
-        return int(sock.getsockname()[1])
+    """A port free now, below Linux's ephemeral range (32768 and up): a port the kernel hands out would soon be
+    the local end of some outgoing connection (the suite makes thousands), and a server started on it later
+    would find it taken."""
+    while True:
+        port = random.randrange(20000, 32768)
+        with socket.socket() as sock:
+            try:
+                sock.bind((LOOPBACK, port))
+            except OSError:
+                continue
+            return port
 
 
 def run_async(coroutine: Any) -> Any:
