@@ -8,7 +8,6 @@ finishing an answer nobody reads.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 from collections.abc import Awaitable
 from typing import TypeVar
 
@@ -36,10 +35,11 @@ async def unless_disconnected(receive: Receive, work: Awaitable[T]) -> T:
         await asyncio.wait({working, watching}, return_when=asyncio.FIRST_COMPLETED)
     finally:
         watching.cancel()
-        if not working.done():
+        # Cancelled again until it stops: Python 3.11's wait_for (awaiting the next chunk) loses a
+        # cancellation that lands as the awaited chunk arrives, and chunks keep arriving.
+        while not working.done():
             working.cancel()
-            with contextlib.suppress(asyncio.CancelledError, ApiError):
-                await working
+            await asyncio.wait({working}, timeout=0.1)
     if working.cancelled():
         raise ApiError(CLIENT_CLOSED_REQUEST, "the client closed the request", "client_closed_request")
     return working.result()
