@@ -17,6 +17,7 @@ from jetshard_schema.types import (
     NodeProfile,
     NodeStorage,
     RunnerReport,
+    ServingSettings,
     TaskOutcome,
     TaskRef,
     Usage,
@@ -109,6 +110,7 @@ class PlaceInstance(_Command, frozen=True):
     model_id: ValidModelId
     node_ids: tuple[ValidNodeId, ...] | None = None
     min_nodes: int = 1
+    serving: ServingSettings = ServingSettings()
 
 
 class DeleteInstance(_Command, frozen=True):

@@ -18,6 +18,7 @@ from jetshard_schema.types import (
     NodeStorage,
     RejectCode,
     RunnerReport,
+    ServingSettings,
     ShardAssignment,
     TaskOutcome,
     TaskRef,
@@ -130,6 +131,7 @@ class InstancePlaced(_Event, frozen=True):
     instance_id: ValidInstanceId
     model_id: ValidModelId
     shards: tuple[ShardAssignment, ...]
+    serving: ServingSettings = ServingSettings()
 
 
 class InstanceDeleted(_Event, frozen=True):

@@ -34,6 +34,7 @@ from jetshard_schema.types import (
     NodeStorage,
     RunnerReport,
     RunnerStatus,
+    ServingSettings,
     ShardAssignment,
     TaskRef,
 )
@@ -56,6 +57,7 @@ class Instance(msgspec.Struct, frozen=True, kw_only=True):
     instance_id: ValidInstanceId
     model_id: ValidModelId
     shards: tuple[ShardAssignment, ...]
+    serving: ServingSettings = ServingSettings()
     generation: int = 0
     """Bumped on every whole-instance restart; endpoints and runner reports belong to one generation."""
     restart_attempt: int = 0
@@ -314,7 +316,9 @@ def _of_generation(state: State, instance_id: InstanceId, generation: int) -> In
 
 @_fold.register
 def _instance_placed(event: events.InstancePlaced, state: State) -> State:
-    instance = Instance(instance_id=event.instance_id, model_id=event.model_id, shards=event.shards)
+    instance = Instance(
+        instance_id=event.instance_id, model_id=event.model_id, shards=event.shards, serving=event.serving
+    )
     return replace(state, instances=_with(state.instances, event.instance_id, instance))
 
 

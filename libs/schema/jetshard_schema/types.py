@@ -36,6 +36,26 @@ class NodeStorage(msgspec.Struct, frozen=True, kw_only=True):
     """Models complete (every layer) in one of the node's directories."""
 
 
+class WeightsDtype(enum.StrEnum):
+    """The dtype a runner holds its weights in."""
+
+    AUTO = "auto"
+    """float32 on a CPU when the node's memory allows (a fast BLAS multiplies it several times faster than
+    quantized kernels there); the checkpoint's own dtype elsewhere."""
+    NATIVE = "native"
+    FLOAT32 = "float32"
+
+
+class ServingSettings(msgspec.Struct, frozen=True, kw_only=True):
+    """How an instance serves: chosen at placement, kept in State, read by its runners and by the API."""
+
+    max_batch: Annotated[int, msgspec.Meta(ge=1, le=256)] = 8
+    """Tasks that decode together in one step; placement reserves KV cache for this many rows."""
+    max_queued: Annotated[int, msgspec.Meta(ge=0, le=100_000)] = 64
+    """Tasks that may wait beyond `max_batch`; past that the API answers 429."""
+    weights: WeightsDtype = WeightsDtype.AUTO
+
+
 class ShardAssignment(msgspec.Struct, frozen=True, kw_only=True):
     node_id: ValidNodeId
     rank: int

@@ -117,7 +117,10 @@ def _try_place(state: State, lost: Instance, ctx: Context) -> events.InstancePla
         return None
     digest = hashlib.sha256(f"{ctx.command_id}/{lost.instance_id}".encode()).hexdigest()[:12]
     return events.InstancePlaced(
-        instance_id=InstanceId(f"inst-{digest}"), model_id=lost.model_id, shards=placement.shards
+        instance_id=InstanceId(f"inst-{digest}"),
+        model_id=lost.model_id,
+        shards=placement.shards,
+        serving=lost.serving,
     )
 
 
@@ -274,7 +277,10 @@ def _place_instance(state: State, command: commands.PlaceInstance, ctx: Context)
         return _reject(command, RejectCode.MODEL_UNAVAILABLE, str(error))
     except PlacementError as error:
         return _reject(command, RejectCode.INSUFFICIENT_MEMORY, str(error))
-    return [events.InstancePlaced(instance_id=command.instance_id, model_id=command.model_id, shards=placement.shards)]
+    placed = events.InstancePlaced(
+        instance_id=command.instance_id, model_id=command.model_id, shards=placement.shards, serving=command.serving
+    )
+    return [placed]
 
 
 def _delete_instance(state: State, command: commands.DeleteInstance, ctx: Context) -> list[events.Event]:
