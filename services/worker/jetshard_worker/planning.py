@@ -5,7 +5,7 @@ from __future__ import annotations
 import msgspec
 from jetshard_schema.ids import InstanceId, ModelId, NodeId
 from jetshard_schema.state import Instance, State
-from jetshard_schema.types import DownloadStatus, RunnerStatus
+from jetshard_schema.types import DownloadStatus, RunnerStatus, ServingSettings
 
 
 class RunnerKey(msgspec.Struct, frozen=True):
@@ -23,6 +23,7 @@ class RunnerPlan(msgspec.Struct, frozen=True, kw_only=True):
     model_dir: str
     endpoints: tuple[str, ...]
     """`host:port` of every rank, in rank order."""
+    serving: ServingSettings = ServingSettings()
 
 
 class Plan(msgspec.Struct, frozen=True, kw_only=True):
@@ -79,6 +80,7 @@ def _startable(state: State, instance: Instance, node_id: NodeId) -> RunnerPlan 
     return RunnerPlan(
         key=RunnerKey(instance.instance_id, instance.generation),
         model_id=instance.model_id,
+        serving=instance.serving,
         rank=shard.rank,
         world_size=len(instance.shards),
         start_layer=shard.start_layer,

@@ -7,6 +7,7 @@ import msgspec
 from jetshard_bus.options import NatsOptions
 from jetshard_schema.cards import GenerationDefaults
 from jetshard_schema.ids import InstanceId, NodeId
+from jetshard_schema.types import ServingSettings
 
 
 class RunnerSpec(msgspec.Struct, frozen=True, kw_only=True):
@@ -21,5 +22,6 @@ class RunnerSpec(msgspec.Struct, frozen=True, kw_only=True):
     start_layer: int
     end_layer: int
     hostfile: str | None = None
+    serving: ServingSettings = ServingSettings()
     card_generation: GenerationDefaults = GenerationDefaults()
     """The model card's sampling defaults; the model directory's generation_config.json overrides them."""

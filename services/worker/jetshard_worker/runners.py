@@ -152,6 +152,7 @@ class RunnerSupervisor:
             start_layer=runner_plan.start_layer,
             end_layer=runner_plan.end_layer,
             hostfile=hostfile,
+            serving=runner_plan.serving,
             card_generation=card.generation if card is not None else GenerationDefaults(),
         )
         log_path = self._scratch_file(key, f"-rank{runner_plan.rank}.log")
