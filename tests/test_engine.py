@@ -88,13 +88,19 @@ class Collector:
             assert self.done.wait_for(lambda: all(t in self.finished for t in task_ids), timeout)
 
 
-def run_single(engine: PipelineEngine, requests: list[GenerationRequest], collector: Collector) -> None:
+def run_single(
+    engine: PipelineEngine,
+    requests: list[GenerationRequest],
+    collector: Collector,
+    submitted_later: tuple[str, ...] = (),
+) -> None:
+    """Serve `requests` (and the tasks `submitted_later` by callbacks) until all have finished."""
     thread = threading.Thread(target=engine.run_forever)
     thread.start()
     try:
         for request in requests:
             engine.submit(request)
-        collector.wait([r.task_id for r in requests])
+        collector.wait([r.task_id for r in requests] + list(submitted_later))
     finally:
         engine.shutdown()
         thread.join(timeout=30)
@@ -203,6 +209,7 @@ def test_pipeline_greedy_equals_mlx_lm(
     outputs = run_pipeline(model_dir, bounds, requests, tmp_path, prefill_step_size)
 
     results = outputs[-1]["results"]
+    assert outputs[-1]["max_rows"] > 1  # the requests decoded as one batch
     for i, tokens in enumerate(expected):
         got = results[f"t{i}"]
         assert got["tokens"] == tokens, f"prompt {i}"
@@ -266,6 +273,7 @@ def test_single_rank_greedy_equals_mlx_lm(models: dict[str, Path], arch: str, pr
 
     run_single(engine, requests, collector)
 
+    assert engine.stats.max_rows > 1  # the requests decoded as one batch
     for i, tokens in enumerate(expected):
         assert collector.tokens.get(f"t{i}", []) == tokens, f"prompt {i}"
         reason, prompt_tokens, completion_tokens = collector.finished[f"t{i}"]
@@ -286,6 +294,7 @@ def test_finish_with_reason_and_queued_cancel(models: dict[str, Path]) -> None:
         load_shard(model_dir, 0, 4),
         on_finished=collector.on_finished,
         on_started=lambda task_id, prompt_tokens: started.append((task_id, set(collector.finished))),
+        max_batch=1,  # b and c wait in the queue while a decodes
     )
 
     def on_token(task_id: str, token: int, index: int, reason: TaskOutcome | None) -> None:
@@ -304,6 +313,115 @@ def test_finish_with_reason_and_queued_cancel(models: dict[str, Path]) -> None:
     assert collector.finished["c"][0] in (TaskOutcome.LENGTH, TaskOutcome.STOP)
     # A task is reported started when its prefill begins, not while it waits in the queue.
     assert started == [("a", set()), ("c", {"a", "b"})]
+
+
+@pytest.mark.timeout(60)
+def test_a_stop_in_one_row_leaves_the_batch_unchanged(models: dict[str, Path]) -> None:
+    model_dir = models["llama"]
+    prompts = prompt_ids(model_dir)
+    expected = reference(model_dir, prompts[1:3])
+    collector = Collector()
+    engine = PipelineEngine(load_shard(model_dir, 0, 4), on_finished=collector.on_finished)
+
+    def on_token(task_id: str, token: int, index: int, reason: TaskOutcome | None) -> None:
+        collector.on_token(task_id, token, index, reason)
+        if task_id == "stopped" and index == 2:
+            engine.finish("stopped", TaskOutcome.STOP)  # as the runner does after matching a stop string
+
+    engine.on_token = on_token
+    requests = [
+        GenerationRequest("stopped", prompts[0], MAX_TOKENS, eos_token_ids=frozenset()),
+        GenerationRequest("b", prompts[1], MAX_TOKENS),
+        GenerationRequest("c", prompts[2], MAX_TOKENS),
+    ]
+    run_single(engine, requests, collector)
+
+    assert engine.stats.max_rows == 3
+    assert collector.finished["stopped"] == (TaskOutcome.STOP, len(prompts[0]), 3)
+    assert [collector.tokens["b"], collector.tokens["c"]] == expected
+
+
+@pytest.mark.timeout(60)
+def test_a_seeded_row_samples_the_same_tokens_whatever_shares_its_batch(models: dict[str, Path]) -> None:
+    model_dir = models["qwen3"]
+    prompts = prompt_ids(model_dir)
+    seeded = GenerationRequest("seeded", prompts[1], MAX_TOKENS, temperature=0.8, top_p=0.9, seed=11)
+
+    def run(requests: list[GenerationRequest]) -> tuple[Collector, PipelineEngine]:
+        collector = Collector()
+        engine = PipelineEngine(
+            load_shard(model_dir, 0, 4), on_token=collector.on_token, on_finished=collector.on_finished
+        )
+        run_single(engine, requests, collector)
+        return collector, engine
+
+    alone, _ = run([seeded])
+    shared, engine = run(
+        [
+            GenerationRequest("greedy", prompts[0], MAX_TOKENS),
+            GenerationRequest("other-seed", prompts[3], MAX_TOKENS, temperature=1.0, seed=12),
+            seeded,
+        ]
+    )
+
+    assert engine.stats.max_rows == 3
+    assert shared.tokens["seeded"] == alone.tokens["seeded"]
+    assert shared.tokens["greedy"] == reference(model_dir, prompts[:1])[0]
+
+
+@pytest.mark.timeout(60)
+def test_a_long_prompt_is_prefilled_between_the_batchs_decode_steps(models: dict[str, Path]) -> None:
+    model_dir = models["llama"]
+    prompts = prompt_ids(model_dir)
+    long_prompt = prompts[3] * 4
+    expected = reference(model_dir, [prompts[1], long_prompt])
+    collector = Collector()
+    events: list[tuple[str, str]] = []
+    engine = PipelineEngine(
+        load_shard(model_dir, 0, 4),
+        on_finished=collector.on_finished,
+        on_started=lambda task_id, prompt_tokens: events.append(("started", task_id)),
+        interleaved_prefill_tokens=8,
+    )
+
+    def on_token(task_id: str, token: int, index: int, reason: TaskOutcome | None) -> None:
+        collector.on_token(task_id, token, index, reason)
+        events.append(("token", task_id))
+        if task_id == "running" and index == 0:
+            engine.submit(GenerationRequest("long", long_prompt, MAX_TOKENS))
+
+    engine.on_token = on_token
+    running = GenerationRequest("running", prompts[1], 3 * MAX_TOKENS, eos_token_ids=frozenset())
+    run_single(engine, [running], collector, submitted_later=("long",))
+
+    # While the long prompt filled its cache 8 tokens at a time, the running task kept getting a token per chunk.
+    window = events[events.index(("started", "long")) : events.index(("token", "long"))]
+    assert window.count(("token", "running")) >= (len(long_prompt) - 1) // 8 - 1
+    assert collector.tokens["running"][: len(expected[0])] == expected[0]
+    assert collector.tokens["long"] == expected[1]
+
+
+@pytest.mark.timeout(60)
+def test_logits_processors_apply_to_their_own_row(models: dict[str, Path]) -> None:
+    model_dir = models["llama"]
+    prompts = prompt_ids(model_dir)
+    expected = reference(model_dir, prompts[:2])
+    banned = expected[1][0]
+
+    def ban(tokens: mx.array, logprobs: mx.array) -> mx.array:
+        return mx.where(mx.arange(logprobs.shape[-1]) == banned, -mx.inf, logprobs)
+
+    collector = Collector()
+    engine = PipelineEngine(load_shard(model_dir, 0, 4), on_token=collector.on_token, on_finished=collector.on_finished)
+    requests = [
+        GenerationRequest("plain", prompts[0], MAX_TOKENS),
+        GenerationRequest("constrained", prompts[1], MAX_TOKENS, logits_processors=(ban,)),
+    ]
+    run_single(engine, requests, collector)
+
+    assert collector.tokens["plain"] == expected[0]
+    assert banned not in collector.tokens["constrained"]
+    assert collector.tokens["constrained"] != expected[1]
 
 
 @pytest.mark.timeout(60)

@@ -131,6 +131,7 @@ def main() -> None:
                 "loaded_tensors": sorted(shard.loaded_tensors),
                 "progress": progress,
                 "results": results,
+                "max_rows": engine.stats.max_rows,
             }
         )
     )

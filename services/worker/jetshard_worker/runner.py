@@ -109,7 +109,12 @@ class Runner:
             # Blocks until both ring neighbours are up; the worker kills us if that takes too long.
             group = await asyncio.to_thread(init_ring, self.spec.rank, Path(self.spec.hostfile))
         self.engine = PipelineEngine(
-            shard, group, on_started=self._on_started, on_token=self._on_token, on_finished=self._on_finished
+            shard,
+            group,
+            on_started=self._on_started,
+            on_token=self._on_token,
+            on_finished=self._on_finished,
+            max_batch=self.spec.serving.max_batch,
         )
         if self.engine.is_leader:
             self.tokenizer = await asyncio.to_thread(load_tokenizer, model_dir, None, sorted(shard.eos_token_ids))

@@ -1,13 +1,16 @@
-"""Pipeline-parallel generation across ranks, with every decision made on the last rank.
+"""Pipeline-parallel generation with continuous batching; every decision is made on the last rank.
 
-The last rank ("leader") owns the request queue, the sampler and all per-step decisions.
-Each step it sends one message around the ring (see `protocol`) naming the op, the task's
-slot and the tokens; the other ranks only follow messages, so ranks cannot disagree about
-which task a step belongs to, when a task starts (fresh KV cache) or ends (cache dropped).
+The last rank ("leader") owns the request queue, the samplers and all per-step decisions. Up to `max_batch`
+tasks decode together, one token each per (B, 1) step. A new task's prompt is prefilled into a KV cache of its
+own, a bounded chunk between two of the batch's decode steps (so a long prompt does not freeze the others'
+streams), then joins the batch as its last row; a finished task's row leaves it. Every change to a KV cache
+is one step message that travels around the ring in the order the leader decides it (see `protocol`):
+PREFILL fills a slot's own cache, JOIN moves it into the batch, DECODE runs the batch's rows, RELEASE drops a
+slot. So every rank holds the same rows in the same order without deciding anything.
 
-Tasks run one at a time in FIFO order for now. A step already names its slot and carries a
-batch dimension, so continuous batching can later interleave tasks between decode steps
-without changing the followers' loop.
+Batching is exact here: mlx-lm's batch caches (left padding, masks) give each row bit for bit the logits it
+gets alone, and each task samples with its own PRNG key, so neither greedy nor seeded output depends on
+what else shares the batch.
 """
 
 from __future__ import annotations
@@ -17,7 +20,7 @@ import queue
 import threading
 from collections import deque
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, cast
 
 import mlx.core as mx
@@ -45,6 +48,8 @@ log = logging.getLogger(__name__)
 StartedCallback = Callable[[str, int], None]
 TokenCallback = Callable[[str, int, int, TaskOutcome | None], None]
 FinishedCallback = Callable[[str, TaskOutcome, int, int], None]
+LogitsProcessor = Callable[[mx.array, mx.array], mx.array]
+"""mlx-lm's shape: (the row's prompt and generated token ids, its logprobs (1, vocab)) -> logprobs."""
 
 # How long the idle leader sleeps on its queue between checks; it wakes at once on a request.
 IDLE_POLL_S = 0.5
@@ -60,6 +65,7 @@ class GenerationRequest:
     seed: int | None = None
     # None: the model's own EOS ids (config.json and generation_config.json).
     eos_token_ids: frozenset[int] | None = None
+    logits_processors: tuple[LogitsProcessor, ...] = ()
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "prompt_tokens", tuple(int(t) for t in self.prompt_tokens))
@@ -77,17 +83,78 @@ class GenerationRequest:
             raise ValueError(f"task {self.task_id}: seed must be in [0, 2**64), got {self.seed}")
 
 
-@dataclass
+@dataclass(eq=False)
 class _Task:
     request: GenerationRequest
     slot: int
     sampler: TaskSampler
     eos: frozenset[int]
-    prompt_done: int = 0  # prompt tokens already in the KV cache
-    generated: int = 0  # tokens sampled, EOS included
-    last_token: int = -1
-    started: bool = False
-    ahead: mx.array | None = None  # single rank: the next token, already being computed (see _decode_ahead)
+    prompt_done: int = 0  # prompt tokens in the task's own KV cache; all but the last before it joins
+    generated: list[int] = field(default_factory=list)  # tokens sampled, EOS included
+    cache_started: bool = False  # a PREFILL with FLAG_RESET went out for its slot
+    finished: bool = False
+
+
+@dataclass
+class _Launched:
+    """A decode step in flight: its rows, in batch order, and their lazy next tokens."""
+
+    rows: list[_Task]
+    tokens: mx.array
+
+
+class _RankCaches:
+    """One rank's KV caches: each prefilling slot's own, and the decoding batch's, merged (row i: `rows[i]`).
+    The leader and the followers change them through the same methods in the same order."""
+
+    def __init__(self, shard: Shard) -> None:
+        self._shard = shard
+        self._own: dict[int, list[Any]] = {}
+        self.rows: list[int] = []
+        self.batch: list[Any] = []
+
+    def for_prefill(self, slot: int, reset: bool) -> list[Any]:
+        if reset:
+            self._own[slot] = self._shard.make_cache()
+        cache = self._own.get(slot)
+        if cache is None:
+            raise RuntimeError(f"a prefill names slot {slot}, which has no cache")
+        return cache
+
+    def join(self, slot: int, reset: bool) -> None:
+        own = self._shard.make_cache() if reset else self._own.pop(slot)
+        # mlx-lm's batch caches: each layer's cache type knows how to merge into its batched form.
+        merged = [type(layer).merge([layer]) for layer in own]
+        if self.rows:
+            for batched, joining in zip(self.batch, merged, strict=True):
+                batched.extend(joining)
+        else:
+            self.batch = merged
+        self.rows.append(slot)
+
+    def release(self, slot: int) -> None:
+        if slot not in self.rows:
+            self._own.pop(slot, None)
+            return
+        keep = [i for i, row in enumerate(self.rows) if row != slot]
+        self.rows = [self.rows[i] for i in keep]
+        if not keep:
+            self.batch = []
+            return
+        for layer in self.batch:
+            layer.filter(keep)
+
+    def for_decode(self, batch: int) -> list[Any]:
+        if batch != len(self.rows):
+            raise RuntimeError(f"a decode step carries {batch} rows, the batch holds {len(self.rows)}")
+        return self.batch
+
+
+@dataclass
+class EngineStats:
+    steps: int = 0  # forward passes this rank ran (prefill chunks and decode steps)
+    tokens: int = 0  # tokens sampled (leader only)
+    max_rows: int = 0  # the most rows one decode step carried
 
 
 # Messages from the caller's threads to the leader's loop, which alone touches the queue and the caches.
@@ -110,14 +177,8 @@ class _Shutdown:
 _Control = _Submit | _Finish | _Shutdown
 
 
-@dataclass
-class EngineStats:
-    steps: int = 0  # forward passes this rank ran (prefill chunks and decode steps)
-    tokens: int = 0  # tokens sampled (leader only)
-
-
 class PipelineEngine:
-    """One rank of a pipeline. On the last rank it also takes requests and samples.
+    """One rank of a pipeline. On the last rank it also takes requests, batches them and samples.
 
     `group` is the ring group (`mx.distributed.init(backend="ring")`), or None (or a group of
     size 1) for a single process holding the whole model.
@@ -131,7 +192,9 @@ class PipelineEngine:
         on_started: StartedCallback | None = None,
         on_token: TokenCallback | None = None,
         on_finished: FinishedCallback | None = None,
+        max_batch: int = 8,
         prefill_step_size: int = 2048,
+        interleaved_prefill_tokens: int = 256,
     ) -> None:
         size = 1 if group is None else group.size()
         rank = 0 if group is None else group.rank()
@@ -145,12 +208,21 @@ class PipelineEngine:
                 f"rank {rank} of {size} holds layers [{shard.start_layer}, {shard.end_layer}) of "
                 f"{shard.num_layers}; only the last rank may and must hold the last layer"
             )
+        if max_batch < 1:
+            raise ValueError(f"max_batch must be >= 1, got {max_batch}")
         if prefill_step_size < 1:
             raise ValueError(f"prefill_step_size must be >= 1, got {prefill_step_size}")
+        if interleaved_prefill_tokens < 1:
+            raise ValueError(f"interleaved_prefill_tokens must be >= 1, got {interleaved_prefill_tokens}")
         self.shard = shard
         self.rank = rank
         self.size = size
+        self.max_batch = max_batch
+        # A prompt is prefilled in chunks of prefill_step_size while nothing decodes (mlx-lm's schedule), and
+        # of interleaved_prefill_tokens between the batch's decode steps, so the others' next token waits for
+        # at most one such chunk.
         self.prefill_step_size = prefill_step_size
+        self.interleaved_prefill_tokens = interleaved_prefill_tokens
         self.on_started = on_started
         self.on_token = on_token
         self.on_finished = on_finished
@@ -158,9 +230,11 @@ class PipelineEngine:
         self._control: queue.Queue[_Control] = queue.Queue()
         self._lock = threading.Lock()
         self._task_ids: set[str] = set()  # queued or running, to refuse duplicates
+        self._caches = _RankCaches(shard)
         self._pending: deque[GenerationRequest] = deque()
-        self._active: _Task | None = None
-        self._caches: dict[int, list[Any]] = {}
+        self._prefilling: _Task | None = None
+        self._rows: list[_Task] = []  # the decoding batch, in row order
+        self._launched: _Launched | None = None
         self._seq = 0
         self._shutdown_requested = False
         self.stats = EngineStats()
@@ -223,42 +297,49 @@ class PipelineEngine:
         if self._link is not None:
             self._check_layout()
         while True:
-            idle = self._active is None and not self._pending
-            if not self._apply_control(block=idle):
+            busy = self._rows or self._prefilling is not None or self._pending
+            if not self._apply_control(block=not busy):
                 break
-            if self._active is None:
-                if not self._pending:
-                    continue
-                self._active = self._start(self._pending.popleft())
-            self._step(self._active)
+            if self._prefilling is None and self._pending and len(self._rows) < self.max_batch:
+                self._prefilling = self._start(self._pending.popleft())
+            if self._prefilling is not None:
+                self._prefill_step(self._prefilling)
+            if self._rows:
+                self._decode_step()
+            elif self._launched is not None:
+                self._launched = None  # every row of the step in flight has finished
         if self._link is not None:
             self._round_trip(Header(Op.STOP))
 
     def _follow(self) -> None:
         assert self._link is not None
-        caches: dict[int, list[Any]] = {}
+        caches = self._caches
         while True:
             header, payload = self._link.recv()
-            if header.op == Op.STOP:
-                self._link.send(header)
-                return
-            if header.op == Op.RELEASE:
-                caches.pop(header.slot, None)
-                self._link.send(header)
-                continue
-            assert payload is not None
-            if header.op == Op.HELLO:
-                self._link.send(header, self._hello_hop(payload))
-                continue
-            if header.flags & FLAG_RESET:
-                caches[header.slot] = self.shard.make_cache()
-            cache = caches.get(header.slot)
-            if cache is None:
-                raise RuntimeError(f"rank {self.rank}: step {header.seq} names slot {header.slot}, which has no cache")
-            h = self.shard.embed(payload) if self.shard.is_first else payload
-            h = self.shard.run_layers(h, cache)
-            self._link.send(header.with_payload(h), h, extra=[c.state for c in cache])
-            self.stats.steps += 1
+            reset = bool(header.flags & FLAG_RESET)
+            match header.op:
+                case Op.STOP:
+                    self._link.send(header)
+                    return
+                case Op.RELEASE:
+                    caches.release(header.slot)
+                    self._link.send(header)
+                case Op.JOIN:
+                    caches.join(header.slot, reset)
+                    self._link.send(header)
+                case Op.HELLO:
+                    assert payload is not None
+                    self._link.send(header, self._hello_hop(payload))
+                case Op.PREFILL | Op.DECODE:
+                    assert payload is not None
+                    if header.op == Op.PREFILL:
+                        cache = caches.for_prefill(header.slot, reset)
+                    else:
+                        cache = caches.for_decode(header.batch)
+                    h = self.shard.embed(payload) if self.shard.is_first else payload
+                    h = self.shard.run_layers(h, cache)
+                    self._link.send(header.with_payload(h), h, extra=[c.state for c in cache])
+                    self.stats.steps += 1
 
     # ----------------------------------------------------------------- layout check
 
@@ -319,10 +400,12 @@ class PipelineEngine:
         return True
 
     def _finish_by_id(self, task_id: str, reason: TaskOutcome) -> None:
-        if self._active is not None and self._active.request.task_id == task_id:
-            self._finish(self._active, reason)
-            return
-        for queued in list(self._pending):
+        running = [*self._rows, *([self._prefilling] if self._prefilling is not None else [])]
+        for task in running:
+            if task.request.task_id == task_id:
+                self._finish(task, reason)
+                return
+        for queued in self._pending:
             if queued.task_id == task_id:
                 self._pending.remove(queued)
                 self._forget(task_id)
@@ -330,97 +413,130 @@ class PipelineEngine:
                 return
 
     def _cancel_all(self) -> None:
-        if self._active is not None:
-            self._finish(self._active, TaskOutcome.CANCELLED, release=False)
+        """On shutdown: no RELEASE goes out, the STOP that follows ends every rank."""
+        for task in [*self._rows, *([self._prefilling] if self._prefilling is not None else [])]:
+            self._finish(task, TaskOutcome.CANCELLED, release=False)
         while self._pending:
             queued = self._pending.popleft()
             self._forget(queued.task_id)
             self._emit_finished(queued.task_id, TaskOutcome.CANCELLED, len(queued.prompt_tokens), 0)
 
     def _start(self, request: GenerationRequest) -> _Task:
-        slot = next(s for s in range(len(self._caches) + 1) if s not in self._caches)
+        used = {task.slot for task in self._rows}
+        slot = next(s for s in range(len(used) + 1) if s not in used)
         eos = self.shard.eos_token_ids if request.eos_token_ids is None else request.eos_token_ids
         sampler = TaskSampler(request.temperature, request.top_p, request.seed)
-        self._caches[slot] = []  # reserved; filled by the step that carries FLAG_RESET
         _notify(self.on_started, request.task_id, len(request.prompt_tokens))
         return _Task(request=request, slot=slot, sampler=sampler, eos=frozenset(eos))
 
-    def _step(self, task: _Task) -> None:
-        # Same schedule as mlx_lm.generate_step: every prompt token but the last in chunks of
-        # prefill_step_size (no logits), then the last one alone, whose logits give token 1.
+    def _prefill_step(self, task: _Task) -> None:
+        """One chunk of the task's prompt, or, once all but its last token are in its cache, its join.
+        Same schedule as mlx_lm.generate_step: the last prompt token's logits give the first token."""
         prompt = task.request.prompt_tokens
-        if task.prompt_done < len(prompt) - 1:
-            n = min(self.prefill_step_size, len(prompt) - 1 - task.prompt_done)
-            self._compute(Op.PREFILL, task, prompt[task.prompt_done : task.prompt_done + n])
+        remaining = len(prompt) - 1 - task.prompt_done
+        if remaining > 0:
+            chunk = self.interleaved_prefill_tokens if self._rows else self.prefill_step_size
+            n = min(chunk, remaining)
+            reset = not task.cache_started
+            task.cache_started = True
+            ids = mx.array([prompt[task.prompt_done : task.prompt_done + n]], dtype=mx.int32)
+            h = self._first_layers(Header(Op.PREFILL, task.slot, FLAG_RESET if reset else 0), ids)
+            cache = self._caches.for_prefill(task.slot, reset)
+            self.shard.run_layers(h, cache)
+            mx.eval([c.state for c in cache])
+            self.stats.steps += 1
             task.prompt_done += n
-            return
-        if task.prompt_done == len(prompt) - 1:
-            tokens: Sequence[int] = prompt[-1:]
-            task.prompt_done = len(prompt)
-        else:
-            tokens = (task.last_token,)
-        token = self._decode_ahead(task, tokens) if self._link is None else self._compute(Op.DECODE, task, tokens)
-        assert token is not None
-        task.generated += 1
+            if n < remaining:
+                return
+        reset = not task.cache_started
+        task.cache_started = True
+        if self._link is not None:
+            self._round_trip(Header(Op.JOIN, task.slot, FLAG_RESET if reset else 0))
+        self._caches.join(task.slot, reset)
+        self._rows.append(task)
+        self._prefilling = None
+        mx.clear_cache()  # the prefill's activations; mlx-lm frees them the same way
+
+    def _decode_step(self) -> None:
+        """Launch the batch's next step, then read the step launched before it: building and running one
+        step's graph (`mx.async_eval`) overlaps reading the previous one's tokens and handing them out, as in
+        mlx_lm's generate_step. Rows with logits processors need their previous token first, so then the
+        step runs after the read instead."""
+        previous = self._launched
+        if previous is not None and any(t.request.logits_processors for t in self._rows):
+            self._launched = None
+            self._read(previous)
+            previous = None
+            if not self._rows:
+                return
+        rows = list(self._rows)
+        inputs = self._inputs(rows, previous)
+        self.stats.max_rows = max(self.stats.max_rows, len(rows))
+        h = self._first_layers(Header(Op.DECODE), inputs.reshape(-1, 1))
+        h = self.shard.run_layers(h, self._caches.for_decode(len(rows)))
+        self.stats.steps += 1
+        tokens = self._sample(rows, self.shard.head(h)[:, -1, :])
+        mx.async_eval(tokens)
+        self._launched = _Launched(rows, tokens)
+        if previous is not None:
+            self._read(previous)
+
+    def _inputs(self, rows: list[_Task], previous: _Launched | None) -> mx.array:
+        """Each row's input token: the one the step in flight samples for it (still lazy), else the last one
+        it was handed, else (it just joined) its last prompt token. Rows that joined since that step come
+        last (JOIN appends), so the carried rows are a prefix."""
+        carried = [] if previous is None else [previous.rows.index(t) for t in rows if t in previous.rows]
+        known = [t.generated[-1] if t.generated else t.request.prompt_tokens[-1] for t in rows[len(carried) :]]
+        parts = []
+        if carried:
+            assert previous is not None
+            parts.append(previous.tokens if len(carried) == len(previous.rows) else previous.tokens[mx.array(carried)])
+        if known:
+            parts.append(mx.array(known, dtype=previous.tokens.dtype if previous is not None else mx.int32))
+        return mx.concatenate(parts).astype(mx.int32)
+
+    def _sample(self, rows: list[_Task], logits: mx.array) -> mx.array:
+        logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+        if all(t.sampler.greedy and not t.request.logits_processors for t in rows):
+            # Same op as mlx_lm's greedy_sampler, so greedy output matches mlx-lm exactly.
+            return mx.argmax(logprobs, axis=-1)
+        sampled = []
+        for i, task in enumerate(rows):
+            row = logprobs[i : i + 1]
+            if task.request.logits_processors:
+                history = mx.array([*task.request.prompt_tokens, *task.generated], dtype=mx.int32)
+                for processor in task.request.logits_processors:
+                    row = processor(history, row)
+            sampled.append(task.sampler(row))
+        return mx.concatenate(sampled)
+
+    def _read(self, launched: _Launched) -> None:
+        for task, token in zip(launched.rows, cast("list[int]", launched.tokens.tolist()), strict=True):
+            if not task.finished:  # else it ended after the step went out: the step's token for it is void
+                self._accept(task, token)
+
+    def _accept(self, task: _Task, token: int) -> None:
+        task.generated.append(token)
         self.stats.tokens += 1
         request = task.request
         if token in task.eos:
             self._finish(task, TaskOutcome.STOP)
             return
-        task.last_token = token
-        if task.generated >= request.max_tokens:
-            self._emit_token(request.task_id, token, task.generated - 1, TaskOutcome.LENGTH)
+        index = len(task.generated) - 1
+        if len(task.generated) >= request.max_tokens:
+            self._emit_token(request.task_id, token, index, TaskOutcome.LENGTH)
             self._finish(task, TaskOutcome.LENGTH)
         else:
-            self._emit_token(request.task_id, token, task.generated - 1, None)
+            self._emit_token(request.task_id, token, index, None)
 
-    def _compute(self, op: Op, task: _Task, tokens: Sequence[int]) -> int | None:
-        """Run one step through all ranks; the sampled token for DECODE."""
-        flags = 0 if task.started else FLAG_RESET
-        task.started = True
-        if flags & FLAG_RESET:
-            self._caches[task.slot] = self.shard.make_cache()
-        cache = self._caches[task.slot]
-        ids = mx.array([list(tokens)], dtype=mx.int32)
+    def _first_layers(self, header: Header, ids: mx.array) -> mx.array:
+        """The hidden states that enter this rank's layers for the step `header` names: embedded here on a
+        single rank, or sent around the ring through every other rank's layers."""
         if self._link is None:
-            h = self.shard.embed(ids)
-        else:
-            received = self._round_trip(Header(op, task.slot, flags).with_payload(ids), ids)
-            assert received is not None  # the previous rank always returns hidden states for a step
-            h = received
-        h = self.shard.run_layers(h, cache)
-        self.stats.steps += 1
-        if op == Op.PREFILL:
-            mx.eval([c.state for c in cache])
-            return None
-        token = self._next_token(task, h)
-        mx.eval(token)
-        return int(cast(int, token.item()))
-
-    def _decode_ahead(self, task: _Task, tokens: Sequence[int]) -> int:
-        """One decode step on a single rank, the way mlx_lm's generate_step runs it: while this step's token
-        is read back, the next step's graph is already built and evaluating (`mx.async_eval`) with that
-        token as its input, so building a graph never leaves the CPU idle. If the task ends instead, the
-        step ahead only advanced a KV cache that is dropped with the task."""
-        if not task.started:  # a one-token prompt: this is the task's first step
-            task.started = True
-            self._caches[task.slot] = self.shard.make_cache()
-        current = task.ahead if task.ahead is not None else self._sample(task, mx.array([list(tokens)], dtype=mx.int32))
-        task.ahead = None
-        if task.generated + 1 < task.request.max_tokens:
-            task.ahead = self._sample(task, current.reshape(1, 1))
-            mx.async_eval(task.ahead)
-        return int(cast(int, current.item()))
-
-    def _sample(self, task: _Task, ids: mx.array) -> mx.array:
-        """The lazy next token after `ids` (shape (1, n)) on a single rank."""
-        h = self.shard.run_layers(self.shard.embed(ids), self._caches[task.slot])
-        self.stats.steps += 1
-        return self._next_token(task, h)
-
-    def _next_token(self, task: _Task, h: mx.array) -> mx.array:
-        logits = self.shard.head(h)[:, -1, :]
-        return task.sampler(logits - mx.logsumexp(logits, axis=-1, keepdims=True))
+            return self.shard.embed(ids)
+        received = self._round_trip(header.with_payload(ids), ids)
+        assert received is not None  # the previous rank always returns hidden states for a step
+        return received
 
     def _round_trip(self, header: Header, payload: mx.array | None = None) -> mx.array | None:
         assert self._link is not None
@@ -438,14 +554,20 @@ class PipelineEngine:
         return data
 
     def _finish(self, task: _Task, reason: TaskOutcome, release: bool = True) -> None:
-        if self._active is task:
-            self._active = None
-        self._caches.pop(task.slot, None)
+        task.finished = True
+        if task in self._rows:
+            self._rows.remove(task)
+        if self._prefilling is task:
+            self._prefilling = None
+        if task.cache_started:
+            self._caches.release(task.slot)
+            if release and self._link is not None:
+                self._round_trip(Header(Op.RELEASE, task.slot))
         request = task.request
         self._forget(request.task_id)
-        self._emit_finished(request.task_id, reason, len(request.prompt_tokens), task.generated)
-        if release and self._link is not None and task.started:
-            self._round_trip(Header(Op.RELEASE, task.slot))
+        self._emit_finished(request.task_id, reason, len(request.prompt_tokens), len(task.generated))
+        if not self._rows and self._prefilling is None:
+            mx.clear_cache()  # idle: hand the freed KV caches back, as mlx-lm does between requests
 
     def _forget(self, task_id: str) -> None:
         with self._lock:

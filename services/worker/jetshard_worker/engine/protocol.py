@@ -27,17 +27,18 @@ log = logging.getLogger(__name__)
 
 class Op(IntEnum):
     STOP = 1  # every rank forwards it, then leaves run_forever()
-    PREFILL = 2  # fill the slot's KV cache; the last rank samples nothing
-    DECODE = 3  # run the tokens; the last rank samples the next token
-    RELEASE = 4  # the slot's task is over: drop its KV cache
+    PREFILL = 2  # fill the slot's own KV cache with prompt tokens (one row); the last rank samples nothing
+    DECODE = 3  # one token for each row of the decoding batch, in batch order; the last rank samples
+    RELEASE = 4  # the slot's task is over: drop its row from the batch, or its own cache if it never joined
     HELLO = 5  # once at start: check that the ranks' layer ranges tile the model (payload: HELLO_*)
+    JOIN = 6  # move the slot's own cache into the decoding batch as its last row
 
 
 # HELLO payload (int32): the next layer expected, the model's layer count, and the first rank
 # whose range did not fit (-1: none yet) with that range.
 HELLO_NEXT, HELLO_NUM_LAYERS, HELLO_BAD_RANK, HELLO_BAD_START, HELLO_BAD_END = range(5)
 
-FLAG_RESET = 1  # the step starts a new task in this slot: make a fresh KV cache first
+FLAG_RESET = 1  # the step starts a new task in this slot: make a fresh KV cache first (PREFILL, JOIN)
 
 HEADER_LEN = 8
 
@@ -48,7 +49,7 @@ DTYPES: tuple[mx.Dtype, ...] = (mx.int32, mx.float32, mx.float16, mx.bfloat16)
 @dataclass(frozen=True)
 class Header:
     op: Op
-    slot: int = 0  # which task (KV cache) the step belongs to
+    slot: int = 0  # which task (KV cache) the step belongs to; DECODE runs every row of the batch
     flags: int = 0
     batch: int = 0  # rows in the payload; 0 for ops without payload
     length: int = 0  # tokens per row

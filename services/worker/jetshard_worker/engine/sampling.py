@@ -23,9 +23,13 @@ class TaskSampler:
         self.top_p = top_p
         self._key = mx.random.key(secrets.randbits(63) if seed is None else seed)
 
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
     def __call__(self, logprobs: mx.array) -> mx.array:
         """`logprobs` (batch, vocab) -> token ids (batch,)."""
-        if self.temperature == 0:
+        if self.greedy:
             # Same op as mlx_lm's greedy_sampler, so greedy output matches mlx-lm exactly.
             return mx.argmax(logprobs, axis=-1)
         self._key, key = mx.random.split(self._key)
