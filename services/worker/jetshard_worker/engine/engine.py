@@ -15,20 +15,25 @@ what else shares the batch.
 
 from __future__ import annotations
 
+import copy
 import logging
 import queue
 import threading
 from collections import deque
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, cast
 
 import mlx.core as mx
 from jetshard_schema.types import TaskOutcome
+from mlx_lm.models.cache import can_trim_prompt_cache, trim_prompt_cache
 
 from .distributed import ring_listen_port
+from .prefixes import PrefixHit, PrefixIndex
 from .protocol import (
     FLAG_RESET,
+    FLAG_RESTORE,
+    FLAG_SAVE,
     HELLO_BAD_END,
     HELLO_BAD_RANK,
     HELLO_BAD_START,
@@ -91,7 +96,8 @@ class _Task:
     eos: frozenset[int]
     prompt_done: int = 0  # prompt tokens in the task's own KV cache; all but the last before it joins
     generated: list[int] = field(default_factory=list)  # tokens sampled, EOS included
-    cache_started: bool = False  # a PREFILL with FLAG_RESET went out for its slot
+    cache_started: bool = False  # a step with FLAG_RESET went out for its slot
+    restore: PrefixHit | None = None  # the saved prefix its cache starts from
     finished: bool = False
 
 
@@ -104,25 +110,27 @@ class _Launched:
 
 
 class _RankCaches:
-    """One rank's KV caches: each prefilling slot's own, and the decoding batch's, merged (row i: `rows[i]`).
-    The leader and the followers change them through the same methods in the same order."""
+    """One rank's KV caches: each prefilling slot's own, the decoding batch's, merged (row i: `rows[i]`), and the
+    saved prefixes. The leader and the followers change them through the same methods, from the same step
+    headers, in the same order."""
 
     def __init__(self, shard: Shard) -> None:
         self._shard = shard
-        self._own: dict[int, list[Any]] = {}
+        self._own: dict[int, tuple[list[Any], int]] = {}  # slot -> (cache, tokens in it)
+        self._saved: dict[int, tuple[list[Any], int]] = {}  # prefix -> (cache, tokens in it); never mutated
         self.rows: list[int] = []
         self.batch: list[Any] = []
 
-    def for_prefill(self, slot: int, reset: bool) -> list[Any]:
-        if reset:
-            self._own[slot] = self._shard.make_cache()
-        cache = self._own.get(slot)
-        if cache is None:
-            raise RuntimeError(f"a prefill names slot {slot}, which has no cache")
+    def for_prefill(self, header: Header) -> list[Any]:
+        cache, tokens = self._own_cache(header)
+        self._own[header.slot] = (cache, tokens + header.length)
         return cache
 
-    def join(self, slot: int, reset: bool) -> None:
-        own = self._shard.make_cache() if reset else self._own.pop(slot)
+    def join(self, header: Header) -> None:
+        own, tokens = self._own_cache(header)
+        self._own.pop(header.slot, None)
+        if header.flags & FLAG_SAVE:
+            self._saved[header.prefix] = (own, tokens)  # merging copies it into the batch: it stays as it is
         # mlx-lm's batch caches: each layer's cache type knows how to merge into its batched form.
         merged = [type(layer).merge([layer]) for layer in own]
         if self.rows:
@@ -130,7 +138,7 @@ class _RankCaches:
                 batched.extend(joining)
         else:
             self.batch = merged
-        self.rows.append(slot)
+        self.rows.append(header.slot)
 
     def release(self, slot: int) -> None:
         if slot not in self.rows:
@@ -144,10 +152,32 @@ class _RankCaches:
         for layer in self.batch:
             layer.filter(keep)
 
+    def own(self, slot: int) -> list[Any] | None:
+        found = self._own.get(slot)
+        return None if found is None else found[0]
+
+    def evict(self, prefix: int) -> None:
+        self._saved.pop(prefix, None)
+
     def for_decode(self, batch: int) -> list[Any]:
         if batch != len(self.rows):
             raise RuntimeError(f"a decode step carries {batch} rows, the batch holds {len(self.rows)}")
         return self.batch
+
+    def _own_cache(self, header: Header) -> tuple[list[Any], int]:
+        if not header.flags & FLAG_RESET:
+            if header.slot not in self._own:
+                raise RuntimeError(f"a {header.op.name} step names slot {header.slot}, which has no cache")
+            return self._own[header.slot]
+        if not header.flags & FLAG_RESTORE:
+            return self._shard.make_cache(), 0
+        if header.prefix not in self._saved:
+            raise RuntimeError(f"slot {header.slot} starts from saved prefix {header.prefix}, which this rank lacks")
+        saved, tokens = self._saved[header.prefix]
+        cache = copy.deepcopy(saved)
+        if tokens > header.prefix_len:
+            trim_prompt_cache(cache, tokens - header.prefix_len)
+        return cache, header.prefix_len
 
 
 @dataclass
@@ -155,6 +185,8 @@ class EngineStats:
     steps: int = 0  # forward passes this rank ran (prefill chunks and decode steps)
     tokens: int = 0  # tokens sampled (leader only)
     max_rows: int = 0  # the most rows one decode step carried
+    prefix_hits: int = 0  # tasks whose prompt started from a saved prefix
+    prefix_hit_tokens: int = 0  # prompt tokens those tasks did not prefill
 
 
 # Messages from the caller's threads to the leader's loop, which alone touches the queue and the caches.
@@ -195,6 +227,7 @@ class PipelineEngine:
         max_batch: int = 8,
         prefill_step_size: int = 2048,
         interleaved_prefill_tokens: int = 256,
+        prefix_cache_bytes: int = 512 * 2**20,
     ) -> None:
         size = 1 if group is None else group.size()
         rank = 0 if group is None else group.rank()
@@ -231,6 +264,9 @@ class PipelineEngine:
         self._lock = threading.Lock()
         self._task_ids: set[str] = set()  # queued or running, to refuse duplicates
         self._caches = _RankCaches(shard)
+        # Prompts' KV caches kept for later prompts that start the same way (a conversation's next turn, a
+        # shared system prompt): only the leader decides, the other ranks follow its steps.
+        self._prefixes = PrefixIndex(prefix_cache_bytes)
         self._pending: deque[GenerationRequest] = deque()
         self._prefilling: _Task | None = None
         self._rows: list[_Task] = []  # the decoding batch, in row order
@@ -316,7 +352,6 @@ class PipelineEngine:
         caches = self._caches
         while True:
             header, payload = self._link.recv()
-            reset = bool(header.flags & FLAG_RESET)
             match header.op:
                 case Op.STOP:
                     self._link.send(header)
@@ -325,7 +360,10 @@ class PipelineEngine:
                     caches.release(header.slot)
                     self._link.send(header)
                 case Op.JOIN:
-                    caches.join(header.slot, reset)
+                    caches.join(header)
+                    self._link.send(header)
+                case Op.EVICT:
+                    caches.evict(header.prefix)
                     self._link.send(header)
                 case Op.HELLO:
                     assert payload is not None
@@ -333,7 +371,7 @@ class PipelineEngine:
                 case Op.PREFILL | Op.DECODE:
                     assert payload is not None
                     if header.op == Op.PREFILL:
-                        cache = caches.for_prefill(header.slot, reset)
+                        cache = caches.for_prefill(header)
                     else:
                         cache = caches.for_decode(header.batch)
                     h = self.shard.embed(payload) if self.shard.is_first else payload
@@ -426,8 +464,15 @@ class PipelineEngine:
         slot = next(s for s in range(len(used) + 1) if s not in used)
         eos = self.shard.eos_token_ids if request.eos_token_ids is None else request.eos_token_ids
         sampler = TaskSampler(request.temperature, request.top_p, request.seed)
+        task = _Task(request=request, slot=slot, sampler=sampler, eos=frozenset(eos))
+        hit = self._prefixes.find(request.prompt_tokens[:-1])
+        if hit is not None:
+            task.restore = hit
+            task.prompt_done = hit.tokens
+            self.stats.prefix_hits += 1
+            self.stats.prefix_hit_tokens += hit.tokens
         _notify(self.on_started, request.task_id, len(request.prompt_tokens))
-        return _Task(request=request, slot=slot, sampler=sampler, eos=frozenset(eos))
+        return task
 
     def _prefill_step(self, task: _Task) -> None:
         """One chunk of the task's prompt, or, once all but its last token are in its cache, its join.
@@ -435,27 +480,50 @@ class PipelineEngine:
         prompt = task.request.prompt_tokens
         remaining = len(prompt) - 1 - task.prompt_done
         if remaining > 0:
-            chunk = self.interleaved_prefill_tokens if self._rows else self.prefill_step_size
-            n = min(chunk, remaining)
-            reset = not task.cache_started
-            task.cache_started = True
+            n = min(self.interleaved_prefill_tokens if self._rows else self.prefill_step_size, remaining)
             ids = mx.array([prompt[task.prompt_done : task.prompt_done + n]], dtype=mx.int32)
-            h = self._first_layers(Header(Op.PREFILL, task.slot, FLAG_RESET if reset else 0), ids)
-            cache = self._caches.for_prefill(task.slot, reset)
+            header = self._slot_header(Op.PREFILL, task).with_payload(ids)
+            h = self._first_layers(header, ids)
+            cache = self._caches.for_prefill(header)
             self.shard.run_layers(h, cache)
             mx.eval([c.state for c in cache])
             self.stats.steps += 1
             task.prompt_done += n
             if n < remaining:
                 return
-        reset = not task.cache_started
-        task.cache_started = True
+        self._join(task)
+
+    def _join(self, task: _Task) -> None:
+        header = self._slot_header(Op.JOIN, task)
+        evicted: list[int] = []
+        own = self._caches.own(task.slot)
+        if own is not None and task.prompt_done > 0:
+            # The cache's size for the whole model, from this rank's share of the layers.
+            size = sum(c.nbytes for c in own) * self.shard.num_layers // len(self.shard.layers)
+            saved, evicted = self._prefixes.add(task.request.prompt_tokens[:-1], size, can_trim_prompt_cache(own))
+            if saved is not None:
+                header = replace(header, flags=header.flags | FLAG_SAVE, prefix=saved)
         if self._link is not None:
-            self._round_trip(Header(Op.JOIN, task.slot, FLAG_RESET if reset else 0))
-        self._caches.join(task.slot, reset)
+            self._round_trip(header)
+        self._caches.join(header)
+        for prefix in evicted:
+            self._caches.evict(prefix)
+            if self._link is not None:
+                self._round_trip(Header(Op.EVICT, prefix=prefix))
         self._rows.append(task)
         self._prefilling = None
         mx.clear_cache()  # the prefill's activations; mlx-lm frees them the same way
+
+    def _slot_header(self, op: Op, task: _Task) -> Header:
+        """A step for the task's slot; its first one also says what its cache starts from."""
+        if task.cache_started:
+            return Header(op, task.slot)
+        task.cache_started = True
+        if task.restore is None:
+            return Header(op, task.slot, FLAG_RESET)
+        return Header(
+            op, task.slot, FLAG_RESET | FLAG_RESTORE, prefix=task.restore.entry, prefix_len=task.restore.tokens
+        )
 
     def _decode_step(self) -> None:
         """Launch the batch's next step, then read the step launched before it: building and running one
@@ -541,9 +609,7 @@ class PipelineEngine:
     def _round_trip(self, header: Header, payload: mx.array | None = None) -> mx.array | None:
         assert self._link is not None
         self._seq += 1
-        sent = Header(
-            header.op, header.slot, header.flags, header.batch, header.length, header.width, header.dtype, self._seq
-        )
+        sent = replace(header, seq=self._seq)
         self._link.send(sent, payload)
         back, data = self._link.recv()
         if (back.op, back.slot, back.seq) != (sent.op, sent.slot, sent.seq):

@@ -32,6 +32,7 @@ class Op(IntEnum):
     RELEASE = 4  # the slot's task is over: drop its row from the batch, or its own cache if it never joined
     HELLO = 5  # once at start: check that the ranks' layer ranges tile the model (payload: HELLO_*)
     JOIN = 6  # move the slot's own cache into the decoding batch as its last row
+    EVICT = 7  # drop the saved prefix cache `prefix`
 
 
 # HELLO payload (int32): the next layer expected, the model's layer count, and the first rank
@@ -39,8 +40,10 @@ class Op(IntEnum):
 HELLO_NEXT, HELLO_NUM_LAYERS, HELLO_BAD_RANK, HELLO_BAD_START, HELLO_BAD_END = range(5)
 
 FLAG_RESET = 1  # the step starts a new task in this slot: make a fresh KV cache first (PREFILL, JOIN)
+FLAG_RESTORE = 2  # with FLAG_RESET: start from a copy of saved prefix `prefix`, cut to its first `prefix_len` tokens
+FLAG_SAVE = 4  # JOIN: first keep the slot's own cache (its prompt but the last token) as saved prefix `prefix`
 
-HEADER_LEN = 8
+HEADER_LEN = 10
 
 # The index of a dtype here is its code in the header; append only.
 DTYPES: tuple[mx.Dtype, ...] = (mx.int32, mx.float32, mx.float16, mx.bfloat16)
@@ -56,6 +59,8 @@ class Header:
     width: int = 0  # hidden size; 0 when the payload is token ids
     dtype: mx.Dtype = mx.int32
     seq: int = 0  # step counter set by the last rank, checked when the step comes back
+    prefix: int = -1  # a saved prefix cache, for FLAG_RESTORE, FLAG_SAVE and EVICT
+    prefix_len: int = 0  # tokens of `prefix` that FLAG_RESTORE keeps
 
     def to_array(self) -> mx.array:
         values = [
@@ -67,6 +72,8 @@ class Header:
             self.width,
             DTYPES.index(self.dtype),
             self.seq,
+            self.prefix,
+            self.prefix_len,
         ]
         return mx.array(values, dtype=mx.int32)
 
@@ -75,10 +82,10 @@ class Header:
         values = [int(v) for v in cast("list[int]", array.tolist())]
         if len(values) != HEADER_LEN:
             raise ValueError(f"step header must have {HEADER_LEN} ints, got {len(values)}")
-        op, slot, flags, batch, length, width, dtype_code, seq = values
+        op, slot, flags, batch, length, width, dtype_code, seq, prefix, prefix_len = values
         if not 0 <= dtype_code < len(DTYPES):
             raise ValueError(f"step header names unknown dtype code {dtype_code}")
-        return cls(Op(op), slot, flags, batch, length, width, DTYPES[dtype_code], seq)
+        return cls(Op(op), slot, flags, batch, length, width, DTYPES[dtype_code], seq, prefix, prefix_len)
 
     @property
     def has_payload(self) -> bool:
