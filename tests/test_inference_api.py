@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import random
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import httpx
@@ -51,7 +52,7 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[InferenceClust
         for model_id, arch in MODELS.items()
     }
     dirs[UNPLACED] = make_tiny_model(root / "repos" / "unplaced", arch="llama", num_layers=2, num_files=2, seed=3)
-    with hub_cluster(root) as c:
+    with hub_cluster(root, env={"JETSHARD_COUNTERS_INTERVAL_S": "0.5"}) as c:
         for model_id, path in dirs.items():
             c.hub.add_repo(model_id, path)
         c.model_dirs = dirs  # type: ignore[attr-defined]
@@ -149,6 +150,30 @@ def test_greedy_output_equals_mlx_lm(
         streamed, _ = stream_text(client, model_id, messages, temperature=0, max_tokens=MAX_TOKENS)
         assert streamed == expected, messages
     assert any(references[model_id]), "the tiny model generated nothing at all"
+
+
+def test_concurrent_requests_batch_and_each_equals_mlx_lm(
+    cluster: InferenceCluster, client: openai.OpenAI, references: dict[str, list[str]]
+) -> None:
+    with ThreadPoolExecutor(len(CONVERSATIONS)) as pool:
+        answers = list(
+            pool.map(
+                lambda messages: chat(client, LLAMA, messages, temperature=0, max_tokens=MAX_TOKENS),
+                CONVERSATIONS,
+            )
+        )
+    assert [a.choices[0].message.content for a in answers] == references[LLAMA]
+
+    # The leader reports what it served now and then (every 0.5 s here): the requests shared decode steps, and
+    # asking a conversation again started from its saved prompt cache.
+    chat(client, LLAMA, CONVERSATIONS[4], temperature=0, max_tokens=MAX_TOKENS)
+
+    def leader_counters() -> dict[str, Any]:
+        instance = cluster.get("/state")["instances"][cluster.instance_ids[LLAMA]]  # type: ignore[attr-defined]
+        leader = instance["runners"][str(len(instance["shards"]) - 1)]
+        return leader.get("counters") or {}
+
+    assert wait_for(lambda: leader_counters().get("max_rows", 0) > 1 and leader_counters()["prefix_hits"] > 0, 30)
 
 
 def test_completions_equal_mlx_lm(client: openai.OpenAI, mlx_models: dict[str, tuple[Any, Any]]) -> None:

@@ -12,7 +12,6 @@ from jetshard_worker.engine import GenerationRequest, PipelineEngine, load_shard
 from jetshard_worker.engine.prefixes import PrefixHit, PrefixIndex
 from test_engine import MAX_TOKENS, Collector, reference, run_pipeline
 
-
 SYSTEM = [(7 * i) % 500 + 3 for i in range(40)]  # a shared "system prompt"
 TURN_1 = [*SYSTEM, 11, 12, 13]
 TURN_2 = [*TURN_1, 40, 41, 42, 43, 44]  # the same conversation, one turn later

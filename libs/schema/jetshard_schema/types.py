@@ -99,6 +99,20 @@ class DownloadProgress(msgspec.Struct, frozen=True, kw_only=True):
     max_attempts: int = 0
 
 
+class ServingCounters(msgspec.Struct, frozen=True, kw_only=True):
+    """What an instance's leader has served since it started; reported now and then, never per request."""
+
+    tokens: int = 0
+    max_rows: int = 0
+    """The most tasks one decode step carried."""
+    prefix_hits: int = 0
+    """Tasks whose prompt started from a saved prefix cache."""
+    prefix_hit_tokens: int = 0
+    """Prompt tokens those tasks did not prefill."""
+    prefix_cache_entries: int = 0
+    prefix_cache_bytes: int = 0
+
+
 class RunnerReport(msgspec.Struct, frozen=True, kw_only=True):
     """What one rank's runner last said about itself: its worker reports it, State records it per rank."""
 
@@ -111,6 +125,8 @@ class RunnerReport(msgspec.Struct, frozen=True, kw_only=True):
     layers_total: int = 0
     reason: str = ""
     loaded_tensors: tuple[str, ...] = ()
+    counters: ServingCounters | None = None
+    """The leader's, once it serves."""
 
 
 class Endpoint(msgspec.Struct, frozen=True):

@@ -39,7 +39,17 @@ from jetshard_schema.ids import TaskId
 from jetshard_schema.sampling import generation_config_defaults, resolve_sampling
 from jetshard_schema.state import State
 from jetshard_schema.subjects import TASKS_STREAM, chunk_subject
-from jetshard_schema.types import Chunk, RunnerReport, RunnerStatus, TaskKind, TaskOutcome, TaskRef, TaskRequest, Usage
+from jetshard_schema.types import (
+    Chunk,
+    RunnerReport,
+    RunnerStatus,
+    ServingCounters,
+    TaskKind,
+    TaskOutcome,
+    TaskRef,
+    TaskRequest,
+    Usage,
+)
 from mlx_lm.utils import load_tokenizer
 from nats.js import JetStreamContext
 
@@ -50,6 +60,7 @@ from jetshard_worker.textstream import TextStream
 log = logging.getLogger(__name__)
 
 PROGRESS_INTERVAL_S = 0.5
+COUNTERS_INTERVAL_S = float(os.environ.get("JETSHARD_COUNTERS_INTERVAL_S", "10"))
 FOLLOW_DELAY_ENV = "JETSHARD_TEST_RUNNER_FOLLOW_DELAY_S"
 """Fault injection for tests: hold the leader's State follower this long before it starts."""
 
@@ -121,14 +132,34 @@ class Runner:
             self.context_length = int(shard.config.get("max_position_embeddings") or self.context_length)
             self.model_generation = _read_generation_config(model_dir)
 
-    async def report_ready(self) -> None:
+    async def report_ready(self, counters: ServingCounters | None = None) -> None:
         total = self.spec.end_layer - self.spec.start_layer
         await self.report(
             RunnerStatus.READY,
             layers_loaded=total,
             layers_total=total,
             loaded_tensors=tuple(sorted(self.engine.shard.loaded_tensors)),
+            counters=counters,
         )
+
+    async def report_counters(self) -> None:
+        """The leader's counters, every COUNTERS_INTERVAL_S while they change: State sees prefix-cache hits
+        and batch sizes without an event per request."""
+        reported = None
+        while True:
+            await asyncio.sleep(COUNTERS_INTERVAL_S)
+            stats = self.engine.stats
+            counters = ServingCounters(
+                tokens=stats.tokens,
+                max_rows=stats.max_rows,
+                prefix_hits=stats.prefix_hits,
+                prefix_hit_tokens=stats.prefix_hit_tokens,
+                prefix_cache_entries=stats.prefix_entries,
+                prefix_cache_bytes=stats.prefix_bytes,
+            )
+            if counters != reported:
+                await self.report_ready(counters)
+                reported = counters
 
     # --- leader: tasks in, chunks out ------------------------------------------------------------------
 
@@ -345,6 +376,7 @@ async def run_runner(spec: RunnerSpec, stop: asyncio.Event) -> None:
     await runner.report_ready()
     if follower is not None:
         runner.pick_up(follower.state)
+        background.append(asyncio.create_task(runner.report_counters()))
     waiters = [
         asyncio.create_task(stop.wait()),
         asyncio.create_task(runner.done.wait()),

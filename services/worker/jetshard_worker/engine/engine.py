@@ -187,6 +187,8 @@ class EngineStats:
     max_rows: int = 0  # the most rows one decode step carried
     prefix_hits: int = 0  # tasks whose prompt started from a saved prefix
     prefix_hit_tokens: int = 0  # prompt tokens those tasks did not prefill
+    prefix_entries: int = 0  # saved prefix caches
+    prefix_bytes: int = 0  # their size, for the whole model
 
 
 # Messages from the caller's threads to the leader's loop, which alone touches the queue and the caches.
@@ -510,6 +512,7 @@ class PipelineEngine:
             self._caches.evict(prefix)
             if self._link is not None:
                 self._round_trip(Header(Op.EVICT, prefix=prefix))
+        self.stats.prefix_entries, self.stats.prefix_bytes = len(self._prefixes), self._prefixes.size_bytes
         self._rows.append(task)
         self._prefilling = None
         mx.clear_cache()  # the prefill's activations; mlx-lm frees them the same way
