@@ -19,6 +19,7 @@ import copy
 import logging
 import queue
 import threading
+import time
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
@@ -58,6 +59,9 @@ LogitsProcessor = Callable[[mx.array, mx.array], mx.array]
 
 # How long the idle leader sleeps on its queue between checks; it wakes at once on a request.
 IDLE_POLL_S = 0.5
+# Prefill chunks between decode steps before their cost is measured, and never smaller than (tokens).
+FIRST_INTERLEAVED_CHUNK = 64
+MIN_INTERLEAVED_CHUNK = 16
 
 
 @dataclass(frozen=True)
@@ -181,6 +185,37 @@ class _RankCaches:
 
 
 @dataclass
+class _StepTiming:
+    """How long a decode step and a prefilled token take here, to size prefill chunks between steps."""
+
+    step_s: float | None = None
+    token_s: float | None = None
+    _last_read: float | None = None
+    _prefilled_since: bool = False
+
+    def read(self) -> None:
+        """A decode step's tokens were read: the time since the last read is one step, unless a prefill chunk
+        ran in between."""
+        now = time.perf_counter()
+        if self._last_read is not None and not self._prefilled_since:
+            self.step_s = _smoothed(self.step_s, now - self._last_read)
+        self._last_read, self._prefilled_since = now, False
+
+    def prefilled(self, tokens: int, seconds: float) -> None:
+        self.token_s = _smoothed(self.token_s, seconds / tokens)
+        self._prefilled_since = True
+
+    def tokens_per_step(self, most: int) -> int:
+        if self.step_s is None or self.token_s is None:
+            return min(most, FIRST_INTERLEAVED_CHUNK)
+        return max(MIN_INTERLEAVED_CHUNK, min(most, int(self.step_s / self.token_s)))
+
+
+def _smoothed(previous: float | None, sample: float) -> float:
+    return sample if previous is None else 0.8 * previous + 0.2 * sample
+
+
+@dataclass
 class EngineStats:
     steps: int = 0  # forward passes this rank ran (prefill chunks and decode steps)
     tokens: int = 0  # tokens sampled (leader only)
@@ -228,7 +263,7 @@ class PipelineEngine:
         on_finished: FinishedCallback | None = None,
         max_batch: int = 8,
         prefill_step_size: int = 2048,
-        interleaved_prefill_tokens: int = 256,
+        interleaved_prefill_tokens: int | None = None,
         prefix_cache_bytes: int = 512 * 2**20,
     ) -> None:
         size = 1 if group is None else group.size()
@@ -247,17 +282,19 @@ class PipelineEngine:
             raise ValueError(f"max_batch must be >= 1, got {max_batch}")
         if prefill_step_size < 1:
             raise ValueError(f"prefill_step_size must be >= 1, got {prefill_step_size}")
-        if interleaved_prefill_tokens < 1:
+        if interleaved_prefill_tokens is not None and interleaved_prefill_tokens < 1:
             raise ValueError(f"interleaved_prefill_tokens must be >= 1, got {interleaved_prefill_tokens}")
         self.shard = shard
         self.rank = rank
         self.size = size
         self.max_batch = max_batch
-        # A prompt is prefilled in chunks of prefill_step_size while nothing decodes (mlx-lm's schedule), and
-        # of interleaved_prefill_tokens between the batch's decode steps, so the others' next token waits for
-        # at most one such chunk.
+        # A prompt is prefilled in chunks of prefill_step_size while nothing decodes (mlx-lm's schedule), and in
+        # smaller ones between the batch's decode steps: interleaved_prefill_tokens, or by default as many as
+        # take about one decode step (measured as it runs), so the others' next token comes at most about
+        # twice as late while a long prompt arrives.
         self.prefill_step_size = prefill_step_size
         self.interleaved_prefill_tokens = interleaved_prefill_tokens
+        self._timing = _StepTiming()
         self.on_started = on_started
         self.on_token = on_token
         self.on_finished = on_finished
@@ -482,18 +519,29 @@ class PipelineEngine:
         prompt = task.request.prompt_tokens
         remaining = len(prompt) - 1 - task.prompt_done
         if remaining > 0:
-            n = min(self.interleaved_prefill_tokens if self._rows else self.prefill_step_size, remaining)
+            n = min(self._prefill_chunk(), remaining)
+            if self._launched is not None:
+                mx.eval(self._launched.tokens)  # time the chunk alone, not the decode step still running
+            started = time.perf_counter()
             ids = mx.array([prompt[task.prompt_done : task.prompt_done + n]], dtype=mx.int32)
             header = self._slot_header(Op.PREFILL, task).with_payload(ids)
             h = self._first_layers(header, ids)
             cache = self._caches.for_prefill(header)
             self.shard.run_layers(h, cache)
             mx.eval([c.state for c in cache])
+            self._timing.prefilled(n, time.perf_counter() - started)
             self.stats.steps += 1
             task.prompt_done += n
             if n < remaining:
                 return
         self._join(task)
+
+    def _prefill_chunk(self) -> int:
+        if not self._rows:
+            return self.prefill_step_size
+        if self.interleaved_prefill_tokens is not None:
+            return self.interleaved_prefill_tokens
+        return self._timing.tokens_per_step(self.prefill_step_size)
 
     def _join(self, task: _Task) -> None:
         header = self._slot_header(Op.JOIN, task)
@@ -582,6 +630,7 @@ class PipelineEngine:
         return mx.concatenate(sampled)
 
     def _read(self, launched: _Launched) -> None:
+        self._timing.read()
         for task, token in zip(launched.rows, cast("list[int]", launched.tokens.tolist()), strict=True):
             if not task.finished:  # else it ended after the step went out: the step's token for it is void
                 self._accept(task, token)
