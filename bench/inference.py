@@ -28,8 +28,7 @@ from typing import Any
 import httpx
 import openai
 import psutil
-
-from jetshard.natsserver import start_nats_server
+from jetshard_bus.natsserver import start_nats_server
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests"))  # the generated-model fallback uses the tests' helpers
