@@ -74,6 +74,7 @@ class Stream:
     chunks: list[float] = field(default_factory=list)
     tokens: int = 0
     prompt_tokens: int = 0
+    text: str = ""
 
     @property
     def ttft(self) -> float:
@@ -106,6 +107,7 @@ async def stream_chat(
         now = time.perf_counter()
         if chunk.choices and chunk.choices[0].delta.content:
             result.chunks.append(now)
+            result.text += chunk.choices[0].delta.content
             if on_chunk is not None:
                 on_chunk()
         if chunk.usage is not None:
@@ -436,9 +438,12 @@ def place(api: str, model_id: str, node_ids: list[str], timeout_s: float = 900) 
     for old in httpx.get(f"{api}/instances", timeout=10).json():
         httpx.delete(f"{api}/instances/{old['instance_id']}", timeout=30)
     wait(lambda: not httpx.get(f"{api}/instances", timeout=10).json(), 120, "old instances gone")
+    nodes_text = lambda: httpx.get(f"{api}/nodes", timeout=10).text  # noqa: E731
+    wait(lambda: all(n in nodes_text() for n in node_ids), 120, f"nodes {node_ids} joining")
     body = {"model_id": model_id, "node_ids": node_ids, "min_nodes": len(node_ids)}
     placed = httpx.post(f"{api}/instances", json=body, timeout=60)
-    placed.raise_for_status()
+    if placed.status_code >= 400:
+        raise RuntimeError(f"placing {model_id} on {node_ids}: {placed.status_code} {placed.text}")
     instance_id = str(placed.json()["instance_id"])
     url = f"{api}/instances/{instance_id}"
 
