@@ -21,6 +21,7 @@ from pathlib import Path
 import nats
 from jetshard_bus.connect import connect
 from jetshard_bus.follower import StateFollower
+from jetshard_bus.natsserver import start_nats_server
 from jetshard_bus.options import NatsOptions
 from jetshard_bus.snapshots import save_snapshot, stream_created
 from jetshard_schema import subjects
@@ -30,8 +31,6 @@ from jetshard_schema.events import DownloadProgressed, EventEnvelope
 from jetshard_schema.ids import CommandId, ModelId, NodeId
 from jetshard_schema.types import DownloadProgress, DownloadStatus
 from nats.js.api import StreamConfig
-
-from jetshard.natsserver import start_nats_server
 
 RATIO_GOAL = 0.25
 REBUILD_GOAL_S = 1.0

