@@ -107,23 +107,44 @@ class _Task:
 
 @dataclass
 class _Launched:
-    """A decode step in flight: its rows, in batch order, and their lazy next tokens."""
+    """A micro-batch's last sampled tokens, maybe still being computed, not yet handed out; row i is rows[i]."""
 
     rows: list[_Task]
     tokens: mx.array
 
 
+@dataclass(eq=False)
+class _Group:
+    """A micro-batch of decoding rows, as of the last step the leader sent (its caches follow when steps come
+    back)."""
+
+    index: int
+    rows: list[_Task] = field(default_factory=list)
+    in_flight: bool = False  # a DECODE of it is under way: the next one needs that one's tokens
+    launched: _Launched | None = None
+
+
+@dataclass(frozen=True)
+class _Sent:
+    """A step under way, and what the leader needs when it comes back."""
+
+    header: Header
+    task: _Task | None = None  # PREFILL, JOIN
+    rows: list[_Task] | None = None  # DECODE: its rows, in order
+    payload: mx.array | None = None  # a single rank's token ids, embedded when the step comes back
+
+
 class _RankCaches:
-    """One rank's KV caches: each prefilling slot's own, the decoding batch's, merged (row i: `rows[i]`), and the
-    saved prefixes. The leader and the followers change them through the same methods, from the same step
-    headers, in the same order."""
+    """One rank's KV caches: each prefilling slot's own, each micro-batch's (its rows' caches merged; row i of
+    group g is slot `rows[g][i]`), and the saved prefixes. The leader and the followers change them through the
+    same methods, from the same step headers, in the same order."""
 
     def __init__(self, shard: Shard) -> None:
         self._shard = shard
         self._own: dict[int, tuple[list[Any], int]] = {}  # slot -> (cache, tokens in it)
         self._saved: dict[int, tuple[list[Any], int]] = {}  # prefix -> (cache, tokens in it); never mutated
-        self.rows: list[int] = []
-        self.batch: list[Any] = []
+        self.rows: dict[int, list[int]] = {}
+        self._batches: dict[int, list[Any]] = {}
 
     def for_prefill(self, header: Header) -> list[Any]:
         cache, tokens = self._own_cache(header)
@@ -137,23 +158,25 @@ class _RankCaches:
             self._saved[header.prefix] = (own, tokens)  # merging copies it into the batch: it stays as it is
         # mlx-lm's batch caches: each layer's cache type knows how to merge into its batched form.
         merged = [type(layer).merge([layer]) for layer in own]
-        if self.rows:
-            for batched, joining in zip(self.batch, merged, strict=True):
+        rows = self.rows.setdefault(header.group, [])
+        if rows:
+            for batched, joining in zip(self._batches[header.group], merged, strict=True):
                 batched.extend(joining)
         else:
-            self.batch = merged
-        self.rows.append(header.slot)
+            self._batches[header.group] = merged
+        rows.append(header.slot)
 
     def release(self, slot: int) -> None:
-        if slot not in self.rows:
+        group = next((g for g, rows in self.rows.items() if slot in rows), None)
+        if group is None:
             self._own.pop(slot, None)
             return
-        keep = [i for i, row in enumerate(self.rows) if row != slot]
-        self.rows = [self.rows[i] for i in keep]
+        keep = [i for i, row in enumerate(self.rows[group]) if row != slot]
+        self.rows[group] = [self.rows[group][i] for i in keep]
         if not keep:
-            self.batch = []
+            del self._batches[group]
             return
-        for layer in self.batch:
+        for layer in self._batches[group]:
             layer.filter(keep)
 
     def own(self, slot: int) -> list[Any] | None:
@@ -163,10 +186,13 @@ class _RankCaches:
     def evict(self, prefix: int) -> None:
         self._saved.pop(prefix, None)
 
-    def for_decode(self, batch: int) -> list[Any]:
-        if batch != len(self.rows):
-            raise RuntimeError(f"a decode step carries {batch} rows, the batch holds {len(self.rows)}")
-        return self.batch
+    def for_decode(self, header: Header) -> list[Any]:
+        rows = self.rows.get(header.group, [])
+        if header.batch != len(rows):
+            raise RuntimeError(
+                f"a decode step carries {header.batch} rows, micro-batch {header.group} holds {len(rows)}"
+            )
+        return self._batches[header.group]
 
     def _own_cache(self, header: Header) -> tuple[list[Any], int]:
         if not header.flags & FLAG_RESET:
@@ -219,7 +245,7 @@ def _smoothed(previous: float | None, sample: float) -> float:
 class EngineStats:
     steps: int = 0  # forward passes this rank ran (prefill chunks and decode steps)
     tokens: int = 0  # tokens sampled (leader only)
-    max_rows: int = 0  # the most rows one decode step carried
+    max_rows: int = 0  # the most tasks decoding at once
     prefix_hits: int = 0  # tasks whose prompt started from a saved prefix
     prefix_hit_tokens: int = 0  # prompt tokens those tasks did not prefill
     prefix_entries: int = 0  # saved prefix caches
@@ -265,6 +291,7 @@ class PipelineEngine:
         prefill_step_size: int = 2048,
         interleaved_prefill_tokens: int | None = None,
         prefix_cache_bytes: int = 512 * 2**20,
+        micro_batches: int | None = None,
     ) -> None:
         size = 1 if group is None else group.size()
         rank = 0 if group is None else group.rank()
@@ -284,6 +311,8 @@ class PipelineEngine:
             raise ValueError(f"prefill_step_size must be >= 1, got {prefill_step_size}")
         if interleaved_prefill_tokens is not None and interleaved_prefill_tokens < 1:
             raise ValueError(f"interleaved_prefill_tokens must be >= 1, got {interleaved_prefill_tokens}")
+        if micro_batches is not None and micro_batches < 1:
+            raise ValueError(f"micro_batches must be >= 1, got {micro_batches}")
         self.shard = shard
         self.rank = rank
         self.size = size
@@ -308,8 +337,10 @@ class PipelineEngine:
         self._prefixes = PrefixIndex(prefix_cache_bytes)
         self._pending: deque[GenerationRequest] = deque()
         self._prefilling: _Task | None = None
-        self._rows: list[_Task] = []  # the decoding batch, in row order
-        self._launched: _Launched | None = None
+        # The decoding rows, split in micro-batches: with one per rank, each rank computes one while the
+        # others compute the rest, so no rank of the ring waits for another.
+        self._groups = [_Group(g) for g in range(micro_batches or size)]
+        self._in_flight: deque[_Sent] = deque()  # steps sent around the ring (or queued on one rank), in order
         self._seq = 0
         self._shutdown_requested = False
         self.stats = EngineStats()
@@ -369,20 +400,25 @@ class PipelineEngine:
                 mx.clear_streams()
 
     def _lead(self) -> None:
+        """Send steps and handle each as it comes back. The leader decides what the other ranks will do when it
+        sends a step, and changes its own caches when the step comes back, after every rank did, so its
+        caches go through the same changes in the same order as theirs."""
         if self._link is not None:
             self._check_layout()
         while True:
-            busy = self._rows or self._prefilling is not None or self._pending
-            if not self._apply_control(block=not busy):
+            idle = not self._in_flight and self._prefilling is None and not self._pending
+            if not self._apply_control(block=idle):
                 break
-            if self._prefilling is None and self._pending and len(self._rows) < self.max_batch:
+            if self._prefilling is None and self._pending and self._decoding() < self.max_batch:
                 self._prefilling = self._start(self._pending.popleft())
-            if self._prefilling is not None:
-                self._prefill_step(self._prefilling)
-            if self._rows:
-                self._decode_step()
-            elif self._launched is not None:
-                self._launched = None  # every row of the step in flight has finished
+                self._send_prefill(self._prefilling)
+            for group in self._groups:
+                if group.rows and not group.in_flight:
+                    self._send_decode(group)
+            if self._in_flight:
+                self._come_back(*self._receive())
+        while self._in_flight:  # shutting down: what is still under way comes back before the STOP
+            self._receive()
         if self._link is not None:
             self._round_trip(Header(Op.STOP))
 
@@ -412,7 +448,7 @@ class PipelineEngine:
                     if header.op == Op.PREFILL:
                         cache = caches.for_prefill(header)
                     else:
-                        cache = caches.for_decode(header.batch)
+                        cache = caches.for_decode(header)
                     h = self.shard.embed(payload) if self.shard.is_first else payload
                     h = self.shard.run_layers(h, cache)
                     self._link.send(header.with_payload(h), h, extra=[c.state for c in cache])
@@ -477,8 +513,7 @@ class PipelineEngine:
         return True
 
     def _finish_by_id(self, task_id: str, reason: TaskOutcome) -> None:
-        running = [*self._rows, *([self._prefilling] if self._prefilling is not None else [])]
-        for task in running:
+        for task in self._running():
             if task.request.task_id == task_id:
                 self._finish(task, reason)
                 return
@@ -491,15 +526,22 @@ class PipelineEngine:
 
     def _cancel_all(self) -> None:
         """On shutdown: no RELEASE goes out, the STOP that follows ends every rank."""
-        for task in [*self._rows, *([self._prefilling] if self._prefilling is not None else [])]:
+        for task in self._running():
             self._finish(task, TaskOutcome.CANCELLED, release=False)
         while self._pending:
             queued = self._pending.popleft()
             self._forget(queued.task_id)
             self._emit_finished(queued.task_id, TaskOutcome.CANCELLED, len(queued.prompt_tokens), 0)
 
+    def _running(self) -> list[_Task]:
+        decoding = [task for group in self._groups for task in group.rows]
+        return decoding if self._prefilling is None else [*decoding, self._prefilling]
+
+    def _decoding(self) -> int:
+        return sum(len(group.rows) for group in self._groups)
+
     def _start(self, request: GenerationRequest) -> _Task:
-        used = {task.slot for task in self._rows}
+        used = {task.slot for task in self._running()}
         slot = next(s for s in range(len(used) + 1) if s not in used)
         eos = self.shard.eos_token_ids if request.eos_token_ids is None else request.eos_token_ids
         sampler = TaskSampler(request.temperature, request.top_p, request.seed)
@@ -513,57 +555,45 @@ class PipelineEngine:
         _notify(self.on_started, request.task_id, len(request.prompt_tokens))
         return task
 
-    def _prefill_step(self, task: _Task) -> None:
-        """One chunk of the task's prompt, or, once all but its last token are in its cache, its join.
+    # --- sending steps: what every rank will do
+
+    def _send_prefill(self, task: _Task) -> None:
+        """The task's next prompt chunk, or, once all but its last token are in its cache, its join.
         Same schedule as mlx_lm.generate_step: the last prompt token's logits give the first token."""
         prompt = task.request.prompt_tokens
         remaining = len(prompt) - 1 - task.prompt_done
-        if remaining > 0:
-            n = min(self._prefill_chunk(), remaining)
-            if self._launched is not None:
-                mx.eval(self._launched.tokens)  # time the chunk alone, not the decode step still running
-            started = time.perf_counter()
-            ids = mx.array([prompt[task.prompt_done : task.prompt_done + n]], dtype=mx.int32)
-            header = self._slot_header(Op.PREFILL, task).with_payload(ids)
-            h = self._first_layers(header, ids)
-            cache = self._caches.for_prefill(header)
-            self.shard.run_layers(h, cache)
-            mx.eval([c.state for c in cache])
-            self._timing.prefilled(n, time.perf_counter() - started)
-            self.stats.steps += 1
-            task.prompt_done += n
-            if n < remaining:
-                return
-        self._join(task)
+        if remaining <= 0:
+            self._send_join(task)
+            return
+        n = min(self._prefill_chunk(), remaining)
+        ids = mx.array([prompt[task.prompt_done : task.prompt_done + n]], dtype=mx.int32)
+        task.prompt_done += n
+        self._send(_Sent(self._slot_header(Op.PREFILL, task).with_payload(ids), task=task), ids)
 
     def _prefill_chunk(self) -> int:
-        if not self._rows:
+        if not self._decoding():
             return self.prefill_step_size
         if self.interleaved_prefill_tokens is not None:
             return self.interleaved_prefill_tokens
         return self._timing.tokens_per_step(self.prefill_step_size)
 
-    def _join(self, task: _Task) -> None:
-        header = self._slot_header(Op.JOIN, task)
+    def _send_join(self, task: _Task) -> None:
+        group = min(self._groups, key=lambda g: len(g.rows))
+        header = replace(self._slot_header(Op.JOIN, task), group=group.index)
         evicted: list[int] = []
-        own = self._caches.own(task.slot)
-        if own is not None and task.prompt_done > 0:
+        own = self._caches.own(task.slot)  # up to date: the task's last prefill chunk has come back
+        if own is not None:
             # The cache's size for the whole model, from this rank's share of the layers.
             size = sum(c.nbytes for c in own) * self.shard.num_layers // len(self.shard.layers)
             saved, evicted = self._prefixes.add(task.request.prompt_tokens[:-1], size, can_trim_prompt_cache(own))
             if saved is not None:
                 header = replace(header, flags=header.flags | FLAG_SAVE, prefix=saved)
-        if self._link is not None:
-            self._round_trip(header)
-        self._caches.join(header)
+        self._send(_Sent(header, task=task))
         for prefix in evicted:
-            self._caches.evict(prefix)
-            if self._link is not None:
-                self._round_trip(Header(Op.EVICT, prefix=prefix))
+            self._send(_Sent(Header(Op.EVICT, prefix=prefix)))
         self.stats.prefix_entries, self.stats.prefix_bytes = len(self._prefixes), self._prefixes.size_bytes
-        self._rows.append(task)
+        group.rows.append(task)
         self._prefilling = None
-        mx.clear_cache()  # the prefill's activations; mlx-lm frees them the same way
 
     def _slot_header(self, op: Op, task: _Task) -> Header:
         """A step for the task's slot; its first one also says what its cache starts from."""
@@ -572,38 +602,20 @@ class PipelineEngine:
         task.cache_started = True
         if task.restore is None:
             return Header(op, task.slot, FLAG_RESET)
-        return Header(
-            op, task.slot, FLAG_RESET | FLAG_RESTORE, prefix=task.restore.entry, prefix_len=task.restore.tokens
-        )
+        hit = task.restore
+        return Header(op, task.slot, FLAG_RESET | FLAG_RESTORE, prefix=hit.entry, prefix_len=hit.tokens)
 
-    def _decode_step(self) -> None:
-        """Launch the batch's next step, then read the step launched before it: building and running one
-        step's graph (`mx.async_eval`) overlaps reading the previous one's tokens and handing them out, as in
-        mlx_lm's generate_step. Rows with logits processors need their previous token first, so then the
-        step runs after the read instead."""
-        previous = self._launched
-        if previous is not None and any(t.request.logits_processors for t in self._rows):
-            self._launched = None
-            self._read(previous)
-            previous = None
-            if not self._rows:
-                return
-        rows = list(self._rows)
-        inputs = self._inputs(rows, previous)
-        self.stats.max_rows = max(self.stats.max_rows, len(rows))
-        h = self._first_layers(Header(Op.DECODE), inputs.reshape(-1, 1))
-        h = self.shard.run_layers(h, self._caches.for_decode(len(rows)))
-        self.stats.steps += 1
-        tokens = self._sample(rows, self.shard.head(h)[:, -1, :])
-        mx.async_eval(tokens)
-        self._launched = _Launched(rows, tokens)
-        if previous is not None:
-            self._read(previous)
+    def _send_decode(self, group: _Group) -> None:
+        rows = list(group.rows)
+        inputs = self._inputs(rows, group.launched).reshape(-1, 1)
+        self.stats.max_rows = max(self.stats.max_rows, self._decoding())
+        group.in_flight = True
+        self._send(_Sent(Header(Op.DECODE, group=group.index).with_payload(inputs), rows=rows), inputs)
 
     def _inputs(self, rows: list[_Task], previous: _Launched | None) -> mx.array:
-        """Each row's input token: the one the step in flight samples for it (still lazy), else the last one
-        it was handed, else (it just joined) its last prompt token. Rows that joined since that step come
-        last (JOIN appends), so the carried rows are a prefix."""
+        """Each row's input token: the one the group's last step sampled for it (maybe still lazy), else the
+        last one it was handed, else (it just joined) its last prompt token. Rows that joined since that step
+        come last (JOIN appends), so the carried rows are a prefix."""
         carried = [] if previous is None else [previous.rows.index(t) for t in rows if t in previous.rows]
         known = [t.generated[-1] if t.generated else t.request.prompt_tokens[-1] for t in rows[len(carried) :]]
         parts = []
@@ -613,6 +625,81 @@ class PipelineEngine:
         if known:
             parts.append(mx.array(known, dtype=previous.tokens.dtype if previous is not None else mx.int32))
         return mx.concatenate(parts).astype(mx.int32)
+
+    def _send(self, sent: _Sent, payload: mx.array | None = None) -> None:
+        """Around the ring, or, on a single rank, straight into the queue of steps to come back (embedded)."""
+        self._seq += 1
+        header = replace(sent.header, seq=self._seq)
+        if self._link is None:
+            self._in_flight.append(replace(sent, header=header, payload=payload))
+        else:
+            self._in_flight.append(replace(sent, header=header))
+            self._link.send(header, payload)
+
+    def _receive(self) -> tuple[_Sent, mx.array | None]:
+        sent = self._in_flight.popleft()
+        if self._link is None:
+            return sent, None if sent.payload is None else self.shard.embed(sent.payload)
+        back, data = self._link.recv()
+        if (back.op, back.slot, back.seq) != (sent.header.op, sent.header.slot, sent.header.seq):
+            raise RuntimeError(
+                f"pipeline out of step: sent {sent.header.op.name} slot {sent.header.slot} seq {sent.header.seq}, "
+                f"got back {back.op.name} slot {back.slot} seq {back.seq}"
+            )
+        return sent, data
+
+    # --- steps coming back: the leader's own layers and caches, sampling
+
+    def _come_back(self, sent: _Sent, hidden: mx.array | None) -> None:
+        header = sent.header
+        match header.op:
+            case Op.PREFILL:
+                assert hidden is not None and sent.task is not None
+                self._prefilled(sent.task, header, hidden)
+            case Op.DECODE:
+                assert hidden is not None and sent.rows is not None
+                self._decoded(self._groups[header.group], sent.rows, header, hidden)
+            case Op.JOIN:
+                self._caches.join(header)
+                mx.clear_cache()  # the prefill's activations; mlx-lm frees them the same way
+            case Op.RELEASE:
+                self._caches.release(header.slot)
+                if not self._running():
+                    mx.clear_cache()  # idle: hand the freed KV caches back, as mlx-lm does between requests
+            case Op.EVICT:
+                self._caches.evict(header.prefix)
+
+    def _prefilled(self, task: _Task, header: Header, hidden: mx.array) -> None:
+        for group in self._groups:
+            if group.launched is not None:
+                mx.eval(group.launched.tokens)  # time the chunk alone, not a decode step still running
+        started = time.perf_counter()
+        cache = self._caches.for_prefill(header)
+        self.shard.run_layers(hidden, cache)
+        mx.eval([c.state for c in cache])
+        self._timing.prefilled(header.length, time.perf_counter() - started)
+        self.stats.steps += 1
+        if not task.finished:
+            self._send_prefill(task)
+
+    def _decoded(self, group: _Group, rows: list[_Task], header: Header, hidden: mx.array) -> None:
+        """Sample the rows' next tokens, then hand out the tokens of the group's step before: building and
+        running this step's graph (`mx.async_eval`) overlaps reading and handing out the last one, as in
+        mlx_lm's generate_step. A logits processor needs its row's previous token first: then it is read first."""
+        group.in_flight = False
+        previous, group.launched = group.launched, None
+        if previous is not None and any(t.request.logits_processors for t in rows):
+            self._read(previous)
+            previous = None
+        h = self.shard.run_layers(hidden, self._caches.for_decode(header))
+        self.stats.steps += 1
+        tokens = self._sample(rows, self.shard.head(h)[:, -1, :])
+        mx.async_eval(tokens)
+        group.launched = _Launched(rows, tokens)
+        if previous is not None:
+            if group.index == 0:
+                self._timing.read()
+            self._read(previous)
 
     def _sample(self, rows: list[_Task], logits: mx.array) -> mx.array:
         logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
@@ -630,7 +717,6 @@ class PipelineEngine:
         return mx.concatenate(sampled)
 
     def _read(self, launched: _Launched) -> None:
-        self._timing.read()
         for task, token in zip(launched.rows, cast("list[int]", launched.tokens.tolist()), strict=True):
             if not task.finished:  # else it ended after the step went out: the step's token for it is void
                 self._accept(task, token)
@@ -649,43 +735,24 @@ class PipelineEngine:
         else:
             self._emit_token(request.task_id, token, index, None)
 
-    def _first_layers(self, header: Header, ids: mx.array) -> mx.array:
-        """The hidden states that enter this rank's layers for the step `header` names: embedded here on a
-        single rank, or sent around the ring through every other rank's layers."""
-        if self._link is None:
-            return self.shard.embed(ids)
-        received = self._round_trip(header.with_payload(ids), ids)
-        assert received is not None  # the previous rank always returns hidden states for a step
-        return received
-
     def _round_trip(self, header: Header, payload: mx.array | None = None) -> mx.array | None:
-        assert self._link is not None
-        self._seq += 1
-        sent = replace(header, seq=self._seq)
-        self._link.send(sent, payload)
-        back, data = self._link.recv()
-        if (back.op, back.slot, back.seq) != (sent.op, sent.slot, sent.seq):
-            raise RuntimeError(
-                f"pipeline out of step: sent {sent.op.name} slot {sent.slot} seq {sent.seq}, got back "
-                f"{back.op.name} slot {back.slot} seq {back.seq}"
-            )
-        return data
+        """One step around the ring and back, with nothing else under way (start and stop)."""
+        assert not self._in_flight
+        self._send(_Sent(header), payload)
+        return self._receive()[1]
 
     def _finish(self, task: _Task, reason: TaskOutcome, release: bool = True) -> None:
         task.finished = True
-        if task in self._rows:
-            self._rows.remove(task)
+        for group in self._groups:
+            if task in group.rows:
+                group.rows.remove(task)
         if self._prefilling is task:
             self._prefilling = None
-        if task.cache_started:
-            self._caches.release(task.slot)
-            if release and self._link is not None:
-                self._round_trip(Header(Op.RELEASE, task.slot))
+        if task.cache_started and release:
+            self._send(_Sent(Header(Op.RELEASE, task.slot)))
         request = task.request
         self._forget(request.task_id)
         self._emit_finished(request.task_id, reason, len(request.prompt_tokens), len(task.generated))
-        if not self._rows and self._prefilling is None:
-            mx.clear_cache()  # idle: hand the freed KV caches back, as mlx-lm does between requests
 
     def _forget(self, task_id: str) -> None:
         with self._lock:

@@ -28,10 +28,10 @@ log = logging.getLogger(__name__)
 class Op(IntEnum):
     STOP = 1  # every rank forwards it, then leaves run_forever()
     PREFILL = 2  # fill the slot's own KV cache with prompt tokens (one row); the last rank samples nothing
-    DECODE = 3  # one token for each row of the decoding batch, in batch order; the last rank samples
+    DECODE = 3  # one token for each row of micro-batch `group`, in row order; the last rank samples
     RELEASE = 4  # the slot's task is over: drop its row from the batch, or its own cache if it never joined
     HELLO = 5  # once at start: check that the ranks' layer ranges tile the model (payload: HELLO_*)
-    JOIN = 6  # move the slot's own cache into the decoding batch as its last row
+    JOIN = 6  # move the slot's own cache into micro-batch `group` as its last row
     EVICT = 7  # drop the saved prefix cache `prefix`
 
 
@@ -43,7 +43,7 @@ FLAG_RESET = 1  # the step starts a new task in this slot: make a fresh KV cache
 FLAG_RESTORE = 2  # with FLAG_RESET: start from a copy of saved prefix `prefix`, cut to its first `prefix_len` tokens
 FLAG_SAVE = 4  # JOIN: first keep the slot's own cache (its prompt but the last token) as saved prefix `prefix`
 
-HEADER_LEN = 10
+HEADER_LEN = 11
 
 # The index of a dtype here is its code in the header; append only.
 DTYPES: tuple[mx.Dtype, ...] = (mx.int32, mx.float32, mx.float16, mx.bfloat16)
@@ -52,7 +52,7 @@ DTYPES: tuple[mx.Dtype, ...] = (mx.int32, mx.float32, mx.float16, mx.bfloat16)
 @dataclass(frozen=True)
 class Header:
     op: Op
-    slot: int = 0  # which task (KV cache) the step belongs to; DECODE runs every row of the batch
+    slot: int = 0  # which task (KV cache) the step belongs to (PREFILL, JOIN, RELEASE)
     flags: int = 0
     batch: int = 0  # rows in the payload; 0 for ops without payload
     length: int = 0  # tokens per row
@@ -61,6 +61,7 @@ class Header:
     seq: int = 0  # step counter set by the last rank, checked when the step comes back
     prefix: int = -1  # a saved prefix cache, for FLAG_RESTORE, FLAG_SAVE and EVICT
     prefix_len: int = 0  # tokens of `prefix` that FLAG_RESTORE keeps
+    group: int = 0  # the micro-batch a DECODE runs or a JOIN joins
 
     def to_array(self) -> mx.array:
         values = [
@@ -74,6 +75,7 @@ class Header:
             self.seq,
             self.prefix,
             self.prefix_len,
+            self.group,
         ]
         return mx.array(values, dtype=mx.int32)
 
@@ -82,10 +84,10 @@ class Header:
         values = [int(v) for v in cast("list[int]", array.tolist())]
         if len(values) != HEADER_LEN:
             raise ValueError(f"step header must have {HEADER_LEN} ints, got {len(values)}")
-        op, slot, flags, batch, length, width, dtype_code, seq, prefix, prefix_len = values
+        op, slot, flags, batch, length, width, dtype_code, seq, prefix, prefix_len, group = values
         if not 0 <= dtype_code < len(DTYPES):
             raise ValueError(f"step header names unknown dtype code {dtype_code}")
-        return cls(Op(op), slot, flags, batch, length, width, DTYPES[dtype_code], seq, prefix, prefix_len)
+        return cls(Op(op), slot, flags, batch, length, width, DTYPES[dtype_code], seq, prefix, prefix_len, group)
 
     @property
     def has_payload(self) -> bool:
