@@ -9,6 +9,8 @@ itself: requests with a large `max_tokens` run until their client leaves.
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from collections.abc import AsyncIterator, Iterator
 from contextlib import AsyncExitStack
 from pathlib import Path
@@ -27,7 +29,8 @@ from jetshard_schema.subjects import COMMANDS_STREAM, TASKS_STREAM, command_subj
 MODEL = "back-pressure/tiny-llama"
 OTHER = "back-pressure/tiny-other"
 KEEP_ALIVE_S = 0.3
-API_SERVING = {"max_batch": 1, "max_queued": 1, "weights": "auto"}
+API_SERVING = {"max_batch": 1, "max_queued": 1}
+"""What `jetshard api`'s flags set (the weights dtype is resolved elsewhere)."""
 MESSAGES = [{"role": "user", "content": "Tell me a long story about the sea."}]
 ENDLESS = {"model": MODEL, "messages": MESSAGES, "max_tokens": 2**40, "temperature": 0, "stream": True}
 """Runs until the context is full (minutes) unless its client leaves."""
@@ -86,6 +89,10 @@ def tasks_of(state: dict[str, Any]) -> dict[str, dict[str, Any]]:
     return {task_id: task for task_id, task in state["tasks"].items() if task["ref"]["model_id"] == MODEL}
 
 
+def serving_flags(instance: dict[str, Any]) -> dict[str, Any]:
+    return {name: instance["serving"][name] for name in API_SERVING}
+
+
 def comments_and_data(lines: list[str]) -> tuple[list[str], list[str]]:
     return [line for line in lines if line.startswith(":")], [line for line in lines if line.startswith("data:")]
 
@@ -102,9 +109,21 @@ async def lines_until(lines: AsyncIterator[str], enough: Any) -> list[str]:
     raise AssertionError(f"the stream ended after {seen}")
 
 
+def jetshard(*args: str) -> str:
+    result = subprocess.run([sys.executable, "-m", "jetshard", *args], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stdout + result.stderr
+    return result.stdout
+
+
 def test_placed_instances_take_the_apis_serving_flags(cluster: InferenceCluster) -> None:
     (instance,) = cluster.instances_of(MODEL)
-    assert instance["serving"] == API_SERVING
+    assert serving_flags(instance) == API_SERVING
+    # `jetshard instances` lists them too: as the API's JSON, or as a table.
+    assert json.loads(jetshard("instances", "--api", cluster.api, "--json")) == cluster.get("/instances")
+    (row,) = [
+        line for line in jetshard("instances", "--api", cluster.api).splitlines() if instance["instance_id"] in line
+    ]
+    assert [cell.strip() for cell in row.split("│")[5:8]] == ["1", "1", "0"], row
 
 
 def test_place_sets_some_serving_settings_and_the_api_the_rest(cluster: InferenceCluster) -> None:
@@ -113,7 +132,7 @@ def test_place_sets_some_serving_settings_and_the_api_the_rest(cluster: Inferenc
     )
     assert response.status_code == 201, response.text
     placed = response.json()
-    assert placed["serving"] == {**API_SERVING, "max_queued": 5}
+    assert serving_flags(placed) == {**API_SERVING, "max_queued": 5}
     listed = {i["instance_id"]: i for i in cluster.get("/instances")}
     assert listed[placed["instance_id"]]["serving"] == placed["serving"]
     assert httpx.delete(f"{cluster.api}/instances/{placed['instance_id']}", timeout=60).status_code == 200

@@ -16,6 +16,7 @@ from jetshard_schema.types import ServingSettings
 
 from jetshard.download_cli import download
 from jetshard.import_gguf import import_gguf
+from jetshard.instances_cli import instances
 from jetshard.models_cli import models
 from jetshard.options import client_nats_options, model_dir_options, nats_options, option, serving_options
 from jetshard.up import up
@@ -30,6 +31,7 @@ def main() -> None:
 main.add_command(up)
 main.add_command(models)
 main.add_command(download)
+main.add_command(instances)
 models.add_command(import_gguf)
 
 
