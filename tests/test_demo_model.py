@@ -140,7 +140,9 @@ def test_jetshard_up_serves_the_demo_model_offline_stops_in_order_and_restarts_r
         "JETSHARD_DEFAULT_MODELS_DIR": str(tmp_path / "models"),
         "JETSHARD_LOG_LEVEL": "INFO",
     }
-    command = up_command("--offline", "--port", str(port), "--nats-port", str(nats_port))
+    command = up_command(
+        "--offline", "--port", str(port), "--nats-port", str(nats_port), "--max-batch", "3", "--max-queued", "5"
+    )
     api = f"http://127.0.0.1:{port}"
     client = OpenAI(base_url=f"{api}/v1", api_key="unused", timeout=120, max_retries=0)
 
@@ -175,6 +177,9 @@ def test_jetshard_up_serves_the_demo_model_offline_stops_in_order_and_restarts_r
         assert all(seed.stat().st_mode & 0o777 == 0o600 for seed in (data / "creds").iterdir())
         assert f"--nkey {data / 'creds' / 'admin.nk'}" in output
         assert (data / "creds" / "admin.nk").read_text().strip() not in output
+        # `up` passes its serving flags on to the API, which places the demo model with them.
+        (instance,) = httpx.get(f"{api}/instances").json()
+        assert (instance["serving"]["max_batch"], instance["serving"]["max_queued"]) == (3, 5)
         assert DEMO_MODEL_ID in run_cli("models", "ls", env=env)
         assert json.loads(run_cli("state", env=env))["instances"]
         raw_models = httpx.get(f"{api}/v1/models").json()["data"]

@@ -12,11 +12,13 @@ from typing import Any
 import click
 from jetshard_bus.options import DEFAULT_API_PORT, NatsOptions
 from jetshard_bus.streams import BusTimings
+from jetshard_schema.types import ServingSettings
 
 from jetshard.download_cli import download
 from jetshard.import_gguf import import_gguf
+from jetshard.instances_cli import instances
 from jetshard.models_cli import models
-from jetshard.options import client_nats_options, model_dir_options, nats_options, option
+from jetshard.options import client_nats_options, model_dir_options, nats_options, option, serving_options
 from jetshard.up import up
 
 
@@ -29,6 +31,7 @@ def main() -> None:
 main.add_command(up)
 main.add_command(models)
 main.add_command(download)
+main.add_command(instances)
 models.add_command(import_gguf)
 
 
@@ -75,6 +78,15 @@ def sequencer(nats: NatsOptions, timings: BusTimings, snapshot_every: int) -> No
     help="a generation silent this long (after its first chunk) ends with an error",
 )
 @option(
+    "--keep-alive-s",
+    type=click.FloatRange(min=0, min_open=True),
+    default=5.0,
+    show_default=True,
+    help="a streaming request waiting (for its model, in its instance's queue, for its prompt) is sent an SSE "
+    "comment this often",
+)
+@serving_options
+@option(
     "--api-key", default=None, help="require this key ('Authorization: Bearer' or 'x-api-key'); /healthz stays open"
 )
 @option(
@@ -98,6 +110,8 @@ def api(
     port_file: Path | None,
     auto_place: bool,
     chunk_silence_s: float,
+    keep_alive_s: float,
+    serving: ServingSettings,
     api_key: str | None,
     allowed_hosts: tuple[str, ...],
     cors_origins: tuple[str, ...],
@@ -108,7 +122,9 @@ def api(
     from jetshard_api.service import ApiConfig, run_api
     from jetshard_bus.service import run_service
 
-    inference = InferenceSettings(auto_place=auto_place, chunk_silence_s=chunk_silence_s)
+    inference = InferenceSettings(
+        auto_place=auto_place, chunk_silence_s=chunk_silence_s, keep_alive_s=keep_alive_s, serving=serving
+    )
     config = ApiConfig(
         nats=nats,
         timings=timings,

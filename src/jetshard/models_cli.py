@@ -131,7 +131,7 @@ def format_downloads(card: dict[str, Any]) -> str:
     return "\n".join(f"{node}: {format_download(d)}" for node, d in sorted(downloads.items()))
 
 
-def _console() -> Console:
+def console() -> Console:
     # Wide enough that ids and node names are not cut when the output is piped or captured.
     return Console(width=None if sys.stdout.isatty() else 200)
 
@@ -194,7 +194,7 @@ def card_table(card: dict[str, Any]) -> Table:
     return table
 
 
-_json_option = click.option("--json", "as_json", is_flag=True, help="print the API's JSON instead of a table")
+json_option = click.option("--json", "as_json", is_flag=True, help="print the API's JSON instead of a table")
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 110})
@@ -207,7 +207,7 @@ def models(ctx: click.Context, api_url: str) -> None:
 
 @models.command("ls")
 @click.option("--custom", "only_custom", is_flag=True, help="only custom cards")
-@_json_option
+@json_option
 @click.pass_obj
 def list_models(api: ApiClient, only_custom: bool, as_json: bool) -> None:
     """List every model card with its download status on each node."""
@@ -219,12 +219,12 @@ def list_models(api: ApiClient, only_custom: bool, as_json: bool) -> None:
     if not cards:
         click.echo("no custom model cards" if only_custom else "no model cards")
         return
-    _console().print(models_table(cards))
+    console().print(models_table(cards))
 
 
 @models.command("add")
 @click.argument("model_id")
-@_json_option
+@json_option
 @click.pass_obj
 def add_model(api: ApiClient, model_id: str, as_json: bool) -> None:
     """Fetch MODEL_ID's card (org/name) from the Hugging Face Hub and add it to every node."""
@@ -234,12 +234,12 @@ def add_model(api: ApiClient, model_id: str, as_json: bool) -> None:
         return
     verb = "added" if status == 201 else "already known:"
     click.echo(f"{verb} {card.get('model_id', model_id)}")
-    _console().print(card_table(card))
+    console().print(card_table(card))
 
 
 @models.command("show")
 @click.argument("model_id")
-@_json_option
+@json_option
 @click.pass_obj
 def show_model(api: ApiClient, model_id: str, as_json: bool) -> None:
     """Show one model card and its download status on each node."""
@@ -247,7 +247,7 @@ def show_model(api: ApiClient, model_id: str, as_json: bool) -> None:
     if as_json:
         click.echo(json.dumps(card, indent=2))
         return
-    _console().print(card_table(card))
+    console().print(card_table(card))
 
 
 @models.command("rm")

@@ -7,8 +7,10 @@ from collections.abc import Callable
 from typing import Any
 
 import click
+import msgspec
 from jetshard_bus.options import DEFAULT_API_PORT, DEFAULT_NATS_URL, NatsOptions
 from jetshard_bus.streams import BusTimings
+from jetshard_schema.types import ServingSettings
 
 from jetshard.clusterfile import recorded
 
@@ -137,3 +139,37 @@ def model_dir_options(command: Callable[..., Any]) -> Callable[..., Any]:
     for decorate in reversed(decorators):
         command = decorate(command)
     return command
+
+
+_SERVING_HELP = {
+    "max_batch": "tasks of one instance that decode together",
+    "max_queued": "tasks of one instance that may wait beyond --max-batch; past that, requests get 429",
+}
+"""A flag per `ServingSettings` field the API sets for the instances it places, named after it."""
+
+
+def serving_options(command: Callable[..., Any]) -> Callable[..., Any]:
+    """The serving settings of the instances an API places (`jetshard api`, and `jetshard up` passing them on
+    to it) where a request does not set them; passed on as `serving`, checked against `ServingSettings`."""
+
+    @functools.wraps(command)
+    def wrapper(**kwargs: Any) -> Any:
+        given = {name: kwargs.pop(name) for name in _SERVING_HELP}
+        try:
+            serving = msgspec.convert(given, ServingSettings)
+        except msgspec.ValidationError as error:
+            raise click.BadParameter(str(error).replace("$.", "--").replace("_", "-")) from None
+        return command(serving=serving, **kwargs)
+
+    decorated: Callable[..., Any] = wrapper
+    for name, help in reversed(_SERVING_HELP.items()):
+        flag = "--" + name.replace("_", "-")
+        decorated = option(flag, type=int, default=getattr(ServingSettings(), name), show_default=True, help=help)(
+            decorated
+        )
+    return decorated
+
+
+def serving_args(serving: ServingSettings) -> list[str]:
+    """`serving_options`' flags for `serving`, to pass it on to a `jetshard api` process."""
+    return [f"--{name.replace('_', '-')}={getattr(serving, name)}" for name in _SERVING_HELP]

@@ -22,10 +22,11 @@ from jetshard_bus.options import DEFAULT_API_PORT, NatsOptions
 from jetshard_bus.procs import spawn
 from jetshard_schema.catalogue import DEMO_MODEL_ID
 from jetshard_schema.ids import new_id
+from jetshard_schema.types import ServingSettings
 from rich.console import Console
 
 from jetshard.clusterfile import data_dir, remove_cluster_file, write_cluster_file
-from jetshard.options import model_dir_options, option
+from jetshard.options import model_dir_options, option, serving_args, serving_options
 from jetshard.placing import place_and_wait
 from jetshard.supervisor import STOP_SIGNALS, Supervisor
 
@@ -75,6 +76,7 @@ STOP_GRACE_S = (2.0, 1.0, 0.8, 0.8)
     help="model to place once the cluster is up",
 )
 @option("--no-model", is_flag=True, help="place no model")
+@serving_options
 @model_dir_options
 def up(
     nats_url: str | None,
@@ -87,6 +89,7 @@ def up(
     offline: bool,
     model: str,
     no_model: bool,
+    serving: ServingSettings,
     default_models_dir: str | None,
     models_dirs: str | None,
     models_read_only_dirs: str | None,
@@ -131,7 +134,13 @@ def up(
         ):
             if value is not None:
                 env[name] = value
-        extra_args = {"api": ["--host", host, "--port", str(port), *(f"--allowed-host={h}" for h in allowed_hosts)]}
+        extra_args = {
+            "api": [
+                *("--host", host, "--port", str(port)),
+                *(f"--allowed-host={h}" for h in allowed_hosts),
+                *serving_args(serving),
+            ]
+        }
 
         def starter(name: str) -> Callable[[], subprocess.Popen[bytes]]:
             args = [sys.executable, "-m", "jetshard", name, *extra_args.get(name, [])]

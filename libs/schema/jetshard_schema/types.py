@@ -46,12 +46,17 @@ class WeightsDtype(enum.StrEnum):
     FLOAT32 = "float32"
 
 
+MaxBatch = Annotated[int, msgspec.Meta(ge=1, le=256)]
+MaxQueued = Annotated[int, msgspec.Meta(ge=0, le=100_000)]
+"""Named, so that a request setting some of an instance's `ServingSettings` checks the same bounds."""
+
+
 class ServingSettings(msgspec.Struct, frozen=True, kw_only=True):
     """How an instance serves: chosen at placement, kept in State, read by its runners and by the API."""
 
-    max_batch: Annotated[int, msgspec.Meta(ge=1, le=256)] = 8
+    max_batch: MaxBatch = 8
     """Tasks that decode together in one step; placement reserves KV cache for this many rows."""
-    max_queued: Annotated[int, msgspec.Meta(ge=0, le=100_000)] = 64
+    max_queued: MaxQueued = 64
     """Tasks that may wait beyond `max_batch`; past that the API answers 429."""
     weights: WeightsDtype = WeightsDtype.AUTO
 

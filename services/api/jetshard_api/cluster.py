@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
-from collections.abc import Awaitable, Callable
+from collections import Counter
+from collections.abc import Awaitable, Callable, Iterator
 from typing import TypeVar
 
 import nats.errors
@@ -13,10 +15,10 @@ from jetshard_bus.follower import StateFollower
 from jetshard_schema.codec import encode
 from jetshard_schema.commands import Command
 from jetshard_schema.events import CommandRejected, Event, EventEnvelope, TaskFinished
-from jetshard_schema.ids import TaskId, new_command_id
-from jetshard_schema.state import State
+from jetshard_schema.ids import ModelId, TaskId, new_command_id
+from jetshard_schema.state import State, instance_status
 from jetshard_schema.subjects import MSG_ID_HEADER, task_subject
-from jetshard_schema.types import TaskRef, TaskRequest
+from jetshard_schema.types import InstanceStatus, TaskRef, TaskRequest
 from nats.aio.client import Client
 from nats.js import JetStreamContext
 
@@ -25,6 +27,9 @@ from jetshard_api.errors import REJECT_STATUS, ApiError
 ELECTION_WAIT_S = 15.0
 """How long a publish waits for a stream without a leader (a few seconds of raft election, longer on a loaded
 machine) before the request is answered 503."""
+RETRY_AFTER_S = 2
+"""What a refused request is told to wait: a place frees when any task of the model finishes, which under load
+is every few seconds; State knows no finer estimate."""
 T = TypeVar("T")
 
 
@@ -44,6 +49,8 @@ class Cluster:
         self.follower = follower
         self.command_timeout_s = command_timeout_s
         self._finishing: dict[TaskId, asyncio.Future[TaskFinished]] = {}
+        self._submitting: Counter[ModelId] = Counter()
+        """Per model, tasks given a place in its queue that State does not count yet."""
         follower.add_listener(self._on_event)
 
     @property
@@ -71,6 +78,36 @@ class Cluster:
 
     def forget_finish(self, task_id: TaskId) -> None:
         self._finishing.pop(task_id, None)
+
+    @contextlib.contextmanager
+    def queue_place(self, model_id: ModelId) -> Iterator[None]:
+        """A place in the queue of `model_id`'s ready instances, held while a task is submitted (until State
+        counts it); 429 when the task would make every instance's unfinished tasks exceed its `max_batch +
+        max_queued`, before anything is published. Without a ready instance the sequencer refuses the task."""
+        state = self.state
+        ready = [
+            i
+            for i in state.instances.values()
+            if i.model_id == model_id and instance_status(state, i) is InstanceStatus.READY
+        ]
+        unfinished = Counter(t.instance_id for t in state.tasks.values())
+        places = sum(max(0, i.serving.max_batch + i.serving.max_queued - unfinished[i.instance_id]) for i in ready)
+        # Counting the tasks this API is submitting keeps a burst of requests from all passing the check
+        # before the first of them reaches State.
+        if ready and places <= self._submitting[model_id]:
+            raise ApiError(
+                429,
+                f"{model_id} is busy: every place in its queue is taken; retry after {RETRY_AFTER_S} s",
+                "queue_full",
+                headers={"Retry-After": str(RETRY_AFTER_S)},
+            )
+        self._submitting[model_id] += 1
+        try:
+            yield
+        finally:
+            self._submitting[model_id] -= 1
+            if not self._submitting[model_id]:
+                del self._submitting[model_id]
 
     async def submit(self, command: Command, timeout_s: float | None = None) -> list[Event]:
         """Publish `command`; return its events once applied here, or raise ApiError (rejected / 503 / 504)."""

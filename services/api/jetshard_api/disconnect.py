@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Awaitable
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from litestar.types import Receive
 
@@ -35,11 +35,15 @@ async def unless_disconnected(receive: Receive, work: Awaitable[T]) -> T:
         await asyncio.wait({working, watching}, return_when=asyncio.FIRST_COMPLETED)
     finally:
         watching.cancel()
-        # Cancelled again until it stops: Python 3.11's wait_for (awaiting the next chunk) loses a
-        # cancellation that lands as the awaited chunk arrives, and chunks keep arriving.
-        while not working.done():
-            working.cancel()
-            await asyncio.wait({working}, timeout=0.1)
+        await stopped(working)
     if working.cancelled():
         raise ApiError(CLIENT_CLOSED_REQUEST, "the client closed the request", "client_closed_request")
     return working.result()
+
+
+async def stopped(task: asyncio.Future[Any]) -> None:
+    """Cancel `task` until it is done. Cancelled again and again: Python 3.11's wait_for (awaiting the next
+    chunk) loses a cancellation that lands as the awaited chunk arrives, and chunks keep arriving."""
+    while not task.done():
+        task.cancel()
+        await asyncio.wait({task}, timeout=0.1)

@@ -48,9 +48,15 @@ class ErrorBody(msgspec.Struct, frozen=True):
     error: ErrorDetail
 
 
-ERROR_RESPONSES = {
-    status: ResponseSpec(data_container=ErrorBody, description=description)
-    for status, description in {
+def _documented(descriptions: dict[int, str]) -> dict[int, ResponseSpec]:
+    return {
+        status: ResponseSpec(data_container=ErrorBody, description=description)
+        for status, description in descriptions.items()
+    }
+
+
+ERROR_RESPONSES = _documented(
+    {
         400: "invalid request",
         401: "missing or wrong API key",
         403: "refused: a foreign Origin",
@@ -60,18 +66,31 @@ ERROR_RESPONSES = {
         415: "not a JSON body",
         503: "no capacity, or the model cannot be served",
         504: "the cluster did not answer in time",
-    }.items()
-}
+    }
+)
 """Documented on every route, in the shape every error takes (Litestar would document its own)."""
+INFERENCE_RESPONSES = {
+    **ERROR_RESPONSES,
+    **_documented({429: "the model's queue is full; try again after the `Retry-After` header's seconds"}),
+}
+"""The routes that submit a task: those may also find its instances' queues full."""
 
 
 class ApiError(Exception):
-    def __init__(self, status: int, message: str, code: str | None = None, param: str | None = None) -> None:
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        code: str | None = None,
+        param: str | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> None:
         super().__init__(message)
         self.status = status
         self.message = message
         self.code = code
         self.param = param
+        self.headers = headers
 
 
 def error_body(status: int, message: str, code: str | None = None, param: str | None = None) -> dict[str, object]:
@@ -79,7 +98,11 @@ def error_body(status: int, message: str, code: str | None = None, param: str | 
 
 
 def api_error_handler(_: Request, error: ApiError) -> Response[dict[str, object]]:
-    return Response(error_body(error.status, error.message, error.code, error.param), status_code=error.status)
+    return Response(
+        error_body(error.status, error.message, error.code, error.param),
+        status_code=error.status,
+        headers=error.headers,
+    )
 
 
 def http_error_handler(_: Request, error: HTTPException) -> Response[dict[str, object]]:

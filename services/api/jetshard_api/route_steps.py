@@ -11,7 +11,7 @@ from jetshard_schema.commands import PlaceInstance
 from jetshard_schema.ids import InstanceId, ModelId, NodeId, new_instance_id, parse_model_id
 from jetshard_schema.models import find_card
 from jetshard_schema.state import Instance, State, instance_status
-from jetshard_schema.types import InstanceStatus
+from jetshard_schema.types import InstanceStatus, ServingSettings
 
 from jetshard_api.cluster import Cluster
 from jetshard_api.errors import ApiError
@@ -24,6 +24,11 @@ class InferenceSettings(msgspec.Struct, frozen=True):
     chunk_silence_s: float = 60.0
     """No chunk for this long (after the first) ends the request with an error."""
     first_chunk_timeout_s: float = 300.0
+    keep_alive_s: float = 5.0
+    """A streaming request waiting (for its model, its turn, its prompt's prefill) sends an SSE comment this
+    often, so that proxies and clients with read timeouts keep the connection."""
+    serving: ServingSettings = ServingSettings()
+    """The serving settings of the instances this API places, where a request does not set them."""
 
 
 class Deleted(msgspec.Struct, frozen=True):
@@ -43,7 +48,11 @@ def ready_models(state: State) -> set[ModelId]:
 
 
 async def place_instance(
-    cluster: Cluster, model_id: ModelId, node_ids: list[str] | None = None, min_nodes: int = 1
+    cluster: Cluster,
+    model_id: ModelId,
+    serving: ServingSettings,
+    node_ids: list[str] | None = None,
+    min_nodes: int = 1,
 ) -> Instance:
     instance_id = new_instance_id()
     await cluster.submit(
@@ -52,6 +61,7 @@ async def place_instance(
             model_id=model_id,
             node_ids=tuple(NodeId(n) for n in node_ids) if node_ids else None,
             min_nodes=min_nodes,
+            serving=serving,
         )
     )
     return cluster.state.instances[instance_id]
@@ -88,7 +98,7 @@ async def ensure_placed(cluster: Cluster, model_id: ModelId, settings: Inference
             "model_not_found",
             "model",
         )
-    return frozenset({(await place_instance(cluster, model_id)).instance_id})
+    return frozenset({(await place_instance(cluster, model_id, settings.serving)).instance_id})
 
 
 async def wait_ready(

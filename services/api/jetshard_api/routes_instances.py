@@ -8,18 +8,39 @@ from jetshard_schema.ids import InstanceId, ModelId
 from jetshard_schema.models import find_card
 from jetshard_schema.placement import ModelUnavailable, PlacementError, place_in
 from jetshard_schema.state import Instance, State, instance_status
-from jetshard_schema.types import DownloadStatus, InstanceStatus, ShardAssignment
+from jetshard_schema.types import (
+    DownloadStatus,
+    InstanceStatus,
+    MaxBatch,
+    MaxQueued,
+    ServingSettings,
+    ShardAssignment,
+    WeightsDtype,
+)
 from litestar import Controller, delete, get, post
 
 from jetshard_api.cluster import Cluster
 from jetshard_api.errors import ERROR_RESPONSES, ApiError
-from jetshard_api.route_steps import Deleted, checked_model_id, place_instance
+from jetshard_api.route_steps import Deleted, InferenceSettings, checked_model_id, place_instance
+
+
+class ServingRequest(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """How the new instance serves; each setting left out is the API's (`jetshard api --max-batch ...`)."""
+
+    max_batch: MaxBatch | msgspec.UnsetType = msgspec.UNSET
+    max_queued: MaxQueued | msgspec.UnsetType = msgspec.UNSET
+    weights: WeightsDtype | msgspec.UnsetType = msgspec.UNSET
+
+    def over(self, defaults: ServingSettings) -> ServingSettings:
+        given = {name: getattr(self, name) for name in self.__struct_fields__}
+        return msgspec.structs.replace(defaults, **{k: v for k, v in given.items() if v is not msgspec.UNSET})
 
 
 class PlaceRequest(msgspec.Struct, frozen=True):
     model_id: str
     node_ids: list[str] | None = None
     min_nodes: int = 1
+    serving: ServingRequest = ServingRequest()
 
 
 class ShardDescription(ShardAssignment, frozen=True, kw_only=True):
@@ -43,7 +64,9 @@ class InstanceDescription(msgspec.Struct, frozen=True, kw_only=True):
     reason: str | None
     """Why it failed or last restarted: news only until it is ready again."""
     shards: list[ShardDescription]
+    serving: ServingSettings
     tasks_in_flight: int
+    """Assigned and not finished: running, or queued for a place in a batch."""
 
 
 class PlacementPreview(msgspec.Struct, frozen=True):
@@ -87,6 +110,7 @@ def describe_instance(state: State, instance: Instance) -> InstanceDescription:
         restart_attempt=instance.restart_attempt,
         reason=(instance.failed_reason or None) if status is not InstanceStatus.READY else None,
         shards=[_describe_shard(state, instance, shard) for shard in instance.shards],
+        serving=instance.serving,
         tasks_in_flight=sum(1 for t in state.tasks.values() if t.instance_id == instance.instance_id),
     )
 
@@ -124,8 +148,11 @@ class InstancesController(Controller):
         return describe_instance(cluster.state, instance)
 
     @post("/", status_code=201, responses=ERROR_RESPONSES)
-    async def create(self, cluster: Cluster, data: PlaceRequest) -> InstanceDescription:
-        instance = await place_instance(cluster, checked_model_id(data.model_id), data.node_ids, data.min_nodes)
+    async def create(self, cluster: Cluster, settings: InferenceSettings, data: PlaceRequest) -> InstanceDescription:
+        serving = data.serving.over(settings.serving)
+        instance = await place_instance(
+            cluster, checked_model_id(data.model_id), serving, data.node_ids, data.min_nodes
+        )
         return describe_instance(cluster.state, instance)
 
     @delete("/{instance_id:str}", status_code=200, responses=ERROR_RESPONSES)

@@ -22,6 +22,7 @@ from jetshard_schema.events import TaskAssigned, TaskFinished
 from jetshard_schema.ids import InstanceId, ModelId, new_task_id
 from jetshard_schema.models import all_cards, find_card
 from jetshard_schema.sampling import documented_defaults
+from jetshard_schema.state import State
 from jetshard_schema.subjects import chunk_subject
 from jetshard_schema.types import Chunk, TaskKind, TaskRequest, Usage
 from litestar import Controller, Request, Response, get, post
@@ -31,8 +32,8 @@ from litestar.response.sse import ServerSentEventMessage
 from litestar.types import Receive
 
 from jetshard_api.cluster import Cluster
-from jetshard_api.disconnect import unless_disconnected
-from jetshard_api.errors import ERROR_RESPONSES, ApiError, error_body
+from jetshard_api.disconnect import stopped, unless_disconnected
+from jetshard_api.errors import ERROR_RESPONSES, INFERENCE_RESPONSES, ApiError, error_body
 from jetshard_api.openai_types import (
     Answer,
     AssistantMessage,
@@ -62,7 +63,6 @@ log = logging.getLogger(__name__)
 AnyRequest = Request[Any, Any, Any]
 A = TypeVar("A", bound=Answer)
 
-KEEP_ALIVE_S = 5.0
 BROKER_CHECK_S = 1.0
 """How often a request waiting for chunks checks that NATS is still reachable."""
 
@@ -84,6 +84,7 @@ class ChunkStream:
         self._generation = 0
         self._watcher: asyncio.Task[None] | None = None
         self.finished = False
+        self._submitted = False
         self._closed = False
 
     async def __aenter__(self) -> ChunkStream:
@@ -102,7 +103,7 @@ class ChunkStream:
         if self._closed:
             return
         self._closed = True
-        if not self.finished:
+        if self._submitted and not self.finished:
             # The client went away or we failed: stop generation at the runner's next step. Scheduled before
             # any await, which a cancelled caller (a disconnected client) would not get past.
             task = asyncio.create_task(self._cluster.publish(CancelTask(task_id=self._request.task_id)))
@@ -115,9 +116,12 @@ class ChunkStream:
             await subscription.unsubscribe()
 
     async def submit(self) -> None:
-        task = await self._cluster.store_request(self._request)
-        finishing = self._cluster.expect_finish(self._request.task_id)
-        events = await self._cluster.submit(SubmitTask(task=task))
+        """Submit the task, or raise ApiError (429: its model's queue is full) having published nothing."""
+        with self._cluster.queue_place(self._request.model_id):
+            task = await self._cluster.store_request(self._request)
+            finishing = self._cluster.expect_finish(self._request.task_id)
+            self._submitted = True
+            events = await self._cluster.submit(SubmitTask(task=task))
         assigned = next((e for e in events if isinstance(e, TaskAssigned)), None)
         if assigned is not None:
             self._instance_id, self._generation = assigned.instance_id, assigned.generation
@@ -205,7 +209,7 @@ class OpenAIController(Controller):
             raise ApiError(404, f"unknown model {checked}", "model_not_found", "model")
         return _model_object(checked, card, ready_models(cluster.state))
 
-    @post("/chat/completions", status_code=200, responses=ERROR_RESPONSES)
+    @post("/chat/completions", status_code=200, responses=INFERENCE_RESPONSES)
     async def chat_completions(
         self,
         cluster: Cluster,
@@ -223,7 +227,7 @@ class OpenAIController(Controller):
 
         return await _answer(cluster, settings, request, task, data, body)
 
-    @post("/completions", status_code=200, responses=ERROR_RESPONSES)
+    @post("/completions", status_code=200, responses=INFERENCE_RESPONSES)
     async def completions(
         self, cluster: Cluster, settings: InferenceSettings, data: CompletionRequest, request: AnyRequest
     ) -> Response[Completion] | ServerSentEvent:
@@ -266,6 +270,18 @@ def _model_object(model_id: ModelId, card: ModelCard, ready: set[ModelId]) -> Mo
     )
 
 
+def _waiting_for(state: State, request: TaskRequest) -> str:
+    """What a streaming request is waiting for, said in its keep-alive comments."""
+    task = state.tasks.get(request.task_id)
+    if task is None:
+        return "submitting" if request.model_id in ready_models(state) else "waiting for the model to be ready"
+    if task.started:
+        return "processing the prompt"
+    queued = state.unstarted_tasks(task.instance_id, task.generation)
+    ahead = sum(1 for t in queued if t.ref.request_seq < task.ref.request_seq)
+    return f"queued; {ahead} queued before this one"
+
+
 def _response_id(task: TaskRequest) -> str:
     return ("chatcmpl-" if task.kind is TaskKind.CHAT else "cmpl-") + task.task_id.removeprefix("task-")
 
@@ -285,27 +301,31 @@ async def _stream(
         "created": int(time.time()),
         "model": task.model_id,
     }
-    # Everything the stream holds open (the chunk subscription, the task watcher) is entered on this stack,
-    # which the generator owns from its first step. A client that leaves while the stream waits to send
-    # cancels the sending task, not the generator (its clean-up would wait for garbage collection), and a
-    # generator never iterated never cleans up: the response's background step closes the stack for sure.
+    # Everything the stream holds open (the chunk subscription, the task starting) is on this stack, which
+    # the generator owns from its first step. A client that leaves while the stream waits to send cancels the
+    # sending task, not the generator (its clean-up would wait for garbage collection), and a generator never
+    # iterated never cleans up: the response's background step closes the stack for sure.
     resources = AsyncExitStack()
-    chunks = ChunkStream(cluster, task, settings)
+    chunks = await resources.enter_async_context(ChunkStream(cluster, task, settings))
     coming: frozenset[InstanceId] = frozenset()
 
-    async def first_chunk() -> Chunk | None:
-        """Unknown model, auto-place off, placement refused, an over-long prompt: a plain HTTP error, before
-        the stream starts. None: the model is still being placed (the stream waits for it)."""
-        nonlocal coming
-        coming = await ensure_placed(cluster, task.model_id, settings)
+    async def first_chunk() -> Chunk:
         if coming:
-            return None
-        await resources.enter_async_context(chunks)
+            await wait_ready(cluster, task.model_id, coming, settings)
         await chunks.submit()
         return await chunks.next()
 
     try:
-        first = await unless_disconnected(receive, first_chunk())
+        # Unknown model, auto-place off, placement refused: a plain HTTP error, before the stream starts.
+        coming = await unless_disconnected(receive, ensure_placed(cluster, task.model_id, settings))
+        starting = asyncio.create_task(first_chunk())
+        resources.push_async_callback(stopped, starting)
+        if not coming:
+            # A task that starts at once answers a full queue or an over-long prompt with a plain HTTP error
+            # too; one that waits longer than a keep-alive gets its stream started, and any error in it.
+            await unless_disconnected(receive, asyncio.wait({starting}, timeout=settings.keep_alive_s))
+            if starting.done():
+                starting.result()
     except BaseException:
         await resources.aclose()
         raise
@@ -313,17 +333,11 @@ async def _stream(
     async def events() -> AsyncIterator[ServerSentEventMessage]:
         async with resources:
             try:
-                pending = first
-                if pending is None:
-                    waiting = asyncio.create_task(wait_ready(cluster, task.model_id, coming, settings))
-                    while not waiting.done():
-                        # At once (the client sees the response start), then every few seconds.
-                        yield ServerSentEventMessage(comment="waiting for the model to be ready", data=None)
-                        await asyncio.wait({waiting}, timeout=KEEP_ALIVE_S)
-                    waiting.result()
-                    await resources.enter_async_context(chunks)
-                    await chunks.submit()
-                    pending = await chunks.next()
+                while not starting.done():
+                    # At once (the client sees the response start), then every few seconds.
+                    yield ServerSentEventMessage(comment=_waiting_for(cluster.state, task), data=None)
+                    await asyncio.wait({starting}, timeout=settings.keep_alive_s)
+                pending = starting.result()
                 if chat:
                     yield _sse(
                         {
