@@ -355,9 +355,14 @@ async def test_cancel_keeps_finished_files_and_delete_removes_them(
         cancelled = await http.post("/downloads/cancel", json={"model_id": repo, "node_id": node})
         assert cancelled.status_code == 200, cancelled.text
         assert cancelled.json()["status"] == "cancelled"
-        hub_server.release()  # the next chunk reaches the downloader, which stops there
-        await until(lambda: "download of tiny/cancel stopped" in cluster.processes.log("downloader"), 20)
-        assert cluster.follower.state.download(node, ModelId(repo)).progress.status is DownloadStatus.CANCELLED
+        hub_server.release()  # the next chunk reaches the downloader, which stops there and says so
+        stopped = await cluster.wait(
+            lambda s: (d := s.download(node, ModelId(repo))) is not None and d.progress.reason.startswith("stopped"),
+            20,
+            "the downloader to stop the cancelled download",
+        )
+        progress = stopped.download(node, ModelId(repo)).progress
+        assert progress.status is DownloadStatus.CANCELLED and 0 < progress.bytes_done < progress.bytes_total
         manifest = json.loads((target / MANIFEST_NAME).read_text())
         assert "model-00001-of-00002.safetensors" in {f["name"] for f in manifest["files"]}
         assert not (target / held).exists() and not (target / "tokenizer.json").exists()

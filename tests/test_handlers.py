@@ -290,15 +290,14 @@ def test_cancel_download_only_while_in_progress(cluster: InMemoryCluster) -> Non
     cluster.run(StartDownload(model_id=MODEL, node_id=A))
     assert cluster.run(CancelDownload(model_id=MODEL, node_id=A)) == [DownloadCancelled(node_id=A, model_id=MODEL)]
     rejected(cluster.run(CancelDownload(model_id=MODEL, node_id=A)), RejectCode.CONFLICT)
-    # the downloader's own report of the cancellation adds nothing
-    assert (
-        cluster.run(
-            ReportDownloadProgress(
-                node_id=A, model_id=MODEL, progress=DownloadProgress(status=DownloadStatus.CANCELLED)
-            )
-        )
-        == []
-    )
+    # the downloader's report that it stopped the cancelled download is recorded, with what it kept
+    stopped = DownloadProgress(status=DownloadStatus.CANCELLED, bytes_done=5, bytes_total=9, reason="stopped")
+    assert cluster.run(ReportDownloadProgress(node_id=A, model_id=MODEL, progress=stopped)) == [
+        DownloadProgressed(node_id=A, model_id=MODEL, progress=stopped)
+    ]
+    # one from an attempt that a new request replaced is not: the new download goes on
+    cluster.run(StartDownload(model_id=MODEL, node_id=A))
+    assert cluster.run(ReportDownloadProgress(node_id=A, model_id=MODEL, progress=stopped)) == []
 
 
 def test_delete_download_refuses_read_only_and_in_use(cluster: InMemoryCluster) -> None:

@@ -22,6 +22,7 @@ import httpx
 import pytest
 from helpers.harness import InferenceCluster, free_port, hub_cluster, wait_for
 from helpers.tiny_models import make_tiny_model
+from jetshard_bus.node import node_id_for
 from jetshard_schema.events import CustomModelCardAdded, CustomModelCardDeleted, Event
 from jetshard_schema.ids import MODEL_ID_MAX_LENGTH
 
@@ -29,7 +30,6 @@ ORG = "jetshard-test"
 SPLIT = f"{ORG}/tiny-split"
 SINGLE = f"{ORG}/tiny-single"
 BUILTIN = "mlx-community/Qwen3-0.6B-4bit"
-WORKER_STARTED = "started; cards in"
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -50,15 +50,16 @@ class ModelsCluster(InferenceCluster):
         return self.card_dir(node) / (model_id.replace("/", "--") + ".json")
 
     def start_worker(self, node: str) -> None:
-        """Start the node's worker and wait until it has reconciled its card directory with State."""
-        before = self._started_count(node)
+        """Start the node's worker and wait until it has reconciled its card directory with State: it does
+        that before it joins, so until GET /nodes shows the node in a new session."""
+        node_id = node_id_for(self.root / node / "config")
+        before = self._session(node_id)
         self.workers[node] = self.processes.start(f"{node}-worker", "worker", env=self.node_env(node))
-        # State does not say when a worker has reconciled its card directory: only its log does.
-        assert wait_for(lambda: self._started_count(node) > before, timeout=60), self.processes.log(f"{node}-worker")
+        joined = wait_for(lambda: self._session(node_id) not in (None, before), timeout=60)
+        assert joined, self.processes.log(f"{node}-worker")
 
-    def _started_count(self, node: str) -> int:
-        log = self.processes.log_dir / f"{node}-worker.log"
-        return log.read_text(errors="replace").count(WORKER_STARTED) if log.exists() else 0
+    def _session(self, node_id: str) -> str | None:
+        return next((n["session_id"] for n in self.get("/nodes") if n["node_id"] == node_id), None)
 
     def serve(self, repo_id: str, path: Path, **kwargs: Any) -> None:
         self.hub.add_repo(repo_id, path, **kwargs)

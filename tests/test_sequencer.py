@@ -85,11 +85,38 @@ async def follow(js) -> StateFollower:
 
 
 def sequencer(processes, name: str, url: str, *extra: str):
-    return processes.start(name, "sequencer", "--nats", url, "--lease-ttl-s", "1", *extra)
+    """A sequencer whose id (in the lease and in its consumers' names) is its process's name."""
+    return processes.start(name, "sequencer", "--nats", url, "--lease-ttl-s", "1", "--sequencer-id", name, *extra)
 
 
-async def leading(processes, name: str, times: int = 1, timeout_s: float = 30) -> None:
-    await until(lambda: processes.log(name).count(" leads from event ") >= times, timeout_s, f"{name} to lead")
+async def lease_holder(js) -> str | None:
+    """The id of the sequencer holding the leader lease; None while no one does."""
+    kv = await js.key_value(subjects.LEADER_BUCKET)
+    try:
+        entry = await kv.get(subjects.LEADER_KEY)
+    except nats.js.errors.KeyNotFoundError:
+        return None
+    return (entry.value or b"").decode()
+
+
+async def terms(js, name: str) -> set[str]:
+    """`name`'s leadership terms, by their command consumers: a leader reads commands through a consumer of
+    its own per term, named after it, made once it has caught up and deleted when the term ends."""
+    prefix = f"{subjects.SEQUENCER_DURABLE}-{name}-"
+    return {c.name for c in await js.consumers_info(subjects.COMMANDS_STREAM) if c.name.startswith(prefix)}
+
+
+async def leading(js, name: str, after: frozenset[str] = frozenset(), timeout_s: float = 30) -> frozenset[str]:
+    """Wait until `name` holds the lease and reads commands in a term not among `after`; its terms then."""
+    current: frozenset[str] = frozenset()
+
+    async def leads() -> bool:
+        nonlocal current
+        current = frozenset(await terms(js, name))
+        return bool(current - after) and await lease_holder(js) == name
+
+    await until(leads, timeout_s, f"{name} to lead")
+    return current
 
 
 async def standby_ready(js) -> None:
@@ -105,7 +132,7 @@ async def standby_ready(js) -> None:
 async def leader_and_standby(processes, js, url: str):
     """seq1 leading and seq2 standing by; the leader's process."""
     leader = sequencer(processes, "seq1", url)
-    await leading(processes, "seq1")
+    await leading(js, "seq1")
     sequencer(processes, "seq2", url)
     await standby_ready(js)
     return leader
@@ -175,7 +202,7 @@ async def test_a_command_redelivered_after_the_dedupe_window_has_one_outcome(fre
         await asyncio.sleep(1.5)  # deliberate timing: past the dedupe window of both streams
 
         sequencer(processes, "seq1", fresh_nats.url)
-        await leading(processes, "seq1")
+        await leading(js, "seq1")
         # The sequencer declared the streams with its own (default) window; shorten it again for the rest.
         await declare(js, BusTimings(dedupe_window_s=1))
         info = await js.stream_info(subjects.COMMANDS_STREAM)
@@ -224,7 +251,7 @@ async def test_kill_9_of_the_leader_during_a_burst_loses_and_duplicates_nothing(
     print(f"\nleader killed at event {killed_at_seq}; events flowed again after {takeover_s:.2f} s")
     assert takeover_s <= 5
     await follower.wait_until(lambda s: len(s.custom_cards) >= count, 60)
-    assert " leads from event " in processes.log("seq2")
+    await leading(js, "seq2")
 
     per = outcomes_per_command(assert_gapless(await all_events(js)))
     assert sorted(per) == sorted(ids)
@@ -256,6 +283,7 @@ async def test_a_paused_leader_steps_down_when_it_resumes(bus, fresh_nats, proce
     _, js = bus
     follower = await follow(js)
     old = await leader_and_standby(processes, js, fresh_nats.url)
+    old_terms = await terms(js, "seq1")
 
     ids: list[CommandId] = []
 
@@ -267,7 +295,7 @@ async def test_a_paused_leader_steps_down_when_it_resumes(bus, fresh_nats, proce
     await follower.wait_until(lambda s: len(s.custom_cards) >= 20, 30)
     old.send_signal(signal.SIGSTOP)
     try:
-        await leading(processes, "seq2")  # lease TTL 1 s: the standby takes over
+        await leading(js, "seq2")  # lease TTL 1 s: the standby takes over
         for n in range(20, 60):
             await publish(n)
         old.send_signal(signal.SIGCONT)
@@ -276,7 +304,11 @@ async def test_a_paused_leader_steps_down_when_it_resumes(bus, fresh_nats, proce
             await asyncio.sleep(0.005)  # deliberate pacing: commands keep arriving while the old leader wakes
     finally:
         old.send_signal(signal.SIGCONT)
-    await until(lambda: "stepping down" in processes.log("seq1"), 30, "the old leader to step down")
+
+    async def stepped_down() -> bool:
+        return old_terms.isdisjoint(await terms(js, "seq1"))
+
+    await until(stepped_down, 30, "the old leader to step down (end its term)")
     await follower.wait_until(lambda s: len(s.custom_cards) >= 300, 60)
     assert old.poll() is None  # it stepped down and waits as a standby, it did not crash
     per = outcomes_per_command(assert_gapless(await all_events(js)))
@@ -355,7 +387,7 @@ async def test_a_failing_node_expiry_ends_the_term_and_the_sequencer_leads_again
     _, js = bus
     follower = await follow(js)
     sequencer(processes, "seq1", fresh_nats.url, "--liveness-ttl-s", "2")
-    await leading(processes, "seq1")
+    first_term = await leading(js, "seq1")
     node = NodeId("node-live")
     stop_heartbeat = asyncio.Event()
     heartbeat = asyncio.create_task(keep_alive(js, node, "s1", 2.0, stop_heartbeat))
@@ -364,8 +396,8 @@ async def test_a_failing_node_expiry_ends_the_term_and_the_sequencer_leads_again
         await follower.wait_until(lambda s: node in s.nodes, 30)
 
         await js.delete_key_value(subjects.LIVENESS_BUCKET)
-        await leading(processes, "seq1", times=2)
-        assert "the liveness bucket" in processes.log("seq1")
+        await leading(js, "seq1", after=first_term)
+        assert "the liveness bucket" in processes.log("seq1")  # the operator is told why the term ended
         await publish_command(js, add_card("after-restart"))
         await follower.wait_until(lambda s: card("after-restart").model_id in s.custom_cards, 30)
         assert node in follower.state.nodes  # its heartbeat went on; it was never lost

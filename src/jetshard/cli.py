@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
+import re
 import sys
 from pathlib import Path
 from typing import Any
@@ -12,6 +13,7 @@ from typing import Any
 import click
 from jetshard_bus.options import DEFAULT_API_PORT, NatsOptions
 from jetshard_bus.streams import BusTimings
+from jetshard_schema.ids import NAME_MAX_LENGTH, NAME_PATTERN
 from jetshard_schema.types import ServingSettings
 
 from jetshard.download_cli import download
@@ -38,12 +40,21 @@ models.add_command(import_gguf)
 @main.command()
 @nats_options
 @option("--snapshot-every", type=int, default=1000, show_default=True, help="events between State snapshots")
-def sequencer(nats: NatsOptions, timings: BusTimings, snapshot_every: int) -> None:
+@option(
+    "--sequencer-id",
+    default=None,
+    callback=lambda _ctx, _param, value: _name(value),
+    help="what the leader lease (bucket jetshard-leader), this sequencer's command consumers and its log call it "
+    "[default: seq-<random>]",
+)
+def sequencer(nats: NatsOptions, timings: BusTimings, snapshot_every: int, sequencer_id: str | None) -> None:
     """Turn commands into the ordered event stream (one leader; start more as standbys)."""
     from jetshard_bus.service import run_service
     from jetshard_sequencer.service import SequencerConfig, run_sequencer
 
     config = SequencerConfig(nats=nats, timings=timings, snapshot_every=snapshot_every)
+    if sequencer_id is not None:
+        config = dataclasses.replace(config, sequencer_id=sequencer_id)
     run_service("sequencer", lambda stop: run_sequencer(config, stop))
 
 
@@ -228,3 +239,10 @@ def _run(coroutine: Any) -> Any:
         return None
     except (NatsUnreachableError, StreamsMissingError) as error:
         raise click.ClickException(str(error)) from None
+
+
+def _name(value: str | None) -> str | None:
+    """A name that becomes part of NATS consumer names and KV values: the rules of node ids."""
+    if value is not None and (len(value) > NAME_MAX_LENGTH or not re.fullmatch(NAME_PATTERN, value)):
+        raise click.BadParameter(f"use letters, digits, '_' and '-' (at most {NAME_MAX_LENGTH}), not {value!r}")
+    return value

@@ -98,7 +98,8 @@ class DownloadProgress(msgspec.Struct, frozen=True, kw_only=True):
     directory: str = ""
     read_only: bool = False
     reason: str = ""
-    """Why it failed; while retrying, why the last attempt failed."""
+    """Why it failed; while retrying, why the last attempt failed; once a cancelled download has stopped on
+    its node, that it did (cancelled says only that it was asked to)."""
     attempt: int = 0
     """0 for the first attempt; n for the n-th retry after an error mid-transfer, of at most `max_attempts`."""
     max_attempts: int = 0

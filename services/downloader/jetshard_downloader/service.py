@@ -8,7 +8,8 @@ blocking work runs in threads. It acts on events for this node:
   locally (read-only directories first; found: completed, no network call), else convert a packaged GGUF,
   else list the repo, choose a directory (counting what this process's running downloads still expect in
   each), and fetch the range's files, reporting progress at most once per second per model;
-* `DownloadCancelled`: stop that download (finished files and the partial file in flight are kept);
+* `DownloadCancelled`: stop that download (finished files and the partial file in flight are kept), then
+  report it stopped;
 * `DownloadDeleteRequested`: delete the model from every writable directory, then `ReportDownloadDeleted`.
 
 One job runs per model at a time (a second range of the same model waits, then finds the first's files).
@@ -52,7 +53,7 @@ from jetshard_schema.events import (
 )
 from jetshard_schema.ids import ModelId, NodeId
 from jetshard_schema.models import all_cards, find_card
-from jetshard_schema.state import State
+from jetshard_schema.state import Download, State
 from jetshard_schema.types import DownloadProgress, DownloadStatus, ModelDirInfo, NodeStorage
 
 from jetshard_downloader.choose import NoSpace, choose_directory
@@ -81,6 +82,8 @@ from jetshard_downloader.shard_files import required_files
 log = logging.getLogger(__name__)
 REPORT_TIMEOUT_S = 6.0
 """Longer than one progress report's publish (5 s timeout): a job waits this long at most for its last one."""
+STOPPED = "stopped; the files fetched so far are kept for the next attempt"
+"""The reason a cancelled download's record gives once its downloader has stopped it."""
 T = TypeVar("T")
 
 
@@ -197,6 +200,9 @@ class _Job:
     models_dir: Path | None = None
     remaining: int = 0
     """Bytes this job still expects to write into `models_dir` (its reservation)."""
+    done: int = 0
+    total: int = 0
+    """The latest progress: bytes of the job's files on disk, of all it fetches."""
     transferring: bool = False
     """The Hub answered the listing: an error from now on happened mid-transfer and is worth a retry."""
 
@@ -345,6 +351,11 @@ class Downloader:
                 await self._run_with_retries(job)
             except Cancelled:
                 log.info("download of %s stopped", model_id)
+                # Stopped because State says cancelled (not by a shutdown): State also learns it has stopped.
+                if _cancelled(self.follower.state.download(self.node_id, model_id)):
+                    await self._report(
+                        job, DownloadStatus.CANCELLED, bytes_done=job.done, bytes_total=job.total, reason=STOPPED
+                    )
             except asyncio.CancelledError:
                 job.cancel.set()
                 raise
@@ -426,6 +437,7 @@ class Downloader:
 
         def on_progress(done: int, total: int) -> None:
             job.remaining = max(0, base_remaining - done)
+            job.done, job.total = done, total
             loop.call_soon_threadsafe(progress.update, done, total)
 
         def on_target(model_dir: Path, bytes_expected: int) -> None:
@@ -555,6 +567,10 @@ class Downloader:
                 removed = ()
             log.info("deleted %s from %s", model_id, ", ".join(removed) or "nowhere")
             await self.publish(ReportDownloadDeleted(model_id=model_id, node_id=self.node_id, directories=removed))
+
+
+def _cancelled(download: Download | None) -> bool:
+    return download is not None and download.progress.status is DownloadStatus.CANCELLED
 
 
 def _storage(dirs: ModelDirs, offline: bool, model_ids: Iterable[ModelId]) -> NodeStorage:

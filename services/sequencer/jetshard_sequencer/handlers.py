@@ -231,9 +231,10 @@ def _report_download_progress(
                 for instance in _waiting_for_files(state, node_id, model_id)
             ]
         case DownloadStatus.CANCELLED:
-            if _cancelled(state, node_id, model_id):
-                return []
-            return [events.DownloadCancelled(node_id=node_id, model_id=model_id)]
+            if not _cancelled(state, node_id, model_id):
+                return []  # the end of an attempt that a newer request (or a shutdown) cut short
+            # The downloader stopped the cancelled download: the record says so, and how much it kept.
+            return [events.DownloadProgressed(node_id=node_id, model_id=model_id, progress=progress)]
         case _:
             if _cancelled(state, node_id, model_id):
                 return []  # a report sent before the downloader saw the cancel; a new request resets it

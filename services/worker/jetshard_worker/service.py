@@ -68,6 +68,7 @@ async def run_worker(config: WorkerConfig, stop: asyncio.Event) -> None:
 
     follower.add_listener(on_event)
     await follower.start()
+    # Before the node announces itself: once State shows this session, its card directory matches State.
     cards.reconcile(follower.state.custom_cards)
     heartbeat = asyncio.create_task(keep_alive(js, node_id, session_id, config.timings.liveness_ttl_s, stop))
     reporting = asyncio.create_task(_report_profile(js, node_id, session_id, config.profile_interval_s, stop))
