@@ -144,6 +144,7 @@ def model_dir_options(command: Callable[..., Any]) -> Callable[..., Any]:
 _SERVING_HELP = {
     "max_batch": "tasks of one instance that decode together",
     "max_queued": "tasks of one instance that may wait beyond --max-batch; past that, requests get 429",
+    "prefix_cache_bytes": "bytes of prompt KV caches an instance keeps for prompts that start alike (0: none)",
 }
 """A flag per `ServingSettings` field the API sets for the instances it places, named after it."""
 

@@ -48,6 +48,7 @@ class WeightsDtype(enum.StrEnum):
 
 MaxBatch = Annotated[int, msgspec.Meta(ge=1, le=256)]
 MaxQueued = Annotated[int, msgspec.Meta(ge=0, le=100_000)]
+PrefixCacheBytes = Annotated[int, msgspec.Meta(ge=0, le=2**40)]
 """Named, so that a request setting some of an instance's `ServingSettings` checks the same bounds."""
 
 
@@ -58,6 +59,9 @@ class ServingSettings(msgspec.Struct, frozen=True, kw_only=True):
     """Tasks that decode together in one step; placement reserves KV cache for this many rows."""
     max_queued: MaxQueued = 64
     """Tasks that may wait beyond `max_batch`; past that the API answers 429."""
+    prefix_cache_bytes: PrefixCacheBytes = 512 * 2**20
+    """Prompt KV caches kept for later prompts that start alike (a conversation's next turn, a shared system
+    prompt), for the whole model; 0 keeps none."""
     weights: WeightsDtype = WeightsDtype.AUTO
 
 

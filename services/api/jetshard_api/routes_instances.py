@@ -13,6 +13,7 @@ from jetshard_schema.types import (
     InstanceStatus,
     MaxBatch,
     MaxQueued,
+    PrefixCacheBytes,
     ServingSettings,
     ShardAssignment,
     WeightsDtype,
@@ -29,6 +30,7 @@ class ServingRequest(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 
     max_batch: MaxBatch | msgspec.UnsetType = msgspec.UNSET
     max_queued: MaxQueued | msgspec.UnsetType = msgspec.UNSET
+    prefix_cache_bytes: PrefixCacheBytes | msgspec.UnsetType = msgspec.UNSET
     weights: WeightsDtype | msgspec.UnsetType = msgspec.UNSET
 
     def over(self, defaults: ServingSettings) -> ServingSettings:

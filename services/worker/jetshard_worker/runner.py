@@ -126,6 +126,7 @@ class Runner:
             on_token=self._on_token,
             on_finished=self._on_finished,
             max_batch=self.spec.serving.max_batch,
+            prefix_cache_bytes=self.spec.serving.prefix_cache_bytes,
         )
         if self.engine.is_leader:
             self.tokenizer = await asyncio.to_thread(load_tokenizer, model_dir, None, sorted(shard.eos_token_ids))
