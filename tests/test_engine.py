@@ -210,6 +210,8 @@ def test_pipeline_greedy_equals_mlx_lm(
 
     results = outputs[-1]["results"]
     assert outputs[-1]["max_rows"] > 1  # the requests decoded as one batch
+    # ... split in one micro-batch per rank, all under way at once: no rank waits for another.
+    assert outputs[-1]["max_micro_batches"] == len(bounds) - 1
     for i, tokens in enumerate(expected):
         got = results[f"t{i}"]
         assert got["tokens"] == tokens, f"prompt {i}"

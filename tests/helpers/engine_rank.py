@@ -132,6 +132,7 @@ def main() -> None:
                 "progress": progress,
                 "results": results,
                 "max_rows": engine.stats.max_rows,
+                "max_micro_batches": engine.stats.max_micro_batches,
                 "prefix_hits": engine.stats.prefix_hits,
             }
         )

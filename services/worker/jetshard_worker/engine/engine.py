@@ -246,6 +246,7 @@ class EngineStats:
     steps: int = 0  # forward passes this rank ran (prefill chunks and decode steps)
     tokens: int = 0  # tokens sampled (leader only)
     max_rows: int = 0  # the most tasks decoding at once
+    max_micro_batches: int = 0  # the most micro-batches under way around the ring at once
     prefix_hits: int = 0  # tasks whose prompt started from a saved prefix
     prefix_hit_tokens: int = 0  # prompt tokens those tasks did not prefill
     prefix_entries: int = 0  # saved prefix caches
@@ -610,6 +611,7 @@ class PipelineEngine:
         inputs = self._inputs(rows, group.launched).reshape(-1, 1)
         self.stats.max_rows = max(self.stats.max_rows, self._decoding())
         group.in_flight = True
+        self.stats.max_micro_batches = max(self.stats.max_micro_batches, sum(g.in_flight for g in self._groups))
         self._send(_Sent(Header(Op.DECODE, group=group.index).with_payload(inputs), rows=rows), inputs)
 
     def _inputs(self, rows: list[_Task], previous: _Launched | None) -> mx.array:
