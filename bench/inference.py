@@ -218,13 +218,13 @@ def main() -> None:
     )
     print(f"model: {model_id}")
     nats = start_nats_server(root / "nats", port=-1)
-    # The anchor runs without an OpenBLAS preload, so the runners do too: the same kernels on both sides.
+    # The anchor runs without an optimized BLAS, so the runners do too: the same kernels on both sides.
     # A 2-core machine running mlx-lm flat out in this process can starve a worker's liveness beat: a
     # generous TTL keeps the node from being declared lost in the middle of the anchor's run.
     env = {
         **os.environ,
         "JETSHARD_NATS": nats.url,
-        "JETSHARD_PRELOAD_OPENBLAS": "0",
+        "JETSHARD_BLAS": "0",
         "JETSHARD_LOG_LEVEL": "INFO",
         "JETSHARD_LIVENESS_TTL_S": "60",
     }
