@@ -8,7 +8,7 @@ from jetshard_schema.ids import InstanceId, ModelId
 from jetshard_schema.models import find_card
 from jetshard_schema.placement import ModelUnavailable, PlacementError, place_in
 from jetshard_schema.state import Instance, State, instance_status
-from jetshard_schema.types import DownloadStatus, InstanceStatus, ShardAssignment
+from jetshard_schema.types import DownloadStatus, InstanceStatus, ServingSettings, ShardAssignment
 from litestar import Controller, delete, get, post
 
 from jetshard_api.cluster import Cluster
@@ -50,6 +50,8 @@ class PlacementPreview(msgspec.Struct, frozen=True):
     model_id: ModelId
     required_bytes: int
     shards: tuple[ShardAssignment, ...]
+    serving: ServingSettings
+    """The default settings as placement would resolve them (AUTO made concrete)."""
 
 
 def _describe_shard(state: State, instance: Instance, shard: ShardAssignment) -> ShardDescription:
@@ -113,7 +115,10 @@ class InstancesController(Controller):
         except PlacementError as error:
             raise ApiError(409, str(error), "insufficient_memory") from error
         return PlacementPreview(
-            model_id=card.model_id, required_bytes=placement.required_bytes, shards=placement.shards
+            model_id=card.model_id,
+            required_bytes=placement.required_bytes,
+            shards=placement.shards,
+            serving=placement.serving,
         )
 
     @get("/{instance_id:str}", responses=ERROR_RESPONSES)
