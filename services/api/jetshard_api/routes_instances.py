@@ -32,6 +32,8 @@ class ShardDescription(ShardAssignment, frozen=True, kw_only=True):
     bytes_done: int | msgspec.UnsetType = msgspec.UNSET
     bytes_total: int | msgspec.UnsetType = msgspec.UNSET
     reason: str | msgspec.UnsetType | None = msgspec.UNSET
+    weights_dtype: str | msgspec.UnsetType = msgspec.UNSET
+    """What the ready runner holds its weights as."""
 
 
 class InstanceDescription(msgspec.Struct, frozen=True, kw_only=True):
@@ -44,6 +46,7 @@ class InstanceDescription(msgspec.Struct, frozen=True, kw_only=True):
     """Why it failed or last restarted: news only until it is ready again."""
     shards: list[ShardDescription]
     tasks_in_flight: int
+    serving: ServingSettings
 
 
 class PlacementPreview(msgspec.Struct, frozen=True):
@@ -65,6 +68,7 @@ def _describe_shard(state: State, instance: Instance, shard: ShardAssignment) ->
             layers_loaded=runner.layers_loaded,
             layers_total=runner.layers_total,
             reason=runner.reason or None,
+            weights_dtype=runner.weights_dtype or msgspec.UNSET,
         )
     download = state.download(shard.node_id, instance.model_id)
     progress = download.progress if download else None
@@ -90,6 +94,7 @@ def describe_instance(state: State, instance: Instance) -> InstanceDescription:
         reason=(instance.failed_reason or None) if status is not InstanceStatus.READY else None,
         shards=[_describe_shard(state, instance, shard) for shard in instance.shards],
         tasks_in_flight=sum(1 for t in state.tasks.values() if t.instance_id == instance.instance_id),
+        serving=instance.serving,
     )
 
 

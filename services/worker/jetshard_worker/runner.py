@@ -39,7 +39,17 @@ from jetshard_schema.ids import TaskId
 from jetshard_schema.sampling import generation_config_defaults, resolve_sampling
 from jetshard_schema.state import State
 from jetshard_schema.subjects import TASKS_STREAM, chunk_subject
-from jetshard_schema.types import Chunk, RunnerReport, RunnerStatus, TaskKind, TaskOutcome, TaskRef, TaskRequest, Usage
+from jetshard_schema.types import (
+    Chunk,
+    RunnerReport,
+    RunnerStatus,
+    TaskKind,
+    TaskOutcome,
+    TaskRef,
+    TaskRequest,
+    Usage,
+    WeightsDtype,
+)
 from mlx_lm.utils import load_tokenizer
 from nats.js import JetStreamContext
 
@@ -102,7 +112,11 @@ class Runner:
 
         await self.report(RunnerStatus.LOADING, layers_loaded=0, layers_total=total)
         model_dir = Path(self.spec.model_dir)
-        shard = await asyncio.to_thread(load_shard, model_dir, self.spec.start_layer, self.spec.end_layer, on_progress)
+        # Placement resolves AUTO; an instance placed before it did keeps the checkpoint's dtype.
+        float32 = self.spec.serving.weights is WeightsDtype.FLOAT32
+        shard = await asyncio.to_thread(
+            load_shard, model_dir, self.spec.start_layer, self.spec.end_layer, on_progress, float32=float32
+        )
         group = None
         if self.spec.world_size > 1:
             assert self.spec.hostfile is not None
@@ -123,6 +137,7 @@ class Runner:
             layers_loaded=total,
             layers_total=total,
             loaded_tensors=tuple(sorted(self.engine.shard.loaded_tensors)),
+            weights_dtype=self.engine.shard.weights_dtype,
         )
 
     # --- leader: tasks in, chunks out ------------------------------------------------------------------
