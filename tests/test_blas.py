@@ -60,3 +60,21 @@ def test_a_runner_multiplies_with_the_packaged_openblas(tmp_path: Path) -> None:
 def test_a_thread_count_the_user_set_is_kept(tmp_path: Path) -> None:
     env = runner_environment(tmp_path, 4, {"OPENBLAS_NUM_THREADS": "3"})
     assert env["OPENBLAS_NUM_THREADS"] == "3" and env["MKL_NUM_THREADS"] == "4"
+
+
+@linux_only
+def test_without_a_gfortran_runtime_the_runner_still_starts(tmp_path: Path) -> None:
+    """The wheel's OpenBLAS placed where no vendored gfortran runtime sits beside it: the environment either
+    finds the system's or leaves the preload out, so a process started with it always runs."""
+    packaged = blas_preload({})
+    assert packaged is not None
+    lonely = tmp_path / "elsewhere" / "cmeel.prefix" / "lib" / "libopenblas.so.0"
+    lonely.parent.mkdir(parents=True)
+    lonely.symlink_to(packaged)
+    links = tmp_path / "links"
+    links.mkdir()
+    env = runner_environment(links, 1, {"PATH": "/usr/bin:/bin", "JETSHARD_BLAS": str(lonely)})
+    assert "LD_LIBRARY_PATH" not in env
+    subprocess.run(
+        [sys.executable, "-c", "import mlx.core as mx; mx.eval(mx.ones((4, 4)) @ mx.ones((4, 4)))"], env=env, check=True
+    )

@@ -15,8 +15,10 @@ in a directory the runner's LD_LIBRARY_PATH names. A system OpenBLAS is the fall
 
 from __future__ import annotations
 
+import ctypes.util
 import glob
 import importlib.metadata
+import logging
 import os
 import sys
 from collections.abc import Mapping
@@ -29,6 +31,8 @@ _SYSTEM_CANDIDATES = (
 )
 _THREAD_VARIABLES = ("OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS")
 _GFORTRAN = "libgfortran.so.5"
+
+log = logging.getLogger(__name__)
 
 
 def blas_threads(cpu_cores: int, runners: int) -> int:
@@ -78,13 +82,14 @@ def _vendored_gfortran(library: Path) -> Path | None:
     return None
 
 
-def _gfortran_dirs(library: Path, link_dir: Path) -> list[str]:
-    """Directories for LD_LIBRARY_PATH that let `library` find libgfortran.so.5; none when it needs none."""
+def _gfortran_dirs(library: Path, link_dir: Path) -> list[str] | None:
+    """Directories for LD_LIBRARY_PATH that let `library` find libgfortran.so.5 (none when it needs none or the
+    system has it), or None when nothing provides it: the loader would refuse to start the runner."""
     if library.parent.name != "lib" or library.parent.parent.name != "cmeel.prefix":
         return []
     runtime = _vendored_gfortran(library)
     if runtime is None:
-        return []
+        return [] if ctypes.util.find_library("gfortran") else None
     link = link_dir / _GFORTRAN
     if link.is_symlink() or link.exists():
         link.unlink()
@@ -101,8 +106,11 @@ def runner_environment(link_dir: Path, threads: int, environ: Mapping[str, str] 
     library = blas_preload(environ)
     if library is None:
         return env
-    env["LD_PRELOAD"] = ":".join(p for p in (str(library), environ.get("LD_PRELOAD", "")) if p)
     search = _gfortran_dirs(library, link_dir)
+    if search is None:
+        log.warning("%s needs libgfortran.so.5, which nothing here provides; runners use the reference BLAS", library)
+        return env
+    env["LD_PRELOAD"] = ":".join(p for p in (str(library), environ.get("LD_PRELOAD", "")) if p)
     if search:
         env["LD_LIBRARY_PATH"] = ":".join(p for p in (*search, environ.get("LD_LIBRARY_PATH", "")) if p)
     # Both names, as a user's JETSHARD_BLAS may point at MKL; a thread count the user set is kept.
