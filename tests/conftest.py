@@ -26,7 +26,7 @@ def isolated_home(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
             "HF_HOME": str(home / ".cache/huggingface"),
             "HF_HUB_DISABLE_TELEMETRY": "1",
             # Runners must compute exactly what in-process mlx_lm does for the equality tests.
-            "JETSHARD_PRELOAD_OPENBLAS": "0",
+            "JETSHARD_BLAS": "0",
         }
     )
     for name in ("HF_HUB_OFFLINE", "JETSHARD_OFFLINE", "HF_TOKEN"):

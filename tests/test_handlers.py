@@ -67,10 +67,12 @@ from jetshard_schema.types import (
     RejectCode,
     RunnerReport,
     RunnerStatus,
+    ServingSettings,
     TaskKind,
     TaskOutcome,
     TaskRef,
     Usage,
+    WeightsDtype,
 )
 from jetshard_sequencer.handlers import Context, handle
 
@@ -545,3 +547,18 @@ def test_placement_skips_offline_nodes_that_lack_the_model(cluster: InMemoryClus
     assert "offline" in rejected(nowhere, RejectCode.MODEL_UNAVAILABLE).reason
     cluster.run(ReportNodeStorage(node_id=A, storage=NodeStorage(offline=True, available_models=(MODEL,))))
     assert isinstance(cluster.run(PlaceInstance(instance_id=InstanceId("inst-4"), model_id=MODEL))[0], InstancePlaced)
+
+
+def test_placement_records_the_resolved_weights_dtype(cluster: InMemoryCluster) -> None:
+    """AUTO never reaches State: the event says what the runners will hold, and a replacement keeps it."""
+    cluster.join(A, 16)
+    cluster.join(B, 16)
+    placed = cluster.run(PlaceInstance(instance_id=InstanceId("inst-1"), model_id=MODEL, node_ids=(A,)))
+    assert isinstance(placed[0], InstancePlaced)
+    assert placed[0].serving == ServingSettings(weights=WeightsDtype.FLOAT32)
+    assert cluster.state.instances[InstanceId("inst-1")].serving.weights is WeightsDtype.FLOAT32
+    native = ServingSettings(max_batch=2, weights=WeightsDtype.NATIVE)
+    asked = cluster.run(PlaceInstance(instance_id=InstanceId("inst-2"), model_id=MODEL, node_ids=(B,), serving=native))
+    assert isinstance(asked[0], InstancePlaced) and asked[0].serving == native
+    replaced = cluster.run(ExpireNode(node_id=A, session_id="s1"))
+    assert isinstance(replaced[2], InstancePlaced) and replaced[2].serving.weights is WeightsDtype.FLOAT32

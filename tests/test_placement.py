@@ -2,15 +2,25 @@
 
 from __future__ import annotations
 
+import functools
 import itertools
 
 import msgspec
 import pytest
 from helpers.cards import tiny_card
+from jetshard_schema.cards import Quantization
 from jetshard_schema.ids import NodeId
-from jetshard_schema.placement import PlacementError, place, required_memory_bytes, split_layers
+from jetshard_schema.placement import (
+    PlacementError,
+    kv_cache_bytes,
+    parameter_count,
+    place,
+    required_memory_bytes,
+    split_layers,
+    weights_bytes,
+)
 from jetshard_schema.state import Node
-from jetshard_schema.types import NodeProfile
+from jetshard_schema.types import NodeProfile, ServingSettings, WeightsDtype
 
 GiB = 2**30
 CARD = tiny_card(
@@ -25,7 +35,13 @@ CARD = tiny_card(
 )
 
 
-def node(name: str, available_gib: float) -> Node:
+ONE_ROW = ServingSettings(max_batch=1, weights=WeightsDtype.NATIVE, prefix_cache_bytes=0)
+"""The layer-split tests count the checkpoint's weights and one context, as placement did before batching
+and prefix caches."""
+place_one_row = functools.partial(place, serving=ONE_ROW)
+
+
+def node(name: str, available_gib: float, accelerator: str = "cpu") -> Node:
     return Node(
         node_id=NodeId(name),
         session_id="s",
@@ -35,6 +51,7 @@ def node(name: str, available_gib: float) -> Node:
             cpu_cores=8,
             memory_total_bytes=128 * GiB,
             memory_available_bytes=int(available_gib * GiB),
+            accelerator=accelerator,
         ),
     )
 
@@ -45,7 +62,7 @@ def sizes(ranges: list[tuple[int, int]]) -> list[int]:
 
 def test_required_memory_is_weights_plus_headroom_plus_kv_cache() -> None:
     kv = 2 * 32 * 8 * 128 * 4096 * 2
-    assert required_memory_bytes(CARD) == int(4 * GiB * 1.1) + kv
+    assert required_memory_bytes(CARD, ONE_ROW) == int(4 * GiB * 1.1) + kv
 
 
 @pytest.mark.parametrize(
@@ -74,19 +91,19 @@ def test_split_refuses_impossible_requests(layers: int, weights: list[int]) -> N
 
 
 def test_the_fewest_nodes_that_hold_the_model_are_chosen_biggest_first() -> None:
-    placement = place(CARD, [node("small", 2), node("big", 40), node("mid", 10)])
+    placement = place_one_row(CARD, [node("small", 2), node("big", 40), node("mid", 10)])
     assert [(s.node_id, s.rank, s.start_layer, s.end_layer) for s in placement.shards] == [("big", 0, 0, 32)]
-    assert placement.required_bytes == required_memory_bytes(CARD)
+    assert placement.required_bytes == required_memory_bytes(CARD, ONE_ROW)
 
 
 def test_min_nodes_spreads_layers_by_available_memory() -> None:
-    placement = place(CARD, [node("a", 30), node("b", 10), node("c", 1)], min_nodes=2)
+    placement = place_one_row(CARD, [node("a", 30), node("b", 10), node("c", 1)], min_nodes=2)
     assert [s.node_id for s in placement.shards] == ["a", "b"]
     assert [s.end_layer - s.start_layer for s in placement.shards] == [24, 8]
 
 
 def test_several_nodes_when_none_holds_the_model_alone() -> None:
-    placement = place(CARD, [node("a", 3), node("b", 3), node("c", 3)])
+    placement = place_one_row(CARD, [node("a", 3), node("b", 3), node("c", 3)])
     assert len(placement.shards) == 2
     assert [s.rank for s in placement.shards] == [0, 1]
     assert placement.shards[-1].end_layer == 32
@@ -94,7 +111,7 @@ def test_several_nodes_when_none_holds_the_model_alone() -> None:
 
 def test_not_enough_memory_says_how_much_is_needed_and_what_to_do() -> None:
     with pytest.raises(PlacementError) as raised:
-        place(CARD, [node("a", 1), node("b", 1)])
+        place_one_row(CARD, [node("a", 1), node("b", 1)])
     message = str(raised.value)
     assert "acme/m needs" in message
     assert "GiB" in message and "2.00 GiB available" in message
@@ -103,14 +120,14 @@ def test_not_enough_memory_says_how_much_is_needed_and_what_to_do() -> None:
 
 def test_explicit_node_ids_keep_their_order_and_ranks() -> None:
     nodes = [node("a", 30), node("b", 10), node("c", 10)]
-    placement = place(CARD, nodes, node_ids=[NodeId("c"), NodeId("a")])
+    placement = place_one_row(CARD, nodes, node_ids=[NodeId("c"), NodeId("a")])
     assert [(s.node_id, s.rank) for s in placement.shards] == [("c", 0), ("a", 1)]
     assert [s.end_layer - s.start_layer for s in placement.shards] == [9, 23]
 
 
 def test_explicit_node_ids_must_fit_the_model() -> None:
     with pytest.raises(PlacementError, match="needs"):
-        place(CARD, [node("a", 30), node("b", 1)], node_ids=[NodeId("b")])
+        place_one_row(CARD, [node("a", 30), node("b", 1)], node_ids=[NodeId("b")])
 
 
 @pytest.mark.parametrize(
@@ -126,10 +143,90 @@ def test_explicit_node_ids_must_fit_the_model() -> None:
 def test_bad_requests_are_refused(node_ids: list[str] | None, min_nodes: int, match: str) -> None:
     nodes = [node("a", 30), node("b", 10), node("c", 10)]
     with pytest.raises(PlacementError, match=match):
-        place(CARD, nodes, node_ids=[NodeId(n) for n in node_ids] if node_ids else None, min_nodes=min_nodes)
+        place_one_row(CARD, nodes, node_ids=[NodeId(n) for n in node_ids] if node_ids else None, min_nodes=min_nodes)
 
 
 def test_more_nodes_than_layers() -> None:
     tiny = msgspec.structs.replace(CARD, num_layers=2, storage_size_bytes=1)
     with pytest.raises(PlacementError, match="fewer than"):
-        place(tiny, [node("a", 1), node("b", 1), node("c", 1)], min_nodes=3)
+        place_one_row(tiny, [node("a", 1), node("b", 1), node("c", 1)], min_nodes=3)
+
+
+# --- what serving costs: float32 weights, KV cache for max_batch rows, and AUTO's choice ------------------
+
+Q4_CARD = msgspec.structs.replace(
+    CARD,
+    model_id="acme/m-q4",
+    storage_size_bytes=int(4.5 * GiB),
+    quantization=Quantization(bits=4, group_size=64),
+)
+"""8 Gi parameters at 4 bits plus a 16-bit scale and bias per 64 (4.5 bits a weight): 32 GiB as float32."""
+
+
+def test_parameters_are_derived_from_storage_and_quantization() -> None:
+    assert parameter_count(Q4_CARD) == 8 * GiB
+    assert weights_bytes(Q4_CARD, WeightsDtype.FLOAT32) == 32 * GiB
+    assert weights_bytes(Q4_CARD, WeightsDtype.NATIVE) == int(4.5 * GiB)
+    # Unquantized checkpoints count as 16-bit: float32 doubles them.
+    assert weights_bytes(CARD, WeightsDtype.FLOAT32) == 8 * GiB
+    with pytest.raises(ValueError, match="concrete dtype"):
+        weights_bytes(CARD, WeightsDtype.AUTO)
+
+
+def test_kv_cache_is_counted_for_every_row_of_the_batch_and_the_prefix_cache() -> None:
+    serving = ServingSettings(max_batch=8, weights=WeightsDtype.FLOAT32, prefix_cache_bytes=0)
+    assert kv_cache_bytes(CARD) == 2 * 32 * 8 * 128 * 4096 * 2
+    assert kv_cache_bytes(CARD, WeightsDtype.FLOAT32) == 2 * kv_cache_bytes(CARD)  # float32 activations
+    assert required_memory_bytes(CARD, serving) == int(8 * GiB * 1.1) + 8 * kv_cache_bytes(CARD, WeightsDtype.FLOAT32)
+    with_prefixes = msgspec.structs.replace(serving, prefix_cache_bytes=GiB)
+    assert required_memory_bytes(CARD, with_prefixes) == required_memory_bytes(CARD, serving) + GiB
+
+
+def test_an_8b_model_that_fits_one_row_does_not_fit_a_batch_of_eight() -> None:
+    llama_8b = tiny_card(
+        "acme/llama-8b",
+        num_layers=32,
+        hidden_size=4096,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        vocab_size=128256,
+        storage_size_bytes=16 * GiB,
+        context_length=8192,
+    )
+    place(llama_8b, [node("a", 24)], serving=ONE_ROW)
+    with pytest.raises(PlacementError, match=r"KV-cache headroom for 8 row\(s\)") as raised:
+        place(llama_8b, [node("a", 24)], serving=ServingSettings(max_batch=8, weights=WeightsDtype.NATIVE))
+    assert "lower max_batch" in str(raised.value)
+
+
+def test_auto_dequantizes_on_cpu_nodes_when_float32_fits() -> None:
+    placement = place(Q4_CARD, [node("a", 40)], serving=ServingSettings(max_batch=2, prefix_cache_bytes=0))
+    assert placement.serving == ServingSettings(max_batch=2, prefix_cache_bytes=0, weights=WeightsDtype.FLOAT32)
+    assert placement.required_bytes == int(32 * GiB * 1.1) + 2 * kv_cache_bytes(Q4_CARD, WeightsDtype.FLOAT32)
+
+
+def test_auto_keeps_the_checkpoint_dtype_when_float32_does_not_fit() -> None:
+    placement = place(Q4_CARD, [node("a", 30), node("b", 30)], serving=ServingSettings(max_batch=2))
+    # One node holds the 4-bit model; AUTO does not add a second (a hop per token) to dequantize.
+    assert [s.node_id for s in placement.shards] == ["a"]
+    assert placement.serving.weights is WeightsDtype.NATIVE
+    assert placement.required_bytes == required_memory_bytes(Q4_CARD, placement.serving)
+
+
+def test_auto_keeps_the_checkpoint_dtype_when_a_node_has_an_accelerator() -> None:
+    nodes = [node("a", 40), node("gpu", 40, accelerator="cuda")]
+    two_rows = ServingSettings(max_batch=2)
+    mixed = place(Q4_CARD, nodes, node_ids=[NodeId("a"), NodeId("gpu")], serving=two_rows)
+    assert mixed.serving.weights is WeightsDtype.NATIVE
+    assert place(Q4_CARD, [node("mac", 64, accelerator="metal")]).serving.weights is WeightsDtype.NATIVE
+    assert place(Q4_CARD, nodes, node_ids=[NodeId("a")], serving=two_rows).serving.weights is WeightsDtype.FLOAT32
+
+
+def test_an_explicit_choice_is_kept_and_counted() -> None:
+    native = place(Q4_CARD, [node("a", 40)], serving=ServingSettings(weights=WeightsDtype.NATIVE))
+    assert native.serving.weights is WeightsDtype.NATIVE
+    float32 = place(Q4_CARD, [node("a", 38), node("b", 38)], serving=ServingSettings(weights=WeightsDtype.FLOAT32))
+    assert float32.serving.weights is WeightsDtype.FLOAT32
+    assert len(float32.shards) == 2  # 35.2 GiB of weights and 8 rows of 512 MiB: 39.2 GiB
+    with pytest.raises(PlacementError, match=r"weights 32.00 GiB as float32"):
+        place(Q4_CARD, [node("a", 30)], serving=ServingSettings(weights=WeightsDtype.FLOAT32))

@@ -1,7 +1,7 @@
 """Run one rank of a jetshard pipeline for tests and benchmarks.
 
     python engine_rank.py --model-dir D --start S --end E --out OUT.json \
-        [--rank R --hostfile H.json] [--requests REQ.json] [--prefill-step-size N]
+        [--rank R --hostfile H.json] [--requests REQ.json] [--prefill-step-size N] [--float32]
 
 Every rank writes OUT.json with the tensor names it loaded; the last rank also serves the
 requests in REQ.json (a list of GenerationRequest fields plus an optional "cancel_after": cancel
@@ -68,11 +68,14 @@ def main() -> None:
     parser.add_argument("--hostfile", type=Path)
     parser.add_argument("--requests", type=Path)
     parser.add_argument("--prefill-step-size", type=int, default=2048)
+    parser.add_argument("--float32", action="store_true", help="dequantize / widen the weights to float32")
     parser.add_argument("--idle-before", type=float, default=0.0, help="seconds to idle before submitting")
     args = parser.parse_args()
 
     progress: list[tuple[int, int]] = []
-    shard = load_shard(args.model_dir, args.start, args.end, on_progress=lambda d, t: progress.append((d, t)))
+    shard = load_shard(
+        args.model_dir, args.start, args.end, on_progress=lambda d, t: progress.append((d, t)), float32=args.float32
+    )
     group = init_ring(args.rank, args.hostfile) if args.hostfile else None
 
     results: dict[str, dict[str, Any]] = {}
@@ -108,13 +111,15 @@ def main() -> None:
 
         thread = threading.Thread(target=serve, name="engine")
         thread.start()
-        time.sleep(args.idle_before)  # deliberate timing: the engine idles before the first request
-        for spec in specs:
-            engine.submit(GenerationRequest(**spec))
-        while specs and not done.wait(0.2) and thread.is_alive():
-            pass
-        engine.shutdown()
-        thread.join()
+        try:
+            time.sleep(args.idle_before)  # deliberate timing: the engine idles before the first request
+            for spec in specs:
+                engine.submit(GenerationRequest(**spec))
+            while specs and not done.wait(0.2) and thread.is_alive():
+                pass
+        finally:  # a bad request must end the process, not leave it waiting on the engine's thread
+            engine.shutdown()
+            thread.join()
         if errors:
             sys.exit(f"engine failed: {errors[0]}")
     else:
@@ -129,6 +134,7 @@ def main() -> None:
             {
                 "rank": args.rank,
                 "loaded_tensors": sorted(shard.loaded_tensors),
+                "weights_dtype": shard.weights_dtype,
                 "progress": progress,
                 "results": results,
                 "max_rows": engine.stats.max_rows,

@@ -1,9 +1,16 @@
 """Placement: which nodes hold which layers of an instance. Pure; tested without NATS.
 
-Memory a model needs on the cluster = its weights + a KV-cache headroom: the fp16 KV cache of one full
-context (2 · layers · kv heads · head dim · context · 2 bytes) plus 10 % of the weights for activations
-and allocator slack. Each node gets a layer range proportional to its available memory (largest
-remainder, at least one layer each); together the nodes must hold the whole requirement.
+Memory a model needs on the cluster = its weights + a KV-cache headroom: the KV cache of one full context
+(2 · layers · kv heads · head dim · context · 2 bytes, 4 with float32 weights) for each of the `max_batch` rows
+that decode together, the instance's prefix-cache budget, plus 10 % of the weights for activations and
+allocator slack. Weights count at their checkpoint size,
+or at 4 bytes a parameter when the instance dequantizes them to float32. Each node gets a layer range
+proportional to its available memory (largest remainder, at least one layer each); together the nodes must
+hold the whole requirement.
+
+`WeightsDtype.AUTO` is resolved here, once, into the choice the instance keeps: float32 when every chosen
+node computes on its CPU (where a fast BLAS multiplies float32 several times faster than MLX's quantized
+kernels) and the float32 weights fit those nodes; the checkpoint's own dtype otherwise.
 """
 
 from __future__ import annotations
@@ -15,10 +22,13 @@ import msgspec
 from jetshard_schema.cards import ModelCard, ModelSource
 from jetshard_schema.ids import NodeId
 from jetshard_schema.state import Node, State
-from jetshard_schema.types import ShardAssignment
+from jetshard_schema.types import ServingSettings, ShardAssignment, WeightsDtype
 
 ACTIVATION_HEADROOM = 0.10
 KV_BYTES_PER_VALUE = 2
+FLOAT32_BYTES = 4
+UNQUANTIZED_BITS = 16
+"""Checkpoints without quantization are taken as 16-bit (bf16/fp16): a float32 checkpoint is over-counted."""
 
 
 class PlacementError(ValueError):
@@ -32,12 +42,37 @@ class ModelUnavailable(PlacementError):
 class Placement(msgspec.Struct, frozen=True):
     shards: tuple[ShardAssignment, ...]
     required_bytes: int
+    serving: ServingSettings
+    """The requested settings with `weights` resolved (never AUTO)."""
 
 
-def required_memory_bytes(card: ModelCard) -> int:
+def parameter_count(card: ModelCard) -> int:
+    """Parameters, estimated from the checkpoint's size: a quantized weight takes `bits` plus its share of its
+    group's 16-bit scale and bias (MLX's affine quantization)."""
+    q = card.quantization
+    bits = UNQUANTIZED_BITS if q is None else q.bits + 2 * 16 / q.group_size
+    return int(card.storage_size_bytes * 8 / bits)
+
+
+def weights_bytes(card: ModelCard, weights: WeightsDtype) -> int:
+    if weights is WeightsDtype.NATIVE:
+        return card.storage_size_bytes
+    if weights is WeightsDtype.FLOAT32:
+        return parameter_count(card) * FLOAT32_BYTES
+    raise ValueError("weights_bytes needs a concrete dtype; place() resolves AUTO")
+
+
+def kv_cache_bytes(card: ModelCard, weights: WeightsDtype = WeightsDtype.NATIVE) -> int:
+    """The KV cache of one row holding a full context: fp16, or float32 along with float32 weights."""
     head_dim = card.hidden_size // max(card.num_attention_heads, 1)
-    kv_cache = 2 * card.num_layers * card.num_key_value_heads * head_dim * card.context_length * KV_BYTES_PER_VALUE
-    return int(card.storage_size_bytes * (1 + ACTIVATION_HEADROOM)) + kv_cache
+    per_value = FLOAT32_BYTES if weights is WeightsDtype.FLOAT32 else KV_BYTES_PER_VALUE
+    return 2 * card.num_layers * card.num_key_value_heads * head_dim * card.context_length * per_value
+
+
+def required_memory_bytes(card: ModelCard, serving: ServingSettings) -> int:
+    weights = weights_bytes(card, serving.weights)
+    kv_caches = kv_cache_bytes(card, serving.weights) * serving.max_batch + serving.prefix_cache_bytes
+    return int(weights * (1 + ACTIVATION_HEADROOM)) + kv_caches
 
 
 def split_layers(num_layers: int, weights: Sequence[int]) -> list[tuple[int, int]]:
@@ -73,8 +108,10 @@ def place(
     nodes: Sequence[Node],
     node_ids: Sequence[NodeId] | None = None,
     min_nodes: int = 1,
+    serving: ServingSettings = ServingSettings(),
 ) -> Placement:
-    """Choose nodes and layer ranges for `card`; raise PlacementError with an actionable reason."""
+    """Choose nodes, layer ranges and the weights dtype for `card`; raise PlacementError with an actionable
+    reason."""
     known = {node.node_id: node for node in nodes}
     if node_ids:
         missing = [n for n in node_ids if n not in known]
@@ -90,7 +127,12 @@ def place(
     if len(chosen) < min_nodes:
         raise PlacementError(f"{min_nodes} node(s) requested but only {len(chosen)} available")
 
-    required = required_memory_bytes(card)
+    # AUTO chooses the nodes as the checkpoint's dtype would need them, then dequantizes only if it fits there:
+    # more nodes for bigger weights would cost a network hop per token.
+    resolved = serving
+    if serving.weights is WeightsDtype.AUTO:
+        resolved = msgspec.structs.replace(serving, weights=WeightsDtype.NATIVE)
+    required = required_memory_bytes(card, resolved)
     if not node_ids:
         # The fewest nodes (at least min_nodes) whose memory covers the model: fewer hops per token.
         count, held = 0, 0
@@ -102,16 +144,20 @@ def place(
     available = sum(n.profile.memory_available_bytes for n in chosen)
     if available < required:
         raise PlacementError(
-            f"{card.model_id} needs {_gib(required)} (weights {_gib(card.storage_size_bytes)} plus KV-cache "
-            f"headroom) but the {len(chosen)} node(s) have {_gib(available)} available; add nodes or "
-            "choose a smaller model"
+            f"{card.model_id} needs {_gib(required)} (weights {_gib(weights_bytes(card, resolved.weights))} as "
+            f"{resolved.weights}, plus KV-cache headroom for {resolved.max_batch} row(s)) but the {len(chosen)} "
+            f"node(s) have {_gib(available)} available; add nodes, lower max_batch or choose a smaller model"
         )
+    if serving.weights is WeightsDtype.AUTO and all(n.profile.accelerator == "cpu" for n in chosen):
+        dequantized = msgspec.structs.replace(serving, weights=WeightsDtype.FLOAT32)
+        if required_memory_bytes(card, dequantized) <= available:
+            resolved, required = dequantized, required_memory_bytes(card, dequantized)
     ranges = split_layers(card.num_layers, [n.profile.memory_available_bytes for n in chosen])
     shards = tuple(
         ShardAssignment(node_id=node.node_id, rank=rank, start_layer=start, end_layer=end)
         for rank, (node, (start, end)) in enumerate(zip(chosen, ranges, strict=True))
     )
-    return Placement(shards=shards, required_bytes=required)
+    return Placement(shards=shards, required_bytes=required, serving=resolved)
 
 
 def cannot_fetch(state: State, card: ModelCard) -> set[NodeId]:
@@ -126,7 +172,13 @@ def cannot_fetch(state: State, card: ModelCard) -> set[NodeId]:
     }
 
 
-def place_in(state: State, card: ModelCard, node_ids: Sequence[NodeId] | None = None, min_nodes: int = 1) -> Placement:
+def place_in(
+    state: State,
+    card: ModelCard,
+    node_ids: Sequence[NodeId] | None = None,
+    min_nodes: int = 1,
+    serving: ServingSettings = ServingSettings(),
+) -> Placement:
     """`place` on the nodes of `state` that can get the model's files; ModelUnavailable when none can."""
     excluded = cannot_fetch(state, card)
     offline_named = sorted(excluded & set(node_ids or ()))
@@ -138,4 +190,4 @@ def place_in(state: State, card: ModelCard, node_ids: Sequence[NodeId] | None = 
             f"{'is' if len(offline) == 1 else 'are'} offline (no downloads): put the model there, or start "
             "the downloader without --offline"
         )
-    return place(card, usable, node_ids, min_nodes)
+    return place(card, usable, node_ids, min_nodes, serving)

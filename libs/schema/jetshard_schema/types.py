@@ -135,6 +135,8 @@ class RunnerReport(msgspec.Struct, frozen=True, kw_only=True):
     layers_total: int = 0
     reason: str = ""
     loaded_tensors: tuple[str, ...] = ()
+    weights_dtype: str = ""
+    """What a ready runner holds its weights as (`float32`, `bfloat16`, `4-bit affine`...)."""
     counters: ServingCounters | None = None
     """The leader's, once it serves."""
 

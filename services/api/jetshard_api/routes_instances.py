@@ -55,6 +55,8 @@ class ShardDescription(ShardAssignment, frozen=True, kw_only=True):
     bytes_done: int | msgspec.UnsetType = msgspec.UNSET
     bytes_total: int | msgspec.UnsetType = msgspec.UNSET
     reason: str | msgspec.UnsetType | None = msgspec.UNSET
+    weights_dtype: str | msgspec.UnsetType = msgspec.UNSET
+    """What the ready runner holds its weights as."""
 
 
 class InstanceDescription(msgspec.Struct, frozen=True, kw_only=True):
@@ -75,6 +77,8 @@ class PlacementPreview(msgspec.Struct, frozen=True):
     model_id: ModelId
     required_bytes: int
     shards: tuple[ShardAssignment, ...]
+    serving: ServingSettings
+    """The API's settings as placement would resolve them (AUTO made concrete)."""
 
 
 def _describe_shard(state: State, instance: Instance, shard: ShardAssignment) -> ShardDescription:
@@ -88,6 +92,7 @@ def _describe_shard(state: State, instance: Instance, shard: ShardAssignment) ->
             layers_loaded=runner.layers_loaded,
             layers_total=runner.layers_total,
             reason=runner.reason or None,
+            weights_dtype=runner.weights_dtype or msgspec.UNSET,
         )
     download = state.download(shard.node_id, instance.model_id)
     progress = download.progress if download else None
@@ -127,19 +132,24 @@ class InstancesController(Controller):
         return [describe_instance(state, i) for _, i in sorted(state.instances.items())]
 
     @get("/preview", responses=ERROR_RESPONSES)
-    async def preview(self, cluster: Cluster, model_id: str, min_nodes: int = 1) -> PlacementPreview:
-        """The placement that would be chosen now, without placing anything."""
+    async def preview(
+        self, cluster: Cluster, settings: InferenceSettings, model_id: str, min_nodes: int = 1
+    ) -> PlacementPreview:
+        """The placement that would be chosen now with the API's serving settings, without placing anything."""
         card = find_card(cluster.state, checked_model_id(model_id))
         if card is None:
             raise ApiError(404, f"unknown model {model_id}", "model_not_found")
         try:
-            placement = place_in(cluster.state, card, None, min_nodes)
+            placement = place_in(cluster.state, card, None, min_nodes, settings.serving)
         except ModelUnavailable as error:
             raise ApiError(503, str(error), "model_unavailable") from error
         except PlacementError as error:
             raise ApiError(409, str(error), "insufficient_memory") from error
         return PlacementPreview(
-            model_id=card.model_id, required_bytes=placement.required_bytes, shards=placement.shards
+            model_id=card.model_id,
+            required_bytes=placement.required_bytes,
+            shards=placement.shards,
+            serving=placement.serving,
         )
 
     @get("/{instance_id:str}", responses=ERROR_RESPONSES)

@@ -112,7 +112,8 @@ def _try_place(state: State, lost: Instance, ctx: Context) -> events.InstancePla
     if card is None or not state.nodes:
         return None
     try:
-        placement = place_in(state, card)
+        # The lost instance's settings are already resolved: its replacement keeps the same weights dtype.
+        placement = place_in(state, card, serving=lost.serving)
     except PlacementError:
         return None
     digest = hashlib.sha256(f"{ctx.command_id}/{lost.instance_id}".encode()).hexdigest()[:12]
@@ -120,7 +121,7 @@ def _try_place(state: State, lost: Instance, ctx: Context) -> events.InstancePla
         instance_id=InstanceId(f"inst-{digest}"),
         model_id=lost.model_id,
         shards=placement.shards,
-        serving=lost.serving,
+        serving=placement.serving,
     )
 
 
@@ -273,13 +274,13 @@ def _place_instance(state: State, command: commands.PlaceInstance, ctx: Context)
     if card is None:
         return _reject(command, RejectCode.NOT_FOUND, f"unknown model {command.model_id}; add it with POST /models")
     try:
-        placement = place_in(state, card, command.node_ids, command.min_nodes)
+        placement = place_in(state, card, command.node_ids, command.min_nodes, command.serving)
     except ModelUnavailable as error:
         return _reject(command, RejectCode.MODEL_UNAVAILABLE, str(error))
     except PlacementError as error:
         return _reject(command, RejectCode.INSUFFICIENT_MEMORY, str(error))
     placed = events.InstancePlaced(
-        instance_id=command.instance_id, model_id=command.model_id, shards=placement.shards, serving=command.serving
+        instance_id=command.instance_id, model_id=command.model_id, shards=placement.shards, serving=placement.serving
     )
     return [placed]
 

@@ -49,6 +49,7 @@ from jetshard_schema.types import (
     TaskRef,
     TaskRequest,
     Usage,
+    WeightsDtype,
 )
 from mlx_lm.utils import load_tokenizer
 from nats.js import JetStreamContext
@@ -113,7 +114,11 @@ class Runner:
 
         await self.report(RunnerStatus.LOADING, layers_loaded=0, layers_total=total)
         model_dir = Path(self.spec.model_dir)
-        shard = await asyncio.to_thread(load_shard, model_dir, self.spec.start_layer, self.spec.end_layer, on_progress)
+        # Placement resolves AUTO; an instance placed before it did keeps the checkpoint's dtype.
+        float32 = self.spec.serving.weights is WeightsDtype.FLOAT32
+        shard = await asyncio.to_thread(
+            load_shard, model_dir, self.spec.start_layer, self.spec.end_layer, on_progress, float32=float32
+        )
         group = None
         if self.spec.world_size > 1:
             assert self.spec.hostfile is not None
@@ -141,6 +146,7 @@ class Runner:
             layers_total=total,
             loaded_tensors=tuple(sorted(self.engine.shard.loaded_tensors)),
             counters=counters,
+            weights_dtype=self.engine.shard.weights_dtype,
         )
 
     async def report_counters(self) -> None:

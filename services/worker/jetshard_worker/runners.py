@@ -30,7 +30,7 @@ from jetshard_schema.state import State
 from jetshard_schema.types import Endpoint, RunnerReport, RunnerStatus
 from nats.js import JetStreamContext
 
-from jetshard_worker.blas import runner_environment
+from jetshard_worker.blas import blas_preload, blas_threads, runner_environment
 from jetshard_worker.engine.distributed import write_hostfile
 from jetshard_worker.planning import RunnerKey, RunnerPlan, plan
 from jetshard_worker.runner_spec import RunnerSpec
@@ -80,6 +80,7 @@ class RunnerSupervisor:
         self._wake = asyncio.Event()
 
     async def start(self, state: State) -> None:
+        blas_preload()  # a JETSHARD_BLAS naming no file stops the worker here, not each runner's start
         self._scratch = Path(tempfile.mkdtemp(prefix="jetshard-runners-"))
         self._watching = asyncio.create_task(self._watch())
         self.on_state(state)
@@ -129,11 +130,13 @@ class RunnerSupervisor:
                     endpoint=Endpoint(self._host, free_port(self._host)),
                 ),
             )
+        hosted = len(self._running) + len(wanted.start)
         for runner_plan in wanted.start:
-            self._spawn(runner_plan)
+            self._spawn(runner_plan, hosted)
         await self._check_health(state)
 
-    def _spawn(self, runner_plan: RunnerPlan) -> None:
+    def _spawn(self, runner_plan: RunnerPlan, hosted: int) -> None:
+        """Start a runner; `hosted` runners (this one included) will share the machine's cores."""
         key = runner_plan.key
         hostfile = None
         if runner_plan.world_size > 1:
@@ -156,12 +159,13 @@ class RunnerSupervisor:
             card_generation=card.generation if card is not None else GenerationDefaults(),
         )
         log_path = self._scratch_file(key, f"-rank{runner_plan.rank}.log")
+        env = runner_environment(self._scratch_dir(), blas_threads(os.cpu_count() or 1, hosted))
         with open(log_path, "ab") as log_file:
             process = subprocess.Popen(
                 [sys.executable, "-m", "jetshard_worker.runner", msgspec.json.encode(spec).decode()],
                 stdout=log_file,
                 stderr=subprocess.STDOUT,
-                env={**runner_environment(), **nats_secrets},
+                env={**env, **nats_secrets},
                 preexec_fn=_die_with_parent,
             )
         log.info(
@@ -174,11 +178,14 @@ class RunnerSupervisor:
         )
         self._running[key] = RunningRunner(runner_plan, process, time.monotonic(), log_path)
 
-    def _scratch_file(self, key: RunnerKey, suffix: str) -> Path:
+    def _scratch_dir(self) -> Path:
         assert self._scratch is not None, "start() makes the scratch directory"
+        return self._scratch
+
+    def _scratch_file(self, key: RunnerKey, suffix: str) -> Path:
         # Ids are validated when decoded; a State built in code is not, so the name is checked again here.
         instance_id = msgspec.convert(key.instance_id, ValidInstanceId)
-        return self._scratch / f"{instance_id}-{key.generation}{suffix}"
+        return self._scratch_dir() / f"{instance_id}-{key.generation}{suffix}"
 
     def _stop(self, key: RunnerKey) -> None:
         runner = self._running.pop(key)

@@ -19,6 +19,7 @@ from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
+from mlx.utils import tree_flatten, tree_unflatten
 from mlx_lm.models.base import create_attention_mask
 from mlx_lm.models.cache import make_prompt_cache
 from mlx_lm.utils import MODEL_REMAPPING, infer_quant_config, load_config
@@ -51,6 +52,8 @@ class Shard:
     tied_embeddings: bool
     eos_token_ids: frozenset[int]
     loaded_tensors: frozenset[str] = field(default_factory=frozenset)
+    weights_dtype: str = ""
+    """What the weights are held as: `float32`, `bfloat16`, `4-bit affine`..."""
 
     @property
     def is_first(self) -> bool:
@@ -101,9 +104,12 @@ def load_shard(
     start_layer: int,
     end_layer: int,
     on_progress: ProgressCallback | None = None,
+    *,
+    float32: bool = False,
 ) -> Shard:
     """Build the mlx-lm model of `model_dir` holding layers `[start_layer, end_layer)` only,
-    reading only the tensors that range needs."""
+    reading only the tensors that range needs. `float32` dequantizes quantized layers and widens 16-bit
+    weights to float32 (a CPU with a fast BLAS multiplies that several times faster than quantized kernels)."""
     model_dir = Path(model_dir)
     config = load_config(model_dir)
     model_class, args_class = model_classes(config)
@@ -153,6 +159,11 @@ def load_shard(
             del model["lm_head"]
     model.eval()
     model.load_weights(list(_renumber(weights, start_layer).items()), strict=True)
+    if float32:
+        # Lazy: each layer is dequantized as the loop below evaluates it, so the quantized and float32 copies
+        # of the whole shard never coexist.
+        _to_float32(model)
+    weights_dtype = _weights_dtype(model)
 
     total = end_layer - start_layer
     if on_progress is not None:
@@ -176,6 +187,7 @@ def load_shard(
         tied_embeddings=tied,
         eos_token_ids=eos_token_ids(model_dir),
         loaded_tensors=loaded,
+        weights_dtype=weights_dtype,
     )
 
 
@@ -263,6 +275,53 @@ def _quantize(
         mode=quantization.get("mode", "affine"),
         class_predicate=predicate,
     )
+
+
+def _to_float32(model: nn.Module) -> None:
+    """Replace quantized linear and embedding layers by float32 ones holding the dequantized weights, and cast
+    the remaining 16-bit parameters (norms, unquantized layers) to float32."""
+    replaced: list[tuple[str, nn.Module]] = []
+    for name, module in model.named_modules():
+        if not isinstance(module, nn.QuantizedLinear | nn.QuantizedEmbedding):
+            continue
+        # Scales and biases are widened first: mx.dequantize computes in the scales' dtype, and a 16-bit
+        # product would round every weight to 16 bits again.
+        biases = module.get("biases")
+        weight = mx.dequantize(
+            module.weight,
+            module.scales.astype(mx.float32),
+            None if biases is None else biases.astype(mx.float32),
+            module.group_size,
+            module.bits,
+            module.mode,
+            global_scale=module.get("global_scale"),
+        )
+        out_dims, in_dims = weight.shape
+        plain: nn.Module
+        if isinstance(module, nn.QuantizedLinear):
+            plain = nn.Linear(in_dims, out_dims, bias="bias" in module)
+            if "bias" in module:
+                plain.bias = module.bias
+        else:
+            plain = nn.Embedding(out_dims, in_dims)
+        plain.weight = weight
+        replaced.append((name, plain))
+    if replaced:
+        model.update_modules(tree_unflatten(replaced))
+    model.apply(lambda x: x.astype(mx.float32) if x.dtype in (mx.float16, mx.bfloat16) else x)
+
+
+def _weights_dtype(model: nn.Module) -> str:
+    quantized = {
+        f"{m.bits}-bit {m.mode}"
+        for _, m in model.named_modules()
+        if isinstance(m, nn.QuantizedLinear | nn.QuantizedEmbedding)
+    }
+    if quantized:
+        return ", ".join(sorted(quantized))
+    parameters: list[tuple[str, mx.array]] = tree_flatten(model.parameters())  # type: ignore[assignment]
+    floating = {str(p.dtype).removeprefix("mlx.core.") for _, p in parameters if mx.issubdtype(p.dtype, mx.floating)}
+    return ", ".join(sorted(floating))
 
 
 def _renumber(weights: dict[str, mx.array], start_layer: int) -> dict[str, mx.array]:

@@ -1,0 +1,118 @@
+"""The fast CPU path, measured: float32 matmul GFLOP/s and demo-model decode tok/s at batch 1 and 8, with the
+reference BLAS of the mlx[cpu] wheel and with the BLAS a runner loads (jetshard_worker.blas), for the 4-bit
+checkpoint and its float32 dequantization.
+
+    .venv/bin/python bench/cpu_blas.py [--steps 32]
+
+Each measurement runs in a fresh process started with `runner_environment` (JETSHARD_BLAS=0 for the
+reference), so the BLAS is chosen before MLX loads, exactly as for a runner. Decode is mlx-lm's own model
+forward on a (B, 1) batch with a KV cache (no jetshard engine), after a 16-token prompt.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from jetshard_worker.blas import blas_threads, runner_environment
+
+BATCHES = (1, 8)
+
+
+def gflops() -> float:
+    import mlx.core as mx
+
+    n = 1024
+    a, b = mx.random.normal((n, n)), mx.random.normal((n, n))
+    mx.eval(a, b)
+    for _ in range(3):
+        mx.eval(a @ b)
+    reps = 20
+    start = time.perf_counter()
+    for _ in range(reps):
+        mx.eval(a @ b)
+    return 2 * n**3 * reps / (time.perf_counter() - start) / 1e9
+
+
+def decode_tps(model_dir: str, batch: int, steps: int) -> float:
+    import mlx.core as mx
+    from mlx_lm import load
+    from mlx_lm.models.cache import make_prompt_cache
+
+    model, _ = load(model_dir)
+    cache = make_prompt_cache(model)
+    prompt = mx.broadcast_to(mx.arange(16)[None] + 100, (batch, 16))
+    token = mx.argmax(model(prompt, cache=cache)[:, -1:], axis=-1)
+    mx.eval(token)
+    for _ in range(4):  # warm-up steps
+        token = mx.argmax(model(token, cache=cache)[:, -1:], axis=-1)
+        mx.eval(token)
+    start = time.perf_counter()
+    for _ in range(steps):
+        token = mx.argmax(model(token, cache=cache)[:, -1:], axis=-1)
+        mx.eval(token)
+    return batch * steps / (time.perf_counter() - start)
+
+
+def prepare(root: Path) -> tuple[Path, Path]:
+    """The demo GGUF converted as jetshard converts it, and mlx-lm's float32 dequantization of that."""
+    from jetshard_downloader.gguf import convert_gguf, packaged_demo_gguf
+    from mlx_lm import convert
+
+    quantized, dequantized = root / "q4", root / "float32"
+    convert_gguf(packaged_demo_gguf(), quantized)
+    convert(str(quantized), str(dequantized), dequantize=True, dtype="float32")
+    return quantized, dequantized
+
+
+def measure_in_child(env: dict[str, str], what: list[str]) -> float:
+    done = subprocess.run(
+        [sys.executable, __file__, "--child", *what], env=env, capture_output=True, text=True, check=True
+    )
+    return float(json.loads(done.stdout.strip().splitlines()[-1]))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--steps", type=int, default=32)
+    parser.add_argument("--child", nargs="+", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.child:
+        kind, *rest = args.child
+        value = gflops() if kind == "gflops" else decode_tps(rest[0], int(rest[1]), int(rest[2]))
+        print(json.dumps(value))
+        return
+
+    with tempfile.TemporaryDirectory(prefix="jetshard-cpu-blas-") as tmp:
+        root = Path(tmp)
+        quantized, dequantized = prepare(root)
+        threads = blas_threads(os.cpu_count() or 1, 1)
+        base = {k: v for k, v in os.environ.items() if k != "JETSHARD_BLAS"}
+        envs = {
+            "reference BLAS": runner_environment(root, threads, {**base, "JETSHARD_BLAS": "0"}),
+            "runner BLAS": runner_environment(root, threads, base),
+        }
+        print(f"machine: {os.cpu_count()} cores; runner BLAS: {envs['runner BLAS'].get('LD_PRELOAD', 'none')}")
+        results: dict[str, float] = {}
+        for name, env in envs.items():
+            results[f"{name}: float32 matmul 1024 GFLOP/s"] = measure_in_child(env, ["gflops"])
+            for label, model_dir in (("4-bit", quantized), ("float32", dequantized)):
+                for batch in BATCHES:
+                    key = f"{name}: {label} decode tok/s at batch {batch}"
+                    results[key] = measure_in_child(env, ["decode", str(model_dir), str(batch), str(args.steps)])
+        for key, value in results.items():
+            print(f"{key}: {value:.1f}")
+        for batch in BATCHES:
+            fast = results[f"runner BLAS: float32 decode tok/s at batch {batch}"]
+            slow = results[f"reference BLAS: 4-bit decode tok/s at batch {batch}"]
+            print(f"ratio float32 + runner BLAS vs 4-bit + reference BLAS, batch {batch}: {fast / slow:.2f}")
+
+
+if __name__ == "__main__":
+    main()
