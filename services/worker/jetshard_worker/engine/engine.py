@@ -101,6 +101,7 @@ class _Task:
     prompt_done: int = 0  # prompt tokens in the task's own KV cache; all but the last before it joins
     generated: list[int] = field(default_factory=list)  # tokens sampled, EOS included
     cache_started: bool = False  # a step with FLAG_RESET went out for its slot
+    prefilled: bool = False  # a PREFILL went out for it
     restore: PrefixHit | None = None  # the saved prefix its cache starts from
     finished: bool = False
 
@@ -407,7 +408,7 @@ class PipelineEngine:
         if self._link is not None:
             self._check_layout()
         while True:
-            idle = not self._in_flight and self._prefilling is None and not self._pending
+            idle = not (self._in_flight or self._prefilling or self._pending or self._decoding())
             if not self._apply_control(block=idle):
                 break
             if self._prefilling is None and self._pending and self._decoding() < self.max_batch:
@@ -569,6 +570,7 @@ class PipelineEngine:
         n = min(self._prefill_chunk(), remaining)
         ids = mx.array([prompt[task.prompt_done : task.prompt_done + n]], dtype=mx.int32)
         task.prompt_done += n
+        task.prefilled = True
         self._send(_Sent(self._slot_header(Op.PREFILL, task).with_payload(ids), task=task), ids)
 
     def _prefill_chunk(self) -> int:
@@ -582,7 +584,9 @@ class PipelineEngine:
         group = min(self._groups, key=lambda g: len(g.rows))
         header = replace(self._slot_header(Op.JOIN, task), group=group.index)
         evicted: list[int] = []
-        own = self._caches.own(task.slot)  # up to date: the task's last prefill chunk has come back
+        # Up to date: the task's last prefill chunk has come back. (Without one, the slot may still hold an
+        # earlier task's cache whose RELEASE is under way.)
+        own = self._caches.own(task.slot) if task.prefilled else None
         if own is not None:
             # The cache's size for the whole model, from this rank's share of the layers.
             size = sum(c.nbytes for c in own) * self.shard.num_layers // len(self.shard.layers)
