@@ -6,7 +6,9 @@ One cluster per module, all real processes: nats-server, a sequencer, an API and
   `JETSHARD_TEST_RUNNER_FOLLOW_DELAY_S`), which opens wide the window between a runner's start and its
   follower going live;
 * `no-hub` reaches no Hub (its downloader's `HF_ENDPOINT` is a closed port);
-* `offline` runs its downloader offline.
+* `offline` runs its downloader offline;
+* `lossy` publishes only the first chunk of each answer (fault injection,
+  `JETSHARD_TEST_RUNNER_DROP_CHUNKS_FROM`), as a NATS server that fails drops chunks in flight.
 Placement names its nodes explicitly, so each test knows where its model lands.
 """
 
@@ -33,6 +35,7 @@ WINDOW = f"{ORG}/tiny-window"
 NO_HUB = f"{ORG}/tiny-no-hub"
 OFFLINE = f"{ORG}/tiny-offline"
 LEAVING = f"{ORG}/tiny-leaving"
+LOSSY = f"{ORG}/tiny-lossy"
 MESSAGES = [{"role": "user", "content": "Tell me a long story about the sea."}]
 FOLLOW_DELAY_S = 4
 UNAVAILABLE_DEADLINE_S = 30
@@ -67,15 +70,16 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[InferenceClust
     root = tmp_path_factory.mktemp("never-hang")
     with hub_cluster(root) as c:
         # Seed 0 with MESSAGES decodes greedily for well over 1,500 tokens without an EOS.
-        for seed, model_id in enumerate((LEAVING, WINDOW, NO_HUB, OFFLINE)):
+        for seed, model_id in enumerate((LEAVING, WINDOW, NO_HUB, OFFLINE, LOSSY)):
             c.hub.add_repo(model_id, make_tiny_model(root / "repos" / model_id.split("/")[1], num_files=1, seed=seed))
         c.start_core()
         c.start_node("fast", {"JETSHARD_TEST_RUNNER_FOLLOW_DELAY_S": str(FOLLOW_DELAY_S)})
         c.silent_hub = SilentHub()  # type: ignore[attr-defined]
         c.start_node("no-hub", {"HF_ENDPOINT": c.silent_hub.url})  # type: ignore[attr-defined]
         c.start_node("offline", {"JETSHARD_OFFLINE": "1"})
-        c.wait_nodes(3)
-        for model_id in (WINDOW, NO_HUB, OFFLINE, LEAVING):
+        c.start_node("lossy", {"JETSHARD_TEST_RUNNER_DROP_CHUNKS_FROM": "1"})
+        c.wait_nodes(4)
+        for model_id in (WINDOW, NO_HUB, OFFLINE, LEAVING, LOSSY):
             c.add_model(model_id)
         yield c
 
@@ -104,6 +108,23 @@ def test_a_task_assigned_as_its_runner_becomes_ready_is_served(
     assert time.monotonic() - started < 60
     assigned = [e for _, e in cluster.events(since) if isinstance(e, TaskAssigned)]
     assert len(assigned) == 1, "the request was not submitted while the instance came up"
+
+
+def test_chunks_lost_after_the_task_finished_fail_the_request_soon(
+    cluster: InferenceCluster, client: openai.OpenAI
+) -> None:
+    """The runner finished and said which chunk was its last, but chunks after the first never came: the
+    request fails a few seconds after the finish (502 `chunk_gap`), not after a minute of silence."""
+    response = place_on(cluster, LOSSY, "lossy")
+    assert response.status_code == 201
+    cluster.wait_instance(response.json()["instance_id"])
+    started = time.monotonic()
+    with pytest.raises(openai.APIStatusError) as raised:
+        client.chat.completions.create(model=LOSSY, messages=MESSAGES, max_tokens=4, temperature=0)
+    assert raised.value.status_code == 502
+    assert raised.value.body["code"] == "chunk_gap"  # type: ignore[index]
+    assert "of the output were lost" in raised.value.body["message"]  # type: ignore[index]
+    assert time.monotonic() - started < 30  # the runner's silence deadline is 60 s
 
 
 def test_a_download_that_cannot_reach_the_hub_fails_its_instance_and_answers_503(

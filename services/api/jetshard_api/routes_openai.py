@@ -64,6 +64,9 @@ AnyRequest = Request[Any, Any, Any]
 A = TypeVar("A", bound=Answer)
 
 BROKER_CHECK_S = 1.0
+LOST_CHUNK_GRACE_S = 5.0
+"""Once the task has finished, how long its remaining chunks may take: they were published before its
+TaskFinished, over core NATS, which drops them when a server fails; past this they are lost."""
 """How often a request waiting for chunks checks that NATS is still reachable."""
 
 
@@ -151,22 +154,27 @@ class ChunkStream:
     async def _receive(self) -> bytes:
         """The next chunk's bytes; raises ApiError when the task left without finishing, or on silence."""
         timeout = self._settings.first_chunk_timeout_s if self._next_index == 0 else self._settings.chunk_silence_s
-        deadline = time.monotonic() + timeout
+        deadline = time.monotonic() + (timeout if self._last_index is None else LOST_CHUNK_GRACE_S)
         while True:
             try:
                 item = await asyncio.wait_for(self._queue.get(), min(BROKER_CHECK_S, deadline - time.monotonic()))
             except TimeoutError as error:
                 # Chunks travel over NATS: without it none can come, so say so now rather than at the deadline.
                 self._cluster.require_broker()
-                if time.monotonic() >= deadline:
-                    raise ApiError(504, f"the runner sent nothing for {timeout:.0f} s", "runner_timeout") from error
-                continue
+                if time.monotonic() < deadline:
+                    continue
+                if self._last_index is not None:
+                    self.finished = True
+                    lost = f"chunks {self._next_index}..{self._last_index} of the output were lost"
+                    raise ApiError(502, lost, "chunk_gap") from error
+                raise ApiError(504, f"the runner sent nothing for {timeout:.0f} s", "runner_timeout") from error
             if item is None:
                 self.finished = True
                 raise self._gone_error()
             if isinstance(item, TaskFinished):
                 # Finished, and chunks travel apart from events: the ones up to its last are still on their way.
                 self._last_index = item.last_chunk_index
+                deadline = min(deadline, time.monotonic() + LOST_CHUNK_GRACE_S)
                 continue
             return item
 

@@ -64,6 +64,8 @@ PROGRESS_INTERVAL_S = 0.5
 COUNTERS_INTERVAL_S = float(os.environ.get("JETSHARD_COUNTERS_INTERVAL_S", "10"))
 FOLLOW_DELAY_ENV = "JETSHARD_TEST_RUNNER_FOLLOW_DELAY_S"
 """Fault injection for tests: hold the leader's State follower this long before it starts."""
+DROP_CHUNKS_ENV = "JETSHARD_TEST_RUNNER_DROP_CHUNKS_FROM"
+"""Fault injection for tests: publish no chunk from this index on, as a NATS server that fails drops them."""
 
 
 class Runner:
@@ -75,6 +77,7 @@ class Runner:
         self._outbox: asyncio.Queue[tuple[str, bytes]] = asyncio.Queue()
         self._streams: dict[str, TextStream] = {}
         self._chunk_index: dict[str, int] = {}
+        self._drop_chunks_from = int(os.environ.get(DROP_CHUNKS_ENV, "-1"))
         self._taken: set[TaskId] = set()
         self._requests: asyncio.Queue[TaskRef] = asyncio.Queue()
         self.engine: Any = None
@@ -326,6 +329,8 @@ class Runner:
         )
 
     def _publish_chunk(self, chunk: Chunk) -> None:
+        if 0 <= self._drop_chunks_from <= chunk.index:
+            return
         self._outbox.put_nowait((chunk_subject(chunk.task_id), encode(chunk)))
 
     def _send_later(self, coroutine: Any) -> None:
