@@ -233,11 +233,13 @@ def blas_of(pid: int) -> str:
     return shown
 
 
-def runner_env() -> dict[str, str]:
-    """The environment jetshard's worker gives its runners (BLAS preload and friends): the mlx-lm side gets it too."""
-    from jetshard_worker.blas import runner_environment
+def runner_env(link_dir: Path) -> dict[str, str]:
+    """The environment jetshard's worker gives a runner that has the machine to itself (BLAS preload and its
+    threads): the mlx-lm sides get it too. `link_dir` holds the library links it may need."""
+    from jetshard_worker.blas import blas_threads, runner_environment
 
-    return dict(runner_environment())
+    link_dir.mkdir(parents=True, exist_ok=True)
+    return runner_environment(link_dir, blas_threads(os.cpu_count() or 1, 1))
 
 
 def describe_weights(model_dir: Path) -> str:
