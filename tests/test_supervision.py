@@ -29,6 +29,7 @@ from jetshard_bus.options import NatsOptions
 from jetshard_bus.procs import spawn
 from jetshard_schema.events import CustomModelCardAdded
 from jetshard_schema.ids import CommandId
+from jetshard_schema.subjects import COMMANDS_STREAM, command_subject
 from test_demo_model import ctrl_c, processes_mentioning, start_in_own_group, up_command
 from test_sequencer import add_card, all_events, assert_gapless, outcomes_per_command
 
@@ -36,6 +37,13 @@ from jetshard.supervisor import Supervisor
 
 FAULTS = ("sequencer", "api", "worker", "downloader", "nats-server")
 COMMANDS = 1000
+
+
+async def storage_reports(js: Any) -> int:
+    """How many disk reports (ReportNodeStorage commands) downloaders have published."""
+    subject = command_subject("report_node_storage")
+    info = await js.stream_info(COMMANDS_STREAM, subjects_filter=subject)
+    return int((info.state.subjects or {}).get(subject, 0))
 
 
 def service_process(up: psutil.Process, name: str) -> psutil.Process:
@@ -111,6 +119,7 @@ async def test_up_restarts_each_killed_service_and_nats_server_and_loses_no_comm
             burst = asyncio.create_task(publish_range(round_ * per_fault))
             await until(lambda start=round_ * per_fault: len(published) >= start + per_fault // 4, 60)
             victim = service_process(psutil.Process(up.pid), fault)
+            disk_reports = await storage_reports(js)
             victim.send_signal(signal.SIGKILL)
             killed_at = time.monotonic()
             # Recovered: a command published after the kill has its outcome in the (possibly new) API's State.
@@ -126,7 +135,11 @@ async def test_up_restarts_each_killed_service_and_nats_server_and_loses_no_comm
             if fault == "worker":
                 await until(lambda probe=probe: (config / "cards" / f"burst--{probe}.json").exists(), 60)
             if fault == "downloader":
-                await until(lambda: (data / "logs/downloader.log").read_text().count(" started; model dirs") == 2, 60)
+                # A downloader reports its disks as it starts: the restarted one's report is on the bus.
+                async def reported_again(before: int = disk_reports) -> bool:
+                    return await storage_reports(js) > before
+
+                await until(reported_again, 60, "the restarted downloader to report its disks")
             recovery[fault] = time.monotonic() - killed_at
             await burst
             assert up.poll() is None, up_log.read_text()

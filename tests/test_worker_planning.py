@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import msgspec
 from helpers import states
 from helpers.states import fold
 from jetshard_schema.events import (
@@ -20,7 +21,7 @@ from jetshard_schema.types import (
     RunnerStatus,
     ShardAssignment,
 )
-from jetshard_worker.planning import RunnerKey, plan
+from jetshard_worker.planning import RunnerKey, plan, runners_on_machine
 
 A, B = NodeId("node-a"), NodeId("node-b")
 MODEL = ModelId("test/tiny")
@@ -105,3 +106,13 @@ def test_runners_of_a_previous_worker_life_are_reported_stale() -> None:
 def test_nodes_without_a_shard_plan_nothing() -> None:
     wanted = plan(fold(*PLACED), NodeId("node-c"), "s-c", frozenset({RunnerKey(INSTANCE, 0)}), now_ms=0)
     assert (wanted.report_endpoint, wanted.start, wanted.keep) == ((), (), frozenset())
+
+
+def test_nodes_on_one_machine_count_each_others_runners() -> None:
+    # A and B report the same hostname (two nodes of one machine): their two ranks share its cores.
+    state = fold(*PLACED)
+    assert runners_on_machine(state, A) == runners_on_machine(state, B) == 2
+    elsewhere = msgspec.structs.replace(PROFILE, hostname="other")
+    apart = fold(NodeJoined(node_id=B, session_id="s-b2", profile=elsewhere), state=state)
+    assert runners_on_machine(apart, A) == runners_on_machine(apart, B) == 1
+    assert runners_on_machine(fold(), A) == 1  # a node State does not know yet

@@ -88,3 +88,15 @@ def _startable(state: State, instance: Instance, node_id: NodeId) -> RunnerPlan 
         model_dir=download.progress.directory,
         endpoints=endpoints,
     )
+
+
+def runners_on_machine(state: State, node_id: NodeId) -> int:
+    """Runners that share this node's machine: the shards of live instances on every node that reports the same
+    hostname (several nodes may run on one machine, as the ranks of a pipeline do in a test or a benchmark).
+    Their BLAS thread pools split the machine's cores: more threads than cores only preempt each other."""
+    node = state.nodes.get(node_id)
+    if node is None:
+        return 1
+    here = {n.node_id for n in state.nodes.values() if n.profile.hostname == node.profile.hostname}
+    shards = sum(1 for i in state.instances.values() if not i.failed for s in i.shards if s.node_id in here)
+    return max(1, shards)

@@ -32,7 +32,7 @@ from nats.js import JetStreamContext
 
 from jetshard_worker.blas import blas_preload, blas_threads, runner_environment
 from jetshard_worker.engine.distributed import write_hostfile
-from jetshard_worker.planning import RunnerKey, RunnerPlan, plan
+from jetshard_worker.planning import RunnerKey, RunnerPlan, plan, runners_on_machine
 from jetshard_worker.runner_spec import RunnerSpec
 
 log = logging.getLogger(__name__)
@@ -130,7 +130,7 @@ class RunnerSupervisor:
                     endpoint=Endpoint(self._host, free_port(self._host)),
                 ),
             )
-        hosted = len(self._running) + len(wanted.start)
+        hosted = max(len(self._running) + len(wanted.start), runners_on_machine(state, self.node_id))
         for runner_plan in wanted.start:
             self._spawn(runner_plan, hosted)
         await self._check_health(state)
