@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import json
 import logging
 import os
@@ -158,15 +159,7 @@ class Runner:
         reported = None
         while True:
             await asyncio.sleep(COUNTERS_INTERVAL_S)
-            stats = self.engine.stats
-            counters = ServingCounters(
-                tokens=stats.tokens,
-                max_rows=stats.max_rows,
-                prefix_hits=stats.prefix_hits,
-                prefix_hit_tokens=stats.prefix_hit_tokens,
-                prefix_cache_entries=stats.prefix_entries,
-                prefix_cache_bytes=stats.prefix_bytes,
-            )
+            counters = msgspec.convert(dataclasses.asdict(self.engine.stats), ServingCounters)
             if counters != reported:
                 await self.report_ready(counters)
                 reported = counters

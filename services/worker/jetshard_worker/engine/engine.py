@@ -244,14 +244,16 @@ def _smoothed(previous: float | None, sample: float) -> float:
 
 @dataclass
 class EngineStats:
+    """What the engine did since it started; the runner reports the fields `ServingCounters` names."""
+
     steps: int = 0  # forward passes this rank ran (prefill chunks and decode steps)
     tokens: int = 0  # tokens sampled (leader only)
     max_rows: int = 0  # the most tasks decoding at once
     max_micro_batches: int = 0  # the most micro-batches under way around the ring at once
     prefix_hits: int = 0  # tasks whose prompt started from a saved prefix
     prefix_hit_tokens: int = 0  # prompt tokens those tasks did not prefill
-    prefix_entries: int = 0  # saved prefix caches
-    prefix_bytes: int = 0  # their size, for the whole model
+    prefix_cache_entries: int = 0  # saved prefix caches
+    prefix_cache_bytes: int = 0  # their size, for the whole model
 
 
 # Messages from the caller's threads to the leader's loop, which alone touches the queue and the caches.
@@ -596,7 +598,7 @@ class PipelineEngine:
         self._send(_Sent(header, task=task))
         for prefix in evicted:
             self._send(_Sent(Header(Op.EVICT, prefix=prefix)))
-        self.stats.prefix_entries, self.stats.prefix_bytes = len(self._prefixes), self._prefixes.size_bytes
+        self.stats.prefix_cache_entries, self.stats.prefix_cache_bytes = len(self._prefixes), self._prefixes.size_bytes
         group.rows.append(task)
         self._prefilling = None
 
