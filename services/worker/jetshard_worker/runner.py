@@ -72,6 +72,7 @@ DROP_CHUNKS_ENV = "JETSHARD_TEST_RUNNER_DROP_CHUNKS_FROM"
 class Runner:
     def __init__(self, spec: RunnerSpec, js: JetStreamContext, client: Any) -> None:
         self.spec = spec
+        self.plan = spec.plan
         self._js = js
         self._client = client
         self._loop = asyncio.get_running_loop()
@@ -91,11 +92,11 @@ class Runner:
         await publish_command(
             self._js,
             ReportRunnerStatus(
-                instance_id=self.spec.instance_id,
-                generation=self.spec.generation,
+                instance_id=self.plan.key.instance_id,
+                generation=self.plan.key.generation,
                 runner=RunnerReport(
                     node_id=self.spec.node_id,
-                    rank=self.spec.rank,
+                    rank=self.plan.rank,
                     worker_session=self.spec.worker_session,
                     status=status,
                     **fields,
@@ -104,7 +105,7 @@ class Runner:
         )
 
     async def load(self) -> None:
-        total = self.spec.end_layer - self.spec.start_layer
+        total = self.plan.end_layer - self.plan.start_layer
         last_report = 0.0
 
         def on_progress(done: int, of: int) -> None:
@@ -117,25 +118,25 @@ class Runner:
                 )
 
         await self.report(RunnerStatus.LOADING, layers_loaded=0, layers_total=total)
-        model_dir = Path(self.spec.model_dir)
+        model_dir = Path(self.plan.model_dir)
         # Placement resolves AUTO; an instance placed before it did keeps the checkpoint's dtype.
-        float32 = self.spec.serving.weights is WeightsDtype.FLOAT32
+        float32 = self.plan.serving.weights is WeightsDtype.FLOAT32
         shard = await asyncio.to_thread(
-            load_shard, model_dir, self.spec.start_layer, self.spec.end_layer, on_progress, float32=float32
+            load_shard, model_dir, self.plan.start_layer, self.plan.end_layer, on_progress, float32=float32
         )
         group = None
-        if self.spec.world_size > 1:
+        if self.plan.world_size > 1:
             assert self.spec.hostfile is not None
             # Blocks until both ring neighbours are up; the worker kills us if that takes too long.
-            group = await asyncio.to_thread(init_ring, self.spec.rank, Path(self.spec.hostfile))
+            group = await asyncio.to_thread(init_ring, self.plan.rank, Path(self.spec.hostfile))
         self.engine = PipelineEngine(
             shard,
             group,
             on_started=self._on_started,
             on_token=self._on_token,
             on_finished=self._on_finished,
-            max_batch=self.spec.serving.max_batch,
-            prefix_cache_bytes=self.spec.serving.prefix_cache_bytes,
+            max_batch=self.plan.serving.max_batch,
+            prefix_cache_bytes=self.plan.serving.prefix_cache_bytes,
         )
         if self.engine.is_leader:
             self.tokenizer = await asyncio.to_thread(load_tokenizer, model_dir, None, sorted(shard.eos_token_ids))
@@ -143,7 +144,7 @@ class Runner:
             self.model_generation = _read_generation_config(model_dir)
 
     async def report_ready(self, counters: ServingCounters | None = None) -> None:
-        total = self.spec.end_layer - self.spec.start_layer
+        total = self.plan.end_layer - self.plan.start_layer
         await self.report(
             RunnerStatus.READY,
             layers_loaded=total,
@@ -171,20 +172,20 @@ class Runner:
             return
         match envelope.event:
             case TaskAssigned(task=task, instance_id=instance_id, generation=generation) if (
-                instance_id == self.spec.instance_id and generation == self.spec.generation
+                instance_id == self.plan.key.instance_id and generation == self.plan.key.generation
             ):
                 self._take(task)
             case TaskCancelled(task_id=task_id) if task_id in self._streams:
                 self.engine.cancel(task_id)
-            case InstanceDeleted(instance_id=i) | InstanceFailed(instance_id=i) if i == self.spec.instance_id:
+            case InstanceDeleted(instance_id=i) | InstanceFailed(instance_id=i) if i == self.plan.key.instance_id:
                 self.done.set()
-            case InstanceRestarting(instance_id=i) if i == self.spec.instance_id:
+            case InstanceRestarting(instance_id=i) if i == self.plan.key.instance_id:
                 self.done.set()
 
     def pick_up(self, state: State) -> None:
         """Take every task State assigned to this generation that no runner started: one assigned before
         this follower saw events live would otherwise wait forever."""
-        for task in state.unstarted_tasks(self.spec.instance_id, self.spec.generation):
+        for task in state.unstarted_tasks(self.plan.key.instance_id, self.plan.key.generation):
             self._take(task.ref)
 
     def _take(self, task: TaskRef) -> None:
@@ -260,7 +261,7 @@ class Runner:
                 self._js,
                 ReportTaskFinished(
                     task_id=task_id,
-                    instance_id=self.spec.instance_id,
+                    instance_id=self.plan.key.instance_id,
                     outcome=TaskOutcome.ERROR,
                     usage=Usage(prompt_tokens=0, completion_tokens=0),
                     error=message,
@@ -272,7 +273,7 @@ class Runner:
     def _on_started(self, task_id: str, prompt_tokens: int) -> None:
         """Engine thread: a queued task's prefill begins."""
         report = ReportTaskStarted(
-            task_id=TaskId(task_id), instance_id=self.spec.instance_id, prompt_tokens=prompt_tokens
+            task_id=TaskId(task_id), instance_id=self.plan.key.instance_id, prompt_tokens=prompt_tokens
         )
         self._loop.call_soon_threadsafe(self._send_later, publish_command(self._js, report))
 
@@ -313,7 +314,7 @@ class Runner:
                 self._js,
                 ReportTaskFinished(
                     task_id=TaskId(task_id),
-                    instance_id=self.spec.instance_id,
+                    instance_id=self.plan.key.instance_id,
                     outcome=outcome,
                     usage=usage,
                     last_chunk_index=index,
@@ -357,13 +358,15 @@ def _log_failure(task: asyncio.Future[Any]) -> None:
 
 
 async def run_runner(spec: RunnerSpec, stop: asyncio.Event) -> None:
-    client, js = await connect(spec.nats, f"jetshard-runner {spec.instance_id}/{spec.rank}", declare_streams=False)
+    client, js = await connect(
+        spec.nats, f"jetshard-runner {spec.plan.key.instance_id}/{spec.plan.rank}", declare_streams=False
+    )
     runner = Runner(spec, js, client)
     try:
         await runner.load()
     except Exception as error:
         log.exception("runner failed to start")
-        await runner.report(RunnerStatus.FAILED, reason=f"rank {spec.rank} failed to start: {error}")
+        await runner.report(RunnerStatus.FAILED, reason=f"rank {spec.plan.rank} failed to start: {error}")
         await client.drain()
         sys.exit(1)
     engine_thread = threading.Thread(target=runner.engine.run_forever, name="engine", daemon=True)
@@ -404,7 +407,7 @@ async def run_runner(spec: RunnerSpec, stop: asyncio.Event) -> None:
 def main() -> None:
     spec = msgspec.json.decode(sys.argv[1], type=RunnerSpec)
     spec = msgspec.structs.replace(spec, nats=spec.nats.with_secrets(os.environ))
-    run_service(f"runner/{spec.rank}", lambda stop: run_runner(spec, stop))
+    run_service(f"runner/{spec.plan.rank}", lambda stop: run_runner(spec, stop))
 
 
 if __name__ == "__main__":

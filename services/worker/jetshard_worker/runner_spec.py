@@ -6,22 +6,17 @@ from __future__ import annotations
 import msgspec
 from jetshard_bus.options import NatsOptions
 from jetshard_schema.cards import GenerationDefaults
-from jetshard_schema.ids import InstanceId, NodeId
-from jetshard_schema.types import ServingSettings
+from jetshard_schema.ids import NodeId
+
+from jetshard_worker.planning import RunnerPlan
 
 
 class RunnerSpec(msgspec.Struct, frozen=True, kw_only=True):
     nats: NatsOptions
-    instance_id: InstanceId
-    generation: int
+    plan: RunnerPlan
+    """Which rank of which instance generation, its layers and files, and how the instance serves."""
     node_id: NodeId
     worker_session: str
-    rank: int
-    world_size: int
-    model_dir: str
-    start_layer: int
-    end_layer: int
     hostfile: str | None = None
-    serving: ServingSettings = ServingSettings()
     card_generation: GenerationDefaults = GenerationDefaults()
     """The model card's sampling defaults; the model directory's generation_config.json overrides them."""

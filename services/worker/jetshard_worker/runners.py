@@ -145,17 +145,10 @@ class RunnerSupervisor:
         nats, nats_secrets = self._nats.without_secrets()
         spec = RunnerSpec(
             nats=nats,
-            instance_id=key.instance_id,
-            generation=key.generation,
+            plan=runner_plan,
             node_id=self.node_id,
             worker_session=self.session_id,
-            rank=runner_plan.rank,
-            world_size=runner_plan.world_size,
-            model_dir=runner_plan.model_dir,
-            start_layer=runner_plan.start_layer,
-            end_layer=runner_plan.end_layer,
             hostfile=hostfile,
-            serving=runner_plan.serving,
             card_generation=card.generation if card is not None else GenerationDefaults(),
         )
         log_path = self._scratch_file(key, f"-rank{runner_plan.rank}.log")
