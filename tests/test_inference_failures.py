@@ -12,9 +12,9 @@ import json
 import signal
 import time
 from collections.abc import Iterator
-from typing import Any
 
 import httpx
+import msgspec
 import openai
 import psutil
 import pytest
@@ -26,6 +26,7 @@ from jetshard_schema.events import (
     InstanceRestarting,
     NodeLost,
 )
+from jetshard_worker.runner_spec import RunnerSpec
 
 ORG = "jetshard-test"
 SPLIT = f"{ORG}/tiny-split"
@@ -67,17 +68,17 @@ def client(cluster: InferenceCluster) -> openai.OpenAI:
     return openai.OpenAI(base_url=f"{cluster.api}/v1", api_key="unused", timeout=120, max_retries=0)
 
 
-def _runner_spec(process: psutil.Process) -> dict[str, Any]:
-    return dict(json.loads(process.cmdline()[-1]))
+def _runner_spec(process: psutil.Process) -> RunnerSpec:
+    return msgspec.json.decode(process.cmdline()[-1], type=RunnerSpec)
 
 
 def runners_of(cluster: InferenceCluster, instance_id: str) -> list[psutil.Process]:
     found = []
     for process in cluster.runner_processes():
         try:
-            if _runner_spec(process)["instance_id"] == instance_id:
+            if _runner_spec(process).plan.key.instance_id == instance_id:
                 found.append(process)
-        except (psutil.Error, ValueError, IndexError):
+        except (psutil.Error, msgspec.DecodeError, IndexError):
             continue
     return found
 
@@ -102,7 +103,7 @@ def test_kill_9_of_a_runner_mid_stream(cluster: InferenceCluster, client: openai
     before = greedy(client, SPLIT)
     generation = cluster.get(f"/instances/{instance_id}")["generation"]
     since = cluster.last_seq()
-    victim = next(p for p in runners_of(cluster, instance_id) if _runner_spec(p)["rank"] == rank)
+    victim = next(p for p in runners_of(cluster, instance_id) if _runner_spec(p).plan.rank == rank)
 
     stream = client.chat.completions.create(
         model=SPLIT,
