@@ -197,6 +197,7 @@ def test_an_8b_model_that_fits_one_row_does_not_fit_a_batch_of_eight() -> None:
     with pytest.raises(PlacementError, match=r"KV-cache headroom for 8 row\(s\)") as raised:
         place(llama_8b, [node("a", 24)], serving=ServingSettings(max_batch=8, weights=WeightsDtype.NATIVE))
     assert "lower max_batch" in str(raised.value)
+    assert "prefix cache of 0.50 GiB" in str(raised.value)
 
 
 def test_auto_dequantizes_on_cpu_nodes_when_float32_fits() -> None:

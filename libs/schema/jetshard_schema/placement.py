@@ -3,10 +3,9 @@
 Memory a model needs on the cluster = its weights + a KV-cache headroom: the KV cache of one full context
 (2 · layers · kv heads · head dim · context · 2 bytes, 4 with float32 weights) for each of the `max_batch` rows
 that decode together, the instance's prefix-cache budget, plus 10 % of the weights for activations and
-allocator slack. Weights count at their checkpoint size,
-or at 4 bytes a parameter when the instance dequantizes them to float32. Each node gets a layer range
-proportional to its available memory (largest remainder, at least one layer each); together the nodes must
-hold the whole requirement.
+allocator slack. Weights count at their checkpoint size, or at 4 bytes a parameter when the instance
+dequantizes them to float32. Each node gets a layer range proportional to its available memory (largest
+remainder, at least one layer each); together the nodes must hold the whole requirement.
 
 `WeightsDtype.AUTO` is resolved here, once, into the choice the instance keeps: float32 when every chosen
 node computes on its CPU (where a fast BLAS multiplies float32 several times faster than MLX's quantized
@@ -145,8 +144,9 @@ def place(
     if available < required:
         raise PlacementError(
             f"{card.model_id} needs {_gib(required)} (weights {_gib(weights_bytes(card, resolved.weights))} as "
-            f"{resolved.weights}, plus KV-cache headroom for {resolved.max_batch} row(s)) but the {len(chosen)} "
-            f"node(s) have {_gib(available)} available; add nodes, lower max_batch or choose a smaller model"
+            f"{resolved.weights}, plus KV-cache headroom for {resolved.max_batch} row(s) and a prefix cache of "
+            f"{_gib(resolved.prefix_cache_bytes)}) but the {len(chosen)} node(s) have {_gib(available)} available; "
+            "add nodes, lower max_batch or prefix_cache_bytes, or choose a smaller model"
         )
     if serving.weights is WeightsDtype.AUTO and all(n.profile.accelerator == "cpu" for n in chosen):
         dequantized = msgspec.structs.replace(serving, weights=WeightsDtype.FLOAT32)
