@@ -183,15 +183,8 @@ def test_kv_cache_is_counted_for_every_row_of_the_batch_and_the_prefix_cache() -
 
 
 def test_an_8b_model_that_fits_one_row_does_not_fit_a_batch_of_eight() -> None:
-    llama_8b = tiny_card(
-        "acme/llama-8b",
-        num_layers=32,
-        hidden_size=4096,
-        num_attention_heads=32,
-        num_key_value_heads=8,
-        vocab_size=128256,
-        storage_size_bytes=16 * GiB,
-        context_length=8192,
+    llama_8b = msgspec.structs.replace(
+        CARD, model_id="acme/llama-8b", vocab_size=128256, storage_size_bytes=16 * GiB, context_length=8192
     )
     place(llama_8b, [node("a", 24)], serving=ONE_ROW)
     with pytest.raises(PlacementError, match=r"KV-cache headroom for 8 row\(s\)") as raised:
