@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-pytest_plugins = ["helpers.hub_fixtures", "helpers.harness"]
+pytest_plugins = ["helpers.hub_fixtures", "helpers.harness", "helpers.dialects"]
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -24,6 +24,7 @@ from jetshard_schema.types import TaskOutcome
 from jetshard_worker.engine import (
     GenerationRequest,
     PipelineEngine,
+    TokenScores,
     load_shard,
     write_hostfile,
 )
@@ -71,12 +72,21 @@ class Collector:
     def __init__(self) -> None:
         self.tokens: dict[str, list[int]] = {}
         self.finished: dict[str, tuple[TaskOutcome, int, int]] = {}
+        self.scores: dict[str, list[TokenScores]] = {}
+        self.embeddings: dict[str, list[float]] = {}
         self.done = threading.Condition()
 
-    def on_token(self, task_id: str, token: int, index: int, reason: TaskOutcome | None) -> None:
+    def on_token(
+        self, task_id: str, token: int, index: int, reason: TaskOutcome | None, scores: TokenScores | None = None
+    ) -> None:
         got = self.tokens.setdefault(task_id, [])
         assert index == len(got)
         got.append(token)
+        if scores is not None:
+            self.scores.setdefault(task_id, []).append(scores)
+
+    def on_embedding(self, task_id: str, vector: list[float]) -> None:
+        self.embeddings[task_id] = vector
 
     def on_finished(self, task_id: str, reason: TaskOutcome, prompt_tokens: int, completion_tokens: int) -> None:
         with self.done:
@@ -424,6 +434,57 @@ def test_logits_processors_apply_to_their_own_row(models: dict[str, Path]) -> No
     assert collector.tokens["plain"] == expected[0]
     assert banned not in collector.tokens["constrained"]
     assert collector.tokens["constrained"] != expected[1]
+
+
+@pytest.mark.timeout(60)
+def test_logprobs_are_mlx_lms_log_softmax(models: dict[str, Path]) -> None:
+    """The greedy token's logprob and the top alternatives equal the log-softmax of mlx-lm's own logits for the
+    same prefix, for a row that asked, while a row beside it that did not ask gets none."""
+    model_dir = models["llama"]
+    prompts = prompt_ids(model_dir)
+    collector = Collector()
+    engine = PipelineEngine(load_shard(model_dir, 0, 4), on_token=collector.on_token, on_finished=collector.on_finished)
+    requests = [
+        GenerationRequest("scored", prompts[1], 6, top_logprobs=3),
+        GenerationRequest("plain", prompts[0], 6),
+    ]
+    run_single(engine, requests, collector)
+
+    model, _ = mlx_load(str(model_dir))
+    tokens, scores = collector.tokens["scored"], collector.scores["scored"]
+    assert len(scores) == len(tokens) and "plain" not in collector.scores
+    for i, (token, score) in enumerate(zip(tokens, scores, strict=True)):
+        logits = model(mx.array([prompts[1] + tokens[:i]]))[0, -1].astype(mx.float32)
+        expected = logits - mx.logsumexp(logits)
+        assert score.logprob == pytest.approx(expected[token].item(), abs=1e-4)
+        best = sorted(range(expected.shape[0]), key=lambda t: -expected[t].item())[:3]
+        assert [t for t, _ in score.top] == best
+        assert score.top[0] == (token, pytest.approx(score.logprob, abs=1e-6))  # greedy: the top one
+
+
+@pytest.mark.timeout(60)
+def test_embeddings_are_the_normalised_mean_of_the_last_hidden_states(models: dict[str, Path]) -> None:
+    model_dir = models["qwen3"]
+    prompts = prompt_ids(model_dir)
+    collector = Collector()
+    engine = PipelineEngine(
+        load_shard(model_dir, 0, 4),
+        on_token=collector.on_token,
+        on_finished=collector.on_finished,
+        on_embedding=collector.on_embedding,
+        prefill_step_size=4,  # several chunks pool into one vector
+    )
+    requests = [GenerationRequest(f"e{i}", p, 1, embed=True) for i, p in enumerate(prompts[:2])]
+    run_single(engine, [*requests, GenerationRequest("generated", prompts[0], 3)], collector)
+
+    model, _ = mlx_load(str(model_dir))
+    for i, prompt in enumerate(prompts[:2]):
+        hidden = model.model(mx.array([prompt]))[0].astype(mx.float32)  # mlx-lm applies the final norm
+        mean = hidden.mean(axis=0)
+        expected = mean / mx.linalg.norm(mean)
+        assert collector.embeddings[f"e{i}"] == pytest.approx(expected.tolist(), abs=1e-4)
+        assert collector.finished[f"e{i}"] == (TaskOutcome.STOP, len(prompt), 0)
+    assert len(collector.tokens["generated"]) == 3  # generation beside them is unaffected
 
 
 @pytest.mark.timeout(60)

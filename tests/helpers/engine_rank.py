@@ -83,7 +83,7 @@ def main() -> None:
     specs: list[dict[str, Any]] = json.loads(args.requests.read_text()) if args.requests else []
     cancel_after = {s["task_id"]: s.pop("cancel_after") for s in specs if "cancel_after" in s}
 
-    def on_token(task_id: str, token: int, index: int, reason: TaskOutcome | None) -> None:
+    def on_token(task_id: str, token: int, index: int, reason: TaskOutcome | None, scores: object) -> None:
         entry = results.setdefault(task_id, {"tokens": [], "times": []})
         entry["tokens"].append(token)
         entry["times"].append(time.perf_counter())

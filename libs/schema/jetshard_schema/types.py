@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import enum
-from typing import Annotated
+from typing import Annotated, Any
 
 import msgspec
 
@@ -170,14 +170,68 @@ class RejectCode(enum.StrEnum):
     """The model's files cannot be had where it would run (offline nodes without it)."""
 
 
+MAX_CHOICES = 16
+MAX_TOP_LOGPROBS = 20
+"""OpenAI's bound on `top_logprobs`."""
+MAX_EMBEDDING_INPUTS = 256
+
+
 class TaskKind(enum.StrEnum):
     CHAT = "chat"
     COMPLETION = "completion"
+    EMBEDDING = "embedding"
 
 
-class ChatMessage(msgspec.Struct, frozen=True):
+class ToolCall(msgspec.Struct, frozen=True, kw_only=True):
+    """A function call the model made: in an answer, or earlier in the conversation it is given."""
+
+    id: str
+    name: str
+    arguments: str
+    """The arguments as JSON text, as OpenAI carries them (a model may write JSON that does not parse)."""
+
+
+class ChatMessage(msgspec.Struct, frozen=True, kw_only=True):
     role: str
-    content: str
+    """system, user, assistant or tool."""
+    content: str = ""
+    tool_calls: tuple[ToolCall, ...] = ()
+    """An assistant turn's calls."""
+    tool_call_id: str | None = None
+    """A tool turn's answer to this call."""
+    name: str | None = None
+    """A tool turn's function."""
+
+
+class Tool(msgspec.Struct, frozen=True, kw_only=True):
+    """A function the model may call."""
+
+    name: str
+    description: str = ""
+    parameters: dict[str, Any] = msgspec.field(default_factory=lambda: {"type": "object"})
+    """Its arguments' JSON Schema."""
+
+
+class ToolChoice(enum.StrEnum):
+    AUTO = "auto"
+    """The model decides; its output is parsed for calls."""
+    NONE = "none"
+    """No call: the tools are left out of the prompt."""
+    REQUIRED = "required"
+    """At least one call: the output is constrained to calls."""
+    FUNCTION = "function"
+    """A call of `Tools.function`, constrained."""
+
+
+class Tools(msgspec.Struct, frozen=True, kw_only=True):
+    """The tools a chat may call, and how."""
+
+    functions: tuple[Tool, ...]
+    choice: ToolChoice = ToolChoice.AUTO
+    function: str | None = None
+    """The function `choice` FUNCTION names."""
+    parallel: bool = True
+    """Several calls in one answer."""
 
 
 class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
@@ -199,7 +253,17 @@ class TaskRequest(msgspec.Struct, frozen=True, kw_only=True):
     kind: TaskKind
     messages: tuple[ChatMessage, ...] = ()
     prompt: str = ""
+    """A completion's prompt."""
+    inputs: Annotated[tuple[str, ...], msgspec.Meta(max_length=MAX_EMBEDDING_INPUTS)] = ()
+    """An embedding task's texts, one vector each."""
     sampling: SamplingParams = SamplingParams()
+    tools: Tools | None = None
+    output_schema: dict[str, Any] | None = None
+    """JSON Schema every choice's output must match (constrained decoding); `{"type": "object"}` for any object."""
+    top_logprobs: Annotated[int, msgspec.Meta(ge=0, le=MAX_TOP_LOGPROBS)] | None = None
+    """Report each token's log-probability and this many alternatives; None reports none."""
+    n: Annotated[int, msgspec.Meta(ge=1, le=MAX_CHOICES)] = 1
+    """Choices generated from the prompt (rows of one batch, one prefill shared through the prefix cache)."""
 
 
 class TaskRef(msgspec.Struct, frozen=True, kw_only=True):
@@ -211,6 +275,20 @@ class TaskRef(msgspec.Struct, frozen=True, kw_only=True):
     kind: TaskKind
     request_seq: int
     """The sequence of the `TaskRequest` in JETSHARD_TASKS."""
+
+
+class TopLogprob(msgspec.Struct, frozen=True, kw_only=True):
+    token: str
+    logprob: float
+
+
+class TokenLogprob(msgspec.Struct, frozen=True, kw_only=True):
+    """A generated token's log-probability under the model (before temperature and constraints), and the
+    most likely alternatives at its place."""
+
+    token: str
+    logprob: float
+    top: tuple[TopLogprob, ...] = ()
 
 
 class Usage(msgspec.Struct, frozen=True, kw_only=True):
@@ -225,6 +303,7 @@ class Usage(msgspec.Struct, frozen=True, kw_only=True):
 class TaskOutcome(enum.StrEnum):
     STOP = "stop"
     LENGTH = "length"
+    TOOL_CALLS = "tool_calls"
     CANCELLED = "cancelled"
     ERROR = "error"
 
@@ -234,9 +313,17 @@ class Chunk(msgspec.Struct, frozen=True, kw_only=True):
 
     task_id: ValidTaskId
     index: int
+    choice: int = 0
+    """Which of the task's `n` choices (or embedding inputs) this piece belongs to."""
     text: str = ""
     token_count: int = 0
+    tool_calls: tuple[ToolCall, ...] = ()
+    logprobs: tuple[TokenLogprob, ...] = ()
+    """One per token of `text`, when the task asked for them."""
+    embedding: tuple[float, ...] = ()
     finish_reason: TaskOutcome | None = None
+    """Why this choice ended."""
     usage: Usage | None = None
+    """On the task's last chunk only: it ends the output."""
     error: str | None = None
     error_code: str | None = None

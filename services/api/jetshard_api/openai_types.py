@@ -1,24 +1,35 @@
-"""Request and response bodies of the OpenAI-compatible routes, and the checks that turn a request into a
+"""Request and response bodies of the OpenAI-compatible routes, and the translation of a request into a
 TaskRequest.
 
 Fields at their neutral values are accepted; fields that would change the output and are not supported
-yet are refused with 400, never silently ignored.
+are refused with 400, never silently ignored.
 """
 
 from __future__ import annotations
 
-import re
-from typing import Any, TypeVar
+import base64
+import struct
+from typing import Any, Literal
 
 import msgspec
 from jetshard_schema.ids import ModelId, TaskId
 from jetshard_schema.sampling import ResolvedSampling
-from jetshard_schema.types import ChatMessage, SamplingParams, TaskKind, TaskRequest, Usage
+from jetshard_schema.types import (
+    MAX_EMBEDDING_INPUTS,
+    ChatMessage,
+    SamplingParams,
+    TaskKind,
+    TaskOutcome,
+    TaskRequest,
+    TokenLogprob,
+    ToolCall,
+    ToolChoice,
+    Tools,
+    Usage,
+)
 
-from jetshard_api.errors import ApiError
-
-MAX_SEED = 2**64 - 1
-"""Seeds are unsigned 64-bit, the range MLX's PRNG keys take."""
+from jetshard_api import request_checks as checks
+from jetshard_api.tasks import Choice
 
 
 class StreamOptions(msgspec.Struct, frozen=True):
@@ -30,7 +41,6 @@ class _Common(msgspec.Struct, frozen=True, kw_only=True):
     stream: bool = False
     stream_options: StreamOptions | None = None
     max_tokens: int | None = None
-    max_completion_tokens: int | None = None
     temperature: float | None = None
     top_p: float | None = None
     seed: int | None = None
@@ -39,132 +49,190 @@ class _Common(msgspec.Struct, frozen=True, kw_only=True):
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     logit_bias: dict[str, float] | None = None
-    logprobs: bool | int | None = None
-    top_logprobs: int | None = None
     user: str | None = None
 
 
+class FunctionCallBody(msgspec.Struct, frozen=True):
+    name: str
+    arguments: str
+
+
+class ToolCallBody(msgspec.Struct, frozen=True, kw_only=True):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCallBody
+
+
+class MessageBody(msgspec.Struct, frozen=True, kw_only=True):
+    role: str
+    content: str | list[dict[str, Any]] | None = None
+    name: str | None = None
+    tool_calls: list[ToolCallBody] | None = None
+    tool_call_id: str | None = None
+
+
+class FunctionDefinition(msgspec.Struct, frozen=True, kw_only=True):
+    name: str
+    description: str = ""
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class ToolDefinition(msgspec.Struct, frozen=True, kw_only=True):
+    type: Literal["function"] = "function"
+    function: FunctionDefinition
+
+
+class FunctionName(msgspec.Struct, frozen=True):
+    name: str
+
+
+class NamedToolChoice(msgspec.Struct, frozen=True, kw_only=True):
+    type: Literal["function"] = "function"
+    function: FunctionName
+
+
+class JsonSchemaFormat(msgspec.Struct, frozen=True, kw_only=True):
+    name: str = "output"
+    description: str = ""
+    schema: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class ResponseFormat(msgspec.Struct, frozen=True, kw_only=True):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
 class ChatCompletionRequest(_Common, frozen=True, kw_only=True):
-    messages: list[dict[str, Any]]
-    tools: list[Any] | None = None
-    tool_choice: Any = None
-    response_format: dict[str, Any] | None = None
+    messages: list[MessageBody]
+    max_completion_tokens: int | None = None
+    tools: list[ToolDefinition] | None = None
+    tool_choice: Literal["auto", "none", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool = True
+    response_format: ResponseFormat | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
 
 
 class CompletionRequest(_Common, frozen=True, kw_only=True):
     prompt: str | list[str]
     echo: bool = False
     suffix: str | None = None
+    logprobs: int | None = None
+    """The legacy form: this many alternatives per token (0: the chosen token's alone)."""
 
 
-_Body = TypeVar("_Body", bound="_Common")
-_ERROR_PATH = re.compile(r"at `\$\.([A-Za-z_]+)")
+class EmbeddingRequest(msgspec.Struct, frozen=True, kw_only=True):
+    model: str
+    input: str | list[str]
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: int | None = None
+    user: str | None = None
 
 
-def strictly_decoded(body: bytes, body_type: type[_Body]) -> _Body:
-    """Decode a request body with JSON's own types. Litestar converts bodies leniently (`"max_tokens": "5"`
-    becomes 5); OpenAI refuses a value of the wrong type, and a client that sends one has a bug to see."""
-    try:
-        return msgspec.json.decode(body, type=body_type)
-    except msgspec.ValidationError as error:
-        field = _ERROR_PATH.search(str(error))
-        raise ApiError(400, str(error), "invalid_type", field.group(1) if field else None) from error
-    except msgspec.DecodeError as error:
-        raise ApiError(400, f"the body is not valid JSON: {error}", "invalid_json") from error
-
-
-def _unsupported(param: str, why: str = "") -> ApiError:
-    what = f"'{param}' {why}" if why else f"'{param}'"
-    return ApiError(400, f"{what} is not supported yet", "unsupported_parameter", param)
-
-
-def _check_common(request: _Common) -> SamplingParams:
-    if request.n not in (None, 1):
-        raise _unsupported("n", "greater than 1")
+def _common(request: _Common, max_tokens: int | None) -> SamplingParams:
     if request.presence_penalty or request.frequency_penalty:
-        raise _unsupported("presence_penalty" if request.presence_penalty else "frequency_penalty", "other than 0")
+        raise checks.unsupported(
+            "presence_penalty" if request.presence_penalty else "frequency_penalty", "other than 0"
+        )
     if request.logit_bias:
-        raise _unsupported("logit_bias")
-    if request.logprobs or request.top_logprobs:
-        raise _unsupported("logprobs")
-    max_tokens = request.max_completion_tokens if request.max_completion_tokens is not None else request.max_tokens
-    if max_tokens is not None and max_tokens < 1:
-        raise ApiError(400, "max_tokens must be at least 1", "invalid_value", "max_tokens")
-    # A value left out stays None: the model's defaults fill it in where the model is (jetshard_schema.sampling).
-    if request.temperature is not None and not 0 <= request.temperature <= 2:
-        raise ApiError(400, "temperature must be between 0 and 2", "invalid_value", "temperature")
-    if request.top_p is not None and not 0 < request.top_p <= 1:
-        raise ApiError(400, "top_p must be in (0, 1]", "invalid_value", "top_p")
-    if request.seed is not None and not 0 <= request.seed <= MAX_SEED:
-        raise ApiError(400, f"seed must be between 0 and {MAX_SEED}", "invalid_value", "seed")
-    stop = (request.stop,) if isinstance(request.stop, str) else tuple(request.stop or ())
-    if len(stop) > 4 or any(not s for s in stop):
-        raise ApiError(400, "stop takes up to 4 non-empty strings", "invalid_value", "stop")
-    return SamplingParams(
-        max_tokens=max_tokens, temperature=request.temperature, top_p=request.top_p, seed=request.seed, stop=stop
-    )
-
-
-def _text_content(content: Any, index: int) -> str:
-    if isinstance(content, str):
-        return content
-    if content is None:
-        return ""
-    if isinstance(content, list):
-        parts = []
-        for part in content:
-            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
-                raise ApiError(
-                    400,
-                    f"messages[{index}].content: only text parts are supported",
-                    "unsupported_content",
-                    f"messages[{index}].content",
-                )
-            parts.append(part["text"])
-        return "".join(parts)
-    raise ApiError(
-        400,
-        f"messages[{index}].content must be a string or a list of text parts",
-        "invalid_value",
-        f"messages[{index}].content",
+        raise checks.unsupported("logit_bias")
+    return checks.sampling(
+        max_tokens=max_tokens,
+        temperature=request.temperature,
+        top_p=request.top_p,
+        seed=request.seed,
+        stop=request.stop,
     )
 
 
 def chat_task(task_id: TaskId, model_id: ModelId, request: ChatCompletionRequest) -> TaskRequest:
-    sampling = _check_common(request)
-    if request.tools:
-        raise _unsupported("tools")
-    if request.response_format and request.response_format.get("type", "text") != "text":
-        raise _unsupported("response_format", "other than text")
+    max_tokens = request.max_completion_tokens if request.max_completion_tokens is not None else request.max_tokens
+    sampling = _common(request, max_tokens)
     if not request.messages:
-        raise ApiError(400, "messages must not be empty", "invalid_value", "messages")
-    messages = []
-    for i, message in enumerate(request.messages):
-        role = message.get("role")
-        if role not in ("system", "user", "assistant", "developer"):
-            raise ApiError(
-                400, f"messages[{i}].role must be system, user or assistant", "invalid_value", f"messages[{i}].role"
-            )
-        messages.append(
-            ChatMessage(
-                role="system" if role == "developer" else role, content=_text_content(message.get("content"), i)
-            )
-        )
+        raise checks.invalid("messages", "messages must not be empty")
+    output_schema = None
+    response_format = request.response_format
+    if response_format is not None and response_format.type == "json_object":
+        output_schema = {"type": "object"}
+    elif response_format is not None and response_format.type == "json_schema":
+        if response_format.json_schema is None or response_format.json_schema.schema is None:
+            raise checks.invalid("response_format", "response_format json_schema needs json_schema.schema")
+        output_schema = checks.output_schema(response_format.json_schema.schema, "response_format")
     return TaskRequest(
-        task_id=task_id, model_id=model_id, kind=TaskKind.CHAT, messages=tuple(messages), sampling=sampling
+        task_id=task_id,
+        model_id=model_id,
+        kind=TaskKind.CHAT,
+        messages=tuple(_message(m, i) for i, m in enumerate(request.messages)),
+        sampling=sampling,
+        tools=_tools(request),
+        output_schema=output_schema,
+        top_logprobs=checks.top_logprobs(request.logprobs, request.top_logprobs),
+        n=checks.choices(request.n),
+    )
+
+
+def _tools(request: ChatCompletionRequest) -> Tools | None:
+    choice, function = ToolChoice.AUTO, None
+    if isinstance(request.tool_choice, NamedToolChoice):
+        choice, function = ToolChoice.FUNCTION, request.tool_choice.function.name
+    elif request.tool_choice is not None:
+        choice = ToolChoice(request.tool_choice)
+    functions = [(t.function.name, t.function.description, t.function.parameters) for t in request.tools or ()]
+    return checks.tools(functions, choice, function, request.parallel_tool_calls)
+
+
+def _message(message: MessageBody, index: int) -> ChatMessage:
+    param = f"messages[{index}]"
+    role = "system" if message.role == "developer" else message.role
+    if role not in ("system", "user", "assistant", "tool"):
+        raise checks.invalid(f"{param}.role", f"{param}.role must be system, user, assistant or tool")
+    if role == "tool" and not message.tool_call_id:
+        raise checks.invalid(f"{param}.tool_call_id", f"{param}: a tool message needs tool_call_id")
+    calls = tuple(
+        ToolCall(id=c.id, name=c.function.name, arguments=c.function.arguments) for c in message.tool_calls or ()
+    )
+    if calls and role != "assistant":
+        raise checks.invalid(f"{param}.tool_calls", f"{param}: only assistant messages carry tool_calls")
+    return ChatMessage(
+        role=role,
+        content=checks.text_content(message.content, f"{param}.content"),
+        tool_calls=calls,
+        tool_call_id=message.tool_call_id,
+        name=message.name,
     )
 
 
 def completion_task(task_id: TaskId, model_id: ModelId, request: CompletionRequest) -> TaskRequest:
-    sampling = _check_common(request)
+    sampling = _common(request, request.max_tokens)
     if request.echo or request.suffix:
-        raise _unsupported("echo" if request.echo else "suffix")
+        raise checks.unsupported("echo" if request.echo else "suffix")
     prompt = request.prompt
     if isinstance(prompt, list):
         if len(prompt) != 1:
-            raise _unsupported("prompt", "as a list of several prompts")
+            raise checks.unsupported("prompt", "as a list of several prompts")
         prompt = prompt[0]
-    return TaskRequest(task_id=task_id, model_id=model_id, kind=TaskKind.COMPLETION, prompt=prompt, sampling=sampling)
+    return TaskRequest(
+        task_id=task_id,
+        model_id=model_id,
+        kind=TaskKind.COMPLETION,
+        prompt=prompt,
+        sampling=sampling,
+        top_logprobs=checks.top_logprobs(request.logprobs is not None, request.logprobs, "logprobs"),
+        n=checks.choices(request.n),
+    )
+
+
+def embedding_task(task_id: TaskId, model_id: ModelId, request: EmbeddingRequest) -> TaskRequest:
+    inputs = (request.input,) if isinstance(request.input, str) else tuple(request.input)
+    if not inputs or len(inputs) > MAX_EMBEDDING_INPUTS:
+        raise checks.invalid("input", f"input takes 1 to {MAX_EMBEDDING_INPUTS} strings")
+    if any(not text for text in inputs):
+        raise checks.invalid("input", "input strings must not be empty")
+    if request.dimensions is not None:
+        raise checks.unsupported("dimensions")
+    return TaskRequest(task_id=task_id, model_id=model_id, kind=TaskKind.EMBEDDING, inputs=inputs)
 
 
 # --- response bodies ---------------------------------------------------------------------------------------
@@ -181,26 +249,107 @@ class UsageBody(msgspec.Struct, frozen=True):
         return cls(usage.prompt_tokens, usage.completion_tokens, usage.total_tokens)
 
 
-class AssistantMessage(msgspec.Struct, frozen=True):
-    content: str
+class TopLogprobBody(msgspec.Struct, frozen=True):
+    token: str
+    logprob: float
+    bytes: list[int]
+
+
+class TokenLogprobBody(msgspec.Struct, frozen=True):
+    token: str
+    logprob: float
+    bytes: list[int]
+    top_logprobs: list[TopLogprobBody]
+
+
+class ChoiceLogprobs(msgspec.Struct, frozen=True):
+    content: list[TokenLogprobBody]
+
+    @classmethod
+    def of(cls, logprobs: list[TokenLogprob] | tuple[TokenLogprob, ...]) -> ChoiceLogprobs:
+        return cls(
+            [
+                TokenLogprobBody(
+                    token=lp.token,
+                    logprob=lp.logprob,
+                    bytes=list(lp.token.encode()),
+                    top_logprobs=[TopLogprobBody(t.token, t.logprob, list(t.token.encode())) for t in lp.top],
+                )
+                for lp in logprobs
+            ]
+        )
+
+
+class CompletionLogprobs(msgspec.Struct, frozen=True):
+    """The legacy completions shape."""
+
+    tokens: list[str]
+    token_logprobs: list[float]
+    top_logprobs: list[dict[str, float]]
+    text_offset: list[int]
+
+    @classmethod
+    def of(cls, logprobs: list[TokenLogprob] | tuple[TokenLogprob, ...], offset: int = 0) -> CompletionLogprobs:
+        offsets = []
+        for lp in logprobs:
+            offsets.append(offset)
+            offset += len(lp.token)
+        return cls(
+            tokens=[lp.token for lp in logprobs],
+            token_logprobs=[lp.logprob for lp in logprobs],
+            top_logprobs=[{t.token: t.logprob for t in lp.top} for lp in logprobs],
+            text_offset=offsets,
+        )
+
+
+class AssistantMessage(msgspec.Struct, frozen=True, omit_defaults=True):
+    content: str | None
     role: str = "assistant"
+    tool_calls: list[ToolCallBody] | None = None
+
+
+def finish_reason(reason: TaskOutcome | None) -> str | None:
+    return None if reason is None else str(reason)
+
+
+def tool_call_bodies(calls: list[ToolCall] | tuple[ToolCall, ...]) -> list[ToolCallBody]:
+    return [ToolCallBody(id=c.id, function=FunctionCallBody(c.name, c.arguments)) for c in calls]
 
 
 class ChatChoice(msgspec.Struct, frozen=True, kw_only=True):
     index: int = 0
     finish_reason: str | None
-    logprobs: None = None
+    logprobs: ChoiceLogprobs | None = None
     message: AssistantMessage
+
+    @classmethod
+    def of(cls, index: int, choice: Choice, logprobs: bool) -> ChatChoice:
+        calls = tool_call_bodies(choice.tool_calls) or None
+        return cls(
+            index=index,
+            finish_reason=finish_reason(choice.finish_reason),
+            logprobs=ChoiceLogprobs.of(choice.logprobs) if logprobs else None,
+            message=AssistantMessage(content=choice.text if choice.text or not calls else None, tool_calls=calls),
+        )
 
 
 class CompletionChoice(msgspec.Struct, frozen=True, kw_only=True):
     index: int = 0
     finish_reason: str | None
-    logprobs: None = None
+    logprobs: CompletionLogprobs | None = None
     text: str
 
+    @classmethod
+    def of(cls, index: int, choice: Choice, logprobs: bool) -> CompletionChoice:
+        return cls(
+            index=index,
+            finish_reason=finish_reason(choice.finish_reason),
+            logprobs=CompletionLogprobs.of(choice.logprobs) if logprobs else None,
+            text=choice.text,
+        )
 
-class Answer(msgspec.Struct, frozen=True, kw_only=True):
+
+class AnswerHead(msgspec.Struct, frozen=True, kw_only=True):
     """What a chat completion and a text completion both say besides their choices."""
 
     id: str
@@ -209,14 +358,40 @@ class Answer(msgspec.Struct, frozen=True, kw_only=True):
     usage: UsageBody
 
 
-class ChatCompletion(Answer, frozen=True, kw_only=True):
+class ChatCompletion(AnswerHead, frozen=True, kw_only=True):
     object: str = "chat.completion"
     choices: list[ChatChoice]
 
 
-class Completion(Answer, frozen=True, kw_only=True):
+class Completion(AnswerHead, frozen=True, kw_only=True):
     object: str = "text_completion"
     choices: list[CompletionChoice]
+
+
+class EmbeddingBody(msgspec.Struct, frozen=True, kw_only=True):
+    index: int
+    embedding: list[float] | str
+    object: str = "embedding"
+
+    @classmethod
+    def of(cls, index: int, vector: tuple[float, ...], encoding: str) -> EmbeddingBody:
+        if encoding == "base64":
+            # Little-endian float32, as OpenAI encodes it (the openai client asks for this by default).
+            packed = struct.pack(f"<{len(vector)}f", *vector)
+            return cls(index=index, embedding=base64.b64encode(packed).decode())
+        return cls(index=index, embedding=list(vector))
+
+
+class EmbeddingUsage(msgspec.Struct, frozen=True):
+    prompt_tokens: int
+    total_tokens: int
+
+
+class EmbeddingList(msgspec.Struct, frozen=True, kw_only=True):
+    data: list[EmbeddingBody]
+    model: str
+    usage: EmbeddingUsage
+    object: str = "list"
 
 
 class ModelObject(msgspec.Struct, frozen=True, kw_only=True):

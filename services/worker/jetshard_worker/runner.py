@@ -49,15 +49,20 @@ from jetshard_schema.types import (
     TaskOutcome,
     TaskRef,
     TaskRequest,
+    ToolChoice,
     Usage,
     WeightsDtype,
 )
 from mlx_lm.utils import load_tokenizer
 from nats.js import JetStreamContext
 
-from jetshard_worker.engine import GenerationRequest, PipelineEngine, init_ring, load_shard
+from jetshard_worker.chat import render_chat, tool_spec
+from jetshard_worker.constrained import JsonConstraint, SchemaError, grammar_tokenizer
+from jetshard_worker.engine import GenerationRequest, PipelineEngine, TokenScores, init_ring, load_shard
+from jetshard_worker.output import ChoiceOutput, TaskOutput, row_id, split_row_id
 from jetshard_worker.runner_spec import RunnerSpec
 from jetshard_worker.textstream import TextStream
+from jetshard_worker.toolcalls import ToolCallSplitter, forced_call_schema
 
 log = logging.getLogger(__name__)
 
@@ -77,8 +82,8 @@ class Runner:
         self._client = client
         self._loop = asyncio.get_running_loop()
         self._outbox: asyncio.Queue[tuple[str, bytes]] = asyncio.Queue()
-        self._streams: dict[str, TextStream] = {}
-        self._chunk_index: dict[str, int] = {}
+        self._outputs: dict[TaskId, TaskOutput] = {}
+        self._embeddings: dict[str, list[float]] = {}
         self._drop_chunks_from = int(os.environ.get(DROP_CHUNKS_ENV, "-1"))
         self._taken: set[TaskId] = set()
         self._requests: asyncio.Queue[TaskRef] = asyncio.Queue()
@@ -135,6 +140,7 @@ class Runner:
             on_started=self._on_started,
             on_token=self._on_token,
             on_finished=self._on_finished,
+            on_embedding=self._on_embedding,
             max_batch=self.plan.serving.max_batch,
             prefix_cache_bytes=self.plan.serving.prefix_cache_bytes,
         )
@@ -175,8 +181,9 @@ class Runner:
                 instance_id == self.plan.key.instance_id and generation == self.plan.key.generation
             ):
                 self._take(task)
-            case TaskCancelled(task_id=task_id) if task_id in self._streams:
-                self.engine.cancel(task_id)
+            case TaskCancelled(task_id=task_id) if task_id in self._outputs:
+                for choice in range(len(self._outputs[task_id].choices)):
+                    self.engine.cancel(row_id(task_id, choice))
             case InstanceDeleted(instance_id=i) | InstanceFailed(instance_id=i) if i == self.plan.key.instance_id:
                 self.done.set()
             case InstanceRestarting(instance_id=i) if i == self.plan.key.instance_id:
@@ -215,42 +222,115 @@ class Runner:
 
     def _start_task(self, request: TaskRequest) -> None:
         try:
-            tokens = self._tokenize(request)
+            prompts = self._prompts(request)
         except Exception as error:  # a template that rejects the conversation, for instance
             self._fail_task(request.task_id, f"could not build the prompt: {error}", "invalid_prompt")
             return
-        if len(tokens) >= self.context_length:
-            self._fail_task(
-                request.task_id,
-                f"the prompt has {len(tokens)} tokens; the model's context is {self.context_length}",
-                "context_length_exceeded",
-            )
-            return
-        room = self.context_length - len(tokens)
-        sampling = request.sampling
-        resolved = resolve_sampling(sampling, self.model_generation, self.spec.card_generation)
-        try:
-            generation = GenerationRequest(
-                task_id=request.task_id,
-                prompt_tokens=tokens,
-                max_tokens=min(resolved.max_tokens, room),
-                temperature=resolved.temperature,
-                top_p=resolved.top_p,
-                seed=sampling.seed,
-            )
-        except ValueError as error:  # values no API would pass on: a request written to NATS directly
-            self._fail_task(request.task_id, str(error), "invalid_request")
-            return
-        self._streams[request.task_id] = TextStream(self.tokenizer.detokenizer, sampling.stop)
-        self._chunk_index[request.task_id] = 0
-        self.engine.submit(generation)
+        for tokens in prompts:
+            if len(tokens) >= self.context_length:
+                self._fail_task(
+                    request.task_id,
+                    f"the prompt has {len(tokens)} tokens; the model's context is {self.context_length}",
+                    "context_length_exceeded",
+                )
+                return
+        if request.kind is TaskKind.EMBEDDING:
+            empty = next((i for i, tokens in enumerate(prompts) if not tokens), None)
+            if empty is not None:
+                self._fail_task(request.task_id, f"input {empty} is empty", "invalid_request")
+                return
+            rows = [
+                GenerationRequest(task_id=row_id(request.task_id, i), prompt_tokens=tokens, max_tokens=1, embed=True)
+                for i, tokens in enumerate(prompts)
+            ]
+            output = TaskOutput(request.task_id, [ChoiceOutput(stream=TextStream(None, ())) for _ in rows], *self._io)
+        else:
+            try:
+                output, rows = self._generation(request, prompts[0])
+            except (ValueError, SchemaError) as error:  # values no API would pass on, a schema we cannot follow
+                code = "invalid_schema" if isinstance(error, SchemaError) else "invalid_request"
+                self._fail_task(request.task_id, str(error), code)
+                return
+        self._outputs[request.task_id] = output
+        for row in rows:
+            self.engine.submit(row)
 
-    def _tokenize(self, request: TaskRequest) -> list[int]:
-        if request.kind is TaskKind.CHAT:
-            messages = [{"role": m.role, "content": m.content} for m in request.messages]
-            rendered = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-            return list(self.tokenizer.encode(rendered, add_special_tokens=False))
-        return list(self.tokenizer.encode(request.prompt))
+    @property
+    def _io(self) -> tuple[Any, Any]:
+        return self._token_text, self._publish_chunk
+
+    def _generation(self, request: TaskRequest, tokens: list[int]) -> tuple[TaskOutput, list[GenerationRequest]]:
+        """A chat's or completion's rows, one per choice, and the output they feed."""
+        resolved = resolve_sampling(request.sampling, self.model_generation, self.spec.card_generation)
+        max_tokens = min(resolved.max_tokens, self.context_length - len(tokens))
+        tools = request.tools
+        forced = tools is not None and tools.choice in (ToolChoice.REQUIRED, ToolChoice.FUNCTION)
+        schema = request.output_schema
+        if forced:
+            assert tools is not None
+            specs = [tool_spec(tool) for tool in tools.functions]
+            schema = forced_call_schema(specs, tools.function, tools.parallel)
+        seed = request.sampling.seed
+        choices, rows = [], []
+        for i in range(request.n):
+            constraint = None if schema is None else self._constraint(schema, max_tokens)
+            splitter = None
+            if tools is not None and tools.choice is ToolChoice.AUTO and schema is None:
+                wrapper = self.tokenizer
+                splitter = ToolCallSplitter(
+                    wrapper.tool_call_start if wrapper.has_tool_calling else None,
+                    wrapper.tool_call_end if wrapper.has_tool_calling else None,
+                    wrapper.tool_parser if wrapper.has_tool_calling else None,
+                    [tool_spec(tool) for tool in tools.functions],
+                    tools.parallel,
+                )
+            # A constrained document must not be cut by a stop string: it closes itself.
+            stop = () if constraint is not None else request.sampling.stop
+            choices.append(
+                ChoiceOutput(
+                    stream=TextStream(self.tokenizer.detokenizer, stop),
+                    splitter=splitter,
+                    forced_calls=forced,
+                    constraint=constraint,
+                )
+            )
+            rows.append(
+                GenerationRequest(
+                    task_id=row_id(request.task_id, i),
+                    prompt_tokens=tokens,
+                    max_tokens=max_tokens,
+                    temperature=resolved.temperature,
+                    top_p=resolved.top_p,
+                    # Each choice its own draw; a seeded request stays reproducible.
+                    seed=None if seed is None else (seed + i) % 2**64,
+                    logits_processors=() if constraint is None else (constraint.process,),
+                    top_logprobs=request.top_logprobs,
+                )
+            )
+        return TaskOutput(request.task_id, choices, *self._io), rows
+
+    def _constraint(self, schema: dict[str, Any], max_tokens: int) -> JsonConstraint:
+        hf_tokenizer = self.tokenizer._tokenizer
+        vocab_size = int(self.engine.shard.config.get("vocab_size") or len(hf_tokenizer))
+        return JsonConstraint(
+            grammar_tokenizer(hf_tokenizer, vocab_size),
+            schema,
+            max_tokens,
+            lambda text: list(hf_tokenizer.encode(text, add_special_tokens=False)),
+        )
+
+    def _token_text(self, token: int) -> str:
+        return str(self.tokenizer.decode([token]))
+
+    def _prompts(self, request: TaskRequest) -> list[list[int]]:
+        """The token ids the engine prefills: one prompt, or one per embedding input."""
+        match request.kind:
+            case TaskKind.CHAT:
+                rendered = render_chat(self.tokenizer, request.messages, request.tools)
+                return [list(self.tokenizer.encode(rendered, add_special_tokens=False))]
+            case TaskKind.EMBEDDING:
+                return [list(self.tokenizer.encode(text)) for text in request.inputs]
+        return [list(self.tokenizer.encode(request.prompt))]
 
     def _fail_task(self, task_id: TaskId, message: str, code: str) -> None:
         self._publish_chunk(
@@ -270,54 +350,60 @@ class Runner:
             )
         )
 
-    def _on_started(self, task_id: str, prompt_tokens: int) -> None:
-        """Engine thread: a queued task's prefill begins."""
-        report = ReportTaskStarted(
-            task_id=TaskId(task_id), instance_id=self.plan.key.instance_id, prompt_tokens=prompt_tokens
-        )
+    def _on_started(self, row: str, prompt_tokens: int) -> None:
+        """Engine thread: a queued row's prefill begins; the task has started with its first."""
+        task_id, choice = split_row_id(row)
+        if choice != 0:
+            return
+        report = ReportTaskStarted(task_id=task_id, instance_id=self.plan.key.instance_id, prompt_tokens=prompt_tokens)
         self._loop.call_soon_threadsafe(self._send_later, publish_command(self._js, report))
 
-    def _on_token(self, task_id: str, token: int, index: int, reason: TaskOutcome | None) -> None:
-        """Engine thread: one sampled token."""
-        stream = self._streams.get(task_id)
-        if stream is None:
+    def _on_token(
+        self, row: str, token: int, index: int, reason: TaskOutcome | None, scores: TokenScores | None
+    ) -> None:
+        """Engine thread: one sampled token (the one that reaches max_tokens too, as in mlx-lm)."""
+        self._loop.call_soon_threadsafe(self._token, row, token, scores)
+
+    def _on_embedding(self, row: str, vector: list[float]) -> None:
+        """Engine thread: an input's embedding, just before its row finishes."""
+        self._loop.call_soon_threadsafe(self._embeddings.__setitem__, row, vector)
+
+    def _on_finished(self, row: str, reason: TaskOutcome, prompt_tokens: int, completion_tokens: int) -> None:
+        """Engine thread: a row ended (EOS, length, stop string or cancel)."""
+        self._loop.call_soon_threadsafe(self._finish, row, reason, prompt_tokens)
+
+    def _token(self, row: str, token: int, scores: TokenScores | None) -> None:
+        task_id, choice = split_row_id(row)
+        output = self._outputs.get(task_id)
+        if output is not None and (ending := output.token(choice, token, scores)) is not None:
+            self.engine.finish(row, ending)
+
+    def _finish(self, row: str, reason: TaskOutcome, prompt_tokens: int) -> None:
+        task_id, choice = split_row_id(row)
+        output = self._outputs.get(task_id)
+        if output is None:
             return
-        # The token that reaches max_tokens (reason LENGTH) is part of the output too, as in mlx-lm.
-        text = stream.add(token)
-        if stream.stopped and reason is None:
-            self.engine.finish(task_id, TaskOutcome.STOP)
-        if text:
-            self._loop.call_soon_threadsafe(self._emit, task_id, text, 1)
-
-    def _on_finished(self, task_id: str, reason: TaskOutcome, prompt_tokens: int, completion_tokens: int) -> None:
-        """Engine thread: a task ended (EOS, length, stop string or cancel)."""
-        self._loop.call_soon_threadsafe(self._finish, task_id, reason, prompt_tokens, completion_tokens)
-
-    def _emit(self, task_id: str, text: str, tokens: int) -> None:
-        index = self._chunk_index[task_id]
-        self._chunk_index[task_id] = index + 1
-        self._publish_chunk(Chunk(task_id=TaskId(task_id), index=index, text=text, token_count=tokens))
-
-    def _finish(self, task_id: str, reason: TaskOutcome, prompt_tokens: int, completion_tokens: int) -> None:
-        stream = self._streams.pop(task_id, None)
-        if stream is None:
+        vector = self._embeddings.pop(row, None)
+        if vector is not None:
+            usage = output.embedding(choice, vector, prompt_tokens)
+        else:
+            if reason is TaskOutcome.CANCELLED:
+                for other in range(len(output.choices)):
+                    self.engine.cancel(row_id(task_id, other))
+            usage = output.finish(choice, reason, prompt_tokens)
+        if usage is None:
             return
-        # The last token may complete a stop string just as max_tokens is reached: that is a stop.
-        outcome = TaskOutcome.STOP if stream.stopped and reason is TaskOutcome.LENGTH else reason
-        usage = Usage(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens)
-        index = self._chunk_index.pop(task_id)
-        self._publish_chunk(
-            Chunk(task_id=TaskId(task_id), index=index, text=stream.finish(), finish_reason=outcome, usage=usage)
-        )
+        del self._outputs[task_id]
+        outcome = output.outcome
         self._send_later(
             publish_command(
                 self._js,
                 ReportTaskFinished(
-                    task_id=TaskId(task_id),
+                    task_id=task_id,
                     instance_id=self.plan.key.instance_id,
                     outcome=outcome,
                     usage=usage,
-                    last_chunk_index=index,
+                    last_chunk_index=output.last_index,
                 ),
             )
         )

@@ -1,7 +1,7 @@
 """MLX shard engine: pipeline-parallel generation over a ring of processes, one layer range each."""
 
 from .distributed import init_ring, write_hostfile
-from .engine import EngineStats, GenerationRequest, PipelineEngine
+from .engine import EngineStats, GenerationRequest, PipelineEngine, TokenScores
 from .shard import Shard, eos_token_ids, load_shard
 
 __all__ = [
@@ -9,6 +9,7 @@ __all__ = [
     "GenerationRequest",
     "PipelineEngine",
     "Shard",
+    "TokenScores",
     "eos_token_ids",
     "init_ring",
     "load_shard",

@@ -52,10 +52,23 @@ log = logging.getLogger(__name__)
 # Why a task ends is the outcome the runner reports: STOP for an EOS token or a stop string the caller saw,
 # LENGTH at max_tokens, CANCELLED; the engine never ends a task with ERROR.
 StartedCallback = Callable[[str, int], None]
-TokenCallback = Callable[[str, int, int, TaskOutcome | None], None]
+TokenCallback = Callable[[str, int, int, "TaskOutcome | None", "TokenScores | None"], None]
 FinishedCallback = Callable[[str, TaskOutcome, int, int], None]
+EmbeddingCallback = Callable[[str, list[float]], None]
 LogitsProcessor = Callable[[mx.array, mx.array], mx.array]
 """mlx-lm's shape: (the row's prompt and generated token ids, its logprobs (1, vocab)) -> logprobs."""
+
+MAX_TOP_LOGPROBS = 20
+
+
+@dataclass(frozen=True)
+class TokenScores:
+    """A sampled token's log-probability under the model (log-softmax of its logits: before temperature, top_p
+    and logits processors, as OpenAI reports them) and the `top_logprobs` most likely tokens at its place."""
+
+    logprob: float
+    top: list[tuple[int, float]]
+
 
 # How long the idle leader sleeps on its queue between checks; it wakes at once on a request.
 IDLE_POLL_S = 0.5
@@ -75,6 +88,11 @@ class GenerationRequest:
     # None: the model's own EOS ids (config.json and generation_config.json).
     eos_token_ids: frozenset[int] | None = None
     logits_processors: tuple[LogitsProcessor, ...] = ()
+    top_logprobs: int | None = None
+    """Report each token's TokenScores with this many alternatives; None reports none."""
+    embed: bool = False
+    """Generate nothing: prefill the whole prompt and hand out its embedding (the mean of the final norm's
+    outputs over the prompt, L2-normalised) through `on_embedding`."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "prompt_tokens", tuple(int(t) for t in self.prompt_tokens))
@@ -90,6 +108,8 @@ class GenerationRequest:
             raise ValueError(f"task {self.task_id}: top_p must be in (0, 1], got {self.top_p}")
         if self.seed is not None and not 0 <= self.seed < 2**64:
             raise ValueError(f"task {self.task_id}: seed must be in [0, 2**64), got {self.seed}")
+        if self.top_logprobs is not None and not 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS:
+            raise ValueError(f"task {self.task_id}: top_logprobs must be in [0, {MAX_TOP_LOGPROBS}]")
 
 
 @dataclass(eq=False)
@@ -104,6 +124,7 @@ class _Task:
     prefilled: bool = False  # a PREFILL went out for it
     restore: PrefixHit | None = None  # the saved prefix its cache starts from
     finished: bool = False
+    pooled: mx.array | None = None  # an embedding task's sum of final-norm outputs over the prompt so far
 
 
 @dataclass
@@ -112,6 +133,8 @@ class _Launched:
 
     rows: list[_Task]
     tokens: mx.array
+    scores: tuple[mx.array, mx.array, mx.array] | None = None
+    """When a row asked for them: every row's token logprob (B,), its top ids (B, k) and their logprobs (B, k)."""
 
 
 @dataclass(eq=False)
@@ -291,6 +314,7 @@ class PipelineEngine:
         on_started: StartedCallback | None = None,
         on_token: TokenCallback | None = None,
         on_finished: FinishedCallback | None = None,
+        on_embedding: EmbeddingCallback | None = None,
         max_batch: int = 8,
         prefill_step_size: int = 2048,
         interleaved_prefill_tokens: int | None = None,
@@ -331,6 +355,7 @@ class PipelineEngine:
         self.on_started = on_started
         self.on_token = on_token
         self.on_finished = on_finished
+        self.on_embedding = on_embedding
         self._link = Link(group, ring_listen_port(rank)) if group is not None and size > 1 else None
         self._control: queue.Queue[_Control] = queue.Queue()
         self._lock = threading.Lock()
@@ -550,7 +575,7 @@ class PipelineEngine:
         eos = self.shard.eos_token_ids if request.eos_token_ids is None else request.eos_token_ids
         sampler = TaskSampler(request.temperature, request.top_p, request.seed)
         task = _Task(request=request, slot=slot, sampler=sampler, eos=frozenset(eos))
-        hit = self._prefixes.find(request.prompt_tokens[:-1])
+        hit = None if request.embed else self._prefixes.find(request.prompt_tokens[:-1])
         if hit is not None:
             task.restore = hit
             task.prompt_done = hit.tokens
@@ -565,9 +590,13 @@ class PipelineEngine:
         """The task's next prompt chunk, or, once all but its last token are in its cache, its join.
         Same schedule as mlx_lm.generate_step: the last prompt token's logits give the first token."""
         prompt = task.request.prompt_tokens
-        remaining = len(prompt) - 1 - task.prompt_done
+        # An embedding needs every prompt token's hidden state; a generation's last token goes in with its join.
+        remaining = len(prompt) - task.prompt_done - (0 if task.request.embed else 1)
         if remaining <= 0:
-            self._send_join(task)
+            if task.request.embed:
+                self._finish_embedding(task)
+            else:
+                self._send_join(task)
             return
         n = min(self._prefill_chunk(), remaining)
         ids = mx.array([prompt[task.prompt_done : task.prompt_done + n]], dtype=mx.int32)
@@ -581,6 +610,13 @@ class PipelineEngine:
         if self.interleaved_prefill_tokens is not None:
             return self.interleaved_prefill_tokens
         return self._timing.tokens_per_step(self.prefill_step_size)
+
+    def _finish_embedding(self, task: _Task) -> None:
+        assert task.pooled is not None
+        mean = task.pooled[0] / len(task.request.prompt_tokens)
+        vector = mean / mx.maximum(mx.linalg.norm(mean), 1e-12)
+        _notify(self.on_embedding, task.request.task_id, cast("list[float]", vector.tolist()))
+        self._finish(task, TaskOutcome.STOP)
 
     def _send_join(self, task: _Task) -> None:
         group = min(self._groups, key=lambda g: len(g.rows))
@@ -683,8 +719,11 @@ class PipelineEngine:
                 mx.eval(group.launched.tokens)  # time the chunk alone, not a decode step still running
         started = time.perf_counter()
         cache = self._caches.for_prefill(header)
-        self.shard.run_layers(hidden, cache)
-        mx.eval([c.state for c in cache])
+        h = self.shard.run_layers(hidden, cache)
+        if task.request.embed:
+            pooled = self.shard.final_norm(h).astype(mx.float32).sum(axis=1)
+            task.pooled = pooled if task.pooled is None else task.pooled + pooled
+        mx.eval([c.state for c in cache], task.pooled)
         self._timing.prefilled(header.length, time.perf_counter() - started)
         self.stats.steps += 1
         if not task.finished:
@@ -701,35 +740,47 @@ class PipelineEngine:
             previous = None
         h = self.shard.run_layers(hidden, self._caches.for_decode(header))
         self.stats.steps += 1
-        tokens = self._sample(rows, self.shard.head(h)[:, -1, :])
-        mx.async_eval(tokens)
-        group.launched = _Launched(rows, tokens)
+        tokens, scores = self._sample(rows, self.shard.head(h)[:, -1, :])
+        mx.async_eval(tokens, *(scores or ()))
+        group.launched = _Launched(rows, tokens, scores)
         if previous is not None:
             if group.index == 0:
                 self._timing.read()
             self._read(previous)
 
-    def _sample(self, rows: list[_Task], logits: mx.array) -> mx.array:
+    def _sample(
+        self, rows: list[_Task], logits: mx.array
+    ) -> tuple[mx.array, tuple[mx.array, mx.array, mx.array] | None]:
+        """The rows' next tokens, and their scores when a row asked for them."""
         logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
         if all(t.sampler.greedy and not t.request.logits_processors for t in rows):
             # Same op as mlx_lm's greedy_sampler, so greedy output matches mlx-lm exactly.
-            return mx.argmax(logprobs, axis=-1)
-        sampled = []
-        for i, task in enumerate(rows):
-            row = logprobs[i : i + 1]
-            if task.request.logits_processors:
-                history = mx.array([*task.request.prompt_tokens, *task.generated], dtype=mx.int32)
-                for processor in task.request.logits_processors:
-                    row = processor(history, row)
-            sampled.append(task.sampler(row))
-        return mx.concatenate(sampled)
+            tokens = mx.argmax(logprobs, axis=-1)
+        else:
+            sampled = []
+            for i, task in enumerate(rows):
+                row = logprobs[i : i + 1]
+                if task.request.logits_processors:
+                    history = mx.array([*task.request.prompt_tokens, *task.generated], dtype=mx.int32)
+                    for processor in task.request.logits_processors:
+                        row = processor(history, row)
+                sampled.append(task.sampler(row))
+            tokens = mx.concatenate(sampled)
+        wanted = [t.request.top_logprobs for t in rows if t.request.top_logprobs is not None]
+        if not wanted:
+            return tokens, None
+        chosen = mx.take_along_axis(logprobs, tokens.reshape(-1, 1).astype(mx.int32), axis=-1)[:, 0]
+        k = max(1, *wanted)
+        top_ids = mx.argpartition(-logprobs, kth=k - 1, axis=-1)[:, :k]
+        return tokens, (chosen, top_ids, mx.take_along_axis(logprobs, top_ids, axis=-1))
 
     def _read(self, launched: _Launched) -> None:
-        for task, token in zip(launched.rows, cast("list[int]", launched.tokens.tolist()), strict=True):
+        scores = None if launched.scores is None else [cast("list[Any]", a.tolist()) for a in launched.scores]
+        for i, (task, token) in enumerate(zip(launched.rows, cast("list[int]", launched.tokens.tolist()), strict=True)):
             if not task.finished:  # else it ended after the step went out: the step's token for it is void
-                self._accept(task, token)
+                self._accept(task, token, None if scores is None else _row_scores(task, scores, i))
 
-    def _accept(self, task: _Task, token: int) -> None:
+    def _accept(self, task: _Task, token: int, scores: TokenScores | None = None) -> None:
         task.generated.append(token)
         self.stats.tokens += 1
         request = task.request
@@ -738,10 +789,10 @@ class PipelineEngine:
             return
         index = len(task.generated) - 1
         if len(task.generated) >= request.max_tokens:
-            self._emit_token(request.task_id, token, index, TaskOutcome.LENGTH)
+            self._emit_token(request.task_id, token, index, TaskOutcome.LENGTH, scores)
             self._finish(task, TaskOutcome.LENGTH)
         else:
-            self._emit_token(request.task_id, token, index, None)
+            self._emit_token(request.task_id, token, index, None, scores)
 
     def _round_trip(self, header: Header, payload: mx.array | None = None) -> mx.array | None:
         """One step around the ring and back, with nothing else under way (start and stop)."""
@@ -766,8 +817,10 @@ class PipelineEngine:
         with self._lock:
             self._task_ids.discard(task_id)
 
-    def _emit_token(self, task_id: str, token: int, index: int, reason: TaskOutcome | None) -> None:
-        _notify(self.on_token, task_id, token, index, reason)
+    def _emit_token(
+        self, task_id: str, token: int, index: int, reason: TaskOutcome | None, scores: TokenScores | None
+    ) -> None:
+        _notify(self.on_token, task_id, token, index, reason, scores)
 
     def _emit_finished(self, task_id: str, reason: TaskOutcome, prompt_tokens: int, completion_tokens: int) -> None:
         _notify(self.on_finished, task_id, reason, prompt_tokens, completion_tokens)
@@ -777,6 +830,15 @@ class PipelineEngine:
             raise RuntimeError(
                 f"{what}() is only available on the last rank ({self.size - 1}); this is rank {self.rank}"
             )
+
+
+def _row_scores(task: _Task, scores: list[list[Any]], row: int) -> TokenScores | None:
+    k = task.request.top_logprobs
+    if k is None:
+        return None
+    chosen, top_ids, top_logprobs = scores
+    top = sorted(zip(top_ids[row], top_logprobs[row], strict=True), key=lambda pair: -pair[1])[:k]
+    return TokenScores(logprob=chosen[row], top=[(int(i), float(v)) for i, v in top])
 
 
 def _notify(callback: Callable[..., None] | None, task_id: str, *args: object) -> None:

@@ -90,10 +90,16 @@ class Shard:
             h = layer(h, masks[sliding], layer_cache)
         return h
 
+    def final_norm(self, h: mx.array) -> mx.array:
+        """The last layer's output as the head sees it: what an embedding pools."""
+        if not self.is_last:
+            raise ValueError(f"shard [{self.start_layer}, {self.end_layer}) has no final norm")
+        return self.model.model.norm(h)
+
     def head(self, h: mx.array) -> mx.array:
         if not self.is_last:
             raise ValueError(f"shard [{self.start_layer}, {self.end_layer}) has no lm_head")
-        h = self.model.model.norm(h)
+        h = self.final_norm(h)
         if self.tied_embeddings:
             return self.model.model.embed_tokens.as_linear(h)
         return self.model.lm_head(h)

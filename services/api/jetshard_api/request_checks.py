@@ -1,0 +1,160 @@
+"""Checks every dialect's request goes through on its way to a `TaskRequest`: sampling values, tools, output
+schemas, conversation messages. Each dialect names its own fields (`max_tokens`, `num_predict`,
+`max_output_tokens`…) and passes the name along, so an error names the field the client sent.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Sequence
+from typing import Any, TypeVar
+
+import msgspec
+from jetshard_schema.types import MAX_CHOICES, MAX_TOP_LOGPROBS, SamplingParams, Tool, ToolChoice, Tools
+
+from jetshard_api.errors import ApiError
+
+MAX_SEED = 2**64 - 1
+"""Seeds are unsigned 64-bit, the range MLX's PRNG keys take."""
+MAX_TOOLS = 128
+"""OpenAI's bound."""
+MAX_STOP = 4
+FUNCTION_NAME = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
+"""OpenAI's rule for function names (and dots, which Ollama's and Anthropic's tools use)."""
+MAX_SCHEMA_DEPTH = 32
+
+_Body = TypeVar("_Body")
+_ERROR_PATH = re.compile(r"at `\$\.([A-Za-z_]+)")
+
+
+def strictly_decoded(body: bytes, body_type: type[_Body]) -> _Body:
+    """Decode a request body with JSON's own types. Litestar converts bodies leniently (`"max_tokens": "5"`
+    becomes 5); OpenAI refuses a value of the wrong type, and a client that sends one has a bug to see."""
+    try:
+        return msgspec.json.decode(body, type=body_type)
+    except msgspec.ValidationError as error:
+        field = _ERROR_PATH.search(str(error))
+        raise ApiError(400, str(error), "invalid_type", field.group(1) if field else None) from error
+    except msgspec.DecodeError as error:
+        raise ApiError(400, f"the body is not valid JSON: {error}", "invalid_json") from error
+
+
+def unsupported(param: str, why: str = "") -> ApiError:
+    what = f"'{param}' {why}" if why else f"'{param}'"
+    return ApiError(400, f"{what} is not supported", "unsupported_parameter", param)
+
+
+def invalid(param: str, message: str) -> ApiError:
+    return ApiError(400, message, "invalid_value", param)
+
+
+def sampling(
+    *,
+    max_tokens: int | None = None,
+    temperature: float | None = None,
+    top_p: float | None = None,
+    seed: int | None = None,
+    stop: str | Sequence[str] | None = None,
+    names: dict[str, str] | None = None,
+) -> SamplingParams:
+    """A request's sampling values, checked; a value left out stays None, for the model's defaults to fill in
+    where the model is (jetshard_schema.sampling). `names` maps these parameters to the dialect's fields."""
+    name = {"max_tokens": "max_tokens", "temperature": "temperature", "top_p": "top_p", "seed": "seed"}
+    name |= {"stop": "stop"} | (names or {})
+    if max_tokens is not None and max_tokens < 1:
+        raise invalid(name["max_tokens"], f"{name['max_tokens']} must be at least 1")
+    if temperature is not None and not 0 <= temperature <= 2:
+        raise invalid(name["temperature"], f"{name['temperature']} must be between 0 and 2")
+    if top_p is not None and not 0 < top_p <= 1:
+        raise invalid(name["top_p"], f"{name['top_p']} must be in (0, 1]")
+    if seed is not None and not 0 <= seed <= MAX_SEED:
+        raise invalid(name["seed"], f"{name['seed']} must be between 0 and {MAX_SEED}")
+    stops = (stop,) if isinstance(stop, str) else tuple(stop or ())
+    if len(stops) > MAX_STOP or any(not s for s in stops):
+        raise invalid(name["stop"], f"{name['stop']} takes up to {MAX_STOP} non-empty strings")
+    return SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, seed=seed, stop=stops)
+
+
+def choices(n: int | None) -> int:
+    if n is not None and not 1 <= n <= MAX_CHOICES:
+        raise invalid("n", f"n must be between 1 and {MAX_CHOICES}")
+    return n or 1
+
+
+def top_logprobs(wanted: bool, top: int | None, param: str = "top_logprobs") -> int | None:
+    """How many alternatives to report per token, or None for no logprobs at all."""
+    if top is not None and not 0 <= top <= MAX_TOP_LOGPROBS:
+        raise invalid(param, f"{param} must be between 0 and {MAX_TOP_LOGPROBS}")
+    if top and not wanted:
+        raise invalid(param, f"{param} needs logprobs")
+    return (top or 0) if wanted else None
+
+
+def output_schema(schema: object, param: str) -> dict[str, Any]:
+    """A JSON Schema a client asks the output to follow: an object, not too deep. Whether the runner's grammar
+    compiler can follow it is checked where the model is (an error there is a 400 too)."""
+    if not isinstance(schema, dict):
+        raise invalid(param, f"{param} must be a JSON Schema object")
+    if _depth(schema) > MAX_SCHEMA_DEPTH:
+        raise invalid(param, f"{param} is nested deeper than {MAX_SCHEMA_DEPTH} levels")
+    return schema
+
+
+def tools(
+    functions: Sequence[tuple[str, str, object]],
+    choice: ToolChoice = ToolChoice.AUTO,
+    function: str | None = None,
+    parallel: bool = True,
+    param: str = "tools",
+) -> Tools | None:
+    """Functions (name, description, parameters schema) and how they may be called; None when there are none
+    and none is asked for."""
+    if len(functions) > MAX_TOOLS:
+        raise invalid(param, f"{param} takes at most {MAX_TOOLS} functions")
+    checked = []
+    for i, (name, description, parameters) in enumerate(functions):
+        if not FUNCTION_NAME.match(name):
+            raise invalid(f"{param}[{i}]", f"function names are 1 to 64 of a-z, A-Z, 0-9, '_', '.', '-'; got {name!r}")
+        schema = {"type": "object"} if parameters is None else output_schema(parameters, f"{param}[{i}].parameters")
+        checked.append(Tool(name=name, description=description, parameters=schema))
+    names = [tool.name for tool in checked]
+    if len(set(names)) != len(names):
+        raise invalid(param, f"{param} names a function twice")
+    if choice is ToolChoice.FUNCTION and function not in names:
+        raise invalid("tool_choice", f"tool_choice names {function!r}, which is not among the tools")
+    if choice in (ToolChoice.REQUIRED, ToolChoice.FUNCTION) and not checked:
+        raise invalid("tool_choice", "tool_choice asks for a call but there are no tools")
+    if not checked:
+        return None
+    return Tools(functions=tuple(checked), choice=choice, function=function, parallel=parallel)
+
+
+def text_content(content: object, param: str) -> str:
+    """A message's content: a string, or a list of text parts (`{"type": "text", "text": …}`; Anthropic's and
+    the Responses API's `input_text` / `output_text` too)."""
+    if isinstance(content, str):
+        return content
+    if content is None:
+        return ""
+    if isinstance(content, list):
+        parts = []
+        for part in content:
+            if isinstance(part, dict) and part.get("type") in _TEXT_PARTS and isinstance(part.get("text"), str):
+                parts.append(part["text"])
+            else:
+                raise ApiError(400, f"{param}: only text parts are supported", "unsupported_content", param)
+        return "".join(parts)
+    raise invalid(param, f"{param} must be a string or a list of text parts")
+
+
+_TEXT_PARTS = ("text", "input_text", "output_text")
+
+
+def _depth(value: object, level: int = 0) -> int:
+    if level > MAX_SCHEMA_DEPTH:
+        return level
+    if isinstance(value, dict):
+        return max((_depth(v, level + 1) for v in value.values()), default=level)
+    if isinstance(value, list):
+        return max((_depth(v, level + 1) for v in value), default=level)
+    return level

@@ -1,0 +1,293 @@
+"""One request path for every dialect (OpenAI, Ollama, Anthropic, Responses): a `TaskRequest` is placed,
+queued, submitted and read back as chunks, and a client that leaves cancels it. The routes only translate
+their request into a TaskRequest and the chunks into their answer.
+
+A task is submitted as a `SubmitTask` command; the sequencer routes it to the ready instance with the fewest
+tasks in flight; the runner streams chunks on `jetshard.chunks.<task id>`. The API subscribes to that subject
+before it submits, checks the running index (a gap is an error) and treats silence as an error.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+from contextlib import AsyncExitStack
+from dataclasses import dataclass, field
+from typing import Any
+
+from jetshard_schema.codec import decode_chunk
+from jetshard_schema.commands import CancelTask, SubmitTask
+from jetshard_schema.events import TaskAssigned, TaskFinished
+from jetshard_schema.ids import InstanceId
+from jetshard_schema.state import State
+from jetshard_schema.subjects import chunk_subject
+from jetshard_schema.types import Chunk, TaskOutcome, TaskRequest, TokenLogprob, ToolCall, Usage
+from litestar.types import Receive
+
+from jetshard_api.cluster import Cluster
+from jetshard_api.disconnect import stopped, unless_disconnected
+from jetshard_api.errors import ApiError
+from jetshard_api.route_steps import InferenceSettings, ensure_placed, ensure_ready, ready_models, wait_ready
+
+BROKER_CHECK_S = 1.0
+"""How often a request waiting for chunks checks that NATS is still reachable."""
+LOST_CHUNK_GRACE_S = 5.0
+"""Once the task has finished, how long its remaining chunks may take: they were published before its
+TaskFinished, over core NATS, which drops them when a server fails; past this they are lost."""
+
+REQUEST_ERRORS = frozenset({"context_length_exceeded", "invalid_prompt", "invalid_schema", "invalid_request"})
+"""A runner's error codes that are the request's fault: 400, not 502."""
+
+
+class ChunkStream:
+    """The chunks of one task in index order; raises ApiError on a gap, an error chunk, or silence."""
+
+    def __init__(self, cluster: Cluster, request: TaskRequest, settings: InferenceSettings) -> None:
+        self._cluster = cluster
+        self._request = request
+        self._settings = settings
+        self._queue: asyncio.Queue[bytes | TaskFinished | None] = asyncio.Queue()
+        """Chunks as they arrive; then, once the task leaves State, its TaskFinished, or None if it left
+        without finishing."""
+        self._subscription: Any = None
+        self._next_index = 0
+        self._last_index: int | None = None
+        self._instance_id: InstanceId | None = None
+        self._generation = 0
+        self._watcher: asyncio.Task[None] | None = None
+        self.finished = False
+        self._submitted = False
+        self._closed = False
+
+    async def __aenter__(self) -> ChunkStream:
+        async def on_chunk(msg: Any) -> None:
+            self._queue.put_nowait(msg.data)
+
+        self._cluster.require_broker()
+        self._subscription = await self._cluster.client.subscribe(chunk_subject(self._request.task_id), cb=on_chunk)
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    async def close(self) -> None:
+        """Stop listening; cancel the task unless it finished. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        if self._submitted and not self.finished:
+            # The client went away or we failed: stop generation at the runner's next step. Scheduled before
+            # any await, which a cancelled caller (a disconnected client) would not get past.
+            task = asyncio.create_task(self._cluster.publish(CancelTask(task_id=self._request.task_id)))
+            task.add_done_callback(lambda t: t.cancelled() or t.exception())
+        self._cluster.forget_finish(self._request.task_id)
+        if self._watcher is not None:
+            self._watcher.cancel()
+        if self._subscription is not None:
+            subscription, self._subscription = self._subscription, None
+            await subscription.unsubscribe()
+
+    async def submit(self) -> None:
+        """Submit the task, or raise ApiError (429: its model's queue is full) having published nothing."""
+        with self._cluster.queue_place(self._request.model_id):
+            task = await self._cluster.store_request(self._request)
+            finishing = self._cluster.expect_finish(self._request.task_id)
+            self._submitted = True
+            events = await self._cluster.submit(SubmitTask(task=task))
+        assigned = next((e for e in events if isinstance(e, TaskAssigned)), None)
+        if assigned is not None:
+            self._instance_id, self._generation = assigned.instance_id, assigned.generation
+        self._watcher = asyncio.create_task(self._watch(finishing))
+
+    async def _watch(self, finishing: asyncio.Future[TaskFinished]) -> None:
+        """Tell the reader when the task leaves State: with its TaskFinished (the index of its last chunk), or
+        with None when it left without finishing (its instance restarted, failed or was deleted, or someone
+        cancelled it), so the stream ends now instead of waiting for silence."""
+        task_id = self._request.task_id
+        await self._cluster.follower.wait_until(lambda s: task_id not in s.tasks, float("inf"))
+        self._queue.put_nowait(finishing.result() if finishing.done() else None)
+
+    def _gone_error(self) -> ApiError:
+        state = self._cluster.state
+        instance = state.instances.get(self._instance_id) if self._instance_id else None
+        if instance is None:
+            why = "its instance was deleted"
+        elif instance.failed:
+            why = f"its instance failed: {instance.failed_reason}"
+        elif instance.generation != self._generation:
+            why = f"its instance restarted: {instance.failed_reason}"
+        else:
+            why = "it was cancelled"
+        return ApiError(502, f"the generation stopped: {why}", "runner_failed")
+
+    async def _receive(self) -> bytes:
+        """The next chunk's bytes; raises ApiError when the task left without finishing, or on silence."""
+        timeout = self._settings.first_chunk_timeout_s if self._next_index == 0 else self._settings.chunk_silence_s
+        deadline = time.monotonic() + (timeout if self._last_index is None else LOST_CHUNK_GRACE_S)
+        while True:
+            try:
+                item = await asyncio.wait_for(self._queue.get(), min(BROKER_CHECK_S, deadline - time.monotonic()))
+            except TimeoutError as error:
+                # Chunks travel over NATS: without it none can come, so say so now rather than at the deadline.
+                self._cluster.require_broker()
+                if time.monotonic() < deadline:
+                    continue
+                if self._last_index is not None:
+                    self.finished = True
+                    lost = f"chunks {self._next_index}..{self._last_index} of the output were lost"
+                    raise ApiError(502, lost, "chunk_gap") from error
+                raise ApiError(504, f"the runner sent nothing for {timeout:.0f} s", "runner_timeout") from error
+            if item is None:
+                self.finished = True
+                raise self._gone_error()
+            if isinstance(item, TaskFinished):
+                # Finished, and chunks travel apart from events: the ones up to its last are still on their way.
+                self._last_index = item.last_chunk_index
+                deadline = min(deadline, time.monotonic() + LOST_CHUNK_GRACE_S)
+                continue
+            return item
+
+    async def next(self) -> Chunk:
+        chunk = decode_chunk(await self._receive())
+        if chunk.index != self._next_index:
+            raise ApiError(502, f"chunk {self._next_index} of the output was lost (got {chunk.index})", "chunk_gap")
+        self._next_index += 1
+        if chunk.error is not None:
+            self.finished = True
+            status = 400 if chunk.error_code in REQUEST_ERRORS else 502
+            raise ApiError(status, chunk.error, chunk.error_code or "runner_error")
+        if chunk.usage is not None or chunk.index == self._last_index:
+            self.finished = True
+        return chunk
+
+
+def _waiting_for(state: State, request: TaskRequest) -> str:
+    """What a streaming request is waiting for, said in its keep-alive comments."""
+    task = state.tasks.get(request.task_id)
+    if task is None:
+        return "submitting" if request.model_id in ready_models(state) else "waiting for the model to be ready"
+    if task.started:
+        return "processing the prompt"
+    queued = state.unstarted_tasks(task.instance_id, task.generation)
+    ahead = sum(1 for t in queued if t.ref.request_seq < task.ref.request_seq)
+    return f"queued; {ahead} queued before this one"
+
+
+@dataclass
+class Choice:
+    """One choice's whole output, as a non-streaming answer gives it."""
+
+    text: str = ""
+    tool_calls: list[ToolCall] = field(default_factory=list)
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    finish_reason: TaskOutcome | None = None
+    embedding: tuple[float, ...] = ()
+
+
+@dataclass
+class Answer:
+    choices: list[Choice]
+    usage: Usage
+
+
+async def answer(cluster: Cluster, settings: InferenceSettings, task: TaskRequest, receive: Receive) -> Answer:
+    """The whole output of a task, its model placed and ready first; the task is cancelled if the client leaves."""
+    return await unless_disconnected(receive, _collect(cluster, settings, task))
+
+
+async def _collect(cluster: Cluster, settings: InferenceSettings, task: TaskRequest) -> Answer:
+    cluster.require_broker()
+    await ensure_ready(cluster, task.model_id, settings)
+    choices = [Choice() for _ in range(max(task.n, len(task.inputs)))]
+    usage = Usage(prompt_tokens=0, completion_tokens=0)
+    async with ChunkStream(cluster, task, settings) as chunks:
+        await chunks.submit()
+        while not chunks.finished:
+            chunk = await chunks.next()
+            choice = choices[chunk.choice]
+            choice.text += chunk.text
+            choice.tool_calls += chunk.tool_calls
+            choice.logprobs += chunk.logprobs
+            choice.embedding = chunk.embedding or choice.embedding
+            choice.finish_reason = chunk.finish_reason or choice.finish_reason
+            usage = chunk.usage or usage
+    return Answer(choices, usage)
+
+
+@dataclass(frozen=True)
+class Waiting:
+    """A streaming task has not started yet: what it waits for, for a keep-alive."""
+
+    what: str
+
+
+class LiveTask:
+    """A streaming task: `items()` yields `Waiting` while it waits, then its chunks. Opening it places the model
+    and, for a task that starts at once, submits it, so those errors (unknown model, full queue, over-long
+    prompt) come before the response starts; later ones are raised from `items()`. The response closes it in
+    its background step (`close`), whether or not the stream was ever iterated."""
+
+    def __init__(self, cluster: Cluster, settings: InferenceSettings, task: TaskRequest) -> None:
+        self.task = task
+        self._cluster = cluster
+        self._settings = settings
+        # Everything the stream holds open (the chunk subscription, the task starting) is on this stack. A
+        # client that leaves while the stream waits to send cancels the sending task, not the generator (its
+        # clean-up would wait for garbage collection), and a generator never iterated never cleans up.
+        self._resources = AsyncExitStack()
+        self._chunks = ChunkStream(cluster, task, settings)
+        self._starting: asyncio.Task[Chunk] | None = None
+
+    @classmethod
+    async def open(cls, cluster: Cluster, settings: InferenceSettings, task: TaskRequest, receive: Receive) -> LiveTask:
+        cluster.require_broker()
+        live = cls(cluster, settings, task)
+        try:
+            await live._open(receive)
+        except BaseException:
+            await live.close()
+            raise
+        return live
+
+    async def _open(self, receive: Receive) -> None:
+        await self._resources.enter_async_context(self._chunks)
+        coming = await unless_disconnected(receive, ensure_placed(self._cluster, self.task.model_id, self._settings))
+
+        async def first_chunk() -> Chunk:
+            if coming:
+                await wait_ready(self._cluster, self.task.model_id, coming, self._settings)
+            await self._chunks.submit()
+            return await self._chunks.next()
+
+        self._starting = starting = asyncio.create_task(first_chunk())
+        self._resources.push_async_callback(stopped, starting)
+        if not coming:
+            # A task that starts at once answers a full queue or an over-long prompt with a plain HTTP error
+            # too; one that waits longer than a keep-alive gets its stream started, and any error in it.
+            await unless_disconnected(receive, asyncio.wait({starting}, timeout=self._settings.keep_alive_s))
+            if starting.done():
+                starting.result()
+
+    async def items(self) -> AsyncIterator[Waiting | Chunk]:
+        starting = self._starting
+        assert starting is not None
+        while not starting.done():
+            # At once (the client sees the response start), then every few seconds.
+            yield Waiting(_waiting_for(self._cluster.state, self.task))
+            await asyncio.wait({starting}, timeout=self._settings.keep_alive_s)
+        chunk = starting.result()
+        while True:
+            yield chunk
+            if self._chunks.finished:
+                return
+            chunk = await self._chunks.next()
+
+    async def close(self) -> None:
+        await self._resources.aclose()
+
+    async def __aenter__(self) -> LiveTask:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()

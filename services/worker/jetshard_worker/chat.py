@@ -1,0 +1,75 @@
+"""A conversation, with its tools, as the model's own chat template renders it.
+
+Templates that know tools (Qwen, Llama 3.1+, Mistral…) get them as `tools=` and the conversation's earlier
+calls as `tool_calls`, the shape Hugging Face templates read. A template with no place for tools renders the
+same text with and without them; the tools are then described in a system message that asks for the JSON
+form `jetshard_worker.toolcalls` parses, and earlier calls are written in that form, so a model without a
+tool format can still take part.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from jetshard_schema.types import ChatMessage, Tool, ToolChoice, Tools
+
+TOOLS_PROMPT = (
+    "You can call these functions:\n{tools}\n\n"
+    "To call one, answer with only a JSON object of the form "
+    '{{"name": <function name>, "arguments": <the arguments object>}}.'
+)
+
+
+def tool_spec(tool: Tool) -> dict[str, Any]:
+    """A function as the tool-call parsers and constrained decoding take it."""
+    return {"name": tool.name, "description": tool.description, "parameters": tool.parameters}
+
+
+def render_chat(tokenizer: Any, messages: tuple[ChatMessage, ...], tools: Tools | None) -> str:
+    """The prompt text; the tools are left out when the request's choice is `none`."""
+    plain = _render(tokenizer, [_message(m) for m in messages], None)
+    if tools is None or tools.choice is ToolChoice.NONE or not tools.functions:
+        return plain
+    specs = [{"type": "function", "function": tool_spec(tool)} for tool in tools.functions]
+    with_tools = _render(tokenizer, [_message(m) for m in messages], specs)
+    if with_tools != plain:
+        return with_tools
+    described = TOOLS_PROMPT.format(tools="\n".join(json.dumps(spec["function"]) for spec in specs))
+    inline = [_message(m, calls_as_text=True) for m in messages]
+    if inline and inline[0]["role"] == "system":
+        inline[0] = {**inline[0], "content": f"{inline[0]['content']}\n\n{described}"}
+    else:
+        inline.insert(0, {"role": "system", "content": described})
+    return _render(tokenizer, inline, None)
+
+
+def _render(tokenizer: Any, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None) -> str:
+    return str(tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=True, tokenize=False))
+
+
+def _message(message: ChatMessage, calls_as_text: bool = False) -> dict[str, Any]:
+    rendered: dict[str, Any] = {"role": message.role, "content": message.content}
+    if message.tool_calls:
+        if calls_as_text:
+            calls = [{"name": c.name, "arguments": _arguments(c.arguments)} for c in message.tool_calls]
+            text = json.dumps(calls[0] if len(calls) == 1 else calls)
+            rendered["content"] = f"{message.content}\n{text}" if message.content else text
+        else:
+            rendered["tool_calls"] = [
+                {"id": c.id, "type": "function", "function": {"name": c.name, "arguments": _arguments(c.arguments)}}
+                for c in message.tool_calls
+            ]
+    if message.tool_call_id is not None:
+        rendered["tool_call_id"] = message.tool_call_id
+    if message.name is not None:
+        rendered["name"] = message.name
+    return rendered
+
+
+def _arguments(text: str) -> Any:
+    """Templates iterate over the arguments as a mapping; a model's unparsable JSON stays text."""
+    try:
+        return json.loads(text)
+    except ValueError:
+        return text

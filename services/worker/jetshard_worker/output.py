@@ -1,0 +1,172 @@
+"""What a task's generated tokens become on `jetshard.chunks.<task id>`: per choice, its text (stop strings
+held back), its tool calls, its logprobs; then the task's usage on the last chunk.
+
+A task with `n` choices runs as `n` engine rows; an embedding task as one row per input. Every piece of
+output becomes a `Chunk` with the next index of the task, whichever choice it belongs to, so the API sees
+one gap-free sequence; the chunk that carries `usage` is the last.
+"""
+
+from __future__ import annotations
+
+import secrets
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from jetshard_schema.ids import TaskId
+from jetshard_schema.types import Chunk, TaskOutcome, TokenLogprob, ToolCall, TopLogprob, Usage
+
+from jetshard_worker.constrained import JsonConstraint
+from jetshard_worker.engine import TokenScores
+from jetshard_worker.textstream import TextStream
+from jetshard_worker.toolcalls import ToolCallParsed, ToolCallSplitter, parse_forced
+
+ROW_SEPARATOR = "#"
+"""Between a task id and its choice in an engine row's id: task ids never hold it."""
+
+
+def row_id(task_id: str, choice: int) -> str:
+    return f"{task_id}{ROW_SEPARATOR}{choice}"
+
+
+def split_row_id(row: str) -> tuple[TaskId, int]:
+    task_id, _, choice = row.rpartition(ROW_SEPARATOR)
+    return TaskId(task_id), int(choice)
+
+
+@dataclass(eq=False)
+class ChoiceOutput:
+    """One choice's output so far."""
+
+    stream: TextStream
+    splitter: ToolCallSplitter | None = None
+    """Tools in `auto`: calls parsed out of the text."""
+    forced_calls: bool = False
+    """Tools `required` or named: the whole (constrained) output is the calls."""
+    constraint: JsonConstraint | None = None
+    text: list[str] = field(default_factory=list)
+    """Everything generated, stop strings cut: what the constraint and a forced call read."""
+    tokens: int = 0
+    called: bool = False
+    ending: TaskOutcome | None = None
+    """Why its output ended it (a stop string, a document closed): tokens the engine still hands out are void."""
+    finished: bool = False
+
+
+class TaskOutput:
+    """Turns one task's engine rows into chunks, handed to `publish` in index order."""
+
+    def __init__(
+        self,
+        task_id: TaskId,
+        choices: list[ChoiceOutput],
+        decode_token: Callable[[int], str],
+        publish: Callable[[Chunk], None],
+    ) -> None:
+        self.task_id = task_id
+        self.choices = choices
+        self._decode_token = decode_token
+        self._publish = publish
+        self._next_index = 0
+        self._prompt_tokens = 0
+        self.outcome = TaskOutcome.STOP
+        """The last choice's reason to end: what the task reports."""
+        self._logprobs: dict[int, list[TokenLogprob]] = {}
+
+    @property
+    def last_index(self) -> int:
+        return self._next_index - 1
+
+    @property
+    def done(self) -> bool:
+        return all(choice.finished for choice in self.choices)
+
+    def token(self, choice: int, token: int, scores: TokenScores | None) -> TaskOutcome | None:
+        """A choice's next token; returns why the choice must end now when its output says so (a stop string,
+        or a constrained document that has to close within the budget), for the caller to tell the engine."""
+        output = self.choices[choice]
+        if output.ending is not None or output.finished:
+            return None
+        output.tokens += 1
+        if scores is not None:
+            self._logprobs.setdefault(choice, []).append(self._token_logprob(token, scores))
+        text = output.stream.add(token)
+        output.text.append(text)
+        if output.stream.stopped:
+            output.ending = TaskOutcome.STOP
+        elif output.constraint is not None:
+            closing = output.constraint.closing("".join(output.text), output.tokens)
+            if closing is not None:
+                text += closing
+                output.text.append(closing)
+                output.ending = TaskOutcome.LENGTH if closing else TaskOutcome.STOP
+        self._emit(choice, text)
+        return output.ending
+
+    def finish(self, choice: int, reason: TaskOutcome, prompt_tokens: int) -> Usage | None:
+        """A choice ended; its last chunk. Returns the task's usage once every choice has ended."""
+        output = self.choices[choice]
+        if output.finished:
+            return None
+        output.finished = True
+        self._prompt_tokens = max(self._prompt_tokens, prompt_tokens)
+        if output.ending is not None:
+            # A stop string or a closed document: the reason the output gave, whatever stopped the engine first
+            # (the last token may complete a stop string just as max_tokens is reached: that is a stop).
+            reason = output.ending if reason is not TaskOutcome.CANCELLED else reason
+            text = ""
+        else:
+            text = output.stream.finish()
+            output.text.append(text)
+        calls: list[ToolCallParsed] = []
+        if output.forced_calls:
+            calls = parse_forced("".join(output.text))
+            text = "" if calls else text
+        elif output.splitter is not None:
+            shown, calls = output.splitter.add(text)
+            rest, more = output.splitter.finish()
+            text, calls = shown + rest, calls + more
+        if calls or output.called:
+            reason = TaskOutcome.TOOL_CALLS if reason is TaskOutcome.STOP else reason
+        usage = None
+        self.outcome = reason
+        if self.done:
+            usage = Usage(prompt_tokens=self._prompt_tokens, completion_tokens=sum(c.tokens for c in self.choices))
+        self._chunk(choice, text, calls, finish_reason=reason, usage=usage)
+        return usage
+
+    def embedding(self, choice: int, vector: list[float], prompt_tokens: int) -> Usage | None:
+        """An embedding task's vector for input `choice`; returns the usage once every input has one."""
+        output = self.choices[choice]
+        output.finished = True
+        self._prompt_tokens += prompt_tokens
+        usage = Usage(prompt_tokens=self._prompt_tokens, completion_tokens=0) if self.done else None
+        self._publish(self._next(choice, embedding=tuple(vector), token_count=prompt_tokens, usage=usage))
+        return usage
+
+    def _emit(self, choice: int, text: str) -> None:
+        output = self.choices[choice]
+        calls: list[ToolCallParsed] = []
+        if output.forced_calls:
+            text = ""  # the calls' JSON, sent as calls at the end
+        elif output.splitter is not None:
+            text, calls = output.splitter.add(text)
+        if text or calls:
+            self._chunk(choice, text, calls)
+
+    def _chunk(self, choice: int, text: str, calls: list[ToolCallParsed], **fields: Any) -> None:
+        if calls:
+            self.choices[choice].called = True
+        tool_calls = tuple(
+            ToolCall(id=f"call_{secrets.token_hex(12)}", name=call.name, arguments=call.arguments) for call in calls
+        )
+        logprobs = tuple(self._logprobs.pop(choice, ()))
+        self._publish(self._next(choice, text=text, tool_calls=tool_calls, logprobs=logprobs, **fields))
+
+    def _next(self, choice: int, **fields: Any) -> Chunk:
+        index, self._next_index = self._next_index, self._next_index + 1
+        return Chunk(task_id=self.task_id, index=index, choice=choice, **fields)
+
+    def _token_logprob(self, token: int, scores: TokenScores) -> TokenLogprob:
+        top = tuple(TopLogprob(token=self._decode_token(t), logprob=v) for t, v in scores.top)
+        return TokenLogprob(token=self._decode_token(token), logprob=scores.logprob, top=top)
