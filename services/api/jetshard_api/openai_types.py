@@ -15,7 +15,6 @@ import msgspec
 from jetshard_schema.ids import ModelId, TaskId
 from jetshard_schema.sampling import ResolvedSampling
 from jetshard_schema.types import (
-    MAX_EMBEDDING_INPUTS,
     ChatMessage,
     SamplingParams,
     TaskKind,
@@ -225,11 +224,7 @@ def completion_task(task_id: TaskId, model_id: ModelId, request: CompletionReque
 
 
 def embedding_task(task_id: TaskId, model_id: ModelId, request: EmbeddingRequest) -> TaskRequest:
-    inputs = (request.input,) if isinstance(request.input, str) else tuple(request.input)
-    if not inputs or len(inputs) > MAX_EMBEDDING_INPUTS:
-        raise checks.invalid("input", f"input takes 1 to {MAX_EMBEDDING_INPUTS} strings")
-    if any(not text for text in inputs):
-        raise checks.invalid("input", "input strings must not be empty")
+    inputs = checks.embedding_inputs(request.input)
     if request.dimensions is not None:
         raise checks.unsupported("dimensions")
     return TaskRequest(task_id=task_id, model_id=model_id, kind=TaskKind.EMBEDDING, inputs=inputs)

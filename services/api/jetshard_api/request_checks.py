@@ -10,7 +10,15 @@ from collections.abc import Sequence
 from typing import Any, TypeVar
 
 import msgspec
-from jetshard_schema.types import MAX_CHOICES, MAX_TOP_LOGPROBS, SamplingParams, Tool, ToolChoice, Tools
+from jetshard_schema.types import (
+    MAX_CHOICES,
+    MAX_EMBEDDING_INPUTS,
+    MAX_TOP_LOGPROBS,
+    SamplingParams,
+    Tool,
+    ToolChoice,
+    Tools,
+)
 
 from jetshard_api.errors import ApiError
 
@@ -88,6 +96,16 @@ def top_logprobs(wanted: bool, top: int | None, param: str = "top_logprobs") -> 
     if top and not wanted:
         raise invalid(param, f"{param} needs logprobs")
     return (top or 0) if wanted else None
+
+
+def embedding_inputs(value: str | Sequence[str], param: str = "input") -> tuple[str, ...]:
+    """The texts to embed: one string or a list of them, none empty."""
+    inputs = (value,) if isinstance(value, str) else tuple(value)
+    if not inputs or len(inputs) > MAX_EMBEDDING_INPUTS:
+        raise invalid(param, f"{param} takes 1 to {MAX_EMBEDDING_INPUTS} strings")
+    if any(not text for text in inputs):
+        raise invalid(param, f"{param} strings must not be empty")
+    return inputs
 
 
 def output_schema(schema: object, param: str) -> dict[str, Any]:

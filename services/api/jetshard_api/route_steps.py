@@ -7,9 +7,11 @@ Route modules call down into this one and never into each other, so a request fl
 from __future__ import annotations
 
 import msgspec
+from jetshard_schema.cards import ModelCard
 from jetshard_schema.commands import PlaceInstance
 from jetshard_schema.ids import InstanceId, ModelId, NodeId, new_instance_id, parse_model_id
 from jetshard_schema.models import find_card
+from jetshard_schema.placement import ModelUnavailable, Placement, PlacementError, place_in
 from jetshard_schema.state import Instance, State, instance_status
 from jetshard_schema.types import InstanceStatus, ServingSettings
 
@@ -65,6 +67,17 @@ async def place_instance(
         )
     )
     return cluster.state.instances[instance_id]
+
+
+def preview_placement(state: State, card: ModelCard, serving: ServingSettings, min_nodes: int = 1) -> Placement:
+    """The placement that would be chosen now, without placing anything; 503 when no node can get the
+    model's files, 409 when they have too little memory."""
+    try:
+        return place_in(state, card, None, min_nodes, serving)
+    except ModelUnavailable as error:
+        raise ApiError(503, str(error), "model_unavailable") from error
+    except PlacementError as error:
+        raise ApiError(409, str(error), "insufficient_memory") from error
 
 
 async def ensure_ready(cluster: Cluster, model_id: ModelId, settings: InferenceSettings) -> None:

@@ -6,7 +6,6 @@ import msgspec
 from jetshard_schema.commands import DeleteInstance
 from jetshard_schema.ids import InstanceId, ModelId
 from jetshard_schema.models import find_card
-from jetshard_schema.placement import ModelUnavailable, PlacementError, place_in
 from jetshard_schema.state import Instance, State, instance_status
 from jetshard_schema.types import (
     DownloadStatus,
@@ -22,7 +21,13 @@ from litestar import Controller, delete, get, post
 
 from jetshard_api.cluster import Cluster
 from jetshard_api.errors import ERROR_RESPONSES, ApiError
-from jetshard_api.route_steps import Deleted, InferenceSettings, checked_model_id, place_instance
+from jetshard_api.route_steps import (
+    Deleted,
+    InferenceSettings,
+    checked_model_id,
+    place_instance,
+    preview_placement,
+)
 
 
 class ServingRequest(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -139,12 +144,7 @@ class InstancesController(Controller):
         card = find_card(cluster.state, checked_model_id(model_id))
         if card is None:
             raise ApiError(404, f"unknown model {model_id}", "model_not_found")
-        try:
-            placement = place_in(cluster.state, card, None, min_nodes, settings.serving)
-        except ModelUnavailable as error:
-            raise ApiError(503, str(error), "model_unavailable") from error
-        except PlacementError as error:
-            raise ApiError(409, str(error), "insufficient_memory") from error
+        placement = preview_placement(cluster.state, card, settings.serving, min_nodes)
         return PlacementPreview(
             model_id=card.model_id,
             required_bytes=placement.required_bytes,

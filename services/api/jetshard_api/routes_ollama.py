@@ -1,0 +1,466 @@
+"""Ollama-compatible routes under /api: chat, generate, embed (and the legacy embeddings), the model list,
+show, ps, version, pull and delete, answering the way Ollama does (streams of JSON lines by default, errors
+as `{"error": message}`), so Ollama's clients can use the cluster.
+
+Model names are `org/name`, with or without `:latest` (this cluster has no other tags). Inference goes
+through the shared request path (`tasks`); `pull` and `delete` map onto the cluster's downloads.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import re
+import time
+from collections.abc import AsyncIterator, Callable, Sequence
+from typing import Any
+
+import msgspec
+from jetshard_schema.cards import ModelCard
+from jetshard_schema.commands import AddCustomModelCard, DeleteCustomModelCard, DeleteDownload, StartDownload
+from jetshard_schema.ids import ModelId, NodeId, new_task_id
+from jetshard_schema.models import all_cards, find_card
+from jetshard_schema.state import State
+from jetshard_schema.types import Chunk, DownloadProgress, DownloadStatus, TaskRequest, TokenLogprob, Usage
+from litestar import Controller, Request, Response, delete, get, post
+from litestar.background_tasks import BackgroundTask
+from litestar.exceptions import HTTPException
+from litestar.openapi.datastructures import ResponseSpec
+from litestar.response import Stream
+
+from jetshard_api import request_checks as checks
+from jetshard_api.cluster import Cluster
+from jetshard_api.disconnect import unless_disconnected
+from jetshard_api.errors import (
+    INFERENCE_RESPONSES,
+    ApiError,
+    api_error_handler,
+    http_error_handler,
+    internal_error_handler,
+    nesting_error_handler,
+)
+from jetshard_api.hub import fetch_card
+from jetshard_api.ollama_types import (
+    OLLAMA_VERSION,
+    AssistantMessage,
+    ChatAnswer,
+    ChatRequest,
+    EmbedAnswer,
+    EmbeddingAnswer,
+    EmbeddingsRequest,
+    EmbedRequest,
+    GenerateAnswer,
+    GenerateRequest,
+    ListedModel,
+    LogprobBody,
+    ModelInfo,
+    ModelList,
+    ModelRequest,
+    OllamaError,
+    Progress,
+    PullRequest,
+    RunningList,
+    RunningModel,
+    ToolCallBody,
+    Version,
+    chat_task,
+    done_reason,
+    embed_task,
+    generate_task,
+    model_id_of,
+    now,
+    shortened,
+    tool_call_bodies,
+)
+from jetshard_api.request_checks import strictly_decoded
+from jetshard_api.route_steps import InferenceSettings, ensure_ready, preview_placement, ready_models
+from jetshard_api.tasks import Choice, LiveTask, Waiting, answer
+
+AnyRequest = Request[Any, Any, Any]
+NDJSON = "application/x-ndjson"
+
+Shape = Callable[[dict[str, Any], str, list[ToolCallBody] | None], ChatAnswer | GenerateAnswer]
+"""Builds a chat's or a generation's line from its common fields, its text and its tool calls."""
+
+
+def _chat_shape(head: dict[str, Any], text: str, calls: list[ToolCallBody] | None) -> ChatAnswer:
+    return ChatAnswer(**head, message=AssistantMessage(role="assistant", content=text, tool_calls=calls))
+
+
+def _generate_shape(head: dict[str, Any], text: str, calls: list[ToolCallBody] | None) -> GenerateAnswer:
+    return GenerateAnswer(**head, response=text)
+
+
+def _line(body: msgspec.Struct) -> bytes:
+    return msgspec.json.encode(body) + b"\n"
+
+
+def _in_ollama_shape(handler: Callable[[AnyRequest, Any], Response[Any]]) -> Callable[..., Response[OllamaError]]:
+    """One of the app's error handlers, answering `{"error": message}` as Ollama does instead of OpenAI's
+    shape, with the same status and headers."""
+
+    def handle(request: AnyRequest, error: Exception) -> Response[OllamaError]:
+        response = handler(request, error)
+        message = response.content["error"]["message"]
+        return Response(OllamaError(message), status_code=response.status_code, headers=response.headers)
+
+    return handle
+
+
+OLLAMA_RESPONSES = {
+    status: ResponseSpec(data_container=OllamaError, description=spec.description)
+    for status, spec in INFERENCE_RESPONSES.items()
+}
+
+
+class _Clock:
+    """Ollama's durations, in nanoseconds: loading the model, then the prompt (until the first output), then
+    the output."""
+
+    def __init__(self) -> None:
+        self.started = self.loaded = self.first = time.monotonic_ns()
+        self._output = False
+
+    def mark_loaded(self) -> None:
+        self.loaded = self.first = time.monotonic_ns()
+
+    def mark_output(self) -> None:
+        if not self._output:
+            self._output = True
+            self.first = time.monotonic_ns()
+
+    def done(self, usage: Usage | None) -> dict[str, int]:
+        end = time.monotonic_ns()
+        usage = usage or Usage(prompt_tokens=0, completion_tokens=0)
+        return {
+            "total_duration": end - self.started,
+            "load_duration": self.loaded - self.started,
+            "prompt_eval_count": usage.prompt_tokens,
+            "prompt_eval_duration": self.first - self.loaded,
+            "eval_count": usage.completion_tokens,
+            "eval_duration": end - self.first,
+        }
+
+
+async def _loaded(cluster: Cluster, settings: InferenceSettings, model_id: ModelId, request: AnyRequest) -> _Clock:
+    """Wait (placing the model if need be) until `model_id` is ready: Ollama reports the load's time apart."""
+    clock = _Clock()
+    await unless_disconnected(request.receive, ensure_ready(cluster, model_id, settings))
+    clock.mark_loaded()
+    return clock
+
+
+class _Reply:
+    """A task's output as Ollama's lines: one per chunk when streaming, else one for the whole answer."""
+
+    def __init__(self, name: str, task: TaskRequest, shape: Shape, clock: _Clock) -> None:
+        self._name = name
+        self._logprobs = task.top_logprobs is not None
+        self._shape = shape
+        self._clock = clock
+        self._whole = Choice()
+
+    def _head(
+        self, logprobs: Sequence[TokenLogprob] = (), usage: Usage | None = None, done: bool = False
+    ) -> dict[str, Any]:
+        head: dict[str, Any] = {"model": self._name, "created_at": now(), "done": done}
+        if self._logprobs:
+            head["logprobs"] = [LogprobBody.of(lp) for lp in logprobs]
+        if done:
+            head |= {"done_reason": done_reason(self._whole.finish_reason), **self._clock.done(usage)}
+        return head
+
+    def _add(self, chunk: Chunk) -> list[ToolCallBody] | None:
+        self._clock.mark_output()
+        calls = tool_call_bodies(chunk.tool_calls, len(self._whole.tool_calls)) or None
+        self._whole.text += chunk.text
+        self._whole.tool_calls += chunk.tool_calls
+        self._whole.logprobs += chunk.logprobs
+        self._whole.finish_reason = chunk.finish_reason or self._whole.finish_reason
+        return calls
+
+    def waiting(self) -> ChatAnswer | GenerateAnswer:
+        """An empty line while the task waits, so that proxies keep the connection (Ollama has no keep-alive;
+        its clients add up empty pieces as nothing)."""
+        return self._shape(self._head(), "", None)
+
+    def piece(self, chunk: Chunk) -> ChatAnswer | GenerateAnswer | None:
+        calls = self._add(chunk)
+        if chunk.usage is not None:
+            return self._shape(self._head(chunk.logprobs, chunk.usage, done=True), chunk.text, calls)
+        if chunk.text or calls or chunk.logprobs:
+            return self._shape(self._head(chunk.logprobs), chunk.text, calls)
+        return None
+
+    async def whole(self, live: LiveTask) -> ChatAnswer | GenerateAnswer:
+        usage = None
+        async for item in live.items():
+            if isinstance(item, Chunk):
+                self._add(item)
+                usage = item.usage or usage
+        calls = tool_call_bodies(self._whole.tool_calls) or None
+        return self._shape(self._head(self._whole.logprobs, usage, done=True), self._whole.text, calls)
+
+
+async def _answer(
+    cluster: Cluster,
+    settings: InferenceSettings,
+    task: TaskRequest,
+    request: AnyRequest,
+    stream: bool,
+    name: str,
+    shape: Shape,
+) -> Response[Any] | Stream:
+    """One JSON object, or with `stream` a line per piece of output and a last one with the counts."""
+    clock = await _loaded(cluster, settings, task.model_id, request)
+    live = await LiveTask.open(cluster, settings, task, request.receive)
+    reply = _Reply(name, task, shape, clock)
+    if not stream:
+        async with live:
+            return Response(await unless_disconnected(request.receive, reply.whole(live)))
+
+    async def lines() -> AsyncIterator[bytes]:
+        async with live:
+            try:
+                async for item in live.items():
+                    line = reply.waiting() if isinstance(item, Waiting) else reply.piece(item)
+                    if line is not None:
+                        yield _line(line)
+            except ApiError as error:
+                yield _line(OllamaError(error.message))
+
+    return Stream(lines(), media_type=NDJSON, background=BackgroundTask(live.close))
+
+
+_ZERO_DURATION = re.compile(r"0+(\.0*)?(ns|us|µs|ms|s|m|h)?")
+
+
+async def _load(
+    cluster: Cluster,
+    settings: InferenceSettings,
+    task: TaskRequest,
+    request: AnyRequest,
+    keep_alive: float | str | None,
+    name: str,
+    shape: Shape,
+) -> Response[Any]:
+    """A request with nothing to answer loads its model, as Ollama's clients ask before a conversation. With
+    `keep_alive` 0 they ask to unload it, which the cluster does only when an instance is deleted."""
+    if keep_alive == 0 or (isinstance(keep_alive, str) and _ZERO_DURATION.fullmatch(keep_alive)):
+        raise checks.unsupported("keep_alive", "0 (unloading): delete the model's instance (DELETE /instances/{id})")
+    await _loaded(cluster, settings, task.model_id, request)
+    return Response(shape({"model": name, "created_at": now(), "done": True, "done_reason": "load"}, "", None))
+
+
+def _context_length(state: State, model_id: ModelId) -> int | None:
+    card = find_card(state, model_id)
+    return card.context_length if card else None
+
+
+def _card(state: State, name: str) -> ModelCard:
+    card = find_card(state, model_id_of(name))
+    if card is None:
+        raise ApiError(404, f"model {name!r} not found", "model_not_found", "model")
+    return card
+
+
+class OllamaController(Controller):
+    path = "/api"
+    tags = ["ollama"]
+    exception_handlers = {
+        ApiError: _in_ollama_shape(api_error_handler),
+        HTTPException: _in_ollama_shape(http_error_handler),
+        RecursionError: _in_ollama_shape(nesting_error_handler),
+        Exception: _in_ollama_shape(internal_error_handler),
+    }
+
+    @post("/chat", status_code=200, responses=OLLAMA_RESPONSES)
+    async def chat(
+        self, cluster: Cluster, settings: InferenceSettings, data: ChatRequest, request: AnyRequest
+    ) -> Response[ChatAnswer] | Stream:
+        """The assistant's next message: text, tool calls (`tools`; the model decides, Ollama has no
+        tool_choice), JSON (`format`: "json" or a schema), logprobs. Streams JSON lines unless `stream` is
+        false; no messages: load the model."""
+        data = strictly_decoded(await request.body(), ChatRequest)
+        model_id = model_id_of(data.model)
+        task = chat_task(new_task_id(), model_id, data, _context_length(cluster.state, model_id))
+        if not data.messages:
+            return await _load(cluster, settings, task, request, data.keep_alive, data.model, _chat_shape)
+        return await _answer(cluster, settings, task, request, data.stream, data.model, _chat_shape)
+
+    @post("/generate", status_code=200, responses=OLLAMA_RESPONSES)
+    async def generate(
+        self, cluster: Cluster, settings: InferenceSettings, data: GenerateRequest, request: AnyRequest
+    ) -> Response[GenerateAnswer] | Stream:
+        """The answer to `prompt` (with `system`) through the model's chat template, or with `raw` the
+        continuation of the prompt as it is. Streams JSON lines unless `stream` is false; no prompt: load
+        the model."""
+        data = strictly_decoded(await request.body(), GenerateRequest)
+        model_id = model_id_of(data.model)
+        task = generate_task(new_task_id(), model_id, data, _context_length(cluster.state, model_id))
+        if not data.prompt:
+            return await _load(cluster, settings, task, request, data.keep_alive, data.model, _generate_shape)
+        return await _answer(cluster, settings, task, request, data.stream, data.model, _generate_shape)
+
+    @post("/embed", status_code=200, responses=OLLAMA_RESPONSES)
+    async def embed(
+        self, cluster: Cluster, settings: InferenceSettings, data: EmbedRequest, request: AnyRequest
+    ) -> EmbedAnswer:
+        """One L2-normalised vector per input: the mean of the model's last hidden states (see
+        `/v1/embeddings`); `dimensions` keeps the first ones, normalised again."""
+        data = strictly_decoded(await request.body(), EmbedRequest)
+        task = embed_task(new_task_id(), model_id_of(data.model), data.input)
+        clock = await _loaded(cluster, settings, task.model_id, request)
+        result = await answer(cluster, settings, task, request.receive)
+        done = clock.done(result.usage)
+        return EmbedAnswer(
+            model=data.model,
+            embeddings=[shortened(c.embedding, data.dimensions) for c in result.choices],
+            total_duration=done["total_duration"],
+            load_duration=done["load_duration"],
+            prompt_eval_count=result.usage.prompt_tokens,
+        )
+
+    @post("/embeddings", status_code=200, responses=OLLAMA_RESPONSES)
+    async def embeddings(
+        self, cluster: Cluster, settings: InferenceSettings, data: EmbeddingsRequest, request: AnyRequest
+    ) -> EmbeddingAnswer:
+        """The legacy form: one prompt, one vector (normalised, as `/api/embed`'s); no prompt: load the model
+        and answer an empty vector."""
+        data = strictly_decoded(await request.body(), EmbeddingsRequest)
+        model_id = model_id_of(data.model)
+        if not data.prompt:
+            await _loaded(cluster, settings, model_id, request)
+            return EmbeddingAnswer([])
+        result = await answer(cluster, settings, embed_task(new_task_id(), model_id, data.prompt), request.receive)
+        return EmbeddingAnswer(list(result.choices[0].embedding))
+
+    @get("/tags", responses=OLLAMA_RESPONSES)
+    async def list_models(self, cluster: Cluster) -> ModelList:
+        """Every model the cluster has a card for, as `org/name:latest`."""
+        return ModelList([ListedModel.of(card) for card in all_cards(cluster.state).values()])
+
+    @get("/ps", responses=OLLAMA_RESPONSES)
+    async def ps(self, cluster: Cluster) -> RunningList:
+        """The models with a ready instance."""
+        state = cluster.state
+        ready = ready_models(state)
+        return RunningList([RunningModel.running(c) for m, c in all_cards(state).items() if m in ready])
+
+    @post("/show", status_code=200, responses=OLLAMA_RESPONSES)
+    async def show(self, cluster: Cluster, data: ModelRequest, request: AnyRequest) -> ModelInfo:
+        """A model's card in Ollama's terms: details, `model_info` (GGUF-style keys), default parameters and
+        capabilities."""
+        data = strictly_decoded(await request.body(), ModelRequest)
+        return ModelInfo.of(_card(cluster.state, data.model_name))
+
+    @get("/version", responses=OLLAMA_RESPONSES)
+    async def version(self) -> Version:
+        return Version(OLLAMA_VERSION)
+
+    @post("/pull", status_code=200, responses=OLLAMA_RESPONSES)
+    async def pull(
+        self, cluster: Cluster, settings: InferenceSettings, data: PullRequest, request: AnyRequest
+    ) -> Response[Progress] | Stream:
+        """Make a model ready to place: add its card from the Hub if the cluster has none, then download the
+        layers that placing it now would put on each node. Streams progress lines unless `stream` is false.
+        A client that leaves does not stop the downloads (`POST /downloads/cancel` does)."""
+        data = strictly_decoded(await request.body(), PullRequest)
+        model_id = model_id_of(data.model_name)
+        card = find_card(cluster.state, model_id) or await _added_card(cluster, model_id)
+        shards = preview_placement(cluster.state, card, settings.serving).shards
+        for shard in shards:
+            await cluster.submit(
+                StartDownload(
+                    model_id=model_id, node_id=shard.node_id, start_layer=shard.start_layer, end_layer=shard.end_layer
+                )
+            )
+        nodes = [shard.node_id for shard in shards]
+        if not data.stream:
+            await unless_disconnected(request.receive, _until_pulled(cluster, model_id, nodes, settings))
+            return Response(Progress(status="success"))
+
+        async def lines() -> AsyncIterator[bytes]:
+            yield _line(Progress(status="pulling manifest"))
+            try:
+                async for progress in _pulling(cluster, model_id, nodes, settings.keep_alive_s):
+                    yield _line(progress)
+            except ApiError as error:
+                yield _line(OllamaError(error.message))
+
+        return Stream(lines(), media_type=NDJSON)
+
+    @delete("/delete", status_code=200, responses=OLLAMA_RESPONSES)
+    async def delete_model(self, cluster: Cluster, data: ModelRequest, request: AnyRequest) -> None:
+        """Delete a model's files from every node (409 while an instance uses them, or from a read-only
+        directory), then its card if it is a custom one (a pulled model's): what `pull` did, undone."""
+        data = strictly_decoded(await request.body(), ModelRequest)
+        model_id = model_id_of(data.model_name)
+        state = cluster.state
+        nodes = sorted(node for node, per_node in state.downloads.items() if model_id in per_node)
+        custom = model_id in state.custom_cards
+        if not nodes and not custom:
+            raise ApiError(404, f"model {data.model_name!r} not found", "model_not_found", "model")
+        for node in nodes:
+            await cluster.submit(DeleteDownload(model_id=model_id, node_id=node))
+        with contextlib.suppress(TimeoutError):
+            await cluster.follower.wait_until(
+                lambda s: all(s.download(n, model_id) is None for n in nodes), cluster.command_timeout_s
+            )
+        if custom:
+            await cluster.submit(DeleteCustomModelCard(model_id=model_id))
+
+
+async def _added_card(cluster: Cluster, model_id: ModelId) -> ModelCard:
+    card = await asyncio.to_thread(fetch_card, model_id)
+    try:
+        await cluster.submit(AddCustomModelCard(card=card))
+    except ApiError as error:
+        if error.code != "already_exists":  # added meanwhile by another request
+            raise
+    return find_card(cluster.state, model_id) or card
+
+
+def _digest(model_id: ModelId, node: NodeId) -> str:
+    """Names one node's download in progress lines, where Ollama names a layer of the model."""
+    return hashlib.sha256(f"{model_id}@{node}".encode()).hexdigest()
+
+
+async def _pulling(cluster: Cluster, model_id: ModelId, nodes: list[NodeId], every_s: float) -> AsyncIterator[Progress]:
+    """A line per node's download whenever one moves (and every `every_s`), then `success`; ApiError when a
+    download fails, is cancelled or deleted."""
+
+    def downloads(state: State) -> list[DownloadProgress | None]:
+        return [d.progress if (d := state.download(node, model_id)) else None for node in nodes]
+
+    while True:
+        current = downloads(cluster.state)
+        for node, progress in zip(nodes, current, strict=True):
+            if progress is None or progress.status in (DownloadStatus.FAILED, DownloadStatus.CANCELLED):
+                why = "it was deleted" if progress is None else progress.reason or str(progress.status)
+                raise ApiError(502, f"downloading {model_id} to node {node} failed: {why}", "download_failed")
+            digest = _digest(model_id, node)
+            yield Progress(
+                status=f"pulling {digest[:12]}",
+                digest=f"sha256:{digest}",
+                total=progress.bytes_total,
+                completed=progress.bytes_done,
+            )
+        if all(p is not None and p.status is DownloadStatus.COMPLETED for p in current):
+            yield Progress(status="success")
+            return
+        await _moved(cluster, downloads, current, every_s)
+
+
+async def _moved(
+    cluster: Cluster, downloads: Callable[[State], list[DownloadProgress | None]], seen: object, within_s: float
+) -> None:
+    """Until the downloads differ from `seen`, or `within_s` passed."""
+    with contextlib.suppress(TimeoutError):
+        await cluster.follower.wait_until(lambda s: downloads(s) != seen, within_s)
+
+
+async def _until_pulled(cluster: Cluster, model_id: ModelId, nodes: list[NodeId], settings: InferenceSettings) -> None:
+    async for _ in _pulling(cluster, model_id, nodes, settings.keep_alive_s):
+        pass
