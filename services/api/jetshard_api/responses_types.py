@@ -188,8 +188,8 @@ def _messages(input: str | list[InputItem]) -> list[ChatMessage]:
                 ChatMessage(role="tool", content=output, tool_call_id=item.call_id, name=call_names[item.call_id])
             )
         else:
-            why = f"of type {item.type!r} (only message, function_call and function_call_output are)"
-            raise checks.unsupported(f"{param}.type", why)
+            message = f"{param} is a {item.type!r} item; jetshard reads message, function_call and function_call_output"
+            raise ApiError(400, message, "unsupported_parameter", f"{param}.type")
     return messages
 
 

@@ -116,8 +116,13 @@ class _Events:
             yield self.event("response.incomplete" if cut else "response.completed", response=done)
 
     def failed(self, error: ApiError) -> Iterator[ServerSentEventMessage]:
+        """The error, then the response with what output there was (a message cut short: incomplete)."""
+        output = list(self.output)
+        if self._message is not None:
+            cut = msgspec.structs.replace(self._message, status="incomplete", content=[OutputText(text=self._text)])
+            output.append(cut)
         yield self.event("error", code=error.code, message=error.message, param=error.param)
-        yield self.event("response.failed", response=self.head.failed(error, self.output))
+        yield self.event("response.failed", response=self.head.failed(error, output))
 
     def _text_place(self) -> dict[str, Any]:
         assert self._message is not None
