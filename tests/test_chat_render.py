@@ -17,7 +17,7 @@ from mlx_lm.utils import load_tokenizer
 # The shape of Qwen2.5's template, cut down: tools in the system turn, calls in <tool_call> tags.
 TOOLS_TEMPLATE = (
     "{% if tools %}<|im_start|>system\n# Tools\n<tools>{% for tool in tools %}\n{{ tool | tojson }}{% endfor %}\n"
-    "</tools>\nFor each call return <tool_call>{\"name\": ..., \"arguments\": ...}</tool_call><|im_end|>\n{% endif %}"
+    '</tools>\nFor each call return <tool_call>{"name": ..., "arguments": ...}</tool_call><|im_end|>\n{% endif %}'
     "{% for message in messages %}<|im_start|>{{ message.role }}\n{{ message.content }}"
     "{% if message.tool_calls %}{% for tool_call in message.tool_calls %}{% set tool_call = tool_call.function %}"
     '<tool_call>\n{"name": "{{ tool_call.name }}", "arguments": {{ tool_call.arguments | tojson }}}\n</tool_call>'
@@ -66,7 +66,8 @@ def test_a_template_that_knows_tools_renders_them_and_the_earlier_calls(model_di
     assert '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}' in prompt
     assert prompt.endswith('{"celsius": 21}<|im_end|>\n<|im_start|>assistant\n')
     # tool_choice none: the model is not told about the tools at all.
-    assert "<tools>" not in render_chat(tokenizer, CONVERSATION, Tools(functions=TOOLS.functions, choice=ToolChoice.NONE))
+    without = Tools(functions=TOOLS.functions, choice=ToolChoice.NONE)
+    assert "<tools>" not in render_chat(tokenizer, CONVERSATION, without)
 
 
 def test_a_template_without_tools_gets_them_described_in_a_system_message(model_dir: Path) -> None:

@@ -73,7 +73,7 @@ def test_a_named_tool_choice_forces_a_valid_call_and_the_result_goes_back(
 ) -> None:
     tool_choice: Any = {"type": "function", "function": {"name": "get_weather"}}
     reply = client.chat.completions.create(
-        model=dialect_cluster.model, messages=QUESTION, tools=[WEATHER_TOOL], tool_choice=tool_choice, max_tokens=60
+        model=dialect_cluster.model, messages=QUESTION, tools=[WEATHER_TOOL], tool_choice=tool_choice, max_tokens=200
     )
     choice = reply.choices[0]
     assert choice.finish_reason == "tool_calls"
@@ -102,7 +102,7 @@ def test_a_forced_call_streams_as_tool_call_deltas(client: openai.OpenAI, dialec
         tools=[WEATHER_TOOL],
         tool_choice="required",
         parallel_tool_calls=False,
-        max_tokens=60,
+        max_tokens=200,
         stream=True,
     )
     names, arguments, finish = [], "", None
@@ -127,7 +127,8 @@ def test_tool_choice_none_answers_in_text(client: openai.OpenAI, dialect_cluster
 def test_json_schema_output_always_validates_at_temperature_1(
     client: openai.OpenAI, dialect_cluster: DialectCluster
 ) -> None:
-    """20 seeds, and a budget too small for some of them: the constraint closes open values in time."""
+    """20 seeds, and a budget too small for some of them (the tiny model's tokens are mostly single bytes): the
+    constraint closes open values in time."""
     response_format: Any = {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON}}
     for seed in range(20):
         reply = client.chat.completions.create(
@@ -136,11 +137,12 @@ def test_json_schema_output_always_validates_at_temperature_1(
             response_format=response_format,
             temperature=1,
             seed=seed,
-            max_tokens=120 if seed % 2 else 40,
+            max_tokens=300 if seed % 2 else 90,
         )
         text = reply.choices[0].message.content or ""
+        assert text.startswith("{"), (seed, text)
         jsonschema.validate(json.loads(text), PERSON)
-        assert reply.usage is not None and reply.usage.completion_tokens <= (120 if seed % 2 else 40)
+        assert reply.usage is not None and reply.usage.completion_tokens <= (300 if seed % 2 else 90)
 
 
 def test_json_object_parses_even_when_max_tokens_cuts_it(
@@ -194,12 +196,10 @@ def test_logprobs_of_the_greedy_tokens_are_mlx_lms_log_softmax(
     streamed = client.chat.completions.create(
         model=dialect_cluster.model, messages=messages, temperature=0, max_tokens=6, logprobs=True, stream=True
     )
-    tokens = [
-        lp.token
-        for c in streamed
-        for lp in (c.choices[0].logprobs.content or [])
-        if c.choices and c.choices[0].logprobs
-    ]
+    tokens = []
+    for chunk in streamed:
+        for choice in chunk.choices:
+            tokens += [lp.token for lp in (choice.logprobs.content or [])] if choice.logprobs else []
     assert tokens == [entry.token for entry in content]
 
 
@@ -212,7 +212,8 @@ def test_completions_report_logprobs_in_the_legacy_shape(
     logprobs = reply.choices[0].logprobs
     assert logprobs is not None and logprobs.tokens is not None and len(logprobs.tokens) == 4
     assert "".join(logprobs.tokens) == reply.choices[0].text
-    assert all(len(top) == 2 for top in logprobs.top_logprobs or [])
+    # Keyed by token text: two tokens that decode alike (partial UTF-8 bytes) share a key.
+    assert logprobs.top_logprobs and all(1 <= len(top) <= 2 for top in logprobs.top_logprobs)
 
 
 def test_n_choices_share_one_prefill_and_differ(client: openai.OpenAI, dialect_cluster: DialectCluster) -> None:

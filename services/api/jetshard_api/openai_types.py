@@ -297,7 +297,7 @@ class CompletionLogprobs(msgspec.Struct, frozen=True):
         )
 
 
-class AssistantMessage(msgspec.Struct, frozen=True, omit_defaults=True):
+class AssistantMessage(msgspec.Struct, frozen=True):
     content: str | None
     role: str = "assistant"
     tool_calls: list[ToolCallBody] | None = None

@@ -17,6 +17,7 @@ import json
 import logging
 import re
 import string
+import threading
 import weakref
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, cast
@@ -120,6 +121,8 @@ class JsonConstraint:
         self._encode = encode
         self._prompt_len: int | None = None
         self._generated: list[int] = []
+        # The engine thread calls `process`, the runner's event loop `closing`: the matcher is used by one at a time.
+        self._lock = threading.Lock()
         spelled = {c: ll_tokenizer.greedy_tokenize(c) for c in _PREFERRED}
         single = {c: tokens[0] for c, tokens in spelled.items() if len(tokens) == 1}
         self._byte_tokens = list(single.values())
@@ -141,6 +144,10 @@ class JsonConstraint:
         only EOS (llguidance's mask does that). If the matcher fails (a token it did not allow was forced in), only
         EOS is allowed from then on and closing falls back to a schema-agnostic close.
         """
+        with self._lock:
+            return self._process(tokens, logprobs)
+
+    def _process(self, tokens: mx.array, logprobs: mx.array) -> mx.array:
         if self._prompt_len is None:
             self._prompt_len = tokens.size
         else:
@@ -168,6 +175,10 @@ class JsonConstraint:
         the output then exceeds `max_tokens` by the closing tokens, but always parses. A completion that depends on
         an unusual token (say, a long property name the next token starts) may also overshoot by a few tokens.
         """
+        with self._lock:
+            return self._closing(text, generated)
+
+    def _closing(self, text: str, generated: int) -> str | None:
         if self._max_tokens - generated > self._window:
             return "" if self._matcher.is_stopped() and self._matcher.is_accepting() else None
         matcher = self._positioned(text)

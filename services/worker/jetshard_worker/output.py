@@ -94,12 +94,16 @@ class TaskOutput:
         output.text.append(text)
         if output.stream.stopped:
             output.ending = TaskOutcome.STOP
-        elif output.constraint is not None:
-            closing = output.constraint.closing("".join(output.text), output.tokens)
-            if closing is not None:
-                text += closing
-                output.text.append(closing)
-                output.ending = TaskOutcome.LENGTH if closing else TaskOutcome.STOP
+        elif (
+            output.constraint is not None and output.constraint.closing("".join(output.text), output.tokens) is not None
+        ):
+            # Ending: what the detokenizer still holds back comes first, then what closes the document after it.
+            tail = output.stream.finish()
+            output.text.append(tail)
+            closing = output.constraint.closing("".join(output.text), output.tokens) or ""
+            text += tail + closing
+            output.text.append(closing)
+            output.ending = TaskOutcome.LENGTH if closing else TaskOutcome.STOP
         self._emit(choice, text)
         return output.ending
 
