@@ -202,17 +202,21 @@ class EmbeddingsRequest(msgspec.Struct, frozen=True, kw_only=True):
 
 
 class ModelRequest(msgspec.Struct, frozen=True, kw_only=True):
-    """`/api/show` and `/api/delete`: older clients say `name`."""
+    """A request about one model (`/api/delete`); older clients say `name`."""
 
     model: str = ""
     name: str = ""
-    verbose: bool = False
 
     @property
     def model_name(self) -> str:
         if not (self.model or self.name):
             raise checks.invalid("model", "model is required")
         return self.model or self.name
+
+
+class ShowRequest(ModelRequest, frozen=True, kw_only=True):
+    verbose: bool = False
+    """Accepted: Ollama adds the tokenizer's vocabulary to `model_info`, which the cluster does not hold here."""
 
 
 class PullRequest(ModelRequest, frozen=True, kw_only=True):

@@ -62,6 +62,7 @@ from jetshard_api.ollama_types import (
     PullRequest,
     RunningList,
     RunningModel,
+    ShowRequest,
     ToolCallBody,
     Version,
     chat_task,
@@ -349,10 +350,10 @@ class OllamaController(Controller):
         return RunningList([RunningModel.running(c) for m, c in all_cards(state).items() if m in ready])
 
     @post("/show", status_code=200, responses=OLLAMA_RESPONSES)
-    async def show(self, cluster: Cluster, data: ModelRequest, request: AnyRequest) -> ModelInfo:
+    async def show(self, cluster: Cluster, data: ShowRequest, request: AnyRequest) -> ModelInfo:
         """A model's card in Ollama's terms: details, `model_info` (GGUF-style keys), default parameters and
         capabilities."""
-        data = strictly_decoded(await request.body(), ModelRequest)
+        data = strictly_decoded(await request.body(), ShowRequest)
         return ModelInfo.of(_card(cluster.state, data.model_name))
 
     @get("/version", responses=OLLAMA_RESPONSES)
