@@ -187,6 +187,7 @@ def test_jetshard_up_serves_the_demo_model_offline_stops_in_order_and_restarts_r
         assert demo["generation_defaults"] == {"temperature": 0.0, "top_p": 1.0, "max_tokens": 512}
         answers = readme_answers(api, 10)
         assert sum("Paris" in answer for answer in answers) >= 9, answers
+        assert_every_dialect_answers_paris(api)
     finally:
         stop_s = ctrl_c(up)
     print(f"\nfirst stop took {stop_s:.2f} s")
@@ -226,6 +227,52 @@ def test_jetshard_up_serves_the_demo_model_offline_stops_in_order_and_restarts_r
     print(f"last stop took {stop_s:.2f} s")
     assert stop_s < 5
     assert_nothing_left(data, tmp_path / "models")
+
+
+def assert_every_dialect_answers_paris(api: str) -> None:
+    """The README's question through each dialect's official client, streaming and not (greedy, so each
+    answer is the model's one best)."""
+    import anthropic
+    import ollama
+    from openai import OpenAI
+
+    question = "What is the capital of France?"
+    messages: Any = [{"role": "user", "content": question}]
+    openai_client = OpenAI(base_url=f"{api}/v1", api_key="unused", timeout=120, max_retries=0)
+    ollama_client = ollama.Client(host=api, timeout=120)
+    anthropic_client = anthropic.Anthropic(base_url=api, api_key="unused", timeout=120, max_retries=0)
+    answers = {
+        "responses": openai_client.responses.create(
+            model=DEMO_MODEL_ID, input=question, max_output_tokens=16
+        ).output_text,
+        "responses, streamed": "".join(
+            event.delta
+            for event in openai_client.responses.create(
+                model=DEMO_MODEL_ID, input=question, max_output_tokens=16, stream=True
+            )
+            if event.type == "response.output_text.delta"
+        ),
+        "ollama chat": ollama_client.chat(
+            model=f"{DEMO_MODEL_ID}:latest", messages=messages, options={"num_predict": 16}
+        ).message.content,
+        "ollama chat, streamed": "".join(
+            part.message.content or ""
+            for part in ollama_client.chat(
+                model=DEMO_MODEL_ID, messages=messages, stream=True, options={"num_predict": 16}
+            )
+        ),
+        "ollama generate": ollama_client.generate(
+            model=DEMO_MODEL_ID, prompt=question, options={"num_predict": 16}
+        ).response,
+        "anthropic": "".join(
+            block.text
+            for block in anthropic_client.messages.create(model=DEMO_MODEL_ID, max_tokens=16, messages=messages).content
+            if block.type == "text"
+        ),
+    }
+    with anthropic_client.messages.stream(model=DEMO_MODEL_ID, max_tokens=16, messages=messages) as stream:
+        answers["anthropic, streamed"] = "".join(stream.text_stream)
+    assert all("Paris" in (answer or "") for answer in answers.values()), answers
 
 
 def assert_nothing_left(*dirs: Path) -> None:
