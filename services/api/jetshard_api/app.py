@@ -20,6 +20,7 @@ from jetshard_api.errors import (
     nesting_error_handler,
 )
 from jetshard_api.route_steps import InferenceSettings
+from jetshard_api.routes_anthropic import AnthropicController
 from jetshard_api.routes_cluster import ClusterController
 from jetshard_api.routes_downloads import DownloadsController
 from jetshard_api.routes_instances import InstancesController
@@ -64,6 +65,7 @@ def create_app(
             ModelsController,
             InstancesController,
             OpenAIController,
+            AnthropicController,
             OllamaController,
             ResponsesController,
             DownloadsController,

@@ -1,0 +1,224 @@
+"""Anthropic's Messages API: POST /v1/messages (an answer, or its Server-Sent Events) and
+/v1/messages/count_tokens, for the `anthropic` clients and tools built on them.
+
+Each route translates its body into a TaskRequest (`anthropic_types`) and the task's chunks into Anthropic's
+answer; placement, queueing and cancellation are the shared request path's (`tasks`). Errors take
+Anthropic's shape, `{"type": "error", "error": {"type", "message"}}`, with the HTTP status: the API key
+middleware's 401 too, since Litestar routes a request before its middleware runs and so picks this
+controller's handlers. The `anthropic-version` and `anthropic-beta` headers are accepted and not read.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+import msgspec
+from jetshard_schema.ids import new_task_id
+from jetshard_schema.types import SamplingParams, TaskRequest, ToolCall, Usage
+from litestar import Controller, Request, Response, post
+from litestar.background_tasks import BackgroundTask
+from litestar.exceptions import HTTPException
+from litestar.openapi.datastructures import ResponseSpec
+from litestar.response import ServerSentEvent
+from litestar.response.sse import ServerSentEventMessage
+from litestar.types import ExceptionHandlersMap
+
+from jetshard_api.anthropic_types import (
+    CountTokensRequest,
+    ErrorBody,
+    ErrorDetail,
+    MessageBody,
+    MessagesRequest,
+    TextBlock,
+    TokenCount,
+    UsageBody,
+    content_blocks,
+    message_sampling,
+    messages_task,
+    stop_reason,
+    tool_use_block,
+)
+from jetshard_api.cluster import Cluster
+from jetshard_api.errors import (
+    INFERENCE_RESPONSES,
+    ApiError,
+    api_error_handler,
+    http_error_handler,
+    internal_error_handler,
+    nesting_error_handler,
+)
+from jetshard_api.request_checks import strictly_decoded
+from jetshard_api.route_steps import InferenceSettings, checked_model_id
+from jetshard_api.tasks import LiveTask, Waiting, answer
+
+AnyRequest = Request[Any, Any, Any]
+
+_ERROR_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    409: "invalid_request_error",
+    413: "request_too_large",
+    415: "invalid_request_error",
+    429: "rate_limit_error",
+    503: "overloaded_error",
+}
+"""Anthropic's error types by status; any other (500, 502, 504) is an `api_error`."""
+
+RESPONSES = {
+    status: ResponseSpec(data_container=ErrorBody, description=spec.description)
+    for status, spec in INFERENCE_RESPONSES.items()
+}
+
+
+def _error_body(status: int, message: str) -> ErrorBody:
+    return ErrorBody(error=ErrorDetail(type=_ERROR_TYPES.get(status, "api_error"), message=message))
+
+
+def _in_anthropic_shape(handler: Callable[[AnyRequest, Any], Response[Any]]) -> Callable[..., Response[ErrorBody]]:
+    """One of the app's error handlers, answering in Anthropic's shape instead of OpenAI's, with the same status
+    and headers."""
+
+    def handle(request: AnyRequest, error: Exception) -> Response[ErrorBody]:
+        response = handler(request, error)
+        body = _error_body(response.status_code or 500, response.content["error"]["message"])
+        return Response(body, status_code=response.status_code, headers=response.headers)
+
+    return handle
+
+
+def _event(name: str, payload: dict[str, Any]) -> ServerSentEventMessage:
+    return ServerSentEventMessage(event=name, data=msgspec.json.encode({"type": name, **payload}).decode())
+
+
+class AnthropicController(Controller):
+    path = "/v1/messages"
+    tags = ["anthropic"]
+    exception_handlers: ExceptionHandlersMap = {
+        ApiError: _in_anthropic_shape(api_error_handler),
+        HTTPException: _in_anthropic_shape(http_error_handler),
+        RecursionError: _in_anthropic_shape(nesting_error_handler),
+        Exception: _in_anthropic_shape(internal_error_handler),
+    }
+
+    @post("/", status_code=200, responses=RESPONSES)
+    async def messages(
+        self, cluster: Cluster, settings: InferenceSettings, data: MessagesRequest, request: AnyRequest
+    ) -> Response[MessageBody] | ServerSentEvent:
+        """The answer as one message, or with `stream` as Anthropic's named events: text, and tool calls
+        (`tools`, `tool_choice`; a forced call is decoded to follow the tool's `input_schema`)."""
+        data = strictly_decoded(await request.body(), MessagesRequest)
+        task = _task(data, message_sampling(data))
+        if data.stream:
+            return await _stream(cluster, settings, task, request)
+        result = await answer(cluster, settings, task, request.receive)
+        (choice,) = result.choices
+        message = MessageBody(
+            id=_message_id(task),
+            model=task.model_id,
+            content=content_blocks(choice),
+            stop_reason=stop_reason(choice.finish_reason),
+            usage=_usage(result.usage),
+        )
+        # A Response, not the bare body: the route's media type would otherwise be JSON for the stream too.
+        return Response(message)
+
+    @post("/count_tokens", status_code=200, responses=RESPONSES)
+    async def count_tokens(
+        self, cluster: Cluster, settings: InferenceSettings, data: CountTokensRequest, request: AnyRequest
+    ) -> TokenCount:
+        """The prompt's tokens, as the model's tokenizer and chat template make them. Those live where the model
+        runs, not in the API: the prompt is run with `max_tokens` 1 and its usage reported. That costs one
+        prefill, which the runner's prefix cache keeps for the request that follows."""
+        data = strictly_decoded(await request.body(), CountTokensRequest)
+        result = await answer(cluster, settings, _task(data, SamplingParams(max_tokens=1)), request.receive)
+        return TokenCount(input_tokens=result.usage.prompt_tokens)
+
+
+def _task(data: CountTokensRequest, sampling: SamplingParams) -> TaskRequest:
+    return messages_task(new_task_id(), checked_model_id(data.model, param="model"), data, sampling)
+
+
+def _message_id(task: TaskRequest) -> str:
+    return "msg_" + task.task_id.removeprefix("task-")
+
+
+def _usage(usage: Usage | None) -> UsageBody:
+    usage = usage or Usage(prompt_tokens=0, completion_tokens=0)
+    return UsageBody(input_tokens=usage.prompt_tokens, output_tokens=usage.completion_tokens)
+
+
+class _Blocks:
+    """A streamed message's content blocks: a text block stays open while text comes; each tool call is a block
+    of its own, its input sent whole as one `input_json_delta` (the runner hands out calls complete)."""
+
+    def __init__(self) -> None:
+        self._index = 0
+        self._text_open = False
+
+    def text(self, text: str) -> list[ServerSentEventMessage]:
+        if not text:
+            return []
+        events = [] if self._text_open else [self._event("content_block_start", content_block=TextBlock(text=""))]
+        self._text_open = True
+        return [*events, self._event("content_block_delta", delta={"type": "text_delta", "text": text})]
+
+    def tool_use(self, call: ToolCall) -> list[ServerSentEventMessage]:
+        block = tool_use_block(call)
+        partial = {"type": "input_json_delta", "partial_json": msgspec.json.encode(block.input).decode()}
+        events = [
+            *self.close(),
+            self._event("content_block_start", content_block=msgspec.structs.replace(block, input={})),
+            self._event("content_block_delta", delta=partial),
+            self._event("content_block_stop"),
+        ]
+        self._index += 1
+        return events
+
+    def close(self) -> list[ServerSentEventMessage]:
+        """End the open text block, if any."""
+        if not self._text_open:
+            return []
+        events = [self._event("content_block_stop")]
+        self._index, self._text_open = self._index + 1, False
+        return events
+
+    def _event(self, name: str, **payload: Any) -> ServerSentEventMessage:
+        return _event(name, {"index": self._index, **payload})
+
+
+async def _stream(
+    cluster: Cluster, settings: InferenceSettings, task: TaskRequest, request: AnyRequest
+) -> ServerSentEvent:
+    """Anthropic's events: `message_start`, then per content block `content_block_start`, its deltas and
+    `content_block_stop`, then `message_delta` (stop reason, usage) and `message_stop`; `ping` while the task
+    waits. The prompt's token count is known only at the end: `message_start` says 0 input tokens and
+    `message_delta` the count (the `anthropic` clients take both from there)."""
+    live = await LiveTask.open(cluster, settings, task, request.receive)
+    start = MessageBody(id=_message_id(task), model=task.model_id, content=[], stop_reason=None, usage=_usage(None))
+
+    async def events() -> AsyncIterator[ServerSentEventMessage]:
+        async with live:
+            try:
+                yield _event("message_start", {"message": start})
+                blocks = _Blocks()
+                reason = usage = None
+                async for item in live.items():
+                    if isinstance(item, Waiting):
+                        yield _event("ping", {})
+                        continue
+                    for event in blocks.text(item.text) + [e for c in item.tool_calls for e in blocks.tool_use(c)]:
+                        yield event
+                    reason = item.finish_reason or reason
+                    usage = item.usage or usage
+                for event in blocks.close():
+                    yield event
+                delta = {"stop_reason": stop_reason(reason), "stop_sequence": None}
+                yield _event("message_delta", {"delta": delta, "usage": _usage(usage)})
+                yield _event("message_stop", {})
+            except ApiError as error:
+                yield _event("error", {"error": _error_body(error.status, error.message).error})
+
+    return ServerSentEvent(events(), background=BackgroundTask(live.close))
