@@ -309,7 +309,7 @@ def test_finish_with_reason_and_queued_cancel(models: dict[str, Path]) -> None:
         max_batch=1,  # b and c wait in the queue while a decodes
     )
 
-    def on_token(task_id: str, token: int, index: int, reason: TaskOutcome | None) -> None:
+    def on_token(task_id: str, token: int, index: int, reason: TaskOutcome | None, scores: TokenScores | None) -> None:
         collector.on_token(task_id, token, index, reason)
         if task_id == "a" and index == 1:
             engine.finish("a", TaskOutcome.STOP)  # as the runner does after matching a stop string
@@ -335,7 +335,7 @@ def test_a_stop_in_one_row_leaves_the_batch_unchanged(models: dict[str, Path]) -
     collector = Collector()
     engine = PipelineEngine(load_shard(model_dir, 0, 4), on_finished=collector.on_finished)
 
-    def on_token(task_id: str, token: int, index: int, reason: TaskOutcome | None) -> None:
+    def on_token(task_id: str, token: int, index: int, reason: TaskOutcome | None, scores: TokenScores | None) -> None:
         collector.on_token(task_id, token, index, reason)
         if task_id == "stopped" and index == 2:
             engine.finish("stopped", TaskOutcome.STOP)  # as the runner does after matching a stop string
@@ -396,7 +396,7 @@ def test_a_long_prompt_is_prefilled_between_the_batchs_decode_steps(models: dict
         interleaved_prefill_tokens=8,
     )
 
-    def on_token(task_id: str, token: int, index: int, reason: TaskOutcome | None) -> None:
+    def on_token(task_id: str, token: int, index: int, reason: TaskOutcome | None, scores: TokenScores | None) -> None:
         collector.on_token(task_id, token, index, reason)
         events.append(("token", task_id))
         if task_id == "running" and index == 0:
