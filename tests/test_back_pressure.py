@@ -119,10 +119,9 @@ def test_placed_instances_take_the_apis_serving_flags(cluster: InferenceCluster)
     (instance,) = cluster.instances_of(MODEL)
     assert serving_flags(instance) == API_SERVING
     # `jetshard instances` lists them too: as the API's JSON, or as a table.
-    assert json.loads(jetshard("instances", "--api", cluster.api, "--json")) == cluster.get("/instances")
-    (row,) = [
-        line for line in jetshard("instances", "--api", cluster.api).splitlines() if instance["instance_id"] in line
-    ]
+    assert json.loads(jetshard("instances", "--api", cluster.api, "ls", "--json")) == cluster.get("/instances")
+    listing = jetshard("instances", "--api", cluster.api, "ls")
+    (row,) = [line for line in listing.splitlines() if instance["instance_id"] in line]
     assert [cell.strip() for cell in row.split("│")[5:8]] == ["1", "1", "0"], row
 
 

@@ -181,7 +181,7 @@ def test_jetshard_up_serves_the_demo_model_offline_stops_in_order_and_restarts_r
         (instance,) = httpx.get(f"{api}/instances").json()
         assert (instance["serving"]["max_batch"], instance["serving"]["max_queued"]) == (3, 5)
         assert DEMO_MODEL_ID in run_cli("models", "ls", env=env)
-        assert json.loads(run_cli("state", env=env))["instances"]
+        assert json.loads(run_cli("state", "--json", env=env))["instances"]
         raw_models = httpx.get(f"{api}/v1/models").json()["data"]
         demo = next(m for m in raw_models if m["id"] == DEMO_MODEL_ID)
         assert demo["generation_defaults"] == {"temperature": 0.0, "top_p": 1.0, "max_tokens": 512}

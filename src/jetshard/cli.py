@@ -4,9 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import json
 import re
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -16,11 +14,13 @@ from jetshard_bus.streams import BusTimings
 from jetshard_schema.ids import NAME_MAX_LENGTH, NAME_PATTERN
 from jetshard_schema.types import ServingSettings
 
+from jetshard.chat_cli import chat
 from jetshard.download_cli import download
 from jetshard.import_gguf import import_gguf
-from jetshard.instances_cli import instances
+from jetshard.instances_cli import instances, tasks
 from jetshard.models_cli import models
 from jetshard.options import client_nats_options, model_dir_options, nats_options, option, serving_options
+from jetshard.status_cli import status
 from jetshard.up import up
 
 
@@ -34,6 +34,9 @@ main.add_command(up)
 main.add_command(models)
 main.add_command(download)
 main.add_command(instances)
+main.add_command(tasks)
+main.add_command(status)
+main.add_command(chat)
 models.add_command(import_gguf)
 
 
@@ -211,21 +214,24 @@ def downloader(
 @main.command()
 @client_nats_options
 @option("--since", type=int, default=None, help="first event sequence to show (default: only new events)")
-def events(nats: NatsOptions, timings: BusTimings, since: int | None) -> None:
-    """Print the event stream readably, live."""
+@option("--json", "as_json", is_flag=True, help="print each event's whole envelope as a JSON line")
+def events(nats: NatsOptions, timings: BusTimings, since: int | None, as_json: bool) -> None:
+    """Print the event stream live, one readable line per event."""
     from jetshard.inspect import print_events
 
-    _run(print_events(nats, since))
+    _run(print_events(nats, since, as_json))
 
 
 @main.command()
 @client_nats_options
-def state(nats: NatsOptions, timings: BusTimings) -> None:
-    """Print the cluster State (rebuilt from the latest snapshot and the events after it)."""
-    from jetshard.inspect import fetch_state
+@option("--json", "as_json", is_flag=True, help="print the whole State as JSON")
+def state(nats: NatsOptions, timings: BusTimings, as_json: bool) -> None:
+    """Summarise the cluster State, rebuilt here from the latest snapshot and the events after it."""
+    from jetshard.inspect import fetch_state, print_state
 
-    json.dump(_run(fetch_state(nats)), sys.stdout, indent=2)
-    sys.stdout.write("\n")
+    state = _run(fetch_state(nats))
+    if state is not None:
+        print_state(state, as_json)
 
 
 def _run(coroutine: Any) -> Any:

@@ -46,6 +46,9 @@ class StateFollower:
     def add_listener(self, listener: Listener) -> None:
         self._listeners.append(listener)
 
+    def remove_listener(self, listener: Listener) -> None:
+        self._listeners.remove(listener)
+
     async def start(self, catch_up_timeout_s: float = 60.0) -> None:
         """Load the snapshot, replay what followed it, and return once caught up with the stream."""
         self.state = await load_snapshot(self._js)

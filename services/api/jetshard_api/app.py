@@ -28,6 +28,7 @@ from jetshard_api.routes_models import ModelsController
 from jetshard_api.routes_ollama import OllamaController
 from jetshard_api.routes_openai import OpenAIController
 from jetshard_api.routes_responses import ResponsesController
+from jetshard_api.routes_view import ViewController
 from jetshard_api.safety import HttpSafety, HttpSafetyMiddleware
 
 MAX_REQUEST_BYTES = 8 * 2**20
@@ -69,6 +70,7 @@ def create_app(
             OllamaController,
             ResponsesController,
             DownloadsController,
+            ViewController,
             create_static_files_router(
                 SWAGGER_UI_ASSETS_PATH, directories=[swagger_ui_path], name="swagger-ui", include_in_schema=False
             ),

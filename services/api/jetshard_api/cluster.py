@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import Awaitable, Callable, Iterator
 from typing import TypeVar
 
@@ -19,6 +19,7 @@ from jetshard_schema.ids import ModelId, TaskId, new_command_id
 from jetshard_schema.state import State, instance_status
 from jetshard_schema.subjects import MSG_ID_HEADER, task_subject
 from jetshard_schema.types import InstanceStatus, TaskRef, TaskRequest
+from jetshard_schema.view import EventLine, event_line
 from nats.aio.client import Client
 from nats.js import JetStreamContext
 
@@ -30,6 +31,8 @@ machine) before the request is answered 503."""
 RETRY_AFTER_S = 2
 """What a refused request is told to wait: a place frees when any task of the model finishes, which under load
 is every few seconds; State knows no finer estimate."""
+RECENT_EVENTS = 50
+"""The latest events kept to start a dashboard's log with (those since the snapshot the API started from)."""
 T = TypeVar("T")
 
 
@@ -51,6 +54,7 @@ class Cluster:
         self._finishing: dict[TaskId, asyncio.Future[TaskFinished]] = {}
         self._submitting: Counter[ModelId] = Counter()
         """Per model, tasks given a place in its queue that State does not count yet."""
+        self._recent: deque[tuple[int, EventEnvelope]] = deque(maxlen=RECENT_EVENTS)
         follower.add_listener(self._on_event)
 
     @property
@@ -62,7 +66,11 @@ class Cluster:
         if not self.client.is_connected:
             raise broker_unavailable()
 
+    def recent_event_lines(self) -> list[EventLine]:
+        return [event_line(seq, envelope) for seq, envelope in self._recent]
+
     def _on_event(self, envelope: EventEnvelope, state: State, live: bool) -> None:
+        self._recent.append((state.last_seq, envelope))
         event = envelope.event
         if isinstance(event, TaskFinished):
             future = self._finishing.get(event.task_id)

@@ -6,10 +6,7 @@ import msgspec
 from jetshard_schema.commands import DeleteInstance
 from jetshard_schema.ids import InstanceId, ModelId
 from jetshard_schema.models import find_card
-from jetshard_schema.state import Instance, State, instance_status
 from jetshard_schema.types import (
-    DownloadStatus,
-    InstanceStatus,
     MaxBatch,
     MaxQueued,
     PrefixCacheBytes,
@@ -17,6 +14,7 @@ from jetshard_schema.types import (
     ShardAssignment,
     WeightsDtype,
 )
+from jetshard_schema.view import InstanceDescription, describe_instance
 from litestar import Controller, delete, get, post
 
 from jetshard_api.cluster import Cluster
@@ -50,81 +48,12 @@ class PlaceRequest(msgspec.Struct, frozen=True):
     serving: ServingRequest = ServingRequest()
 
 
-class ShardDescription(ShardAssignment, frozen=True, kw_only=True):
-    """A shard and how far it is: its runner's progress once it has one, else its download's."""
-
-    status: str
-    worker_session: str | msgspec.UnsetType = msgspec.UNSET
-    layers_loaded: int | msgspec.UnsetType = msgspec.UNSET
-    layers_total: int | msgspec.UnsetType = msgspec.UNSET
-    bytes_done: int | msgspec.UnsetType = msgspec.UNSET
-    bytes_total: int | msgspec.UnsetType = msgspec.UNSET
-    reason: str | msgspec.UnsetType | None = msgspec.UNSET
-    weights_dtype: str | msgspec.UnsetType = msgspec.UNSET
-    """What the ready runner holds its weights as."""
-
-
-class InstanceDescription(msgspec.Struct, frozen=True, kw_only=True):
-    instance_id: InstanceId
-    model_id: ModelId
-    status: InstanceStatus
-    generation: int
-    restart_attempt: int
-    reason: str | None
-    """Why it failed or last restarted: news only until it is ready again."""
-    shards: list[ShardDescription]
-    serving: ServingSettings
-    tasks_in_flight: int
-    """Assigned and not finished: running, or queued for a place in a batch."""
-
-
 class PlacementPreview(msgspec.Struct, frozen=True):
     model_id: ModelId
     required_bytes: int
     shards: tuple[ShardAssignment, ...]
     serving: ServingSettings
     """The API's settings as placement would resolve them (AUTO made concrete)."""
-
-
-def _describe_shard(state: State, instance: Instance, shard: ShardAssignment) -> ShardDescription:
-    fields = msgspec.structs.asdict(shard)
-    runner = instance.runners.get(shard.rank)
-    if runner is not None:
-        return ShardDescription(
-            **fields,
-            status=str(runner.status),
-            worker_session=runner.worker_session,
-            layers_loaded=runner.layers_loaded,
-            layers_total=runner.layers_total,
-            reason=runner.reason or None,
-            weights_dtype=runner.weights_dtype or msgspec.UNSET,
-        )
-    download = state.download(shard.node_id, instance.model_id)
-    progress = download.progress if download else None
-    if progress is None or progress.status is not DownloadStatus.COMPLETED:
-        return ShardDescription(
-            **fields,
-            status="downloading" if progress is None or progress.status is not DownloadStatus.FAILED else "failed",
-            bytes_done=progress.bytes_done if progress else 0,
-            bytes_total=progress.bytes_total if progress else 0,
-            reason=(progress.reason or None) if progress else None,
-        )
-    return ShardDescription(**fields, status="waiting")
-
-
-def describe_instance(state: State, instance: Instance) -> InstanceDescription:
-    status = instance_status(state, instance)
-    return InstanceDescription(
-        instance_id=instance.instance_id,
-        model_id=instance.model_id,
-        status=status,
-        generation=instance.generation,
-        restart_attempt=instance.restart_attempt,
-        reason=(instance.failed_reason or None) if status is not InstanceStatus.READY else None,
-        shards=[_describe_shard(state, instance, shard) for shard in instance.shards],
-        serving=instance.serving,
-        tasks_in_flight=sum(1 for t in state.tasks.values() if t.instance_id == instance.instance_id),
-    )
 
 
 class InstancesController(Controller):

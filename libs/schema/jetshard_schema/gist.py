@@ -1,0 +1,200 @@
+"""One readable line per event: what `jetshard events` prints and the dashboard's event log shows.
+
+The gist names the ids and the figures a person looks for, and leaves out what would flood a terminal (a
+card's every field, a runner's list of loaded tensors); `jetshard events --json` has the whole envelope.
+"""
+
+from __future__ import annotations
+
+import functools
+
+from jetshard_schema import events
+from jetshard_schema.types import DownloadProgress, DownloadStatus, NodeProfile, RunnerReport
+
+REASON_CHARS = 160
+"""A reason is cut here: a traceback's last line is what a person needs from a one-line log."""
+
+
+@functools.singledispatch
+def gist(event: events.Event) -> str:
+    """The event as one line, without its type name (the caller shows that apart). Each event type has its
+    own function below, registered by the type it takes."""
+    raise TypeError(f"no gist for {type(event).__name__}")
+
+
+def size(n_bytes: float) -> str:
+    """Bytes in the largest binary unit that keeps the figure at least 1 (`1.5 GiB`)."""
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n_bytes) < 1024 or unit == "TiB":
+            return f"{n_bytes:.0f} {unit}" if unit == "B" else f"{n_bytes:.1f} {unit}"
+        n_bytes /= 1024
+    raise AssertionError("unreachable")
+
+
+def short(reason: str) -> str:
+    """A reason on one line, cut to REASON_CHARS: of several lines (a traceback), the last says what failed."""
+    lines = [line for line in reason.splitlines() if line.strip()]
+    line = " ".join(lines[-1].split()) if lines else ""
+    return line if len(line) <= REASON_CHARS else line[: REASON_CHARS - 1] + "…"
+
+
+def layers(start: int, end: int) -> str:
+    return f"layers [{start}, {end})"
+
+
+def _profile(profile: NodeProfile) -> str:
+    memory = f"{size(profile.memory_available_bytes)} free of {size(profile.memory_total_bytes)}"
+    return f"{profile.hostname}, {profile.accelerator}, {profile.cpu_cores} cores, {memory}"
+
+
+def _progress(progress: DownloadProgress) -> str:
+    figures = f"{size(progress.bytes_done)} of {size(progress.bytes_total)}"
+    if progress.status is DownloadStatus.ONGOING and progress.speed_bytes_per_s:
+        figures += f" at {size(progress.speed_bytes_per_s)}/s"
+    if progress.attempt:
+        figures += f", retry {progress.attempt} of {progress.max_attempts}"
+    return figures
+
+
+def _runner(runner: RunnerReport) -> str:
+    text = f"{runner.node_id} rank {runner.rank} {runner.status}"
+    if runner.layers_total and runner.layers_loaded < runner.layers_total:
+        text += f" ({runner.layers_loaded}/{runner.layers_total} layers)"
+    if runner.weights_dtype:
+        text += f", weights {runner.weights_dtype}"
+    if runner.counters is not None:
+        text += f", {runner.counters.tokens} tokens served, {runner.counters.prefix_hits} prefix hits"
+    return text + (f": {short(runner.reason)}" if runner.reason else "")
+
+
+@gist.register
+def _command_rejected(event: events.CommandRejected) -> str:
+    return f"{event.command_type} refused ({event.code}): {short(event.reason)}"
+
+
+@gist.register
+def _node_joined(event: events.NodeJoined) -> str:
+    return f"{event.node_id} joined: {_profile(event.profile)}"
+
+
+@gist.register
+def _node_updated(event: events.NodeUpdated) -> str:
+    return f"{event.node_id}: {_profile(event.profile)}"
+
+
+@gist.register
+def _node_storage_updated(event: events.NodeStorageUpdated) -> str:
+    storage = event.storage
+    free = sum(d.free_bytes for d in storage.model_dirs if not d.read_only)
+    text = f"{event.node_id}: {len(storage.model_dirs)} model dirs, {size(free)} free to write"
+    text += f", {len(storage.available_models)} models on disk"
+    return text + (", offline" if storage.offline else "")
+
+
+@gist.register
+def _node_lost(event: events.NodeLost) -> str:
+    return f"{event.node_id} lost: {short(event.reason)}"
+
+
+@gist.register
+def _card_added(event: events.CustomModelCardAdded) -> str:
+    card = event.card
+    return f"{card.model_id}: {card.architecture}, {card.num_layers} layers, {size(card.storage_size_bytes)}"
+
+
+@gist.register
+def _card_deleted(event: events.CustomModelCardDeleted) -> str:
+    return str(event.model_id)
+
+
+@gist.register
+def _size_measured(event: events.ModelSizeMeasured) -> str:
+    return f"{event.model_id}: {size(event.storage_size_bytes)}"
+
+
+@gist.register
+def _download_requested(event: events.DownloadRequested) -> str:
+    return f"{event.model_id} on {event.node_id}, {layers(event.start_layer, event.end_layer)}"
+
+
+@gist.register
+def _download_progressed(event: events.DownloadProgressed) -> str:
+    return f"{event.model_id} on {event.node_id}: {_progress(event.progress)}"
+
+
+@gist.register
+def _download_completed(event: events.DownloadCompleted) -> str:
+    return f"{event.model_id} on {event.node_id}: {size(event.progress.bytes_total)} in {event.progress.directory}"
+
+
+@gist.register
+def _download_failed(event: events.DownloadFailed) -> str:
+    return f"{event.model_id} on {event.node_id}: {short(event.reason)}"
+
+
+@gist.register
+def _download_cancelled(event: events.DownloadCancelled) -> str:
+    return f"{event.model_id} on {event.node_id}"
+
+
+@gist.register
+def _download_delete_requested(event: events.DownloadDeleteRequested) -> str:
+    return f"{event.model_id} on {event.node_id}"
+
+
+@gist.register
+def _download_deleted(event: events.DownloadDeleted) -> str:
+    return f"{event.model_id} on {event.node_id}"
+
+
+@gist.register
+def _instance_placed(event: events.InstancePlaced) -> str:
+    shards = ", ".join(f"{s.node_id} {layers(s.start_layer, s.end_layer)}" for s in event.shards)
+    return f"{event.instance_id} of {event.model_id} on {shards}; max batch {event.serving.max_batch}"
+
+
+@gist.register
+def _instance_deleted(event: events.InstanceDeleted) -> str:
+    return f"{event.instance_id}: {short(event.reason)}"
+
+
+@gist.register
+def _endpoint_reported(event: events.RunnerEndpointReported) -> str:
+    return f"{event.instance_id} rank {event.rank} on {event.node_id} at {event.endpoint.host}:{event.endpoint.port}"
+
+
+@gist.register
+def _runner_status(event: events.RunnerStatusChanged) -> str:
+    return f"{event.instance_id}: {_runner(event.runner)}"
+
+
+@gist.register
+def _instance_restarting(event: events.InstanceRestarting) -> str:
+    return f"{event.instance_id} attempt {event.attempt}: {short(event.reason)}"
+
+
+@gist.register
+def _instance_failed(event: events.InstanceFailed) -> str:
+    return f"{event.instance_id}: {short(event.reason)}"
+
+
+@gist.register
+def _task_assigned(event: events.TaskAssigned) -> str:
+    return f"{event.task.task_id} ({event.task.kind}, {event.task.model_id}) to {event.instance_id}"
+
+
+@gist.register
+def _task_started(event: events.TaskStarted) -> str:
+    return f"{event.task_id}: {event.prompt_tokens} prompt tokens"
+
+
+@gist.register
+def _task_finished(event: events.TaskFinished) -> str:
+    text = f"{event.task_id} {event.outcome}: {event.usage.prompt_tokens} prompt, "
+    text += f"{event.usage.completion_tokens} completion tokens"
+    return text + (f": {short(event.error)}" if event.error else "")
+
+
+@gist.register
+def _task_cancelled(event: events.TaskCancelled) -> str:
+    return f"{event.task_id}: {short(event.reason)}"

@@ -1,0 +1,268 @@
+"""The cluster at a glance: what `jetshard status`, `GET /view` and the dashboard show, derived from State.
+
+A pure function of State and of the live figures runners publish on core NATS (tokens per second, batch
+size), which are not in State because they change every step. Small enough to send whole on every change:
+nodes, the models that are somewhere (downloaded, downloading or placed), instances with each shard's layers
+and runner, and the tasks in flight. The dashboard renders it as it comes; it never folds events itself.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import msgspec
+
+from jetshard_schema.events import EventEnvelope
+from jetshard_schema.gist import gist
+from jetshard_schema.ids import InstanceId, ModelId, NodeId, TaskId
+from jetshard_schema.models import find_card
+from jetshard_schema.state import Download, Instance, State, instance_status
+from jetshard_schema.types import (
+    DownloadStatus,
+    InstanceStatus,
+    ServingSettings,
+    ShardAssignment,
+    TaskKind,
+)
+
+
+class ShardDescription(ShardAssignment, frozen=True, kw_only=True):
+    """A shard and how far it is: its runner's progress once it has one, else its download's."""
+
+    status: str
+    worker_session: str | msgspec.UnsetType = msgspec.UNSET
+    layers_loaded: int | msgspec.UnsetType = msgspec.UNSET
+    layers_total: int | msgspec.UnsetType = msgspec.UNSET
+    bytes_done: int | msgspec.UnsetType = msgspec.UNSET
+    bytes_total: int | msgspec.UnsetType = msgspec.UNSET
+    reason: str | msgspec.UnsetType | None = msgspec.UNSET
+    weights_dtype: str | msgspec.UnsetType = msgspec.UNSET
+    """What the ready runner holds its weights as."""
+
+
+class InstanceDescription(msgspec.Struct, frozen=True, kw_only=True):
+    instance_id: InstanceId
+    model_id: ModelId
+    status: InstanceStatus
+    generation: int
+    restart_attempt: int
+    reason: str | None
+    """Why it failed or last restarted: news only until it is ready again."""
+    shards: list[ShardDescription]
+    serving: ServingSettings
+    tasks_in_flight: int
+    """Assigned and not finished: running, or queued for a place in a batch."""
+    tasks_running: int
+    """Of those, the ones its leader has started (prefilling or decoding)."""
+
+
+def _describe_shard(state: State, instance: Instance, shard: ShardAssignment) -> ShardDescription:
+    fields = msgspec.structs.asdict(shard)
+    runner = instance.runners.get(shard.rank)
+    if runner is not None:
+        return ShardDescription(
+            **fields,
+            status=str(runner.status),
+            worker_session=runner.worker_session,
+            layers_loaded=runner.layers_loaded,
+            layers_total=runner.layers_total,
+            reason=runner.reason or None,
+            weights_dtype=runner.weights_dtype or msgspec.UNSET,
+        )
+    download = state.download(shard.node_id, instance.model_id)
+    progress = download.progress if download else None
+    if progress is None or progress.status is not DownloadStatus.COMPLETED:
+        return ShardDescription(
+            **fields,
+            status="downloading" if progress is None or progress.status is not DownloadStatus.FAILED else "failed",
+            bytes_done=progress.bytes_done if progress else 0,
+            bytes_total=progress.bytes_total if progress else 0,
+            reason=(progress.reason or None) if progress else None,
+        )
+    return ShardDescription(**fields, status="waiting")
+
+
+def describe_instance(state: State, instance: Instance) -> InstanceDescription:
+    status = instance_status(state, instance)
+    tasks = [t for t in state.tasks.values() if t.instance_id == instance.instance_id]
+    return InstanceDescription(
+        instance_id=instance.instance_id,
+        model_id=instance.model_id,
+        status=status,
+        generation=instance.generation,
+        restart_attempt=instance.restart_attempt,
+        reason=(instance.failed_reason or None) if status is not InstanceStatus.READY else None,
+        shards=[_describe_shard(state, instance, shard) for shard in instance.shards],
+        serving=instance.serving,
+        tasks_in_flight=len(tasks),
+        tasks_running=sum(1 for t in tasks if t.started),
+    )
+
+
+class InstanceLoad(msgspec.Struct, frozen=True, kw_only=True):
+    """What an instance's leader runner last published about its work (core NATS, every few seconds)."""
+
+    tokens_per_s: float = 0.0
+    """Tokens generated per second over the last interval, all rows together."""
+    batch_size: int = 0
+    """Rows in its latest decode step."""
+
+
+class NodeView(msgspec.Struct, frozen=True, kw_only=True):
+    node_id: NodeId
+    hostname: str
+    accelerator: str
+    cpu_cores: int
+    memory_total_bytes: int
+    memory_available_bytes: int
+    disk_free_bytes: int
+    """Free space in the node's writable model directories, together."""
+    disk_total_bytes: int
+    models_on_disk: int
+    offline: bool
+
+
+class DownloadView(msgspec.Struct, frozen=True, kw_only=True):
+    node_id: NodeId
+    status: DownloadStatus
+    start_layer: int
+    end_layer: int
+    bytes_done: int
+    bytes_total: int
+    speed_bytes_per_s: float
+    eta_s: float | None
+    reason: str
+
+
+class ModelView(msgspec.Struct, frozen=True, kw_only=True):
+    model_id: ModelId
+    display_name: str
+    num_layers: int
+    storage_size_bytes: int
+    downloads: list[DownloadView]
+    """One per node that has or is getting some of its layers."""
+
+
+class InstanceView(InstanceDescription, frozen=True, kw_only=True):
+    tokens_per_s: float | None = None
+    batch_size: int | None = None
+    """Both from the leader's latest figures; None until it has published any."""
+
+
+class TaskView(msgspec.Struct, frozen=True, kw_only=True):
+    task_id: TaskId
+    model_id: ModelId
+    kind: TaskKind
+    instance_id: InstanceId
+    status: str
+    """`queued` until its instance's leader starts it, then `running`."""
+    prompt_tokens: int
+
+
+class ClusterView(msgspec.Struct, frozen=True, kw_only=True):
+    last_seq: int
+    """The event the view is derived up to."""
+    nodes: list[NodeView]
+    models: list[ModelView]
+    instances: list[InstanceView]
+    tasks: list[TaskView]
+
+
+def _node_view(state: State, node_id: NodeId) -> NodeView:
+    node = state.nodes[node_id]
+    storage = state.node_storage.get(node_id)
+    writable = [d for d in storage.model_dirs if not d.read_only] if storage else []
+    profile = node.profile
+    return NodeView(
+        node_id=node_id,
+        hostname=profile.hostname,
+        accelerator=profile.accelerator,
+        cpu_cores=profile.cpu_cores,
+        memory_total_bytes=profile.memory_total_bytes,
+        memory_available_bytes=profile.memory_available_bytes,
+        disk_free_bytes=sum(d.free_bytes for d in writable),
+        disk_total_bytes=sum(d.total_bytes for d in writable),
+        models_on_disk=len(storage.available_models) if storage else 0,
+        offline=storage.offline if storage else False,
+    )
+
+
+def _download_view(download: Download) -> DownloadView:
+    progress = download.progress
+    return DownloadView(
+        node_id=download.node_id,
+        status=progress.status,
+        start_layer=progress.start_layer,
+        end_layer=progress.end_layer,
+        bytes_done=progress.bytes_done,
+        bytes_total=progress.bytes_total,
+        speed_bytes_per_s=progress.speed_bytes_per_s,
+        eta_s=progress.eta_s,
+        reason=progress.reason,
+    )
+
+
+def _model_views(state: State) -> list[ModelView]:
+    downloads: dict[ModelId, list[DownloadView]] = {}
+    for node_id, per_model in sorted(state.downloads.items()):
+        for model_id, download in per_model.items():
+            if not download.deleting and node_id in state.nodes:
+                downloads.setdefault(model_id, []).append(_download_view(download))
+    present = set(downloads) | {i.model_id for i in state.instances.values()}
+    views = []
+    for model_id in sorted(present):
+        card = find_card(state, model_id)
+        views.append(
+            ModelView(
+                model_id=model_id,
+                display_name=card.display_name if card else "",
+                num_layers=card.num_layers if card else 0,
+                storage_size_bytes=card.storage_size_bytes if card else 0,
+                downloads=downloads.get(model_id, []),
+            )
+        )
+    return views
+
+
+def cluster_view(state: State, loads: Mapping[InstanceId, InstanceLoad] | None = None) -> ClusterView:
+    """The summary of `state`, with each instance's latest load where `loads` has it."""
+    loads = loads or {}
+    instances = []
+    for instance_id, instance in sorted(state.instances.items()):
+        description = msgspec.structs.asdict(describe_instance(state, instance))
+        load = loads.get(instance_id)
+        if load is not None:
+            description |= {"tokens_per_s": load.tokens_per_s, "batch_size": load.batch_size}
+        instances.append(InstanceView(**description))
+    tasks = [
+        TaskView(
+            task_id=task.task_id,
+            model_id=task.ref.model_id,
+            kind=task.ref.kind,
+            instance_id=task.instance_id,
+            status="running" if task.started else "queued",
+            prompt_tokens=task.prompt_tokens,
+        )
+        for task in sorted(state.tasks.values(), key=lambda t: t.ref.request_seq)
+    ]
+    return ClusterView(
+        last_seq=state.last_seq,
+        nodes=[_node_view(state, node_id) for node_id in sorted(state.nodes)],
+        models=_model_views(state),
+        instances=instances,
+        tasks=tasks,
+    )
+
+
+class EventLine(msgspec.Struct, frozen=True, kw_only=True):
+    """An event as the dashboard's log and `jetshard events` show it: one line."""
+
+    seq: int
+    at_ms: int
+    type: str
+    gist: str
+
+
+def event_line(seq: int, envelope: EventEnvelope) -> EventLine:
+    event = envelope.event
+    return EventLine(seq=seq, at_ms=envelope.at_ms, type=type(event).__name__, gist=gist(event))

@@ -1,0 +1,125 @@
+"""`jetshard chat [MODEL]`: talk to a model in the terminal, answers streamed as they are generated.
+
+The conversation is kept (each turn sends it whole, and the prefix cache keeps the earlier turns'
+prefill). Ctrl-C while a reply streams stops it (the API cancels the task when the client leaves) and
+keeps what came; Ctrl-C or Ctrl-D at the prompt, or `/bye`, leaves; `/clear` starts a new conversation.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import click
+import httpx
+from httpx_sse import connect_sse
+from rich.console import Console
+
+from jetshard.clusterfile import api_headers
+from jetshard.models_cli import ApiClient, CliError
+from jetshard.options import api_url_option
+
+FIRST_TOKEN_TIMEOUT_S = 600.0
+"""A first reply may wait for the model to be placed, downloaded and loaded."""
+PROMPT = ">>> "
+
+
+def ready_model(client: ApiClient) -> str:
+    """The model to talk to when none is named: the one that is ready, else the first of several."""
+    _, listed = client.request("GET", "/v1/models")
+    ready = [m["id"] for m in listed["data"] if m.get("ready")]
+    if not ready:
+        raise CliError("no model is ready; name one to place it: jetshard chat org/name", 1)
+    return str(ready[0])
+
+
+class Conversation:
+    def __init__(self, api_url: str, model: str, system: str | None, options: dict[str, Any]) -> None:
+        self.url = f"{api_url.rstrip('/')}/v1/chat/completions"
+        self.model = model
+        self.system = system
+        self.options = options
+        self.messages: list[dict[str, str]] = []
+        self.clear()
+
+    def clear(self) -> None:
+        self.messages = [{"role": "system", "content": self.system}] if self.system else []
+
+    def reply(self, text: str, out: Console) -> None:
+        """Stream the answer to `text`; on Ctrl-C stop, keeping what came. Errors are printed, not raised."""
+        self.messages.append({"role": "user", "content": text})
+        body = {"model": self.model, "messages": self.messages, "stream": True, **self.options}
+        answer: list[str] = []
+        try:
+            with (
+                httpx.Client(timeout=httpx.Timeout(30, read=FIRST_TOKEN_TIMEOUT_S), headers=api_headers()) as http,
+                connect_sse(http, "POST", self.url, json=body) as source,
+            ):
+                if source.response.is_error:
+                    source.response.read()
+                    raise CliError(_error_text(source.response), 1)
+                for message in source.iter_sse():
+                    if message.data == "[DONE]":
+                        break
+                    chunk = json.loads(message.data)
+                    if "error" in chunk:
+                        raise CliError(str(chunk["error"].get("message", chunk["error"])), 1)
+                    for choice in chunk.get("choices", []):
+                        piece = choice.get("delta", {}).get("content") or ""
+                        answer.append(piece)
+                        out.print(piece, end="", markup=False, highlight=False)
+            out.print()
+        except KeyboardInterrupt:
+            out.print("\n[dim]stopped[/]")
+        except CliError as error:
+            out.print(f"\n[red]{error.message}[/]")
+            self.messages.pop()
+            return
+        except httpx.HTTPError as error:
+            out.print(f"\n[red]lost the API at {self.url} ({error})[/]")
+            self.messages.pop()
+            return
+        self.messages.append({"role": "assistant", "content": "".join(answer)})
+
+
+def _error_text(response: httpx.Response) -> str:
+    try:
+        error = response.json().get("error")
+    except ValueError:
+        error = None
+    message = error.get("message") if isinstance(error, dict) else None
+    return f"{message or response.text.strip()[:300]} (HTTP {response.status_code})"
+
+
+@click.command("chat", context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 110})
+@api_url_option
+@click.argument("model", required=False)
+@click.option("--system", default=None, help="a system prompt for the conversation")
+@click.option("--max-tokens", type=click.IntRange(min=1), default=None, help="longest reply [the model's default]")
+@click.option("--temperature", type=click.FloatRange(min=0, max=2), default=None, help="[the model's default]")
+def chat(
+    api_url: str, model: str | None, system: str | None, max_tokens: int | None, temperature: float | None
+) -> None:
+    """Chat with MODEL (default: the model that is ready) in the terminal."""
+    try:
+        import readline  # noqa: F401  (line editing and history for input())
+    except ImportError:
+        pass
+    model = model or ready_model(ApiClient(api_url))
+    options = {k: v for k, v in {"max_tokens": max_tokens, "temperature": temperature}.items() if v is not None}
+    conversation = Conversation(api_url, model, system, options)
+    out = Console(highlight=False)
+    out.print(f"[dim]chatting with {model}; Ctrl-C stops a reply, /clear forgets, /bye or Ctrl-D leaves[/]")
+    while True:
+        try:
+            text = input(PROMPT).strip()
+        except (EOFError, KeyboardInterrupt):
+            out.print()
+            return
+        if text in ("/bye", "/exit"):
+            return
+        if text == "/clear":
+            conversation.clear()
+            out.print("[dim]new conversation[/]")
+        elif text:
+            conversation.reply(text, out)

@@ -1,0 +1,330 @@
+"""Seeing the cluster: one readable line per event, the view (`GET /view`, `/view/stream`, `jetshard status`),
+the tasks in flight (`jetshard tasks ls|cancel`), `jetshard instances ls|rm`, `jetshard events` and
+`jetshard chat`, the interactive ones driven in tmux as a person would. The live tests share the dialect
+cluster (one node serving a tiny model)."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import msgspec
+import pytest
+from helpers.dialects import DialectCluster
+from helpers.harness import wait_for
+from helpers.states import fold
+from httpx_sse import connect_sse
+from jetshard_schema import events
+from jetshard_schema.gist import REASON_CHARS, gist
+from jetshard_schema.types import (
+    NodeProfile,
+    RunnerReport,
+    RunnerStatus,
+    ServingSettings,
+    ShardAssignment,
+    TaskKind,
+    TaskRef,
+)
+from jetshard_schema.view import ClusterView, cluster_view
+
+PROFILE = NodeProfile(
+    hostname="desk", os="Linux", cpu_cores=8, memory_total_bytes=16 * 2**30, memory_available_bytes=10 * 2**30
+)
+SHARDS = (
+    ShardAssignment(node_id="a", rank=0, start_layer=0, end_layer=10),
+    ShardAssignment(node_id="b", rank=1, start_layer=10, end_layer=24),
+)
+
+
+def test_every_event_type_has_a_gist() -> None:
+    every = {t.__name__ for t in events.Event.__args__}  # type: ignore[attr-defined]
+    assert every == {t.__name__ for t in gist.registry if t is not object}
+
+
+def test_a_gist_is_one_short_line_without_tensor_lists() -> None:
+    tensors = tuple(f"model.layers.{i}.mlp.gate_proj.weight" for i in range(270))
+    runner = RunnerReport(
+        node_id="a", rank=0, worker_session="s", status=RunnerStatus.LOADING, layers_loaded=3, layers_total=10
+    )
+    loading = events.RunnerStatusChanged(
+        instance_id="i1", generation=0, runner=msgspec.structs.replace(runner, loaded_tensors=tensors)
+    )
+    assert gist(loading) == "i1: a rank 0 loading (3/10 layers)"
+    traceback = "Traceback (most recent call last):\n  File x\nRuntimeError: " + "boom " * 100
+    failed = gist(events.InstanceFailed(instance_id="i1", reason=traceback))
+    assert failed.startswith("i1: RuntimeError: boom") and len(failed) == len("i1: ") + REASON_CHARS
+    placed = events.InstancePlaced(instance_id="i1", model_id="org/m", shards=SHARDS, serving=ServingSettings())
+    assert gist(placed) == "i1 of org/m on a layers [0, 10), b layers [10, 24); max batch 8"
+
+
+def test_the_view_summarises_nodes_instances_and_tasks() -> None:
+    task = TaskRef(task_id="t1", model_id="org/m", kind=TaskKind.CHAT, request_seq=1)
+    state = fold(
+        events.NodeJoined(node_id="a", session_id="s", profile=PROFILE),
+        events.NodeJoined(node_id="b", session_id="s", profile=PROFILE),
+        events.InstancePlaced(instance_id="i1", model_id="org/m", shards=SHARDS),
+        events.RunnerStatusChanged(
+            instance_id="i1",
+            generation=0,
+            runner=RunnerReport(node_id="a", rank=0, worker_session="s", status=RunnerStatus.READY),
+        ),
+        events.TaskAssigned(task=task, instance_id="i1", generation=0),
+    )
+    view = cluster_view(state)
+    assert [n.node_id for n in view.nodes] == ["a", "b"]
+    [instance] = view.instances
+    # Rank 1 has no runner yet and no download: the instance waits for it.
+    assert [(s.node_id, s.start_layer, s.end_layer, s.status) for s in instance.shards] == [
+        ("a", 0, 10, "ready"),
+        ("b", 10, 24, "downloading"),
+    ]
+    assert (instance.status, instance.tasks_in_flight, instance.tasks_running) == ("downloading", 1, 0)
+    assert [(t.task_id, t.status) for t in view.tasks] == [("t1", "queued")]
+    assert [m.model_id for m in view.models] == ["org/m"]
+
+
+# --- against a running cluster ------------------------------------------------------------------------------
+
+
+def jetshard(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "COLUMNS": "200"}
+    result = subprocess.run(
+        [sys.executable, "-m", "jetshard", *args], capture_output=True, text=True, env=env, timeout=60
+    )
+    assert not check or result.returncode == 0, result.stdout + result.stderr
+    return result
+
+
+def endless_chat(dialect_cluster: DialectCluster, outcome: dict[str, Any]) -> threading.Thread:
+    """A streaming chat that runs until it is stopped; `outcome` gets its text and how it ended."""
+    body = {
+        "model": dialect_cluster.model,
+        "messages": [{"role": "user", "content": f"Tell a long story {uuid.uuid4().hex}"}],
+        "max_tokens": 2**40,
+        "temperature": 0,
+        "stream": True,
+    }
+
+    def run() -> None:
+        pieces, ending = [], "no end"
+        with (
+            httpx.Client(timeout=120) as client,
+            connect_sse(client, "POST", f"{dialect_cluster.api}/v1/chat/completions", json=body) as source,
+        ):
+            for message in source.iter_sse():
+                if message.data == "[DONE]":
+                    ending = "done"
+                    break
+                chunk = json.loads(message.data)
+                if "error" in chunk:
+                    ending = chunk["error"]["message"]
+                    break
+                pieces += [c["delta"].get("content") or "" for c in chunk["choices"]]
+        outcome.update(text="".join(pieces), ending=ending)
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    return thread
+
+
+def running_task(api: str) -> str:
+    found: list[str] = []
+    assert wait_for(
+        lambda: (
+            found.extend(t["task_id"] for t in httpx.get(f"{api}/tasks").json() if t["status"] == "running") or found
+        ),
+        timeout=60,
+    )
+    return found[0]
+
+
+def test_status_shows_the_node_the_model_and_its_ready_instance(dialect_cluster: DialectCluster) -> None:
+    view = msgspec.convert(httpx.get(f"{dialect_cluster.api}/view").json(), ClusterView)
+    [node] = view.nodes
+    [instance] = [i for i in view.instances if i.model_id == dialect_cluster.model]
+    assert instance.status == "ready"
+    printed = jetshard("status", "--api", dialect_cluster.api).stdout
+    for shown in (node.node_id, node.hostname, dialect_cluster.model, instance.instance_id, "[0, 2) ready"):
+        assert shown in printed, printed
+    assert json.loads(jetshard("status", "--api", dialect_cluster.api, "--json").stdout)["nodes"][0]["node_id"]
+
+
+def test_the_view_stream_and_the_task_commands_follow_a_chat_and_its_cancel(
+    dialect_cluster: DialectCluster,
+) -> None:
+    api = dialect_cluster.api
+    views: list[ClusterView] = []
+    lines: list[dict[str, Any]] = []
+    stop = threading.Event()
+
+    def follow() -> None:
+        with httpx.Client(timeout=60) as client, connect_sse(client, "GET", f"{api}/view/stream") as source:
+            for message in source.iter_sse():
+                if message.event == "view":
+                    views.append(msgspec.json.decode(message.data, type=ClusterView))
+                elif message.event == "event":
+                    lines.append(json.loads(message.data))
+                if stop.is_set():
+                    return
+
+    follower = threading.Thread(target=follow, daemon=True)
+    follower.start()
+    assert wait_for(lambda: views, timeout=15)
+    # The stream starts with the latest events, each one line.
+    assert lines and all(set(line) == {"seq", "at_ms", "type", "gist"} for line in lines)
+
+    outcome: dict[str, Any] = {}
+    chat = endless_chat(dialect_cluster, outcome)
+    task_id = running_task(api)
+    assert wait_for(lambda: any(t.task_id == task_id and t.status == "running" for t in views[-1].tasks), 15)
+    listed = jetshard("tasks", "--api", api, "ls").stdout
+    assert task_id in listed and "running" in listed
+
+    assert f"cancelled {task_id}" in jetshard("tasks", "--api", api, "cancel", task_id).stdout
+    chat.join(30)
+    assert "cancelled" in outcome["ending"] and outcome["text"], outcome
+    assert wait_for(lambda: not views[-1].tasks and any(line["type"] == "TaskCancelled" for line in lines), 15)
+    stop.set()
+
+    # Ids that are not a task in flight: one clear line, a non-zero exit, nothing published.
+    for hostile in (task_id, "../../etc", "task.>"):
+        refused = jetshard("tasks", "--api", api, "cancel", hostile, check=False)
+        assert refused.returncode == 1 and refused.stderr.count("\n") == 1, refused.stderr
+        assert "no task" in refused.stderr
+
+
+def test_instances_ls_and_rm(dialect_cluster: DialectCluster) -> None:
+    api = dialect_cluster.api
+    placed = httpx.post(f"{api}/instances", json={"model_id": dialect_cluster.model}, timeout=60).json()
+    second = placed["instance_id"]
+    assert second in jetshard("instances", "--api", api, "ls").stdout
+    assert f"removed {second}" in jetshard("instances", "--api", api, "rm", second).stdout
+    listed = json.loads(jetshard("instances", "--api", api, "ls", "--json").stdout)
+    assert second not in [i["instance_id"] for i in listed] and listed
+    missing = jetshard("instances", "--api", api, "rm", second, check=False)
+    assert missing.returncode == 1 and second in missing.stderr
+
+
+def test_events_prints_one_line_per_event_and_json_on_request(dialect_cluster: DialectCluster) -> None:
+    nats = dialect_cluster.cluster.nats.url
+    readable = follow_for(["events", "--nats", nats, "--since", "1"], seconds=4)
+    assert any(" NodeJoined " in line for line in readable) and any(" InstancePlaced " in line for line in readable)
+    assert all(len(line) < 400 for line in readable), max(readable, key=len)
+    raw = follow_for(["events", "--nats", nats, "--since", "1", "--json"], seconds=4)
+    first = json.loads(raw[0])
+    assert first["seq"] == 1 and "type" in first["event"]
+
+
+def follow_for(args: list[str], seconds: float) -> list[str]:
+    """What a command that follows the cluster printed in its first `seconds`, line by line."""
+    process = subprocess.Popen(
+        [sys.executable, "-m", "jetshard", *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "COLUMNS": "300"},
+    )
+    time.sleep(seconds)
+    process.terminate()
+    out, err = process.communicate(timeout=10)
+    assert out, err
+    return out.splitlines()
+
+
+# --- in a terminal ------------------------------------------------------------------------------------------
+
+
+class Tmux:
+    """A tmux session of its own (own socket), 200 columns wide, running one command."""
+
+    def __init__(self, name: str, command: list[str]) -> None:
+        self.socket = f"jetshard-test-{name}-{uuid.uuid4().hex[:8]}"
+        shell = " ".join(subprocess.list2cmdline([part]) for part in command)
+        self._tmux("new-session", "-d", "-x", "200", "-y", "60", "-s", "t", shell)
+
+    def _tmux(self, *args: str) -> str:
+        return subprocess.run(
+            ["tmux", "-L", self.socket, *args], check=True, capture_output=True, text=True, timeout=10
+        ).stdout
+
+    def send(self, *keys: str) -> None:
+        self._tmux("send-keys", "-t", "t", *keys)
+
+    def screen(self) -> str:
+        return self._tmux("capture-pane", "-p", "-t", "t", "-S", "-200")
+
+    def wait_for_text(self, text: str, timeout: float = 60) -> str:
+        wait_for(lambda: text in self.screen(), timeout=timeout, interval=0.2)
+        screen = self.screen()
+        assert text in screen, screen
+        return screen
+
+    def running(self) -> bool:
+        alive = subprocess.run(["tmux", "-L", self.socket, "has-session", "-t", "t"], capture_output=True, timeout=10)
+        return alive.returncode == 0
+
+    def close(self) -> None:
+        subprocess.run(["tmux", "-L", self.socket, "kill-server"], capture_output=True, timeout=10)
+
+
+@pytest.fixture
+def terminal(request: pytest.FixtureRequest) -> Iterator[Any]:
+    if shutil.which("tmux") is None:
+        pytest.fail("tmux is needed for the terminal tests (apt-get install tmux; .ci/run installs it)")
+    opened: list[Tmux] = []
+
+    def open_terminal(*args: str) -> Tmux:
+        opened.append(Tmux(request.node.name[:20], [sys.executable, "-m", "jetshard", *args]))
+        return opened[-1]
+
+    yield open_terminal
+    for session in opened:
+        session.close()
+
+
+def test_chat_streams_keeps_the_conversation_and_ctrl_c_stops_a_reply(
+    dialect_cluster: DialectCluster, terminal: Any
+) -> None:
+    api = dialect_cluster.api
+    chat = terminal("chat", "--api", api, dialect_cluster.model, "--max-tokens", "8")
+    chat.wait_for_text(f"chatting with {dialect_cluster.model}")
+    chat.send("Hello there", "Enter")
+    # A reply of 8 tokens, then the prompt again.
+    wait_for(lambda: chat.screen().count(">>> ") >= 2, timeout=60, interval=0.2)
+    assert chat.screen().count(">>> ") >= 2, chat.screen()
+    chat.send("/bye", "Enter")
+
+    # The reply Ctrl-C stops is the second turn of a conversation: the first is sent again with it.
+    endless = terminal("chat", "--api", api, dialect_cluster.model, "--max-tokens", "100000")
+    endless.wait_for_text("chatting with")
+    endless.send("Tell me a story", "Enter")
+    task_id = running_task(api)
+    endless.send("C-c")
+    endless.wait_for_text("stopped")
+    assert wait_for(lambda: task_id not in [t["task_id"] for t in httpx.get(f"{api}/tasks").json()], timeout=30)
+    endless.send("/bye", "Enter")
+
+
+def test_status_watch_redraws_when_the_cluster_changes(dialect_cluster: DialectCluster, terminal: Any) -> None:
+    api = dialect_cluster.api
+    watch = terminal("status", "--api", api, "--watch")
+    watch.wait_for_text(dialect_cluster.model)
+    assert "no tasks" not in watch.screen()
+    outcome: dict[str, Any] = {}
+    chat = endless_chat(dialect_cluster, outcome)
+    task_id = running_task(api)
+    watch.wait_for_text(task_id, timeout=15)
+    httpx.delete(f"{api}/tasks/{task_id}", timeout=30)
+    chat.join(30)
+    assert wait_for(lambda: task_id not in watch.screen(), timeout=15, interval=0.2), watch.screen()
+    watch.send("C-c")
+    assert wait_for(lambda: not watch.running(), timeout=10), "Ctrl-C did not end `jetshard status --watch`"
