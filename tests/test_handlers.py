@@ -90,6 +90,7 @@ def profile(available_gib: float, total_gib: int = 64) -> NodeProfile:
         cpu_cores=4,
         memory_total_bytes=total_gib * GiB,
         memory_available_bytes=int(available_gib * GiB),
+        fast_blas=True,
     )
 
 

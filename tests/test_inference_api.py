@@ -129,9 +129,10 @@ def test_instances_span_both_nodes(cluster: InferenceCluster) -> None:
         assert {s["node_id"] for s in shards} == set(cluster.node_ids.values())
         assert shards[0]["start_layer"] == 0 and shards[0]["end_layer"] == shards[1]["start_layer"]
         assert shards[1]["end_layer"] == 4
-        # Both nodes compute on their CPU: placement chose float32 weights, and each runner says it holds them.
-        assert shown["serving"]["weights"] == "float32"
-        assert [s["weights_dtype"] for s in shards] == ["float32", "float32"]
+        # Both nodes compute on their CPU with the reference BLAS (the suite's JETSHARD_BLAS=0): AUTO kept the
+        # checkpoint's dtype, and each runner says what it holds.
+        assert shown["serving"]["weights"] == "native"
+        assert [s["weights_dtype"] for s in shards] == ["bfloat16", "bfloat16"]
         seen = cluster.statuses[model_id]  # type: ignore[attr-defined]
         assert seen[-1] == "ready"
         order = ["downloading", "waiting", "loading", "ready"]

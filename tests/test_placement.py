@@ -41,7 +41,7 @@ and prefix caches."""
 place_one_row = functools.partial(place, serving=ONE_ROW)
 
 
-def node(name: str, available_gib: float, accelerator: str = "cpu") -> Node:
+def node(name: str, available_gib: float, accelerator: str = "cpu", fast_blas: bool = True) -> Node:
     return Node(
         node_id=NodeId(name),
         session_id="s",
@@ -52,6 +52,7 @@ def node(name: str, available_gib: float, accelerator: str = "cpu") -> Node:
             memory_total_bytes=128 * GiB,
             memory_available_bytes=int(available_gib * GiB),
             accelerator=accelerator,
+            fast_blas=fast_blas,
         ),
     )
 
@@ -205,6 +206,12 @@ def test_auto_keeps_the_checkpoint_dtype_when_float32_does_not_fit() -> None:
     assert [s.node_id for s in placement.shards] == ["a"]
     assert placement.serving.weights is WeightsDtype.NATIVE
     assert placement.required_bytes == required_memory_bytes(Q4_CARD, placement.serving)
+
+
+def test_auto_keeps_the_checkpoint_dtype_on_a_cpu_without_a_fast_blas() -> None:
+    # The reference BLAS multiplies float32 slower than MLX's quantized kernels run.
+    slow = place(Q4_CARD, [node("a", 40), node("b", 40, fast_blas=False)], min_nodes=2)
+    assert slow.serving.weights is WeightsDtype.NATIVE
 
 
 def test_auto_keeps_the_checkpoint_dtype_when_a_node_has_an_accelerator() -> None:

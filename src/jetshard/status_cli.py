@@ -11,7 +11,7 @@ import httpx
 import msgspec
 from httpx_sse import connect_sse
 from jetshard_schema.gist import size
-from jetshard_schema.view import ClusterView, DownloadView, InstanceView, ShardDescription
+from jetshard_schema.view import ClusterView, DownloadView, InstanceView, NodeView, ShardDescription
 from rich.console import Group
 from rich.live import Live
 from rich.table import Table
@@ -43,6 +43,10 @@ def _download(download: DownloadView) -> str:
     return text + (f": {download.reason}" if download.reason else "")
 
 
+def _slow_cpu(node: NodeView) -> bool:
+    return node.accelerator == "cpu" and not node.fast_blas
+
+
 def _shard(shard: ShardDescription) -> str:
     text = f"{shard.node_id} [{shard.start_layer}, {shard.end_layer}) {shard.status}"
     if shard.status == "loading" and shard.layers_total:
@@ -67,7 +71,7 @@ def render(view: ClusterView) -> Group:
         nodes.add_row(
             node.node_id,
             node.hostname,
-            f"{node.accelerator}, {node.cpu_cores} cores",
+            f"{node.accelerator}, {node.cpu_cores} cores" + (", reference BLAS" if _slow_cpu(node) else ""),
             f"{size(node.memory_available_bytes)} of {size(node.memory_total_bytes)}",
             f"{size(node.disk_free_bytes)} of {size(node.disk_total_bytes)}" + (" (offline)" if node.offline else ""),
             str(node.models_on_disk),

@@ -86,8 +86,9 @@ def _node_updated(event: events.NodeUpdated) -> str:
 def _node_storage_updated(event: events.NodeStorageUpdated) -> str:
     storage = event.storage
     free = sum(d.free_bytes for d in storage.model_dirs if not d.read_only)
-    text = f"{event.node_id}: {len(storage.model_dirs)} model dirs, {size(free)} free to write"
-    text += f", {len(storage.available_models)} models on disk"
+    dirs, models = len(storage.model_dirs), len(storage.available_models)
+    text = f"{event.node_id}: {dirs} model dir{'s' * (dirs != 1)}, {size(free)} free to write"
+    text += f", {models} model{'s' * (models != 1)} on disk"
     return text + (", offline" if storage.offline else "")
 
 

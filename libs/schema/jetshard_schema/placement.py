@@ -8,8 +8,9 @@ dequantizes them to float32. Each node gets a layer range proportional to its av
 remainder, at least one layer each); together the nodes must hold the whole requirement.
 
 `WeightsDtype.AUTO` is resolved here, once, into the choice the instance keeps: float32 when every chosen
-node computes on its CPU (where a fast BLAS multiplies float32 several times faster than MLX's quantized
-kernels) and the float32 weights fit those nodes; the checkpoint's own dtype otherwise.
+node computes on its CPU with a fast BLAS (which multiplies float32 several times faster than MLX's quantized
+kernels; with the reference BLAS float32 is slower than they are) and the float32 weights fit those nodes;
+the checkpoint's own dtype otherwise.
 """
 
 from __future__ import annotations
@@ -148,7 +149,9 @@ def place(
             f"{_gib(resolved.prefix_cache_bytes)}) but the {len(chosen)} node(s) have {_gib(available)} available; "
             "add nodes, lower max_batch or prefix_cache_bytes, or choose a smaller model"
         )
-    if serving.weights is WeightsDtype.AUTO and all(n.profile.accelerator == "cpu" for n in chosen):
+    if serving.weights is WeightsDtype.AUTO and all(
+        n.profile.accelerator == "cpu" and n.profile.fast_blas for n in chosen
+    ):
         dequantized = msgspec.structs.replace(serving, weights=WeightsDtype.FLOAT32)
         if required_memory_bytes(card, dequantized) <= available:
             resolved, required = dequantized, required_memory_bytes(card, dequantized)

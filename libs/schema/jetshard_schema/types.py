@@ -17,6 +17,9 @@ class NodeProfile(msgspec.Struct, frozen=True, kw_only=True):
     memory_total_bytes: int
     memory_available_bytes: int
     accelerator: str = "cpu"
+    fast_blas: bool = False
+    """A CPU node's runners multiply float32 with an optimised BLAS that runs on this processor: only then
+    are float32 weights faster there than the checkpoint's quantized ones."""
 
 
 class ModelDirInfo(msgspec.Struct, frozen=True, kw_only=True):

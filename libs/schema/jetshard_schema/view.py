@@ -112,6 +112,7 @@ class NodeView(msgspec.Struct, frozen=True, kw_only=True):
     node_id: NodeId
     hostname: str
     accelerator: str
+    fast_blas: bool
     cpu_cores: int
     memory_total_bytes: int
     memory_available_bytes: int
@@ -177,6 +178,7 @@ def _node_view(state: State, node_id: NodeId) -> NodeView:
         node_id=node_id,
         hostname=profile.hostname,
         accelerator=profile.accelerator,
+        fast_blas=profile.fast_blas,
         cpu_cores=profile.cpu_cores,
         memory_total_bytes=profile.memory_total_bytes,
         memory_available_bytes=profile.memory_available_bytes,

@@ -16,10 +16,13 @@ in a directory the runner's LD_LIBRARY_PATH names. A system OpenBLAS is the fall
 from __future__ import annotations
 
 import ctypes.util
+import functools
 import glob
 import importlib.metadata
 import logging
 import os
+import signal
+import subprocess
 import sys
 from collections.abc import Mapping
 from pathlib import Path
@@ -54,23 +57,18 @@ def _packaged_openblas() -> Path | None:
     return None
 
 
-def blas_preload(environ: Mapping[str, str] = os.environ) -> Path | None:
-    """The library to put in a runner's LD_PRELOAD, or None for the reference BLAS."""
+def blas_candidates(environ: Mapping[str, str] = os.environ) -> list[Path]:
+    """The libraries a runner may preload, best first; none for the reference BLAS."""
     setting = environ.get("JETSHARD_BLAS", "auto")
     if sys.platform != "linux" or setting.lower() in ("0", "no", "false", "off"):
-        return None
+        return []
     if setting.lower() != "auto":
         if not os.path.exists(setting):
             raise ValueError(f"JETSHARD_BLAS={setting!r}: no such file (use auto, 0 or a library's path)")
-        return Path(setting)
+        return [Path(setting)]
     packaged = _packaged_openblas()
-    if packaged is not None and packaged.exists():
-        return packaged
-    for pattern in _SYSTEM_CANDIDATES:
-        found = sorted(glob.glob(pattern))
-        if found:
-            return Path(found[0])
-    return None
+    system = [Path(found) for pattern in _SYSTEM_CANDIDATES for found in sorted(glob.glob(pattern))[:1]]
+    return ([packaged] if packaged is not None and packaged.exists() else []) + system
 
 
 def _vendored_gfortran(library: Path) -> Path | None:
@@ -100,20 +98,59 @@ def _gfortran_dirs(library: Path, link_dir: Path) -> list[str] | None:
 
 
 def runner_environment(link_dir: Path, threads: int, environ: Mapping[str, str] = os.environ) -> dict[str, str]:
-    """`environ` plus what makes a runner load the chosen BLAS with `threads` threads; `link_dir` is a private
-    directory for the library links it may need."""
-    env = dict(environ)
-    library = blas_preload(environ)
-    if library is None:
+    """`environ` plus what makes a runner load the first BLAS that works here, with `threads` threads;
+    `link_dir` is a private directory for the library links it may need."""
+    for library in blas_candidates(environ):
+        search = _gfortran_dirs(library, link_dir)
+        if search is None:
+            log.warning("%s needs libgfortran.so.5, which nothing here provides", library)
+            continue
+        env = dict(environ)
+        env["LD_PRELOAD"] = ":".join(p for p in (str(library), environ.get("LD_PRELOAD", "")) if p)
+        if search:
+            env["LD_LIBRARY_PATH"] = ":".join(p for p in (*search, environ.get("LD_LIBRARY_PATH", "")) if p)
+        failure = _fails_here(str(library), tuple(sorted(env.items())))
+        if failure:
+            log.warning("%s %s on this machine", library, failure)
+            continue
+        # Both names, as a user's JETSHARD_BLAS may point at MKL; a thread count the user set is kept.
+        for name in _THREAD_VARIABLES:
+            env.setdefault(name, str(threads))
         return env
-    search = _gfortran_dirs(library, link_dir)
-    if search is None:
-        log.warning("%s needs libgfortran.so.5, which nothing here provides; runners use the reference BLAS", library)
-        return env
-    env["LD_PRELOAD"] = ":".join(p for p in (str(library), environ.get("LD_PRELOAD", "")) if p)
-    if search:
-        env["LD_LIBRARY_PATH"] = ":".join(p for p in (*search, environ.get("LD_LIBRARY_PATH", "")) if p)
-    # Both names, as a user's JETSHARD_BLAS may point at MKL; a thread count the user set is kept.
-    for name in _THREAD_VARIABLES:
-        env.setdefault(name, str(threads))
-    return env
+    return dict(environ)
+
+
+def has_fast_blas(link_dir: Path, environ: Mapping[str, str] = os.environ) -> bool:
+    """Whether runners started here multiply with a BLAS other than MLX's reference one."""
+    return runner_environment(link_dir, 1, environ).get("LD_PRELOAD") != environ.get("LD_PRELOAD")
+
+
+_PROBE = """
+import ctypes, sys
+blas = ctypes.CDLL(sys.argv[1])
+n = 96
+a = (ctypes.c_float * (n * n))(*([1.0] * (n * n)))
+c = (ctypes.c_float * (n * n))()
+for transpose_a, transpose_b in ((111, 111), (112, 111), (111, 112)):
+    blas.cblas_sgemm(101, transpose_a, transpose_b, n, n, n, ctypes.c_float(1.0), a, n, a, n, ctypes.c_float(0.0), c, n)
+    assert c[0] == n and c[n * n - 1] == n, (c[0], c[n * n - 1])
+"""
+
+
+@functools.cache
+def _fails_here(library: str, env: tuple[tuple[str, str], ...]) -> str:
+    """How multiplying with `library` in a runner's `env` fails on this machine, or "" when it works. A build
+    for a newer processor than this one (AVX-512 kernels on an AVX2 machine) dies of SIGILL in its first
+    sgemm, which would kill every runner, so it is tried first in a process of its own."""
+    try:
+        probe = subprocess.run(
+            [sys.executable, "-c", _PROBE, library], env=dict(env), capture_output=True, text=True, timeout=60
+        )
+    except subprocess.TimeoutExpired:
+        return "did not finish a small matrix product in 60 s"
+    if probe.returncode < 0:
+        return f"crashed with {signal.Signals(-probe.returncode).name} in a matrix product"
+    if probe.returncode > 0:
+        last_line = (probe.stderr.strip().splitlines() or ["no error output"])[-1]
+        return f"failed a matrix product ({last_line})"
+    return ""

@@ -30,7 +30,7 @@ from jetshard_schema.state import State
 from jetshard_schema.types import Endpoint, RunnerReport, RunnerStatus
 from nats.js import JetStreamContext
 
-from jetshard_worker.blas import blas_preload, blas_threads, runner_environment
+from jetshard_worker.blas import blas_candidates, blas_threads, runner_environment
 from jetshard_worker.engine.distributed import write_hostfile
 from jetshard_worker.planning import RunnerKey, RunnerPlan, plan, runners_on_machine
 from jetshard_worker.runner_spec import RunnerSpec
@@ -80,7 +80,7 @@ class RunnerSupervisor:
         self._wake = asyncio.Event()
 
     async def start(self, state: State) -> None:
-        blas_preload()  # a JETSHARD_BLAS naming no file stops the worker here, not each runner's start
+        blas_candidates()  # a JETSHARD_BLAS naming no file stops the worker here, not each runner's start
         self._scratch = Path(tempfile.mkdtemp(prefix="jetshard-runners-"))
         self._watching = asyncio.create_task(self._watch())
         self.on_state(state)

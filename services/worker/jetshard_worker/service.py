@@ -6,9 +6,11 @@ import asyncio
 import contextlib
 import logging
 import socket
+import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import msgspec
 from jetshard_bus.commands import publish_command
 from jetshard_bus.connect import connect
 from jetshard_bus.follower import StateFollower
@@ -19,8 +21,10 @@ from jetshard_schema.commands import ReportNodeProfile
 from jetshard_schema.events import CustomModelCardAdded, CustomModelCardDeleted, EventEnvelope
 from jetshard_schema.ids import new_id
 from jetshard_schema.state import State
+from jetshard_schema.types import NodeProfile
 from nats.aio.client import Client
 
+from jetshard_worker.blas import has_fast_blas
 from jetshard_worker.cards import CardDirectory
 from jetshard_worker.runners import RunnerSupervisor
 
@@ -71,7 +75,8 @@ async def run_worker(config: WorkerConfig, stop: asyncio.Event) -> None:
     # Before the node announces itself: once State shows this session, its card directory matches State.
     cards.reconcile(follower.state.custom_cards)
     heartbeat = asyncio.create_task(keep_alive(js, node_id, session_id, config.timings.liveness_ttl_s, stop))
-    reporting = asyncio.create_task(_report_profile(js, node_id, session_id, config.profile_interval_s, stop))
+    profile = msgspec.structs.replace(node_profile(), fast_blas=await asyncio.to_thread(_fast_blas_here))
+    reporting = asyncio.create_task(_report_profile(js, node_id, session_id, profile, config.profile_interval_s, stop))
     log.info("worker for node %s (session %s) started; cards in %s", node_id, session_id, cards.path)
     try:
         await supervisor.start(follower.state)
@@ -99,12 +104,19 @@ def _local_address(client: Client) -> str:
         return str(probe.getsockname()[0])
 
 
-async def _report_profile(js, node_id, session_id, interval_s: float, stop: asyncio.Event) -> None:  # type: ignore[no-untyped-def]
+def _fast_blas_here() -> bool:
+    with tempfile.TemporaryDirectory(prefix="jetshard-blas-") as links:
+        return has_fast_blas(Path(links))
+
+
+async def _report_profile(js, node_id, session_id, first: NodeProfile, interval_s: float, stop: asyncio.Event) -> None:  # type: ignore[no-untyped-def]
     """Report the profile now and periodically; the sequencer keeps only meaningful changes."""
+    profile = first
     while not stop.is_set():
         try:
-            await publish_command(js, ReportNodeProfile(node_id=node_id, session_id=session_id, profile=node_profile()))
+            await publish_command(js, ReportNodeProfile(node_id=node_id, session_id=session_id, profile=profile))
         except Exception as error:
             log.warning("profile report failed: %s", error)
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(stop.wait(), interval_s)
+        profile = msgspec.structs.replace(node_profile(), fast_blas=first.fast_blas)
