@@ -21,11 +21,13 @@ from nats.js import JetStreamContext
 
 from jetshard_bus.snapshots import load_snapshot
 from jetshard_bus.streams import subscribe_events
+from jetshard_bus.tracing import continued
 
 log = logging.getLogger(__name__)
 
 Listener = Callable[[EventEnvelope, State, bool], Awaitable[None] | None]
-"""Called with each applied event, the State after it, and whether the event is live (not a replay)."""
+"""Called with each applied event, the State after it, and whether the event is live (not a replay); the trace
+context of the command that caused the event is current."""
 
 
 class StateFollower:
@@ -83,7 +85,9 @@ class StateFollower:
             await self._commit()
         self.partial.append((seq, envelope))
         if envelope.index >= envelope.count - 1:
-            await self._commit()
+            # A command's events share the trace context of its handling: what listeners do continues it.
+            with continued(msg.headers):
+                await self._commit()
         self._check_conditions()
 
     async def _commit(self) -> None:

@@ -10,7 +10,7 @@ import signal
 import threading
 from collections.abc import Awaitable, Callable
 
-from jetshard_bus.tracing import configure_tracing
+from jetshard_bus.tracing import configure_tracing, shutdown_tracing
 
 SHUTDOWN_TIMEOUT_S = 3.0
 """A stop that takes longer than this is stuck (a drain or reconnect towards a NATS server that is gone)."""
@@ -36,6 +36,7 @@ def run_service(service: str, main: Callable[[asyncio.Event], Awaitable[None]]) 
 
     The shutdown is bounded: `SHUTDOWN_TIMEOUT_S` after the first signal the process exits whatever it is
     waiting for. The deadline runs on a thread of its own, so it holds even when the event loop is blocked.
+    Spans still buffered are exported once `main` returns.
     """
     configure_logging(service)
     configure_tracing(service)
@@ -53,7 +54,10 @@ def run_service(service: str, main: Callable[[asyncio.Event], Awaitable[None]]) 
 
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, on_signal)
-        await main(stop)
+        try:
+            await main(stop)
+        finally:
+            shutdown_tracing()
         log.info("%s stopped", service)
 
     try:

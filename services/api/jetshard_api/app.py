@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+from jetshard_bus import tracing
 from litestar import Litestar
 from litestar.config.cors import CORSConfig
 from litestar.di import Provide
 from litestar.exceptions import HTTPException
 from litestar.openapi import OpenAPIConfig
 from litestar.openapi.plugins import SwaggerRenderPlugin
+from litestar.plugins import PluginProtocol
 from litestar.static_files import create_static_files_router
 from swagger_ui_bundle import swagger_ui_path
 
@@ -51,6 +53,16 @@ def _openapi_config() -> OpenAPIConfig:
     return OpenAPIConfig(title="jetshard", version="0.1.0", path=OPENAPI_PATH, render_plugins=[swagger_ui])
 
 
+def _plugins() -> list[PluginProtocol]:
+    """A server span per HTTP request, parent of what the request causes, while tracing is on. Its spans of
+    each body part received and sent are left out: a streamed answer would make one per chunk."""
+    if not tracing.enabled():
+        return []
+    from litestar.plugins.opentelemetry import OpenTelemetryConfig, OpenTelemetryPlugin
+
+    return [OpenTelemetryPlugin(OpenTelemetryConfig(exclude_spans=["receive", "send"]))]
+
+
 def create_app(
     cluster: Cluster, inference: InferenceSettings = InferenceSettings(), safety: HttpSafety = HttpSafety()
 ) -> Litestar:
@@ -88,5 +100,6 @@ def create_app(
         middleware=[HttpSafetyMiddleware(safety)],
         cors_config=CORSConfig(allow_origins=list(safety.cors_origins)) if safety.cors_origins else None,
         openapi_config=_openapi_config(),
+        plugins=_plugins(),
         request_max_body_size=MAX_REQUEST_BYTES,
     )

@@ -12,6 +12,7 @@ from typing import TypeVar
 import nats.errors
 from jetshard_bus.commands import publish_command
 from jetshard_bus.follower import StateFollower
+from jetshard_bus.tracing import inject
 from jetshard_schema.codec import encode
 from jetshard_schema.commands import Command
 from jetshard_schema.events import CommandRejected, Event, EventEnvelope, TaskFinished
@@ -139,11 +140,15 @@ class Cluster:
 
     async def store_request(self, request: TaskRequest) -> TaskRef:
         """Keep a task's request (its prompt) in JETSHARD_TASKS, where its runner reads it; the reference
-        goes into the command, so no permanent log holds the prompt."""
+        goes into the command, so no permanent log holds the prompt. Its headers carry the request's trace context
+        to a runner that finds the task in State rather than in a live event."""
         self.require_broker()
         ack = await self._stored(
             lambda: self.js.publish(
-                task_subject(request.task_id), encode(request), headers={MSG_ID_HEADER: request.task_id}, timeout=5.0
+                task_subject(request.task_id),
+                encode(request),
+                headers=inject({MSG_ID_HEADER: request.task_id}),
+                timeout=5.0,
             )
         )
         return TaskRef(task_id=request.task_id, model_id=request.model_id, kind=request.kind, request_seq=ack.seq)

@@ -11,6 +11,7 @@ import asyncio
 import contextlib
 import logging
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -26,7 +27,7 @@ from jetshard_bus.tracing import inject, span_from
 from jetshard_schema import subjects
 from jetshard_schema.codec import decode_command, encode
 from jetshard_schema.commands import ExpireNode
-from jetshard_schema.events import CommandRejected, Event, EventEnvelope
+from jetshard_schema.events import CommandRejected, Event, EventEnvelope, TaskAssigned
 from jetshard_schema.ids import CommandId, NodeId, ValidCommandId, new_id
 from jetshard_schema.state import State, apply
 from jetshard_schema.types import RejectCode
@@ -34,6 +35,7 @@ from nats.aio.msg import Msg
 from nats.js import JetStreamContext
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 from nats.js.kv import KeyValue
+from opentelemetry.trace import Span, StatusCode
 
 from jetshard_sequencer.handlers import Context, handle
 
@@ -272,8 +274,10 @@ class Leader:
                 continue  # its events are stored already: redelivered after a crash or a takeover
             already_stored = self._take_partial(command_seq)
             command_id, id_error = _command_id(msg, command_seq)
-            with span_from(msg.headers, f"handle {msg.subject}"):
+            with span_from(msg.headers, f"sequencer {_command_type(msg.subject)}") as handling:
                 events = self._events_for(msg, command_id, now_ms) if id_error is None else [id_error]
+                if handling is not None:
+                    _describe(handling, command_id, command_seq, events)
                 trace_headers = inject({})
             for index, event in enumerate(events):
                 envelope = EventEnvelope(
@@ -399,6 +403,27 @@ def _command_id(msg: Msg, command_seq: int) -> tuple[CommandId, CommandRejected 
             code=RejectCode.INVALID,
             reason=f"invalid command id in {subjects.MSG_ID_HEADER}: {error}",
         )
+
+
+def _command_type(subject: str) -> str:
+    """`SubmitTask` for `jetshard.cmd.submit_task`: the name a trace shows for the command."""
+    snake = subject.removeprefix(f"{subjects.COMMAND_PREFIX}.")
+    return "".join(word.capitalize() for word in snake.split("_"))
+
+
+def _describe(handling: Span, command_id: CommandId, command_seq: int, events: Sequence[Event]) -> None:
+    handling.set_attributes(
+        {
+            "jetshard.command_id": command_id,
+            "jetshard.command_seq": command_seq,
+            "jetshard.events": [type(event).__name__ for event in events],
+        }
+    )
+    for event in events:
+        if isinstance(event, CommandRejected):
+            handling.set_status(StatusCode.ERROR, f"{event.code}: {event.reason}")
+        elif isinstance(event, TaskAssigned):
+            handling.set_attributes({"jetshard.task_id": event.task.task_id, "jetshard.instance_id": event.instance_id})
 
 
 async def _alive(kv: KeyValue, node_id: NodeId) -> bool:

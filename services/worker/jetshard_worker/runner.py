@@ -25,6 +25,7 @@ from jetshard_bus.commands import publish_command
 from jetshard_bus.connect import connect
 from jetshard_bus.follower import StateFollower
 from jetshard_bus.service import run_service
+from jetshard_bus.tracing import enabled as tracing_enabled
 from jetshard_schema.cards import GenerationDefaults
 from jetshard_schema.codec import decode_task_request, encode
 from jetshard_schema.commands import ReportRunnerStatus, ReportTaskFinished, ReportTaskStarted
@@ -61,6 +62,7 @@ from jetshard_worker.constrained import JsonConstraint, SchemaError, grammar_tok
 from jetshard_worker.engine import GenerationRequest, PipelineEngine, TokenScores, init_ring, load_shard
 from jetshard_worker.output import ChoiceOutput, TaskOutput, row_id, split_row_id
 from jetshard_worker.runner_spec import RunnerSpec
+from jetshard_worker.task_spans import TaskSpans
 from jetshard_worker.textstream import TextStream
 from jetshard_worker.toolcalls import ToolCallSplitter, forced_call_schema
 
@@ -87,6 +89,7 @@ class Runner:
         self._drop_chunks_from = int(os.environ.get(DROP_CHUNKS_ENV, "-1"))
         self._taken: set[TaskId] = set()
         self._requests: asyncio.Queue[TaskRef] = asyncio.Queue()
+        self._spans = TaskSpans(self.plan.key.instance_id) if tracing_enabled() else None
         self.engine: Any = None
         self.tokenizer: Any = None
         self.context_length = 4096
@@ -198,6 +201,8 @@ class Runner:
     def _take(self, task: TaskRef) -> None:
         if task.task_id not in self._taken:  # seen live and again in State while starting
             self._taken.add(task.task_id)
+            if self._spans is not None:
+                self._spans.assigned(task)
             self._requests.put_nowait(task)
 
     async def read_requests(self) -> None:
@@ -218,6 +223,8 @@ class Runner:
                     "request_lost",
                 )
                 continue
+            if self._spans is not None:
+                self._spans.requested(task.task_id, stored.headers)
             self._start_task(request)
 
     def _start_task(self, request: TaskRequest) -> None:
@@ -333,6 +340,8 @@ class Runner:
         return [list(self.tokenizer.encode(request.prompt))]
 
     def _fail_task(self, task_id: TaskId, message: str, code: str) -> None:
+        if self._spans is not None:
+            self._spans.finished(task_id, TaskOutcome.ERROR, None, code)
         self._publish_chunk(
             Chunk(task_id=task_id, index=0, error=message, error_code=code, finish_reason=TaskOutcome.ERROR)
         )
@@ -353,10 +362,8 @@ class Runner:
     def _on_started(self, row: str, prompt_tokens: int) -> None:
         """Engine thread: a queued row's prefill begins; the task has started with its first."""
         task_id, choice = split_row_id(row)
-        if choice != 0:
-            return
-        report = ReportTaskStarted(task_id=task_id, instance_id=self.plan.key.instance_id, prompt_tokens=prompt_tokens)
-        self._loop.call_soon_threadsafe(self._send_later, publish_command(self._js, report))
+        if choice == 0:
+            self._loop.call_soon_threadsafe(self._started, task_id, prompt_tokens)
 
     def _on_token(
         self, row: str, token: int, index: int, reason: TaskOutcome | None, scores: TokenScores | None
@@ -372,8 +379,16 @@ class Runner:
         """Engine thread: a row ended (EOS, length, stop string or cancel)."""
         self._loop.call_soon_threadsafe(self._finish, row, reason, prompt_tokens)
 
+    def _started(self, task_id: TaskId, prompt_tokens: int) -> None:
+        if self._spans is not None:
+            self._spans.started(task_id, prompt_tokens)
+        report = ReportTaskStarted(task_id=task_id, instance_id=self.plan.key.instance_id, prompt_tokens=prompt_tokens)
+        self._send_later(publish_command(self._js, report))
+
     def _token(self, row: str, token: int, scores: TokenScores | None) -> None:
         task_id, choice = split_row_id(row)
+        if self._spans is not None:
+            self._spans.token(task_id)
         output = self._outputs.get(task_id)
         if output is not None and (ending := output.token(choice, token, scores)) is not None:
             self.engine.finish(row, ending)
@@ -395,6 +410,8 @@ class Runner:
             return
         del self._outputs[task_id]
         outcome = output.outcome
+        if self._spans is not None:
+            self._spans.finished(task_id, outcome, usage)
         self._send_later(
             publish_command(
                 self._js,
