@@ -13,15 +13,12 @@ import subprocess
 import sys
 from collections.abc import AsyncIterator, Iterator
 from contextlib import AsyncExitStack
-from pathlib import Path
 from typing import Any
 
 import httpx
-import mlx.core as mx
-import numpy as np
 import pytest
 from helpers.harness import InferenceCluster, api_until, hub_cluster
-from helpers.tiny_models import make_tiny_model
+from helpers.tiny_models import endless_model, make_tiny_model
 from jetshard_bus.connect import connect
 from jetshard_bus.options import NatsOptions
 from jetshard_schema.subjects import COMMANDS_STREAM, TASKS_STREAM, command_subject
@@ -36,21 +33,6 @@ ENDLESS = {"model": MODEL, "messages": MESSAGES, "max_tokens": 2**40, "temperatu
 """Runs until the context is full (minutes) unless its client leaves."""
 
 pytestmark = pytest.mark.timeout(240)
-
-
-def endless_model(out_dir: Path) -> Path:
-    """A tiny model whose greedy decoding ends only at its (long) context: the lm_head rows of its end-of-sequence
-    tokens are zero, so their logit (0) stays below the largest of the others'."""
-    path = make_tiny_model(out_dir, num_files=1)
-    config = json.loads((path / "config.json").read_text())
-    (path / "config.json").write_text(json.dumps({**config, "max_position_embeddings": 2**16}))
-    eos = json.loads((path / "generation_config.json").read_text())["eos_token_id"]
-    weights_file = str(path / "model.safetensors")
-    weights = mx.load(weights_file)
-    head = np.array(weights["lm_head.weight"])
-    head[eos] = 0
-    mx.save_safetensors(weights_file, {**weights, "lm_head.weight": mx.array(head)}, metadata={"format": "mlx"})
-    return path
 
 
 @pytest.fixture(scope="module")

@@ -22,6 +22,7 @@ import pytest
 from helpers.dialects import DialectCluster
 from helpers.harness import wait_for
 from helpers.states import fold
+from helpers.tiny_models import endless_model
 from httpx_sse import connect_sse
 from jetshard_schema import events
 from jetshard_schema.gist import REASON_CHARS, gist
@@ -104,11 +105,26 @@ def jetshard(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]
     return result
 
 
-def endless_chat(dialect_cluster: DialectCluster, outcome: dict[str, Any]) -> threading.Thread:
-    """A streaming chat that runs until it is stopped; `outcome` gets its text and how it ended."""
+ENDLESS_MODEL = "jetshard-test/tiny-endless"
+
+
+@pytest.fixture(scope="module")
+def endless(dialect_cluster: DialectCluster, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """A model that never ends a reply by itself, placed beside the dialect cluster's own, removed after."""
+    cluster = dialect_cluster.cluster
+    cluster.hub.add_repo(ENDLESS_MODEL, endless_model(tmp_path_factory.mktemp("endless")))
+    cluster.add_model(ENDLESS_MODEL)
+    instance_id = cluster.place(ENDLESS_MODEL, min_nodes=1)
+    cluster.wait_instance(instance_id)
+    yield ENDLESS_MODEL
+    httpx.delete(f"{cluster.api}/instances/{instance_id}", timeout=30)
+
+
+def endless_chat(api: str, outcome: dict[str, Any]) -> threading.Thread:
+    """A streaming chat of the endless model, until it is stopped; `outcome` gets its text and how it ended."""
     body = {
-        "model": dialect_cluster.model,
-        "messages": [{"role": "user", "content": f"Tell a long story {uuid.uuid4().hex}"}],
+        "model": ENDLESS_MODEL,
+        "messages": [{"role": "user", "content": "Tell me a long story about the sea."}],
         "max_tokens": 2**40,
         "temperature": 0,
         "stream": True,
@@ -118,7 +134,7 @@ def endless_chat(dialect_cluster: DialectCluster, outcome: dict[str, Any]) -> th
         pieces, ending = [], "no end"
         with (
             httpx.Client(timeout=120) as client,
-            connect_sse(client, "POST", f"{dialect_cluster.api}/v1/chat/completions", json=body) as source,
+            connect_sse(client, "POST", f"{api}/v1/chat/completions", json=body) as source,
         ):
             for message in source.iter_sse():
                 if message.data == "[DONE]":
@@ -159,7 +175,7 @@ def test_status_shows_the_node_the_model_and_its_ready_instance(dialect_cluster:
 
 
 def test_the_view_stream_and_the_task_commands_follow_a_chat_and_its_cancel(
-    dialect_cluster: DialectCluster,
+    dialect_cluster: DialectCluster, endless: str
 ) -> None:
     api = dialect_cluster.api
     views: list[ClusterView] = []
@@ -183,7 +199,7 @@ def test_the_view_stream_and_the_task_commands_follow_a_chat_and_its_cancel(
     assert lines and all(set(line) == {"seq", "at_ms", "type", "gist"} for line in lines)
 
     outcome: dict[str, Any] = {}
-    chat = endless_chat(dialect_cluster, outcome)
+    chat = endless_chat(api, outcome)
     task_id = running_task(api)
     assert wait_for(lambda: any(t.task_id == task_id and t.status == "running" for t in views[-1].tasks), 15)
     listed = jetshard("tasks", "--api", api, "ls").stdout
@@ -292,7 +308,7 @@ def terminal(request: pytest.FixtureRequest) -> Iterator[Any]:
 
 
 def test_chat_streams_keeps_the_conversation_and_ctrl_c_stops_a_reply(
-    dialect_cluster: DialectCluster, terminal: Any
+    dialect_cluster: DialectCluster, endless: str, terminal: Any
 ) -> None:
     api = dialect_cluster.api
     chat = terminal("chat", "--api", api, dialect_cluster.model, "--max-tokens", "8")
@@ -304,23 +320,32 @@ def test_chat_streams_keeps_the_conversation_and_ctrl_c_stops_a_reply(
     chat.send("/bye", "Enter")
 
     # The reply Ctrl-C stops is the second turn of a conversation: the first is sent again with it.
-    endless = terminal("chat", "--api", api, dialect_cluster.model, "--max-tokens", "100000")
-    endless.wait_for_text("chatting with")
-    endless.send("Tell me a story", "Enter")
+    story = terminal("chat", "--api", api, endless)
+    story.wait_for_text("chatting with")
+    story.send("Tell me a story", "Enter")
     task_id = running_task(api)
-    endless.send("C-c")
-    endless.wait_for_text("stopped")
+    story.send("C-c")
+    story.wait_for_text("stopped")
     assert wait_for(lambda: task_id not in [t["task_id"] for t in httpx.get(f"{api}/tasks").json()], timeout=30)
-    endless.send("/bye", "Enter")
+    # The conversation goes on after a stopped reply.
+    story.send("Go on", "Enter")
+    running_task(api)
+    story.send("C-c")
+    wait_for(lambda: story.screen().count("stopped") == 2, timeout=30, interval=0.2)
+    assert story.screen().count("stopped") == 2, story.screen()
+    story.send("/bye", "Enter")
+    assert wait_for(lambda: not story.running(), timeout=10)
 
 
-def test_status_watch_redraws_when_the_cluster_changes(dialect_cluster: DialectCluster, terminal: Any) -> None:
+def test_status_watch_redraws_when_the_cluster_changes(
+    dialect_cluster: DialectCluster, endless: str, terminal: Any
+) -> None:
     api = dialect_cluster.api
     watch = terminal("status", "--api", api, "--watch")
     watch.wait_for_text(dialect_cluster.model)
     assert "no tasks" not in watch.screen()
     outcome: dict[str, Any] = {}
-    chat = endless_chat(dialect_cluster, outcome)
+    chat = endless_chat(api, outcome)
     task_id = running_task(api)
     watch.wait_for_text(task_id, timeout=15)
     httpx.delete(f"{api}/tasks/{task_id}", timeout=30)

@@ -132,7 +132,7 @@ def test_instances_span_both_nodes(cluster: InferenceCluster) -> None:
         # Both nodes compute on their CPU with the reference BLAS (the suite's JETSHARD_BLAS=0): AUTO kept the
         # checkpoint's dtype, and each runner says what it holds.
         assert shown["serving"]["weights"] == "native"
-        assert [s["weights_dtype"] for s in shards] == ["bfloat16", "bfloat16"]
+        assert [s["weights_dtype"] for s in shards] == ["float32", "float32"]
         seen = cluster.statuses[model_id]  # type: ignore[attr-defined]
         assert seen[-1] == "ready"
         order = ["downloading", "waiting", "loading", "ready"]

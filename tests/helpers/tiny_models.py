@@ -285,3 +285,18 @@ def _to_mx(weights: dict[str, np.ndarray]) -> dict[str, mx.array]:
 
 def _write_json(path: Path, data: Any) -> None:
     path.write_text(json.dumps(data, indent=2, ensure_ascii=False) + "\n")
+
+
+def endless_model(out_dir: Path) -> Path:
+    """A tiny model whose greedy decoding ends only at its (long) context: the lm_head rows of its end-of-sequence
+    tokens are zero, so their logit (0) stays below the largest of the others'."""
+    path = make_tiny_model(out_dir, num_files=1)
+    config = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps({**config, "max_position_embeddings": 2**16}))
+    eos = json.loads((path / "generation_config.json").read_text())["eos_token_id"]
+    weights_file = str(path / "model.safetensors")
+    weights = mx.load(weights_file)
+    head = np.array(weights["lm_head.weight"])
+    head[eos] = 0
+    mx.save_safetensors(weights_file, {**weights, "lm_head.weight": mx.array(head)}, metadata={"format": "mlx"})
+    return path
