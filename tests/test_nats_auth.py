@@ -19,7 +19,7 @@ import nats.js.errors
 import openai
 import pytest
 import pytest_asyncio
-from helpers.harness import InferenceCluster, hub_cluster
+from helpers.harness import InferenceCluster, hub_cluster, until
 from helpers.tiny_models import make_tiny_model
 from jetshard_bus.auth import (
     ADMIN,
@@ -44,6 +44,7 @@ from jetshard_schema import subjects
 from jetshard_schema.codec import encode
 from jetshard_schema.events import CustomModelCardDeleted, EventEnvelope
 from jetshard_schema.ids import CommandId, ModelId
+from jetshard_schema.stats import DownloaderStats, RunnerStats, SequencerStats, decode_stats
 
 MODEL = "jetshard-test/tiny-auth"
 REFUSED_WITHIN_S = 1.5
@@ -212,12 +213,46 @@ async def test_the_events_stream_refuses_deletes_and_purges_even_from_admin(
         await admin.delete_msg(subjects.EVENTS_STREAM, info.state.last_seq)
 
 
+async def test_a_node_publishes_only_its_own_stats_and_the_viewer_reads_them(cluster: SecuredCluster) -> None:
+    node = cluster.node_id
+    attempts = {
+        # role: (another's subject, its own)
+        WORKER: (
+            subjects.runner_stats_subject("node-someone-else", "forged"),
+            subjects.runner_stats_subject(node, "x"),
+        ),
+        DOWNLOADER: (subjects.runner_stats_subject(node, "forged"), subjects.downloader_stats_subject(node)),
+    }
+    async with Attacker(cluster.nats, cluster.identities[VIEWER]) as (reader, _):
+        heard = await reader.subscribe(f"{subjects.STATS_PREFIX}.>")
+        for role, (forged, own) in attempts.items():
+            attacker = Attacker(cluster.nats, cluster.identities[role])
+            async with attacker as (client, _):
+                await client.publish(forged, b"{}")
+                await client.publish(own, b"{}")
+                await client.flush()
+                await until(lambda a=attacker: a.refusals, 5, f"the server to refuse {role}")  # type: ignore[misc]
+            refused = {m.group(1) for r in attacker.refusals if (m := re.search(r'violation for publish to "(.+)"', r))}
+            assert refused == {forged.lower()}, (role, attacker.refusals)
+        kinds: set[type] = set()
+        test_subjects: set[str] = set()
+        while kinds != {RunnerStats, DownloaderStats, SequencerStats}:  # every service's, within a few intervals
+            msg = await heard.next_msg(timeout=15)
+            if msg.data == b"{}":
+                test_subjects.add(msg.subject)
+            else:
+                kinds.add(type(decode_stats(msg.data)))
+    assert test_subjects <= {own for _, own in attempts.values()}, test_subjects
+
+
 def test_services_were_refused_nothing(cluster: SecuredCluster) -> None:
     """Every permission violation in the server's log came from an attacker above, none from a service."""
     assert _chat(cluster)
     log = (cluster.root / "logs" / "nats-server.log").read_text(errors="replace")
     violations = re.findall(r'Permissions Violation for (\w+) to "([^"]+)"', log)
-    attacks = re.compile(r"^(jetshard\.evt\.|\$JS\.API\.STREAM\.(DELETE|PURGE)\.|\$KV\.jetshard-)")
+    attacks = re.compile(
+        r"^(jetshard\.evt\.|\$JS\.API\.STREAM\.(DELETE|PURGE)\.|\$KV\.jetshard-|jetshard\.stats\..*\.forged$)"
+    )
     unexpected = sorted({v for v in violations if not attacks.match(v[1])})
     assert unexpected == [], unexpected
 

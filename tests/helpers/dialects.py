@@ -34,8 +34,10 @@ class DialectCluster:
 def dialect_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[DialectCluster]:
     root = tmp_path_factory.mktemp("dialects")
     model_dir = make_tiny_model(root / "repos" / "tiny", arch="llama", num_layers=2, num_files=1, seed=5)
-    # The runner reports its counters (prefix-cache hits) every 0.5 s, for the test of `n` choices.
-    with hub_cluster(root, env={"JETSHARD_COUNTERS_INTERVAL_S": "0.5"}) as cluster:
+    # The runner reports its counters (prefix-cache hits) every 0.5 s, for the test of `n` choices, and every
+    # service its stats, for the test of /metrics.
+    env = {"JETSHARD_COUNTERS_INTERVAL_S": "0.5", "JETSHARD_STATS_INTERVAL_S": "0.5"}
+    with hub_cluster(root, env=env) as cluster:
         cluster.hub.add_repo(TINY_MODEL, model_dir)
         cluster.start_core()
         cluster.serve_one_node(TINY_MODEL)

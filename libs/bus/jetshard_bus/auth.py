@@ -7,11 +7,14 @@ the role's processes read by path (`--nats-nkey FILE`), never on a command line.
 | --------------------- | ------------------------------------------------------------------ | ------------------ |
 | admin                 | anything (deletes and purges streams; `up` declares with it)       | anything           |
 | sequencer             | events, commands, stream create/update, command consumers, leader  | `_INBOX.>`         |
-|                       | key, snapshots (and purging the previous snapshot's chunks)        |                    |
-| api                   | commands, task requests (prompts, to JETSHARD_TASKS)               | chunks, `_INBOX.>` |
-| worker (per node)     | commands, chunks, its own liveness key; reads task requests        | `_INBOX.>`         |
-| downloader (per node) | commands, its own liveness key                                     | `_INBOX.>`         |
-| viewer                | nothing (`jetshard state`, `jetshard events`)                      | `_INBOX.>`         |
+|                       | key, snapshots (and purging the previous snapshot's chunks),       |                    |
+|                       | sequencer stats                                                    |                    |
+| api                   | commands, task requests (prompts, to JETSHARD_TASKS)               | chunks, stats,     |
+|                       |                                                                    | `_INBOX.>`         |
+| worker (per node)     | commands, chunks, its own liveness key and runner stats; reads     | `_INBOX.>`         |
+|                       | task requests                                                      |                    |
+| downloader (per node) | commands, its own liveness key and downloader stats                | `_INBOX.>`         |
+| viewer                | nothing (`jetshard state`, `jetshard events`)                      | stats, `_INBOX.>`  |
 
 Every role but admin may read the event stream and the snapshots (stream info, an ordered consumer, a
 message by sequence); none but admin may delete or purge `JETSHARD_EVENTS` or `JETSHARD_COMMANDS`.
@@ -78,6 +81,7 @@ FOLLOW = (
 COMMANDS = f"{subjects.COMMAND_PREFIX}.>"
 CHUNKS = f"{subjects.CHUNK_PREFIX}.>"
 TASK_REQUESTS = f"{subjects.TASK_PREFIX}.>"
+STATS = f"{subjects.STATS_PREFIX}.>"
 READ_TASK_REQUEST = (f"{JS_API}.STREAM.MSG.GET.{subjects.TASKS_STREAM}", f"{JS_API}.DIRECT.GET.{subjects.TASKS_STREAM}")
 """A leader runner reads each task's request (the prompt) by its sequence in JETSHARD_TASKS."""
 
@@ -114,18 +118,21 @@ def role_permissions(role: str, node_id: str | None = None) -> Permissions | Non
                 f"$O.{subjects.SNAPSHOT_BUCKET}.>",
                 # Replacing the snapshot purges the previous one's chunks, in its own bucket only.
                 f"{JS_API}.STREAM.PURGE.{SNAPSHOT_STREAM}",
+                subjects.sequencer_stats_subject("*"),
             ),
             publish_deny=(f"{JS_API}.STREAM.DELETE.>",),
         )
     if role == API:
-        return Permissions(publish=(*FOLLOW, COMMANDS, TASK_REQUESTS), subscribe=(INBOXES, CHUNKS))
+        return Permissions(publish=(*FOLLOW, COMMANDS, TASK_REQUESTS), subscribe=(INBOXES, CHUNKS, STATS))
     if role == VIEWER:
-        return Permissions(publish=FOLLOW)
+        return Permissions(publish=FOLLOW, subscribe=(INBOXES, STATS))
     if role in (WORKER, DOWNLOADER):
         if node_id is None:
             raise ValueError(f"the {role} role belongs to a node: give its node id")
-        runners = (CHUNKS, *READ_TASK_REQUEST) if role == WORKER else ()
-        return Permissions(publish=(*FOLLOW, COMMANDS, *runners, _liveness_key(node_id)))
+        own: tuple[str, ...] = (subjects.downloader_stats_subject(node_id),)
+        if role == WORKER:
+            own = (CHUNKS, *READ_TASK_REQUEST, subjects.runner_stats_subject(node_id, "*"))
+        return Permissions(publish=(*FOLLOW, COMMANDS, *own, _liveness_key(node_id)))
     raise ValueError(f"unknown role {role!r}")
 
 

@@ -9,6 +9,10 @@
 | `jetshard.cmd.<type>`       | subject              | one command, type in snake case (`add_custom_model_card`)   |
 | `jetshard.evt.<type>`       | subject              | one event (`custom_model_card_added`)                       |
 | `jetshard.chunks.<task id>` | core NATS subject    | generated text of one task, not stored                      |
+| `jetshard.stats.…`          | core NATS subjects   | figures every few seconds, not stored (`stats.py`):         |
+|                             |                      | `node.<node id>.runner.<instance id>` (an instance's leader |
+|                             |                      | runner), `node.<node id>.downloader`,                       |
+|                             |                      | `sequencer.<sequencer id>`                                  |
 | `jetshard-snapshots`        | object store         | `state`: the State at some event sequence                   |
 | `jetshard-leader`           | KV bucket, TTL       | `sequencer`: the id of the sequencer holding the lease      |
 | `jetshard-liveness`         | KV bucket, TTL       | `<node id>`: the node's current session; gone = node lost   |
@@ -27,6 +31,7 @@ COMMAND_PREFIX = "jetshard.cmd"
 TASK_PREFIX = "jetshard.task"
 EVENT_PREFIX = "jetshard.evt"
 CHUNK_PREFIX = "jetshard.chunks"
+STATS_PREFIX = "jetshard.stats"
 
 SNAPSHOT_BUCKET = "jetshard-snapshots"
 SNAPSHOT_OBJECT = "state"
@@ -78,3 +83,20 @@ def task_subject(task_id: str) -> str:
 
 def chunk_subject(task_id: str) -> str:
     return f"{CHUNK_PREFIX}.{task_id}"
+
+
+def node_stats_prefix(node_id: str) -> str:
+    """Every stats subject of one node. Nodes sit under `node.` so that no node id can pass for a sequencer."""
+    return f"{STATS_PREFIX}.node.{node_id}"
+
+
+def runner_stats_subject(node_id: str, instance_id: str) -> str:
+    return f"{node_stats_prefix(node_id)}.runner.{instance_id}"
+
+
+def downloader_stats_subject(node_id: str) -> str:
+    return f"{node_stats_prefix(node_id)}.downloader"
+
+
+def sequencer_stats_subject(sequencer_id: str) -> str:
+    return f"{STATS_PREFIX}.sequencer.{sequencer_id}"

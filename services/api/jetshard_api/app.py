@@ -11,6 +11,7 @@ from litestar.openapi import OpenAPIConfig
 from litestar.openapi.plugins import SwaggerRenderPlugin
 from litestar.plugins import PluginProtocol
 from litestar.static_files import create_static_files_router
+from litestar.types import Message, Scope
 from swagger_ui_bundle import swagger_ui_path
 
 from jetshard_api.cluster import Cluster
@@ -72,6 +73,10 @@ def create_app(
     async def provide_inference() -> InferenceSettings:
         return inference
 
+    async def count_response(message: Message, scope: Scope) -> None:
+        if message["type"] == "http.response.start":
+            cluster.metrics.count_response(scope, message["status"])
+
     return Litestar(
         route_handlers=[
             ClusterController,
@@ -98,6 +103,7 @@ def create_app(
             Exception: internal_error_handler,
         },
         middleware=[HttpSafetyMiddleware(safety)],
+        before_send=[count_response],
         cors_config=CORSConfig(allow_origins=list(safety.cors_origins)) if safety.cors_origins else None,
         openapi_config=_openapi_config(),
         plugins=_plugins(),

@@ -25,6 +25,8 @@ from nats.aio.client import Client
 from nats.js import JetStreamContext
 
 from jetshard_api.errors import REJECT_STATUS, ApiError
+from jetshard_api.metrics import ApiMetrics
+from jetshard_api.stats import StatsBoard
 
 ELECTION_WAIT_S = 15.0
 """How long a publish waits for a stream without a leader (a few seconds of raft election, longer on a loaded
@@ -56,6 +58,9 @@ class Cluster:
         self._submitting: Counter[ModelId] = Counter()
         """Per model, tasks given a place in its queue that State does not count yet."""
         self._recent: deque[tuple[int, EventEnvelope]] = deque(maxlen=RECENT_EVENTS)
+        self.stats = StatsBoard()
+        """The services' latest figures from `jetshard.stats`, once `run_api` subscribed it."""
+        self.metrics = ApiMetrics(lambda: self.state, self.stats)
         follower.add_listener(self._on_event)
 
     @property

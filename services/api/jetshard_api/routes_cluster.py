@@ -1,4 +1,4 @@
-"""Cluster routes: health, State, nodes, and the event stream as Server-Sent Events."""
+"""Cluster routes: health, Prometheus metrics, State, nodes, and the event stream as Server-Sent Events."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from jetshard_bus.streams import subscribe_events
 from jetshard_schema.codec import decode_event
 from jetshard_schema.state import Node, State
 from jetshard_schema.types import NodeStorage
-from litestar import Controller, Response, get
+from litestar import Controller, Request, Response, get
 from litestar.openapi.datastructures import ResponseSpec
 from litestar.params import Parameter
 from litestar.response import ServerSentEvent
@@ -56,6 +56,13 @@ class ClusterController(Controller):
             ),
             status_code=503,
         )
+
+    @get("/metrics", include_in_schema=False)
+    async def metrics(self, cluster: Cluster, request: Request[Any, Any, Any]) -> Response[bytes]:
+        """Prometheus metrics, `jetshard_*`, in the text format (OpenMetrics when the scraper asks for it)."""
+        body, content_type = cluster.metrics.render(request.headers.get("accept", ""))
+        # Given as a header too: Litestar would append a second charset to the one the type names.
+        return Response(body, media_type=content_type, headers={"content-type": content_type})
 
     @get("/state", responses=ERROR_RESPONSES)
     async def state(self, cluster: Cluster) -> State:

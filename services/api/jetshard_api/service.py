@@ -39,6 +39,7 @@ async def run_api(config: ApiConfig, stop: asyncio.Event) -> None:
     follower = StateFollower(js)
     await follower.start()
     cluster = Cluster(client, js, follower, config.command_timeout_s)
+    await cluster.stats.subscribe(client)
     server = uvicorn.Server(
         uvicorn.Config(
             create_app(cluster, config.inference, config.safety),
@@ -63,5 +64,6 @@ async def run_api(config: ApiConfig, stop: asyncio.Event) -> None:
     await stop.wait()
     server.should_exit = True
     await serving
+    await cluster.stats.close()
     await follower.stop()
     await client.drain()

@@ -59,6 +59,7 @@ class ChunkStream:
         self.finished = False
         self._submitted = False
         self._closed = False
+        self._timer = cluster.metrics.token_timer(request.model_id)
 
     async def __aenter__(self) -> ChunkStream:
         async def on_chunk(msg: Any) -> None:
@@ -90,6 +91,7 @@ class ChunkStream:
 
     async def submit(self) -> None:
         """Submit the task, or raise ApiError (429: its model's queue is full) having published nothing."""
+        self._timer.start()
         with self._cluster.queue_place(self._request.model_id):
             task = await self._cluster.store_request(self._request)
             finishing = self._cluster.expect_finish(self._request.task_id)
@@ -159,6 +161,7 @@ class ChunkStream:
             raise ApiError(status, chunk.error, chunk.error_code or "runner_error")
         if chunk.usage is not None or chunk.index == self._last_index:
             self.finished = True
+        self._timer.chunk(chunk)
         return chunk
 
 

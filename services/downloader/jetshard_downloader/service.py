@@ -35,6 +35,7 @@ from jetshard_bus.connect import connect
 from jetshard_bus.follower import StateFollower
 from jetshard_bus.node import config_dir, node_id_for
 from jetshard_bus.options import NatsOptions
+from jetshard_bus.stats import publish_stats
 from jetshard_bus.streams import BusTimings
 from jetshard_schema.cards import ModelCard, ModelSource
 from jetshard_schema.commands import (
@@ -54,6 +55,7 @@ from jetshard_schema.events import (
 from jetshard_schema.ids import ModelId, NodeId
 from jetshard_schema.models import all_cards, find_card
 from jetshard_schema.state import Download, State
+from jetshard_schema.stats import DownloaderStats, DownloadFigures
 from jetshard_schema.types import DownloadProgress, DownloadStatus, ModelDirInfo, NodeStorage
 
 from jetshard_downloader.choose import NoSpace, choose_directory
@@ -290,6 +292,17 @@ class Downloader:
             task.cancel()
         if self.tasks:
             await asyncio.wait(self.tasks, timeout=10)
+
+    def stats(self, interval_s: float) -> DownloaderStats:
+        """The downloads under way, for `jetshard.stats`, every few seconds."""
+        return DownloaderStats(
+            interval_s=interval_s,
+            node_id=self.node_id,
+            downloads=tuple(
+                DownloadFigures(model_id=job.model_id, done_bytes=job.done, expected_bytes=job.total)
+                for job in list(self.running.values())
+            ),
+        )
 
     # --- reports -----------------------------------------------------------------------------------------
 
@@ -603,6 +616,7 @@ async def run_downloader(config: DownloaderConfig, stop: asyncio.Event) -> None:
         " (offline)" if downloader.offline else "",
     )
     downloader.resume(follower.state)
+    stats = asyncio.create_task(publish_stats(client, downloader.stats))
     try:
         while not stop.is_set():
             storage = await asyncio.to_thread(
@@ -615,6 +629,7 @@ async def run_downloader(config: DownloaderConfig, stop: asyncio.Event) -> None:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(stop.wait(), config.storage_interval_s)
     finally:
+        stats.cancel()
         await downloader.shutdown()
         await follower.stop()
         await client.drain()

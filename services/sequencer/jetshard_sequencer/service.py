@@ -22,6 +22,7 @@ from jetshard_bus.connect import connect
 from jetshard_bus.follower import StateFollower
 from jetshard_bus.options import NatsOptions
 from jetshard_bus.snapshots import save_snapshot, stream_created
+from jetshard_bus.stats import publish_stats
 from jetshard_bus.streams import BusTimings, declare
 from jetshard_bus.tracing import inject, span_from
 from jetshard_schema import subjects
@@ -30,6 +31,7 @@ from jetshard_schema.commands import ExpireNode
 from jetshard_schema.events import CommandRejected, Event, EventEnvelope, TaskAssigned
 from jetshard_schema.ids import CommandId, NodeId, ValidCommandId, new_id
 from jetshard_schema.state import State, apply
+from jetshard_schema.stats import SequencerStats
 from jetshard_schema.types import RejectCode
 from nats.aio.msg import Msg
 from nats.js import JetStreamContext
@@ -57,6 +59,25 @@ class SequencerConfig:
     max_restarts: int = 3
 
 
+@dataclass
+class Standing:
+    """What this sequencer's stats say: whether it leads, since which term, what it appended."""
+
+    sequencer_id: str
+    term: int = 0
+    """The leader key's revision when the lease was taken; 0 while standing by."""
+    events_appended: int = 0
+
+    def stats(self, interval_s: float) -> SequencerStats:
+        return SequencerStats(
+            interval_s=interval_s,
+            sequencer_id=self.sequencer_id,
+            leading=self.term > 0,
+            term=self.term,
+            events_appended=self.events_appended,
+        )
+
+
 class StaleLeaderError(RuntimeError):
     pass
 
@@ -67,19 +88,24 @@ class LivenessUnknownError(RuntimeError):
 
 async def run_sequencer(config: SequencerConfig, stop: asyncio.Event) -> None:
     client, js = await connect(config.nats, f"jetshard-sequencer {config.sequencer_id}", config.timings)
+    standing = Standing(config.sequencer_id)
+    stats = asyncio.create_task(publish_stats(client, standing.stats))
     try:
         while not stop.is_set():
             try:
-                await _follow_then_lead(js, config, stop)
+                await _follow_then_lead(js, config, stop, standing)
             except Exception:  # NATS timeouts under load and the like: start over as a standby
                 log.exception("sequencer %s: starting over as a standby", config.sequencer_id)
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(stop.wait(), 1.0)
     finally:
+        stats.cancel()
         await client.drain()
 
 
-async def _follow_then_lead(js: JetStreamContext, config: SequencerConfig, stop: asyncio.Event) -> None:
+async def _follow_then_lead(
+    js: JetStreamContext, config: SequencerConfig, stop: asyncio.Event, standing: Standing
+) -> None:
     """Follow the events as a standby until the lease is ours, then lead until stopped or stale."""
     # Each term starts from the streams and buckets as they should be: one may have been deleted since.
     await declare(js, config.timings, replicas=config.nats.replicas)
@@ -102,12 +128,16 @@ async def _follow_then_lead(js: JetStreamContext, config: SequencerConfig, stop:
         last_seq,
         time.monotonic() - started,
     )
-    leader = Leader(js, config, follower.state, follower.partial, last_seq, lease, stream_created(events_info))
+    leader = Leader(
+        js, config, follower.state, follower.partial, last_seq, lease, stream_created(events_info), standing
+    )
+    standing.term = lease.term
     try:
         await leader.run(stop)
     except* StaleLeaderError as stale:
         log.warning("stepping down: %s", stale.exceptions[0])
     finally:
+        standing.term = 0
         await lease.release()
 
 
@@ -140,6 +170,8 @@ class Lease:
         self.holder = holder
         self.ttl_s = ttl_s
         self._revision: int | None = None
+        self.term = 0
+        """The key's revision when this lease was taken: every new holder's is larger."""
 
     async def try_acquire(self) -> bool:
         kv = await self._js.key_value(subjects.LEADER_BUCKET)
@@ -147,6 +179,7 @@ class Lease:
             self._revision = await kv.create(subjects.LEADER_KEY, self.holder.encode())
         except nats.js.errors.KeyWrongLastSequenceError:
             return False
+        self.term = self._revision
         return True
 
     async def renew(self) -> None:
@@ -176,6 +209,7 @@ class Leader:
         last_seq: int,
         lease: Lease,
         events_created: str,
+        standing: Standing,
     ) -> None:
         self._js = js
         self._config = config
@@ -187,6 +221,7 @@ class Leader:
         self._since_snapshot = 0
         self._events_created = events_created
         """The incarnation of the events stream this term appends to, named in its snapshots."""
+        self._standing = standing
 
     async def run(self, stop: asyncio.Event) -> None:
         # A consumer of this leadership term's own, starting right after the last command with events.
@@ -326,6 +361,7 @@ class Leader:
                 # Cannot happen while the events' dedupe window is shorter than the commands' (streams.py);
                 # if it does, our count of the stream's sequence is off: re-read it as a follower.
                 raise StaleLeaderError("an appended event was a duplicate; resynchronising")
+        self._standing.events_appended += len(acks)
         # Acked only now that every event is stored: a crash before this redelivers the commands. With
         # AckPolicy.ALL one ack of the batch's last command covers the whole batch.
         await last.ack()

@@ -25,6 +25,7 @@ from jetshard_bus.commands import publish_command
 from jetshard_bus.connect import connect
 from jetshard_bus.follower import StateFollower
 from jetshard_bus.service import run_service
+from jetshard_bus.stats import publish_stats
 from jetshard_bus.tracing import enabled as tracing_enabled
 from jetshard_schema.cards import GenerationDefaults
 from jetshard_schema.codec import decode_task_request, encode
@@ -40,6 +41,7 @@ from jetshard_schema.events import (
 from jetshard_schema.ids import TaskId
 from jetshard_schema.sampling import generation_config_defaults, resolve_sampling
 from jetshard_schema.state import State
+from jetshard_schema.stats import RunnerStats
 from jetshard_schema.subjects import TASKS_STREAM, chunk_subject
 from jetshard_schema.types import (
     Chunk,
@@ -95,6 +97,8 @@ class Runner:
         self.context_length = 4096
         self.model_generation = GenerationDefaults()
         self.done = asyncio.Event()
+        self._tokens_seen = (time.monotonic(), 0)
+        """When the stats last counted the engine's tokens, and how many there were: tokens/s between two."""
 
     async def report(self, status: RunnerStatus, **fields: Any) -> None:
         await publish_command(
@@ -169,10 +173,31 @@ class Runner:
         reported = None
         while True:
             await asyncio.sleep(COUNTERS_INTERVAL_S)
-            counters = msgspec.convert(dataclasses.asdict(self.engine.stats), ServingCounters)
+            counters = self.counters()
             if counters != reported:
                 await self.report_ready(counters)
                 reported = counters
+
+    def counters(self) -> ServingCounters:
+        return msgspec.convert(dataclasses.asdict(self.engine.stats), ServingCounters)
+
+    def stats(self, interval_s: float) -> RunnerStats:
+        """The leader's figures for `jetshard.stats`, every few seconds."""
+        engine = self.engine.stats
+        now, tokens = time.monotonic(), engine.tokens
+        then, before = self._tokens_seen
+        self._tokens_seen = (now, tokens)
+        return RunnerStats(
+            interval_s=interval_s,
+            node_id=self.spec.node_id,
+            instance_id=self.plan.key.instance_id,
+            model_id=self.plan.model_id,
+            counters=self.counters(),
+            tokens_per_s=round((tokens - before) / (now - then), 2) if now > then else 0.0,
+            batch_size=engine.batch_size,
+            running_rows=engine.running_rows,
+            queued_rows=engine.queued_rows,
+        )
 
     # --- leader: tasks in, chunks out ------------------------------------------------------------------
 
@@ -487,7 +512,10 @@ async def run_runner(spec: RunnerSpec, stop: asyncio.Event) -> None:
     await runner.report_ready()
     if follower is not None:
         runner.pick_up(follower.state)
-        background.append(asyncio.create_task(runner.report_counters()))
+        background += [
+            asyncio.create_task(runner.report_counters()),
+            asyncio.create_task(publish_stats(client, runner.stats)),
+        ]
     waiters = [
         asyncio.create_task(stop.wait()),
         asyncio.create_task(runner.done.wait()),

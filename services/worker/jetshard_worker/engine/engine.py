@@ -277,6 +277,10 @@ class EngineStats:
     prefix_hit_tokens: int = 0  # prompt tokens those tasks did not prefill
     prefix_cache_entries: int = 0  # saved prefix caches
     prefix_cache_bytes: int = 0  # their size, for the whole model
+    # How things stand now (leader only): rows in the current decode step, decoding or prefilling, waiting.
+    batch_size: int = 0
+    running_rows: int = 0
+    queued_rows: int = 0
 
 
 # Messages from the caller's threads to the leader's loop, which alone touches the queue and the caches.
@@ -435,6 +439,7 @@ class PipelineEngine:
         if self._link is not None:
             self._check_layout()
         while True:
+            self._count_rows()
             idle = not (self._in_flight or self._prefilling or self._pending or self._decoding())
             if not self._apply_control(block=idle):
                 break
@@ -568,6 +573,11 @@ class PipelineEngine:
 
     def _decoding(self) -> int:
         return sum(len(group.rows) for group in self._groups)
+
+    def _count_rows(self) -> None:
+        self.stats.batch_size = self._decoding()
+        self.stats.running_rows = self.stats.batch_size + (self._prefilling is not None)
+        self.stats.queued_rows = len(self._pending)
 
     def _start(self, request: GenerationRequest) -> _Task:
         used = {task.slot for task in self._running()}
