@@ -37,6 +37,11 @@ async def test_api_key_host_origin_content_type_and_nesting(processes, fresh_nat
     async with httpx.AsyncClient(base_url=base, timeout=30) as client:
         assert (await client.get("/healthz")).status_code == 200  # open: a load balancer has no key
         assert (await client.get("/openapi/openapi.json")).status_code == 200
+        # The dashboard's page and files hold no data; the view they show needs the key like every route.
+        assert (await client.get("/")).status_code == 200
+        assert (await client.get("/dashboard/app.js")).status_code == 200
+        assert_openai_error(await client.get("/view/stream"), 401)
+        assert (await client.get("/view", headers=bearer)).status_code == 200
 
         for headers in ({}, {"Authorization": "Bearer wrong"}, {"x-api-key": "wrong"}, {"Authorization": KEY}):
             error = assert_openai_error(await client.get("/v1/models", headers=headers), 401)

@@ -155,6 +155,9 @@ def test_jetshard_up_serves_the_demo_model_offline_stops_in_order_and_restarts_r
 
         listed = {m.id: m for m in client.models.list().data}
         assert listed[DEMO_MODEL_ID].model_extra["ready"] is True
+        page = httpx.get(f"{api}/")  # the README's dashboard address
+        assert page.status_code == 200 and page.headers["content-type"].startswith("text/html")
+        assert "<title>jetshard</title>" in page.text
         reply = client.chat.completions.create(
             model=DEMO_MODEL_ID,
             temperature=0,

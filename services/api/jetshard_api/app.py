@@ -25,6 +25,7 @@ from jetshard_api.errors import (
 from jetshard_api.route_steps import InferenceSettings
 from jetshard_api.routes_anthropic import AnthropicController
 from jetshard_api.routes_cluster import ClusterController
+from jetshard_api.routes_dashboard import dashboard_routes
 from jetshard_api.routes_downloads import DownloadsController
 from jetshard_api.routes_instances import InstancesController
 from jetshard_api.routes_models import ModelsController
@@ -91,6 +92,7 @@ def create_app(
             create_static_files_router(
                 SWAGGER_UI_ASSETS_PATH, directories=[swagger_ui_path], name="swagger-ui", include_in_schema=False
             ),
+            *dashboard_routes(),
         ],
         dependencies={
             "cluster": Provide(provide_cluster, use_cache=True),

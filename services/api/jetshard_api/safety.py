@@ -25,9 +25,10 @@ from jetshard_api.errors import ApiError
 
 LOOPBACK_HOSTS = ("localhost", "127.0.0.1", "::1")
 WILDCARD_ADDRESSES = ("", "0.0.0.0", "::")
-OPEN_PATHS = ("/healthz", "/openapi")
-"""Answered without the API key: the health check, and the API's description (the docs page cannot send a
-key before the user enters it there)."""
+OPEN_PATHS = ("/healthz", "/openapi", "/dashboard/")
+"""Answered without the API key: the health check, the API's description and the dashboard's files (a page
+cannot send a key before the user enters it there), and the dashboard's page `/` itself."""
+OPEN_PAGE = "/"
 STATE_CHANGING_METHODS = frozenset({"POST", "PUT", "PATCH", "DELETE"})
 BODY_METHODS = frozenset({"POST", "PUT", "PATCH"})
 
@@ -78,7 +79,8 @@ class HttpSafetyMiddleware(ASGIMiddleware):
         self._check_host(headers.get("host", ""))
         if method in STATE_CHANGING_METHODS:
             self._check_origin(headers.get("origin"))
-        if method != "OPTIONS" and not scope["path"].startswith(OPEN_PATHS):  # a CORS preflight carries no key
+        path = scope["path"]
+        if method != "OPTIONS" and path != OPEN_PAGE and not path.startswith(OPEN_PATHS):  # a preflight has no key
             self._check_key(headers)
         if method in BODY_METHODS:
             _check_json(headers.get("content-type", ""))
