@@ -211,11 +211,12 @@ def test_the_view_stream_and_the_task_commands_follow_a_chat_and_its_cancel(
     assert wait_for(lambda: not views[-1].tasks and any(line["type"] == "TaskCancelled" for line in lines), 15)
     stop.set()
 
-    # Ids that are not a task in flight: one clear line, a non-zero exit, nothing published.
-    for hostile in (task_id, "../../etc", "task.>"):
+    # Ids that are not a task in flight, or no id at all: a clear error, a non-zero exit, nothing published.
+    finished = jetshard("tasks", "--api", api, "cancel", task_id, check=False)
+    assert finished.returncode == 1 and f"no task {task_id} in flight" in finished.stderr, finished.stderr
+    for hostile in ("../../etc", "task.>"):
         refused = jetshard("tasks", "--api", api, "cancel", hostile, check=False)
-        assert refused.returncode == 1 and refused.stderr.count("\n") == 1, refused.stderr
-        assert "no task" in refused.stderr
+        assert refused.returncode == 2 and "is not a task id" in refused.stderr, refused.stderr
 
 
 def test_instances_ls_and_rm(dialect_cluster: DialectCluster) -> None:
@@ -264,7 +265,8 @@ class Tmux:
 
     def __init__(self, name: str, command: list[str]) -> None:
         self.socket = f"jetshard-test-{name}-{uuid.uuid4().hex[:8]}"
-        shell = " ".join(subprocess.list2cmdline([part]) for part in command)
+        # The program sizes itself to the pane, as in a terminal, not to a COLUMNS this process may carry.
+        shell = " ".join(subprocess.list2cmdline([part]) for part in ["env", "-u", "COLUMNS", "-u", "LINES", *command])
         self._tmux("new-session", "-d", "-x", "200", "-y", "60", "-s", "t", shell)
 
     def _tmux(self, *args: str) -> str:
@@ -314,9 +316,9 @@ def test_chat_streams_keeps_the_conversation_and_ctrl_c_stops_a_reply(
     chat = terminal("chat", "--api", api, dialect_cluster.model, "--max-tokens", "8")
     chat.wait_for_text(f"chatting with {dialect_cluster.model}")
     chat.send("Hello there", "Enter")
-    # A reply of 8 tokens, then the prompt again.
-    wait_for(lambda: chat.screen().count(">>> ") >= 2, timeout=60, interval=0.2)
-    assert chat.screen().count(">>> ") >= 2, chat.screen()
+    # A reply of 8 tokens, then the prompt again (tmux drops the space after it).
+    wait_for(lambda: chat.screen().count(">>>") >= 2, timeout=60, interval=0.2)
+    assert chat.screen().count(">>>") >= 2, chat.screen()
     chat.send("/bye", "Enter")
 
     # The reply Ctrl-C stops is the second turn of a conversation: the first is sent again with it.

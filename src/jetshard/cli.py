@@ -212,6 +212,31 @@ def downloader(
 
 
 @main.command()
+@click.argument("directory", type=click.Path(file_okay=False, path_type=Path))
+@option(
+    "--server-config",
+    type=click.Path(exists=True, dir_okay=False, path_type=Path),
+    default=None,
+    help="a nats-server configuration to which DIRECTORY/nats.conf adds the authorization [default: none written]",
+)
+def credentials(directory: Path, server_config: Path | None) -> None:
+    """Create the NATS identities of a cluster in DIRECTORY (once; later runs keep them): a 0600 nkey seed file
+    per role (admin, sequencer, api, viewer; worker-<node>.nk and downloader-<node>.nk for this machine's node),
+    and DIRECTORY/authorization.conf, the nats-server block that admits exactly them, each with its role's
+    permissions. What `jetshard up` does for its embedded server; compose.yaml runs it for its NATS."""
+    from jetshard_bus.auth import cluster_identities, server_authorization
+    from jetshard_bus.node import config_dir, node_id_for
+
+    identities = cluster_identities(directory, node_id_for(config_dir()))
+    authorization = server_authorization(list(identities.values()))
+    (directory / "authorization.conf").write_text(authorization)
+    if server_config is not None:
+        (directory / "nats.conf").write_text(f"{server_config.read_text().rstrip()}\n\n{authorization}")
+    for role, identity in sorted(identities.items()):
+        click.echo(f"{role:<11} {identity.seed_file}")
+
+
+@main.command()
 @client_nats_options
 @option("--since", type=int, default=None, help="first event sequence to show (default: only new events)")
 @option("--json", "as_json", is_flag=True, help="print each event's whole envelope as a JSON line")

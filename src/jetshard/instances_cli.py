@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import json
+import re
 from typing import Any
 from urllib.parse import quote
 
 import click
+from jetshard_schema.ids import NAME_MAX_LENGTH, NAME_PATTERN
 from rich.table import Table
 
 from jetshard.models_cli import ApiClient, console, json_option
@@ -82,8 +84,19 @@ def list_instances(client: ApiClient, as_json: bool) -> None:
     _listing(client, "/instances", as_json, instances_table, "no instances")
 
 
+def _id(kind: str) -> Any:
+    """An id argument: what cannot be an id is refused here, as the API would (letters, digits, '_', '-')."""
+
+    def check(_context: click.Context, _parameter: click.Parameter, value: str) -> str:
+        if len(value) > NAME_MAX_LENGTH or not re.fullmatch(NAME_PATTERN, value):
+            raise click.BadParameter(f"{value!r} is not a {kind} id (letters, digits, '_' and '-')")
+        return value
+
+    return check
+
+
 @instances.command("rm")
-@click.argument("instance_id")
+@click.argument("instance_id", callback=_id("instance"))
 @click.pass_obj
 def remove_instance(client: ApiClient, instance_id: str) -> None:
     """Stop an instance's runners; its tasks in flight end with an error."""
@@ -108,7 +121,7 @@ def list_tasks(client: ApiClient, as_json: bool) -> None:
 
 
 @tasks.command("cancel")
-@click.argument("task_id")
+@click.argument("task_id", callback=_id("task"))
 @click.pass_obj
 def cancel_task(client: ApiClient, task_id: str) -> None:
     """Stop a task; its client gets what was generated so far, then an error saying it was cancelled."""

@@ -17,6 +17,7 @@ from jetshard_schema.gist import gist
 from jetshard_schema.ids import InstanceId, ModelId, NodeId, TaskId
 from jetshard_schema.models import find_card
 from jetshard_schema.state import Download, Instance, State, instance_status
+from jetshard_schema.stats import RunnerStats
 from jetshard_schema.types import (
     DownloadStatus,
     InstanceStatus,
@@ -99,15 +100,6 @@ def describe_instance(state: State, instance: Instance) -> InstanceDescription:
     )
 
 
-class InstanceLoad(msgspec.Struct, frozen=True, kw_only=True):
-    """What an instance's leader runner last published about its work (core NATS, every few seconds)."""
-
-    tokens_per_s: float = 0.0
-    """Tokens generated per second over the last interval, all rows together."""
-    batch_size: int = 0
-    """Rows in its latest decode step."""
-
-
 class NodeView(msgspec.Struct, frozen=True, kw_only=True):
     node_id: NodeId
     hostname: str
@@ -147,7 +139,7 @@ class ModelView(msgspec.Struct, frozen=True, kw_only=True):
 class InstanceView(InstanceDescription, frozen=True, kw_only=True):
     tokens_per_s: float | None = None
     batch_size: int | None = None
-    """Both from the leader's latest figures; None until it has published any."""
+    """Both from the leader's latest stats (core NATS, every few seconds); None until it has published any."""
 
 
 class TaskView(msgspec.Struct, frozen=True, kw_only=True):
@@ -226,8 +218,9 @@ def _model_views(state: State) -> list[ModelView]:
     return views
 
 
-def cluster_view(state: State, loads: Mapping[InstanceId, InstanceLoad] | None = None) -> ClusterView:
-    """The summary of `state`, with each instance's latest load where `loads` has it."""
+def cluster_view(state: State, loads: Mapping[InstanceId, RunnerStats] | None = None) -> ClusterView:
+    """The summary of `state`, with each instance's tokens per second and batch size where `loads` has its
+    leader's latest stats."""
     loads = loads or {}
     instances = []
     for instance_id, instance in sorted(state.instances.items()):

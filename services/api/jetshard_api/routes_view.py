@@ -33,7 +33,7 @@ KEEP_ALIVE_S = 15.0
 
 
 def current_view(cluster: Cluster) -> ClusterView:
-    return cluster_view(cluster.state)
+    return cluster_view(cluster.state, cluster.stats.instances())
 
 
 class ViewController(Controller):
