@@ -20,6 +20,7 @@ from jetshard_api.anthropic_types import CountTokensRequest, messages_task
 from jetshard_api.app import create_app
 from jetshard_api.cluster import Cluster
 from jetshard_api.safety import HttpSafety
+from jetshard_bus.follower import StateFollower
 from jetshard_schema.ids import new_task_id, parse_model_id
 from jetshard_schema.types import ChatMessage, SamplingParams, ToolCall, ToolChoice
 from litestar.testing import TestClient
@@ -169,9 +170,10 @@ def test_refusals_are_anthropic_errors(client: anthropic.Anthropic, dialect_clus
 
 
 def test_a_wrong_api_key_is_an_authentication_error() -> None:
-    """The key middleware answers before the route's handler, in the route's error shape. No cluster is needed:
+    """The key middleware answers before the route's handler, in the route's error shape. No NATS is needed:
     the request never gets that far."""
-    app = create_app(Cluster.__new__(Cluster), safety=HttpSafety(api_key="the-key", allowed_hosts=frozenset("*")))
+    unconnected = Cluster(None, None, StateFollower(None), command_timeout_s=1)  # type: ignore[arg-type]
+    app = create_app(unconnected, safety=HttpSafety(api_key="the-key", allowed_hosts=frozenset("*")))
     request = {"model": "org/model", "max_tokens": 5, "messages": QUESTION}
     with TestClient(app) as http:
         response = http.post("/v1/messages", json=request, headers={"x-api-key": "wrong", "anthropic-version": "1"})

@@ -14,24 +14,13 @@ from typing import Any
 
 import httpx
 import pytest
+from helpers.browser import SHOWN_MS, Troubles, chat, chromium
 from helpers.dialects import DialectCluster
 from helpers.harness import wait_for
 from helpers.tiny_models import make_tiny_model
 from openai import OpenAI
-from playwright.sync_api import Browser, ConsoleMessage, Page, Request, Response, expect, sync_playwright
+from playwright.sync_api import Browser, expect
 
-CHROMIUM = "/usr/bin/chromium"
-CHROMIUM_ARGS = [
-    "--no-sandbox",
-    "--disable-gpu",
-    "--disable-background-networking",
-    "--disable-component-update",
-    "--disable-sync",
-    "--no-first-run",
-    "--disable-quic",
-]
-SHOWN_MS = 5000
-"""A change made through the API is on the page within this, without a reload."""
 SECOND_MODEL = "jetshard-test/tiny-dashboard"
 KEY = "dashboard-key-0123456789"
 ANSWER_TOKENS = 24
@@ -41,15 +30,8 @@ pytestmark = pytest.mark.timeout(180)
 
 @pytest.fixture(scope="module")
 def browser() -> Iterator[Browser]:
-    if not Path(CHROMIUM).exists():
-        pytest.fail(
-            f"the dashboard tests need Debian's Chromium at {CHROMIUM}: "
-            "apt-get update && apt-get install -y chromium (never `playwright install`)"
-        )
-    with sync_playwright() as playwright:
-        chromium = playwright.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
-        yield chromium
-        chromium.close()
+    with chromium() as launched:
+        yield launched
 
 
 @pytest.fixture(scope="module")
@@ -57,66 +39,6 @@ def screenshots(tmp_path_factory: pytest.TempPathFactory) -> Path:
     folder = tmp_path_factory.mktemp("dashboard-screenshots")
     print(f"\ndashboard screenshots in {folder}")
     return folder
-
-
-class Troubles:
-    """What a user would see go wrong: console errors, uncaught exceptions, requests that failed or were refused."""
-
-    def __init__(self, page: Page) -> None:
-        self.seen: list[str] = []
-        page.on("console", self._console)
-        page.on("pageerror", lambda error: self.seen.append(f"uncaught: {error}"))
-        page.on("requestfailed", self._failed)
-        page.on("response", self._response)
-
-    def _console(self, message: ConsoleMessage) -> None:
-        if message.type in ("error", "warning"):
-            self.seen.append(f"console {message.type}: {message.text}")
-
-    def _failed(self, request: Request) -> None:
-        self.seen.append(f"failed: {request.method} {request.url}: {request.failure}")
-
-    def _response(self, response: Response) -> None:
-        if response.status >= 400:
-            self.seen.append(f"{response.status}: {response.request.method} {response.url}")
-
-
-def record_answer_growth(page: Page) -> None:
-    """From now on, the length of the newest answer's text each time it changes (mutation records keep every
-    step even when the browser delivers several together)."""
-    page.evaluate(
-        """() => {
-            window.answerLengths = [];
-            new MutationObserver((records) => {
-                for (const record of records) {
-                    if (record.type === "characterData") window.answerLengths.push(record.oldValue.length);
-                }
-                const answers = document.querySelectorAll("#chat-log .message-assistant .text");
-                if (answers.length) window.answerLengths.push(answers[answers.length - 1].textContent.length);
-            }).observe(document.getElementById("chat-log"), {
-                subtree: true, childList: true, characterData: true, characterDataOldValue: true,
-            });
-        }"""
-    )
-
-
-def chat(page: Page, text: str) -> str:
-    """Send `text` from the chat box; the answer once it has streamed in whole."""
-    answers = page.locator("#chat-log .message-assistant")
-    before = answers.count()
-    record_answer_growth(page)
-    page.fill("#chat-input", text)
-    page.press("#chat-input", "Enter")
-    expect(answers).to_have_count(before + 1, timeout=SHOWN_MS)
-    expect(page.locator("#chat-stop")).to_be_disabled(timeout=60_000)  # the answer is complete
-    answer = answers.nth(before)
-    expect(answer.locator(".note")).to_have_count(0)
-    lengths = page.evaluate("window.answerLengths")
-    final = answer.locator(".text").text_content() or ""
-    assert final, "the answer is empty"
-    growing = sorted({n for n in lengths if 0 < n < len(final)})
-    assert growing, f"the answer appeared at once ({lengths}), it did not stream"
-    return final
 
 
 def greedy_answer(api: str, model: str, messages: list[dict[str, str]]) -> str:

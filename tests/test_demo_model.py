@@ -155,9 +155,7 @@ def test_jetshard_up_serves_the_demo_model_offline_stops_in_order_and_restarts_r
 
         listed = {m.id: m for m in client.models.list().data}
         assert listed[DEMO_MODEL_ID].model_extra["ready"] is True
-        page = httpx.get(f"{api}/")  # the README's dashboard address
-        assert page.status_code == 200 and page.headers["content-type"].startswith("text/html")
-        assert "<title>jetshard</title>" in page.text
+        assert_the_dashboard_answers_paris(api)  # the README's dashboard address
         reply = client.chat.completions.create(
             model=DEMO_MODEL_ID,
             temperature=0,
@@ -230,6 +228,22 @@ def test_jetshard_up_serves_the_demo_model_offline_stops_in_order_and_restarts_r
     print(f"last stop took {stop_s:.2f} s")
     assert stop_s < 5
     assert_nothing_left(data, tmp_path / "models")
+
+
+def assert_the_dashboard_answers_paris(api: str) -> None:
+    """The README's question typed into the dashboard's chat box, in a real browser: the answer streams in."""
+    from helpers.browser import SHOWN_MS, Troubles, chat, chromium
+    from playwright.sync_api import expect
+
+    with chromium() as browser:
+        page = browser.new_page()
+        troubles = Troubles(page)
+        page.goto(f"{api}/")
+        expect(page.locator("#connection")).to_have_text("live", timeout=SHOWN_MS)
+        expect(page.locator("#chat-model")).to_have_value(DEMO_MODEL_ID)
+        answer = chat(page, "What is the capital of France?")
+        assert "Paris" in answer, answer
+        assert troubles.seen == [], troubles.seen
 
 
 def assert_every_dialect_answers_paris(api: str) -> None:

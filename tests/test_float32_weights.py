@@ -88,8 +88,8 @@ def test_engine_on_float32_weights_equals_mlx_lm_with_the_runners_blas(
         timeout=120,
     )
     expected = json.loads(reference.stdout)
-    if sys.platform == "linux":
-        assert expected["blas"] == "openblas"
+    # OpenBLAS where the runner's environment preloads one that runs on this processor (tests/test_blas.py).
+    assert expected["blas"] == ("openblas" if "LD_PRELOAD" in env else "reference")
 
     requests = [{"task_id": f"t{i}", "prompt_tokens": p, "max_tokens": MAX_TOKENS} for i, p in enumerate(prompts)]
     (tmp_path / "requests.json").write_text(json.dumps(requests))

@@ -44,7 +44,7 @@ class ViewController(Controller):
         """Nodes, the models on them, instances with their shards and runners, and the tasks in flight."""
         return current_view(cluster)
 
-    @get("/view/stream", responses=ERROR_RESPONSES)
+    @get("/view/stream", responses=ERROR_RESPONSES, media_type="text/event-stream")
     async def view_stream(self, cluster: Cluster) -> ServerSentEvent:
         """The view now and after every change (`event: view`), and each event as one readable line
         (`event: event`, an EventLine), starting with the latest few, as `text/event-stream`."""
