@@ -182,6 +182,9 @@ def test_jetshard_up_serves_the_demo_model_offline_stops_in_order_and_restarts_r
         (instance,) = httpx.get(f"{api}/instances").json()
         assert (instance["serving"]["max_batch"], instance["serving"]["max_queued"]) == (3, 5)
         assert DEMO_MODEL_ID in run_cli("models", "ls", env=env)
+        # Client commands find the cluster `up` runs with no flags (its data dir says where and as whom).
+        status = run_cli("status", env=env)
+        assert DEMO_MODEL_ID in status and instance["instance_id"] in status and "[0, 30) ready" in status
         assert json.loads(run_cli("state", "--json", env=env))["instances"]
         raw_models = httpx.get(f"{api}/v1/models").json()["data"]
         demo = next(m for m in raw_models if m["id"] == DEMO_MODEL_ID)
