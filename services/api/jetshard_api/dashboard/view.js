@@ -12,6 +12,11 @@ const TONES = {
   queued: "muted",
 };
 
+/** A CPU node whose runners multiply with MLX's reference BLAS: float32 would be slow there (see the README). */
+function slowCpu(node) {
+  return node.accelerator === "cpu" && !node.fast_blas;
+}
+
 function status(text) {
   return badge(text, TONES[text] ?? "busy");
 }
@@ -43,7 +48,7 @@ function nodeCard(node) {
       node.offline ? badge("offline: no downloads", "muted") : null,
     ),
     field("host", node.hostname || "–"),
-    field("accelerator", `${node.accelerator || "cpu"}, ${node.cpu_cores} cores`),
+    field("accelerator", `${node.accelerator}, ${node.cpu_cores} cores${slowCpu(node) ? ", reference BLAS" : ""}`),
     field(
       "memory",
       ...usage(memoryUsed, node.memory_total_bytes, `${size(node.memory_available_bytes)} free of ${size(node.memory_total_bytes)}`),
