@@ -500,7 +500,7 @@ class _Closer:
                 continue
             if text[i] == '"':
                 return i + 1, "", 0
-            if i + 1 == len(text):  # an escape: \x, or \uXXXX
+            if i + 1 == len(text):  # an escape: \x, or \u and four hex digits
                 return None, "n", length + 1
             if text[i + 1] != "u":
                 i += 2
