@@ -4,14 +4,12 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import re
 from pathlib import Path
 from typing import Any
 
 import click
 from jetshard_bus.options import DEFAULT_API_PORT, NatsOptions
 from jetshard_bus.streams import BusTimings
-from jetshard_schema.ids import NAME_MAX_LENGTH, NAME_PATTERN
 from jetshard_schema.types import ServingSettings
 
 from jetshard.chat_cli import chat
@@ -19,7 +17,7 @@ from jetshard.download_cli import download
 from jetshard.import_gguf import import_gguf
 from jetshard.instances_cli import instances, tasks
 from jetshard.models_cli import models
-from jetshard.options import client_nats_options, model_dir_options, nats_options, option, serving_options
+from jetshard.options import checked_name, client_nats_options, model_dir_options, nats_options, option, serving_options
 from jetshard.status_cli import status
 from jetshard.up import up
 
@@ -46,7 +44,7 @@ models.add_command(import_gguf)
 @option(
     "--sequencer-id",
     default=None,
-    callback=lambda _ctx, _param, value: _name(value),
+    callback=checked_name,
     help="what the leader lease (bucket jetshard-leader), this sequencer's command consumers and its log call it "
     "[default: seq-<random>]",
 )
@@ -270,10 +268,3 @@ def _run(coroutine: Any) -> Any:
         return None
     except (NatsUnreachableError, StreamsMissingError) as error:
         raise click.ClickException(str(error)) from None
-
-
-def _name(value: str | None) -> str | None:
-    """A name that becomes part of NATS consumer names and KV values: the rules of node ids."""
-    if value is not None and (len(value) > NAME_MAX_LENGTH or not re.fullmatch(NAME_PATTERN, value)):
-        raise click.BadParameter(f"use letters, digits, '_' and '-' (at most {NAME_MAX_LENGTH}), not {value!r}")
-    return value

@@ -3,16 +3,14 @@
 from __future__ import annotations
 
 import json
-import re
 from typing import Any
 from urllib.parse import quote
 
 import click
-from jetshard_schema.ids import NAME_MAX_LENGTH, NAME_PATTERN
 from rich.table import Table
 
 from jetshard.models_cli import ApiClient, console, json_option
-from jetshard.options import api_url_option
+from jetshard.options import api_url_option, checked_name
 
 CONTEXT = {"help_option_names": ["-h", "--help"], "max_content_width": 110}
 
@@ -84,19 +82,8 @@ def list_instances(client: ApiClient, as_json: bool) -> None:
     _listing(client, "/instances", as_json, instances_table, "no instances")
 
 
-def _id(kind: str) -> Any:
-    """An id argument: what cannot be an id is refused here, as the API would (letters, digits, '_', '-')."""
-
-    def check(_context: click.Context, _parameter: click.Parameter, value: str) -> str:
-        if len(value) > NAME_MAX_LENGTH or not re.fullmatch(NAME_PATTERN, value):
-            raise click.BadParameter(f"{value!r} is not a {kind} id (letters, digits, '_' and '-')")
-        return value
-
-    return check
-
-
 @instances.command("rm")
-@click.argument("instance_id", callback=_id("instance"))
+@click.argument("instance_id", callback=checked_name)
 @click.pass_obj
 def remove_instance(client: ApiClient, instance_id: str) -> None:
     """Stop an instance's runners; its tasks in flight end with an error."""
@@ -121,7 +108,7 @@ def list_tasks(client: ApiClient, as_json: bool) -> None:
 
 
 @tasks.command("cancel")
-@click.argument("task_id", callback=_id("task"))
+@click.argument("task_id", callback=checked_name)
 @click.pass_obj
 def cancel_task(client: ApiClient, task_id: str) -> None:
     """Stop a task; its client gets what was generated so far, then an error saying it was cancelled."""

@@ -14,6 +14,7 @@ from urllib.parse import quote
 
 import click
 import httpx
+from jetshard_schema.gist import size
 from rich.console import Console
 from rich.table import Table
 
@@ -97,14 +98,7 @@ def _model_path(model_id: str) -> str:
 
 
 def format_size(n_bytes: int | None) -> str:
-    if not n_bytes:
-        return "-"
-    size = float(n_bytes)
-    for unit in ("B", "KB", "MB", "GB", "TB"):
-        if size < 1000 or unit == "TB":
-            return f"{size:.0f} {unit}" if unit == "B" else f"{size:.1f} {unit}"
-        size /= 1000
-    return f"{n_bytes} B"  # pragma: no cover  (the loop always returns)
+    return size(n_bytes) if n_bytes else "-"
 
 
 def format_quantization(card: dict[str, Any]) -> str:

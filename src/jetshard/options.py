@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import re
 from collections.abc import Callable
 from typing import Any
 
@@ -10,6 +11,7 @@ import click
 import msgspec
 from jetshard_bus.options import DEFAULT_API_PORT, DEFAULT_NATS_URL, NatsOptions
 from jetshard_bus.streams import BusTimings
+from jetshard_schema.ids import NAME_MAX_LENGTH, NAME_PATTERN
 from jetshard_schema.types import ServingSettings
 
 from jetshard.clusterfile import recorded
@@ -174,3 +176,11 @@ def serving_options(command: Callable[..., Any]) -> Callable[..., Any]:
 def serving_args(serving: ServingSettings) -> list[str]:
     """`serving_options`' flags for `serving`, to pass it on to a `jetshard api` process."""
     return [f"--{name.replace('_', '-')}={getattr(serving, name)}" for name in _SERVING_HELP]
+
+
+def checked_name(_context: click.Context, _parameter: click.Parameter, value: str | None) -> str | None:
+    """A click callback for an id that becomes a NATS subject token, a consumer name or a KV key (a task,
+    an instance, a sequencer): the rules of `jetshard_schema.ids`, refused here rather than by the API."""
+    if value is not None and (len(value) > NAME_MAX_LENGTH or not re.fullmatch(NAME_PATTERN, value)):
+        raise click.BadParameter(f"use letters, digits, '_' and '-' (at most {NAME_MAX_LENGTH}), not {value!r}")
+    return value

@@ -23,12 +23,13 @@ def gist(event: events.Event) -> str:
 
 
 def size(n_bytes: float) -> str:
-    """Bytes in the largest binary unit that keeps the figure at least 1 (`1.5 GiB`)."""
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n_bytes) < 1024 or unit == "TiB":
+    """Bytes in the largest decimal unit that keeps the figure at least 1 (`1.5 GB`), as disks and the Hub
+    count them: the one way every command and the dashboard show a size."""
+    for unit in ("B", "KB", "MB", "GB"):
+        if abs(n_bytes) < 1000:
             return f"{n_bytes:.0f} {unit}" if unit == "B" else f"{n_bytes:.1f} {unit}"
-        n_bytes /= 1024
-    raise AssertionError("unreachable")
+        n_bytes /= 1000
+    return f"{n_bytes:.1f} TB"
 
 
 def short(reason: str) -> str:

@@ -229,7 +229,18 @@ def cluster_view(state: State, loads: Mapping[InstanceId, RunnerStats] | None = 
         if load is not None:
             description |= {"tokens_per_s": load.tokens_per_s, "batch_size": load.batch_size}
         instances.append(InstanceView(**description))
-    tasks = [
+    return ClusterView(
+        last_seq=state.last_seq,
+        nodes=[_node_view(state, node_id) for node_id in sorted(state.nodes)],
+        models=_model_views(state),
+        instances=instances,
+        tasks=task_views(state),
+    )
+
+
+def task_views(state: State) -> list[TaskView]:
+    """The tasks in flight, oldest first."""
+    return [
         TaskView(
             task_id=task.task_id,
             model_id=task.ref.model_id,
@@ -240,13 +251,6 @@ def cluster_view(state: State, loads: Mapping[InstanceId, RunnerStats] | None = 
         )
         for task in sorted(state.tasks.values(), key=lambda t: t.ref.request_seq)
     ]
-    return ClusterView(
-        last_seq=state.last_seq,
-        nodes=[_node_view(state, node_id) for node_id in sorted(state.nodes)],
-        models=_model_views(state),
-        instances=instances,
-        tasks=tasks,
-    )
 
 
 class EventLine(msgspec.Struct, frozen=True, kw_only=True):

@@ -15,7 +15,7 @@ from jetshard_schema.commands import CancelTask
 from jetshard_schema.events import EventEnvelope
 from jetshard_schema.ids import TaskId
 from jetshard_schema.state import State
-from jetshard_schema.view import ClusterView, EventLine, TaskView, cluster_view, event_line
+from jetshard_schema.view import ClusterView, EventLine, TaskView, cluster_view, event_line, task_views
 from litestar import Controller, delete, get
 from litestar.response import ServerSentEvent
 from litestar.response.sse import ServerSentEventMessage
@@ -53,7 +53,7 @@ class ViewController(Controller):
     @get("/tasks", responses=ERROR_RESPONSES)
     async def tasks(self, cluster: Cluster) -> list[TaskView]:
         """Tasks in flight, oldest first: queued for their instance, or running."""
-        return current_view(cluster).tasks
+        return task_views(cluster.state)
 
     @delete("/tasks/{task_id:str}", status_code=200, responses=ERROR_RESPONSES)
     async def cancel_task(self, cluster: Cluster, task_id: str) -> Deleted:
