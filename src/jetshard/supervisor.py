@@ -72,6 +72,13 @@ class Supervisor:
             self.managed.append(managed)
         return managed
 
+    def retire(self, name: str) -> None:
+        """Stop the process `name` for good: it is not restarted again."""
+        retired = [m for m in self.managed if m.name == name]
+        self.managed = [m for m in self.managed if m.name != name]
+        if retired:
+            stop_groups([m.process for m in retired], self.stop_grace_s[retired[0].stop_stage])
+
     def exited(self) -> ManagedProcess | None:
         """The first process that has exited, if one has."""
         return next((m for m in self.managed if m.process.poll() is not None), None)

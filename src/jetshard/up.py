@@ -14,9 +14,9 @@ from urllib.parse import urlsplit, urlunsplit
 
 import click
 import httpx
-from jetshard_bus.auth import ADMIN, VIEWER, Identity, cluster_identities, server_authorization
+from jetshard_bus.auth import ADMIN, SYSTEM, VIEWER, Identity, cluster_identities, server_authorization
 from jetshard_bus.connect import connect
-from jetshard_bus.natsserver import start_nats_server
+from jetshard_bus.natsserver import DATA_TAG, start_nats_server
 from jetshard_bus.node import config_dir, node_id_for
 from jetshard_bus.options import DEFAULT_API_PORT, NatsOptions
 from jetshard_bus.procs import spawn
@@ -26,6 +26,9 @@ from jetshard_schema.types import ServingSettings
 from rich.console import Console
 
 from jetshard.clusterfile import data_dir, remove_cluster_file, write_cluster_file
+from jetshard.discovery import Discovery
+from jetshard.lan_options import LanChoice, lan_layout, lan_options
+from jetshard.lan_up import LanServers, announcement
 from jetshard.options import model_dir_options, option, serving_args, serving_options
 from jetshard.placing import place_and_wait
 from jetshard.supervisor import STOP_SIGNALS, Supervisor
@@ -52,7 +55,7 @@ STOP_GRACE_S = (2.0, 1.0, 0.8, 0.8)
     show_default=True,
     help="port of the embedded NATS server (loopback only)",
 )
-@option("--host", default="127.0.0.1", show_default=True, help="API address")
+@option("--host", default=None, help="API address [default: 127.0.0.1; with --lan every interface]")
 @option("--port", type=int, default=DEFAULT_API_PORT, show_default=True, help="API port")
 @option("--api-key", default=None, help="require this key of API clients")
 @option(
@@ -76,12 +79,13 @@ STOP_GRACE_S = (2.0, 1.0, 0.8, 0.8)
     help="model to place once the cluster is up",
 )
 @option("--no-model", is_flag=True, help="place no model")
+@lan_options
 @serving_options
 @model_dir_options
 def up(
     nats_url: str | None,
     nats_port: int,
-    host: str,
+    host: str | None,
     port: int,
     api_key: str | None,
     allowed_hosts: tuple[str, ...],
@@ -89,6 +93,7 @@ def up(
     offline: bool,
     model: str,
     no_model: bool,
+    lan: LanChoice | None,
     serving: ServingSettings,
     default_models_dir: str | None,
     models_dirs: str | None,
@@ -102,13 +107,39 @@ def up(
     logs = root / "logs"
     logs.mkdir(parents=True, exist_ok=True)
     supervisor = Supervisor(STOP_GRACE_S, report=lambda line: console.print(f"[yellow]{line}[/]", soft_wrap=True))
-    api_url = f"http://{host}:{port}"
+    host = host or ("0.0.0.0" if lan else "127.0.0.1")
+    api_url = f"http://{'127.0.0.1' if host in ('0.0.0.0', '::') else host}:{port}"
+    lan_servers: LanServers | None = None
+    discovery: Discovery | None = None
     # Each start of the worker is a session of its own: a restarted worker must not pass for its predecessor,
     # whose runners died with it.
     worker_sessions: list[str] = []
     try:
         identities: dict[str, Identity] = {}
-        if nats_url is None:
+        if nats_url is None and lan is not None:
+            node_id = node_id_for(config_dir())
+            identities = cluster_identities(root / "creds", node_id)
+            authorization = server_authorization(list(identities.values()))
+            layout = lan_layout(root, lan, node_id, nats_port, authorization)
+            discovery = Discovery(announcement(layout, node_id, port))
+            discovery.start()
+            lan_servers = LanServers(
+                layout,
+                discovery,
+                lan.join,
+                supervisor,
+                logs,
+                identities[ADMIN].seed_file,
+                identities[SYSTEM].seed_file,
+                lambda line: console.print(line, soft_wrap=True),
+                NATS_STOP_STAGE,
+            )
+            lan_servers.start()
+            nats_url = lan_servers.nats_url
+            admin = NatsOptions(servers=(nats_url,), nkey_file=str(identities[ADMIN].seed_file), placement_tag=DATA_TAG)
+            asyncio.run(_declare_streams(admin))
+            lan_servers.ensure_replicas()
+        elif nats_url is None:
             identities = cluster_identities(root / "creds", node_id_for(config_dir()))
             authorization = server_authorization(list(identities.values()))
             server_url: list[str] = []
@@ -139,7 +170,9 @@ def up(
                 *("--host", host, "--port", str(port)),
                 *(f"--allowed-host={h}" for h in allowed_hosts),
                 *serving_args(serving),
-            ]
+            ],
+            # Runners of one model on several machines reach each other on the address the LAN sees.
+            "worker": ["--advertise-host", lan_servers.layout.address] if lan_servers else [],
         }
 
         def starter(name: str) -> Callable[[], subprocess.Popen[bytes]]:
@@ -173,8 +206,13 @@ def up(
             soft_wrap=True,
         )
 
+        if lan_servers is not None:
+            _print_lan(console, lan_servers, host, port, api_key)
+
         def tend() -> bool:
             supervisor.tend()
+            if lan_servers is not None:
+                lan_servers.tend()
             return True
 
         if not no_model:
@@ -188,6 +226,8 @@ def up(
     finally:
         for sig in STOP_SIGNALS:
             signal.signal(sig, signal.SIG_IGN)
+        if discovery is not None:
+            discovery.stop()
         supervisor.stop()
         remove_cluster_file(root)
         console.print("stopped")
@@ -197,6 +237,23 @@ async def _declare_streams(options: NatsOptions) -> None:
     """Declare as admin before any service starts: only the admin and the sequencer may."""
     client, _ = await connect(options, "jetshard up", wait_for_server=False)
     await client.close()
+
+
+def _print_lan(console: Console, lan_servers: LanServers, host: str, port: int, api_key: str | None) -> None:
+    membership = lan_servers.membership
+    layout = lan_servers.layout
+    console.print(
+        f"  LAN   cluster {membership.cluster!r}, this machine {membership.server_name} at {layout.address} "
+        f"(routes on port {layout.ports.route})\n"
+        f"  Add a machine: [bold]jetshard up --lan --join-token {membership.token}[/]",
+        soft_wrap=True,
+    )
+    if host in ("0.0.0.0", "::") and not api_key:
+        console.print(
+            f"[yellow]The API on http://{layout.address}:{port} answers anyone on this network: set --api-key "
+            "(or JETSHARD_API_KEY) to require a key.[/]",
+            soft_wrap=True,
+        )
 
 
 def _without_userinfo(url: str) -> str:

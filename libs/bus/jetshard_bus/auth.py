@@ -15,6 +15,8 @@ the role's processes read by path (`--nats-nkey FILE`), never on a command line.
 |                       | task requests                                                      |                    |
 | downloader (per node) | commands, its own liveness key and downloader stats                | `_INBOX.>`         |
 | viewer                | nothing (`jetshard state`, `jetshard events`)                      | stats, `_INBOX.>`  |
+| system                | the server's own API, in the system account: server reports, and   | anything there     |
+|                       | removing a JetStream peer (`jetshard up --lan` keeps the topology) |                    |
 
 Every role but admin may read the event stream and the snapshots (stream info, an ordered consumer, a
 message by sequence); none but admin may delete or purge `JETSHARD_EVENTS` or `JETSHARD_COMMANDS`.
@@ -37,6 +39,8 @@ API = "api"
 VIEWER = "viewer"
 WORKER = "worker"
 DOWNLOADER = "downloader"
+SYSTEM = "system"
+SYSTEM_ACCOUNT = "SYS"
 
 JS_API = "$JS.API"
 INBOXES = "_INBOX.>"
@@ -92,7 +96,7 @@ def _liveness_key(node_id: str) -> str:
 
 def role_permissions(role: str, node_id: str | None = None) -> Permissions | None:
     """The permissions of `role` (None: unrestricted). Node roles need the node whose liveness key they keep."""
-    if role == ADMIN:
+    if role in (ADMIN, SYSTEM):
         return None
     if role == SEQUENCER:
         return Permissions(
@@ -168,7 +172,10 @@ def ensure_identity(creds_dir: Path, role: str, node_id: str | None = None) -> I
 def server_authorization(identities: list[Identity]) -> str:
     """The nats-server `authorization` block admitting exactly these identities, each with its role's rights."""
     users = []
+    system_users = [{"nkey": identity.public_key} for identity in identities if identity.role == SYSTEM]
     for identity in identities:
+        if identity.role == SYSTEM:
+            continue
         user: dict[str, object] = {"nkey": identity.public_key}
         permissions = role_permissions(identity.role, identity.node_id)
         if permissions is not None:
@@ -178,10 +185,16 @@ def server_authorization(identities: list[Identity]) -> str:
             }
         users.append(user)
     # JSON is valid nats-server configuration syntax.
-    return f"authorization {json.dumps({'users': users}, indent=2)}\n"
+    blocks = f"authorization {json.dumps({'users': users}, indent=2)}\n"
+    if system_users:
+        # Users of the authorization block stay in the global account, where jetshard's streams are.
+        blocks += (
+            f"accounts {json.dumps({SYSTEM_ACCOUNT: {'users': system_users}})}\nsystem_account: {SYSTEM_ACCOUNT}\n"
+        )
+    return blocks
 
 
 def cluster_identities(creds_dir: Path, node_id: str) -> dict[str, Identity]:
     """Every identity of a one-machine cluster (`jetshard up`), by role."""
-    roles = {role: ensure_identity(creds_dir, role) for role in (ADMIN, SEQUENCER, API, VIEWER)}
+    roles = {role: ensure_identity(creds_dir, role) for role in (ADMIN, SEQUENCER, API, VIEWER, SYSTEM)}
     return roles | {role: ensure_identity(creds_dir, role, node_id) for role in (WORKER, DOWNLOADER)}

@@ -53,7 +53,7 @@ async def connect(
     js = client.jetstream(publish_async_max_pending=20_000)
     try:
         if declare_streams:
-            await declare(js, timings, replicas=options.replicas)
+            await declare(js, timings, replicas=options.replicas, placement_tag=options.placement_tag)
         else:
             await wait_for_streams(js, wait=wait_for_server)
     except BaseException:

@@ -4,16 +4,22 @@ from __future__ import annotations
 
 import json
 import shutil
+import signal
 import subprocess
 import sysconfig
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from urllib.parse import quote
 
 from jetshard_bus.procs import spawn, stop_groups
 
 MAX_PAYLOAD_BYTES = 8 * 2**20
 """Raised from NATS's 1 MB default so long prompts fit in one command."""
+ROUTE_USER = "jetshard"
+"""The user name routes authenticate with; the password is the cluster's secret."""
+DATA_TAG = "jetshard-data"
+"""Server tag of the servers that hold jetshard's streams (every server of a LAN cluster but the witness)."""
 
 
 def nats_server_binary() -> Path:
@@ -26,14 +32,112 @@ def nats_server_binary() -> Path:
     return Path(found)
 
 
+@dataclass(frozen=True)
+class RouteTls:
+    """Certificates for route connections: each server presents `cert_file` and verifies its peers with `ca_file`."""
+
+    cert_file: Path
+    key_file: Path
+    ca_file: Path
+
+
+@dataclass(frozen=True)
+class ClusterSettings:
+    """Clustered mode: routes to the other servers of the cluster `name`, authenticated with `secret`."""
+
+    name: str
+    server_name: str
+    """Unique in the cluster and fixed at the first start: JetStream's peers know each other by it."""
+    listen_host: str
+    route_port: int
+    secret: str
+    routes: tuple[str, ...] = ()
+    """`host:port` of other servers' route listeners."""
+    jetstream: bool = True
+    tags: tuple[str, ...] = (DATA_TAG,)
+    tls: RouteTls | None = None
+
+
+@dataclass(frozen=True)
+class ServerSettings:
+    """Everything one nats-server is started with; `config` renders its configuration file."""
+
+    store_dir: Path
+    port: int = 4222
+    host: str = "127.0.0.1"
+    authorization: str = ""
+    """Config blocks admitting clients (see `jetshard_bus.auth.server_authorization`); empty: anyone may connect."""
+    cluster: ClusterSettings | None = None
+    monitor_port: int | None = None
+    """The HTTP monitoring endpoint (`/routez`, `/jsz`), on loopback only."""
+
+    @property
+    def ports_dir(self) -> Path:
+        return self.store_dir / "ports"
+
+    def config(self) -> str:
+        lines = [
+            f"listen: {json.dumps(f'{self.host}:{self.port}')}",
+            f"max_payload: {MAX_PAYLOAD_BYTES}",
+            f"ports_file_dir: {json.dumps(str(self.ports_dir))}",
+        ]
+        if self.monitor_port is not None:
+            lines.append(f"http: {json.dumps(f'127.0.0.1:{self.monitor_port}')}")
+        store = f"jetstream {{\n  store_dir: {json.dumps(str(self.store_dir / 'jetstream'))}\n}}"
+        if (cluster := self.cluster) is None:
+            lines.append(store)
+        else:
+            lines.append(f"server_name: {json.dumps(cluster.server_name)}")
+            lines.append(f"server_tags: {json.dumps(list(cluster.tags))}")
+            lines.append(store if cluster.jetstream else "jetstream: disabled")
+            lines.append(_cluster_block(cluster))
+        return "\n".join(lines) + "\n" + self.authorization
+
+
+def _cluster_block(cluster: ClusterSettings) -> str:
+    password = quote(cluster.secret, safe="")
+    routes = [f"nats-route://{ROUTE_USER}:{password}@{route}" for route in cluster.routes]
+    block = {
+        "name": cluster.name,
+        "listen": f"{cluster.listen_host}:{cluster.route_port}",
+        "authorization": {"user": ROUTE_USER, "password": cluster.secret, "timeout": 2},
+        "routes": routes,
+    }
+    if cluster.tls is not None:
+        block["tls"] = {
+            "cert_file": str(cluster.tls.cert_file),
+            "key_file": str(cluster.tls.key_file),
+            "ca_file": str(cluster.tls.ca_file),
+            "verify": True,
+        }
+    # JSON is valid nats-server configuration syntax.
+    return f"cluster {json.dumps(block, indent=2)}"
+
+
 @dataclass
 class NatsServer:
     process: subprocess.Popen[bytes]
     url: str
     store_dir: Path
+    settings: ServerSettings | None = None
 
     def stop(self, timeout_s: float = 10.0) -> None:
         stop_groups([self.process], timeout_s)
+
+    def reload(self, settings: ServerSettings) -> None:
+        """Apply new settings (routes added, say) without a restart: nats-server rereads its file on SIGHUP."""
+        _write_config(settings)
+        self.settings = settings
+        self.process.send_signal(signal.SIGHUP)
+
+
+def _write_config(settings: ServerSettings) -> Path:
+    config = settings.store_dir / "nats-server.conf"
+    temporary = config.with_suffix(".conf.new")
+    temporary.write_text(settings.config())
+    temporary.chmod(0o600)  # it may hold the cluster's secret
+    temporary.replace(config)
+    return config
 
 
 def start_nats_server(
@@ -43,34 +147,31 @@ def start_nats_server(
     log_file: Path | None = None,
     timeout_s: float = 20.0,
     authorization: str = "",
+    cluster: ClusterSettings | None = None,
+    monitor_port: int | None = None,
 ) -> NatsServer:
     """Start nats-server with JetStream on loopback; `port=-1` picks a free port. Returns once it listens.
 
     Without `authorization` (a config block, see `jetshard_bus.auth.server_authorization`) anyone may connect.
+    With `cluster` it joins a cluster over routes (see `ClusterSettings`).
     """
+    settings = ServerSettings(store_dir, port, host, authorization, cluster, monitor_port)
     store_dir.mkdir(parents=True, exist_ok=True)
-    ports_dir = store_dir / "ports"
-    ports_dir.mkdir(exist_ok=True)
-    for stale in ports_dir.glob("*.ports"):
+    settings.ports_dir.mkdir(exist_ok=True)
+    for stale in settings.ports_dir.glob("*.ports"):
         stale.unlink()
-    config = store_dir / "nats-server.conf"
-    config.write_text(
-        f"listen: {json.dumps(f'{host}:{port}')}\n"
-        f"max_payload: {MAX_PAYLOAD_BYTES}\n"
-        f"ports_file_dir: {json.dumps(str(ports_dir))}\n"
-        f"jetstream {{\n  store_dir: {json.dumps(str(store_dir / 'jetstream'))}\n}}\n{authorization}"
-    )
+    config = _write_config(settings)
     process = spawn([str(nats_server_binary()), "-c", str(config)], log_file)
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if process.poll() is not None:
             raise RuntimeError(f"nats-server exited with {process.returncode}; is port {port} in use?")
-        for ports_file in ports_dir.glob("*.ports"):
+        for ports_file in settings.ports_dir.glob("*.ports"):
             try:
                 urls = json.loads(ports_file.read_text())["nats"]
             except (ValueError, KeyError):
                 continue
-            return NatsServer(process=process, url=urls[0], store_dir=store_dir)
+            return NatsServer(process=process, url=urls[0], store_dir=store_dir, settings=settings)
         time.sleep(0.05)
     process.kill()
     raise TimeoutError("nats-server did not start listening in time")

@@ -30,7 +30,9 @@ class NatsOptions:
     tls_cert: str | None = None
     tls_key: str | None = None
     replicas: int = 1
-    """Replicas of jetshard's streams and buckets; 3 on a three-server JetStream cluster."""
+    """Replicas of jetshard's streams and buckets when they are created; 3 on a three-server JetStream cluster."""
+    placement_tag: str | None = None
+    """Create streams and buckets only on servers with this tag (`jetshard up --lan` keeps them off its witness)."""
     name: str = "jetshard"
     extra: dict[str, Any] = field(default_factory=dict)
 

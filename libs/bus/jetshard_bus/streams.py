@@ -19,6 +19,7 @@ from nats.js.api import (
     DiscardPolicy,
     KeyValueConfig,
     ObjectStoreConfig,
+    Placement,
     RetentionPolicy,
     StorageType,
     StreamConfig,
@@ -41,7 +42,13 @@ class BusTimings(msgspec.Struct, frozen=True, kw_only=True):
     no user data kept beyond that."""
 
 
-async def declare(js: JetStreamContext, timings: BusTimings = BusTimings(), replicas: int = 1) -> None:
+async def declare(
+    js: JetStreamContext, timings: BusTimings = BusTimings(), replicas: int = 1, placement_tag: str | None = None
+) -> None:
+    """Create what is missing, with `replicas` each (on servers tagged `placement_tag`, if given), and bring
+    existing streams' other settings up to date. Replicas and placement of what exists are left as they are:
+    only `scale` changes them, so a service started with other flags never shrinks a cluster's streams."""
+    placement = Placement(tags=[placement_tag]) if placement_tag else None
     await _ensure_stream(
         js,
         _file_stream(
@@ -50,6 +57,7 @@ async def declare(js: JetStreamContext, timings: BusTimings = BusTimings(), repl
             max_age=7 * 24 * 3600,
             duplicate_window=timings.dedupe_window_s,
             num_replicas=replicas,
+            placement=placement,
             discard=DiscardPolicy.OLD,
         ),
     )
@@ -63,6 +71,7 @@ async def declare(js: JetStreamContext, timings: BusTimings = BusTimings(), repl
             # no-op and throw the sequencer's count of the stream's sequence off.
             duplicate_window=timings.dedupe_window_s / 2,
             num_replicas=replicas,
+            placement=placement,
             # Events are the history State is folded from: never discard one silently, and let no one delete
             # or purge them through the API. The log is compacted by State snapshots instead, and user data
             # leaves it through the retention of task data.
@@ -80,14 +89,25 @@ async def declare(js: JetStreamContext, timings: BusTimings = BusTimings(), repl
             max_msgs_per_subject=1,
             duplicate_window=min(timings.dedupe_window_s, timings.task_retention_s),
             num_replicas=replicas,
+            placement=placement,
             discard=DiscardPolicy.OLD,
         ),
     )
     await _ensure_kv(
-        js, KeyValueConfig(bucket=subjects.LEADER_BUCKET, ttl=timings.lease_ttl_s, replicas=replicas, history=1)
+        js,
+        KeyValueConfig(
+            bucket=subjects.LEADER_BUCKET, ttl=timings.lease_ttl_s, replicas=replicas, history=1, placement=placement
+        ),
     )
     await _ensure_kv(
-        js, KeyValueConfig(bucket=subjects.LIVENESS_BUCKET, ttl=timings.liveness_ttl_s, replicas=replicas, history=1)
+        js,
+        KeyValueConfig(
+            bucket=subjects.LIVENESS_BUCKET,
+            ttl=timings.liveness_ttl_s,
+            replicas=replicas,
+            history=1,
+            placement=placement,
+        ),
     )
     try:
         await js.object_store(subjects.SNAPSHOT_BUCKET)
@@ -97,6 +117,7 @@ async def declare(js: JetStreamContext, timings: BusTimings = BusTimings(), repl
             config=ObjectStoreConfig(
                 storage=StorageType.FILE,
                 replicas=replicas,
+                placement=placement,
             ),
         )
 
@@ -139,8 +160,23 @@ async def _stream_exists(js: JetStreamContext, name: str) -> bool:
 async def _ensure_stream(js: JetStreamContext, config: StreamConfig) -> None:
     try:
         await js.add_stream(config)
-    except nats.js.errors.BadRequestError:
-        await js.update_stream(config)  # exists with other settings (e.g. a changed dedupe window)
+    except nats.js.errors.BadRequestError:  # exists with other settings (e.g. a changed dedupe window)
+        existing = (await js.stream_info(config.name or "")).config
+        config.num_replicas, config.placement = existing.num_replicas, existing.placement
+        await js.update_stream(config)
+
+
+async def scale(js: JetStreamContext, replicas: int) -> list[str]:
+    """Give every jetshard stream and bucket `replicas` copies; returns the names of those that changed.
+    JetStream copies the data to the new peers in the background and keeps serving meanwhile."""
+    changed = []
+    for name in subjects.ALL_STREAMS:
+        config = (await js.stream_info(name)).config
+        if config.num_replicas != replicas:
+            config.num_replicas = replicas
+            await js.update_stream(config)
+            changed.append(name)
+    return changed
 
 
 async def _ensure_kv(js: JetStreamContext, config: KeyValueConfig) -> None:
