@@ -235,7 +235,14 @@ def _write_converted(
             digest = hashlib.sha256(path.read_bytes()).hexdigest()
             files.append(ManifestFile(path.relative_to(out).as_posix(), path.stat().st_size, digest))
         write_manifest(out, Manifest(model_id=model_id, revision=revision, files=tuple(files)))
-        os.rename(out, target)
+        try:
+            os.rename(out, target)
+        except OSError as error:
+            if error.errno not in (errno.ENOTEMPTY, errno.EEXIST):
+                raise
+            # Another downloader sharing this directory (two nodes of one machine, a shared disk) converted the
+            # same file first and renamed its complete copy into place: it is as good as ours.
+            log.info("%s was converted meanwhile by another downloader; keeping that copy", model_id)
         _fsync_dir(target.parent)
     finally:
         shutil.rmtree(staging, ignore_errors=True)

@@ -1,0 +1,120 @@
+"""What the LAN test does inside a host (a network namespace only its own processes reach): HTTP requests,
+chats with the official `openai` client, and command traffic on the host's NATS. Prints JSON.
+
+    lan_probe.py http METHOD URL [JSON]
+    lan_probe.py chat API_URL MODEL MAX_TOKENS
+    lan_probe.py traffic API_URL MODEL NATS_URL NKEY_FILE STOP_FILE OUT_FILE
+    lan_probe.py outcomes NATS_URL NKEY_FILE IDS_FILE TIMEOUT_S
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+sys.path[:0] = [str(Path(__file__).parents[1])]
+
+QUESTION = "What is the capital of France? Answer in one word."
+
+
+def http(method: str, url: str, body: str | None = None) -> None:
+    request = urllib.request.Request(url, method=method, data=body.encode() if body else None)
+    request.add_header("content-type", "application/json")
+    try:
+        with urllib.request.urlopen(request, timeout=30) as response:
+            print(json.dumps({"status": response.status, "body": json.loads(response.read() or b"null")}))
+    except urllib.error.HTTPError as error:
+        print(json.dumps({"status": error.code, "body": error.read().decode(errors="replace")}))
+
+
+def chat(api: str, model: str, max_tokens: int) -> dict[str, object]:
+    import openai
+
+    client = openai.OpenAI(base_url=f"{api}/v1", api_key="none", timeout=120, max_retries=0)
+    started = time.monotonic()
+    try:
+        completion = client.chat.completions.create(
+            model=model, messages=[{"role": "user", "content": QUESTION}], max_tokens=max_tokens, temperature=0
+        )
+    except openai.APIError as error:
+        return {"ok": False, "error": str(error)[:300], "at": started}
+    usage = completion.usage
+    return {
+        "ok": True,
+        "at": started,
+        "text": completion.choices[0].message.content,
+        "completion_tokens": usage.completion_tokens if usage else 0,
+        "seconds": time.monotonic() - started,
+    }
+
+
+async def traffic(api: str, model: str, nats_url: str, nkey: str, stop_file: Path, out: Path) -> None:
+    from jetshard_bus.connect import connect
+    from jetshard_bus.options import NatsOptions
+    from test_supervision import publish_surely
+
+    client, js = await connect(NatsOptions(servers=(nats_url,), nkey_file=nkey), "lan-probe")
+    acked: list[str] = []
+    chats: list[dict[str, object]] = []
+
+    async def commands() -> None:
+        n = 0
+        while not stop_file.exists():
+            acked.append(await publish_surely(js, n, "lan"))
+            n += 1
+            await asyncio.sleep(0.05)  # deliberate pacing: a steady stream of commands, not a flood
+
+    async def chat_loop() -> None:
+        while not stop_file.exists():
+            chats.append(await asyncio.to_thread(chat, api, model, 8))
+            await asyncio.sleep(0.2)
+
+    try:
+        await asyncio.gather(commands(), chat_loop())
+    finally:
+        await client.close()
+        out.write_text(json.dumps({"acked": acked, "chats": chats}))
+
+
+async def outcomes(nats_url: str, nkey: str, ids_file: Path, timeout_s: float) -> None:
+    from jetshard_bus.connect import connect
+    from jetshard_bus.options import NatsOptions
+    from test_sequencer import all_events, assert_gapless, outcomes_per_command
+
+    wanted = json.loads(ids_file.read_text())
+    client, js = await connect(NatsOptions(servers=(nats_url,), nkey_file=nkey), "lan-probe", declare_streams=False)
+    try:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            per = outcomes_per_command(assert_gapless(await all_events(js)))
+            missing = [c for c in wanted if c not in per]
+            if not missing or time.monotonic() > deadline:
+                break
+            await asyncio.sleep(0.5)
+        kinds = {c: [type(e.event).__name__ for e in per.get(c, [])] for c in wanted}
+        print(json.dumps({"missing": missing, "kinds": sorted({tuple(k) for k in kinds.values()})}))
+    finally:
+        await client.close()
+
+
+def main(args: list[str]) -> None:
+    match args:
+        case ["http", method, url, *body]:
+            http(method, url, body[0] if body else None)
+        case ["chat", api, model, max_tokens]:
+            print(json.dumps(chat(api, model, int(max_tokens))))
+        case ["traffic", api, model, nats_url, nkey, stop_file, out]:
+            asyncio.run(traffic(api, model, nats_url, nkey, Path(stop_file), Path(out)))
+        case ["outcomes", nats_url, nkey, ids_file, timeout_s]:
+            asyncio.run(outcomes(nats_url, nkey, Path(ids_file), float(timeout_s)))
+        case _:
+            raise SystemExit(__doc__)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
