@@ -19,6 +19,7 @@ Why it is shaped so:
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import re
@@ -29,6 +30,7 @@ from pathlib import Path
 
 import msgspec
 import nats
+import nats.aio.msg
 from jetshard_bus.natsserver import ClusterSettings, RouteTls, ServerSettings
 from jetshard_bus.options import NatsOptions
 from jetshard_bus.streams import scale
@@ -209,7 +211,7 @@ def route_of(host: str, port: int) -> str:
 
 @dataclass(frozen=True)
 class MetaGroup:
-    """The JetStream meta group as this machine's server sees it (its monitoring endpoint's `/jsz`)."""
+    """The JetStream meta group as one server's JetStream report (`/jsz`) shows it."""
 
     leader: str | None
     current: frozenset[str]
@@ -235,9 +237,39 @@ class MetaGroup:
         return self.leader is not None and len(self.current - {witness}) >= REPLICAS
 
 
-def meta_group(monitor_port: int, server_name: str) -> MetaGroup:
+def meta_leader(monitor_port: int) -> str | None:
+    """The meta group's leader as this machine's server knows it (its monitoring endpoint's `/jsz`)."""
     with urllib.request.urlopen(f"http://127.0.0.1:{monitor_port}/jsz", timeout=2) as response:
-        return MetaGroup.from_jsz(server_name, json.load(response))
+        meta = json.load(response).get("meta_cluster")
+    leader = meta.get("leader") if isinstance(meta, dict) else None
+    return leader if isinstance(leader, str) and leader else None
+
+
+async def meta_group(system: NatsOptions, wait_s: float = 1.0) -> MetaGroup:
+    """The meta group as its leader sees it (only the leader knows which peers are current): every server
+    answers a system-account ping for its JetStream report; the leader's lists the peers."""
+    client = await nats.connect(**system.connect_kwargs())
+    try:
+        inbox = client.new_inbox()
+        reports: list[dict[str, object]] = []
+
+        async def collect(message: nats.aio.msg.Msg) -> None:
+            with contextlib.suppress(ValueError):
+                reports.append(json.loads(message.data))
+
+        subscription = await client.subscribe(inbox, cb=collect)
+        await client.publish("$SYS.REQ.SERVER.PING.JSZ", b"{}", reply=inbox)
+        await asyncio.sleep(wait_s)
+        await subscription.unsubscribe()
+    finally:
+        await client.close()
+    for report in reports:
+        server, data = report.get("server"), report.get("data")
+        if isinstance(server, dict) and isinstance(data, dict):
+            group = MetaGroup.from_jsz(str(server.get("name")), data)
+            if group.leader == server.get("name"):
+                return group
+    return MetaGroup(None, frozenset(), frozenset())
 
 
 def routes_of_server(monitor_port: int) -> list[str]:

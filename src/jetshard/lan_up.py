@@ -22,6 +22,7 @@ from jetshard.lan import (
     Membership,
     ensure_replicas,
     meta_group,
+    meta_leader,
     retire_witness,
     route_of,
     save_membership,
@@ -100,7 +101,7 @@ class LanServers:
                     f"{exited.name} exited with {exited.process.returncode}; see {exited.log_file}"
                 )
             try:
-                if meta_group(self.layout.ports.monitor, self.membership.server_name).leader is not None:
+                if meta_leader(self.layout.ports.monitor) is not None:
                     return
             except OSError:
                 pass
@@ -191,8 +192,8 @@ class LanServers:
 
     def _maybe_retire_witness(self) -> None:
         try:
-            meta = meta_group(self.layout.ports.monitor, self.membership.server_name)
-        except OSError:
+            meta = asyncio.run(meta_group(self._options(self.system_nkey)))
+        except Exception:  # the server is restarting: the next tend asks again
             return
         if not meta.witness_may_retire(self.membership.witness_name):
             return

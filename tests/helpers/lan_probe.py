@@ -5,6 +5,7 @@ chats with the official `openai` client, and command traffic on the host's NATS.
     lan_probe.py chat API_URL MODEL MAX_TOKENS
     lan_probe.py traffic API_URL MODEL NATS_URL NKEY_FILE STOP_FILE OUT_FILE
     lan_probe.py outcomes NATS_URL NKEY_FILE IDS_FILE TIMEOUT_S
+    lan_probe.py meta NATS_URL SYSTEM_NKEY_FILE
 """
 
 from __future__ import annotations
@@ -110,6 +111,12 @@ def main(args: list[str]) -> None:
             print(json.dumps(chat(api, model, int(max_tokens))))
         case ["traffic", api, model, nats_url, nkey, stop_file, out]:
             asyncio.run(traffic(api, model, nats_url, nkey, Path(stop_file), Path(out)))
+        case ["meta", nats_url, nkey]:
+            from jetshard.lan import meta_group
+            from jetshard_bus.options import NatsOptions
+
+            group = asyncio.run(meta_group(NatsOptions(servers=(nats_url,), nkey_file=nkey)))
+            print(json.dumps({"leader": group.leader, "current": sorted(group.current), "known": sorted(group.known)}))
         case ["outcomes", nats_url, nkey, ids_file, timeout_s]:
             asyncio.run(outcomes(nats_url, nkey, Path(ids_file), float(timeout_s)))
         case _:

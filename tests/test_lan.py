@@ -1,0 +1,288 @@
+"""Machines on one network form one cluster with `jetshard up --lan` and nothing else but the join token.
+
+Real parts: hosts made of network namespaces on one bridge (tests/helpers/netns.py), each with its own data,
+config and model directories, running the real `jetshard up --lan` (embedded nats-servers, every service,
+zeroconf discovery); requests go from inside a host (tests/helpers/lan_probe.py: the official `openai`
+client, NATS as the host's admin). The model is the packaged demo model, so no host needs the Hub.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+from helpers.netns import Host, Lan, lan
+from jetshard_bus.procs import stop_groups
+from jetshard_schema.catalogue import DEMO_MODEL_ID
+
+PROBE = str(Path(__file__).parent / "helpers" / "lan_probe.py")
+API_PORT = 52415
+MONITOR_PORT = 8222
+TOKEN = re.compile(r"jetshard up --lan --join-token (\S+)")
+
+
+def until_sync(check: Callable[[], object], timeout_s: float, what: Callable[[], str]) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not check():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout_s:.0f} s waiting for {what()}")
+        time.sleep(1)
+
+
+@dataclass
+class Machine:
+    host: Host
+    root: Path
+    up: subprocess.Popen[bytes] | None = None
+    log: Path = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.log = self.root / "up.log"
+        self.root.mkdir(parents=True, exist_ok=True)
+
+    @property
+    def env(self) -> dict[str, str]:
+        import os
+
+        return {
+            **os.environ,
+            "JETSHARD_DATA_DIR": str(self.root / "data"),
+            "JETSHARD_CONFIG_DIR": str(self.root / "config"),
+            "JETSHARD_DEFAULT_MODELS_DIR": str(self.root / "models"),
+            "HF_HOME": str(self.root / "hf"),
+        }
+
+    def start(self, *args: str) -> None:
+        self.up = self.host.popen([sys.executable, "-m", "jetshard", "up", "--lan", *args], self.log, self.env)
+
+    def output(self) -> str:
+        return self.log.read_text(errors="replace") if self.log.exists() else ""
+
+    def wait_for(self, text: str, timeout_s: float) -> None:
+        def seen() -> bool:
+            assert self.up is not None
+            if self.up.poll() is not None:
+                raise AssertionError(f"up on {self.host.name} exited with {self.up.returncode}:\n{self.output()}")
+            return text in self.output()
+
+        until_sync(seen, timeout_s, lambda: f"{text!r} from up on {self.host.name}:\n{self.output()[-3000:]}")
+
+    def stop(self) -> None:
+        if self.up is not None and self.up.poll() is None:
+            stop_groups([self.up], 10)
+
+    def probe(self, *args: str, timeout_s: float = 120) -> dict:
+        result = self.host.run([sys.executable, PROBE, *args], timeout_s=timeout_s, env=self.env)
+        if result.returncode != 0:
+            raise AssertionError(f"probe {args} on {self.host.name}: {result.stderr[-2000:]}")
+        return json.loads(result.stdout.strip().splitlines()[-1])
+
+    def get(self, path: str, port: int = API_PORT) -> object:
+        answer = self.probe("http", "GET", f"http://127.0.0.1:{port}{path}")
+        assert answer["status"] == 200, answer
+        return answer["body"]
+
+    @property
+    def api(self) -> str:
+        return f"http://127.0.0.1:{API_PORT}"
+
+    @property
+    def server_name(self) -> str:
+        return json.loads((self.root / "data" / "lan.json").read_text())["server_name"]
+
+    def route_names(self) -> set[str]:
+        routez = self.get("/routez", MONITOR_PORT)
+        assert isinstance(routez, dict)
+        return {r["remote_name"] for r in routez.get("routes") or []}
+
+
+@dataclass
+class LanCluster:
+    net: Lan
+    machines: list[Machine]
+    token: str
+    formed_s: float
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LanCluster]:
+    root = tmp_path_factory.mktemp("lan")
+    with lan(3) as net:
+        machines = [Machine(host, root / f"m{n}") for n, host in enumerate(net.hosts, 1)]
+        try:
+            first = machines[0]
+            first.start()
+            first.wait_for("Press Ctrl-C to stop.", 240)  # the demo model placed here and ready
+            match = TOKEN.search(first.output())
+            assert match, first.output()
+            started = time.monotonic()
+            for machine in machines[1:]:
+                machine.start("--join-token", match[1], "--no-model")
+
+            def one_cluster() -> bool:
+                if not all((m.root / "data" / "lan.json").exists() for m in machines):
+                    return False
+                names = {m.server_name for m in machines}
+                routed = all(names - {m.server_name} <= m.route_names() for m in machines)
+                return routed and "retiring the witness" in first.output()
+
+            until_sync(one_cluster, 180, lambda: f"one cluster of three: {[m.output()[-1500:] for m in machines]}")
+            formed_s = time.monotonic() - started
+            for machine in machines[1:]:
+                machine.wait_for("Press Ctrl-C to stop.", 120)
+            yield LanCluster(net, machines, match[1], formed_s)
+        finally:
+            for machine in machines:
+                machine.stop()
+
+
+def wait_ready(machine: Machine, instance_id: str, timeout_s: float) -> dict:
+    found: dict = {}
+
+    def ready() -> bool:
+        nonlocal found
+        found = next((i for i in machine.get("/instances") if i["instance_id"] == instance_id), {})  # type: ignore[union-attr]
+        assert found.get("status") != "failed", found
+        return found.get("status") == "ready"
+
+    until_sync(ready, timeout_s, lambda: f"instance {instance_id} ready: {found}")
+    return found
+
+
+def tokens_per_s(machine: Machine) -> float:
+    machine.probe("chat", machine.api, DEMO_MODEL_ID, "8")  # warm: the first prompt compiles
+    answer = machine.probe("chat", machine.api, DEMO_MODEL_ID, "48")
+    assert answer["ok"], answer
+    return answer["completion_tokens"] / answer["seconds"]
+
+
+@pytest.mark.timeout(600)
+def test_three_machines_form_one_cluster_and_serve_a_model_split_over_two(cluster: LanCluster) -> None:
+    first, second, third = cluster.machines
+    # One JetStream meta group of the three data servers, the witness gone, the history on three replicas.
+    meta = first.probe("meta", "nats://127.0.0.1:4222", str(first.root / "data" / "creds" / "system.nk"))
+    assert meta["known"] == meta["current"] == sorted(m.server_name for m in cluster.machines), meta
+    nodes = third.get("/state")["nodes"]  # type: ignore[index]
+    assert len(nodes) == 3, nodes
+
+    one_host = next(i for i in third.get("/instances") if i["model_id"] == DEMO_MODEL_ID)  # type: ignore[union-attr]
+    one_host_tps = tokens_per_s(third)
+    assert third.probe("http", "DELETE", f"{third.api}/instances/{one_host['instance_id']}")["status"] == 200
+
+    placed = third.probe(
+        "http", "POST", f"{third.api}/instances", json.dumps({"model_id": DEMO_MODEL_ID, "min_nodes": 2})
+    )
+    assert placed["status"] == 201, placed
+    instance = wait_ready(third, placed["body"]["instance_id"], 240)
+    assert len({s["node_id"] for s in instance["shards"]}) == 2, instance
+    answer = third.probe("chat", third.api, DEMO_MODEL_ID, "16")
+    assert answer["ok"] and "Paris" in answer["text"], answer
+    two_host_tps = tokens_per_s(third)
+    print(
+        f"\nthird up to one cluster: {cluster.formed_s:.1f} s; demo model {one_host_tps:.1f} tok/s on one host, "
+        f"{two_host_tps:.1f} tok/s split over two (x{two_host_tps / one_host_tps:.2f})"
+    )
+
+
+@pytest.mark.timeout(600)
+def test_a_machine_that_goes_away_loses_nothing_acked_and_catches_up_when_it_returns(
+    cluster: LanCluster, tmp_path: Path
+) -> None:
+    first, second, third = cluster.machines
+    node_of = {m.server_name: m for m in cluster.machines}
+    instance = next(i for i in third.get("/instances") if i["status"] == "ready")  # type: ignore[union-attr]
+    hosting = [node_of[s["node_id"]] for s in instance["shards"] if node_of.get(s["node_id"]) is not third]
+    victim = hosting[0] if hosting else first
+    stop_file, out = tmp_path / "stop", tmp_path / "traffic.json"
+    nkey = str(third.root / "data" / "creds" / "admin.nk")
+    traffic = third.host.popen(
+        [
+            sys.executable,
+            PROBE,
+            "traffic",
+            third.api,
+            DEMO_MODEL_ID,
+            "nats://127.0.0.1:4222",
+            nkey,
+            str(stop_file),
+            str(out),
+        ],
+        tmp_path / "traffic.log",
+        third.env,
+    )
+    try:
+        time.sleep(3)  # deliberate fault timing: traffic flows before the link goes
+        victim.host.link_down()
+        lost_at = time.monotonic()
+
+        def replaced() -> bool:
+            instances = third.get("/instances")
+            return any(
+                i["status"] == "ready" and victim.server_name not in {s["node_id"] for s in i["shards"]}
+                for i in instances  # type: ignore[union-attr]
+            )
+
+        until_sync(
+            replaced, 240, lambda: f"the instance re-placed without {victim.host.name}: {third.get('/instances')}"
+        )
+        replaced_s = time.monotonic() - lost_at
+        answer = third.probe("chat", third.api, DEMO_MODEL_ID, "16")
+        assert answer["ok"] and "Paris" in answer["text"], answer
+    finally:
+        stop_file.touch()
+        traffic.wait(120)
+        victim.host.link_up()
+    record = json.loads(out.read_text())
+    acked_file = tmp_path / "acked.json"
+    acked_file.write_text(json.dumps(record["acked"]))
+    outcomes = third.probe("outcomes", "nats://127.0.0.1:4222", nkey, str(acked_file), "60")
+    assert record["acked"] and outcomes == {"missing": [], "kinds": [["CustomModelCardAdded"]]}, outcomes
+    served_after = [c["at"] for c in record["chats"] if c["ok"]]
+    assert served_after, record["chats"]
+
+    # Back on the network: the machine catches up from the stream and its node is in State again.
+    def caught_up() -> bool:
+        theirs = victim.get("/state")
+        ours = third.get("/state")
+        return theirs["last_seq"] == ours["last_seq"] and victim.server_name in ours["nodes"]  # type: ignore[index]
+
+    until_sync(caught_up, 120, lambda: f"{victim.host.name} caught up")
+    failed = [c for c in record["chats"] if not c["ok"]]
+    print(
+        f"\n{len(record['acked'])} commands acked, all sequenced; {len(record['chats'])} chats, {len(failed)} failed "
+        f"around the loss; instance re-placed {replaced_s:.1f} s after {victim.host.name} went away"
+    )
+
+
+@pytest.mark.timeout(300)
+def test_clusters_keep_apart_by_name_and_a_machine_without_the_token_cannot_join(
+    cluster: LanCluster, tmp_path: Path
+) -> None:
+    first = cluster.machines[0]
+    other = Machine(cluster.net.add_host(), tmp_path / "other")
+    stranger = Machine(cluster.net.add_host(), tmp_path / "stranger")
+    try:
+        other.start("--cluster", "other", "--no-model")
+        other.wait_for("Press Ctrl-C to stop.", 180)
+        assert other.route_names() == {f"{other.server_name}-witness"}
+        assert not {other.server_name} & first.route_names()
+
+        # The name is taken on this network: a new cluster may not take it, and a forged token is refused.
+        stranger.start("--no-model")
+        assert stranger.up is not None and stranger.up.wait(60) != 0
+        assert "already runs on this network" in stranger.output(), stranger.output()
+        forged = re.sub(r"\.[^.]+$", ".forged-secret-of-forty-three-characters-xxxx", cluster.token)
+        stranger.start("--join-token", forged, "--no-model", "--data-dir", str(tmp_path / "stranger" / "data2"))
+        assert stranger.up.wait(120) != 0
+        assert "refused this machine's join token" in stranger.output(), stranger.output()
+        assert not {n for n in first.route_names() if n.startswith("node-")} - {m.server_name for m in cluster.machines}
+    finally:
+        for machine in (other, stranger):
+            machine.stop()
