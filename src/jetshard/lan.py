@@ -31,9 +31,12 @@ from pathlib import Path
 import msgspec
 import nats
 import nats.aio.msg
-from jetshard_bus.natsserver import ClusterSettings, RouteTls, ServerSettings
+import nats.errors
+import nats.js.errors
+from jetshard_bus.natsserver import DATA_TAG, ClusterSettings, RouteTls, ServerSettings
 from jetshard_bus.options import NatsOptions
 from jetshard_bus.streams import scale
+from nats.js.api import KeyValueConfig, Placement
 
 DEFAULT_CLUSTER = "jetshard"
 CLUSTER_NAME = re.compile(r"[A-Za-z0-9_-]{1,32}")
@@ -296,6 +299,52 @@ async def ensure_replicas(admin: NatsOptions) -> list[str]:
     client = await nats.connect(**admin.connect_kwargs())
     try:
         return await scale(client.jetstream(), REPLICAS)
+    finally:
+        await client.close()
+
+
+JOIN_BUCKET = "jetshard-join"
+JOIN_LOCK_TTL_S = 120.0
+"""A machine that died holding the join lock holds it no longer than this."""
+
+
+async def acquire_join_lock(admin: NatsOptions, server_name: str, timeout_s: float) -> bool:
+    """Take the cluster's join lock (through the routes, this server's JetStream still off).
+
+    Machines join the meta group one at a time: two servers that start JetStream with empty stores together
+    can vote for each other and elect a leader with an empty log, which would drop the cluster's streams. One
+    newcomer alone cannot win a vote, as every member's log is ahead of its own."""
+    client = await nats.connect(**admin.connect_kwargs())
+    try:
+        js = client.jetstream(timeout=5)
+        config = KeyValueConfig(
+            bucket=JOIN_BUCKET, ttl=JOIN_LOCK_TTL_S, history=1, placement=Placement(tags=[DATA_TAG])
+        )
+        deadline = asyncio.get_running_loop().time() + timeout_s
+        while asyncio.get_running_loop().time() < deadline:
+            try:
+                kv = await js.create_key_value(config)
+                await kv.create("lock", server_name.encode())
+                return True
+            except nats.js.errors.KeyWrongLastSequenceError:
+                await asyncio.sleep(1)  # another machine is joining
+            except nats.errors.Error:
+                await asyncio.sleep(1)  # the meta group is busy (a leader election): try again
+        return False
+    finally:
+        await client.close()
+
+
+async def release_join_lock(admin: NatsOptions, system: NatsOptions, server_name: str, timeout_s: float) -> None:
+    """Once this server is a current member of the meta group, let the next machine join."""
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    while asyncio.get_running_loop().time() < deadline:
+        if server_name in (await meta_group(system)).current:
+            break
+    client = await nats.connect(**admin.connect_kwargs())
+    try:
+        kv = await client.jetstream(timeout=5).key_value(JOIN_BUCKET)
+        await kv.delete("lock")
     finally:
         await client.close()
 

@@ -20,9 +20,11 @@ from jetshard.discovery import Discovery, Peer
 from jetshard.lan import (
     LanLayout,
     Membership,
+    acquire_join_lock,
     ensure_replicas,
     meta_group,
     meta_leader,
+    release_join_lock,
     retire_witness,
     route_of,
     save_membership,
@@ -85,12 +87,16 @@ class LanServers:
         if self.membership.founder and not (self.layout.root / "nats" / "jetstream").exists():
             self._check_name_is_free()
         save_membership(self.layout.root, self.membership)
-        if not self.membership.joined:
+        joining = not self.membership.joined
+        if joining:
             self._join()
         self.supervisor.start("nats-server", self._start_server, self.stop_stage, self.logs / "nats-server.log")
         if self._has_witness():
             self.supervisor.start("nats-witness", self._start_witness, self.stop_stage, self.logs / "nats-witness.log")
         self._wait_for_meta_leader()
+        if joining:
+            admin, system = self._options(self.admin_nkey), self._options(self.system_nkey)
+            asyncio.run(release_join_lock(admin, system, self.membership.server_name, JOIN_TIMEOUT_S))
 
     def _wait_for_meta_leader(self) -> None:
         """JetStream answers once its meta group has elected a leader: a second or two after the servers meet."""
@@ -160,7 +166,12 @@ class LanServers:
         try:
             peers = ", ".join(p.server_name for p in self.discovery.cluster_peers()) or ", ".join(self.peer_routes())
             self.report(f"found {peers}; joining…")
-            reached = asyncio.run(wait_for_cluster_jetstream(self._options(self.admin_nkey), JOIN_TIMEOUT_S))
+            admin = self._options(self.admin_nkey)
+            reached = asyncio.run(wait_for_cluster_jetstream(admin, JOIN_TIMEOUT_S))
+            if reached and not asyncio.run(acquire_join_lock(admin, self.membership.server_name, JOIN_TIMEOUT_S)):
+                raise click.ClickException(
+                    f"another machine has been joining cluster {cluster!r} for {JOIN_TIMEOUT_S:.0f} s; try again"
+                )
         finally:
             server.stop()
         if not reached:

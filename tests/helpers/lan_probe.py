@@ -59,7 +59,7 @@ async def traffic(api: str, model: str, nats_url: str, nkey: str, stop_file: Pat
     from jetshard_bus.options import NatsOptions
     from test_supervision import publish_surely
 
-    client, js = await connect(NatsOptions(servers=(nats_url,), nkey_file=nkey), "lan-probe")
+    client, js = await connect(NatsOptions(servers=(nats_url,), nkey_file=nkey), "lan-probe", declare_streams=False)
     acked: list[str] = []
     chats: list[dict[str, object]] = []
 
