@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
 
 import nats
+import nats.errors
+import nats.js.errors
 from nats.aio.client import Client
 from nats.js import JetStreamContext
 
@@ -52,10 +55,19 @@ async def connect(
         ) from error
     js = client.jetstream(publish_async_max_pending=20_000)
     try:
-        if declare_streams:
-            await declare(js, timings, replicas=options.replicas, placement_tag=options.placement_tag)
-        else:
-            await wait_for_streams(js, wait=wait_for_server)
+        while True:
+            try:
+                if declare_streams:
+                    await declare(js, timings, replicas=options.replicas, placement_tag=options.placement_tag)
+                else:
+                    await wait_for_streams(js, wait=wait_for_server)
+                break
+            except (nats.js.errors.ServiceUnavailableError, nats.errors.TimeoutError) as error:
+                # A JetStream cluster electing its leaders answers 503s or nothing for a few seconds.
+                if not wait_for_server:
+                    raise
+                log.warning("JetStream is not ready yet (%s); trying again", error)
+                await asyncio.sleep(1)
     except BaseException:
         await client.close()
         raise
