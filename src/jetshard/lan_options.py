@@ -30,6 +30,7 @@ class LanChoice:
     route_port: int
     monitor_port: int
     tls: RouteTls | None
+    migrate: bool
 
 
 def lan_options(command: Callable[..., Any]) -> Callable[..., Any]:
@@ -53,6 +54,11 @@ def lan_options(command: Callable[..., Any]) -> Callable[..., Any]:
             "join_routes",
             multiple=True,
             help="HOST:PORT of a member's route port, where multicast does not reach it; repeat for several",
+        ),
+        option(
+            "--migrate",
+            is_flag=True,
+            help="bring the history of this data dir's single-machine cluster into the new LAN cluster",
         ),
         option("--lan-address", default=None, help="this machine's address on the LAN [default: found]"),
         option(
@@ -84,6 +90,7 @@ def lan_options(command: Callable[..., Any]) -> Callable[..., Any]:
             kwargs.pop("join_token_file"),
             kwargs.pop("join_routes"),
             kwargs.pop("lan_address"),
+            kwargs.pop("migrate"),
             kwargs.pop("route_port"),
             kwargs.pop("nats_monitor_port"),
             (kwargs.pop("route_tls_cert"), kwargs.pop("route_tls_key"), kwargs.pop("route_tls_ca")),
@@ -102,11 +109,16 @@ def _lan_choice(
     token_file: Path | None,
     join: tuple[str, ...],
     address: str | None,
+    migrate: bool,
     route_port: int,
     monitor_port: int,
     tls_files: tuple[Path | None, Path | None, Path | None],
 ) -> LanChoice | None:
-    given = [name for name, value in (("--join-token", token_text or token_file), ("--join", join)) if value]
+    given = [
+        name
+        for name, value in (("--join-token", token_text or token_file), ("--join", join), ("--migrate", migrate))
+        if value
+    ]
     if not lan:
         if given or cluster:
             raise click.UsageError(f"{(given or ['--cluster'])[0]} needs --lan")
@@ -126,7 +138,7 @@ def _lan_choice(
         raise click.UsageError("route TLS needs --route-tls-cert, --route-tls-key and --route-tls-ca together")
     cert, key, ca = tls_files
     tls = RouteTls(cert, key, ca) if cert and key and ca else None
-    return LanChoice(cluster, token, join, address, route_port, monitor_port, tls)
+    return LanChoice(cluster, token, join, address, route_port, monitor_port, tls, migrate)
 
 
 def lan_layout(root: Path, choice: LanChoice, node_id: str, client_port: int, authorization: str) -> LanLayout:
@@ -136,11 +148,17 @@ def lan_layout(root: Path, choice: LanChoice, node_id: str, client_port: int, au
         address = lan_address(choice.address)
     except ValueError as error:
         raise click.ClickException(str(error)) from None
-    if (root / "nats" / "jetstream").exists() and load_membership(root) is None:
-        raise click.ClickException(
-            f"{root} holds the history of a single-machine cluster (a plain `jetshard up`); a LAN cluster needs a "
-            "store of its own: pass another --data-dir"
-        )
+    standalone = root / "nats" / "jetstream"
+    if standalone.exists() and load_membership(root) is None:
+        if not choice.migrate or choice.token is not None:
+            raise click.ClickException(
+                f"{root} holds the history of a single-machine cluster (a plain `jetshard up`). To bring it into a new "
+                "LAN cluster, start this machine first with `jetshard up --lan --migrate` (the old store is kept as a "
+                "backup); to join another cluster, use another --data-dir"
+            )
+        # The clustered server's store takes this place; `migrate_pending` copies the history into it.
+        pending_migration(root).parent.mkdir(parents=True, exist_ok=True)
+        standalone.rename(pending_migration(root))
     return LanLayout(
         root=root,
         membership=membership,
@@ -149,3 +167,8 @@ def lan_layout(root: Path, choice: LanChoice, node_id: str, client_port: int, au
         authorization=authorization,
         tls=choice.tls,
     )
+
+
+def pending_migration(root: Path) -> Path:
+    """Where a single-machine cluster's store waits, moved aside, to be copied into the LAN cluster."""
+    return root / "nats-standalone" / "jetstream"

@@ -16,6 +16,7 @@ import click
 import httpx
 from jetshard_bus.auth import ADMIN, SYSTEM, VIEWER, Identity, cluster_identities, server_authorization
 from jetshard_bus.connect import connect
+from jetshard_bus.migrate import MigrationError, migrate_standalone_store
 from jetshard_bus.natsserver import DATA_TAG, start_nats_server
 from jetshard_bus.node import config_dir, node_id_for
 from jetshard_bus.options import DEFAULT_API_PORT, NatsOptions
@@ -24,10 +25,11 @@ from jetshard_schema.catalogue import DEMO_MODEL_ID
 from jetshard_schema.ids import new_id
 from jetshard_schema.types import ServingSettings
 from rich.console import Console
+from rich.progress import Progress
 
 from jetshard.clusterfile import data_dir, remove_cluster_file, write_cluster_file
 from jetshard.discovery import Discovery
-from jetshard.lan_options import LanChoice, lan_layout, lan_options
+from jetshard.lan_options import LanChoice, lan_layout, lan_options, pending_migration
 from jetshard.lan_up import LanServers, announcement
 from jetshard.options import model_dir_options, option, serving_args, serving_options
 from jetshard.placing import place_and_wait
@@ -137,6 +139,7 @@ def up(
             lan_servers.start()
             nats_url = lan_servers.nats_url
             admin = NatsOptions(servers=(nats_url,), nkey_file=str(identities[ADMIN].seed_file), placement_tag=DATA_TAG)
+            _migrate_pending(console, root, admin)
             asyncio.run(_declare_streams(admin))
             lan_servers.ensure_replicas()
         elif nats_url is None:
@@ -237,6 +240,26 @@ async def _declare_streams(options: NatsOptions) -> None:
     """Declare as admin before any service starts: only the admin and the sequencer may."""
     client, _ = await connect(options, "jetshard up", wait_for_server=False)
     await client.close()
+
+
+def _migrate_pending(console: Console, root: Path, admin: NatsOptions) -> None:
+    """Copy a single-machine cluster's history (`up --lan --migrate`) before any service writes."""
+    store = pending_migration(root)
+    if not store.exists():
+        return
+    try:
+        with Progress(console=console, transient=True) as progress:
+            task = progress.add_task("moving the single-machine cluster's history into the LAN cluster", total=None)
+            report = migrate_standalone_store(
+                store,
+                admin,
+                progress=lambda copied, total: progress.update(task, completed=copied, total=total),
+                log_file=root / "logs" / "nats-migration.log",
+            )
+    except MigrationError as error:
+        raise click.ClickException(f"could not move the history ({error}); it is still in {store}") from None
+    if report is not None:
+        console.print(f"moved {report.events} events; the old store is kept in {report.backup_dir}")
 
 
 def _print_lan(console: Console, lan_servers: LanServers, host: str, port: int, api_key: str | None) -> None:

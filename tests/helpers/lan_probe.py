@@ -54,24 +54,28 @@ def chat(api: str, model: str, max_tokens: int) -> dict[str, object]:
     }
 
 
-async def traffic(api: str, model: str, nats_url: str, nkey: str, stop_file: Path, out: Path) -> None:
+async def traffic(api: str, model: str, nats_url: str, nkey: str, stop_file: Path) -> dict[str, object]:
+    """Commands and chats until `stop_file` exists; every acked command with the time its ack came."""
     from jetshard_bus.connect import connect
     from jetshard_bus.options import NatsOptions
     from test_supervision import publish_surely
 
     client, js = await connect(NatsOptions(servers=(nats_url,), nkey_file=nkey), "lan-probe", declare_streams=False)
-    acked: list[str] = []
+    acked: list[tuple[str, float]] = []
     chats: list[dict[str, object]] = []
+
+    async def stopped() -> bool:
+        return await asyncio.to_thread(stop_file.exists)
 
     async def commands() -> None:
         n = 0
-        while not stop_file.exists():
-            acked.append(await publish_surely(js, n, "lan"))
+        while not await stopped():
+            acked.append((await publish_surely(js, n, "lan"), time.monotonic()))
             n += 1
             await asyncio.sleep(0.05)  # deliberate pacing: a steady stream of commands, not a flood
 
     async def chat_loop() -> None:
-        while not stop_file.exists():
+        while not await stopped():
             chats.append(await asyncio.to_thread(chat, api, model, 8))
             await asyncio.sleep(0.2)
 
@@ -79,15 +83,14 @@ async def traffic(api: str, model: str, nats_url: str, nkey: str, stop_file: Pat
         await asyncio.gather(commands(), chat_loop())
     finally:
         await client.close()
-        out.write_text(json.dumps({"acked": acked, "chats": chats}))
+    return {"acked": acked, "chats": chats}
 
 
-async def outcomes(nats_url: str, nkey: str, ids_file: Path, timeout_s: float) -> None:
+async def outcomes(nats_url: str, nkey: str, wanted: list[str], timeout_s: float) -> None:
     from jetshard_bus.connect import connect
     from jetshard_bus.options import NatsOptions
     from test_sequencer import all_events, assert_gapless, outcomes_per_command
 
-    wanted = json.loads(ids_file.read_text())
     client, js = await connect(NatsOptions(servers=(nats_url,), nkey_file=nkey), "lan-probe", declare_streams=False)
     try:
         deadline = time.monotonic() + timeout_s
@@ -112,8 +115,9 @@ def main(args: list[str]) -> None:
         case ["traffic", api, model, nats_url, nkey, stop_file, out]:
             asyncio.run(traffic(api, model, nats_url, nkey, Path(stop_file), Path(out)))
         case ["meta", nats_url, nkey]:
-            from jetshard.lan import meta_group
             from jetshard_bus.options import NatsOptions
+
+            from jetshard.lan import meta_group
 
             group = asyncio.run(meta_group(NatsOptions(servers=(nats_url,), nkey_file=nkey)))
             print(json.dumps({"leader": group.leader, "current": sorted(group.current), "known": sorted(group.known)}))
