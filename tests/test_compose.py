@@ -70,7 +70,15 @@ def test_the_credentials_step_makes_a_nats_that_admits_the_services_and_no_one_e
     assert f"worker-{node_id}.nk" in made.stdout
     seeds = sorted(p.name for p in creds.glob("*.nk"))
     assert seeds == sorted(
-        ["admin.nk", "api.nk", "sequencer.nk", "viewer.nk", f"worker-{node_id}.nk", f"downloader-{node_id}.nk"]
+        [
+            "admin.nk",
+            "api.nk",
+            "sequencer.nk",
+            "system.nk",
+            "viewer.nk",
+            f"worker-{node_id}.nk",
+            f"downloader-{node_id}.nk",
+        ]
     )
     assert all(p.stat().st_mode & 0o077 == 0 for p in creds.glob("*.nk"))
     # A second run keeps every identity.

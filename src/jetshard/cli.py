@@ -219,7 +219,7 @@ def downloader(
 )
 def credentials(directory: Path, server_config: Path | None) -> None:
     """Create the NATS identities of a cluster in DIRECTORY (once; later runs keep them): a 0600 nkey seed file
-    per role (admin, sequencer, api, viewer; worker-<node>.nk and downloader-<node>.nk for this machine's node),
+    per role (admin, sequencer, api, viewer, system; worker-<node>.nk and downloader-<node>.nk for this machine's node),
     and DIRECTORY/authorization.conf, the nats-server block that admits exactly them, each with its role's
     permissions. What `jetshard up` does for its embedded server; compose.yaml runs it for its NATS."""
     from jetshard_bus.auth import cluster_identities, server_authorization
