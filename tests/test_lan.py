@@ -96,7 +96,15 @@ class Machine:
 
     @property
     def server_name(self) -> str:
-        return json.loads((self.root / "data" / "lan.json").read_text())["server_name"]
+        return (self.root / "config" / "node_id").read_text().strip()
+
+    def jetshard(self, *args: str) -> subprocess.CompletedProcess[str]:
+        return self.host.run([sys.executable, "-m", "jetshard", *args], timeout_s=60, env=self.env)
+
+    def lan_servers(self) -> list[dict]:
+        listed = self.jetshard("lan", "ls", "--json")
+        assert listed.returncode == 0, listed
+        return json.loads(listed.stdout)
 
     def route_names(self) -> set[str]:
         routez = self.get("/routez", MONITOR_PORT)
@@ -250,9 +258,12 @@ def test_a_machine_that_goes_away_loses_nothing_acked_and_catches_up_when_it_ret
 
     # Back on the network: the machine catches up from the stream and its node is in State again.
     def caught_up() -> bool:
-        theirs = victim.get("/state")
-        ours = third.get("/state")
-        return theirs["last_seq"] == ours["last_seq"] and victim.server_name in ours["nodes"]  # type: ignore[index]
+        theirs = victim.probe("http", "GET", f"{victim.api}/state")
+        ours = third.probe("http", "GET", f"{third.api}/state")
+        if theirs["status"] != 200 or ours["status"] != 200:
+            return False  # an API answers 503 while its server rejoins the meta group
+        seqs = theirs["body"]["last_seq"], ours["body"]["last_seq"]
+        return seqs[0] == seqs[1] and victim.server_name in ours["body"]["nodes"]
 
     until_sync(caught_up, 120, lambda: f"{victim.host.name} caught up")
     failed = [c for c in record["chats"] if not c["ok"]]
@@ -266,7 +277,7 @@ def test_a_machine_that_goes_away_loses_nothing_acked_and_catches_up_when_it_ret
 
 
 @pytest.mark.timeout(300)
-def test_clusters_keep_apart_by_name_and_a_machine_without_the_token_cannot_join(
+def test_clusters_keep_apart_by_name_a_machine_without_the_token_cannot_join_and_one_gone_is_forgotten(
     cluster: LanCluster, tmp_path: Path
 ) -> None:
     first = cluster.machines[0]
@@ -287,6 +298,23 @@ def test_clusters_keep_apart_by_name_and_a_machine_without_the_token_cannot_join
         assert stranger.up.wait(120) != 0
         assert "refused this machine's join token" in stranger.output(), stranger.output()
         assert not {n for n in first.route_names() if n.startswith("node-")} - {m.server_name for m in cluster.machines}
+
+        # With the token it joins; once it has left for good, the others forget it and count a majority without it.
+        stranger.start("--join-token", cluster.token, "--no-model", "--data-dir", str(tmp_path / "stranger" / "data3"))
+        stranger.wait_for("Press Ctrl-C to stop.", 180)
+        members = {m.server_name for m in cluster.machines}
+        assert {s["server"] for s in first.lan_servers()} == members | {stranger.server_name}
+        stranger.stop()
+        until_sync(
+            lambda: not next(s for s in first.lan_servers() if s["server"] == stranger.server_name)["current"],
+            60,
+            lambda: f"{stranger.server_name} away: {first.lan_servers()}",
+        )
+        refused = first.jetshard("lan", "forget", cluster.machines[1].server_name)
+        assert refused.returncode != 0 and "stop its `jetshard up` first" in refused.stderr, refused
+        forgotten = first.jetshard("lan", "forget", stranger.server_name)
+        assert forgotten.returncode == 0, forgotten
+        assert {s["server"] for s in first.lan_servers()} == members
     finally:
         for machine in (other, stranger):
             machine.stop()

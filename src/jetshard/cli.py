@@ -16,6 +16,7 @@ from jetshard.chat_cli import chat
 from jetshard.download_cli import download
 from jetshard.import_gguf import import_gguf
 from jetshard.instances_cli import instances, tasks
+from jetshard.lan_cli import lan
 from jetshard.models_cli import models
 from jetshard.options import checked_name, client_nats_options, model_dir_options, nats_options, option, serving_options
 from jetshard.status_cli import status
@@ -35,6 +36,7 @@ main.add_command(instances)
 main.add_command(tasks)
 main.add_command(status)
 main.add_command(chat)
+main.add_command(lan)
 models.add_command(import_gguf)
 
 

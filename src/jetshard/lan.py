@@ -25,6 +25,7 @@ import os
 import re
 import secrets
 import urllib.request
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -349,12 +350,13 @@ async def release_join_lock(admin: NatsOptions, system: NatsOptions, server_name
         await client.close()
 
 
-async def wait_for_cluster_jetstream(admin: NatsOptions, timeout_s: float) -> bool:
-    """Whether the cluster's JetStream answered through this machine's server (JetStream off) within the time."""
+async def wait_for_cluster_jetstream(admin: NatsOptions, timeout_s: float, refused: Callable[[], bool]) -> bool:
+    """Whether the cluster's JetStream answered through this machine's server (JetStream off) within the time,
+    unless `refused()` says the cluster turned this machine away first."""
     client = await nats.connect(**{**admin.connect_kwargs(), "max_reconnect_attempts": -1})
     try:
         deadline = asyncio.get_running_loop().time() + timeout_s
-        while asyncio.get_running_loop().time() < deadline:
+        while asyncio.get_running_loop().time() < deadline and not refused():
             try:
                 await client.jetstream(timeout=2).account_info()
                 return True

@@ -162,12 +162,20 @@ class LanServers:
                 "multicast is blocked here, name one with --join HOST:PORT (its route port, 6222 by default)"
             )
         log_file = self.logs / "nats-server.log"
+        log_start = log_file.stat().st_size if log_file.exists() else 0
+
+        def refused() -> bool:
+            """The peers' routes answer a wrong secret with an authorization violation, which our server logs."""
+            with open(log_file, "rb") as log:
+                log.seek(log_start)
+                return b"authorization violation" in log.read().lower()
+
         server = self._start(self.layout.server(self.routes(), jetstream=False), "nats-server")
         try:
             peers = ", ".join(p.server_name for p in self.discovery.cluster_peers()) or ", ".join(self.peer_routes())
             self.report(f"found {peers}; joining…")
             admin = self._options(self.admin_nkey)
-            reached = asyncio.run(wait_for_cluster_jetstream(admin, JOIN_TIMEOUT_S))
+            reached = asyncio.run(wait_for_cluster_jetstream(admin, JOIN_TIMEOUT_S, refused))
             if reached and not asyncio.run(acquire_join_lock(admin, self.membership.server_name, JOIN_TIMEOUT_S)):
                 raise click.ClickException(
                     f"another machine has been joining cluster {cluster!r} for {JOIN_TIMEOUT_S:.0f} s; try again"
@@ -175,8 +183,7 @@ class LanServers:
         finally:
             server.stop()
         if not reached:
-            refused = "authorization violation" in log_file.read_text(errors="replace").lower()
-            why = "they refused this machine's join token" if refused else "no route to them was established"
+            why = "they refused this machine's join token" if refused() else "no route to them was established"
             raise click.ClickException(
                 f"could not join cluster {cluster!r} ({peers}): {why}. Use the token `jetshard up --lan` printed on a "
                 f"machine of the cluster; see {log_file}"

@@ -18,6 +18,8 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
+import nats.errors
+
 sys.path[:0] = [str(Path(__file__).parents[1])]
 
 QUESTION = "What is the capital of France? Answer in one word."
@@ -94,8 +96,15 @@ async def outcomes(nats_url: str, nkey: str, wanted: list[str], timeout_s: float
     client, js = await connect(NatsOptions(servers=(nats_url,), nkey_file=nkey), "lan-probe", declare_streams=False)
     try:
         deadline = time.monotonic() + timeout_s
+        per: dict = {}
         while True:
-            per = outcomes_per_command(assert_gapless(await all_events(js)))
+            try:
+                per = outcomes_per_command(assert_gapless(await all_events(js)))
+            except nats.errors.Error:  # a 503 while the returning machine's server rejoins the meta group
+                if time.monotonic() > deadline:
+                    raise
+                await asyncio.sleep(1)
+                continue
             missing = [c for c in wanted if c not in per]
             if not missing or time.monotonic() > deadline:
                 break
@@ -113,7 +122,7 @@ def main(args: list[str]) -> None:
         case ["chat", api, model, max_tokens]:
             print(json.dumps(chat(api, model, int(max_tokens))))
         case ["traffic", api, model, nats_url, nkey, stop_file, out]:
-            asyncio.run(traffic(api, model, nats_url, nkey, Path(stop_file), Path(out)))
+            Path(out).write_text(json.dumps(asyncio.run(traffic(api, model, nats_url, nkey, Path(stop_file)))))
         case ["meta", nats_url, nkey]:
             from jetshard_bus.options import NatsOptions
 
@@ -122,7 +131,7 @@ def main(args: list[str]) -> None:
             group = asyncio.run(meta_group(NatsOptions(servers=(nats_url,), nkey_file=nkey)))
             print(json.dumps({"leader": group.leader, "current": sorted(group.current), "known": sorted(group.known)}))
         case ["outcomes", nats_url, nkey, ids_file, timeout_s]:
-            asyncio.run(outcomes(nats_url, nkey, Path(ids_file), float(timeout_s)))
+            asyncio.run(outcomes(nats_url, nkey, json.loads(Path(ids_file).read_text()), float(timeout_s)))
         case _:
             raise SystemExit(__doc__)
 
