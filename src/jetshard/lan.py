@@ -69,7 +69,7 @@ class JoinToken:
         if (
             prefix != TOKEN_PREFIX
             or not CLUSTER_NAME.fullmatch(cluster)
-            or not re.fullmatch(r"[A-Za-z0-9_-]{32,}", secret)
+            or not re.fullmatch(r"[A-Za-z0-9_-]{32,128}", secret)
         ):
             raise JoinTokenError(
                 f"not a join token: expected {TOKEN_PREFIX}.<cluster>.<secret>, as the first machine's "
@@ -276,21 +276,20 @@ async def meta_group(system: NatsOptions, wait_s: float = 1.0) -> MetaGroup:
     return MetaGroup(None, frozenset(), frozenset())
 
 
-def routes_of_server(monitor_port: int) -> list[str]:
-    """Names of the servers this one has routes to."""
-    with urllib.request.urlopen(f"http://127.0.0.1:{monitor_port}/routez", timeout=2) as response:
-        routez = json.load(response)
-    return sorted({r.get("remote_name", "") for r in routez.get("routes") or []} - {""})
-
-
-async def retire_witness(system: NatsOptions, admin: NatsOptions, witness: str) -> None:
-    """Remove the witness from the meta group (a system-account request), then give every stream three replicas."""
+async def remove_peer(system: NatsOptions, server: str) -> dict[str, object]:
+    """Ask the meta group to forget `server` (a system-account request); JetStream's answer."""
     client = await nats.connect(**system.connect_kwargs())
     try:
-        reply = await client.request("$JS.API.SERVER.REMOVE", json.dumps({"peer": witness}).encode(), timeout=10)
+        reply = await client.request("$JS.API.SERVER.REMOVE", json.dumps({"peer": server}).encode(), timeout=10)
     finally:
         await client.close()
     answer = json.loads(reply.data)
+    return answer if isinstance(answer, dict) else {}
+
+
+async def retire_witness(system: NatsOptions, admin: NatsOptions, witness: str) -> None:
+    """Remove the witness from the meta group, then give every stream three replicas."""
+    answer = await remove_peer(system, witness)
     if not answer.get("success") and "not a member" not in json.dumps(answer.get("error", "")):
         raise RuntimeError(f"JetStream did not remove the witness: {answer.get('error')}")
     await ensure_replicas(admin)

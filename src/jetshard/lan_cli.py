@@ -12,7 +12,7 @@ from jetshard_bus.options import NatsOptions
 from rich.table import Table
 
 from jetshard.clusterfile import data_dir, recorded
-from jetshard.lan import MetaGroup, meta_group
+from jetshard.lan import MetaGroup, meta_group, remove_peer
 from jetshard.models_cli import console, json_option
 from jetshard.options import checked_name
 
@@ -69,17 +69,7 @@ def forget(server: str) -> None:
         raise click.ClickException(f"{server} is not in the meta group (`jetshard lan ls` lists it)")
     if server in group.current:
         raise click.ClickException(f"{server} is in touch with the cluster: stop its `jetshard up` first")
-    answer = asyncio.run(_remove(server))
+    answer = asyncio.run(remove_peer(_system_options(), server))
     if not answer.get("success"):
         raise click.ClickException(f"JetStream kept {server}: {answer.get('error')}")
     console().print(f"{server} is no longer a member")
-
-
-async def _remove(server: str) -> dict[str, object]:
-    client = await nats.connect(**_system_options().connect_kwargs())
-    try:
-        reply = await client.request("$JS.API.SERVER.REMOVE", json.dumps({"peer": server}).encode(), timeout=10)
-    finally:
-        await client.close()
-    answer = json.loads(reply.data)
-    return answer if isinstance(answer, dict) else {}

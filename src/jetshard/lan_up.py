@@ -244,7 +244,7 @@ class LanServers:
         save_membership(self.layout.root, membership)
 
 
-def announcement(layout: LanLayout, node_id: str, api_port: int) -> Peer:
+def this_machine(layout: LanLayout, node_id: str, api_port: int) -> Peer:
     """What this machine tells the network: its cluster, server, node, and where its routes and API listen."""
     return Peer(
         cluster=layout.membership.cluster,

@@ -30,7 +30,7 @@ from rich.progress import Progress
 from jetshard.clusterfile import data_dir, remove_cluster_file, write_cluster_file
 from jetshard.discovery import Discovery
 from jetshard.lan_options import LanChoice, lan_layout, lan_options, pending_migration
-from jetshard.lan_up import LanServers, announcement
+from jetshard.lan_up import LanServers, this_machine
 from jetshard.options import model_dir_options, option, serving_args, serving_options
 from jetshard.placing import place_and_wait
 from jetshard.supervisor import STOP_SIGNALS, Supervisor
@@ -123,7 +123,7 @@ def up(
             identities = cluster_identities(root / "creds", node_id)
             authorization = server_authorization(list(identities.values()))
             layout = lan_layout(root, lan, node_id, nats_port, authorization)
-            discovery = Discovery(announcement(layout, node_id, port))
+            discovery = Discovery(this_machine(layout, node_id, port))
             discovery.start()
             lan_servers = LanServers(
                 layout,
