@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -132,7 +133,7 @@ def _lan_choice(
         raise click.BadParameter(str(error), param_hint="--join-token") from None
     for route in join:
         host, _, port = route.rpartition(":")
-        if not host or not port.isdigit() or not 0 < int(port) < 65536:
+        if not re.fullmatch(r"[A-Za-z0-9.-]+", host) or not port.isdigit() or not 0 < int(port) < 65536:
             raise click.BadParameter(f"{route!r}: expected HOST:PORT", param_hint="--join")
     if any(tls_files) and not all(tls_files):
         raise click.UsageError("route TLS needs --route-tls-cert, --route-tls-key and --route-tls-ca together")

@@ -17,7 +17,7 @@ import httpx
 from jetshard_bus.auth import ADMIN, SYSTEM, VIEWER, Identity, cluster_identities, server_authorization
 from jetshard_bus.connect import connect
 from jetshard_bus.migrate import MigrationError, migrate_standalone_store
-from jetshard_bus.natsserver import DATA_TAG, start_nats_server
+from jetshard_bus.natsserver import DATA_TAG, NatsServerError, start_nats_server
 from jetshard_bus.node import config_dir, node_id_for
 from jetshard_bus.options import DEFAULT_API_PORT, NatsOptions
 from jetshard_bus.procs import spawn
@@ -224,6 +224,8 @@ def up(
         console.print("Press Ctrl-C to stop.")
         while tend():
             time.sleep(0.2)
+    except NatsServerError as error:
+        raise click.ClickException(f"{error} (see {logs / 'nats-server.log'})") from None
     except KeyboardInterrupt:
         console.print("stopping…")
     finally:

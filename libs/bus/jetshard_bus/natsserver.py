@@ -114,6 +114,10 @@ def _cluster_block(cluster: ClusterSettings) -> str:
     return f"cluster {json.dumps(block, indent=2)}"
 
 
+class NatsServerError(RuntimeError):
+    """The embedded nats-server did not start (its port taken, a bad configuration): its log says more."""
+
+
 @dataclass
 class NatsServer:
     process: subprocess.Popen[bytes]
@@ -165,7 +169,7 @@ def start_nats_server(
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if process.poll() is not None:
-            raise RuntimeError(f"nats-server exited with {process.returncode}; is port {port} in use?")
+            raise NatsServerError(f"nats-server exited with {process.returncode}; is port {port} in use?")
         for ports_file in settings.ports_dir.glob("*.ports"):
             try:
                 urls = json.loads(ports_file.read_text())["nats"]
@@ -174,4 +178,4 @@ def start_nats_server(
             return NatsServer(process=process, url=urls[0], store_dir=store_dir, settings=settings)
         time.sleep(0.05)
     process.kill()
-    raise TimeoutError("nats-server did not start listening in time")
+    raise NatsServerError("nats-server did not start listening in time")
