@@ -3,6 +3,7 @@ of network namespaces (root only)."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -67,6 +68,8 @@ def test_an_announcement_reads_back_as_the_peer_that_made_it() -> None:
     assert parse_announcement(announcement(PEER)) == PEER
     assert parse_announcement(hostile()) == PEER
     assert parse_announcement(hostile(addresses=["127.0.0.1", "10.77.0.1"])) == PEER
+    proved = dataclasses.replace(PEER, proof="ab" * 32)
+    assert parse_announcement(announcement(proved)) == proved
 
 
 @pytest.mark.parametrize(
@@ -95,6 +98,10 @@ def test_an_announcement_reads_back_as_the_peer_that_made_it() -> None:
         hostile(addresses=["0.0.0.0"]),
         hostile(addresses=["224.0.0.251"]),
         hostile(addresses=["fe80::1"]),
+        hostile(proof="AB" * 32),
+        hostile(proof="ab" * 31),
+        hostile(proof="zz" * 32),
+        hostile(proof="ab" * 33),
     ],
 )
 def test_a_malformed_or_foreign_announcement_is_ignored(info: ServiceInfo) -> None:
@@ -173,6 +180,7 @@ def test_hosts_find_each_other_and_keep_a_host_that_went_away(network: Lan, tmp_
                 "host": two.address,
                 "route_port": 6223,
                 "api_port": 8001,
+                "proof": "",  # this test's announcers sign nothing
             }
         ]
         seen(

@@ -294,7 +294,14 @@ def test_clusters_keep_apart_by_name_a_machine_without_the_token_cannot_join_and
         assert stranger.up is not None and stranger.up.wait(60) != 0
         assert "already runs on this network" in stranger.output(), stranger.output()
         forged = re.sub(r"\.[^.]+$", ".forged-secret-of-forty-three-characters-xxxx", cluster.token)
+        # Found by mDNS, the members' announcements do not verify under a forged secret: no route is even tried,
+        # so the forged machine learns nothing either.
         stranger.start("--join-token", forged, "--no-model", "--data-dir", str(tmp_path / "stranger" / "data2"))
+        assert stranger.up.wait(120) != 0
+        assert "do not know this machine's join token" in stranger.output(), stranger.output()
+        # Named with --join, the member's route refuses the forged secret.
+        join = f"--join={first.host.address}:6222"
+        stranger.start("--join-token", forged, join, "--no-model", "--data-dir", str(tmp_path / "stranger" / "data4"))
         assert stranger.up.wait(120) != 0
         assert "refused this machine's join token" in stranger.output(), stranger.output()
         assert not {n for n in first.route_names() if n.startswith("node-")} - {m.server_name for m in cluster.machines}

@@ -8,7 +8,8 @@ from pathlib import Path
 import pytest
 from jetshard_bus.natsserver import DATA_TAG, ClusterSettings, ServerSettings
 
-from jetshard.lan import JoinToken, JoinTokenError, Membership, MetaGroup, resolve_membership
+from jetshard.discovery import Peer
+from jetshard.lan import JoinToken, JoinTokenError, Membership, MetaGroup, resolve_membership, signed, vouched
 
 TOKEN = JoinToken.create("home")
 
@@ -98,3 +99,16 @@ def test_a_clustered_server_config_routes_with_the_secret_and_tags_its_data(tmp_
     assert 'listen: "127.0.0.1:4222"' in config  # clients stay on loopback
     joining = ServerSettings(tmp_path, cluster=dataclasses.replace(cluster, jetstream=False)).config()
     assert "jetstream: disabled" in joining and "store_dir" not in joining
+
+
+def test_only_an_announcement_signed_with_the_secret_for_its_own_address_is_a_member() -> None:
+    peer = Peer(
+        cluster="home", server_name="node-b", node_id="node-b", host="10.0.0.6", route_port=6222, api_port=52415
+    )
+    member = signed(peer, TOKEN.secret)
+    assert vouched(member, TOKEN.secret)
+    assert not vouched(peer, TOKEN.secret)  # unsigned: anyone may announce the name
+    assert not vouched(member, JoinToken.create("home").secret)
+    # A member's proof replayed for the announcer's own address or port (to collect the secret) fails.
+    for forged in (dataclasses.replace(member, host="10.0.0.66"), dataclasses.replace(member, route_port=7222)):
+        assert not vouched(forged, TOKEN.secret)

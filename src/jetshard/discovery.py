@@ -37,6 +37,9 @@ class Peer:
     host: str  # the IPv4 address it announced
     route_port: int
     api_port: int
+    proof: str = ""
+    """Hex HMAC-SHA256 of the other fields under the cluster's secret (`jetshard.lan.signed`): anyone may
+    announce a cluster's name, only its machines can prove it. Empty: unsigned."""
 
 
 class LanAddressError(ValueError):
@@ -91,6 +94,7 @@ def announcement(peer: Peer) -> ServiceInfo:
             "server": peer.server_name,
             "node": peer.node_id,
             "api": str(peer.api_port),
+            **({"proof": peer.proof} if peer.proof else {}),
         },
         server=f"{peer.server_name}.local.",
         parsed_addresses=[peer.host],
@@ -121,9 +125,10 @@ def parse_announcement(info: ServiceInfo) -> Peer | None:
         for address in map(ipaddress.IPv4Address, info.parsed_addresses(IPVersion.V4Only))
         if not (address.is_loopback or address.is_unspecified or address.is_multicast)
     ]
-    if route_port is None or api_port is None or not hosts:
+    proof = properties.get(b"proof") or b""
+    if route_port is None or api_port is None or not hosts or not re.fullmatch(rb"(?:[0-9a-f]{64})?", proof):
         return None
-    return Peer(texts["cluster"], texts["server"], texts["node"], str(hosts[0]), route_port, api_port)
+    return Peer(texts["cluster"], texts["server"], texts["node"], str(hosts[0]), route_port, api_port, proof.decode())
 
 
 class Discovery:

@@ -20,6 +20,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
+import hmac
 import json
 import os
 import re
@@ -38,6 +40,8 @@ from jetshard_bus.natsserver import DATA_TAG, ClusterSettings, RouteTls, ServerS
 from jetshard_bus.options import NatsOptions
 from jetshard_bus.streams import scale
 from nats.js.api import KeyValueConfig, Placement
+
+from jetshard.discovery import Peer
 
 DEFAULT_CLUSTER = "jetshard"
 CLUSTER_NAME = re.compile(r"[A-Za-z0-9_-]{1,32}")
@@ -79,6 +83,22 @@ class JoinToken:
 
     def __str__(self) -> str:
         return f"{TOKEN_PREFIX}.{self.cluster}.{self.secret}"
+
+
+def _proof(peer: Peer, secret: str) -> str:
+    fields = (peer.cluster, peer.server_name, peer.node_id, peer.host, str(peer.route_port), str(peer.api_port))
+    return hmac.new(secret.encode(), "\n".join(fields).encode(), hashlib.sha256).hexdigest()
+
+
+def signed(peer: Peer, secret: str) -> Peer:
+    """`peer` with the proof that its announcer knows the cluster's secret."""
+    return replace(peer, proof=_proof(peer, secret))
+
+
+def vouched(peer: Peer, secret: str) -> bool:
+    """Whether `peer` was announced by a machine that knows `secret`, for exactly these host and ports: a route
+    to anything else would hand the secret (which routes send on connecting) to whoever announced it."""
+    return bool(peer.proof) and hmac.compare_digest(peer.proof, _proof(peer, secret))
 
 
 def checked_cluster_name(name: str) -> str:

@@ -28,6 +28,8 @@ from jetshard.lan import (
     retire_witness,
     route_of,
     save_membership,
+    signed,
+    vouched,
     wait_for_cluster_jetstream,
 )
 from jetshard.supervisor import Supervisor
@@ -77,8 +79,12 @@ class LanServers:
         return tuple(sorted({*self.peer_routes(), *([self.layout.witness_route] if self._has_witness() else [])}))
 
     def peer_routes(self) -> tuple[str, ...]:
-        found = (route_of(peer.host, peer.route_port) for peer in self.discovery.cluster_peers())
+        found = (route_of(peer.host, peer.route_port) for peer in self.members())
         return tuple(sorted({*found, *self.static_routes, *self.membership.routes}))
+
+    def members(self) -> list[Peer]:
+        """The peers that proved they know the cluster's secret: only those are routed to."""
+        return [p for p in self.discovery.cluster_peers() if vouched(p, self.membership.secret)]
 
     def _has_witness(self) -> bool:
         return self.membership.founder and not self.membership.witness_retired
@@ -154,8 +160,17 @@ class LanServers:
         cluster = self.membership.cluster
         self.report(f"looking for cluster {cluster!r} on the network…")
         deadline = time.monotonic() + JOIN_TIMEOUT_S
+        strangers: list[Peer] = []
         while not self.peer_routes() and time.monotonic() < deadline:
+            if strangers := self.discovery.cluster_peers():
+                # Machines of that name that cannot prove the secret: once they have had a moment, the token is wrong.
+                deadline = min(deadline, time.monotonic() + NAME_CHECK_S)
             time.sleep(0.25)
+        if not self.peer_routes() and strangers:
+            raise click.ClickException(
+                f"the machines of cluster {cluster!r} on this network ({', '.join(p.server_name for p in strangers)}) "
+                "do not know this machine's join token: use the token `jetshard up --lan` printed on one of them"
+            )
         if not self.peer_routes():
             raise click.ClickException(
                 f"found no machine of cluster {cluster!r} on this network within {JOIN_TIMEOUT_S:.0f} s; if "
@@ -172,7 +187,7 @@ class LanServers:
 
         server = self._start(self.layout.server(self.routes(), jetstream=False), "nats-server")
         try:
-            peers = ", ".join(p.server_name for p in self.discovery.cluster_peers()) or ", ".join(self.peer_routes())
+            peers = ", ".join(p.server_name for p in self.members()) or ", ".join(self.peer_routes())
             self.report(f"found {peers}; joining…")
             admin = self._options(self.admin_nkey)
             reached = asyncio.run(wait_for_cluster_jetstream(admin, JOIN_TIMEOUT_S, refused))
@@ -245,8 +260,9 @@ class LanServers:
 
 
 def this_machine(layout: LanLayout, node_id: str, api_port: int) -> Peer:
-    """What this machine tells the network: its cluster, server, node, and where its routes and API listen."""
-    return Peer(
+    """What this machine tells the network: its cluster, server, node, where its routes and API listen, and
+    the proof that it knows the cluster's secret."""
+    unsigned = Peer(
         cluster=layout.membership.cluster,
         server_name=layout.membership.server_name,
         node_id=node_id,
@@ -254,3 +270,4 @@ def this_machine(layout: LanLayout, node_id: str, api_port: int) -> Peer:
         route_port=layout.ports.route,
         api_port=api_port,
     )
+    return signed(unsigned, layout.membership.secret)
