@@ -2,17 +2,14 @@
 
 from __future__ import annotations
 
-import asyncio
 import logging
 
 import nats
-import nats.errors
-import nats.js.errors
 from nats.aio.client import Client
 from nats.js import JetStreamContext
 
 from jetshard_bus.options import NatsOptions
-from jetshard_bus.streams import BusTimings, declare, wait_for_streams
+from jetshard_bus.streams import BusTimings, declare, wait_for_streams, while_unavailable
 
 log = logging.getLogger(__name__)
 
@@ -54,20 +51,15 @@ async def connect(
             "is `jetshard up` (or nats-server) running?"
         ) from error
     js = client.jetstream(publish_async_max_pending=20_000)
+
+    async def prepare() -> None:
+        if declare_streams:
+            await declare(js, timings, replicas=options.replicas, placement_tag=options.placement_tag)
+        else:
+            await wait_for_streams(js, wait=wait_for_server)
+
     try:
-        while True:
-            try:
-                if declare_streams:
-                    await declare(js, timings, replicas=options.replicas, placement_tag=options.placement_tag)
-                else:
-                    await wait_for_streams(js, wait=wait_for_server)
-                break
-            except (nats.js.errors.ServiceUnavailableError, nats.errors.TimeoutError) as error:
-                # A JetStream cluster electing its leaders answers 503s or nothing for a few seconds.
-                if not wait_for_server:
-                    raise
-                log.warning("JetStream is not ready yet (%s); trying again", error)
-                await asyncio.sleep(1)
+        await (while_unavailable(prepare) if wait_for_server else prepare())
     except BaseException:
         await client.close()
         raise

@@ -20,7 +20,7 @@ from nats.aio.msg import Msg
 from nats.js import JetStreamContext
 
 from jetshard_bus.snapshots import load_snapshot
-from jetshard_bus.streams import subscribe_events
+from jetshard_bus.streams import subscribe_events, while_unavailable
 from jetshard_bus.tracing import continued
 
 log = logging.getLogger(__name__)
@@ -53,9 +53,9 @@ class StateFollower:
 
     async def start(self, catch_up_timeout_s: float = 60.0) -> None:
         """Load the snapshot, replay what followed it, and return once caught up with the stream."""
-        self.state = await load_snapshot(self._js)
+        self.state = await while_unavailable(lambda: load_snapshot(self._js))
         self.received_seq = self.state.last_seq
-        info = await self._js.stream_info(subjects.EVENTS_STREAM)
+        info = await while_unavailable(lambda: self._js.stream_info(subjects.EVENTS_STREAM))
         self._live_from_seq = info.state.last_seq + 1
         self._subscription = await subscribe_events(self._js, self._on_message, self.state.last_seq + 1)
         await self.wait_until(lambda _: self.received_seq >= info.state.last_seq, catch_up_timeout_s)

@@ -6,9 +6,10 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Awaitable, Callable
-from typing import Any
+from typing import Any, TypeVar
 
 import msgspec.json
+import nats.errors
 import nats.js.errors
 from jetshard_schema import subjects
 from nats.aio.msg import Msg
@@ -26,6 +27,7 @@ from nats.js.api import (
 )
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 
 class BusTimings(msgspec.Struct, frozen=True, kw_only=True):
@@ -147,6 +149,17 @@ async def wait_for_streams(js: JetStreamContext, wait: bool = True, interval_s: 
 
 class StreamsMissingError(ConnectionError):
     pass
+
+
+async def while_unavailable(operation: Callable[[], Awaitable[T]], interval_s: float = 1.0) -> T:
+    """`operation()` once JetStream answers it: a cluster electing its leaders (a machine joining or gone)
+    answers 503 or nothing for a few seconds, which a starting service waits out rather than dying of."""
+    while True:
+        try:
+            return await operation()
+        except (nats.js.errors.ServiceUnavailableError, nats.errors.TimeoutError) as error:
+            log.warning("JetStream is not ready yet (%s); trying again", error)
+            await asyncio.sleep(interval_s)
 
 
 async def _stream_exists(js: JetStreamContext, name: str) -> bool:
