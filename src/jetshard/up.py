@@ -239,8 +239,9 @@ def up(
 
 
 async def _declare_streams(options: NatsOptions) -> None:
-    """Declare as admin before any service starts: only the admin and the sequencer may."""
-    client, _ = await connect(options, "jetshard up", wait_for_server=False)
+    """Declare as admin before any service starts: only the admin and the sequencer may. Its own server is up;
+    a JetStream cluster may still be electing its stream leaders, which the declare waits out."""
+    client, _ = await connect(options, "jetshard up")
     await client.close()
 
 
