@@ -10,6 +10,7 @@ from jetshard_schema.events import (
     DownloadCompleted,
     Event,
     EventEnvelope,
+    InstanceChosen,
     InstanceDeleted,
     InstanceFailed,
     InstancePlaced,
@@ -56,6 +57,7 @@ SAMPLES: list[Event] = [
     runner(0, RunnerStatus.LOADING),
     InstanceRestarting(instance_id=INST, generation=1, attempt=1, not_before_ms=5000, reason="rank 1 failed"),
     InstanceFailed(instance_id=INST, reason="gave up"),
+    InstanceChosen(instance_id=INST, model_id=MODEL),
 ]
 COVERED = {type(e) for e in SAMPLES}
 

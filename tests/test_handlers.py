@@ -453,7 +453,7 @@ def test_task_lifecycle_and_cancel(cluster: InMemoryCluster) -> None:
     submit(cluster, "task-1")
     task = TaskId("task-1")
     assert cluster.run(ReportTaskStarted(task_id=task, instance_id=instance, prompt_tokens=3)) == [
-        TaskStarted(task_id=task, prompt_tokens=3)
+        TaskStarted(task_id=task, prompt_tokens=3, at_ms=cluster.now_ms)
     ]
     assert cluster.run(CancelTask(task_id=task)) == [TaskCancelled(task_id=task, reason="cancelled by the client")]
     assert cluster.state.tasks == {}
@@ -466,7 +466,7 @@ def test_task_lifecycle_and_cancel(cluster: InMemoryCluster) -> None:
     submit(cluster, "task-2")
     assert cluster.run(
         ReportTaskFinished(task_id=TaskId("task-2"), instance_id=instance, outcome=TaskOutcome.LENGTH, usage=usage)
-    ) == [TaskFinished(task_id=TaskId("task-2"), outcome=TaskOutcome.LENGTH, usage=usage)]
+    ) == [TaskFinished(task_id=TaskId("task-2"), outcome=TaskOutcome.LENGTH, usage=usage, at_ms=cluster.now_ms)]
 
 
 def test_handlers_are_pure() -> None:
@@ -516,7 +516,11 @@ def test_a_failed_download_fails_the_instances_waiting_for_it_at_once(cluster: I
     )
     assert events == [
         DownloadFailed(node_id=A, model_id=MODEL, reason="Hub unreachable"),
-        InstanceFailed(instance_id=waiting, reason=f"downloading {MODEL} to node {A} failed: Hub unreachable"),
+        InstanceFailed(
+            instance_id=waiting,
+            reason=f"downloading {MODEL} to node {A} failed: Hub unreachable",
+            at_ms=cluster.now_ms,
+        ),
     ]
     assert cluster.state.instances[waiting].failed
     assert not cluster.state.instances[elsewhere].failed

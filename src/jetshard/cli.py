@@ -50,12 +50,23 @@ models.add_command(import_gguf)
     help="what the leader lease (bucket jetshard-leader), this sequencer's command consumers and its log call it "
     "[default: seq-<random>]",
 )
-def sequencer(nats: NatsOptions, timings: BusTimings, snapshot_every: int, sequencer_id: str | None) -> None:
+@option(
+    "--failed-retention-s",
+    type=click.FloatRange(min=0),
+    default=900.0,
+    show_default=True,
+    help="how long a failed instance stays listed (with why it failed) before it leaves State",
+)
+def sequencer(
+    nats: NatsOptions, timings: BusTimings, snapshot_every: int, sequencer_id: str | None, failed_retention_s: float
+) -> None:
     """Turn commands into the ordered event stream (one leader; start more as standbys)."""
     from jetshard_bus.service import run_service
     from jetshard_sequencer.service import SequencerConfig, run_sequencer
 
-    config = SequencerConfig(nats=nats, timings=timings, snapshot_every=snapshot_every)
+    config = SequencerConfig(
+        nats=nats, timings=timings, snapshot_every=snapshot_every, failed_retention_s=failed_retention_s
+    )
     if sequencer_id is not None:
         config = dataclasses.replace(config, sequencer_id=sequencer_id)
     run_service("sequencer", lambda stop: run_sequencer(config, stop))
@@ -92,6 +103,21 @@ def sequencer(nats: NatsOptions, timings: BusTimings, snapshot_every: int, seque
     help="a generation silent this long (after its first chunk) ends with an error",
 )
 @option(
+    "--start-timeout-s",
+    type=click.FloatRange(min=0, min_open=True),
+    default=300.0,
+    show_default=True,
+    help="how long a request waits in its instance's queue for its turn; one that could not start in this long "
+    "at the instance's measured pace is refused with 429 at once",
+)
+@option(
+    "--first-chunk-timeout-s",
+    type=click.FloatRange(min=0, min_open=True),
+    default=300.0,
+    show_default=True,
+    help="once its task started, how long a request waits for its first chunk (the prompt's prefill)",
+)
+@option(
     "--keep-alive-s",
     type=click.FloatRange(min=0, min_open=True),
     default=5.0,
@@ -124,6 +150,8 @@ def api(
     port_file: Path | None,
     auto_place: bool,
     chunk_silence_s: float,
+    start_timeout_s: float,
+    first_chunk_timeout_s: float,
     keep_alive_s: float,
     serving: ServingSettings,
     api_key: str | None,
@@ -137,7 +165,12 @@ def api(
     from jetshard_bus.service import run_service
 
     inference = InferenceSettings(
-        auto_place=auto_place, chunk_silence_s=chunk_silence_s, keep_alive_s=keep_alive_s, serving=serving
+        auto_place=auto_place,
+        chunk_silence_s=chunk_silence_s,
+        start_timeout_s=start_timeout_s,
+        first_chunk_timeout_s=first_chunk_timeout_s,
+        keep_alive_s=keep_alive_s,
+        serving=serving,
     )
     config = ApiConfig(
         nats=nats,

@@ -127,7 +127,9 @@ def role_permissions(role: str, node_id: str | None = None) -> Permissions | Non
             publish_deny=(f"{JS_API}.STREAM.DELETE.>",),
         )
     if role == API:
-        return Permissions(publish=(*FOLLOW, COMMANDS, TASK_REQUESTS), subscribe=(INBOXES, CHUNKS, STATS))
+        # Each API session keeps a liveness key of its own: the sequencer cancels a vanished session's tasks.
+        api_liveness = _liveness_key(subjects.requester_key("*"))
+        return Permissions(publish=(*FOLLOW, COMMANDS, TASK_REQUESTS, api_liveness), subscribe=(INBOXES, CHUNKS, STATS))
     if role == VIEWER:
         return Permissions(publish=FOLLOW, subscribe=(INBOXES, STATS))
     if role in (WORKER, DOWNLOADER):

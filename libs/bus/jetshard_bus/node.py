@@ -78,16 +78,17 @@ def _accelerator() -> str:
     return "cpu"
 
 
-async def keep_alive(js: JetStreamContext, node_id: NodeId, session_id: str, ttl_s: float, stop: asyncio.Event) -> None:
-    """Refresh the node's liveness key well within its TTL until `stop`; then delete it."""
+async def keep_alive(js: JetStreamContext, key: str, session_id: str, ttl_s: float, stop: asyncio.Event) -> None:
+    """Refresh a liveness key (a node's, or an API session's) well within its TTL until `stop`; then delete
+    it."""
     kv = await js.key_value(LIVENESS_BUCKET)
     while not stop.is_set():
         try:
-            await kv.put(node_id, session_id.encode())
+            await kv.put(key, session_id.encode())
         except Exception as error:  # NATS down for a moment: the next beat retries
             log.warning("liveness update failed: %s", error)
         with contextlib.suppress(TimeoutError):
             # Five beats per TTL: a node survives a few seconds of a starved CPU without being declared lost.
             await asyncio.wait_for(stop.wait(), ttl_s / 5)
     with contextlib.suppress(Exception):
-        await kv.delete(node_id)
+        await kv.delete(key)

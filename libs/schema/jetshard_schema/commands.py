@@ -113,6 +113,22 @@ class PlaceInstance(_Command, frozen=True):
     serving: ServingSettings = ServingSettings()
 
 
+class EnsureInstance(_Command, frozen=True):
+    """Auto-placement: place an instance of the model as `instance_id` unless one is alive (placed, loading or
+    ready), in which case the answer names that one. Decided by the single writer, so any number of concurrent
+    first requests, on any number of APIs, place one instance between them."""
+
+    instance_id: ValidInstanceId
+    model_id: ValidModelId
+    serving: ServingSettings = ServingSettings()
+
+
+class ForgetInstance(_Command, frozen=True):
+    """The sequencer's own: a failed instance's retention ran out; its history stays in the event stream."""
+
+    instance_id: ValidInstanceId
+
+
 class DeleteInstance(_Command, frozen=True):
     instance_id: ValidInstanceId
 
@@ -136,6 +152,15 @@ class ReportRunnerStatus(_Command, frozen=True):
 
 class SubmitTask(_Command, frozen=True):
     task: TaskRef
+    start_within_ms: int | None = None
+    """How long the requester waits for the task to start: a task that could not start in that time at its
+    instance's measured pace is refused (`queue_full`) instead of queued to time out."""
+
+
+class ExpireRequester(_Command, frozen=True):
+    """The sequencer's own observation that an API session's liveness key lapsed: its tasks have no reader."""
+
+    session_id: ValidSessionId
 
 
 class CancelTask(_Command, frozen=True):
@@ -172,10 +197,13 @@ Command = (
     | ReportDownloadProgress
     | ReportDownloadDeleted
     | PlaceInstance
+    | EnsureInstance
+    | ForgetInstance
     | DeleteInstance
     | ReportRunnerEndpoint
     | ReportRunnerStatus
     | SubmitTask
+    | ExpireRequester
     | CancelTask
     | ReportTaskStarted
     | ReportTaskFinished

@@ -37,6 +37,8 @@ class CommandRejected(_Event, frozen=True):
     code: RejectCode
     reason: str
     """What went wrong and what to do about it, for a person."""
+    retry_after_s: int | None = None
+    """When a retry may succeed (a full queue): the API's `Retry-After`."""
 
 
 # --- nodes -------------------------------------------------------------------------------------------------
@@ -134,6 +136,13 @@ class InstancePlaced(_Event, frozen=True):
     serving: ServingSettings = ServingSettings()
 
 
+class InstanceChosen(_Event, frozen=True):
+    """The answer to an `EnsureInstance` when an instance of the model is alive already: that one serves."""
+
+    instance_id: ValidInstanceId
+    model_id: ValidModelId
+
+
 class InstanceDeleted(_Event, frozen=True):
     instance_id: ValidInstanceId
     reason: str
@@ -166,6 +175,8 @@ class InstanceRestarting(_Event, frozen=True):
 class InstanceFailed(_Event, frozen=True):
     instance_id: ValidInstanceId
     reason: str
+    at_ms: int = 0
+    """When it failed (the sequencer's clock): State keeps a failed instance for a retention after this."""
 
 
 # --- tasks -------------------------------------------------------------------------------------------------
@@ -180,6 +191,8 @@ class TaskAssigned(_Event, frozen=True):
 class TaskStarted(_Event, frozen=True):
     task_id: ValidTaskId
     prompt_tokens: int
+    at_ms: int = 0
+    """When its start was recorded (the sequencer's clock), for the instance's measured pace."""
 
 
 class TaskFinished(_Event, frozen=True):
@@ -190,6 +203,8 @@ class TaskFinished(_Event, frozen=True):
     last_chunk_index: int = 0
     """The index of the task's last chunk: chunks travel apart from events, so a client that has not seen
     that chunk yet knows more are on their way."""
+    at_ms: int = 0
+    """When its end was recorded (the sequencer's clock), for the instance's measured pace."""
 
 
 class TaskCancelled(_Event, frozen=True):
@@ -214,6 +229,7 @@ Event = (
     | DownloadDeleteRequested
     | DownloadDeleted
     | InstancePlaced
+    | InstanceChosen
     | InstanceDeleted
     | RunnerEndpointReported
     | RunnerStatusChanged

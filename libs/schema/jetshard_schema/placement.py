@@ -7,6 +7,11 @@ allocator slack. Weights count at their checkpoint size, or at 4 bytes a paramet
 dequantizes them to float32. Each node gets a layer range proportional to its available memory (largest
 remainder, at least one layer each); together the nodes must hold the whole requirement.
 
+A node's available memory is what it last reported less what the shards placed on it will take and that report
+does not show taken (not loaded yet, or loaded since): instances placed in one burst are each sized against
+what the ones before them left, not all against the same free memory. Each shard records its share of the
+requirement.
+
 `WeightsDtype.AUTO` is resolved here, once, into the choice the instance keeps: float32 when every chosen
 node computes on its CPU with a fast BLAS (which multiplies float32 several times faster than MLX's quantized
 kernels; with the reference BLAS float32 is slower than they are) and the float32 weights fit those nodes;
@@ -15,9 +20,11 @@ the checkpoint's own dtype otherwise.
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Sequence
 
 import msgspec
+from msgspec.structs import replace
 
 from jetshard_schema.cards import ModelCard, ModelSource
 from jetshard_schema.ids import NodeId
@@ -157,7 +164,13 @@ def place(
             resolved, required = dequantized, required_memory_bytes(card, dequantized)
     ranges = split_layers(card.num_layers, [n.profile.memory_available_bytes for n in chosen])
     shards = tuple(
-        ShardAssignment(node_id=node.node_id, rank=rank, start_layer=start, end_layer=end)
+        ShardAssignment(
+            node_id=node.node_id,
+            rank=rank,
+            start_layer=start,
+            end_layer=end,
+            memory_bytes=required * (end - start) // card.num_layers,
+        )
         for rank, (node, (start, end)) in enumerate(zip(chosen, ranges, strict=True))
     )
     return Placement(shards=shards, required_bytes=required, serving=resolved)
@@ -175,6 +188,27 @@ def cannot_fetch(state: State, card: ModelCard) -> set[NodeId]:
     }
 
 
+def pending_bytes(state: State) -> Counter[NodeId]:
+    """Per node, what the shards placed there will take and its last report does not show taken: those of
+    instances not loaded yet, and of those that loaded after the report (a node re-reports only when its
+    memory moved by a few percent, which one small instance may never make it)."""
+    pending: Counter[NodeId] = Counter()
+    for instance in state.instances.values():
+        if instance.failed:
+            continue
+        for shard in instance.shards:
+            node = state.nodes.get(shard.node_id)
+            if instance.ready_seq and node is not None and node.profile_seq > instance.ready_seq:
+                continue
+            pending[shard.node_id] += shard.memory_bytes
+    return pending
+
+
+def _less_pending(node: Node, pending: int) -> Node:
+    free = max(0, node.profile.memory_available_bytes - pending)
+    return replace(node, profile=replace(node.profile, memory_available_bytes=free))
+
+
 def place_in(
     state: State,
     card: ModelCard,
@@ -182,7 +216,8 @@ def place_in(
     min_nodes: int = 1,
     serving: ServingSettings = ServingSettings(),
 ) -> Placement:
-    """`place` on the nodes of `state` that can get the model's files; ModelUnavailable when none can."""
+    """`place` on the nodes of `state` that can get the model's files, with the memory that shards placed but
+    not loaded will take counted as taken; ModelUnavailable when no node can get the files."""
     excluded = cannot_fetch(state, card)
     offline_named = sorted(excluded & set(node_ids or ()))
     usable = [node for node in state.nodes.values() if node.node_id not in excluded]
@@ -193,4 +228,5 @@ def place_in(
             f"{'is' if len(offline) == 1 else 'are'} offline (no downloads): put the model there, or start "
             "the downloader without --offline"
         )
-    return place(card, usable, node_ids, min_nodes, serving)
+    pending = pending_bytes(state)
+    return place(card, [_less_pending(node, pending[node.node_id]) for node in usable], node_ids, min_nodes, serving)

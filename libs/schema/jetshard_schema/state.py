@@ -44,6 +44,8 @@ class Node(msgspec.Struct, frozen=True, kw_only=True):
     node_id: ValidNodeId
     session_id: ValidSessionId
     profile: NodeProfile
+    profile_seq: int = 0
+    """The event sequence at which `profile` was recorded: memory that runners took after it is not in it."""
 
 
 class Download(msgspec.Struct, frozen=True, kw_only=True):
@@ -67,6 +69,11 @@ class Instance(msgspec.Struct, frozen=True, kw_only=True):
     failed: bool = False
     failed_reason: str = ""
     """Why the instance failed, or why it last restarted."""
+    failed_at_ms: int = 0
+    ready_seq: int = 0
+    """The event sequence at which every runner of this generation was ready (0: not ready)."""
+    task_ms: float = 0.0
+    """Its measured pace: a moving average of its tasks' time from start to finish (0 until one finished)."""
 
     def shard_for(self, node_id: NodeId) -> ShardAssignment | None:
         return next((s for s in self.shards if s.node_id == node_id), None)
@@ -83,6 +90,7 @@ class Task(msgspec.Struct, frozen=True, kw_only=True):
     generation: int = 0
     """The instance generation the task was assigned to; a restart drops the task."""
     started: bool = False
+    started_at_ms: int = 0
     prompt_tokens: int = 0
 
     @property
@@ -165,7 +173,7 @@ def _command_rejected(event: events.CommandRejected, state: State) -> State:
 
 @_fold.register
 def _node_joined(event: events.NodeJoined, state: State) -> State:
-    node = Node(node_id=event.node_id, session_id=event.session_id, profile=event.profile)
+    node = Node(node_id=event.node_id, session_id=event.session_id, profile=event.profile, profile_seq=state.last_seq)
     return replace(state, nodes=_with(state.nodes, event.node_id, node))
 
 
@@ -174,7 +182,8 @@ def _node_updated(event: events.NodeUpdated, state: State) -> State:
     known = state.nodes.get(event.node_id)
     if known is None:
         return state
-    return replace(state, nodes=_with(state.nodes, event.node_id, replace(known, profile=event.profile)))
+    updated = replace(known, profile=event.profile, profile_seq=state.last_seq)
+    return replace(state, nodes=_with(state.nodes, event.node_id, updated))
 
 
 @_fold.register
@@ -323,6 +332,11 @@ def _instance_placed(event: events.InstancePlaced, state: State) -> State:
 
 
 @_fold.register
+def _instance_chosen(event: events.InstanceChosen, state: State) -> State:
+    return state
+
+
+@_fold.register
 def _instance_deleted(event: events.InstanceDeleted, state: State) -> State:
     return _without_tasks_of(replace(state, instances=_without(state.instances, event.instance_id)), event.instance_id)
 
@@ -342,7 +356,11 @@ def _runner_status_changed(event: events.RunnerStatusChanged, state: State) -> S
     if changing is None:
         return state
     runners = _with(changing.runners, event.runner.rank, event.runner)
-    return _update_instance(state, event.instance_id, runners=runners)
+    loaded = all(
+        runners.get(s.rank) is not None and runners[s.rank].status is RunnerStatus.READY for s in changing.shards
+    )
+    ready_seq = (changing.ready_seq or state.last_seq) if loaded else 0
+    return _update_instance(state, event.instance_id, runners=runners, ready_seq=ready_seq)
 
 
 @_fold.register
@@ -355,6 +373,7 @@ def _instance_restarting(event: events.InstanceRestarting, state: State) -> Stat
         not_before_ms=event.not_before_ms,
         endpoints={},
         runners={},
+        ready_seq=0,
         failed_reason=event.reason,
     )
     return _without_tasks_of(restarted, event.instance_id)
@@ -363,7 +382,14 @@ def _instance_restarting(event: events.InstanceRestarting, state: State) -> Stat
 @_fold.register
 def _instance_failed(event: events.InstanceFailed, state: State) -> State:
     failed = _update_instance(
-        state, event.instance_id, failed=True, failed_reason=event.reason, endpoints={}, runners={}
+        state,
+        event.instance_id,
+        failed=True,
+        failed_reason=event.reason,
+        failed_at_ms=event.at_ms,
+        endpoints={},
+        runners={},
+        ready_seq=0,
     )
     return _without_tasks_of(failed, event.instance_id)
 
@@ -382,12 +408,28 @@ def _task_started(event: events.TaskStarted, state: State) -> State:
     in_flight = state.tasks.get(event.task_id)
     if in_flight is None:
         return state
-    started = replace(in_flight, started=True, prompt_tokens=event.prompt_tokens)
+    started = replace(in_flight, started=True, started_at_ms=event.at_ms, prompt_tokens=event.prompt_tokens)
     return replace(state, tasks=_with(state.tasks, event.task_id, started))
 
 
+PACE_WEIGHT = 0.2
+"""The weight of the latest task in an instance's measured pace: the last few tasks decide it."""
+
+
 @_fold.register
-def _task_ended(event: events.TaskFinished | events.TaskCancelled, state: State) -> State:
+def _task_finished(event: events.TaskFinished, state: State) -> State:
+    task = state.tasks.get(event.task_id)
+    state = replace(state, tasks=_without(state.tasks, event.task_id))
+    instance = state.instances.get(task.instance_id) if task is not None else None
+    if task is None or instance is None or not task.started_at_ms or event.at_ms < task.started_at_ms:
+        return state  # not started, or recorded before events carried their times: nothing to measure
+    took_ms = event.at_ms - task.started_at_ms
+    pace = took_ms if not instance.task_ms else (1 - PACE_WEIGHT) * instance.task_ms + PACE_WEIGHT * took_ms
+    return _update_instance(state, instance.instance_id, task_ms=pace)
+
+
+@_fold.register
+def _task_cancelled(event: events.TaskCancelled, state: State) -> State:
     return replace(state, tasks=_without(state.tasks, event.task_id))
 
 

@@ -38,8 +38,14 @@ SNAPSHOT_OBJECT = "state"
 LEADER_BUCKET = "jetshard-leader"
 LEADER_KEY = "sequencer"
 LIVENESS_BUCKET = "jetshard-liveness"
+REQUESTER_KEY_PREFIX = "api"
+"""An API session's liveness key is `api.<session id>`: a node id holds no '.', so the two never meet."""
 
 SEQUENCER_DURABLE = "jetshard-sequencer"
+
+
+def requester_key(session_id: str) -> str:
+    return f"{REQUESTER_KEY_PREFIX}.{session_id}"
 
 
 def kv_stream(bucket: str) -> str:

@@ -7,7 +7,7 @@ from typing import Annotated, Any
 
 import msgspec
 
-from jetshard_schema.ids import ValidModelId, ValidNodeId, ValidTaskId
+from jetshard_schema.ids import ValidModelId, ValidNodeId, ValidSessionId, ValidTaskId
 
 
 class NodeProfile(msgspec.Struct, frozen=True, kw_only=True):
@@ -61,7 +61,7 @@ class ServingSettings(msgspec.Struct, frozen=True, kw_only=True):
     max_batch: MaxBatch = 8
     """Tasks that decode together in one step; placement reserves KV cache for this many rows."""
     max_queued: MaxQueued = 64
-    """Tasks that may wait beyond `max_batch`; past that the API answers 429."""
+    """Tasks that may wait beyond `max_batch`; past that the sequencer refuses a task (429)."""
     prefix_cache_bytes: PrefixCacheBytes = 512 * 2**20
     """Prompt KV caches kept for later prompts that start alike (a conversation's next turn, a shared system
     prompt), for the whole model; 0 keeps none."""
@@ -74,6 +74,10 @@ class ShardAssignment(msgspec.Struct, frozen=True, kw_only=True):
     start_layer: int
     """First layer of the shard; layer ranges are `[start_layer, end_layer)`, 0-based."""
     end_layer: int
+    memory_bytes: int = 0
+    """What the shard will take on its node once loaded (its weights in the instance's dtype, its share of the
+    KV cache for `max_batch` rows, of the prefix cache and of the activation headroom): placement counts it
+    against the node until the shard's runner is ready and the node's own report includes it."""
 
 
 class DownloadStatus(enum.StrEnum):
@@ -171,6 +175,9 @@ class RejectCode(enum.StrEnum):
     NO_CAPACITY = "no_capacity"
     MODEL_UNAVAILABLE = "model_unavailable"
     """The model's files cannot be had where it would run (offline nodes without it)."""
+    QUEUE_FULL = "queue_full"
+    """Every instance of the model has `max_batch + max_queued` tasks, or a new one could not start within the
+    requester's deadline at the instance's measured pace; the rejection says when to retry."""
 
 
 MAX_CHOICES = 16
@@ -278,6 +285,9 @@ class TaskRef(msgspec.Struct, frozen=True, kw_only=True):
     kind: TaskKind
     request_seq: int
     """The sequence of the `TaskRequest` in JETSHARD_TASKS."""
+    requester: ValidSessionId | None = None
+    """The session of the API holding the task's client: when its liveness lapses, nobody is left to read the
+    task's output and the sequencer cancels it."""
 
 
 class TopLogprob(msgspec.Struct, frozen=True, kw_only=True):

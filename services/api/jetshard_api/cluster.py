@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
+import logging
 import time
-from collections import Counter, deque
-from collections.abc import Awaitable, Callable, Iterator
+from collections import deque
+from collections.abc import Awaitable, Callable
 from typing import TypeVar
 
 import nats.errors
@@ -16,10 +16,10 @@ from jetshard_bus.tracing import inject
 from jetshard_schema.codec import encode
 from jetshard_schema.commands import Command
 from jetshard_schema.events import CommandRejected, Event, EventEnvelope, TaskFinished
-from jetshard_schema.ids import ModelId, TaskId, new_command_id
-from jetshard_schema.state import State, instance_status
+from jetshard_schema.ids import TaskId, new_command_id, new_id
+from jetshard_schema.state import State
 from jetshard_schema.subjects import MSG_ID_HEADER, task_subject
-from jetshard_schema.types import InstanceStatus, TaskRef, TaskRequest
+from jetshard_schema.types import TaskRef, TaskRequest
 from jetshard_schema.view import EventLine, event_line
 from nats.aio.client import Client
 from nats.js import JetStreamContext
@@ -28,12 +28,11 @@ from jetshard_api.errors import REJECT_STATUS, ApiError
 from jetshard_api.metrics import ApiMetrics
 from jetshard_api.stats import StatsBoard
 
+log = logging.getLogger(__name__)
+
 ELECTION_WAIT_S = 15.0
 """How long a publish waits for a stream without a leader (a few seconds of raft election, longer on a loaded
 machine) before the request is answered 503."""
-RETRY_AFTER_S = 2
-"""What a refused request is told to wait: a place frees when any task of the model finishes, which under load
-is every few seconds; State knows no finer estimate."""
 RECENT_EVENTS = 50
 """The latest events kept to start a dashboard's log with (those since the snapshot the API started from)."""
 T = TypeVar("T")
@@ -49,14 +48,22 @@ def broker_unavailable(why: str = "") -> ApiError:
 
 
 class Cluster:
-    def __init__(self, client: Client, js: JetStreamContext, follower: StateFollower, command_timeout_s: float) -> None:
+    def __init__(
+        self,
+        client: Client,
+        js: JetStreamContext,
+        follower: StateFollower,
+        command_timeout_s: float,
+        session_id: str | None = None,
+    ) -> None:
         self.client = client
         self.js = js
         self.follower = follower
         self.command_timeout_s = command_timeout_s
+        self.session_id = session_id or new_id()
+        """This API process's session: its tasks name it, and are cancelled when its liveness key lapses."""
+        self._background: set[asyncio.Task[None]] = set()
         self._finishing: dict[TaskId, asyncio.Future[TaskFinished]] = {}
-        self._submitting: Counter[ModelId] = Counter()
-        """Per model, tasks given a place in its queue that State does not count yet."""
         self._recent: deque[tuple[int, EventEnvelope]] = deque(maxlen=RECENT_EVENTS)
         self.stats = StatsBoard()
         """The services' latest figures from `jetshard.stats`, once `run_api` subscribed it."""
@@ -93,36 +100,6 @@ class Cluster:
     def forget_finish(self, task_id: TaskId) -> None:
         self._finishing.pop(task_id, None)
 
-    @contextlib.contextmanager
-    def queue_place(self, model_id: ModelId) -> Iterator[None]:
-        """A place in the queue of `model_id`'s ready instances, held while a task is submitted (until State
-        counts it); 429 when the task would make every instance's unfinished tasks exceed its `max_batch +
-        max_queued`, before anything is published. Without a ready instance the sequencer refuses the task."""
-        state = self.state
-        ready = [
-            i
-            for i in state.instances.values()
-            if i.model_id == model_id and instance_status(state, i) is InstanceStatus.READY
-        ]
-        unfinished = Counter(t.instance_id for t in state.tasks.values())
-        places = sum(max(0, i.serving.max_batch + i.serving.max_queued - unfinished[i.instance_id]) for i in ready)
-        # Counting the tasks this API is submitting keeps a burst of requests from all passing the check
-        # before the first of them reaches State.
-        if ready and places <= self._submitting[model_id]:
-            raise ApiError(
-                429,
-                f"{model_id} is busy: every place in its queue is taken; retry after {RETRY_AFTER_S} s",
-                "queue_full",
-                headers={"Retry-After": str(RETRY_AFTER_S)},
-            )
-        self._submitting[model_id] += 1
-        try:
-            yield
-        finally:
-            self._submitting[model_id] -= 1
-            if not self._submitting[model_id]:
-                del self._submitting[model_id]
-
     async def submit(self, command: Command, timeout_s: float | None = None) -> list[Event]:
         """Publish `command`; return its events once applied here, or raise ApiError (rejected / 503 / 504)."""
         self.require_broker()
@@ -140,7 +117,8 @@ class Cluster:
         events = [e.event for e in envelopes]
         for event in events:
             if isinstance(event, CommandRejected):
-                raise ApiError(REJECT_STATUS[event.code], event.reason, str(event.code))
+                retry = {"Retry-After": str(event.retry_after_s)} if event.retry_after_s is not None else None
+                raise ApiError(REJECT_STATUS[event.code], event.reason, str(event.code), headers=retry)
         return events
 
     async def store_request(self, request: TaskRequest) -> TaskRef:
@@ -156,7 +134,13 @@ class Cluster:
                 timeout=5.0,
             )
         )
-        return TaskRef(task_id=request.task_id, model_id=request.model_id, kind=request.kind, request_seq=ack.seq)
+        return TaskRef(
+            task_id=request.task_id,
+            model_id=request.model_id,
+            kind=request.kind,
+            request_seq=ack.seq,
+            requester=self.session_id,
+        )
 
     async def _stored(self, publish: Callable[[], Awaitable[T]]) -> T:
         """A JetStream publish, tried again while the stream elects a new leader (a NATS server of a cluster
@@ -175,3 +159,23 @@ class Cluster:
         """Publish without waiting for the outcome (fire-and-forget reports such as a cancel)."""
         self.require_broker()
         await publish_command(self.js, command)
+
+    def publish_soon(self, command: Command) -> None:
+        """Publish `command` in the background, from code that must not await (a cancelled caller's clean-up).
+        The task is kept until it ends, and a failure is logged: the sequencer's requester expiry is the
+        backstop for a cancel that could not be sent."""
+        task = asyncio.create_task(self.publish(command))
+        self._background.add(task)
+        task.add_done_callback(self._published)
+
+    def _published(self, task: asyncio.Task[None]) -> None:
+        self._background.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            log.warning("could not publish a command: %s", task.exception())
+
+    async def close(self) -> None:
+        """Let the background publishes finish (briefly), then stop them."""
+        if self._background:
+            await asyncio.wait(self._background, timeout=2.0)
+        for task in self._background:
+            task.cancel()

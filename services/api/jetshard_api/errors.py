@@ -34,6 +34,7 @@ REJECT_STATUS = {
     RejectCode.INSUFFICIENT_MEMORY: 409,
     RejectCode.NO_CAPACITY: 503,
     RejectCode.MODEL_UNAVAILABLE: 503,
+    RejectCode.QUEUE_FULL: 429,
 }
 
 

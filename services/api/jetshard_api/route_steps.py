@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import msgspec
 from jetshard_schema.cards import ModelCard
-from jetshard_schema.commands import PlaceInstance
+from jetshard_schema.commands import EnsureInstance, PlaceInstance
+from jetshard_schema.events import InstanceChosen, InstancePlaced
 from jetshard_schema.ids import InstanceId, ModelId, NodeId, new_instance_id, parse_model_id
 from jetshard_schema.models import find_card
 from jetshard_schema.placement import ModelUnavailable, Placement, PlacementError, place_in
@@ -25,7 +26,12 @@ class InferenceSettings(msgspec.Struct, frozen=True):
     ready_timeout_s: float = 600.0
     chunk_silence_s: float = 60.0
     """No chunk for this long (after the first) ends the request with an error."""
+    start_timeout_s: float = 300.0
+    """How long a request waits in its instance's queue for its task to start. The sequencer refuses (429) a
+    task that could not start in this long at the instance's measured pace, so a queued request is not left to
+    time out."""
     first_chunk_timeout_s: float = 300.0
+    """Once its task started, how long a request waits for its first chunk (the prompt's prefill)."""
     keep_alive_s: float = 5.0
     """A streaming request waiting (for its model, its turn, its prompt's prefill) sends an SSE comment this
     often, so that proxies and clients with read timeouts keep the connection."""
@@ -88,8 +94,9 @@ async def ensure_ready(cluster: Cluster, model_id: ModelId, settings: InferenceS
 
 
 async def ensure_placed(cluster: Cluster, model_id: ModelId, settings: InferenceSettings) -> frozenset[InstanceId]:
-    """The instances of `model_id` on their way to ready (none: one is ready now), placing one with auto-place
-    when every earlier one failed. Raises ApiError (404, or placement refused) before any streaming starts."""
+    """The instances of `model_id` on their way to ready (none: one is ready now). With auto-place and none
+    alive, the sequencer places one, or names the one that a concurrent request placed first. Raises ApiError
+    (404, or placement refused) before any streaming starts."""
     state = cluster.state
     if model_id in ready_models(state):
         return frozenset()
@@ -111,7 +118,10 @@ async def ensure_placed(cluster: Cluster, model_id: ModelId, settings: Inference
             "model_not_found",
             "model",
         )
-    return frozenset({(await place_instance(cluster, model_id, settings.serving)).instance_id})
+    events = await cluster.submit(
+        EnsureInstance(instance_id=new_instance_id(), model_id=model_id, serving=settings.serving)
+    )
+    return frozenset(e.instance_id for e in events if isinstance(e, InstancePlaced | InstanceChosen))
 
 
 async def wait_ready(

@@ -10,8 +10,10 @@ from pathlib import Path
 import uvicorn
 from jetshard_bus.connect import connect
 from jetshard_bus.follower import StateFollower
+from jetshard_bus.node import keep_alive
 from jetshard_bus.options import DEFAULT_API_PORT, NatsOptions
 from jetshard_bus.streams import BusTimings
+from jetshard_schema.subjects import requester_key
 
 from jetshard_api.app import create_app
 from jetshard_api.cluster import Cluster
@@ -51,6 +53,30 @@ async def run_api(config: ApiConfig, stop: asyncio.Event) -> None:
             timeout_graceful_shutdown=1,
         )
     )
+    try:
+        # The session's liveness key lives as long as the server: if either ends, both do, and the sequencer
+        # cancels the tasks of a session whose key is gone.
+        async with asyncio.TaskGroup() as group:
+            group.create_task(
+                keep_alive(
+                    js,
+                    requester_key(cluster.session_id),
+                    cluster.session_id,
+                    config.timings.liveness_ttl_s,
+                    stop,
+                )
+            )
+            serving = group.create_task(_serve(server, config, stop))
+            await serving
+            stop.set()
+    finally:
+        await cluster.close()
+        await cluster.stats.close()
+        await follower.stop()
+        await client.drain()
+
+
+async def _serve(server: uvicorn.Server, config: ApiConfig, stop: asyncio.Event) -> None:
     serving = asyncio.create_task(server.serve())
     while not server.started and not serving.done():  # noqa: ASYNC110 (uvicorn offers no event for it)
         await asyncio.sleep(0.02)
@@ -61,9 +87,10 @@ async def run_api(config: ApiConfig, stop: asyncio.Event) -> None:
     if config.port_file:
         config.port_file.write_text(f"{port}\n")
     log.info("API listening on http://%s:%d", config.host, port)
-    await stop.wait()
+    stopping = asyncio.create_task(stop.wait())
+    try:
+        await asyncio.wait({serving, stopping}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        stopping.cancel()
     server.should_exit = True
     await serving
-    await cluster.stats.close()
-    await follower.stop()
-    await client.drain()

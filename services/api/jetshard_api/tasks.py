@@ -58,6 +58,10 @@ class ChunkStream:
         self._watcher: asyncio.Task[None] | None = None
         self.finished = False
         self._submitted = False
+        self._submitted_at = 0.0
+        self._started_at: float | None = None
+        """When this API first saw the task started (or gone from State): its first-chunk deadline runs from
+        there, not from its time in the queue."""
         self._closed = False
         self._timer = cluster.metrics.token_timer(request.model_id)
 
@@ -80,8 +84,7 @@ class ChunkStream:
         if self._submitted and not self.finished:
             # The client went away or we failed: stop generation at the runner's next step. Scheduled before
             # any await, which a cancelled caller (a disconnected client) would not get past.
-            task = asyncio.create_task(self._cluster.publish(CancelTask(task_id=self._request.task_id)))
-            task.add_done_callback(lambda t: t.cancelled() or t.exception())
+            self._cluster.publish_soon(CancelTask(task_id=self._request.task_id))
         self._cluster.forget_finish(self._request.task_id)
         if self._watcher is not None:
             self._watcher.cancel()
@@ -90,13 +93,15 @@ class ChunkStream:
             await subscription.unsubscribe()
 
     async def submit(self) -> None:
-        """Submit the task, or raise ApiError (429: its model's queue is full) having published nothing."""
+        """Submit the task, or raise ApiError (429: the sequencer found its model's queues full, or too slow to
+        start it within `start_timeout_s`)."""
         self._timer.start()
-        with self._cluster.queue_place(self._request.model_id):
-            task = await self._cluster.store_request(self._request)
-            finishing = self._cluster.expect_finish(self._request.task_id)
-            self._submitted = True
-            events = await self._cluster.submit(SubmitTask(task=task))
+        task = await self._cluster.store_request(self._request)
+        finishing = self._cluster.expect_finish(self._request.task_id)
+        self._submitted = True
+        self._submitted_at = time.monotonic()
+        start_within_ms = int(self._settings.start_timeout_s * 1000)
+        events = await self._cluster.submit(SubmitTask(task=task, start_within_ms=start_within_ms))
         assigned = next((e for e in events if isinstance(e, TaskAssigned)), None)
         if assigned is not None:
             self._instance_id, self._generation = assigned.instance_id, assigned.generation
@@ -123,13 +128,41 @@ class ChunkStream:
             why = "it was cancelled"
         return ApiError(502, f"the generation stopped: {why}", "runner_failed")
 
+    def _deadline(self, waiting_since: float) -> tuple[float, ApiError]:
+        """When the wait for the next chunk gives up, and with which error. A task still queued has
+        `start_timeout_s` from its submission; the first chunk of a started one `first_chunk_timeout_s` from
+        its start; any later chunk `chunk_silence_s` from the one before."""
+        settings = self._settings
+        if self._next_index > 0:
+            silence = settings.chunk_silence_s
+            return waiting_since + silence, ApiError(
+                504, f"the runner sent nothing for {silence:.0f} s", "runner_timeout"
+            )
+        task = self._cluster.state.tasks.get(self._request.task_id)
+        if task is not None and not task.started:
+            waited = settings.start_timeout_s
+            return self._submitted_at + waited, ApiError(
+                504, f"the task waited {waited:.0f} s in its instance's queue without starting", "queue_timeout"
+            )
+        if self._started_at is None:
+            self._started_at = time.monotonic()
+        first = settings.first_chunk_timeout_s
+        return self._started_at + first, ApiError(
+            504, f"the runner sent nothing for {first:.0f} s after the task started", "runner_timeout"
+        )
+
     async def _receive(self) -> bytes:
         """The next chunk's bytes; raises ApiError when the task left without finishing, or on silence."""
-        timeout = self._settings.first_chunk_timeout_s if self._next_index == 0 else self._settings.chunk_silence_s
-        deadline = time.monotonic() + (timeout if self._last_index is None else LOST_CHUNK_GRACE_S)
+        waiting_since = time.monotonic()
+        grace_until = None if self._last_index is None else waiting_since + LOST_CHUNK_GRACE_S
         while True:
+            deadline, timed_out = self._deadline(waiting_since)
+            if grace_until is not None:
+                deadline = min(deadline, grace_until)
             try:
-                item = await asyncio.wait_for(self._queue.get(), min(BROKER_CHECK_S, deadline - time.monotonic()))
+                item = await asyncio.wait_for(
+                    self._queue.get(), max(0, min(BROKER_CHECK_S, deadline - time.monotonic()))
+                )
             except TimeoutError as error:
                 # Chunks travel over NATS: without it none can come, so say so now rather than at the deadline.
                 self._cluster.require_broker()
@@ -139,14 +172,14 @@ class ChunkStream:
                     self.finished = True
                     lost = f"chunks {self._next_index}..{self._last_index} of the output were lost"
                     raise ApiError(502, lost, "chunk_gap") from error
-                raise ApiError(504, f"the runner sent nothing for {timeout:.0f} s", "runner_timeout") from error
+                raise timed_out from error
             if item is None:
                 self.finished = True
                 raise self._gone_error()
             if isinstance(item, TaskFinished):
                 # Finished, and chunks travel apart from events: the ones up to its last are still on their way.
                 self._last_index = item.last_chunk_index
-                deadline = min(deadline, time.monotonic() + LOST_CHUNK_GRACE_S)
+                grace_until = time.monotonic() + LOST_CHUNK_GRACE_S
                 continue
             return item
 

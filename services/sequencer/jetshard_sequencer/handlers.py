@@ -12,6 +12,7 @@ from typing import Any
 
 import msgspec
 from jetshard_schema import commands, events
+from jetshard_schema.admission import Refused, admit
 from jetshard_schema.ids import CommandId, InstanceId, ModelId, NodeId, parse_model_id
 from jetshard_schema.models import find_card, is_builtin
 from jetshard_schema.placement import ModelUnavailable, PlacementError, place_in
@@ -23,6 +24,7 @@ from jetshard_schema.types import (
     NodeStorage,
     RejectCode,
     RunnerStatus,
+    ServingSettings,
 )
 from msgspec.structs import replace
 
@@ -228,6 +230,7 @@ def _report_download_progress(
                 events.InstanceFailed(
                     instance_id=instance.instance_id,
                     reason=f"downloading {model_id} to node {node_id} failed: {progress.reason}",
+                    at_ms=ctx.now_ms,
                 )
                 for instance in _waiting_for_files(state, node_id, model_id)
             ]
@@ -270,19 +273,50 @@ def _report_download_deleted(state: State, command: commands.ReportDownloadDelet
 def _place_instance(state: State, command: commands.PlaceInstance, ctx: Context) -> list[events.Event]:
     if command.instance_id in state.instances:
         return _reject(command, RejectCode.ALREADY_EXISTS, f"instance {command.instance_id} already exists")
-    card = find_card(state, command.model_id)
+    return _placed(
+        state, command, command.instance_id, command.model_id, command.serving, command.node_ids, command.min_nodes
+    )
+
+
+def _ensure_instance(state: State, command: commands.EnsureInstance, ctx: Context) -> list[events.Event]:
+    alive = sorted(i.instance_id for i in state.instances.values() if i.model_id == command.model_id and not i.failed)
+    if alive:
+        return [events.InstanceChosen(instance_id=alive[0], model_id=command.model_id)]
+    if command.instance_id in state.instances:  # a failed one: every instance id is placed once
+        return _reject(command, RejectCode.ALREADY_EXISTS, f"instance {command.instance_id} already exists")
+    return _placed(state, command, command.instance_id, command.model_id, command.serving)
+
+
+def _placed(
+    state: State,
+    command: commands.Command,
+    instance_id: InstanceId,
+    model_id: ModelId,
+    serving: ServingSettings,
+    node_ids: tuple[NodeId, ...] | None = None,
+    min_nodes: int = 1,
+) -> list[events.Event]:
+    card = find_card(state, model_id)
     if card is None:
-        return _reject(command, RejectCode.NOT_FOUND, f"unknown model {command.model_id}; add it with POST /models")
+        return _reject(command, RejectCode.NOT_FOUND, f"unknown model {model_id}; add it with POST /models")
     try:
-        placement = place_in(state, card, command.node_ids, command.min_nodes, command.serving)
+        placement = place_in(state, card, node_ids, min_nodes, serving)
     except ModelUnavailable as error:
         return _reject(command, RejectCode.MODEL_UNAVAILABLE, str(error))
     except PlacementError as error:
         return _reject(command, RejectCode.INSUFFICIENT_MEMORY, str(error))
-    placed = events.InstancePlaced(
-        instance_id=command.instance_id, model_id=command.model_id, shards=placement.shards, serving=placement.serving
-    )
-    return [placed]
+    return [
+        events.InstancePlaced(
+            instance_id=instance_id, model_id=model_id, shards=placement.shards, serving=placement.serving
+        )
+    ]
+
+
+def _forget_instance(state: State, command: commands.ForgetInstance, ctx: Context) -> list[events.Event]:
+    instance = state.instances.get(command.instance_id)
+    if instance is None or not instance.failed:
+        return []  # deleted meanwhile, or not failed (a stale observation)
+    return [events.InstanceDeleted(instance_id=command.instance_id, reason="failed; its retention ran out")]
 
 
 def _delete_instance(state: State, command: commands.DeleteInstance, ctx: Context) -> list[events.Event]:
@@ -326,6 +360,7 @@ def _report_runner_status(state: State, command: commands.ReportRunnerStatus, ct
             events.InstanceFailed(
                 instance_id=command.instance_id,
                 reason=f"{reason}; gave up after {ctx.max_restarts} restarts",
+                at_ms=ctx.now_ms,
             ),
         ]
     backoff_ms = ctx.restart_backoff_ms * 2 ** (attempt - 1)
@@ -348,19 +383,30 @@ def _submit_task(state: State, command: commands.SubmitTask, ctx: Context) -> li
     task_ref = command.task
     if task_ref.task_id in state.tasks:
         return _reject(command, RejectCode.ALREADY_EXISTS, f"task {task_ref.task_id} already exists")
-    ready = [
-        i
-        for i in state.instances.values()
-        if i.model_id == task_ref.model_id and instance_status(state, i) is InstanceStatus.READY
-    ]
-    if not ready:
+    if command.start_within_ms is not None and command.start_within_ms < 0:
+        return _reject(command, RejectCode.INVALID, "start_within_ms cannot be negative")
+    chosen = admit(state, task_ref.model_id, command.start_within_ms)
+    if chosen is None:
         return _reject(command, RejectCode.NO_CAPACITY, f"no ready instance of {task_ref.model_id}")
-    load = {i.instance_id: 0 for i in ready}
-    for task in state.tasks.values():
-        if task.instance_id in load:
-            load[task.instance_id] += 1
-    chosen = min(ready, key=lambda i: (load[i.instance_id], i.instance_id))
+    if isinstance(chosen, Refused):
+        return [
+            events.CommandRejected(
+                command_type=type(command).__name__,
+                code=RejectCode.QUEUE_FULL,
+                reason=chosen.reason,
+                retry_after_s=chosen.retry_after_s,
+            )
+        ]
     return [events.TaskAssigned(task=task_ref, instance_id=chosen.instance_id, generation=chosen.generation)]
+
+
+def _expire_requester(state: State, command: commands.ExpireRequester, ctx: Context) -> list[events.Event]:
+    reason = f"its requester (API session {command.session_id}) is gone: nobody reads its output"
+    return [
+        events.TaskCancelled(task_id=task_id, reason=reason)
+        for task_id, task in sorted(state.tasks.items())
+        if task.ref.requester == command.session_id
+    ]
 
 
 def _cancel_task(state: State, command: commands.CancelTask, ctx: Context) -> list[events.Event]:
@@ -372,7 +418,7 @@ def _cancel_task(state: State, command: commands.CancelTask, ctx: Context) -> li
 def _report_task_started(state: State, command: commands.ReportTaskStarted, ctx: Context) -> list[events.Event]:
     if command.task_id not in state.tasks:
         return []
-    return [events.TaskStarted(task_id=command.task_id, prompt_tokens=command.prompt_tokens)]
+    return [events.TaskStarted(task_id=command.task_id, prompt_tokens=command.prompt_tokens, at_ms=ctx.now_ms)]
 
 
 def _report_task_finished(state: State, command: commands.ReportTaskFinished, ctx: Context) -> list[events.Event]:
@@ -385,6 +431,7 @@ def _report_task_finished(state: State, command: commands.ReportTaskFinished, ct
             usage=command.usage,
             error=command.error,
             last_chunk_index=command.last_chunk_index,
+            at_ms=ctx.now_ms,
         )
     ]
 
@@ -402,10 +449,13 @@ _HANDLERS: dict[type, Callable[[State, Any, Context], list[events.Event]]] = {
     commands.ReportDownloadProgress: _report_download_progress,
     commands.ReportDownloadDeleted: _report_download_deleted,
     commands.PlaceInstance: _place_instance,
+    commands.EnsureInstance: _ensure_instance,
+    commands.ForgetInstance: _forget_instance,
     commands.DeleteInstance: _delete_instance,
     commands.ReportRunnerEndpoint: _report_runner_endpoint,
     commands.ReportRunnerStatus: _report_runner_status,
     commands.SubmitTask: _submit_task,
+    commands.ExpireRequester: _expire_requester,
     commands.CancelTask: _cancel_task,
     commands.ReportTaskStarted: _report_task_started,
     commands.ReportTaskFinished: _report_task_finished,

@@ -27,9 +27,9 @@ from jetshard_bus.streams import BusTimings, declare
 from jetshard_bus.tracing import inject, span_from
 from jetshard_schema import subjects
 from jetshard_schema.codec import decode_command, encode
-from jetshard_schema.commands import ExpireNode
+from jetshard_schema.commands import ExpireNode, ExpireRequester, ForgetInstance
 from jetshard_schema.events import CommandRejected, Event, EventEnvelope, TaskAssigned
-from jetshard_schema.ids import CommandId, NodeId, ValidCommandId, new_id
+from jetshard_schema.ids import CommandId, InstanceId, NodeId, ValidCommandId, new_id
 from jetshard_schema.state import State, apply
 from jetshard_schema.stats import SequencerStats
 from jetshard_schema.types import RejectCode
@@ -57,6 +57,9 @@ class SequencerConfig:
     """Commands handled per round; their events are appended pipelined, then the commands acked."""
     sequencer_id: str = field(default_factory=lambda: f"seq-{new_id()[:8]}")
     max_restarts: int = 3
+    failed_retention_s: float = 900.0
+    """How long a failed instance stays in State, so that people see why it failed; then it leaves (its
+    history stays in the event stream)."""
 
 
 @dataclass
@@ -243,11 +246,11 @@ class Leader:
             ),
         )
         try:
-            # The lease and node expiry run beside the commands for the whole term: if any of the three
+            # The lease and the housekeeping run beside the commands for the whole term: if any of the three
             # fails, the group cancels the others and the failure ends the term (a standby starts over).
             async with asyncio.TaskGroup() as term:
                 term.create_task(self._renew_lease(stop))
-                term.create_task(self._expire_nodes(stop))
+                term.create_task(self._housekeep(stop))
                 await self._sequence_commands(subscription, stop)
         finally:
             with contextlib.suppress(Exception):
@@ -404,17 +407,22 @@ class Leader:
                 )
             ]
 
-    async def _expire_nodes(self, stop: asyncio.Event) -> None:
-        """Publish `ExpireNode` for nodes in State whose liveness key lapsed (the bucket's TTL removed it).
+    async def _housekeep(self, stop: asyncio.Event) -> None:
+        """Publish the sequencer's own observations, a few times per liveness TTL: `ExpireNode` for a node in
+        State whose liveness key lapsed (the bucket's TTL removed it), `ExpireRequester` for an API session
+        that holds tasks and whose key lapsed, `ForgetInstance` for a failed instance past its retention.
 
-        Each node's key is read directly: only the server's own "no such key" counts as lapsed. (Listing the
+        Each key is read directly: only the server's own "no such key" counts as lapsed. (Listing the
         bucket's keys is a watch that can come back empty under load, which once declared a live node lost.)
         """
         interval = self._config.timings.liveness_ttl_s / 4
         kv = await self._js.key_value(subjects.LIVENESS_BUCKET)
         while not await _stopped_within(stop, interval):
-            lapsed = [node for node in list(self.state.nodes.values()) if not await _alive(kv, node.node_id)]
-            if lapsed:
+            state = self.state
+            lapsed = [node for node in list(state.nodes.values()) if not await _alive(kv, node.node_id)]
+            requesters = sorted({t.ref.requester for t in state.tasks.values() if t.ref.requester})
+            gone = [r for r in requesters if not await _alive(kv, subjects.requester_key(r))]
+            if lapsed or gone:
                 await _check_liveness_bucket(self._js)
             for node in lapsed:
                 await publish_command(
@@ -422,6 +430,21 @@ class Leader:
                     ExpireNode(node_id=node.node_id, session_id=node.session_id),
                     CommandId(f"expire-{node.node_id}-{node.session_id}"),
                 )
+            for session_id in gone:
+                await publish_command(
+                    self._js, ExpireRequester(session_id=session_id), CommandId(f"expire-api-{session_id}")
+                )
+            for instance_id in _past_retention(state, int(time.time() * 1000), self._config.failed_retention_s):
+                await publish_command(
+                    self._js, ForgetInstance(instance_id=instance_id), CommandId(f"forget-{instance_id}")
+                )
+
+
+def _past_retention(state: State, now_ms: int, retention_s: float) -> list[InstanceId]:
+    """Failed instances that failed longer than `retention_s` ago (or before failures carried their time)."""
+    return sorted(
+        i.instance_id for i in state.instances.values() if i.failed and now_ms - i.failed_at_ms >= retention_s * 1000
+    )
 
 
 def _command_id(msg: Msg, command_seq: int) -> tuple[CommandId, CommandRejected | None]:
@@ -462,13 +485,13 @@ def _describe(handling: Span, command_id: CommandId, command_seq: int, events: S
             handling.set_attributes({"jetshard.task_id": event.task.task_id, "jetshard.instance_id": event.instance_id})
 
 
-async def _alive(kv: KeyValue, node_id: NodeId) -> bool:
+async def _alive(kv: KeyValue, key: str) -> bool:
     try:
-        await kv.get(node_id)
+        await kv.get(key)
     except nats.js.errors.KeyNotFoundError:  # includes a key deleted by a clean stop
         return False
     except Exception as error:
-        log.warning("could not read the liveness of %s: %s", node_id, error)
+        log.warning("could not read the liveness of %s: %s", key, error)
     return True
 
 

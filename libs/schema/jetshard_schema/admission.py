@@ -1,0 +1,94 @@
+"""Admission: whether an instance's queue has room for one more task, decided on the single writer's State.
+
+An instance holds at most `max_batch + max_queued` unfinished tasks. A task that fits may still be refused:
+when the instance's measured pace (`Instance.task_ms`, the recent tasks' time from start to finish) says it
+would wait longer to start than its requester waits, queuing it would only turn into a timeout. A refusal
+says when to retry, from the same pace. Pure; tested without NATS.
+"""
+
+from __future__ import annotations
+
+import math
+
+import msgspec
+
+from jetshard_schema.ids import ModelId
+from jetshard_schema.state import Instance, State, instance_status
+from jetshard_schema.types import InstanceStatus
+
+UNKNOWN_PACE_RETRY_AFTER_S = 2
+"""What a refusal says to wait before the instance has finished a task to measure its pace by."""
+
+
+class Queue(msgspec.Struct, frozen=True, kw_only=True):
+    """An instance's unfinished tasks: those its runners started, and those waiting for a row of the batch."""
+
+    running: int
+    waiting: int
+
+
+class Refused(msgspec.Struct, frozen=True, kw_only=True):
+    reason: str
+    retry_after_s: int
+
+
+def queue_of(state: State, instance: Instance) -> Queue:
+    tasks = [t for t in state.tasks.values() if t.instance_id == instance.instance_id]
+    running = sum(1 for t in tasks if t.started)
+    return Queue(running=running, waiting=len(tasks) - running)
+
+
+def start_wait_ms(instance: Instance, queue: Queue) -> float:
+    """How long a task submitted now would wait to start, at the instance's pace: the tasks ahead of it beyond
+    a full batch must finish first, `max_batch` at a time. 0 while the pace is unknown."""
+    ahead = queue.running + queue.waiting + 1 - instance.serving.max_batch
+    return max(0, ahead) * instance.task_ms / instance.serving.max_batch
+
+
+def _seconds(ms: float) -> int:
+    return max(1, math.ceil(ms / 1000))
+
+
+def _refusal(instance: Instance, queue: Queue, start_within_ms: int | None) -> Refused | None:
+    """Why `instance` cannot take one more task, or None when it can."""
+    serving = instance.serving
+    one_place_ms = instance.task_ms / serving.max_batch
+    if queue.running + queue.waiting >= serving.max_batch + serving.max_queued:
+        retry = _seconds(one_place_ms) if instance.task_ms else UNKNOWN_PACE_RETRY_AFTER_S
+        return Refused(
+            reason=f"all {serving.max_batch + serving.max_queued} places of its queue are taken",
+            retry_after_s=retry,
+        )
+    wait_ms = start_wait_ms(instance, queue)
+    if start_within_ms is not None and wait_ms > start_within_ms:
+        return Refused(
+            reason=f"a new task would wait about {_seconds(wait_ms)} s to start, longer than the "
+            f"{start_within_ms / 1000:.0f} s its client waits",
+            retry_after_s=_seconds(wait_ms - start_within_ms),
+        )
+    return None
+
+
+def admit(state: State, model_id: ModelId, start_within_ms: int | None) -> Instance | Refused | None:
+    """The ready instance of `model_id` a new task goes to (the one with the fewest unfinished tasks among
+    those with room), a refusal naming the soonest retry, or None when no instance is ready."""
+    ready = sorted(
+        (
+            i
+            for i in state.instances.values()
+            if i.model_id == model_id and instance_status(state, i) is InstanceStatus.READY
+        ),
+        key=lambda i: i.instance_id,
+    )
+    if not ready:
+        return None
+    queues = {i.instance_id: queue_of(state, i) for i in ready}
+    refusals = {i.instance_id: _refusal(i, queues[i.instance_id], start_within_ms) for i in ready}
+    open_ = [i for i in ready if refusals[i.instance_id] is None]
+    if open_:
+        return min(open_, key=lambda i: queues[i.instance_id].running + queues[i.instance_id].waiting)
+    soonest = min((r for r in refusals.values() if r is not None), key=lambda r: r.retry_after_s)
+    return Refused(
+        reason=f"{model_id} is busy: {soonest.reason}; retry after {soonest.retry_after_s} s",
+        retry_after_s=soonest.retry_after_s,
+    )
