@@ -1,5 +1,6 @@
-"""Inference when things go wrong: a runner killed mid-stream, an instance deleted, a node lost, and
-placement on demand (auto-place) or its refusal (`--no-auto-place`).
+"""Inference when things go wrong: a runner killed mid-stream, a runner's death reported while JetStream
+refused commands, an instance deleted, a node lost, and placement on demand (auto-place) or its refusal
+(`--no-auto-place`).
 
 One cluster per module, all real processes: nats-server, a sequencer, two APIs (one with `--no-auto-place`)
 and two full nodes (worker + downloader each). Every service runs with `--liveness-ttl-s 3`, so a stopped
@@ -8,6 +9,7 @@ worker is noticed quickly. The lost-node test runs last: it leaves one node.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import signal
 import time
@@ -18,14 +20,17 @@ import msgspec
 import openai
 import psutil
 import pytest
-from helpers.harness import InferenceCluster, hub_cluster, wait_for
+from helpers.harness import InferenceCluster, hub_cluster, run_async, wait_for
 from helpers.tiny_models import make_tiny_model
+from jetshard_bus.connect import connect
+from jetshard_bus.options import NatsOptions
 from jetshard_schema.events import (
     InstanceDeleted,
     InstancePlaced,
     InstanceRestarting,
     NodeLost,
 )
+from jetshard_schema.subjects import COMMANDS_STREAM
 from jetshard_worker.runner_spec import RunnerSpec
 
 ORG = "jetshard-test"
@@ -129,6 +134,62 @@ def test_kill_9_of_a_runner_mid_stream(cluster: InferenceCluster, client: openai
     assert shown["generation"] > generation
     assert not victim.is_running() or victim.status() == psutil.STATUS_ZOMBIE
     assert greedy(client, SPLIT) == before
+
+
+# ------------------------------------------------------------------------------------------- refused reports
+
+
+async def _limit_command_size(nats_url: str, limit: int) -> int:
+    """Set JETSHARD_COMMANDS's largest message size; the limit it had."""
+    nc, js = await connect(NatsOptions(servers=(nats_url,)), "test-limits", declare_streams=False)
+    try:
+        config = (await js.stream_info(COMMANDS_STREAM)).config
+        before, config.max_msg_size = config.max_msg_size, limit
+        await js.update_stream(config)
+        return int(before or -1)
+    finally:
+        await nc.close()
+
+
+@contextlib.contextmanager
+def commands_refused(cluster: InferenceCluster) -> Iterator[None]:
+    """JETSHARD_COMMANDS refuses every command meanwhile (a size limit below any command's): JetStream answers
+    each publish with an error and stores nothing, as a stream that cannot take writes for a while does."""
+    limit = run_async(_limit_command_size(cluster.nats.url, 1))
+    try:
+        yield
+    finally:
+        run_async(_limit_command_size(cluster.nats.url, limit))
+
+
+def test_a_runner_death_reported_while_commands_were_refused_is_reported_once_they_are_not(
+    cluster: InferenceCluster, client: openai.OpenAI
+) -> None:
+    instance_id = cluster.split_instance  # type: ignore[attr-defined]
+    cluster.wait_instance(instance_id, "ready")
+    generation = cluster.get(f"/instances/{instance_id}")["generation"]
+    since = cluster.last_seq()
+    runners = runners_of(cluster, instance_id)
+    # Each rank was handed the socket holding the port its worker reported, and its ring came up on that port.
+    assert all(_runner_spec(p).ring_socket_fd is not None for p in runners), [_runner_spec(p) for p in runners]
+    victim = next(p for p in runners if _runner_spec(p).plan.rank == 1)
+    node = next(n for n in cluster.workers if victim.pid in {p.pid for p in cluster.runner_processes(n)})
+    logged = len(cluster.processes.log(f"{node}-worker"))
+
+    with commands_refused(cluster):
+        victim.kill()
+
+        def refused() -> bool:
+            return "runner report not stored" in cluster.processes.log(f"{node}-worker")[logged:]
+
+        assert wait_for(refused, timeout=30), cluster.processes.log(f"{node}-worker")[logged:]
+        assert cluster.get(f"/instances/{instance_id}")["generation"] == generation  # nothing stored
+
+    restarting = cluster.wait_event(lambda e: isinstance(e, InstanceRestarting) and e.instance_id == instance_id, since)
+    assert isinstance(restarting, InstanceRestarting) and restarting.generation == generation + 1
+    assert "runner exited with" in restarting.reason, restarting.reason
+    cluster.wait_instance(instance_id, "ready", timeout=120)
+    assert greedy(client, SPLIT)
 
 
 # ------------------------------------------------------------------------------------------- delete

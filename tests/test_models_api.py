@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -25,6 +26,7 @@ from helpers.tiny_models import make_tiny_model
 from jetshard_bus.node import node_id_for
 from jetshard_schema.events import CustomModelCardAdded, CustomModelCardDeleted, Event
 from jetshard_schema.ids import MODEL_ID_MAX_LENGTH
+from jetshard_worker.scratch import PREFIX
 
 ORG = "jetshard-test"
 SPLIT = f"{ORG}/tiny-split"
@@ -394,6 +396,24 @@ def test_a_node_that_was_down_catches_up(cluster: ModelsCluster) -> None:
     # Reconciling removed only the deleted card: both nodes hold the same cards (those other tests added).
     names = {node: sorted(p.name for p in cluster.card_dir(node).iterdir()) for node in ("node-a", "node-b")}
     assert names["node-a"] == names["node-b"], names
+
+
+def test_a_killed_workers_scratch_directory_is_removed_when_it_next_starts(cluster: ModelsCluster) -> None:
+    tmp = cluster.root / "node-b" / "tmp"
+    killed = cluster.workers["node-b"].pid
+    assert wait_for(lambda: any(tmp.glob(f"{PREFIX}{killed}-*")), timeout=15), sorted(tmp.iterdir())
+    (left,) = tmp.glob(f"{PREFIX}{killed}-*")
+    (left / "model-0-rank0.log").write_text("a runner's log")
+    another = tmp / f"{PREFIX}{os.getpid()}-live"  # named after a process that runs: not stale
+    another.mkdir()
+    cluster.stop_worker("node-b", signal.SIGKILL)
+    assert left.exists()  # nothing removed it: its worker had no chance to
+    cluster.start_worker("node-b")
+    restarted = cluster.workers["node-b"].pid
+    assert wait_for(lambda: not left.exists(), timeout=15), sorted(tmp.iterdir())
+    assert len(list(tmp.glob(f"{PREFIX}{restarted}-*"))) == 1
+    assert another.exists()
+    another.rmdir()
 
 
 # ------------------------------------------------------------------------------------------------ CLI

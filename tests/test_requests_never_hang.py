@@ -8,7 +8,10 @@ One cluster per module, all real processes: nats-server, a sequencer, an API and
 * `no-hub` reaches no Hub (its downloader's `HF_ENDPOINT` is a closed port);
 * `offline` runs its downloader offline;
 * `lossy` publishes only the first chunk of each answer (fault injection,
-  `JETSHARD_TEST_RUNNER_DROP_CHUNKS_FROM`), as a NATS server that fails drops chunks in flight.
+  `JETSHARD_TEST_RUNNER_DROP_CHUNKS_FROM`), as a NATS server that fails drops chunks in flight;
+* `oversize` pads every chunk past NATS's max_payload (fault injection,
+  `JETSHARD_TEST_RUNNER_OVERSIZE_CHUNKS_FROM`), so that its runner's chunk publisher fails for real: the NATS
+  client refuses the publish. Nothing a user can send makes a chunk that big, hence the hook.
 Placement names its nodes explicitly, so each test knows where its model lands.
 """
 
@@ -27,7 +30,7 @@ import openai
 import pytest
 from helpers.harness import ChunkTap, InferenceCluster, hub_cluster, wait_for
 from helpers.tiny_models import make_tiny_model
-from jetshard_schema.events import TaskAssigned, TaskCancelled, TaskFinished
+from jetshard_schema.events import InstanceRestarting, TaskAssigned, TaskCancelled, TaskFinished
 from jetshard_schema.types import TaskOutcome
 
 ORG = "jetshard-test"
@@ -36,6 +39,7 @@ NO_HUB = f"{ORG}/tiny-no-hub"
 OFFLINE = f"{ORG}/tiny-offline"
 LEAVING = f"{ORG}/tiny-leaving"
 LOSSY = f"{ORG}/tiny-lossy"
+OVERSIZE = f"{ORG}/tiny-oversize"
 MESSAGES = [{"role": "user", "content": "Tell me a long story about the sea."}]
 FOLLOW_DELAY_S = 4
 UNAVAILABLE_DEADLINE_S = 30
@@ -70,7 +74,7 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[InferenceClust
     root = tmp_path_factory.mktemp("never-hang")
     with hub_cluster(root) as c:
         # Seed 0 with MESSAGES decodes greedily for well over 1,500 tokens without an EOS.
-        for seed, model_id in enumerate((LEAVING, WINDOW, NO_HUB, OFFLINE, LOSSY)):
+        for seed, model_id in enumerate((LEAVING, WINDOW, NO_HUB, OFFLINE, LOSSY, OVERSIZE)):
             c.hub.add_repo(model_id, make_tiny_model(root / "repos" / model_id.split("/")[1], num_files=1, seed=seed))
         c.start_core()
         c.start_node("fast", {"JETSHARD_TEST_RUNNER_FOLLOW_DELAY_S": str(FOLLOW_DELAY_S)})
@@ -78,8 +82,9 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[InferenceClust
         c.start_node("no-hub", {"HF_ENDPOINT": c.silent_hub.url})  # type: ignore[attr-defined]
         c.start_node("offline", {"JETSHARD_OFFLINE": "1"})
         c.start_node("lossy", {"JETSHARD_TEST_RUNNER_DROP_CHUNKS_FROM": "1"})
-        c.wait_nodes(4)
-        for model_id in (WINDOW, NO_HUB, OFFLINE, LEAVING, LOSSY):
+        c.start_node("oversize", {"JETSHARD_TEST_RUNNER_OVERSIZE_CHUNKS_FROM": "0"})
+        c.wait_nodes(5)
+        for model_id in (WINDOW, NO_HUB, OFFLINE, LEAVING, LOSSY, OVERSIZE):
             c.add_model(model_id)
         yield c
 
@@ -125,6 +130,31 @@ def test_chunks_lost_after_the_task_finished_fail_the_request_soon(
     assert raised.value.body["code"] == "chunk_gap"  # type: ignore[index]
     assert "of the output were lost" in raised.value.body["message"]  # type: ignore[index]
     assert time.monotonic() - started < 30  # the runner's silence deadline is 60 s
+
+
+def test_a_runner_whose_chunk_publisher_fails_restarts_and_its_client_hears_so_soon(
+    cluster: InferenceCluster, client: openai.OpenAI
+) -> None:
+    """The publisher fails on the answer's first chunk: the runner exits, its worker reports it failed, the
+    instance restarts, and the request fails within seconds saying why, not after the 300 s first-chunk timeout."""
+    response = place_on(cluster, OVERSIZE, "oversize")
+    assert response.status_code == 201
+    instance_id = response.json()["instance_id"]
+    generation = cluster.wait_instance(instance_id)["generation"]
+    since = cluster.last_seq()
+    started = time.monotonic()
+    with pytest.raises(openai.APIStatusError) as raised:
+        client.chat.completions.create(model=OVERSIZE, messages=MESSAGES, max_tokens=4, temperature=0)
+    elapsed = time.monotonic() - started
+    print(f"the request failed {elapsed:.1f} s after it was sent")
+    assert elapsed < 20
+    assert raised.value.status_code == 502
+    assert raised.value.body["code"] == "runner_failed"  # type: ignore[index]
+    message = raised.value.body["message"]  # type: ignore[index]
+    assert "restarted" in message and "the chunk publisher failed: MaxPayloadError" in message, message
+    restarting = cluster.wait_event(lambda e: isinstance(e, InstanceRestarting) and e.instance_id == instance_id, since)
+    assert isinstance(restarting, InstanceRestarting) and restarting.generation == generation + 1
+    assert cluster.wait_instance(instance_id, timeout=90)["generation"] == generation + 1
 
 
 def test_a_download_that_cannot_reach_the_hub_fails_its_instance_and_answers_503(

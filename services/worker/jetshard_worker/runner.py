@@ -4,6 +4,10 @@
 Every rank loads its layers, joins the ring, and reports its status. The last rank is the leader: it
 takes the tasks assigned to its instance from the event stream, renders and tokenizes prompts, drives the
 engine, and publishes the generated text on `jetshard.chunks.<task id>`.
+
+The leader's request reader, chunk publisher and reports run in one task group with its main work: one that
+fails ends the process (exit status 1, the reason last in its log), so its worker reports it FAILED and the
+instance restarts, rather than a runner that says READY while its clients wait for chunks that never come.
 """
 
 from __future__ import annotations
@@ -17,10 +21,12 @@ import os
 import sys
 import threading
 import time
+from collections.abc import Coroutine
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import msgspec
+import nats.errors
 from jetshard_bus.commands import publish_command
 from jetshard_bus.connect import connect
 from jetshard_bus.follower import StateFollower
@@ -29,7 +35,7 @@ from jetshard_bus.stats import publish_stats
 from jetshard_bus.tracing import enabled as tracing_enabled
 from jetshard_schema.cards import GenerationDefaults
 from jetshard_schema.codec import decode_task_request, encode
-from jetshard_schema.commands import ReportRunnerStatus, ReportTaskFinished, ReportTaskStarted
+from jetshard_schema.commands import Command, ReportRunnerStatus, ReportTaskFinished, ReportTaskStarted
 from jetshard_schema.events import (
     EventEnvelope,
     InstanceDeleted,
@@ -62,7 +68,9 @@ from nats.js import JetStreamContext
 from jetshard_worker.chat import render_chat, tool_spec
 from jetshard_worker.constrained import JsonConstraint, SchemaError, grammar_tokenizer
 from jetshard_worker.engine import GenerationRequest, PipelineEngine, TokenScores, init_ring, load_shard
+from jetshard_worker.lifeline import die_with_worker
 from jetshard_worker.output import ChoiceOutput, TaskOutput, row_id, split_row_id
+from jetshard_worker.publishing import NATS_ERRORS, publish_until_stored
 from jetshard_worker.runner_spec import RunnerSpec
 from jetshard_worker.task_spans import TaskSpans
 from jetshard_worker.textstream import TextStream
@@ -76,6 +84,9 @@ FOLLOW_DELAY_ENV = "JETSHARD_TEST_RUNNER_FOLLOW_DELAY_S"
 """Fault injection for tests: hold the leader's State follower this long before it starts."""
 DROP_CHUNKS_ENV = "JETSHARD_TEST_RUNNER_DROP_CHUNKS_FROM"
 """Fault injection for tests: publish no chunk from this index on, as a NATS server that fails drops them."""
+OVERSIZE_CHUNKS_ENV = "JETSHARD_TEST_RUNNER_OVERSIZE_CHUNKS_FROM"
+"""Fault injection for tests: pad each chunk from this index on past the server's max_payload, so that the client
+refuses to publish it (MaxPayloadError), as it would a chunk that outgrew the limit."""
 
 
 class Runner:
@@ -89,6 +100,9 @@ class Runner:
         self._outputs: dict[TaskId, TaskOutput] = {}
         self._embeddings: dict[str, list[float]] = {}
         self._drop_chunks_from = int(os.environ.get(DROP_CHUNKS_ENV, "-1"))
+        self._oversize_chunks_from = int(os.environ.get(OVERSIZE_CHUNKS_ENV, "-1"))
+        self.tasks: asyncio.TaskGroup | None = None
+        """The task group of the runner's work while it serves (run_runner); reports sent later join it."""
         self._taken: set[TaskId] = set()
         self._requests: asyncio.Queue[TaskRef] = asyncio.Queue()
         self._spans = TaskSpans(self.plan.key.instance_id) if tracing_enabled() else None
@@ -141,6 +155,8 @@ class Runner:
             assert self.spec.hostfile is not None
             # Blocks until both ring neighbours are up; the worker kills us if that takes too long.
             group = await asyncio.to_thread(init_ring, self.plan.rank, Path(self.spec.hostfile))
+            if self.spec.ring_socket_fd is not None:
+                os.close(self.spec.ring_socket_fd)  # held the port until the ring's listener bound it
         self.engine = PipelineEngine(
             shard,
             group,
@@ -175,7 +191,11 @@ class Runner:
             await asyncio.sleep(COUNTERS_INTERVAL_S)
             counters = self.counters()
             if counters != reported:
-                await self.report_ready(counters)
+                try:
+                    await self.report_ready(counters)
+                except NATS_ERRORS as error:  # the next interval sends them again
+                    log.warning("counters not reported: %s", error)
+                    continue
                 reported = counters
 
     def counters(self) -> ServingCounters:
@@ -371,16 +391,13 @@ class Runner:
             Chunk(task_id=task_id, index=0, error=message, error_code=code, finish_reason=TaskOutcome.ERROR)
         )
         self._send_later(
-            publish_command(
-                self._js,
-                ReportTaskFinished(
-                    task_id=task_id,
-                    instance_id=self.plan.key.instance_id,
-                    outcome=TaskOutcome.ERROR,
-                    usage=Usage(prompt_tokens=0, completion_tokens=0),
-                    error=message,
-                    last_chunk_index=0,
-                ),
+            ReportTaskFinished(
+                task_id=task_id,
+                instance_id=self.plan.key.instance_id,
+                outcome=TaskOutcome.ERROR,
+                usage=Usage(prompt_tokens=0, completion_tokens=0),
+                error=message,
+                last_chunk_index=0,
             )
         )
 
@@ -408,7 +425,7 @@ class Runner:
         if self._spans is not None:
             self._spans.started(task_id, prompt_tokens)
         report = ReportTaskStarted(task_id=task_id, instance_id=self.plan.key.instance_id, prompt_tokens=prompt_tokens)
-        self._send_later(publish_command(self._js, report))
+        self._send_later(report)
 
     def _token(self, row: str, token: int, scores: TokenScores | None) -> None:
         task_id, choice = split_row_id(row)
@@ -438,33 +455,42 @@ class Runner:
         if self._spans is not None:
             self._spans.finished(task_id, outcome, usage)
         self._send_later(
-            publish_command(
-                self._js,
-                ReportTaskFinished(
-                    task_id=task_id,
-                    instance_id=self.plan.key.instance_id,
-                    outcome=outcome,
-                    usage=usage,
-                    last_chunk_index=output.last_index,
-                ),
+            ReportTaskFinished(
+                task_id=task_id,
+                instance_id=self.plan.key.instance_id,
+                outcome=outcome,
+                usage=usage,
+                last_chunk_index=output.last_index,
             )
         )
 
     def _publish_chunk(self, chunk: Chunk) -> None:
         if 0 <= self._drop_chunks_from <= chunk.index:
             return
-        self._outbox.put_nowait((chunk_subject(chunk.task_id), encode(chunk)))
+        data = encode(chunk)
+        if 0 <= self._oversize_chunks_from <= chunk.index:
+            data += b" " * self._client.max_payload  # trailing blanks: still the chunk's JSON, only too big
+        self._outbox.put_nowait((chunk_subject(chunk.task_id), data))
 
-    def _send_later(self, coroutine: Any) -> None:
-        asyncio.ensure_future(coroutine).add_done_callback(_log_failure)
+    def _send_later(self, report: Command) -> None:
+        """Publish `report` (until stored) without holding up the loop, in the runner's task group."""
+        if self.tasks is None:
+            # The runner is stopping: its instance restarts or is gone, and State drops the task with it.
+            log.info("not sending %s: the runner is stopping", type(report).__name__)
+            return
+        self.tasks.create_task(_named(f"sending {type(report).__name__}", publish_until_stored(self._js, report)))
 
     async def publish_chunks(self) -> None:
-        """One publisher, so chunks leave in the order they were made."""
+        """One publisher, so chunks leave in the order they were made. A chunk the client refuses to publish
+        (connection closed for good, payload too big) ends the runner."""
         while True:
             subject, data = await self._outbox.get()
             await self._client.publish(subject, data)
             if self._outbox.empty():
-                await self._client.flush()
+                # The round trip paces the publisher. A reconnection drops the ping in flight and the flush times
+                # out; what the client buffered meanwhile goes out once it is connected again.
+                with contextlib.suppress(nats.errors.FlushTimeoutError):
+                    await self._client.flush()
 
 
 def _read_generation_config(model_dir: Path) -> GenerationDefaults:
@@ -480,9 +506,31 @@ def _read_generation_config(model_dir: Path) -> GenerationDefaults:
     return generation_config_defaults(config)
 
 
-def _log_failure(task: asyncio.Future[Any]) -> None:
-    if not task.cancelled() and task.exception() is not None:
-        log.warning("report failed: %s", task.exception())
+async def _named(what: str, work: Coroutine[Any, Any, None]) -> None:
+    """`work`, its failure saying which part of the runner failed."""
+    try:
+        await work
+    except Exception as error:
+        raise RunnerPartFailed(f"{what} failed: {type(error).__name__}: {error}") from error
+
+
+class RunnerPartFailed(Exception):
+    """A part of the runner (its chunk publisher, its request reader, a report) failed; the message names it."""
+
+
+class _Stopped(Exception):
+    """Ends the task group once the runner's main work is over: its other tasks are cancelled."""
+
+
+def _exit_failed(failed: BaseExceptionGroup[Exception]) -> NoReturn:
+    """Log why the runner failed, ending with one line that says it (the worker's report quotes the log's last
+    lines), and exit with status 1 at once: the engine thread may still run, and its mlx state would abort an
+    orderly interpreter exit (see engine.run_forever)."""
+    for error in failed.exceptions:
+        log.error("runner failed", exc_info=error)
+    log.error("runner stopping: %s", "; ".join(str(error) for error in failed.exceptions))
+    logging.shutdown()
+    os._exit(1)
 
 
 async def run_runner(spec: RunnerSpec, stop: asyncio.Event) -> None:
@@ -499,44 +547,61 @@ async def run_runner(spec: RunnerSpec, stop: asyncio.Event) -> None:
         sys.exit(1)
     engine_thread = threading.Thread(target=runner.engine.run_forever, name="engine", daemon=True)
     engine_thread.start()
-    follower = None
-    background: list[asyncio.Task[None]] = []
+    follower = StateFollower(js) if runner.engine.is_leader else None
+    try:
+        async with asyncio.TaskGroup() as tasks:
+            runner.tasks = tasks
+            await _serve(runner, follower, client, stop, engine_thread)
+            raise _Stopped
+    except* _Stopped:
+        pass
+    except* Exception as failed:
+        _exit_failed(failed)
+    finally:
+        runner.tasks = None
     if runner.engine.is_leader:
+        runner.engine.shutdown()
+    with contextlib.suppress(Exception):
+        await runner.report(RunnerStatus.STOPPED, reason="stopped")
+    if follower is not None:
+        await follower.stop()
+    await client.drain()
+
+
+async def _serve(
+    runner: Runner, follower: StateFollower | None, client: Any, stop: asyncio.Event, engine_thread: threading.Thread
+) -> None:
+    """Report ready and serve until asked to stop, the instance is over, or the engine ended; the leader's
+    reader, publisher and reports run meanwhile in `runner.tasks`."""
+    assert runner.tasks is not None
+    if follower is not None:
         # Follow before reporting ready: tasks are assigned once every rank is ready, and each of them
         # must reach this follower as a live event (or be in State for pick_up below).
-        follower = StateFollower(js)
         follower.add_listener(runner.on_event)
         await asyncio.sleep(float(os.environ.get(FOLLOW_DELAY_ENV, "0")))
         await follower.start()
-        background += [asyncio.create_task(runner.publish_chunks()), asyncio.create_task(runner.read_requests())]
+        runner.tasks.create_task(_named("the chunk publisher", runner.publish_chunks()))
+        runner.tasks.create_task(_named("the request reader", runner.read_requests()))
     await runner.report_ready()
     if follower is not None:
         runner.pick_up(follower.state)
-        background += [
-            asyncio.create_task(runner.report_counters()),
-            asyncio.create_task(publish_stats(client, runner.stats)),
-        ]
+        runner.tasks.create_task(_named("the counters report", runner.report_counters()))
+        runner.tasks.create_task(_named("the stats publisher", publish_stats(client, runner.stats)))
     waiters = [
         asyncio.create_task(stop.wait()),
         asyncio.create_task(runner.done.wait()),
         asyncio.create_task(asyncio.to_thread(engine_thread.join)),
     ]
-    await asyncio.wait(waiters, return_when=asyncio.FIRST_COMPLETED)
-    if runner.engine.is_leader:
-        runner.engine.shutdown()
-    with contextlib.suppress(Exception):
-        await runner.report(RunnerStatus.STOPPED, reason="stopped")
-    for task in background:
-        task.cancel()
-    if follower is not None:
-        await follower.stop()
-    for waiter in waiters:
-        waiter.cancel()
-    await client.drain()
+    try:
+        await asyncio.wait(waiters, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for waiter in waiters:
+            waiter.cancel()
 
 
 def main() -> None:
     spec = msgspec.json.decode(sys.argv[1], type=RunnerSpec)
+    die_with_worker(spec.worker_pid)
     spec = msgspec.structs.replace(spec, nats=spec.nats.with_secrets(os.environ))
     run_service(f"runner/{spec.plan.rank}", lambda stop: run_runner(spec, stop))
 

@@ -1,6 +1,7 @@
 """Runner supervision: a thin shell that carries out `planning.plan` — reports endpoints, starts runner
 processes (each in its own process group, dying with the worker), kills those no longer wanted, and
-reports runners that died or did not join their peers in time."""
+reports runners that died or did not join their peers in time. A report that NATS did not store is sent
+again on the next pass."""
 
 from __future__ import annotations
 
@@ -13,7 +14,6 @@ import signal
 import socket
 import subprocess
 import sys
-import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,10 +21,9 @@ from pathlib import Path
 import msgspec
 from jetshard_bus.commands import publish_command
 from jetshard_bus.options import NatsOptions
-from jetshard_bus.procs import die_with_parent
 from jetshard_schema.cards import GenerationDefaults
 from jetshard_schema.commands import ReportRunnerEndpoint, ReportRunnerStatus
-from jetshard_schema.ids import InstanceId, NodeId, ValidInstanceId
+from jetshard_schema.ids import CommandId, InstanceId, NodeId, ValidInstanceId, new_command_id
 from jetshard_schema.models import find_card
 from jetshard_schema.state import State
 from jetshard_schema.types import Endpoint, RunnerReport, RunnerStatus
@@ -33,19 +32,27 @@ from nats.js import JetStreamContext
 from jetshard_worker.blas import blas_candidates, blas_threads, runner_environment
 from jetshard_worker.engine.distributed import write_hostfile
 from jetshard_worker.planning import RunnerKey, RunnerPlan, plan, runners_on_machine
+from jetshard_worker.publishing import NATS_ERRORS
 from jetshard_worker.runner_spec import RunnerSpec
+from jetshard_worker.scratch import make_scratch_dir
 
 log = logging.getLogger(__name__)
 
-# SIGKILL, as the worker stops its runners: a runner of a dead worker holds a model's memory and has nothing
-# to report.
-_die_with_parent = die_with_parent(signal.SIGKILL)
 
-
-def free_port(host: str) -> int:
-    with socket.socket() as sock:
+def hold_ring_port(host: str) -> socket.socket:
+    """A socket bound to a port the kernel picks on `host`, for a rank's ring listener; it only binds, so it takes no
+    connection. The port is never free from now on: the worker holds the socket until it starts the runner, the
+    runner until mlx's listener has bound the same port, which SO_REUSEADDR on both sockets allows (mlx sets it on
+    its listener) as long as this one does not listen. Another process can neither be handed the port by the kernel
+    nor bind it without SO_REUSEADDR."""
+    sock = socket.socket()
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind((host, 0))
-        return int(sock.getsockname()[1])
+    except OSError:
+        sock.close()
+        raise
+    return sock
 
 
 @dataclass
@@ -73,7 +80,11 @@ class RunnerSupervisor:
         self._start_timeout_s = start_timeout_s
         self._host = advertise_host
         self._running: dict[RunnerKey, RunningRunner] = {}
-        self._reported: set[RunnerKey] = set()
+        self._endpoints_stored: set[RunnerKey] = set()
+        self._ring_ports: dict[RunnerKey, socket.socket] = {}
+        """The port each endpoint reported names, held until its runner starts (`hold_ring_port`)."""
+        self._unsent: dict[tuple[InstanceId, int, int], tuple[CommandId, ReportRunnerStatus]] = {}
+        """Status reports not stored yet, the latest per (instance, generation, rank), oldest first."""
         self._state = State()
         self._scratch: Path | None = None
         self._watching: asyncio.Task[None] | None = None
@@ -81,7 +92,7 @@ class RunnerSupervisor:
 
     async def start(self, state: State) -> None:
         blas_candidates()  # a JETSHARD_BLAS naming no file stops the worker here, not each runner's start
-        self._scratch = Path(tempfile.mkdtemp(prefix="jetshard-runners-"))
+        self._scratch = make_scratch_dir()
         self._watching = asyncio.create_task(self._watch())
         self.on_state(state)
 
@@ -104,7 +115,7 @@ class RunnerSupervisor:
         now_ms = int(time.time() * 1000)
         wanted = plan(state, self.node_id, self.session_id, frozenset(self._running), now_ms)
         for instance_id, generation, rank in wanted.stale:
-            await self._report(
+            self._report(
                 instance_id,
                 generation,
                 rank,
@@ -113,34 +124,61 @@ class RunnerSupervisor:
             )
         for key in list(self._running):
             if key not in wanted.keep:
-                self._stop(key)
+                await self._stop(key)
+        for key in set(self._ring_ports) - wanted.keep:
+            self._ring_ports.pop(key).close()
+        self._endpoints_stored &= wanted.keep
         for key in wanted.report_endpoint:
-            if key in self._reported:
-                continue
-            self._reported.add(key)
-            shard = state.instances[key.instance_id].shard_for(self.node_id)
-            assert shard is not None
-            await publish_command(
-                self._js,
-                ReportRunnerEndpoint(
-                    instance_id=key.instance_id,
-                    generation=key.generation,
-                    node_id=self.node_id,
-                    rank=shard.rank,
-                    endpoint=Endpoint(self._host, free_port(self._host)),
-                ),
-            )
+            if key not in self._endpoints_stored:
+                await self._report_endpoint(state, key)
         hosted = max(len(self._running) + len(wanted.start), runners_on_machine(state, self.node_id))
         for runner_plan in wanted.start:
             self._spawn(runner_plan, hosted)
         await self._check_health(state)
+        await self._send_reports()
+
+    async def _report_endpoint(self, state: State, key: RunnerKey) -> None:
+        """Report the port this node's rank will listen on; recorded as reported only once JetStream stored it."""
+        if key not in self._ring_ports:
+            self._ring_ports[key] = hold_ring_port(self._host)
+        shard = state.instances[key.instance_id].shard_for(self.node_id)
+        assert shard is not None
+        endpoint = Endpoint(self._host, int(self._ring_ports[key].getsockname()[1]))
+        report = ReportRunnerEndpoint(
+            instance_id=key.instance_id,
+            generation=key.generation,
+            node_id=self.node_id,
+            rank=shard.rank,
+            endpoint=endpoint,
+        )
+        try:
+            await publish_command(self._js, report)
+        except NATS_ERRORS as error:
+            log.warning("endpoint of %s not stored (%s); trying again on the next pass", key.instance_id, error)
+            return
+        self._endpoints_stored.add(key)
 
     def _spawn(self, runner_plan: RunnerPlan, hosted: int) -> None:
         """Start a runner; `hosted` runners (this one included) will share the machine's cores."""
         key = runner_plan.key
+        ring_socket = self._ring_ports.pop(key, None)
+        try:
+            self._start_process(runner_plan, hosted, ring_socket)
+        finally:
+            if ring_socket is not None:
+                ring_socket.close()  # the runner has its own copy now
+
+    def _start_process(self, runner_plan: RunnerPlan, hosted: int, ring_socket: socket.socket | None) -> None:
+        key = runner_plan.key
         hostfile = None
         if runner_plan.world_size > 1:
             hostfile = str(write_hostfile(self._scratch_file(key, ".json"), runner_plan.endpoints))
+        # A port held by an earlier life of this worker is gone with it: the runner's listener binds it afresh.
+        ring_fd = None
+        if hostfile is not None and ring_socket is not None:
+            port = str(ring_socket.getsockname()[1])
+            if runner_plan.endpoints[runner_plan.rank].rpartition(":")[2] == port:
+                ring_fd = ring_socket.fileno()
         card = find_card(self._state, runner_plan.model_id)
         nats, nats_secrets = self._nats.without_secrets()
         spec = RunnerSpec(
@@ -148,18 +186,22 @@ class RunnerSupervisor:
             plan=runner_plan,
             node_id=self.node_id,
             worker_session=self.session_id,
+            worker_pid=os.getpid(),
             hostfile=hostfile,
+            ring_socket_fd=ring_fd,
             card_generation=card.generation if card is not None else GenerationDefaults(),
         )
         log_path = self._scratch_file(key, f"-rank{runner_plan.rank}.log")
         env = runner_environment(self._scratch_dir(), blas_threads(os.cpu_count() or 1, hosted))
         with open(log_path, "ab") as log_file:
+            # No preexec_fn: the runner arms its death with the worker itself (lifeline.die_with_worker).
             process = subprocess.Popen(
                 [sys.executable, "-m", "jetshard_worker.runner", msgspec.json.encode(spec).decode()],
                 stdout=log_file,
                 stderr=subprocess.STDOUT,
                 env={**env, **nats_secrets},
-                preexec_fn=_die_with_parent,
+                start_new_session=True,  # a process group of its own, killed as one
+                pass_fds=() if ring_fd is None else (ring_fd,),
             )
         log.info(
             "started runner rank %d of %s (generation %d), pid %d, log %s",
@@ -180,12 +222,11 @@ class RunnerSupervisor:
         instance_id = msgspec.convert(key.instance_id, ValidInstanceId)
         return self._scratch_dir() / f"{instance_id}-{key.generation}{suffix}"
 
-    def _stop(self, key: RunnerKey) -> None:
+    async def _stop(self, key: RunnerKey) -> None:
         runner = self._running.pop(key)
         log.info("stopping runner of %s (generation %d)", key.instance_id, key.generation)
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(runner.process.pid, signal.SIGKILL)
-        runner.process.wait()
+        _kill_group(runner.process)
+        await _exited(runner.process)
 
     async def _check_health(self, state: State) -> None:
         for key, runner in list(self._running.items()):
@@ -200,7 +241,7 @@ class RunnerSupervisor:
             if exit_code is not None:
                 del self._running[key]
                 if reported is None or reported.status is not RunnerStatus.STOPPED:
-                    await self._report(
+                    self._report(
                         key.instance_id,
                         key.generation,
                         runner.plan.rank,
@@ -208,8 +249,8 @@ class RunnerSupervisor:
                         f"runner exited with {exit_code}: {_tail(runner.log_path)}",
                     )
             elif not ready and time.monotonic() - runner.started_at > self._start_timeout_s:
-                self._stop(key)
-                await self._report(
+                await self._stop(key)
+                self._report(
                     key.instance_id,
                     key.generation,
                     runner.plan.rank,
@@ -217,32 +258,63 @@ class RunnerSupervisor:
                     f"did not load and join its peers within {self._start_timeout_s:.0f} s",
                 )
 
-    async def _report(
-        self, instance_id: InstanceId, generation: int, rank: int, status: RunnerStatus, reason: str
-    ) -> None:
-        await publish_command(
-            self._js,
-            ReportRunnerStatus(
-                instance_id=instance_id,
-                generation=generation,
-                runner=RunnerReport(
-                    node_id=self.node_id, rank=rank, worker_session=self.session_id, status=status, reason=reason
-                ),
+    def _report(self, instance_id: InstanceId, generation: int, rank: int, status: RunnerStatus, reason: str) -> None:
+        """Queue a status report for `_send_reports`; it replaces another of the same runner not stored yet (the
+        same report again, as each pass makes for a stale runner, keeps its place and command id)."""
+        report = ReportRunnerStatus(
+            instance_id=instance_id,
+            generation=generation,
+            runner=RunnerReport(
+                node_id=self.node_id, rank=rank, worker_session=self.session_id, status=status, reason=reason
             ),
         )
+        runner = (instance_id, generation, rank)
+        unsent = self._unsent.get(runner)
+        if unsent is not None and unsent[1] == report:
+            return
+        self._unsent.pop(runner, None)
+        self._unsent[runner] = (new_command_id(), report)
+
+    async def _send_reports(self) -> None:
+        """Publish the queued status reports, oldest first. The first that fails stops this pass (NATS is away, the
+        others would wait out their timeouts too); it and those after it are sent on the next pass, each with the
+        command id of its first try, so one stored although its ack was lost is stored once."""
+        for runner, (command_id, report) in list(self._unsent.items()):
+            try:
+                await publish_command(self._js, report, command_id)
+            except NATS_ERRORS as error:
+                log.warning("runner report not stored (%s); trying again on the next pass", error)
+                return
+            del self._unsent[runner]
 
     async def shutdown(self) -> None:
         if self._watching is not None:
             self._watching.cancel()
-        for key in list(self._running):
-            runner = self._running[key]
-            self._stop(key)
-            with contextlib.suppress(Exception):
-                await self._report(
-                    key.instance_id, key.generation, runner.plan.rank, RunnerStatus.STOPPED, "the worker stopped"
-                )
+        stopping = list(self._running.items())
+        self._running.clear()
+        for _, runner in stopping:
+            _kill_group(runner.process)
+        for key, runner in stopping:
+            await _exited(runner.process)
+            self._report(key.instance_id, key.generation, runner.plan.rank, RunnerStatus.STOPPED, "the worker stopped")
+        # Briefly: a worker asked to stop exits within seconds (run_service), sent or not.
+        with contextlib.suppress(Exception):
+            await asyncio.wait_for(self._send_reports(), 2)
+        for ring_socket in self._ring_ports.values():
+            ring_socket.close()
         if self._scratch is not None:
             shutil.rmtree(self._scratch, ignore_errors=True)
+
+
+def _kill_group(process: subprocess.Popen[bytes]) -> None:
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(process.pid, signal.SIGKILL)
+
+
+async def _exited(process: subprocess.Popen[bytes]) -> int:
+    """The exit status of `process`, waited for on a thread: on the event loop, Popen.wait() would hold up
+    everything else, the worker's heartbeat included, until the kernel has torn the runner down."""
+    return await asyncio.to_thread(process.wait)
 
 
 def _tail(path: Path, lines: int = 3) -> str:
