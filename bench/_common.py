@@ -333,10 +333,10 @@ def serving_of(api: str, instance_id: str) -> dict[str, Any]:
 
 @contextlib.contextmanager
 def jetshard_up(
-    root: Path, model_id: str, ready_timeout_s: float = 900
+    root: Path, model_id: str, ready_timeout_s: float = 900, env: dict[str, str] | None = None
 ) -> Iterator[tuple[str, subprocess.Popen[bytes]]]:
     """`jetshard up` in `root` (its own data, config and model directories), offline, on free ports; yields
-    (API URL, the `up` process) once `model_id` is ready."""
+    (API URL, the `up` process) once `model_id` is ready. `env`: more environment variables for it (they win)."""
     port = free_port()
     env = {
         **os.environ,
@@ -347,6 +347,7 @@ def jetshard_up(
         # A 2-core machine running flat out can starve a worker's liveness beat: a generous TTL keeps the node
         # from being declared lost mid-run.
         "JETSHARD_LIVENESS_TTL_S": "60",
+        **(env or {}),
     }
     root.mkdir(parents=True, exist_ok=True)
     log_path = root / "up.log"
