@@ -20,13 +20,20 @@ from helpers.cards import tiny_card
 from helpers.harness import Processes, until
 from jetshard_bus.commands import publish_command
 from jetshard_bus.connect import connect
-from jetshard_bus.migrate import MigrationError, MigrationReport, StoreInUseError, migrate_standalone_store
+from jetshard_bus.migrate import (
+    PUBLISH_HEADER_PREFIXES,
+    MigrationError,
+    MigrationReport,
+    StoreInUseError,
+    migrate_standalone_store,
+)
 from jetshard_bus.natsserver import NatsServer, start_nats_server
 from jetshard_bus.options import NatsOptions
 from jetshard_bus.snapshots import load_snapshot
 from jetshard_schema import subjects
 from jetshard_schema.commands import AddCustomModelCard
 from jetshard_schema.state import State
+from nats.js.api import Header
 from test_nats_cluster import start_nats_cluster
 
 from jetshard.inspect import fetch_state
@@ -54,6 +61,12 @@ def card_command(name: str) -> AddCustomModelCard:
     return AddCustomModelCard(card=tiny_card(f"migrate/{name}"))
 
 
+def _as_written(message: tuple[str, bytes, dict[str, str]]) -> tuple[str, bytes, dict[str, str]]:
+    """A stored message without the headers saying how it was published (its conditions, its batch)."""
+    subject, data, headers = message
+    return subject, data, {k: v for k, v in headers.items() if not k.startswith(PUBLISH_HEADER_PREFIXES)}
+
+
 async def stored(js: Any, stream: str) -> list[tuple[str, bytes, dict[str, str]]]:
     """Every message of `stream` from sequence 1 (raises if one is missing): subject, data, headers."""
     info = await js.stream_info(stream)
@@ -67,8 +80,8 @@ async def write_history(url: str, processes: Processes) -> tuple[list[tuple[str,
     client, js = await connect(NatsOptions(servers=(url,)), "test-history")
     try:
         sequencer = processes.start("sequencer", "sequencer", "--nats", url, "--snapshot-every", "20")
-        for n in range(CARDS):
-            await publish_command(js, card_command(f"c{n}"))
+        # All at once: the sequencer handles several per round and appends their events as an atomic batch.
+        await asyncio.gather(*(publish_command(js, card_command(f"c{n}")) for n in range(CARDS)))
         store = await js.object_store(subjects.SNAPSHOT_BUCKET)
         await until(lambda: _events_at_least(js, CARDS), 60, "the sequencer to sequence every command")
         await until(
@@ -135,7 +148,14 @@ async def test_every_event_keeps_its_sequence_subject_data_and_headers(migrated:
     finally:
         await client.close()
     assert len(migrated.source_events) >= CARDS
-    assert copied[: len(migrated.source_events)] == migrated.source_events
+    # The sequencer appended some in atomic batches (headers saying so): each copy is appended on its own,
+    # following the one before it.
+    assert any(Header.BATCH_COMMIT.value in headers for _, _, headers in migrated.source_events)
+    for seq, (_, _, headers) in enumerate(copied[: len(migrated.source_events)], 1):
+        assert headers[subjects.EXPECTED_LAST_SEQUENCE_HEADER] == str(seq - 1)
+    assert [_as_written(e) for e in copied[: len(migrated.source_events)]] == list(
+        map(_as_written, migrated.source_events)
+    )
     assert migrated.report.events == len(migrated.source_events)
     assert migrated.report.pending_commands == PENDING
     total = len(migrated.source_events) + PENDING

@@ -31,6 +31,7 @@ from jetshard_schema.events import CommandRejected, CustomModelCardAdded, EventE
 from jetshard_schema.ids import CommandId, NodeId
 from jetshard_schema.state import State, apply
 from jetshard_schema.types import NodeProfile, RejectCode
+from jetshard_sequencer.service import _batch_headers
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -276,6 +277,35 @@ async def test_an_append_with_a_stale_expected_sequence_is_refused(bus) -> None:
     with pytest.raises(nats.js.errors.APIError) as raised:
         await js.publish(envelope.event.subject, encode(envelope), headers={**headers, subjects.MSG_ID_HEADER: "d/0"})
     assert raised.value.err_code == 10071
+
+
+async def test_a_batch_of_appends_following_a_stale_sequence_is_refused_whole(bus) -> None:
+    """A leader appends a round's events as one atomic batch, only the first naming the sequence it follows:
+    nothing of a stale leader's batch may be stored, not even the events after the first."""
+    client, js = bus
+    assert (await js.stream_info(subjects.EVENTS_STREAM)).config.allow_atomic
+
+    async def append_batch(name: str, last_seq: int) -> None:
+        for position, batch_headers in enumerate(_batch_headers(3, last_seq), 1):
+            envelope = EventEnvelope(
+                command_id=CommandId(name),
+                command_seq=1,
+                index=position - 1,
+                count=3,
+                at_ms=0,
+                event=CustomModelCardAdded(card=card(f"{name}-{position}")),
+            )
+            headers = {subjects.MSG_ID_HEADER: f"{name}/{position}", **batch_headers}
+            if position < 3:
+                await client.publish(envelope.event.subject, encode(envelope), headers=headers)
+            else:
+                await asyncio.wait_for(js.publish(envelope.event.subject, encode(envelope), headers=headers), 5)
+
+    await append_batch("leader", 0)
+    with pytest.raises(nats.js.errors.APIError) as raised:
+        await append_batch("stale", 0)
+    assert raised.value.err_code == 10071
+    assert [e.command_id for e in assert_gapless(await all_events(js))] == ["leader"] * 3
 
 
 @pytest.mark.timeout(180)

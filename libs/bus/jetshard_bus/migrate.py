@@ -52,8 +52,9 @@ APPEND_ACK_TIMEOUT_S = 15.0
 """nats-py may never resolve a refused expected-sequence append: an ack this late counts as a refusal."""
 FOLD_TIMEOUT_S = 600.0
 """Folding the old history into State before copying: as long as a service's start may take."""
-EXPECTED_HEADER_PREFIX = "Nats-Expected-"
-"""Conditions of the original publish, checked against the old stream: replaced by the copy's own."""
+PUBLISH_HEADER_PREFIXES = ("Nats-Expected-", "Nats-Batch-")
+"""How the original was published (its conditions, checked against the old stream; the atomic batch it was part
+of), which the server keeps with each message: each copy is published on its own, with conditions of its own."""
 
 
 class MigrationError(RuntimeError):
@@ -164,7 +165,7 @@ async def _copy_messages(
         for seq, message in zip(seqs, messages, strict=True):
             if message.subject is None:
                 raise MigrationError(f"the NATS server returned {stream} message {seq} without its subject")
-            headers = {k: v for k, v in (message.headers or {}).items() if not k.startswith(EXPECTED_HEADER_PREFIX)}
+            headers = {k: v for k, v in (message.headers or {}).items() if not k.startswith(PUBLISH_HEADER_PREFIXES)}
             msg_id = headers.get(subjects.MSG_ID_HEADER)
             if msg_id is not None and msg_id in copied_ids:
                 # Stored twice in the old stream, beyond its dedupe window; here within it, the second copy

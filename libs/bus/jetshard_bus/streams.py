@@ -80,6 +80,9 @@ async def declare(
             discard=DiscardPolicy.NEW,
             deny_delete=True,
             deny_purge=True,
+            # The sequencer appends a round's events as one atomic batch (nats-server 2.12 and later; an older
+            # server ignores this and the sequencer appends one by one): one sync to disk for the round.
+            allow_atomic=True,
         ),
     )
     await _ensure_stream(

@@ -33,9 +33,10 @@ from jetshard_schema.ids import CommandId, InstanceId, NodeId, ValidCommandId, n
 from jetshard_schema.state import State, apply
 from jetshard_schema.stats import SequencerStats
 from jetshard_schema.types import RejectCode
+from nats.aio.client import Client
 from nats.aio.msg import Msg
 from nats.js import JetStreamContext
-from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
+from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy, Header, StreamInfo
 from nats.js.kv import KeyValue
 from opentelemetry.trace import Span, StatusCode
 
@@ -45,6 +46,8 @@ log = logging.getLogger(__name__)
 
 WRONG_LAST_SEQUENCE = 10071
 APPEND_ACK_TIMEOUT_S = 5.0
+ATOMIC_BATCH_MAX = 1000
+"""nats-server's limit on the messages of one atomic batch."""
 
 
 @dataclass(frozen=True)
@@ -96,7 +99,7 @@ async def run_sequencer(config: SequencerConfig, stop: asyncio.Event) -> None:
     try:
         while not stop.is_set():
             try:
-                await _follow_then_lead(js, config, stop, standing)
+                await _follow_then_lead(client, js, config, stop, standing)
             except Exception:  # NATS timeouts under load and the like: start over as a standby
                 log.exception("sequencer %s: starting over as a standby", config.sequencer_id)
                 with contextlib.suppress(TimeoutError):
@@ -107,7 +110,7 @@ async def run_sequencer(config: SequencerConfig, stop: asyncio.Event) -> None:
 
 
 async def _follow_then_lead(
-    js: JetStreamContext, config: SequencerConfig, stop: asyncio.Event, standing: Standing
+    client: Client, js: JetStreamContext, config: SequencerConfig, stop: asyncio.Event, standing: Standing
 ) -> None:
     """Follow the events as a standby until the lease is ours, then lead until stopped or stale."""
     # Each term starts from the streams and buckets as they should be: one may have been deleted since.
@@ -131,9 +134,7 @@ async def _follow_then_lead(
         last_seq,
         time.monotonic() - started,
     )
-    leader = Leader(
-        js, config, follower.state, follower.partial, last_seq, lease, stream_created(events_info), standing
-    )
+    leader = Leader(client, js, config, follower.state, follower.partial, last_seq, lease, events_info, standing)
     standing.term = lease.term
     try:
         await leader.run(stop)
@@ -205,15 +206,17 @@ class Lease:
 class Leader:
     def __init__(
         self,
+        client: Client,
         js: JetStreamContext,
         config: SequencerConfig,
         state: State,
         partial: list[tuple[int, EventEnvelope]],
         last_seq: int,
         lease: Lease,
-        events_created: str,
+        events: StreamInfo,
         standing: Standing,
     ) -> None:
+        self._client = client
         self._js = js
         self._config = config
         self.state = state
@@ -222,8 +225,11 @@ class Leader:
         self._lease = lease
         self._renewed_at = time.monotonic()  # the lease was acquired just before this leader was made
         self._since_snapshot = 0
-        self._events_created = events_created
+        self._events_created = stream_created(events)
         """The incarnation of the events stream this term appends to, named in its snapshots."""
+        self._append_batch_max = ATOMIC_BATCH_MAX if events.config.allow_atomic else 1
+        """Events stored together (and synced to disk once) per append; 1 where the server has no atomic batches
+        (before nats-server 2.12)."""
         self._standing = standing
 
     async def run(self, stop: asyncio.Event) -> None:
@@ -301,8 +307,8 @@ class Leader:
             raise StaleLeaderError(f"the lease was not renewed for {self._lease.ttl_s} s")
 
     async def _handle_batch(self, messages: list[Msg]) -> list[asyncio.Future[Any]]:
-        """Handle commands and publish their events (pipelined); returns the appends' acks."""
-        acks: list[asyncio.Future[Any]] = []
+        """Handle commands and append their events (see `_append`); returns the appends' acks."""
+        appends: list[tuple[str, bytes, dict[str, str]]] = []
         now_ms = int(time.time() * 1000)
         for msg in messages:
             command_seq = msg.metadata.sequence.stream
@@ -329,21 +335,34 @@ class Leader:
                 if index < len(already_stored):
                     seq = already_stored[index]
                 else:
-                    acks.append(
-                        await self._js.publish_async(
-                            event.subject,
-                            encode(envelope),
-                            headers={
-                                subjects.MSG_ID_HEADER: f"{command_id}/{index}",
-                                subjects.EXPECTED_LAST_SEQUENCE_HEADER: str(self._last_seq),
-                                **trace_headers,
-                            },
-                        )
-                    )
+                    headers = {subjects.MSG_ID_HEADER: f"{command_id}/{index}", **trace_headers}
+                    appends.append((event.subject, encode(envelope), headers))
                     self._last_seq += 1
                     seq = self._last_seq
                 self.state = apply(self.state, event, seq, command_seq)
             self._since_snapshot += len(events)
+        return await self._append(appends, self._last_seq - len(appends))
+
+    async def _append(
+        self, appends: list[tuple[str, bytes, dict[str, str]]], last_seq: int
+    ) -> list[asyncio.Future[Any]]:
+        """Publish events to follow stream sequence `last_seq`, pipelined, as atomic batches where the stream
+        allows them: a server that syncs every write to disk before acknowledging it then syncs once per batch
+        rather than once per event. Returns one ack per batch."""
+        acks: list[asyncio.Future[Any]] = []
+        for start in range(0, len(appends), self._append_batch_max):
+            batch = appends[start : start + self._append_batch_max]
+            batch_headers = _batch_headers(len(batch), last_seq + start)
+            *staged, last = [
+                (subject, data, {**own, **extra})
+                for (subject, data, own), extra in zip(batch, batch_headers, strict=True)
+            ]
+            for subject, data, headers in staged:
+                # Only a batch's commit is answered: an answer to the others would be empty, which nats-py
+                # cannot read.
+                await self._client.publish(subject, data, headers=headers)
+            subject, data, headers = last
+            acks.append(await self._js.publish_async(subject, data, headers=headers))
         return acks
 
     async def _confirm(self, acks: list[asyncio.Future[Any]], last: Msg) -> None:
@@ -364,7 +383,7 @@ class Leader:
                 # Cannot happen while the events' dedupe window is shorter than the commands' (streams.py);
                 # if it does, our count of the stream's sequence is off: re-read it as a follower.
                 raise StaleLeaderError("an appended event was a duplicate; resynchronising")
-        self._standing.events_appended += len(acks)
+            self._standing.events_appended += result.batch_size or 1
         # Acked only now that every event is stored: a crash before this redelivers the commands. With
         # AckPolicy.ALL one ack of the batch's last command covers the whole batch.
         await last.ack()
@@ -445,6 +464,25 @@ def _past_retention(state: State, now_ms: int, retention_s: float) -> list[Insta
     return sorted(
         i.instance_id for i in state.instances.values() if i.failed and now_ms - i.failed_at_ms >= retention_s * 1000
     )
+
+
+def _batch_headers(count: int, last_seq: int) -> list[dict[str, str]]:
+    """Headers that make `count` appends one atomic batch to follow stream sequence `last_seq`: its first names
+    that sequence, and the server stores all of the batch or, the sequence being stale, none of it. A single
+    append needs only the sequence."""
+    expected = {subjects.EXPECTED_LAST_SEQUENCE_HEADER: str(last_seq)}
+    if count == 1:
+        return [expected]
+    batch_id = new_id()
+    return [
+        {
+            **(expected if position == 1 else {}),
+            Header.BATCH_ID.value: batch_id,
+            Header.BATCH_SEQUENCE.value: str(position),
+            **({Header.BATCH_COMMIT.value: "1"} if position == count else {}),
+        }
+        for position in range(1, count + 1)
+    ]
 
 
 def _command_id(msg: Msg, command_seq: int) -> tuple[CommandId, CommandRejected | None]:
