@@ -1,10 +1,11 @@
-"""Sequencer throughput against raw JetStream, and State rebuild time with and without a snapshot.
+"""Sequencer throughput against raw JetStream under each fsync policy, and State rebuild time with and without
+a snapshot.
 
-Anchors (2-core machine): raw async publishing to a stream (ARCHITECTURE.md: ~35,000 msgs/s);
-goal: commands -> events applied at a follower at >= 0.25 of the raw rate; rebuilding State from
-100k events <= 1 s with a snapshot.
+Anchors (2-core machine): raw async publishing to a stream (ARCHITECTURE.md: ~35,000 msgs/s without fsync);
+goal: commands -> events applied at a follower at >= 0.25 of the raw rate under the same policy; rebuilding
+State from 100k events <= 1 s with a snapshot. The store is made under --dir: on a tmpfs an fsync costs nothing.
 
-    uv run python bench/sequencer.py [--n 20000] [--rebuild 100000]
+    uv run python bench/sequencer.py [--n 20000] [--rebuild 100000] [--fsync always --fsync interval] [--dir D]
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from pathlib import Path
 import nats
 from jetshard_bus.connect import connect
 from jetshard_bus.follower import StateFollower
-from jetshard_bus.natsserver import start_nats_server
+from jetshard_bus.natsserver import Fsync, start_nats_server
 from jetshard_bus.options import NatsOptions
 from jetshard_bus.snapshots import save_snapshot, stream_created
 from jetshard_schema import subjects
@@ -150,36 +151,55 @@ async def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--n", type=int, default=20_000)
     parser.add_argument("--rebuild", type=int, default=100_000)
+    parser.add_argument(
+        "--fsync",
+        action="append",
+        type=Fsync,
+        choices=list(Fsync),
+        help="the servers' fsync policy; repeat to compare [default: always, then interval]",
+    )
+    parser.add_argument("--dir", type=Path, default=None, help="where the stores go [default: the temp directory]")
     args = parser.parse_args()
-    with tempfile.TemporaryDirectory() as tmp:
-        server = start_nats_server(Path(tmp) / "nats", port=-1)
-        try:
-            raw = await raw_publish_rate(server.url, args.n)
-            events_per_s, commands_per_s = await sequencer_rate(server.url, args.n, Path(tmp) / "sequencer.log")
-            without, with_snapshot, total = await rebuild_times(server.url, args.rebuild)
-        finally:
-            server.stop()
-    ratio = events_per_s / raw
-    rows = [
-        ("raw JetStream publish_async", f"{raw:,.0f} msgs/s", ""),
-        ("commands published (async)", f"{commands_per_s:,.0f} cmds/s", ""),
-        (
-            "commands -> events at a follower",
-            f"{events_per_s:,.0f} events/s",
-            f"ratio {ratio:.2f} (goal >= {RATIO_GOAL})",
-        ),
-        (f"State rebuild, {total:,} events, no snapshot", f"{without:.2f} s", ""),
-        (
-            f"State rebuild, {total:,} events, snapshot",
-            f"{with_snapshot:.3f} s",
-            f"goal <= {REBUILD_GOAL_S} s",
-        ),
-    ]
+    policies: list[Fsync] = args.fsync or list(Fsync)
+    rows: list[tuple[str, str, str]] = []
+    events_rates: dict[Fsync, float] = {}
+    with tempfile.TemporaryDirectory(dir=args.dir) as tmp:
+        for policy in policies:
+            server = start_nats_server(Path(tmp) / f"nats-{policy}", port=-1, fsync=policy)
+            try:
+                raw = await raw_publish_rate(server.url, args.n)
+                log = Path(tmp) / f"sequencer-{policy}.log"
+                events_per_s, commands_per_s = await sequencer_rate(server.url, args.n, log)
+            finally:
+                server.stop()
+            events_rates[policy] = events_per_s
+            ratio = events_per_s / raw
+            rows += [
+                (f"fsync {policy}: raw JetStream publish_async", f"{raw:,.0f} msgs/s", ""),
+                (f"fsync {policy}: commands published (async)", f"{commands_per_s:,.0f} cmds/s", ""),
+                (
+                    f"fsync {policy}: commands -> events at a follower",
+                    f"{events_per_s:,.0f} events/s",
+                    f"ratio {ratio:.2f} (goal >= {RATIO_GOAL})",
+                ),
+            ]
+        if args.rebuild:
+            # Rebuilding reads the history back, which no fsync policy slows: only writing it would.
+            server = start_nats_server(Path(tmp) / "nats-rebuild", port=-1, fsync=Fsync.INTERVAL)
+            try:
+                without, with_snapshot, total = await rebuild_times(server.url, args.rebuild)
+            finally:
+                server.stop()
+            rows += [
+                (f"State rebuild, {total:,} events, no snapshot", f"{without:.2f} s", ""),
+                (f"State rebuild, {total:,} events, snapshot", f"{with_snapshot:.3f} s", f"goal <= {REBUILD_GOAL_S} s"),
+            ]
     width = max(len(r[0]) for r in rows)
     print(f"\njetshard sequencer bench (N={args.n:,}, {os.cpu_count()} CPUs)")
     for name, value, note in rows:
         print(f"  {name:<{width}}  {value:>18}  {note}")
-    print(f"ratio {ratio:.2f}")
+    if len(events_rates) == len(Fsync):
+        print(f"events/s, fsync always / interval: {events_rates[Fsync.ALWAYS] / events_rates[Fsync.INTERVAL]:.2f}")
 
 
 if __name__ == "__main__":

@@ -30,7 +30,7 @@ SHARED_ENV = {"JETSHARD_NATS": "nats://nats:4222", "JETSHARD_LOG_LEVEL": "INFO"}
 def test_every_service_gets_the_shared_environment_and_its_own_identity() -> None:
     docker_compose = shutil.which("docker-compose")
     if docker_compose is None:
-        pytest.fail("docker-compose renders compose.yaml here: apt-get install docker-compose (.ci/run does)")
+        pytest.fail("docker-compose renders compose.yaml here: apt-get install docker-compose (tests/run does)")
     rendered = subprocess.run(
         [docker_compose, "-f", str(ROOT / "compose.yaml"), "config"], capture_output=True, text=True, timeout=60
     )
@@ -48,18 +48,20 @@ def test_every_service_gets_the_shared_environment_and_its_own_identity() -> Non
         # `$$` is Compose's escape for the `$` the container's shell expands.
         assert f"--nats-nkey /creds/{name}-$$(cat /config/node_id).nk" in " ".join(jetshard[name]["command"])
     assert jetshard["downloader"]["environment"]["JETSHARD_DEFAULT_MODELS_DIR"] == "/models"
+    # NATS runs with what the credentials step made of deploy/nats.conf: the next test starts it, durable.
     assert services["nats"]["command"] == ["-c", "/creds/nats.conf"]
+    assert f"{ROOT / 'deploy' / 'nats.conf'}:/etc/jetshard/nats.conf:ro" in jetshard["credentials"]["volumes"]
     assert services["nats"]["depends_on"]["credentials"]["condition"] == "service_completed_successfully"
 
 
-def test_the_credentials_step_makes_a_nats_that_admits_the_services_and_no_one_else(tmp_path: Path) -> None:
-    port = free_port()
+def test_the_credentials_step_makes_a_durable_nats_that_admits_the_services_and_no_one_else(tmp_path: Path) -> None:
+    port, monitor_port = free_port(), free_port()
     template = tmp_path / "nats.conf"
-    # deploy/nats.conf with this test's port and store.
+    # deploy/nats.conf with this test's ports and store.
     deployed = (ROOT / "deploy" / "nats.conf").read_text()
     template.write_text(
         deployed.replace("0.0.0.0:4222", f"127.0.0.1:{port}")
-        .replace("http: 0.0.0.0:8222\n", "")
+        .replace("0.0.0.0:8222", f"127.0.0.1:{monitor_port}")
         .replace("/data", json.dumps(str(tmp_path / "store")))
     )
     creds, config = tmp_path / "creds", tmp_path / "config"
@@ -92,6 +94,10 @@ def test_the_credentials_step_makes_a_nats_that_admits_the_services_and_no_one_e
     try:
         url = f"nats://127.0.0.1:{port}"
         assert wait_for(lambda: _listening(port), timeout=20), (tmp_path / "nats.log").read_text()
+        # What the server runs with, as it reports it: a SIGKILL keeps the page cache, so no crash test here
+        # could tell whether acknowledged writes were synced.
+        jetstream = httpx.get(f"http://127.0.0.1:{monitor_port}/varz", timeout=5).json()["jetstream"]["config"]
+        assert jetstream["sync_always"] is True, jetstream
         services = {**env, "JETSHARD_NATS": url}
         processes.start("sequencer", "sequencer", env={**services, "JETSHARD_NATS_NKEY": str(creds / "sequencer.nk")})
         api = processes.start_api("api", env={**services, "JETSHARD_NATS_NKEY": str(creds / "api.nk")})

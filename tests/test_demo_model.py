@@ -152,6 +152,8 @@ def test_jetshard_up_serves_the_demo_model_offline_stops_in_order_and_restarts_r
         assert curl_example(output)["model"] == DEMO_MODEL_ID  # printed unwrapped though stdout is a file
         assert f"curl {api}/v1/chat/completions" in output
         assert f'OpenAI(base_url="{api}/v1"' in output
+        # Durable by default: its nats-server syncs every write before acknowledging it.
+        assert "sync_interval: always" in (data / "nats" / "nats-server.conf").read_text()
 
         listed = {m.id: m for m in client.models.list().data}
         assert listed[DEMO_MODEL_ID].model_extra["ready"] is True
@@ -222,9 +224,11 @@ def test_jetshard_up_serves_the_demo_model_offline_stops_in_order_and_restarts_r
     print(f"services without NATS ended {time.monotonic() - killed:.2f} s after `up` was killed")
 
     # That left State showing the killed start's runner as ready: "ready" must wait for this start's own.
-    up = start_in_own_group(command, tmp_path / "up-again.log", env)
+    # Started for speed over durability this time: the history is the same, its server's syncs are not.
+    up = start_in_own_group([*command, "--fsync", "interval"], tmp_path / "up-again.log", env)
     try:
         wait_until_ready(up, tmp_path / "up-again.log", data, 180)
+        assert "sync_interval" not in (data / "nats" / "nats-server.conf").read_text()
         assert_ready_means_answering(api, client, "after a crash")
     finally:
         stop_s = ctrl_c(up)

@@ -180,6 +180,9 @@ def test_three_machines_form_one_cluster_and_serve_a_model_split_over_two(cluste
     assert meta["known"] == meta["current"] == sorted(m.server_name for m in cluster.machines), meta
     nodes = third.get("/state")["nodes"]  # type: ignore[index]
     assert len(nodes) == 3, nodes
+    for machine in cluster.machines:  # each syncs every write before acknowledging it
+        varz = machine.get("/varz", MONITOR_PORT)
+        assert varz["jetstream"]["config"]["sync_always"] is True, varz  # type: ignore[index]
 
     one_host = next(i for i in third.get("/instances") if i["model_id"] == DEMO_MODEL_ID)  # type: ignore[union-attr]
     one_host_tps = tokens_per_s(third)

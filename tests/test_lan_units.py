@@ -6,10 +6,20 @@ import dataclasses
 from pathlib import Path
 
 import pytest
-from jetshard_bus.natsserver import DATA_TAG, ClusterSettings, ServerSettings
+from jetshard_bus.natsserver import DATA_TAG, ClusterSettings, Fsync, ServerSettings
 
 from jetshard.discovery import Peer
-from jetshard.lan import JoinToken, JoinTokenError, Membership, MetaGroup, resolve_membership, signed, vouched
+from jetshard.lan import (
+    JoinToken,
+    JoinTokenError,
+    LanLayout,
+    LanPorts,
+    Membership,
+    MetaGroup,
+    resolve_membership,
+    signed,
+    vouched,
+)
 
 TOKEN = JoinToken.create("home")
 
@@ -99,6 +109,27 @@ def test_a_clustered_server_config_routes_with_the_secret_and_tags_its_data(tmp_
     assert 'listen: "127.0.0.1:4222"' in config  # clients stay on loopback
     joining = ServerSettings(tmp_path, cluster=dataclasses.replace(cluster, jetstream=False)).config()
     assert "jetstream: disabled" in joining and "store_dir" not in joining
+
+
+def test_every_server_up_starts_syncs_writes_before_acknowledging_them_unless_told_not_to(tmp_path: Path) -> None:
+    """A SIGKILLed nats-server loses nothing it acknowledged either way (the page cache survives it): only an OS
+    crash or a power loss would show the difference, so the configurations are what is checked."""
+    membership = Membership(cluster="home", secret="s", server_name="node-a", founder=True, joined=True)
+    layout = LanLayout(tmp_path, membership, "10.0.0.5", LanPorts(client=4222, route=6222, monitor=8222), "")
+    fast = dataclasses.replace(layout, fsync=Fsync.INTERVAL)
+    routes = ("10.0.0.6:6222",)
+    for durable, settings in (
+        (True, ServerSettings(tmp_path)),  # a plain `jetshard up`
+        (True, layout.server(routes, jetstream=True)),
+        (True, layout.witness(routes)),
+        (False, ServerSettings(tmp_path, fsync=Fsync.INTERVAL)),  # `jetshard up --fsync interval`
+        (False, fast.server(routes, jetstream=True)),
+        (False, fast.witness(routes)),
+    ):
+        config = settings.config()
+        jetstream = config[config.index("jetstream {") :].split("}")[0]
+        # `interval` leaves nats-server's own default, a sync every two minutes.
+        assert jetstream.count("sync_interval") == jetstream.count("sync_interval: always") == durable, config
 
 
 def test_only_an_announcement_signed_with_the_secret_for_its_own_address_is_a_member() -> None:

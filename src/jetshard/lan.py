@@ -36,7 +36,7 @@ import nats
 import nats.aio.msg
 import nats.errors
 import nats.js.errors
-from jetshard_bus.natsserver import DATA_TAG, ClusterSettings, RouteTls, ServerSettings
+from jetshard_bus.natsserver import DATA_TAG, ClusterSettings, Fsync, RouteTls, ServerSettings
 from jetshard_bus.options import NatsOptions
 from jetshard_bus.streams import scale
 from nats.js.api import KeyValueConfig, Placement
@@ -196,11 +196,18 @@ class LanLayout:
     ports: LanPorts
     authorization: str
     tls: RouteTls | None = None
+    fsync: Fsync = Fsync.ALWAYS
 
     def server(self, routes: tuple[str, ...], jetstream: bool) -> ServerSettings:
         cluster = self._cluster(self.membership.server_name, self.ports.route, routes, jetstream)
         return ServerSettings(
-            self.root / "nats", self.ports.client, "127.0.0.1", self.authorization, cluster, self.ports.monitor
+            self.root / "nats",
+            self.ports.client,
+            "127.0.0.1",
+            self.authorization,
+            cluster,
+            self.ports.monitor,
+            self.fsync,
         )
 
     def witness(self, routes: tuple[str, ...]) -> ServerSettings:
@@ -209,7 +216,7 @@ class LanLayout:
         own = route_of(self.address, self.ports.route)
         cluster = self._cluster(self.membership.witness_name, self.ports.witness_route, (own, *routes), True)
         return ServerSettings(
-            self.root / "nats-witness", -1, "127.0.0.1", self.authorization, replace(cluster, tags=())
+            self.root / "nats-witness", -1, "127.0.0.1", self.authorization, replace(cluster, tags=()), fsync=self.fsync
         )
 
     @property

@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 import click
-from jetshard_bus.natsserver import RouteTls
+from jetshard_bus.natsserver import Fsync, RouteTls
 
 from jetshard.discovery import lan_address
 from jetshard.lan import JoinToken, LanLayout, LanPorts, load_membership, resolve_membership
@@ -142,7 +142,9 @@ def _lan_choice(
     return LanChoice(cluster, token, join, address, route_port, monitor_port, tls, migrate)
 
 
-def lan_layout(root: Path, choice: LanChoice, node_id: str, client_port: int, authorization: str) -> LanLayout:
+def lan_layout(
+    root: Path, choice: LanChoice, node_id: str, client_port: int, authorization: str, fsync: Fsync
+) -> LanLayout:
     """This machine's membership (new at its first `--lan` start: `LanServers.start` saves it) and servers."""
     try:
         membership = resolve_membership(load_membership(root), choice.token, choice.cluster, node_id)
@@ -167,6 +169,7 @@ def lan_layout(root: Path, choice: LanChoice, node_id: str, client_port: int, au
         ports=LanPorts(client=client_port, route=choice.route_port, monitor=choice.monitor_port),
         authorization=authorization,
         tls=choice.tls,
+        fsync=fsync,
     )
 
 

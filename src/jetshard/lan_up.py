@@ -139,6 +139,7 @@ class LanServers:
             authorization=settings.authorization,
             cluster=settings.cluster,
             monitor_port=settings.monitor_port,
+            fsync=settings.fsync,
         )
 
     def _check_name_is_free(self) -> None:

@@ -17,7 +17,7 @@ import httpx
 from jetshard_bus.auth import ADMIN, SYSTEM, VIEWER, Identity, cluster_identities, server_authorization
 from jetshard_bus.connect import connect
 from jetshard_bus.migrate import MigrationError, migrate_standalone_store
-from jetshard_bus.natsserver import DATA_TAG, NatsServerError, start_nats_server
+from jetshard_bus.natsserver import DATA_TAG, Fsync, NatsServerError, start_nats_server
 from jetshard_bus.node import config_dir, node_id_for
 from jetshard_bus.options import DEFAULT_API_PORT, NatsOptions
 from jetshard_bus.procs import spawn
@@ -57,6 +57,15 @@ STOP_GRACE_S = (2.0, 1.0, 0.8, 0.8)
     show_default=True,
     help="port of the embedded NATS server (loopback only)",
 )
+@option(
+    "--fsync",
+    type=click.Choice(Fsync, case_sensitive=False),
+    default=Fsync.ALWAYS.value,
+    show_default=True,
+    help="when the NATS servers `up` starts put JetStream's writes on disk: `always` before acknowledging them "
+    "(an acknowledged write survives a power loss), `interval` every two minutes (faster; an OS crash or a power "
+    "loss loses what was acknowledged since)",
+)
 @option("--host", default=None, help="API address [default: 127.0.0.1; with --lan every interface]")
 @option("--port", type=int, default=DEFAULT_API_PORT, show_default=True, help="API port")
 @option("--api-key", default=None, help="require this key of API clients")
@@ -87,6 +96,7 @@ STOP_GRACE_S = (2.0, 1.0, 0.8, 0.8)
 def up(
     nats_url: str | None,
     nats_port: int,
+    fsync: Fsync,
     host: str | None,
     port: int,
     api_key: str | None,
@@ -122,7 +132,7 @@ def up(
             node_id = node_id_for(config_dir())
             identities = cluster_identities(root / "creds", node_id)
             authorization = server_authorization(list(identities.values()))
-            layout = lan_layout(root, lan, node_id, nats_port, authorization)
+            layout = lan_layout(root, lan, node_id, nats_port, authorization, fsync)
             discovery = Discovery(this_machine(layout, node_id, port))
             discovery.start()
             lan_servers = LanServers(
@@ -150,7 +160,11 @@ def up(
             def start_nats() -> subprocess.Popen[bytes]:
                 # Same port, store and users on every restart: services reconnect to it and find their history.
                 server = start_nats_server(
-                    root / "nats", port=nats_port, log_file=logs / "nats-server.log", authorization=authorization
+                    root / "nats",
+                    port=nats_port,
+                    log_file=logs / "nats-server.log",
+                    authorization=authorization,
+                    fsync=fsync,
                 )
                 server_url[:] = [server.url]
                 return server.process

@@ -9,6 +9,7 @@ import subprocess
 import sysconfig
 import time
 from dataclasses import dataclass
+from enum import StrEnum
 from pathlib import Path
 from urllib.parse import quote
 
@@ -20,6 +21,17 @@ ROUTE_USER = "jetshard"
 """The user name routes authenticate with; the password is the cluster's secret."""
 DATA_TAG = "jetshard-data"
 """Server tag of the servers that hold jetshard's streams (every server of a LAN cluster but the witness)."""
+
+
+class Fsync(StrEnum):
+    """When JetStream writes reach the disk, against when it acknowledges them."""
+
+    ALWAYS = "always"
+    """Before the acknowledgement (`sync_interval: always`): an acknowledged write survives an OS crash or a
+    power loss. Each write waits for the disk."""
+    INTERVAL = "interval"
+    """nats-server's default: in the background, every two minutes. Faster, but an OS crash or a power loss
+    loses what was acknowledged since the last sync (a killed nats-server does not: the page cache keeps it)."""
 
 
 def nats_server_binary() -> Path:
@@ -70,6 +82,7 @@ class ServerSettings:
     cluster: ClusterSettings | None = None
     monitor_port: int | None = None
     """The HTTP monitoring endpoint (`/routez`, `/jsz`), on loopback only."""
+    fsync: Fsync = Fsync.ALWAYS
 
     @property
     def ports_dir(self) -> Path:
@@ -83,7 +96,8 @@ class ServerSettings:
         ]
         if self.monitor_port is not None:
             lines.append(f"http: {json.dumps(f'127.0.0.1:{self.monitor_port}')}")
-        store = f"jetstream {{\n  store_dir: {json.dumps(str(self.store_dir / 'jetstream'))}\n}}"
+        sync = "\n  sync_interval: always" if self.fsync is Fsync.ALWAYS else ""
+        store = f"jetstream {{\n  store_dir: {json.dumps(str(self.store_dir / 'jetstream'))}{sync}\n}}"
         if (cluster := self.cluster) is None:
             lines.append(store)
         else:
@@ -153,13 +167,14 @@ def start_nats_server(
     authorization: str = "",
     cluster: ClusterSettings | None = None,
     monitor_port: int | None = None,
+    fsync: Fsync = Fsync.ALWAYS,
 ) -> NatsServer:
     """Start nats-server with JetStream on loopback; `port=-1` picks a free port. Returns once it listens.
 
     Without `authorization` (a config block, see `jetshard_bus.auth.server_authorization`) anyone may connect.
-    With `cluster` it joins a cluster over routes (see `ClusterSettings`).
+    With `cluster` it joins a cluster over routes (see `ClusterSettings`). `fsync`: see `Fsync`.
     """
-    settings = ServerSettings(store_dir, port, host, authorization, cluster, monitor_port)
+    settings = ServerSettings(store_dir, port, host, authorization, cluster, monitor_port, fsync)
     store_dir.mkdir(parents=True, exist_ok=True)
     settings.ports_dir.mkdir(exist_ok=True)
     for stale in settings.ports_dir.glob("*.ports"):
