@@ -297,7 +297,7 @@ class Tmux:
 @pytest.fixture
 def terminal(request: pytest.FixtureRequest) -> Iterator[Any]:
     if shutil.which("tmux") is None:
-        pytest.fail("tmux is needed for the terminal tests (apt-get install tmux; .ci/run installs it)")
+        pytest.fail("tmux is needed for the terminal tests (apt-get install tmux; tests/run installs it)")
     opened: list[Tmux] = []
 
     def open_terminal(*args: str) -> Tmux:

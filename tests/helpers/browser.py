@@ -29,7 +29,7 @@ def chromium() -> Iterator[Browser]:
     if not Path(CHROMIUM).exists():
         pytest.fail(
             f"the dashboard tests need Debian's Chromium at {CHROMIUM}: "
-            "apt-get update && apt-get install -y chromium (never `playwright install`)"
+            "apt-get install chromium, as tests/run does (never `playwright install`)"
         )
     with sync_playwright() as playwright:
         browser = playwright.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
