@@ -1,16 +1,23 @@
-"""Back-pressure: an instance's bounded queue (429 past it, nothing published) and keep-alive comments while a
-streaming request waits; serving settings set by `jetshard api`'s flags and by `POST /instances`.
+"""Back-pressure, decided by the sequencer for every API at once: an instance's bounded queue (429 past it,
+from any API), a task refused when it could not start before its client's deadline (429, never a timeout while
+queued), one instance for a cold model however many ask at once, tasks that die with the API holding their
+client; keep-alive comments while a streaming request waits; serving settings set by `jetshard api`'s flags
+and by `POST /instances`.
 
 One cluster for the module, all real processes: nats-server, a sequencer, an API started with
-`--max-batch 1 --max-queued 1` and a short `--keep-alive-s`, one node serving a tiny model that never stops by
-itself: requests with a large `max_tokens` run until their client leaves.
+`--max-batch 1 --max-queued 1` and a short `--keep-alive-s`, more APIs with other flags, one node serving tiny
+models that never stop by themselves: a request runs until its `max_tokens`, or until its client leaves.
+Liveness lapses after 4 s here, so a killed API's tasks go within seconds.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
+import signal
 import subprocess
 import sys
+from collections import Counter
 from collections.abc import AsyncIterator, Iterator
 from contextlib import AsyncExitStack
 from typing import Any
@@ -19,12 +26,14 @@ import httpx
 import pytest
 from helpers.harness import InferenceCluster, api_until, hub_cluster
 from helpers.tiny_models import endless_model, make_tiny_model
-from jetshard_bus.connect import connect
-from jetshard_bus.options import NatsOptions
-from jetshard_schema.subjects import COMMANDS_STREAM, TASKS_STREAM, command_subject
 
 MODEL = "back-pressure/tiny-llama"
 OTHER = "back-pressure/tiny-other"
+COLD = "back-pressure/tiny-cold"
+"""Added, never placed by the fixture: the first requests for it place its one instance."""
+ROOMY = ["--max-batch", "2", "--max-queued", "64"]
+"""The flags of the APIs that place COLD: a long queue, so that only the start deadline can refuse."""
+START_TIMEOUT_S = 2.0
 KEEP_ALIVE_S = 0.3
 API_SERVING = {"max_batch": 1, "max_queued": 1}
 """What `jetshard api`'s flags set (the weights dtype is resolved elsewhere)."""
@@ -38,33 +47,29 @@ pytestmark = pytest.mark.timeout(240)
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[InferenceCluster]:
     root = tmp_path_factory.mktemp("back-pressure")
-    with hub_cluster(root) as c:
+    with hub_cluster(root, {"JETSHARD_LIVENESS_TTL_S": "4"}) as c:
         c.hub.add_repo(MODEL, endless_model(root / "repos" / "tiny"))
+        c.hub.add_repo(COLD, endless_model(root / "repos" / "cold"))
         c.hub.add_repo(
             OTHER, make_tiny_model(root / "repos" / "other", arch="llama", num_layers=2, num_files=1, seed=5)
         )
         c.start_core(["--max-batch", "1", "--max-queued", "1", "--keep-alive-s", str(KEEP_ALIVE_S)])
         c.serve_one_node(MODEL)
         c.add_model(OTHER)
+        c.add_model(COLD)
         yield c
 
 
-TASK_COMMANDS = {command_subject("SubmitTask"), command_subject("CancelTask")}
+@pytest.fixture(scope="module")
+def roomy_api(cluster: InferenceCluster) -> str:
+    """A second API, placing with other serving flags and waiting as long as the first for a task to start."""
+    return cluster.start_api(ROOMY, name="api-roomy")
 
 
-async def task_traffic(nats_url: str) -> tuple[int, list[str]]:
-    """The sequence of JETSHARD_TASKS (task requests stored), and the subject of every task command stored."""
-    client, js = await connect(NatsOptions(servers=(nats_url,)), "test-reader")
-    try:
-        stored = int((await js.stream_info(TASKS_STREAM)).state.last_seq)
-        info = await js.stream_info(COMMANDS_STREAM)
-        subjects = [
-            (await js.get_msg(COMMANDS_STREAM, seq)).subject
-            for seq in range(info.state.first_seq, info.state.last_seq + 1)
-        ]
-        return stored, [s for s in subjects if s in TASK_COMMANDS]
-    finally:
-        await client.close()
+@pytest.fixture(scope="module")
+def impatient_api(cluster: InferenceCluster) -> str:
+    """A third API whose requests wait at most START_TIMEOUT_S for their task to start."""
+    return cluster.start_api([*ROOMY, "--start-timeout-s", str(START_TIMEOUT_S)], name="api-impatient")
 
 
 def tasks_of(state: dict[str, Any]) -> dict[str, dict[str, Any]]:
@@ -132,7 +137,9 @@ def test_place_with_bad_serving_settings_is_400(cluster: InferenceCluster, servi
     assert cluster.get("/instances") == before
 
 
-async def test_a_full_queue_is_429_and_a_queued_stream_is_kept_alive(cluster: InferenceCluster) -> None:
+async def test_a_full_queue_is_429_from_every_api_and_a_queued_stream_is_kept_alive(
+    cluster: InferenceCluster, roomy_api: str
+) -> None:
     async with AsyncExitStack() as streams, httpx.AsyncClient(base_url=cluster.api, timeout=60) as http:
         # One task runs (max_batch 1)…
         running = await streams.enter_async_context(http.stream("POST", "/v1/chat/completions", json=ENDLESS))
@@ -153,14 +160,19 @@ async def test_a_full_queue_is_429_and_a_queued_stream_is_kept_alive(cluster: In
         (queued_task,) = [t for task_id, t in tasks_of(state).items() if task_id != running_id]
         assert not queued_task["started"]
 
-        # …and a third has no place: 429, whatever the route or the stream flag, and nothing is published.
-        before = await task_traffic(cluster.nats.url)
-        for path, body in (
-            ("/v1/chat/completions", {**ENDLESS, "stream": False}),
-            ("/v1/chat/completions", ENDLESS),
-            ("/v1/completions", {"model": MODEL, "prompt": "Once upon a time", "max_tokens": 4, "stream": True}),
+        # …and a third has no place: 429, whatever the route or the stream flag, and from any API: the sequencer
+        # counts the queue for all of them.
+        for api, path, body in (
+            (cluster.api, "/v1/chat/completions", {**ENDLESS, "stream": False}),
+            (cluster.api, "/v1/chat/completions", ENDLESS),
+            (
+                cluster.api,
+                "/v1/completions",
+                {"model": MODEL, "prompt": "Once upon a time", "max_tokens": 4, "stream": True},
+            ),
+            (roomy_api, "/v1/chat/completions", ENDLESS),
         ):
-            refused = await http.post(path, json=body)
+            refused = await http.post(f"{api}{path}", json=body)
             assert refused.status_code == 429, refused.text
             assert refused.json() == {
                 "error": {
@@ -172,7 +184,6 @@ async def test_a_full_queue_is_429_and_a_queued_stream_is_kept_alive(cluster: In
             }
             assert MODEL in refused.json()["error"]["message"]
             assert int(refused.headers["retry-after"]) >= 1
-        assert await task_traffic(cluster.nats.url) == before
         assert len(tasks_of((await http.get("/state")).json())) == 2
 
         # The queued stream was kept alive all along.
@@ -181,3 +192,72 @@ async def test_a_full_queue_is_429_and_a_queued_stream_is_kept_alive(cluster: In
     # Both clients left: their tasks are cancelled, and the instance is free for the module's other tests.
     async with httpx.AsyncClient(base_url=cluster.api, timeout=60) as http:
         await api_until(http, lambda s: not tasks_of(s), "/state", 30)
+
+
+def cold_chat(max_tokens: int, stream: bool = False) -> dict[str, Any]:
+    return {"model": COLD, "messages": MESSAGES, "max_tokens": max_tokens, "temperature": 0, "stream": stream}
+
+
+SHORT_ANSWER = 24
+"""Tokens of every COLD answer: tasks of one size, so the instance's measured pace says how long the next takes."""
+
+
+async def test_eight_concurrent_first_requests_share_one_instance(cluster: InferenceCluster, roomy_api: str) -> None:
+    assert cluster.instances_of(COLD) == []
+    async with httpx.AsyncClient(base_url=roomy_api, timeout=180) as http:
+        answers = await asyncio.gather(
+            *(http.post("/v1/chat/completions", json=cold_chat(SHORT_ANSWER)) for _ in range(8))
+        )
+    assert [a.status_code for a in answers] == [200] * 8, [a.text for a in answers if a.status_code != 200]
+    assert all(a.json()["usage"]["completion_tokens"] == SHORT_ANSWER for a in answers)
+    (instance,) = cluster.instances_of(COLD)
+    assert instance["status"] == "ready" and instance["serving"]["max_queued"] == 64
+    # The sequencer measured its pace from those eight.
+    state = cluster.get("/state")
+    assert state["instances"][instance["instance_id"]]["task_ms"] > 0
+
+
+async def test_a_burst_past_what_can_start_in_time_is_answered_or_429_never_timed_out(
+    cluster: InferenceCluster, roomy_api: str, impatient_api: str
+) -> None:
+    (instance,) = cluster.instances_of(COLD)  # placed by the test before
+    task_ms = cluster.get("/state")["instances"][instance["instance_id"]]["task_ms"]
+    max_batch = instance["serving"]["max_batch"]
+    # Enough requests that the last ones would wait twice the deadline at the measured pace.
+    burst = max_batch + int(2 * START_TIMEOUT_S * 1000 * max_batch / task_ms) + 4
+    assert burst <= max_batch + 64, f"tasks of {task_ms:.0f} ms fill no queue: make SHORT_ANSWER larger"
+    async with httpx.AsyncClient(base_url=impatient_api, timeout=120) as http:
+        answers = await asyncio.gather(
+            *(http.post("/v1/chat/completions", json=cold_chat(SHORT_ANSWER)) for _ in range(burst))
+        )
+    statuses = Counter(a.status_code for a in answers)
+    assert set(statuses) == {200, 429}, {a.status_code: a.text for a in answers if a.status_code not in (200, 429)}
+    refused = [a for a in answers if a.status_code == 429]
+    assert all(
+        a.json()["error"]["code"] == "queue_full" and "to start" in a.json()["error"]["message"] for a in refused
+    )
+    assert all(1 <= int(a.headers["retry-after"]) <= 2 * START_TIMEOUT_S + task_ms / 1000 for a in refused)
+
+
+async def test_a_killed_apis_tasks_are_cancelled_within_the_liveness_ttl(
+    cluster: InferenceCluster, roomy_api: str
+) -> None:
+    doomed_url = cluster.start_api(ROOMY, name="api-doomed")
+    doomed = cluster.processes.started[-1]  # the API just started
+    async with httpx.AsyncClient(timeout=60) as http:
+        async with http.stream("POST", f"{doomed_url}/v1/chat/completions", json={**ENDLESS, "model": COLD}) as live:
+            assert live.status_code == 200
+            state = await api_until(
+                http, lambda s: any(t["started"] for t in cold_tasks(s).values()), f"{cluster.api}/state", 60
+            )
+            (task_id,) = cold_tasks(state)
+            cluster.processes.kill(doomed, signal.SIGKILL)
+            # Nobody is left to read it: the sequencer cancels it once the API's liveness key lapses (4 s).
+            await api_until(http, lambda s: task_id not in s["tasks"], f"{cluster.api}/state", 20)
+        # The instance is free again, and serves through another API.
+        again = await http.post(f"{roomy_api}/v1/chat/completions", json=cold_chat(4))
+        assert again.status_code == 200, again.text
+
+
+def cold_tasks(state: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    return {task_id: task for task_id, task in state["tasks"].items() if task["ref"]["model_id"] == COLD}

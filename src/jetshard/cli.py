@@ -107,8 +107,8 @@ def sequencer(
     type=click.FloatRange(min=0, min_open=True),
     default=300.0,
     show_default=True,
-    help="how long a request waits in its instance's queue for its turn; one that could not start in this long "
-    "at the instance's measured pace is refused with 429 at once",
+    help="how long a request may wait in its instance's queue for its turn: one that could not start in this "
+    "long at the instance's measured pace is refused with 429 at once (one admitted is given twice this)",
 )
 @option(
     "--first-chunk-timeout-s",

@@ -156,6 +156,11 @@ def _instance_placed(event: events.InstancePlaced) -> str:
 
 
 @gist.register
+def _instance_chosen(event: events.InstanceChosen) -> str:
+    return f"{event.instance_id} serves {event.model_id}: it was placed already"
+
+
+@gist.register
 def _instance_deleted(event: events.InstanceDeleted) -> str:
     return f"{event.instance_id}: {short(event.reason)}"
 

@@ -36,6 +36,10 @@ LOST_CHUNK_GRACE_S = 5.0
 """Once the task has finished, how long its remaining chunks may take: they were published before its
 TaskFinished, over core NATS, which drops them when a server fails; past this they are lost."""
 
+ADMITTED_WAIT_SLACK = 2.0
+"""An admitted task was predicted to start within `start_timeout_s` from its instance's recent pace; a burst
+slows every task down, so it is given this many times that before its request gives up waiting."""
+
 REQUEST_ERRORS = frozenset({"context_length_exceeded", "invalid_prompt", "invalid_schema", "invalid_request"})
 """A runner's error codes that are the request's fault: 400, not 502."""
 
@@ -130,8 +134,8 @@ class ChunkStream:
 
     def _deadline(self, waiting_since: float) -> tuple[float, ApiError]:
         """When the wait for the next chunk gives up, and with which error. A task still queued has
-        `start_timeout_s` from its submission; the first chunk of a started one `first_chunk_timeout_s` from
-        its start; any later chunk `chunk_silence_s` from the one before."""
+        `start_timeout_s` (with slack) from its submission; the first chunk of a started one
+        `first_chunk_timeout_s` from its start; any later chunk `chunk_silence_s` from the one before."""
         settings = self._settings
         if self._next_index > 0:
             silence = settings.chunk_silence_s
@@ -140,7 +144,7 @@ class ChunkStream:
             )
         task = self._cluster.state.tasks.get(self._request.task_id)
         if task is not None and not task.started:
-            waited = settings.start_timeout_s
+            waited = settings.start_timeout_s * ADMITTED_WAIT_SLACK
             return self._submitted_at + waited, ApiError(
                 504, f"the task waited {waited:.0f} s in its instance's queue without starting", "queue_timeout"
             )

@@ -29,7 +29,7 @@ from jetshard_schema import subjects
 from jetshard_schema.codec import decode_command, encode
 from jetshard_schema.commands import ExpireNode, ExpireRequester, ForgetInstance
 from jetshard_schema.events import CommandRejected, Event, EventEnvelope, TaskAssigned
-from jetshard_schema.ids import CommandId, InstanceId, NodeId, ValidCommandId, new_id
+from jetshard_schema.ids import CommandId, InstanceId, ValidCommandId, new_id
 from jetshard_schema.state import State, apply
 from jetshard_schema.stats import SequencerStats
 from jetshard_schema.types import RejectCode
