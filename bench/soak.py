@@ -7,8 +7,9 @@ stream chats one after another (`/v1/chat/completions`, stream=true, `--max-toke
 chat has its first token the process is killed with SIGKILL (found by its command line in the process tree
 of `jetshard up`, whose supervisor restarts what dies), and from then a probe sends short chats (4 tokens,
 retrying every 0.25 s; the clients retry every 1 s; `jetshard up` runs with max_batch 9 so it never queues
-behind them) until one is answered. Then the load pauses: a request that had a token in the last 5 s is
-closed (the API must cancel its task), the others are waited for until they end or are hung.
+behind them) until one is answered. Then the load pauses: the requests sent before the kill are waited for
+(until they end or are hung); of those sent after it, one that had a token in the last 5 s is closed (the
+API must cancel its task), the others are waited for too.
 
 One row per fault, each request counted under the fault it was sent after:
   * answered (a finish reason came); ended with a clear error (an HTTP error status, an SSE error event, or
@@ -111,6 +112,7 @@ class Slot:
     """One client's request in flight, as a pause sees it."""
 
     in_flight: bool = False
+    started: float = 0.0
     last_token: float | None = None
 
 
@@ -141,16 +143,18 @@ class Load:
             slot = Slot()
             self.clients[asyncio.create_task(self.client(max_requests, slot))] = slot
 
-    async def pause(self) -> None:
-        """Send no more requests; close each request in flight once it has had a token in the last
-        `PROGRESSING_S` (so not hung, and its task is the API's to cancel), wait for the others to end or be
-        found hung."""
+    async def pause(self, struck_at: float) -> None:
+        """Send no more requests. Those in flight since before the fault (`struck_at`) are waited for: whether
+        they end well is what the fault tells. Of the later ones, each is closed once it has had a token in the
+        last `PROGRESSING_S` (so it is not hung, and its task is the API's to cancel); the others are waited
+        for until they end or are found hung."""
         self.pausing = True
-        deadline = time.monotonic() + HUNG_S + HUNG_GRACE_S + 5.0
+        deadline = time.monotonic() + REQUEST_CAP_S
         while self.clients and time.monotonic() < deadline:
             now = time.monotonic()
             for task, slot in self.clients.items():
-                if not slot.in_flight or (slot.last_token is not None and now - slot.last_token < PROGRESSING_S):
+                progressing = slot.last_token is not None and now - slot.last_token < PROGRESSING_S
+                if not slot.in_flight or (slot.started >= struck_at and progressing):
                     task.cancel()
             done, _ = await asyncio.wait(self.clients, timeout=0.25)
             for task in done:
@@ -195,7 +199,7 @@ class Load:
 
     async def chat(self, max_tokens: int, probe: bool = False, slot: Slot | None = None) -> Outcome:
         slot = slot or Slot()
-        slot.in_flight, slot.last_token = True, None
+        slot.in_flight, slot.started, slot.last_token = True, time.monotonic(), None
         try:
             return await self._chat(max_tokens, probe, slot)
         finally:
@@ -469,11 +473,11 @@ def notable_lines(root: Path, marks: dict[Path, int], until: dict[Path, int], pe
     """The lines of the cluster's logs written between `marks` and `until` that look like trouble."""
     out = []
     for path in log_files(root):
-        if not path.exists():
-            continue
+        if not path.exists() or path not in until:
+            continue  # not there yet when the row's checks ended
         with open(path, "rb") as file:
             file.seek(marks.get(path, 0))
-            text = file.read(max(0, until.get(path, path.stat().st_size) - marks.get(path, 0)))
+            text = file.read(max(0, until[path] - marks.get(path, 0)))
         lines = [line for line in text.decode(errors="replace").splitlines() if NOTABLE.search(line)]
         if lines:
             out.append(f"  {path.relative_to(root)} ({len(lines)} such lines; the last {min(per_file, len(lines))}):")
@@ -557,7 +561,8 @@ async def soak(
                     row.pids = ",".join(str(p.pid) for p in targets) or "none found"
                     if targets:
                         kill_all(targets)
-                        print(f"{elapsed(start)} {fault}: killed pid {row.pids} (SIGKILL)", flush=True)
+                        at = time.strftime("%H:%M:%S")
+                        print(f"{elapsed(start)} {fault}: killed pid {row.pids} (SIGKILL) at {at}", flush=True)
                     else:
                         print(f"{elapsed(start)} {fault}: no such process under jetshard up", flush=True)
                         row.left_behind.append(f"no {fault} process found to kill")
@@ -578,9 +583,9 @@ async def soak(
                         next_progress += PROGRESS_EVERY_S
                         waiting = "" if row.served_again_s is not None else "; no chat answered since the kill yet"
                         print(f"{elapsed(start)} {fault}: {summary(load.of(number))}{waiting}", flush=True)
-                print(f"{elapsed(start)} {fault}: pausing the load (closing its streams); State settles", flush=True)
+                print(f"{elapsed(start)} {fault}: pausing the load; State settles", flush=True)
                 checks_began = time.monotonic()
-                await load.pause()
+                await load.pause(row.killed_at)
                 await probe
                 watcher.cancel()
                 row.outcomes = load.of(number)
