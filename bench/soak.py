@@ -31,7 +31,9 @@ directory, runners' logs included).
 The run takes about `--duration-s` (startup included, split evenly between the rows; each fault's window
 lasts at least its goal + 15 s); every wait has its own cap, so a cluster that never recovers still ends a
 few minutes after it. Every process it started is killed on the way out, Ctrl-C included. On a 2-core
-machine without a fast BLAS one round of 8 chats of 32 tokens takes about a minute.
+machine without a fast BLAS one round of 8 chats of 32 tokens takes about a minute, and a row (the load
+starting, the window, the pause) at least about 100 s: all six faults take about 12 minutes even when
+`--duration-s` is 600.
 
     python3 -m uv run python bench/soak.py --duration-s 600
     python3 -m uv run python bench/soak.py --duration-s 150 --faults runner,api     # while developing
