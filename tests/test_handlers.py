@@ -219,6 +219,30 @@ def test_expire_node_tears_down_its_instances_and_places_them_again(cluster: InM
     assert list(cluster.state.nodes) == [B]
 
 
+def test_a_restarted_worker_restarts_the_instances_its_runners_served(cluster: InMemoryCluster) -> None:
+    """A new session of a known node is its worker restarted, whose runners died with it: their READY must not
+    stand until the liveness TTL runs out, nor wait for the new worker to report them."""
+    cluster.join(A, 16)
+    cluster.join(B, 16)
+    spanning = cluster.place("inst-1", [A, B])
+    elsewhere = cluster.place("inst-2", [B])
+    cluster.make_ready(spanning)
+    cluster.make_ready(elsewhere)
+    events = cluster.run(ReportNodeProfile(node_id=A, session_id="s2", profile=profile(16)))
+    assert events[0] == NodeJoined(node_id=A, session_id="s2", profile=profile(16))
+    assert events[1:] == [
+        InstanceRestarting(
+            instance_id=spanning,
+            generation=1,
+            attempt=1,
+            not_before_ms=cluster.now_ms + 1000,
+            reason=f"the worker on {A} restarted; its runners died with it",
+        )
+    ]
+    assert instance_status(cluster.state, cluster.state.instances[spanning]) is not InstanceStatus.READY
+    assert instance_status(cluster.state, cluster.state.instances[elsewhere]) is InstanceStatus.READY
+
+
 def test_expire_node_is_deterministic() -> None:
     def expire() -> list[Event]:
         cluster = InMemoryCluster()

@@ -91,7 +91,7 @@ def test_a_restart_waits_for_its_back_off_and_drops_the_old_generation() -> None
     assert later.report_endpoint == (RunnerKey(INSTANCE, 1),)
 
 
-def test_runners_of_a_previous_worker_life_are_reported_stale() -> None:
+def test_runners_of_a_previous_worker_life_are_left_to_the_sequencer_to_restart() -> None:
     ready = RunnerStatusChanged(
         instance_id=INSTANCE,
         generation=0,
@@ -99,8 +99,7 @@ def test_runners_of_a_previous_worker_life_are_reported_stale() -> None:
     )
     state = fold(*PLACED, downloaded(A, 0, 2), endpoint(A, 0), endpoint(B, 1), ready)
     wanted = plan(state, A, "new", frozenset(), now_ms=0)
-    assert wanted.stale == ((INSTANCE, 0, 0),)
-    assert wanted.start == ()
+    assert (wanted.start, wanted.report_endpoint, wanted.keep) == ((), (), frozenset())
 
 
 def test_nodes_without_a_shard_plan_nothing() -> None:

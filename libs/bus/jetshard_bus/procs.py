@@ -9,40 +9,45 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
+from typing import IO
 
 PR_SET_PDEATHSIG = 1
 
-
-def die_with_parent(parent_death_signal: signal.Signals) -> Callable[[], None]:
-    """A `preexec_fn` for `subprocess.Popen`: the child leads a process group of its own (so the group can be
-    signalled as one), blocks no signal, and on Linux gets `parent_death_signal` when its parent dies."""
-
-    def prepare_child() -> None:
-        os.setsid()
-        # A blocked signal stays blocked across exec: a parent that held Ctrl-C back while starting the child
-        # would leave it deaf to SIGTERM.
-        signal.pthread_sigmask(signal.SIG_SETMASK, set())
-        if sys.platform == "linux":
-            libc = ctypes.CDLL("libc.so.6", use_errno=True)
-            libc.prctl(PR_SET_PDEATHSIG, parent_death_signal)
-
-    return prepare_child
+# Resolved here, before any fork: the child of a multi-threaded parent runs between fork and exec, where loading a
+# library (a lock another thread held at the fork stays locked for ever) is not safe; calling a resolved function is.
+_prctl = ctypes.CDLL(None, use_errno=True).prctl if sys.platform == "linux" else None
 
 
-# SIGTERM: a service whose `jetshard up` died still shuts down cleanly (its last reports, a drained connection).
-_die_with_parent = die_with_parent(signal.SIGTERM)
+def _prepare_child() -> None:
+    """Runs in the child between fork and exec (`start_new_session` already made it a group leader, so the group
+    can be signalled as one): block no signal, and on Linux get SIGTERM when the parent dies, so a service whose
+    `jetshard up` died still shuts down cleanly (its last reports, a drained connection)."""
+    # A blocked signal stays blocked across exec: a parent that held Ctrl-C back while starting the child would
+    # leave it deaf to SIGTERM.
+    signal.pthread_sigmask(signal.SIG_SETMASK, set())
+    if _prctl is not None:
+        _prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
 def spawn(args: Sequence[str], log_file: Path | None, env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
     """Start `args` in a new process group that is signalled when this process dies."""
     if log_file is None:
-        return subprocess.Popen(
-            list(args), stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT, env=env, preexec_fn=_die_with_parent
-        )
+        return _popen(args, subprocess.DEVNULL, env)
     with open(log_file, "ab") as log:  # the child has its own copy; ours would leak one per restart
-        return subprocess.Popen(list(args), stdout=log, stderr=subprocess.STDOUT, env=env, preexec_fn=_die_with_parent)
+        return _popen(args, log, env)
+
+
+def _popen(args: Sequence[str], stdout: int | IO[bytes], env: dict[str, str] | None) -> subprocess.Popen[bytes]:
+    return subprocess.Popen(
+        list(args),
+        stdout=stdout,
+        stderr=subprocess.STDOUT,
+        env=env,
+        start_new_session=True,
+        preexec_fn=_prepare_child,
+    )
 
 
 def signal_group(process: subprocess.Popen[bytes], sig: signal.Signals) -> None:

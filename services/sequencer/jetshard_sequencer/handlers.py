@@ -75,8 +75,21 @@ def storage_changed_meaningfully(old: NodeStorage, new: NodeStorage) -> bool:
 
 def _report_node_profile(state: State, command: commands.ReportNodeProfile, ctx: Context) -> list[events.Event]:
     known = state.nodes.get(command.node_id)
-    if known is None or known.session_id != command.session_id:
-        return [events.NodeJoined(node_id=command.node_id, session_id=command.session_id, profile=command.profile)]
+    joined = events.NodeJoined(node_id=command.node_id, session_id=command.session_id, profile=command.profile)
+    if known is None:
+        return [joined]
+    if known.session_id != command.session_id:
+        # A new session of a known node is its worker restarted: the runners of the old one died with it (they
+        # cannot outlive their worker), so whatever they last reported, READY included, is no longer true.
+        reason = f"the worker on {command.node_id} restarted; its runners died with it"
+        return [
+            joined,
+            *(
+                _restart_or_fail(state, instance, reason, ctx)
+                for instance in sorted(state.instances.values(), key=lambda i: i.instance_id)
+                if instance.shard_for(command.node_id) is not None and not instance.failed
+            ),
+        ]
     if profile_changed_meaningfully(known.profile, command.profile):
         return [events.NodeUpdated(node_id=command.node_id, profile=command.profile)]
     return []
@@ -319,6 +332,14 @@ def _forget_instance(state: State, command: commands.ForgetInstance, ctx: Contex
     return [events.InstanceDeleted(instance_id=command.instance_id, reason="failed; its retention ran out")]
 
 
+def past_retention(state: State, now_ms: int, retention_s: float) -> list[InstanceId]:
+    """The failed instances to forget (the sequencer sends itself `ForgetInstance` for each): those that failed
+    longer than `retention_s` ago, or before failures carried their time."""
+    return sorted(
+        i.instance_id for i in state.instances.values() if i.failed and now_ms - i.failed_at_ms >= retention_s * 1000
+    )
+
+
 def _delete_instance(state: State, command: commands.DeleteInstance, ctx: Context) -> list[events.Event]:
     if command.instance_id not in state.instances:
         return _reject(command, RejectCode.NOT_FOUND, f"no instance {command.instance_id}")
@@ -352,28 +373,29 @@ def _report_runner_status(state: State, command: commands.ReportRunnerStatus, ct
     if runner.status not in (RunnerStatus.FAILED, RunnerStatus.STOPPED):
         return [changed]
     reason = runner.reason or f"rank {runner.rank} on {runner.node_id} stopped"
+    return [changed, _restart_or_fail(state, instance, reason, ctx)]
+
+
+def _restart_or_fail(
+    state: State, instance: Instance, reason: str, ctx: Context
+) -> events.InstanceRestarting | events.InstanceFailed:
+    """A runner of `instance` is gone: start a new generation after a back-off that grows with each restart in a
+    row (a ready instance starts counting again), or give up after `ctx.max_restarts`."""
     was_ready = instance_status(state, instance) is InstanceStatus.READY
     attempt = 1 if was_ready else instance.restart_attempt + 1
     if attempt > ctx.max_restarts:
-        return [
-            changed,
-            events.InstanceFailed(
-                instance_id=command.instance_id,
-                reason=f"{reason}; gave up after {ctx.max_restarts} restarts",
-                at_ms=ctx.now_ms,
-            ),
-        ]
-    backoff_ms = ctx.restart_backoff_ms * 2 ** (attempt - 1)
-    return [
-        changed,
-        events.InstanceRestarting(
-            instance_id=command.instance_id,
-            generation=instance.generation + 1,
-            attempt=attempt,
-            not_before_ms=ctx.now_ms + backoff_ms,
-            reason=reason,
-        ),
-    ]
+        return events.InstanceFailed(
+            instance_id=instance.instance_id,
+            reason=f"{reason}; gave up after {ctx.max_restarts} restarts",
+            at_ms=ctx.now_ms,
+        )
+    return events.InstanceRestarting(
+        instance_id=instance.instance_id,
+        generation=instance.generation + 1,
+        attempt=attempt,
+        not_before_ms=ctx.now_ms + ctx.restart_backoff_ms * 2 ** (attempt - 1),
+        reason=reason,
+    )
 
 
 # --- tasks -------------------------------------------------------------------------------------------------

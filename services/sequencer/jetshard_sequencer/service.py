@@ -29,7 +29,7 @@ from jetshard_schema import subjects
 from jetshard_schema.codec import decode_command, encode
 from jetshard_schema.commands import ExpireNode, ExpireRequester, ForgetInstance
 from jetshard_schema.events import CommandRejected, Event, EventEnvelope, TaskAssigned
-from jetshard_schema.ids import CommandId, InstanceId, ValidCommandId, new_id
+from jetshard_schema.ids import CommandId, ValidCommandId, new_id
 from jetshard_schema.state import State, apply
 from jetshard_schema.stats import SequencerStats
 from jetshard_schema.types import RejectCode
@@ -40,7 +40,7 @@ from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy, Header, Stream
 from nats.js.kv import KeyValue
 from opentelemetry.trace import Span, StatusCode
 
-from jetshard_sequencer.handlers import Context, handle
+from jetshard_sequencer.handlers import Context, handle, past_retention
 
 log = logging.getLogger(__name__)
 
@@ -453,17 +453,10 @@ class Leader:
                 await publish_command(
                     self._js, ExpireRequester(session_id=session_id), CommandId(f"expire-api-{session_id}")
                 )
-            for instance_id in _past_retention(state, int(time.time() * 1000), self._config.failed_retention_s):
+            for instance_id in past_retention(state, int(time.time() * 1000), self._config.failed_retention_s):
                 await publish_command(
                     self._js, ForgetInstance(instance_id=instance_id), CommandId(f"forget-{instance_id}")
                 )
-
-
-def _past_retention(state: State, now_ms: int, retention_s: float) -> list[InstanceId]:
-    """Failed instances that failed longer than `retention_s` ago (or before failures carried their time)."""
-    return sorted(
-        i.instance_id for i in state.instances.values() if i.failed and now_ms - i.failed_at_ms >= retention_s * 1000
-    )
 
 
 def _batch_headers(count: int, last_seq: int) -> list[dict[str, str]]:

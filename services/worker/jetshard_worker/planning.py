@@ -32,12 +32,10 @@ class Plan(msgspec.Struct, frozen=True, kw_only=True):
     start: tuple[RunnerPlan, ...] = ()
     keep: frozenset[RunnerKey] = frozenset()
     """Every runner that may run now; anything else running is stopped."""
-    stale: tuple[tuple[InstanceId, int, int], ...] = ()
-    """(instance, generation, rank) of runners a previous life of this worker reported as alive."""
 
 
 def plan(state: State, node_id: NodeId, session_id: str, running: frozenset[RunnerKey], now_ms: int) -> Plan:
-    report, start, keep, stale = [], [], set(), []
+    report, start, keep = [], [], set()
     for instance in sorted(state.instances.values(), key=lambda i: i.instance_id):
         shard = instance.shard_for(node_id)
         if shard is None or instance.failed:
@@ -49,7 +47,8 @@ def plan(state: State, node_id: NodeId, session_id: str, running: frozenset[Runn
             and mine.worker_session != session_id
             and mine.status not in (RunnerStatus.STOPPED, RunnerStatus.FAILED)
         ):
-            stale.append((instance.instance_id, instance.generation, shard.rank))
+            # A runner of this worker's previous life, which died with it: the sequencer restarts the instance when
+            # this session joins; until then its old endpoints and statuses are not to be built on.
             continue
         if now_ms < instance.not_before_ms:
             continue  # restart back-off
@@ -62,7 +61,7 @@ def plan(state: State, node_id: NodeId, session_id: str, running: frozenset[Runn
         runner_plan = _startable(state, instance, node_id)
         if runner_plan is not None:
             start.append(runner_plan)
-    return Plan(report_endpoint=tuple(report), start=tuple(start), keep=frozenset(keep), stale=tuple(stale))
+    return Plan(report_endpoint=tuple(report), start=tuple(start), keep=frozenset(keep))
 
 
 def _startable(state: State, instance: Instance, node_id: NodeId) -> RunnerPlan | None:

@@ -114,14 +114,6 @@ class RunnerSupervisor:
         state = self._state
         now_ms = int(time.time() * 1000)
         wanted = plan(state, self.node_id, self.session_id, frozenset(self._running), now_ms)
-        for instance_id, generation, rank in wanted.stale:
-            self._report(
-                instance_id,
-                generation,
-                rank,
-                RunnerStatus.STOPPED,
-                "its worker restarted; the runner of its previous life is gone",
-            )
         for key in list(self._running):
             if key not in wanted.keep:
                 await self._stop(key)
