@@ -54,16 +54,18 @@ def ensure(cluster: InMemoryCluster, instance: str) -> InstanceId:
 
 
 def submit(cluster: InMemoryCluster, task: str, start_within_ms: int | None = None, requester: str = "api-1") -> object:
-    ref = TaskRef(task_id=TaskId(task), model_id=MODEL, kind=TaskKind.CHAT, request_seq=1, requester=requester)
+    ref = TaskRef(task_id=TaskId(task), model_id=MODEL, kind=TaskKind.CHAT, requester=requester)
     (event,) = cluster.run(SubmitTask(task=ref, start_within_ms=start_within_ms))
     return event
 
 
 def start_and_finish(cluster: InMemoryCluster, instance: InstanceId, task: str, took_ms: int) -> None:
-    cluster.run(ReportTaskStarted(task_id=TaskId(task), instance_id=instance, prompt_tokens=3))
+    cluster.run(ReportTaskStarted(node_id=A, task_id=TaskId(task), instance_id=instance, prompt_tokens=3))
     cluster.now_ms += took_ms
     usage = Usage(prompt_tokens=3, completion_tokens=4)
-    cluster.run(ReportTaskFinished(task_id=TaskId(task), instance_id=instance, outcome=TaskOutcome.STOP, usage=usage))
+    cluster.run(
+        ReportTaskFinished(node_id=A, task_id=TaskId(task), instance_id=instance, outcome=TaskOutcome.STOP, usage=usage)
+    )
 
 
 def test_concurrent_first_requests_place_one_instance(cluster: InMemoryCluster) -> None:
@@ -151,9 +153,7 @@ def test_a_task_that_could_not_start_in_time_is_refused_with_a_retry_from_the_pa
     # Now the queue is full: the retry is the time one place takes to free, 10 s / 2 rows.
     full = submit(cluster, "one-more", start_within_ms=60_000)
     assert isinstance(full, CommandRejected) and full.retry_after_s == 5
-    negative = SubmitTask(
-        task=TaskRef(task_id=TaskId("t"), model_id=MODEL, kind=TaskKind.CHAT, request_seq=1), start_within_ms=-1
-    )
+    negative = SubmitTask(task=TaskRef(task_id=TaskId("t"), model_id=MODEL, kind=TaskKind.CHAT), start_within_ms=-1)
     rejected(cluster.run(negative), RejectCode.INVALID)
 
 

@@ -67,7 +67,7 @@ def downloaded(node: NodeId, start: int, end: int) -> DownloadCompleted:
 
 
 def assigned(task: str) -> TaskAssigned:
-    ref = TaskRef(task_id=TaskId(task), model_id=MODEL, kind=TaskKind.CHAT, request_seq=1)
+    ref = TaskRef(task_id=TaskId(task), model_id=MODEL, kind=TaskKind.CHAT)
     return TaskAssigned(task=ref, instance_id=INST, generation=0)
 
 

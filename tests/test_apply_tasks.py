@@ -34,7 +34,7 @@ from jetshard_schema.types import (
 MODEL = ModelId("acme/tiny-7")
 INST = InstanceId("inst-1")
 TASK = TaskId("task-1")
-REF = TaskRef(task_id=TASK, model_id=MODEL, kind=TaskKind.CHAT, request_seq=7)
+REF = TaskRef(task_id=TASK, model_id=MODEL, kind=TaskKind.CHAT)
 
 SAMPLES: list[Event] = [
     TaskAssigned(task=REF, instance_id=INST, generation=0),
@@ -66,7 +66,7 @@ def test_every_event_type_is_exercised() -> None:
 
 def test_assigned_then_started() -> None:
     state = fold(PLACED, SAMPLES[0])
-    assert state.tasks == {TASK: Task(ref=REF, instance_id=INST, generation=0)}
+    assert state.tasks == {TASK: Task(ref=REF, instance_id=INST, generation=0, assigned_seq=2)}
     assert state.unstarted_tasks(INST, 0) == [state.tasks[TASK]]
     state = fold(SAMPLES[1], state=state)
     assert state.tasks[TASK].started
@@ -80,12 +80,10 @@ def test_unstarted_tasks_are_those_of_one_generation_in_assignment_order() -> No
     state = fold(
         PLACED,
         TaskAssigned(task=REF, instance_id=INST, generation=0),
-        TaskAssigned(task=msgspec.structs.replace(REF, task_id=later, request_seq=8), instance_id=INST, generation=0),
-        TaskAssigned(
-            task=msgspec.structs.replace(REF, task_id=other_generation, request_seq=9), instance_id=INST, generation=1
-        ),
+        TaskAssigned(task=msgspec.structs.replace(REF, task_id=later), instance_id=INST, generation=0),
+        TaskAssigned(task=msgspec.structs.replace(REF, task_id=other_generation), instance_id=INST, generation=1),
     )
-    assert [(t.task_id, t.ref.request_seq) for t in state.unstarted_tasks(INST, 0)] == [(TASK, 7), (later, 8)]
+    assert [t.task_id for t in state.unstarted_tasks(INST, 0)] == [TASK, later]
     assert [t.task_id for t in state.unstarted_tasks(INST, 1)] == [other_generation]
 
 

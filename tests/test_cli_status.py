@@ -68,7 +68,7 @@ def test_a_gist_is_one_short_line_without_tensor_lists() -> None:
 
 
 def test_the_view_summarises_nodes_instances_and_tasks() -> None:
-    task = TaskRef(task_id="t1", model_id="org/m", kind=TaskKind.CHAT, request_seq=1)
+    task = TaskRef(task_id="t1", model_id="org/m", kind=TaskKind.CHAT)
     state = fold(
         events.NodeJoined(node_id="a", session_id="s", profile=PROFILE),
         events.NodeJoined(node_id="b", session_id="s", profile=PROFILE),

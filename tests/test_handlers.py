@@ -74,7 +74,7 @@ from jetshard_schema.types import (
     Usage,
     WeightsDtype,
 )
-from jetshard_sequencer.handlers import Context, handle
+from jetshard_sequencer.handlers import Context, handle, misaddressed
 
 GiB = 2**30
 A, B, C = NodeId("node-a"), NodeId("node-b"), NodeId("node-c")
@@ -387,7 +387,7 @@ def test_runner_endpoint_checks_rank_and_generation(cluster: InMemoryCluster) ->
     assert cluster.run(ok) == [
         RunnerEndpointReported(instance_id=instance, generation=0, node_id=B, rank=1, endpoint=Endpoint("h", 9))
     ]
-    rejected(cluster.run(msgspec.structs.replace(ok, rank=0)), RejectCode.INVALID)
+    rejected(cluster.run(msgspec.structs.replace(ok, rank=0)), RejectCode.FORBIDDEN)
     assert cluster.run(msgspec.structs.replace(ok, generation=5)) == []
 
 
@@ -435,9 +435,7 @@ def test_a_ready_instance_failing_again_starts_counting_from_one(cluster: InMemo
 
 
 def submit(cluster: InMemoryCluster, task: str) -> list[Event]:
-    return cluster.run(
-        SubmitTask(task=TaskRef(task_id=TaskId(task), model_id=MODEL, kind=TaskKind.CHAT, request_seq=1))
-    )
+    return cluster.run(SubmitTask(task=TaskRef(task_id=TaskId(task), model_id=MODEL, kind=TaskKind.CHAT)))
 
 
 def test_submit_routes_to_the_ready_instance_with_fewest_tasks(cluster: InMemoryCluster) -> None:
@@ -459,6 +457,7 @@ def test_submit_routes_to_the_ready_instance_with_fewest_tasks(cluster: InMemory
         if instance == first:
             cluster.run(
                 ReportTaskFinished(
+                    node_id=A,
                     task_id=TaskId(f"task-{n}"),
                     instance_id=first,
                     outcome=TaskOutcome.STOP,
@@ -476,21 +475,83 @@ def test_task_lifecycle_and_cancel(cluster: InMemoryCluster) -> None:
     cluster.make_ready(instance)
     submit(cluster, "task-1")
     task = TaskId("task-1")
-    assert cluster.run(ReportTaskStarted(task_id=task, instance_id=instance, prompt_tokens=3)) == [
+    assert cluster.run(ReportTaskStarted(node_id=A, task_id=task, instance_id=instance, prompt_tokens=3)) == [
         TaskStarted(task_id=task, prompt_tokens=3, at_ms=cluster.now_ms)
     ]
     assert cluster.run(CancelTask(task_id=task)) == [TaskCancelled(task_id=task, reason="cancelled by the client")]
     assert cluster.state.tasks == {}
     assert cluster.run(CancelTask(task_id=task)) == []
-    assert cluster.run(ReportTaskStarted(task_id=task, instance_id=instance, prompt_tokens=3)) == []
+    assert cluster.run(ReportTaskStarted(node_id=A, task_id=task, instance_id=instance, prompt_tokens=3)) == []
     usage = Usage(prompt_tokens=3, completion_tokens=1)
     assert (
-        cluster.run(ReportTaskFinished(task_id=task, instance_id=instance, outcome=TaskOutcome.STOP, usage=usage)) == []
+        cluster.run(
+            ReportTaskFinished(node_id=A, task_id=task, instance_id=instance, outcome=TaskOutcome.STOP, usage=usage)
+        )
+        == []
     )
     submit(cluster, "task-2")
     assert cluster.run(
-        ReportTaskFinished(task_id=TaskId("task-2"), instance_id=instance, outcome=TaskOutcome.LENGTH, usage=usage)
+        ReportTaskFinished(
+            node_id=A, task_id=TaskId("task-2"), instance_id=instance, outcome=TaskOutcome.LENGTH, usage=usage
+        )
     ) == [TaskFinished(task_id=TaskId("task-2"), outcome=TaskOutcome.LENGTH, usage=usage, at_ms=cluster.now_ms)]
+
+
+# --- who may say what --------------------------------------------------------------------------------------
+
+
+def test_a_command_is_refused_on_any_subject_but_its_own() -> None:
+    """NATS lets a node's identity publish only under its own node: a body about another node, or a user's
+    command, arriving there is that node speaking for someone else."""
+    report = ReportNodeProfile(node_id=B, session_id="s1", profile=profile(2000))
+    assert report.subject == f"jetshard.cmd.node.{B}.worker.report_node_profile"
+    assert misaddressed(report, report.subject) is None
+    forged = misaddressed(report, f"jetshard.cmd.node.{A}.worker.report_node_profile")
+    assert forged is not None and forged.code is RejectCode.FORBIDDEN
+    assert f"node {B}'s worker" in forged.reason and f"node.{A}" in forged.reason
+    # the downloader of the same node may not send the worker's reports, nor a node a user's command
+    assert misaddressed(report, f"jetshard.cmd.node.{B}.downloader.report_node_profile") is not None
+    cancel = CancelTask(task_id=TaskId("someone-elses"))
+    assert cancel.subject == "jetshard.cmd.api.cancel_task"
+    refused = misaddressed(cancel, f"jetshard.cmd.node.{A}.worker.cancel_task")
+    assert refused is not None and "the api" in refused.reason
+    assert ExpireNode(node_id=A, session_id="s1").subject == "jetshard.cmd.sequencer.expire_node"
+    assert REJECT_STATUS[RejectCode.FORBIDDEN] == 403
+
+
+def test_a_node_reports_only_on_the_ranks_and_tasks_it_runs(cluster: InMemoryCluster) -> None:
+    cluster.join(A)
+    cluster.join(B)
+    instance = cluster.place("inst-1", [A, B])  # rank 1, the leader, on B
+    cluster.make_ready(instance)
+    before = cluster.state.instances[instance]
+    forged = ReportRunnerStatus(
+        instance_id=instance,
+        generation=0,
+        runner=RunnerReport(node_id=A, rank=1, worker_session="w", status=RunnerStatus.FAILED, reason="forged"),
+    )
+    rejected(cluster.run(forged), RejectCode.FORBIDDEN)
+    assert cluster.state.instances[instance] == before  # no restart
+    submit(cluster, "task-1")
+    task = TaskId("task-1")
+    usage = Usage(prompt_tokens=1, completion_tokens=1)
+    for node in (A, B):
+        outcome = ReportTaskFinished(
+            node_id=node, task_id=task, instance_id=instance, outcome=TaskOutcome.STOP, usage=usage
+        )
+        if node == A:  # holds a rank, but the leader on B runs the task
+            rejected(cluster.run(outcome), RejectCode.FORBIDDEN)
+            rejected(
+                cluster.run(ReportTaskStarted(node_id=A, task_id=task, instance_id=instance, prompt_tokens=1)),
+                RejectCode.FORBIDDEN,
+            )
+            assert task in cluster.state.tasks
+        else:
+            assert isinstance(cluster.run(outcome)[0], TaskFinished)
+    endpoint = ReportRunnerEndpoint(
+        instance_id=instance, generation=0, node_id=A, rank=1, endpoint=Endpoint(host="h", port=1)
+    )
+    rejected(cluster.run(endpoint), RejectCode.FORBIDDEN)
 
 
 def test_handlers_are_pure() -> None:

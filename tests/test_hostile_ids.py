@@ -82,7 +82,7 @@ def test_a_hostile_event_decodes_to_nothing_with_a_warning(caplog: pytest.LogCap
 
 async def publish_raw(cluster: Cluster, command_type: str, body: dict[str, Any], command_id: str) -> None:
     await cluster.js.publish(
-        subjects.command_subject(command_type),
+        subjects.command_subject(command_type, subjects.API_SENDER),
         json.dumps({"type": command_type, **body}).encode(),
         headers={subjects.MSG_ID_HEADER: command_id},
     )

@@ -196,6 +196,18 @@ def test_three_machines_form_one_cluster_and_serve_a_model_split_over_two(cluste
     assert len({s["node_id"] for s in instance["shards"]}) == 2, instance
     answer = third.probe("chat", third.api, DEMO_MODEL_ID, "16")
     assert answer["ok"] and "Paris" in answer["text"], answer
+    # A machine that is not the leader's, holding its own worker's keys, against the prompt just answered.
+    leader = instance["shards"][-1]["node_id"]
+    intruder = next(m for m in cluster.machines if m.server_name != leader)
+    nkey = str(intruder.root / "data" / "creds" / f"worker-{intruder.server_name}.nk")
+    got = intruder.probe("trespass", "nats://127.0.0.1:4222", nkey, leader)
+    assert got == {
+        "read by sequence": False,
+        "read the victim's by subject": False,
+        "report for the victim": False,
+        "subscriptions refused": 1,
+        "prompts heard": 0,
+    }, got
     two_host_tps = tokens_per_s(third)
     print(
         f"\nthird up to one cluster: {cluster.formed_s:.1f} s; demo model {one_host_tps:.1f} tok/s on one host, "

@@ -94,7 +94,7 @@ async def write_history(url: str, processes: Processes) -> tuple[list[tuple[str,
         for n in range(PENDING):
             await publish_command(js, card_command(f"pending{n}"))
         # A task request (a prompt) of the old history: it must not travel, and its number not be reused.
-        await js.publish(subjects.task_subject("old-task"), b"a user's prompt")
+        await js.publish(subjects.task_subject("node-a", "inst-a", "old-task"), b"a user's prompt")
         tasks = await js.stream_info(subjects.TASKS_STREAM)
         return await stored(js, subjects.EVENTS_STREAM), tasks.state.last_seq
     finally:
@@ -186,7 +186,7 @@ async def test_commands_accepted_while_stopped_are_sequenced_by_the_new_cluster(
         # handled.
         _, new_seq = await publish_command(js, card_command("after-migration"))
         assert new_seq == migrated.source_state.last_command_seq + PENDING + 1
-        task = await js.publish(subjects.task_subject("new-task"), b"a new prompt")
+        task = await js.publish(subjects.task_subject("node-a", "inst-a", "new-task"), b"a new prompt")
         assert task.seq == migrated.source_tasks_last_seq + 1
         expected = {f"migrate/pending{n}" for n in range(PENDING)} | {"migrate/after-migration"}
         state = State()

@@ -31,8 +31,10 @@ from jetshard_bus.auth import (
     Identity,
     cluster_identities,
     ensure_identity,
+    inbox_prefix,
     server_authorization,
 )
+from jetshard_bus.commands import publish_command
 from jetshard_bus.connect import connect
 from jetshard_bus.follower import StateFollower
 from jetshard_bus.natsserver import NatsServer, start_nats_server
@@ -42,11 +44,24 @@ from jetshard_bus.snapshots import save_snapshot, stream_created
 from jetshard_bus.streams import declare
 from jetshard_schema import subjects
 from jetshard_schema.codec import encode
-from jetshard_schema.events import CustomModelCardDeleted, EventEnvelope
-from jetshard_schema.ids import CommandId, ModelId
+from jetshard_schema.commands import CancelTask, ReportDownloadDeleted, ReportDownloadProgress, ReportNodeProfile
+from jetshard_schema.events import CommandRejected, CustomModelCardDeleted, EventEnvelope, TaskAssigned
+from jetshard_schema.ids import CommandId, ModelId, NodeId, TaskId
 from jetshard_schema.stats import DownloaderStats, RunnerStats, SequencerStats, decode_stats
+from jetshard_schema.types import (
+    Chunk,
+    DownloadProgress,
+    DownloadStatus,
+    NodeProfile,
+    RejectCode,
+    TaskOutcome,
+    Usage,
+)
 
 MODEL = "jetshard-test/tiny-auth"
+OTHER_NODE = "node-other"
+ATTACKER = "attacker"
+"""The client name of every attacking connection: the server's log names it beside each violation."""
 REFUSED_WITHIN_S = 1.5
 
 pytestmark = pytest.mark.timeout(180)
@@ -57,6 +72,8 @@ class SecuredCluster(InferenceCluster):
 
     identities: dict[str, Identity]
     node_id: str
+    other_node: dict[str, Identity]
+    """The worker and downloader identities of another node, `OTHER_NODE`."""
 
 
 @pytest.fixture(scope="module")
@@ -65,15 +82,17 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SecuredCluster
     (root / "logs").mkdir()
     node_id = node_id_for(root / "node-a" / "config")
     identities = cluster_identities(root / "creds", node_id)
+    # Another machine of the cluster, which runs nothing here: the attacker holds its keys.
+    other = {role: ensure_identity(root / "creds", role, OTHER_NODE) for role in (WORKER, DOWNLOADER)}
     server = start_nats_server(
         root / "nats",
         port=-1,
         log_file=root / "logs" / "nats-server.log",
-        authorization=server_authorization(list(identities.values())),
+        authorization=server_authorization([*identities.values(), *other.values()]),
     )
     with hub_cluster(root, nats_servers=[server]) as cluster:
         c = SecuredCluster(**vars(cluster))
-        c.identities, c.node_id = identities, node_id
+        c.identities, c.node_id, c.other_node = identities, node_id, other
         c.hub.add_repo(MODEL, make_tiny_model(root / "repos" / "tiny-auth", arch="llama", num_layers=4, num_files=2))
         base = c.base_env
         # Frequent snapshots: the sequencer writes (and replaces) some under its identity.
@@ -136,8 +155,14 @@ class Attacker:
         async def on_error(error: Exception) -> None:
             self.refusals.append(str(error))
 
+        # The identity's own inbox, as its services use: the only one the server lets it subscribe to.
         self.client = await nats.connect(
-            self._server.url, nkeys_seed=str(self._identity.seed_file), error_cb=on_error, allow_reconnect=False
+            self._server.url,
+            name=ATTACKER,
+            nkeys_seed=str(self._identity.seed_file),
+            inbox_prefix=inbox_prefix(self._identity.public_key),
+            error_cb=on_error,
+            allow_reconnect=False,
         )
         return self.client, self.client.jetstream()
 
@@ -245,15 +270,156 @@ async def test_a_node_publishes_only_its_own_stats_and_the_viewer_reads_them(clu
     assert test_subjects <= {own for _, own in attempts.values()}, test_subjects
 
 
+SECRET = "my locker code is 4711"
+
+
+def _secret_chat(cluster: SecuredCluster) -> str:
+    client = openai.OpenAI(base_url=f"{cluster.api}/v1", api_key="unused", timeout=60, max_retries=0)
+    reply = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": SECRET}], max_tokens=24, temperature=0
+    )
+    return reply.choices[0].message.content or ""
+
+
+async def _subscribe_refused(client: nats.NATS, attacker: Attacker, subject: str) -> None:
+    """A subscription the server refuses delivers nothing, and the refusal comes as an error."""
+    before = len(attacker.refusals)
+    await client.subscribe(subject)
+    await client.flush()
+    await until(lambda: len(attacker.refusals) > before, 5, f"the server to refuse a subscription to {subject}")
+    assert "subscription" in attacker.refusals[-1].lower(), attacker.refusals[-1]
+
+
+async def test_only_the_node_that_serves_a_task_reads_its_prompt(
+    cluster: SecuredCluster, admin: nats.js.JetStreamContext
+) -> None:
+    await asyncio.to_thread(_secret_chat, cluster)
+    stored = await admin.get_msg(subjects.TASKS_STREAM, (await admin.stream_info(subjects.TASKS_STREAM)).state.last_seq)
+    assert SECRET in (stored.data or b"").decode() and stored.subject is not None
+    assert stored.subject.startswith(f"{subjects.TASK_PREFIX}.{cluster.node_id}.")  # under the node that served it
+    seq = stored.seq
+    for identity in (cluster.other_node[WORKER], cluster.other_node[DOWNLOADER], cluster.identities[DOWNLOADER]):
+        attacker = Attacker(cluster.nats, identity)
+        async with attacker as (client, js):
+            await _refused(js.get_msg(subjects.TASKS_STREAM, seq))
+            await _refused(js.get_msg(subjects.TASKS_STREAM, seq, direct=True))
+            await _refused(js.get_msg(subjects.TASKS_STREAM, subject=stored.subject, direct=True))
+            if identity.role == WORKER:
+                # Its own node's read, asked with a body that names another node's message instead.
+                own = subjects.task_subject(identity.node_id or "", "inst", "task")
+                try:
+                    reply = await client.request(
+                        f"$JS.API.DIRECT.GET.{subjects.TASKS_STREAM}.{own}", f'{{"seq": {seq}}}'.encode(), timeout=2
+                    )
+                    assert SECRET.encode() not in reply.data, reply
+                except nats.errors.Error:
+                    pass
+            for subject in (f"{subjects.TASK_PREFIX}.>", "_INBOX.>", f"{subjects.CHUNK_PREFIX}.>"):
+                await _subscribe_refused(client, attacker, subject)
+    # The node that served it may read it, by its subject only.
+    async with Attacker(cluster.nats, cluster.identities[WORKER]) as (_, js):
+        mine = await js.get_msg(subjects.TASKS_STREAM, subject=stored.subject, direct=True)
+        assert SECRET in (mine.data or b"").decode()
+        await _refused(js.get_msg(subjects.TASKS_STREAM, seq))
+
+
+async def test_chunks_from_a_node_that_does_not_run_the_task_are_not_its_answer(cluster: SecuredCluster) -> None:
+    """The attacker follows the events as every node may, and answers each task the moment it is assigned, before
+    its runner has read the prompt: on its own node's subject (which NATS allows) and on the serving node's."""
+    honest = await asyncio.to_thread(_chat, cluster)
+    attacker = Attacker(cluster.nats, cluster.other_node[WORKER])
+    forged: list[str] = []
+    sends: list[asyncio.Future[None]] = []
+    async with attacker as (client, js):
+        follower = StateFollower(js)
+
+        def answer_first(envelope: EventEnvelope, state: object, live: bool) -> None:
+            if live and isinstance(envelope.event, TaskAssigned):
+                task_id = envelope.event.task.task_id
+                chunk = Chunk(
+                    task_id=task_id,
+                    index=0,
+                    text="FORGED",
+                    finish_reason=TaskOutcome.STOP,
+                    usage=Usage(prompt_tokens=1, completion_tokens=1),
+                )
+                for node in (OTHER_NODE, cluster.node_id):
+                    sends.append(
+                        asyncio.ensure_future(client.publish(subjects.chunk_subject(node, task_id), encode(chunk)))
+                    )
+                forged.append(task_id)
+
+        follower.add_listener(answer_first)
+        await follower.start()
+        try:
+            attacked = await asyncio.to_thread(_chat, cluster)
+        finally:
+            await follower.stop()
+        await asyncio.gather(*sends)
+        await client.flush()
+    assert forged, "the attacker saw no task"
+    assert attacked == honest and "FORGED" not in attacked
+    assert any(
+        f'"{subjects.chunk_subject(cluster.node_id, forged[0])}"'.lower() in r.lower() for r in attacker.refusals
+    )
+
+
+async def test_a_node_speaks_for_itself_only(cluster: SecuredCluster, admin: nats.js.JetStreamContext) -> None:
+    """Reports about another node, and users' commands, are refused by NATS on their own subjects; published on
+    the attacker's own subjects, the sequencer refuses them for not belonging there."""
+    node = NodeId(cluster.node_id)
+    before = await asyncio.to_thread(cluster.get, "/state")
+    huge = NodeProfile(
+        hostname="evil", os="Linux", cpu_cores=256, memory_total_bytes=2 * 10**12, memory_available_bytes=2 * 10**12
+    )
+    failed = DownloadProgress(status=DownloadStatus.FAILED, reason="forged")
+    task = TaskId("someone-elses-task")
+    worker_forgeries = [
+        ReportNodeProfile(node_id=NodeId("node-invented"), session_id="s", profile=huge),
+        ReportNodeProfile(node_id=node, session_id="forged-session", profile=huge),
+        CancelTask(task_id=task),
+    ]
+    downloader_forgeries = [
+        ReportDownloadProgress(node_id=node, model_id=ModelId(MODEL), progress=failed),
+        ReportDownloadDeleted(node_id=node, model_id=ModelId(MODEL)),
+        ReportNodeProfile(node_id=node, session_id="forged-session", profile=huge),  # its own node, not its role
+    ]
+    follower = StateFollower(admin)
+    await follower.start()
+    try:
+        for identity, forgeries in (
+            (cluster.other_node[WORKER], worker_forgeries),
+            (cluster.other_node[DOWNLOADER], downloader_forgeries),
+            (cluster.identities[DOWNLOADER], downloader_forgeries[-1:]),
+        ):
+            async with Attacker(cluster.nats, identity) as (_, js):
+                for n, command in enumerate(forgeries):
+                    await _refused(publish_command(js, command))
+                    if identity.node_id == OTHER_NODE:
+                        own = subjects.command_subject(type(command).__name__, identity.role, identity.node_id)
+                        command_id = CommandId(f"forged-{identity.role}-{n}")
+                        outcome = follower.expect(command_id)
+                        await js.publish(own, encode(command), headers={subjects.MSG_ID_HEADER: command_id})
+                        (envelope,) = await asyncio.wait_for(outcome, 15)
+                        assert isinstance(envelope.event, CommandRejected), envelope
+                        assert envelope.event.code is RejectCode.FORBIDDEN, envelope.event
+    finally:
+        await follower.stop()
+    after = await asyncio.to_thread(cluster.get, "/state")
+    assert after["nodes"] == before["nodes"] and after["downloads"] == before["downloads"]
+    assert await asyncio.to_thread(_chat, cluster)
+
+
+VIOLATION = re.compile(r' - "([^"]*)" - "[^"]*" - (\w+) Violation - Subject "([^"]+)"')
+
+
 def test_services_were_refused_nothing(cluster: SecuredCluster) -> None:
     """Every permission violation in the server's log came from an attacker above, none from a service."""
     assert _chat(cluster)
     log = (cluster.root / "logs" / "nats-server.log").read_text(errors="replace")
-    violations = re.findall(r'Permissions Violation for (\w+) to "([^"]+)"', log)
-    attacks = re.compile(
-        r"^(jetshard\.evt\.|\$JS\.API\.STREAM\.(DELETE|PURGE)\.|\$KV\.jetshard-|jetshard\.stats\..*\.forged$)"
-    )
-    unexpected = sorted({v for v in violations if not attacks.match(v[1])})
+    violations = VIOLATION.findall(log)
+    assert any(client.endswith(f":{ATTACKER}") for client, _, _ in violations)  # the log's format is understood
+    unexpected = sorted({(kind, subject) for client, kind, subject in violations if not client.endswith(ATTACKER)})
     assert unexpected == [], unexpected
 
 

@@ -29,7 +29,7 @@ from jetshard_bus.options import NatsOptions
 from jetshard_bus.procs import spawn
 from jetshard_schema.events import CustomModelCardAdded
 from jetshard_schema.ids import CommandId
-from jetshard_schema.subjects import COMMANDS_STREAM, command_subject
+from jetshard_schema.subjects import COMMANDS_STREAM, DOWNLOADER_SENDER, command_subject
 from test_demo_model import ctrl_c, processes_mentioning, start_in_own_group, up_command
 from test_sequencer import add_card, all_events, assert_gapless, outcomes_per_command
 
@@ -41,9 +41,9 @@ COMMANDS = 1000
 
 async def storage_reports(js: Any) -> int:
     """How many disk reports (ReportNodeStorage commands) downloaders have published."""
-    subject = command_subject("report_node_storage")
+    subject = command_subject("ReportNodeStorage", DOWNLOADER_SENDER, "*")
     info = await js.stream_info(COMMANDS_STREAM, subjects_filter=subject)
-    return int((info.state.subjects or {}).get(subject, 0))
+    return sum((info.state.subjects or {}).values())
 
 
 def service_process(up: psutil.Process, name: str) -> psutil.Process:

@@ -6,6 +6,7 @@ chats with the official `openai` client, and command traffic on the host's NATS.
     lan_probe.py traffic API_URL MODEL NATS_URL NKEY_FILE STOP_FILE OUT_FILE
     lan_probe.py outcomes NATS_URL NKEY_FILE IDS_FILE TIMEOUT_S
     lan_probe.py meta NATS_URL SYSTEM_NKEY_FILE
+    lan_probe.py trespass NATS_URL WORKER_NKEY_FILE VICTIM_NODE
 """
 
 from __future__ import annotations
@@ -115,6 +116,52 @@ async def outcomes(nats_url: str, nkey: str, wanted: list[str], timeout_s: float
         await client.close()
 
 
+async def trespass(nats_url: str, nkey: str, victim: str) -> dict[str, object]:
+    """As this host's worker, try to read the last prompt stored for `victim` and to speak for it: what the
+    server let through (each attempt: True if it succeeded)."""
+    from jetshard_bus.auth import inbox_prefix, public_key_of
+    from jetshard_schema import subjects
+    from jetshard_schema.codec import encode
+    from jetshard_schema.commands import ReportNodeStorage
+    from jetshard_schema.ids import NodeId
+    from jetshard_schema.types import NodeStorage
+
+    refusals: list[str] = []
+
+    async def on_error(error: Exception) -> None:
+        refusals.append(str(error))
+
+    client = await nats.connect(
+        nats_url, nkeys_seed=nkey, inbox_prefix=inbox_prefix(public_key_of(Path(nkey))), error_cb=on_error
+    )
+    js = client.jetstream()
+    got: dict[str, object] = {}
+
+    async def attempt(name: str, action: object) -> None:
+        try:
+            await asyncio.wait_for(action, 3)  # type: ignore[arg-type]
+            got[name] = True
+        except (nats.errors.Error, TimeoutError):
+            got[name] = False
+
+    info = await js.stream_info(subjects.TASKS_STREAM)
+    last = info.state.last_seq
+    await attempt("read by sequence", js.get_msg(subjects.TASKS_STREAM, last))
+    await attempt(
+        "read the victim's by subject",
+        js.get_msg(subjects.TASKS_STREAM, subject=subjects.node_tasks(victim), direct=True),
+    )
+    report = ReportNodeStorage(node_id=NodeId(victim), storage=NodeStorage())
+    await attempt("report for the victim", js.publish(report.subject, encode(report)))
+    heard = await client.subscribe(f"{subjects.TASK_PREFIX}.>")
+    await client.flush()
+    await asyncio.sleep(1)
+    got["subscriptions refused"] = sum("subscription" in r.lower() for r in refusals)
+    got["prompts heard"] = heard.pending_msgs
+    await client.close()
+    return got
+
+
 def main(args: list[str]) -> None:
     match args:
         case ["http", method, url, *body]:
@@ -132,6 +179,8 @@ def main(args: list[str]) -> None:
             print(json.dumps({"leader": group.leader, "current": sorted(group.current), "known": sorted(group.known)}))
         case ["outcomes", nats_url, nkey, ids_file, timeout_s]:
             asyncio.run(outcomes(nats_url, nkey, json.loads(Path(ids_file).read_text()), float(timeout_s)))
+        case ["trespass", nats_url, nkey, victim]:
+            print(json.dumps(asyncio.run(trespass(nats_url, nkey, victim))))
         case _:
             raise SystemExit(__doc__)
 

@@ -6,17 +6,24 @@ the role's processes read by path (`--nats-nkey FILE`), never on a command line.
 | role                  | publishes, besides reads                                           | subscribes         |
 | --------------------- | ------------------------------------------------------------------ | ------------------ |
 | admin                 | anything (deletes and purges streams; `up` declares with it)       | anything           |
-| sequencer             | events, commands, stream create/update, command consumers, leader  | `_INBOX.>`         |
-|                       | key, snapshots (and purging the previous snapshot's chunks),       |                    |
-|                       | sequencer stats                                                    |                    |
-| api                   | commands, task requests (prompts, to JETSHARD_TASKS)               | chunks, stats,     |
-|                       |                                                                    | `_INBOX.>`         |
-| worker (per node)     | commands, chunks, its own liveness key and runner stats; reads     | `_INBOX.>`         |
-|                       | task requests                                                      |                    |
-| downloader (per node) | commands, its own liveness key and downloader stats                | `_INBOX.>`         |
-| viewer                | nothing (`jetshard state`, `jetshard events`)                      | stats, `_INBOX.>`  |
+| sequencer             | events, its own commands (`jetshard.cmd.sequencer.>`), stream      | its inbox          |
+|                       | create/update, command consumers, leader key, snapshots (and       |                    |
+|                       | purging the previous snapshot's chunks), sequencer stats           |                    |
+| api                   | users' commands (`jetshard.cmd.api.>`), task requests (prompts, to | chunks, stats, its |
+|                       | JETSHARD_TASKS), its sessions' liveness keys                       | inbox              |
+| worker (per node)     | its node's worker reports (`jetshard.cmd.node.<node>.worker.>`),   | its node's task    |
+|                       | chunks under its node, its liveness key and runner stats; reads    | requests, its      |
+|                       | the task requests stored for its node only                         | inbox              |
+| downloader (per node) | its node's downloader reports                                      | its inbox          |
+|                       | (`jetshard.cmd.node.<node>.downloader.>`), downloader stats        |                    |
+| viewer                | nothing (`jetshard state`, `jetshard events`)                      | stats, its inbox   |
 | system                | the server's own API, in the system account: server reports, and   | anything there     |
 |                       | removing a JetStream peer (`jetshard up --lan` keeps the topology) |                    |
+
+An identity's inbox is `_INBOX.<its public key>.>`, where every reply to it comes (the client is told so by
+`inbox_prefix`): an identity that could subscribe to all of `_INBOX.>` would read the replies to every other
+one, a runner's request read included. The sequencer refuses a command that came on another subject than its
+own (`handlers.misaddressed`), so a node's identity can report for that node only.
 
 Every role but admin may read the event stream and the snapshots (stream info, an ordered consumer, a
 message by sequence); none but admin may delete or purge `JETSHARD_EVENTS` or `JETSHARD_COMMANDS`.
@@ -43,16 +50,30 @@ SYSTEM = "system"
 SYSTEM_ACCOUNT = "SYS"
 
 JS_API = "$JS.API"
-INBOXES = "_INBOX.>"
+INBOX_PREFIX = "_INBOX"
 SNAPSHOT_STREAM = subjects.object_stream(subjects.SNAPSHOT_BUCKET)
 LIVENESS_STREAM = subjects.kv_stream(subjects.LIVENESS_BUCKET)
 LEADER_STREAM = subjects.kv_stream(subjects.LEADER_BUCKET)
 
 
+def inbox_prefix(public_key: str) -> str:
+    """Where the replies to the identity with `public_key` come: its inbox, which only it may subscribe to."""
+    return f"{INBOX_PREFIX}.{public_key}"
+
+
+def public_key_of(seed_file: Path) -> str:
+    key_pair = nkeys.from_seed(bytearray(seed_file.read_bytes().strip()))
+    try:
+        return str(key_pair.public_key.decode())
+    finally:
+        key_pair.wipe()
+
+
 @dataclass(frozen=True)
 class Permissions:
     publish: tuple[str, ...]
-    subscribe: tuple[str, ...] = (INBOXES,)
+    subscribe: tuple[str, ...] = ()
+    """Besides the identity's own inbox."""
     publish_deny: tuple[str, ...] = field(
         default=(f"{subjects.EVENT_PREFIX}.>", f"{JS_API}.STREAM.DELETE.>", f"{JS_API}.STREAM.PURGE.>")
     )
@@ -82,20 +103,21 @@ FOLLOW = (
 )
 """Follow State: stream info, the events from a sequence, the snapshot."""
 
-COMMANDS = f"{subjects.COMMAND_PREFIX}.>"
 CHUNKS = f"{subjects.CHUNK_PREFIX}.>"
 TASK_REQUESTS = f"{subjects.TASK_PREFIX}.>"
 STATS = f"{subjects.STATS_PREFIX}.>"
-READ_TASK_REQUEST = (f"{JS_API}.STREAM.MSG.GET.{subjects.TASKS_STREAM}", f"{JS_API}.DIRECT.GET.{subjects.TASKS_STREAM}")
-"""A leader runner reads each task's request (the prompt) by its sequence in JETSHARD_TASKS."""
 
 
 def _liveness_key(node_id: str) -> str:
     return f"$KV.{subjects.LIVENESS_BUCKET}.{node_id}"
 
 
+def _own_commands(sender: str) -> str:
+    return f"{subjects.COMMAND_PREFIX}.{sender}.>"
+
+
 def role_permissions(role: str, node_id: str | None = None) -> Permissions | None:
-    """The permissions of `role` (None: unrestricted). Node roles need the node whose liveness key they keep."""
+    """The permissions of `role` (None: unrestricted). Node roles need the node they speak for."""
     if role in (ADMIN, SYSTEM):
         return None
     if role == SEQUENCER:
@@ -103,7 +125,7 @@ def role_permissions(role: str, node_id: str | None = None) -> Permissions | Non
             publish=(
                 *FOLLOW,
                 f"{subjects.EVENT_PREFIX}.>",
-                COMMANDS,
+                _own_commands(subjects.SEQUENCER_SENDER),
                 *(
                     f"{JS_API}.STREAM.{verb}.{stream}"
                     for verb in ("CREATE", "UPDATE")
@@ -129,16 +151,37 @@ def role_permissions(role: str, node_id: str | None = None) -> Permissions | Non
     if role == API:
         # Each API session keeps a liveness key of its own: the sequencer cancels a vanished session's tasks.
         api_liveness = _liveness_key(subjects.requester_key("*"))
-        return Permissions(publish=(*FOLLOW, COMMANDS, TASK_REQUESTS, api_liveness), subscribe=(INBOXES, CHUNKS, STATS))
+        return Permissions(
+            publish=(*FOLLOW, _own_commands(subjects.API_SENDER), TASK_REQUESTS, api_liveness),
+            subscribe=(CHUNKS, STATS),
+        )
     if role == VIEWER:
-        return Permissions(publish=FOLLOW, subscribe=(INBOXES, STATS))
+        return Permissions(publish=FOLLOW, subscribe=(STATS,))
     if role in (WORKER, DOWNLOADER):
         if node_id is None:
             raise ValueError(f"the {role} role belongs to a node: give its node id")
-        own: tuple[str, ...] = (subjects.downloader_stats_subject(node_id),)
-        if role == WORKER:
-            own = (CHUNKS, *READ_TASK_REQUEST, subjects.runner_stats_subject(node_id, "*"))
-        return Permissions(publish=(*FOLLOW, COMMANDS, *own, _liveness_key(node_id)))
+        if role == DOWNLOADER:
+            return Permissions(
+                publish=(
+                    *FOLLOW,
+                    subjects.node_commands(node_id, subjects.DOWNLOADER_SENDER),
+                    subjects.downloader_stats_subject(node_id),
+                )
+            )
+        requests = subjects.node_tasks(node_id)
+        return Permissions(
+            publish=(
+                *FOLLOW,
+                subjects.node_commands(node_id, subjects.WORKER_SENDER),
+                subjects.node_chunks(node_id),
+                # A leader runner reads a request stored before it subscribed by its subject, which names the node:
+                # a read by sequence (STREAM.MSG.GET, or DIRECT.GET with a body) could reach any node's.
+                f"{JS_API}.DIRECT.GET.{subjects.TASKS_STREAM}.{requests}",
+                subjects.runner_stats_subject(node_id, "*"),
+                _liveness_key(node_id),
+            ),
+            subscribe=(requests,),
+        )
     raise ValueError(f"unknown role {role!r}")
 
 
@@ -163,12 +206,7 @@ def ensure_identity(creds_dir: Path, role: str, node_id: str | None = None) -> I
         with os.fdopen(descriptor, "wb") as file:
             file.write(seed + b"\n")
         os.replace(temporary, seed_file)
-    key_pair = nkeys.from_seed(bytearray(seed_file.read_bytes().strip()))
-    try:
-        public_key = key_pair.public_key.decode()
-    finally:
-        key_pair.wipe()
-    return Identity(role=role, seed_file=seed_file, public_key=public_key, node_id=node_id)
+    return Identity(role=role, seed_file=seed_file, public_key=public_key_of(seed_file), node_id=node_id)
 
 
 def server_authorization(identities: list[Identity]) -> str:
@@ -181,9 +219,10 @@ def server_authorization(identities: list[Identity]) -> str:
         user: dict[str, object] = {"nkey": identity.public_key}
         permissions = role_permissions(identity.role, identity.node_id)
         if permissions is not None:
+            inbox = f"{inbox_prefix(identity.public_key)}.>"
             user["permissions"] = {
                 "publish": {"allow": list(permissions.publish), "deny": list(permissions.publish_deny)},
-                "subscribe": {"allow": list(permissions.subscribe)},
+                "subscribe": {"allow": [inbox, *permissions.subscribe]},
             }
         users.append(user)
     # JSON is valid nats-server configuration syntax.

@@ -92,6 +92,9 @@ async def declare(
             subjects.TASK_PREFIX,
             max_age=timings.task_retention_s,
             max_msgs_per_subject=1,
+            # A runner reads a request by its subject, which names the runner's node: the one read that NATS
+            # permissions can grant per node (a read by sequence could reach any node's requests).
+            allow_direct=True,
             duplicate_window=min(timings.dedupe_window_s, timings.task_retention_s),
             num_replicas=replicas,
             placement=placement,

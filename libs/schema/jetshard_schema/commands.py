@@ -1,16 +1,29 @@
-"""Commands: requests anyone may publish under `jetshard.cmd.>`; the sequencer turns them into events.
+"""Commands: requests published under `jetshard.cmd.>`; the sequencer turns them into events.
 
 Names are imperative. What a node observes (its profile, download progress, runner status) is a command
 too, named `Report…`: the nodes report, the sequencer records.
+
+Each type has one sender, and its subject says who sent it (`subjects.command_subject`): a user's command
+comes through an API, a node's report names its node, the sequencer's own observations its role. NATS lets
+each identity publish on its own subjects only, and the sequencer refuses a command whose body does not
+belong on the subject it came on: a node's identity can speak for that node, and for nothing else.
 """
 
 from __future__ import annotations
 
+from typing import ClassVar
+
 import msgspec
 
 from jetshard_schema.cards import ModelCard
-from jetshard_schema.ids import ValidInstanceId, ValidModelId, ValidNodeId, ValidSessionId, ValidTaskId
-from jetshard_schema.subjects import command_subject
+from jetshard_schema.ids import NodeId, ValidInstanceId, ValidModelId, ValidNodeId, ValidSessionId, ValidTaskId
+from jetshard_schema.subjects import (
+    API_SENDER,
+    DOWNLOADER_SENDER,
+    SEQUENCER_SENDER,
+    WORKER_SENDER,
+    command_subject,
+)
 from jetshard_schema.types import (
     DownloadProgress,
     Endpoint,
@@ -25,27 +38,58 @@ from jetshard_schema.types import (
 
 
 class _Command(msgspec.Struct, frozen=True, kw_only=True, tag=True, tag_field="type"):
+    """A user's command, which an API publishes."""
+
+    sender: ClassVar[str] = API_SENDER
+
+    @property
+    def sender_node(self) -> NodeId | None:
+        """The node whose report this is; None for commands of the cluster's own roles."""
+        return None
+
     @property
     def subject(self) -> str:
-        return command_subject(type(self).__name__)
+        return command_subject(type(self).__name__, self.sender, self.sender_node)
+
+
+class _SequencerCommand(_Command, frozen=True):
+    """An observation of the sequencer's own (a lapsed key, a retention passed), sent to itself."""
+
+    sender: ClassVar[str] = SEQUENCER_SENDER
+
+
+class _NodeReport(_Command, frozen=True):
+    """What a node's service reports about that node."""
+
+    node_id: ValidNodeId
+
+    @property
+    def sender_node(self) -> NodeId:
+        return self.node_id
+
+
+class _WorkerReport(_NodeReport, frozen=True):
+    sender: ClassVar[str] = WORKER_SENDER
+
+
+class _DownloaderReport(_NodeReport, frozen=True):
+    sender: ClassVar[str] = DOWNLOADER_SENDER
 
 
 # --- nodes -------------------------------------------------------------------------------------------------
 
 
-class ReportNodeProfile(_Command, frozen=True):
-    node_id: ValidNodeId
+class ReportNodeProfile(_WorkerReport, frozen=True):
     session_id: ValidSessionId
     """New on every start of the node's worker: a new session of a known node is a re-join."""
     profile: NodeProfile
 
 
-class ReportNodeStorage(_Command, frozen=True):
-    node_id: ValidNodeId
+class ReportNodeStorage(_DownloaderReport, frozen=True):
     storage: NodeStorage
 
 
-class ExpireNode(_Command, frozen=True):
+class ExpireNode(_SequencerCommand, frozen=True):
     """The sequencer's own observation that a node's liveness key lapsed."""
 
     node_id: ValidNodeId
@@ -63,7 +107,7 @@ class DeleteCustomModelCard(_Command, frozen=True):
     model_id: ValidModelId
 
 
-class ReportModelSize(_Command, frozen=True):
+class ReportModelSize(_DownloaderReport, frozen=True):
     """The real total size of a model's weights, measured from its file list."""
 
     model_id: ValidModelId
@@ -90,15 +134,13 @@ class DeleteDownload(_Command, frozen=True):
     node_id: ValidNodeId
 
 
-class ReportDownloadProgress(_Command, frozen=True):
+class ReportDownloadProgress(_DownloaderReport, frozen=True):
     model_id: ValidModelId
-    node_id: ValidNodeId
     progress: DownloadProgress
 
 
-class ReportDownloadDeleted(_Command, frozen=True):
+class ReportDownloadDeleted(_DownloaderReport, frozen=True):
     model_id: ValidModelId
-    node_id: ValidNodeId
     directories: tuple[str, ...] = ()
 
 
@@ -123,7 +165,7 @@ class EnsureInstance(_Command, frozen=True):
     serving: ServingSettings = ServingSettings()
 
 
-class ForgetInstance(_Command, frozen=True):
+class ForgetInstance(_SequencerCommand, frozen=True):
     """The sequencer's own: a failed instance's retention ran out; its history stays in the event stream."""
 
     instance_id: ValidInstanceId
@@ -133,18 +175,22 @@ class DeleteInstance(_Command, frozen=True):
     instance_id: ValidInstanceId
 
 
-class ReportRunnerEndpoint(_Command, frozen=True):
+class ReportRunnerEndpoint(_WorkerReport, frozen=True):
     instance_id: ValidInstanceId
     generation: int
-    node_id: ValidNodeId
     rank: int
     endpoint: Endpoint
 
 
 class ReportRunnerStatus(_Command, frozen=True):
+    sender: ClassVar[str] = WORKER_SENDER
     instance_id: ValidInstanceId
     generation: int
     runner: RunnerReport
+
+    @property
+    def sender_node(self) -> NodeId:
+        return self.runner.node_id
 
 
 # --- tasks -------------------------------------------------------------------------------------------------
@@ -157,7 +203,7 @@ class SubmitTask(_Command, frozen=True):
     instance's measured pace is refused (`queue_full`) instead of queued to time out."""
 
 
-class ExpireRequester(_Command, frozen=True):
+class ExpireRequester(_SequencerCommand, frozen=True):
     """The sequencer's own observation that an API session's liveness key lapsed: its tasks have no reader."""
 
     session_id: ValidSessionId
@@ -168,13 +214,13 @@ class CancelTask(_Command, frozen=True):
     reason: str = "cancelled by the client"
 
 
-class ReportTaskStarted(_Command, frozen=True):
+class ReportTaskStarted(_WorkerReport, frozen=True):
     task_id: ValidTaskId
     instance_id: ValidInstanceId
     prompt_tokens: int
 
 
-class ReportTaskFinished(_Command, frozen=True):
+class ReportTaskFinished(_WorkerReport, frozen=True):
     task_id: ValidTaskId
     instance_id: ValidInstanceId
     outcome: TaskOutcome

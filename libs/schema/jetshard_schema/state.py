@@ -82,11 +82,18 @@ class Instance(msgspec.Struct, frozen=True, kw_only=True):
     def num_layers(self) -> int:
         return self.shards[-1].end_layer
 
+    @property
+    def leader_node(self) -> NodeId:
+        """The node of the last rank, whose runner reads the instance's requests and publishes their output."""
+        return self.shards[-1].node_id
+
 
 class Task(msgspec.Struct, frozen=True, kw_only=True):
     ref: TaskRef
-    """Which task, for which model, and where its request is (State never holds prompts)."""
+    """Which task, for which model, and whose (State never holds prompts)."""
     instance_id: ValidInstanceId
+    assigned_seq: int = 0
+    """The event sequence of its assignment: tasks start in this order."""
     generation: int = 0
     """The instance generation the task was assigned to; a restart drops the task."""
     started: bool = False
@@ -121,7 +128,7 @@ class State(msgspec.Struct, frozen=True, kw_only=True):
             for t in self.tasks.values()
             if t.instance_id == instance_id and t.generation == generation and not t.started
         ]
-        return sorted(waiting, key=lambda t: t.ref.request_seq)
+        return sorted(waiting, key=lambda t: t.assigned_seq)
 
 
 def _with(mapping: dict, key, value) -> dict:  # type: ignore[type-arg]
@@ -399,7 +406,7 @@ def _instance_failed(event: events.InstanceFailed, state: State) -> State:
 
 @_fold.register
 def _task_assigned(event: events.TaskAssigned, state: State) -> State:
-    task = Task(ref=event.task, instance_id=event.instance_id, generation=event.generation)
+    task = Task(ref=event.task, instance_id=event.instance_id, generation=event.generation, assigned_seq=state.last_seq)
     return replace(state, tasks=_with(state.tasks, event.task.task_id, task))
 
 

@@ -4,11 +4,17 @@
 | --------------------------- | -------------------- | ----------------------------------------------------------- |
 | `JETSHARD_COMMANDS`         | stream (file)        | `jetshard.cmd.>`: requests; `Nats-Msg-Id` = command id      |
 | `JETSHARD_EVENTS`           | stream (file)        | `jetshard.evt.>`: facts, written by the sequencer only      |
-| `JETSHARD_TASKS`            | stream (file, TTL)   | `jetshard.task.<task id>`: a task's request (the prompt),   |
-|                             |                      | kept for the task retention only                            |
-| `jetshard.cmd.<type>`       | subject              | one command, type in snake case (`add_custom_model_card`)   |
+| `JETSHARD_TASKS`            | stream (file, TTL)   | `jetshard.task.<node>.<instance>.<task>`: a task's request  |
+|                             |                      | (the prompt), stored once the task is assigned, under the   |
+|                             |                      | node of its instance's leader; kept for the task retention  |
+| `jetshard.cmd.api.<type>`   | subject              | a user's command, through an API (`submit_task`)            |
+| `jetshard.cmd.sequencer.…`  | subject              | the sequencer's own observations (`expire_node`)            |
+| `jetshard.cmd.node.<node>.` | subject              | what the node's worker or downloader reports about itself   |
+| `<worker|downloader>.<type>`|                      | (`report_node_profile`): the sender is in the subject, and  |
+|                             |                      | the sequencer refuses a body about anything else            |
 | `jetshard.evt.<type>`       | subject              | one event (`custom_model_card_added`)                       |
-| `jetshard.chunks.<task id>` | core NATS subject    | generated text of one task, not stored                      |
+| `jetshard.chunks.<node>.`   | core NATS subject    | generated text of one task, not stored, published under the |
+| `<task id>`                 |                      | node of its leader runner (the API takes no other node's)   |
 | `jetshard.stats.…`          | core NATS subjects   | figures every few seconds, not stored (`stats.py`):         |
 |                             |                      | `node.<node id>.runner.<instance id>` (an instance's leader |
 |                             |                      | runner), `node.<node id>.downloader`,                       |
@@ -75,20 +81,62 @@ def snake_case(type_name: str) -> str:
     return _CAMEL_BOUNDARY.sub("_", type_name).lower()
 
 
-def command_subject(type_name: str) -> str:
-    return f"{COMMAND_PREFIX}.{snake_case(type_name)}"
+API_SENDER = "api"
+SEQUENCER_SENDER = "sequencer"
+WORKER_SENDER = "worker"
+DOWNLOADER_SENDER = "downloader"
+
+
+def command_subject(type_name: str, sender: str, node_id: str | None = None) -> str:
+    """Where a command of `type_name` from `sender` travels: nodes' reports under their node, so that NATS
+    permissions can let each node publish its own only."""
+    if node_id is None:
+        return f"{COMMAND_PREFIX}.{sender}.{snake_case(type_name)}"
+    return f"{node_commands(node_id, sender).removesuffix('>')}{snake_case(type_name)}"
+
+
+def node_commands(node_id: str, sender: str) -> str:
+    """Every command subject of one role (`worker`, `downloader`) of one node."""
+    return f"{COMMAND_PREFIX}.node.{node_id}.{sender}.>"
+
+
+def command_type_name(subject: str) -> str:
+    """`submit_task` for `jetshard.cmd.api.submit_task`."""
+    return subject.rsplit(".", 1)[-1]
 
 
 def event_subject(type_name: str) -> str:
     return f"{EVENT_PREFIX}.{snake_case(type_name)}"
 
 
-def task_subject(task_id: str) -> str:
-    return f"{TASK_PREFIX}.{task_id}"
+def task_subject(node_id: str, instance_id: str, task_id: str) -> str:
+    """A task's request, under the node that reads it (its instance's leader) and the instance."""
+    return f"{node_tasks(node_id).removesuffix('>')}{instance_id}.{task_id}"
 
 
-def chunk_subject(task_id: str) -> str:
-    return f"{CHUNK_PREFIX}.{task_id}"
+def node_tasks(node_id: str) -> str:
+    """Every request for a node's runners."""
+    return f"{TASK_PREFIX}.{node_id}.>"
+
+
+def chunk_subject(node_id: str, task_id: str) -> str:
+    """A task's output as its leader's node publishes it."""
+    return f"{CHUNK_PREFIX}.{node_id}.{task_id}"
+
+
+def node_chunks(node_id: str) -> str:
+    return f"{CHUNK_PREFIX}.{node_id}.>"
+
+
+def task_chunks(task_id: str) -> str:
+    """A task's output from any node: the API subscribes before the task is assigned, then keeps only what the
+    node of its leader sent."""
+    return f"{CHUNK_PREFIX}.*.{task_id}"
+
+
+def chunk_sender(subject: str) -> str:
+    """The node that published a chunk (`jetshard.chunks.<node>.<task>`)."""
+    return subject.removeprefix(f"{CHUNK_PREFIX}.").split(".", 1)[0]
 
 
 def node_stats_prefix(node_id: str) -> str:

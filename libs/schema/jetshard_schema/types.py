@@ -175,6 +175,9 @@ class RejectCode(enum.StrEnum):
     NO_CAPACITY = "no_capacity"
     MODEL_UNAVAILABLE = "model_unavailable"
     """The model's files cannot be had where it would run (offline nodes without it)."""
+    FORBIDDEN = "forbidden"
+    """The sender may not say this: a node's report about another node, or a command on a subject that is not
+    its type's (NATS lets each identity publish on its own subjects only)."""
     QUEUE_FULL = "queue_full"
     """Every instance of the model has `max_batch + max_queued` tasks, or a new one could not start within the
     requester's deadline at the instance's measured pace; the rejection says when to retry."""
@@ -277,14 +280,13 @@ class TaskRequest(msgspec.Struct, frozen=True, kw_only=True):
 
 
 class TaskRef(msgspec.Struct, frozen=True, kw_only=True):
-    """A task as commands, events and State know it. The request itself (prompt, sampling) is user data:
-    it is kept in JETSHARD_TASKS at `request_seq`, for the task retention only, never in a permanent log."""
+    """A task as commands, events and State know it. The request itself (prompt, sampling) is user data: once
+    the task is assigned, its API stores it in JETSHARD_TASKS under the node of the instance's leader (the only
+    node that may read it), for the task retention only, never in a permanent log."""
 
     task_id: ValidTaskId
     model_id: ValidModelId
     kind: TaskKind
-    request_seq: int
-    """The sequence of the `TaskRequest` in JETSHARD_TASKS."""
     requester: ValidSessionId | None = None
     """The session of the API holding the task's client: when its liveness lapses, nobody is left to read the
     task's output and the sequencer cancels it."""
@@ -322,7 +324,7 @@ class TaskOutcome(enum.StrEnum):
 
 
 class Chunk(msgspec.Struct, frozen=True, kw_only=True):
-    """One piece of a task's output on `jetshard.chunks.<task id>`; `index` runs 0, 1, 2… with no gap."""
+    """One piece of a task's output on `jetshard.chunks.<node id>.<task id>`; `index` runs 0, 1, 2… with no gap."""
 
     task_id: ValidTaskId
     index: int

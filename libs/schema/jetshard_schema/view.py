@@ -249,7 +249,7 @@ def task_views(state: State) -> list[TaskView]:
             status="running" if task.started else "queued",
             prompt_tokens=task.prompt_tokens,
         )
-        for task in sorted(state.tasks.values(), key=lambda t: t.ref.request_seq)
+        for task in sorted(state.tasks.values(), key=lambda t: t.assigned_seq)
     ]
 
 

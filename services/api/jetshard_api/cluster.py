@@ -17,7 +17,7 @@ from jetshard_schema.codec import encode
 from jetshard_schema.commands import Command
 from jetshard_schema.events import CommandRejected, Event, EventEnvelope, TaskFinished
 from jetshard_schema.ids import TaskId, new_command_id, new_id
-from jetshard_schema.state import State
+from jetshard_schema.state import Instance, State
 from jetshard_schema.subjects import MSG_ID_HEADER, task_subject
 from jetshard_schema.types import TaskRef, TaskRequest
 from jetshard_schema.view import EventLine, event_line
@@ -121,25 +121,22 @@ class Cluster:
                 raise ApiError(REJECT_STATUS[event.code], event.reason, str(event.code), headers=retry)
         return events
 
-    async def store_request(self, request: TaskRequest) -> TaskRef:
-        """Keep a task's request (its prompt) in JETSHARD_TASKS, where its runner reads it; the reference
-        goes into the command, so no permanent log holds the prompt. Its headers carry the request's trace context
-        to a runner that finds the task in State rather than in a live event."""
+    def task_ref(self, request: TaskRequest) -> TaskRef:
+        """The task as the command and State name it: the request (its prompt) stays out of every permanent log."""
+        return TaskRef(task_id=request.task_id, model_id=request.model_id, kind=request.kind, requester=self.session_id)
+
+    async def store_request(self, request: TaskRequest, instance: Instance) -> None:
+        """Keep an assigned task's request in JETSHARD_TASKS under its instance's leader node, the only node whose
+        identity may read it there, and whose runner reads it as it is stored. Its headers carry the request's
+        trace context to that runner."""
         self.require_broker()
-        ack = await self._stored(
+        await self._stored(
             lambda: self.js.publish(
-                task_subject(request.task_id),
+                task_subject(instance.leader_node, instance.instance_id, request.task_id),
                 encode(request),
                 headers=inject({MSG_ID_HEADER: request.task_id}),
                 timeout=5.0,
             )
-        )
-        return TaskRef(
-            task_id=request.task_id,
-            model_id=request.model_id,
-            kind=request.kind,
-            request_seq=ack.seq,
-            requester=self.session_id,
         )
 
     async def _stored(self, publish: Callable[[], Awaitable[T]]) -> T:

@@ -35,6 +35,7 @@ REJECT_STATUS = {
     RejectCode.NO_CAPACITY: 503,
     RejectCode.MODEL_UNAVAILABLE: 503,
     RejectCode.QUEUE_FULL: 429,
+    RejectCode.FORBIDDEN: 403,
 }
 
 

@@ -3,13 +3,16 @@ queued, submitted and read back as chunks, and a client that leaves cancels it. 
 their request into a TaskRequest and the chunks into their answer.
 
 A task is submitted as a `SubmitTask` command; the sequencer routes it to the ready instance with the fewest
-tasks in flight; the runner streams chunks on `jetshard.chunks.<task id>`. The API subscribes to that subject
-before it submits, checks the running index (a gap is an error) and treats silence as an error.
+tasks in flight. The API then stores the request (the prompt) for the node of that instance's leader alone, whose
+runner streams chunks on `jetshard.chunks.<node id>.<task id>`. The API subscribes to the task's chunks from any
+node before it submits, keeps only the leader's node's, checks the running index (a gap is an error) and treats
+silence as an error.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections.abc import AsyncIterator
 from contextlib import AsyncExitStack
@@ -19,9 +22,9 @@ from typing import Any
 from jetshard_schema.codec import decode_chunk
 from jetshard_schema.commands import CancelTask, SubmitTask
 from jetshard_schema.events import TaskAssigned, TaskFinished
-from jetshard_schema.ids import InstanceId
+from jetshard_schema.ids import InstanceId, NodeId
 from jetshard_schema.state import State
-from jetshard_schema.subjects import chunk_subject
+from jetshard_schema.subjects import chunk_sender, task_chunks
 from jetshard_schema.types import Chunk, TaskOutcome, TaskRequest, TokenLogprob, ToolCall, Usage
 from litestar.types import Receive
 
@@ -29,6 +32,8 @@ from jetshard_api.cluster import Cluster
 from jetshard_api.disconnect import stopped, unless_disconnected
 from jetshard_api.errors import ApiError
 from jetshard_api.route_steps import InferenceSettings, ensure_placed, ensure_ready, ready_models, wait_ready
+
+log = logging.getLogger(__name__)
 
 BROKER_CHECK_S = 1.0
 """How often a request waiting for chunks checks that NATS is still reachable."""
@@ -51,9 +56,11 @@ class ChunkStream:
         self._cluster = cluster
         self._request = request
         self._settings = settings
-        self._queue: asyncio.Queue[bytes | TaskFinished | None] = asyncio.Queue()
-        """Chunks as they arrive; then, once the task leaves State, its TaskFinished, or None if it left
-        without finishing."""
+        self._queue: asyncio.Queue[tuple[str, bytes] | TaskFinished | None] = asyncio.Queue()
+        """Chunks as they arrive, with the node that sent each; then, once the task leaves State, its TaskFinished,
+        or None if it left without finishing."""
+        self._leader_node: NodeId | None = None
+        """The node whose runner runs the task: only its chunks are the task's output."""
         self._subscription: Any = None
         self._next_index = 0
         self._last_index: int | None = None
@@ -71,10 +78,12 @@ class ChunkStream:
 
     async def __aenter__(self) -> ChunkStream:
         async def on_chunk(msg: Any) -> None:
-            self._queue.put_nowait(msg.data)
+            self._queue.put_nowait((chunk_sender(msg.subject), msg.data))
 
         self._cluster.require_broker()
-        self._subscription = await self._cluster.client.subscribe(chunk_subject(self._request.task_id), cb=on_chunk)
+        # Before the task exists, so that no chunk can come before the subscription; from any node, since which
+        # one runs the task is known only once it is assigned.
+        self._subscription = await self._cluster.client.subscribe(task_chunks(self._request.task_id), cb=on_chunk)
         return self
 
     async def __aexit__(self, *exc: object) -> None:
@@ -100,16 +109,20 @@ class ChunkStream:
         """Submit the task, or raise ApiError (429: the sequencer found its model's queues full, or too slow to
         start it within `start_timeout_s`)."""
         self._timer.start()
-        task = await self._cluster.store_request(self._request)
         finishing = self._cluster.expect_finish(self._request.task_id)
         self._submitted = True
         self._submitted_at = time.monotonic()
         start_within_ms = int(self._settings.start_timeout_s * 1000)
+        task = self._cluster.task_ref(self._request)
         events = await self._cluster.submit(SubmitTask(task=task, start_within_ms=start_within_ms))
-        assigned = next((e for e in events if isinstance(e, TaskAssigned)), None)
-        if assigned is not None:
-            self._instance_id, self._generation = assigned.instance_id, assigned.generation
+        assigned = next(e for e in events if isinstance(e, TaskAssigned))
+        self._instance_id, self._generation = assigned.instance_id, assigned.generation
         self._watcher = asyncio.create_task(self._watch(finishing))
+        instance = self._cluster.state.instances.get(assigned.instance_id)
+        if instance is None:  # deleted as soon as it was assigned: the watcher ends the stream
+            return
+        self._leader_node = instance.leader_node
+        await self._cluster.store_request(self._request, instance)
 
     async def _watch(self, finishing: asyncio.Future[TaskFinished]) -> None:
         """Tell the reader when the task leaves State: with its TaskFinished (the index of its last chunk), or
@@ -185,7 +198,11 @@ class ChunkStream:
                 self._last_index = item.last_chunk_index
                 grace_until = time.monotonic() + LOST_CHUNK_GRACE_S
                 continue
-            return item
+            sender, data = item
+            if sender != self._leader_node:
+                log.warning("chunk of %s from node %s, which does not run it: dropped", self._request.task_id, sender)
+                continue
+            return data
 
     async def next(self) -> Chunk:
         chunk = decode_chunk(await self._receive())
@@ -210,7 +227,7 @@ def _waiting_for(state: State, request: TaskRequest) -> str:
     if task.started:
         return "processing the prompt"
     queued = state.unstarted_tasks(task.instance_id, task.generation)
-    ahead = sum(1 for t in queued if t.ref.request_seq < task.ref.request_seq)
+    ahead = sum(1 for t in queued if t.assigned_seq < task.assigned_seq)
     return f"queued; {ahead} queued before this one"
 
 

@@ -517,7 +517,8 @@ class Downloader:
             weights = {SINGLE_WEIGHTS_NAME}
         measured = sum(sizes.get(name, 0) for name in weights)
         if measured and (card.storage_size_estimated or measured != card.storage_size_bytes):
-            await self.publish(ReportModelSize(model_id=job.model_id, storage_size_bytes=measured))
+            report = ReportModelSize(node_id=self.node_id, model_id=job.model_id, storage_size_bytes=measured)
+            await self.publish(report)
         files = listing.select(required_files(names, index, card.num_layers, job.start, job.end))
         needed = sum(f.size or 0 for f in files)
 

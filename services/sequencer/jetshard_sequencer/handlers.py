@@ -45,6 +45,20 @@ def _reject(command: commands.Command, code: RejectCode, reason: str) -> list[ev
     return [events.CommandRejected(command_type=type(command).__name__, code=code, reason=reason)]
 
 
+def misaddressed(command: commands.Command, subject: str) -> events.CommandRejected | None:
+    """Refuse a command that came on another subject than its own. NATS lets each identity publish only on its
+    role's subjects (a node's only on those naming the node), so the subject says who sent it; a body that
+    belongs elsewhere is someone speaking for another node or role."""
+    if subject == command.subject:
+        return None
+    owner = f"node {command.sender_node}'s {command.sender}" if command.sender_node else f"the {command.sender}"
+    return events.CommandRejected(
+        command_type=type(command).__name__,
+        code=RejectCode.FORBIDDEN,
+        reason=f"a {type(command).__name__} is for {owner} to send (on {command.subject}); it came on {subject}",
+    )
+
+
 def handle(state: State, command: commands.Command, ctx: Context) -> list[events.Event]:
     handler: Callable[[State, Any, Context], list[events.Event]] = _HANDLERS[type(command)]
     try:
@@ -352,7 +366,7 @@ def _report_runner_endpoint(state: State, command: commands.ReportRunnerEndpoint
         return []
     shard = instance.shard_for(command.node_id)
     if shard is None or shard.rank != command.rank:
-        return _reject(command, RejectCode.INVALID, f"node {command.node_id} holds no rank {command.rank}")
+        return _reject(command, RejectCode.FORBIDDEN, f"node {command.node_id} holds no rank {command.rank}")
     return [
         events.RunnerEndpointReported(
             instance_id=command.instance_id,
@@ -369,6 +383,13 @@ def _report_runner_status(state: State, command: commands.ReportRunnerStatus, ct
     if instance is None or instance.generation != command.generation or instance.failed:
         return []  # a report from a runner of an earlier generation or a deleted instance
     runner = command.runner
+    shard = instance.shard_for(runner.node_id)
+    if shard is None or shard.rank != runner.rank:
+        return _reject(
+            command,
+            RejectCode.FORBIDDEN,
+            f"node {runner.node_id} holds no rank {runner.rank} of {command.instance_id}",
+        )
     changed = events.RunnerStatusChanged(instance_id=command.instance_id, generation=command.generation, runner=runner)
     if runner.status not in (RunnerStatus.FAILED, RunnerStatus.STOPPED):
         return [changed]
@@ -437,15 +458,32 @@ def _cancel_task(state: State, command: commands.CancelTask, ctx: Context) -> li
     return [events.TaskCancelled(task_id=command.task_id, reason=command.reason)]
 
 
+def _not_the_leader(
+    state: State, command: commands.ReportTaskStarted | commands.ReportTaskFinished
+) -> list[events.Event]:
+    """Refuse a report on a task by any node but the one of its instance's leader, which runs it."""
+    task = state.tasks[command.task_id]
+    instance = state.instances.get(task.instance_id)
+    if command.instance_id == task.instance_id and instance is not None and instance.leader_node == command.node_id:
+        return []
+    return _reject(
+        command, RejectCode.FORBIDDEN, f"task {command.task_id} is not run by node {command.node_id}'s runners"
+    )
+
+
 def _report_task_started(state: State, command: commands.ReportTaskStarted, ctx: Context) -> list[events.Event]:
     if command.task_id not in state.tasks:
         return []
+    if refused := _not_the_leader(state, command):
+        return refused
     return [events.TaskStarted(task_id=command.task_id, prompt_tokens=command.prompt_tokens, at_ms=ctx.now_ms)]
 
 
 def _report_task_finished(state: State, command: commands.ReportTaskFinished, ctx: Context) -> list[events.Event]:
     if command.task_id not in state.tasks:
         return []
+    if refused := _not_the_leader(state, command):
+        return refused
     return [
         events.TaskFinished(
             task_id=command.task_id,

@@ -40,7 +40,7 @@ from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy, Header, Stream
 from nats.js.kv import KeyValue
 from opentelemetry.trace import Span, StatusCode
 
-from jetshard_sequencer.handlers import Context, handle, past_retention
+from jetshard_sequencer.handlers import Context, handle, misaddressed, past_retention
 
 log = logging.getLogger(__name__)
 
@@ -408,11 +408,14 @@ class Leader:
         except msgspec.DecodeError as error:  # a ValidationError too: a bad id among them
             return [
                 CommandRejected(
-                    command_type=msg.subject.removeprefix(f"{subjects.COMMAND_PREFIX}."),
+                    command_type=subjects.command_type_name(msg.subject),
                     code=RejectCode.INVALID,
                     reason=f"malformed command: {error}",
                 )
             ]
+        refused = misaddressed(command, msg.subject)
+        if refused is not None:
+            return [refused]
         ctx = Context(command_id=command_id, now_ms=now_ms, max_restarts=self._config.max_restarts)
         try:
             return handle(self.state, command, ctx)
@@ -489,15 +492,15 @@ def _command_id(msg: Msg, command_seq: int) -> tuple[CommandId, CommandRejected 
         return msgspec.convert(header, ValidCommandId), None
     except msgspec.ValidationError as error:
         return fallback, CommandRejected(
-            command_type=msg.subject.removeprefix(f"{subjects.COMMAND_PREFIX}."),
+            command_type=subjects.command_type_name(msg.subject),
             code=RejectCode.INVALID,
             reason=f"invalid command id in {subjects.MSG_ID_HEADER}: {error}",
         )
 
 
 def _command_type(subject: str) -> str:
-    """`SubmitTask` for `jetshard.cmd.submit_task`: the name a trace shows for the command."""
-    snake = subject.removeprefix(f"{subjects.COMMAND_PREFIX}.")
+    """`SubmitTask` for `jetshard.cmd.api.submit_task`: the name a trace shows for the command."""
+    snake = subjects.command_type_name(subject)
     return "".join(word.capitalize() for word in snake.split("_"))
 
 

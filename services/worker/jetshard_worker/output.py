@@ -1,4 +1,4 @@
-"""What a task's generated tokens become on `jetshard.chunks.<task id>`: per choice, its text (stop strings
+"""What a task's generated tokens become on `jetshard.chunks.<node id>.<task id>`: per choice, its text (stop strings
 held back), its tool calls, its logprobs; then the task's usage on the last chunk.
 
 A task with `n` choices runs as `n` engine rows; an embedding task as one row per input. Every piece of

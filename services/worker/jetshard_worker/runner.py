@@ -3,7 +3,7 @@
 
 Every rank loads its layers, joins the ring, and reports its status. The last rank is the leader: it
 takes the tasks assigned to its instance from the event stream, renders and tokenizes prompts, drives the
-engine, and publishes the generated text on `jetshard.chunks.<task id>`.
+engine, and publishes the generated text on `jetshard.chunks.<node id>.<task id>`.
 
 The leader's request reader, chunk publisher and reports run in one task group with its main work: one that
 fails ends the process (exit status 1, the reason last in its log), so its worker reports it FAILED and the
@@ -48,7 +48,7 @@ from jetshard_schema.ids import TaskId
 from jetshard_schema.sampling import generation_config_defaults, resolve_sampling
 from jetshard_schema.state import State
 from jetshard_schema.stats import RunnerStats
-from jetshard_schema.subjects import TASKS_STREAM, chunk_subject
+from jetshard_schema.subjects import chunk_subject
 from jetshard_schema.types import (
     Chunk,
     RunnerReport,
@@ -72,6 +72,7 @@ from jetshard_worker.lifeline import die_with_worker
 from jetshard_worker.output import ChoiceOutput, TaskOutput, row_id, split_row_id
 from jetshard_worker.publishing import NATS_ERRORS, publish_until_stored
 from jetshard_worker.runner_spec import RunnerSpec
+from jetshard_worker.task_requests import REQUEST_WAIT_S, TaskRequests
 from jetshard_worker.task_spans import TaskSpans
 from jetshard_worker.textstream import TextStream
 from jetshard_worker.toolcalls import ToolCallSplitter, forced_call_schema
@@ -105,6 +106,7 @@ class Runner:
         """The task group of the runner's work while it serves (run_runner); reports sent later join it."""
         self._taken: set[TaskId] = set()
         self._requests: asyncio.Queue[TaskRef] = asyncio.Queue()
+        self.requests = TaskRequests(client, js, spec.node_id, self.plan.key.instance_id)
         self._spans = TaskSpans(self.plan.key.instance_id) if tracing_enabled() else None
         self.engine: Any = None
         self.tokenizer: Any = None
@@ -232,6 +234,9 @@ class Runner:
             case TaskCancelled(task_id=task_id) if task_id in self._outputs:
                 for choice in range(len(self._outputs[task_id].choices)):
                     self.engine.cancel(row_id(task_id, choice))
+            case TaskCancelled(task_id=task_id) if task_id in self._taken:
+                self._taken.discard(task_id)
+                self.requests.abandon(task_id)
             case InstanceDeleted(instance_id=i) | InstanceFailed(instance_id=i) if i == self.plan.key.instance_id:
                 self.done.set()
             case InstanceRestarting(instance_id=i) if i == self.plan.key.instance_id:
@@ -251,20 +256,24 @@ class Runner:
             self._requests.put_nowait(task)
 
     async def read_requests(self) -> None:
-        """One reader, so tasks start in the order they were assigned: each request (the prompt) is read from
-        JETSHARD_TASKS, where the API stored it; events and State hold only its place."""
+        """One reader, so tasks start in the order they were assigned: each request (the prompt) comes from
+        JETSHARD_TASKS, where the API stored it for this node alone; events and State never hold it."""
         while True:
             task = await self._requests.get()
+            if task.task_id not in self._taken:
+                continue  # cancelled before its turn
+            stored = await self.requests.take(task.task_id)
+            if task.task_id not in self._taken:
+                continue  # cancelled while it waited for its request
             try:
-                stored = await self._js.get_msg(TASKS_STREAM, task.request_seq)
-                request = decode_task_request(stored.data or b"")
+                request = decode_task_request(stored.data) if stored is not None else None
             except Exception as error:
                 log.warning("request of %s unreadable: %s", task.task_id, error)
                 request = None
-            if request is None or request.task_id != task.task_id:
+            if stored is None or request is None or request.task_id != task.task_id:
                 self._fail_task(
                     task.task_id,
-                    "the task's request is gone from JETSHARD_TASKS (older than the task retention?)",
+                    f"the task's request did not reach its runner within {REQUEST_WAIT_S:.0f} s of its assignment",
                     "request_lost",
                 )
                 continue
@@ -392,6 +401,7 @@ class Runner:
         )
         self._send_later(
             ReportTaskFinished(
+                node_id=self.spec.node_id,
                 task_id=task_id,
                 instance_id=self.plan.key.instance_id,
                 outcome=TaskOutcome.ERROR,
@@ -424,7 +434,12 @@ class Runner:
     def _started(self, task_id: TaskId, prompt_tokens: int) -> None:
         if self._spans is not None:
             self._spans.started(task_id, prompt_tokens)
-        report = ReportTaskStarted(task_id=task_id, instance_id=self.plan.key.instance_id, prompt_tokens=prompt_tokens)
+        report = ReportTaskStarted(
+            node_id=self.spec.node_id,
+            task_id=task_id,
+            instance_id=self.plan.key.instance_id,
+            prompt_tokens=prompt_tokens,
+        )
         self._send_later(report)
 
     def _token(self, row: str, token: int, scores: TokenScores | None) -> None:
@@ -456,6 +471,7 @@ class Runner:
             self._spans.finished(task_id, outcome, usage)
         self._send_later(
             ReportTaskFinished(
+                node_id=self.spec.node_id,
                 task_id=task_id,
                 instance_id=self.plan.key.instance_id,
                 outcome=outcome,
@@ -470,7 +486,7 @@ class Runner:
         data = encode(chunk)
         if 0 <= self._oversize_chunks_from <= chunk.index:
             data += b" " * self._client.max_payload  # trailing blanks: still the chunk's JSON, only too big
-        self._outbox.put_nowait((chunk_subject(chunk.task_id), data))
+        self._outbox.put_nowait((chunk_subject(self.spec.node_id, chunk.task_id), data))
 
     def _send_later(self, report: Command) -> None:
         """Publish `report` (until stored) without holding up the loop, in the runner's task group."""
@@ -582,6 +598,7 @@ async def _serve(
         await follower.start()
         runner.tasks.create_task(_named("the chunk publisher", runner.publish_chunks()))
         runner.tasks.create_task(_named("the request reader", runner.read_requests()))
+        await runner.requests.subscribe()
     await runner.report_ready()
     if follower is not None:
         runner.pick_up(follower.state)
