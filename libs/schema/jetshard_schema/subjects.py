@@ -92,7 +92,7 @@ def command_subject(type_name: str, sender: str, node_id: str | None = None) -> 
     permissions can let each node publish its own only."""
     if node_id is None:
         return f"{COMMAND_PREFIX}.{sender}.{snake_case(type_name)}"
-    return f"{node_commands(node_id, sender).removesuffix('>')}{snake_case(type_name)}"
+    return f"{COMMAND_PREFIX}.node.{node_id}.{sender}.{snake_case(type_name)}"
 
 
 def node_commands(node_id: str, sender: str) -> str:
@@ -111,7 +111,7 @@ def event_subject(type_name: str) -> str:
 
 def task_subject(node_id: str, instance_id: str, task_id: str) -> str:
     """A task's request, under the node that reads it (its instance's leader) and the instance."""
-    return f"{node_tasks(node_id).removesuffix('>')}{instance_id}.{task_id}"
+    return f"{TASK_PREFIX}.{node_id}.{instance_id}.{task_id}"
 
 
 def node_tasks(node_id: str) -> str:

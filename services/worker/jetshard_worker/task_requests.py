@@ -64,20 +64,25 @@ class TaskRequests:
         waiter: asyncio.Future[Stored | None] = asyncio.get_running_loop().create_future()
         self._waiting[task_id] = waiter
         try:
-            try:
-                # Stored before this runner subscribed (it started after the assignment).
-                found = await self._js.get_msg(
-                    TASKS_STREAM, subject=task_subject(self._node_id, self._instance_id, task_id), direct=True
-                )
-                return Stored(found.data or b"", found.headers)
-            except nats.js.errors.NotFoundError:
-                pass
+            # Stored before this runner subscribed, or while the subscription's interest was still travelling to
+            # the API's server (a cluster of servers learns it within moments): the stream has it either way.
+            found = await self._read(task_id)
+            if found is not None:
+                return found
             try:
                 return await asyncio.wait_for(waiter, REQUEST_WAIT_S)
             except TimeoutError:
-                return None
+                return await self._read(task_id)
         finally:
             self._waiting.pop(task_id, None)
+
+    async def _read(self, task_id: TaskId) -> Stored | None:
+        subject = task_subject(self._node_id, self._instance_id, task_id)
+        try:
+            found = await self._js.get_msg(TASKS_STREAM, subject=subject, direct=True)
+        except nats.js.errors.NotFoundError:
+            return None
+        return Stored(found.data or b"", found.headers)
 
     def abandon(self, task_id: TaskId) -> None:
         """The task left State (cancelled): stop waiting for its request."""
