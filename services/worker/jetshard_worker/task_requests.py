@@ -5,17 +5,24 @@ there, so a request reaches it as it is stored, and reads the stream for one sto
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import logging
 import time
 from dataclasses import dataclass
 from typing import Any
 
+import nats.errors
 import nats.js.errors
 from jetshard_schema.ids import InstanceId, NodeId, TaskId
 from jetshard_schema.subjects import TASKS_STREAM, task_subject
 from nats.js import JetStreamContext
 
+log = logging.getLogger(__name__)
+
 REQUEST_WAIT_S = 10.0
 """How long an assigned task waits for its request: its API stores it as soon as it sees the assignment."""
+READ_AGAIN_S = 2.0
+"""How often a waiting task asks the stream again, in case the subscription missed the request."""
 UNCLAIMED_KEPT_S = 300.0
 """How long a request nobody asked for is kept: its task was cancelled, or this runner is of an older generation."""
 
@@ -61,26 +68,39 @@ class TaskRequests:
         arrived = self._arrived.pop(task_id, None)
         if arrived is not None:
             return arrived[1]
-        waiter: asyncio.Future[Stored | None] = asyncio.get_running_loop().create_future()
+        loop = asyncio.get_running_loop()
+        waiter: asyncio.Future[Stored | None] = loop.create_future()
         self._waiting[task_id] = waiter
+        deadline = loop.time() + REQUEST_WAIT_S
         try:
             # Stored before this runner subscribed, or while the subscription's interest was still travelling to
-            # the API's server (a cluster of servers learns it within moments): the stream has it either way.
-            found = await self._read(task_id)
-            if found is not None:
-                return found
-            try:
-                return await asyncio.wait_for(waiter, REQUEST_WAIT_S)
-            except TimeoutError:
-                return await self._read(task_id)
+            # the API's server (a cluster of servers learns it within moments): the stream has it either way. It
+            # may not answer while a machine is lost and its servers elect new leaders, so the subscription is
+            # listened to all the while, and the stream asked again until the deadline.
+            while (left_s := deadline - loop.time()) > 0:
+                read = asyncio.ensure_future(self._read(task_id))
+                await asyncio.wait({waiter, read}, timeout=left_s, return_when=asyncio.FIRST_COMPLETED)
+                if not read.done():
+                    read.cancel()
+                elif read.result() is not None:
+                    return read.result()
+                if waiter.done():
+                    return waiter.result()
+                with contextlib.suppress(TimeoutError):
+                    return await asyncio.wait_for(asyncio.shield(waiter), min(READ_AGAIN_S, deadline - loop.time()))
+            return None
         finally:
             self._waiting.pop(task_id, None)
 
     async def _read(self, task_id: TaskId) -> Stored | None:
+        """The stored request; None when the stream does not hold it or does not answer now."""
         subject = task_subject(self._node_id, self._instance_id, task_id)
         try:
             found = await self._js.get_msg(TASKS_STREAM, subject=subject, direct=True)
         except nats.js.errors.NotFoundError:
+            return None
+        except (nats.errors.TimeoutError, nats.errors.NoRespondersError) as error:
+            log.info("JETSHARD_TASKS did not answer for %s (%s); listening and asking again", task_id, error)
             return None
         return Stored(found.data or b"", found.headers)
 
