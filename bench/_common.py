@@ -233,13 +233,12 @@ def blas_of(pid: int) -> str:
     return shown
 
 
-def runner_env(link_dir: Path) -> dict[str, str]:
+def runner_env() -> dict[str, str]:
     """The environment jetshard's worker gives a runner that has the machine to itself (BLAS preload and its
-    threads): the mlx-lm sides get it too. `link_dir` holds the library links it may need."""
+    threads): the mlx-lm sides get it too."""
     from jetshard_worker.blas import blas_threads, runner_environment
 
-    link_dir.mkdir(parents=True, exist_ok=True)
-    return runner_environment(link_dir, blas_threads(os.cpu_count() or 1, 1))
+    return runner_environment(blas_threads(os.cpu_count() or 1, 1))
 
 
 def describe_weights(model_dir: Path) -> str:

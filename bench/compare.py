@@ -149,7 +149,7 @@ def main() -> None:
             f"{', '.join(f'{rss_mib(p):.0f} MiB' for p in runners)}; on disk: {describe_weights(model_dir)}"
         )
 
-    env = runner_env(root / "libs")
+    env = runner_env()
     mlx_dir = dequantized(model_dir, root, env) if args.mlx_weights == "float32" else model_dir
     preload = env.get("LD_PRELOAD", "")
     print(f"mlx_lm.server: starting on {mlx_dir} (LD_PRELOAD={preload or 'none'})…", flush=True)

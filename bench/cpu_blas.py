@@ -2,11 +2,12 @@
 reference BLAS of the mlx[cpu] wheel and with the BLAS a runner loads (jetshard_worker.blas), for the 4-bit
 checkpoint and its float32 dequantization.
 
-    .venv/bin/python bench/cpu_blas.py [--steps 32]
+    .venv/bin/python bench/cpu_blas.py [--steps 32] [--blas LIBRARY ...]
 
 Each measurement runs in a fresh process started with `runner_environment` (JETSHARD_BLAS=0 for the
-reference), so the BLAS is chosen before MLX loads, exactly as for a runner. Decode is mlx-lm's own model
-forward on a (B, 1) batch with a KV cache (no jetshard engine), after a 16-token prompt.
+reference, JETSHARD_BLAS=LIBRARY for each other candidate named with --blas), so the BLAS is chosen before MLX
+loads, exactly as for a runner; a candidate that fails the runner's probe here (SIGILL) is reported as such.
+Decode is mlx-lm's own model forward on a (B, 1) batch with a KV cache (no jetshard engine), after a 16-token prompt.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from jetshard_worker.blas import blas_threads, runner_environment
+from jetshard_worker.blas import blas_threads, runner_blas, runner_environment
 
 BATCHES = (1, 8)
 
@@ -81,6 +82,7 @@ def measure_in_child(env: dict[str, str], what: list[str]) -> float:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=32)
+    parser.add_argument("--blas", nargs="*", default=[], help="more libraries to measure (their paths)")
     parser.add_argument("--child", nargs="+", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
@@ -94,11 +96,19 @@ def main() -> None:
         quantized, dequantized = prepare(root)
         threads = blas_threads(os.cpu_count() or 1, 1)
         base = {k: v for k, v in os.environ.items() if k != "JETSHARD_BLAS"}
+        chosen = runner_blas(base)
+        print(f"machine: {os.cpu_count()} cores; runner BLAS: {chosen.describe()}")
         envs = {
-            "reference BLAS": runner_environment(root, threads, {**base, "JETSHARD_BLAS": "0"}),
-            "runner BLAS": runner_environment(root, threads, base),
+            "reference BLAS": runner_environment(threads, {**base, "JETSHARD_BLAS": "0"}),
+            "runner BLAS": runner_environment(threads, base),
         }
-        print(f"machine: {os.cpu_count()} cores; runner BLAS: {envs['runner BLAS'].get('LD_PRELOAD', 'none')}")
+        for library in args.blas:
+            candidate = runner_blas({**base, "JETSHARD_BLAS": library})
+            if candidate.library is None:
+                print(f"{library}: fails here (see the warning above), not measured")
+                continue
+            print(f"{library}: {candidate.describe()}")
+            envs[Path(library).name] = runner_environment(threads, {**base, "JETSHARD_BLAS": library})
         results: dict[str, float] = {}
         for name, env in envs.items():
             results[f"{name}: float32 matmul 1024 GFLOP/s"] = measure_in_child(env, ["gflops"])

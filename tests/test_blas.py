@@ -7,7 +7,15 @@ import sys
 from pathlib import Path
 
 import pytest
-from jetshard_worker.blas import blas_candidates, blas_threads, runner_environment
+from jetshard_worker import blas
+from jetshard_worker.blas import (
+    MLX_BLAS_CALLS,
+    blas_candidates,
+    blas_threads,
+    packaged_openblas,
+    runner_blas,
+    runner_environment,
+)
 
 linux_only = pytest.mark.skipif(sys.platform != "linux", reason="the BLAS preload is for Linux CPUs")
 
@@ -27,7 +35,7 @@ def test_thread_split_refuses_nonsense(cores: int, runners: int) -> None:
 
 
 def test_reference_blas_when_switched_off(tmp_path: Path) -> None:
-    env = runner_environment(tmp_path, 2, {"JETSHARD_BLAS": "0", "PATH": "/usr/bin"})
+    env = runner_environment(2, {"JETSHARD_BLAS": "0", "PATH": "/usr/bin"})
     assert env == {"JETSHARD_BLAS": "0", "PATH": "/usr/bin"}
 
 
@@ -41,10 +49,12 @@ MULTIPLY = (
     "a = mx.arange(64 * 64, dtype=mx.float32).reshape(64, 64) / 4096\n"
     "mx.eval(a @ a.T)\n"
     "assert mx.allclose(a @ a.T, mx.sum(a[:, None, :] * a[None, :, :], axis=-1)).item()\n"
+    "import os\n"
+    "preloaded = os.environ.get('LD_PRELOAD', '').split(':')[0]\n"
     "maps = open('/proc/self/maps').read()\n"
-    "print(next((name for name in ('openblas', 'libfakeblas.so') if name in maps), 'reference'))\n"
+    "print(os.path.basename(preloaded) if preloaded and preloaded in maps else 'reference')\n"
 )
-"""What a runner does first: a float32 matrix product, and which BLAS computed it."""
+"""What a runner does first: a float32 matrix product, and which BLAS computed it (its preload, if mapped)."""
 
 # A cblas_sgemm for row-major products without transposes, and one built for a CPU this is not: both stand
 # in for real libraries (a BLAS that runs, one whose kernels this processor lacks) that cannot be had here.
@@ -52,6 +62,9 @@ FAKE_BLAS = """
 #include <stdlib.h>
 void cblas_sgemm(int order, int ta, int tb, int m, int n, int k, float alpha, const float *a, int lda,
                  const float *b, int ldb, float beta, float *c, int ldc) {
+#ifdef TRAP
+  __builtin_trap();
+#endif
   if (getenv("FAKE_BLAS_TRAP")) __builtin_trap();
   for (int i = 0; i < m; i++)
     for (int j = 0; j < n; j++) {
@@ -64,70 +77,83 @@ void cblas_sgemm(int order, int ta, int tb, int m, int n, int k, float alpha, co
 """
 
 
-def fake_blas(tmp_path: Path) -> Path:
+def fake_blas(tmp_path: Path, trap: bool = False) -> Path:
     source, library = tmp_path / "fakeblas.c", tmp_path / "libfakeblas.so"
     source.write_text(FAKE_BLAS)
-    subprocess.run(["cc", "-O1", "-shared", "-fPIC", "-o", str(library), str(source)], check=True)
+    defines = ["-DTRAP"] if trap else []
+    subprocess.run(["cc", "-O1", "-shared", "-fPIC", *defines, "-o", str(library), str(source)], check=True)
     return library
 
 
 @linux_only
-def test_a_runner_multiplies_with_the_packaged_openblas_where_it_runs(tmp_path: Path) -> None:
-    """The auto choice is the OpenBLAS wheel when its build runs on this processor (its kernels may need
-    AVX-512), and a process started with the runner's environment loads it (with the gfortran runtime it
-    needs) and multiplies correctly; where it cannot run, the runner multiplies with the next candidate (a
-    system OpenBLAS) or the reference BLAS."""
+def test_a_runner_multiplies_with_the_packaged_openblas(tmp_path: Path) -> None:
+    """The auto choice is scipy-openblas32 (DYNAMIC_ARCH: it runs on any x86-64 or arm64 processor), copied with
+    MLX's calls under their plain names; a process started with the runner's environment multiplies with it,
+    correctly, on kernels chosen for this processor."""
     [packaged, *_] = blas_candidates({})
-    assert "cmeel.prefix" in str(packaged)
-    env = runner_environment(tmp_path, 1, {"PATH": "/usr/bin:/bin"})
+    assert packaged.name.startswith("libopenblas-scipy32-")
+    exported = subprocess.run(["nm", "-D", "--defined-only", str(packaged)], capture_output=True, text=True, check=True)
+    assert {f"T {name}" for name in MLX_BLAS_CALLS} <= {line.split(" ", 1)[1] for line in exported.stdout.splitlines()}
+    chosen = runner_blas({})
+    assert chosen.library == packaged and chosen.kernels, chosen
+    print(f"runner BLAS here: {chosen.describe()}")
+    env = runner_environment(1, {"PATH": "/usr/bin:/bin"})
+    assert env["LD_PRELOAD"] == str(packaged) and env["OPENBLAS_NUM_THREADS"] == "1"
     done = subprocess.run([sys.executable, "-c", MULTIPLY], env=env, capture_output=True, text=True, check=True)
-    runs_here = subprocess.run(
-        [sys.executable, "-c", MULTIPLY], env={**env, "LD_PRELOAD": str(packaged)}, capture_output=True
-    )
-    print(f"packaged OpenBLAS on this processor: exit {runs_here.returncode}; the runner used {done.stdout}")
-    if runs_here.returncode == 0:
-        assert env["LD_PRELOAD"] == str(packaged) and done.stdout.strip() == "openblas"
-        assert env["OPENBLAS_NUM_THREADS"] == "1" and env["MKL_NUM_THREADS"] == "1"
-    else:
-        assert str(packaged) not in env.get("LD_PRELOAD", "")
-        assert done.stdout.strip() == ("openblas" if "LD_PRELOAD" in env else "reference")
+    assert done.stdout.strip() == packaged.name
+
+
+@linux_only
+def test_the_renamed_copy_is_made_once_per_machine(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    packaged_openblas.cache_clear()
+    try:
+        made = packaged_openblas()
+        assert made is not None and made.parent == tmp_path / "jetshard" / "blas"
+        assert [p.name for p in made.parent.iterdir()] == [made.name]  # no half-written copy left beside it
+        stamp = made.stat().st_mtime_ns
+        packaged_openblas.cache_clear()
+        assert packaged_openblas() == made and made.stat().st_mtime_ns == stamp
+    finally:
+        packaged_openblas.cache_clear()
 
 
 @linux_only
 def test_a_blas_that_dies_in_its_first_product_is_left_out(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     library = fake_blas(tmp_path)
     trapping = {"PATH": "/usr/bin:/bin", "JETSHARD_BLAS": str(library), "FAKE_BLAS_TRAP": "1"}
-    env = runner_environment(tmp_path, 1, trapping)
+    env = runner_environment(1, trapping)
     assert env == trapping
     assert "crashed with SIGILL" in caplog.text
     done = subprocess.run([sys.executable, "-c", MULTIPLY], env=env, capture_output=True, text=True, check=True)
     assert done.stdout.strip() == "reference"
 
-    working = runner_environment(tmp_path, 1, {"PATH": "/usr/bin:/bin", "JETSHARD_BLAS": str(library)})
+    working = runner_environment(1, {"PATH": "/usr/bin:/bin", "JETSHARD_BLAS": str(library)})
     assert working["LD_PRELOAD"] == str(library)
     done = subprocess.run([sys.executable, "-c", MULTIPLY], env=working, capture_output=True, text=True, check=True)
     assert done.stdout.strip() == "libfakeblas.so"
 
 
 @linux_only
-def test_a_thread_count_the_user_set_is_kept(tmp_path: Path) -> None:
-    library = fake_blas(tmp_path)
-    env = runner_environment(tmp_path, 4, {"OPENBLAS_NUM_THREADS": "3", "JETSHARD_BLAS": str(library)})
-    assert env["OPENBLAS_NUM_THREADS"] == "3" and env["MKL_NUM_THREADS"] == "4"
+def test_auto_skips_a_packaged_blas_that_traps_for_the_next_candidate(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The order of `auto` with real probes: the packaged library stands in for a build whose kernels this
+    processor lacks (every product traps); the system's comes next and is the one preloaded."""
+    (tmp_path / "trapping").mkdir()
+    trapping = fake_blas(tmp_path / "trapping", trap=True)
+    working = fake_blas(tmp_path)
+    monkeypatch.setattr(blas, "packaged_openblas", lambda: trapping)
+    monkeypatch.setattr(blas, "_SYSTEM_CANDIDATES", (str(working),))
+    assert blas_candidates({}) == [trapping, working]
+    env = runner_environment(1, {"PATH": "/usr/bin:/bin"})
+    assert env["LD_PRELOAD"] == str(working)
+    done = subprocess.run([sys.executable, "-c", MULTIPLY], env=env, capture_output=True, text=True, check=True)
+    assert done.stdout.strip() == "libfakeblas.so"
 
 
 @linux_only
-def test_without_a_gfortran_runtime_the_runner_still_starts(tmp_path: Path) -> None:
-    """The wheel's OpenBLAS placed where no vendored gfortran runtime sits beside it: the environment either
-    finds the system's or leaves the preload out, so a process started with it always runs."""
-    [packaged, *_] = blas_candidates({})
-    lonely = tmp_path / "elsewhere" / "cmeel.prefix" / "lib" / "libopenblas.so.0"
-    lonely.parent.mkdir(parents=True)
-    lonely.symlink_to(packaged)
-    links = tmp_path / "links"
-    links.mkdir()
-    env = runner_environment(links, 1, {"PATH": "/usr/bin:/bin", "JETSHARD_BLAS": str(lonely)})
-    assert "LD_LIBRARY_PATH" not in env
-    subprocess.run(
-        [sys.executable, "-c", "import mlx.core as mx; mx.eval(mx.ones((4, 4)) @ mx.ones((4, 4)))"], env=env, check=True
-    )
+def test_a_thread_count_the_user_set_is_kept(tmp_path: Path) -> None:
+    library = fake_blas(tmp_path)
+    env = runner_environment(4, {"OPENBLAS_NUM_THREADS": "3", "JETSHARD_BLAS": str(library)})
+    assert env["OPENBLAS_NUM_THREADS"] == "3" and env["MKL_NUM_THREADS"] == "4"

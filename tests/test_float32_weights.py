@@ -73,7 +73,7 @@ def test_engine_on_float32_weights_equals_mlx_lm_with_the_runners_blas(
 ) -> None:
     quantized, dequantized = checkpoints
     # The suite switches the preload off for its other equality tests; this one wants the runner's default.
-    env = runner_environment(tmp_path, 2, {k: v for k, v in os.environ.items() if k != "JETSHARD_BLAS"})
+    env = runner_environment(2, {k: v for k, v in os.environ.items() if k != "JETSHARD_BLAS"})
     _, tokenizer = load(str(dequantized))
     prompts = [tokenizer.encode(p) for p in PROMPTS]
     (tmp_path / "prompts.json").write_text(json.dumps(prompts))

@@ -1,30 +1,35 @@
 """An optimized BLAS for runners on Linux CPUs.
 
-The `mlx[cpu]` wheel bundles the reference BLAS (about 6 GFLOP/s on a small x86 machine). OpenBLAS, preloaded
-before MLX loads, multiplies float32 at about 195 GFLOP/s there, and float32 decode runs 2-12x faster than
-quantized decode (quantized layers use MLX's own kernels and do not gain). MLX takes `cblas_sgemm` and
-friends from whichever loaded library defines them first, so LD_PRELOAD is enough.
+The `mlx[cpu]` wheel links the reference BLAS (4.5 GFLOP/s for a 1024² float32 product on a 2-core AVX2
+machine). MLX takes `cblas_sgemm`, `cblas_dgemm` and `cblas_cgemm` from whichever loaded library defines them
+first, so an OpenBLAS preloaded (LD_PRELOAD) before MLX loads computes every float32 product, at 15-40 times the
+speed, and float32 decode beats quantized decode (whose layers use MLX's own kernels and gain nothing).
 
-The library comes from the `cmeel-openblas` wheel, a dependency of the worker on Linux, so no system package
-is needed. That build links `libgfortran.so.5`, which a bare machine lacks; the gfortran runtime that
-auditwheel vendors (renamed) into the `mlx[cpu]` and numpy wheels serves, through a link under its usual name
-in a directory the runner's LD_LIBRARY_PATH names. A system OpenBLAS is the fallback.
+The OpenBLAS is numpy's and scipy's, the `scipy-openblas32` wheel: built with DYNAMIC_ARCH for x86-64 and arm64,
+so it picks its kernels for the processor it finds at load time (Haswell, Zen, SkylakeX, Neoverse, generic ARMv8
+NEON, ...), LP64 like MLX's cblas, needing nothing but libc. Its symbols carry a prefix, so that it never
+clashes with another BLAS in a process; a runner needs MLX's three products under their plain names, so a copy
+with just those renamed (`patchelf --rename-dynamic-symbols`) is made once, in the user's cache. A system
+OpenBLAS is the fallback. (`cmeel-openblas`, used before, is built for one target, SkylakeX on x86-64 and
+Neoverse N2 on arm64, and dies of SIGILL on processors without AVX-512 or SVE.)
 
 `JETSHARD_BLAS`: `auto` (default), `0` (the reference BLAS), or the path of a library to preload.
 """
 
 from __future__ import annotations
 
-import ctypes.util
 import functools
 import glob
-import importlib.metadata
 import logging
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import sysconfig
+import tempfile
 from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
 
 _SYSTEM_CANDIDATES = (
@@ -33,7 +38,10 @@ _SYSTEM_CANDIDATES = (
     "/usr/lib64/libopenblas.so.0",
 )
 _THREAD_VARIABLES = ("OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS")
-_GFORTRAN = "libgfortran.so.5"
+MLX_BLAS_CALLS = ("cblas_sgemm", "cblas_dgemm", "cblas_cgemm")
+"""What `libmlx.so` takes from a BLAS (`nm -D -u`): the products; its LAPACK calls stay with the reference."""
+SCIPY_OPENBLAS_PREFIX = "scipy_"
+"""What scipy-openblas32 puts before every symbol (its pkg-config's BLAS_SYMBOL_PREFIX)."""
 
 log = logging.getLogger(__name__)
 
@@ -46,15 +54,39 @@ def blas_threads(cpu_cores: int, runners: int) -> int:
     return max(1, cpu_cores // runners)
 
 
-def _packaged_openblas() -> Path | None:
+def _blas_cache_dir() -> Path:
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "jetshard" / "blas"
+
+
+@functools.cache
+def packaged_openblas() -> Path | None:
+    """The `scipy-openblas32` library with MLX's calls under their plain names, made on first use; None where the
+    wheel (or patchelf, which renames them) is missing or the copy cannot be made."""
     try:
-        files = importlib.metadata.files("cmeel-openblas") or []
-    except importlib.metadata.PackageNotFoundError:
+        import scipy_openblas32
+    except ImportError:
         return None
-    for file in files:
-        if file.name == "libopenblas.so.0":
-            return Path(str(file.locate()))
-    return None
+    source = Path(scipy_openblas32.get_lib_dir()) / scipy_openblas32.get_library(fullname=True)
+    built = _blas_cache_dir() / f"libopenblas-scipy32-{scipy_openblas32.__version__}.so"
+    if built.exists():
+        return built
+    patchelf = shutil.which("patchelf", path=sysconfig.get_path("scripts")) or shutil.which("patchelf")
+    if patchelf is None:
+        log.warning("patchelf is not installed: the runners keep the reference BLAS")
+        return None
+    built.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=built.parent) as work:
+        copy, renames = Path(work) / built.name, Path(work) / "renames"
+        shutil.copyfile(source, copy)
+        renames.write_text("".join(f"{SCIPY_OPENBLAS_PREFIX}{name} {name}\n" for name in MLX_BLAS_CALLS))
+        done = subprocess.run(
+            [patchelf, "--rename-dynamic-symbols", str(renames), str(copy)], capture_output=True, text=True
+        )
+        if done.returncode != 0:
+            log.warning("could not rename %s's symbols: %s", source, done.stderr.strip())
+            return None
+        copy.replace(built)  # whole or not at all: several workers may make it at once
+    return built
 
 
 def blas_candidates(environ: Mapping[str, str] = os.environ) -> list[Path]:
@@ -66,63 +98,55 @@ def blas_candidates(environ: Mapping[str, str] = os.environ) -> list[Path]:
         if not os.path.exists(setting):
             raise ValueError(f"JETSHARD_BLAS={setting!r}: no such file (use auto, 0 or a library's path)")
         return [Path(setting)]
-    packaged = _packaged_openblas()
+    packaged = packaged_openblas()
     system = [Path(found) for pattern in _SYSTEM_CANDIDATES for found in sorted(glob.glob(pattern))[:1]]
-    return ([packaged] if packaged is not None and packaged.exists() else []) + system
+    return ([packaged] if packaged is not None else []) + system
 
 
-def _vendored_gfortran(library: Path) -> Path | None:
-    """A gfortran 5 runtime that a wheel in the same site-packages vendors (`mlx_cpu.libs/libgfortran-….so.5…`)."""
-    for site in library.parents:
-        found = sorted(glob.glob(str(site / "*.libs" / "libgfortran-*.so.5*")))
-        if found:
-            return Path(found[0])
-    return None
+@dataclass(frozen=True)
+class RunnerBlas:
+    """The BLAS a runner multiplies with: the library preloaded (None: the reference BLAS) and, for an OpenBLAS,
+    the kernels it chose for this processor."""
+
+    library: Path | None
+    kernels: str = ""
+
+    def describe(self) -> str:
+        if self.library is None:
+            return "the reference BLAS of the mlx[cpu] wheel"
+        return f"{self.library}" + (f" ({self.kernels} kernels)" if self.kernels else "")
 
 
-def _gfortran_dirs(library: Path, link_dir: Path) -> list[str] | None:
-    """Directories for LD_LIBRARY_PATH that let `library` find libgfortran.so.5 (none when it needs none or the
-    system has it), or None when nothing provides it: the loader would refuse to start the runner."""
-    if library.parent.name != "lib" or library.parent.parent.name != "cmeel.prefix":
-        return []
-    runtime = _vendored_gfortran(library)
-    if runtime is None:
-        return [] if ctypes.util.find_library("gfortran") else None
-    link = link_dir / _GFORTRAN
-    if link.is_symlink() or link.exists():
-        link.unlink()
-    link.symlink_to(runtime)
-    # The vendored runtime finds its renamed libquadmath through $ORIGIN, which the loader takes from the
-    # link's directory, not the target's: the target's directory is named too.
-    return [str(link_dir), str(runtime.parent)]
-
-
-def runner_environment(link_dir: Path, threads: int, environ: Mapping[str, str] = os.environ) -> dict[str, str]:
-    """`environ` plus what makes a runner load the first BLAS that works here, with `threads` threads;
-    `link_dir` is a private directory for the library links it may need."""
+def runner_blas(environ: Mapping[str, str] = os.environ) -> RunnerBlas:
+    """The first BLAS candidate that multiplies correctly on this machine."""
     for library in blas_candidates(environ):
-        search = _gfortran_dirs(library, link_dir)
-        if search is None:
-            log.warning("%s needs libgfortran.so.5, which nothing here provides", library)
+        probe = _probe(str(library), tuple(sorted(_preloading(library, environ).items())))
+        if probe.failure:
+            log.warning("%s %s on this machine", library, probe.failure)
             continue
-        env = dict(environ)
-        env["LD_PRELOAD"] = ":".join(p for p in (str(library), environ.get("LD_PRELOAD", "")) if p)
-        if search:
-            env["LD_LIBRARY_PATH"] = ":".join(p for p in (*search, environ.get("LD_LIBRARY_PATH", "")) if p)
-        failure = _fails_here(str(library), tuple(sorted(env.items())))
-        if failure:
-            log.warning("%s %s on this machine", library, failure)
-            continue
-        # Both names, as a user's JETSHARD_BLAS may point at MKL; a thread count the user set is kept.
-        for name in _THREAD_VARIABLES:
-            env.setdefault(name, str(threads))
-        return env
-    return dict(environ)
+        return RunnerBlas(library, probe.kernels)
+    return RunnerBlas(None)
 
 
-def has_fast_blas(link_dir: Path, environ: Mapping[str, str] = os.environ) -> bool:
+def runner_environment(threads: int, environ: Mapping[str, str] = os.environ) -> dict[str, str]:
+    """`environ` plus what makes a runner load the first BLAS that works here, with `threads` threads."""
+    chosen = runner_blas(environ).library
+    if chosen is None:
+        return dict(environ)
+    env = _preloading(chosen, environ)
+    # Both names, as a user's JETSHARD_BLAS may point at MKL; a thread count the user set is kept.
+    for name in _THREAD_VARIABLES:
+        env.setdefault(name, str(threads))
+    return env
+
+
+def has_fast_blas(environ: Mapping[str, str] = os.environ) -> bool:
     """Whether runners started here multiply with a BLAS other than MLX's reference one."""
-    return runner_environment(link_dir, 1, environ).get("LD_PRELOAD") != environ.get("LD_PRELOAD")
+    return runner_blas(environ).library is not None
+
+
+def _preloading(library: Path, environ: Mapping[str, str]) -> dict[str, str]:
+    return {**environ, "LD_PRELOAD": ":".join(p for p in (str(library), environ.get("LD_PRELOAD", "")) if p)}
 
 
 _PROBE = """
@@ -134,23 +158,35 @@ c = (ctypes.c_float * (n * n))()
 for transpose_a, transpose_b in ((111, 111), (112, 111), (111, 112)):
     blas.cblas_sgemm(101, transpose_a, transpose_b, n, n, n, ctypes.c_float(1.0), a, n, a, n, ctypes.c_float(0.0), c, n)
     assert c[0] == n and c[n * n - 1] == n, (c[0], c[n * n - 1])
+for name in ("openblas_get_corename", "scipy_openblas_get_corename"):
+    if hasattr(blas, name):
+        getattr(blas, name).restype = ctypes.c_char_p
+        print(getattr(blas, name)().decode())
+        break
 """
 
 
+@dataclass(frozen=True)
+class _Probe:
+    failure: str = ""
+    """How a matrix product with the library failed; empty when it worked."""
+    kernels: str = ""
+
+
 @functools.cache
-def _fails_here(library: str, env: tuple[tuple[str, str], ...]) -> str:
-    """How multiplying with `library` in a runner's `env` fails on this machine, or "" when it works. A build
-    for a newer processor than this one (AVX-512 kernels on an AVX2 machine) dies of SIGILL in its first
-    sgemm, which would kill every runner, so it is tried first in a process of its own."""
+def _probe(library: str, env: tuple[tuple[str, str], ...]) -> _Probe:
+    """Multiply with `library` in a runner's `env`, in a process of its own: a build for a newer processor than
+    this one (AVX-512 kernels on an AVX2 machine) dies of SIGILL in its first sgemm, which would kill every
+    runner."""
     try:
         probe = subprocess.run(
             [sys.executable, "-c", _PROBE, library], env=dict(env), capture_output=True, text=True, timeout=60
         )
     except subprocess.TimeoutExpired:
-        return "did not finish a small matrix product in 60 s"
+        return _Probe("did not finish a small matrix product in 60 s")
     if probe.returncode < 0:
-        return f"crashed with {signal.Signals(-probe.returncode).name} in a matrix product"
+        return _Probe(f"crashed with {signal.Signals(-probe.returncode).name} in a matrix product")
     if probe.returncode > 0:
         last_line = (probe.stderr.strip().splitlines() or ["no error output"])[-1]
-        return f"failed a matrix product ({last_line})"
-    return ""
+        return _Probe(f"failed a matrix product ({last_line})")
+    return _Probe(kernels=probe.stdout.strip())

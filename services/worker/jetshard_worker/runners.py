@@ -184,7 +184,7 @@ class RunnerSupervisor:
             card_generation=card.generation if card is not None else GenerationDefaults(),
         )
         log_path = self._scratch_file(key, f"-rank{runner_plan.rank}.log")
-        env = runner_environment(self._scratch_dir(), blas_threads(os.cpu_count() or 1, hosted))
+        env = runner_environment(blas_threads(os.cpu_count() or 1, hosted))
         with open(log_path, "ab") as log_file:
             # No preexec_fn: the runner arms its death with the worker itself (lifeline.die_with_worker).
             process = subprocess.Popen(

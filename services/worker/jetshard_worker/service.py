@@ -6,7 +6,6 @@ import asyncio
 import contextlib
 import logging
 import socket
-import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -24,7 +23,7 @@ from jetshard_schema.state import State
 from jetshard_schema.types import NodeProfile
 from nats.aio.client import Client
 
-from jetshard_worker.blas import has_fast_blas
+from jetshard_worker.blas import runner_blas
 from jetshard_worker.cards import CardDirectory
 from jetshard_worker.runners import RunnerSupervisor
 
@@ -105,8 +104,9 @@ def _local_address(client: Client) -> str:
 
 
 def _fast_blas_here() -> bool:
-    with tempfile.TemporaryDirectory(prefix="jetshard-blas-") as links:
-        return has_fast_blas(Path(links))
+    blas = runner_blas()
+    log.info("runners multiply with %s", blas.describe())
+    return blas.library is not None
 
 
 async def _report_profile(js, node_id, session_id, first: NodeProfile, interval_s: float, stop: asyncio.Event) -> None:  # type: ignore[no-untyped-def]
