@@ -4,6 +4,7 @@ budgets: every output parses and validates."""
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import re
@@ -321,14 +322,14 @@ def test_a_complete_document_allows_only_eos(tiny: tuple[Any, Any]) -> None:
     masked = run_process(constraint, [1, 2, 3], tokenizer.encode(doc, add_special_tokens=False), width=520)
     allowed = [i for i, value in enumerate(masked[0].tolist()) if value > -float("inf")]
     assert sorted(allowed) == sorted(tokenizer.eos_token_ids)
-    assert constraint.closing(doc, 40) == ""
+    assert constraint.closing(lambda: doc, 40) == ""
 
 
 def closing_after(tokenizer: Any, schema: dict[str, Any], text: str) -> str | None:
     """What `closing` returns once `text` is generated and the budget is spent."""
     constraint = make_constraint(tokenizer, schema, max_tokens=4)
     run_process(constraint, [1], tokenizer.encode(text, add_special_tokens=False), width=512)
-    return constraint.closing(text, 4)
+    return constraint.closing(lambda: text, 4)
 
 
 def test_the_verifier_rejects_a_completion_llguidance_does_not_accept(tiny: tuple[Any, Any]) -> None:
@@ -397,7 +398,7 @@ def generate(
             return tokenizer.decode(generated), "", len(generated)
         generated.append(token)
         text = tokenizer.decode(generated)
-        closing = constraint.closing(text, len(generated))
+        closing = constraint.closing(functools.partial(str, text), len(generated))
         if closing is not None:
             return text, closing, len(generated)
     raise AssertionError(f"reached max_tokens={max_tokens} without closing: {tokenizer.decode(generated)!r}")

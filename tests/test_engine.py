@@ -285,7 +285,10 @@ def test_single_rank_greedy_equals_mlx_lm(models: dict[str, Path], arch: str, pr
 
     run_single(engine, requests, collector)
 
-    assert engine.stats.max_rows > 1  # the requests decoded as one batch
+    # The prompts were prefilled together (padded to the longest), and decoded as one batch: each row's text is
+    # still the one mlx-lm gives that prompt alone.
+    assert engine.stats.max_prefill_rows > 1
+    assert engine.stats.max_rows > 1
     for i, tokens in enumerate(expected):
         assert collector.tokens.get(f"t{i}", []) == tokens, f"prompt {i}"
         reason, prompt_tokens, completion_tokens = collector.finished[f"t{i}"]
@@ -294,6 +297,77 @@ def test_single_rank_greedy_equals_mlx_lm(models: dict[str, Path], arch: str, pr
             assert completion_tokens == len(tokens) == MAX_TOKENS
         else:
             assert (reason, completion_tokens) == (TaskOutcome.STOP, len(tokens) + 1)  # the EOS counts
+
+
+@pytest.mark.timeout(60)
+def test_a_cohort_of_a_saved_prefix_fresh_prompts_and_other_lengths_decodes_as_each_does_alone(
+    models: dict[str, Path],
+) -> None:
+    """One cohort mixes a row restored from a saved prefix, fresh rows and prompts of other lengths (padded on the
+    right), prefilled in small chunks; a prompt that starts as one of its rows waits, to start from that cache cut
+    shorter. Each row's greedy text is mlx-lm's for its prompt alone."""
+    model_dir = models["llama"]
+    prompts = prompt_ids(model_dir)
+    conversation = prompts[3] * 2  # long enough for the prefix index (16 tokens)
+    cohort = [conversation + prompts[1], prompts[1], prompts[0], prompts[2], prompts[3]]
+    expected = reference(model_dir, [conversation, *cohort])
+    collector = Collector()
+
+    def on_finished(task_id: str, reason: TaskOutcome, prompt_tokens: int, completion_tokens: int) -> None:
+        if task_id == "first":  # on the engine's thread: all four are queued before it looks again
+            for i, prompt in enumerate(cohort):
+                engine.submit(GenerationRequest(f"t{i}", prompt, MAX_TOKENS))
+        collector.on_finished(task_id, reason, prompt_tokens, completion_tokens)
+
+    engine = PipelineEngine(
+        load_shard(model_dir, 0, 4), on_token=collector.on_token, on_finished=on_finished, prefill_step_size=5
+    )
+    later = tuple(f"t{i}" for i in range(len(cohort)))
+    run_single(engine, [GenerationRequest("first", conversation, MAX_TOKENS)], collector, submitted_later=later)
+
+    # Two rows restored: the follow-up whole, and the conversation's first half, cut from the saved cache.
+    assert engine.stats.prefix_hits == 2 and engine.stats.max_prefill_rows == len(cohort) - 1
+    assert collector.tokens["first"] == expected[0]
+    for i in range(len(cohort)):
+        assert collector.tokens.get(f"t{i}", []) == expected[i + 1], f"prompt {i}"
+
+
+@pytest.mark.timeout(60)
+def test_tasks_cancelled_while_their_cohort_prefills_leave_the_rest_as_it_was(models: dict[str, Path]) -> None:
+    """A cohort's task cancelled as its prefill begins ends at once; its row joins with the others and leaves
+    again, and the rest decode as they do alone. A cohort whose every task is cancelled is dropped, and the
+    engine serves the next prompt."""
+    model_dir = models["qwen3"]
+    prompts = prompt_ids(model_dir)
+    expected = reference(model_dir, [prompts[1], prompts[0]])
+    collector = Collector()
+    doomed = ("cancelled", "gone-1", "gone-2")
+
+    def on_finished(task_id: str, reason: TaskOutcome, prompt_tokens: int, completion_tokens: int) -> None:
+        if task_id == "cancelled":  # queued while the first cohort fills: they prefill together next
+            for gone, prompt in zip(doomed[1:], (prompts[3], prompts[0]), strict=True):
+                engine.submit(GenerationRequest(gone, prompt, MAX_TOKENS))
+        if task_id == "gone-2":
+            engine.submit(GenerationRequest("after", prompts[1], MAX_TOKENS))
+        collector.on_finished(task_id, reason, prompt_tokens, completion_tokens)
+
+    engine = PipelineEngine(
+        load_shard(model_dir, 0, 4),
+        on_token=collector.on_token,
+        on_finished=on_finished,
+        on_started=lambda task_id, prompt_tokens: engine.cancel(task_id) if task_id in doomed else None,
+        prefill_step_size=2,  # many PREFILL steps: the cancels land while the cohorts fill
+    )
+    first = [("kept", prompts[1]), ("cancelled", prompts[3]), ("also-kept", prompts[0])]
+    for task_id, prompt in first:  # before the engine runs: one cohort
+        engine.submit(GenerationRequest(task_id, prompt, MAX_TOKENS))
+    run_single(engine, [], collector, submitted_later=(*(t for t, _ in first), *doomed[1:], "after"))
+
+    assert engine.stats.max_prefill_rows == 3
+    for task_id in doomed:
+        assert collector.finished[task_id][0] is TaskOutcome.CANCELLED and task_id not in collector.tokens
+    assert collector.tokens["kept"] == expected[0] and collector.tokens["after"] == expected[0]
+    assert collector.tokens["also-kept"] == expected[1]
 
 
 @pytest.mark.timeout(60)

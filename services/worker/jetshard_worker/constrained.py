@@ -165,10 +165,11 @@ class JsonConstraint:
             allowed = np.pad(allowed, (0, width - allowed.size))
         return mx.where(mx.array(allowed[:width]), logprobs, mx.array(-mx.inf, dtype=logprobs.dtype))
 
-    def closing(self, text: str, generated: int) -> str | None:
+    def closing(self, text: Callable[[], str], generated: int) -> str | None:
         """The text that ends the task now, or None while generation may go on.
 
-        Called after each generated token with the text generated so far and the number of tokens generated. Returns
+        Called after each generated token with the text generated so far (a function, as it is needed only near the
+        budget's end) and the number of tokens generated. Returns
         "" once the document is complete (only EOS allowed), and otherwise, once the budget requires it (the
         completion's tokens plus a margin of a few tokens reach `max_tokens`), the shortest verified text that makes
         `text` a document valid for the schema. When even the minimal document exceeds the budget, that is at once:
@@ -178,9 +179,10 @@ class JsonConstraint:
         with self._lock:
             return self._closing(text, generated)
 
-    def _closing(self, text: str, generated: int) -> str | None:
+    def _closing(self, generated_text: Callable[[], str], generated: int) -> str | None:
         if self._max_tokens - generated > self._window:
             return "" if self._matcher.is_stopped() and self._matcher.is_accepting() else None
+        text = generated_text()
         matcher = self._positioned(text)
         if matcher is not None and matcher.is_stopped() and matcher.is_accepting():
             return ""

@@ -4,6 +4,10 @@ held back), its tool calls, its logprobs; then the task's usage on the last chun
 A task with `n` choices runs as `n` engine rows; an embedding task as one row per input. Every piece of
 output becomes a `Chunk` with the next index of the task, whichever choice it belongs to, so the API sees
 one gap-free sequence; the chunk that carries `usage` is the last.
+
+Text is held, not published at once: the tokens a choice makes before the publisher is ready for more (it
+waits for each batch's round trip to NATS) leave as one chunk. A chunk of another choice, tool calls or a
+choice's end publish what is held first, so the order of the text never changes.
 """
 
 from __future__ import annotations
@@ -52,6 +56,9 @@ class ChoiceOutput:
     """Why its output ended it (a stop string, a document closed): tokens the engine still hands out are void."""
     finished: bool = False
 
+    def joined(self) -> str:
+        return "".join(self.text)
+
 
 class TaskOutput:
     """Turns one task's engine rows into chunks, handed to `publish` in index order."""
@@ -62,11 +69,17 @@ class TaskOutput:
         choices: list[ChoiceOutput],
         decode_token: Callable[[int], str],
         publish: Callable[[Chunk], None],
+        holding: Callable[[TaskOutput], None],
     ) -> None:
+        """`publish` takes each chunk as it is made; `holding` is told when this output starts holding text,
+        for its publisher to `flush` it when it is ready for more."""
         self.task_id = task_id
         self.choices = choices
         self._decode_token = decode_token
         self._publish = publish
+        self._holding = holding
+        self._held: tuple[int, list[str], list[TokenLogprob]] | None = None
+        """A choice's text and logprobs not published yet."""
         self._next_index = 0
         self._prompt_tokens = 0
         self.outcome = TaskOutcome.STOP
@@ -94,13 +107,11 @@ class TaskOutput:
         output.text.append(text)
         if output.stream.stopped:
             output.ending = TaskOutcome.STOP
-        elif (
-            output.constraint is not None and output.constraint.closing("".join(output.text), output.tokens) is not None
-        ):
+        elif output.constraint is not None and output.constraint.closing(output.joined, output.tokens) is not None:
             # Ending: what the detokenizer still holds back comes first, then what closes the document after it.
             tail = output.stream.finish()
             output.text.append(tail)
-            closing = output.constraint.closing("".join(output.text), output.tokens) or ""
+            closing = output.constraint.closing(output.joined, output.tokens) or ""
             text += tail + closing
             output.text.append(closing)
             output.ending = TaskOutcome.LENGTH if closing else TaskOutcome.STOP
@@ -124,7 +135,7 @@ class TaskOutput:
             output.text.append(text)
         calls: list[ToolCallParsed] = []
         if output.forced_calls:
-            calls = parse_forced("".join(output.text))
+            calls = parse_forced(output.joined())
             text = "" if calls else text
         elif output.splitter is not None:
             shown, calls = output.splitter.add(text)
@@ -159,13 +170,31 @@ class TaskOutput:
             self._chunk(choice, text, calls)
 
     def _chunk(self, choice: int, text: str, calls: list[ToolCallParsed], **fields: Any) -> None:
+        logprobs = self._logprobs.pop(choice, [])
+        if not calls and not fields:
+            if self._held is not None and self._held[0] != choice:
+                self.flush()
+            if self._held is None:
+                self._held = (choice, [], [])
+                self._holding(self)
+            self._held[1].append(text)
+            self._held[2].extend(logprobs)
+            return
+        self.flush()
         if calls:
             self.choices[choice].called = True
         tool_calls = tuple(
             ToolCall(id=f"call_{secrets.token_hex(12)}", name=call.name, arguments=call.arguments) for call in calls
         )
-        logprobs = tuple(self._logprobs.pop(choice, ()))
-        self._publish(self._next(choice, text=text, tool_calls=tool_calls, logprobs=logprobs, **fields))
+        self._publish(self._next(choice, text=text, tool_calls=tool_calls, logprobs=tuple(logprobs), **fields))
+
+    def flush(self) -> None:
+        """Publish the text held, as one chunk."""
+        if self._held is None:
+            return
+        choice, texts, logprobs = self._held
+        self._held = None
+        self._publish(self._next(choice, text="".join(texts), logprobs=tuple(logprobs)))
 
     def _next(self, choice: int, **fields: Any) -> Chunk:
         index, self._next_index = self._next_index, self._next_index + 1

@@ -97,7 +97,8 @@ class Runner:
         self._js = js
         self._client = client
         self._loop = asyncio.get_running_loop()
-        self._outbox: asyncio.Queue[tuple[str, bytes]] = asyncio.Queue()
+        self._outbox: asyncio.Queue[tuple[str, bytes] | None] = asyncio.Queue()  # None: text is held
+        self._holding: list[TaskOutput] = []
         self._outputs: dict[TaskId, TaskOutput] = {}
         self._embeddings: dict[str, list[float]] = {}
         self._drop_chunks_from = int(os.environ.get(DROP_CHUNKS_ENV, "-1"))
@@ -317,8 +318,13 @@ class Runner:
             self.engine.submit(row)
 
     @property
-    def _io(self) -> tuple[Any, Any]:
-        return self._token_text, self._publish_chunk
+    def _io(self) -> tuple[Any, Any, Any]:
+        return self._token_text, self._publish_chunk, self._hold
+
+    def _hold(self, output: TaskOutput) -> None:
+        """`output` holds text: the publisher flushes it when it is ready for more (see publish_chunks)."""
+        self._holding.append(output)
+        self._outbox.put_nowait(None)
 
     def _generation(self, request: TaskRequest, tokens: list[int]) -> tuple[TaskOutput, list[GenerationRequest]]:
         """A chat's or completion's rows, one per choice, and the output they feed."""
@@ -497,16 +503,24 @@ class Runner:
         self.tasks.create_task(_named(f"sending {type(report).__name__}", publish_until_stored(self._js, report)))
 
     async def publish_chunks(self) -> None:
-        """One publisher, so chunks leave in the order they were made. A chunk the client refuses to publish
-        (connection closed for good, payload too big) ends the runner."""
+        """One publisher, so chunks leave in the order they were made. Each round publishes what is queued and
+        what the outputs hold, then waits for NATS to have it all: text made meanwhile leaves in one chunk per
+        choice next round, so a busy engine makes fewer, larger chunks, not a backlog. A chunk the client
+        refuses to publish (connection closed for good, payload too big) ends the runner."""
         while True:
-            subject, data = await self._outbox.get()
-            await self._client.publish(subject, data)
-            if self._outbox.empty():
-                # The round trip paces the publisher. A reconnection drops the ping in flight and the flush times
-                # out; what the client buffered meanwhile goes out once it is connected again.
-                with contextlib.suppress(nats.errors.FlushTimeoutError):
-                    await self._client.flush()
+            queued = [await self._outbox.get()]
+            holding, self._holding = self._holding, []
+            for output in holding:
+                output.flush()  # into the outbox, after every chunk it made before
+            while not self._outbox.empty():
+                queued.append(self._outbox.get_nowait())
+            for item in queued:
+                if item is not None:
+                    await self._client.publish(*item)
+            # The round trip paces the publisher. A reconnection drops the ping in flight and the flush times
+            # out; what the client buffered meanwhile goes out once it is connected again.
+            with contextlib.suppress(nats.errors.FlushTimeoutError):
+                await self._client.flush()
 
 
 def _read_generation_config(model_dir: Path) -> GenerationDefaults:

@@ -1,12 +1,14 @@
 """Pipeline-parallel generation with continuous batching; every decision is made on the last rank.
 
 The last rank ("leader") owns the request queue, the samplers and all per-step decisions. Up to `max_batch`
-tasks decode together, one token each per (B, 1) step. A new task's prompt is prefilled into a KV cache of its
-own, a bounded chunk between two of the batch's decode steps (so a long prompt does not freeze the others'
-streams), then joins the batch as its last row; a finished task's row leaves it. Every change to a KV cache
-is one step message that travels around the ring in the order the leader decides it (see `protocol`):
-PREFILL fills a slot's own cache, JOIN moves it into the batch, DECODE runs the batch's rows, RELEASE drops a
-slot. So every rank holds the same rows in the same order without deciding anything.
+tasks decode together, one token each per (B, 1) step. New prompts are prefilled together, as mlx-lm's
+BatchGenerator does: a cohort of up to `max_prefill_batch` waiting prompts of similar length shares one batched
+KV cache (the shorter ones padded on the right), filled a bounded chunk of columns between two of the batch's
+decode steps (so a long prompt does not freeze the others' streams), then joins the batch as its last rows; a
+finished task's row leaves it. Every change to a KV cache is one step message that travels around the ring in
+the order the leader decides it (see `protocol`): GATHER starts a cohort's cache, PREFILL fills it, JOIN moves
+it into the batch, DECODE runs the batch's rows, RELEASE drops a row. So every rank holds the same rows in the
+same order without deciding anything.
 
 Batching is exact here: mlx-lm's batch caches (left padding, masks) give each row bit for bit the logits it
 gets alone, and each task samples with its own PRNG key, so neither greedy nor seeded output depends on
@@ -32,14 +34,18 @@ from mlx_lm.models.cache import can_trim_prompt_cache, trim_prompt_cache
 from .distributed import ring_listen_port
 from .prefixes import PrefixHit, PrefixIndex
 from .protocol import (
-    FLAG_RESET,
-    FLAG_RESTORE,
-    FLAG_SAVE,
+    FLAG_COHORT,
+    GATHER_PREFIX,
+    GATHER_PREFIX_LEN,
+    GATHER_SLOT,
+    GATHER_TOKENS,
     HELLO_BAD_END,
     HELLO_BAD_RANK,
     HELLO_BAD_START,
     HELLO_NEXT,
     HELLO_NUM_LAYERS,
+    JOIN_SAVE,
+    JOIN_SAVE_LEN,
     Header,
     Link,
     Op,
@@ -75,6 +81,10 @@ IDLE_POLL_S = 0.5
 # Prefill chunks between decode steps before their cost is measured, and never smaller than (tokens).
 FIRST_INTERLEAVED_CHUNK = 64
 MIN_INTERLEAVED_CHUNK = 16
+# A waiting prompt joins a cohort while the padded tokens stay within this share of the real ones, plus a few:
+# short prompts always go together, a long one does not make short ones compute its length.
+COHORT_PADDING = 1.5
+COHORT_PADDING_TOKENS = 64
 
 
 @dataclass(frozen=True)
@@ -118,13 +128,55 @@ class _Task:
     slot: int
     sampler: TaskSampler
     eos: frozenset[int]
-    prompt_done: int = 0  # prompt tokens in the task's own KV cache; all but the last before it joins
     generated: list[int] = field(default_factory=list)  # tokens sampled, EOS included
-    cache_started: bool = False  # a step with FLAG_RESET went out for its slot
-    prefilled: bool = False  # a PREFILL went out for it
     restore: PrefixHit | None = None  # the saved prefix its cache starts from
     finished: bool = False
     pooled: mx.array | None = None  # an embedding task's sum of final-norm outputs over the prompt so far
+    history: mx.array | None = None  # its prompt and generated ids, for its logits processors; grown, never rebuilt
+
+    def to_prefill(self) -> Sequence[int]:
+        """The prompt tokens its cache still needs: after the restored prefix, and all but the last one, which
+        goes in with its first decode step (mlx_lm.generate_step's schedule); an embedding needs every one."""
+        prompt = self.request.prompt_tokens
+        start = 0 if self.restore is None else self.restore.tokens
+        return prompt[start:] if self.request.embed else prompt[start:-1]
+
+    def processor_history(self) -> mx.array:
+        """What mlx-lm hands a logits processor: the prompt and every token generated so far."""
+        if self.history is None:
+            self.history = mx.array([*self.request.prompt_tokens, *self.generated], dtype=mx.int32)
+        elif (missing := len(self.request.prompt_tokens) + len(self.generated) - self.history.size) > 0:
+            self.history = mx.concatenate([self.history, mx.array(self.generated[-missing:], dtype=mx.int32)])
+        return self.history
+
+
+@dataclass(eq=False)
+class _Cohort:
+    """Prompts prefilled together, into one batched KV cache on every rank, joining a micro-batch as one."""
+
+    id: int
+    tasks: list[_Task]
+    """Its rows, in order; a task that ended keeps its row (and slot) until the cohort has joined."""
+    done: int = 0
+    """Columns of the padded prompts sent in PREFILL steps."""
+
+    @property
+    def width(self) -> int:
+        return max((len(t.to_prefill()) for t in self.tasks), default=0)
+
+    @property
+    def live(self) -> list[_Task]:
+        return [t for t in self.tasks if not t.finished]
+
+    def columns(self, start: int, stop: int) -> mx.array:
+        """Columns [start, stop) of its prompts, right-padded with 0 as mlx-lm pads them."""
+        rows = [list(t.to_prefill()[start:stop]) for t in self.tasks]
+        return mx.array([row + [0] * (stop - start - len(row)) for row in rows], dtype=mx.int32)
+
+
+def cohort_fits(lengths: Sequence[int]) -> bool:
+    """Whether prompts of `lengths` tokens prefill well together: padding them to the longest wastes little."""
+    return len(lengths) * max(lengths) <= COHORT_PADDING * sum(lengths) + COHORT_PADDING_TOKENS
 
 
 @dataclass
@@ -153,59 +205,82 @@ class _Sent:
     """A step under way, and what the leader needs when it comes back."""
 
     header: Header
-    task: _Task | None = None  # PREFILL, JOIN
+    cohort: _Cohort | None = None  # PREFILL
     rows: list[_Task] | None = None  # DECODE: its rows, in order
     payload: mx.array | None = None  # a single rank's token ids, embedded when the step comes back
 
 
+@dataclass
+class _CohortCache:
+    cache: list[Any]
+    slots: list[int]
+    padded: bool  # prepared for right padding: finalized (the padding moved to the left) as it joins
+
+
 class _RankCaches:
-    """One rank's KV caches: each prefilling slot's own, each micro-batch's (its rows' caches merged; row i of
-    group g is slot `rows[g][i]`), and the saved prefixes. The leader and the followers change them through the
-    same methods, from the same step headers, in the same order."""
+    """One rank's KV caches: each prefill cohort's, each micro-batch's (its rows' caches merged; row i of group g
+    is slot `rows[g][i]`), and the saved prefixes. The leader and the followers change them through the same
+    methods, from the same step headers, in the same order. mlx-lm's batch caches do the padding, merging,
+    extending and extracting, as in its BatchGenerator."""
 
     def __init__(self, shard: Shard) -> None:
         self._shard = shard
-        self._own: dict[int, tuple[list[Any], int]] = {}  # slot -> (cache, tokens in it)
+        self._cohorts: dict[int, _CohortCache] = {}
         self._saved: dict[int, tuple[list[Any], int]] = {}  # prefix -> (cache, tokens in it); never mutated
         self.rows: dict[int, list[int]] = {}
         self._batches: dict[int, list[Any]] = {}
 
-    def for_prefill(self, header: Header) -> list[Any]:
-        cache, tokens = self._own_cache(header)
-        self._own[header.slot] = (cache, tokens + header.length)
-        return cache
+    def gather(self, header: Header, table: mx.array) -> None:
+        rows = cast("list[list[int]]", table.tolist())
+        starts = [self._start(row[GATHER_PREFIX], row[GATHER_PREFIX_LEN]) for row in rows]
+        merged = [type(layers[0]).merge(list(layers)) for layers in zip(*starts, strict=True)]
+        lengths = [row[GATHER_TOKENS] for row in rows]
+        padding = [max(lengths) - n for n in lengths]
+        if any(padding):
+            for layer in merged:
+                layer.prepare(lengths=lengths, right_padding=padding)
+        self._cohorts[header.slot] = _CohortCache(merged, [row[GATHER_SLOT] for row in rows], any(padding))
 
-    def join(self, header: Header) -> None:
-        own, tokens = self._own_cache(header)
-        self._own.pop(header.slot, None)
-        if header.flags & FLAG_SAVE:
-            self._saved[header.prefix] = (own, tokens)  # merging copies it into the batch: it stays as it is
-        # mlx-lm's batch caches: each layer's cache type knows how to merge into its batched form.
-        merged = [type(layer).merge([layer]) for layer in own]
+    def for_prefill(self, header: Header) -> list[Any]:
+        if header.slot not in self._cohorts:
+            raise RuntimeError(f"a {header.op.name} step names cohort {header.slot}, which has no cache")
+        return self._cohorts[header.slot].cache
+
+    def join(self, header: Header, table: mx.array) -> None:
+        self.for_prefill(header)
+        cohort = self._cohorts.pop(header.slot)
+        if cohort.padded:
+            for layer in cohort.cache:
+                layer.finalize()
+        for row, (save, tokens) in enumerate(cast("list[list[int]]", table.tolist())):
+            if save >= 0:
+                self._saved[save] = ([layer.extract(row) for layer in cohort.cache], tokens)
         rows = self.rows.setdefault(header.group, [])
         if rows:
-            for batched, joining in zip(self._batches[header.group], merged, strict=True):
+            for batched, joining in zip(self._batches[header.group], cohort.cache, strict=True):
                 batched.extend(joining)
         else:
-            self._batches[header.group] = merged
-        rows.append(header.slot)
+            self._batches[header.group] = cohort.cache
+        rows.extend(cohort.slots)
 
-    def release(self, slot: int) -> None:
-        group = next((g for g, rows in self.rows.items() if slot in rows), None)
-        if group is None:
-            self._own.pop(slot, None)
+    def cohort_bytes(self, cohort: int) -> int:
+        found = self._cohorts.get(cohort)
+        return 0 if found is None else sum(getattr(layer, "nbytes", 0) for layer in found.cache)
+
+    def release(self, header: Header) -> None:
+        if header.flags & FLAG_COHORT:
+            self._cohorts.pop(header.slot, None)
             return
-        keep = [i for i, row in enumerate(self.rows[group]) if row != slot]
+        group = next((g for g, rows in self.rows.items() if header.slot in rows), None)
+        if group is None:
+            return
+        keep = [i for i, row in enumerate(self.rows[group]) if row != header.slot]
         self.rows[group] = [self.rows[group][i] for i in keep]
         if not keep:
             del self._batches[group]
             return
         for layer in self._batches[group]:
             layer.filter(keep)
-
-    def own(self, slot: int) -> list[Any] | None:
-        found = self._own.get(slot)
-        return None if found is None else found[0]
 
     def evict(self, prefix: int) -> None:
         self._saved.pop(prefix, None)
@@ -218,20 +293,17 @@ class _RankCaches:
             )
         return self._batches[header.group]
 
-    def _own_cache(self, header: Header) -> tuple[list[Any], int]:
-        if not header.flags & FLAG_RESET:
-            if header.slot not in self._own:
-                raise RuntimeError(f"a {header.op.name} step names slot {header.slot}, which has no cache")
-            return self._own[header.slot]
-        if not header.flags & FLAG_RESTORE:
-            return self._shard.make_cache(), 0
-        if header.prefix not in self._saved:
-            raise RuntimeError(f"slot {header.slot} starts from saved prefix {header.prefix}, which this rank lacks")
-        saved, tokens = self._saved[header.prefix]
+    def _start(self, prefix: int, prefix_len: int) -> list[Any]:
+        """A row's cache before its prefill: empty, or a copy of saved prefix `prefix` cut to `prefix_len`."""
+        if prefix < 0:
+            return self._shard.make_cache()
+        if prefix not in self._saved:
+            raise RuntimeError(f"a cohort's row starts from saved prefix {prefix}, which this rank lacks")
+        saved, tokens = self._saved[prefix]
         cache = copy.deepcopy(saved)
-        if tokens > header.prefix_len:
-            trim_prompt_cache(cache, tokens - header.prefix_len)
-        return cache, header.prefix_len
+        if tokens > prefix_len:
+            trim_prompt_cache(cache, tokens - prefix_len)
+        return cache
 
 
 @dataclass
@@ -272,6 +344,7 @@ class EngineStats:
     steps: int = 0  # forward passes this rank ran (prefill chunks and decode steps)
     tokens: int = 0  # tokens sampled (leader only)
     max_rows: int = 0  # the most tasks decoding at once
+    max_prefill_rows: int = 0  # the most prompts prefilled together
     max_micro_batches: int = 0  # the most micro-batches under way around the ring at once
     prefix_hits: int = 0  # tasks whose prompt started from a saved prefix
     prefix_hit_tokens: int = 0  # prompt tokens those tasks did not prefill
@@ -324,6 +397,7 @@ class PipelineEngine:
         interleaved_prefill_tokens: int | None = None,
         prefix_cache_bytes: int = 512 * 2**20,
         micro_batches: int | None = None,
+        max_prefill_batch: int = 8,
     ) -> None:
         size = 1 if group is None else group.size()
         rank = 0 if group is None else group.rank()
@@ -345,10 +419,13 @@ class PipelineEngine:
             raise ValueError(f"interleaved_prefill_tokens must be >= 1, got {interleaved_prefill_tokens}")
         if micro_batches is not None and micro_batches < 1:
             raise ValueError(f"micro_batches must be >= 1, got {micro_batches}")
+        if max_prefill_batch < 1:
+            raise ValueError(f"max_prefill_batch must be >= 1, got {max_prefill_batch}")
         self.shard = shard
         self.rank = rank
         self.size = size
         self.max_batch = max_batch
+        self.max_prefill_batch = max_prefill_batch
         # A prompt is prefilled in chunks of prefill_step_size while nothing decodes (mlx-lm's schedule), and in
         # smaller ones between the batch's decode steps: interleaved_prefill_tokens, or by default as many as
         # take about one decode step (measured as it runs), so the others' next token comes at most about
@@ -369,7 +446,10 @@ class PipelineEngine:
         # shared system prompt): only the leader decides, the other ranks follow its steps.
         self._prefixes = PrefixIndex(prefix_cache_bytes)
         self._pending: deque[GenerationRequest] = deque()
-        self._prefilling: _Task | None = None
+        self._prefilling: _Cohort | None = None
+        self._cohorts = 0  # cohorts started: the next one's id
+        # Whether a saved prefix can be cut to a shorter one (not for sliding-window caches).
+        self._trimmable_cache = can_trim_prompt_cache(shard.make_cache())
         # The decoding rows, split in micro-batches: with one per rank, each rank computes one while the
         # others compute the rest, so no rank of the ring waits for another.
         self._groups = [_Group(g) for g in range(micro_batches or size)]
@@ -444,8 +524,7 @@ class PipelineEngine:
             if not self._apply_control(block=idle):
                 break
             if self._prefilling is None and self._pending and self._decoding() < self.max_batch:
-                self._prefilling = self._start(self._pending.popleft())
-                self._send_prefill(self._prefilling)
+                self._start_cohort()
             for group in self._groups:
                 if group.rows and not group.in_flight:
                     self._send_decode(group)
@@ -466,11 +545,16 @@ class PipelineEngine:
                     self._link.send(header)
                     return
                 case Op.RELEASE:
-                    caches.release(header.slot)
+                    caches.release(header)
                     self._link.send(header)
+                case Op.GATHER:
+                    assert payload is not None
+                    caches.gather(header, payload)
+                    self._link.send(header, payload)
                 case Op.JOIN:
-                    caches.join(header)
-                    self._link.send(header)
+                    assert payload is not None
+                    caches.join(header, payload)
+                    self._link.send(header, payload)
                 case Op.EVICT:
                     caches.evict(header.prefix)
                     self._link.send(header)
@@ -569,18 +653,59 @@ class PipelineEngine:
 
     def _running(self) -> list[_Task]:
         decoding = [task for group in self._groups for task in group.rows]
-        return decoding if self._prefilling is None else [*decoding, self._prefilling]
+        return decoding if self._prefilling is None else [*decoding, *self._prefilling.live]
 
     def _decoding(self) -> int:
         return sum(len(group.rows) for group in self._groups)
 
     def _count_rows(self) -> None:
         self.stats.batch_size = self._decoding()
-        self.stats.running_rows = self.stats.batch_size + (self._prefilling is not None)
+        self.stats.running_rows = len(self._running())
         self.stats.queued_rows = len(self._pending)
 
-    def _start(self, request: GenerationRequest) -> _Task:
-        used = {task.slot for task in self._running()}
+    def _start_cohort(self) -> None:
+        """Start prefilling the first waiting prompt, with the next ones that fit beside it (an embedding alone:
+        it pools its rows' hidden states, which padding would change)."""
+        first = self._pending.popleft()
+        cohort = _Cohort(self._cohorts, [])
+        self._cohorts += 1
+        self._prefilling = cohort
+        cohort.tasks.append(self._start(first))
+        # The cohort joins the micro-batch with the fewest rows: no more than keeps the micro-batches even.
+        waiting = len(self._pending) + 1
+        even = (self._decoding() + waiting) // len(self._groups) - min(len(g.rows) for g in self._groups)
+        room = min(self.max_prefill_batch, self.max_batch - self._decoding(), max(1, even))
+        if not first.embed:
+            for request in list(self._pending):
+                if len(cohort.tasks) >= room:
+                    break
+                if request.embed or any(self._shares_prefix(request, t.request) for t in cohort.tasks):
+                    continue  # one that starts as a row of this cohort does starts from that row's saved cache
+                task = self._start(request, announce=False)
+                if cohort_fits([len(t.to_prefill()) for t in [*cohort.tasks, task]]):
+                    self._pending.remove(request)
+                    cohort.tasks.append(task)
+                    _notify(self.on_started, request.task_id, len(request.prompt_tokens))
+                else:
+                    self._unstart(task)
+        self.stats.max_prefill_rows = max(self.stats.max_prefill_rows, len(cohort.tasks))
+        table = mx.array(
+            [
+                [
+                    t.slot,
+                    -1 if t.restore is None else t.restore.entry,
+                    0 if t.restore is None else t.restore.tokens,
+                    len(t.to_prefill()),
+                ]
+                for t in cohort.tasks
+            ],
+            dtype=mx.int32,
+        )
+        self._send(_Sent(Header(Op.GATHER, cohort.id).with_payload(table)), table)
+        self._send_prefill(cohort)
+
+    def _start(self, request: GenerationRequest, announce: bool = True) -> _Task:
+        used = {task.slot for task in self._slots_held()}
         slot = next(s for s in range(len(used) + 1) if s not in used)
         eos = self.shard.eos_token_ids if request.eos_token_ids is None else request.eos_token_ids
         sampler = TaskSampler(request.temperature, request.top_p, request.seed)
@@ -588,38 +713,53 @@ class PipelineEngine:
         hit = None if request.embed else self._prefixes.find(request.prompt_tokens[:-1])
         if hit is not None:
             task.restore = hit
-            task.prompt_done = hit.tokens
             self.stats.prefix_hits += 1
             self.stats.prefix_hit_tokens += hit.tokens
-        _notify(self.on_started, request.task_id, len(request.prompt_tokens))
+        if announce:
+            _notify(self.on_started, request.task_id, len(request.prompt_tokens))
         return task
+
+    def _shares_prefix(self, a: GenerationRequest, b: GenerationRequest) -> bool:
+        """Whether the prompts begin with enough of the same tokens for one to start from the other's cache."""
+        shared = self._prefixes.min_tokens
+        return len(a.prompt_tokens) > shared and a.prompt_tokens[:shared] == b.prompt_tokens[:shared]
+
+    def _unstart(self, task: _Task) -> None:
+        """A task `_start` made that stays queued after all: its prefix hit is not counted."""
+        if task.restore is not None:
+            self.stats.prefix_hits -= 1
+            self.stats.prefix_hit_tokens -= task.restore.tokens
+
+    def _slots_held(self) -> list[_Task]:
+        """Every task whose slot the ranks still use: a cohort's ended rows keep theirs until it has joined."""
+        decoding = [task for group in self._groups for task in group.rows]
+        return decoding if self._prefilling is None else [*decoding, *self._prefilling.tasks]
 
     # --- sending steps: what every rank will do
 
-    def _send_prefill(self, task: _Task) -> None:
-        """The task's next prompt chunk, or, once all but its last token are in its cache, its join.
-        Same schedule as mlx_lm.generate_step: the last prompt token's logits give the first token."""
-        prompt = task.request.prompt_tokens
-        # An embedding needs every prompt token's hidden state; a generation's last token goes in with its join.
-        remaining = len(prompt) - task.prompt_done - (0 if task.request.embed else 1)
-        if remaining <= 0:
-            if task.request.embed:
-                self._finish_embedding(task)
+    def _send_prefill(self, cohort: _Cohort) -> None:
+        """The cohort's next columns, or, once they are all in its cache, its join (or an embedding's end)."""
+        if cohort.done >= cohort.width:
+            if cohort.tasks[0].request.embed:
+                self._finish_embedding(cohort.tasks[0])
             else:
-                self._send_join(task)
+                self._send_join(cohort)
             return
-        n = min(self._prefill_chunk(), remaining)
-        ids = mx.array([prompt[task.prompt_done : task.prompt_done + n]], dtype=mx.int32)
-        task.prompt_done += n
-        task.prefilled = True
-        self._send(_Sent(self._slot_header(Op.PREFILL, task).with_payload(ids), task=task), ids)
+        n = min(self._prefill_chunk(len(cohort.tasks)), cohort.width - cohort.done)
+        ids = cohort.columns(cohort.done, cohort.done + n)
+        cohort.done += n
+        self._send(_Sent(Header(Op.PREFILL, cohort.id).with_payload(ids), cohort=cohort), ids)
 
-    def _prefill_chunk(self) -> int:
+    def _prefill_chunk(self, rows: int) -> int:
+        """Columns for the next PREFILL of `rows` prompts: `prefill_step_size` tokens while nothing decodes, else
+        about one decode step's worth."""
         if not self._decoding():
-            return self.prefill_step_size
-        if self.interleaved_prefill_tokens is not None:
-            return self.interleaved_prefill_tokens
-        return self._timing.tokens_per_step(self.prefill_step_size)
+            tokens = self.prefill_step_size
+        elif self.interleaved_prefill_tokens is not None:
+            tokens = self.interleaved_prefill_tokens
+        else:
+            tokens = self._timing.tokens_per_step(self.prefill_step_size)
+        return max(1, tokens // rows)
 
     def _finish_embedding(self, task: _Task) -> None:
         assert task.pooled is not None
@@ -628,35 +768,33 @@ class PipelineEngine:
         _notify(self.on_embedding, task.request.task_id, cast("list[float]", vector.tolist()))
         self._finish(task, TaskOutcome.STOP)
 
-    def _send_join(self, task: _Task) -> None:
+    def _send_join(self, cohort: _Cohort) -> None:
+        """Join the cohort to the micro-batch with the fewest rows, keeping each prompt's cache as a saved prefix
+        where the prefix index wants it; its rows whose tasks ended meanwhile leave again at once."""
         group = min(self._groups, key=lambda g: len(g.rows))
-        header = replace(self._slot_header(Op.JOIN, task), group=group.index)
-        evicted: list[int] = []
-        # Up to date: the task's last prefill chunk has come back. (Without one, the slot may still hold an
-        # earlier task's cache whose RELEASE is under way.)
-        own = self._caches.own(task.slot) if task.prefilled else None
-        if own is not None:
-            # The cache's size for the whole model, from this rank's share of the layers.
-            size = sum(c.nbytes for c in own) * self.shard.num_layers // len(self.shard.layers)
-            saved, evicted = self._prefixes.add(task.request.prompt_tokens[:-1], size, can_trim_prompt_cache(own))
-            if saved is not None:
-                header = replace(header, flags=header.flags | FLAG_SAVE, prefix=saved)
-        self._send(_Sent(header, task=task))
+        # The cohort's cache size for the whole model, from this rank's share of the layers, shared out by tokens.
+        cohort_bytes = self._caches.cohort_bytes(cohort.id) * self.shard.num_layers // len(self.shard.layers)
+        padded_tokens = max(1, len(cohort.tasks) * max(len(t.request.prompt_tokens) for t in cohort.tasks))
+        saves, evicted = [], []
+        for task in cohort.tasks:
+            kept = len(task.request.prompt_tokens) - 1
+            saved = None
+            if not task.finished and task.to_prefill():
+                size = cohort_bytes * kept // padded_tokens
+                saved, dropped = self._prefixes.add(task.request.prompt_tokens[:-1], size, self._trimmable_cache)
+                evicted += dropped
+            saves.append([-1 if saved is None else saved, kept])
+        table = mx.array(saves, dtype=mx.int32)
+        assert table.shape[1] == max(JOIN_SAVE, JOIN_SAVE_LEN) + 1
+        self._send(_Sent(Header(Op.JOIN, cohort.id, group=group.index).with_payload(table)), table)
         for prefix in evicted:
             self._send(_Sent(Header(Op.EVICT, prefix=prefix)))
         self.stats.prefix_cache_entries, self.stats.prefix_cache_bytes = len(self._prefixes), self._prefixes.size_bytes
-        group.rows.append(task)
         self._prefilling = None
-
-    def _slot_header(self, op: Op, task: _Task) -> Header:
-        """A step for the task's slot; its first one also says what its cache starts from."""
-        if task.cache_started:
-            return Header(op, task.slot)
-        task.cache_started = True
-        if task.restore is None:
-            return Header(op, task.slot, FLAG_RESET)
-        hit = task.restore
-        return Header(op, task.slot, FLAG_RESET | FLAG_RESTORE, prefix=hit.entry, prefix_len=hit.tokens)
+        group.rows.extend(cohort.live)
+        for task in cohort.tasks:
+            if task.finished:
+                self._send(_Sent(Header(Op.RELEASE, task.slot)))
 
     def _send_decode(self, group: _Group) -> None:
         rows = list(group.rows)
@@ -693,7 +831,9 @@ class PipelineEngine:
     def _receive(self) -> tuple[_Sent, mx.array | None]:
         sent = self._in_flight.popleft()
         if self._link is None:
-            return sent, None if sent.payload is None else self.shard.embed(sent.payload)
+            if sent.payload is not None and sent.header.op in (Op.PREFILL, Op.DECODE):
+                return sent, self.shard.embed(sent.payload)
+            return sent, sent.payload  # GATHER's and JOIN's tables: back as they went
         back, data = self._link.recv()
         if (back.op, back.slot, back.seq) != (sent.header.op, sent.header.slot, sent.header.seq):
             raise RuntimeError(
@@ -704,40 +844,46 @@ class PipelineEngine:
 
     # --- steps coming back: the leader's own layers and caches, sampling
 
-    def _come_back(self, sent: _Sent, hidden: mx.array | None) -> None:
+    def _come_back(self, sent: _Sent, data: mx.array | None) -> None:
+        """`data`: the hidden states a PREFILL or DECODE step brings back, the table a GATHER or JOIN carried."""
         header = sent.header
         match header.op:
+            case Op.GATHER:
+                assert data is not None
+                self._caches.gather(header, data)
             case Op.PREFILL:
-                assert hidden is not None and sent.task is not None
-                self._prefilled(sent.task, header, hidden)
+                assert data is not None and sent.cohort is not None
+                self._prefilled(sent.cohort, header, data)
             case Op.DECODE:
-                assert hidden is not None and sent.rows is not None
-                self._decoded(self._groups[header.group], sent.rows, header, hidden)
+                assert data is not None and sent.rows is not None
+                self._decoded(self._groups[header.group], sent.rows, header, data)
             case Op.JOIN:
-                self._caches.join(header)
+                assert data is not None
+                self._caches.join(header, data)
                 mx.clear_cache()  # the prefill's activations; mlx-lm frees them the same way
             case Op.RELEASE:
-                self._caches.release(header.slot)
+                self._caches.release(header)
                 if not self._running():
                     mx.clear_cache()  # idle: hand the freed KV caches back, as mlx-lm does between requests
             case Op.EVICT:
                 self._caches.evict(header.prefix)
 
-    def _prefilled(self, task: _Task, header: Header, hidden: mx.array) -> None:
+    def _prefilled(self, cohort: _Cohort, header: Header, hidden: mx.array) -> None:
         for group in self._groups:
             if group.launched is not None:
                 mx.eval(group.launched.tokens)  # time the chunk alone, not a decode step still running
         started = time.perf_counter()
         cache = self._caches.for_prefill(header)
         h = self.shard.run_layers(hidden, cache)
-        if task.request.embed:
+        first = cohort.tasks[0]
+        if first.request.embed:  # alone in its cohort: no padding in the mean
             pooled = self.shard.final_norm(h).astype(mx.float32).sum(axis=1)
-            task.pooled = pooled if task.pooled is None else task.pooled + pooled
-        mx.eval([c.state for c in cache], task.pooled)
-        self._timing.prefilled(header.length, time.perf_counter() - started)
+            first.pooled = pooled if first.pooled is None else first.pooled + pooled
+        mx.eval([c.state for c in cache], first.pooled)
+        self._timing.prefilled(header.batch * header.length, time.perf_counter() - started)
         self.stats.steps += 1
-        if not task.finished:
-            self._send_prefill(task)
+        if cohort is self._prefilling:  # else every task of it ended, and it was dropped
+            self._send_prefill(cohort)
 
     def _decoded(self, group: _Group, rows: list[_Task], header: Header, hidden: mx.array) -> None:
         """Sample the rows' next tokens, then hand out the tokens of the group's step before: building and
@@ -771,7 +917,7 @@ class PipelineEngine:
             for i, task in enumerate(rows):
                 row = logprobs[i : i + 1]
                 if task.request.logits_processors:
-                    history = mx.array([*task.request.prompt_tokens, *task.generated], dtype=mx.int32)
+                    history = task.processor_history()
                     for processor in task.request.logits_processors:
                         row = processor(history, row)
                 sampled.append(task.sampler(row))
@@ -811,14 +957,21 @@ class PipelineEngine:
         return self._receive()[1]
 
     def _finish(self, task: _Task, reason: TaskOutcome, release: bool = True) -> None:
+        """End `task`; unless `release` is False (shutting down), its row leaves every rank's caches: now if it
+        decodes, when its cohort joins if that is still prefilling, or with the cohort if none of it is left."""
         task.finished = True
-        for group in self._groups:
-            if task in group.rows:
-                group.rows.remove(task)
-        if self._prefilling is task:
-            self._prefilling = None
-        if task.cache_started and release:
-            self._send(_Sent(Header(Op.RELEASE, task.slot)))
+        cohort = self._prefilling
+        if cohort is not None and task in cohort.tasks:
+            if not cohort.live:
+                if release:
+                    self._send(_Sent(Header(Op.RELEASE, cohort.id, FLAG_COHORT)))
+                self._prefilling = None
+        else:
+            for group in self._groups:
+                if task in group.rows:
+                    group.rows.remove(task)
+            if release:
+                self._send(_Sent(Header(Op.RELEASE, task.slot)))
         request = task.request
         self._forget(request.task_id)
         self._emit_finished(request.task_id, reason, len(request.prompt_tokens), len(task.generated))

@@ -27,23 +27,29 @@ log = logging.getLogger(__name__)
 
 class Op(IntEnum):
     STOP = 1  # every rank forwards it, then leaves run_forever()
-    PREFILL = 2  # fill the slot's own KV cache with prompt tokens (one row); the last rank samples nothing
+    PREFILL = 2  # the next columns of cohort `slot`'s prompts into its cache (payload: its rows); nothing is sampled
     DECODE = 3  # one token for each row of micro-batch `group`, in row order; the last rank samples
-    RELEASE = 4  # the slot's task is over: drop its row from the batch, or its own cache if it never joined
+    RELEASE = 4  # the slot's task is over: drop its row from its micro-batch (FLAG_COHORT: drop cohort `slot`)
     HELLO = 5  # once at start: check that the ranks' layer ranges tile the model (payload: HELLO_*)
-    JOIN = 6  # move the slot's own cache into micro-batch `group` as its last row
+    JOIN = 6  # move cohort `slot`'s cache into micro-batch `group`, its rows last (payload: JOIN_*, a row each)
     EVICT = 7  # drop the saved prefix cache `prefix`
+    GATHER = 8  # start prefill cohort `slot`: one batched cache of its rows' starting caches (payload: GATHER_*)
 
 
 # HELLO payload (int32): the next layer expected, the model's layer count, and the first rank
 # whose range did not fit (-1: none yet) with that range.
 HELLO_NEXT, HELLO_NUM_LAYERS, HELLO_BAD_RANK, HELLO_BAD_START, HELLO_BAD_END = range(5)
+# GATHER payload (int32), a row per prompt of the cohort: its task's slot; the saved prefix its cache starts from
+# (-1: an empty cache) and how many of that prefix's tokens it keeps; how many tokens it will prefill (the rows
+# with fewer are padded on the right, as mlx-lm's batch caches expect).
+GATHER_SLOT, GATHER_PREFIX, GATHER_PREFIX_LEN, GATHER_TOKENS = range(4)
+# JOIN payload (int32), a row per prompt of the cohort: the saved prefix to keep its cache as (-1: none), and the
+# tokens in that cache.
+JOIN_SAVE, JOIN_SAVE_LEN = range(2)
 
-FLAG_RESET = 1  # the step starts a new task in this slot: make a fresh KV cache first (PREFILL, JOIN)
-FLAG_RESTORE = 2  # with FLAG_RESET: start from a copy of saved prefix `prefix`, cut to its first `prefix_len` tokens
-FLAG_SAVE = 4  # JOIN: first keep the slot's own cache (its prompt but the last token) as saved prefix `prefix`
+FLAG_COHORT = 1  # RELEASE: `slot` names a prefill cohort whose tasks all ended before it joined
 
-HEADER_LEN = 11
+HEADER_LEN = 10
 
 # The index of a dtype here is its code in the header; append only.
 DTYPES: tuple[mx.Dtype, ...] = (mx.int32, mx.float32, mx.float16, mx.bfloat16)
@@ -52,15 +58,14 @@ DTYPES: tuple[mx.Dtype, ...] = (mx.int32, mx.float32, mx.float16, mx.bfloat16)
 @dataclass(frozen=True)
 class Header:
     op: Op
-    slot: int = 0  # which task (KV cache) the step belongs to (PREFILL, JOIN, RELEASE)
+    slot: int = 0  # the task (RELEASE) or the prefill cohort (GATHER, PREFILL, JOIN) the step belongs to
     flags: int = 0
     batch: int = 0  # rows in the payload; 0 for ops without payload
     length: int = 0  # tokens per row
     width: int = 0  # hidden size; 0 when the payload is token ids
     dtype: mx.Dtype = mx.int32
     seq: int = 0  # step counter set by the last rank, checked when the step comes back
-    prefix: int = -1  # a saved prefix cache, for FLAG_RESTORE, FLAG_SAVE and EVICT
-    prefix_len: int = 0  # tokens of `prefix` that FLAG_RESTORE keeps
+    prefix: int = -1  # the saved prefix cache EVICT drops
     group: int = 0  # the micro-batch a DECODE runs or a JOIN joins
 
     def to_array(self) -> mx.array:
@@ -74,7 +79,6 @@ class Header:
             DTYPES.index(self.dtype),
             self.seq,
             self.prefix,
-            self.prefix_len,
             self.group,
         ]
         return mx.array(values, dtype=mx.int32)
@@ -84,14 +88,14 @@ class Header:
         values = [int(v) for v in cast("list[int]", array.tolist())]
         if len(values) != HEADER_LEN:
             raise ValueError(f"step header must have {HEADER_LEN} ints, got {len(values)}")
-        op, slot, flags, batch, length, width, dtype_code, seq, prefix, prefix_len, group = values
+        op, slot, flags, batch, length, width, dtype_code, seq, prefix, group = values
         if not 0 <= dtype_code < len(DTYPES):
             raise ValueError(f"step header names unknown dtype code {dtype_code}")
-        return cls(Op(op), slot, flags, batch, length, width, DTYPES[dtype_code], seq, prefix, prefix_len, group)
+        return cls(Op(op), slot, flags, batch, length, width, DTYPES[dtype_code], seq, prefix, group)
 
     @property
     def has_payload(self) -> bool:
-        return self.op in (Op.PREFILL, Op.DECODE, Op.HELLO)
+        return self.op in (Op.PREFILL, Op.DECODE, Op.HELLO, Op.GATHER, Op.JOIN)
 
     @property
     def payload_shape(self) -> tuple[int, ...]:
