@@ -169,8 +169,11 @@ def test_status_shows_the_node_the_model_and_its_ready_instance(dialect_cluster:
     [instance] = [i for i in view.instances if i.model_id == dialect_cluster.model]
     assert instance.status == "ready"
     printed = jetshard("status", "--api", dialect_cluster.api).stdout
-    for shown in (node.node_id, node.hostname, dialect_cluster.model, instance.instance_id, "[0, 2) ready"):
+    # The suite's runners keep the reference BLAS (JETSHARD_BLAS=0), so AUTO kept the checkpoint's weights.
+    weights = f"{instance.shards[0].weights_dtype} weights"
+    for shown in (node.node_id, node.hostname, dialect_cluster.model, instance.instance_id, "[0, 2) ready", weights):
         assert shown in printed, printed
+    assert "reference BLAS" in printed
     assert json.loads(jetshard("status", "--api", dialect_cluster.api, "--json").stdout)["nodes"][0]["node_id"]
 
 

@@ -49,6 +49,8 @@ def _slow_cpu(node: NodeView) -> bool:
 
 def _shard(shard: ShardDescription) -> str:
     text = f"{shard.node_id} [{shard.start_layer}, {shard.end_layer}) {shard.status}"
+    if shard.status == "ready" and isinstance(shard.weights_dtype, str):
+        text += f", {shard.weights_dtype} weights"
     if shard.status == "loading" and shard.layers_total:
         text += f" {shard.layers_loaded}/{shard.layers_total}"
     if shard.status == "downloading" and shard.bytes_total:
