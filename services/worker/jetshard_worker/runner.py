@@ -21,7 +21,7 @@ import os
 import sys
 import threading
 import time
-from collections.abc import Coroutine
+from collections.abc import Callable, Coroutine
 from pathlib import Path
 from typing import Any, NoReturn
 
@@ -97,6 +97,9 @@ class Runner:
         self._js = js
         self._client = client
         self._loop = asyncio.get_running_loop()
+        self._engine_lock = threading.Lock()
+        self._engine_calls: list[tuple[Callable[..., object], tuple[object, ...]]] = []
+        self._engine_wake_pending = False
         self._outbox: asyncio.Queue[tuple[str, bytes] | None] = asyncio.Queue()  # None: text is held
         self._holding: list[TaskOutput] = []
         self._outputs: dict[TaskId, TaskOutput] = {}
@@ -421,21 +424,41 @@ class Runner:
         """Engine thread: a queued row's prefill begins; the task has started with its first."""
         task_id, choice = split_row_id(row)
         if choice == 0:
-            self._loop.call_soon_threadsafe(self._started, task_id, prompt_tokens)
+            self._from_engine(self._started, task_id, prompt_tokens)
 
     def _on_token(
         self, row: str, token: int, index: int, reason: TaskOutcome | None, scores: TokenScores | None
     ) -> None:
         """Engine thread: one sampled token (the one that reaches max_tokens too, as in mlx-lm)."""
-        self._loop.call_soon_threadsafe(self._token, row, token, scores)
+        self._from_engine(self._token, row, token, scores)
 
     def _on_embedding(self, row: str, vector: list[float]) -> None:
         """Engine thread: an input's embedding, just before its row finishes."""
-        self._loop.call_soon_threadsafe(self._embeddings.__setitem__, row, vector)
+        self._from_engine(self._embeddings.__setitem__, row, vector)
 
     def _on_finished(self, row: str, reason: TaskOutcome, prompt_tokens: int, completion_tokens: int) -> None:
         """Engine thread: a row ended (EOS, length, stop string or cancel)."""
-        self._loop.call_soon_threadsafe(self._finish, row, reason, prompt_tokens)
+        self._from_engine(self._finish, row, reason, prompt_tokens)
+
+    def _from_engine(self, callback: Callable[..., object], *args: object) -> None:
+        """Engine thread: run `callback(*args)` on the loop, after everything handed over before it. A decode
+        step hands over a token per row at once: the loop is woken once for them all, not once a row."""
+        with self._engine_lock:
+            self._engine_calls.append((callback, args))
+            if self._engine_wake_pending:
+                return
+            self._engine_wake_pending = True
+        self._loop.call_soon_threadsafe(self._run_engine_calls)
+
+    def _run_engine_calls(self) -> None:
+        with self._engine_lock:
+            calls, self._engine_calls = self._engine_calls, []
+            self._engine_wake_pending = False
+        for callback, args in calls:
+            try:
+                callback(*args)
+            except Exception:  # as the loop does for a callback of its own: the others still run
+                log.exception("handling the engine's %s failed", getattr(callback, "__name__", "call"))
 
     def _started(self, task_id: TaskId, prompt_tokens: int) -> None:
         if self._spans is not None:
