@@ -119,6 +119,20 @@ def test_the_renamed_copy_is_made_once_per_machine(tmp_path: Path, monkeypatch: 
 
 
 @linux_only
+def test_a_cache_that_cannot_be_written_leaves_the_reference_blas(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    (tmp_path / "a-file").write_text("")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "a-file"))  # no directory can be made under it
+    packaged_openblas.cache_clear()
+    try:
+        assert packaged_openblas() is None
+        assert "the runners keep the reference BLAS" in caplog.text
+    finally:
+        packaged_openblas.cache_clear()
+
+
+@linux_only
 def test_a_blas_that_dies_in_its_first_product_is_left_out(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     library = fake_blas(tmp_path)
     trapping = {"PATH": "/usr/bin:/bin", "JETSHARD_BLAS": str(library), "FAKE_BLAS_TRAP": "1"}

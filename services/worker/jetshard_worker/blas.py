@@ -74,6 +74,14 @@ def packaged_openblas() -> Path | None:
     if patchelf is None:
         log.warning("patchelf is not installed: the runners keep the reference BLAS")
         return None
+    try:
+        return _renamed_copy(patchelf, source, built)
+    except OSError as error:  # a cache directory that cannot be written: a read-only home, a full disk
+        log.warning("could not make %s (%s): the runners keep the reference BLAS", built, error)
+        return None
+
+
+def _renamed_copy(patchelf: str, source: Path, built: Path) -> Path | None:
     built.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=built.parent) as work:
         copy, renames = Path(work) / built.name, Path(work) / "renames"
