@@ -265,7 +265,7 @@ class _RankCaches:
 
     def cohort_bytes(self, cohort: int) -> int:
         found = self._cohorts.get(cohort)
-        return 0 if found is None else sum(getattr(layer, "nbytes", 0) for layer in found.cache)
+        return 0 if found is None else sum(layer.nbytes for layer in found.cache)
 
     def release(self, header: Header) -> None:
         if header.flags & FLAG_COHORT:
