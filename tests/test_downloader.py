@@ -21,6 +21,7 @@ import httpx
 import pytest
 from helpers.harness import Cluster, api_until, until
 from helpers.hub_server import HubServer
+from helpers.model_files import model_files
 from helpers.mounts import remount_read_only, tmpfs
 from helpers.tiny_models import make_tiny_model
 from jetshard_downloader.dirs import ModelDirs
@@ -64,14 +65,6 @@ def tree_digest(root: Path) -> dict[str, str]:
     return out
 
 
-def repo_files(model_dir: Path) -> set[str]:
-    return {
-        p.relative_to(model_dir).as_posix()
-        for p in model_dir.rglob("*")
-        if p.is_file() and not p.relative_to(model_dir).as_posix().startswith(".")
-    }
-
-
 # ------------------------------------------------------------------------------------------------------ tests
 
 
@@ -97,7 +90,7 @@ async def test_spillover_to_the_second_dir_and_no_space_names_every_dir(
         done = await cluster.wait_download(node, "tiny/small", FINAL)
         assert done.progress.status is DownloadStatus.COMPLETED, done.progress.reason
         assert done.progress.directory == str(second / "tiny--small")
-        assert repo_files(second / "tiny--small") == repo_files(small)
+        assert model_files(second / "tiny--small") == model_files(small)
         assert not (first / "tiny--small").exists()
         # The real size replaced the card's estimate.
         weights = sum(p.stat().st_size for p in small.glob("*.safetensors"))
@@ -253,8 +246,8 @@ async def test_killed_mid_download_resumes_in_the_same_directory(
     assert done.progress.status is DownloadStatus.COMPLETED, done.progress.reason
     assert done.progress.directory == str(models / "tiny--big")
     assert hub_server.bytes_served[(repo, held)] == size - kept  # only the remainder
-    assert repo_files(models / "tiny--big") == repo_files(source)
-    for name in repo_files(source):
+    assert model_files(models / "tiny--big") == model_files(source)
+    for name in model_files(source):
         assert sha256(models / "tiny--big" / name) == sha256(source / name), name
     assert not (models / "tiny--big" / PARTIAL_DIR).exists()
     assert not other.exists() or not any(other.iterdir())
@@ -295,8 +288,8 @@ async def test_two_nodes_fetch_complementary_shards_once(
     served = {name: hub_server.bytes_served[(repo, name)] for name in weights}
     assert served == {name: (source / name).stat().st_size for name in weights}  # each file exactly once
     assert hub_server.bytes_served[(repo, "pytorch_model.bin")] == 0
-    on_a = {n for n in repo_files(tmp_path / "models-a" / "tiny--sharded") if n.endswith(".safetensors")}
-    on_b = {n for n in repo_files(tmp_path / "models-b" / "tiny--sharded") if n.endswith(".safetensors")}
+    on_a = {n for n in model_files(tmp_path / "models-a" / "tiny--sharded") if n.endswith(".safetensors")}
+    on_b = {n for n in model_files(tmp_path / "models-b" / "tiny--sharded") if n.endswith(".safetensors")}
     assert on_a == set(weights[:2]) and on_b == set(weights[2:])
 
 

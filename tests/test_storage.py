@@ -26,6 +26,18 @@ def env(tmp_path: Path, **extra: str) -> dict[str, str]:
     return {"HOME": str(tmp_path / "home"), **extra}
 
 
+def dirs_from_env(tmp_path: Path, default: str, writable: str, read_only: str) -> ModelDirs:
+    """The directories the three `JETSHARD_*` variables name, under a HOME in `tmp_path`."""
+    return ModelDirs.from_env(
+        env(
+            tmp_path,
+            JETSHARD_DEFAULT_MODELS_DIR=default,
+            JETSHARD_MODELS_DIRS=writable,
+            JETSHARD_MODELS_READ_ONLY_DIRS=read_only,
+        )
+    )
+
+
 def test_defaults_follow_xdg(tmp_path: Path) -> None:
     dirs = ModelDirs.from_env(env(tmp_path))
     expected = tmp_path / "home" / ".local" / "share" / "jetshard" / "models"
@@ -39,27 +51,13 @@ def test_defaults_follow_xdg(tmp_path: Path) -> None:
 
 
 def test_empty_variables_leave_exactly_the_default(tmp_path: Path) -> None:
-    dirs = ModelDirs.from_env(
-        env(
-            tmp_path,
-            JETSHARD_DEFAULT_MODELS_DIR="",
-            JETSHARD_MODELS_DIRS="",
-            JETSHARD_MODELS_READ_ONLY_DIRS="",
-        )
-    )
+    dirs = dirs_from_env(tmp_path, "", "", "")
     assert dirs == ModelDirs.from_env(env(tmp_path))
 
 
 def test_env_lists_order_tilde_empty_entries_and_duplicates(tmp_path: Path) -> None:
     home = tmp_path / "home"
-    dirs = ModelDirs.from_env(
-        env(
-            tmp_path,
-            JETSHARD_DEFAULT_MODELS_DIR="~/models",
-            JETSHARD_MODELS_DIRS=f"::/data/b:~/c:/data/b/::{home}/models:",
-            JETSHARD_MODELS_READ_ONLY_DIRS=":/mnt/shared: /mnt/shared :",
-        )
-    )
+    dirs = dirs_from_env(tmp_path, "~/models", f"::/data/b:~/c:/data/b/::{home}/models:", ":/mnt/shared: /mnt/shared :")
     assert dirs.default_dir == home / "models"
     assert dirs.writable == (home / "models", Path("/data/b"), home / "c")
     assert dirs.read_only == (Path("/mnt/shared"),)
@@ -72,14 +70,7 @@ def test_env_lists_order_tilde_empty_entries_and_duplicates(tmp_path: Path) -> N
 
 
 def test_read_only_wins_over_writable_including_the_default(tmp_path: Path) -> None:
-    dirs = ModelDirs.from_env(
-        env(
-            tmp_path,
-            JETSHARD_DEFAULT_MODELS_DIR="/m/default",
-            JETSHARD_MODELS_DIRS="/m/a:/m/b",
-            JETSHARD_MODELS_READ_ONLY_DIRS="/m/b:/m/default",
-        )
-    )
+    dirs = dirs_from_env(tmp_path, "/m/default", "/m/a:/m/b", "/m/b:/m/default")
     assert dirs.writable == (Path("/m/a"),)
     assert dirs.read_only == (Path("/m/b"), Path("/m/default"))
     assert dirs.default_dir == Path("/m/default")

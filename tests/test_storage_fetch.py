@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 from helpers.hub_fixtures import hub_server  # noqa: F401
 from helpers.hub_server import DEFAULT_TOKEN, HubServer
+from helpers.model_files import model_files
 from helpers.tiny_models import make_tiny_model
 from jetshard_downloader.choose import Choice, choose_directory
 from jetshard_downloader.dirs import ModelDirs, free_bytes
@@ -40,14 +41,6 @@ def repo(hub_server: HubServer, tmp_path: Path) -> Path:  # noqa: F811
     (src / "pytorch_model.bin").write_bytes(b"never fetched")
     hub_server.add_repo(REPO, src)
     return src
-
-
-def files_on_disk(model_dir: Path) -> set[str]:
-    return {
-        p.relative_to(model_dir).as_posix()
-        for p in model_dir.rglob("*")
-        if p.is_file() and not p.relative_to(model_dir).as_posix().startswith(".")
-    }
 
 
 def test_layer_range_download_fetches_only_its_files(
@@ -81,7 +74,7 @@ def test_layer_range_download_fetches_only_its_files(
         on_progress=lambda done, total: progress.append((done, total)),
     )
 
-    assert files_on_disk(choice.model_dir) == shard
+    assert model_files(choice.model_dir) == shard
     served = {name for (_, name), n in hub_server.bytes_served.items() if n}
     assert served == set(weights)  # support files were skipped thanks to the manifest
     expected_total = sum(f.size or 0 for f in listing.select(shard))
@@ -106,7 +99,7 @@ def test_layer_range_download_fetches_only_its_files(
     assert isinstance(again, Choice) and again.resumes and again.model_dir == choice.model_dir
     fetch_files(REPO, listing.revision, choice.model_dir, listing.select(rest), endpoint=hub_server.url)
     assert find_model(dirs, REPO) is not None
-    assert "pytorch_model.bin" not in files_on_disk(choice.model_dir)
+    assert "pytorch_model.bin" not in model_files(choice.model_dir)
 
     hub_server.reset_counters()
     fetch_files(REPO, listing.revision, choice.model_dir, listing.select(shard | rest), endpoint=hub_server.url)
