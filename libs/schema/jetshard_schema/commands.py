@@ -117,21 +117,24 @@ class ReportModelSize(_DownloaderReport, frozen=True):
 # --- downloads ---------------------------------------------------------------------------------------------
 
 
-class StartDownload(_Command, frozen=True):
+class _DownloadCommand(_Command, frozen=True):
+    """A user's command about one node's download of one model."""
+
     model_id: ValidModelId
     node_id: ValidNodeId
+
+
+class StartDownload(_DownloadCommand, frozen=True):
     start_layer: int | None = None
     end_layer: int | None = None
 
 
-class CancelDownload(_Command, frozen=True):
-    model_id: ValidModelId
-    node_id: ValidNodeId
+class CancelDownload(_DownloadCommand, frozen=True):
+    """Stop a pending or ongoing download."""
 
 
-class DeleteDownload(_Command, frozen=True):
-    model_id: ValidModelId
-    node_id: ValidNodeId
+class DeleteDownload(_DownloadCommand, frozen=True):
+    """Delete the model's files on the node: never from a read-only directory, nor while an instance uses them."""
 
 
 class ReportDownloadProgress(_DownloaderReport, frozen=True):

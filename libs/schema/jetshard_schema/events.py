@@ -84,46 +84,42 @@ class ModelSizeMeasured(_Event, frozen=True):
 # --- downloads ---------------------------------------------------------------------------------------------
 
 
-class DownloadRequested(_Event, frozen=True):
+class _DownloadEvent(_Event, frozen=True):
+    """About one node's download of one model: State keeps downloads by node, then model."""
+
     node_id: ValidNodeId
     model_id: ValidModelId
+
+
+class DownloadRequested(_DownloadEvent, frozen=True):
     start_layer: int
     end_layer: int
 
 
-class DownloadProgressed(_Event, frozen=True):
+class DownloadProgressed(_DownloadEvent, frozen=True):
     """Still pending or ongoing. State keeps the requested layer range and the directory already known."""
 
-    node_id: ValidNodeId
-    model_id: ValidModelId
     progress: DownloadProgress
 
 
-class DownloadCompleted(_Event, frozen=True):
-    node_id: ValidNodeId
-    model_id: ValidModelId
+class DownloadCompleted(_DownloadEvent, frozen=True):
     progress: DownloadProgress
 
 
-class DownloadFailed(_Event, frozen=True):
-    node_id: ValidNodeId
-    model_id: ValidModelId
+class DownloadFailed(_DownloadEvent, frozen=True):
     reason: str
 
 
-class DownloadCancelled(_Event, frozen=True):
-    node_id: ValidNodeId
-    model_id: ValidModelId
+class DownloadCancelled(_DownloadEvent, frozen=True):
+    """Asked to stop: the node's downloader stops it, and its report says once it has."""
 
 
-class DownloadDeleteRequested(_Event, frozen=True):
-    node_id: ValidNodeId
-    model_id: ValidModelId
+class DownloadDeleteRequested(_DownloadEvent, frozen=True):
+    """The model's files on the node are to be deleted: State marks the download as deleting."""
 
 
-class DownloadDeleted(_Event, frozen=True):
-    node_id: ValidNodeId
-    model_id: ValidModelId
+class DownloadDeleted(_DownloadEvent, frozen=True):
+    """The node's downloader deleted the files: State forgets the download."""
 
 
 # --- instances and runners ---------------------------------------------------------------------------------
