@@ -18,7 +18,7 @@ from helpers.harness import wait_for
 from helpers.netns import Host, Lan, lan
 from zeroconf import ServiceInfo
 
-from jetshard.discovery import SERVICE_TYPE, LanAddressError, Peer, announcement, lan_address, parse_announcement
+from jetshard.lan.discovery import SERVICE_TYPE, LanAddressError, Peer, announcement, lan_address, parse_announcement
 
 PEER = Peer(cluster="alpha", server_name="srv-1", node_id="node_1", host="10.77.0.1", route_port=6222, api_port=8000)
 # Multicast on a fresh bridge, probing and the first queries take a few seconds; this only catches a hang.
@@ -30,7 +30,7 @@ KEPT_S = 2.5
 # Runs inside a host: announces itself, prints what it sees whenever that changes, says goodbye on SIGTERM.
 ANNOUNCER = """
 import dataclasses, json, signal, sys, time
-from jetshard.discovery import Discovery, Peer, lan_address
+from jetshard.lan.discovery import Discovery, Peer, lan_address
 cluster, server, route_port, api_port = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
 discovery = Discovery(Peer(cluster, server, "node-" + server, lan_address(), route_port, api_port))
 def goodbye(*_):
@@ -123,7 +123,8 @@ def network() -> Iterator[Lan]:
 
 def test_lan_address_is_the_address_of_the_interface_on_the_lan(network: Lan) -> None:
     for host in network.hosts:
-        result = host.run([sys.executable, "-c", "from jetshard.discovery import lan_address; print(lan_address())"])
+        probe = "from jetshard.lan.discovery import lan_address; print(lan_address())"
+        result = host.run([sys.executable, "-c", probe])
         assert result.stdout.strip() == host.address, result.stderr
 
 
@@ -133,7 +134,7 @@ def test_lan_address_is_the_address_of_the_interface_on_the_lan(network: Lan) ->
 def test_lan_address_without_a_lan_says_to_pass_one(setup: str) -> None:
     if os.geteuid() != 0:
         pytest.skip("a network namespace of its own needs root (unshare --net)")
-    probe = "from jetshard.discovery import lan_address; lan_address()"
+    probe = "from jetshard.lan.discovery import lan_address; lan_address()"
     result = subprocess.run(
         ["unshare", "--net", "sh", "-c", f"{setup} exec {sys.executable} -c '{probe}'"], capture_output=True, text=True
     )

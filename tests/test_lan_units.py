@@ -8,14 +8,14 @@ from pathlib import Path
 import pytest
 from jetshard_bus.natsserver import DATA_TAG, ClusterSettings, Fsync, ServerSettings
 
-from jetshard.discovery import Peer
-from jetshard.lan import (
+from jetshard.lan.discovery import Peer
+from jetshard.lan.jetstream import MetaGroup
+from jetshard.lan.membership import (
     JoinToken,
     JoinTokenError,
     LanLayout,
     LanPorts,
     Membership,
-    MetaGroup,
     resolve_membership,
     signed,
     vouched,

@@ -36,7 +36,7 @@ from jetshard_schema.state import State
 from nats.js.api import Header
 from test_nats_cluster import start_nats_cluster
 
-from jetshard.inspect import fetch_state
+from jetshard.commands.inspect import fetch_state
 
 pytestmark = pytest.mark.timeout(120)
 

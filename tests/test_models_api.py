@@ -488,7 +488,7 @@ def test_ls_table_shows_download_status_per_node() -> None:
     """The table `jetshard models ls` prints for downloads in several states (no cluster needed)."""
     from rich.console import Console
 
-    from jetshard.models_cli import models_table
+    from jetshard.commands.models import models_table
 
     cards = [
         {

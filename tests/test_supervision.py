@@ -33,7 +33,7 @@ from jetshard_schema.subjects import COMMANDS_STREAM, DOWNLOADER_SENDER, command
 from test_demo_model import ctrl_c, processes_mentioning, start_in_own_group, up_command
 from test_sequencer import add_card, all_events, assert_gapless, outcomes_per_command
 
-from jetshard.supervisor import Supervisor
+from jetshard.up.supervisor import Supervisor
 
 FAULTS = ("sequencer", "api", "worker", "downloader", "nats-server")
 COMMANDS = 1000

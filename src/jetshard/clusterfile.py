@@ -53,9 +53,3 @@ def recorded(kind: Literal["api", "nats", "nats_nkey", "api_key"]) -> str | None
     except (OSError, ValueError, KeyError, TypeError):
         return None
     return value if isinstance(value, str) else None
-
-
-def api_headers() -> dict[str, str]:
-    """The API key to send: `JETSHARD_API_KEY`, else the one a running `up` recorded; none if neither."""
-    key = os.environ.get("JETSHARD_API_KEY") or recorded("api_key")
-    return {"Authorization": f"Bearer {key}"} if key else {}

@@ -14,9 +14,12 @@ from jetshard_bus.streams import BusTimings
 from jetshard_schema.ids import NAME_MAX_LENGTH, NAME_PATTERN
 from jetshard_schema.types import ServingSettings
 
+from jetshard.client import ApiClient
 from jetshard.clusterfile import recorded
 
 DEFAULT_API_URL = f"http://127.0.0.1:{DEFAULT_API_PORT}"
+COMMAND_CONTEXT = {"help_option_names": ["-h", "--help"], "max_content_width": 110}
+"""The click context of every command group and of the commands outside `main`'s: `-h`, and help 110 wide."""
 
 _TIMING_HELP = {
     "lease_ttl_s": "a sequencer lease not renewed for this long passes to a standby",
@@ -32,6 +35,11 @@ def option(*names: str, **kwargs: Any) -> Callable[[Callable[..., Any]], Callabl
     kwargs.setdefault("envvar", "JETSHARD_" + long_name[2:].replace("-", "_").upper())
     kwargs.setdefault("show_envvar", True)
     return click.option(*names, **kwargs)
+
+
+def seconds_option(name: str, default: float, help: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """An `option` for a duration in seconds that must be above zero, its default shown."""
+    return option(name, type=click.FloatRange(min=0, min_open=True), default=default, show_default=True, help=help)
 
 
 def nats_options(command: Callable[..., Any]) -> Callable[..., Any]:
@@ -121,6 +129,21 @@ def api_url_option(command: Callable[..., Any]) -> Callable[..., Any]:
         callback=lambda _context, _parameter, value: value or recorded("api") or DEFAULT_API_URL,
         help=f"base URL of a jetshard API [default: the one `jetshard up` runs, else {DEFAULT_API_URL}]",
     )(command)
+
+
+def api_group(name: str, help: str) -> click.Group:
+    """A command group taking `--api`, whose subcommands are passed (`click.pass_obj`) an `ApiClient` of it."""
+
+    @click.group(name, help=help, context_settings=COMMAND_CONTEXT)
+    @api_url_option
+    @click.pass_context
+    def group(context: click.Context, api_url: str) -> None:
+        context.obj = ApiClient(api_url)
+
+    return group
+
+
+json_option = click.option("--json", "as_json", is_flag=True, help="print the API's JSON instead of a table")
 
 
 def model_dir_options(command: Callable[..., Any]) -> Callable[..., Any]:

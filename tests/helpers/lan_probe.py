@@ -173,7 +173,7 @@ def main(args: list[str]) -> None:
         case ["meta", nats_url, nkey]:
             from jetshard_bus.options import NatsOptions
 
-            from jetshard.lan import meta_group
+            from jetshard.lan.jetstream import meta_group
 
             group = asyncio.run(meta_group(NatsOptions(servers=(nats_url,), nkey_file=nkey)))
             print(json.dumps({"leader": group.leader, "current": sorted(group.current), "known": sorted(group.known)}))

@@ -8,18 +8,20 @@ import json
 import sys
 from typing import Any
 
+import click
 import msgspec
-from jetshard_bus.connect import connect
+from jetshard_bus.connect import NatsUnreachableError, connect
 from jetshard_bus.follower import StateFollower
 from jetshard_bus.options import NatsOptions
-from jetshard_bus.streams import subscribe_events
+from jetshard_bus.streams import BusTimings, StreamsMissingError, subscribe_events
 from jetshard_schema.codec import decode_event
 from jetshard_schema.state import State
 from jetshard_schema.view import cluster_view, event_line
 from rich.console import Console
 from rich.markup import escape
 
-from jetshard.status_cli import render
+from jetshard.commands.status import render
+from jetshard.options import client_nats_options, option
 
 
 async def fetch_state(nats: NatsOptions) -> State:
@@ -66,3 +68,32 @@ async def print_events(nats: NatsOptions, since: int | None, as_json: bool) -> N
         await asyncio.Event().wait()
     finally:
         await client.close()
+
+
+@click.command()
+@client_nats_options
+@option("--since", type=int, default=None, help="first event sequence to show (default: only new events)")
+@option("--json", "as_json", is_flag=True, help="print each event's whole envelope as a JSON line")
+def events(nats: NatsOptions, timings: BusTimings, since: int | None, as_json: bool) -> None:
+    """Print the event stream live, one readable line per event."""
+    run_one_shot(print_events(nats, since, as_json))
+
+
+@click.command()
+@client_nats_options
+@option("--json", "as_json", is_flag=True, help="print the whole State as JSON")
+def state(nats: NatsOptions, timings: BusTimings, as_json: bool) -> None:
+    """Summarise the cluster State, rebuilt here from the latest snapshot and the events after it."""
+    state = run_one_shot(fetch_state(nats))
+    if state is not None:
+        print_state(state, as_json)
+
+
+def run_one_shot(coroutine: Any) -> Any:
+    """Run a one-shot tool's coroutine; Ctrl-C ends it quietly, an unreachable NATS with one clear line."""
+    try:
+        return asyncio.run(coroutine)
+    except KeyboardInterrupt:
+        return None
+    except (NatsUnreachableError, StreamsMissingError) as error:
+        raise click.ClickException(str(error)) from None

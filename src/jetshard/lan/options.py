@@ -12,8 +12,8 @@ from typing import Any
 import click
 from jetshard_bus.natsserver import Fsync, RouteTls
 
-from jetshard.discovery import lan_address
-from jetshard.lan import JoinToken, LanLayout, LanPorts, load_membership, resolve_membership
+from jetshard.lan.discovery import lan_address
+from jetshard.lan.membership import JoinToken, LanLayout, LanPorts, load_membership, resolve_membership
 from jetshard.options import option
 
 DEFAULT_ROUTE_PORT = 6222

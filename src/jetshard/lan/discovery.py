@@ -38,7 +38,7 @@ class Peer:
     route_port: int
     api_port: int
     proof: str = ""
-    """Hex HMAC-SHA256 of the other fields under the cluster's secret (`jetshard.lan.signed`): anyone may
+    """Hex HMAC-SHA256 of the other fields under the cluster's secret (`jetshard.lan.membership.signed`): anyone may
     announce a cluster's name, only its machines can prove it. Empty: unsigned."""
 
 

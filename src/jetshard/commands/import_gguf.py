@@ -20,7 +20,8 @@ from msgspec.structs import replace
 from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn
 
-from jetshard.models_cli import ADD_TIMEOUT_S, ApiClient, card_table
+from jetshard.client import ApiClient
+from jetshard.commands.models import ADD_TIMEOUT_S, card_table
 
 
 def default_id(path: Path) -> str:

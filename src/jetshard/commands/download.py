@@ -22,7 +22,7 @@ from rich.progress import (
     TransferSpeedColumn,
 )
 
-from jetshard.clusterfile import api_headers
+from jetshard.client import api_headers
 from jetshard.options import api_url_option
 
 _FINAL = ("completed", "failed", "cancelled")

@@ -17,9 +17,9 @@ from rich.live import Live
 from rich.table import Table
 from rich.text import Text
 
-from jetshard.clusterfile import api_headers
-from jetshard.models_cli import EXIT_UNREACHABLE, ApiClient, CliError, console, json_option
-from jetshard.options import api_url_option
+from jetshard.client import EXIT_UNREACHABLE, ApiClient, CliError, api_headers
+from jetshard.options import COMMAND_CONTEXT, api_url_option, json_option
+from jetshard.output import console
 
 RECONNECT_S = 2.0
 
@@ -121,7 +121,7 @@ def _watch(api_url: str) -> None:
                 time.sleep(RECONNECT_S)
 
 
-@click.command("status", context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 110})
+@click.command("status", context_settings=COMMAND_CONTEXT)
 @api_url_option
 @json_option
 @click.option("--watch", "-w", is_flag=True, help="keep the screen up to date until Ctrl-C")

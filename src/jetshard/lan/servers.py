@@ -16,23 +16,18 @@ import msgspec
 from jetshard_bus.natsserver import NatsServer, ServerSettings, start_nats_server
 from jetshard_bus.options import NatsOptions
 
-from jetshard.discovery import Discovery, Peer
-from jetshard.lan import (
-    LanLayout,
-    Membership,
+from jetshard.lan.discovery import Discovery, Peer
+from jetshard.lan.jetstream import (
     acquire_join_lock,
     ensure_replicas,
     meta_group,
     meta_leader,
     release_join_lock,
     retire_witness,
-    route_of,
-    save_membership,
-    signed,
-    vouched,
     wait_for_cluster_jetstream,
 )
-from jetshard.supervisor import Supervisor
+from jetshard.lan.membership import LanLayout, Membership, route_of, save_membership, signed, vouched
+from jetshard.up.supervisor import Supervisor
 
 TEND_INTERVAL_S = 2.0
 NAME_CHECK_S = 3.0
@@ -40,31 +35,23 @@ JOIN_TIMEOUT_S = 60.0
 """How long a new machine looks for the cluster's JetStream through its routes before it gives up."""
 
 
+@dataclasses.dataclass
 class LanServers:
-    def __init__(
-        self,
-        layout: LanLayout,
-        discovery: Discovery,
-        static_routes: tuple[str, ...],
-        supervisor: Supervisor,
-        logs: Path,
-        admin_nkey: Path,
-        system_nkey: Path,
-        report: Callable[[str], None],
-        stop_stage: int,
-    ) -> None:
-        self.layout = layout
-        self.discovery = discovery
-        self.static_routes = static_routes
-        self.supervisor = supervisor
-        self.logs = logs
-        self.admin_nkey = admin_nkey
-        self.system_nkey = system_nkey
-        self.report = report
-        self.stop_stage = stop_stage
-        self.server: NatsServer | None = None
-        self.witness: NatsServer | None = None
-        self.next_tend = 0.0
+    """This machine's servers of its LAN cluster, under `supervisor` at `stop_stage`, as `layout` says; routed
+    to the peers `discovery` finds that prove they know the secret, and to `static_routes` (`--join`)."""
+
+    layout: LanLayout
+    discovery: Discovery
+    static_routes: tuple[str, ...]
+    supervisor: Supervisor
+    logs: Path
+    admin_nkey: Path
+    system_nkey: Path
+    report: Callable[[str], None]
+    stop_stage: int
+    server: NatsServer | None = dataclasses.field(default=None, init=False)
+    witness: NatsServer | None = dataclasses.field(default=None, init=False)
+    next_tend: float = dataclasses.field(default=0.0, init=False)
 
     @property
     def membership(self) -> Membership:

@@ -12,14 +12,12 @@ from jetshard_bus.options import NatsOptions
 from rich.table import Table
 
 from jetshard.clusterfile import data_dir, recorded
-from jetshard.lan import MetaGroup, meta_group, remove_peer
-from jetshard.models_cli import console, json_option
-from jetshard.options import checked_name
-
-CONTEXT = {"help_option_names": ["-h", "--help"], "max_content_width": 110}
+from jetshard.lan.jetstream import MetaGroup, meta_group, remove_peer
+from jetshard.options import COMMAND_CONTEXT, checked_name, json_option
+from jetshard.output import console
 
 
-@click.group("lan", context_settings=CONTEXT)
+@click.group("lan", context_settings=COMMAND_CONTEXT)
 def lan() -> None:
     """The machines of this LAN cluster, as this machine's `jetshard up --lan` sees them."""
 

@@ -15,9 +15,8 @@ import httpx
 from httpx_sse import connect_sse
 from rich.console import Console
 
-from jetshard.clusterfile import api_headers
-from jetshard.models_cli import ApiClient, CliError
-from jetshard.options import api_url_option
+from jetshard.client import ApiClient, CliError, api_headers
+from jetshard.options import COMMAND_CONTEXT, api_url_option
 
 FIRST_TOKEN_TIMEOUT_S = 600.0
 """A first reply may wait for the model to be placed, downloaded and loaded."""
@@ -91,7 +90,7 @@ def _error_text(response: httpx.Response) -> str:
     return f"{message or response.text.strip()[:300]} (HTTP {response.status_code})"
 
 
-@click.command("chat", context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 110})
+@click.command("chat", context_settings=COMMAND_CONTEXT)
 @api_url_option
 @click.argument("model", required=False)
 @click.option("--system", default=None, help="a system prompt for the conversation")

@@ -1,0 +1,237 @@
+"""The services' own commands (`jetshard sequencer|api|worker|downloader`), each one process of the cluster,
+and `jetshard credentials`, the identities they connect to NATS as."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import click
+from jetshard_bus.options import DEFAULT_API_PORT, NatsOptions
+from jetshard_bus.streams import BusTimings
+from jetshard_schema.types import ServingSettings
+
+from jetshard.options import checked_name, model_dir_options, nats_options, option, seconds_option, serving_options
+
+
+@click.command()
+@nats_options
+@option("--snapshot-every", type=int, default=1000, show_default=True, help="events between State snapshots")
+@option(
+    "--sequencer-id",
+    default=None,
+    callback=checked_name,
+    help="what the leader lease (bucket jetshard-leader), this sequencer's command consumers and its log call it "
+    "[default: seq-<random>]",
+)
+@option(
+    "--failed-retention-s",
+    type=click.FloatRange(min=0),
+    default=900.0,
+    show_default=True,
+    help="how long a failed instance stays listed (with why it failed) before it leaves State",
+)
+def sequencer(
+    nats: NatsOptions, timings: BusTimings, snapshot_every: int, sequencer_id: str | None, failed_retention_s: float
+) -> None:
+    """Turn commands into the ordered event stream (one leader; start more as standbys)."""
+    from jetshard_bus.service import run_service
+    from jetshard_sequencer.service import SequencerConfig, run_sequencer
+
+    config = SequencerConfig(
+        nats=nats, timings=timings, snapshot_every=snapshot_every, failed_retention_s=failed_retention_s
+    )
+    if sequencer_id is not None:
+        config = dataclasses.replace(config, sequencer_id=sequencer_id)
+    run_service("sequencer", lambda stop: run_sequencer(config, stop))
+
+
+@click.command()
+@nats_options
+@option("--host", default="127.0.0.1", show_default=True, help="address the HTTP API listens on")
+@option("--port", type=int, default=DEFAULT_API_PORT, show_default=True, help="HTTP port (0: any free port)")
+@option(
+    "--command-timeout-s",
+    type=float,
+    default=30.0,
+    show_default=True,
+    help="how long a route waits for its command's outcome before answering 504",
+)
+@option(
+    "--port-file",
+    type=click.Path(dir_okay=False, path_type=Path),
+    default=None,
+    help="write the bound port here once listening",
+)
+@option(
+    "--auto-place/--no-auto-place",
+    default=True,
+    show_default=True,
+    help="place a model that has no instance when a request asks for it",
+)
+@option(
+    "--chunk-silence-s",
+    type=float,
+    default=60.0,
+    show_default=True,
+    help="a generation silent this long (after its first chunk) ends with an error",
+)
+@seconds_option(
+    "--start-timeout-s",
+    300.0,
+    "how long a request may wait in its instance's queue for its turn: one that could not start in this "
+    "long at the instance's measured pace is refused with 429 at once (one admitted is given twice this)",
+)
+@seconds_option(
+    "--first-chunk-timeout-s",
+    300.0,
+    "once its task started, how long a request waits for its first chunk (the prompt's prefill)",
+)
+@seconds_option(
+    "--keep-alive-s",
+    5.0,
+    "a streaming request waiting (for its model, in its instance's queue, for its prompt) is sent an SSE "
+    "comment this often",
+)
+@serving_options
+@option(
+    "--api-key", default=None, help="require this key ('Authorization: Bearer' or 'x-api-key'); /healthz stays open"
+)
+@option(
+    "--allowed-host",
+    "allowed_hosts",
+    multiple=True,
+    help="also answer requests naming this Host (besides loopback names and --host's addresses); '*': any",
+)
+@option(
+    "--cors-origin",
+    "cors_origins",
+    multiple=True,
+    help="let web pages from this origin (scheme://host[:port]) call the API; none by default",
+)
+def api(
+    nats: NatsOptions,
+    timings: BusTimings,
+    host: str,
+    port: int,
+    command_timeout_s: float,
+    port_file: Path | None,
+    auto_place: bool,
+    chunk_silence_s: float,
+    start_timeout_s: float,
+    first_chunk_timeout_s: float,
+    keep_alive_s: float,
+    serving: ServingSettings,
+    api_key: str | None,
+    allowed_hosts: tuple[str, ...],
+    cors_origins: tuple[str, ...],
+) -> None:
+    """Serve the OpenAI-compatible API and the cluster routes."""
+    from jetshard_api.route_steps import InferenceSettings
+    from jetshard_api.safety import HttpSafety, allowed_hosts_for
+    from jetshard_api.service import ApiConfig, run_api
+    from jetshard_bus.service import run_service
+
+    inference = InferenceSettings(
+        auto_place=auto_place,
+        chunk_silence_s=chunk_silence_s,
+        start_timeout_s=start_timeout_s,
+        first_chunk_timeout_s=first_chunk_timeout_s,
+        keep_alive_s=keep_alive_s,
+        serving=serving,
+    )
+    config = ApiConfig(
+        nats=nats,
+        timings=timings,
+        host=host,
+        port=port,
+        command_timeout_s=command_timeout_s,
+        port_file=port_file,
+        inference=inference,
+        safety=HttpSafety(api_key or None, allowed_hosts_for(host, allowed_hosts), cors_origins),
+    )
+    run_service("api", lambda stop: run_api(config, stop))
+
+
+@click.command()
+@nats_options
+@option(
+    "--advertise-host",
+    default=None,
+    help="address other nodes reach this node's runners on [default: the address used to reach NATS]",
+)
+@option(
+    "--runner-start-timeout-s",
+    type=float,
+    default=300.0,
+    show_default=True,
+    help="a runner that has not loaded and joined its peers within this time is killed and reported",
+)
+@option("--worker-session", default=None, hidden=True, help="this start's session id, chosen by `jetshard up`")
+def worker(
+    nats: NatsOptions,
+    timings: BusTimings,
+    advertise_host: str | None,
+    runner_start_timeout_s: float,
+    worker_session: str | None,
+) -> None:
+    """The node agent: node profile, custom model cards, shard runners."""
+    from jetshard_bus.service import run_service
+    from jetshard_worker.service import WorkerConfig, run_worker
+
+    config = WorkerConfig(
+        nats=nats, timings=timings, advertise_host=advertise_host, runner_start_timeout_s=runner_start_timeout_s
+    )
+    if worker_session:
+        config = dataclasses.replace(config, session_id=worker_session)
+    run_service("worker", lambda stop: run_worker(config, stop))
+
+
+@click.command()
+@nats_options
+@model_dir_options
+@option("--offline", is_flag=True, help="make no network call (also HF_HUB_OFFLINE=1)")
+def downloader(
+    nats: NatsOptions,
+    timings: BusTimings,
+    default_models_dir: str | None,
+    models_dirs: str | None,
+    models_read_only_dirs: str | None,
+    offline: bool,
+) -> None:
+    """Find models on this machine's disks and download what its shards need."""
+    from jetshard_bus.service import run_service
+    from jetshard_downloader.dirs import ModelDirs
+    from jetshard_downloader.service import DownloaderConfig, run_downloader
+
+    def split(value: str | None) -> list[str]:
+        return [part.strip() for part in (value or "").split(":") if part.strip()]
+
+    dirs = ModelDirs.from_options(default_models_dir, split(models_dirs), split(models_read_only_dirs))
+    config = DownloaderConfig(nats=nats, timings=timings, model_dirs=dirs, offline=offline)
+    run_service("downloader", lambda stop: run_downloader(config, stop))
+
+
+@click.command()
+@click.argument("directory", type=click.Path(file_okay=False, path_type=Path))
+@option(
+    "--server-config",
+    type=click.Path(exists=True, dir_okay=False, path_type=Path),
+    default=None,
+    help="a nats-server configuration to which DIRECTORY/nats.conf adds the authorization [default: none written]",
+)
+def credentials(directory: Path, server_config: Path | None) -> None:
+    """Create the NATS identities of a cluster in DIRECTORY (once; later runs keep them): a 0600 nkey seed file
+    per role (admin, sequencer, api, viewer, system; worker-<node>.nk and downloader-<node>.nk for this machine's node),
+    and DIRECTORY/authorization.conf, the nats-server block that admits exactly them, each with its role's
+    permissions. What `jetshard up` does for its embedded server; compose.yaml runs it for its NATS."""
+    from jetshard_bus.auth import cluster_identities, server_authorization
+    from jetshard_bus.node import config_dir, node_id_for
+
+    identities = cluster_identities(directory, node_id_for(config_dir()))
+    authorization = server_authorization(list(identities.values()))
+    (directory / "authorization.conf").write_text(authorization)
+    if server_config is not None:
+        (directory / "nats.conf").write_text(f"{server_config.read_text().rstrip()}\n\n{authorization}")
+    for role, identity in sorted(identities.items()):
+        click.echo(f"{role:<11} {identity.seed_file}")
