@@ -272,7 +272,7 @@ def make_constraint(tokenizer: Any, schema: dict[str, Any], max_tokens: int, voc
 def accepted(tokenizer: Any, schema: dict[str, Any], text: str) -> bool:
     """Whether llguidance's matcher for `schema` accepts `text` as a complete document."""
     ll = grammar_tokenizer(tokenizer, 512)
-    grammar = llguidance.LLMatcher.grammar_from_json_schema(schema, overrides=constrained._JSON_OPTIONS)
+    grammar = llguidance.LLMatcher.grammar_from_json_schema(schema, overrides=constrained.JSON_OPTIONS)
     matcher = llguidance.LLMatcher(ll, grammar, log_level=0)
     return matcher.consume_tokens(ll.greedy_tokenize(text)) and matcher.is_accepting()
 

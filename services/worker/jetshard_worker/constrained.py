@@ -22,20 +22,20 @@ import weakref
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, cast
 
-import llguidance
-import llguidance.hf
 import mlx.core as mx
 import numpy as np
 
+from jetshard_worker.library_boundary import LLMatcher, LLTokenizer, grammar_tokenizer_of, json_schema_grammar
+
 if TYPE_CHECKING:
-    from llguidance._lib import JsonCompileOptions
+    from jetshard_worker.library_boundary import JsonCompileOptions
 
 log = logging.getLogger(__name__)
 
 # No flexible whitespace: the shortest documents, and a prefix the closer parses without guessing about spaces.
 # oneOf compiles as anyOf (llguidance cannot check that exactly one branch matches): tool schemas use oneOf for
 # unions whose branches are disjoint anyway.
-_JSON_OPTIONS: JsonCompileOptions = {"whitespace_flexible": False, "coerce_one_of": True}
+JSON_OPTIONS: JsonCompileOptions = {"whitespace_flexible": False, "coerce_one_of": True}
 _LIMIT = 8  # completions kept per value: alternatives for the verifier without combinatorial growth
 _MARGIN = 3  # tokens kept in hand, so the next sampled token cannot push the completion past the budget
 _LOOKAHEAD = 64  # closing computes completions only within this many tokens (plus the minimal document) of the budget
@@ -68,10 +68,10 @@ class SchemaError(ValueError):
     """A JSON schema llguidance cannot compile; the message names the problem in the schema."""
 
 
-_tokenizers: weakref.WeakKeyDictionary[Any, dict[int, llguidance.LLTokenizer]] = weakref.WeakKeyDictionary()
+_tokenizers: weakref.WeakKeyDictionary[Any, dict[int, LLTokenizer]] = weakref.WeakKeyDictionary()
 
 
-def grammar_tokenizer(hf_tokenizer: Any, vocab_size: int) -> llguidance.LLTokenizer:
+def grammar_tokenizer(hf_tokenizer: Any, vocab_size: int) -> LLTokenizer:
     """The llguidance view of `hf_tokenizer` (a fast Hugging Face tokenizer or mlx-lm's TokenizerWrapper around one).
 
     Cached per tokenizer object, as building one costs about a second for a real vocabulary. `vocab_size` is the model's
@@ -81,15 +81,7 @@ def grammar_tokenizer(hf_tokenizer: Any, vocab_size: int) -> llguidance.LLTokeni
     """
     per_size = _tokenizers.setdefault(hf_tokenizer, {})
     if vocab_size not in per_size:
-        from mlx_lm.tokenizer_utils import TokenizerWrapper
-
-        if isinstance(hf_tokenizer, TokenizerWrapper):
-            eos = sorted(hf_tokenizer.eos_token_ids)
-            per_size[vocab_size] = llguidance.hf.from_tokenizer(
-                hf_tokenizer._tokenizer, n_vocab=vocab_size, eos_token=eos
-            )
-        else:
-            per_size[vocab_size] = llguidance.hf.from_tokenizer(hf_tokenizer, n_vocab=vocab_size)
+        per_size[vocab_size] = grammar_tokenizer_of(hf_tokenizer, vocab_size)
     return per_size[vocab_size]
 
 
@@ -98,7 +90,7 @@ class JsonConstraint:
 
     def __init__(
         self,
-        ll_tokenizer: llguidance.LLTokenizer,
+        ll_tokenizer: LLTokenizer,
         schema: dict[str, Any],
         max_tokens: int,
         encode: Callable[[str], list[int]],
@@ -109,10 +101,10 @@ class JsonConstraint:
         the task's budget of generated tokens.
         """
         try:
-            grammar = llguidance.LLMatcher.grammar_from_json_schema(schema, overrides=_JSON_OPTIONS)
+            grammar = json_schema_grammar(schema, JSON_OPTIONS)
         except ValueError as e:
             raise SchemaError(f"invalid JSON schema: {e}") from e
-        self._matcher = llguidance.LLMatcher(ll_tokenizer, grammar, log_level=0)
+        self._matcher = LLMatcher(ll_tokenizer, grammar, log_level=0)
         if self._matcher.is_error():
             raise SchemaError(f"unsupported JSON schema: {self._matcher.get_error()}")
         self._ll = ll_tokenizer
@@ -202,7 +194,7 @@ class JsonConstraint:
             )
         return completion
 
-    def _positioned(self, text: str) -> llguidance.LLMatcher | None:
+    def _positioned(self, text: str) -> LLMatcher | None:
         """A matcher that has consumed exactly `text`, or None if the matcher failed.
 
         Usually the live matcher, which has consumed the generated tokens. Their bytes can differ from `text` at the
@@ -228,12 +220,12 @@ class JsonConstraint:
             return None
         return matcher
 
-    def _verifies(self, matcher: llguidance.LLMatcher, completion: str) -> bool:
+    def _verifies(self, matcher: LLMatcher, completion: str) -> bool:
         """Whether `completion` ends a document llguidance accepts, checked on a copy of `matcher`."""
         copy = matcher.deep_copy()
         return copy.consume_tokens(self._bytes_tokens(completion)) and copy.is_accepting()
 
-    def _guided_close(self, matcher: llguidance.LLMatcher) -> str | None:
+    def _guided_close(self, matcher: LLMatcher) -> str | None:
         """A completion found by the matcher itself, for what the closer does not model (pattern, format,
         minProperties...): take the forced tokens, else the first allowed single-byte token in `_PREFERRED` order
         (closing characters first, else the first character a closing one may follow), until the document is

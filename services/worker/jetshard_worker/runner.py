@@ -62,12 +62,12 @@ from jetshard_schema.types import (
     Usage,
     WeightsDtype,
 )
-from mlx_lm.utils import load_tokenizer
 from nats.js import JetStreamContext
 
 from jetshard_worker.chat import render_chat, tool_spec
 from jetshard_worker.constrained import JsonConstraint, SchemaError, grammar_tokenizer
 from jetshard_worker.engine import GenerationRequest, PipelineEngine, TokenScores, init_ring, load_shard
+from jetshard_worker.library_boundary import hf_tokenizer_of, load_tokenizer
 from jetshard_worker.lifeline import die_with_worker
 from jetshard_worker.output import ChoiceOutput, TaskOutput, row_id, split_row_id
 from jetshard_worker.publishing import NATS_ERRORS, publish_until_stored
@@ -380,7 +380,7 @@ class Runner:
         return TaskOutput(request.task_id, choices, *self._io), rows
 
     def _constraint(self, schema: dict[str, Any], max_tokens: int) -> JsonConstraint:
-        hf_tokenizer = self.tokenizer._tokenizer
+        hf_tokenizer = hf_tokenizer_of(self.tokenizer)
         vocab_size = int(self.engine.shard.config.get("vocab_size") or len(hf_tokenizer))
         return JsonConstraint(
             grammar_tokenizer(hf_tokenizer, vocab_size),

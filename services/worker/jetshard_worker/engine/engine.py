@@ -29,7 +29,8 @@ from typing import Any, cast
 
 import mlx.core as mx
 from jetshard_schema.types import TaskOutcome
-from mlx_lm.models.cache import can_trim_prompt_cache, trim_prompt_cache
+
+from jetshard_worker.library_boundary import can_trim_prompt_cache, trim_prompt_cache
 
 from .distributed import ring_listen_port
 from .prefixes import PrefixHit, PrefixIndex

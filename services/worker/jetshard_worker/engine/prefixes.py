@@ -13,7 +13,7 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from mlx_lm.models.cache import PromptTrie
+from jetshard_worker.library_boundary import PromptTrie
 
 _MODEL = 0  # PromptTrie keys its tries by model; an engine serves one
 

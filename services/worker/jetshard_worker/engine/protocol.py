@@ -12,15 +12,14 @@ carries hidden states `(batch, length, width)` in the activation dtype.
 from __future__ import annotations
 
 import logging
-import os
 import select
-import socket
-import stat
 from dataclasses import dataclass, replace
 from enum import IntEnum
 from typing import cast
 
 import mlx.core as mx
+
+from jetshard_worker.library_boundary import ring_socket_from_previous_rank
 
 log = logging.getLogger(__name__)
 
@@ -123,7 +122,7 @@ class Link:
         self.size = group.size()
         self.next_rank = (self.rank + 1) % self.size
         self.prev_rank = (self.rank - 1) % self.size
-        self._incoming = _find_incoming_socket(listen_port) if listen_port is not None else None
+        self._incoming = ring_socket_from_previous_rank(listen_port) if listen_port is not None else None
         if listen_port is not None and self._incoming is None:
             log.warning("rank %d: no socket accepted on port %d; recv will busy-wait", self.rank, listen_port)
 
@@ -154,29 +153,3 @@ class Link:
         payload = mx.distributed.recv(header.payload_shape, header.dtype, self.prev_rank, group=self.group)
         mx.eval(payload)
         return header, payload
-
-
-def _find_incoming_socket(listen_port: int) -> socket.socket | None:
-    """The TCP socket the ring backend accepted from the previous rank: the one whose local
-    port is our hostfile port (mlx closes the listening socket after accepting)."""
-    for name in os.listdir("/proc/self/fd") if os.path.isdir("/proc/self/fd") else range(1024):
-        fd = int(name)
-        try:
-            if not stat.S_ISSOCK(os.fstat(fd).st_mode):
-                continue
-            sock = socket.socket(fileno=os.dup(fd))
-        except OSError:
-            continue
-        try:
-            # Only TCP: a unix socket's name is a str (the runner's own NATS or logging sockets).
-            if (
-                sock.family in (socket.AF_INET, socket.AF_INET6)
-                and sock.type == socket.SOCK_STREAM
-                and sock.getsockname()[1] == listen_port
-            ):
-                sock.getpeername()  # connected, not a listener
-                return sock
-        except OSError:
-            pass
-        sock.close()
-    return None

@@ -10,7 +10,8 @@ from __future__ import annotations
 import secrets
 
 import mlx.core as mx
-from mlx_lm.sample_utils import apply_top_p
+
+from jetshard_worker.library_boundary import apply_top_p
 
 
 class TaskSampler:

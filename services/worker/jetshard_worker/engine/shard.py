@@ -8,7 +8,6 @@ mlx-lm's `Model.__call__` always runs embedding -> all layers -> head.
 
 from __future__ import annotations
 
-import importlib
 import inspect
 import json
 import re
@@ -20,9 +19,9 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten, tree_unflatten
-from mlx_lm.models.base import create_attention_mask
-from mlx_lm.models.cache import make_prompt_cache
-from mlx_lm.utils import MODEL_REMAPPING, infer_quant_config, load_config
+
+from jetshard_worker import library_boundary
+from jetshard_worker.library_boundary import create_attention_mask, infer_quant_config, load_config, make_prompt_cache
 
 ProgressCallback = Callable[[int, int], None]
 
@@ -198,18 +197,21 @@ def load_shard(
 
 
 def model_classes(config: Mapping[str, Any]) -> tuple[Any, Any]:
-    """mlx-lm's model class and its arguments class for `config`, found as mlx-lm's loader finds them (its
-    function for that is private). An architecture the shard engine's forward pass does not know is refused."""
-    model_type: str = config["model_type"]
-    # mlx-lm also remaps a few (model_type, architectures) pairs; none of them is a module listed above.
-    module_name = MODEL_REMAPPING.get(model_type, model_type)
-    if module_name not in _EMBED_SCALE:
-        raise ValueError(
-            f"model type {model_type!r} (mlx-lm module {module_name!r}) is not supported by the shard engine; "
-            f"supported: {sorted(_EMBED_SCALE)}"
-        )
-    module = importlib.import_module(f"mlx_lm.models.{module_name}")
-    return module.Model, module.ModelArgs
+    """mlx-lm's model class and its arguments class for `config`, found as mlx-lm's loader finds them. An
+    architecture the shard engine's forward pass does not know is refused."""
+    try:
+        model_class, args_class = library_boundary.model_classes(config)
+    except ValueError:  # mlx-lm has no module for the model type
+        module = "no mlx-lm module"
+    else:
+        module_name = model_class.__module__.rsplit(".", 1)[-1]
+        if module_name in _EMBED_SCALE:
+            return model_class, args_class
+        module = f"mlx-lm module {module_name!r}"
+    raise ValueError(
+        f"model type {config['model_type']!r} ({module}) is not supported by the shard engine; "
+        f"supported: {sorted(_EMBED_SCALE)}"
+    )
 
 
 def eos_token_ids(model_dir: Path) -> frozenset[int]:

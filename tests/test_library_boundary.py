@@ -1,0 +1,191 @@
+"""Every touchpoint of mlx-lm, llguidance and mlx's ring socket that `jetshard_worker.library_boundary` relies on:
+each name exists, takes the arguments the worker passes and gives back what the worker reads, on the mlx-lm and
+llguidance versions installed. A new version that moves or reshapes one of them fails here, not in a runner.
+
+Fast: a one-layer tiny model, no cluster."""
+
+from __future__ import annotations
+
+import inspect
+import socket
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+import pytest
+from helpers.tiny_models import make_tiny_model
+from jetshard_worker import library_boundary as boundary
+from jetshard_worker.constrained import JSON_OPTIONS
+from mlx_lm.models.cache import BatchKVCache, KVCache
+
+
+def parameters(function: Any) -> list[str]:
+    return list(inspect.signature(function).parameters)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_tiny_model(tmp_path_factory.mktemp("boundary") / "model", num_layers=1, num_files=1)
+
+
+@pytest.fixture(scope="module")
+def wrapper(model_dir: Path) -> Any:
+    return boundary.load_tokenizer(model_dir, None, [2, 3])
+
+
+# --------------------------------------------------------------------------- mlx-lm: loading
+
+
+def test_load_config_and_model_classes(model_dir: Path) -> None:
+    config = boundary.load_config(model_dir)
+    assert config["model_type"] == "llama"
+    for model_type, module in [("llama", "llama"), ("mistral", "llama"), ("qwen2", "qwen2"), ("gemma", "gemma")]:
+        model_class, args_class = boundary.model_classes({"model_type": model_type})
+        assert model_class.__module__ == f"mlx_lm.models.{module}"
+        assert hasattr(args_class, "from_dict")
+    with pytest.raises(ValueError):
+        boundary.model_classes({"model_type": "no-such-architecture"})
+
+
+def test_infer_quant_config_takes_a_path_an_unquantized_module_and_the_weights() -> None:
+    assert parameters(boundary.infer_quant_config) == ["path", "module", "weights"]
+    linear = nn.Linear(64, 8, bias=False)
+    weight, scales, biases = mx.quantize(mx.zeros((8, 64)), group_size=32, bits=4)
+    found = boundary.infer_quant_config("x", linear, {"x.weight": weight, "x.scales": scales, "x.biases": biases})
+    assert found == {"group_size": 32, "bits": 4, "mode": "affine"}
+
+
+def test_load_tokenizer_takes_extra_config_and_eos_ids_positionally(wrapper: Any) -> None:
+    assert parameters(boundary.load_tokenizer)[:3] == ["model_path", "tokenizer_config_extra", "eos_token_ids"]
+    assert isinstance(wrapper, boundary.TokenizerWrapper)
+    assert {2, 3} <= set(wrapper.eos_token_ids)
+
+
+# --------------------------------------------------------------------------- mlx-lm: tokenizer wrapper
+
+
+def test_the_tokenizer_wrapper_attributes_the_worker_reads(wrapper: Any) -> None:
+    hf = boundary.hf_tokenizer_of(wrapper)
+    assert hf is not wrapper and not isinstance(hf, boundary.TokenizerWrapper)
+    assert len(wrapper) == len(hf)
+    ids = list(hf.encode("hello", add_special_tokens=False))
+    assert list(wrapper.encode("hello", add_special_tokens=False)) == ids
+    assert wrapper.decode(ids) == "hello"
+    rendered = wrapper.apply_chat_template(
+        [{"role": "user", "content": "hi"}], tools=None, add_generation_prompt=True, tokenize=False
+    )
+    assert isinstance(rendered, str) and "hi" in rendered
+    for name in ("has_tool_calling", "tool_call_start", "tool_call_end", "tool_parser"):
+        getattr(wrapper, name)
+    detokenizer = wrapper.detokenizer
+    for token in ids:
+        detokenizer.add_token(token)
+    text = detokenizer.last_segment
+    detokenizer.finalize()
+    assert text + detokenizer.last_segment == "hello"
+
+
+# --------------------------------------------------------------------------- mlx-lm: forward pass and caches
+
+
+def test_attention_masks_and_prompt_caches(model_dir: Path) -> None:
+    model_class, args_class = boundary.model_classes(boundary.load_config(model_dir))
+    model = model_class(args_class.from_dict(boundary.load_config(model_dir)))
+    cache = boundary.make_prompt_cache(model)
+    assert len(cache) == len(model.model.layers) and isinstance(cache[0], KVCache)
+    assert "window_size" in parameters(boundary.create_attention_mask)
+    h = mx.zeros((1, 4, 64))
+    boundary.create_attention_mask(h, cache[0], window_size=None)
+
+    keys = mx.ones((1, 2, 5, 8))
+    cache[0].update_and_fetch(keys, keys)
+    assert boundary.can_trim_prompt_cache(cache)
+    boundary.trim_prompt_cache(cache, 2)
+    assert cache[0].offset == 3
+
+
+def test_batch_caches_merge_pad_join_and_split() -> None:
+    """The calls the rank caches make: merge rows' caches, prepare and finalize right padding, extend a batch,
+    extract a row, filter rows, and size them."""
+    rows = []
+    for length in (3, 5):
+        row = KVCache()
+        row.update_and_fetch(mx.ones((1, 2, length, 8)), mx.ones((1, 2, length, 8)))
+        rows.append(row)
+    merged = type(rows[0]).merge(rows)
+    assert isinstance(merged, BatchKVCache)
+    merged.prepare(lengths=[3, 5], right_padding=[2, 0])
+    merged.finalize()
+    other = type(rows[0]).merge([rows[1]])
+    merged.extend(other)
+    assert isinstance(merged.extract(0), KVCache)
+    merged.filter([0, 2])
+    assert merged.nbytes > 0 and isinstance(merged.nbytes, int)
+    assert merged.state is not None
+
+
+def test_prompt_trie_finds_exact_shorter_and_longer_entries() -> None:
+    trie = boundary.PromptTrie()
+    trie.add(0, [1, 2, 3], "a")
+    trie.add(0, [1, 2, 3, 4, 5], "b")
+    assert trie.search(0, [1, 2, 3]).exact == [1, 2, 3]
+    found = trie.search(0, [1, 2, 3, 4])
+    assert (found.shorter, found.longer, found.common_prefix) == ([1, 2, 3], [1, 2, 3, 4, 5], 4)
+    assert trie.get(0, [1, 2, 3, 4, 5]) == "b"
+    assert trie.pop_prefixes(0, [1, 2, 3, 4, 5]) == [(3, "a")]
+    trie.pop(0, [1, 2, 3, 4, 5])
+    assert trie.search(0, [1, 2, 3, 4, 5]).exact is None
+
+
+def test_apply_top_p_masks_the_unlikely_tail() -> None:
+    logprobs = mx.log(mx.array([[0.6, 0.3, 0.1]]))
+    kept = np.array(boundary.apply_top_p(logprobs, 0.8))
+    assert np.isfinite(kept[0, :2]).all() and not np.isfinite(kept[0, 2])
+
+
+# --------------------------------------------------------------------------- llguidance
+
+
+def test_grammar_tokenizer_and_matcher(wrapper: Any) -> None:
+    ll = boundary.grammar_tokenizer_of(wrapper, 520)
+    assert isinstance(ll, boundary.LLTokenizer)
+    assert ll.vocab_size == 520 and sorted(ll.eos_tokens) == sorted(wrapper.eos_token_ids)
+    plain = boundary.grammar_tokenizer_of(boundary.hf_tokenizer_of(wrapper), 512)
+    assert plain.vocab_size == 512
+    assert ll.decode_bytes(ll.greedy_tokenize('{"a":1}')) == b'{"a":1}'
+
+    schema = {"type": "object", "properties": {"a": {"oneOf": [{"type": "integer"}, {"type": "string"}]}}}
+    grammar = boundary.json_schema_grammar(schema, JSON_OPTIONS)
+    matcher = boundary.LLMatcher(ll, grammar, log_level=0)
+    assert not matcher.is_error(), matcher.get_error()
+    assert matcher.validate_tokens(ll.greedy_tokenize('{ "a"')) == 1  # only "{": no flexible whitespace
+    assert matcher.consume_tokens(ll.greedy_tokenize('{"a":'))
+    assert len(np.frombuffer(matcher.compute_bitmask(), dtype=np.uint8)) * 8 >= ll.vocab_size
+    copy = matcher.deep_copy()
+    assert copy.consume_tokens(ll.greedy_tokenize("1}")) and copy.is_accepting()
+    assert copy.rollback(1) and not copy.is_accepting()
+    assert isinstance(matcher.compute_ff_tokens(), list)
+    assert not matcher.is_stopped()
+    with pytest.raises(ValueError):
+        boundary.json_schema_grammar("not a schema", JSON_OPTIONS)  # type: ignore[arg-type]
+
+
+# --------------------------------------------------------------------------- mlx's ring socket
+
+
+def test_the_ring_socket_is_the_accepted_connection_on_the_listen_port() -> None:
+    listener = socket.create_server(("127.0.0.1", 0))
+    port = listener.getsockname()[1]
+    client = socket.create_connection(("127.0.0.1", port))
+    accepted, _ = listener.accept()
+    listener.close()  # as mlx's ring backend closes its listener once the previous rank is in
+    try:
+        found = boundary.ring_socket_from_previous_rank(port)
+        assert found is not None
+        assert found.getsockname()[1] == port and found.getpeername() == accepted.getpeername()
+        found.close()
+    finally:
+        accepted.close()
+        client.close()
