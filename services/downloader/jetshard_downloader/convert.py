@@ -28,7 +28,7 @@ from jetshard_schema.cards import ModelCard
 from jetshard_downloader.choose import NoSpace, choose_directory, format_bytes
 from jetshard_downloader.dirs import ModelDirs, free_bytes
 from jetshard_downloader.fetch import Cancelled, IntegrityError
-from jetshard_downloader.manifest import Manifest, ManifestFile, write_manifest
+from jetshard_downloader.manifest import Manifest, ManifestFile, fsync_dir, write_manifest
 from jetshard_downloader.paths import STAGING, TOMBSTONE, side_directory, sweep_side_directories
 
 log = logging.getLogger(__name__)
@@ -82,19 +82,6 @@ def _sha256(path: Path, cancel: threading.Event, on_bytes: Callable[[int], None]
             done += len(chunk)
             on_bytes(done)
     return digest.hexdigest()
-
-
-def _fsync_dir(path: Path) -> None:
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
 
 
 def convert_packaged(
@@ -243,7 +230,7 @@ def _write_converted(
             # Another downloader sharing this directory (two nodes of one machine, a shared disk) converted the
             # same file first and renamed its complete copy into place: it is as good as ours.
             log.info("%s was converted meanwhile by another downloader; keeping that copy", model_id)
-        _fsync_dir(target.parent)
+        fsync_dir(target.parent)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     return sum(f.size for f in files)

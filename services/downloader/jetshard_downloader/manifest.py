@@ -73,8 +73,9 @@ def read_manifest(model_dir: Path) -> Manifest | None:
     return manifest
 
 
-def _fsync_dir(path: Path) -> None:
-    # Directory fsync makes the rename itself durable; not supported everywhere (Windows), hence best effort.
+def fsync_dir(path: Path) -> None:
+    """Make the entries just renamed into or removed from the directory `path` durable: best effort, since not
+    every platform can fsync a directory (Windows)."""
     with contextlib.suppress(OSError):
         fd = os.open(path, os.O_RDONLY)
         try:
@@ -96,11 +97,11 @@ def write_manifest(model_dir: Path, manifest: Manifest) -> Path:
         os.replace(tmp, target)
     finally:
         tmp.unlink(missing_ok=True)
-    _fsync_dir(model_dir)
+    fsync_dir(model_dir)
     return target
 
 
 def remove_manifest(model_dir: Path) -> None:
     """Mark `model_dir` as partial before changing files the current manifest vouches for."""
     (model_dir / MANIFEST_NAME).unlink(missing_ok=True)
-    _fsync_dir(model_dir)
+    fsync_dir(model_dir)

@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
+import msgspec
 from jetshard_bus.commands import publish_command
 from jetshard_bus.connect import connect
 from jetshard_bus.follower import StateFollower
@@ -307,16 +308,12 @@ class Downloader:
     # --- reports -----------------------------------------------------------------------------------------
 
     async def _report(self, job: _Job, status: DownloadStatus, **fields: object) -> None:
+        """Report this node's download of the job's model as `status`, over the job's layers unless `fields`
+        name others; `fields` set the rest of its `DownloadProgress`."""
+        progress = DownloadProgress(status=status, start_layer=job.start, end_layer=job.end)
         await self.publish(
             ReportDownloadProgress(
-                model_id=job.model_id,
-                node_id=self.node_id,
-                progress=DownloadProgress(
-                    status=status,
-                    start_layer=job.start,
-                    end_layer=job.end,
-                    **fields,  # type: ignore[arg-type]
-                ),
+                model_id=job.model_id, node_id=self.node_id, progress=msgspec.structs.replace(progress, **fields)
             )
         )
 
@@ -336,20 +333,15 @@ class Downloader:
                     start, end = wide
                     bytes_total = found[1]
         log.info("%s layers [%d, %d) complete in %s", job.model_id, start, end, directory)
-        await self.publish(
-            ReportDownloadProgress(
-                model_id=job.model_id,
-                node_id=self.node_id,
-                progress=DownloadProgress(
-                    status=DownloadStatus.COMPLETED,
-                    start_layer=start,
-                    end_layer=end,
-                    bytes_done=bytes_total,
-                    bytes_total=bytes_total,
-                    directory=str(directory),
-                    read_only=read_only,
-                ),
-            )
+        await self._report(
+            job,
+            DownloadStatus.COMPLETED,
+            start_layer=start,
+            end_layer=end,
+            bytes_done=bytes_total,
+            bytes_total=bytes_total,
+            directory=str(directory),
+            read_only=read_only,
         )
 
     # --- one download ------------------------------------------------------------------------------------
