@@ -16,12 +16,8 @@ import mlx_lm
 import pytest
 from helpers.tiny_models import make_tiny_model
 from jetshard_worker import constrained
-from jetshard_worker.constrained import (
-    JsonConstraint,
-    SchemaError,
-    grammar_tokenizer,
-    minimal_completion,
-)
+from jetshard_worker.constrained import JsonConstraint, SchemaError, grammar_tokenizer
+from jetshard_worker.json_closer import minimal_completion
 from mlx_lm.generate import generate_step
 from mlx_lm.sample_utils import make_sampler
 
