@@ -19,8 +19,10 @@ from jetshard_schema.models import find_card
 from jetshard_schema.state import Download, Instance, State, instance_status
 from jetshard_schema.stats import RunnerStats
 from jetshard_schema.types import (
+    DownloadProgress,
     DownloadStatus,
     InstanceStatus,
+    NodeProfile,
     ServingSettings,
     ShardAssignment,
     TaskKind,
@@ -161,19 +163,18 @@ class ClusterView(msgspec.Struct, frozen=True, kw_only=True):
     tasks: list[TaskView]
 
 
+# A view shows the fields its source has under the same name as they are.
+_PROFILE_SHOWN = [name for name in NodeView.__struct_fields__ if name in NodeProfile.__struct_fields__]
+_PROGRESS_SHOWN = [name for name in DownloadView.__struct_fields__ if name in DownloadProgress.__struct_fields__]
+
+
 def _node_view(state: State, node_id: NodeId) -> NodeView:
-    node = state.nodes[node_id]
+    profile = state.nodes[node_id].profile
     storage = state.node_storage.get(node_id)
     writable = [d for d in storage.model_dirs if not d.read_only] if storage else []
-    profile = node.profile
     return NodeView(
         node_id=node_id,
-        hostname=profile.hostname,
-        accelerator=profile.accelerator,
-        fast_blas=profile.fast_blas,
-        cpu_cores=profile.cpu_cores,
-        memory_total_bytes=profile.memory_total_bytes,
-        memory_available_bytes=profile.memory_available_bytes,
+        **{name: getattr(profile, name) for name in _PROFILE_SHOWN},
         disk_free_bytes=sum(d.free_bytes for d in writable),
         disk_total_bytes=sum(d.total_bytes for d in writable),
         models_on_disk=len(storage.available_models) if storage else 0,
@@ -182,17 +183,8 @@ def _node_view(state: State, node_id: NodeId) -> NodeView:
 
 
 def _download_view(download: Download) -> DownloadView:
-    progress = download.progress
     return DownloadView(
-        node_id=download.node_id,
-        status=progress.status,
-        start_layer=progress.start_layer,
-        end_layer=progress.end_layer,
-        bytes_done=progress.bytes_done,
-        bytes_total=progress.bytes_total,
-        speed_bytes_per_s=progress.speed_bytes_per_s,
-        eta_s=progress.eta_s,
-        reason=progress.reason,
+        node_id=download.node_id, **{name: getattr(download.progress, name) for name in _PROGRESS_SHOWN}
     )
 
 

@@ -336,12 +336,12 @@ class Downloader:
         await self._report(
             job,
             DownloadStatus.COMPLETED,
+            directory=str(directory),
+            read_only=read_only,
             start_layer=start,
             end_layer=end,
             bytes_done=bytes_total,
             bytes_total=bytes_total,
-            directory=str(directory),
-            read_only=read_only,
         )
 
     # --- one download ------------------------------------------------------------------------------------
