@@ -11,16 +11,16 @@ import shutil
 import subprocess
 import sys
 import threading
-import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import httpx
 import msgspec
 import pytest
 from helpers.dialects import DialectCluster
-from helpers.harness import wait_for
+from helpers.harness import until_sync, wait_for
 from helpers.states import fold
 from helpers.tiny_models import endless_model
 from httpx_sse import connect_sse
@@ -234,30 +234,44 @@ def test_instances_ls_and_rm(dialect_cluster: DialectCluster) -> None:
     assert missing.returncode == 1 and second in missing.stderr
 
 
-def test_events_prints_one_line_per_event_and_json_on_request(dialect_cluster: DialectCluster) -> None:
+def test_events_prints_one_line_per_event_and_json_on_request(dialect_cluster: DialectCluster, tmp_path: Path) -> None:
     nats = dialect_cluster.cluster.nats.url
-    readable = follow_for(["events", "--nats", nats, "--since", "1"], seconds=4)
-    assert any(" NodeJoined " in line for line in readable) and any(" InstancePlaced " in line for line in readable)
+
+    def placed(lines: list[str]) -> bool:
+        return any(" NodeJoined " in line for line in lines) and any(" InstancePlaced " in line for line in lines)
+
+    readable = follow_until(["events", "--nats", nats, "--since", "1"], placed, tmp_path / "readable")
+    assert placed(readable)
     assert all(len(line) < 400 for line in readable), max(readable, key=len)
-    raw = follow_for(["events", "--nats", nats, "--since", "1", "--json"], seconds=4)
+    raw = follow_until(["events", "--nats", nats, "--since", "1", "--json"], bool, tmp_path / "raw")
     first = json.loads(raw[0])
     assert first["seq"] == 1 and "type" in first["event"]
 
 
-def follow_for(args: list[str], seconds: float) -> list[str]:
-    """What a command that follows the cluster printed in its first `seconds`, line by line."""
-    process = subprocess.Popen(
-        [sys.executable, "-m", "jetshard", *args],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        env={**os.environ, "COLUMNS": "300"},
-    )
-    time.sleep(seconds)
-    process.terminate()
-    out, err = process.communicate(timeout=10)
-    assert out, err
-    return out.splitlines()
+def follow_until(args: list[str], enough: Callable[[list[str]], bool], output: Path) -> list[str]:
+    """The whole lines a command that follows the cluster printed (to `output`.out, its stderr to `output`.err)
+    once they are `enough`; then it is stopped."""
+    out, err = output.with_suffix(".out"), output.with_suffix(".err")
+    with open(out, "w") as stdout, open(err, "w") as stderr:
+        process = subprocess.Popen(
+            [sys.executable, "-m", "jetshard", *args],
+            stdout=stdout,
+            stderr=stderr,
+            env={**os.environ, "COLUMNS": "300"},
+        )
+
+    def printed() -> list[str]:
+        text = out.read_text()
+        return text[: text.rfind("\n") + 1].splitlines()
+
+    try:
+        until_sync(
+            lambda: enough(printed()), 60, lambda: f"{args} to print enough: {printed()[-5:]}\n{err.read_text()}"
+        )
+    finally:
+        process.terminate()
+        process.wait(10)
+    return printed()
 
 
 # --- in a terminal ------------------------------------------------------------------------------------------

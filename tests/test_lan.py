@@ -13,12 +13,12 @@ import json
 import re
 import subprocess
 import sys
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
+from helpers.harness import until_sync
 from helpers.netns import Host, Lan, lan
 from jetshard_bus.procs import stop_groups
 from jetshard_schema.catalogue import DEMO_MODEL_ID
@@ -27,14 +27,6 @@ PROBE = str(Path(__file__).parent / "helpers" / "lan_probe.py")
 API_PORT = 52415
 MONITOR_PORT = 8222
 TOKEN = re.compile(r"jetshard up --lan --join-token (\S+)")
-
-
-def until_sync(check: Callable[[], object], timeout_s: float, what: Callable[[], str]) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not check():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout_s:.0f} s waiting for {what()}")
-        time.sleep(1)
 
 
 @dataclass
@@ -131,7 +123,6 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LanCluster]:
             first.wait_for("Press Ctrl-C to stop.", 240)  # the demo model placed here and ready
             match = TOKEN.search(first.output())
             assert match, first.output()
-            started = time.monotonic()
             for machine in machines[1:]:
                 machine.start("--join-token", match[1], "--no-model")
 
@@ -142,8 +133,9 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LanCluster]:
                 routed = all(names - {m.server_name} <= m.route_names() for m in machines)
                 return routed and "retiring the witness" in first.output()
 
-            until_sync(one_cluster, 180, lambda: f"one cluster of three: {[m.output()[-1500:] for m in machines]}")
-            formed_s = time.monotonic() - started
+            formed_s = until_sync(
+                one_cluster, 180, lambda: f"one cluster of three: {[m.output()[-1500:] for m in machines]}"
+            )
             for machine in machines[1:]:
                 machine.wait_for("Press Ctrl-C to stop.", 120)
             yield LanCluster(net, machines, match[1], formed_s)
@@ -226,6 +218,7 @@ def test_a_machine_that_goes_away_loses_nothing_acked_and_catches_up_when_it_ret
     victim = hosting[0] if hosting else first
     stop_file, out = tmp_path / "stop", tmp_path / "traffic.json"
     nkey = str(third.root / "data" / "creds" / "admin.nk")
+    events_before = third.get("/state")["last_seq"]  # type: ignore[index]
     traffic = third.host.popen(
         [
             sys.executable,
@@ -242,9 +235,13 @@ def test_a_machine_that_goes_away_loses_nothing_acked_and_catches_up_when_it_ret
         third.env,
     )
     try:
-        time.sleep(3)  # deliberate fault timing: traffic flows before the link goes
+        # Traffic flows (its commands sequenced) before the link goes.
+        until_sync(
+            lambda: third.get("/state")["last_seq"] >= events_before + 20,  # type: ignore[index]
+            120,
+            lambda: f"traffic's commands sequenced: {(tmp_path / 'traffic.log').read_text(errors='replace')[-2000:]}",
+        )
         victim.host.link_down()
-        lost_at = time.monotonic()
 
         def replaced() -> bool:
             instances = third.get("/instances")
@@ -253,10 +250,9 @@ def test_a_machine_that_goes_away_loses_nothing_acked_and_catches_up_when_it_ret
                 for i in instances  # type: ignore[union-attr]
             )
 
-        until_sync(
+        replaced_s = until_sync(
             replaced, 240, lambda: f"the instance re-placed without {victim.host.name}: {third.get('/instances')}"
         )
-        replaced_s = time.monotonic() - lost_at
         answer = third.probe("chat", third.api, DEMO_MODEL_ID, "16")
         assert answer["ok"] and "Paris" in answer["text"], answer
     finally:

@@ -7,12 +7,11 @@ from __future__ import annotations
 import json
 import shutil
 import subprocess
-import time
 import urllib.request
 from pathlib import Path
 
 import pytest
-from helpers.harness import free_port
+from helpers.harness import free_port, until_sync
 from jetshard_bus.natsserver import ClusterSettings, NatsServer, RouteTls, start_nats_server
 
 
@@ -77,11 +76,17 @@ def test_routes_use_tls_and_refuse_a_certificate_of_another_ca(tmp_path: Path) -
                     monitor_port=monitors[n],
                 )
             )
-        deadline = time.monotonic() + 30
-        while routes_of(monitors[0]) != {"b"} and time.monotonic() < deadline:
-            time.sleep(0.2)
+        until_sync(
+            lambda: routes_of(monitors[0]) == {"b"}, 30, lambda: f"a's route to b, a has {routes_of(monitors[0])}"
+        )
         assert routes_of(monitors[0]) == {"b"} and routes_of(monitors[1]) == {"a"}
-        time.sleep(1)  # deliberate: give the stranger's route attempts time to be refused, not merely pending
+        # The stranger's route attempts refused, not merely pending.
+        stranger_log = tmp_path / "c.log"
+        until_sync(
+            lambda: "tls route handshake error" in stranger_log.read_text().lower(),
+            30,
+            lambda: f"the stranger's routes refused:\n{stranger_log.read_text()[-2000:]}",
+        )
         assert routes_of(monitors[2]) == set() and "c" not in routes_of(monitors[0])
         assert "tls" in (tmp_path / "c.log").read_text().lower()
     finally:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import functools
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import click
@@ -29,15 +29,35 @@ _TIMING_HELP = {
 """A flag per `BusTimings` field, named after it."""
 
 
-def option(*names: str, **kwargs: Any) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
-    """A click option whose environment variable is derived from its long name: --x-y → JETSHARD_X_Y."""
+Decorator = Callable[[Callable[..., Any]], Callable[..., Any]]
+
+
+def flag_of(name: str) -> str:
+    """The flag of a parameter or field named `name`: x_y → --x-y."""
+    return "--" + name.replace("_", "-")
+
+
+def environment_variable(flag: str) -> str:
+    """The environment variable a flag also reads: --x-y → JETSHARD_X_Y."""
+    return "JETSHARD_" + flag[2:].replace("-", "_").upper()
+
+
+def option(*names: str, **kwargs: Any) -> Decorator:
+    """A click option that also reads the `environment_variable` of its long name."""
     long_name = next(n for n in names if n.startswith("--")).split("/")[0]
-    kwargs.setdefault("envvar", "JETSHARD_" + long_name[2:].replace("-", "_").upper())
+    kwargs.setdefault("envvar", environment_variable(long_name))
     kwargs.setdefault("show_envvar", True)
     return click.option(*names, **kwargs)
 
 
-def seconds_option(name: str, default: float, help: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+def with_options(command: Callable[..., Any], decorators: Sequence[Decorator]) -> Callable[..., Any]:
+    """`command` with `decorators` applied as if written above it in this order (their flags in help so)."""
+    for decorate in reversed(decorators):
+        command = decorate(command)
+    return command
+
+
+def seconds_option(name: str, default: float, help: str) -> Decorator:
     """An `option` for a duration in seconds that must be above zero, its default shown."""
     return option(name, type=click.FloatRange(min=0, min_open=True), default=default, show_default=True, help=help)
 
@@ -85,7 +105,7 @@ def _with_nats_options(
         ),
         *(
             option(
-                "--" + name.replace("_", "-"),
+                flag_of(name),
                 type=float,
                 default=getattr(BusTimings(), name),
                 show_default=True,
@@ -115,9 +135,7 @@ def _with_nats_options(
         timings = BusTimings(**{name: kwargs.pop(name) for name in _TIMING_HELP})
         return command(nats=nats, timings=timings, **kwargs)
 
-    for decorate in reversed(decorators):
-        wrapper = decorate(wrapper)
-    return wrapper
+    return with_options(wrapper, decorators)
 
 
 def api_url_option(command: Callable[..., Any]) -> Callable[..., Any]:
@@ -146,24 +164,27 @@ def api_group(name: str, help: str) -> click.Group:
 json_option = click.option("--json", "as_json", is_flag=True, help="print the API's JSON instead of a table")
 
 
+_MODEL_DIR_HELP = {
+    "default_models_dir": "the default (first) writable model directory [$XDG_DATA_HOME/jetshard/models]",
+    "models_dirs": "more writable model directories, colon-separated, in order",
+    "models_read_only_dirs": "colon-separated directories searched first and never written "
+    "(e.g. ~/.cache/huggingface/hub)",
+}
+"""A flag per model directory parameter of `jetshard downloader`, named after it."""
+
+
 def model_dir_options(command: Callable[..., Any]) -> Callable[..., Any]:
-    """The model directory flags of `jetshard downloader`, which `jetshard up` passes on to it."""
-    decorators = [
-        option(
-            "--default-models-dir",
-            default=None,
-            help="the default (first) writable model directory [$XDG_DATA_HOME/jetshard/models]",
-        ),
-        option("--models-dirs", default=None, help="more writable model directories, colon-separated, in order"),
-        option(
-            "--models-read-only-dirs",
-            default=None,
-            help="colon-separated directories searched first and never written (e.g. ~/.cache/huggingface/hub)",
-        ),
-    ]
-    for decorate in reversed(decorators):
-        command = decorate(command)
-    return command
+    """The model directory flags of `jetshard downloader`, which `jetshard up` passes on to it
+    (`model_dir_environment`)."""
+    return with_options(
+        command, [option(flag_of(name), default=None, help=help) for name, help in _MODEL_DIR_HELP.items()]
+    )
+
+
+def model_dir_environment(**given: str | None) -> dict[str, str]:
+    """The `model_dir_options` given (by parameter name) as the environment variables their flags read, to pass
+    them on to a `jetshard downloader` process."""
+    return {environment_variable(flag_of(name)): value for name, value in given.items() if value is not None}
 
 
 _SERVING_HELP = {
@@ -187,18 +208,17 @@ def serving_options(command: Callable[..., Any]) -> Callable[..., Any]:
             raise click.BadParameter(str(error).replace("$.", "--").replace("_", "-")) from None
         return command(serving=serving, **kwargs)
 
-    decorated: Callable[..., Any] = wrapper
-    for name, help in reversed(_SERVING_HELP.items()):
-        flag = "--" + name.replace("_", "-")
-        decorated = option(flag, type=int, default=getattr(ServingSettings(), name), show_default=True, help=help)(
-            decorated
-        )
-    return decorated
+    defaults = ServingSettings()
+    decorators = [
+        option(flag_of(name), type=int, default=getattr(defaults, name), show_default=True, help=help)
+        for name, help in _SERVING_HELP.items()
+    ]
+    return with_options(wrapper, decorators)
 
 
 def serving_args(serving: ServingSettings) -> list[str]:
     """`serving_options`' flags for `serving`, to pass it on to a `jetshard api` process."""
-    return [f"--{name.replace('_', '-')}={getattr(serving, name)}" for name in _SERVING_HELP]
+    return [f"{flag_of(name)}={getattr(serving, name)}" for name in _SERVING_HELP]
 
 
 def checked_name(_context: click.Context, _parameter: click.Parameter, value: str | None) -> str | None:

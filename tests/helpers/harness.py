@@ -2,7 +2,8 @@
 built from them.
 
 * `Processes`: `python -m jetshard <service>` in process groups of their own, killed at teardown.
-* `wait_for` / `until`: the poll helper, for synchronous and for async tests; the only place tests sleep
+* `wait_for` / `until_sync` / `until`: the poll helper (whether it came; the time it took or an
+  AssertionError saying what did not come, for synchronous and for async tests); the only place tests sleep
   to wait for something.
 * `Cluster` (fixture `cluster`): a nats-server and a sequencer; nodes made present by the test itself
   (ReportNodeProfile plus the liveness key a worker would keep), services started on demand; the test
@@ -72,6 +73,17 @@ def wait_for(predicate: Callable[[], object], timeout: float = 10.0, interval: f
             return True
         time.sleep(interval)
     return bool(predicate())
+
+
+def until_sync(
+    check: Callable[[], object], timeout_s: float, what: str | Callable[[], str], interval_s: float = 0.5
+) -> float:
+    """Seconds until `check()` is true (polled by `wait_for`); raises AssertionError saying `what` it waited for
+    after `timeout_s`. An exception `check` raises ends the wait with it."""
+    started = time.monotonic()
+    if not wait_for(check, timeout_s, interval_s):
+        raise AssertionError(f"timed out after {timeout_s:.0f} s waiting for {what() if callable(what) else what}")
+    return time.monotonic() - started
 
 
 async def until(

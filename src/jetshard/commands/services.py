@@ -4,14 +4,28 @@ and `jetshard credentials`, the identities they connect to NATS as."""
 from __future__ import annotations
 
 import dataclasses
+import functools
+from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import click
 from jetshard_bus.options import DEFAULT_API_PORT, NatsOptions
 from jetshard_bus.streams import BusTimings
 from jetshard_schema.types import ServingSettings
 
-from jetshard.options import checked_name, model_dir_options, nats_options, option, seconds_option, serving_options
+from jetshard.options import (
+    checked_name,
+    model_dir_options,
+    nats_options,
+    option,
+    seconds_option,
+    serving_options,
+    with_options,
+)
+
+if TYPE_CHECKING:
+    from jetshard_api.route_steps import InferenceSettings
 
 
 @click.command()
@@ -46,6 +60,56 @@ def sequencer(
     run_service("sequencer", lambda stop: run_sequencer(config, stop))
 
 
+def inference_options(command: Callable[..., Any]) -> Callable[..., Any]:
+    """How `jetshard api` serves inference requests; passed on as `inference`."""
+
+    @functools.wraps(command)
+    def wrapper(serving: ServingSettings, **kwargs: Any) -> Any:
+        from jetshard_api.route_steps import InferenceSettings  # the API's modules load only to run it
+
+        given = {name: kwargs.pop(name) for name in _INFERENCE_FLAGS}
+        return command(inference=InferenceSettings(**given, serving=serving), **kwargs)
+
+    decorators = [
+        option(
+            "--auto-place/--no-auto-place",
+            default=True,
+            show_default=True,
+            help="place a model that has no instance when a request asks for it",
+        ),
+        option(
+            "--chunk-silence-s",
+            type=float,
+            default=60.0,
+            show_default=True,
+            help="a generation silent this long (after its first chunk) ends with an error",
+        ),
+        seconds_option(
+            "--start-timeout-s",
+            300.0,
+            "how long a request may wait in its instance's queue for its turn: one that could not start in this "
+            "long at the instance's measured pace is refused with 429 at once (one admitted is given twice this)",
+        ),
+        seconds_option(
+            "--first-chunk-timeout-s",
+            300.0,
+            "once its task started, how long a request waits for its first chunk (the prompt's prefill)",
+        ),
+        seconds_option(
+            "--keep-alive-s",
+            5.0,
+            "a streaming request waiting (for its model, in its instance's queue, for its prompt) is sent an SSE "
+            "comment this often",
+        ),
+        serving_options,
+    ]
+    return with_options(wrapper, decorators)
+
+
+_INFERENCE_FLAGS = ("auto_place", "chunk_silence_s", "start_timeout_s", "first_chunk_timeout_s", "keep_alive_s")
+"""The fields of `InferenceSettings` besides `serving`, each a flag of `inference_options`."""
+
+
 @click.command()
 @nats_options
 @option("--host", default="127.0.0.1", show_default=True, help="address the HTTP API listens on")
@@ -63,37 +127,7 @@ def sequencer(
     default=None,
     help="write the bound port here once listening",
 )
-@option(
-    "--auto-place/--no-auto-place",
-    default=True,
-    show_default=True,
-    help="place a model that has no instance when a request asks for it",
-)
-@option(
-    "--chunk-silence-s",
-    type=float,
-    default=60.0,
-    show_default=True,
-    help="a generation silent this long (after its first chunk) ends with an error",
-)
-@seconds_option(
-    "--start-timeout-s",
-    300.0,
-    "how long a request may wait in its instance's queue for its turn: one that could not start in this "
-    "long at the instance's measured pace is refused with 429 at once (one admitted is given twice this)",
-)
-@seconds_option(
-    "--first-chunk-timeout-s",
-    300.0,
-    "once its task started, how long a request waits for its first chunk (the prompt's prefill)",
-)
-@seconds_option(
-    "--keep-alive-s",
-    5.0,
-    "a streaming request waiting (for its model, in its instance's queue, for its prompt) is sent an SSE "
-    "comment this often",
-)
-@serving_options
+@inference_options
 @option(
     "--api-key", default=None, help="require this key ('Authorization: Bearer' or 'x-api-key'); /healthz stays open"
 )
@@ -116,30 +150,16 @@ def api(
     port: int,
     command_timeout_s: float,
     port_file: Path | None,
-    auto_place: bool,
-    chunk_silence_s: float,
-    start_timeout_s: float,
-    first_chunk_timeout_s: float,
-    keep_alive_s: float,
-    serving: ServingSettings,
+    inference: InferenceSettings,
     api_key: str | None,
     allowed_hosts: tuple[str, ...],
     cors_origins: tuple[str, ...],
 ) -> None:
     """Serve the OpenAI-compatible API and the cluster routes."""
-    from jetshard_api.route_steps import InferenceSettings
     from jetshard_api.safety import HttpSafety, allowed_hosts_for
     from jetshard_api.service import ApiConfig, run_api
     from jetshard_bus.service import run_service
 
-    inference = InferenceSettings(
-        auto_place=auto_place,
-        chunk_silence_s=chunk_silence_s,
-        start_timeout_s=start_timeout_s,
-        first_chunk_timeout_s=first_chunk_timeout_s,
-        keep_alive_s=keep_alive_s,
-        serving=serving,
-    )
     config = ApiConfig(
         nats=nats,
         timings=timings,

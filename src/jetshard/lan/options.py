@@ -14,7 +14,7 @@ from jetshard_bus.natsserver import Fsync, RouteTls
 
 from jetshard.lan.discovery import lan_address
 from jetshard.lan.membership import JoinToken, LanLayout, LanPorts, load_membership, resolve_membership
-from jetshard.options import option
+from jetshard.options import option, with_options
 
 DEFAULT_ROUTE_PORT = 6222
 DEFAULT_MONITOR_PORT = 8222
@@ -98,9 +98,7 @@ def lan_options(command: Callable[..., Any]) -> Callable[..., Any]:
         )
         return command(**kwargs)
 
-    for decorator in reversed(decorators):
-        wrapper = decorator(wrapper)
-    return wrapper
+    return with_options(wrapper, decorators)
 
 
 def _lan_choice(

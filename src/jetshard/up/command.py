@@ -21,7 +21,7 @@ from rich.console import Console
 from jetshard.clusterfile import data_dir, remove_cluster_file, write_cluster_file
 from jetshard.lan.options import LanChoice, lan_options
 from jetshard.lan.servers import LanServers
-from jetshard.options import model_dir_options, option, serving_options
+from jetshard.options import model_dir_environment, model_dir_options, option, serving_options
 from jetshard.up.nats import UpNats, start_nats
 from jetshard.up.placing import place_and_wait
 from jetshard.up.services import Services, service_arguments, services_environment
@@ -117,7 +117,15 @@ def up(
         advertise_host = lan_servers.layout.address if lan_servers else None
         services = Services(
             nats,
-            services_environment(nats.url, offline, (default_models_dir, models_dirs, models_read_only_dirs)),
+            services_environment(
+                nats.url,
+                offline,
+                model_dir_environment(
+                    default_models_dir=default_models_dir,
+                    models_dirs=models_dirs,
+                    models_read_only_dirs=models_read_only_dirs,
+                ),
+            ),
             service_arguments(host, port, allowed_hosts, serving, advertise_host),
             api_key,
             logs,

@@ -21,20 +21,13 @@ from jetshard.up.supervisor import Supervisor
 SERVICE_STOP_STAGES = {"sequencer": 2, "api": 0, "worker": 0, "downloader": 1}
 """Started in this order; stopped by stage: what serves users and runs models first, the sequencer after the
 services whose last reports it must still sequence, NATS last."""
-MODEL_DIR_VARIABLES = ("JETSHARD_DEFAULT_MODELS_DIR", "JETSHARD_MODELS_DIRS", "JETSHARD_MODELS_READ_ONLY_DIRS")
-"""The downloader's model directory flags, in the order `model_dir_options` declares them."""
 
 
-def services_environment(nats_url: str, offline: bool, model_dirs: tuple[str | None, ...]) -> dict[str, str]:
-    """What every service starts with: this environment, the NATS to join, `--offline` and the model
-    directories given to `up` (one per `MODEL_DIR_VARIABLES`, None where not given)."""
-    environment = {**os.environ, "JETSHARD_NATS": nats_url}
-    if offline:
-        environment["JETSHARD_OFFLINE"] = "1"
-    for name, value in zip(MODEL_DIR_VARIABLES, model_dirs, strict=True):
-        if value is not None:
-            environment[name] = value
-    return environment
+def services_environment(nats_url: str, offline: bool, model_dirs: Mapping[str, str]) -> dict[str, str]:
+    """What every service starts with: this environment, the NATS to join, `--offline`, and the model
+    directories given to `up` (`model_dir_environment`)."""
+    environment = {**os.environ, "JETSHARD_NATS": nats_url, **({"JETSHARD_OFFLINE": "1"} if offline else {})}
+    return {**environment, **model_dirs}
 
 
 def service_arguments(
