@@ -72,6 +72,7 @@ from jetshard_worker.lifeline import die_with_worker
 from jetshard_worker.output import ChoiceOutput, TaskOutput, row_id, split_row_id
 from jetshard_worker.publishing import NATS_ERRORS, publish_until_stored
 from jetshard_worker.runner_spec import RunnerSpec
+from jetshard_worker.runner_test_seams import RunnerTestSeams
 from jetshard_worker.task_requests import REQUEST_WAIT_S, TaskRequests
 from jetshard_worker.task_spans import TaskSpans
 from jetshard_worker.textstream import TextStream
@@ -80,14 +81,6 @@ from jetshard_worker.toolcalls import ToolCallSplitter, forced_call_schema
 log = logging.getLogger(__name__)
 
 PROGRESS_INTERVAL_S = 0.5
-COUNTERS_INTERVAL_S = float(os.environ.get("JETSHARD_COUNTERS_INTERVAL_S", "10"))
-FOLLOW_DELAY_ENV = "JETSHARD_TEST_RUNNER_FOLLOW_DELAY_S"
-"""Fault injection for tests: hold the leader's State follower this long before it starts."""
-DROP_CHUNKS_ENV = "JETSHARD_TEST_RUNNER_DROP_CHUNKS_FROM"
-"""Fault injection for tests: publish no chunk from this index on, as a NATS server that fails drops them."""
-OVERSIZE_CHUNKS_ENV = "JETSHARD_TEST_RUNNER_OVERSIZE_CHUNKS_FROM"
-"""Fault injection for tests: pad each chunk from this index on past the server's max_payload, so that the client
-refuses to publish it (MaxPayloadError), as it would a chunk that outgrew the limit."""
 
 
 class Runner:
@@ -104,8 +97,7 @@ class Runner:
         self._holding: list[TaskOutput] = []
         self._outputs: dict[TaskId, TaskOutput] = {}
         self._embeddings: dict[str, list[float]] = {}
-        self._drop_chunks_from = int(os.environ.get(DROP_CHUNKS_ENV, "-1"))
-        self._oversize_chunks_from = int(os.environ.get(OVERSIZE_CHUNKS_ENV, "-1"))
+        self.test_seams = RunnerTestSeams.from_environ(os.environ)
         self.tasks: asyncio.TaskGroup | None = None
         """The task group of the runner's work while it serves (run_runner); reports sent later join it."""
         self._taken: set[TaskId] = set()
@@ -190,11 +182,11 @@ class Runner:
         )
 
     async def report_counters(self) -> None:
-        """The leader's counters, every COUNTERS_INTERVAL_S while they change: State sees prefix-cache hits
-        and batch sizes without an event per request."""
+        """The leader's counters, every 10 s (`RunnerTestSeams.counters_interval_s`) while they change: State sees
+        prefix-cache hits and batch sizes without an event per request."""
         reported = None
         while True:
-            await asyncio.sleep(COUNTERS_INTERVAL_S)
+            await asyncio.sleep(self.test_seams.counters_interval_s)
             counters = self.counters()
             if counters != reported:
                 try:
@@ -408,17 +400,7 @@ class Runner:
         self._publish_chunk(
             Chunk(task_id=task_id, index=0, error=message, error_code=code, finish_reason=TaskOutcome.ERROR)
         )
-        self._send_later(
-            ReportTaskFinished(
-                node_id=self.spec.node_id,
-                task_id=task_id,
-                instance_id=self.plan.key.instance_id,
-                outcome=TaskOutcome.ERROR,
-                usage=Usage(prompt_tokens=0, completion_tokens=0),
-                error=message,
-                last_chunk_index=0,
-            )
-        )
+        self._report_finished(task_id, TaskOutcome.ERROR, Usage(prompt_tokens=0, completion_tokens=0), 0, message)
 
     def _on_started(self, row: str, prompt_tokens: int) -> None:
         """Engine thread: a queued row's prefill begins; the task has started with its first."""
@@ -498,6 +480,11 @@ class Runner:
         outcome = output.outcome
         if self._spans is not None:
             self._spans.finished(task_id, outcome, usage)
+        self._report_finished(task_id, outcome, usage, output.last_index)
+
+    def _report_finished(
+        self, task_id: TaskId, outcome: TaskOutcome, usage: Usage, last_chunk_index: int, error: str = ""
+    ) -> None:
         self._send_later(
             ReportTaskFinished(
                 node_id=self.spec.node_id,
@@ -505,15 +492,16 @@ class Runner:
                 instance_id=self.plan.key.instance_id,
                 outcome=outcome,
                 usage=usage,
-                last_chunk_index=output.last_index,
+                error=error,
+                last_chunk_index=last_chunk_index,
             )
         )
 
     def _publish_chunk(self, chunk: Chunk) -> None:
-        if 0 <= self._drop_chunks_from <= chunk.index:
+        if self.test_seams.drops(chunk.index):
             return
         data = encode(chunk)
-        if 0 <= self._oversize_chunks_from <= chunk.index:
+        if self.test_seams.oversizes(chunk.index):
             data += b" " * self._client.max_payload  # trailing blanks: still the chunk's JSON, only too big
         self._outbox.put_nowait((chunk_subject(self.spec.node_id, chunk.task_id), data))
 
@@ -631,7 +619,7 @@ async def _serve(
         # Follow before reporting ready: tasks are assigned once every rank is ready, and each of them
         # must reach this follower as a live event (or be in State for pick_up below).
         follower.add_listener(runner.on_event)
-        await asyncio.sleep(float(os.environ.get(FOLLOW_DELAY_ENV, "0")))
+        await asyncio.sleep(runner.test_seams.follow_delay_s)
         await follower.start()
         runner.tasks.create_task(_named("the chunk publisher", runner.publish_chunks()))
         runner.tasks.create_task(_named("the request reader", runner.read_requests()))
