@@ -17,7 +17,7 @@ from jetshard_schema.card_from_config import (
     card_from_hub_metadata,
 )
 from jetshard_schema.cards import ModelSource, Quantization
-from jetshard_schema.catalogue import DEMO_MODEL_ID, _parse_card, builtin_cards
+from jetshard_schema.catalogue import DEMO_MODEL_ID, builtin_cards, parse_card
 from jetshard_schema.ids import model_dir_name
 
 CATALOGUE_FILES = sorted(
@@ -35,7 +35,7 @@ def test_catalogue_has_a_dozen_real_models_and_the_demo() -> None:
 
 @pytest.mark.parametrize("entry", CATALOGUE_FILES, ids=lambda e: e.name)
 def test_catalogue_file_is_a_plausible_card(entry: Any) -> None:
-    card = _parse_card(entry.name, entry.read_text(encoding="utf-8"))
+    card = parse_card(entry.name, entry.read_text(encoding="utf-8"))
     assert entry.name == f"{model_dir_name(card.model_id)}.toml"
     assert card.num_layers > 0
     assert card.hidden_size % card.num_attention_heads == 0
@@ -91,16 +91,16 @@ def test_parse_card_names_the_file_on_bad_input() -> None:
     good = CATALOGUE_FILES[0]
     text = good.read_text(encoding="utf-8")
     with pytest.raises(ValueError, match=re.escape("wrong--name.toml")):
-        _parse_card("wrong--name.toml", text)
+        parse_card("wrong--name.toml", text)
     with pytest.raises(ValueError, match=rf"{re.escape(good.name)}.*num_layers"):
-        _parse_card(good.name, "\n".join(line for line in text.splitlines() if "num_layers" not in line))
+        parse_card(good.name, "\n".join(line for line in text.splitlines() if "num_layers" not in line))
     with pytest.raises(ValueError, match=rf"{re.escape(good.name)}.*context_lenght"):
-        _parse_card(good.name, text + "context_lenght = 5\n")
+        parse_card(good.name, text + "context_lenght = 5\n")
     with pytest.raises(ValueError, match=re.escape("bad.toml")):
-        _parse_card("bad.toml", "model_id = ")
+        parse_card("bad.toml", "model_id = ")
     bad_id = tomllib.loads(text) | {"model_id": "../../etc"}
     with pytest.raises(ValueError, match=r"x\.toml.*model id"):
-        _parse_card("x.toml", "\n".join(f"{k} = {_toml_value(v)}" for k, v in bad_id.items()))
+        parse_card("x.toml", "\n".join(f"{k} = {_toml_value(v)}" for k, v in bad_id.items()))
 
 
 def _toml_value(value: object) -> str:

@@ -7,7 +7,7 @@ from typing import Any
 import msgspec
 import pytest
 from jetshard_schema.cards import GenerationDefaults, ModelCard
-from jetshard_schema.catalogue import DEMO_MODEL_ID, _parse_card, builtin_cards
+from jetshard_schema.catalogue import DEMO_MODEL_ID, builtin_cards, parse_card
 from jetshard_schema.codec import encode
 from jetshard_schema.ids import ModelId
 from jetshard_schema.sampling import (
@@ -122,9 +122,9 @@ storage_size_bytes = 1000000
 )
 def test_the_catalogue_refuses_a_misspelt_or_out_of_range_generation_value(table: str, complaint: str) -> None:
     with pytest.raises(ValueError, match=complaint):
-        _parse_card("acme--tiny.toml", f"{CARD_HEAD}\n[generation]\n{table}\n")
+        parse_card("acme--tiny.toml", f"{CARD_HEAD}\n[generation]\n{table}\n")
 
 
 def test_the_catalogue_reads_a_generation_table() -> None:
-    card = _parse_card("acme--tiny.toml", f"{CARD_HEAD}\n[generation]\ntemperature = 0.3\nmax_tokens = 64\n")
+    card = parse_card("acme--tiny.toml", f"{CARD_HEAD}\n[generation]\ntemperature = 0.3\nmax_tokens = 64\n")
     assert card.generation == GenerationDefaults(temperature=0.3, max_tokens=64)

@@ -31,7 +31,7 @@ from jetshard_schema.events import CommandRejected, CustomModelCardAdded, EventE
 from jetshard_schema.ids import CommandId, NodeId
 from jetshard_schema.state import State, apply
 from jetshard_schema.types import NodeProfile, RejectCode
-from jetshard_sequencer.service import _batch_headers
+from jetshard_sequencer.service import atomic_batch_headers
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -286,7 +286,7 @@ async def test_a_batch_of_appends_following_a_stale_sequence_is_refused_whole(bu
     assert (await js.stream_info(subjects.EVENTS_STREAM)).config.allow_atomic
 
     async def append_batch(name: str, last_seq: int) -> None:
-        for position, batch_headers in enumerate(_batch_headers(3, last_seq), 1):
+        for position, batch_headers in enumerate(atomic_batch_headers(3, last_seq), 1):
             envelope = EventEnvelope(
                 command_id=CommandId(name),
                 command_seq=1,

@@ -352,7 +352,7 @@ class Leader:
         acks: list[asyncio.Future[Any]] = []
         for start in range(0, len(appends), self._append_batch_max):
             batch = appends[start : start + self._append_batch_max]
-            batch_headers = _batch_headers(len(batch), last_seq + start)
+            batch_headers = atomic_batch_headers(len(batch), last_seq + start)
             *staged, last = [
                 (subject, data, {**own, **extra})
                 for (subject, data, own), extra in zip(batch, batch_headers, strict=True)
@@ -462,7 +462,7 @@ class Leader:
                 )
 
 
-def _batch_headers(count: int, last_seq: int) -> list[dict[str, str]]:
+def atomic_batch_headers(count: int, last_seq: int) -> list[dict[str, str]]:
     """Headers that make `count` appends one atomic batch to follow stream sequence `last_seq`: its first names
     that sequence, and the server stores all of the batch or, the sequence being stale, none of it. A single
     append needs only the sequence."""

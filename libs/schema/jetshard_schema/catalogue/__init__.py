@@ -32,12 +32,12 @@ def _load_builtin_cards() -> tuple[tuple[ModelId, ModelCard], ...]:
     cards: list[tuple[ModelId, ModelCard]] = []
     for entry in sorted(resources.files(__name__).iterdir(), key=lambda e: e.name):
         if entry.name.endswith(".toml") and entry.is_file():
-            card = _parse_card(entry.name, entry.read_text(encoding="utf-8"))
+            card = parse_card(entry.name, entry.read_text(encoding="utf-8"))
             cards.append((card.model_id, card))
     return tuple(cards)
 
 
-def _parse_card(file_name: str, text: str) -> ModelCard:
+def parse_card(file_name: str, text: str) -> ModelCard:
     """Decode one catalogue file; every problem is a ValueError naming the file, since a broken built-in
     card is a packaging bug that must point at what to fix."""
     try:
