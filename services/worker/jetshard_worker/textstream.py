@@ -40,13 +40,14 @@ class TextStream:
             self.stopped = True
             self._held = ""
             return text[: min(found)]
-        keep = max((_overlap(text, stop) for stop in self._stop), default=0)
+        keep = max((pending_prefix_length(text, stop) for stop in self._stop), default=0)
         self._held = text[len(text) - keep :] if keep else ""
         return text[: len(text) - keep]
 
 
-def _overlap(text: str, stop: str) -> int:
-    """Length of the longest suffix of `text` that is a proper prefix of `stop`."""
+def pending_prefix_length(text: str, stop: str) -> int:
+    """Length of the longest suffix of `text` that is a proper prefix of `stop`: text to hold back, as it may be the
+    start of `stop`."""
     for length in range(min(len(text), len(stop) - 1), 0, -1):
         if stop.startswith(text[-length:]):
             return length

@@ -24,7 +24,7 @@ import logging
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
-from jetshard_worker.textstream import _overlap
+from jetshard_worker.textstream import pending_prefix_length
 
 log = logging.getLogger(__name__)
 
@@ -123,7 +123,7 @@ class ToolCallSplitter:
                     self._after_call = False
                 at = buffer.find(start)
                 if at == -1:
-                    keep = _overlap(buffer, start)
+                    keep = pending_prefix_length(buffer, start)
                     content.append(buffer[: len(buffer) - keep])
                     buffer = buffer[len(buffer) - keep :]
                     break
