@@ -17,8 +17,8 @@ REASON_CHARS = 160
 
 @functools.singledispatch
 def gist(event: events.Event) -> str:
-    """The event as one line, without its type name (the caller shows that apart). Each event type has its
-    own function below, registered by the type it takes."""
+    """The event as one line, without its type name (the caller shows that apart). Each event type has a
+    function below, registered by the type (or the union of types) it takes."""
     raise TypeError(f"no gist for {type(event).__name__}")
 
 
@@ -135,17 +135,7 @@ def _download_failed(event: events.DownloadFailed) -> str:
 
 
 @gist.register
-def _download_cancelled(event: events.DownloadCancelled) -> str:
-    return f"{event.model_id} on {event.node_id}"
-
-
-@gist.register
-def _download_delete_requested(event: events.DownloadDeleteRequested) -> str:
-    return f"{event.model_id} on {event.node_id}"
-
-
-@gist.register
-def _download_deleted(event: events.DownloadDeleted) -> str:
+def _which_download(event: events.DownloadCancelled | events.DownloadDeleteRequested | events.DownloadDeleted) -> str:
     return f"{event.model_id} on {event.node_id}"
 
 
@@ -158,11 +148,6 @@ def _instance_placed(event: events.InstancePlaced) -> str:
 @gist.register
 def _instance_chosen(event: events.InstanceChosen) -> str:
     return f"{event.instance_id} serves {event.model_id}: it was placed already"
-
-
-@gist.register
-def _instance_deleted(event: events.InstanceDeleted) -> str:
-    return f"{event.instance_id}: {short(event.reason)}"
 
 
 @gist.register
@@ -181,7 +166,7 @@ def _instance_restarting(event: events.InstanceRestarting) -> str:
 
 
 @gist.register
-def _instance_failed(event: events.InstanceFailed) -> str:
+def _instance_ended(event: events.InstanceDeleted | events.InstanceFailed) -> str:
     return f"{event.instance_id}: {short(event.reason)}"
 
 
