@@ -456,3 +456,16 @@ def instance_status(state: State, instance: Instance) -> InstanceStatus:
         if download is None or download.progress.status is not DownloadStatus.COMPLETED:
             return InstanceStatus.DOWNLOADING
     return InstanceStatus.WAITING
+
+
+def ready_instances(state: State, model_id: ModelId) -> list[Instance]:
+    """The instances of `model_id` that can take a task now, in instance id order: the ones the API waits for
+    and the sequencer assigns tasks to."""
+    return sorted(
+        (
+            i
+            for i in state.instances.values()
+            if i.model_id == model_id and instance_status(state, i) is InstanceStatus.READY
+        ),
+        key=lambda i: i.instance_id,
+    )

@@ -7,9 +7,8 @@ from __future__ import annotations
 
 import re
 from collections.abc import Sequence
-from typing import Any, TypeVar
+from typing import Any
 
-import msgspec
 from jetshard_schema.types import (
     MAX_CHOICES,
     MAX_EMBEDDING_INPUTS,
@@ -30,21 +29,6 @@ MAX_STOP = 4
 FUNCTION_NAME = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
 """OpenAI's rule for function names (and dots, which Ollama's and Anthropic's tools use)."""
 MAX_SCHEMA_DEPTH = 32
-
-_Body = TypeVar("_Body")
-_ERROR_PATH = re.compile(r"at `\$\.([A-Za-z_]+)")
-
-
-def strictly_decoded(body: bytes, body_type: type[_Body]) -> _Body:
-    """Decode a request body with JSON's own types. Litestar converts bodies leniently (`"max_tokens": "5"`
-    becomes 5); OpenAI refuses a value of the wrong type, and a client that sends one has a bug to see."""
-    try:
-        return msgspec.json.decode(body, type=body_type)
-    except msgspec.ValidationError as error:
-        field = _ERROR_PATH.search(str(error))
-        raise ApiError(400, str(error), "invalid_type", field.group(1) if field else None) from error
-    except msgspec.DecodeError as error:
-        raise ApiError(400, f"the body is not valid JSON: {error}", "invalid_json") from error
 
 
 def unsupported(param: str, why: str = "") -> ApiError:

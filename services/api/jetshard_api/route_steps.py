@@ -13,8 +13,8 @@ from jetshard_schema.events import InstanceChosen, InstancePlaced
 from jetshard_schema.ids import InstanceId, ModelId, NodeId, new_instance_id, parse_model_id
 from jetshard_schema.models import find_card
 from jetshard_schema.placement import ModelUnavailable, Placement, PlacementError, place_in
-from jetshard_schema.state import Instance, State, instance_status
-from jetshard_schema.types import InstanceStatus, ServingSettings
+from jetshard_schema.state import Instance, State, ready_instances
+from jetshard_schema.types import ServingSettings
 
 from jetshard_api.cluster import Cluster
 from jetshard_api.errors import ApiError
@@ -52,7 +52,8 @@ def checked_model_id(value: str, param: str = "model_id") -> ModelId:
 
 
 def ready_models(state: State) -> set[ModelId]:
-    return {i.model_id for i in state.instances.values() if instance_status(state, i) is InstanceStatus.READY}
+    """The models that can take a task now, as lists and error messages name them."""
+    return {i.model_id for i in state.instances.values() if ready_instances(state, i.model_id)}
 
 
 async def place_instance(
@@ -98,7 +99,7 @@ async def ensure_placed(cluster: Cluster, model_id: ModelId, settings: Inference
     alive, the sequencer places one, or names the one that a concurrent request placed first. Raises ApiError
     (404, or placement refused) before any streaming starts."""
     state = cluster.state
-    if model_id in ready_models(state):
+    if ready_instances(state, model_id):
         return frozenset()
     if find_card(state, model_id) is None:
         raise ApiError(
@@ -130,7 +131,7 @@ async def wait_ready(
     """Until an instance of `model_id` is ready; 503 as soon as every instance in `coming` failed or left."""
 
     def ready_or_hopeless(s: State) -> bool:
-        if model_id in ready_models(s):
+        if ready_instances(s, model_id):
             return True
         return all(i not in s.instances or s.instances[i].failed for i in coming)
 
@@ -140,7 +141,7 @@ async def wait_ready(
         raise ApiError(
             504, f"{model_id} did not become ready in {settings.ready_timeout_s:.0f} s", "instance_timeout"
         ) from error
-    if model_id not in ready_models(state):
+    if not ready_instances(state, model_id):
         failed = [state.instances[i].failed_reason for i in sorted(coming) if i in state.instances]
         raise ApiError(
             503, f"{model_id} is unavailable: {'; '.join(failed) or 'its instance was removed'}", "model_unavailable"

@@ -18,8 +18,10 @@ from jetshard_schema.ids import new_task_id
 from jetshard_schema.types import SamplingParams, TaskRequest, ToolCall, Usage
 from litestar import Controller, Request, Response, post
 from litestar.background_tasks import BackgroundTask
+from litestar.di import NamedDependency
 from litestar.exceptions import HTTPException
 from litestar.openapi.datastructures import ResponseSpec
+from litestar.params import JSONBody
 from litestar.response import ServerSentEvent
 from litestar.response.sse import ServerSentEventMessage
 from litestar.types import ExceptionHandlersMap
@@ -48,8 +50,8 @@ from jetshard_api.errors import (
     internal_error_handler,
     nesting_error_handler,
 )
-from jetshard_api.request_checks import strictly_decoded
 from jetshard_api.route_steps import InferenceSettings, checked_model_id
+from jetshard_api.strict_body import StrictBody
 from jetshard_api.tasks import LiveTask, Waiting, answer
 
 AnyRequest = Request[Any, Any, Any]
@@ -96,6 +98,8 @@ def _event(name: str, payload: dict[str, Any]) -> ServerSentEventMessage:
 class AnthropicController(Controller):
     path = "/v1/messages"
     tags = ["anthropic"]
+    dto = StrictBody
+    return_dto = None
     exception_handlers: ExceptionHandlersMap = {
         ApiError: _in_anthropic_shape(api_error_handler),
         HTTPException: _in_anthropic_shape(http_error_handler),
@@ -105,11 +109,14 @@ class AnthropicController(Controller):
 
     @post("/", status_code=200, responses=RESPONSES)
     async def messages(
-        self, cluster: Cluster, settings: InferenceSettings, data: MessagesRequest, request: AnyRequest
+        self,
+        cluster: NamedDependency[Cluster],
+        settings: NamedDependency[InferenceSettings],
+        data: JSONBody[MessagesRequest],
+        request: AnyRequest,
     ) -> Response[MessageBody] | ServerSentEvent:
         """The answer as one message, or with `stream` as Anthropic's named events: text, and tool calls
         (`tools`, `tool_choice`; a forced call is decoded to follow the tool's `input_schema`)."""
-        data = strictly_decoded(await request.body(), MessagesRequest)
         task = _task(data, message_sampling(data))
         if data.stream:
             return await _stream(cluster, settings, task, request)
@@ -127,12 +134,15 @@ class AnthropicController(Controller):
 
     @post("/count_tokens", status_code=200, responses=RESPONSES)
     async def count_tokens(
-        self, cluster: Cluster, settings: InferenceSettings, data: CountTokensRequest, request: AnyRequest
+        self,
+        cluster: NamedDependency[Cluster],
+        settings: NamedDependency[InferenceSettings],
+        data: JSONBody[CountTokensRequest],
+        request: AnyRequest,
     ) -> TokenCount:
         """The prompt's tokens, as the model's tokenizer and chat template make them. Those live where the model
         runs, not in the API: the prompt is run with `max_tokens` 1 and its usage reported. That costs one
         prefill, which the runner's prefix cache keeps for the request that follows."""
-        data = strictly_decoded(await request.body(), CountTokensRequest)
         result = await answer(cluster, settings, _task(data, SamplingParams(max_tokens=1)), request.receive)
         return TokenCount(input_tokens=result.usage.prompt_tokens)
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator
-from typing import Any
+from typing import Annotated, Any
 
 import msgspec
 from jetshard_bus.streams import subscribe_events
@@ -12,8 +12,9 @@ from jetshard_schema.codec import decode_event
 from jetshard_schema.state import Node, State
 from jetshard_schema.types import NodeStorage
 from litestar import Controller, Request, Response, get
+from litestar.di import NamedDependency
 from litestar.openapi.datastructures import ResponseSpec
-from litestar.params import Parameter
+from litestar.params import FromQuery, HeaderParameter
 from litestar.response import ServerSentEvent
 from litestar.response.sse import ServerSentEventMessage
 
@@ -43,7 +44,7 @@ class ClusterController(Controller):
     tags = ["cluster"]
 
     @get("/healthz", responses={**ERROR_RESPONSES, 503: ResponseSpec(Health, description="NATS is unreachable")})
-    async def healthz(self, cluster: Cluster) -> Response[Health]:
+    async def healthz(self, cluster: NamedDependency[Cluster]) -> Response[Health]:
         """200 while the API reaches the message broker (NATS); 503 with the reason while it does not."""
         if cluster.client.is_connected:
             return Response(Health(status="ok", broker="connected", last_seq=cluster.state.last_seq))
@@ -58,19 +59,19 @@ class ClusterController(Controller):
         )
 
     @get("/metrics", include_in_schema=False)
-    async def metrics(self, cluster: Cluster, request: Request[Any, Any, Any]) -> Response[bytes]:
+    async def metrics(self, cluster: NamedDependency[Cluster], request: Request[Any, Any, Any]) -> Response[bytes]:
         """Prometheus metrics, `jetshard_*`, in the text format (OpenMetrics when the scraper asks for it)."""
         body, content_type = cluster.metrics.render(request.headers.get("accept", ""))
         # Given as a header too: Litestar would append a second charset to the one the type names.
         return Response(body, media_type=content_type, headers={"content-type": content_type})
 
     @get("/state", responses=ERROR_RESPONSES)
-    async def state(self, cluster: Cluster) -> State:
+    async def state(self, cluster: NamedDependency[Cluster]) -> State:
         """This API's State replica, with `last_seq`: the stream sequence of the last event applied."""
         return cluster.state
 
     @get("/nodes", responses=ERROR_RESPONSES)
-    async def nodes(self, cluster: Cluster) -> list[NodeDescription]:  # type: ignore[valid-type]
+    async def nodes(self, cluster: NamedDependency[Cluster]) -> list[NodeDescription]:  # type: ignore[valid-type]
         state = cluster.state
         return [
             NodeDescription(
@@ -83,9 +84,9 @@ class ClusterController(Controller):
     @get("/events", responses=ERROR_RESPONSES)
     async def events(
         self,
-        cluster: Cluster,
-        since: int | None = None,
-        last_event_id: str | None = Parameter(header="Last-Event-ID", default=None),
+        cluster: NamedDependency[Cluster],
+        since: FromQuery[int | None] = None,
+        last_event_id: Annotated[str | None, HeaderParameter(name="Last-Event-ID")] = None,
     ) -> ServerSentEvent:
         """Events from sequence `since` (default: the next one), then live, as `text/event-stream`.
 

@@ -10,7 +10,9 @@ from jetshard_schema.ids import ModelId, NodeId
 from jetshard_schema.state import Download, State
 from jetshard_schema.types import DownloadProgress
 from litestar import Controller, Response, delete, get, post
+from litestar.di import NamedDependency
 from litestar.openapi.datastructures import ResponseSpec
+from litestar.params import FromPath, JSONBody
 
 from jetshard_api.cluster import Cluster
 from jetshard_api.errors import ERROR_RESPONSES, ApiError
@@ -88,7 +90,7 @@ class DownloadsController(Controller):
     tags = ["downloads"]
 
     @get("/", responses=ERROR_RESPONSES)
-    async def list_downloads(self, cluster: Cluster) -> list[DownloadDescription]:
+    async def list_downloads(self, cluster: NamedDependency[Cluster]) -> list[DownloadDescription]:
         """Every node's downloads: status, bytes, speed, ETA, directory, read_only, reason."""
         state = cluster.state
         return [
@@ -98,7 +100,9 @@ class DownloadsController(Controller):
         ]
 
     @post("/", status_code=202, responses=ERROR_RESPONSES)
-    async def start_download(self, cluster: Cluster, data: StartDownloadRequest) -> DownloadDescription | NoDownload:
+    async def start_download(
+        self, cluster: NamedDependency[Cluster], data: JSONBody[StartDownloadRequest]
+    ) -> DownloadDescription | NoDownload:
         """Download a model (or a layer range of it) to a node; answers with the download's state."""
         model_id = checked_model_id(data.model_id)
         node_id = _node(cluster.state, data.node_id)
@@ -108,7 +112,9 @@ class DownloadsController(Controller):
         return _current(cluster.state, node_id, model_id)
 
     @post("/cancel", status_code=200, responses=ERROR_RESPONSES)
-    async def cancel_download(self, cluster: Cluster, data: CancelDownloadRequest) -> DownloadDescription | NoDownload:
+    async def cancel_download(
+        self, cluster: NamedDependency[Cluster], data: JSONBody[CancelDownloadRequest]
+    ) -> DownloadDescription | NoDownload:
         model_id = checked_model_id(data.model_id)
         node_id = _node(cluster.state, data.node_id)
         await cluster.submit(CancelDownload(model_id=model_id, node_id=node_id))
@@ -123,7 +129,7 @@ class DownloadsController(Controller):
         },
     )
     async def delete_download(
-        self, cluster: Cluster, node_id: str, org: str, name: str
+        self, cluster: NamedDependency[Cluster], node_id: FromPath[str], org: FromPath[str], name: FromPath[str]
     ) -> Response[DownloadDeleted | DownloadDescription]:
         """Delete a model's files from a node's writable directories (409 for read-only or in-use models).
 

@@ -16,6 +16,8 @@ from jetshard_schema.types import (
 )
 from jetshard_schema.view import InstanceDescription, describe_instance
 from litestar import Controller, delete, get, post
+from litestar.di import NamedDependency
+from litestar.params import FromPath, FromQuery, JSONBody
 
 from jetshard_api.cluster import Cluster
 from jetshard_api.errors import ERROR_RESPONSES, ApiError
@@ -61,13 +63,17 @@ class InstancesController(Controller):
     tags = ["instances"]
 
     @get("/", responses=ERROR_RESPONSES)
-    async def list_instances(self, cluster: Cluster) -> list[InstanceDescription]:
+    async def list_instances(self, cluster: NamedDependency[Cluster]) -> list[InstanceDescription]:
         state = cluster.state
         return [describe_instance(state, i) for _, i in sorted(state.instances.items())]
 
     @get("/preview", responses=ERROR_RESPONSES)
     async def preview(
-        self, cluster: Cluster, settings: InferenceSettings, model_id: str, min_nodes: int = 1
+        self,
+        cluster: NamedDependency[Cluster],
+        settings: NamedDependency[InferenceSettings],
+        model_id: FromQuery[str],
+        min_nodes: FromQuery[int] = 1,
     ) -> PlacementPreview:
         """The placement that would be chosen now with the API's serving settings, without placing anything."""
         card = find_card(cluster.state, checked_model_id(model_id))
@@ -82,14 +88,19 @@ class InstancesController(Controller):
         )
 
     @get("/{instance_id:str}", responses=ERROR_RESPONSES)
-    async def show(self, cluster: Cluster, instance_id: str) -> InstanceDescription:
+    async def show(self, cluster: NamedDependency[Cluster], instance_id: FromPath[str]) -> InstanceDescription:
         instance = cluster.state.instances.get(InstanceId(instance_id))
         if instance is None:
             raise ApiError(404, f"no instance {instance_id}", "instance_not_found")
         return describe_instance(cluster.state, instance)
 
     @post("/", status_code=201, responses=ERROR_RESPONSES)
-    async def create(self, cluster: Cluster, settings: InferenceSettings, data: PlaceRequest) -> InstanceDescription:
+    async def create(
+        self,
+        cluster: NamedDependency[Cluster],
+        settings: NamedDependency[InferenceSettings],
+        data: JSONBody[PlaceRequest],
+    ) -> InstanceDescription:
         serving = data.serving.over(settings.serving)
         instance = await place_instance(
             cluster, checked_model_id(data.model_id), serving, data.node_ids, data.min_nodes
@@ -97,6 +108,6 @@ class InstancesController(Controller):
         return describe_instance(cluster.state, instance)
 
     @delete("/{instance_id:str}", status_code=200, responses=ERROR_RESPONSES)
-    async def remove(self, cluster: Cluster, instance_id: str) -> Deleted:
+    async def remove(self, cluster: NamedDependency[Cluster], instance_id: FromPath[str]) -> Deleted:
         await cluster.submit(DeleteInstance(instance_id=InstanceId(instance_id)))
         return Deleted(deleted=instance_id)

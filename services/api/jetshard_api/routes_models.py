@@ -11,7 +11,9 @@ from jetshard_schema.ids import NodeId
 from jetshard_schema.models import all_cards, find_card, is_builtin
 from jetshard_schema.state import Download, State
 from litestar import Controller, Response, delete, get, post
+from litestar.di import NamedDependency
 from litestar.openapi.datastructures import ResponseSpec
+from litestar.params import FromPath, JSONBody
 
 from jetshard_api.cluster import Cluster
 from jetshard_api.errors import ERROR_RESPONSES, ApiError
@@ -45,12 +47,14 @@ class ModelsController(Controller):
     tags = ["models"]
 
     @get("/", responses=ERROR_RESPONSES)
-    async def list_models(self, cluster: Cluster) -> list[ModelDescription]:
+    async def list_models(self, cluster: NamedDependency[Cluster]) -> list[ModelDescription]:
         state = cluster.state
         return [describe(state, card) for card in all_cards(state).values()]
 
     @get("/{org:str}/{name:str}", responses=ERROR_RESPONSES)
-    async def show_model(self, cluster: Cluster, org: str, name: str) -> ModelDescription:
+    async def show_model(
+        self, cluster: NamedDependency[Cluster], org: FromPath[str], name: FromPath[str]
+    ) -> ModelDescription:
         model_id = checked_model_id(f"{org}/{name}")
         card = find_card(cluster.state, model_id)
         if card is None:
@@ -62,7 +66,9 @@ class ModelsController(Controller):
         status_code=201,
         responses={**ERROR_RESPONSES, 200: ResponseSpec(ModelDescription, description="the model exists already")},
     )
-    async def add_model(self, cluster: Cluster, data: AddModelRequest) -> Response[ModelDescription]:
+    async def add_model(
+        self, cluster: NamedDependency[Cluster], data: JSONBody[AddModelRequest]
+    ) -> Response[ModelDescription]:
         """Fetch a card from the Hub and add it to every node; 200 with the card if it exists already."""
         model_id = checked_model_id(data.model_id)
         if (existing := find_card(cluster.state, model_id)) is not None:
@@ -87,7 +93,7 @@ class ModelsController(Controller):
         return Response(describe(cluster.state, find_card(cluster.state, model_id) or card), status_code=201)
 
     @delete("/{org:str}/{name:str}", status_code=200, responses=ERROR_RESPONSES)
-    async def delete_model(self, cluster: Cluster, org: str, name: str) -> Deleted:
+    async def delete_model(self, cluster: NamedDependency[Cluster], org: FromPath[str], name: FromPath[str]) -> Deleted:
         """Delete a custom card; downloaded files stay where they are."""
         model_id = checked_model_id(f"{org}/{name}")
         if is_builtin(model_id):

@@ -25,8 +25,10 @@ from jetshard_schema.state import State
 from jetshard_schema.types import Chunk, DownloadProgress, DownloadStatus, TaskRequest, TokenLogprob, Usage
 from litestar import Controller, Request, Response, delete, get, post
 from litestar.background_tasks import BackgroundTask
+from litestar.di import NamedDependency
 from litestar.exceptions import HTTPException
 from litestar.openapi.datastructures import ResponseSpec
+from litestar.params import JSONBody
 from litestar.response import Stream
 
 from jetshard_api import request_checks as checks
@@ -74,8 +76,8 @@ from jetshard_api.ollama_types import (
     shortened,
     tool_call_bodies,
 )
-from jetshard_api.request_checks import strictly_decoded
 from jetshard_api.route_steps import InferenceSettings, ensure_ready, preview_placement, ready_models
+from jetshard_api.strict_body import StrictBody
 from jetshard_api.tasks import Choice, LiveTask, Waiting, answer
 
 AnyRequest = Request[Any, Any, Any]
@@ -269,6 +271,8 @@ def _card(state: State, name: str) -> ModelCard:
 class OllamaController(Controller):
     path = "/api"
     tags = ["ollama"]
+    dto = StrictBody
+    return_dto = None
     exception_handlers = {
         ApiError: _in_ollama_shape(api_error_handler),
         HTTPException: _in_ollama_shape(http_error_handler),
@@ -278,12 +282,15 @@ class OllamaController(Controller):
 
     @post("/chat", status_code=200, responses=OLLAMA_RESPONSES)
     async def chat(
-        self, cluster: Cluster, settings: InferenceSettings, data: ChatRequest, request: AnyRequest
+        self,
+        cluster: NamedDependency[Cluster],
+        settings: NamedDependency[InferenceSettings],
+        data: JSONBody[ChatRequest],
+        request: AnyRequest,
     ) -> Response[ChatAnswer] | Stream:
         """The assistant's next message: text, tool calls (`tools`; the model decides, Ollama has no
         tool_choice), JSON (`format`: "json" or a schema), logprobs. Streams JSON lines unless `stream` is
         false; no messages: load the model."""
-        data = strictly_decoded(await request.body(), ChatRequest)
         model_id = model_id_of(data.model)
         task = chat_task(new_task_id(), model_id, data, _context_length(cluster.state, model_id))
         if not data.messages:
@@ -292,12 +299,15 @@ class OllamaController(Controller):
 
     @post("/generate", status_code=200, responses=OLLAMA_RESPONSES)
     async def generate(
-        self, cluster: Cluster, settings: InferenceSettings, data: GenerateRequest, request: AnyRequest
+        self,
+        cluster: NamedDependency[Cluster],
+        settings: NamedDependency[InferenceSettings],
+        data: JSONBody[GenerateRequest],
+        request: AnyRequest,
     ) -> Response[GenerateAnswer] | Stream:
         """The answer to `prompt` (with `system`) through the model's chat template, or with `raw` the
         continuation of the prompt as it is. Streams JSON lines unless `stream` is false; no prompt: load
         the model."""
-        data = strictly_decoded(await request.body(), GenerateRequest)
         model_id = model_id_of(data.model)
         task = generate_task(new_task_id(), model_id, data, _context_length(cluster.state, model_id))
         if not data.prompt:
@@ -306,11 +316,14 @@ class OllamaController(Controller):
 
     @post("/embed", status_code=200, responses=OLLAMA_RESPONSES)
     async def embed(
-        self, cluster: Cluster, settings: InferenceSettings, data: EmbedRequest, request: AnyRequest
+        self,
+        cluster: NamedDependency[Cluster],
+        settings: NamedDependency[InferenceSettings],
+        data: JSONBody[EmbedRequest],
+        request: AnyRequest,
     ) -> EmbedAnswer:
         """One L2-normalised vector per input: the mean of the model's last hidden states (see
         `/v1/embeddings`); `dimensions` keeps the first ones, normalised again."""
-        data = strictly_decoded(await request.body(), EmbedRequest)
         task = embed_task(new_task_id(), model_id_of(data.model), data.input)
         clock = await _loaded(cluster, settings, task.model_id, request)
         result = await answer(cluster, settings, task, request.receive)
@@ -325,11 +338,14 @@ class OllamaController(Controller):
 
     @post("/embeddings", status_code=200, responses=OLLAMA_RESPONSES)
     async def embeddings(
-        self, cluster: Cluster, settings: InferenceSettings, data: EmbeddingsRequest, request: AnyRequest
+        self,
+        cluster: NamedDependency[Cluster],
+        settings: NamedDependency[InferenceSettings],
+        data: JSONBody[EmbeddingsRequest],
+        request: AnyRequest,
     ) -> EmbeddingAnswer:
         """The legacy form: one prompt, one vector (normalised, as `/api/embed`'s); no prompt: load the model
         and answer an empty vector."""
-        data = strictly_decoded(await request.body(), EmbeddingsRequest)
         model_id = model_id_of(data.model)
         if not data.prompt:
             await _loaded(cluster, settings, model_id, request)
@@ -338,22 +354,21 @@ class OllamaController(Controller):
         return EmbeddingAnswer(list(result.choices[0].embedding))
 
     @get("/tags", responses=OLLAMA_RESPONSES)
-    async def list_models(self, cluster: Cluster) -> ModelList:
+    async def list_models(self, cluster: NamedDependency[Cluster]) -> ModelList:
         """Every model the cluster has a card for, as `org/name:latest`."""
         return ModelList([ListedModel.of(card) for card in all_cards(cluster.state).values()])
 
     @get("/ps", responses=OLLAMA_RESPONSES)
-    async def ps(self, cluster: Cluster) -> RunningList:
+    async def ps(self, cluster: NamedDependency[Cluster]) -> RunningList:
         """The models with a ready instance."""
         state = cluster.state
         ready = ready_models(state)
         return RunningList([RunningModel.running(c) for m, c in all_cards(state).items() if m in ready])
 
     @post("/show", status_code=200, responses=OLLAMA_RESPONSES)
-    async def show(self, cluster: Cluster, data: ShowRequest, request: AnyRequest) -> ModelInfo:
+    async def show(self, cluster: NamedDependency[Cluster], data: JSONBody[ShowRequest]) -> ModelInfo:
         """A model's card in Ollama's terms: details, `model_info` (GGUF-style keys), default parameters and
         capabilities."""
-        data = strictly_decoded(await request.body(), ShowRequest)
         return ModelInfo.of(_card(cluster.state, data.model_name))
 
     @get("/version", responses=OLLAMA_RESPONSES)
@@ -362,12 +377,15 @@ class OllamaController(Controller):
 
     @post("/pull", status_code=200, responses=OLLAMA_RESPONSES)
     async def pull(
-        self, cluster: Cluster, settings: InferenceSettings, data: PullRequest, request: AnyRequest
+        self,
+        cluster: NamedDependency[Cluster],
+        settings: NamedDependency[InferenceSettings],
+        data: JSONBody[PullRequest],
+        request: AnyRequest,
     ) -> Response[Progress] | Stream:
         """Make a model ready to place: add its card from the Hub if the cluster has none, then download the
         layers that placing it now would put on each node. Streams progress lines unless `stream` is false.
         A client that leaves does not stop the downloads (`POST /downloads/cancel` does)."""
-        data = strictly_decoded(await request.body(), PullRequest)
         model_id = model_id_of(data.model_name)
         card = find_card(cluster.state, model_id) or await _added_card(cluster, model_id)
         shards = preview_placement(cluster.state, card, settings.serving).shards
@@ -393,10 +411,9 @@ class OllamaController(Controller):
         return Stream(lines(), media_type=NDJSON)
 
     @delete("/delete", status_code=200, responses=OLLAMA_RESPONSES)
-    async def delete_model(self, cluster: Cluster, data: ModelRequest, request: AnyRequest) -> None:
+    async def delete_model(self, cluster: NamedDependency[Cluster], data: JSONBody[ModelRequest]) -> None:
         """Delete a model's files from every node (409 while an instance uses them, or from a read-only
         directory), then its card if it is a custom one (a pulled model's): what `pull` did, undone."""
-        data = strictly_decoded(await request.body(), ModelRequest)
         model_id = model_id_of(data.model_name)
         state = cluster.state
         nodes = sorted(node for node, per_node in state.downloads.items() if model_id in per_node)

@@ -18,6 +18,8 @@ from jetshard_schema.sampling import documented_defaults
 from jetshard_schema.types import Chunk, TaskKind, TaskRequest
 from litestar import Controller, Request, Response, get, post
 from litestar.background_tasks import BackgroundTask
+from litestar.di import NamedDependency
+from litestar.params import FromPath, JSONBody
 from litestar.response import ServerSentEvent
 from litestar.response.sse import ServerSentEventMessage
 
@@ -44,8 +46,8 @@ from jetshard_api.openai_types import (
     embedding_task,
     finish_reason,
 )
-from jetshard_api.request_checks import strictly_decoded
 from jetshard_api.route_steps import InferenceSettings, checked_model_id, ready_models
+from jetshard_api.strict_body import StrictBody
 from jetshard_api.tasks import LiveTask, Waiting, answer
 
 AnyRequest = Request[Any, Any, Any]
@@ -58,9 +60,11 @@ def _sse(payload: object) -> ServerSentEventMessage:
 class OpenAIController(Controller):
     path = "/v1"
     tags = ["openai"]
+    dto = StrictBody
+    return_dto = None
 
     @get("/models", responses=ERROR_RESPONSES)
-    async def models(self, cluster: Cluster) -> ModelList:
+    async def models(self, cluster: NamedDependency[Cluster]) -> ModelList:
         state = cluster.state
         ready = ready_models(state)
         data = [_model_object(model_id, card, ready) for model_id, card in all_cards(state).items()]
@@ -68,7 +72,7 @@ class OpenAIController(Controller):
         return ModelList(data=data)
 
     @get("/models/{model_id:path}", responses=ERROR_RESPONSES)
-    async def model(self, cluster: Cluster, model_id: str) -> ModelObject:
+    async def model(self, cluster: NamedDependency[Cluster], model_id: FromPath[str]) -> ModelObject:
         """One model, as `client.models.retrieve("org/name")` asks for it."""
         checked = checked_model_id(model_id.lstrip("/"), param="model")
         card = find_card(cluster.state, checked)
@@ -78,12 +82,15 @@ class OpenAIController(Controller):
 
     @post("/chat/completions", status_code=200, responses=INFERENCE_RESPONSES)
     async def chat_completions(
-        self, cluster: Cluster, settings: InferenceSettings, data: ChatCompletionRequest, request: AnyRequest
+        self,
+        cluster: NamedDependency[Cluster],
+        settings: NamedDependency[InferenceSettings],
+        data: JSONBody[ChatCompletionRequest],
+        request: AnyRequest,
     ) -> Response[ChatCompletion] | ServerSentEvent:
         """The answer as one JSON body, or with `stream` as Server-Sent Events of `chat.completion.chunk`s:
         text, tool calls (`tools`, `tool_choice`), JSON that follows a schema (`response_format`), logprobs,
         `n` choices."""
-        data = strictly_decoded(await request.body(), ChatCompletionRequest)
         task = chat_task(new_task_id(), checked_model_id(data.model, param="model"), data)
         include_usage = bool(data.stream_options and data.stream_options.include_usage)
         if data.stream:
@@ -95,10 +102,13 @@ class OpenAIController(Controller):
 
     @post("/completions", status_code=200, responses=INFERENCE_RESPONSES)
     async def completions(
-        self, cluster: Cluster, settings: InferenceSettings, data: CompletionRequest, request: AnyRequest
+        self,
+        cluster: NamedDependency[Cluster],
+        settings: NamedDependency[InferenceSettings],
+        data: JSONBody[CompletionRequest],
+        request: AnyRequest,
     ) -> Response[Completion] | ServerSentEvent:
         """The answer as one JSON body, or with `stream` as Server-Sent Events of `text_completion`s."""
-        data = strictly_decoded(await request.body(), CompletionRequest)
         task = completion_task(new_task_id(), checked_model_id(data.model, param="model"), data)
         include_usage = bool(data.stream_options and data.stream_options.include_usage)
         if data.stream:
@@ -109,12 +119,15 @@ class OpenAIController(Controller):
 
     @post("/embeddings", status_code=200, responses=INFERENCE_RESPONSES)
     async def embeddings(
-        self, cluster: Cluster, settings: InferenceSettings, data: EmbeddingRequest, request: AnyRequest
+        self,
+        cluster: NamedDependency[Cluster],
+        settings: NamedDependency[InferenceSettings],
+        data: JSONBody[EmbeddingRequest],
+        request: AnyRequest,
     ) -> EmbeddingList:
         """One vector per input: the mean of the model's last hidden states over the input's tokens, L2-normalised.
         Meant for models trained to embed that way (e5-mistral, gte-Qwen2, Qwen3-Embedding use last-token or mean
         pooling of a decoder); any chat model answers too, with vectors that are only roughly semantic."""
-        data = strictly_decoded(await request.body(), EmbeddingRequest)
         task = embedding_task(new_task_id(), checked_model_id(data.model, param="model"), data)
         result = await answer(cluster, settings, task, request.receive)
         usage = result.usage.prompt_tokens

@@ -16,12 +16,13 @@ from jetshard_schema.ids import new_task_id
 from jetshard_schema.types import Chunk, TaskOutcome, TaskRequest, ToolCall
 from litestar import Controller, Request, Response, post
 from litestar.background_tasks import BackgroundTask
+from litestar.di import NamedDependency
+from litestar.params import JSONBody
 from litestar.response import ServerSentEvent
 from litestar.response.sse import ServerSentEventMessage
 
 from jetshard_api.cluster import Cluster
 from jetshard_api.errors import INFERENCE_RESPONSES, ApiError
-from jetshard_api.request_checks import strictly_decoded
 from jetshard_api.responses_types import (
     FunctionCallItem,
     ItemStatus,
@@ -35,6 +36,7 @@ from jetshard_api.responses_types import (
     response_task,
 )
 from jetshard_api.route_steps import InferenceSettings, checked_model_id
+from jetshard_api.strict_body import StrictBody
 from jetshard_api.tasks import LiveTask, Waiting, answer
 
 AnyRequest = Request[Any, Any, Any]
@@ -43,15 +45,20 @@ AnyRequest = Request[Any, Any, Any]
 class ResponsesController(Controller):
     path = "/v1/responses"
     tags = ["openai"]
+    dto = StrictBody
+    return_dto = None
 
     @post(status_code=200, responses=INFERENCE_RESPONSES)
     async def create(
-        self, cluster: Cluster, settings: InferenceSettings, data: ResponseRequest, request: AnyRequest
+        self,
+        cluster: NamedDependency[Cluster],
+        settings: NamedDependency[InferenceSettings],
+        data: JSONBody[ResponseRequest],
+        request: AnyRequest,
     ) -> Response[ResponseObject] | ServerSentEvent:
         """A model response to `input` (text, or messages with function calls and their outputs), as one JSON
         body or with `stream` as Server-Sent Events (`response.created` … `response.completed`). Nothing is
         stored: send the whole conversation each time, with `store` false or left out."""
-        data = strictly_decoded(await request.body(), ResponseRequest)
         task = response_task(new_task_id(), checked_model_id(data.model, param="model"), data)
         head = ResponseObject.head(_response_id(task), int(time.time()), task.model_id, data)
         if data.stream:

@@ -17,6 +17,8 @@ from jetshard_schema.ids import TaskId
 from jetshard_schema.state import State
 from jetshard_schema.view import ClusterView, EventLine, TaskView, cluster_view, event_line, task_views
 from litestar import Controller, delete, get
+from litestar.di import NamedDependency
+from litestar.params import FromPath
 from litestar.response import ServerSentEvent
 from litestar.response.sse import ServerSentEventMessage
 
@@ -40,23 +42,23 @@ class ViewController(Controller):
     tags = ["cluster"]
 
     @get("/view", responses=ERROR_RESPONSES)
-    async def view(self, cluster: Cluster) -> ClusterView:
+    async def view(self, cluster: NamedDependency[Cluster]) -> ClusterView:
         """Nodes, the models on them, instances with their shards and runners, and the tasks in flight."""
         return current_view(cluster)
 
     @get("/view/stream", responses=ERROR_RESPONSES, media_type="text/event-stream")
-    async def view_stream(self, cluster: Cluster) -> ServerSentEvent:
+    async def view_stream(self, cluster: NamedDependency[Cluster]) -> ServerSentEvent:
         """The view now and after every change (`event: view`), and each event as one readable line
         (`event: event`, an EventLine), starting with the latest few, as `text/event-stream`."""
         return ServerSentEvent(_view_stream(cluster))
 
     @get("/tasks", responses=ERROR_RESPONSES)
-    async def tasks(self, cluster: Cluster) -> list[TaskView]:
+    async def tasks(self, cluster: NamedDependency[Cluster]) -> list[TaskView]:
         """Tasks in flight, oldest first: queued for their instance, or running."""
         return task_views(cluster.state)
 
     @delete("/tasks/{task_id:str}", status_code=200, responses=ERROR_RESPONSES)
-    async def cancel_task(self, cluster: Cluster, task_id: str) -> Deleted:
+    async def cancel_task(self, cluster: NamedDependency[Cluster], task_id: FromPath[str]) -> Deleted:
         """Stop a task; its request ends with an error saying it was cancelled (status 502, or the stream's
         error object after what was generated)."""
         # Only an id State holds is published, so a hostile one never reaches a subject.

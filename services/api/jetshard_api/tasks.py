@@ -23,7 +23,7 @@ from jetshard_schema.codec import decode_chunk
 from jetshard_schema.commands import CancelTask, SubmitTask
 from jetshard_schema.events import TaskAssigned, TaskFinished
 from jetshard_schema.ids import InstanceId, NodeId
-from jetshard_schema.state import State
+from jetshard_schema.state import State, ready_instances
 from jetshard_schema.subjects import chunk_sender, task_chunks
 from jetshard_schema.types import Chunk, TaskOutcome, TaskRequest, TokenLogprob, ToolCall, Usage
 from litestar.types import Receive
@@ -31,7 +31,7 @@ from litestar.types import Receive
 from jetshard_api.cluster import Cluster
 from jetshard_api.disconnect import stopped, unless_disconnected
 from jetshard_api.errors import ApiError
-from jetshard_api.route_steps import InferenceSettings, ensure_placed, ensure_ready, ready_models, wait_ready
+from jetshard_api.route_steps import InferenceSettings, ensure_placed, ensure_ready, wait_ready
 
 log = logging.getLogger(__name__)
 
@@ -223,7 +223,7 @@ def _waiting_for(state: State, request: TaskRequest) -> str:
     """What a streaming request is waiting for, said in its keep-alive comments."""
     task = state.tasks.get(request.task_id)
     if task is None:
-        return "submitting" if request.model_id in ready_models(state) else "waiting for the model to be ready"
+        return "submitting" if ready_instances(state, request.model_id) else "waiting for the model to be ready"
     if task.started:
         return "processing the prompt"
     queued = state.unstarted_tasks(task.instance_id, task.generation)

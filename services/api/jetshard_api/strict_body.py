@@ -1,0 +1,79 @@
+"""The dialects' request bodies, decoded once and strictly, with JSON's own types.
+
+Litestar converts a body leniently (`"max_tokens": "5"` becomes 5); OpenAI refuses a value of the wrong type,
+and a client that sends one has a bug to see. A dialect's controller declares `dto=StrictBody` (and
+`return_dto=None`: its answers are encoded as they are): Litestar then hands the raw body to `decode_bytes`,
+which decodes it into the type of the handler's `data`, and documents that type as the request body. A body
+that does not decode is an ApiError, which the controller's exception handlers answer in the dialect's shape.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Generator
+from typing import Any, TypeVar
+
+import msgspec
+from litestar.dto import AbstractDTO, DTOFieldDefinition
+from litestar.openapi.spec import Reference, Schema
+from litestar.typing import FieldDefinition
+
+from jetshard_api.errors import ApiError
+
+Body = TypeVar("Body")
+_ERROR_PATH = re.compile(r"at `\$\.([A-Za-z_]+)")
+
+
+def strictly_decoded(body: bytes, body_type: type[Body]) -> Body:
+    """`body` as `body_type`, or a 400 naming the top-level field at fault."""
+    try:
+        return msgspec.json.decode(body, type=body_type)
+    except msgspec.ValidationError as error:
+        wrong_type = error
+    except msgspec.DecodeError as error:
+        raise _not_json(error) from error
+    # The typed decoder stops at the first wrong value. A body that is also malformed, or nested too deeply
+    # (RecursionError, which the app answers as the client's fault), is refused for that: it has no field to fix.
+    try:
+        msgspec.json.decode(body)
+    except msgspec.DecodeError as error:
+        raise _not_json(error) from error
+    field = _ERROR_PATH.search(str(wrong_type))
+    raise ApiError(400, str(wrong_type), "invalid_type", field.group(1) if field else None) from wrong_type
+
+
+def _not_json(error: msgspec.DecodeError) -> ApiError:
+    return ApiError(400, f"the body is not valid JSON: {error}", "invalid_json")
+
+
+class StrictBody(AbstractDTO[Any]):
+    """Decodes a handler's `data` with `strictly_decoded`, into the type the handler declares. It builds no
+    transfer model, unlike Litestar's DTOs: the wire types are msgspec Structs already."""
+
+    def decode_bytes(self, value: bytes) -> Any:
+        data_field = self.asgi_connection.route_handler.parsed_data_field
+        assert data_field is not None, "StrictBody decodes the body of a handler that takes `data`"
+        return strictly_decoded(value, data_field.annotation)
+
+    @classmethod
+    def create_for_field_definition(
+        cls, field_definition: FieldDefinition, handler_id: str, backend_cls: Any = None
+    ) -> None:
+        """Nothing to prepare: `decode_bytes` decodes into the declared type itself."""
+
+    @classmethod
+    def create_openapi_schema(
+        cls, field_definition: FieldDefinition, handler_id: str, schema_creator: Any
+    ) -> Reference | Schema:
+        """The declared type's schema, as Litestar documents a body without a DTO."""
+        schema: Reference | Schema = schema_creator.for_field_definition(field_definition)
+        return schema
+
+    @classmethod
+    def generate_field_definitions(cls, model_type: type[Any]) -> Generator[DTOFieldDefinition, None, None]:
+        """None: there is no transfer model to build them for."""
+        yield from ()
+
+    @classmethod
+    def detect_nested_field(cls, field_definition: FieldDefinition) -> bool:
+        return False
