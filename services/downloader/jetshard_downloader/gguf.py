@@ -273,16 +273,9 @@ def _plan_shards(units: dict[int, dict[str, mx.array]], max_shard_bytes: int) ->
     return shards
 
 
-def _fsync_file(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+def _fsync(path: Path, flags: int = 0) -> None:
+    """fsync the file `path`, or with `os.O_DIRECTORY` the directory (making what was renamed into it durable)."""
+    fd = os.open(path, os.O_RDONLY | flags)
     try:
         os.fsync(fd)
     finally:
@@ -351,7 +344,7 @@ def convert_gguf(
         for i, shard in enumerate(shards, start=1):
             filename = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
             mx.save_safetensors(str(tmp / filename), shard, metadata={"format": "mlx"})
-            _fsync_file(tmp / filename)
+            _fsync(tmp / filename)
             for name, tensor in shard.items():
                 weight_map[name] = filename
                 total_size += tensor.nbytes
@@ -371,11 +364,11 @@ def convert_gguf(
         report("writing tokenizer", 1.0)
 
         for path in tmp.iterdir():
-            _fsync_file(path)
-        _fsync_dir(tmp)
+            _fsync(path)
+        _fsync(tmp, os.O_DIRECTORY)
         # rename(2) would also replace an empty directory created meanwhile; that is harmless.
         os.rename(tmp, out_dir)
-        _fsync_dir(out_dir.parent)
+        _fsync(out_dir.parent, os.O_DIRECTORY)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
