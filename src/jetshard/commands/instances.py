@@ -55,8 +55,8 @@ def tasks_table(tasks: list[dict[str, Any]]) -> Table:
     return table
 
 
-def add_listing(group: click.Group, path: str, table: Callable[[Any], Table], nothing: str, help: str) -> None:
-    """`<group> ls`: what `GET path` lists, as `table` or JSON."""
+def add_listing(group: click.Group, *, path: str, table: Callable[[Any], Table], nothing: str, help: str) -> None:
+    """`<group> ls`: what `GET path` lists, as `table` (`nothing` when empty) or JSON."""
 
     @group.command("ls", help=help)
     @json_option
@@ -66,8 +66,8 @@ def add_listing(group: click.Group, path: str, table: Callable[[Any], Table], no
         print_answer(listed, as_json, table, nothing)
 
 
-def add_removal(group: click.Group, name: str, argument: str, path: str, done: str, help: str) -> None:
-    """`<group> <name> ID`: `DELETE path/ID`, then `done ID`."""
+def add_removal(group: click.Group, name: str, *, argument: str, path: str, done: str, help: str) -> None:
+    """`<group> <name> ID`: `DELETE path/ID`, then `<done> ID`."""
 
     @group.command(name, help=help)
     @click.argument(argument, callback=checked_name)
@@ -81,27 +81,29 @@ def add_removal(group: click.Group, name: str, argument: str, path: str, done: s
 instances = api_group("instances", "List and remove instances (a model placed on nodes).")
 add_listing(
     instances,
-    "/instances",
-    instances_table,
-    "no instances",
-    "Status, nodes and layers, serving settings and tasks in flight (running or queued).",
+    path="/instances",
+    table=instances_table,
+    nothing="no instances",
+    help="Status, nodes and layers, serving settings and tasks in flight (running or queued).",
 )
 add_removal(
     instances,
     "rm",
-    "instance_id",
-    "/instances",
-    "removed",
-    "Stop an instance's runners; its tasks in flight end with an error.",
+    argument="instance_id",
+    path="/instances",
+    done="removed",
+    help="Stop an instance's runners; its tasks in flight end with an error.",
 )
 
 tasks = api_group("tasks", "List and cancel the tasks in flight.")
-add_listing(tasks, "/tasks", tasks_table, "no tasks in flight", "Tasks queued or running, oldest first.")
+add_listing(
+    tasks, path="/tasks", table=tasks_table, nothing="no tasks in flight", help="Tasks queued or running, oldest first."
+)
 add_removal(
     tasks,
     "cancel",
-    "task_id",
-    "/tasks",
-    "cancelled",
-    "Stop a task; its client gets what was generated so far, then an error saying it was cancelled.",
+    argument="task_id",
+    path="/tasks",
+    done="cancelled",
+    help="Stop a task; its client gets what was generated so far, then an error saying it was cancelled.",
 )
