@@ -12,7 +12,7 @@ import pytest
 from helpers.tiny_models import make_tiny_model
 from jetshard_schema.types import ChatMessage, Tool, ToolCall, ToolChoice, Tools
 from jetshard_worker.chat import render_chat
-from mlx_lm.utils import load_tokenizer
+from jetshard_worker.library_boundary import load_tokenizer
 
 # The shape of Qwen2.5's template, cut down: tools in the system turn, calls in <tool_call> tags.
 TOOLS_TEMPLATE = (
