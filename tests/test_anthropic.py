@@ -16,9 +16,9 @@ import jsonschema
 import msgspec
 import pytest
 from helpers.dialects import DialectCluster
-from jetshard_api.anthropic_types import CountTokensRequest, messages_task
 from jetshard_api.app import create_app
 from jetshard_api.cluster import Cluster
+from jetshard_api.dialects.anthropic.types import CountTokensRequest, messages_task
 from jetshard_api.safety import HttpSafety
 from jetshard_bus.follower import StateFollower
 from jetshard_schema.ids import new_task_id, parse_model_id

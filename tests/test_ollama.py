@@ -23,8 +23,7 @@ import pytest
 from helpers.dialects import DialectCluster
 from helpers.harness import wait_for
 from helpers.tiny_models import make_tiny_model
-from jetshard_api.errors import ApiError
-from jetshard_api.ollama_types import (
+from jetshard_api.dialects.ollama.types import (
     AssistantMessage,
     ChatAnswer,
     FunctionCallBody,
@@ -35,6 +34,7 @@ from jetshard_api.ollama_types import (
     sampling,
     tool_call_bodies,
 )
+from jetshard_api.errors import ApiError
 from jetshard_schema.types import ToolCall
 
 pytestmark = pytest.mark.timeout(240)

@@ -17,8 +17,8 @@ import msgspec
 import openai
 import pytest
 from helpers.dialects import DialectCluster
+from jetshard_api.dialects.responses.types import ResponseRequest, response_task
 from jetshard_api.errors import ApiError
-from jetshard_api.responses_types import ResponseRequest, response_task
 from jetshard_schema.ids import ModelId, TaskId
 from jetshard_schema.types import ChatMessage, ToolCall, ToolChoice
 

@@ -15,6 +15,10 @@ from litestar.types import Message, Scope
 from swagger_ui_bundle import swagger_ui_path
 
 from jetshard_api.cluster import Cluster
+from jetshard_api.dialects.anthropic.routes import AnthropicController
+from jetshard_api.dialects.ollama.routes import OllamaController
+from jetshard_api.dialects.openai.routes import OpenAIController
+from jetshard_api.dialects.responses.routes import ResponsesController
 from jetshard_api.errors import (
     ApiError,
     api_error_handler,
@@ -23,15 +27,11 @@ from jetshard_api.errors import (
     nesting_error_handler,
 )
 from jetshard_api.route_steps import InferenceSettings
-from jetshard_api.routes_anthropic import AnthropicController
 from jetshard_api.routes_cluster import ClusterController
 from jetshard_api.routes_dashboard import dashboard_routes
 from jetshard_api.routes_downloads import DownloadsController
 from jetshard_api.routes_instances import InstancesController
 from jetshard_api.routes_models import ModelsController
-from jetshard_api.routes_ollama import OllamaController
-from jetshard_api.routes_openai import OpenAIController
-from jetshard_api.routes_responses import ResponsesController
 from jetshard_api.routes_view import ViewController
 from jetshard_api.safety import HttpSafety, HttpSafetyMiddleware
 

@@ -20,7 +20,7 @@ import msgspec
 from jetshard_schema.ids import ModelId, TaskId
 from jetshard_schema.types import ChatMessage, SamplingParams, TaskKind, TaskOutcome, TaskRequest, ToolCall, ToolChoice
 
-from jetshard_api import request_checks as checks
+from jetshard_api.dialects import checks
 from jetshard_api.tasks import Choice
 
 # --- content blocks, in requests and in answers -------------------------------------------------------------

@@ -16,7 +16,7 @@ import msgspec
 from jetshard_schema.ids import ModelId, TaskId
 from jetshard_schema.types import ChatMessage, TaskKind, TaskOutcome, TaskRequest, ToolCall, ToolChoice, Tools, Usage
 
-from jetshard_api import request_checks as checks
+from jetshard_api.dialects import checks
 from jetshard_api.errors import ApiError
 
 NO_STORAGE = "jetshard keeps no responses: send the whole conversation in `input` each time"

@@ -1,6 +1,6 @@
 """OpenAI's Responses API, stateless: `POST /v1/responses`.
 
-The request translates into a chat TaskRequest (`responses_types`) run through the shared request path
+The request translates into a chat TaskRequest (`types`) run through the shared request path
 (`tasks`); its chunks become a response object, or with `stream` the Responses API's typed events. Errors take
 the OpenAI shape, which is this dialect's too (the app-wide handler).
 """
@@ -22,8 +22,7 @@ from litestar.response import ServerSentEvent
 from litestar.response.sse import ServerSentEventMessage
 
 from jetshard_api.cluster import Cluster
-from jetshard_api.errors import INFERENCE_RESPONSES, ApiError
-from jetshard_api.responses_types import (
+from jetshard_api.dialects.responses.types import (
     FunctionCallItem,
     ItemStatus,
     MessageItem,
@@ -35,8 +34,9 @@ from jetshard_api.responses_types import (
     message_item,
     response_task,
 )
+from jetshard_api.dialects.strict_body import StrictBody
+from jetshard_api.errors import INFERENCE_RESPONSES, ApiError
 from jetshard_api.route_steps import InferenceSettings, checked_model_id
-from jetshard_api.strict_body import StrictBody
 from jetshard_api.tasks import LiveTask, Waiting, answer
 
 AnyRequest = Request[Any, Any, Any]

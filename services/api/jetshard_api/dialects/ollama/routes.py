@@ -31,19 +31,9 @@ from litestar.openapi.datastructures import ResponseSpec
 from litestar.params import JSONBody
 from litestar.response import Stream
 
-from jetshard_api import request_checks as checks
 from jetshard_api.cluster import Cluster
-from jetshard_api.disconnect import unless_disconnected
-from jetshard_api.errors import (
-    INFERENCE_RESPONSES,
-    ApiError,
-    api_error_handler,
-    http_error_handler,
-    internal_error_handler,
-    nesting_error_handler,
-)
-from jetshard_api.hub import fetch_card
-from jetshard_api.ollama_types import (
+from jetshard_api.dialects import checks
+from jetshard_api.dialects.ollama.types import (
     OLLAMA_VERSION,
     AssistantMessage,
     ChatAnswer,
@@ -76,8 +66,18 @@ from jetshard_api.ollama_types import (
     shortened,
     tool_call_bodies,
 )
+from jetshard_api.dialects.strict_body import StrictBody
+from jetshard_api.disconnect import unless_disconnected
+from jetshard_api.errors import (
+    INFERENCE_RESPONSES,
+    ApiError,
+    api_error_handler,
+    http_error_handler,
+    internal_error_handler,
+    nesting_error_handler,
+)
+from jetshard_api.hub import fetch_card
 from jetshard_api.route_steps import InferenceSettings, ensure_ready, preview_placement, ready_models
-from jetshard_api.strict_body import StrictBody
 from jetshard_api.tasks import Choice, LiveTask, Waiting, answer
 
 AnyRequest = Request[Any, Any, Any]

@@ -27,7 +27,7 @@ from jetshard_schema.types import (
     Usage,
 )
 
-from jetshard_api import request_checks as checks
+from jetshard_api.dialects import checks
 from jetshard_api.tasks import Choice
 
 

@@ -32,7 +32,7 @@ from jetshard_schema.types import (
     Tools,
 )
 
-from jetshard_api import request_checks as checks
+from jetshard_api.dialects import checks
 from jetshard_api.errors import ApiError
 from jetshard_api.route_steps import checked_model_id
 

@@ -1,6 +1,6 @@
 """OpenAI-compatible routes: /v1/chat/completions, /v1/completions, /v1/embeddings, /v1/models.
 
-Each route translates its body into a TaskRequest (`openai_types`) and the task's chunks into OpenAI's
+Each route translates its body into a TaskRequest (`types`) and the task's chunks into OpenAI's
 answer; placement, queueing and cancellation are the shared request path's (`tasks`).
 """
 
@@ -24,8 +24,7 @@ from litestar.response import ServerSentEvent
 from litestar.response.sse import ServerSentEventMessage
 
 from jetshard_api.cluster import Cluster
-from jetshard_api.errors import ERROR_RESPONSES, INFERENCE_RESPONSES, ApiError, error_body
-from jetshard_api.openai_types import (
+from jetshard_api.dialects.openai.types import (
     ChatChoice,
     ChatCompletion,
     ChatCompletionRequest,
@@ -46,8 +45,9 @@ from jetshard_api.openai_types import (
     embedding_task,
     finish_reason,
 )
+from jetshard_api.dialects.strict_body import StrictBody
+from jetshard_api.errors import ERROR_RESPONSES, INFERENCE_RESPONSES, ApiError, error_body
 from jetshard_api.route_steps import InferenceSettings, checked_model_id, ready_models
-from jetshard_api.strict_body import StrictBody
 from jetshard_api.tasks import LiveTask, Waiting, answer
 
 AnyRequest = Request[Any, Any, Any]

@@ -1,7 +1,7 @@
 """Anthropic's Messages API: POST /v1/messages (an answer, or its Server-Sent Events) and
 /v1/messages/count_tokens, for the `anthropic` clients and tools built on them.
 
-Each route translates its body into a TaskRequest (`anthropic_types`) and the task's chunks into Anthropic's
+Each route translates its body into a TaskRequest (`types`) and the task's chunks into Anthropic's
 answer; placement, queueing and cancellation are the shared request path's (`tasks`). Errors take
 Anthropic's shape, `{"type": "error", "error": {"type", "message"}}`, with the HTTP status: the API key
 middleware's 401 too, since Litestar routes a request before its middleware runs and so picks this
@@ -26,7 +26,8 @@ from litestar.response import ServerSentEvent
 from litestar.response.sse import ServerSentEventMessage
 from litestar.types import ExceptionHandlersMap
 
-from jetshard_api.anthropic_types import (
+from jetshard_api.cluster import Cluster
+from jetshard_api.dialects.anthropic.types import (
     CountTokensRequest,
     ErrorBody,
     ErrorDetail,
@@ -41,7 +42,7 @@ from jetshard_api.anthropic_types import (
     stop_reason,
     tool_use_block,
 )
-from jetshard_api.cluster import Cluster
+from jetshard_api.dialects.strict_body import StrictBody
 from jetshard_api.errors import (
     INFERENCE_RESPONSES,
     ApiError,
@@ -51,7 +52,6 @@ from jetshard_api.errors import (
     nesting_error_handler,
 )
 from jetshard_api.route_steps import InferenceSettings, checked_model_id
-from jetshard_api.strict_body import StrictBody
 from jetshard_api.tasks import LiveTask, Waiting, answer
 
 AnyRequest = Request[Any, Any, Any]

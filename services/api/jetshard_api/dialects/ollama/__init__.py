@@ -1,0 +1,1 @@
+"""Ollama's API under /api, for Ollama's clients."""

@@ -1,0 +1,1 @@
+"""OpenAI's Responses API, stateless: /v1/responses."""
