@@ -13,13 +13,14 @@ import random
 import secrets
 import signal
 import subprocess
-import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
 from jetshard_bus.procs import spawn
+
+from helpers.harness import wait_for
 
 PREFIX_LENGTH = 24
 BRIDGE = "br0"
@@ -110,15 +111,15 @@ class Lan:
 def _remove_namespace(name: str) -> None:
     """Kill what still runs inside `name` (a namespace outlives its deletion while a process holds it), then
     delete it."""
-    pids = subprocess.run(["ip", "netns", "pids", name], capture_output=True, text=True).stdout.split()
+
+    def pids() -> list[str]:
+        return subprocess.run(["ip", "netns", "pids", name], capture_output=True, text=True).stdout.split()
+
     for sig in (signal.SIGTERM, signal.SIGKILL):
-        for pid in pids:
+        for pid in pids():
             with contextlib.suppress(ProcessLookupError):
                 os.kill(int(pid), sig)
-        deadline = time.monotonic() + 3
-        while pids and time.monotonic() < deadline:
-            pids = subprocess.run(["ip", "netns", "pids", name], capture_output=True, text=True).stdout.split()
-            time.sleep(0.05)
+        wait_for(lambda: not pids(), timeout=3, interval=0.05)
     subprocess.run(["ip", "netns", "del", name], capture_output=True)
 
 

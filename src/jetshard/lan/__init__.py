@@ -14,4 +14,8 @@ Why it is shaped so:
   cluster survives the loss of any one machine.
 - A joining machine starts its server with JetStream off until its routes reach the cluster's JetStream, so it
   never bootstraps a meta group of its own: two meta groups never merge.
+
+Here: `discovery` (the mDNS announcements), `membership` (the join token, who this machine is, its servers'
+layout), `servers` (starting and tending them), `jetstream` (the meta group, the witness's retirement, the join
+lock), `options` (the flags of `up --lan`) and `commands` (`jetshard lan ls|forget`).
 """
