@@ -10,14 +10,13 @@ controller's handlers. The `anthropic-version` and `anthropic-beta` headers are 
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 from typing import Any
 
 import msgspec
 from jetshard_schema.ids import new_task_id
-from jetshard_schema.types import SamplingParams, TaskRequest, ToolCall, Usage
+from jetshard_schema.types import Chunk, SamplingParams, TaskOutcome, TaskRequest, ToolCall, Usage
 from litestar import Controller, Request, Response, post
-from litestar.background_tasks import BackgroundTask
 from litestar.di import NamedDependency
 from litestar.exceptions import HTTPException
 from litestar.openapi.datastructures import ResponseSpec
@@ -42,6 +41,7 @@ from jetshard_api.dialects.anthropic.types import (
     stop_reason,
     tool_use_block,
 )
+from jetshard_api.dialects.streaming import streamed
 from jetshard_api.dialects.strict_body import StrictBody
 from jetshard_api.errors import (
     INFERENCE_RESPONSES,
@@ -52,7 +52,7 @@ from jetshard_api.errors import (
     nesting_error_handler,
 )
 from jetshard_api.route_steps import InferenceSettings, checked_model_id
-from jetshard_api.tasks import LiveTask, Waiting, answer
+from jetshard_api.tasks import answer
 
 AnyRequest = Request[Any, Any, Any]
 
@@ -119,7 +119,7 @@ class AnthropicController(Controller):
         (`tools`, `tool_choice`; a forced call is decoded to follow the tool's `input_schema`)."""
         task = _task(data, message_sampling(data))
         if data.stream:
-            return await _stream(cluster, settings, task, request)
+            return await streamed(cluster, settings, task, request.receive, _Events(task))
         result = await answer(cluster, settings, task, request.receive)
         (choice,) = result.choices
         message = MessageBody(
@@ -199,36 +199,38 @@ class _Blocks:
         return _event(name, {"index": self._index, **payload})
 
 
-async def _stream(
-    cluster: Cluster, settings: InferenceSettings, task: TaskRequest, request: AnyRequest
-) -> ServerSentEvent:
+class _Events:
     """Anthropic's events: `message_start`, then per content block `content_block_start`, its deltas and
     `content_block_stop`, then `message_delta` (stop reason, usage) and `message_stop`; `ping` while the task
     waits. The prompt's token count is known only at the end: `message_start` says 0 input tokens and
     `message_delta` the count (the `anthropic` clients take both from there)."""
-    live = await LiveTask.open(cluster, settings, task, request.receive)
-    start = MessageBody(id=_message_id(task), model=task.model_id, content=[], stop_reason=None, usage=_usage(None))
 
-    async def events() -> AsyncIterator[ServerSentEventMessage]:
-        async with live:
-            try:
-                yield _event("message_start", {"message": start})
-                blocks = _Blocks()
-                reason = usage = None
-                async for item in live.items():
-                    if isinstance(item, Waiting):
-                        yield _event("ping", {})
-                        continue
-                    for event in blocks.text(item.text) + [e for c in item.tool_calls for e in blocks.tool_use(c)]:
-                        yield event
-                    reason = item.finish_reason or reason
-                    usage = item.usage or usage
-                for event in blocks.close():
-                    yield event
-                delta = {"stop_reason": stop_reason(reason), "stop_sequence": None}
-                yield _event("message_delta", {"delta": delta, "usage": _usage(usage)})
-                yield _event("message_stop", {})
-            except ApiError as error:
-                yield _event("error", {"error": _error_body(error.status, error.message).error})
+    def __init__(self, task: TaskRequest) -> None:
+        self._task = task
+        self._blocks = _Blocks()
+        self._reason: TaskOutcome | None = None
+        self._usage: Usage | None = None
 
-    return ServerSentEvent(events(), background=BackgroundTask(live.close))
+    def opening(self) -> list[ServerSentEventMessage]:
+        task = self._task
+        start = MessageBody(id=_message_id(task), model=task.model_id, content=[], stop_reason=None, usage=_usage(None))
+        return [_event("message_start", {"message": start})]
+
+    def waiting(self, what: str) -> list[ServerSentEventMessage]:
+        return [_event("ping", {})]
+
+    def chunk(self, chunk: Chunk) -> list[ServerSentEventMessage]:
+        self._reason = chunk.finish_reason or self._reason
+        self._usage = chunk.usage or self._usage
+        return self._blocks.text(chunk.text) + [e for c in chunk.tool_calls for e in self._blocks.tool_use(c)]
+
+    def closing(self) -> list[ServerSentEventMessage]:
+        delta = {"stop_reason": stop_reason(self._reason), "stop_sequence": None}
+        return [
+            *self._blocks.close(),
+            _event("message_delta", {"delta": delta, "usage": _usage(self._usage)}),
+            _event("message_stop", {}),
+        ]
+
+    def failed(self, error: ApiError) -> list[ServerSentEventMessage]:
+        return [_event("error", {"error": _error_body(error.status, error.message).error})]

@@ -7,7 +7,6 @@ answer; placement, queueing and cancellation are the shared request path's (`tas
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncIterator
 from typing import Any
 
 import msgspec
@@ -17,7 +16,6 @@ from jetshard_schema.models import all_cards, find_card
 from jetshard_schema.sampling import documented_defaults
 from jetshard_schema.types import Chunk, TaskKind, TaskRequest
 from litestar import Controller, Request, Response, get, post
-from litestar.background_tasks import BackgroundTask
 from litestar.di import NamedDependency
 from litestar.params import FromPath, JSONBody
 from litestar.response import ServerSentEvent
@@ -45,10 +43,11 @@ from jetshard_api.dialects.openai.types import (
     embedding_task,
     finish_reason,
 )
+from jetshard_api.dialects.streaming import keep_alive_comment, streamed
 from jetshard_api.dialects.strict_body import StrictBody
 from jetshard_api.errors import ERROR_RESPONSES, INFERENCE_RESPONSES, ApiError, error_body
 from jetshard_api.route_steps import InferenceSettings, checked_model_id, ready_models
-from jetshard_api.tasks import LiveTask, Waiting, answer
+from jetshard_api.tasks import answer
 
 AnyRequest = Request[Any, Any, Any]
 
@@ -94,7 +93,7 @@ class OpenAIController(Controller):
         task = chat_task(new_task_id(), checked_model_id(data.model, param="model"), data)
         include_usage = bool(data.stream_options and data.stream_options.include_usage)
         if data.stream:
-            return await _stream(cluster, settings, task, request, include_usage)
+            return await streamed(cluster, settings, task, request.receive, _Events(task, include_usage))
         result = await answer(cluster, settings, task, request.receive)
         choices = [ChatChoice.of(i, c, data.logprobs) for i, c in enumerate(result.choices)]
         # A Response, not the bare body: the route's media type would otherwise be JSON for the stream too.
@@ -112,7 +111,7 @@ class OpenAIController(Controller):
         task = completion_task(new_task_id(), checked_model_id(data.model, param="model"), data)
         include_usage = bool(data.stream_options and data.stream_options.include_usage)
         if data.stream:
-            return await _stream(cluster, settings, task, request, include_usage)
+            return await streamed(cluster, settings, task, request.receive, _Events(task, include_usage))
         result = await answer(cluster, settings, task, request.receive)
         choices = [CompletionChoice.of(i, c, data.logprobs is not None) for i, c in enumerate(result.choices)]
         return Response(Completion(**_head(task, result.usage), choices=choices))
@@ -156,30 +155,63 @@ def _head(task: TaskRequest, usage: Any) -> dict[str, Any]:
     return {"id": _response_id(task), "created": int(time.time()), "model": task.model_id, "usage": UsageBody.of(usage)}
 
 
-async def _stream(
-    cluster: Cluster, settings: InferenceSettings, task: TaskRequest, request: AnyRequest, include_usage: bool
-) -> ServerSentEvent:
-    live = await LiveTask.open(cluster, settings, task, request.receive)
-    chat = task.kind is TaskKind.CHAT
-    base = {
-        "id": _response_id(task),
-        "object": "chat.completion.chunk" if chat else "text_completion",
-        "created": int(time.time()),
-        "model": task.model_id,
-    }
-    logprobs = task.top_logprobs is not None
-    tool_calls_sent = [0] * task.n
+class _Events:
+    """OpenAI's `chat.completion.chunk`s (or legacy `text_completion`s): the assistant's role per choice before
+    the first output, a piece per chunk with output, the usage last if asked for, then `[DONE]`; an error is
+    sent in the error shape before `[DONE]`."""
 
-    def piece(chunk: Chunk) -> dict[str, Any] | None:
+    def __init__(self, task: TaskRequest, include_usage: bool) -> None:
+        self._task = task
+        self._chat = task.kind is TaskKind.CHAT
+        self._include_usage = include_usage
+        self._base = {
+            "id": _response_id(task),
+            "object": "chat.completion.chunk" if self._chat else "text_completion",
+            "created": int(time.time()),
+            "model": task.model_id,
+        }
+        self._logprobs = task.top_logprobs is not None
+        self._tool_calls_sent = [0] * task.n
+        self._started = False
+
+    def opening(self) -> list[ServerSentEventMessage]:
+        return []
+
+    def waiting(self, what: str) -> list[ServerSentEventMessage]:
+        return keep_alive_comment(what)
+
+    def chunk(self, chunk: Chunk) -> list[ServerSentEventMessage]:
+        events = []
+        if self._chat and not self._started:
+            roles = [
+                {"index": i, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}
+                for i in range(self._task.n)
+            ]
+            events.append(_sse({**self._base, "choices": roles}))
+        self._started = True
+        entry = self._piece(chunk)
+        if entry is not None:
+            events.append(_sse({**self._base, "choices": [entry]}))
+        if chunk.usage is not None and self._include_usage:
+            events.append(_sse({**self._base, "choices": [], "usage": UsageBody.of(chunk.usage)}))
+        return events
+
+    def closing(self) -> list[ServerSentEventMessage]:
+        return [_sse("[DONE]")]
+
+    def failed(self, error: ApiError) -> list[ServerSentEventMessage]:
+        return [_sse(error_body(error.status, error.message, error.code, error.param)), *self.closing()]
+
+    def _piece(self, chunk: Chunk) -> dict[str, Any] | None:
         reason = finish_reason(chunk.finish_reason)
         if not (chunk.text or chunk.tool_calls or chunk.logprobs or reason):
             return None
         entry: dict[str, Any] = {"index": chunk.choice, "finish_reason": reason, "logprobs": None}
-        if chat:
+        if self._chat:
             delta: dict[str, Any] = {"content": chunk.text} if chunk.text else {}
             if chunk.tool_calls:
-                first = tool_calls_sent[chunk.choice]
-                tool_calls_sent[chunk.choice] += len(chunk.tool_calls)
+                first = self._tool_calls_sent[chunk.choice]
+                self._tool_calls_sent[chunk.choice] += len(chunk.tool_calls)
                 delta["tool_calls"] = [
                     {
                         "index": first + i,
@@ -190,36 +222,10 @@ async def _stream(
                     for i, c in enumerate(chunk.tool_calls)
                 ]
             entry["delta"] = delta
-            if logprobs:
+            if self._logprobs:
                 entry["logprobs"] = ChoiceLogprobs.of(chunk.logprobs)
         else:
             entry["text"] = chunk.text
-            if logprobs:
+            if self._logprobs:
                 entry["logprobs"] = CompletionLogprobs.of(chunk.logprobs)
         return entry
-
-    async def events() -> AsyncIterator[ServerSentEventMessage]:
-        async with live:
-            try:
-                started = False
-                async for item in live.items():
-                    if isinstance(item, Waiting):
-                        yield ServerSentEventMessage(comment=item.what, data=None)
-                        continue
-                    if chat and not started:
-                        roles = [
-                            {"index": i, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}
-                            for i in range(task.n)
-                        ]
-                        yield _sse({**base, "choices": roles})
-                    started = True
-                    entry = piece(item)
-                    if entry is not None:
-                        yield _sse({**base, "choices": [entry]})
-                    if item.usage is not None and include_usage:
-                        yield _sse({**base, "choices": [], "usage": UsageBody.of(item.usage)})
-            except ApiError as error:
-                yield _sse(error_body(error.status, error.message, error.code, error.param))
-        yield _sse("[DONE]")
-
-    return ServerSentEvent(events(), background=BackgroundTask(live.close))

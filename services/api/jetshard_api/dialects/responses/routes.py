@@ -8,14 +8,13 @@ the OpenAI shape, which is this dialect's too (the app-wide handler).
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import Iterator
 from typing import Any
 
 import msgspec
 from jetshard_schema.ids import new_task_id
 from jetshard_schema.types import Chunk, TaskOutcome, TaskRequest, ToolCall
 from litestar import Controller, Request, Response, post
-from litestar.background_tasks import BackgroundTask
 from litestar.di import NamedDependency
 from litestar.params import JSONBody
 from litestar.response import ServerSentEvent
@@ -34,10 +33,11 @@ from jetshard_api.dialects.responses.types import (
     message_item,
     response_task,
 )
+from jetshard_api.dialects.streaming import keep_alive_comment, streamed
 from jetshard_api.dialects.strict_body import StrictBody
 from jetshard_api.errors import INFERENCE_RESPONSES, ApiError
 from jetshard_api.route_steps import InferenceSettings, checked_model_id
-from jetshard_api.tasks import LiveTask, Waiting, answer
+from jetshard_api.tasks import answer
 
 AnyRequest = Request[Any, Any, Any]
 
@@ -62,7 +62,7 @@ class ResponsesController(Controller):
         task = response_task(new_task_id(), checked_model_id(data.model, param="model"), data)
         head = ResponseObject.head(_response_id(task), int(time.time()), task.model_id, data)
         if data.stream:
-            return await _stream(cluster, settings, task, request, head)
+            return await streamed(cluster, settings, task, request.receive, _Events(head))
         result = await answer(cluster, settings, task, request.receive)
         choice = result.choices[0]
         output = _output(choice.text, choice.tool_calls, choice.finish_reason)
@@ -101,9 +101,12 @@ class _Events:
         self._sequence += 1
         return ServerSentEventMessage(event=type, data=msgspec.json.encode(data).decode())
 
-    def start(self) -> Iterator[ServerSentEventMessage]:
+    def opening(self) -> Iterator[ServerSentEventMessage]:
         yield self.event("response.created", response=self.head)
         yield self.event("response.in_progress", response=self.head)
+
+    def waiting(self, what: str) -> list[ServerSentEventMessage]:
+        return keep_alive_comment(what)
 
     def chunk(self, chunk: Chunk) -> Iterator[ServerSentEventMessage]:
         if chunk.text:
@@ -121,6 +124,10 @@ class _Events:
             yield from self._close_message("incomplete" if cut else "completed")
             done = self.head.finished(self.output, chunk.usage, chunk.finish_reason)
             yield self.event("response.incomplete" if cut else "response.completed", response=done)
+
+    def closing(self) -> list[ServerSentEventMessage]:
+        """Nothing more: the last chunk (the one with the usage) completed the response."""
+        return []
 
     def failed(self, error: ApiError) -> Iterator[ServerSentEventMessage]:
         """The error, then the response with what output there was (a message cut short: incomplete)."""
@@ -162,27 +169,3 @@ class _Events:
         item = msgspec.structs.replace(item, arguments=call.arguments, status="completed")
         yield self.event("response.output_item.done", output_index=index, item=item)
         self.output.append(item)
-
-
-async def _stream(
-    cluster: Cluster, settings: InferenceSettings, task: TaskRequest, request: AnyRequest, head: ResponseObject
-) -> ServerSentEvent:
-    live = await LiveTask.open(cluster, settings, task, request.receive)
-    events = _Events(head)
-
-    async def sent() -> AsyncIterator[ServerSentEventMessage]:
-        async with live:
-            for event in events.start():
-                yield event
-            try:
-                async for item in live.items():
-                    if isinstance(item, Waiting):
-                        yield ServerSentEventMessage(comment=item.what, data=None)
-                        continue
-                    for event in events.chunk(item):
-                        yield event
-            except ApiError as error:
-                for event in events.failed(error):
-                    yield event
-
-    return ServerSentEvent(sent(), background=BackgroundTask(live.close))
