@@ -13,8 +13,7 @@ import math
 import msgspec
 
 from jetshard_schema.ids import ModelId
-from jetshard_schema.state import Instance, State, instance_status
-from jetshard_schema.types import InstanceStatus
+from jetshard_schema.state import Instance, State, ready_instances
 
 UNKNOWN_PACE_RETRY_AFTER_S = 2
 """What a refusal says to wait before the instance has finished a task to measure its pace by."""
@@ -72,14 +71,7 @@ def _refusal(instance: Instance, queue: Queue, start_within_ms: int | None) -> R
 def admit(state: State, model_id: ModelId, start_within_ms: int | None) -> Instance | Refused | None:
     """The ready instance of `model_id` a new task goes to (the one with the fewest unfinished tasks among
     those with room), a refusal naming the soonest retry, or None when no instance is ready."""
-    ready = sorted(
-        (
-            i
-            for i in state.instances.values()
-            if i.model_id == model_id and instance_status(state, i) is InstanceStatus.READY
-        ),
-        key=lambda i: i.instance_id,
-    )
+    ready = ready_instances(state, model_id)
     if not ready:
         return None
     queues = {i.instance_id: queue_of(state, i) for i in ready}
