@@ -16,6 +16,7 @@ import mlx.nn as nn
 import numpy as np
 import pytest
 from helpers.tiny_models import make_tiny_model
+from jetshard_schema.card_from_config import SUPPORTED_ARCHITECTURES
 from jetshard_worker import library_boundary as boundary
 from jetshard_worker.constrained import JSON_OPTIONS
 from mlx_lm.models.cache import BatchKVCache, KVCache
@@ -104,6 +105,38 @@ def test_attention_masks_and_prompt_caches(model_dir: Path) -> None:
     assert boundary.can_trim_prompt_cache(cache)
     boundary.trim_prompt_cache(cache, 2)
     assert cache[0].offset == 3
+
+
+@pytest.mark.parametrize("model_type", sorted(SUPPORTED_ARCHITECTURES))
+def test_the_model_layout_the_shard_engine_runs(model_type: str) -> None:
+    """What shard.py reads of mlx-lm's model on each architecture it runs: the decoder layer list, the embedding
+    (tied as the head, or an lm_head), the final norm and the arguments, each layer called as (h, mask, cache)."""
+    config = {
+        "model_type": model_type,
+        "hidden_size": 32,
+        "num_hidden_layers": 2,
+        "intermediate_size": 64,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 8,
+        "rms_norm_eps": 1e-5,
+        "vocab_size": 64,
+        "max_position_embeddings": 128,
+        "rope_theta": 10000.0,
+        "tie_word_embeddings": False,
+    }
+    model_class, args_class = boundary.model_classes(config)
+    model = model_class(args_class.from_dict(config))
+    assert isinstance(model.model.layers, list) and len(model.model.layers) == 2
+    assert model.model.args.hidden_size == 32
+    cache = boundary.make_prompt_cache(model)
+    h = model.model.embed_tokens(mx.array([[1, 2, 3]]))
+    for layer, layer_cache in zip(model.model.layers, cache, strict=True):
+        mask = boundary.create_attention_mask(h, layer_cache, window_size=None)
+        h = layer(h, mask, layer_cache)
+    h = model.model.norm(h)
+    logits = model.lm_head(h) if "lm_head" in model else model.model.embed_tokens.as_linear(h)
+    assert logits.shape == (1, 3, 64)
 
 
 def test_batch_caches_merge_pad_join_and_split() -> None:
