@@ -6,7 +6,6 @@ from jetshard_bus import tracing
 from litestar import Litestar
 from litestar.config.cors import CORSConfig
 from litestar.di import Provide
-from litestar.exceptions import HTTPException
 from litestar.openapi import OpenAPIConfig
 from litestar.openapi.plugins import SwaggerRenderPlugin
 from litestar.plugins import PluginProtocol
@@ -19,13 +18,7 @@ from jetshard_api.dialects.anthropic.routes import AnthropicController
 from jetshard_api.dialects.ollama.routes import OllamaController
 from jetshard_api.dialects.openai.routes import OpenAIController
 from jetshard_api.dialects.responses.routes import ResponsesController
-from jetshard_api.errors import (
-    ApiError,
-    api_error_handler,
-    http_error_handler,
-    internal_error_handler,
-    nesting_error_handler,
-)
+from jetshard_api.errors import ERROR_HANDLERS
 from jetshard_api.route_steps import InferenceSettings
 from jetshard_api.routes_cluster import ClusterController
 from jetshard_api.routes_dashboard import dashboard_routes
@@ -98,12 +91,7 @@ def create_app(
             "cluster": Provide(provide_cluster, use_cache=True),
             "settings": Provide(provide_inference, use_cache=True),
         },
-        exception_handlers={
-            ApiError: api_error_handler,
-            HTTPException: http_error_handler,
-            RecursionError: nesting_error_handler,
-            Exception: internal_error_handler,
-        },
+        exception_handlers=ERROR_HANDLERS,
         middleware=[HttpSafetyMiddleware(safety)],
         before_send=[count_response],
         cors_config=CORSConfig(allow_origins=list(safety.cors_origins)) if safety.cors_origins else None,

@@ -1,14 +1,18 @@
-"""Errors in the OpenAI shape: `{"error": {"message", "type", "param", "code"}}`."""
+"""Errors in the OpenAI shape: `{"error": {"message", "type", "param", "code"}}`; a dialect with a shape of its
+own answers with the same handlers, reshaped (`error_handlers_answering`)."""
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
+from typing import Any
 
 import msgspec
 from jetshard_schema.types import RejectCode
 from litestar import Request, Response
 from litestar.exceptions import HTTPException, ValidationException
 from litestar.openapi.datastructures import ResponseSpec
+from litestar.types import ExceptionHandlersMap
 
 log = logging.getLogger(__name__)
 
@@ -123,3 +127,35 @@ def nesting_error_handler(_: Request, error: RecursionError) -> Response[dict[st
 def internal_error_handler(request: Request, error: Exception) -> Response[dict[str, object]]:
     log.error("%s %s failed", request.method, request.url.path, exc_info=error)
     return Response(error_body(500, f"internal error: {error}"), status_code=500)
+
+
+ERROR_HANDLERS: ExceptionHandlersMap = {
+    ApiError: api_error_handler,
+    HTTPException: http_error_handler,
+    RecursionError: nesting_error_handler,
+    Exception: internal_error_handler,
+}
+"""The app's: every error, in the OpenAI shape."""
+
+
+def error_handlers_answering(body: Callable[[int, str], msgspec.Struct]) -> ExceptionHandlersMap:
+    """The app's error handlers, answering `body(status, message)` instead of the OpenAI shape, with the same
+    status and headers: a dialect's controller declares them for its own error shape."""
+
+    def reshaped(handler: Callable[[Request[Any, Any, Any], Any], Response[Any]]) -> Callable[..., Response[Any]]:
+        def handle(request: Request[Any, Any, Any], error: Exception) -> Response[msgspec.Struct]:
+            response = handler(request, error)
+            reshaped_body = body(response.status_code or 500, response.content["error"]["message"])
+            return Response(reshaped_body, status_code=response.status_code, headers=response.headers)
+
+        return handle
+
+    return {kind: reshaped(handler) for kind, handler in ERROR_HANDLERS.items()}
+
+
+def inference_responses_in(body_type: type[msgspec.Struct]) -> dict[int, ResponseSpec]:
+    """`INFERENCE_RESPONSES`, documented with a dialect's own error body."""
+    return {
+        status: ResponseSpec(data_container=body_type, description=spec.description)
+        for status, spec in INFERENCE_RESPONSES.items()
+    }

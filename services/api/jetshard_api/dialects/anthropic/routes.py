@@ -10,7 +10,6 @@ controller's handlers. The `anthropic-version` and `anthropic-beta` headers are 
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
 import msgspec
@@ -18,12 +17,9 @@ from jetshard_schema.ids import new_task_id
 from jetshard_schema.types import Chunk, SamplingParams, TaskOutcome, TaskRequest, ToolCall, Usage
 from litestar import Controller, Request, Response, post
 from litestar.di import NamedDependency
-from litestar.exceptions import HTTPException
-from litestar.openapi.datastructures import ResponseSpec
 from litestar.params import JSONBody
 from litestar.response import ServerSentEvent
 from litestar.response.sse import ServerSentEventMessage
-from litestar.types import ExceptionHandlersMap
 
 from jetshard_api.cluster import Cluster
 from jetshard_api.dialects.anthropic.types import (
@@ -43,14 +39,7 @@ from jetshard_api.dialects.anthropic.types import (
 )
 from jetshard_api.dialects.streaming import streamed
 from jetshard_api.dialects.strict_body import StrictBody
-from jetshard_api.errors import (
-    INFERENCE_RESPONSES,
-    ApiError,
-    api_error_handler,
-    http_error_handler,
-    internal_error_handler,
-    nesting_error_handler,
-)
+from jetshard_api.errors import ApiError, error_handlers_answering, inference_responses_in
 from jetshard_api.route_steps import InferenceSettings, checked_model_id
 from jetshard_api.tasks import answer
 
@@ -69,26 +58,11 @@ _ERROR_TYPES = {
 }
 """Anthropic's error types by status; any other (500, 502, 504) is an `api_error`."""
 
-RESPONSES = {
-    status: ResponseSpec(data_container=ErrorBody, description=spec.description)
-    for status, spec in INFERENCE_RESPONSES.items()
-}
+RESPONSES = inference_responses_in(ErrorBody)
 
 
 def _error_body(status: int, message: str) -> ErrorBody:
     return ErrorBody(error=ErrorDetail(type=_ERROR_TYPES.get(status, "api_error"), message=message))
-
-
-def _in_anthropic_shape(handler: Callable[[AnyRequest, Any], Response[Any]]) -> Callable[..., Response[ErrorBody]]:
-    """One of the app's error handlers, answering in Anthropic's shape instead of OpenAI's, with the same status
-    and headers."""
-
-    def handle(request: AnyRequest, error: Exception) -> Response[ErrorBody]:
-        response = handler(request, error)
-        body = _error_body(response.status_code or 500, response.content["error"]["message"])
-        return Response(body, status_code=response.status_code, headers=response.headers)
-
-    return handle
 
 
 def _event(name: str, payload: dict[str, Any]) -> ServerSentEventMessage:
@@ -100,12 +74,7 @@ class AnthropicController(Controller):
     tags = ["anthropic"]
     dto = StrictBody
     return_dto = None
-    exception_handlers: ExceptionHandlersMap = {
-        ApiError: _in_anthropic_shape(api_error_handler),
-        HTTPException: _in_anthropic_shape(http_error_handler),
-        RecursionError: _in_anthropic_shape(nesting_error_handler),
-        Exception: _in_anthropic_shape(internal_error_handler),
-    }
+    exception_handlers = error_handlers_answering(_error_body)
 
     @post("/", status_code=200, responses=RESPONSES)
     async def messages(

@@ -26,8 +26,6 @@ from jetshard_schema.types import Chunk, DownloadProgress, DownloadStatus, TaskR
 from litestar import Controller, Request, Response, delete, get, post
 from litestar.background_tasks import BackgroundTask
 from litestar.di import NamedDependency
-from litestar.exceptions import HTTPException
-from litestar.openapi.datastructures import ResponseSpec
 from litestar.params import JSONBody
 from litestar.response import Stream
 
@@ -68,14 +66,7 @@ from jetshard_api.dialects.ollama.types import (
 )
 from jetshard_api.dialects.strict_body import StrictBody
 from jetshard_api.disconnect import unless_disconnected
-from jetshard_api.errors import (
-    INFERENCE_RESPONSES,
-    ApiError,
-    api_error_handler,
-    http_error_handler,
-    internal_error_handler,
-    nesting_error_handler,
-)
+from jetshard_api.errors import ApiError, error_handlers_answering, inference_responses_in
 from jetshard_api.hub import fetch_card
 from jetshard_api.route_steps import InferenceSettings, ensure_ready, preview_placement, ready_models
 from jetshard_api.tasks import Choice, LiveTask, Waiting, answer
@@ -99,22 +90,11 @@ def _line(body: msgspec.Struct) -> bytes:
     return msgspec.json.encode(body) + b"\n"
 
 
-def _in_ollama_shape(handler: Callable[[AnyRequest, Any], Response[Any]]) -> Callable[..., Response[OllamaError]]:
-    """One of the app's error handlers, answering `{"error": message}` as Ollama does instead of OpenAI's
-    shape, with the same status and headers."""
-
-    def handle(request: AnyRequest, error: Exception) -> Response[OllamaError]:
-        response = handler(request, error)
-        message = response.content["error"]["message"]
-        return Response(OllamaError(message), status_code=response.status_code, headers=response.headers)
-
-    return handle
+OLLAMA_RESPONSES = inference_responses_in(OllamaError)
 
 
-OLLAMA_RESPONSES = {
-    status: ResponseSpec(data_container=OllamaError, description=spec.description)
-    for status, spec in INFERENCE_RESPONSES.items()
-}
+def _ollama_error(status: int, message: str) -> OllamaError:
+    return OllamaError(message)
 
 
 class _Clock:
@@ -273,12 +253,7 @@ class OllamaController(Controller):
     tags = ["ollama"]
     dto = StrictBody
     return_dto = None
-    exception_handlers = {
-        ApiError: _in_ollama_shape(api_error_handler),
-        HTTPException: _in_ollama_shape(http_error_handler),
-        RecursionError: _in_ollama_shape(nesting_error_handler),
-        Exception: _in_ollama_shape(internal_error_handler),
-    }
+    exception_handlers = error_handlers_answering(_ollama_error)
 
     @post("/chat", status_code=200, responses=OLLAMA_RESPONSES)
     async def chat(
