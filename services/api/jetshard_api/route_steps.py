@@ -1,23 +1,35 @@
-"""Steps the routes share: checking a model id, placing an instance, waiting for a model to be ready; and
-the answer of every DELETE.
+"""Steps the routes share: checking a model id, placing an instance, waiting for a model to be ready, getting
+a model's files onto the nodes that would serve it and deleting them again; and the answer of every DELETE.
 
 Route modules call down into this one and never into each other, so a request flows one way.
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator, Callable
+
 import msgspec
 from jetshard_schema.cards import ModelCard
-from jetshard_schema.commands import EnsureInstance, PlaceInstance
+from jetshard_schema.commands import (
+    AddCustomModelCard,
+    DeleteCustomModelCard,
+    DeleteDownload,
+    EnsureInstance,
+    PlaceInstance,
+    StartDownload,
+)
 from jetshard_schema.events import InstanceChosen, InstancePlaced
 from jetshard_schema.ids import InstanceId, ModelId, NodeId, new_instance_id, parse_model_id
 from jetshard_schema.models import find_card
 from jetshard_schema.placement import ModelUnavailable, Placement, PlacementError, place_in
 from jetshard_schema.state import Instance, State, ready_instances
-from jetshard_schema.types import ServingSettings
+from jetshard_schema.types import DownloadProgress, DownloadStatus, ServingSettings
 
 from jetshard_api.cluster import Cluster
 from jetshard_api.errors import ApiError
+from jetshard_api.hub import fetch_card
 
 
 class InferenceSettings(msgspec.Struct, frozen=True):
@@ -146,3 +158,80 @@ async def wait_ready(
         raise ApiError(
             503, f"{model_id} is unavailable: {'; '.join(failed) or 'its instance was removed'}", "model_unavailable"
         )
+
+
+async def start_pull(cluster: Cluster, model_id: ModelId, serving: ServingSettings) -> list[NodeId]:
+    """Make `model_id` ready to place: add its card from the Hub if the cluster has none, then start downloading
+    the layers that placing it now would put on each node. The nodes downloading, in the placement's order."""
+    card = find_card(cluster.state, model_id) or await _added_card(cluster, model_id)
+    shards = preview_placement(cluster.state, card, serving).shards
+    for shard in shards:
+        await cluster.submit(
+            StartDownload(
+                model_id=model_id, node_id=shard.node_id, start_layer=shard.start_layer, end_layer=shard.end_layer
+            )
+        )
+    return [shard.node_id for shard in shards]
+
+
+async def _added_card(cluster: Cluster, model_id: ModelId) -> ModelCard:
+    card = await asyncio.to_thread(fetch_card, model_id)
+    try:
+        await cluster.submit(AddCustomModelCard(card=card))
+    except ApiError as error:
+        if error.code != "already_exists":  # added meanwhile by another request
+            raise
+    return find_card(cluster.state, model_id) or card
+
+
+async def pulling(
+    cluster: Cluster, model_id: ModelId, nodes: list[NodeId], every_s: float
+) -> AsyncIterator[tuple[NodeId, DownloadProgress]]:
+    """Each node's download of `model_id`, node by node, again whenever one moves (and every `every_s`), until
+    every one completed; ApiError when one fails, is cancelled or deleted."""
+
+    def downloads(state: State) -> list[DownloadProgress | None]:
+        return [d.progress if (d := state.download(node, model_id)) else None for node in nodes]
+
+    while True:
+        current = downloads(cluster.state)
+        for node, progress in zip(nodes, current, strict=True):
+            if progress is None or progress.status in (DownloadStatus.FAILED, DownloadStatus.CANCELLED):
+                why = "it was deleted" if progress is None else progress.reason or str(progress.status)
+                raise ApiError(502, f"downloading {model_id} to node {node} failed: {why}", "download_failed")
+            yield node, progress
+        if all(p is not None and p.status is DownloadStatus.COMPLETED for p in current):
+            return
+        await _moved(cluster, downloads, current, every_s)
+
+
+async def _moved(
+    cluster: Cluster, downloads: Callable[[State], list[DownloadProgress | None]], seen: object, within_s: float
+) -> None:
+    """Until the downloads differ from `seen`, or `within_s` passed."""
+    with contextlib.suppress(TimeoutError):
+        await cluster.follower.wait_until(lambda s: downloads(s) != seen, within_s)
+
+
+async def until_pulled(cluster: Cluster, model_id: ModelId, nodes: list[NodeId], every_s: float) -> None:
+    async for _ in pulling(cluster, model_id, nodes, every_s):
+        pass
+
+
+async def delete_everywhere(cluster: Cluster, model_id: ModelId) -> bool:
+    """Delete `model_id`'s files from every node (409 while an instance uses them, or from a read-only
+    directory), then its card if it is a custom one (a pulled model's); False when there was neither."""
+    state = cluster.state
+    nodes = sorted(node for node, per_node in state.downloads.items() if model_id in per_node)
+    custom = model_id in state.custom_cards
+    if not nodes and not custom:
+        return False
+    for node in nodes:
+        await cluster.submit(DeleteDownload(model_id=model_id, node_id=node))
+    with contextlib.suppress(TimeoutError):
+        await cluster.follower.wait_until(
+            lambda s: all(s.download(n, model_id) is None for n in nodes), cluster.command_timeout_s
+        )
+    if custom:
+        await cluster.submit(DeleteCustomModelCard(model_id=model_id))
+    return True

@@ -3,13 +3,12 @@ show, ps, version, pull and delete, answering the way Ollama does (streams of JS
 as `{"error": message}`), so Ollama's clients can use the cluster.
 
 Model names are `org/name`, with or without `:latest` (this cluster has no other tags). Inference goes
-through the shared request path (`tasks`); `pull` and `delete` map onto the cluster's downloads.
+through the shared request path (`tasks`); `pull` and `delete` are the cluster's steps of getting a model's
+files onto its nodes and deleting them (`route_steps`).
 """
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import hashlib
 import re
 import time
@@ -18,11 +17,10 @@ from typing import Any
 
 import msgspec
 from jetshard_schema.cards import ModelCard
-from jetshard_schema.commands import AddCustomModelCard, DeleteCustomModelCard, DeleteDownload, StartDownload
 from jetshard_schema.ids import ModelId, NodeId, new_task_id
 from jetshard_schema.models import all_cards, find_card
 from jetshard_schema.state import State
-from jetshard_schema.types import Chunk, DownloadProgress, DownloadStatus, TaskRequest, TokenLogprob, Usage
+from jetshard_schema.types import Chunk, TaskRequest, TokenLogprob, Usage
 from litestar import Controller, Request, Response, delete, get, post
 from litestar.background_tasks import BackgroundTask
 from litestar.di import NamedDependency
@@ -67,8 +65,15 @@ from jetshard_api.dialects.ollama.types import (
 from jetshard_api.dialects.strict_body import StrictBody
 from jetshard_api.disconnect import unless_disconnected
 from jetshard_api.errors import ApiError, error_handlers_answering, inference_responses_in
-from jetshard_api.hub import fetch_card
-from jetshard_api.route_steps import InferenceSettings, ensure_ready, preview_placement, ready_models
+from jetshard_api.route_steps import (
+    InferenceSettings,
+    delete_everywhere,
+    ensure_ready,
+    pulling,
+    ready_models,
+    start_pull,
+    until_pulled,
+)
 from jetshard_api.tasks import Choice, LiveTask, Waiting, answer
 
 AnyRequest = Request[Any, Any, Any]
@@ -362,17 +367,9 @@ class OllamaController(Controller):
         layers that placing it now would put on each node. Streams progress lines unless `stream` is false.
         A client that leaves does not stop the downloads (`POST /downloads/cancel` does)."""
         model_id = model_id_of(data.model_name)
-        card = find_card(cluster.state, model_id) or await _added_card(cluster, model_id)
-        shards = preview_placement(cluster.state, card, settings.serving).shards
-        for shard in shards:
-            await cluster.submit(
-                StartDownload(
-                    model_id=model_id, node_id=shard.node_id, start_layer=shard.start_layer, end_layer=shard.end_layer
-                )
-            )
-        nodes = [shard.node_id for shard in shards]
+        nodes = await start_pull(cluster, model_id, settings.serving)
         if not data.stream:
-            await unless_disconnected(request.receive, _until_pulled(cluster, model_id, nodes, settings))
+            await unless_disconnected(request.receive, until_pulled(cluster, model_id, nodes, settings.keep_alive_s))
             return Response(Progress(status="success"))
 
         async def lines() -> AsyncIterator[bytes]:
@@ -389,30 +386,8 @@ class OllamaController(Controller):
     async def delete_model(self, cluster: NamedDependency[Cluster], data: JSONBody[ModelRequest]) -> None:
         """Delete a model's files from every node (409 while an instance uses them, or from a read-only
         directory), then its card if it is a custom one (a pulled model's): what `pull` did, undone."""
-        model_id = model_id_of(data.model_name)
-        state = cluster.state
-        nodes = sorted(node for node, per_node in state.downloads.items() if model_id in per_node)
-        custom = model_id in state.custom_cards
-        if not nodes and not custom:
+        if not await delete_everywhere(cluster, model_id_of(data.model_name)):
             raise ApiError(404, f"model {data.model_name!r} not found", "model_not_found", "model")
-        for node in nodes:
-            await cluster.submit(DeleteDownload(model_id=model_id, node_id=node))
-        with contextlib.suppress(TimeoutError):
-            await cluster.follower.wait_until(
-                lambda s: all(s.download(n, model_id) is None for n in nodes), cluster.command_timeout_s
-            )
-        if custom:
-            await cluster.submit(DeleteCustomModelCard(model_id=model_id))
-
-
-async def _added_card(cluster: Cluster, model_id: ModelId) -> ModelCard:
-    card = await asyncio.to_thread(fetch_card, model_id)
-    try:
-        await cluster.submit(AddCustomModelCard(card=card))
-    except ApiError as error:
-        if error.code != "already_exists":  # added meanwhile by another request
-            raise
-    return find_card(cluster.state, model_id) or card
 
 
 def _digest(model_id: ModelId, node: NodeId) -> str:
@@ -421,39 +396,13 @@ def _digest(model_id: ModelId, node: NodeId) -> str:
 
 
 async def _pulling(cluster: Cluster, model_id: ModelId, nodes: list[NodeId], every_s: float) -> AsyncIterator[Progress]:
-    """A line per node's download whenever one moves (and every `every_s`), then `success`; ApiError when a
-    download fails, is cancelled or deleted."""
-
-    def downloads(state: State) -> list[DownloadProgress | None]:
-        return [d.progress if (d := state.download(node, model_id)) else None for node in nodes]
-
-    while True:
-        current = downloads(cluster.state)
-        for node, progress in zip(nodes, current, strict=True):
-            if progress is None or progress.status in (DownloadStatus.FAILED, DownloadStatus.CANCELLED):
-                why = "it was deleted" if progress is None else progress.reason or str(progress.status)
-                raise ApiError(502, f"downloading {model_id} to node {node} failed: {why}", "download_failed")
-            digest = _digest(model_id, node)
-            yield Progress(
-                status=f"pulling {digest[:12]}",
-                digest=f"sha256:{digest}",
-                total=progress.bytes_total,
-                completed=progress.bytes_done,
-            )
-        if all(p is not None and p.status is DownloadStatus.COMPLETED for p in current):
-            yield Progress(status="success")
-            return
-        await _moved(cluster, downloads, current, every_s)
-
-
-async def _moved(
-    cluster: Cluster, downloads: Callable[[State], list[DownloadProgress | None]], seen: object, within_s: float
-) -> None:
-    """Until the downloads differ from `seen`, or `within_s` passed."""
-    with contextlib.suppress(TimeoutError):
-        await cluster.follower.wait_until(lambda s: downloads(s) != seen, within_s)
-
-
-async def _until_pulled(cluster: Cluster, model_id: ModelId, nodes: list[NodeId], settings: InferenceSettings) -> None:
-    async for _ in _pulling(cluster, model_id, nodes, settings.keep_alive_s):
-        pass
+    """A line per node's download whenever one moves (and every `every_s`), then `success`."""
+    async for node, progress in pulling(cluster, model_id, nodes, every_s):
+        digest = _digest(model_id, node)
+        yield Progress(
+            status=f"pulling {digest[:12]}",
+            digest=f"sha256:{digest}",
+            total=progress.bytes_total,
+            completed=progress.bytes_done,
+        )
+    yield Progress(status="success")
