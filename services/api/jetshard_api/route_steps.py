@@ -11,15 +11,8 @@ import contextlib
 from collections.abc import AsyncIterator, Callable
 
 import msgspec
+from jetshard_schema import commands
 from jetshard_schema.cards import ModelCard
-from jetshard_schema.commands import (
-    AddCustomModelCard,
-    DeleteCustomModelCard,
-    DeleteDownload,
-    EnsureInstance,
-    PlaceInstance,
-    StartDownload,
-)
 from jetshard_schema.events import InstanceChosen, InstancePlaced
 from jetshard_schema.ids import InstanceId, ModelId, NodeId, new_instance_id, parse_model_id
 from jetshard_schema.models import find_card
@@ -77,7 +70,7 @@ async def place_instance(
 ) -> Instance:
     instance_id = new_instance_id()
     await cluster.submit(
-        PlaceInstance(
+        commands.PlaceInstance(
             instance_id=instance_id,
             model_id=model_id,
             node_ids=tuple(NodeId(n) for n in node_ids) if node_ids else None,
@@ -132,7 +125,7 @@ async def ensure_placed(cluster: Cluster, model_id: ModelId, settings: Inference
             "model",
         )
     events = await cluster.submit(
-        EnsureInstance(instance_id=new_instance_id(), model_id=model_id, serving=settings.serving)
+        commands.EnsureInstance(instance_id=new_instance_id(), model_id=model_id, serving=settings.serving)
     )
     return frozenset(e.instance_id for e in events if isinstance(e, InstancePlaced | InstanceChosen))
 
@@ -167,7 +160,7 @@ async def start_pull(cluster: Cluster, model_id: ModelId, serving: ServingSettin
     shards = preview_placement(cluster.state, card, serving).shards
     for shard in shards:
         await cluster.submit(
-            StartDownload(
+            commands.StartDownload(
                 model_id=model_id, node_id=shard.node_id, start_layer=shard.start_layer, end_layer=shard.end_layer
             )
         )
@@ -177,7 +170,7 @@ async def start_pull(cluster: Cluster, model_id: ModelId, serving: ServingSettin
 async def _added_card(cluster: Cluster, model_id: ModelId) -> ModelCard:
     card = await asyncio.to_thread(fetch_card, model_id)
     try:
-        await cluster.submit(AddCustomModelCard(card=card))
+        await cluster.submit(commands.AddCustomModelCard(card=card))
     except ApiError as error:
         if error.code != "already_exists":  # added meanwhile by another request
             raise
@@ -227,11 +220,11 @@ async def delete_everywhere(cluster: Cluster, model_id: ModelId) -> bool:
     if not nodes and not custom:
         return False
     for node in nodes:
-        await cluster.submit(DeleteDownload(model_id=model_id, node_id=node))
+        await cluster.submit(commands.DeleteDownload(model_id=model_id, node_id=node))
     with contextlib.suppress(TimeoutError):
         await cluster.follower.wait_until(
             lambda s: all(s.download(n, model_id) is None for n in nodes), cluster.command_timeout_s
         )
     if custom:
-        await cluster.submit(DeleteCustomModelCard(model_id=model_id))
+        await cluster.submit(commands.DeleteCustomModelCard(model_id=model_id))
     return True

@@ -1,9 +1,10 @@
 """The dialects' request bodies, decoded once and strictly, with JSON's own types.
 
 Litestar converts a body leniently (`"max_tokens": "5"` becomes 5); OpenAI refuses a value of the wrong type,
-and a client that sends one has a bug to see. A dialect's controller declares `dto=StrictBody` (and
-`return_dto=None`: its answers are encoded as they are): Litestar then hands the raw body to `decode_bytes`,
-which decodes it into the type of the handler's `data`, and documents that type as the request body. A body
+and a client that sends one has a bug to see. A dialect's controller is a `DialectController`, which
+declares `dto=StrictBody` (and `return_dto=None`: its answers are encoded as they are): Litestar then hands
+the raw body to `decode_bytes`, which decodes it into the type of the handler's `data`, and documents that
+type as the request body. A body
 that does not decode is an ApiError, which the controller's exception handlers answer in the dialect's shape.
 """
 
@@ -14,6 +15,7 @@ from collections.abc import Generator
 from typing import Any, TypeVar
 
 import msgspec
+from litestar import Controller
 from litestar.dto import AbstractDTO, DTOFieldDefinition
 from litestar.openapi.spec import Reference, Schema
 from litestar.typing import FieldDefinition
@@ -77,3 +79,10 @@ class StrictBody(AbstractDTO[Any]):
     @classmethod
     def detect_nested_field(cls, field_definition: FieldDefinition) -> bool:
         return False
+
+
+class DialectController(Controller):
+    """A dialect's routes: bodies decoded by `StrictBody`, answers encoded as the handlers return them."""
+
+    dto = StrictBody
+    return_dto = None

@@ -15,7 +15,7 @@ from typing import Any
 import msgspec
 from jetshard_schema.ids import new_task_id
 from jetshard_schema.types import Chunk, SamplingParams, TaskOutcome, TaskRequest, ToolCall, Usage
-from litestar import Controller, Request, Response, post
+from litestar import Request, Response, post
 from litestar.di import NamedDependency
 from litestar.params import JSONBody
 from litestar.response import ServerSentEvent
@@ -38,7 +38,7 @@ from jetshard_api.dialects.anthropic.types import (
     tool_use_block,
 )
 from jetshard_api.dialects.streaming import streamed
-from jetshard_api.dialects.strict_body import StrictBody
+from jetshard_api.dialects.strict_body import DialectController
 from jetshard_api.errors import ApiError, error_handlers_answering, inference_responses_in
 from jetshard_api.route_steps import InferenceSettings, checked_model_id
 from jetshard_api.tasks import answer
@@ -69,11 +69,9 @@ def _event(name: str, payload: dict[str, Any]) -> ServerSentEventMessage:
     return ServerSentEventMessage(event=name, data=msgspec.json.encode({"type": name, **payload}).decode())
 
 
-class AnthropicController(Controller):
+class AnthropicController(DialectController):
     path = "/v1/messages"
     tags = ["anthropic"]
-    dto = StrictBody
-    return_dto = None
     exception_handlers = error_handlers_answering(_error_body)
 
     @post("/", status_code=200, responses=RESPONSES)

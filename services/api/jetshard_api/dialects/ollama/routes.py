@@ -21,7 +21,7 @@ from jetshard_schema.ids import ModelId, NodeId, new_task_id
 from jetshard_schema.models import all_cards, find_card
 from jetshard_schema.state import State
 from jetshard_schema.types import Chunk, TaskRequest, TokenLogprob, Usage
-from litestar import Controller, Request, Response, delete, get, post
+from litestar import Request, Response, delete, get, post
 from litestar.background_tasks import BackgroundTask
 from litestar.di import NamedDependency
 from litestar.params import JSONBody
@@ -40,8 +40,8 @@ from jetshard_api.dialects.ollama.types import (
     EmbedRequest,
     GenerateAnswer,
     GenerateRequest,
+    GenerationRequest,
     ListedModel,
-    LogprobBody,
     ModelInfo,
     ModelList,
     ModelRequest,
@@ -62,7 +62,8 @@ from jetshard_api.dialects.ollama.types import (
     shortened,
     tool_call_bodies,
 )
-from jetshard_api.dialects.strict_body import StrictBody
+from jetshard_api.dialects.openai.types import TokenLogprobBody
+from jetshard_api.dialects.strict_body import DialectController
 from jetshard_api.disconnect import unless_disconnected
 from jetshard_api.errors import ApiError, error_handlers_answering, inference_responses_in
 from jetshard_api.route_steps import (
@@ -154,7 +155,7 @@ class _Reply:
     ) -> dict[str, Any]:
         head: dict[str, Any] = {"model": self._name, "created_at": now(), "done": done}
         if self._logprobs:
-            head["logprobs"] = [LogprobBody.of(lp) for lp in logprobs]
+            head["logprobs"] = [TokenLogprobBody.of(lp) for lp in logprobs]
         if done:
             head |= {"done_reason": done_reason(self._whole.finish_reason), **self._clock.done(usage)}
         return head
@@ -241,6 +242,21 @@ async def _load(
     return Response(shape({"model": name, "created_at": now(), "done": True, "done_reason": "load"}, "", None))
 
 
+async def _generated(
+    cluster: Cluster,
+    settings: InferenceSettings,
+    request: AnyRequest,
+    data: GenerationRequest,
+    task: TaskRequest,
+    shape: Shape,
+    has_input: bool,
+) -> Response[Any] | Stream:
+    """A chat's or a generation's answer (`_answer`), or with no input its model loaded (`_load`)."""
+    if not has_input:
+        return await _load(cluster, settings, task, request, data.keep_alive, data.model, shape)
+    return await _answer(cluster, settings, task, request, data.stream, data.model, shape)
+
+
 def _context_length(state: State, model_id: ModelId) -> int | None:
     card = find_card(state, model_id)
     return card.context_length if card else None
@@ -253,11 +269,9 @@ def _card(state: State, name: str) -> ModelCard:
     return card
 
 
-class OllamaController(Controller):
+class OllamaController(DialectController):
     path = "/api"
     tags = ["ollama"]
-    dto = StrictBody
-    return_dto = None
     exception_handlers = error_handlers_answering(_ollama_error)
 
     @post("/chat", status_code=200, responses=OLLAMA_RESPONSES)
@@ -273,9 +287,7 @@ class OllamaController(Controller):
         false; no messages: load the model."""
         model_id = model_id_of(data.model)
         task = chat_task(new_task_id(), model_id, data, _context_length(cluster.state, model_id))
-        if not data.messages:
-            return await _load(cluster, settings, task, request, data.keep_alive, data.model, _chat_shape)
-        return await _answer(cluster, settings, task, request, data.stream, data.model, _chat_shape)
+        return await _generated(cluster, settings, request, data, task, _chat_shape, bool(data.messages))
 
     @post("/generate", status_code=200, responses=OLLAMA_RESPONSES)
     async def generate(
@@ -290,9 +302,7 @@ class OllamaController(Controller):
         the model."""
         model_id = model_id_of(data.model)
         task = generate_task(new_task_id(), model_id, data, _context_length(cluster.state, model_id))
-        if not data.prompt:
-            return await _load(cluster, settings, task, request, data.keep_alive, data.model, _generate_shape)
-        return await _answer(cluster, settings, task, request, data.stream, data.model, _generate_shape)
+        return await _generated(cluster, settings, request, data, task, _generate_shape, bool(data.prompt))
 
     @post("/embed", status_code=200, responses=OLLAMA_RESPONSES)
     async def embed(

@@ -27,12 +27,12 @@ from jetshard_schema.types import (
     TaskKind,
     TaskOutcome,
     TaskRequest,
-    TokenLogprob,
     ToolCall,
     Tools,
 )
 
 from jetshard_api.dialects import checks
+from jetshard_api.dialects.openai.types import TokenLogprobBody
 from jetshard_api.errors import ApiError
 from jetshard_api.route_steps import checked_model_id
 
@@ -118,7 +118,9 @@ class Options(msgspec.Struct, frozen=True, kw_only=True):
     stop: list[str] | None = None
 
 
-class _Generating(msgspec.Struct, frozen=True, kw_only=True):
+class GenerationRequest(msgspec.Struct, frozen=True, kw_only=True):
+    """What a chat and a generation both take."""
+
     model: str
     stream: bool = True
     """Ollama streams unless told not to."""
@@ -164,13 +166,13 @@ class ToolDefinition(msgspec.Struct, frozen=True, kw_only=True):
     function: FunctionDefinition
 
 
-class ChatRequest(_Generating, frozen=True, kw_only=True):
+class ChatRequest(GenerationRequest, frozen=True, kw_only=True):
     messages: list[MessageBody] = []
     """None: load the model and answer `done_reason: load`."""
     tools: list[ToolDefinition] | None = None
 
 
-class GenerateRequest(_Generating, frozen=True, kw_only=True):
+class GenerateRequest(GenerationRequest, frozen=True, kw_only=True):
     prompt: str = ""
     """Empty: load the model and answer `done_reason: load`."""
     system: str | None = None
@@ -263,7 +265,9 @@ def output_schema(format: str | dict[str, Any] | None) -> dict[str, Any] | None:
     return checks.output_schema(format, "format")
 
 
-def _common(task_id: TaskId, model_id: ModelId, request: _Generating, context_length: int | None) -> dict[str, Any]:
+def _common(
+    task_id: TaskId, model_id: ModelId, request: GenerationRequest, context_length: int | None
+) -> dict[str, Any]:
     if request.think not in (None, False):
         raise checks.unsupported("think", "(thinking models)")
     return {
@@ -359,24 +363,6 @@ class OllamaError(msgspec.Struct, frozen=True):
     error: str
 
 
-class TopLogprobBody(msgspec.Struct, frozen=True):
-    token: str
-    logprob: float
-    bytes: list[int]
-
-
-class LogprobBody(msgspec.Struct, frozen=True):
-    token: str
-    logprob: float
-    bytes: list[int]
-    top_logprobs: list[TopLogprobBody]
-
-    @classmethod
-    def of(cls, lp: TokenLogprob) -> LogprobBody:
-        top = [TopLogprobBody(t.token, t.logprob, list(t.token.encode())) for t in lp.top]
-        return cls(lp.token, lp.logprob, list(lp.token.encode()), top)
-
-
 class AssistantMessage(msgspec.Struct, frozen=True, omit_defaults=True):
     role: str
     content: str
@@ -419,7 +405,7 @@ class _Answer(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
     prompt_eval_duration: int | None = None
     eval_count: int | None = None
     eval_duration: int | None = None
-    logprobs: list[LogprobBody] | None = None
+    logprobs: list[TokenLogprobBody] | None = None
 
 
 class ChatAnswer(_Answer, frozen=True, kw_only=True, omit_defaults=True):

@@ -15,7 +15,7 @@ from jetshard_schema.ids import ModelId, new_task_id
 from jetshard_schema.models import all_cards, find_card
 from jetshard_schema.sampling import documented_defaults
 from jetshard_schema.types import Chunk, TaskKind, TaskRequest
-from litestar import Controller, Request, Response, get, post
+from litestar import Request, Response, get, post
 from litestar.di import NamedDependency
 from litestar.params import FromPath, JSONBody
 from litestar.response import ServerSentEvent
@@ -44,7 +44,7 @@ from jetshard_api.dialects.openai.types import (
     finish_reason,
 )
 from jetshard_api.dialects.streaming import keep_alive_comment, streamed
-from jetshard_api.dialects.strict_body import StrictBody
+from jetshard_api.dialects.strict_body import DialectController
 from jetshard_api.errors import ERROR_RESPONSES, INFERENCE_RESPONSES, ApiError, error_body
 from jetshard_api.route_steps import InferenceSettings, checked_model_id, ready_models
 from jetshard_api.tasks import answer
@@ -56,11 +56,9 @@ def _sse(payload: object) -> ServerSentEventMessage:
     return ServerSentEventMessage(data=payload if isinstance(payload, str) else msgspec.json.encode(payload).decode())
 
 
-class OpenAIController(Controller):
+class OpenAIController(DialectController):
     path = "/v1"
     tags = ["openai"]
-    dto = StrictBody
-    return_dto = None
 
     @get("/models", responses=ERROR_RESPONSES)
     async def models(self, cluster: NamedDependency[Cluster]) -> ModelList:

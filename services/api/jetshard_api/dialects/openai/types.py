@@ -256,23 +256,18 @@ class TokenLogprobBody(msgspec.Struct, frozen=True):
     bytes: list[int]
     top_logprobs: list[TopLogprobBody]
 
+    @classmethod
+    def of(cls, lp: TokenLogprob) -> TokenLogprobBody:
+        top = [TopLogprobBody(t.token, t.logprob, list(t.token.encode())) for t in lp.top]
+        return cls(lp.token, lp.logprob, list(lp.token.encode()), top)
+
 
 class ChoiceLogprobs(msgspec.Struct, frozen=True):
     content: list[TokenLogprobBody]
 
     @classmethod
     def of(cls, logprobs: list[TokenLogprob] | tuple[TokenLogprob, ...]) -> ChoiceLogprobs:
-        return cls(
-            [
-                TokenLogprobBody(
-                    token=lp.token,
-                    logprob=lp.logprob,
-                    bytes=list(lp.token.encode()),
-                    top_logprobs=[TopLogprobBody(t.token, t.logprob, list(t.token.encode())) for t in lp.top],
-                )
-                for lp in logprobs
-            ]
-        )
+        return cls([TokenLogprobBody.of(lp) for lp in logprobs])
 
 
 class CompletionLogprobs(msgspec.Struct, frozen=True):

@@ -14,7 +14,7 @@ from typing import Any
 import msgspec
 from jetshard_schema.ids import new_task_id
 from jetshard_schema.types import Chunk, TaskOutcome, TaskRequest, ToolCall
-from litestar import Controller, Request, Response, post
+from litestar import Request, Response, post
 from litestar.di import NamedDependency
 from litestar.params import JSONBody
 from litestar.response import ServerSentEvent
@@ -34,7 +34,7 @@ from jetshard_api.dialects.responses.types import (
     response_task,
 )
 from jetshard_api.dialects.streaming import keep_alive_comment, streamed
-from jetshard_api.dialects.strict_body import StrictBody
+from jetshard_api.dialects.strict_body import DialectController
 from jetshard_api.errors import INFERENCE_RESPONSES, ApiError
 from jetshard_api.route_steps import InferenceSettings, checked_model_id
 from jetshard_api.tasks import answer
@@ -42,11 +42,9 @@ from jetshard_api.tasks import answer
 AnyRequest = Request[Any, Any, Any]
 
 
-class ResponsesController(Controller):
+class ResponsesController(DialectController):
     path = "/v1/responses"
     tags = ["openai"]
-    dto = StrictBody
-    return_dto = None
 
     @post(status_code=200, responses=INFERENCE_RESPONSES)
     async def create(
