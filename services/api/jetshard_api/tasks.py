@@ -241,6 +241,14 @@ class Choice:
     finish_reason: TaskOutcome | None = None
     embedding: tuple[float, ...] = ()
 
+    def add(self, chunk: Chunk) -> None:
+        """Take in one chunk of this choice's output."""
+        self.text += chunk.text
+        self.tool_calls += chunk.tool_calls
+        self.logprobs += chunk.logprobs
+        self.embedding = chunk.embedding or self.embedding
+        self.finish_reason = chunk.finish_reason or self.finish_reason
+
 
 @dataclass
 class Answer:
@@ -262,12 +270,7 @@ async def _collect(cluster: Cluster, settings: InferenceSettings, task: TaskRequ
         await chunks.submit()
         while not chunks.finished:
             chunk = await chunks.next()
-            choice = choices[chunk.choice]
-            choice.text += chunk.text
-            choice.tool_calls += chunk.tool_calls
-            choice.logprobs += chunk.logprobs
-            choice.embedding = chunk.embedding or choice.embedding
-            choice.finish_reason = chunk.finish_reason or choice.finish_reason
+            choices[chunk.choice].add(chunk)
             usage = chunk.usage or usage
     return Answer(choices, usage)
 

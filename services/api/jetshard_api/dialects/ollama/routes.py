@@ -163,10 +163,7 @@ class _Reply:
     def _add(self, chunk: Chunk) -> list[ToolCallBody] | None:
         self._clock.mark_output()
         calls = tool_call_bodies(chunk.tool_calls, len(self._whole.tool_calls)) or None
-        self._whole.text += chunk.text
-        self._whole.tool_calls += chunk.tool_calls
-        self._whole.logprobs += chunk.logprobs
-        self._whole.finish_reason = chunk.finish_reason or self._whole.finish_reason
+        self._whole.add(chunk)
         return calls
 
     def waiting(self) -> ChatAnswer | GenerateAnswer:

@@ -37,6 +37,7 @@ from jetshard_api.dialects.openai.types import (
     EmbeddingUsage,
     ModelList,
     ModelObject,
+    StreamOptions,
     UsageBody,
     chat_task,
     completion_task,
@@ -89,9 +90,8 @@ class OpenAIController(DialectController):
         text, tool calls (`tools`, `tool_choice`), JSON that follows a schema (`response_format`), logprobs,
         `n` choices."""
         task = chat_task(new_task_id(), checked_model_id(data.model, param="model"), data)
-        include_usage = bool(data.stream_options and data.stream_options.include_usage)
         if data.stream:
-            return await streamed(cluster, settings, task, request.receive, _Events(task, include_usage))
+            return await streamed(cluster, settings, task, request.receive, _Events(task, data.stream_options))
         result = await answer(cluster, settings, task, request.receive)
         choices = [ChatChoice.of(i, c, data.logprobs) for i, c in enumerate(result.choices)]
         # A Response, not the bare body: the route's media type would otherwise be JSON for the stream too.
@@ -107,9 +107,8 @@ class OpenAIController(DialectController):
     ) -> Response[Completion] | ServerSentEvent:
         """The answer as one JSON body, or with `stream` as Server-Sent Events of `text_completion`s."""
         task = completion_task(new_task_id(), checked_model_id(data.model, param="model"), data)
-        include_usage = bool(data.stream_options and data.stream_options.include_usage)
         if data.stream:
-            return await streamed(cluster, settings, task, request.receive, _Events(task, include_usage))
+            return await streamed(cluster, settings, task, request.receive, _Events(task, data.stream_options))
         result = await answer(cluster, settings, task, request.receive)
         choices = [CompletionChoice.of(i, c, data.logprobs is not None) for i, c in enumerate(result.choices)]
         return Response(Completion(**_head(task, result.usage), choices=choices))
@@ -158,10 +157,10 @@ class _Events:
     the first output, a piece per chunk with output, the usage last if asked for, then `[DONE]`; an error is
     sent in the error shape before `[DONE]`."""
 
-    def __init__(self, task: TaskRequest, include_usage: bool) -> None:
+    def __init__(self, task: TaskRequest, options: StreamOptions | None) -> None:
         self._task = task
         self._chat = task.kind is TaskKind.CHAT
-        self._include_usage = include_usage
+        self._include_usage = bool(options and options.include_usage)
         self._base = {
             "id": _response_id(task),
             "object": "chat.completion.chunk" if self._chat else "text_completion",
