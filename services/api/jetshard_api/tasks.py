@@ -16,7 +16,7 @@ import logging
 import time
 from collections.abc import AsyncIterator
 from contextlib import AsyncExitStack
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from jetshard_schema.codec import decode_chunk
@@ -25,9 +25,10 @@ from jetshard_schema.events import TaskAssigned, TaskFinished
 from jetshard_schema.ids import InstanceId, NodeId
 from jetshard_schema.state import State, ready_instances
 from jetshard_schema.subjects import chunk_sender, task_chunks
-from jetshard_schema.types import Chunk, TaskOutcome, TaskRequest, TokenLogprob, ToolCall, Usage
+from jetshard_schema.types import Chunk, TaskRequest, Usage
 from litestar.types import Receive
 
+from jetshard_api.answers import Answer, Choice
 from jetshard_api.cluster import Cluster
 from jetshard_api.disconnect import stopped, unless_disconnected
 from jetshard_api.errors import ApiError
@@ -229,31 +230,6 @@ def _waiting_for(state: State, request: TaskRequest) -> str:
     queued = state.unstarted_tasks(task.instance_id, task.generation)
     ahead = sum(1 for t in queued if t.assigned_seq < task.assigned_seq)
     return f"queued; {ahead} queued before this one"
-
-
-@dataclass
-class Choice:
-    """One choice's whole output, as a non-streaming answer gives it."""
-
-    text: str = ""
-    tool_calls: list[ToolCall] = field(default_factory=list)
-    logprobs: list[TokenLogprob] = field(default_factory=list)
-    finish_reason: TaskOutcome | None = None
-    embedding: tuple[float, ...] = ()
-
-    def add(self, chunk: Chunk) -> None:
-        """Take in one chunk of this choice's output."""
-        self.text += chunk.text
-        self.tool_calls += chunk.tool_calls
-        self.logprobs += chunk.logprobs
-        self.embedding = chunk.embedding or self.embedding
-        self.finish_reason = chunk.finish_reason or self.finish_reason
-
-
-@dataclass
-class Answer:
-    choices: list[Choice]
-    usage: Usage
 
 
 async def answer(cluster: Cluster, settings: InferenceSettings, task: TaskRequest, receive: Receive) -> Answer:

@@ -20,8 +20,8 @@ import msgspec
 from jetshard_schema.ids import ModelId, TaskId
 from jetshard_schema.types import ChatMessage, SamplingParams, TaskKind, TaskOutcome, TaskRequest, ToolCall, ToolChoice
 
+from jetshard_api.answers import Choice
 from jetshard_api.dialects import checks
-from jetshard_api.tasks import Choice
 
 # --- content blocks, in requests and in answers -------------------------------------------------------------
 

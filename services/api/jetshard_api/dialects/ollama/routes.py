@@ -27,6 +27,7 @@ from litestar.di import NamedDependency
 from litestar.params import JSONBody
 from litestar.response import Stream
 
+from jetshard_api.answers import Choice
 from jetshard_api.cluster import Cluster
 from jetshard_api.dialects import checks
 from jetshard_api.dialects.ollama.types import (
@@ -75,7 +76,7 @@ from jetshard_api.route_steps import (
     start_pull,
     until_pulled,
 )
-from jetshard_api.tasks import Choice, LiveTask, Waiting, answer
+from jetshard_api.tasks import LiveTask, Waiting, answer
 
 AnyRequest = Request[Any, Any, Any]
 NDJSON = "application/x-ndjson"

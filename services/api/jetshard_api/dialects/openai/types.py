@@ -27,8 +27,8 @@ from jetshard_schema.types import (
     Usage,
 )
 
+from jetshard_api.answers import Choice
 from jetshard_api.dialects import checks
-from jetshard_api.tasks import Choice
 
 
 class StreamOptions(msgspec.Struct, frozen=True):
