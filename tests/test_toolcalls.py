@@ -155,6 +155,8 @@ class TemplateOnly:
 
 @pytest.mark.parametrize("rec", RECORDED, ids=lambda r: r.parser)
 def test_mlx_lm_picks_this_format_for_such_models(rec: Recorded) -> None:
+    """mlx-lm's private `_infer_tool_parser`, on purpose: it is how mlx-lm picks a model's tool-call format from its
+    chat template (no public name does that without loading a tokenizer), and this pins that choice."""
     assert _infer_tool_parser(TemplateOnly(rec.template)) == rec.parser
 
 
