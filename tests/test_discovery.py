@@ -193,14 +193,14 @@ def test_hosts_find_each_other_and_keep_a_host_that_went_away(network: Lan, tmp_
         seen(logs[one.name], lambda view: names(view["peers"]) == {two.name, three.name})
 
         two.link_down()
-        time.sleep(KEPT_S)
+        time.sleep(KEPT_S)  # deliberate timing: time passes while it is gone, and a cluster peer is still kept
         seen(logs[one.name], lambda view: two.name in names(view["cluster_peers"]))
         two.link_up()
 
         # A clean goodbye (the service removed at once everywhere) does not forget the host either...
         announcers[1].terminate()
         announcers[1].wait(DEADLINE_S)
-        time.sleep(KEPT_S)
+        time.sleep(KEPT_S)  # deliberate timing: time passes while it is gone, and a cluster peer is still kept
         seen(logs[one.name], lambda view: two.name in names(view["cluster_peers"]))
         # ...and its announcement after a restart replaces the one kept.
         announcers[1] = announce(two, tmp_path / "two-again.log", "alpha", 6230, 8030)

@@ -37,7 +37,7 @@ async def test_a_request_arrives_while_the_stream_cannot_answer(bus: tuple[Any, 
     requests = await _requests(bus)
     await js.delete_stream(TASKS_STREAM)  # every read of the stream now goes unanswered
     waiting = asyncio.create_task(requests.take(TaskId("t-late")))
-    await asyncio.sleep(0.5)  # the first read has failed by now
+    await asyncio.sleep(0.5)  # deliberate timing: the first read has failed by now, and the take still waits
     assert not waiting.done()
     await client.publish(task_subject(NODE, INSTANCE, "t-late"), b"late prompt")
     stored = await asyncio.wait_for(waiting, 5)
@@ -54,6 +54,6 @@ async def test_a_request_that_never_comes_ends_the_wait_and_an_abandoned_one_end
     assert await asyncio.wait_for(requests.take(TaskId("t-never")), 5) is None
 
     waiting = asyncio.create_task(requests.take(TaskId("t-cancelled")))
-    await asyncio.sleep(0.2)
+    await asyncio.sleep(0.2)  # deliberate timing: the take is waiting when it is abandoned
     requests.abandon(TaskId("t-cancelled"))
     assert await asyncio.wait_for(waiting, 1) is None
