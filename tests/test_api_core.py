@@ -87,6 +87,11 @@ async def test_cluster_routes(fresh_nats, processes, tmp_path: Path) -> None:
         assert nodes[0]["node_id"] == node_id
         assert nodes[0]["profile"]["cpu_cores"] >= 1
         assert "model_dirs" in nodes[0]
+        assert nodes[0]["profile"]["gpus"] == []  # no NVIDIA driver on this machine
+
+        preview = await client.get("/instances/preview", params={"model_id": "mlx-community/Qwen3-0.6B-4bit"})
+        assert preview.status_code == 200, preview.text
+        assert [(s["node_id"], s["device"]) for s in preview.json()["shards"]] == [(node_id, "cpu")]
 
         state = (await client.get("/state")).json()
         assert state["last_seq"] >= 1

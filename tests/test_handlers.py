@@ -60,6 +60,7 @@ from jetshard_schema.types import (
     DownloadProgress,
     DownloadStatus,
     Endpoint,
+    GpuInfo,
     InstanceStatus,
     ModelDirInfo,
     NodeProfile,
@@ -181,6 +182,32 @@ def test_node_join_rejoin_and_meaningful_updates_only() -> None:
         NodeJoined(node_id=A, session_id="s2", profile=renamed)
     ]
     assert list(cluster.state.nodes) == [A]
+
+
+def test_a_gpu_whose_free_memory_moves_updates_the_node() -> None:
+    """A GPU given as data (none here): its free memory is what placement counts on a CUDA node."""
+    cluster = InMemoryCluster()
+
+    def with_gpu(free_gib: float, name: str = "NVIDIA H200") -> NodeProfile:
+        gpu = GpuInfo(
+            name=name,
+            memory_total_bytes=140 * GiB,
+            memory_free_bytes=int(free_gib * GiB),
+            compute_capability="9.0",
+            driver="580.65",
+        )
+        return msgspec.structs.replace(profile(16), accelerator="cuda", gpus=(gpu,))
+
+    cluster.run(ReportNodeProfile(node_id=A, session_id="s1", profile=with_gpu(100)))
+    assert cluster.run(ReportNodeProfile(node_id=A, session_id="s1", profile=with_gpu(97))) == []  # < 5 % of 140
+    taken = with_gpu(80)
+    assert cluster.run(ReportNodeProfile(node_id=A, session_id="s1", profile=taken)) == [
+        NodeUpdated(node_id=A, profile=taken)
+    ]
+    swapped = with_gpu(80, name="NVIDIA H100")
+    assert cluster.run(ReportNodeProfile(node_id=A, session_id="s1", profile=swapped)) == [
+        NodeUpdated(node_id=A, profile=swapped)
+    ]
 
 
 def test_node_storage_reported_only_when_it_changes_meaningfully() -> None:

@@ -9,13 +9,16 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 from jetshard_bus.connect import connect
 from jetshard_bus.follower import StateFollower
+from jetshard_bus.node import node_profile
 from jetshard_bus.options import NatsOptions
 from jetshard_bus.streams import BusTimings
 from jetshard_schema.events import NodeJoined, NodeLost
+from jetshard_schema.types import GpuInfo
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -90,3 +93,62 @@ async def test_a_restarted_worker_is_the_same_node_and_a_stopped_one_is_lost(
     finally:
         await follower.stop()
         await client.close()
+
+
+def test_a_machine_without_an_nvidia_driver_reports_no_gpus_and_computes_on_its_cpu() -> None:
+    profile = node_profile()
+    assert profile.gpus == ()
+    assert profile.accelerator in {"cpu", "metal"}
+
+
+class StandInNvml:
+    """NVML as nvidia-ml-py exposes it, for one H200: a stand-in, since no GPU exists on this machine."""
+
+    class NVMLError(Exception):
+        pass
+
+    @staticmethod
+    def nvmlInit() -> None: ...
+    @staticmethod
+    def nvmlShutdown() -> None: ...
+    @staticmethod
+    def nvmlSystemGetDriverVersion() -> bytes:
+        return b"580.65.06"  # older nvidia-ml-py releases answer bytes
+
+    @staticmethod
+    def nvmlDeviceGetCount() -> int:
+        return 1
+
+    @staticmethod
+    def nvmlDeviceGetHandleByIndex(index: int) -> int:
+        return index
+
+    @staticmethod
+    def nvmlDeviceGetName(handle: int) -> str:
+        return "NVIDIA H200"
+
+    @staticmethod
+    def nvmlDeviceGetMemoryInfo(handle: int) -> SimpleNamespace:
+        return SimpleNamespace(total=150_000_000_000, free=149_000_000_000, used=1_000_000_000)
+
+    @staticmethod
+    def nvmlDeviceGetCudaComputeCapability(handle: int) -> tuple[int, int]:
+        return (9, 0)
+
+
+def test_an_nvidia_gpu_is_reported_and_a_cpu_build_of_mlx_does_not_compute_on_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setitem(sys.modules, "pynvml", StandInNvml)
+    profile = node_profile()
+    assert profile.gpus == (
+        GpuInfo(
+            name="NVIDIA H200",
+            memory_total_bytes=150_000_000_000,
+            memory_free_bytes=149_000_000_000,
+            compute_capability="9.0",
+            driver="580.65.06",
+        ),
+    )
+    # This machine has mlx's CPU build (no mlx-cuda-* distribution): its runners compute on the CPU.
+    assert profile.accelerator == "cpu"

@@ -9,18 +9,20 @@ import msgspec
 import pytest
 from helpers.cards import tiny_card
 from jetshard_schema.cards import Quantization
-from jetshard_schema.ids import NodeId
+from jetshard_schema.ids import InstanceId, NodeId
 from jetshard_schema.placement import (
     PlacementError,
+    device_of,
     kv_cache_bytes,
     parameter_count,
     place,
+    place_in,
     required_memory_bytes,
     split_layers,
     weights_bytes,
 )
-from jetshard_schema.state import Node
-from jetshard_schema.types import NodeProfile, ServingSettings, WeightsDtype
+from jetshard_schema.state import Instance, Node, State
+from jetshard_schema.types import GpuInfo, NodeProfile, ServingSettings, WeightsDtype
 
 GiB = 2**30
 CARD = tiny_card(
@@ -55,6 +57,20 @@ def node(name: str, available_gib: float, accelerator: str = "cpu", fast_blas: b
             fast_blas=fast_blas,
         ),
     )
+
+
+def gpu_node(name: str, system_gib: float, gpu_free_gib: float, accelerator: str = "cuda") -> Node:
+    """A node with an NVIDIA GPU, given as data (no GPU here): its runners compute on it with mlx's CUDA build
+    (`accelerator="cuda"`), or on the CPU without it."""
+    h200 = GpuInfo(
+        name="NVIDIA H200",
+        memory_total_bytes=140 * GiB,
+        memory_free_bytes=int(gpu_free_gib * GiB),
+        compute_capability="9.0",
+        driver="580.65",
+    )
+    plain = node(name, system_gib, accelerator=accelerator)
+    return msgspec.structs.replace(plain, profile=msgspec.structs.replace(plain.profile, gpus=(h200,)))
 
 
 def sizes(ranges: list[tuple[int, int]]) -> list[int]:
@@ -231,3 +247,38 @@ def test_an_explicit_choice_is_kept_and_counted() -> None:
     assert len(float32.shards) == 2  # 35.2 GiB of weights and 8 rows of 512 MiB: 39.2 GiB
     with pytest.raises(PlacementError, match=r"weights 32.00 GiB as float32"):
         place(Q4_CARD, [node("a", 30)], serving=ServingSettings(weights=WeightsDtype.FLOAT32))
+
+
+def test_a_cuda_node_holds_its_shards_in_gpu_memory() -> None:
+    # 20 GiB free on the GPU, 100 GiB in the system: a model of 30 GiB does not fit the GPU alone.
+    big = tiny_card("acme/big", num_layers=32, storage_size_bytes=27 * GiB, context_length=4096)
+    with pytest.raises(PlacementError, match=r"have 20.00 GiB available"):
+        place_one_row(big, [gpu_node("gpu", system_gib=100, gpu_free_gib=20)])
+    # 60 GiB free on the GPU with 8 GiB of system memory: it holds the model alone, in its native weights.
+    placed = place(big, [gpu_node("gpu", system_gib=8, gpu_free_gib=60)], serving=ServingSettings(max_batch=1))
+    assert [s.node_id for s in placed.shards] == ["gpu"]
+    assert placed.serving.weights is WeightsDtype.NATIVE
+    # The same GPU under mlx's CPU build computes nothing: the node counts its system memory.
+    with pytest.raises(PlacementError, match=r"have 8.00 GiB available"):
+        place_one_row(big, [gpu_node("gpu", system_gib=8, gpu_free_gib=60, accelerator="cpu")])
+
+
+def test_a_pipeline_of_a_gpu_and_a_cpu_node_splits_by_the_memory_each_computes_in() -> None:
+    nodes = [gpu_node("gpu", system_gib=4, gpu_free_gib=30), node("cpu", 10)]
+    placed = place_one_row(CARD, nodes, min_nodes=2)
+    assert [(s.node_id, s.end_layer - s.start_layer) for s in placed.shards] == [("gpu", 24), ("cpu", 8)]
+    assert [device_of(n.profile) for n in nodes] == ["cuda:0 (NVIDIA H200)", "cpu"]
+    assert device_of(node("mac", 64, accelerator="metal").profile) == "metal"
+
+
+def test_shards_placed_on_a_gpu_count_against_its_memory_until_loaded() -> None:
+    gpu = gpu_node("gpu", system_gib=100, gpu_free_gib=8)
+    state = State(nodes={gpu.node_id: gpu})
+    first = place_in(state, CARD, serving=ONE_ROW)
+    unloaded = Instance(
+        instance_id=InstanceId("i1"), model_id=CARD.model_id, shards=first.shards, serving=first.serving
+    )
+    # The GPU reports 8 GiB free, the first instance will take ~4.9 of them: a second does not fit beside it, and
+    # the system's 100 GiB are not offered instead.
+    with pytest.raises(PlacementError, match=r"have 3.\d\d GiB available"):
+        place_in(msgspec.structs.replace(state, instances={unloaded.instance_id: unloaded}), CARD, serving=ONE_ROW)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import importlib.metadata
 import logging
 import os
 import platform
@@ -16,7 +17,7 @@ import msgspec
 import psutil
 from jetshard_schema.ids import NodeId, ValidNodeId, new_id
 from jetshard_schema.subjects import LIVENESS_BUCKET
-from jetshard_schema.types import NodeProfile
+from jetshard_schema.types import GpuInfo, NodeProfile
 from nats.js import JetStreamContext
 
 log = logging.getLogger(__name__)
@@ -58,24 +59,80 @@ def _read_node_id(path: Path) -> NodeId:
         raise ValueError(f"{path} holds no valid node id ({error}); delete it to get a new one") from None
 
 
+MLX_CUDA_BUILDS = ("mlx-cuda-13", "mlx-cuda-12", "mlx-cuda")
+"""The distributions of mlx's CUDA build: with one of them installed, mlx computes on the first NVIDIA GPU."""
+
+
 def node_profile() -> NodeProfile:
     memory = psutil.virtual_memory()
+    gpus = nvidia_gpus()
     return NodeProfile(
         hostname=socket.gethostname(),
         os=f"{platform.system()} {platform.release()}",
         cpu_cores=os.cpu_count() or 1,
         memory_total_bytes=memory.total,
         memory_available_bytes=memory.available,
-        accelerator=_accelerator(),
+        accelerator=_accelerator(gpus),
+        gpus=gpus,
     )
 
 
-def _accelerator() -> str:
+def _accelerator(gpus: tuple[GpuInfo, ...]) -> str:
+    """Where this machine's runners compute. Read from what is installed, not by importing mlx: the worker that
+    reports it never loads mlx itself."""
     if platform.system() == "Darwin" and platform.machine() == "arm64":
         return "metal"
-    if Path("/dev/nvidiactl").exists():
+    if gpus and any(_installed(name) for name in MLX_CUDA_BUILDS):
         return "cuda"
     return "cpu"
+
+
+def _installed(distribution: str) -> bool:
+    try:
+        importlib.metadata.distribution(distribution)
+    except importlib.metadata.PackageNotFoundError:
+        return False
+    return True
+
+
+def nvidia_gpus() -> tuple[GpuInfo, ...]:
+    """This machine's NVIDIA GPUs through NVML (nvidia-ml-py); none where NVML or its driver is missing."""
+    try:
+        import pynvml
+    except ImportError:  # not installed on this platform (macOS)
+        return ()
+    try:
+        pynvml.nvmlInit()
+    except pynvml.NVMLError:  # no NVIDIA driver: a machine without an NVIDIA GPU
+        return ()
+    try:
+        driver = _text(pynvml.nvmlSystemGetDriverVersion())
+        gpus = []
+        for index in range(pynvml.nvmlDeviceGetCount()):
+            handle = pynvml.nvmlDeviceGetHandleByIndex(index)
+            memory = pynvml.nvmlDeviceGetMemoryInfo(handle)
+            major, minor = pynvml.nvmlDeviceGetCudaComputeCapability(handle)
+            gpus.append(
+                GpuInfo(
+                    name=_text(pynvml.nvmlDeviceGetName(handle)),
+                    memory_total_bytes=int(memory.total),
+                    memory_free_bytes=int(memory.free),
+                    compute_capability=f"{major}.{minor}",
+                    driver=driver,
+                )
+            )
+        return tuple(gpus)
+    except pynvml.NVMLError as error:  # a GPU that fails its query (fallen off the bus): report none, say why
+        log.warning("NVML could not describe this machine's GPUs: %s", error)
+        return ()
+    finally:
+        with contextlib.suppress(pynvml.NVMLError):
+            pynvml.nvmlShutdown()
+
+
+def _text(value: str | bytes) -> str:
+    """NVML's strings: bytes from older nvidia-ml-py releases, str from newer ones."""
+    return value.decode() if isinstance(value, bytes) else value
 
 
 async def keep_alive(js: JetStreamContext, key: str, session_id: str, ttl_s: float, stop: asyncio.Event) -> None:

@@ -5,7 +5,9 @@ Memory a model needs on the cluster = its weights + a KV-cache headroom: the KV 
 that decode together, the instance's prefix-cache budget, plus 10 % of the weights for activations and
 allocator slack. Weights count at their checkpoint size, or at 4 bytes a parameter when the instance
 dequantizes them to float32. Each node gets a layer range proportional to its available memory (largest
-remainder, at least one layer each); together the nodes must hold the whole requirement.
+remainder, at least one layer each); together the nodes must hold the whole requirement. A node's available
+memory is where its runners compute: the first GPU's free memory on a CUDA node (one GPU a node for now), the
+system's available memory elsewhere (on Apple silicon that is the GPU's too: the memory is unified).
 
 A node's available memory is what it last reported less what the shards placed on it will take and that report
 does not show taken (not loaded yet, or loaded since): instances placed in one burst are each sized against
@@ -29,7 +31,7 @@ from msgspec.structs import replace
 from jetshard_schema.cards import ModelCard, ModelSource
 from jetshard_schema.ids import NodeId
 from jetshard_schema.state import Node, State
-from jetshard_schema.types import ServingSettings, ShardAssignment, WeightsDtype
+from jetshard_schema.types import GpuInfo, NodeProfile, ServingSettings, ShardAssignment, WeightsDtype
 
 ACTIVATION_HEADROOM = 0.10
 KV_BYTES_PER_VALUE = 2
@@ -106,6 +108,23 @@ def split_layers(num_layers: int, weights: Sequence[int]) -> list[tuple[int, int
     return ranges
 
 
+def _compute_gpu(profile: NodeProfile) -> GpuInfo | None:
+    """The GPU a CUDA node's runners compute on: the first (one GPU a node for now)."""
+    return profile.gpus[0] if profile.accelerator == "cuda" and profile.gpus else None
+
+
+def compute_memory_bytes(profile: NodeProfile) -> int:
+    """The free memory a node's shards are held in: its GPU's on a CUDA node, its system's otherwise."""
+    gpu = _compute_gpu(profile)
+    return profile.memory_available_bytes if gpu is None else gpu.memory_free_bytes
+
+
+def device_of(profile: NodeProfile) -> str:
+    """The device a node's shards run on, for a person: "cuda:0 (NVIDIA H200)", "metal" or "cpu"."""
+    gpu = _compute_gpu(profile)
+    return profile.accelerator if gpu is None else f"cuda:0 ({gpu.name})"
+
+
 def _gib(n: int) -> str:
     return f"{n / 2**30:.2f} GiB"
 
@@ -128,7 +147,7 @@ def place(
             raise PlacementError("a node is listed twice")
         chosen = [known[n] for n in node_ids]
     else:
-        chosen = sorted(nodes, key=lambda n: (-n.profile.memory_available_bytes, n.node_id))
+        chosen = sorted(nodes, key=lambda n: (-compute_memory_bytes(n.profile), n.node_id))
     if min_nodes < 1:
         raise PlacementError("min_nodes must be at least 1")
     if len(chosen) < min_nodes:
@@ -144,11 +163,11 @@ def place(
         # The fewest nodes (at least min_nodes) whose memory covers the model: fewer hops per token.
         count, held = 0, 0
         for count, node in enumerate(chosen, start=1):
-            held += node.profile.memory_available_bytes
+            held += compute_memory_bytes(node.profile)
             if count >= min_nodes and held >= required:
                 break
         chosen = chosen[:count]
-    available = sum(n.profile.memory_available_bytes for n in chosen)
+    available = sum(compute_memory_bytes(n.profile) for n in chosen)
     if available < required:
         raise PlacementError(
             f"{card.model_id} needs {_gib(required)} (weights {_gib(weights_bytes(card, resolved.weights))} as "
@@ -162,7 +181,7 @@ def place(
         dequantized = msgspec.structs.replace(serving, weights=WeightsDtype.FLOAT32)
         if required_memory_bytes(card, dequantized) <= available:
             resolved, required = dequantized, required_memory_bytes(card, dequantized)
-    ranges = split_layers(card.num_layers, [n.profile.memory_available_bytes for n in chosen])
+    ranges = split_layers(card.num_layers, [compute_memory_bytes(n.profile) for n in chosen])
     shards = tuple(
         ShardAssignment(
             node_id=node.node_id,
@@ -205,8 +224,13 @@ def pending_bytes(state: State) -> Counter[NodeId]:
 
 
 def _less_pending(node: Node, pending: int) -> Node:
-    free = max(0, node.profile.memory_available_bytes - pending)
-    return replace(node, profile=replace(node.profile, memory_available_bytes=free))
+    profile = node.profile
+    free = max(0, compute_memory_bytes(profile) - pending)
+    gpu = _compute_gpu(profile)
+    if gpu is None:
+        return replace(node, profile=replace(profile, memory_available_bytes=free))
+    gpus = (replace(gpu, memory_free_bytes=free), *profile.gpus[1:])
+    return replace(node, profile=replace(profile, gpus=gpus))
 
 
 def place_in(

@@ -10,6 +10,17 @@ import msgspec
 from jetshard_schema.ids import ValidModelId, ValidNodeId, ValidSessionId, ValidTaskId
 
 
+class GpuInfo(msgspec.Struct, frozen=True, kw_only=True):
+    """One NVIDIA GPU of a node, as NVML reports it."""
+
+    name: str
+    memory_total_bytes: int
+    memory_free_bytes: int
+    compute_capability: str
+    """`major.minor`, e.g. "9.0" for Hopper."""
+    driver: str
+
+
 class NodeProfile(msgspec.Struct, frozen=True, kw_only=True):
     hostname: str
     os: str
@@ -17,9 +28,13 @@ class NodeProfile(msgspec.Struct, frozen=True, kw_only=True):
     memory_total_bytes: int
     memory_available_bytes: int
     accelerator: str = "cpu"
+    """Where the node's runners compute: "cpu", "metal" (Apple silicon) or "cuda" (mlx's CUDA build on an
+    NVIDIA GPU, the first of `gpus`)."""
     fast_blas: bool = False
     """A CPU node's runners multiply float32 with an optimised BLAS that runs on this processor: only then
     are float32 weights faster there than the checkpoint's quantized ones."""
+    gpus: tuple[GpuInfo, ...] = ()
+    """The node's NVIDIA GPUs, whatever its runners compute on (none where there is no NVIDIA driver)."""
 
 
 class ModelDirInfo(msgspec.Struct, frozen=True, kw_only=True):

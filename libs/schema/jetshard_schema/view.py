@@ -21,6 +21,7 @@ from jetshard_schema.stats import RunnerStats
 from jetshard_schema.types import (
     DownloadProgress,
     DownloadStatus,
+    GpuInfo,
     InstanceStatus,
     NodeProfile,
     ServingSettings,
@@ -110,6 +111,7 @@ class NodeView(msgspec.Struct, frozen=True, kw_only=True):
     cpu_cores: int
     memory_total_bytes: int
     memory_available_bytes: int
+    gpus: tuple[GpuInfo, ...]
     disk_free_bytes: int
     """Free space in the node's writable model directories, together."""
     disk_total_bytes: int

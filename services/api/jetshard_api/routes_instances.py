@@ -6,6 +6,7 @@ import msgspec
 from jetshard_schema.commands import DeleteInstance
 from jetshard_schema.ids import InstanceId, ModelId
 from jetshard_schema.models import find_card
+from jetshard_schema.placement import device_of
 from jetshard_schema.types import (
     MaxBatch,
     MaxQueued,
@@ -50,10 +51,15 @@ class PlaceRequest(msgspec.Struct, frozen=True):
     serving: ServingRequest = ServingRequest()
 
 
+class PreviewShard(ShardAssignment, frozen=True, kw_only=True):
+    device: str
+    """What the shard would run on: "cuda:0 (<GPU name>)", "metal" or "cpu"."""
+
+
 class PlacementPreview(msgspec.Struct, frozen=True):
     model_id: ModelId
     required_bytes: int
-    shards: tuple[ShardAssignment, ...]
+    shards: tuple[PreviewShard, ...]
     serving: ServingSettings
     """The API's settings as placement would resolve them (AUTO made concrete)."""
 
@@ -83,7 +89,10 @@ class InstancesController(Controller):
         return PlacementPreview(
             model_id=card.model_id,
             required_bytes=placement.required_bytes,
-            shards=placement.shards,
+            shards=tuple(
+                PreviewShard(**msgspec.structs.asdict(s), device=device_of(cluster.state.nodes[s.node_id].profile))
+                for s in placement.shards
+            ),
             serving=placement.serving,
         )
 

@@ -37,7 +37,8 @@ class Context(msgspec.Struct, frozen=True):
 
 
 AVAILABLE_MEMORY_CHANGE = 0.05
-"""A node's available memory must move by this share of its total before NodeUpdated is worth an event."""
+"""A node's available memory, or a GPU's free memory, must move by this share of its total before NodeUpdated
+is worth an event."""
 FREE_SPACE_CHANGE_BYTES = 256 * 2**20
 
 
@@ -74,8 +75,18 @@ def profile_changed_meaningfully(old: NodeProfile, new: NodeProfile) -> bool:
     fixed = ("hostname", "os", "cpu_cores", "memory_total_bytes", "accelerator", "fast_blas")
     if any(getattr(old, f) != getattr(new, f) for f in fixed):
         return True
-    moved = abs(old.memory_available_bytes - new.memory_available_bytes)
-    return moved >= AVAILABLE_MEMORY_CHANGE * max(new.memory_total_bytes, 1)
+    if _moved_meaningfully(old.memory_available_bytes, new.memory_available_bytes, new.memory_total_bytes):
+        return True
+    if [replace(g, memory_free_bytes=0) for g in old.gpus] != [replace(g, memory_free_bytes=0) for g in new.gpus]:
+        return True
+    return any(
+        _moved_meaningfully(a.memory_free_bytes, b.memory_free_bytes, b.memory_total_bytes)
+        for a, b in zip(old.gpus, new.gpus, strict=True)
+    )
+
+
+def _moved_meaningfully(before_bytes: int, after_bytes: int, total_bytes: int) -> bool:
+    return abs(before_bytes - after_bytes) >= AVAILABLE_MEMORY_CHANGE * max(total_bytes, 1)
 
 
 def storage_changed_meaningfully(old: NodeStorage, new: NodeStorage) -> bool:

@@ -75,6 +75,11 @@ async def run_worker(config: WorkerConfig, stop: asyncio.Event) -> None:
     cards.reconcile(follower.state.custom_cards)
     heartbeat = asyncio.create_task(keep_alive(js, node_id, session_id, config.timings.liveness_ttl_s, stop))
     profile = msgspec.structs.replace(node_profile(), fast_blas=await asyncio.to_thread(_fast_blas_here))
+    if profile.gpus and profile.accelerator == "cpu":
+        log.warning(
+            "this machine has an NVIDIA GPU (%s) but mlx here is its CPU build: the runners compute on the CPU",
+            profile.gpus[0].name,
+        )
     reporting = asyncio.create_task(_report_profile(js, node_id, session_id, profile, config.profile_interval_s, stop))
     log.info("worker for node %s (session %s) started; cards in %s", node_id, session_id, cards.path)
     try:

@@ -47,6 +47,14 @@ def _slow_cpu(node: NodeView) -> bool:
     return node.accelerator == "cpu" and not node.fast_blas
 
 
+def _accelerator(node: NodeView) -> str:
+    text = f"{node.accelerator}, {node.cpu_cores} cores" + (", reference BLAS" if _slow_cpu(node) else "")
+    if node.gpus:
+        gpu = node.gpus[0]
+        text += f", {gpu.name} {size(gpu.memory_free_bytes)} free of {size(gpu.memory_total_bytes)}"
+    return text
+
+
 def _shard(shard: ShardDescription) -> str:
     text = f"{shard.node_id} [{shard.start_layer}, {shard.end_layer}) {shard.status}"
     if shard.status == "ready" and isinstance(shard.weights_dtype, str):
@@ -73,7 +81,7 @@ def render(view: ClusterView) -> Group:
         nodes.add_row(
             node.node_id,
             node.hostname,
-            f"{node.accelerator}, {node.cpu_cores} cores" + (", reference BLAS" if _slow_cpu(node) else ""),
+            _accelerator(node),
             f"{size(node.memory_available_bytes)} of {size(node.memory_total_bytes)}",
             f"{size(node.disk_free_bytes)} of {size(node.disk_total_bytes)}" + (" (offline)" if node.offline else ""),
             str(node.models_on_disk),
