@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import importlib.metadata
 import logging
 import os
@@ -82,24 +83,23 @@ def _accelerator(gpus: tuple[GpuInfo, ...]) -> str:
     reports it never loads mlx itself."""
     if platform.system() == "Darwin" and platform.machine() == "arm64":
         return "metal"
-    if gpus and any(_installed(name) for name in MLX_CUDA_BUILDS):
+    if gpus and _mlx_cuda_installed():
         return "cuda"
     return "cpu"
 
 
-def _installed(distribution: str) -> bool:
-    try:
-        importlib.metadata.distribution(distribution)
-    except importlib.metadata.PackageNotFoundError:
-        return False
-    return True
+@functools.cache
+def _mlx_cuda_installed() -> bool:
+    """Whether one of mlx's CUDA builds is installed: read once, it does not change while the process runs."""
+    installed = {d.metadata["Name"].lower() for d in importlib.metadata.distributions()}
+    return any(name in installed for name in MLX_CUDA_BUILDS)
 
 
 def nvidia_gpus() -> tuple[GpuInfo, ...]:
     """This machine's NVIDIA GPUs through NVML (nvidia-ml-py); none where NVML or its driver is missing."""
     try:
         import pynvml
-    except ImportError:  # not installed on this platform (macOS)
+    except ImportError:  # nvidia-ml-py comes with the worker, on Linux only
         return ()
     try:
         pynvml.nvmlInit()

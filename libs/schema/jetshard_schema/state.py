@@ -458,14 +458,14 @@ def instance_status(state: State, instance: Instance) -> InstanceStatus:
     return InstanceStatus.WAITING
 
 
-def ready_instances(state: State, model_id: ModelId) -> list[Instance]:
-    """The instances of `model_id` that can take a task now, in instance id order: the ones the API waits for
-    and the sequencer assigns tasks to."""
+def ready_instances(state: State, model_id: ModelId | None = None) -> list[Instance]:
+    """The instances of `model_id` (of every model if None) that can take a task now, in instance id order: the
+    ones the API waits for and the sequencer assigns tasks to."""
     return sorted(
         (
             i
             for i in state.instances.values()
-            if i.model_id == model_id and instance_status(state, i) is InstanceStatus.READY
+            if model_id in (None, i.model_id) and instance_status(state, i) is InstanceStatus.READY
         ),
         key=lambda i: i.instance_id,
     )

@@ -58,7 +58,7 @@ def checked_model_id(value: str, param: str = "model_id") -> ModelId:
 
 def ready_models(state: State) -> set[ModelId]:
     """The models that can take a task now, as lists and error messages name them."""
-    return {i.model_id for i in state.instances.values() if ready_instances(state, i.model_id)}
+    return {i.model_id for i in ready_instances(state)}
 
 
 async def place_instance(

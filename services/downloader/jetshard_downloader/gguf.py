@@ -26,6 +26,7 @@ import mlx.core as mx
 import numpy as np
 
 from .gguf_tokenizer import to_python, write_tokenizer
+from .manifest import fsync_dir
 
 __all__ = [
     "SMOLLM2_GGUF_DISTRIBUTION",
@@ -273,9 +274,8 @@ def _plan_shards(units: dict[int, dict[str, mx.array]], max_shard_bytes: int) ->
     return shards
 
 
-def _fsync(path: Path, flags: int = 0) -> None:
-    """fsync the file `path`, or with `os.O_DIRECTORY` the directory (making what was renamed into it durable)."""
-    fd = os.open(path, os.O_RDONLY | flags)
+def _fsync(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
     finally:
@@ -365,10 +365,10 @@ def convert_gguf(
 
         for path in tmp.iterdir():
             _fsync(path)
-        _fsync(tmp, os.O_DIRECTORY)
+        fsync_dir(tmp)
         # rename(2) would also replace an empty directory created meanwhile; that is harmless.
         os.rename(tmp, out_dir)
-        _fsync(out_dir.parent, os.O_DIRECTORY)
+        fsync_dir(out_dir.parent)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

@@ -124,4 +124,5 @@ async def _report_profile(js, node_id, session_id, first: NodeProfile, interval_
             log.warning("profile report failed: %s", error)
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(stop.wait(), interval_s)
-        profile = msgspec.structs.replace(node_profile(), fast_blas=first.fast_blas)
+        # NVML's queries can take a while on an idle GPU: off the loop that beats the node's liveness.
+        profile = msgspec.structs.replace(await asyncio.to_thread(node_profile), fast_blas=first.fast_blas)
