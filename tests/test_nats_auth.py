@@ -227,6 +227,21 @@ async def test_a_node_keeps_only_its_own_liveness_key(cluster: SecuredCluster) -
     assert [n["node_id"] for n in await asyncio.to_thread(cluster.get, "/nodes")] == [cluster.node_id]
 
 
+async def test_only_the_sequencer_reads_commands_by_sequence(cluster: SecuredCluster) -> None:
+    """The sequencer reads a command from the stream where its delivery was lost on the way
+    (test_sequencer.py forces that window open); no node may read others' commands so."""
+    read = {"seq": 1, "subject": f"{subjects.COMMAND_PREFIX}.>", "next": True}
+    client, js = await connect(_options(cluster.nats, cluster.identities[SEQUENCER]), "test-sequencer")
+    try:
+        first = await js.get_msg(subjects.COMMANDS_STREAM, **read)
+        assert first.subject is not None and first.subject.startswith(f"{subjects.COMMAND_PREFIX}.")
+    finally:
+        await client.close()
+    for role in (WORKER, API):
+        async with Attacker(cluster.nats, cluster.identities[role]) as (_, attacker):
+            await _refused(attacker.get_msg(subjects.COMMANDS_STREAM, **read))
+
+
 async def test_the_events_stream_refuses_deletes_and_purges_even_from_admin(
     admin: nats.js.JetStreamContext,
 ) -> None:

@@ -437,3 +437,38 @@ async def test_a_failing_node_expiry_ends_the_term_and_the_sequencer_leads_again
     # Expiry works again in the new term: the node whose heartbeat stopped is lost.
     await follower.wait_until(lambda s: node not in s.nodes, 30)
     await follower.stop()
+
+
+async def test_a_command_delivered_to_the_leader_but_lost_on_the_way_is_still_handled(
+    bus, fresh_nats, processes
+) -> None:
+    """A pull consumer counts a command as delivered once it sends it. When the delivery never reaches the
+    leader (its NATS server died mid-fetch: seen with a three-server cluster), acking a later command
+    (AckPolicy.ALL) would ack the lost one too, and it would never have an outcome. Here the window is held
+    open: the leader is paused just long enough for its pull requests to expire, and another client takes
+    the next command from the leader's own consumer and drops it."""
+    _, js = bus
+    follower = await follow(js)
+    leader = sequencer(processes, "seq1", fresh_nats.url, "--lease-ttl-s", "30")  # the pause must not end its term
+    (consumer,) = await leading(js, "seq1")
+    await publish_command(js, add_card("before"), CommandId("cmd-before"))
+    await follower.wait_until(lambda s: card("before").model_id in s.custom_cards, 30)
+
+    thief = await js.pull_subscribe_bind(consumer, subjects.COMMANDS_STREAM)
+    leader.send_signal(signal.SIGSTOP)
+    try:
+        await asyncio.sleep(1)  # deliberate: the paused leader's pull requests (0.2 s each) expire on the server
+        await publish_command(js, add_card("lost"), CommandId("cmd-lost"))
+        (stolen,) = await thief.fetch(1, timeout=5)  # delivered, never acked, never handled: lost on the way
+        assert stolen.headers and stolen.headers[subjects.MSG_ID_HEADER] == "cmd-lost"
+    finally:
+        leader.send_signal(signal.SIGCONT)
+        await thief.unsubscribe()
+    await publish_command(js, add_card("after"), CommandId("cmd-after"))
+
+    await follower.wait_until(lambda s: card("after").model_id in s.custom_cards, 30)
+    await follower.wait_until(lambda s: card("lost").model_id in s.custom_cards, 10)
+    per = outcomes_per_command(assert_gapless(await all_events(js)))
+    assert [type(e.event) for e in per[CommandId("cmd-lost")]] == [CustomModelCardAdded]
+    assert (await terms(js, "seq1")) == {consumer}  # handled in the same term, not by starting over
+    await follower.stop()

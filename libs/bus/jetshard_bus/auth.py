@@ -138,6 +138,8 @@ def role_permissions(role: str, node_id: str | None = None) -> Permissions | Non
                 f"{JS_API}.CONSUMER.DELETE.{subjects.COMMANDS_STREAM}.>",
                 f"{JS_API}.CONSUMER.MSG.NEXT.{subjects.COMMANDS_STREAM}.>",
                 f"$JS.ACK.{subjects.COMMANDS_STREAM}.>",
+                # A command whose delivery was lost on the way is read from the stream by its sequence.
+                f"{JS_API}.STREAM.MSG.GET.{subjects.COMMANDS_STREAM}",
                 f"$KV.{subjects.LEADER_BUCKET}.{subjects.LEADER_KEY}",
                 *_read_stream(LEADER_STREAM),
                 *_read_stream(LIVENESS_STREAM),

@@ -36,7 +36,7 @@ from jetshard_schema.types import RejectCode
 from nats.aio.client import Client
 from nats.aio.msg import Msg
 from nats.js import JetStreamContext
-from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy, Header, StreamInfo
+from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy, Header, RawStreamMsg, StreamInfo
 from nats.js.kv import KeyValue
 from opentelemetry.trace import Span, StatusCode
 
@@ -48,6 +48,26 @@ WRONG_LAST_SEQUENCE = 10071
 APPEND_ACK_TIMEOUT_S = 5.0
 ATOMIC_BATCH_MAX = 1000
 """nats-server's limit on the messages of one atomic batch."""
+
+
+@dataclass(frozen=True)
+class StoredCommand:
+    """A command as the commands stream holds it: delivered by the consumer, or read from the stream where a
+    delivery was lost."""
+
+    seq: int
+    subject: str
+    data: bytes
+    headers: dict[str, str]
+
+    @classmethod
+    def delivered(cls, msg: Msg) -> StoredCommand:
+        return cls(msg.metadata.sequence.stream, msg.subject, msg.data, msg.headers or {})
+
+    @classmethod
+    def read(cls, msg: RawStreamMsg) -> StoredCommand:
+        assert msg.seq is not None and msg.subject is not None  # a stored message has both
+        return cls(msg.seq, msg.subject, msg.data or b"", msg.headers or {})
 
 
 @dataclass(frozen=True)
@@ -231,6 +251,9 @@ class Leader:
         """Events stored together (and synced to disk once) per append; 1 where the server has no atomic batches
         (before nats-server 2.12)."""
         self._standing = standing
+        self._next_command_seq = state.last_command_seq + 1
+        """The stream sequence of the next command this term expects: where its consumer starts, then one past
+        the last command it handled."""
 
     async def run(self, stop: asyncio.Event) -> None:
         # A consumer of this leadership term's own, starting right after the last command with events.
@@ -246,7 +269,7 @@ class Leader:
                 ack_wait=30,
                 max_deliver=-1,
                 deliver_policy=DeliverPolicy.BY_START_SEQUENCE,
-                opt_start_seq=self.state.last_command_seq + 1,
+                opt_start_seq=self._next_command_seq,
                 max_ack_pending=-1,
                 inactive_threshold=60,
             ),
@@ -310,8 +333,8 @@ class Leader:
         """Handle commands and append their events (see `_append`); returns the appends' acks."""
         appends: list[tuple[str, bytes, dict[str, str]]] = []
         now_ms = int(time.time() * 1000)
-        for msg in messages:
-            command_seq = msg.metadata.sequence.stream
+        for msg in await self._in_stream_order(messages):
+            command_seq = msg.seq
             if command_seq < self.state.last_command_seq or (
                 command_seq == self.state.last_command_seq and not self._partial
             ):
@@ -388,6 +411,38 @@ class Leader:
         # AckPolicy.ALL one ack of the batch's last command covers the whole batch.
         await last.ack()
 
+    async def _in_stream_order(self, messages: list[Msg]) -> list[StoredCommand]:
+        """The batch's commands in stream order, each once, with any the consumer skipped.
+
+        A pull consumer counts a command as delivered once it sends it, and sends them in stream order. One
+        lost on the way (the leader's NATS server died mid-fetch) would come back only after `ack_wait`, and
+        acking a later command (AckPolicy.ALL) acks it too: it would never be handled. So a jump in sequence
+        is read from the stream itself; what the stream no longer has (expired, deleted) is skipped."""
+        ordered: list[StoredCommand] = []
+        for msg in map(StoredCommand.delivered, messages):
+            if msg.seq < self._next_command_seq:
+                continue  # delivered again: handled in this term already
+            while (skipped := await self._stored_command_from(self._next_command_seq, before=msg.seq)) is not None:
+                log.warning("command %d was delivered but never arrived: read it from the stream", skipped.seq)
+                ordered.append(skipped)
+                self._next_command_seq = skipped.seq + 1
+            ordered.append(msg)
+            self._next_command_seq = msg.seq + 1
+        return ordered
+
+    async def _stored_command_from(self, first_seq: int, before: int) -> StoredCommand | None:
+        """The first command the commands stream holds from `first_seq` on, if it comes before `before`."""
+        if first_seq >= before:
+            return None
+        try:
+            raw = await self._js.get_msg(
+                subjects.COMMANDS_STREAM, seq=first_seq, subject=f"{subjects.COMMAND_PREFIX}.>", next=True
+            )
+        except nats.js.errors.NotFoundError:
+            return None
+        stored = StoredCommand.read(raw)
+        return stored if stored.seq < before else None
+
     def _take_partial(self, command_seq: int) -> list[int]:
         """Sequences of this command's events that a previous leader stored before it died.
 
@@ -402,7 +457,7 @@ class Leader:
             self.state = apply(self.state, envelope.event, seq, envelope.command_seq)
         return []
 
-    def _events_for(self, msg: Msg, command_id: CommandId, now_ms: int) -> list[Event]:
+    def _events_for(self, msg: StoredCommand, command_id: CommandId, now_ms: int) -> list[Event]:
         try:
             command = decode_command(msg.data)
         except msgspec.DecodeError as error:  # a ValidationError too: a bad id among them
@@ -481,11 +536,11 @@ def atomic_batch_headers(count: int, last_seq: int) -> list[dict[str, str]]:
     ]
 
 
-def _command_id(msg: Msg, command_seq: int) -> tuple[CommandId, CommandRejected | None]:
+def _command_id(msg: StoredCommand, command_seq: int) -> tuple[CommandId, CommandRejected | None]:
     """The command's id from its `Nats-Msg-Id`, else `cmd-<seq>`. An id that is not valid is replaced too
     (events may carry only ids every follower can decode), and the command is rejected saying why."""
     fallback = CommandId(f"cmd-{command_seq}")
-    header = (msg.headers or {}).get(subjects.MSG_ID_HEADER)
+    header = msg.headers.get(subjects.MSG_ID_HEADER)
     if not header:
         return fallback, None
     try:
