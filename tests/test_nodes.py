@@ -11,10 +11,11 @@ import time
 from pathlib import Path
 from types import SimpleNamespace
 
+import msgspec
 import pytest
 from jetshard_bus.connect import connect
 from jetshard_bus.follower import StateFollower
-from jetshard_bus.node import node_profile
+from jetshard_bus.node import node_profile, unused_gpu_hint, visible_gpu_indices
 from jetshard_bus.options import NatsOptions
 from jetshard_bus.streams import BusTimings
 from jetshard_schema.events import NodeJoined, NodeLost
@@ -152,3 +153,27 @@ def test_an_nvidia_gpu_is_reported_and_a_cpu_build_of_mlx_does_not_compute_on_it
     )
     # This machine has mlx's CPU build (no mlx-cuda-* distribution): its runners compute on the CPU.
     assert profile.accelerator == "cpu"
+
+
+@pytest.mark.parametrize(("driver", "extra"), [("580.65.06", "cuda13"), ("550.127.05", "cuda12")])
+def test_a_gpu_left_unused_gets_one_line_naming_the_command_for_its_driver(
+    monkeypatch: pytest.MonkeyPatch, driver: str, extra: str
+) -> None:
+    """What `jetshard up` and the worker print on a GPU machine with mlx's CPU build (a stand-in NVML again)."""
+    monkeypatch.setitem(sys.modules, "pynvml", StandInNvml)
+    monkeypatch.setattr(StandInNvml, "nvmlSystemGetDriverVersion", staticmethod(lambda: driver))
+    hint = unused_gpu_hint(node_profile())
+    assert hint is not None and "NVIDIA H200 is not used" in hint
+    assert hint.endswith(f"`python3 -m uv run --no-group cpu --extra {extra} jetshard up`")
+    assert unused_gpu_hint(msgspec.structs.replace(node_profile(), accelerator="cuda")) is None
+    monkeypatch.delitem(sys.modules, "pynvml")
+    assert unused_gpu_hint(node_profile()) is None  # no NVIDIA GPU: nothing to say
+
+
+@pytest.mark.parametrize(
+    ("setting", "indices"),
+    [(None, [0, 1, 2]), ("2,0", [2, 0]), ("1,7,0", [1]), ("", []), ("-1", []), ("0,0", [0])],
+)
+def test_the_first_gpu_reported_is_the_one_cuda_computes_on(setting: str | None, indices: list[int]) -> None:
+    """`CUDA_VISIBLE_DEVICES` reorders and hides GPUs; placement sizes shards by the first one reported."""
+    assert visible_gpu_indices(3, setting) == indices

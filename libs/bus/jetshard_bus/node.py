@@ -83,16 +83,34 @@ def _accelerator(gpus: tuple[GpuInfo, ...]) -> str:
     reports it never loads mlx itself."""
     if platform.system() == "Darwin" and platform.machine() == "arm64":
         return "metal"
-    if gpus and _mlx_cuda_installed():
+    if gpus and mlx_cuda_installed():
         return "cuda"
     return "cpu"
 
 
 @functools.cache
-def _mlx_cuda_installed() -> bool:
+def mlx_cuda_installed() -> bool:
     """Whether one of mlx's CUDA builds is installed: read once, it does not change while the process runs."""
     installed = {d.metadata["Name"].lower() for d in importlib.metadata.distributions()}
     return any(name in installed for name in MLX_CUDA_BUILDS)
+
+
+CUDA_13_DRIVER = 580
+"""The first NVIDIA driver series that runs CUDA 13; older ones run CUDA 12 (from series 525)."""
+
+
+def unused_gpu_hint(profile: NodeProfile) -> str | None:
+    """One line for a machine whose NVIDIA GPU its runners do not use (mlx here is its CPU build): how to use it,
+    with the CUDA build its driver runs."""
+    if not profile.gpus or profile.accelerator != "cpu":
+        return None
+    gpu = profile.gpus[0]
+    series = gpu.driver.split(".", 1)[0]
+    extra = "cuda13" if not series.isdigit() or int(series) >= CUDA_13_DRIVER else "cuda12"
+    return (
+        f"this machine's {gpu.name} is not used: mlx here is its CPU build. To compute on the GPU, start with "
+        f"`python3 -m uv run --no-group cpu --extra {extra} jetshard up`"
+    )
 
 
 def nvidia_gpus() -> tuple[GpuInfo, ...]:
@@ -108,7 +126,7 @@ def nvidia_gpus() -> tuple[GpuInfo, ...]:
     try:
         driver = _text(pynvml.nvmlSystemGetDriverVersion())
         gpus = []
-        for index in range(pynvml.nvmlDeviceGetCount()):
+        for index in visible_gpu_indices(pynvml.nvmlDeviceGetCount(), os.environ.get("CUDA_VISIBLE_DEVICES")):
             handle = pynvml.nvmlDeviceGetHandleByIndex(index)
             memory = pynvml.nvmlDeviceGetMemoryInfo(handle)
             major, minor = pynvml.nvmlDeviceGetCudaComputeCapability(handle)
@@ -128,6 +146,21 @@ def nvidia_gpus() -> tuple[GpuInfo, ...]:
     finally:
         with contextlib.suppress(pynvml.NVMLError):
             pynvml.nvmlShutdown()
+
+
+def visible_gpu_indices(count: int, cuda_visible_devices: str | None) -> list[int]:
+    """NVML's indices of the GPUs CUDA shows this process, in CUDA's order: CUDA's device 0, the one a runner
+    computes on, comes first. `CUDA_VISIBLE_DEVICES` lists indices; CUDA stops at the first entry that is not a
+    valid one (a UUID is taken as hiding the rest: resolving UUIDs is not done)."""
+    if cuda_visible_devices is None:
+        return list(range(count))
+    visible: list[int] = []
+    for entry in cuda_visible_devices.split(","):
+        entry = entry.strip()
+        if not entry.isdigit() or int(entry) >= count or int(entry) in visible:
+            break
+        visible.append(int(entry))
+    return visible
 
 
 def _text(value: str | bytes) -> str:

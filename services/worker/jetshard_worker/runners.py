@@ -20,6 +20,7 @@ from pathlib import Path
 
 import msgspec
 from jetshard_bus.commands import publish_command
+from jetshard_bus.node import mlx_cuda_installed
 from jetshard_bus.options import NatsOptions
 from jetshard_schema.cards import GenerationDefaults
 from jetshard_schema.commands import ReportRunnerEndpoint, ReportRunnerStatus
@@ -30,6 +31,7 @@ from jetshard_schema.types import Endpoint, RunnerReport, RunnerStatus
 from nats.js import JetStreamContext
 
 from jetshard_worker.blas import blas_candidates, blas_threads, runner_environment
+from jetshard_worker.cuda import cuda_runner_environment
 from jetshard_worker.engine.distributed import write_hostfile
 from jetshard_worker.planning import RunnerKey, RunnerPlan, plan, runners_on_machine
 from jetshard_worker.publishing import NATS_ERRORS
@@ -184,7 +186,12 @@ class RunnerSupervisor:
             card_generation=card.generation if card is not None else GenerationDefaults(),
         )
         log_path = self._scratch_file(key, f"-rank{runner_plan.rank}.log")
-        env = runner_environment(blas_threads(os.cpu_count() or 1, hosted))
+        # On mlx's CUDA build the runner computes on the GPU; on its CPU build, with the fastest BLAS that works.
+        env = (
+            cuda_runner_environment()
+            if mlx_cuda_installed()
+            else runner_environment(blas_threads(os.cpu_count() or 1, hosted))
+        )
         with open(log_path, "ab") as log_file:
             # No preexec_fn: the runner arms its death with the worker itself (lifeline.die_with_worker).
             process = subprocess.Popen(

@@ -13,7 +13,7 @@ import msgspec
 from jetshard_bus.commands import publish_command
 from jetshard_bus.connect import connect
 from jetshard_bus.follower import StateFollower
-from jetshard_bus.node import config_dir, keep_alive, node_id_for, node_profile
+from jetshard_bus.node import config_dir, keep_alive, node_id_for, node_profile, unused_gpu_hint
 from jetshard_bus.options import NatsOptions
 from jetshard_bus.streams import BusTimings
 from jetshard_schema.commands import ReportNodeProfile
@@ -75,11 +75,8 @@ async def run_worker(config: WorkerConfig, stop: asyncio.Event) -> None:
     cards.reconcile(follower.state.custom_cards)
     heartbeat = asyncio.create_task(keep_alive(js, node_id, session_id, config.timings.liveness_ttl_s, stop))
     profile = msgspec.structs.replace(node_profile(), fast_blas=await asyncio.to_thread(_fast_blas_here))
-    if profile.gpus and profile.accelerator == "cpu":
-        log.warning(
-            "this machine has an NVIDIA GPU (%s) but mlx here is its CPU build: the runners compute on the CPU",
-            profile.gpus[0].name,
-        )
+    if (hint := unused_gpu_hint(profile)) is not None:
+        log.warning("%s", hint)
     reporting = asyncio.create_task(_report_profile(js, node_id, session_id, profile, config.profile_interval_s, stop))
     log.info("worker for node %s (session %s) started; cards in %s", node_id, session_id, cards.path)
     try:

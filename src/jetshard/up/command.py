@@ -13,6 +13,7 @@ import click
 import httpx
 from jetshard_bus.auth import ADMIN, VIEWER
 from jetshard_bus.natsserver import Fsync, NatsServerError
+from jetshard_bus.node import node_profile, unused_gpu_hint
 from jetshard_bus.options import DEFAULT_API_PORT
 from jetshard_schema.catalogue import DEMO_MODEL_ID
 from jetshard_schema.types import ServingSettings
@@ -135,6 +136,8 @@ def up(
         viewer = nats.identities[VIEWER].seed_file if nats.identities else None
         write_cluster_file(root, api_url, nats.url, viewer, api_key)
         _print_up(console, api_url, nats, logs)
+        if (hint := unused_gpu_hint(node_profile())) is not None:
+            console.print(f"[yellow]{hint}[/]", soft_wrap=True)
         if lan_servers is not None:
             _print_lan(console, lan_servers, host, port, api_key)
 

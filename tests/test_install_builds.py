@@ -1,0 +1,50 @@
+"""Which mlx build an install gets, read from the lock as `uv` would install it (offline: `--frozen`).
+
+mlx's CPU and CUDA builds both install `mlx/lib/libmlx.so`, so one install must never get two of them: the
+README's `uv run jetshard up` (and `uv sync`) get the CPU build, the README's GPU command the CUDA one.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+BUILDS = re.compile(r"^(mlx-cpu|mlx-cuda-1[23]|mlx-metal)==", re.MULTILINE)
+
+
+def _uv() -> str:
+    """The uv running this suite (`uv run` names itself in `UV`), else the one on PATH."""
+    found = os.environ.get("UV") or shutil.which("uv")
+    assert found, "no uv: run the suite as the README says (bash tests/run)"
+    return found
+
+
+def _export(*selection: str) -> subprocess.CompletedProcess[str]:
+    command = [_uv(), "export", "--frozen", "--offline", "--no-hashes", "--no-dev", *selection]
+    return subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=120)
+
+
+@pytest.mark.parametrize(
+    ("selection", "builds"),
+    [
+        ((), ["mlx-cpu", "mlx-metal"]),  # Linux: the CPU build; macOS: Metal (each behind its platform marker)
+        (("--no-group", "cpu", "--extra", "cuda13"), ["mlx-cuda-13", "mlx-metal"]),
+        (("--no-group", "cpu", "--extra", "cuda12"), ["mlx-cuda-12", "mlx-metal"]),
+    ],
+)
+def test_each_install_gets_exactly_one_mlx_build(selection: tuple[str, ...], builds: list[str]) -> None:
+    exported = _export(*selection)
+    assert exported.returncode == 0, exported.stderr
+    assert sorted(BUILDS.findall(exported.stdout)) == builds
+
+
+def test_the_cpu_and_a_cuda_build_together_are_refused_naming_the_conflict() -> None:
+    exported = _export("--extra", "cuda13")
+    assert exported.returncode != 0
+    assert "cuda13" in exported.stderr and "cpu" in exported.stderr
