@@ -92,6 +92,14 @@ async def test_cluster_routes(fresh_nats, processes, tmp_path: Path) -> None:
         preview = await client.get("/instances/preview", params={"model_id": "mlx-community/Qwen3-0.6B-4bit"})
         assert preview.status_code == 200, preview.text
         assert [(s["node_id"], s["device"]) for s in preview.json()["shards"]] == [(node_id, "cpu")]
+        # A node count below one is a bad request, not a placement that failed.
+        for bad in (0, -3):
+            params = {"model_id": "mlx-community/Qwen3-0.6B-4bit", "min_nodes": bad}
+            for refused in (
+                await client.get("/instances/preview", params=params),
+                await client.post("/instances", json=params),
+            ):
+                assert "min_nodes" in str(assert_openai_error(refused, 400)["message"])
 
         state = (await client.get("/state")).json()
         assert state["last_seq"] >= 1

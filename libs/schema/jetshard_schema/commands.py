@@ -27,6 +27,7 @@ from jetshard_schema.subjects import (
 from jetshard_schema.types import (
     DownloadProgress,
     Endpoint,
+    MinNodes,
     NodeProfile,
     NodeStorage,
     RunnerReport,
@@ -154,7 +155,7 @@ class PlaceInstance(_Command, frozen=True):
     instance_id: ValidInstanceId
     model_id: ValidModelId
     node_ids: tuple[ValidNodeId, ...] | None = None
-    min_nodes: int = 1
+    min_nodes: MinNodes = 1
     serving: ServingSettings = ServingSettings()
 
 

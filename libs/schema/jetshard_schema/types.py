@@ -64,6 +64,9 @@ class WeightsDtype(enum.StrEnum):
     FLOAT32 = "float32"
 
 
+MAX_NODES = 4096
+MinNodes = Annotated[int, msgspec.Meta(ge=1, le=MAX_NODES)]
+"""How many nodes an instance spans at least."""
 MaxBatch = Annotated[int, msgspec.Meta(ge=1, le=256)]
 MaxQueued = Annotated[int, msgspec.Meta(ge=0, le=100_000)]
 PrefixCacheBytes = Annotated[int, msgspec.Meta(ge=0, le=2**40)]

@@ -2,14 +2,18 @@
 
 from __future__ import annotations
 
+from typing import Annotated
+
 import msgspec
 from jetshard_schema.commands import DeleteInstance
 from jetshard_schema.ids import InstanceId, ModelId
 from jetshard_schema.models import find_card
 from jetshard_schema.placement import device_of
 from jetshard_schema.types import (
+    MAX_NODES,
     MaxBatch,
     MaxQueued,
+    MinNodes,
     PrefixCacheBytes,
     ServingSettings,
     ShardAssignment,
@@ -18,7 +22,7 @@ from jetshard_schema.types import (
 from jetshard_schema.view import InstanceDescription, describe_instance
 from litestar import Controller, delete, get, post
 from litestar.di import NamedDependency
-from litestar.params import FromPath, FromQuery, JSONBody
+from litestar.params import FromPath, FromQuery, JSONBody, Parameter
 
 from jetshard_api.cluster import Cluster
 from jetshard_api.errors import ERROR_RESPONSES, ApiError
@@ -47,7 +51,7 @@ class ServingRequest(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 class PlaceRequest(msgspec.Struct, frozen=True):
     model_id: str
     node_ids: list[str] | None = None
-    min_nodes: int = 1
+    min_nodes: MinNodes = 1
     serving: ServingRequest = ServingRequest()
 
 
@@ -79,7 +83,7 @@ class InstancesController(Controller):
         cluster: NamedDependency[Cluster],
         settings: NamedDependency[InferenceSettings],
         model_id: FromQuery[str],
-        min_nodes: FromQuery[int] = 1,
+        min_nodes: Annotated[int, Parameter(ge=1, le=MAX_NODES)] = 1,  # a query parameter: Litestar's bounds
     ) -> PlacementPreview:
         """The placement that would be chosen now with the API's serving settings, without placing anything."""
         card = find_card(cluster.state, checked_model_id(model_id))
