@@ -234,10 +234,15 @@ def blas_of(pid: int) -> str:
 
 
 def runner_env() -> dict[str, str]:
-    """The environment jetshard's worker gives a runner that has the machine to itself (BLAS preload and its
-    threads): the mlx-lm sides get it too."""
+    """The environment jetshard's worker gives a runner that has the machine to itself: the mlx-lm sides get it
+    too. On mlx's CUDA build the NVIDIA wheels' library directories (no BLAS preload), as `runners.py` chooses;
+    on its CPU build the BLAS preload and its threads."""
+    from jetshard_bus.node import mlx_cuda_installed
     from jetshard_worker.blas import blas_threads, runner_environment
+    from jetshard_worker.cuda import cuda_runner_environment
 
+    if mlx_cuda_installed():
+        return cuda_runner_environment()
     return runner_environment(blas_threads(os.cpu_count() or 1, 1))
 
 
