@@ -45,3 +45,11 @@ def test_a_runner_loads_nvidia_libraries_from_another_site_directory(tmp_path: P
     assert _loads(env)
     assert env["LD_LIBRARY_PATH"].endswith(":/opt/own/lib")  # the user's own directories stay, after
     assert cuda_runner_environment(base, [str(venv_site)]) == base  # no NVIDIA wheels: nothing changes
+
+
+def test_the_worker_never_loads_mlx_itself() -> None:
+    """Only runners load mlx (with the environment above); a worker that did would die on the CUDA build where the
+    NVIDIA libraries sit in another site directory, before it could start any runner."""
+    probe = "import sys, jetshard_worker.service; print('mlx.core' in sys.modules)"
+    loaded = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True)
+    assert loaded.stdout.strip() == "False"

@@ -594,6 +594,36 @@ def test_shard_loads_only_its_range(models: dict[str, Path], start: int, end: in
     assert shard.eos_token_ids == {509, 511}
 
 
+def test_a_llama3_rope_shard_loaded_on_one_thread_runs_on_another(tmp_path: Path) -> None:
+    """As a runner does: loaded on its main thread, run on the engine's. Llama 3's RoPE keeps its
+    frequencies outside the parameters; left lazy, the first request of any Llama 3.x model failed."""
+    model_dir = make_tiny_model(tmp_path / "llama3", arch="llama", num_layers=2, num_files=1)
+    config = json.loads((model_dir / "config.json").read_text())
+    config["rope_scaling"] = {
+        "rope_type": "llama3",
+        "factor": 32.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 8192,
+    }
+    (model_dir / "config.json").write_text(json.dumps(config))
+    shard = load_shard(model_dir, 0, 2)
+    outcome: list[object] = []
+
+    def forward() -> None:
+        try:
+            h = shard.head(shard.run_layers(shard.embed(mx.array([[1, 2, 3]])), shard.make_cache()))
+            mx.eval(h)
+            outcome.append(h.shape)
+        except Exception as error:
+            outcome.append(error)
+
+    engine_thread = threading.Thread(target=forward)
+    engine_thread.start()
+    engine_thread.join(60)
+    assert outcome == [(1, 3, config["vocab_size"])]
+
+
 def test_chained_shards_equal_full_model_with_tied_embeddings(tmp_path: Path) -> None:
     model_dir = make_tiny_model(tmp_path / "tied", arch="qwen3", num_layers=4, num_files=4)
     config = json.loads((model_dir / "config.json").read_text())

@@ -32,9 +32,9 @@ from nats.js import JetStreamContext
 
 from jetshard_worker.blas import blas_candidates, blas_threads, runner_environment
 from jetshard_worker.cuda import cuda_runner_environment
-from jetshard_worker.engine.distributed import write_hostfile
 from jetshard_worker.planning import RunnerKey, RunnerPlan, plan, runners_on_machine
 from jetshard_worker.publishing import NATS_ERRORS
+from jetshard_worker.ring_hostfile import write_hostfile
 from jetshard_worker.runner_spec import RunnerSpec
 from jetshard_worker.scratch import make_scratch_dir
 

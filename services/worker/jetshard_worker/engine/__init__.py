@@ -1,6 +1,8 @@
 """MLX shard engine: pipeline-parallel generation over a ring of processes, one layer range each."""
 
-from .distributed import init_ring, write_hostfile
+from jetshard_worker.ring_hostfile import write_hostfile
+
+from .distributed import init_ring
 from .engine import EngineStats, GenerationRequest, PipelineEngine, TokenScores
 from .shard import Shard, eos_token_ids, load_shard
 

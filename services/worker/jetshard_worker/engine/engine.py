@@ -30,8 +30,8 @@ import mlx.core as mx
 from jetshard_schema.types import TaskOutcome
 
 from jetshard_worker.library_boundary import can_trim_prompt_cache
+from jetshard_worker.ring_hostfile import ring_listen_port
 
-from .distributed import ring_listen_port
 from .prefixes import PrefixHit, PrefixIndex
 from .protocol import (
     FLAG_COHORT,

@@ -178,7 +178,7 @@ def load_shard(
         extra.append(model.lm_head.parameters())
     mx.eval(extra)
     for done, layer in enumerate(inner.layers, start=1):
-        mx.eval(layer.parameters())
+        mx.eval(layer.parameters(), _buffers(layer))
         if on_progress is not None:
             on_progress(done, total)
 
@@ -317,6 +317,18 @@ def _to_float32(model: nn.Module) -> None:
     if replaced:
         model.update_modules(tree_unflatten(replaced))
     model.apply(lambda x: x.astype(mx.float32) if x.dtype in (mx.float16, mx.bfloat16) else x)
+
+
+def _buffers(module: nn.Module) -> list[mx.array]:
+    """Arrays a module keeps outside its parameters, under a private name (mlx-lm's `Llama3RoPE._freqs`, which
+    every Llama 3.x checkpoint has). Left lazy they belong to the loading thread's stream, and the engine's thread
+    cannot evaluate them: its first forward pass fails ("There is no Stream(cpu, 0) in current thread")."""
+    return [
+        value
+        for _, m in module.named_modules()
+        for key, value in m.items()
+        if key.startswith("_") and isinstance(value, mx.array)  # parameters() leaves out private keys
+    ]
 
 
 def _weights_dtype(model: nn.Module) -> str:
