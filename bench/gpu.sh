@@ -34,10 +34,9 @@
 #
 # GPU_COMPARE_ARGS overrides compare.py's settings for the GPU run (default: GPU_COMPARE_DEFAULT below).
 # GPU_MODEL_ROPE=plain (for run and --dry-run) generates the model without Llama 3's rope_scaling: the same shapes
-# and work per token. Needed while jetshard's shard loader leaves mlx-lm's Llama3RoPE frequencies unevaluated
-# (`_freqs`, not a parameter): its engine thread then fails the first prefill with "There is no Stream(cpu, 0) in
-# current thread" (presumably Stream(gpu, 0) on the GPU); see bench/RESULTS.md, "GPU check". On the device:
-#   run(command="GPU_MODEL_ROPE=plain bash bench/gpu.sh run", carry=["bench/gpu-wheels/part2"], timeout_s=480)
+# and work per token. It was needed before the shard loader evaluated mlx-lm's Llama3RoPE frequencies (`_freqs`, not
+# a parameter), when the engine thread failed the first prefill; the default (llama3) now runs. On the device:
+#   run(command="bash bench/gpu.sh run", carry=["bench/gpu-wheels/part2"], timeout_s=480)
 set -euo pipefail
 
 BENCH="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
