@@ -14,7 +14,7 @@ import subprocess
 import threading
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import mlx.core as mx
 import pytest
@@ -124,8 +124,10 @@ def launch_ranks(
     work: Path,
     prefill_step_size: int = 2048,
     timeout: float = 100,
+    rank_args: list[tuple[str, ...]] | None = None,
 ) -> list[int]:
-    """Run one process per rank (rank r holds layers [ranges[r][0], ranges[r][1])); their exit codes."""
+    """Run one process per rank (rank r holds layers [ranges[r][0], ranges[r][1]), with `rank_args[r]` added to
+    its command line); their exit codes."""
     ranks = len(ranges)
     work.mkdir(parents=True, exist_ok=True)
     hostfile = write_hostfile(work / "hosts.json", [f"127.0.0.1:{p}" for p in free_ports(ranks)])
@@ -139,7 +141,7 @@ def launch_ranks(
             start, end = ranges[rank]
             out = work / f"rank{rank}.json"
             requests_file = work / "requests.json" if rank == ranks - 1 else None
-            extra = ("--prefill-step-size", str(prefill_step_size))
+            extra = ("--prefill-step-size", str(prefill_step_size), *(rank_args[rank] if rank_args else ()))
             cmd = rank_command(model_dir, start, end, rank, out, hostfile, requests_file, *extra)
             # Own process group each, so teardown can kill a rank and anything it started.
             procs.append(subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True))
@@ -166,11 +168,12 @@ def run_pipeline(
     requests: list[dict[str, Any]],
     work: Path,
     prefill_step_size: int = 2048,
+    rank_args: list[tuple[str, ...]] | None = None,
 ) -> list[dict[str, Any]]:
     """Each rank's output (see engine_rank.py), after all ranks exited cleanly; rank r holds
     layers [bounds[r], bounds[r+1])."""
     ranges = list(itertools.pairwise(bounds))
-    codes = launch_ranks(model_dir, ranges, requests, work, prefill_step_size)
+    codes = launch_ranks(model_dir, ranges, requests, work, prefill_step_size, rank_args=rank_args)
     ranks = len(bounds) - 1
     assert codes == [0] * ranks, f"exit codes {codes}:\n{_logs(work, ranks)}"
     return [json.loads((work / f"rank{rank}.json").read_text()) for rank in range(ranks)]
@@ -231,6 +234,50 @@ def test_pipeline_greedy_equals_mlx_lm(
         start, end = bounds[rank], bounds[rank + 1]
         assert_within_range(output["loaded_tensors"], start, end, num_layers=4)
         assert output["progress"][-1] == [end - start, end - start]
+
+
+MIXED_DTYPE_TOLERANCE = 0.05
+"""How far apart (in logits) the float32 model's top two tokens may be where a pipeline holding one rank in
+bfloat16 picks the other: bfloat16 keeps 8 bits of mantissa, so its rank's hidden states and weights are
+rounded to about 0.4 %."""
+
+
+def top2_margins(model_dir: Path, prompt: list[int], tokens: list[int]) -> list[float]:
+    """For each of `tokens`, how far the float32 model's best logit was above its second best when it chose it."""
+    model, _ = mlx_load(str(model_dir))
+    logits = model(mx.array([prompt + tokens]))[0, len(prompt) - 1 :].astype(mx.float32)
+    top2 = mx.sort(logits, axis=-1)[:, -2:]
+    return cast("list[float]", (top2[:, 1] - top2[:, 0]).tolist())[: len(tokens)]
+
+
+@pytest.mark.timeout(180)
+def test_ranks_holding_different_dtypes_each_compute_in_their_own(models: dict[str, Path], tmp_path: Path) -> None:
+    """float32, bfloat16, float32 (a CPU with a fast BLAS, a GPU, a CPU): each rank sends its hidden states as it
+    computed them and the next casts them to its own dtype, so the bfloat16 rank computes and caches in bfloat16
+    and its bytes cross the wire as bfloat16. The output is the float32 model's, up to bfloat16 rounding: tokens
+    agree up to the first whose float32 top-two margin is within MIXED_DTYPE_TOLERANCE."""
+    model_dir = models["llama"]
+    prompts = prompt_ids(model_dir)
+    expected = reference(model_dir, prompts)
+    requests = [{"task_id": f"t{i}", "prompt_tokens": p, "max_tokens": MAX_TOKENS} for i, p in enumerate(prompts)]
+    dtypes = [("--dtype", "float32"), ("--dtype", "bfloat16"), ("--dtype", "float32")]
+
+    outputs = run_pipeline(model_dir, [0, 1, 3, 4], requests, tmp_path, rank_args=dtypes)
+
+    assert [o["weights_dtype"] for o in outputs] == ["float32", "bfloat16", "float32"]
+    assert [o["arrived_dtypes"] for o in outputs] == [[], ["float32"], ["bfloat16"]]
+    agreed = 0
+    for i, tokens in enumerate(expected):
+        got = outputs[-1]["results"][f"t{i}"]["tokens"]
+        same = next((n for n, (a, b) in enumerate(zip(got, tokens, strict=False)) if a != b), None)
+        if same is None:
+            assert len(got) == len(tokens), f"prompt {i}"
+            agreed += len(tokens)
+            continue
+        margin = top2_margins(model_dir, prompts[i], tokens)[same]
+        assert margin < MIXED_DTYPE_TOLERANCE, f"prompt {i} differs at token {same}, where float32's margin is {margin}"
+        agreed += same
+    assert agreed >= sum(map(len, expected)) // 2  # the rounding changed a near-tie, not the model
 
 
 @pytest.mark.timeout(120)

@@ -46,7 +46,7 @@ def test_load_shard_holds_mlx_lms_dequantized_weights(checkpoints: tuple[Path, P
     native = load_shard(quantized, 0, 4)
     assert native.weights_dtype == "4-bit affine"
 
-    shard = load_shard(quantized, 0, 4, float32=True)
+    shard = load_shard(quantized, 0, 4, dtype=mx.float32)
     assert shard.weights_dtype == "float32"
     modules = [m for _, m in shard.model.named_modules()]
     assert not any(isinstance(m, nn.QuantizedLinear | nn.QuantizedEmbedding) for m in modules)
@@ -62,7 +62,7 @@ def test_load_shard_holds_mlx_lms_dequantized_weights(checkpoints: tuple[Path, P
 
 def test_a_shard_of_the_middle_layers_dequantizes_only_what_it_holds(checkpoints: tuple[Path, Path]) -> None:
     quantized, _ = checkpoints
-    shard = load_shard(quantized, 1, 3, float32=True)
+    shard = load_shard(quantized, 1, 3, dtype=mx.float32)
     assert shard.weights_dtype == "float32"
     assert "embed_tokens" not in shard.model.model and len(shard.layers) == 2
 
@@ -94,7 +94,7 @@ def test_engine_on_float32_weights_equals_mlx_lm_with_the_runners_blas(
     requests = [{"task_id": f"t{i}", "prompt_tokens": p, "max_tokens": MAX_TOKENS} for i, p in enumerate(prompts)]
     (tmp_path / "requests.json").write_text(json.dumps(requests))
     out = tmp_path / "rank0.json"
-    cmd = rank_command(quantized, 0, 4, 0, out, None, tmp_path / "requests.json", "--float32")
+    cmd = rank_command(quantized, 0, 4, 0, out, None, tmp_path / "requests.json", "--dtype", "float32")
     subprocess.run(cmd, env=env, capture_output=True, check=True, timeout=120)
     served = json.loads(out.read_text())
     assert served["weights_dtype"] == "float32"

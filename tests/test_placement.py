@@ -11,6 +11,7 @@ from helpers.cards import tiny_card
 from jetshard_schema.cards import Quantization
 from jetshard_schema.ids import InstanceId, NodeId
 from jetshard_schema.placement import (
+    Placement,
     PlacementError,
     device_of,
     kv_cache_bytes,
@@ -23,6 +24,7 @@ from jetshard_schema.placement import (
 )
 from jetshard_schema.state import Instance, Node, State
 from jetshard_schema.types import GpuInfo, NodeProfile, ServingSettings, WeightsDtype
+from msgspec.structs import replace
 
 GiB = 2**30
 CARD = tiny_card(
@@ -224,19 +226,71 @@ def test_auto_keeps_the_checkpoint_dtype_when_float32_does_not_fit() -> None:
     assert placement.required_bytes == required_memory_bytes(Q4_CARD, placement.serving)
 
 
+def shard_dtypes(placement: Placement) -> list[tuple[str, WeightsDtype | None]]:
+    return [(s.node_id, s.weights) for s in placement.shards]
+
+
 def test_auto_keeps_the_checkpoint_dtype_on_a_cpu_without_a_fast_blas() -> None:
-    # The reference BLAS multiplies float32 slower than MLX's quantized kernels run.
+    # The reference BLAS multiplies float32 slower than MLX's quantized kernels run: each node computes in what
+    # is fastest on it, and the pipeline carries both.
     slow = place(Q4_CARD, [node("a", 40), node("b", 40, fast_blas=False)], min_nodes=2)
-    assert slow.serving.weights is WeightsDtype.NATIVE
+    assert shard_dtypes(slow) == [("a", WeightsDtype.FLOAT32), ("b", WeightsDtype.NATIVE)]
+    assert slow.serving.weights is WeightsDtype.AUTO  # the shards differ: each names its own
+    # The float32 shard takes 4 bytes a parameter and a float32 KV cache: fewer layers for the same memory.
+    a, b = slow.shards
+    assert a.end_layer - a.start_layer < b.end_layer - b.start_layer
+    assert a.memory_bytes <= 40 * GiB
+    for shard in slow.shards:
+        assert shard.weights is not None
+        whole = required_memory_bytes(Q4_CARD, replace(ServingSettings(), weights=shard.weights))
+        assert shard.memory_bytes == whole * (shard.end_layer - shard.start_layer) // 32
+    assert slow.required_bytes == a.memory_bytes + b.memory_bytes
 
 
-def test_auto_keeps_the_checkpoint_dtype_when_a_node_has_an_accelerator() -> None:
+def test_auto_keeps_the_checkpoint_dtype_on_an_accelerator_and_widens_the_cpu_beside_it() -> None:
     nodes = [node("a", 40), node("gpu", 40, accelerator="cuda")]
     two_rows = ServingSettings(max_batch=2)
     mixed = place(Q4_CARD, nodes, node_ids=[NodeId("a"), NodeId("gpu")], serving=two_rows)
-    assert mixed.serving.weights is WeightsDtype.NATIVE
+    assert shard_dtypes(mixed) == [("a", WeightsDtype.FLOAT32), ("gpu", WeightsDtype.NATIVE)]
     assert place(Q4_CARD, [node("mac", 64, accelerator="metal")]).serving.weights is WeightsDtype.NATIVE
     assert place(Q4_CARD, nodes, node_ids=[NodeId("a")], serving=two_rows).serving.weights is WeightsDtype.FLOAT32
+    # Where float32 would not fit beside the GPU's share, every shard keeps the checkpoint's dtype.
+    tight = place(
+        Q4_CARD, [node("a", 4), gpu_node("gpu", 4, 4)], node_ids=[NodeId("a"), NodeId("gpu")], serving=two_rows
+    )
+    assert shard_dtypes(tight) == [("a", WeightsDtype.NATIVE), ("gpu", WeightsDtype.NATIVE)]
+    assert tight.serving.weights is WeightsDtype.NATIVE
+
+
+FULL_PRECISION = tiny_card("acme/f32", num_layers=32, storage_size_bytes=32 * GiB, context_length=4096)
+FULL_PRECISION = replace(FULL_PRECISION, checkpoint_dtype="float32")
+"""8 Gi parameters stored as float32."""
+
+
+def test_a_full_precision_checkpoint_is_held_in_16_bits_on_a_gpu() -> None:
+    assert parameter_count(FULL_PRECISION) == 8 * GiB
+    assert weights_bytes(FULL_PRECISION, WeightsDtype.BFLOAT16) == 16 * GiB
+    # Its own dtype computes in float32, and so does its KV cache.
+    assert kv_cache_bytes(FULL_PRECISION, WeightsDtype.NATIVE) == kv_cache_bytes(FULL_PRECISION, WeightsDtype.FLOAT32)
+    assert kv_cache_bytes(FULL_PRECISION, WeightsDtype.BFLOAT16) * 2 == kv_cache_bytes(FULL_PRECISION)
+    # 24 GiB free on the GPU: 35 GiB of float32 would not fit, 17.6 GiB of bfloat16 does.
+    one_row = replace(ONE_ROW, weights=WeightsDtype.AUTO)
+    hopper = place(FULL_PRECISION, [gpu_node("gpu", system_gib=8, gpu_free_gib=24)], serving=one_row)
+    assert shard_dtypes(hopper) == [("gpu", WeightsDtype.BFLOAT16)]
+    assert hopper.required_bytes == int(16 * GiB * 1.1) + kv_cache_bytes(FULL_PRECISION, WeightsDtype.BFLOAT16)
+    # Before Ampere (compute capability 8.0) a GPU has no bfloat16: float16.
+    turing = gpu_node("t4", system_gib=8, gpu_free_gib=24)
+    gpus = (replace(turing.profile.gpus[0], name="Tesla T4", compute_capability="7.5"),)
+    turing = replace(turing, profile=replace(turing.profile, gpus=gpus))
+    assert shard_dtypes(place(FULL_PRECISION, [turing], serving=one_row)) == [("t4", WeightsDtype.FLOAT16)]
+    # An explicit choice is kept: native float32 does not fit that GPU.
+    with pytest.raises(PlacementError, match=r"weights 32.00 GiB as native"):
+        place_one_row(FULL_PRECISION, [gpu_node("gpu", 8, 24)])
+
+
+def test_a_pipeline_that_mixes_dtypes_says_how_many_layers_its_nodes_hold() -> None:
+    with pytest.raises(PlacementError, match=r"32 layers \(cpu as native, gpu as bfloat16.*enough for \d+\.\d of them"):
+        place(FULL_PRECISION, [gpu_node("gpu", 4, 8), node("cpu", 8, fast_blas=False)], min_nodes=2)
 
 
 def test_an_explicit_choice_is_kept_and_counted() -> None:

@@ -19,7 +19,9 @@ from jetshard_schema.types import (
     NodeProfile,
     RunnerReport,
     RunnerStatus,
+    ServingSettings,
     ShardAssignment,
+    WeightsDtype,
 )
 from jetshard_worker.planning import RunnerKey, plan, runners_on_machine
 
@@ -115,3 +117,27 @@ def test_nodes_on_one_machine_count_each_others_runners() -> None:
     apart = fold(NodeJoined(node_id=B, session_id="s-b2", profile=elsewhere), state=state)
     assert runners_on_machine(apart, A) == runners_on_machine(apart, B) == 1
     assert runners_on_machine(fold(), A) == 1  # a node State does not know yet
+
+
+def test_each_rank_loads_its_own_shards_dtype() -> None:
+    mixed = InstancePlaced(
+        instance_id=INSTANCE,
+        model_id=MODEL,
+        shards=(
+            ShardAssignment(node_id=A, rank=0, start_layer=0, end_layer=2, weights=WeightsDtype.FLOAT32),
+            ShardAssignment(node_id=B, rank=1, start_layer=2, end_layer=4, weights=WeightsDtype.BFLOAT16),
+        ),
+        serving=ServingSettings(weights=WeightsDtype.AUTO),
+    )
+    ready = (downloaded(A, 0, 2), downloaded(B, 2, 4), endpoint(A, 0), endpoint(B, 1))
+    state = fold(*PLACED[:2], mixed, *ready)
+    assert [plan(state, n, s, frozenset(), now_ms=0).start[0].weights for n, s in ((A, "s-a"), (B, "s-b"))] == [
+        WeightsDtype.FLOAT32,
+        WeightsDtype.BFLOAT16,
+    ]
+    # A placement recorded before shards had a dtype of their own: the instance's.
+    legacy = msgspec.structs.replace(
+        mixed, shards=PLACED[2].shards, serving=ServingSettings(weights=WeightsDtype.FLOAT32)
+    )
+    (start,) = plan(fold(*PLACED[:2], legacy, *ready), B, "s-b", frozenset(), now_ms=0).start
+    assert start.weights is WeightsDtype.FLOAT32

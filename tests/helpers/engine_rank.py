@@ -1,7 +1,7 @@
 """Run one rank of a jetshard pipeline for tests and benchmarks.
 
     python engine_rank.py --model-dir D --start S --end E --out OUT.json \
-        [--rank R --hostfile H.json] [--requests REQ.json] [--prefill-step-size N] [--float32]
+        [--rank R --hostfile H.json] [--requests REQ.json] [--prefill-step-size N] [--dtype float32]
 
 Every rank writes OUT.json with the tensor names it loaded; the last rank also serves the
 requests in REQ.json (a list of GenerationRequest fields plus an optional "cancel_after": cancel
@@ -19,6 +19,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import mlx.core as mx
 from jetshard_schema.types import TaskOutcome
 from jetshard_worker.engine import GenerationRequest, PipelineEngine, init_ring, load_shard
 
@@ -68,13 +69,17 @@ def main() -> None:
     parser.add_argument("--hostfile", type=Path)
     parser.add_argument("--requests", type=Path)
     parser.add_argument("--prefill-step-size", type=int, default=2048)
-    parser.add_argument("--float32", action="store_true", help="dequantize / widen the weights to float32")
+    parser.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), help="hold the weights as this")
     parser.add_argument("--idle-before", type=float, default=0.0, help="seconds to idle before submitting")
     args = parser.parse_args()
 
     progress: list[tuple[int, int]] = []
     shard = load_shard(
-        args.model_dir, args.start, args.end, on_progress=lambda d, t: progress.append((d, t)), float32=args.float32
+        args.model_dir,
+        args.start,
+        args.end,
+        on_progress=lambda d, t: progress.append((d, t)),
+        dtype=getattr(mx, args.dtype) if args.dtype else None,
     )
     group = init_ring(args.rank, args.hostfile) if args.hostfile else None
 
@@ -135,6 +140,7 @@ def main() -> None:
                 "rank": args.rank,
                 "loaded_tensors": sorted(shard.loaded_tensors),
                 "weights_dtype": shard.weights_dtype,
+                "arrived_dtypes": sorted(engine.stats.arrived_dtypes),
                 "progress": progress,
                 "results": results,
                 "max_rows": engine.stats.max_rows,

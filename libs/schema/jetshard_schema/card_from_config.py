@@ -87,6 +87,7 @@ def card_from_hub_metadata(
         storage_size_bytes=storage_size,
         storage_size_estimated=False,
         quantization=_quantization(valid_id, config),
+        checkpoint_dtype=_checkpoint_dtype(scopes),
         is_custom=True,
         display_name=valid_id.split("/", 1)[1],
         generation=generation_config_defaults(generation_config),
@@ -136,6 +137,14 @@ def _required_int(model_id: str, scopes: tuple[Mapping[str, Any], ...], keys: tu
 def _optional_int(model_id: str, scopes: tuple[Mapping[str, Any], ...], keys: tuple[str, ...]) -> int | None:
     found = _lookup(scopes, keys)
     return None if found is None else _positive_int(model_id, *found)
+
+
+def _checkpoint_dtype(scopes: tuple[Mapping[str, Any], ...]) -> str:
+    # transformers writes `torch_dtype`, its newer versions `dtype`; anything but the three float dtypes (an
+    # absent or "auto" value) is unknown.
+    found = _lookup(scopes, ("torch_dtype", "dtype"))
+    value = found[1] if found is not None else None
+    return value if isinstance(value, str) and value in ("float32", "bfloat16", "float16") else ""
 
 
 def _quantization(model_id: str, config: Mapping[str, Any]) -> Quantization | None:

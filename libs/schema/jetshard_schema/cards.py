@@ -54,6 +54,9 @@ class ModelCard(msgspec.Struct, frozen=True, kw_only=True):
     context_length: int = 4096
     tasks: tuple[ModelTask, ...] = (ModelTask.CHAT, ModelTask.COMPLETION)
     quantization: Quantization | None = None
+    checkpoint_dtype: str = ""
+    """The unquantized weights' dtype in the checkpoint (config.json's `torch_dtype`): "float32", "bfloat16" or
+    "float16"; empty where unknown, taken as 16-bit."""
     is_custom: bool = False
     source: ModelSource = ModelSource.HUB
     source_ref: str = ""

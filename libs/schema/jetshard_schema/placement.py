@@ -1,23 +1,26 @@
-"""Placement: which nodes hold which layers of an instance. Pure; tested without NATS.
+"""Placement: which nodes hold which layers of an instance, in which dtype. Pure; tested without NATS.
 
 Memory a model needs on the cluster = its weights + a KV-cache headroom: the KV cache of one full context
-(2 · layers · kv heads · head dim · context · 2 bytes, 4 with float32 weights) for each of the `max_batch` rows
-that decode together, the instance's prefix-cache budget, plus 10 % of the weights for activations and
-allocator slack. Weights count at their checkpoint size, or at 4 bytes a parameter when the instance
-dequantizes them to float32. Each node gets a layer range proportional to its available memory (largest
-remainder, at least one layer each); together the nodes must hold the whole requirement. A node's available
-memory is where its runners compute: the first GPU's free memory on a CUDA node (one GPU a node for now), the
-system's available memory elsewhere (on Apple silicon that is the GPU's too: the memory is unified).
+(2 · layers · kv heads · head dim · context · 2 bytes, 4 where the layers compute in float32) for each of the
+`max_batch` rows that decode together, the instance's prefix-cache budget, plus 10 % of the weights for
+activations and allocator slack. Weights count at their checkpoint size, or at 4 (2) bytes a parameter when a
+shard converts them to float32 (bfloat16, float16). Each node gets a layer range proportional to the layers its
+available memory holds in its shard's dtype (largest remainder, at least one layer each); together the nodes
+must hold every layer. A node's available memory is where its runners compute: the first GPU's free memory on a
+CUDA node (one GPU a node for now), the system's available memory elsewhere (on Apple silicon that is the GPU's
+too: the memory is unified).
 
 A node's available memory is what it last reported less what the shards placed on it will take and that report
 does not show taken (not loaded yet, or loaded since): instances placed in one burst are each sized against
 what the ones before them left, not all against the same free memory. Each shard records its share of the
 requirement.
 
-`WeightsDtype.AUTO` is resolved here, once, into the choice the instance keeps: float32 when every chosen
-node computes on its CPU with a fast BLAS (which multiplies float32 several times faster than MLX's quantized
-kernels; with the reference BLAS float32 is slower than they are) and the float32 weights fit those nodes;
-the checkpoint's own dtype otherwise.
+`WeightsDtype.AUTO` is resolved here, once per shard, into the dtype the shard keeps, so one pipeline may mix
+them: float32 on a node that computes on its CPU with a fast BLAS (which multiplies float32 several times faster
+than MLX's quantized kernels; with the reference BLAS float32 is slower than they are) when the float32 weights
+fit the chosen nodes; bfloat16 (float16 before Ampere) for a full-precision checkpoint on an NVIDIA GPU, as
+vLLM's `--dtype auto` does; the checkpoint's own dtype otherwise. The nodes are chosen as the checkpoint's
+dtype needs them: float32 never adds a node (a network hop per token).
 """
 
 from __future__ import annotations
@@ -34,10 +37,11 @@ from jetshard_schema.state import Node, State
 from jetshard_schema.types import GpuInfo, NodeProfile, ServingSettings, ShardAssignment, WeightsDtype
 
 ACTIVATION_HEADROOM = 0.10
-KV_BYTES_PER_VALUE = 2
+HALF_BYTES = 2
 FLOAT32_BYTES = 4
 UNQUANTIZED_BITS = 16
-"""Checkpoints without quantization are taken as 16-bit (bf16/fp16): a float32 checkpoint is over-counted."""
+"""Checkpoints without quantization whose dtype the card does not name are taken as 16-bit (bf16/fp16)."""
+NARROWED = (WeightsDtype.BFLOAT16, WeightsDtype.FLOAT16)
 
 
 class PlacementError(ValueError):
@@ -52,14 +56,22 @@ class Placement(msgspec.Struct, frozen=True):
     shards: tuple[ShardAssignment, ...]
     required_bytes: int
     serving: ServingSettings
-    """The requested settings with `weights` resolved (never AUTO)."""
+    """The requested settings with `weights` resolved: the dtype every shard holds, or AUTO where they differ
+    (each shard names its own)."""
+
+
+def _full_precision(card: ModelCard) -> bool:
+    return card.quantization is None and card.checkpoint_dtype == "float32"
 
 
 def parameter_count(card: ModelCard) -> int:
     """Parameters, estimated from the checkpoint's size: a quantized weight takes `bits` plus its share of its
     group's 16-bit scale and bias (MLX's affine quantization)."""
     q = card.quantization
-    bits = UNQUANTIZED_BITS if q is None else q.bits + 2 * 16 / q.group_size
+    if q is not None:
+        bits = q.bits + 2 * 16 / q.group_size
+    else:
+        bits = 8 * FLOAT32_BYTES if _full_precision(card) else UNQUANTIZED_BITS
     return int(card.storage_size_bytes * 8 / bits)
 
 
@@ -68,13 +80,17 @@ def weights_bytes(card: ModelCard, weights: WeightsDtype) -> int:
         return card.storage_size_bytes
     if weights is WeightsDtype.FLOAT32:
         return parameter_count(card) * FLOAT32_BYTES
+    if weights in NARROWED:
+        return parameter_count(card) * HALF_BYTES
     raise ValueError("weights_bytes needs a concrete dtype; place() resolves AUTO")
 
 
 def kv_cache_bytes(card: ModelCard, weights: WeightsDtype = WeightsDtype.NATIVE) -> int:
-    """The KV cache of one row holding a full context: fp16, or float32 along with float32 weights."""
+    """The KV cache of one row holding a full context, in the dtype the layers compute in: float32 with float32
+    weights (converted, or a full-precision checkpoint's own), 16 bits otherwise."""
     head_dim = card.hidden_size // max(card.num_attention_heads, 1)
-    per_value = FLOAT32_BYTES if weights is WeightsDtype.FLOAT32 else KV_BYTES_PER_VALUE
+    wide = weights is WeightsDtype.FLOAT32 or (weights is WeightsDtype.NATIVE and _full_precision(card))
+    per_value = FLOAT32_BYTES if wide else HALF_BYTES
     return 2 * card.num_layers * card.num_key_value_heads * head_dim * card.context_length * per_value
 
 
@@ -129,6 +145,60 @@ def _gib(n: int) -> str:
     return f"{n / 2**30:.2f} GiB"
 
 
+def _checkpoint_weights(card: ModelCard, profile: NodeProfile) -> WeightsDtype:
+    """AUTO's dtype on one node before float32 is tried: the checkpoint's own, but 16 bits for a full-precision
+    checkpoint on an NVIDIA GPU (bfloat16 from Ampere, compute capability 8.0, on; float16 before)."""
+    gpu = _compute_gpu(profile)
+    if gpu is None or not _full_precision(card):
+        return WeightsDtype.NATIVE
+    major = gpu.compute_capability.partition(".")[0]
+    return WeightsDtype.BFLOAT16 if major.isdigit() and int(major) >= 8 else WeightsDtype.FLOAT16
+
+
+def _widened(profile: NodeProfile, weights: WeightsDtype) -> WeightsDtype:
+    return WeightsDtype.FLOAT32 if profile.accelerator == "cpu" and profile.fast_blas else weights
+
+
+class _Sizing:
+    """What each dtype costs a layer of `card` under `serving`, and so how many layers a node's memory holds."""
+
+    def __init__(self, card: ModelCard, serving: ServingSettings) -> None:
+        self.card, self.serving = card, serving
+        self._required: dict[WeightsDtype, int] = {}
+
+    def required(self, weights: WeightsDtype) -> int:
+        """The whole model's requirement, were every shard in `weights`."""
+        if weights not in self._required:
+            resolved = msgspec.structs.replace(self.serving, weights=weights)
+            self._required[weights] = required_memory_bytes(self.card, resolved)
+        return self._required[weights]
+
+    def layers_held(self, node: Node, weights: WeightsDtype) -> float:
+        return compute_memory_bytes(node.profile) * self.card.num_layers / self.required(weights)
+
+    def shortfall(self, nodes: Sequence[Node], dtypes: Sequence[WeightsDtype]) -> str:
+        """Why `nodes` holding `dtypes` cannot take the model, for a person."""
+        card, serving = self.card, self.serving
+        available = sum(compute_memory_bytes(n.profile) for n in nodes)
+        what = f"plus KV-cache headroom for {serving.max_batch} row(s) and a prefix cache of "
+        what += f"{_gib(serving.prefix_cache_bytes)}"
+        if len(set(dtypes)) == 1:
+            weights = dtypes[0]
+            needs = (
+                f"{_gib(self.required(weights))} (weights {_gib(weights_bytes(card, weights))} as {weights}, {what})"
+            )
+            has = f"have {_gib(available)} available"
+        else:
+            held = sum(self.layers_held(n, d) for n, d in zip(nodes, dtypes, strict=True))
+            each = ", ".join(f"{n.node_id} as {d}" for n, d in zip(nodes, dtypes, strict=True))
+            needs = f"{card.num_layers} layers ({each}, {what})"
+            has = f"have {_gib(available)} available, enough for {held:.1f} of them"
+        return (
+            f"{card.model_id} needs {needs} but the {len(nodes)} node(s) {has}; "
+            "add nodes, lower max_batch or prefix_cache_bytes, or choose a smaller model"
+        )
+
+
 def place(
     card: ModelCard,
     nodes: Sequence[Node],
@@ -136,8 +206,8 @@ def place(
     min_nodes: int = 1,
     serving: ServingSettings = ServingSettings(),
 ) -> Placement:
-    """Choose nodes, layer ranges and the weights dtype for `card`; raise PlacementError with an actionable
-    reason."""
+    """Choose nodes, layer ranges and each shard's weights dtype for `card`; raise PlacementError with an
+    actionable reason."""
     known = {node.node_id: node for node in nodes}
     if node_ids:
         missing = [n for n in node_ids if n not in known]
@@ -153,46 +223,51 @@ def place(
     if len(chosen) < min_nodes:
         raise PlacementError(f"{min_nodes} node(s) requested but only {len(chosen)} available")
 
-    # AUTO chooses the nodes as the checkpoint's dtype would need them, then dequantizes only if it fits there:
-    # more nodes for bigger weights would cost a network hop per token.
-    resolved = serving
-    if serving.weights is WeightsDtype.AUTO:
-        resolved = msgspec.structs.replace(serving, weights=WeightsDtype.NATIVE)
-    required = required_memory_bytes(card, resolved)
+    sizing = _Sizing(card, serving)
+    auto = serving.weights is WeightsDtype.AUTO
+    dtypes = [_checkpoint_weights(card, n.profile) if auto else serving.weights for n in chosen]
     if not node_ids:
-        # The fewest nodes (at least min_nodes) whose memory covers the model: fewer hops per token.
-        count, held = 0, 0
-        for count, node in enumerate(chosen, start=1):
-            held += compute_memory_bytes(node.profile)
-            if count >= min_nodes and held >= required:
+        # The fewest nodes (at least min_nodes) whose memory holds every layer: fewer hops per token.
+        count, held = 0, 0.0
+        for count, (node, weights) in enumerate(zip(chosen, dtypes, strict=True), start=1):
+            held += sizing.layers_held(node, weights)
+            if count >= min_nodes and held >= card.num_layers:
                 break
-        chosen = chosen[:count]
-    available = sum(compute_memory_bytes(n.profile) for n in chosen)
-    if available < required:
-        raise PlacementError(
-            f"{card.model_id} needs {_gib(required)} (weights {_gib(weights_bytes(card, resolved.weights))} as "
-            f"{resolved.weights}, plus KV-cache headroom for {resolved.max_batch} row(s) and a prefix cache of "
-            f"{_gib(resolved.prefix_cache_bytes)}) but the {len(chosen)} node(s) have {_gib(available)} available; "
-            "add nodes, lower max_batch or prefix_cache_bytes, or choose a smaller model"
-        )
-    if serving.weights is WeightsDtype.AUTO and all(
-        n.profile.accelerator == "cpu" and n.profile.fast_blas for n in chosen
-    ):
-        dequantized = msgspec.structs.replace(serving, weights=WeightsDtype.FLOAT32)
-        if required_memory_bytes(card, dequantized) <= available:
-            resolved, required = dequantized, required_memory_bytes(card, dequantized)
-    ranges = split_layers(card.num_layers, [compute_memory_bytes(n.profile) for n in chosen])
+        chosen, dtypes = chosen[:count], dtypes[:count]
+
+    def holds_all(weights: Sequence[WeightsDtype]) -> bool:
+        held = sum(sizing.layers_held(n, w) for n, w in zip(chosen, weights, strict=True))
+        return held >= card.num_layers
+
+    if not holds_all(dtypes):
+        raise PlacementError(sizing.shortfall(chosen, dtypes))
+    if auto:
+        widened = [_widened(n.profile, w) for n, w in zip(chosen, dtypes, strict=True)]
+        if widened != dtypes and holds_all(widened):
+            dtypes = widened
+    # In proportion to the layers each node holds; integers, so a uniform dtype splits exactly by memory.
+    widest = max(sizing.required(w) for w in dtypes)
+    shares = [
+        compute_memory_bytes(n.profile) * widest // sizing.required(w) for n, w in zip(chosen, dtypes, strict=True)
+    ]
+    ranges = split_layers(card.num_layers, shares)
     shards = tuple(
         ShardAssignment(
             node_id=node.node_id,
             rank=rank,
             start_layer=start,
             end_layer=end,
-            memory_bytes=required * (end - start) // card.num_layers,
+            memory_bytes=sizing.required(weights) * (end - start) // card.num_layers,
+            weights=weights,
         )
-        for rank, (node, (start, end)) in enumerate(zip(chosen, ranges, strict=True))
+        for rank, (node, weights, (start, end)) in enumerate(zip(chosen, dtypes, ranges, strict=True))
     )
-    return Placement(shards=shards, required_bytes=required, serving=resolved)
+    layers_in: Counter[WeightsDtype] = Counter()
+    for shard, weights in zip(shards, dtypes, strict=True):
+        layers_in[weights] += shard.end_layer - shard.start_layer
+    required = sum(sizing.required(w) * layers // card.num_layers for w, layers in layers_in.items())
+    common = dtypes[0] if len(layers_in) == 1 else WeightsDtype.AUTO
+    return Placement(shards=shards, required_bytes=required, serving=msgspec.structs.replace(serving, weights=common))
 
 
 def cannot_fetch(state: State, card: ModelCard) -> set[NodeId]:

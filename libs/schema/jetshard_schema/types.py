@@ -62,6 +62,8 @@ class WeightsDtype(enum.StrEnum):
     quantized kernels there); the checkpoint's own dtype elsewhere."""
     NATIVE = "native"
     FLOAT32 = "float32"
+    BFLOAT16 = "bfloat16"
+    FLOAT16 = "float16"
 
 
 MAX_NODES = 4096
@@ -93,9 +95,16 @@ class ShardAssignment(msgspec.Struct, frozen=True, kw_only=True):
     """First layer of the shard; layer ranges are `[start_layer, end_layer)`, 0-based."""
     end_layer: int
     memory_bytes: int = 0
-    """What the shard will take on its node once loaded (its weights in the instance's dtype, its share of the
-    KV cache for `max_batch` rows, of the prefix cache and of the activation headroom): placement counts it
-    against the node until the shard's runner is ready and the node's own report includes it."""
+    """What the shard will take on its node once loaded (its weights in its dtype, its share of the KV cache for
+    `max_batch` rows, of the prefix cache and of the activation headroom): placement counts it against the node
+    until the shard's runner is ready and the node's own report includes it."""
+    weights: WeightsDtype | None = None
+    """What this shard holds its weights as (never AUTO): ranks of one instance may differ, float32 on a CPU with
+    a fast BLAS beside the checkpoint's dtype on a GPU. None in placements recorded before shards had their own:
+    then the instance's `serving.weights`."""
+
+    def weights_in(self, serving: ServingSettings) -> WeightsDtype:
+        return serving.weights if self.weights is None else self.weights
 
 
 class DownloadStatus(enum.StrEnum):

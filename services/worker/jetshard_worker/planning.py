@@ -5,7 +5,7 @@ from __future__ import annotations
 import msgspec
 from jetshard_schema.ids import InstanceId, ModelId, NodeId
 from jetshard_schema.state import Instance, State
-from jetshard_schema.types import DownloadStatus, RunnerStatus, ServingSettings
+from jetshard_schema.types import DownloadStatus, RunnerStatus, ServingSettings, WeightsDtype
 
 
 class RunnerKey(msgspec.Struct, frozen=True):
@@ -24,6 +24,8 @@ class RunnerPlan(msgspec.Struct, frozen=True, kw_only=True):
     endpoints: tuple[str, ...]
     """`host:port` of every rank, in rank order."""
     serving: ServingSettings = ServingSettings()
+    weights: WeightsDtype = WeightsDtype.NATIVE
+    """What this rank holds its weights as (its shard's own dtype)."""
 
 
 class Plan(msgspec.Struct, frozen=True, kw_only=True):
@@ -80,6 +82,7 @@ def _startable(state: State, instance: Instance, node_id: NodeId) -> RunnerPlan 
         key=RunnerKey(instance.instance_id, instance.generation),
         model_id=instance.model_id,
         serving=instance.serving,
+        weights=shard.weights_in(instance.serving),
         rank=shard.rank,
         world_size=len(instance.shards),
         start_layer=shard.start_layer,

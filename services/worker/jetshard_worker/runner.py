@@ -25,6 +25,7 @@ from collections.abc import Callable, Coroutine
 from pathlib import Path
 from typing import Any, NoReturn
 
+import mlx.core as mx
 import msgspec
 import nats.errors
 from jetshard_bus.commands import publish_command
@@ -81,6 +82,9 @@ from jetshard_worker.toolcalls import ToolCallSplitter, forced_call_schema
 log = logging.getLogger(__name__)
 
 PROGRESS_INTERVAL_S = 0.5
+_HELD_AS = {WeightsDtype.FLOAT32: mx.float32, WeightsDtype.BFLOAT16: mx.bfloat16, WeightsDtype.FLOAT16: mx.float16}
+"""The dtypes a shard converts its weights to; the others (NATIVE, and AUTO in placements made before it was
+resolved) keep the checkpoint's."""
 
 
 class Runner:
@@ -144,9 +148,9 @@ class Runner:
         await self.report(RunnerStatus.LOADING, layers_loaded=0, layers_total=total)
         model_dir = Path(self.plan.model_dir)
         # Placement resolves AUTO; an instance placed before it did keeps the checkpoint's dtype.
-        float32 = self.plan.serving.weights is WeightsDtype.FLOAT32
+        dtype = _HELD_AS.get(self.plan.weights)
         shard = await asyncio.to_thread(
-            load_shard, model_dir, self.plan.start_layer, self.plan.end_layer, on_progress, float32=float32
+            load_shard, model_dir, self.plan.start_layer, self.plan.end_layer, on_progress, dtype=dtype
         )
         group = None
         if self.plan.world_size > 1:

@@ -251,6 +251,7 @@ class EngineStats:
     prefix_hit_tokens: int = 0  # prompt tokens those tasks did not prefill
     prefix_cache_entries: int = 0  # saved prefix caches
     prefix_cache_bytes: int = 0  # their size, for the whole model
+    arrived_dtypes: set[str] = field(default_factory=set)  # what the previous rank's hidden states came as
     # How things stand now (leader only): rows in the current decode step, decoding or prefilling, waiting.
     batch_size: int = 0
     running_rows: int = 0
@@ -465,10 +466,15 @@ class PipelineEngine:
                         cache = caches.for_prefill(header)
                     else:
                         cache = caches.for_decode(header)
-                    h = self.shard.embed(payload) if self.shard.is_first else payload
+                    h = self.shard.embed(payload) if self.shard.is_first else self._arrived(payload)
                     h = self.shard.run_layers(h, cache)
                     self._link.send(header.with_payload(h), h, extra=[c.state for c in cache])
                     self.stats.steps += 1
+
+    def _arrived(self, hidden: mx.array) -> mx.array:
+        if self._link is not None:  # a single rank's "arrivals" are its own embeddings
+            self.stats.arrived_dtypes.add(str(hidden.dtype).removeprefix("mlx.core."))
+        return self.shard.arrived(hidden)
 
     # ----------------------------------------------------------------- layout check
 
@@ -772,7 +778,7 @@ class PipelineEngine:
                 mx.eval(group.launched.tokens)  # time the chunk alone, not a decode step still running
         started = time.perf_counter()
         cache = self._caches.for_prefill(header)
-        h = self.shard.run_layers(hidden, cache)
+        h = self.shard.run_layers(self._arrived(hidden), cache)
         first = cohort.tasks[0]
         if first.request.embed:  # alone in its cohort: no padding in the mean
             pooled = self.shard.final_norm(h).astype(mx.float32).sum(axis=1)
@@ -792,7 +798,7 @@ class PipelineEngine:
         if previous is not None and any(t.request.logits_processors for t in rows):
             self._read(previous)
             previous = None
-        h = self.shard.run_layers(hidden, self._caches.for_decode(header))
+        h = self.shard.run_layers(self._arrived(hidden), self._caches.for_decode(header))
         self.stats.steps += 1
         tokens, scores = self._sample(rows, self.shard.head(h)[:, -1, :])
         mx.async_eval(tokens, *(scores or ()))

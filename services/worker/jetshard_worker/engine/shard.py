@@ -11,6 +11,7 @@ from __future__ import annotations
 import inspect
 import json
 import re
+from collections import Counter
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -36,6 +37,9 @@ _EMBED_SCALE: dict[str, Callable[[mx.array, Any], mx.array] | None] = {
     "gemma": lambda h, args: h * (args.hidden_size**0.5),
 }
 
+HOLDABLE_DTYPES = (mx.float32, mx.bfloat16, mx.float16)
+"""The dtypes a shard's weights can be converted to at load."""
+
 _LAYER_KEY = re.compile(r"^model\.layers\.(\d+)\.")
 _ANY_LAYER_KEY = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 
@@ -53,6 +57,8 @@ class Shard:
     loaded_tensors: frozenset[str] = field(default_factory=frozenset)
     weights_dtype: str = ""
     """What the weights are held as: `float32`, `bfloat16`, `4-bit affine`..."""
+    activation_dtype: mx.Dtype = mx.float32
+    """What the layers compute in: hidden states from a rank holding another dtype are cast to it on arrival."""
 
     @property
     def is_first(self) -> bool:
@@ -77,6 +83,13 @@ class Shard:
         h = self.model.model.embed_tokens(tokens)
         scale = _EMBED_SCALE[self.arch]
         return h if scale is None else scale(h, self.model.model.args)
+
+    def arrived(self, h: mx.array) -> mx.array:
+        """Hidden states from the previous rank, in this rank's activation dtype. Ranks may hold different dtypes
+        (float32 on a CPU with a fast BLAS beside bfloat16 on a GPU): each sends its output as it computed it, the
+        step header names that dtype, and the receiver casts. Uncast, a bfloat16 rank fed float32 states would
+        compute and keep its KV cache in float32 by promotion: twice the memory placement counted for it."""
+        return h if h.dtype == self.activation_dtype else h.astype(self.activation_dtype)
 
     def run_layers(self, h: mx.array, cache: list[Any]) -> mx.array:
         sliding_window = getattr(self.model.model, "sliding_window", None)
@@ -110,11 +123,14 @@ def load_shard(
     end_layer: int,
     on_progress: ProgressCallback | None = None,
     *,
-    float32: bool = False,
+    dtype: mx.Dtype | None = None,
 ) -> Shard:
     """Build the mlx-lm model of `model_dir` holding layers `[start_layer, end_layer)` only,
-    reading only the tensors that range needs. `float32` dequantizes quantized layers and widens 16-bit
-    weights to float32 (a CPU with a fast BLAS multiplies that several times faster than quantized kernels)."""
+    reading only the tensors that range needs. `dtype` (None: the checkpoint's own) dequantizes quantized layers
+    and casts the other floating weights to it: float32 on a CPU with a fast BLAS, which multiplies that several
+    times faster than quantized kernels; bfloat16 or float16 for a full-precision checkpoint on a GPU."""
+    if dtype is not None and dtype not in HOLDABLE_DTYPES:
+        raise ValueError(f"weights can be held as {', '.join(map(str, HOLDABLE_DTYPES))}, not {dtype}")
     model_dir = Path(model_dir)
     config = load_config(model_dir)
     model_class, args_class = model_classes(config)
@@ -164,10 +180,10 @@ def load_shard(
             del model["lm_head"]
     model.eval()
     model.load_weights(list(_renumber(weights, start_layer).items()), strict=True)
-    if float32:
-        # Lazy: each layer is dequantized as the loop below evaluates it, so the quantized and float32 copies
+    if dtype is not None:
+        # Lazy: each layer is dequantized as the loop below evaluates it, so the quantized and converted copies
         # of the whole shard never coexist.
-        _to_float32(model)
+        _convert(model, dtype)
     weights_dtype = _weights_dtype(model)
 
     total = end_layer - start_layer
@@ -193,6 +209,7 @@ def load_shard(
         eos_token_ids=eos_token_ids(model_dir),
         loaded_tensors=loaded,
         weights_dtype=weights_dtype,
+        activation_dtype=_activation_dtype(inner.layers[0]),
     )
 
 
@@ -285,9 +302,9 @@ def _quantize(
     )
 
 
-def _to_float32(model: nn.Module) -> None:
-    """Replace quantized linear and embedding layers by float32 ones holding the dequantized weights, and cast
-    the remaining 16-bit parameters (norms, unquantized layers) to float32."""
+def _convert(model: nn.Module, dtype: mx.Dtype) -> None:
+    """Replace quantized linear and embedding layers by plain ones holding the dequantized weights in `dtype`, and
+    cast the remaining floating parameters (norms, unquantized layers) to `dtype`."""
     replaced: list[tuple[str, nn.Module]] = []
     for name, module in model.named_modules():
         if not isinstance(module, nn.QuantizedLinear | nn.QuantizedEmbedding):
@@ -312,11 +329,22 @@ def _to_float32(model: nn.Module) -> None:
                 plain.bias = module.bias
         else:
             plain = nn.Embedding(out_dims, in_dims)
-        plain.weight = weight
+        plain.weight = weight.astype(dtype)
         replaced.append((name, plain))
     if replaced:
         model.update_modules(tree_unflatten(replaced))
-    model.apply(lambda x: x.astype(mx.float32) if x.dtype in (mx.float16, mx.bfloat16) else x)
+    model.apply(lambda x: x.astype(dtype) if x.dtype in HOLDABLE_DTYPES else x)
+
+
+def _activation_dtype(layer: nn.Module) -> mx.Dtype:
+    """The dtype a decoder layer computes in: that of most of its floating parameters (a quantized layer's scales
+    are in it; its packed weights are integers)."""
+    parameters: list[tuple[str, mx.array]] = tree_flatten(layer.parameters())  # type: ignore[assignment]
+    sizes: Counter[mx.Dtype] = Counter()
+    for _, p in parameters:
+        if mx.issubdtype(p.dtype, mx.floating):
+            sizes[p.dtype] += p.size
+    return sizes.most_common(1)[0][0] if sizes else mx.float32
 
 
 def _buffers(module: nn.Module) -> list[mx.array]:
