@@ -133,6 +133,7 @@ def test_instances_span_both_nodes(cluster: InferenceCluster) -> None:
         # checkpoint's dtype, and each runner says what it holds.
         assert shown["serving"]["weights"] == "native"
         assert [s["weights_dtype"] for s in shards] == ["float32", "float32"]
+        assert [(s["weights"], s["device"]) for s in shards] == [("native", "cpu"), ("native", "cpu")]
         seen = cluster.statuses[model_id]  # type: ignore[attr-defined]
         assert seen[-1] == "ready"
         order = ["downloading", "waiting", "loading", "ready"]

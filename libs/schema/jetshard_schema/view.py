@@ -16,6 +16,7 @@ from jetshard_schema.events import EventEnvelope
 from jetshard_schema.gist import gist
 from jetshard_schema.ids import InstanceId, ModelId, NodeId, TaskId
 from jetshard_schema.models import find_card
+from jetshard_schema.placement import device_of
 from jetshard_schema.state import Download, Instance, State, instance_status
 from jetshard_schema.stats import RunnerStats
 from jetshard_schema.types import (
@@ -42,6 +43,8 @@ class ShardDescription(ShardAssignment, frozen=True, kw_only=True):
     reason: str | msgspec.UnsetType | None = msgspec.UNSET
     weights_dtype: str | msgspec.UnsetType = msgspec.UNSET
     """What the ready runner holds its weights as."""
+    device: str | msgspec.UnsetType = msgspec.UNSET
+    """What the shard runs on: "cuda:0 (<GPU name>)", "metal" or "cpu" (unset while its node is gone)."""
 
 
 class InstanceDescription(msgspec.Struct, frozen=True, kw_only=True):
@@ -62,6 +65,9 @@ class InstanceDescription(msgspec.Struct, frozen=True, kw_only=True):
 
 def _describe_shard(state: State, instance: Instance, shard: ShardAssignment) -> ShardDescription:
     fields = msgspec.structs.asdict(shard)
+    node = state.nodes.get(shard.node_id)
+    if node is not None:
+        fields["device"] = device_of(node.profile)
     runner = instance.runners.get(shard.rank)
     if runner is not None:
         return ShardDescription(
