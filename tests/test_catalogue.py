@@ -172,6 +172,21 @@ def test_sharded_model_takes_its_size_from_the_index() -> None:
     assert card.quantization is None
 
 
+@pytest.mark.parametrize(
+    ("dtype_keys", "expected"),
+    [
+        ({"torch_dtype": "float32"}, "float32"),
+        ({"dtype": "bfloat16"}, "bfloat16"),  # newer transformers' name
+        ({"torch_dtype": "auto"}, ""),
+        ({"torch_dtype": ["float32"]}, ""),  # garbled: unknown, not an error
+        ({}, ""),
+    ],
+)
+def test_the_checkpoint_dtype_comes_from_the_config(dtype_keys: dict[str, object], expected: str) -> None:
+    config = {k: v for k, v in QWEN3_4BIT_CONFIG.items() if not k.startswith("quantization") and "dtype" not in k}
+    assert card_from_hub_metadata("org/m", config | dtype_keys, None, ONE_FILE).checkpoint_dtype == expected
+
+
 def test_without_an_index_sizes_of_every_safetensors_file_are_summed() -> None:
     files = {"a.safetensors": 10, "sub/b.safetensors": 32, "README.md": 1_000_000, "pytorch_model.bin": 99}
     assert card_from_hub_metadata("org/m", QWEN3_4BIT_CONFIG, None, files).storage_size_bytes == 42
