@@ -48,3 +48,16 @@ export function duration(seconds) {
 export function clock(atMs) {
   return new Date(atMs).toLocaleTimeString([], { hour12: false });
 }
+
+// A button for one of the page's actions (see manage.js): `label`, its accessible name, names what it acts on
+// ("Place org/model"), while `text` is what it shows; `data-ids` carries the ids the action needs (one attribute
+// of its own, so a button never matches what selects the element it sits in, like `[data-node-id]`).
+export function actionButton(text, label, action, ids = {}, tone = "quiet") {
+  const dataset = { action, ids: JSON.stringify(ids) };
+  return el("button", { type: "button", className: `action ${tone}`, "aria-label": label, dataset }, text);
+}
+
+// The element under `root` with this accessible name, if one is still there (after a rebuild or a dialog).
+export function labelled(root, label) {
+  return [...root.querySelectorAll("[aria-label]")].find((node) => node.getAttribute("aria-label") === label) ?? null;
+}
