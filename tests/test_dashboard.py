@@ -16,7 +16,7 @@ from typing import Any
 import httpx
 import pytest
 from helpers.browser import SHOWN_MS, Troubles, chat, chromium
-from helpers.dialects import DialectCluster
+from helpers.dialects import SHARED_MODEL, DialectCluster
 from helpers.harness import wait_for
 from helpers.tiny_models import endless_model, make_tiny_model
 from jetshard_schema.ids import ModelId, model_dir_name
@@ -251,8 +251,36 @@ def test_a_model_is_added_placed_served_and_removed_from_the_page(
     page.screenshot(path=screenshots / "removed.png", full_page=True)
 
     # What went wrong on purpose, and nothing else: the unknown repo, the impossible placement.
-    assert [t for t in troubles.seen if "/models" not in t and "/instances/preview" not in t] == []
-    assert [t.split(" ", 2)[:2] for t in troubles.seen] == [["404:", "POST"], ["409:", "GET"]]
+    refused = [t.split("?")[0] for t in troubles.seen if not t.startswith("console error: Failed to load resource")]
+    assert refused == [f"404: POST {api}/models", f"409: GET {api}/instances/preview"]
+    assert len(troubles.seen) == 2 * len(refused)  # the browser's console says the same of each
+    page.close()
+
+
+def test_files_in_a_read_only_directory_are_shown_there_and_offer_no_delete(
+    browser: Browser, dialect_cluster: DialectCluster, screenshots: Path
+) -> None:
+    cluster, api, shared = dialect_cluster.cluster, dialect_cluster.api, dialect_cluster.shared_dir
+    node_id = cluster.node_ids["node-a"]
+    page = browser.new_page(viewport={"width": 1400, "height": 1000})
+    troubles = Troubles(page)
+    page.goto(f"{api}/")
+    expect(page.locator(f'#nodes [data-node-id="{node_id}"] .dirs li[data-path="{shared}"]')).to_contain_text(
+        "read-only", timeout=SHOWN_MS
+    )
+
+    page.get_by_label("Hugging Face model id").fill(SHARED_MODEL)
+    page.get_by_role("button", name="Add model").click()
+    page.get_by_role("button", name=f"Download {SHARED_MODEL} to {node_id}").click()
+    row = page.locator(f'#models [data-model-id="{SHARED_MODEL}"] .download[data-node-id="{node_id}"]')
+    expect(row).to_have_attribute("data-status", "completed", timeout=30_000)
+    expect(row.locator(".where")).to_contain_text(f"in {shared} ({model_dir_name(ModelId(SHARED_MODEL))})")
+    expect(row.locator(".where .badge")).to_have_text("read-only")
+    expect(row).to_contain_text("read-only directory: jetshard uses these files and never deletes them")
+    expect(row.get_by_role("button")).to_have_count(0)  # no Delete files
+    assert (shared / model_dir_name(ModelId(SHARED_MODEL)) / "config.json").exists()
+    page.screenshot(path=screenshots / "read-only.png", full_page=True)
+    assert troubles.seen == []
     page.close()
 
 
@@ -271,6 +299,14 @@ def test_with_an_api_key_the_page_asks_for_it_and_reconnects_after_the_api_resta
     page.click("#key-form button")
     expect(page.locator("#connection")).to_have_text("live", timeout=SHOWN_MS)
     expect(page.locator(f'#nodes [data-node-id="{cluster.node_ids["node-a"]}"]')).to_be_visible()
+    # The page's actions send the key too: a preview, and the Hub's answer for a repo it does not have.
+    page.get_by_role("button", name=f"Place {dialect_cluster.model}").click()
+    dialog = page.get_by_role("dialog", name=f"Place {dialect_cluster.model}")
+    expect(dialog.locator(f'tr[data-node-id="{cluster.node_ids["node-a"]}"]')).to_be_visible()
+    dialog.get_by_role("button", name="Cancel").click()
+    page.get_by_label("Hugging Face model id").fill("jetshard-test/not-on-the-hub")
+    page.get_by_role("button", name="Add model").click()
+    expect(page.locator("#add-model-message")).to_contain_text("jetshard-test/not-on-the-hub was not found on the Hub")
     page.fill("#chat-max-tokens", "4")
     page.fill("#chat-input", "Hello?")
     page.click("#chat-send")

@@ -232,6 +232,13 @@ function taskTable(tasks, instances) {
   return el("div", { className: "table-scroll" }, el("table", {}, el("thead", {}, head), el("tbody", {}, rows)));
 }
 
+// The models on some node's disk, placed or added first, then the rest of the built-in catalogue.
+function inUseFirst(view) {
+  const placed = new Set(view.instances.map((i) => i.model_id));
+  const inUse = (m) => m.downloads.length > 0 || placed.has(m.model_id) || !m.builtin;
+  return [...view.models.filter(inUse), ...view.models.filter((m) => !inUse(m))];
+}
+
 // Each section is rebuilt whole; a control that had the focus (a keyboard user's place) keeps it in the new one.
 function fill(id, count, children, none) {
   document.getElementById(`${id}-count`).textContent = count ? String(count) : "";
@@ -243,7 +250,7 @@ function fill(id, count, children, none) {
 
 export function renderView(view) {
   fill("nodes", view.nodes.length, view.nodes.map(nodeCard), "no nodes: start `jetshard worker` (or `jetshard up`)");
-  fill("models", view.models.length, view.models.map((m) => modelRow(m, view.nodes)), "no models");
+  fill("models", view.models.length, inUseFirst(view).map((m) => modelRow(m, view.nodes)), "no models");
   fill("instances", view.instances.length, view.instances.map(instanceCard), "no instances");
   fill("tasks", view.tasks.length, [taskTable(view.tasks, view.instances)], "none");
   document.getElementById("last-seq").textContent = `at event ${view.last_seq}`;
