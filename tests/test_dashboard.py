@@ -269,9 +269,14 @@ def test_files_in_a_read_only_directory_are_shown_there_and_offer_no_delete(
         "read-only", timeout=SHOWN_MS
     )
 
-    page.get_by_label("Hugging Face model id").fill(SHARED_MODEL)
-    page.get_by_role("button", name="Add model").click()
-    page.get_by_role("button", name=f"Download {SHARED_MODEL} to {node_id}").click()
+    # The card added elsewhere: the models are rebuilt with it, and a keyboard user's place stays.
+    place = page.get_by_role("button", name=f"Place {dialect_cluster.model}")
+    place.focus()
+    api_call("POST", f"{api}/models", json={"model_id": SHARED_MODEL})
+    download = page.get_by_role("button", name=f"Download {SHARED_MODEL} to {node_id}")
+    expect(download).to_be_visible(timeout=SHOWN_MS)
+    expect(place).to_be_focused()
+    download.click()
     row = page.locator(f'#models [data-model-id="{SHARED_MODEL}"] .download[data-node-id="{node_id}"]')
     expect(row).to_have_attribute("data-status", "completed", timeout=30_000)
     expect(row.locator(".where")).to_contain_text(f"in {shared} ({model_dir_name(ModelId(SHARED_MODEL))})")

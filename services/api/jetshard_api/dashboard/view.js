@@ -1,6 +1,6 @@
-// The cluster view (GET /view's shape) as the page's sections; each is rebuilt whole when a new view comes.
+// The cluster view (GET /view's shape) as the page's sections, brought up to date when a new view comes.
 
-import { actionButton, badge, bar, duration, el, labelled, percent, size } from "./dom.js";
+import { actionButton, badge, bar, duration, el, morphChildren, percent, size } from "./dom.js";
 
 const TONES = {
   ready: "good",
@@ -239,13 +239,10 @@ function inUseFirst(view) {
   return [...view.models.filter(inUse), ...view.models.filter((m) => !inUse(m))];
 }
 
-// Each section is rebuilt whole; a control that had the focus (a keyboard user's place) keeps it in the new one.
+// Each section is built anew and only what differs is changed on the page (see morphChildren).
 function fill(id, count, children, none) {
   document.getElementById(`${id}-count`).textContent = count ? String(count) : "";
-  const section = document.getElementById(id);
-  const focused = section.contains(document.activeElement) ? document.activeElement.getAttribute("aria-label") : null;
-  section.replaceChildren(...(count ? children : [empty(none)]));
-  if (focused) labelled(section, focused)?.focus();
+  morphChildren(document.getElementById(id), count ? children : [empty(none)]);
 }
 
 export function renderView(view) {
