@@ -103,6 +103,7 @@ def test_the_view_summarises_nodes_instances_and_tasks() -> None:
     assert set(builtin_cards()) < set(models)
     assert all(models[model_id].builtin and models[model_id].known for model_id in builtin_cards())
     assert (models["org/m"].builtin, models["org/m"].known, models["org/m"].num_layers) == (False, False, 0)
+    assert [m.model_id for m in view.models if m.in_use] == ["org/m"]
     shown = render_text(view)
     assert "org/m" in shown and not any(model_id in shown for model_id in builtin_cards())
 

@@ -156,6 +156,8 @@ class ModelView(msgspec.Struct, frozen=True, kw_only=True):
     """Its card ships with jetshard; the others were added (`POST /models`) and can be deleted."""
     known: bool
     """It has a card; False for files or an instance left after its custom card was deleted."""
+    in_use: bool
+    """On some node's disk, placed, or added: what `jetshard status` lists (the page lists these first)."""
     downloads: list[DownloadView]
     """One per node that has or is getting some of its layers."""
 
@@ -223,7 +225,8 @@ def _download_view(state: State, download: Download) -> DownloadView:
     )
 
 
-def _model_view(model_id: ModelId, card: ModelCard | None, downloads: list[DownloadView]) -> ModelView:
+def _model_view(model_id: ModelId, card: ModelCard | None, downloads: list[DownloadView], placed: bool) -> ModelView:
+    builtin = is_builtin(model_id)
     return ModelView(
         model_id=model_id,
         display_name=card.display_name if card else "",
@@ -232,8 +235,9 @@ def _model_view(model_id: ModelId, card: ModelCard | None, downloads: list[Downl
         context_length=card.context_length if card else 0,
         tasks=card.tasks if card else (),
         quantization_bits=card.quantization.bits if card and card.quantization else None,
-        builtin=is_builtin(model_id),
+        builtin=builtin,
         known=card is not None,
+        in_use=bool(downloads) or placed or not builtin,
         downloads=downloads,
     )
 
@@ -245,8 +249,11 @@ def _model_views(state: State) -> list[ModelView]:
             if not download.deleting and node_id in state.nodes:
                 downloads.setdefault(model_id, []).append(_download_view(state, download))
     cards = all_cards(state)
-    present = set(cards) | set(downloads) | {i.model_id for i in state.instances.values()}
-    return [_model_view(model_id, cards.get(model_id), downloads.get(model_id, [])) for model_id in sorted(present)]
+    placed = {i.model_id for i in state.instances.values()}
+    return [
+        _model_view(model_id, cards.get(model_id), downloads.get(model_id, []), model_id in placed)
+        for model_id in sorted(set(cards) | set(downloads) | placed)
+    ]
 
 
 def cluster_view(state: State, loads: Mapping[InstanceId, RunnerStats] | None = None) -> ClusterView:

@@ -87,10 +87,8 @@ def render(view: ClusterView) -> Group:
             str(node.models_on_disk),
         )
     models = _table("models", "model", "layers", "size", "downloads")
-    placed = {i.model_id for i in view.instances}
-    # Every card is in the view; the screen keeps to models that are somewhere or were added (`jetshard models`
-    # lists the whole catalogue).
-    for model in (m for m in view.models if m.downloads or m.model_id in placed or not m.builtin):
+    # Every card is in the view; the screen keeps to those in use (`jetshard models` lists the whole catalogue).
+    for model in (m for m in view.models if m.in_use):
         downloads = "\n".join(f"{d.node_id}: {_download(d)}" for d in model.downloads) or "-"
         models.add_row(model.model_id, str(model.num_layers), size(model.storage_size_bytes), downloads)
     instances = _table("instances", "instance", "model", "status", "shards (layers, runner)", "tasks")

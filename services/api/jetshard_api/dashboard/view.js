@@ -130,7 +130,7 @@ function modelRow(model, nodes) {
   const kind = model.builtin ? badge("built-in", "muted") : model.known ? badge("custom", "accent") : badge("no card", "bad");
   return el(
     "article",
-    { className: "model", dataset: { modelId: id, kind: model.builtin ? "builtin" : "custom" } },
+    { className: "model", dataset: { modelId: id, kind: model.builtin ? "builtin" : model.known ? "custom" : "no-card" } },
     el(
       "header",
       {},
@@ -233,10 +233,8 @@ function taskTable(tasks, instances) {
 }
 
 // The models on some node's disk, placed or added first, then the rest of the built-in catalogue.
-function inUseFirst(view) {
-  const placed = new Set(view.instances.map((i) => i.model_id));
-  const inUse = (m) => m.downloads.length > 0 || placed.has(m.model_id) || !m.builtin;
-  return [...view.models.filter(inUse), ...view.models.filter((m) => !inUse(m))];
+function inUseFirst(models) {
+  return [...models.filter((m) => m.in_use), ...models.filter((m) => !m.in_use)];
 }
 
 // Each section is built anew and only what differs is changed on the page (see morphChildren).
@@ -247,7 +245,7 @@ function fill(id, count, children, none) {
 
 export function renderView(view) {
   fill("nodes", view.nodes.length, view.nodes.map(nodeCard), "no nodes: start `jetshard worker` (or `jetshard up`)");
-  fill("models", view.models.length, inUseFirst(view).map((m) => modelRow(m, view.nodes)), "no models");
+  fill("models", view.models.length, inUseFirst(view.models).map((m) => modelRow(m, view.nodes)), "no models");
   fill("instances", view.instances.length, view.instances.map(instanceCard), "no instances");
   fill("tasks", view.tasks.length, [taskTable(view.tasks, view.instances)], "none");
   document.getElementById("last-seq").textContent = `at event ${view.last_seq}`;
