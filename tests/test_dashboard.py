@@ -25,6 +25,7 @@ from playwright.sync_api import Browser, expect
 
 SECOND_MODEL = "jetshard-test/tiny-dashboard"
 PAGE_MODEL = "jetshard-test/tiny-from-the-page"
+HELD_MODEL = "jetshard-test/tiny-held"
 KEY = "dashboard-key-0123456789"
 ANSWER_TOKENS = 24
 
@@ -287,6 +288,45 @@ def test_files_in_a_read_only_directory_are_shown_there_and_offer_no_delete(
     page.screenshot(path=screenshots / "read-only.png", full_page=True)
     assert troubles.seen == []
     page.close()
+
+
+def test_a_download_is_started_cancelled_and_its_files_deleted_from_the_page(
+    browser: Browser, dialect_cluster: DialectCluster, screenshots: Path, tmp_path: Path
+) -> None:
+    cluster, api, hub = dialect_cluster.cluster, dialect_cluster.api, dialect_cluster.cluster.hub
+    node_id = cluster.node_ids["node-a"]
+    held = "model-00002-of-00002.safetensors"  # fetched last: the first file is on disk when it is cancelled
+    hub.add_repo(HELD_MODEL, make_tiny_model(tmp_path / "held", num_layers=2, num_files=2, hidden_size=256))
+    hub.hold_after(HELD_MODEL, held, 2**20)
+    try:
+        api_call("POST", f"{api}/models", json={"model_id": HELD_MODEL})
+        page = browser.new_page(viewport={"width": 1400, "height": 1000})
+        troubles = Troubles(page)
+        page.goto(f"{api}/")
+        page.get_by_role("button", name=f"Download {HELD_MODEL} to {node_id}").click()
+        assert hub.wait_held(HELD_MODEL, held, 30)
+        row = page.locator(f'#models [data-model-id="{HELD_MODEL}"] .download[data-node-id="{node_id}"]')
+        cancel = row.get_by_role("button", name=f"Cancel download of {HELD_MODEL} on {node_id}")
+        expect(cancel).to_be_visible(timeout=SHOWN_MS)
+        page.screenshot(path=screenshots / "downloading.png", full_page=True)
+        cancel.click()
+        expect(row).to_have_attribute("data-status", "cancelled", timeout=SHOWN_MS)
+        hub.release()  # the next chunk reaches the downloader, which stops there and says so
+        expect(row.locator(".reason")).to_contain_text("stopped", timeout=20_000)
+        expect(row.get_by_role("button", name=f"Download {HELD_MODEL} to {node_id}")).to_have_text("Download again")
+        (download,) = [d for d in cluster.get("/downloads") if d["model_id"] == HELD_MODEL]
+        kept = Path(download["directory"])
+        assert kept.parent == cluster.root / "node-a" / "models" and kept.is_dir()  # kept for the next attempt
+        expect(row.locator(".where")).to_contain_text(f"in {kept.parent} ({kept.name})")
+
+        row.get_by_role("button", name=f"Delete files of {HELD_MODEL} on {node_id}").click()
+        page.get_by_role("dialog").get_by_role("button", name="Delete", exact=True).click()
+        expect(row).to_have_count(0, timeout=SHOWN_MS)
+        assert not kept.exists()
+        assert troubles.seen == []
+        page.close()
+    finally:
+        hub.release()
 
 
 def test_with_an_api_key_the_page_asks_for_it_and_reconnects_after_the_api_restarts(
