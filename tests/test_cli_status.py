@@ -25,9 +25,14 @@ from helpers.states import fold
 from helpers.tiny_models import endless_model
 from httpx_sse import connect_sse
 from jetshard_schema import events
+from jetshard_schema.catalogue import builtin_cards
 from jetshard_schema.gist import REASON_CHARS, gist
 from jetshard_schema.types import (
+    DownloadProgress,
+    DownloadStatus,
+    ModelDirInfo,
     NodeProfile,
+    NodeStorage,
     RunnerReport,
     RunnerStatus,
     ServingSettings,
@@ -36,6 +41,9 @@ from jetshard_schema.types import (
     TaskRef,
 )
 from jetshard_schema.view import ClusterView, cluster_view
+from rich.console import Console
+
+from jetshard.commands.status import render
 
 PROFILE = NodeProfile(
     hostname="desk", os="Linux", cpu_cores=8, memory_total_bytes=16 * 2**30, memory_available_bytes=10 * 2**30
@@ -90,7 +98,51 @@ def test_the_view_summarises_nodes_instances_and_tasks() -> None:
     ]
     assert (instance.status, instance.tasks_in_flight, instance.tasks_running) == ("downloading", 1, 0)
     assert [(t.task_id, t.status) for t in view.tasks] == [("t1", "queued")]
-    assert [m.model_id for m in view.models] == ["org/m"]
+    # Every built-in card is there, marked, beside the placed model that has no card.
+    models = {m.model_id: m for m in view.models}
+    assert set(builtin_cards()) < set(models)
+    assert all(models[model_id].builtin and models[model_id].known for model_id in builtin_cards())
+    assert (models["org/m"].builtin, models["org/m"].known, models["org/m"].num_layers) == (False, False, 0)
+    assert [m.model_id for m in view.models if m.in_use] == ["org/m"]
+    shown = render_text(view)
+    assert "org/m" in shown and not any(model_id in shown for model_id in builtin_cards())
+
+
+def test_the_view_says_which_of_a_nodes_directories_holds_each_download() -> None:
+    shared, own = "/mnt/shared/models", "/home/u/models"
+    storage = NodeStorage(
+        model_dirs=(
+            ModelDirInfo(path=shared, read_only=True, free_bytes=0, total_bytes=10**12),
+            ModelDirInfo(path=own, read_only=False, free_bytes=5 * 10**9, total_bytes=10**11),
+        )
+    )
+
+    def completed(directory: str, read_only: bool) -> DownloadProgress:
+        return DownloadProgress(status=DownloadStatus.COMPLETED, end_layer=24, directory=directory, read_only=read_only)
+
+    state = fold(
+        events.NodeJoined(node_id="a", session_id="s", profile=PROFILE),
+        events.NodeStorageUpdated(node_id="a", storage=storage),
+        events.DownloadRequested(node_id="a", model_id="org/m", start_layer=0, end_layer=24),
+        events.DownloadCompleted(node_id="a", model_id="org/m", progress=completed(f"{shared}/org--m", True)),
+        events.DownloadRequested(node_id="a", model_id="org/n", start_layer=0, end_layer=24),
+        events.DownloadCompleted(node_id="a", model_id="org/n", progress=completed(f"{own}/org--n", False)),
+    )
+    view = cluster_view(state)
+    [node] = view.nodes
+    assert node.model_dirs == storage.model_dirs
+    assert (node.disk_free_bytes, node.disk_total_bytes) == (5 * 10**9, 10**11)  # the writable one only
+    downloads = {m.model_id: m.downloads for m in view.models if m.downloads}
+    assert [(d.directory, d.models_dir, d.read_only) for d in downloads["org/m"]] == [
+        (f"{shared}/org--m", shared, True)
+    ]
+    assert [(d.directory, d.models_dir, d.read_only) for d in downloads["org/n"]] == [(f"{own}/org--n", own, False)]
+
+
+def render_text(view: ClusterView) -> str:
+    out = Console(record=True, width=200)
+    out.print(render(view))
+    return out.export_text()
 
 
 # --- against a running cluster ------------------------------------------------------------------------------

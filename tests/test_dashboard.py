@@ -8,6 +8,7 @@ Screenshots are saved in a temporary directory whose path the tests print (`pyte
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -15,13 +16,16 @@ from typing import Any
 import httpx
 import pytest
 from helpers.browser import SHOWN_MS, Troubles, chat, chromium
-from helpers.dialects import DialectCluster
+from helpers.dialects import SHARED_MODEL, DialectCluster
 from helpers.harness import wait_for
-from helpers.tiny_models import make_tiny_model
+from helpers.tiny_models import endless_model, make_tiny_model
+from jetshard_schema.ids import ModelId, model_dir_name
 from openai import OpenAI
 from playwright.sync_api import Browser, expect
 
 SECOND_MODEL = "jetshard-test/tiny-dashboard"
+PAGE_MODEL = "jetshard-test/tiny-from-the-page"
+HELD_MODEL = "jetshard-test/tiny-held"
 KEY = "dashboard-key-0123456789"
 ANSWER_TOKENS = 24
 
@@ -119,7 +123,8 @@ def test_the_page_shows_the_cluster_streams_a_chat_and_follows_changes(
     expect(second_instance).to_have_count(0, timeout=SHOWN_MS)
     expect(page.locator('#events li[data-type="InstanceDeleted"]', has_text=placed)).to_have_count(1, timeout=SHOWN_MS)
     api_call("DELETE", f"{api}/downloads/{node_id}/{SECOND_MODEL}")
-    expect(model).to_have_count(0, timeout=SHOWN_MS)
+    expect(model.locator(".download")).to_have_count(0, timeout=SHOWN_MS)  # its card stays, custom
+    expect(model).to_contain_text("custom")
     expect(page.locator("#chat-model option")).to_have_text([dialect_cluster.model])
     expect(shown).to_have_attribute("data-status", "ready")
     page.screenshot(path=screenshots / "after-changes.png", full_page=True)
@@ -128,6 +133,204 @@ def test_the_page_shows_the_cluster_streams_a_chat_and_follows_changes(
 
     assert troubles.seen == []
     page.close()
+
+
+def test_a_model_is_added_placed_served_and_removed_from_the_page(
+    browser: Browser, dialect_cluster: DialectCluster, screenshots: Path, tmp_path: Path
+) -> None:
+    cluster, api = dialect_cluster.cluster, dialect_cluster.api
+    node_id = cluster.node_ids["node-a"]
+    cluster.hub.add_repo(PAGE_MODEL, endless_model(tmp_path / "page-model"))
+    page = browser.new_page(viewport={"width": 1400, "height": 1000})
+    troubles = Troubles(page)
+    page.goto(f"{api}/")
+    expect(page.locator("#connection")).to_have_text("live", timeout=SHOWN_MS)
+    models = page.locator("#models")
+    expect(models.locator('[data-kind="builtin"]').first).to_contain_text("built-in")
+    expect(models.get_by_role("button", name=re.compile("^Delete model card "))).to_have_count(
+        len([m for m in cluster.get("/view")["models"] if m["known"] and not m["builtin"]])
+    )  # only custom cards can be deleted
+
+    # A repo the Hub does not have: the API's words, in the page.
+    field = page.get_by_label("Hugging Face model id")
+    field.fill("jetshard-test/no-such-repo")
+    page.get_by_role("button", name="Add model").click()
+    expect(page.locator("#add-model-message")).to_have_text(
+        "jetshard-test/no-such-repo was not found on the Hub (or is private and HF_TOKEN is not set)", timeout=SHOWN_MS
+    )
+    page.screenshot(path=screenshots / "add-unknown-repo.png", full_page=True)
+
+    # Added by its id: on the page, marked custom, and in every node's card store.
+    field.fill(PAGE_MODEL)
+    field.press("Enter")
+    expect(page.locator("#add-model-message")).to_have_text(f"Added {PAGE_MODEL}: its card is on every node")
+    model = models.locator(f'[data-model-id="{PAGE_MODEL}"]')
+    expect(model).to_contain_text("custom", timeout=SHOWN_MS)
+    expect(model).to_contain_text("4 layers")
+    expect(model).to_contain_text("chat · completion")
+    card_file = f"{model_dir_name(ModelId(PAGE_MODEL))}.json"
+    stores = [cluster.root / node / "config" / "cards" / card_file for node in cluster.workers]
+    assert wait_for(lambda: all(store.exists() for store in stores), timeout=10), stores
+
+    # The preview, in the page's own dialog, opened and closed from the keyboard.
+    place = page.get_by_role("button", name=f"Place {PAGE_MODEL}")
+    place.focus()
+    page.keyboard.press("Enter")
+    dialog = page.get_by_role("dialog", name=f"Place {PAGE_MODEL}")
+    expect(dialog).to_be_visible()
+    expect(dialog.locator(f'tr[data-node-id="{node_id}"]')).to_contain_text("[0, 4)")
+    expect(dialog.locator(f'tr[data-node-id="{node_id}"]')).to_contain_text("cpu")
+    weights = cluster.get(f"/instances/preview?model_id={PAGE_MODEL}")["serving"]["weights"]
+    expect(dialog).to_contain_text(f"weights {weights}")
+    page.keyboard.press("Escape")
+    expect(dialog).to_be_hidden()
+    expect(place).to_be_focused()
+
+    # Two nodes asked of a one-node cluster: why not, and no Place.
+    place.click()
+    dialog.get_by_label("Nodes at least").fill("2")
+    expect(dialog.locator(".impossible")).to_contain_text("It cannot be placed now:")
+    expect(dialog.get_by_role("button", name="Place", exact=True)).to_be_disabled()
+    page.screenshot(path=screenshots / "place-impossible.png", full_page=True)
+    dialog.get_by_label("Nodes at least").fill("1")
+    expect(dialog.locator(f'tr[data-node-id="{node_id}"]')).to_be_visible()
+    page.screenshot(path=screenshots / "place-preview.png", full_page=True)
+    dialog.get_by_role("button", name="Place", exact=True).click()
+    expect(dialog).to_be_hidden()
+    expect(page.locator("#notice")).to_contain_text(f"Placed {PAGE_MODEL} as instance ")
+    (instance,) = cluster.instances_of(PAGE_MODEL)
+    instance_id = instance["instance_id"]
+    shown = page.locator(f'#instances [data-instance-id="{instance_id}"]')
+    expect(shown).to_contain_text(instance_id)
+    expect(shown).to_have_attribute("data-status", "ready", timeout=60_000)
+
+    # Ready, with the node's directory that holds its files.
+    (download,) = [d for d in cluster.get("/downloads") if d["model_id"] == PAGE_MODEL]
+    models_dir = cluster.root / "node-a" / "models"
+    assert Path(download["directory"]).parent == models_dir
+    row = model.locator(f'.download[data-node-id="{node_id}"]')
+    expect(row.locator(".where")).to_contain_text(f"in {models_dir} ({Path(download['directory']).name})")
+    expect(page.locator(f'#nodes [data-node-id="{node_id}"] .dirs li[data-path="{models_dir}"]')).to_contain_text(
+        "free of"
+    )
+    page.screenshot(path=screenshots / "placed-ready.png", full_page=True)
+
+    # A chat with it, as the API answers; then one that would run on until its task is cancelled.
+    page.select_option("#chat-model", PAGE_MODEL)
+    page.fill("#chat-temperature", "0")
+    page.fill("#chat-max-tokens", str(ANSWER_TOKENS))
+    assert chat(page, "Hello there.") == greedy_answer(api, PAGE_MODEL, [{"role": "user", "content": "Hello there."}])
+    page.fill("#chat-max-tokens", "")
+    page.fill("#chat-input", "Go on for ever.")
+    page.press("#chat-input", "Enter")
+    cancel = page.get_by_role("button", name=re.compile("^Cancel task "))
+    expect(cancel).to_have_count(1, timeout=SHOWN_MS)
+    page.screenshot(path=screenshots / "task-running.png", full_page=True)
+    cancel.click()
+    expect(page.locator("#chat-stop")).to_be_disabled(timeout=SHOWN_MS)
+    expect(page.locator("#chat-log .message-assistant").last.locator(".note.error")).to_contain_text("cancel")
+    expect(page.locator("#tasks")).to_have_text("none", timeout=SHOWN_MS)
+
+    # The instance deleted, after the page's own confirmation.
+    page.get_by_role("button", name=f"Delete instance {instance_id}").click()
+    confirm = page.get_by_role("dialog", name=f"Delete instance {instance_id}?")
+    expect(confirm).to_be_visible()
+    page.screenshot(path=screenshots / "delete-instance.png", full_page=True)
+    confirm.get_by_role("button", name="Delete", exact=True).click()
+    expect(shown).to_have_count(0, timeout=SHOWN_MS)
+
+    # Its files deleted from the node, then its card from every node.
+    page.get_by_role("button", name=f"Delete files of {PAGE_MODEL} on {node_id}").click()
+    page.get_by_role("dialog").get_by_role("button", name="Delete", exact=True).click()
+    expect(row).to_have_count(0, timeout=SHOWN_MS)
+    assert not Path(download["directory"]).exists()
+    expect(model.get_by_role("button", name=f"Download {PAGE_MODEL} to {node_id}")).to_be_visible()
+    page.get_by_role("button", name=f"Delete model card {PAGE_MODEL}").click()
+    page.get_by_role("dialog").get_by_role("button", name="Delete", exact=True).click()
+    expect(model).to_have_count(0, timeout=SHOWN_MS)
+    assert wait_for(lambda: not any(store.exists() for store in stores), timeout=10), stores
+    page.screenshot(path=screenshots / "removed.png", full_page=True)
+
+    # What went wrong on purpose, and nothing else: the unknown repo, the impossible placement.
+    # (The page closes the cancelled answer's stream itself, which the browser counts as a failed request when
+    # it is quicker than the API.)
+    cancelled_chat = f"failed: POST {api}/v1/chat/completions: net::ERR_ABORTED"
+    seen = [t for t in troubles.seen if t != cancelled_chat]
+    refused = [t.split("?")[0] for t in seen if not t.startswith("console error: Failed to load resource")]
+    assert refused == [f"404: POST {api}/models", f"409: GET {api}/instances/preview"]
+    assert len(seen) == 2 * len(refused)  # the browser's console says the same of each
+    page.close()
+
+
+def test_files_in_a_read_only_directory_are_shown_there_and_offer_no_delete(
+    browser: Browser, dialect_cluster: DialectCluster, screenshots: Path
+) -> None:
+    cluster, api, shared = dialect_cluster.cluster, dialect_cluster.api, dialect_cluster.shared_dir
+    node_id = cluster.node_ids["node-a"]
+    page = browser.new_page(viewport={"width": 1400, "height": 1000})
+    troubles = Troubles(page)
+    page.goto(f"{api}/")
+    expect(page.locator(f'#nodes [data-node-id="{node_id}"] .dirs li[data-path="{shared}"]')).to_contain_text(
+        "read-only", timeout=SHOWN_MS
+    )
+
+    # The card added elsewhere: the models are rebuilt with it, and a keyboard user's place stays.
+    place = page.get_by_role("button", name=f"Place {dialect_cluster.model}")
+    place.focus()
+    api_call("POST", f"{api}/models", json={"model_id": SHARED_MODEL})
+    download = page.get_by_role("button", name=f"Download {SHARED_MODEL} to {node_id}")
+    expect(download).to_be_visible(timeout=SHOWN_MS)
+    expect(place).to_be_focused()
+    download.click()
+    row = page.locator(f'#models [data-model-id="{SHARED_MODEL}"] .download[data-node-id="{node_id}"]')
+    expect(row).to_have_attribute("data-status", "completed", timeout=30_000)
+    expect(row.locator(".where")).to_contain_text(f"in {shared} ({model_dir_name(ModelId(SHARED_MODEL))})")
+    expect(row.locator(".where .badge")).to_have_text("read-only")
+    expect(row).to_contain_text("read-only directory: jetshard uses these files and never deletes them")
+    expect(row.get_by_role("button")).to_have_count(0)  # no Delete files
+    assert (shared / model_dir_name(ModelId(SHARED_MODEL)) / "config.json").exists()
+    page.screenshot(path=screenshots / "read-only.png", full_page=True)
+    assert troubles.seen == []
+    page.close()
+
+
+def test_a_download_is_started_cancelled_and_its_files_deleted_from_the_page(
+    browser: Browser, dialect_cluster: DialectCluster, screenshots: Path, tmp_path: Path
+) -> None:
+    cluster, api, hub = dialect_cluster.cluster, dialect_cluster.api, dialect_cluster.cluster.hub
+    node_id = cluster.node_ids["node-a"]
+    held = "model-00002-of-00002.safetensors"  # fetched last: the first file is on disk when it is cancelled
+    hub.add_repo(HELD_MODEL, make_tiny_model(tmp_path / "held", num_layers=2, num_files=2, hidden_size=256))
+    hub.hold_after(HELD_MODEL, held, 2**20)
+    try:
+        api_call("POST", f"{api}/models", json={"model_id": HELD_MODEL})
+        page = browser.new_page(viewport={"width": 1400, "height": 1000})
+        troubles = Troubles(page)
+        page.goto(f"{api}/")
+        page.get_by_role("button", name=f"Download {HELD_MODEL} to {node_id}").click()
+        assert hub.wait_held(HELD_MODEL, held, 30)
+        row = page.locator(f'#models [data-model-id="{HELD_MODEL}"] .download[data-node-id="{node_id}"]')
+        cancel = row.get_by_role("button", name=f"Cancel download of {HELD_MODEL} on {node_id}")
+        expect(cancel).to_be_visible(timeout=SHOWN_MS)
+        page.screenshot(path=screenshots / "downloading.png", full_page=True)
+        cancel.click()
+        expect(row).to_have_attribute("data-status", "cancelled", timeout=SHOWN_MS)
+        hub.release()  # the next chunk reaches the downloader, which stops there and says so
+        expect(row.locator(".reason")).to_contain_text("stopped", timeout=20_000)
+        expect(row.get_by_role("button", name=f"Download {HELD_MODEL} to {node_id}")).to_have_text("Download again")
+        (download,) = [d for d in cluster.get("/downloads") if d["model_id"] == HELD_MODEL]
+        kept = Path(download["directory"])
+        assert kept.parent == cluster.root / "node-a" / "models" and kept.is_dir()  # kept for the next attempt
+        expect(row.locator(".where")).to_contain_text(f"in {kept.parent} ({kept.name})")
+
+        row.get_by_role("button", name=f"Delete files of {HELD_MODEL} on {node_id}").click()
+        page.get_by_role("dialog").get_by_role("button", name="Delete", exact=True).click()
+        expect(row).to_have_count(0, timeout=SHOWN_MS)
+        assert not kept.exists()
+        assert troubles.seen == []
+        page.close()
+    finally:
+        hub.release()
 
 
 def test_with_an_api_key_the_page_asks_for_it_and_reconnects_after_the_api_restarts(
@@ -145,6 +348,14 @@ def test_with_an_api_key_the_page_asks_for_it_and_reconnects_after_the_api_resta
     page.click("#key-form button")
     expect(page.locator("#connection")).to_have_text("live", timeout=SHOWN_MS)
     expect(page.locator(f'#nodes [data-node-id="{cluster.node_ids["node-a"]}"]')).to_be_visible()
+    # The page's actions send the key too: a preview, and the Hub's answer for a repo it does not have.
+    page.get_by_role("button", name=f"Place {dialect_cluster.model}").click()
+    dialog = page.get_by_role("dialog", name=f"Place {dialect_cluster.model}")
+    expect(dialog.locator(f'tr[data-node-id="{cluster.node_ids["node-a"]}"]')).to_be_visible()
+    dialog.get_by_role("button", name="Cancel").click()
+    page.get_by_label("Hugging Face model id").fill("jetshard-test/not-on-the-hub")
+    page.get_by_role("button", name="Add model").click()
+    expect(page.locator("#add-model-message")).to_contain_text("jetshard-test/not-on-the-hub was not found on the Hub")
     page.fill("#chat-max-tokens", "4")
     page.fill("#chat-input", "Hello?")
     page.click("#chat-send")

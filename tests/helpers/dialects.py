@@ -1,6 +1,7 @@
 """One small cluster for every dialect's tests (OpenAI's tools, structured output, logprobs, n, embeddings;
 Ollama; Anthropic Messages; Responses), started once per session: a nats-server, a sequencer, an API and one
-node serving a tiny llama model on one runner, added through the local Hub server like a user would.
+node serving a tiny llama model on one runner, added through the local Hub server like a user would. The node
+also has a read-only model directory holding a second tiny model (on the Hub too), which nothing has asked for.
 
 Registered as a pytest plugin by `conftest.py`, so its fixtures need no import.
 """
@@ -12,11 +13,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+from jetshard_schema.ids import ModelId, model_dir_name
 
 from helpers.harness import InferenceCluster, hub_cluster
 from helpers.tiny_models import make_tiny_model
 
 TINY_MODEL = "jetshard-test/tiny-dialects"
+SHARED_MODEL = "jetshard-test/tiny-shared"
 
 
 @dataclass
@@ -24,6 +27,8 @@ class DialectCluster:
     cluster: InferenceCluster
     model: str
     model_dir: Path
+    shared_dir: Path
+    """node-a's read-only model directory, holding SHARED_MODEL."""
 
     @property
     def api(self) -> str:
@@ -34,11 +39,14 @@ class DialectCluster:
 def dialect_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[DialectCluster]:
     root = tmp_path_factory.mktemp("dialects")
     model_dir = make_tiny_model(root / "repos" / "tiny", arch="llama", num_layers=2, num_files=1, seed=5)
+    shared_dir = root / "shared-models"
+    shared_model = make_tiny_model(shared_dir / model_dir_name(ModelId(SHARED_MODEL)), num_layers=2, num_files=1)
     # The runner reports its counters (prefix-cache hits) every 0.5 s, for the test of `n` choices, and every
     # service its stats, for the test of /metrics.
     env = {"JETSHARD_COUNTERS_INTERVAL_S": "0.5", "JETSHARD_STATS_INTERVAL_S": "0.5"}
     with hub_cluster(root, env=env) as cluster:
         cluster.hub.add_repo(TINY_MODEL, model_dir)
+        cluster.hub.add_repo(SHARED_MODEL, shared_model)
         cluster.start_core()
-        cluster.serve_one_node(TINY_MODEL)
-        yield DialectCluster(cluster=cluster, model=TINY_MODEL, model_dir=model_dir)
+        cluster.serve_one_node(TINY_MODEL, env={"JETSHARD_MODELS_READ_ONLY_DIRS": str(shared_dir)})
+        yield DialectCluster(cluster=cluster, model=TINY_MODEL, model_dir=model_dir, shared_dir=shared_dir)

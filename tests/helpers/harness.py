@@ -419,9 +419,10 @@ class InferenceCluster:
         assert response.status_code == 201, response.text
         return str(response.json()["instance_id"])
 
-    def serve_one_node(self, model_id: str) -> None:
-        """One node serving `model_id` on one runner: a node started, the model added, placed and ready."""
-        self.start_node("node-a")
+    def serve_one_node(self, model_id: str, env: dict[str, str] | None = None) -> None:
+        """One node serving `model_id` on one runner: a node started (`env` added to its environment), the model
+        added, placed and ready."""
+        self.start_node("node-a", env)
         self.wait_nodes(1)
         self.add_model(model_id)
         self.wait_instance(self.place(model_id, min_nodes=1))

@@ -2,20 +2,23 @@
 
 A pure function of State and of the live figures runners publish on core NATS (tokens per second, batch
 size), which are not in State because they change every step. Small enough to send whole on every change:
-nodes, the models that are somewhere (downloaded, downloading or placed), instances with each shard's layers
-and runner, and the tasks in flight. The dashboard renders it as it comes; it never folds events itself.
+nodes with their model directories, every model the cluster knows (its card, and where each node has its
+files), instances with each shard's layers and runner, and the tasks in flight. The dashboard renders it as it
+comes; it never folds events itself.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
+from pathlib import PurePosixPath
 
 import msgspec
 
+from jetshard_schema.cards import ModelCard, ModelTask
 from jetshard_schema.events import EventEnvelope
 from jetshard_schema.gist import gist
 from jetshard_schema.ids import InstanceId, ModelId, NodeId, TaskId
-from jetshard_schema.models import find_card
+from jetshard_schema.models import all_cards, is_builtin
 from jetshard_schema.placement import device_of
 from jetshard_schema.state import Download, Instance, State, instance_status
 from jetshard_schema.stats import RunnerStats
@@ -24,6 +27,7 @@ from jetshard_schema.types import (
     DownloadStatus,
     GpuInfo,
     InstanceStatus,
+    ModelDirInfo,
     NodeProfile,
     ServingSettings,
     ShardAssignment,
@@ -123,6 +127,8 @@ class NodeView(msgspec.Struct, frozen=True, kw_only=True):
     disk_total_bytes: int
     models_on_disk: int
     offline: bool
+    model_dirs: tuple[ModelDirInfo, ...]
+    """Where the node keeps models, in the order its downloader looks: read-only ones first."""
 
 
 class DownloadView(msgspec.Struct, frozen=True, kw_only=True):
@@ -134,6 +140,12 @@ class DownloadView(msgspec.Struct, frozen=True, kw_only=True):
     bytes_total: int
     speed_bytes_per_s: float
     eta_s: float | None
+    directory: str
+    """The directory holding the model's files on the node ("" until its downloader has chosen one)."""
+    models_dir: str
+    """Which of the node's model directories that is in ("" when none of those it reports holds it)."""
+    read_only: bool
+    """The files are in a read-only directory: the node uses them and never deletes them."""
     reason: str
 
 
@@ -142,6 +154,16 @@ class ModelView(msgspec.Struct, frozen=True, kw_only=True):
     display_name: str
     num_layers: int
     storage_size_bytes: int
+    context_length: int
+    tasks: tuple[ModelTask, ...]
+    """What it can be asked to do: chat, completion."""
+    quantization_bits: int | None
+    builtin: bool
+    """Its card ships with jetshard; the others were added (`POST /models`) and can be deleted."""
+    known: bool
+    """It has a card; False for files or an instance left after its custom card was deleted."""
+    in_use: bool
+    """On some node's disk, placed, or added: what `jetshard status` lists (the page lists these first)."""
     downloads: list[DownloadView]
     """One per node that has or is getting some of its layers."""
 
@@ -179,7 +201,8 @@ _PROGRESS_SHOWN = [name for name in DownloadView.__struct_fields__ if name in Do
 def _node_view(state: State, node_id: NodeId) -> NodeView:
     profile = state.nodes[node_id].profile
     storage = state.node_storage.get(node_id)
-    writable = [d for d in storage.model_dirs if not d.read_only] if storage else []
+    model_dirs = storage.model_dirs if storage else ()
+    writable = [d for d in model_dirs if not d.read_only]
     return NodeView(
         node_id=node_id,
         **{name: getattr(profile, name) for name in _PROFILE_SHOWN},
@@ -187,12 +210,41 @@ def _node_view(state: State, node_id: NodeId) -> NodeView:
         disk_total_bytes=sum(d.total_bytes for d in writable),
         models_on_disk=len(storage.available_models) if storage else 0,
         offline=storage.offline if storage else False,
+        model_dirs=model_dirs,
     )
 
 
-def _download_view(download: Download) -> DownloadView:
+def _models_dir(state: State, download: Download) -> str:
+    storage = state.node_storage.get(download.node_id)
+    directory = PurePosixPath(download.progress.directory)
+    if storage is None or not directory.is_absolute():
+        return ""
+    holding = [d.path for d in storage.model_dirs if directory.is_relative_to(d.path)]
+    return max(holding, key=len, default="")  # the innermost, should one directory be inside another
+
+
+def _download_view(state: State, download: Download) -> DownloadView:
     return DownloadView(
-        node_id=download.node_id, **{name: getattr(download.progress, name) for name in _PROGRESS_SHOWN}
+        node_id=download.node_id,
+        models_dir=_models_dir(state, download),
+        **{name: getattr(download.progress, name) for name in _PROGRESS_SHOWN},
+    )
+
+
+def _model_view(model_id: ModelId, card: ModelCard | None, downloads: list[DownloadView], placed: bool) -> ModelView:
+    builtin = is_builtin(model_id)
+    return ModelView(
+        model_id=model_id,
+        display_name=card.display_name if card else "",
+        num_layers=card.num_layers if card else 0,
+        storage_size_bytes=card.storage_size_bytes if card else 0,
+        context_length=card.context_length if card else 0,
+        tasks=card.tasks if card else (),
+        quantization_bits=card.quantization.bits if card and card.quantization else None,
+        builtin=builtin,
+        known=card is not None,
+        in_use=bool(downloads) or placed or not builtin,
+        downloads=downloads,
     )
 
 
@@ -201,21 +253,13 @@ def _model_views(state: State) -> list[ModelView]:
     for node_id, per_model in sorted(state.downloads.items()):
         for model_id, download in per_model.items():
             if not download.deleting and node_id in state.nodes:
-                downloads.setdefault(model_id, []).append(_download_view(download))
-    present = set(downloads) | {i.model_id for i in state.instances.values()}
-    views = []
-    for model_id in sorted(present):
-        card = find_card(state, model_id)
-        views.append(
-            ModelView(
-                model_id=model_id,
-                display_name=card.display_name if card else "",
-                num_layers=card.num_layers if card else 0,
-                storage_size_bytes=card.storage_size_bytes if card else 0,
-                downloads=downloads.get(model_id, []),
-            )
-        )
-    return views
+                downloads.setdefault(model_id, []).append(_download_view(state, download))
+    cards = all_cards(state)
+    placed = {i.model_id for i in state.instances.values()}
+    return [
+        _model_view(model_id, cards.get(model_id), downloads.get(model_id, []), model_id in placed)
+        for model_id in sorted(set(cards) | set(downloads) | placed)
+    ]
 
 
 def cluster_view(state: State, loads: Mapping[InstanceId, RunnerStats] | None = None) -> ClusterView:

@@ -208,6 +208,8 @@ class _Job:
     """The latest progress: bytes of the job's files on disk, of all it fetches."""
     transferring: bool = False
     """The Hub answered the listing: an error from now on happened mid-transfer and is worth a retry."""
+    directory: str = ""
+    """Where its files go, once chosen: every report of the job says so (a stopped one too)."""
 
 
 _NOT_RETRIED = (AuthRequired, NotFoundOnHub, OfflineUnavailable, RateLimited, Cancelled)
@@ -310,7 +312,7 @@ class Downloader:
     async def _report(self, job: _Job, status: DownloadStatus, **fields: object) -> None:
         """Report this node's download of the job's model as `status`, over the job's layers unless `fields`
         name others; `fields` set the rest of its `DownloadProgress`."""
-        progress = DownloadProgress(status=status, start_layer=job.start, end_layer=job.end)
+        progress = DownloadProgress(status=status, start_layer=job.start, end_layer=job.end, directory=job.directory)
         await self.publish(
             ReportDownloadProgress(
                 model_id=job.model_id, node_id=self.node_id, progress=msgspec.structs.replace(progress, **fields)
@@ -435,7 +437,9 @@ class Downloader:
         progress = _Progress(
             self.publish, job.model_id, job.start, job.end, self.config.progress_interval_s, job.cancel
         )
-        progress.directory = "" if directory is None else str(directory)
+        if directory is not None:
+            job.directory = str(directory)
+        progress.directory = job.directory
         progress.last_sent = time.monotonic()  # the pending report just went out
         loop = asyncio.get_running_loop()
         base_remaining = job.remaining
@@ -449,7 +453,7 @@ class Downloader:
             nonlocal base_remaining
             job.models_dir, job.remaining = model_dir.parent, bytes_expected
             base_remaining = bytes_expected
-            progress.directory = str(model_dir)
+            job.directory = progress.directory = str(model_dir)
 
         reporter = asyncio.create_task(progress.run())
         try:

@@ -87,7 +87,8 @@ def render(view: ClusterView) -> Group:
             str(node.models_on_disk),
         )
     models = _table("models", "model", "layers", "size", "downloads")
-    for model in view.models:
+    # Every card is in the view; the screen keeps to those in use (`jetshard models` lists the whole catalogue).
+    for model in (m for m in view.models if m.in_use):
         downloads = "\n".join(f"{d.node_id}: {_download(d)}" for d in model.downloads) or "-"
         models.add_row(model.model_id, str(model.num_layers), size(model.storage_size_bytes), downloads)
     instances = _table("instances", "instance", "model", "status", "shards (layers, runner)", "tasks")

@@ -1,9 +1,10 @@
-// The dashboard: the live view, the event log and the chat box, and the API key the page sends.
+// The dashboard: the live view with its actions, the event log and the chat box, and the API key the page sends.
 
 import { apiKey, setApiKey } from "./api.js";
 import { setReadyModels, startChat } from "./chat.js";
 import { addEvent, clearEvents } from "./events.js";
 import { followView } from "./live.js";
+import { startManaging } from "./manage.js";
 import { renderView } from "./view.js";
 
 const CONNECTION = {
@@ -28,6 +29,7 @@ function showView(view) {
 }
 
 startChat();
+startManaging();
 const stream = followView({ onConnect: clearEvents, onView: showView, onEvent: addEvent, onState: showConnection });
 
 const keyInput = document.getElementById("api-key");

@@ -48,3 +48,62 @@ export function duration(seconds) {
 export function clock(atMs) {
   return new Date(atMs).toLocaleTimeString([], { hour12: false });
 }
+
+// A button for one of the page's actions (see manage.js): `label`, its accessible name, names what it acts on
+// ("Place org/model"), while `text` is what it shows; `data-ids` carries the ids the action needs (one attribute
+// of its own, so a button never matches what selects the element it sits in, like `[data-node-id]`).
+export function actionButton(text, label, action, ids = {}, tone = "quiet") {
+  const dataset = { action, ids: JSON.stringify(ids) };
+  return el("button", { type: "button", className: `action ${tone}`, "aria-label": label, dataset }, text);
+}
+
+// The element under `root` with this accessible name, if one is still there (after a rebuild or a dialog).
+export function labelled(root, label) {
+  return [...root.querySelectorAll("[aria-label]")].find((node) => node.getAttribute("aria-label") === label) ?? null;
+}
+
+// What identifies an element among its siblings from one view to the next: the control's name, or the id of
+// the node, model, instance, task or directory it shows.
+function keyOf(node) {
+  if (node.nodeType !== Node.ELEMENT_NODE) return null;
+  const ids = node.dataset;
+  const key = node.getAttribute("aria-label") ?? ids.nodeId ?? ids.modelId ?? ids.instanceId ?? ids.taskId ?? ids.path;
+  return key === undefined ? null : `${node.nodeName} ${key}`;
+}
+
+// `current` changed in place to look like `wanted` where both are the same kind of element; else `wanted`.
+function morph(current, wanted) {
+  if (current.nodeName !== wanted.nodeName) return wanted;
+  if (current.nodeType === Node.TEXT_NODE) {
+    if (current.data !== wanted.data) current.data = wanted.data;
+    return current;
+  }
+  for (const { name } of [...current.attributes]) if (!wanted.hasAttribute(name)) current.removeAttribute(name);
+  for (const { name, value } of wanted.attributes) {
+    if (current.getAttribute(name) === value) continue;
+    // Through the CSSOM: the page's policy refuses style attributes set as text.
+    if (name === "style") current.style.cssText = wanted.style.cssText;
+    else current.setAttribute(name, value);
+  }
+  morphChildren(current, [...wanted.childNodes]);
+  return current;
+}
+
+// Makes `parent`'s children look like `wanted` by changing only what differs: an element that stays (the
+// button under the pointer, the focused one) is the same element afterwards, so a rebuild every quarter second
+// never swallows a click or loses a keyboard user's place.
+export function morphChildren(parent, wanted) {
+  const current = [...parent.childNodes];
+  const keyed = new Map(current.filter((n) => keyOf(n) !== null).map((n) => [keyOf(n), n]));
+  const unkeyed = current.filter((n) => keyOf(n) === null);
+  const kept = wanted.map((node) => {
+    const key = keyOf(node);
+    const match = key === null ? unkeyed.shift() : keyed.get(key);
+    keyed.delete(key);
+    return match ? morph(match, node) : node;
+  });
+  kept.forEach((node, i) => {
+    if (parent.childNodes[i] !== node) parent.insertBefore(node, parent.childNodes[i] ?? null);
+  });
+  while (parent.childNodes.length > kept.length) parent.lastChild.remove();
+}

@@ -1,6 +1,6 @@
-// The cluster view (GET /view's shape) as the page's sections; each is rebuilt whole when a new view comes.
+// The cluster view (GET /view's shape) as the page's sections, brought up to date when a new view comes.
 
-import { badge, bar, duration, el, percent, size } from "./dom.js";
+import { actionButton, badge, bar, duration, el, morphChildren, percent, size } from "./dom.js";
 
 const TONES = {
   ready: "good",
@@ -55,10 +55,50 @@ function nodeCard(node) {
     ),
     field("disk", ...usage(diskUsed, node.disk_total_bytes, `${size(node.disk_free_bytes)} free of ${size(node.disk_total_bytes)}`)),
     field("models on disk", String(node.models_on_disk)),
+    field("model dirs", el("ul", { className: "dirs" }, node.model_dirs.map(modelDir))),
   );
 }
 
-function downloadRow(download) {
+function modelDir(dir) {
+  return el(
+    "li",
+    { dataset: { path: dir.path } },
+    el("code", { className: "id" }, dir.path),
+    dir.read_only ? badge("read-only", "muted") : null,
+    el("span", { className: "figure" }, `${size(dir.free_bytes)} free of ${size(dir.total_bytes)}`),
+  );
+}
+
+const UNDER_WAY = new Set(["pending", "ongoing"]);
+
+// Which of the node's model directories holds the files (and the files' own folder in it), read-only or not.
+function filesAt(download) {
+  if (!download.directory) return null;
+  const inner = download.models_dir ? download.directory.slice(download.models_dir.length).replace(/^\/+/, "") : "";
+  return el(
+    "span",
+    { className: "where", title: download.directory },
+    "in ",
+    el("code", { className: "id" }, download.models_dir || download.directory),
+    inner ? el("span", { className: "muted" }, ` (${inner})`) : null,
+    download.read_only ? badge("read-only", "muted") : null,
+  );
+}
+
+function downloadActions(modelId, download) {
+  const ids = { modelId, nodeId: download.node_id };
+  const on = `${modelId} on ${download.node_id}`;
+  if (UNDER_WAY.has(download.status)) return [actionButton("Cancel", `Cancel download of ${on}`, "cancel-download", ids)];
+  const again = ["failed", "cancelled"].includes(download.status)
+    ? actionButton("Download again", `Download ${modelId} to ${download.node_id}`, "download", ids)
+    : null;
+  if (download.read_only) {
+    return [again, el("span", { className: "note" }, "read-only directory: jetshard uses these files and never deletes them")];
+  }
+  return [again, actionButton("Delete files", `Delete files of ${on}`, "delete-files", ids, "danger")];
+}
+
+function downloadRow(modelId, download) {
   let detail = `${percent(download.bytes_done, download.bytes_total)} of ${size(download.bytes_total)}`;
   if (download.status === "ongoing" && download.speed_bytes_per_s) {
     detail += `, ${size(download.speed_bytes_per_s)}/s`;
@@ -73,22 +113,47 @@ function downloadRow(download) {
     bar(download.bytes_total ? download.bytes_done / download.bytes_total : 0, tone),
     status(download.status),
     el("span", { className: "figure" }, detail),
+    el("div", { className: "download-more" }, filesAt(download), el("span", { className: "actions" }, downloadActions(modelId, download))),
     download.reason ? el("span", { className: "reason" }, download.reason) : null,
   );
 }
 
-function modelRow(model) {
+function capabilities(model) {
+  const parts = [`${model.num_layers} layers`, size(model.storage_size_bytes), `${model.context_length} context`];
+  if (model.quantization_bits) parts.push(`${model.quantization_bits}-bit`);
+  return [...parts, model.tasks.join(" · ")].join(", ");
+}
+
+function modelRow(model, nodes) {
+  const id = model.model_id;
+  const elsewhere = nodes.filter((n) => !model.downloads.some((d) => d.node_id === n.node_id));
+  const kind = model.builtin ? badge("built-in", "muted") : model.known ? badge("custom", "accent") : badge("no card", "bad");
   return el(
     "article",
-    { className: "model", dataset: { modelId: model.model_id } },
+    { className: "model", dataset: { modelId: id, kind: model.builtin ? "builtin" : model.known ? "custom" : "no-card" } },
     el(
       "header",
       {},
-      el("code", { className: "id" }, model.model_id),
-      model.display_name && model.display_name !== model.model_id ? el("span", {}, model.display_name) : null,
-      el("span", { className: "muted" }, `${model.num_layers} layers, ${size(model.storage_size_bytes)}`),
+      el("code", { className: "id" }, id),
+      kind,
+      model.display_name && model.display_name !== id ? el("span", {}, model.display_name) : null,
+      el(
+        "span",
+        { className: "actions" },
+        model.known ? actionButton("Place", `Place ${id}`, "place", { modelId: id }, "") : null,
+        model.builtin || !model.known ? null : actionButton("Delete card", `Delete model card ${id}`, "delete-card", { modelId: id }, "danger"),
+      ),
     ),
-    model.downloads.length ? model.downloads.map(downloadRow) : el("p", { className: "empty" }, "on no node's disk yet"),
+    model.known ? el("p", { className: "muted capabilities" }, capabilities(model)) : null,
+    model.downloads.map((download) => downloadRow(id, download)),
+    model.known && elsewhere.length
+      ? el(
+          "p",
+          { className: "fetch" },
+          el("span", { className: "muted" }, model.downloads.length ? "also download to" : "download to"),
+          elsewhere.map((n) => actionButton(n.node_id, `Download ${id} to ${n.node_id}`, "download", { modelId: id, nodeId: n.node_id })),
+        )
+      : null,
   );
 }
 
@@ -134,6 +199,11 @@ function instanceCard(instance) {
       el("code", { className: "id" }, instance.instance_id),
       status(instance.status),
       instance.restart_attempt ? badge(`restart ${instance.restart_attempt}`, "busy") : null,
+      el(
+        "span",
+        { className: "actions" },
+        actionButton("Delete", `Delete instance ${instance.instance_id}`, "delete-instance", { instanceId: instance.instance_id }, "danger"),
+      ),
     ),
     field("model", el("code", {}, instance.model_id)),
     instance.reason ? el("p", { className: "reason" }, instance.reason) : null,
@@ -144,7 +214,7 @@ function instanceCard(instance) {
 
 function taskTable(tasks, instances) {
   const byId = new Map(instances.map((i) => [i.instance_id, i]));
-  const head = el("tr", {}, ["task", "model", "kind", "instance", "status", "prompt tokens", "speed"].map((h) => el("th", {}, h)));
+  const head = el("tr", {}, ["task", "model", "kind", "instance", "status", "prompt tokens", "speed", ""].map((h) => el("th", {}, h)));
   const rows = tasks.map((task) =>
     el(
       "tr",
@@ -156,19 +226,26 @@ function taskTable(tasks, instances) {
       el("td", {}, status(task.status)),
       el("td", { className: "number" }, String(task.prompt_tokens)),
       el("td", {}, throughput(byId.get(task.instance_id) ?? {}) ?? "–"),
+      el("td", {}, actionButton("Cancel", `Cancel task ${task.task_id}`, "cancel-task", { taskId: task.task_id }, "danger")),
     ),
   );
   return el("div", { className: "table-scroll" }, el("table", {}, el("thead", {}, head), el("tbody", {}, rows)));
 }
 
+// The models on some node's disk, placed or added first, then the rest of the built-in catalogue.
+function inUseFirst(models) {
+  return [...models.filter((m) => m.in_use), ...models.filter((m) => !m.in_use)];
+}
+
+// Each section is built anew and only what differs is changed on the page (see morphChildren).
 function fill(id, count, children, none) {
   document.getElementById(`${id}-count`).textContent = count ? String(count) : "";
-  document.getElementById(id).replaceChildren(...(count ? children : [empty(none)]));
+  morphChildren(document.getElementById(id), count ? children : [empty(none)]);
 }
 
 export function renderView(view) {
   fill("nodes", view.nodes.length, view.nodes.map(nodeCard), "no nodes: start `jetshard worker` (or `jetshard up`)");
-  fill("models", view.models.length, view.models.map(modelRow), "no models downloaded or placed");
+  fill("models", view.models.length, inUseFirst(view.models).map((m) => modelRow(m, view.nodes)), "no models");
   fill("instances", view.instances.length, view.instances.map(instanceCard), "no instances");
   fill("tasks", view.tasks.length, [taskTable(view.tasks, view.instances)], "none");
   document.getElementById("last-seq").textContent = `at event ${view.last_seq}`;

@@ -1,0 +1,232 @@
+// Running the cluster from the page: adding and deleting model cards, placing (after a preview) and deleting
+// instances, starting, cancelling and deleting downloads, cancelling tasks. Every change goes through the API;
+// the page shows its effect when the view stream brings it, and an error in the API's own words.
+
+import { apiFetch, errorMessage } from "./api.js";
+import { el, labelled, size } from "./dom.js";
+
+const $ = (id) => document.getElementById(id);
+
+// "org/name" as two path segments, each escaped.
+const modelPath = (modelId) => modelId.split("/").map(encodeURIComponent).join("/");
+
+function say(text, tone = "") {
+  const notice = $("notice");
+  notice.textContent = text;
+  notice.className = `notice ${tone}`;
+}
+
+// Sends one request; the API's error message when it refuses, else null.
+async function send(method, path, body) {
+  const init = { method };
+  if (body !== undefined) {
+    init.headers = { "Content-Type": "application/json" };
+    init.body = JSON.stringify(body);
+  }
+  try {
+    const response = await apiFetch(path, init);
+    return response.ok ? null : await errorMessage(response);
+  } catch (error) {
+    return String(error?.message ?? error);
+  }
+}
+
+// --- a confirmation, in a dialog of the page's own -----------------------------------------------------------
+
+// Resolves true once the user presses the dialog's `action` button, false on Cancel or Escape.
+function confirmAction({ title, text, action }) {
+  const dialog = $("confirm-dialog");
+  $("confirm-title").textContent = title;
+  $("confirm-text").textContent = text;
+  $("confirm-yes").textContent = action;
+  return new Promise((resolve) => {
+    const answer = (yes) => () => {
+      $("confirm-yes").onclick = $("confirm-no").onclick = dialog.onclose = null;
+      dialog.close();
+      resolve(yes);
+    };
+    $("confirm-yes").onclick = answer(true);
+    $("confirm-no").onclick = dialog.onclose = answer(false);
+    dialog.showModal();
+  });
+}
+
+// --- placing, after a preview --------------------------------------------------------------------------------
+
+let placing = null; // the model the place dialog is for
+let previewed = 0; // the latest preview asked for: an older answer arriving late is dropped
+
+function previewTable(preview) {
+  const head = el("tr", {}, ["rank", "node", "layers", "device", "memory"].map((h) => el("th", {}, h)));
+  const rows = preview.shards.map((shard) =>
+    el(
+      "tr",
+      { dataset: { nodeId: shard.node_id, rank: shard.rank } },
+      el("td", { className: "number" }, String(shard.rank)),
+      el("td", {}, el("code", {}, shard.node_id)),
+      el("td", { className: "layers" }, `[${shard.start_layer}, ${shard.end_layer})`),
+      el("td", {}, shard.device),
+      el("td", { className: "number" }, size(shard.memory_bytes)),
+    ),
+  );
+  const serving = preview.serving;
+  return [
+    el("table", { className: "preview" }, el("thead", {}, head), el("tbody", {}, rows)),
+    el(
+      "p",
+      { className: "muted preview-summary" },
+      `${size(preview.required_bytes)} in all; weights ${serving.weights}; up to ${serving.max_batch} requests at once`,
+    ),
+  ];
+}
+
+async function preview() {
+  const asked = ++previewed;
+  const model = placing;
+  const minNodes = $("place-min-nodes").value || "1";
+  $("place-confirm").disabled = true;
+  $("place-message").textContent = "";
+  $("place-preview").replaceChildren(el("p", { className: "muted" }, "working out where it would go…"));
+  let shown;
+  let ready = false;
+  try {
+    const query = new URLSearchParams({ model_id: model, min_nodes: minNodes });
+    const response = await apiFetch(`/instances/preview?${query}`);
+    if (response.ok) {
+      shown = previewTable(await response.json());
+      ready = true;
+    } else {
+      shown = [el("p", { className: "reason impossible" }, `It cannot be placed now: ${await errorMessage(response)}`)];
+    }
+  } catch (error) {
+    shown = [el("p", { className: "reason impossible" }, String(error?.message ?? error))];
+  }
+  if (asked !== previewed || placing !== model) return;
+  $("place-preview").replaceChildren(...shown);
+  $("place-confirm").disabled = !ready;
+}
+
+function openPlace(modelId) {
+  placing = modelId;
+  $("place-title").textContent = `Place ${modelId}`;
+  $("place-min-nodes").value = "1";
+  $("place-dialog").showModal();
+  preview();
+}
+
+async function place() {
+  const model = placing;
+  const confirm = $("place-confirm");
+  confirm.disabled = true;
+  const body = { model_id: model, min_nodes: Number($("place-min-nodes").value || "1") };
+  let failure;
+  let placed = null;
+  try {
+    const response = await apiFetch("/instances", {
+      method: "POST",
+      headers: { "Content-Type": "application/json" },
+      body: JSON.stringify(body),
+    });
+    if (response.ok) placed = (await response.json()).instance_id;
+    else failure = await errorMessage(response);
+  } catch (error) {
+    failure = String(error?.message ?? error);
+  }
+  if (placed === null) {
+    $("place-message").textContent = failure;
+    confirm.disabled = false;
+    return;
+  }
+  $("place-dialog").close();
+  say(`Placed ${model} as instance ${placed}`, "good");
+}
+
+// --- the actions the view's buttons name ---------------------------------------------------------------------
+
+const ACTIONS = {
+  place: ({ modelId }) => openPlace(modelId),
+  async "delete-card"({ modelId }) {
+    const yes = await confirmAction({
+      title: `Delete the card of ${modelId}?`,
+      text: "Every node forgets the model; files already downloaded stay where they are.",
+      action: "Delete",
+    });
+    return yes ? [await send("DELETE", `/models/${modelPath(modelId)}`), `Deleted the card of ${modelId}`] : null;
+  },
+  async download({ modelId, nodeId }) {
+    const error = await send("POST", "/downloads", { model_id: modelId, node_id: nodeId });
+    return [error, `Downloading ${modelId} to ${nodeId}`];
+  },
+  async "cancel-download"({ modelId, nodeId }) {
+    const error = await send("POST", "/downloads/cancel", { model_id: modelId, node_id: nodeId });
+    return [error, `Cancelled the download of ${modelId} on ${nodeId}`];
+  },
+  async "delete-files"({ modelId, nodeId }) {
+    const yes = await confirmAction({
+      title: `Delete the files of ${modelId} on ${nodeId}?`,
+      text: "They are removed from the node's disk; downloading the model again fetches them anew.",
+      action: "Delete",
+    });
+    if (!yes) return null;
+    const error = await send("DELETE", `/downloads/${encodeURIComponent(nodeId)}/${modelPath(modelId)}`);
+    return [error, `Deleted the files of ${modelId} on ${nodeId}`];
+  },
+  async "delete-instance"({ instanceId }) {
+    const yes = await confirmAction({
+      title: `Delete instance ${instanceId}?`,
+      text: "Its runners stop, and the requests it is serving end with an error.",
+      action: "Delete",
+    });
+    return yes ? [await send("DELETE", `/instances/${encodeURIComponent(instanceId)}`), `Deleted instance ${instanceId}`] : null;
+  },
+  async "cancel-task"({ taskId }) {
+    return [await send("DELETE", `/tasks/${encodeURIComponent(taskId)}`), `Cancelled task ${taskId}`];
+  },
+};
+
+async function act(button) {
+  const label = button.getAttribute("aria-label");
+  button.disabled = true;
+  const outcome = await ACTIONS[button.dataset.action](JSON.parse(button.dataset.ids));
+  button.disabled = false;
+  if (outcome) {
+    const [error, done] = outcome;
+    say(error ?? done, error ? "error" : "good");
+  }
+  // Back where the user was, should the view have been rebuilt meanwhile (or a dialog have taken the focus).
+  if (!document.querySelector("dialog[open]")) labelled(document.querySelector(".cluster"), label)?.focus();
+}
+
+// --- adding a model by its Hugging Face id -------------------------------------------------------------------
+
+async function addModel(event) {
+  event.preventDefault();
+  const input = $("add-model-id");
+  const message = $("add-model-message");
+  const modelId = input.value.trim();
+  if (!modelId) return;
+  $("add-model").disabled = true;
+  message.textContent = `Fetching the card of ${modelId} from the Hub…`;
+  message.className = "form-message";
+  const error = await send("POST", "/models", { model_id: modelId });
+  $("add-model").disabled = false;
+  message.textContent = error ?? `Added ${modelId}: its card is on every node`;
+  message.className = `form-message ${error ? "error" : "good"}`;
+  if (!error) input.value = "";
+}
+
+export function startManaging() {
+  $("add-model-form").addEventListener("submit", addModel);
+  document.querySelector(".cluster").addEventListener("click", (event) => {
+    const button = event.target.closest("button[data-action]");
+    if (button && !button.disabled) act(button);
+  });
+  $("place-min-nodes").addEventListener("input", preview);
+  $("place-confirm").addEventListener("click", place);
+  $("place-cancel").addEventListener("click", () => $("place-dialog").close());
+  $("place-dialog").addEventListener("close", () => {
+    const opener = placing && labelled(document.querySelector(".cluster"), `Place ${placing}`);
+    placing = null;
+    opener?.focus();
+  });
+}
