@@ -53,6 +53,10 @@ class Shard:
     loaded_tensors: frozenset[str] = field(default_factory=frozenset)
     weights_dtype: str = ""
     """What the weights are held as: `float32`, `bfloat16`, `4-bit affine`..."""
+    tensor_rank: int = 0
+    tensor_ranks: int = 1
+    """Tensor parallelism: every layer is split across `tensor_ranks` ranks, this one holding slice `tensor_rank`
+    (1: the layers are whole)."""
 
     @property
     def is_first(self) -> bool:
@@ -111,10 +115,12 @@ def load_shard(
     on_progress: ProgressCallback | None = None,
     *,
     float32: bool = False,
+    tensor_group: mx.distributed.Group | None = None,
 ) -> Shard:
     """Build the mlx-lm model of `model_dir` holding layers `[start_layer, end_layer)` only,
     reading only the tensors that range needs. `float32` dequantizes quantized layers and widens 16-bit
-    weights to float32 (a CPU with a fast BLAS multiplies that several times faster than quantized kernels)."""
+    weights to float32 (a CPU with a fast BLAS multiplies that several times faster than quantized kernels).
+    With a `tensor_group` of several ranks this rank keeps only its slice of each layer (see `split_layers`)."""
     model_dir = Path(model_dir)
     config = load_config(model_dir)
     model_class, args_class = model_classes(config)
@@ -168,6 +174,10 @@ def load_shard(
         # Lazy: each layer is dequantized as the loop below evaluates it, so the quantized and float32 copies
         # of the whole shard never coexist.
         _to_float32(model)
+    tensor_ranks = 1 if tensor_group is None else tensor_group.size()
+    if tensor_ranks > 1:
+        assert tensor_group is not None
+        split_layers(model, config, tensor_group, start_layer, end_layer)
     weights_dtype = _weights_dtype(model)
 
     total = end_layer - start_layer
@@ -193,7 +203,42 @@ def load_shard(
         eos_token_ids=eos_token_ids(model_dir),
         loaded_tensors=loaded,
         weights_dtype=weights_dtype,
+        tensor_rank=0 if tensor_group is None else tensor_group.rank(),
+        tensor_ranks=tensor_ranks,
     )
+
+
+def split_layers(
+    model: nn.Module, config: Mapping[str, Any], group: mx.distributed.Group, start: int, end: int
+) -> None:
+    """Tensor parallelism: keep this rank's slice of every layer of `model` (weights still lazy, so only the slices
+    are read into memory), whose attention and MLP then sum their outputs over `group` (two all-reduces a layer).
+    Every rank holds the whole embedding, final norm and head. Refused unless the rank holds every layer, mlx-lm
+    splits the architecture, and the attention and key/value heads divide evenly over the ranks (mlx-lm would
+    silently split them unevenly)."""
+    ranks = group.size()
+    num_layers = len(model.model.layers)
+    if (start, end) != (0, num_layers):
+        raise ValueError(f"a tensor-parallel rank holds every layer, not [{start}, {end}) of the model's {num_layers}")
+    problem = tensor_split_problem(config, ranks)
+    if problem is not None:
+        raise ValueError(problem)
+    library_boundary.shard_across(model, group)
+
+
+def tensor_split_problem(config: Mapping[str, Any], ranks: int) -> str | None:
+    """Why the model of `config` cannot be split across `ranks` tensor-parallel ranks, or None if it can."""
+    model_class, _ = model_classes(config)
+    if not library_boundary.splits_across_ranks(model_class):
+        return f"mlx-lm cannot split {model_class.__module__.rsplit('.', 1)[-1]!r} models across tensor-parallel ranks"
+    heads = int(config["num_attention_heads"])
+    kv_heads = int(config.get("num_key_value_heads") or heads)
+    if heads % ranks or kv_heads % ranks:
+        return (
+            f"the model's {heads} attention heads and {kv_heads} key/value heads do not both divide by "
+            f"{ranks} tensor-parallel ranks"
+        )
+    return None
 
 
 def model_classes(config: Mapping[str, Any]) -> tuple[Any, Any]:
