@@ -28,6 +28,7 @@ from jetshard_schema import events
 from jetshard_schema.gist import REASON_CHARS, gist
 from jetshard_schema.types import (
     NodeProfile,
+    Parallelism,
     RunnerReport,
     RunnerStatus,
     ServingSettings,
@@ -35,7 +36,11 @@ from jetshard_schema.types import (
     TaskKind,
     TaskRef,
 )
-from jetshard_schema.view import ClusterView, cluster_view
+from jetshard_schema.view import ClusterView, cluster_view, describe_instance
+from rich.console import Console
+
+from jetshard.commands.instances import instances_table
+from jetshard.commands.status import render
 
 PROFILE = NodeProfile(
     hostname="desk", os="Linux", cpu_cores=8, memory_total_bytes=16 * 2**30, memory_available_bytes=10 * 2**30
@@ -91,6 +96,29 @@ def test_the_view_summarises_nodes_instances_and_tasks() -> None:
     assert (instance.status, instance.tasks_in_flight, instance.tasks_running) == ("downloading", 1, 0)
     assert [(t.task_id, t.status) for t in view.tasks] == [("t1", "queued")]
     assert [m.model_id for m in view.models] == ["org/m"]
+
+
+def test_status_shows_each_shard_of_a_tensor_parallel_instance_with_its_tensor_rank() -> None:
+    tensor_shards = tuple(
+        ShardAssignment(node_id=node, rank=rank, start_layer=0, end_layer=24, tensor_rank=rank)
+        for rank, node in enumerate("ab")
+    )
+    state = fold(
+        events.NodeJoined(node_id="a", session_id="s", profile=PROFILE),
+        events.NodeJoined(node_id="b", session_id="s", profile=PROFILE),
+        events.InstancePlaced(
+            instance_id="i1",
+            model_id="org/m",
+            shards=tensor_shards,
+            serving=ServingSettings(parallelism=Parallelism.TENSOR),
+        ),
+    )
+    out = Console(width=200, record=True)
+    out.print(render(cluster_view(state)))
+    text = out.export_text()
+    assert "a [0, 24) tensor rank 0 downloading" in text and "b [0, 24) tensor rank 1 downloading" in text
+    out.print(instances_table(json.loads(msgspec.json.encode([describe_instance(state, state.instances["i1"])]))))
+    assert "a [0, 24) tensor rank 0, b [0, 24) tensor rank 1" in out.export_text()
 
 
 # --- against a running cluster ------------------------------------------------------------------------------

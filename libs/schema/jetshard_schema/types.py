@@ -64,6 +64,18 @@ class WeightsDtype(enum.StrEnum):
     FLOAT32 = "float32"
 
 
+class Parallelism(enum.StrEnum):
+    """How an instance splits its model over its nodes."""
+
+    PIPELINE = "pipeline"
+    """Each node holds a contiguous range of whole layers; a token crosses every node once per step. The
+    default: it needs one network hop per node and token."""
+    TENSOR = "tensor"
+    """Each node holds its slice of every layer and every node runs every step, summing each layer's attention
+    and MLP outputs over the nodes: two all-reduces per layer and token, so it lowers one stream's latency only
+    on fast, well-linked nodes."""
+
+
 MAX_NODES = 4096
 MinNodes = Annotated[int, msgspec.Meta(ge=1, le=MAX_NODES)]
 """How many nodes an instance spans at least."""
@@ -84,6 +96,7 @@ class ServingSettings(msgspec.Struct, frozen=True, kw_only=True):
     """Prompt KV caches kept for later prompts that start alike (a conversation's next turn, a shared system
     prompt), for the whole model; 0 keeps none."""
     weights: WeightsDtype = WeightsDtype.AUTO
+    parallelism: Parallelism = Parallelism.PIPELINE
 
 
 class ShardAssignment(msgspec.Struct, frozen=True, kw_only=True):
@@ -96,6 +109,9 @@ class ShardAssignment(msgspec.Struct, frozen=True, kw_only=True):
     """What the shard will take on its node once loaded (its weights in the instance's dtype, its share of the
     KV cache for `max_batch` rows, of the prefix cache and of the activation headroom): placement counts it
     against the node until the shard's runner is ready and the node's own report includes it."""
+    tensor_rank: int | None = None
+    """In a tensor-parallel instance, which slice of every layer the shard holds (its layer range is the whole
+    model); None in a pipeline, whose shards hold their layers whole."""
 
 
 class DownloadStatus(enum.StrEnum):

@@ -11,7 +11,7 @@ import httpx
 import msgspec
 from httpx_sse import connect_sse
 from jetshard_schema.gist import size
-from jetshard_schema.view import ClusterView, DownloadView, InstanceView, NodeView, ShardDescription
+from jetshard_schema.view import ClusterView, DownloadView, InstanceView, NodeView, ShardDescription, shard_layers
 from rich.console import Group
 from rich.live import Live
 from rich.table import Table
@@ -56,7 +56,7 @@ def _accelerator(node: NodeView) -> str:
 
 
 def _shard(shard: ShardDescription) -> str:
-    text = f"{shard.node_id} [{shard.start_layer}, {shard.end_layer}) {shard.status}"
+    text = f"{shard.node_id} {shard_layers(shard)} {shard.status}"
     if shard.status == "ready" and isinstance(shard.weights_dtype, str):
         text += f", {shard.weights_dtype} weights"
     if shard.status == "loading" and shard.layers_total:
