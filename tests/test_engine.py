@@ -20,6 +20,9 @@ import mlx.core as mx
 import pytest
 from helpers.engine_rank import free_ports, rank_command
 from helpers.tiny_models import layer_of, make_tiny_model
+from jetshard_downloader.convert import convert_packaged
+from jetshard_downloader.dirs import ModelDirs
+from jetshard_schema.catalogue import DEMO_MODEL_ID, builtin_cards
 from jetshard_schema.types import TaskOutcome
 from jetshard_worker.engine import (
     GenerationRequest,
@@ -296,11 +299,12 @@ def models_for_three(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path
     }
 
 
-def solo_scored(model_dir: Path, prompts: list[list[int]], prefill_step_size: int) -> Collector:
+def solo_scored(model_dir: Path, prompts: list[list[int]], prefill_step_size: int = 2048) -> Collector:
     """Greedy output of the whole model on one rank, with each token's top two logprobs."""
     collector = Collector()
+    num_layers = json.loads((model_dir / "config.json").read_text())["num_hidden_layers"]
     engine = PipelineEngine(
-        load_shard(model_dir, 0, 4),
+        load_shard(model_dir, 0, num_layers),
         on_token=collector.on_token,
         on_finished=collector.on_finished,
         prefill_step_size=prefill_step_size,
@@ -309,6 +313,26 @@ def solo_scored(model_dir: Path, prompts: list[list[int]], prefill_step_size: in
         engine, [GenerationRequest(f"t{i}", p, MAX_TOKENS, top_logprobs=2) for i, p in enumerate(prompts)], collector
     )
     return collector
+
+
+def assert_as_solo(
+    solo: Collector, results: dict[str, Any], prompts: list[list[int]], logprob_tolerance: float = 1e-4
+) -> None:
+    """Each prompt got the solo tokens, or the same up to a token where the solo top two were a near-tie (the
+    text goes its own way after it); the agreed tokens' logprobs are the solo ones."""
+    for i in range(len(prompts)):
+        expected, got = solo.tokens.get(f"t{i}", []), results[f"t{i}"]
+        differs = next((k for k, (a, b) in enumerate(zip(expected, got["tokens"], strict=False)) if a != b), None)
+        if differs is None:
+            assert got["tokens"] == expected, f"prompt {i}"
+        else:
+            (_, first), (_, second) = solo.scores[f"t{i}"][differs].top
+            assert first - second < NEAR_TIE, f"prompt {i} differs at token {differs}, no near-tie"
+        agreed = len(expected) if differs is None else differs
+        scores = solo.scores.get(f"t{i}", [])[:agreed]
+        for score, (logprob, _) in zip(scores, got.get("logprobs", []), strict=False):
+            assert logprob == pytest.approx(score.logprob, abs=logprob_tolerance)
+        assert got["prompt_tokens"] == len(prompts[i])
 
 
 @pytest.mark.timeout(180)
@@ -343,20 +367,8 @@ def test_tensor_parallel_greedy_equals_one_rank(
 
     outputs = run_tensor_parallel(model_dir, ranks, requests, tmp_path, prefill_step_size)
 
-    results = outputs[-1]["results"]
     assert outputs[-1]["max_rows"] > 1  # the requests decoded as one batch
-    for i in range(len(prompts)):
-        expected, got = solo.tokens.get(f"t{i}", []), results[f"t{i}"]
-        same = next((k for k, (a, b) in enumerate(zip(expected, got["tokens"], strict=False)) if a != b), None)
-        if same is None:
-            assert got["tokens"] == expected, f"prompt {i}"
-        else:
-            (_, first), (_, second) = solo.scores[f"t{i}"][same].top
-            assert first - second < NEAR_TIE, f"prompt {i} differs at token {same}, no near-tie"
-        agreed = len(expected) if same is None else same
-        for score, (logprob, _) in zip(solo.scores.get(f"t{i}", [])[:agreed], got.get("logprobs", []), strict=False):
-            assert logprob == pytest.approx(score.logprob, abs=1e-4)
-        assert got["prompt_tokens"] == len(prompts[i])
+    assert_as_solo(solo, outputs[-1]["results"], prompts)
     # Each rank holds its share of every layer's projections, and the rest (embedding, norms, head) whole.
     parameters = tree_flatten(load_shard(model_dir, 0, 4).model.parameters())
     whole_bytes = sum(p.nbytes for _, p in parameters)
@@ -383,6 +395,25 @@ def test_a_tensor_parallel_cancel_mid_generation_then_next_request_is_served(
     assert len(results["cancelled"]["tokens"]) == 3
     assert results["cancelled"]["finish"] == "cancelled"
     assert results["next"]["tokens"] == expected
+
+
+@pytest.mark.timeout(300)
+def test_the_quantized_demo_model_over_three_tensor_ranks_answers_as_on_one(tmp_path: Path) -> None:
+    """SmolLM2-135M (9 attention heads, 3 key/value heads; 4-bit layers, an 8-bit embedding) split over 3 ranks:
+    mlx's quantized sharded linears."""
+    model_dir, _ = convert_packaged(builtin_cards()[DEMO_MODEL_ID], ModelDirs.from_options(tmp_path / "models"))
+    _, tokenizer = mlx_load(str(model_dir))
+    question = [{"role": "user", "content": "What is the capital of France?"}]
+    prompts = [tokenizer.apply_chat_template(question, add_generation_prompt=True)]
+    solo = solo_scored(model_dir, prompts)
+    requests = [{"task_id": "t0", "prompt_tokens": prompts[0], "max_tokens": MAX_TOKENS, "top_logprobs": 2}]
+
+    outputs = run_tensor_parallel(model_dir, 3, requests, tmp_path / "ranks")
+
+    assert tokenizer.decode(solo.tokens["t0"]).startswith("The capital of France is Paris")
+    # Computed in 16 bits: the logprobs agree to a 16-bit rounding error.
+    assert_as_solo(solo, outputs[-1]["results"], prompts, logprob_tolerance=2e-2)
+    assert [output["weights_dtype"] for output in outputs] == ["4-bit affine, 8-bit affine"] * 3
 
 
 def test_a_model_splits_across_tensor_ranks_only_when_its_heads_divide(models: dict[str, Path]) -> None:

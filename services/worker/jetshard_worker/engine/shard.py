@@ -18,6 +18,7 @@ from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
+from mlx.nn.layers.distributed import QuantizedAllToShardedLinear, QuantizedShardedToAllLinear
 from mlx.utils import tree_flatten, tree_unflatten
 
 from jetshard_worker import library_boundary
@@ -35,6 +36,9 @@ _EMBED_SCALE: dict[str, Callable[[mx.array, Any], mx.array] | None] = {
     "qwen3": None,
     "gemma": lambda h, args: h * (args.hidden_size**0.5),
 }
+
+# mlx's sharded linears of a quantized model (tensor parallelism), which are no QuantizedLinear.
+_QuantizedSlice = QuantizedAllToShardedLinear | QuantizedShardedToAllLinear
 
 _LAYER_KEY = re.compile(r"^model\.layers\.(\d+)\.")
 _ANY_LAYER_KEY = re.compile(r"(?:^|\.)layers\.(\d+)\.")
@@ -380,7 +384,7 @@ def _weights_dtype(model: nn.Module) -> str:
     quantized = {
         f"{m.bits}-bit {m.mode}"
         for _, m in model.named_modules()
-        if isinstance(m, nn.QuantizedLinear | nn.QuantizedEmbedding)
+        if isinstance(m, nn.QuantizedLinear | nn.QuantizedEmbedding | _QuantizedSlice)
     }
     if quantized:
         return ", ".join(sorted(quantized))
