@@ -113,6 +113,8 @@ def test_status_shows_each_shard_of_a_tensor_parallel_instance_with_its_tensor_r
             serving=ServingSettings(parallelism=Parallelism.TENSOR),
         ),
     )
+    placed = gist(events.InstancePlaced(instance_id="i1", model_id="org/m", shards=tensor_shards))
+    assert "on a layers [0, 24) tensor rank 0, b layers [0, 24) tensor rank 1;" in placed
     out = Console(width=200, record=True)
     out.print(render(cluster_view(state)))
     text = out.export_text()

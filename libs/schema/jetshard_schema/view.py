@@ -30,12 +30,6 @@ from jetshard_schema.types import (
 )
 
 
-def shard_layers(shard: ShardAssignment) -> str:
-    """What a shard holds, for a person: "[0, 12)", or "[0, 24) tensor rank 1" for a slice of every layer."""
-    layers = f"[{shard.start_layer}, {shard.end_layer})"
-    return layers if shard.tensor_rank is None else f"{layers} tensor rank {shard.tensor_rank}"
-
-
 class ShardDescription(ShardAssignment, frozen=True, kw_only=True):
     """A shard and how far it is: its runner's progress once it has one, else its download's."""
 

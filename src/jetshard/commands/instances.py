@@ -8,8 +8,8 @@ from urllib.parse import quote
 
 import click
 import msgspec
+from jetshard_schema.gist import shard_layers
 from jetshard_schema.types import ShardAssignment
-from jetshard_schema.view import shard_layers
 from rich.table import Table
 
 from jetshard.client import ApiClient
@@ -33,9 +33,7 @@ def instances_table(instances: list[dict[str, Any]]) -> Table:
             instance["instance_id"],
             instance["model_id"],
             instance["status"],
-            ", ".join(
-                f"{s['node_id']} {shard_layers(msgspec.convert(s, ShardAssignment))}" for s in instance["shards"]
-            ),
+            ", ".join(_shard(s) for s in instance["shards"]),
             str(serving["max_batch"]),
             str(serving["max_queued"]),
             str(instance["tasks_in_flight"]),

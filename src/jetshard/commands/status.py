@@ -10,8 +10,8 @@ import click
 import httpx
 import msgspec
 from httpx_sse import connect_sse
-from jetshard_schema.gist import size
-from jetshard_schema.view import ClusterView, DownloadView, InstanceView, NodeView, ShardDescription, shard_layers
+from jetshard_schema.gist import shard_layers, size
+from jetshard_schema.view import ClusterView, DownloadView, InstanceView, NodeView, ShardDescription
 from rich.console import Group
 from rich.live import Live
 from rich.table import Table
