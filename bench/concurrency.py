@@ -17,7 +17,8 @@ at 1 stream, >= 0.9 at 8 on a 2-core machine). Goal for one rank: 8 streams >= 4
 TTFT of a pipeline, then of a tensor-parallel instance, with the tensor/pipeline ratios. Nodes started here share
 this machine's cores (and talk over loopback), so the figure is what the per-token all-reduces and the ranks
 competing for cores cost, not the speed-up separate machines would give: a pipeline runs one rank at a time per
-stream, tensor ranks all compute at once and wait for each other twice a layer.
+stream, tensor ranks all compute at once and wait for each other twice a layer (spinning on their sockets
+meanwhile, in mlx's ring backend).
 
     uv run python bench/concurrency.py                              # both rank counts, everything
     uv run python bench/concurrency.py --ranks 1 --max-tokens 16 --streams 1,2 --long-tokens 200 \\
@@ -133,9 +134,11 @@ def compare_parallelism(services: Services, model: str, ranks: int, max_tokens: 
         f"TTFT p50 {tensor.ttft_p50 / pipeline.ttft_p50:.2f}"
     )
     print(
-        f"all {ranks} nodes share this machine's {os.cpu_count()} cores and talk over loopback: the ratio is what "
-        "the all-reduces (two per layer and token) and the ranks competing for cores cost here, not the speed-up "
-        f"of separate, well-linked machines (each computing a 1/{ranks} share of every layer at once)"
+        f"all {ranks} nodes share this machine's {os.cpu_count()} cores and talk over loopback, and mlx's ring "
+        "backend spins on its sockets while an all-reduce waits: with more ranks than cores each of the two "
+        "all-reduces per layer and token waits for the OS to schedule every rank. The ratio is what that costs "
+        f"here, not the speed-up of separate, well-linked machines (each computing a 1/{ranks} share of every layer "
+        "at once)"
     )
 
 
@@ -164,7 +167,8 @@ def main() -> None:
     root.mkdir(parents=True, exist_ok=True)
     rng = random.Random(time.time_ns())
     print(machine_line())
-    print(f"model: {args.model}; max_tokens {args.max_tokens}, temperature 0; streams {counts}; logs {root}")
+    streams = "one at a time, 5 rounds" if args.parallelism == "tensor" else str(counts)
+    print(f"model: {args.model}; max_tokens {args.max_tokens}, temperature 0; streams {streams}; logs {root}")
     nats = start_nats_server(root / "nats", port=-1)
     env = {
         **os.environ,
