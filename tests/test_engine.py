@@ -379,22 +379,29 @@ def test_tensor_parallel_greedy_equals_one_rank(
 
 
 @pytest.mark.timeout(120)
-def test_a_tensor_parallel_cancel_mid_generation_then_next_request_is_served(
+def test_a_tensor_parallel_cancel_leaves_the_others_and_a_follow_up_starts_from_its_saved_prefix(
     models: dict[str, Path], tmp_path: Path
 ) -> None:
+    """A task cancelled mid-generation ends there; a follow-up turn of a conversation prefilled beside it starts
+    from the conversation's saved KV cache (each rank keeps its slice of it) and answers as on one rank."""
     model_dir = models["qwen3"]
     prompts = prompt_ids(model_dir)
-    expected = solo_scored(model_dir, prompts[1:2], 2048).tokens["t0"]
+    conversation = prompts[3] * 2  # long enough for the prefix index (16 tokens)
+    expected = solo_scored(model_dir, [conversation, conversation + prompts[1]]).tokens
     requests = [
         {"task_id": "cancelled", "prompt_tokens": prompts[0], "max_tokens": MAX_TOKENS, "cancel_after": 3},
-        {"task_id": "next", "prompt_tokens": prompts[1], "max_tokens": MAX_TOKENS},
+        {"task_id": "conversation", "prompt_tokens": conversation, "max_tokens": MAX_TOKENS},
+        {"task_id": "follow-up", "prompt_tokens": conversation + prompts[1], "max_tokens": MAX_TOKENS},
     ]
 
-    results = run_tensor_parallel(model_dir, 2, requests, tmp_path)[-1]["results"]
+    leader = run_tensor_parallel(model_dir, 2, requests, tmp_path)[-1]
+    results = leader["results"]
 
     assert len(results["cancelled"]["tokens"]) == 3
     assert results["cancelled"]["finish"] == "cancelled"
-    assert results["next"]["tokens"] == expected
+    assert leader["prefix_hits"] == 1
+    assert results["conversation"]["tokens"] == expected["t0"]
+    assert results["follow-up"]["tokens"] == expected["t1"]
 
 
 @pytest.mark.timeout(300)
