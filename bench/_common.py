@@ -440,14 +440,15 @@ class Services:
             stop_group(process, sig=15, grace_s=10)
 
 
-def place(api: str, model_id: str, node_ids: list[str], timeout_s: float = 900) -> str:
-    """Delete every instance, place `model_id` over exactly `node_ids`, wait until ready; returns its id."""
+def place(api: str, model_id: str, node_ids: list[str], timeout_s: float = 900, parallelism: str = "pipeline") -> str:
+    """Delete every instance, place `model_id` over exactly `node_ids` (a pipeline, or with `parallelism` "tensor"
+    each node a slice of every layer), wait until ready; returns its id."""
     for old in httpx.get(f"{api}/instances", timeout=10).json():
         httpx.delete(f"{api}/instances/{old['instance_id']}", timeout=30)
     wait(lambda: not httpx.get(f"{api}/instances", timeout=10).json(), 120, "old instances gone")
     nodes_text = lambda: httpx.get(f"{api}/nodes", timeout=10).text  # noqa: E731
     wait(lambda: all(n in nodes_text() for n in node_ids), 120, f"nodes {node_ids} joining")
-    body = {"model_id": model_id, "node_ids": node_ids, "min_nodes": len(node_ids)}
+    body = {"model_id": model_id, "node_ids": node_ids, "min_nodes": len(node_ids), "parallelism": parallelism}
     placed = httpx.post(f"{api}/instances", json=body, timeout=60)
     if placed.status_code >= 400:
         raise RuntimeError(f"placing {model_id} on {node_ids}: {placed.status_code} {placed.text}")

@@ -100,6 +100,26 @@ async def test_cluster_routes(fresh_nats, processes, tmp_path: Path) -> None:
                 await client.post("/instances", json=params),
             ):
                 assert "min_nodes" in str(assert_openai_error(refused, 400)["message"])
+        # Tensor parallelism: the one node holds a slice of every layer (all of them, as tensor rank 0 of 1); the
+        # model's 16 attention and 8 key/value heads do not split over 3 nodes; an unknown field is refused.
+        qwen = "mlx-community/Qwen3-0.6B-4bit"
+        tensor = await client.get("/instances/preview", params={"model_id": qwen, "parallelism": "tensor"})
+        assert tensor.status_code == 200, tensor.text
+        assert [(s["tensor_rank"], s["start_layer"], s["end_layer"]) for s in tensor.json()["shards"]] == [(0, 0, 28)]
+        assert tensor.json()["serving"]["parallelism"] == "tensor"
+        assert preview.json()["shards"][0]["tensor_rank"] is None
+        params = {"model_id": qwen, "parallelism": "tensor", "min_nodes": 3}
+        for refused in (
+            await client.get("/instances/preview", params=params),
+            await client.post("/instances", json=params),
+        ):
+            message = assert_openai_error(refused, 400)["message"]
+            assert "16 attention heads and 8 key/value heads, which do not both divide by 3 nodes" in message
+        for refused in (
+            await client.get("/instances/preview", params={"model_id": qwen, "paralelism": "tensor"}),
+            await client.post("/instances", json={"model_id": qwen, "paralelism": "tensor"}),
+        ):
+            assert "paralelism" in str(assert_openai_error(refused, 400)["message"])
 
         state = (await client.get("/state")).json()
         assert state["last_seq"] >= 1

@@ -33,6 +33,7 @@ from jetshard_schema.types import (
     ModelDirInfo,
     NodeProfile,
     NodeStorage,
+    Parallelism,
     RunnerReport,
     RunnerStatus,
     ServingSettings,
@@ -40,9 +41,10 @@ from jetshard_schema.types import (
     TaskKind,
     TaskRef,
 )
-from jetshard_schema.view import ClusterView, cluster_view
+from jetshard_schema.view import ClusterView, cluster_view, describe_instance
 from rich.console import Console
 
+from jetshard.commands.instances import instances_table
 from jetshard.commands.status import render
 
 PROFILE = NodeProfile(
@@ -143,6 +145,31 @@ def render_text(view: ClusterView) -> str:
     out = Console(record=True, width=200)
     out.print(render(view))
     return out.export_text()
+
+
+def test_status_shows_each_shard_of_a_tensor_parallel_instance_with_its_tensor_rank() -> None:
+    tensor_shards = tuple(
+        ShardAssignment(node_id=node, rank=rank, start_layer=0, end_layer=24, tensor_rank=rank)
+        for rank, node in enumerate("ab")
+    )
+    state = fold(
+        events.NodeJoined(node_id="a", session_id="s", profile=PROFILE),
+        events.NodeJoined(node_id="b", session_id="s", profile=PROFILE),
+        events.InstancePlaced(
+            instance_id="i1",
+            model_id="org/m",
+            shards=tensor_shards,
+            serving=ServingSettings(parallelism=Parallelism.TENSOR),
+        ),
+    )
+    placed = gist(events.InstancePlaced(instance_id="i1", model_id="org/m", shards=tensor_shards))
+    assert "on a layers [0, 24) tensor rank 0, b layers [0, 24) tensor rank 1;" in placed
+    out = Console(width=200, record=True)
+    out.print(render(cluster_view(state)))
+    text = out.export_text()
+    assert "a [0, 24) tensor rank 0 downloading" in text and "b [0, 24) tensor rank 1 downloading" in text
+    out.print(instances_table(json.loads(msgspec.json.encode([describe_instance(state, state.instances["i1"])]))))
+    assert "a [0, 24) tensor rank 0, b [0, 24) tensor rank 1" in out.export_text()
 
 
 # --- against a running cluster ------------------------------------------------------------------------------

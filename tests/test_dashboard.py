@@ -110,12 +110,16 @@ def test_the_page_shows_the_cluster_streams_a_chat_and_follows_changes(
         1, timeout=SHOWN_MS
     )
 
-    # A second instance placed: it shows up and comes ready; deleted, it goes.
-    placed = api_call("POST", f"{api}/instances", json={"model_id": SECOND_MODEL, "min_nodes": 1})["instance_id"]
+    # A second instance placed, tensor-parallel (on its one node, tensor rank 0 of 1): it shows up and comes ready,
+    # its shard's tensor rank beside its layers; deleted, it goes.
+    body = {"model_id": SECOND_MODEL, "min_nodes": 1, "parallelism": "tensor"}
+    placed = api_call("POST", f"{api}/instances", json=body)["instance_id"]
     second_instance = page.locator(f'#instances [data-instance-id="{placed}"]')
     expect(second_instance).to_be_visible(timeout=SHOWN_MS)
     expect(second_instance).to_have_attribute("data-status", "ready", timeout=60_000)
     expect(second_instance.locator(".shard .layers")).to_have_text("layers [0, 2)")
+    expect(second_instance.locator(".shard .tensor-rank")).to_have_text("tensor rank 0")
+    expect(shown.locator(".shard .tensor-rank")).to_have_count(0)  # a pipeline's shards hold whole layers
     expect(page.locator("#chat-model option")).to_have_text(sorted([dialect_cluster.model, SECOND_MODEL]))
     page.screenshot(path=screenshots / "two-instances.png", full_page=True)
 

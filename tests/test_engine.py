@@ -20,6 +20,9 @@ import mlx.core as mx
 import pytest
 from helpers.engine_rank import free_ports, rank_command
 from helpers.tiny_models import layer_of, make_tiny_model
+from jetshard_downloader.convert import convert_packaged
+from jetshard_downloader.dirs import ModelDirs
+from jetshard_schema.catalogue import DEMO_MODEL_ID, builtin_cards
 from jetshard_schema.types import TaskOutcome
 from jetshard_worker.engine import (
     GenerationRequest,
@@ -28,6 +31,8 @@ from jetshard_worker.engine import (
     load_shard,
     write_hostfile,
 )
+from jetshard_worker.engine.shard import tensor_split_problem
+from mlx.utils import tree_flatten
 from mlx_lm import load as mlx_load
 from mlx_lm.generate import stream_generate
 
@@ -125,9 +130,10 @@ def launch_ranks(
     prefill_step_size: int = 2048,
     timeout: float = 100,
     rank_args: list[tuple[str, ...]] | None = None,
+    tensor: bool = False,
 ) -> list[int]:
-    """Run one process per rank (rank r holds layers [ranges[r][0], ranges[r][1]), with `rank_args[r]` added to
-    its command line); their exit codes."""
+    """Run one process per rank (rank r holds layers [ranges[r][0], ranges[r][1]), or with `tensor` its slice of
+    each of them), with `rank_args[r]` added to its command line; their exit codes."""
     ranks = len(ranges)
     work.mkdir(parents=True, exist_ok=True)
     hostfile = write_hostfile(work / "hosts.json", [f"127.0.0.1:{p}" for p in free_ports(ranks)])
@@ -141,7 +147,8 @@ def launch_ranks(
             start, end = ranges[rank]
             out = work / f"rank{rank}.json"
             requests_file = work / "requests.json" if rank == ranks - 1 else None
-            extra = ("--prefill-step-size", str(prefill_step_size), *(rank_args[rank] if rank_args else ()))
+            extra = ("--prefill-step-size", str(prefill_step_size), *(["--tensor"] if tensor else []))
+            extra += rank_args[rank] if rank_args else ()
             cmd = rank_command(model_dir, start, end, rank, out, hostfile, requests_file, *extra)
             # Own process group each, so teardown can kill a rank and anything it started.
             procs.append(subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True))
@@ -173,8 +180,21 @@ def run_pipeline(
     """Each rank's output (see engine_rank.py), after all ranks exited cleanly; rank r holds
     layers [bounds[r], bounds[r+1])."""
     ranges = list(itertools.pairwise(bounds))
-    codes = launch_ranks(model_dir, ranges, requests, work, prefill_step_size, rank_args=rank_args)
-    ranks = len(bounds) - 1
+    return _outputs(work, launch_ranks(model_dir, ranges, requests, work, prefill_step_size, rank_args=rank_args))
+
+
+def run_tensor_parallel(
+    model_dir: Path, ranks: int, requests: list[dict[str, Any]], work: Path, prefill_step_size: int = 2048
+) -> list[dict[str, Any]]:
+    """Each rank's output (see engine_rank.py), after all ranks exited cleanly; every rank holds its slice of
+    every layer of the model."""
+    num_layers = json.loads((model_dir / "config.json").read_text())["num_hidden_layers"]
+    codes = launch_ranks(model_dir, [(0, num_layers)] * ranks, requests, work, prefill_step_size, tensor=True)
+    return _outputs(work, codes)
+
+
+def _outputs(work: Path, codes: list[int]) -> list[dict[str, Any]]:
+    ranks = len(codes)
     assert codes == [0] * ranks, f"exit codes {codes}:\n{_logs(work, ranks)}"
     return [json.loads((work / f"rank{rank}.json").read_text()) for rank in range(ranks)]
 
@@ -309,6 +329,155 @@ def test_ranges_that_do_not_tile_the_model_are_refused(models: dict[str, Path], 
     assert codes[:2] == [0, 0]  # the followers were stopped cleanly
     assert codes[2] != 0
     assert "rank 1 holds layers [2, 3), which does not continue" in (tmp_path / "rank2.log").read_text()
+
+
+# --------------------------------------------------------------------------- tensor parallelism
+
+NEAR_TIE = 1e-3
+
+
+@pytest.fixture(scope="module")
+def models_for_three(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """The tiny models with 6 attention heads and 3 key/value heads: they split over 3 ranks."""
+    root = tmp_path_factory.mktemp("engine-models-3")
+    return {
+        arch: make_tiny_model(root / arch, arch=arch, num_layers=4, num_files=3, hidden_size=96, heads=(6, 3))
+        for arch in ARCHS
+    }
+
+
+def solo_scored(model_dir: Path, prompts: list[list[int]], prefill_step_size: int = 2048) -> Collector:
+    """Greedy output of the whole model on one rank, with each token's top two logprobs."""
+    collector = Collector()
+    num_layers = json.loads((model_dir / "config.json").read_text())["num_hidden_layers"]
+    engine = PipelineEngine(
+        load_shard(model_dir, 0, num_layers),
+        on_token=collector.on_token,
+        on_finished=collector.on_finished,
+        prefill_step_size=prefill_step_size,
+    )
+    run_single(
+        engine, [GenerationRequest(f"t{i}", p, MAX_TOKENS, top_logprobs=2) for i, p in enumerate(prompts)], collector
+    )
+    return collector
+
+
+def assert_as_solo(
+    solo: Collector, results: dict[str, Any], prompts: list[list[int]], logprob_tolerance: float = 1e-4
+) -> None:
+    """Each prompt got the solo tokens, or the same up to a token where the solo top two were a near-tie (the
+    text goes its own way after it); the agreed tokens' logprobs are the solo ones."""
+    for i in range(len(prompts)):
+        expected, got = solo.tokens.get(f"t{i}", []), results[f"t{i}"]
+        differs = next((k for k, (a, b) in enumerate(zip(expected, got["tokens"], strict=False)) if a != b), None)
+        if differs is None:
+            assert got["tokens"] == expected, f"prompt {i}"
+        else:
+            (_, first), (_, second) = solo.scores[f"t{i}"][differs].top
+            assert first - second < NEAR_TIE, f"prompt {i} differs at token {differs}, no near-tie"
+        agreed = len(expected) if differs is None else differs
+        scores = solo.scores.get(f"t{i}", [])[:agreed]
+        for score, (logprob, _) in zip(scores, got.get("logprobs", []), strict=False):
+            assert logprob == pytest.approx(score.logprob, abs=logprob_tolerance)
+        assert got["prompt_tokens"] == len(prompts[i])
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize(
+    ("arch", "ranks", "prefill_step_size"),
+    [
+        ("llama", 2, 2048),
+        ("qwen3", 3, 2048),
+        # Small prefill chunks: each prompt goes in over several PREFILL steps, between decode steps.
+        ("qwen3", 2, 3),
+        ("llama", 3, 3),
+    ],
+    ids=["llama-2ranks", "qwen3-3ranks", "qwen3-2ranks-chunked", "llama-3ranks-chunked"],
+)
+def test_tensor_parallel_greedy_equals_one_rank(
+    models: dict[str, Path],
+    models_for_three: dict[str, Path],
+    tmp_path: Path,
+    arch: str,
+    ranks: int,
+    prefill_step_size: int,
+) -> None:
+    """Every layer split across the ranks gives each prompt the tokens the whole model gives it on one rank, up to a
+    near-tie: the ranks sum a layer's partial outputs in another order, which moves a logit by a rounding error."""
+    model_dir = (models_for_three if ranks == 3 else models)[arch]
+    prompts = prompt_ids(model_dir)
+    solo = solo_scored(model_dir, prompts, prefill_step_size)
+    requests = [
+        {"task_id": f"t{i}", "prompt_tokens": p, "max_tokens": MAX_TOKENS, "top_logprobs": 2}
+        for i, p in enumerate(prompts)
+    ]
+
+    outputs = run_tensor_parallel(model_dir, ranks, requests, tmp_path, prefill_step_size)
+
+    assert outputs[-1]["max_rows"] > 1  # the requests decoded as one batch
+    assert_as_solo(solo, outputs[-1]["results"], prompts)
+    # Each rank holds its share of every layer's projections, and the rest (embedding, norms, head) whole.
+    parameters = tree_flatten(load_shard(model_dir, 0, 4).model.parameters())
+    whole_bytes = sum(p.nbytes for _, p in parameters)
+    projection_bytes = sum(p.nbytes for name, p in parameters if "_proj." in name)
+    for rank, output in enumerate(outputs):
+        assert output["tensor_rank"] == rank
+        assert output["parameter_bytes"] == whole_bytes - projection_bytes + projection_bytes // ranks
+
+
+@pytest.mark.timeout(120)
+def test_a_tensor_parallel_cancel_leaves_the_others_and_a_follow_up_starts_from_its_saved_prefix(
+    models: dict[str, Path], tmp_path: Path
+) -> None:
+    """A task cancelled mid-generation ends there; a follow-up turn of a conversation prefilled beside it starts
+    from the conversation's saved KV cache (each rank keeps its slice of it) and answers as on one rank."""
+    model_dir = models["qwen3"]
+    prompts = prompt_ids(model_dir)
+    conversation = prompts[3] * 2  # long enough for the prefix index (16 tokens)
+    expected = solo_scored(model_dir, [conversation, conversation + prompts[1]]).tokens
+    requests = [
+        {"task_id": "cancelled", "prompt_tokens": prompts[0], "max_tokens": MAX_TOKENS, "cancel_after": 3},
+        {"task_id": "conversation", "prompt_tokens": conversation, "max_tokens": MAX_TOKENS},
+        {"task_id": "follow-up", "prompt_tokens": conversation + prompts[1], "max_tokens": MAX_TOKENS},
+    ]
+
+    leader = run_tensor_parallel(model_dir, 2, requests, tmp_path)[-1]
+    results = leader["results"]
+
+    assert len(results["cancelled"]["tokens"]) == 3
+    assert results["cancelled"]["finish"] == "cancelled"
+    assert leader["prefix_hits"] == 1
+    assert results["conversation"]["tokens"] == expected["t0"]
+    assert results["follow-up"]["tokens"] == expected["t1"]
+
+
+@pytest.mark.timeout(300)
+def test_the_quantized_demo_model_over_three_tensor_ranks_answers_as_on_one(tmp_path: Path) -> None:
+    """SmolLM2-135M (9 attention heads, 3 key/value heads; 4-bit layers, an 8-bit embedding) split over 3 ranks:
+    mlx's quantized sharded linears."""
+    model_dir, _ = convert_packaged(builtin_cards()[DEMO_MODEL_ID], ModelDirs.from_options(tmp_path / "models"))
+    _, tokenizer = mlx_load(str(model_dir))
+    question = [{"role": "user", "content": "What is the capital of France?"}]
+    prompts = [tokenizer.apply_chat_template(question, add_generation_prompt=True)]
+    solo = solo_scored(model_dir, prompts)
+    requests = [{"task_id": "t0", "prompt_tokens": prompts[0], "max_tokens": MAX_TOKENS, "top_logprobs": 2}]
+
+    outputs = run_tensor_parallel(model_dir, 3, requests, tmp_path / "ranks")
+
+    assert tokenizer.decode(solo.tokens["t0"]).startswith("The capital of France is Paris")
+    # Computed in 16 bits: the logprobs agree to a 16-bit rounding error.
+    assert_as_solo(solo, outputs[-1]["results"], prompts, logprob_tolerance=2e-2)
+    assert [output["weights_dtype"] for output in outputs] == ["4-bit affine, 8-bit affine"] * 3
+
+
+def test_a_model_splits_across_tensor_ranks_only_when_its_heads_divide(models: dict[str, Path]) -> None:
+    config = json.loads((models["llama"] / "config.json").read_text())  # 4 heads, 2 key/value heads
+    assert tensor_split_problem(config, 2) is None
+    assert tensor_split_problem(config, 3) == (
+        "the model's 4 attention heads and 2 key/value heads do not both divide by 3 tensor-parallel ranks"
+    )
+    gemma = {"model_type": "gemma", "num_attention_heads": 8, "num_key_value_heads": 1}
+    assert tensor_split_problem(gemma, 2) == "mlx-lm cannot split 'gemma' models across tensor-parallel ranks"
 
 
 # --------------------------------------------------------------------------- single process

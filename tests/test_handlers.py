@@ -65,6 +65,7 @@ from jetshard_schema.types import (
     ModelDirInfo,
     NodeProfile,
     NodeStorage,
+    Parallelism,
     RejectCode,
     RunnerReport,
     RunnerStatus,
@@ -268,6 +269,38 @@ def test_a_restarted_worker_restarts_the_instances_its_runners_served(cluster: I
     ]
     assert instance_status(cluster.state, cluster.state.instances[spanning]) is not InstanceStatus.READY
     assert instance_status(cluster.state, cluster.state.instances[elsewhere]) is InstanceStatus.READY
+
+
+def test_a_tensor_parallel_instance_lost_with_a_node_is_placed_again_over_as_many_ranks(
+    cluster: InMemoryCluster,
+) -> None:
+    for node_id in (A, B, C):
+        cluster.join(node_id, 16)
+    tensor = ServingSettings(parallelism=Parallelism.TENSOR)
+    [placed] = cluster.run(PlaceInstance(instance_id=InstanceId("inst-1"), model_id=MODEL, min_nodes=2, serving=tensor))
+    assert isinstance(placed, InstancePlaced)
+    assert [(s.node_id, s.tensor_rank) for s in placed.shards] == [(A, 0), (B, 1)]
+
+    events = cluster.run(ExpireNode(node_id=A, session_id="s1"))
+
+    assert isinstance(events[2], InstancePlaced)
+    assert [(s.node_id, s.tensor_rank, s.start_layer, s.end_layer) for s in events[2].shards] == [
+        (B, 0, 0, 8),
+        (C, 1, 0, 8),
+    ]
+    assert events[2].serving.parallelism is Parallelism.TENSOR
+
+
+def test_a_tensor_parallel_placement_whose_heads_do_not_divide_is_invalid(cluster: InMemoryCluster) -> None:
+    for node_id in (A, B, C):
+        cluster.join(node_id, 16)
+    tensor = ServingSettings(parallelism=Parallelism.TENSOR)
+    [rejected] = cluster.run(
+        PlaceInstance(instance_id=InstanceId("inst-1"), model_id=MODEL, min_nodes=3, serving=tensor)
+    )
+    assert isinstance(rejected, CommandRejected) and rejected.code is RejectCode.INVALID
+    assert "4 attention heads and 2 key/value heads, which do not both divide by 3 nodes" in rejected.reason
+    assert REJECT_STATUS[rejected.code] == 400
 
 
 def test_expire_node_is_deterministic() -> None:

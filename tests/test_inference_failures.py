@@ -35,6 +35,8 @@ from jetshard_worker.runner_spec import RunnerSpec
 
 ORG = "jetshard-test"
 SPLIT = f"{ORG}/tiny-split"
+TENSOR = f"{ORG}/tiny-tensor"
+"""SPLIT's weights under another name, served tensor-parallel: each node a slice of every layer."""
 AUTO = f"{ORG}/tiny-auto"
 NO_AUTO = f"{ORG}/tiny-no-auto"
 DELETED = f"{ORG}/tiny-deleted"
@@ -47,7 +49,13 @@ pytestmark = pytest.mark.timeout(240)
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[InferenceCluster]:
     root = tmp_path_factory.mktemp("inference-failures")
-    repos = {SPLIT: ("llama", 0), AUTO: ("qwen3", 1), NO_AUTO: ("llama", 2), DELETED: ("qwen3", 3)}
+    repos = {
+        SPLIT: ("llama", 0),
+        TENSOR: ("llama", 0),
+        AUTO: ("qwen3", 1),
+        NO_AUTO: ("llama", 2),
+        DELETED: ("qwen3", 3),
+    }
     with hub_cluster(root, {"JETSHARD_LIVENESS_TTL_S": "3"}) as c:
         for model_id, (arch, seed) in repos.items():
             c.hub.add_repo(
@@ -64,7 +72,8 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[InferenceClust
         for model_id in repos:
             c.add_model(model_id)
         c.split_instance = c.place(SPLIT, min_nodes=2)  # type: ignore[attr-defined]
-        c.watch_until_ready([c.split_instance])  # type: ignore[attr-defined]
+        c.tensor_instance = c.place(TENSOR, min_nodes=2, parallelism="tensor")  # type: ignore[attr-defined]
+        c.watch_until_ready([c.split_instance, c.tensor_instance])  # type: ignore[attr-defined]
         yield c
 
 
@@ -101,17 +110,30 @@ def greedy(client: openai.OpenAI, model: str, max_tokens: int = 12) -> str:
 # ------------------------------------------------------------------------------------------- runner death
 
 
-@pytest.mark.parametrize("rank", [1, 0], ids=["leader", "first-rank"])
-def test_kill_9_of_a_runner_mid_stream(cluster: InferenceCluster, client: openai.OpenAI, rank: int) -> None:
-    instance_id = cluster.split_instance  # type: ignore[attr-defined]
+def test_a_tensor_parallel_instance_answers_as_the_pipeline_of_the_same_weights(
+    cluster: InferenceCluster, client: openai.OpenAI
+) -> None:
+    shards = cluster.get(f"/instances/{cluster.tensor_instance}")["shards"]  # type: ignore[attr-defined]
+    assert sorted((s["tensor_rank"], s["start_layer"], s["end_layer"]) for s in shards) == [(0, 0, 4), (1, 0, 4)]
+    assert len({s["node_id"] for s in shards}) == 2
+    assert greedy(client, TENSOR, max_tokens=24) == greedy(client, SPLIT, max_tokens=24)
+
+
+@pytest.mark.parametrize(
+    ("model", "rank"),
+    [(SPLIT, 1), (SPLIT, 0), (TENSOR, 0)],
+    ids=["leader", "first-rank", "tensor-rank"],
+)
+def test_kill_9_of_a_runner_mid_stream(cluster: InferenceCluster, client: openai.OpenAI, model: str, rank: int) -> None:
+    instance_id = cluster.tensor_instance if model == TENSOR else cluster.split_instance  # type: ignore[attr-defined]
     cluster.wait_instance(instance_id, "ready")
-    before = greedy(client, SPLIT)
+    before = greedy(client, model)
     generation = cluster.get(f"/instances/{instance_id}")["generation"]
     since = cluster.last_seq()
     victim = next(p for p in runners_of(cluster, instance_id) if _runner_spec(p).plan.rank == rank)
 
     stream = client.chat.completions.create(
-        model=SPLIT,
+        model=model,
         messages=MESSAGES,
         stream=True,  # type: ignore[arg-type]
         max_tokens=1500,
@@ -133,7 +155,7 @@ def test_kill_9_of_a_runner_mid_stream(cluster: InferenceCluster, client: openai
     shown = cluster.wait_instance(instance_id, "ready", timeout=120)
     assert shown["generation"] > generation
     assert not victim.is_running() or victim.status() == psutil.STATUS_ZOMBIE
-    assert greedy(client, SPLIT) == before
+    assert greedy(client, model) == before
 
 
 # ------------------------------------------------------------------------------------------- refused reports

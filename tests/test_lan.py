@@ -208,6 +208,32 @@ def test_three_machines_form_one_cluster_and_serve_a_model_split_over_two(cluste
 
 
 @pytest.mark.timeout(600)
+def test_three_machines_serve_the_demo_split_tensor_parallel(cluster: LanCluster) -> None:
+    """Every layer of the demo split over the three hosts (its 9 attention and 3 key/value heads divide by 3), then
+    the two-host pipeline placed back for the tests after this one."""
+    third = cluster.machines[2]
+    pipeline = [i for i in third.get("/instances") if i["model_id"] == DEMO_MODEL_ID]  # type: ignore[union-attr]
+    for old in pipeline:
+        assert third.probe("http", "DELETE", f"{third.api}/instances/{old['instance_id']}")["status"] == 200
+    body = {"model_id": DEMO_MODEL_ID, "min_nodes": 3, "parallelism": "tensor"}
+    placed = third.probe("http", "POST", f"{third.api}/instances", json.dumps(body))
+    assert placed["status"] == 201, placed
+    instance = wait_ready(third, placed["body"]["instance_id"], 240)
+    assert sorted(s["tensor_rank"] for s in instance["shards"]) == [0, 1, 2], instance
+    assert len({s["node_id"] for s in instance["shards"]}) == 3, instance
+    answer = third.probe("chat", third.api, DEMO_MODEL_ID, "16")
+    assert answer["ok"] and "Paris" in answer["text"], answer
+    print(f"\ndemo model tensor-parallel over three hosts: {tokens_per_s(third):.1f} tok/s")
+
+    again = third.probe(
+        "http", "POST", f"{third.api}/instances", json.dumps({"model_id": DEMO_MODEL_ID, "min_nodes": 2})
+    )
+    assert again["status"] == 201, again
+    wait_ready(third, again["body"]["instance_id"], 240)
+    assert third.probe("http", "DELETE", f"{third.api}/instances/{instance['instance_id']}")["status"] == 200
+
+
+@pytest.mark.timeout(600)
 def test_a_machine_that_goes_away_loses_nothing_acked_and_catches_up_when_it_returns(
     cluster: LanCluster, tmp_path: Path
 ) -> None:

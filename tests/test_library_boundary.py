@@ -16,10 +16,25 @@ import mlx.nn as nn
 import numpy as np
 import pytest
 from helpers.tiny_models import make_tiny_model
-from jetshard_schema.card_from_config import SUPPORTED_ARCHITECTURES
+from jetshard_schema.card_from_config import SUPPORTED_ARCHITECTURES, TENSOR_PARALLEL_ARCHITECTURES
 from jetshard_worker import library_boundary as boundary
 from jetshard_worker.constrained import JSON_OPTIONS
+from mlx.nn.layers.distributed import AllToShardedLinear, ShardedToAllLinear
 from mlx_lm.models.cache import BatchKVCache, KVCache
+
+TINY_CONFIG = {
+    "hidden_size": 32,
+    "num_hidden_layers": 2,
+    "intermediate_size": 64,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 8,
+    "rms_norm_eps": 1e-5,
+    "vocab_size": 64,
+    "max_position_embeddings": 128,
+    "rope_theta": 10000.0,
+    "tie_word_embeddings": False,
+}
 
 
 def parameters(function: Any) -> list[str]:
@@ -108,23 +123,27 @@ def test_attention_masks_and_prompt_caches(model_dir: Path) -> None:
 
 
 @pytest.mark.parametrize("model_type", sorted(SUPPORTED_ARCHITECTURES))
+def test_mlx_lm_splits_the_tensor_parallel_architectures_layers(model_type: str) -> None:
+    """Placement offers tensor parallelism for exactly the architectures whose models mlx-lm can split, each layer's
+    projections replaced by mlx's sharded linears (on one rank, a whole slice)."""
+    config = {**TINY_CONFIG, "model_type": model_type}
+    model_class, args_class = boundary.model_classes(config)
+    assert boundary.splits_across_ranks(model_class) == (model_type in TENSOR_PARALLEL_ARCHITECTURES)
+    if model_type not in TENSOR_PARALLEL_ARCHITECTURES:
+        return
+    model = model_class(args_class.from_dict(config))
+    boundary.shard_across(model, mx.distributed.init())
+    attention, mlp = model.model.layers[0].self_attn, model.model.layers[0].mlp
+    assert isinstance(attention.q_proj, AllToShardedLinear) and isinstance(mlp.up_proj, AllToShardedLinear)
+    assert isinstance(attention.o_proj, ShardedToAllLinear) and isinstance(mlp.down_proj, ShardedToAllLinear)
+    assert attention.q_proj.weight.shape == (32, 32)
+
+
+@pytest.mark.parametrize("model_type", sorted(SUPPORTED_ARCHITECTURES))
 def test_the_model_layout_the_shard_engine_runs(model_type: str) -> None:
     """What shard.py reads of mlx-lm's model on each architecture it runs: the decoder layer list, the embedding
     (tied as the head, or an lm_head), the final norm and the arguments, each layer called as (h, mask, cache)."""
-    config = {
-        "model_type": model_type,
-        "hidden_size": 32,
-        "num_hidden_layers": 2,
-        "intermediate_size": 64,
-        "num_attention_heads": 4,
-        "num_key_value_heads": 2,
-        "head_dim": 8,
-        "rms_norm_eps": 1e-5,
-        "vocab_size": 64,
-        "max_position_embeddings": 128,
-        "rope_theta": 10000.0,
-        "tie_word_embeddings": False,
-    }
+    config = {**TINY_CONFIG, "model_type": model_type}
     model_class, args_class = boundary.model_classes(config)
     model = model_class(args_class.from_dict(config))
     assert isinstance(model.model.layers, list) and len(model.model.layers) == 2

@@ -13,6 +13,7 @@ from jetshard_schema.ids import InstanceId, NodeId
 from jetshard_schema.placement import (
     Placement,
     PlacementError,
+    UnsplittableModel,
     device_of,
     kv_cache_bytes,
     parameter_count,
@@ -23,7 +24,7 @@ from jetshard_schema.placement import (
     weights_bytes,
 )
 from jetshard_schema.state import Instance, Node, State
-from jetshard_schema.types import GpuInfo, NodeProfile, ServingSettings, WeightsDtype
+from jetshard_schema.types import GpuInfo, NodeProfile, Parallelism, ServingSettings, WeightsDtype
 from msgspec.structs import replace
 
 GiB = 2**30
@@ -336,3 +337,75 @@ def test_shards_placed_on_a_gpu_count_against_its_memory_until_loaded() -> None:
     # the system's 100 GiB are not offered instead.
     with pytest.raises(PlacementError, match=r"have 3.\d\d GiB available"):
         place_in(msgspec.structs.replace(state, instances={unloaded.instance_id: unloaded}), CARD, serving=ONE_ROW)
+
+
+# --------------------------------------------------------------------------- tensor parallelism
+
+TENSOR = ServingSettings(max_batch=1, weights=WeightsDtype.NATIVE, prefix_cache_bytes=0, parallelism=Parallelism.TENSOR)
+
+
+def test_a_tensor_parallel_instance_spans_exactly_min_nodes_each_holding_a_slice_of_every_layer() -> None:
+    nodes = [node("small", 3), node("big", 40), node("mid", 10)]
+    placement = place(CARD, nodes, min_nodes=2, serving=TENSOR)
+
+    # Biggest first, and two of them although one would hold the whole model.
+    assert [(s.node_id, s.rank, s.tensor_rank, s.start_layer, s.end_layer) for s in placement.shards] == [
+        ("big", 0, 0, 0, 32),
+        ("mid", 1, 1, 0, 32),
+    ]
+    share = -(-required_memory_bytes(CARD, TENSOR) // 2)
+    assert [s.memory_bytes for s in placement.shards] == [share, share]
+    assert placement.serving.parallelism is Parallelism.TENSOR
+    # A pipeline on the same nodes keeps whole layers and no tensor rank.
+    assert [s.tensor_rank for s in place(CARD, nodes, min_nodes=2, serving=ONE_ROW).shards] == [None, None]
+
+
+def test_named_nodes_are_the_tensor_ranks_in_their_order() -> None:
+    nodes = [node("a", 10), node("b", 10), node("c", 10), node("d", 10)]
+    placement = place(CARD, nodes, node_ids=[NodeId("d"), NodeId("a"), NodeId("c"), NodeId("b")], serving=TENSOR)
+    assert [(s.node_id, s.tensor_rank) for s in placement.shards] == [("d", 0), ("a", 1), ("c", 2), ("b", 3)]
+
+
+def test_each_tensor_rank_must_hold_its_share_on_its_own() -> None:
+    # Together 12 GiB hold the ~4.9 GiB model, but an even split asks ~2.5 GiB of the 1 GiB node.
+    with pytest.raises(PlacementError, match=r"needs 2.\d\d GiB on each .* but small has 1.00 GiB available"):
+        place(CARD, [node("big", 11), node("small", 1)], min_nodes=2, serving=TENSOR)
+
+
+def test_heads_that_do_not_divide_by_the_node_count_are_refused_naming_them() -> None:
+    demo = tiny_card("acme/demo", num_layers=30, num_attention_heads=9, num_key_value_heads=3, hidden_size=576)
+    nodes = [node("a", 10), node("b", 10), node("c", 10)]
+    with pytest.raises(UnsplittableModel) as refused:
+        place(demo, nodes, min_nodes=2, serving=TENSOR)
+    assert str(refused.value) == (
+        "acme/demo has 9 attention heads and 3 key/value heads, which do not both divide by 2 nodes; tensor "
+        "parallelism splits them evenly: place it on 1 or 3 node(s), or as a pipeline"
+    )
+    assert [s.tensor_rank for s in place(demo, nodes, min_nodes=3, serving=TENSOR).shards] == [0, 1, 2]
+
+
+def test_an_architecture_mlx_lm_does_not_split_is_refused() -> None:
+    gemma = tiny_card("acme/gemma", architecture="gemma")
+    with pytest.raises(UnsplittableModel, match=r"\(gemma\) cannot be split across tensor-parallel nodes"):
+        place(gemma, [node("a", 10), node("b", 10)], min_nodes=2, serving=TENSOR)
+
+
+def test_auto_dequantizes_tensor_ranks_only_when_each_holds_its_float32_share() -> None:
+    auto = msgspec.structs.replace(TENSOR, weights=WeightsDtype.AUTO)
+    roomy = place(CARD, [node("a", 40), node("b", 40)], min_nodes=2, serving=auto)
+    assert roomy.serving.weights is WeightsDtype.FLOAT32
+    assert roomy.shards[0].memory_bytes == -(-required_memory_bytes(CARD, roomy.serving) // 2)
+    # A float32 share (~4.9 GiB) fits the pair's total but not the small node: the checkpoint's dtype is kept.
+    tight = place(CARD, [node("a", 40), node("b", 4)], min_nodes=2, serving=auto)
+    assert tight.serving.weights is WeightsDtype.NATIVE
+    assert {s.weights for s in roomy.shards} == {WeightsDtype.FLOAT32}
+    assert {s.weights for s in tight.shards} == {WeightsDtype.NATIVE}
+
+
+def test_tensor_ranks_hold_one_dtype_narrowing_a_full_precision_checkpoint_only_on_gpus_alike() -> None:
+    auto = msgspec.structs.replace(TENSOR, weights=WeightsDtype.AUTO)
+    gpus = place(FULL_PRECISION, [gpu_node("a", 4, 40), gpu_node("b", 4, 40)], min_nodes=2, serving=auto)
+    assert [s.weights for s in gpus.shards] == [WeightsDtype.BFLOAT16, WeightsDtype.BFLOAT16]
+    # Beside a CPU without a fast BLAS the ranks keep the checkpoint's float32: partial sums must agree in dtype.
+    mixed = place(FULL_PRECISION, [gpu_node("a", 4, 40), node("b", 40, fast_blas=False)], min_nodes=2, serving=auto)
+    assert [s.weights for s in mixed.shards] == [WeightsDtype.NATIVE, WeightsDtype.NATIVE]

@@ -1,7 +1,7 @@
 """Run one rank of a jetshard pipeline for tests and benchmarks.
 
     python engine_rank.py --model-dir D --start S --end E --out OUT.json \
-        [--rank R --hostfile H.json] [--requests REQ.json] [--prefill-step-size N] [--dtype float32]
+        [--rank R --hostfile H.json] [--requests REQ.json] [--prefill-step-size N] [--dtype float32] [--tensor]
 
 Every rank writes OUT.json with the tensor names it loaded; the last rank also serves the
 requests in REQ.json (a list of GenerationRequest fields plus an optional "cancel_after": cancel
@@ -21,7 +21,8 @@ from typing import Any
 
 import mlx.core as mx
 from jetshard_schema.types import TaskOutcome
-from jetshard_worker.engine import GenerationRequest, PipelineEngine, init_ring, load_shard
+from jetshard_worker.engine import GenerationRequest, PipelineEngine, TokenScores, init_ring, load_shard
+from mlx.utils import tree_flatten
 
 SCRIPT = Path(__file__)
 
@@ -70,27 +71,34 @@ def main() -> None:
     parser.add_argument("--requests", type=Path)
     parser.add_argument("--prefill-step-size", type=int, default=2048)
     parser.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), help="hold the weights as this")
+    parser.add_argument("--tensor", action="store_true", help="split every layer across the hostfile's ranks")
     parser.add_argument("--idle-before", type=float, default=0.0, help="seconds to idle before submitting")
     args = parser.parse_args()
 
     progress: list[tuple[int, int]] = []
+    # A tensor-parallel rank needs the ring to know its slice; a pipeline rank loads first, as a runner does.
+    group = init_ring(args.rank, args.hostfile) if args.hostfile and args.tensor else None
     shard = load_shard(
         args.model_dir,
         args.start,
         args.end,
         on_progress=lambda d, t: progress.append((d, t)),
         dtype=getattr(mx, args.dtype) if args.dtype else None,
+        tensor_group=group,
     )
-    group = init_ring(args.rank, args.hostfile) if args.hostfile else None
+    if args.hostfile and not args.tensor:
+        group = init_ring(args.rank, args.hostfile)
 
     results: dict[str, dict[str, Any]] = {}
     done = threading.Event()
     specs: list[dict[str, Any]] = json.loads(args.requests.read_text()) if args.requests else []
     cancel_after = {s["task_id"]: s.pop("cancel_after") for s in specs if "cancel_after" in s}
 
-    def on_token(task_id: str, token: int, index: int, reason: TaskOutcome | None, scores: object) -> None:
+    def on_token(task_id: str, token: int, index: int, reason: TaskOutcome | None, scores: TokenScores | None) -> None:
         entry = results.setdefault(task_id, {"tokens": [], "times": []})
         entry["tokens"].append(token)
+        if scores is not None:
+            entry.setdefault("logprobs", []).append([scores.logprob, scores.top])
         entry["times"].append(time.perf_counter())
         if cancel_after.get(task_id) == index + 1:
             engine.cancel(task_id)
@@ -141,6 +149,8 @@ def main() -> None:
                 "loaded_tensors": sorted(shard.loaded_tensors),
                 "weights_dtype": shard.weights_dtype,
                 "arrived_dtypes": sorted(engine.stats.arrived_dtypes),
+                "tensor_rank": shard.tensor_rank,
+                "parameter_bytes": sum(p.nbytes for _, p in tree_flatten(shard.model.parameters())),
                 "progress": progress,
                 "results": results,
                 "max_rows": engine.stats.max_rows,

@@ -414,8 +414,9 @@ class InferenceCluster:
         response = httpx.post(f"{self.api}/models", json={"model_id": model_id}, timeout=60)
         assert response.status_code in (200, 201), response.text
 
-    def place(self, model_id: str, min_nodes: int = 2) -> str:
-        response = httpx.post(f"{self.api}/instances", json={"model_id": model_id, "min_nodes": min_nodes}, timeout=60)
+    def place(self, model_id: str, min_nodes: int = 2, parallelism: str = "pipeline") -> str:
+        body = {"model_id": model_id, "min_nodes": min_nodes, "parallelism": parallelism}
+        response = httpx.post(f"{self.api}/instances", json=body, timeout=60)
         assert response.status_code == 201, response.text
         return str(response.json()["instance_id"])
 

@@ -49,12 +49,14 @@ def make_tiny_model(
     seed: int = 0,
     hidden_size: int = 64,
     vocab_size: int = 512,
+    heads: tuple[int, int] = (NUM_ATTENTION_HEADS, NUM_KV_HEADS),
 ) -> Path:
     """Write a tiny mlx-lm model of `arch` ("llama" or "qwen3") into `out_dir` and return it.
 
     Deterministic for a given set of arguments. Weights are float32 and split over `num_files`
     safetensors files by contiguous layer ranges: embeddings live in the first file, the final
     norm and lm_head in the last. `num_files=1` writes a single `model.safetensors` and no index.
+    `heads` is (attention heads, key/value heads).
     """
     if arch not in ARCHS:
         raise ValueError(f"arch must be one of {ARCHS}, got {arch!r}")
@@ -62,13 +64,13 @@ def make_tiny_model(
         raise ValueError(f"num_files must be in [1, num_layers={num_layers}], got {num_files}")
     if vocab_size < MIN_VOCAB_SIZE:
         raise ValueError(f"vocab_size must be at least {MIN_VOCAB_SIZE}, got {vocab_size}")
-    if hidden_size % NUM_ATTENTION_HEADS:
-        raise ValueError(f"hidden_size must be a multiple of {NUM_ATTENTION_HEADS}")
+    if hidden_size % heads[0] or heads[0] % heads[1]:
+        raise ValueError(f"hidden_size must be a multiple of {heads[0]} heads, a multiple of {heads[1]} kv heads")
 
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     token_ids = _write_tokenizer(out_dir, vocab_size)
-    config = _model_config(arch, num_layers, hidden_size, vocab_size, token_ids)
+    config = _model_config(arch, num_layers, hidden_size, vocab_size, token_ids, heads)
     _write_json(out_dir / "config.json", config)
     _write_json(
         out_dir / "generation_config.json",
@@ -187,17 +189,17 @@ def _write_tokenizer(out_dir: Path, vocab_size: int) -> dict[str, int]:
 
 
 def _model_config(
-    arch: str, num_layers: int, hidden_size: int, vocab_size: int, token_ids: dict[str, int]
+    arch: str, num_layers: int, hidden_size: int, vocab_size: int, token_ids: dict[str, int], heads: tuple[int, int]
 ) -> dict[str, Any]:
-    head_dim = hidden_size // NUM_ATTENTION_HEADS
+    head_dim = hidden_size // heads[0]
     config: dict[str, Any] = {
         "model_type": arch,
         "architectures": ["LlamaForCausalLM" if arch == "llama" else "Qwen3ForCausalLM"],
         "num_hidden_layers": num_layers,
         "hidden_size": hidden_size,
         "intermediate_size": hidden_size * 2,
-        "num_attention_heads": NUM_ATTENTION_HEADS,
-        "num_key_value_heads": NUM_KV_HEADS,
+        "num_attention_heads": heads[0],
+        "num_key_value_heads": heads[1],
         "head_dim": head_dim,
         "vocab_size": vocab_size,
         "rms_norm_eps": 1e-6,

@@ -15,6 +15,9 @@ SUPPORTED_ARCHITECTURES: frozenset[str] = frozenset({"llama", "mistral", "qwen2"
 """`model_type`s the worker's shard engine can split into layer ranges (its forward pass is written per
 architecture; tests/test_engine.py checks it covers this set). mlx-lm knows many more; they are refused
 until the shard engine handles them."""
+TENSOR_PARALLEL_ARCHITECTURES: frozenset[str] = frozenset({"llama", "mistral", "qwen2", "qwen3"})
+"""Those of them mlx-lm can split every layer of across ranks (its models' `shard(group)`), for tensor-parallel
+instances; tests/test_library_boundary.py checks it against mlx-lm."""
 
 # Config keys differ between model families (GPT-2 style `n_layer`, T5 style `d_model`, ...); the first key
 # present wins, so the common Hugging Face name comes first.

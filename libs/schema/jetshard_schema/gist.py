@@ -9,7 +9,7 @@ from __future__ import annotations
 import functools
 
 from jetshard_schema import events
-from jetshard_schema.types import DownloadProgress, DownloadStatus, NodeProfile, RunnerReport
+from jetshard_schema.types import DownloadProgress, DownloadStatus, NodeProfile, RunnerReport, ShardAssignment
 
 REASON_CHARS = 160
 """A reason is cut here: a traceback's last line is what a person needs from a one-line log."""
@@ -41,6 +41,12 @@ def short(reason: str) -> str:
 
 def layers(start: int, end: int) -> str:
     return f"layers [{start}, {end})"
+
+
+def shard_layers(shard: ShardAssignment) -> str:
+    """What a shard holds, for a person: "[0, 12)", or "[0, 24) tensor rank 1" for a slice of every layer."""
+    held = f"[{shard.start_layer}, {shard.end_layer})"
+    return held if shard.tensor_rank is None else f"{held} tensor rank {shard.tensor_rank}"
 
 
 def _profile(profile: NodeProfile) -> str:
@@ -141,7 +147,7 @@ def _which_download(event: events.DownloadCancelled | events.DownloadDeleteReque
 
 @gist.register
 def _instance_placed(event: events.InstancePlaced) -> str:
-    shards = ", ".join(f"{s.node_id} {layers(s.start_layer, s.end_layer)}" for s in event.shards)
+    shards = ", ".join(f"{s.node_id} layers {shard_layers(s)}" for s in event.shards)
     return f"{event.instance_id} of {event.model_id} on {shards}; max batch {event.serving.max_batch}"
 
 

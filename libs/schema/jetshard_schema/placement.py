@@ -15,12 +15,18 @@ does not show taken (not loaded yet, or loaded since): instances placed in one b
 what the ones before them left, not all against the same free memory. Each shard records its share of the
 requirement.
 
+A tensor-parallel instance (`ServingSettings.parallelism`) spans exactly `min_nodes` nodes (or the nodes named),
+each holding its slice of every layer: an equal share of the requirement (weights, KV cache, prefix cache and
+headroom alike), which each node must have on its own. Its attention heads and key/value heads must divide by
+the node count, and mlx-lm must split its architecture.
+
 `WeightsDtype.AUTO` is resolved here, once per shard, into the dtype the shard keeps, so one pipeline may mix
 them: float32 on a node that computes on its CPU with a fast BLAS (which multiplies float32 several times faster
 than MLX's quantized kernels; with the reference BLAS float32 is slower than they are) when the float32 weights
 fit the chosen nodes; bfloat16 (float16 before Ampere) for a full-precision checkpoint on an NVIDIA GPU, as
 vLLM's `--dtype auto` does; the checkpoint's own dtype otherwise. The nodes are chosen as the checkpoint's
-dtype needs them: float32 never adds a node (a network hop per token).
+dtype needs them: float32 never adds a node (a network hop per token). A tensor-parallel instance's ranks sum
+their partial results, so they all hold one dtype: float32 only if every node is such a CPU.
 """
 
 from __future__ import annotations
@@ -31,10 +37,11 @@ from collections.abc import Sequence
 import msgspec
 from msgspec.structs import replace
 
+from jetshard_schema.card_from_config import TENSOR_PARALLEL_ARCHITECTURES
 from jetshard_schema.cards import ModelCard, ModelSource
 from jetshard_schema.ids import NodeId
 from jetshard_schema.state import Node, State
-from jetshard_schema.types import GpuInfo, NodeProfile, ServingSettings, ShardAssignment, WeightsDtype
+from jetshard_schema.types import GpuInfo, NodeProfile, Parallelism, ServingSettings, ShardAssignment, WeightsDtype
 
 ACTIVATION_HEADROOM = 0.10
 HALF_BYTES = 2
@@ -50,6 +57,10 @@ class PlacementError(ValueError):
 
 class ModelUnavailable(PlacementError):
     """The nodes that could hold the model cannot get its files (offline, and it is not on their disks)."""
+
+
+class UnsplittableModel(PlacementError):
+    """The model cannot be split across that many tensor-parallel nodes (its heads, or its architecture)."""
 
 
 class Placement(msgspec.Struct, frozen=True):
@@ -141,6 +152,11 @@ def device_of(profile: NodeProfile) -> str:
     return profile.accelerator if gpu is None else f"cuda:0 ({gpu.name})"
 
 
+def _float32_is_faster(nodes: Sequence[Node]) -> bool:
+    """Whether every node computes on its CPU with a fast BLAS, which multiplies float32 faster than quantized."""
+    return all(n.profile.accelerator == "cpu" and n.profile.fast_blas for n in nodes)
+
+
 def _gib(n: int) -> str:
     return f"{n / 2**30:.2f} GiB"
 
@@ -220,8 +236,14 @@ def place(
         chosen = sorted(nodes, key=lambda n: (-compute_memory_bytes(n.profile), n.node_id))
     if min_nodes < 1:
         raise PlacementError("min_nodes must be at least 1")
+    if serving.parallelism is Parallelism.TENSOR:
+        refusal = tensor_split_refusal(card, len(chosen) if node_ids else min_nodes)
+        if refusal is not None:
+            raise UnsplittableModel(refusal)
     if len(chosen) < min_nodes:
         raise PlacementError(f"{min_nodes} node(s) requested but only {len(chosen)} available")
+    if serving.parallelism is Parallelism.TENSOR:
+        return _place_tensor_parallel(card, chosen if node_ids else chosen[:min_nodes], serving)
 
     sizing = _Sizing(card, serving)
     auto = serving.weights is WeightsDtype.AUTO
@@ -268,6 +290,62 @@ def place(
     required = sum(sizing.required(w) * layers // card.num_layers for w, layers in layers_in.items())
     common = dtypes[0] if len(layers_in) == 1 else WeightsDtype.AUTO
     return Placement(shards=shards, required_bytes=required, serving=msgspec.structs.replace(serving, weights=common))
+
+
+def tensor_split_refusal(card: ModelCard, nodes: int) -> str | None:
+    """Why `card`'s model cannot be split across `nodes` tensor-parallel nodes, for a person; None if it can."""
+    if card.architecture not in TENSOR_PARALLEL_ARCHITECTURES:
+        return (
+            f"{card.model_id} ({card.architecture}) cannot be split across tensor-parallel nodes; architectures that "
+            f"can: {', '.join(sorted(TENSOR_PARALLEL_ARCHITECTURES))}. Place it as a pipeline"
+        )
+    heads, kv_heads = card.num_attention_heads, card.num_key_value_heads
+    if heads % nodes or kv_heads % nodes:
+        counts = [n for n in range(1, min(heads, kv_heads) + 1) if heads % n == 0 and kv_heads % n == 0]
+        return (
+            f"{card.model_id} has {heads} attention heads and {kv_heads} key/value heads, which do not both divide "
+            f"by {nodes} nodes; tensor parallelism splits them evenly: place it on {' or '.join(map(str, counts))} "
+            "node(s), or as a pipeline"
+        )
+    return None
+
+
+def _place_tensor_parallel(card: ModelCard, chosen: Sequence[Node], serving: ServingSettings) -> Placement:
+    """Every node of `chosen`, in order, holds its slice of every layer: an equal share of the requirement."""
+    ranks = len(chosen)
+    resolved = serving
+    if serving.weights is WeightsDtype.AUTO:
+        # One dtype for all: a full-precision checkpoint narrows only if every node is a GPU that narrows it alike.
+        alike = {_checkpoint_weights(card, n.profile) for n in chosen}
+        resolved = msgspec.structs.replace(serving, weights=alike.pop() if len(alike) == 1 else WeightsDtype.NATIVE)
+    share = -(-required_memory_bytes(card, resolved) // ranks)
+    short = [n for n in chosen if compute_memory_bytes(n.profile) < share]
+    if short:
+        raise PlacementError(
+            f"{card.model_id} split across {ranks} node(s) needs {_gib(share)} on each (its share of the weights as "
+            f"{resolved.weights}, of the KV-cache headroom for {resolved.max_batch} row(s) and of a prefix cache of "
+            f"{_gib(resolved.prefix_cache_bytes)}) but "
+            + ", ".join(f"{n.node_id} has {_gib(compute_memory_bytes(n.profile))}" for n in short)
+            + " available; use more or bigger nodes, lower max_batch or prefix_cache_bytes, or choose a smaller model"
+        )
+    if serving.weights is WeightsDtype.AUTO and _float32_is_faster(chosen):
+        dequantized = msgspec.structs.replace(serving, weights=WeightsDtype.FLOAT32)
+        widened = -(-required_memory_bytes(card, dequantized) // ranks)
+        if all(compute_memory_bytes(n.profile) >= widened for n in chosen):
+            resolved, share = dequantized, widened
+    shards = tuple(
+        ShardAssignment(
+            node_id=node.node_id,
+            rank=rank,
+            start_layer=0,
+            end_layer=card.num_layers,
+            memory_bytes=share,
+            tensor_rank=rank,
+            weights=resolved.weights,
+        )
+        for rank, node in enumerate(chosen)
+    )
+    return Placement(shards=shards, required_bytes=share * ranks, serving=resolved)
 
 
 def cannot_fetch(state: State, card: ModelCard) -> set[NodeId]:

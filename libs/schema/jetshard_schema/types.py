@@ -66,6 +66,18 @@ class WeightsDtype(enum.StrEnum):
     FLOAT16 = "float16"
 
 
+class Parallelism(enum.StrEnum):
+    """How an instance splits its model over its nodes."""
+
+    PIPELINE = "pipeline"
+    """Each node holds a contiguous range of whole layers; a token crosses every node once per step. The
+    default: it needs one network hop per node and token."""
+    TENSOR = "tensor"
+    """Each node holds its slice of every layer and every node runs every step, summing each layer's attention
+    and MLP outputs over the nodes: two all-reduces per layer and token, so it lowers one stream's latency only
+    on fast, well-linked nodes."""
+
+
 MAX_NODES = 4096
 MinNodes = Annotated[int, msgspec.Meta(ge=1, le=MAX_NODES)]
 """How many nodes an instance spans at least."""
@@ -86,6 +98,7 @@ class ServingSettings(msgspec.Struct, frozen=True, kw_only=True):
     """Prompt KV caches kept for later prompts that start alike (a conversation's next turn, a shared system
     prompt), for the whole model; 0 keeps none."""
     weights: WeightsDtype = WeightsDtype.AUTO
+    parallelism: Parallelism = Parallelism.PIPELINE
 
 
 class ShardAssignment(msgspec.Struct, frozen=True, kw_only=True):
@@ -98,10 +111,14 @@ class ShardAssignment(msgspec.Struct, frozen=True, kw_only=True):
     """What the shard will take on its node once loaded (its weights in its dtype, its share of the KV cache for
     `max_batch` rows, of the prefix cache and of the activation headroom): placement counts it against the node
     until the shard's runner is ready and the node's own report includes it."""
+    tensor_rank: int | None = None
+    """In a tensor-parallel instance, which slice of every layer the shard holds (its layer range is the whole
+    model); None in a pipeline, whose shards hold their layers whole."""
     weights: WeightsDtype | None = None
-    """What this shard holds its weights as (never AUTO): ranks of one instance may differ, float32 on a CPU with
-    a fast BLAS beside the checkpoint's dtype on a GPU. None in placements recorded before shards had their own:
-    then the instance's `serving.weights`."""
+    """What this shard holds its weights as (never AUTO): a pipeline's ranks may differ, float32 on a CPU with a
+    fast BLAS beside the checkpoint's dtype on a GPU (a tensor-parallel instance's ranks sum their partial results,
+    so they all hold one). None in placements recorded before shards had their own: the instance's
+    `serving.weights` then."""
 
     def weights_in(self, serving: ServingSettings) -> WeightsDtype:
         return serving.weights if self.weights is None else self.weights

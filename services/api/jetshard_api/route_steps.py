@@ -16,7 +16,7 @@ from jetshard_schema.cards import ModelCard
 from jetshard_schema.events import InstanceChosen, InstancePlaced
 from jetshard_schema.ids import InstanceId, ModelId, NodeId, new_instance_id, parse_model_id
 from jetshard_schema.models import find_card
-from jetshard_schema.placement import ModelUnavailable, Placement, PlacementError, place_in
+from jetshard_schema.placement import ModelUnavailable, Placement, PlacementError, UnsplittableModel, place_in
 from jetshard_schema.state import Instance, State, ready_instances
 from jetshard_schema.types import DownloadProgress, DownloadStatus, ServingSettings
 
@@ -88,6 +88,8 @@ def preview_placement(state: State, card: ModelCard, serving: ServingSettings, m
         return place_in(state, card, None, min_nodes, serving)
     except ModelUnavailable as error:
         raise ApiError(503, str(error), "model_unavailable") from error
+    except UnsplittableModel as error:
+        raise ApiError(400, str(error), "invalid_parallelism", "parallelism") from error
     except PlacementError as error:
         raise ApiError(409, str(error), "insufficient_memory") from error
 

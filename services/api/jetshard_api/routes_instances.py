@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Annotated
+from typing import Annotated, Any
 
 import msgspec
 from jetshard_schema.commands import DeleteInstance
@@ -14,13 +14,14 @@ from jetshard_schema.types import (
     MaxBatch,
     MaxQueued,
     MinNodes,
+    Parallelism,
     PrefixCacheBytes,
     ServingSettings,
     ShardAssignment,
     WeightsDtype,
 )
 from jetshard_schema.view import InstanceDescription, describe_instance
-from litestar import Controller, delete, get, post
+from litestar import Controller, Request, delete, get, post
 from litestar.di import NamedDependency
 from litestar.params import FromPath, FromQuery, JSONBody, Parameter
 
@@ -48,11 +49,14 @@ class ServingRequest(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         return msgspec.structs.replace(defaults, **{k: v for k, v in given.items() if v is not msgspec.UNSET})
 
 
-class PlaceRequest(msgspec.Struct, frozen=True):
+class PlaceRequest(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     model_id: str
     node_ids: list[str] | None = None
     min_nodes: MinNodes = 1
+    """How many nodes the instance spans at least; for a tensor-parallel one, exactly (unless `node_ids` names
+    them)."""
     serving: ServingRequest = ServingRequest()
+    parallelism: Parallelism = Parallelism.PIPELINE
 
 
 class PreviewShard(ShardAssignment, frozen=True, kw_only=True):
@@ -66,6 +70,9 @@ class PlacementPreview(msgspec.Struct, frozen=True):
     shards: tuple[PreviewShard, ...]
     serving: ServingSettings
     """The API's settings as placement would resolve them (AUTO made concrete)."""
+
+
+PREVIEW_PARAMETERS = frozenset({"model_id", "min_nodes", "parallelism"})
 
 
 class InstancesController(Controller):
@@ -82,14 +89,20 @@ class InstancesController(Controller):
         self,
         cluster: NamedDependency[Cluster],
         settings: NamedDependency[InferenceSettings],
+        request: Request[Any, Any, Any],
         model_id: FromQuery[str],
         min_nodes: Annotated[int, Parameter(ge=1, le=MAX_NODES)] = 1,  # a query parameter: Litestar's bounds
+        parallelism: FromQuery[Parallelism] = Parallelism.PIPELINE,
     ) -> PlacementPreview:
         """The placement that would be chosen now with the API's serving settings, without placing anything."""
+        unknown = sorted(set(request.query_params) - PREVIEW_PARAMETERS)
+        if unknown:
+            raise ApiError(400, f"unknown query parameter(s): {', '.join(unknown)}", "invalid_request", unknown[0])
         card = find_card(cluster.state, checked_model_id(model_id))
         if card is None:
             raise ApiError(404, f"unknown model {model_id}", "model_not_found")
-        placement = preview_placement(cluster.state, card, settings.serving, min_nodes)
+        serving = msgspec.structs.replace(settings.serving, parallelism=parallelism)
+        placement = preview_placement(cluster.state, card, serving, min_nodes)
         return PlacementPreview(
             model_id=card.model_id,
             required_bytes=placement.required_bytes,
@@ -114,7 +127,7 @@ class InstancesController(Controller):
         settings: NamedDependency[InferenceSettings],
         data: JSONBody[PlaceRequest],
     ) -> InstanceDescription:
-        serving = data.serving.over(settings.serving)
+        serving = msgspec.structs.replace(data.serving.over(settings.serving), parallelism=data.parallelism)
         instance = await place_instance(
             cluster, checked_model_id(data.model_id), serving, data.node_ids, data.min_nodes
         )

@@ -15,13 +15,14 @@ from jetshard_schema import commands, events
 from jetshard_schema.admission import Refused, admit
 from jetshard_schema.ids import CommandId, InstanceId, ModelId, NodeId, parse_model_id
 from jetshard_schema.models import find_card, is_builtin
-from jetshard_schema.placement import ModelUnavailable, PlacementError, place_in
+from jetshard_schema.placement import ModelUnavailable, PlacementError, UnsplittableModel, place_in
 from jetshard_schema.state import Instance, State, apply, instance_status
 from jetshard_schema.types import (
     DownloadStatus,
     InstanceStatus,
     NodeProfile,
     NodeStorage,
+    Parallelism,
     RejectCode,
     RunnerStatus,
     ServingSettings,
@@ -152,8 +153,10 @@ def _try_place(state: State, lost: Instance, ctx: Context) -> events.InstancePla
     if card is None or not state.nodes:
         return None
     try:
-        # The lost instance's settings are already resolved: its replacement keeps the same weights dtype.
-        placement = place_in(state, card, serving=lost.serving)
+        # The lost instance's settings are already resolved: its replacement keeps the same weights dtype, and a
+        # tensor-parallel one as many ranks (its slices are that many).
+        tensor = lost.serving.parallelism is Parallelism.TENSOR
+        placement = place_in(state, card, min_nodes=len(lost.shards) if tensor else 1, serving=lost.serving)
     except PlacementError:
         return None
     digest = hashlib.sha256(f"{ctx.command_id}/{lost.instance_id}".encode()).hexdigest()[:12]
@@ -341,6 +344,8 @@ def _placed(
         placement = place_in(state, card, node_ids, min_nodes, serving)
     except ModelUnavailable as error:
         return _reject(command, RejectCode.MODEL_UNAVAILABLE, str(error))
+    except UnsplittableModel as error:
+        return _reject(command, RejectCode.INVALID, str(error))
     except PlacementError as error:
         return _reject(command, RejectCode.INSUFFICIENT_MEMORY, str(error))
     return [

@@ -44,6 +44,8 @@ __all__ = [
     "make_prompt_cache",
     "model_classes",
     "ring_socket_from_previous_rank",
+    "shard_across",
+    "splits_across_ranks",
     "trim_prompt_cache",
 ]
 
@@ -56,6 +58,20 @@ def model_classes(config: Mapping[str, Any]) -> tuple[Any, Any]:
     `get_model_classes` argument, and offers no way to get the classes without loading every weight.
     """
     return _get_classes(dict(config))
+
+
+def splits_across_ranks(model_class: Any) -> bool:
+    """Whether mlx-lm can split every layer of `model_class`'s models across the ranks of a group (tensor
+    parallelism): the class has mlx-lm's `shard(group)` method."""
+    return callable(getattr(model_class, "shard", None))
+
+
+def shard_across(model: Any, group: Any) -> None:
+    """Replace each layer's projections of `model` by mlx-lm's sharded ones for this rank of `group`: query, key,
+    value, gate and up projections keep this rank's output slice, the output and down projections this rank's input
+    slice and sum over the group (`mlx.nn.layers.distributed.shard_linear`). Works on lazily loaded weights: only
+    the slices are ever evaluated and kept."""
+    model.shard(group)
 
 
 def hf_tokenizer_of(wrapper: TokenizerWrapper) -> Any:

@@ -23,7 +23,7 @@ import threading
 import time
 from collections.abc import Callable, Coroutine
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import TYPE_CHECKING, Any, NoReturn
 
 import mlx.core as mx
 import msgspec
@@ -52,6 +52,7 @@ from jetshard_schema.stats import RunnerStats
 from jetshard_schema.subjects import chunk_subject
 from jetshard_schema.types import (
     Chunk,
+    Parallelism,
     RunnerReport,
     RunnerStatus,
     ServingCounters,
@@ -64,6 +65,9 @@ from jetshard_schema.types import (
     WeightsDtype,
 )
 from nats.js import JetStreamContext
+
+if TYPE_CHECKING:
+    import mlx.core as mx
 
 from jetshard_worker.chat import render_chat, tool_spec
 from jetshard_worker.constrained import JsonConstraint, SchemaError, grammar_tokenizer
@@ -149,16 +153,21 @@ class Runner:
         model_dir = Path(self.plan.model_dir)
         # Placement resolves AUTO; an instance placed before it did keeps the checkpoint's dtype.
         dtype = _HELD_AS.get(self.plan.weights)
+        # A tensor-parallel rank needs the ring to know which slice of each layer it keeps; a pipeline rank joins it
+        # once loaded.
+        tensor = self.plan.serving.parallelism is Parallelism.TENSOR
+        group = await self._join_ring() if tensor else None
         shard = await asyncio.to_thread(
-            load_shard, model_dir, self.plan.start_layer, self.plan.end_layer, on_progress, dtype=dtype
+            load_shard,
+            model_dir,
+            self.plan.start_layer,
+            self.plan.end_layer,
+            on_progress,
+            dtype=dtype,
+            tensor_group=group,
         )
-        group = None
-        if self.plan.world_size > 1:
-            assert self.spec.hostfile is not None
-            # Blocks until both ring neighbours are up; the worker kills us if that takes too long.
-            group = await asyncio.to_thread(init_ring, self.plan.rank, Path(self.spec.hostfile))
-            if self.spec.ring_socket_fd is not None:
-                os.close(self.spec.ring_socket_fd)  # held the port until the ring's listener bound it
+        if not tensor:
+            group = await self._join_ring()
         self.engine = PipelineEngine(
             shard,
             group,
@@ -173,6 +182,17 @@ class Runner:
             self.tokenizer = await asyncio.to_thread(load_tokenizer, model_dir, None, sorted(shard.eos_token_ids))
             self.context_length = int(shard.config.get("max_position_embeddings") or self.context_length)
             self.model_generation = _read_generation_config(model_dir)
+
+    async def _join_ring(self) -> mx.distributed.Group | None:
+        """The ring of the instance's ranks, None for a single rank. Blocks until both ring neighbours are up; the
+        worker kills us if that takes too long."""
+        if self.plan.world_size == 1:
+            return None
+        assert self.spec.hostfile is not None
+        group = await asyncio.to_thread(init_ring, self.plan.rank, Path(self.spec.hostfile))
+        if self.spec.ring_socket_fd is not None:
+            os.close(self.spec.ring_socket_fd)  # held the port until the ring's listener bound it
+        return group
 
     async def report_ready(self, counters: ServingCounters | None = None) -> None:
         total = self.plan.end_layer - self.plan.start_layer

@@ -7,6 +7,9 @@ from typing import Any
 from urllib.parse import quote
 
 import click
+import msgspec
+from jetshard_schema.gist import shard_layers
+from jetshard_schema.types import ShardAssignment
 from rich.table import Table
 
 from jetshard.client import ApiClient
@@ -30,13 +33,17 @@ def instances_table(instances: list[dict[str, Any]]) -> Table:
             instance["instance_id"],
             instance["model_id"],
             instance["status"],
-            ", ".join(f"{s['node_id']} [{s['start_layer']}, {s['end_layer']})" for s in instance["shards"]),
+            ", ".join(_shard(s) for s in instance["shards"]),
             str(serving["max_batch"]),
             str(serving["max_queued"]),
             str(instance["tasks_in_flight"]),
             instance["reason"] or "",
         )
     return table
+
+
+def _shard(shard: dict[str, Any]) -> str:
+    return f"{shard['node_id']} {shard_layers(msgspec.convert(shard, ShardAssignment))}"
 
 
 def tasks_table(tasks: list[dict[str, Any]]) -> Table:

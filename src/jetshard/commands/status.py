@@ -10,7 +10,7 @@ import click
 import httpx
 import msgspec
 from httpx_sse import connect_sse
-from jetshard_schema.gist import size
+from jetshard_schema.gist import shard_layers, size
 from jetshard_schema.view import ClusterView, DownloadView, InstanceView, NodeView, ShardDescription
 from rich.console import Group
 from rich.live import Live
@@ -56,7 +56,7 @@ def _accelerator(node: NodeView) -> str:
 
 
 def _shard(shard: ShardDescription) -> str:
-    text = f"{shard.node_id} [{shard.start_layer}, {shard.end_layer}) {shard.status}"
+    text = f"{shard.node_id} {shard_layers(shard)} {shard.status}"
     if shard.status == "ready" and isinstance(shard.weights_dtype, str):
         text += f", {shard.weights_dtype} weights"
     if shard.status == "loading" and shard.layers_total:

@@ -176,6 +176,9 @@ function shardRow(shard) {
     el("span", { className: "muted" }, `rank ${shard.rank}`),
     el("code", { className: "id" }, shard.node_id),
     el("span", { className: "layers" }, `layers [${shard.start_layer}, ${shard.end_layer})`),
+    shard.tensor_rank === null || shard.tensor_rank === undefined
+      ? null
+      : el("span", { className: "tensor-rank" }, `tensor rank ${shard.tensor_rank}`),
     status(shard.status),
     shardProgress(shard),
     shard.reason ? el("span", { className: "reason" }, shard.reason) : null,

@@ -10,6 +10,13 @@ the order the leader decides it (see `protocol`): GATHER starts a cohort's cache
 it into the batch, DECODE runs the batch's rows, RELEASE drops a row. So every rank holds the same rows in the
 same order without deciding anything.
 
+Tensor parallelism (a shard whose every layer is split across the ranks, `Shard.tensor_ranks` > 1) runs the same
+steps: the leader (the last rank) sends each step to the others just as it runs it itself, and every rank runs it
+at once on the same inputs, the layers summing their partial outputs over the ring (mlx's all-reduces, which
+must meet in the same order on every rank: so the leader sends a step only once the previous one is under way
+here, and keeps one micro-batch). Only the leader applies the head and samples; the token it samples reaches
+the others as the next step's input.
+
 Batching is exact here: mlx-lm's batch caches (left padding, masks) give each row bit for bit the logits it
 gets alone, and each task samples with its own PRNG key, so neither greedy nor seeded output depends on
 what else shares the batch.
@@ -302,12 +309,18 @@ class PipelineEngine:
     ) -> None:
         size = 1 if group is None else group.size()
         rank = 0 if group is None else group.rank()
-        if shard.is_first != (rank == 0):
+        self._tensor = shard.tensor_ranks > 1
+        if self._tensor and (shard.tensor_ranks, shard.tensor_rank) != (size, rank):
+            raise ValueError(
+                f"this shard is slice {shard.tensor_rank} of {shard.tensor_ranks} tensor-parallel ranks, "
+                f"but runs as rank {rank} of {size}"
+            )
+        if not self._tensor and shard.is_first != (rank == 0):
             raise ValueError(
                 f"rank {rank} holds layers [{shard.start_layer}, {shard.end_layer}); only rank 0 may "
                 "and must start at layer 0"
             )
-        if shard.is_last != (rank == size - 1):
+        if not self._tensor and shard.is_last != (rank == size - 1):
             raise ValueError(
                 f"rank {rank} of {size} holds layers [{shard.start_layer}, {shard.end_layer}) of "
                 f"{shard.num_layers}; only the last rank may and must hold the last layer"
@@ -350,8 +363,9 @@ class PipelineEngine:
         # Whether a saved prefix can be cut to a shorter one (not for sliding-window caches).
         self._trimmable_cache = can_trim_prompt_cache(shard.make_cache())
         # The decoding rows, split in micro-batches: with one per rank, each rank computes one while the
-        # others compute the rest, so no rank of the ring waits for another.
-        self._groups = [_Group(g) for g in range(size)]
+        # others compute the rest, so no rank of the ring waits for another. Tensor ranks compute every step
+        # together: one.
+        self._groups = [_Group(g) for g in range(1 if self._tensor else size)]
         self._in_flight: deque[_Sent] = deque()  # steps sent around the ring (or queued on one rank), in order
         self._seq = 0
         self._shutdown_requested = False
@@ -359,7 +373,7 @@ class PipelineEngine:
 
     @property
     def is_leader(self) -> bool:
-        return self.shard.is_last
+        return self.rank == self.size - 1
 
     # ----------------------------------------------------------------- thread-safe API (leader)
 
@@ -415,7 +429,7 @@ class PipelineEngine:
         """Send steps and handle each as it comes back. The leader decides what the other ranks will do when it
         sends a step, and changes its own caches when the step comes back, after every rank did, so its
         caches go through the same changes in the same order as theirs."""
-        if self._link is not None:
+        if self._link is not None and not self._tensor:
             self._check_layout()
         while True:
             self._count_rows()
@@ -430,7 +444,10 @@ class PipelineEngine:
             if self._in_flight:
                 self._come_back(*self._receive())
         while self._in_flight:  # shutting down: what is still under way comes back before the STOP
-            self._receive()
+            if self._tensor:
+                self._in_flight.popleft()  # not sent to the other tensor ranks yet
+            else:
+                self._receive()
         if self._link is not None:
             self._round_trip(Header(Op.STOP))
 
@@ -439,24 +456,26 @@ class PipelineEngine:
         caches = self._caches
         while True:
             header, payload = self._link.recv()
+            if self._tensor:
+                self._pass_on_tensor_step(header, payload)
             match header.op:
                 case Op.STOP:
-                    self._link.send(header)
+                    self._forward(header)
                     return
                 case Op.RELEASE:
                     caches.release(header)
-                    self._link.send(header)
+                    self._forward(header)
                 case Op.GATHER:
                     assert payload is not None
                     caches.gather(header, payload)
-                    self._link.send(header, payload)
+                    self._forward(header, payload)
                 case Op.JOIN:
                     assert payload is not None
                     caches.join(header, payload)
-                    self._link.send(header, payload)
+                    self._forward(header, payload)
                 case Op.EVICT:
                     caches.evict(header.prefix)
-                    self._link.send(header)
+                    self._forward(header)
                 case Op.HELLO:
                     assert payload is not None
                     self._link.send(header, self._hello_hop(payload))
@@ -468,13 +487,29 @@ class PipelineEngine:
                         cache = caches.for_decode(header)
                     h = self.shard.embed(payload) if self.shard.is_first else self._arrived(payload)
                     h = self.shard.run_layers(h, cache)
-                    self._link.send(header.with_payload(h), h, extra=[c.state for c in cache])
+                    if self._tensor:
+                        mx.eval(h, [c.state for c in cache])  # every all-reduce the leader's step runs
+                    else:
+                        self._link.send(header.with_payload(h), h, extra=[c.state for c in cache])
                     self.stats.steps += 1
 
     def _arrived(self, hidden: mx.array) -> mx.array:
         if self._link is not None:  # a single rank's "arrivals" are its own embeddings
             self.stats.arrived_dtypes.add(str(hidden.dtype).removeprefix("mlx.core."))
         return self.shard.arrived(hidden)
+
+    def _forward(self, header: Header, payload: mx.array | None = None) -> None:
+        """A pipeline step done here goes on to the next rank (a tensor rank passed it on as it came)."""
+        if not self._tensor:
+            assert self._link is not None
+            self._link.send(header, payload)
+
+    def _pass_on_tensor_step(self, header: Header, payload: mx.array | None) -> None:
+        """Hand the leader's step to the next tensor rank before running it here, so they run it together; the
+        rank before the leader passes it on to no one (the leader has it)."""
+        assert self._link is not None
+        if self._link.next_rank != self.size - 1:
+            self._link.send(header, payload)
 
     # ----------------------------------------------------------------- layout check
 
@@ -677,7 +712,9 @@ class PipelineEngine:
         where the prefix index wants it; its rows whose tasks ended meanwhile leave again at once."""
         group = min(self._groups, key=lambda g: len(g.rows))
         # The cohort's cache size for the whole model, from this rank's share of the layers, shared out by tokens.
+        # Tensor ranks each hold their share of every layer's heads.
         cohort_bytes = self._caches.cohort_bytes(cohort.id) * self.shard.num_layers // len(self.shard.layers)
+        cohort_bytes *= self.shard.tensor_ranks
         padded_tokens = max(1, len(cohort.tasks) * max(len(t.request.prompt_tokens) for t in cohort.tasks))
         saves, evicted = [], []
         for task in cohort.tasks:
@@ -723,10 +760,11 @@ class PipelineEngine:
         return mx.concatenate(parts).astype(mx.int32)
 
     def _send(self, sent: _Sent, payload: mx.array | None = None) -> None:
-        """Around the ring, or, on a single rank, straight into the queue of steps to come back (embedded)."""
+        """Around the ring, or, on a single rank and on tensor ranks, straight into the queue of steps to come back
+        (embedded), which sends a tensor rank's to the others as it runs it."""
         self._seq += 1
         header = replace(sent.header, seq=self._seq)
-        if self._link is None:
+        if self._link is None or self._tensor:
             self._in_flight.append(replace(sent, header=header, payload=payload))
         else:
             self._in_flight.append(replace(sent, header=header))
@@ -734,7 +772,10 @@ class PipelineEngine:
 
     def _receive(self) -> tuple[_Sent, mx.array | None]:
         sent = self._in_flight.popleft()
-        if self._link is None:
+        if self._link is None or self._tensor:
+            if self._link is not None:
+                # Tensor ranks: sent now, as this rank runs it, after the previous step's all-reduces went out.
+                self._link.send(sent.header, sent.payload)
             if sent.payload is not None and sent.header.op in (Op.PREFILL, Op.DECODE):
                 return sent, self.shard.embed(sent.payload)
             return sent, sent.payload  # GATHER's and JOIN's tables: back as they went
@@ -783,7 +824,8 @@ class PipelineEngine:
         if first.request.embed:  # alone in its cohort: no padding in the mean
             pooled = self.shard.final_norm(h).astype(mx.float32).sum(axis=1)
             first.pooled = pooled if first.pooled is None else first.pooled + pooled
-        mx.eval([c.state for c in cache], first.pooled)
+        # A tensor rank runs every all-reduce of the step, as the others do, though no later layer needs the last.
+        mx.eval([c.state for c in cache], first.pooled, h if self._tensor else [])
         self._timing.prefilled(header.batch * header.length, time.perf_counter() - started)
         self.stats.steps += 1
         if cohort is self._prefilling:  # else every task of it ended, and it was dropped

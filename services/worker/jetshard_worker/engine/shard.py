@@ -19,6 +19,7 @@ from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
+from mlx.nn.layers.distributed import QuantizedAllToShardedLinear, QuantizedShardedToAllLinear
 from mlx.utils import tree_flatten, tree_unflatten
 
 from jetshard_worker import library_boundary
@@ -39,6 +40,8 @@ _EMBED_SCALE: dict[str, Callable[[mx.array, Any], mx.array] | None] = {
 
 HOLDABLE_DTYPES = (mx.float32, mx.bfloat16, mx.float16)
 """The dtypes a shard's weights can be converted to at load."""
+# mlx's sharded linears of a quantized model (tensor parallelism), which are no QuantizedLinear.
+_QuantizedSlice = QuantizedAllToShardedLinear | QuantizedShardedToAllLinear
 
 _LAYER_KEY = re.compile(r"^model\.layers\.(\d+)\.")
 _ANY_LAYER_KEY = re.compile(r"(?:^|\.)layers\.(\d+)\.")
@@ -59,6 +62,10 @@ class Shard:
     """What the weights are held as: `float32`, `bfloat16`, `4-bit affine`..."""
     activation_dtype: mx.Dtype = mx.float32
     """What the layers compute in: hidden states from a rank holding another dtype are cast to it on arrival."""
+    tensor_rank: int = 0
+    tensor_ranks: int = 1
+    """Tensor parallelism: every layer is split across `tensor_ranks` ranks, this one holding slice `tensor_rank`
+    (1: the layers are whole)."""
 
     @property
     def is_first(self) -> bool:
@@ -124,11 +131,13 @@ def load_shard(
     on_progress: ProgressCallback | None = None,
     *,
     dtype: mx.Dtype | None = None,
+    tensor_group: mx.distributed.Group | None = None,
 ) -> Shard:
     """Build the mlx-lm model of `model_dir` holding layers `[start_layer, end_layer)` only,
     reading only the tensors that range needs. `dtype` (None: the checkpoint's own) dequantizes quantized layers
     and casts the other floating weights to it: float32 on a CPU with a fast BLAS, which multiplies that several
-    times faster than quantized kernels; bfloat16 or float16 for a full-precision checkpoint on a GPU."""
+    times faster than quantized kernels; bfloat16 or float16 for a full-precision checkpoint on a GPU.
+    With a `tensor_group` of several ranks this rank keeps only its slice of each layer (see `split_layers`)."""
     if dtype is not None and dtype not in HOLDABLE_DTYPES:
         raise ValueError(f"weights can be held as {', '.join(map(str, HOLDABLE_DTYPES))}, not {dtype}")
     model_dir = Path(model_dir)
@@ -184,6 +193,10 @@ def load_shard(
         # Lazy: each layer is dequantized as the loop below evaluates it, so the quantized and converted copies
         # of the whole shard never coexist.
         _convert(model, dtype)
+    tensor_ranks = 1 if tensor_group is None else tensor_group.size()
+    if tensor_ranks > 1:
+        assert tensor_group is not None
+        split_layers(model, config, tensor_group, start_layer, end_layer)
     weights_dtype = _weights_dtype(model)
 
     total = end_layer - start_layer
@@ -210,7 +223,42 @@ def load_shard(
         loaded_tensors=loaded,
         weights_dtype=weights_dtype,
         activation_dtype=_activation_dtype(inner.layers[0]),
+        tensor_rank=0 if tensor_group is None else tensor_group.rank(),
+        tensor_ranks=tensor_ranks,
     )
+
+
+def split_layers(
+    model: nn.Module, config: Mapping[str, Any], group: mx.distributed.Group, start: int, end: int
+) -> None:
+    """Tensor parallelism: keep this rank's slice of every layer of `model` (weights still lazy, so only the slices
+    are read into memory), whose attention and MLP then sum their outputs over `group` (two all-reduces a layer).
+    Every rank holds the whole embedding, final norm and head. Refused unless the rank holds every layer, mlx-lm
+    splits the architecture, and the attention and key/value heads divide evenly over the ranks (mlx-lm would
+    silently split them unevenly)."""
+    ranks = group.size()
+    num_layers = len(model.model.layers)
+    if (start, end) != (0, num_layers):
+        raise ValueError(f"a tensor-parallel rank holds every layer, not [{start}, {end}) of the model's {num_layers}")
+    problem = tensor_split_problem(config, ranks)
+    if problem is not None:
+        raise ValueError(problem)
+    library_boundary.shard_across(model, group)
+
+
+def tensor_split_problem(config: Mapping[str, Any], ranks: int) -> str | None:
+    """Why the model of `config` cannot be split across `ranks` tensor-parallel ranks, or None if it can."""
+    model_class, _ = model_classes(config)
+    if not library_boundary.splits_across_ranks(model_class):
+        return f"mlx-lm cannot split {model_class.__module__.rsplit('.', 1)[-1]!r} models across tensor-parallel ranks"
+    heads = int(config["num_attention_heads"])
+    kv_heads = int(config.get("num_key_value_heads") or heads)
+    if heads % ranks or kv_heads % ranks:
+        return (
+            f"the model's {heads} attention heads and {kv_heads} key/value heads do not both divide by "
+            f"{ranks} tensor-parallel ranks"
+        )
+    return None
 
 
 def model_classes(config: Mapping[str, Any]) -> tuple[Any, Any]:
@@ -363,7 +411,7 @@ def _weights_dtype(model: nn.Module) -> str:
     quantized = {
         f"{m.bits}-bit {m.mode}"
         for _, m in model.named_modules()
-        if isinstance(m, nn.QuantizedLinear | nn.QuantizedEmbedding)
+        if isinstance(m, nn.QuantizedLinear | nn.QuantizedEmbedding | _QuantizedSlice)
     }
     if quantized:
         return ", ".join(sorted(quantized))
