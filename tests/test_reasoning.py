@@ -8,8 +8,11 @@ the usage, and a thinking request for a model that does not think.
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
+import anthropic
+import ollama
 import openai
 import pytest
 from helpers.dialects import DialectCluster
@@ -56,3 +59,178 @@ def test_openai_chat_gives_the_reasoning_apart_from_the_answer(
     assert "".join(t or "" for _, t in deltas) == ANSWER
     first_answer = next(i for i, (_, text) in enumerate(deltas) if text)
     assert all(not r for r, _ in deltas[first_answer + 1 :]), "the reasoning comes before the answer"
+
+
+def test_openai_thinking_controls_reach_the_template(openai_client: openai.OpenAI, thinking_model: str) -> None:
+    """`chat_template_kwargs` and `reasoning_effort: none` turn the reasoning off: the template closes it in the
+    prompt, and the model answers at once."""
+    for extra in ({"chat_template_kwargs": {"enable_thinking": False}}, {"reasoning_effort": "none"}):
+        answer = openai_client.chat.completions.create(
+            model=thinking_model, messages=QUESTION, max_tokens=32, extra_body=extra
+        )
+        message = answer.choices[0].message
+        assert (reasoning_of(message), message.content) == (None, ANSWER), extra
+        assert answer.usage is not None and answer.usage.completion_tokens_details is not None
+        assert answer.usage.completion_tokens_details.reasoning_tokens == 0
+
+
+def test_structured_output_and_forced_calls_constrain_the_answer_only(
+    openai_client: openai.OpenAI, thinking_model: str
+) -> None:
+    """The model reasons freely, and only its answer follows the schema (or is the forced call)."""
+    answer = openai_client.chat.completions.create(
+        model=thinking_model, messages=QUESTION, max_tokens=40, response_format={"type": "json_object"}
+    )
+    message = answer.choices[0].message
+    assert reasoning_of(message) == THOUGHT
+    assert isinstance(json.loads(message.content or ""), dict)
+
+    tool = {"type": "function", "function": {"name": "lookup", "parameters": {"type": "object"}}}
+    answer = openai_client.chat.completions.create(
+        model=thinking_model, messages=QUESTION, max_tokens=60, tools=[tool], tool_choice="required"
+    )
+    message = answer.choices[0].message
+    assert reasoning_of(message) == THOUGHT
+    assert message.tool_calls and message.tool_calls[0].function.name == "lookup"
+    assert isinstance(json.loads(message.tool_calls[0].function.arguments), dict)
+
+
+def test_a_request_for_a_model_that_cannot_think_leaves_the_template_alone(
+    openai_client: openai.OpenAI, dialect_cluster: DialectCluster
+) -> None:
+    """A template values a template does not read change nothing; ones the rendering sets are refused."""
+    answer = openai_client.chat.completions.create(
+        model=dialect_cluster.model, messages=QUESTION, max_tokens=3, temperature=0, reasoning_effort="high"
+    )
+    assert reasoning_of(answer.choices[0].message) is None
+    with pytest.raises(openai.BadRequestError) as caught:
+        openai_client.chat.completions.create(
+            model=dialect_cluster.model, messages=QUESTION, extra_body={"chat_template_kwargs": {"tools": []}}
+        )
+    assert caught.value.body["param"] == "chat_template_kwargs"  # type: ignore[index]
+
+
+# --- the Responses API ------------------------------------------------------------------------------------------
+
+
+def test_responses_give_a_reasoning_item_before_the_message(openai_client: openai.OpenAI, thinking_model: str) -> None:
+    response = openai_client.responses.create(model=thinking_model, input="Is it?", max_output_tokens=32)
+    reasoning, message = response.output
+    assert reasoning.type == "reasoning" and message.type == "message"
+    assert [part.text for part in reasoning.content or []] == [THOUGHT]
+    assert response.output_text == ANSWER
+    assert response.usage is not None and response.usage.output_tokens_details.reasoning_tokens == REASONING_TOKENS
+
+    events = list(
+        openai_client.responses.create(model=thinking_model, input="Is it?", max_output_tokens=32, stream=True)
+    )
+    deltas = "".join(e.delta for e in events if e.type == "response.reasoning_text.delta")
+    assert deltas == THOUGHT
+    assert [e.text for e in events if e.type == "response.reasoning_text.done"] == [THOUGHT]
+    added = [e.item.type for e in events if e.type == "response.output_item.added"]
+    assert added == ["reasoning", "message"]
+    completed = events[-1]
+    assert completed.type == "response.completed"
+    assert [item.type for item in completed.response.output] == ["reasoning", "message"]
+    assert completed.response.output_text == ANSWER
+
+    quiet = openai_client.responses.create(
+        model=thinking_model, input="Is it?", max_output_tokens=32, reasoning={"effort": "none"}
+    )
+    assert [item.type for item in quiet.output] == ["message"] and quiet.output_text == ANSWER
+
+
+# --- Anthropic --------------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def anthropic_client(dialect_cluster: DialectCluster) -> anthropic.Anthropic:
+    return anthropic.Anthropic(base_url=dialect_cluster.api, api_key="unused", timeout=120, max_retries=0)
+
+
+def blocks(message: Any) -> list[tuple[str, str]]:
+    return [(b.type, b.thinking if b.type == "thinking" else b.text) for b in message.content]
+
+
+def test_anthropic_thinking_blocks_streamed_and_not(anthropic_client: anthropic.Anthropic, thinking_model: str) -> None:
+    thinking: Any = {"type": "enabled", "budget_tokens": 16}
+    request: Any = {"model": thinking_model, "max_tokens": 32, "messages": QUESTION, "thinking": thinking}
+    message = anthropic_client.messages.create(**request)
+    assert blocks(message) == [("thinking", THOUGHT), ("text", ANSWER)]
+    assert message.usage.output_tokens == REASONING_TOKENS + ANSWER_TOKEN_COUNT
+
+    with anthropic_client.messages.stream(**request) as stream:
+        events = [event.type for event in stream]
+        streamed = stream.get_final_message()
+    assert blocks(streamed) == [("thinking", THOUGHT), ("text", ANSWER)]
+    assert events.count("content_block_start") == 2 and "signature" in events
+
+    # Anthropic's models think only when asked: without `thinking`, the template is told not to.
+    plain = anthropic_client.messages.create(model=thinking_model, max_tokens=32, messages=QUESTION)
+    assert blocks(plain) == [("text", ANSWER)]
+
+
+def test_a_thinking_budget_ends_the_reasoning_with_the_end_marker(
+    anthropic_client: anthropic.Anthropic, thinking_model: str
+) -> None:
+    """Two tokens of reasoning, then the model's `</think>` is forced, and it answers as it would have."""
+    message = anthropic_client.messages.create(
+        model=thinking_model,
+        max_tokens=32,
+        messages=QUESTION,
+        thinking={"type": "enabled", "budget_tokens": 2},
+    )
+    assert blocks(message) == [("thinking", "hm"), ("text", ANSWER)]
+    assert message.usage.output_tokens == 2 + MARKERS + ANSWER_TOKEN_COUNT
+
+
+def test_anthropic_refuses_thinking_for_a_model_that_cannot(
+    anthropic_client: anthropic.Anthropic, dialect_cluster: DialectCluster, thinking_model: str
+) -> None:
+    with pytest.raises(anthropic.BadRequestError) as caught:
+        anthropic_client.messages.create(
+            model=dialect_cluster.model,
+            max_tokens=32,
+            messages=QUESTION,
+            thinking={"type": "enabled", "budget_tokens": 16},
+        )
+    assert "does not support thinking" in caught.value.message
+    with pytest.raises(anthropic.BadRequestError):  # the budget leaves no room for the answer
+        anthropic_client.messages.create(
+            model=thinking_model, max_tokens=16, messages=QUESTION, thinking={"type": "enabled", "budget_tokens": 16}
+        )
+
+
+# --- Ollama -----------------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def ollama_client(dialect_cluster: DialectCluster) -> ollama.Client:
+    return ollama.Client(host=dialect_cluster.api, timeout=120)
+
+
+def test_ollama_think_gives_message_thinking(ollama_client: ollama.Client, thinking_model: str) -> None:
+    options = {"num_predict": 32}
+    answer = ollama_client.chat(model=thinking_model, messages=QUESTION, think=True, options=options)
+    assert (answer.message.thinking, answer.message.content) == (THOUGHT, ANSWER)
+    assert answer.eval_count == REASONING_TOKENS + ANSWER_TOKEN_COUNT
+
+    pieces = list(ollama_client.chat(model=thinking_model, messages=QUESTION, think=True, options=options, stream=True))
+    assert "".join(p.message.thinking or "" for p in pieces) == THOUGHT
+    assert "".join(p.message.content or "" for p in pieces) == ANSWER
+
+    generated = ollama_client.generate(model=thinking_model, prompt="Is it?", think=True, options=options)
+    assert (generated.thinking, generated.response) == (THOUGHT, ANSWER)
+
+    quiet = ollama_client.chat(model=thinking_model, messages=QUESTION, think=False, options=options)
+    assert (quiet.message.thinking, quiet.message.content) == (None, ANSWER)
+
+
+def test_ollama_refuses_think_for_a_model_that_cannot(
+    ollama_client: ollama.Client, dialect_cluster: DialectCluster
+) -> None:
+    for stream in (False, True):
+        with pytest.raises(ollama.ResponseError) as caught:
+            result = ollama_client.chat(model=dialect_cluster.model, messages=QUESTION, think=True, stream=stream)  # type: ignore[call-overload]
+            list(result) if stream else None
+        assert caught.value.status_code == 400 and "does not support thinking" in caught.value.error

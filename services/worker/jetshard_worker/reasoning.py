@@ -123,7 +123,7 @@ class ReasoningTokens:
         self._answer_processor = answer_processor
         self._recent: list[int] = []
         self._spent = 0
-        """Reasoning tokens since the reasoning last opened: what the budget bounds."""
+        """Reasoning tokens since the reasoning last opened, its start marker not counted: what the budget bounds."""
         self._prompt: mx.array | None = None
         self._seen = 0
         self._answer: list[int] = []
@@ -144,7 +144,7 @@ class ReasoningTokens:
             self.count += len(self._markers.start_tokens)
             self._answer = self._answer[: len(self._answer) - len(self._markers.start_tokens) + 1]
             self.reasoning = True
-            self._spent = 1
+            self._spent = 0
         else:
             self._answer.append(token)
 
