@@ -234,3 +234,21 @@ def test_ollama_refuses_think_for_a_model_that_cannot(
             result = ollama_client.chat(model=dialect_cluster.model, messages=QUESTION, think=True, stream=stream)  # type: ignore[call-overload]
             list(result) if stream else None
         assert caught.value.status_code == 400 and "does not support thinking" in caught.value.error
+
+
+# --- capabilities -----------------------------------------------------------------------------------------------
+
+
+def test_models_say_what_they_do(
+    openai_client: openai.OpenAI, ollama_client: ollama.Client, dialect_cluster: DialectCluster, thinking_model: str
+) -> None:
+    """The thinking model's card, derived from its Hub files when it was added, says it thinks; the plain one's does
+    not; both in GET /v1/models (and one model's own) and in Ollama's /api/show."""
+    listed = {m.id: (m.model_extra or {})["capabilities"] for m in openai_client.models.list()}
+    assert listed[thinking_model] == ["completion", "tools", "embedding", "thinking"]
+    assert listed[dialect_cluster.model] == ["completion", "tools", "embedding"]
+    assert "thinking" in listed["mlx-community/Qwen3-0.6B-4bit"]  # a built-in card
+    retrieved = openai_client.models.retrieve(thinking_model)
+    assert (retrieved.model_extra or {})["capabilities"] == listed[thinking_model]
+    assert ollama_client.show(thinking_model).capabilities == listed[thinking_model]
+    assert ollama_client.show(dialect_cluster.model).capabilities == listed[dialect_cluster.model]
