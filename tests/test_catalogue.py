@@ -10,13 +10,14 @@ import tomllib
 from importlib import resources
 from typing import Any
 
+import msgspec
 import pytest
 from jetshard_schema.card_from_config import (
     SUPPORTED_ARCHITECTURES,
     UnsupportedModelError,
     card_from_hub_metadata,
 )
-from jetshard_schema.cards import DEFAULT_CAPABILITIES, ModelCapability, ModelSource, Quantization
+from jetshard_schema.cards import DEFAULT_CAPABILITIES, ModelCapability, ModelCard, ModelSource, Quantization
 from jetshard_schema.catalogue import DEMO_MODEL_ID, builtin_cards, parse_card
 from jetshard_schema.ids import model_dir_name
 
@@ -339,3 +340,11 @@ def test_repo_without_safetensors_is_unsupported() -> None:
 def test_model_id_is_validated() -> None:
     with pytest.raises(ValueError, match="model id"):
         card_from_hub_metadata("../etc", QWEN3_4BIT_CONFIG, None, ONE_FILE)
+
+
+def test_a_card_recorded_before_capabilities_existed_decodes_with_the_default_ones() -> None:
+    """Custom cards added before this field are in the event stream without it."""
+    card = builtin_cards()["mlx-community/Qwen3-4B-Thinking-2507-4bit"]
+    wire = msgspec.json.decode(msgspec.json.encode(card))
+    del wire["capabilities"]
+    assert msgspec.convert(wire, ModelCard).capabilities == DEFAULT_CAPABILITIES
