@@ -54,11 +54,30 @@ def test_openai_chat_gives_the_reasoning_apart_from_the_answer(
     stream = openai_client.chat.completions.create(
         model=thinking_model, messages=QUESTION, max_tokens=32, stream=True, stream_options={"include_usage": True}
     )
-    deltas = [(reasoning_of(c.choices[0].delta), c.choices[0].delta.content) for c in stream if c.choices]
+    chunks = list(stream)
+    deltas = [(reasoning_of(c.choices[0].delta), c.choices[0].delta.content) for c in chunks if c.choices]
     assert "".join(r or "" for r, _ in deltas) == THOUGHT
     assert "".join(t or "" for _, t in deltas) == ANSWER
     first_answer = next(i for i, (_, text) in enumerate(deltas) if text)
     assert all(not r for r, _ in deltas[first_answer + 1 :]), "the reasoning comes before the answer"
+    usage = chunks[-1].usage
+    assert usage is not None and usage.completion_tokens_details is not None
+    assert usage.completion_tokens_details.reasoning_tokens == REASONING_TOKENS
+
+
+def test_a_prompt_that_opens_the_reasoning(openai_client: openai.OpenAI, thinking_model: str) -> None:
+    """A template that ends the prompt with `<think>` (Qwen3-Thinking-2507's, DeepSeek-R1's): the model writes no
+    start marker, and what it writes up to `</think>` is its reasoning all the same."""
+    answer = openai_client.chat.completions.create(
+        model=thinking_model,
+        messages=QUESTION,
+        max_tokens=32,
+        extra_body={"chat_template_kwargs": {"think_in_prompt": True}},
+    )
+    message = answer.choices[0].message
+    assert (reasoning_of(message), message.content) == (THOUGHT, ANSWER)
+    assert answer.usage is not None and answer.usage.completion_tokens_details is not None
+    assert answer.usage.completion_tokens_details.reasoning_tokens == REASONING_TOKENS - 1  # no start marker
 
 
 def test_openai_thinking_controls_reach_the_template(openai_client: openai.OpenAI, thinking_model: str) -> None:
@@ -164,6 +183,11 @@ def test_anthropic_thinking_blocks_streamed_and_not(anthropic_client: anthropic.
         streamed = stream.get_final_message()
     assert blocks(streamed) == [("thinking", THOUGHT), ("text", ANSWER)]
     assert events.count("content_block_start") == 2 and "signature" in events
+
+    # The thinking block goes back with the next turn, as Anthropic's clients send it; it is left out of the prompt.
+    conversation: Any = [*QUESTION, {"role": "assistant", "content": message.content}, *QUESTION]
+    again = anthropic_client.messages.create(**{**request, "messages": conversation})
+    assert blocks(again) == [("thinking", THOUGHT), ("text", ANSWER)]
 
     # Anthropic's models think only when asked: without `thinking`, the template is told not to.
     plain = anthropic_client.messages.create(model=thinking_model, max_tokens=32, messages=QUESTION)

@@ -36,13 +36,15 @@ CHATML_TEMPLATE = (
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
 )
 # Qwen3's thinking switch: a model told not to think gets an empty reasoning in its prompt. (Qwen3 adds a blank line
-# after it, which the scripted model's answer does not need.)
+# after it, which the scripted model's answer does not need.) `think_in_prompt` opens the reasoning in the prompt
+# instead, as Qwen3-Thinking-2507's and DeepSeek-R1's templates always do: the model's output starts inside it.
 THINKING_TEMPLATE = (
     "{% for message in messages %}"
     "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
     "{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}"
-    "{% if enable_thinking is defined and enable_thinking is false %}{{ '<think>\n\n</think>' }}{% endif %}"
+    "{% if enable_thinking is defined and enable_thinking is false %}{{ '<think>\n\n</think>' }}"
+    "{% elif think_in_prompt is defined and think_in_prompt %}{{ '<think>' }}{% endif %}"
     "{% endif %}"
 )
 
