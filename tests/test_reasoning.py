@@ -1,7 +1,7 @@
 """A thinking model's reasoning, apart from its answer, in every dialect: OpenAI chat's `reasoning_content`, the
 Responses API's `reasoning` items, Anthropic's `thinking` blocks, Ollama's `message.thinking`; streamed and not,
 with the official clients, against the session's dialect cluster serving a scripted thinking model beside its own
-(`helpers.dialects.thinking_model`), whose output crosses `<think>`/`</think>` the same way every time. Then the
+(`helpers.tiny_models.thinking_model`), whose output crosses `<think>`/`</think>` the same way every time. Then the
 controls: the template's `enable_thinking` from each dialect's switch, a thinking budget, the reasoning tokens in
 the usage, and a thinking request for a model that does not think.
 """
@@ -9,23 +9,41 @@ the usage, and a thinking request for a model that does not think.
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
 from typing import Any
 
 import anthropic
+import httpx
 import ollama
 import openai
 import pytest
 from helpers.dialects import DialectCluster
 from helpers.tiny_models import ANSWER, ANSWER_TOKENS, THOUGHT, THOUGHT_TOKENS
+from helpers.tiny_models import thinking_model as tiny_thinking_model
 
 pytestmark = pytest.mark.timeout(240)
 
+THINKING_MODEL = "jetshard-test/tiny-thinking"
 QUESTION = [{"role": "user", "content": "Is it?"}]
 MARKERS = 2
 """`<think>` and `</think>`: reasoning tokens too."""
 REASONING_TOKENS = len(THOUGHT_TOKENS) + MARKERS
 ANSWER_TOKEN_COUNT = len(ANSWER_TOKENS)
 """The answer's tokens (the end of the turn is not counted, as mlx-lm does not)."""
+
+
+@pytest.fixture(scope="module")
+def thinking_model(dialect_cluster: DialectCluster, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """A scripted thinking model (`tiny_models.thinking_model`) served beside the dialect cluster's own, on the same
+    node, and removed after: it reasons THOUGHT and answers ANSWER, so each dialect's split is asserted word for
+    word."""
+    cluster = dialect_cluster.cluster
+    cluster.hub.add_repo(THINKING_MODEL, tiny_thinking_model(tmp_path_factory.mktemp("thinking") / "tiny"))
+    cluster.add_model(THINKING_MODEL)
+    instance_id = cluster.place(THINKING_MODEL, min_nodes=1)
+    cluster.wait_instance(instance_id)
+    yield THINKING_MODEL
+    httpx.delete(f"{cluster.api}/instances/{instance_id}", timeout=30)
 
 
 @pytest.fixture(scope="module")

@@ -15,7 +15,6 @@ import pytest
 
 from helpers.harness import InferenceCluster, hub_cluster
 from helpers.tiny_models import make_tiny_model
-from helpers.tiny_models import thinking_model as thinking_model_files
 
 TINY_MODEL = "jetshard-test/tiny-dialects"
 
@@ -43,17 +42,3 @@ def dialect_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Dialec
         cluster.start_core()
         cluster.serve_one_node(TINY_MODEL)
         yield DialectCluster(cluster=cluster, model=TINY_MODEL, model_dir=model_dir)
-
-
-THINKING_MODEL = "jetshard-test/tiny-thinking"
-
-
-@pytest.fixture(scope="session")
-def thinking_model(dialect_cluster: DialectCluster, tmp_path_factory: pytest.TempPathFactory) -> str:
-    """A scripted thinking model (`tiny_models.thinking_model`) served beside the dialect cluster's own, on the same
-    node: it reasons THOUGHT and answers ANSWER, so each dialect's split can be asserted word for word."""
-    cluster = dialect_cluster.cluster
-    cluster.hub.add_repo(THINKING_MODEL, thinking_model_files(tmp_path_factory.mktemp("thinking") / "tiny"))
-    cluster.add_model(THINKING_MODEL)
-    cluster.wait_instance(cluster.place(THINKING_MODEL, min_nodes=1))
-    return THINKING_MODEL
