@@ -135,7 +135,8 @@ def test_structured_output_and_forced_calls_constrain_the_answer_only(
 def test_a_request_for_a_model_that_cannot_think_leaves_the_template_alone(
     openai_client: openai.OpenAI, dialect_cluster: DialectCluster
 ) -> None:
-    """A template values a template does not read change nothing; ones the rendering sets are refused."""
+    """Values a template does not read change nothing; ones the rendering sets, and an effort OpenAI does not
+    name, are refused."""
     answer = openai_client.chat.completions.create(
         model=dialect_cluster.model, messages=QUESTION, max_tokens=3, temperature=0, reasoning_effort="high"
     )
@@ -145,6 +146,11 @@ def test_a_request_for_a_model_that_cannot_think_leaves_the_template_alone(
             model=dialect_cluster.model, messages=QUESTION, extra_body={"chat_template_kwargs": {"tools": []}}
         )
     assert caught.value.body["param"] == "chat_template_kwargs"  # type: ignore[index]
+    with pytest.raises(openai.BadRequestError) as caught:
+        openai_client.chat.completions.create(
+            model=dialect_cluster.model, messages=QUESTION, extra_body={"reasoning_effort": "extreme"}
+        )
+    assert caught.value.body["param"] == "reasoning_effort"  # type: ignore[index]
 
 
 # --- the Responses API ------------------------------------------------------------------------------------------

@@ -138,6 +138,7 @@ def test_reasoning_effort_reaches_the_template_and_earlier_reasoning_is_dropped(
         ({"input": [{"type": "function_call_output", "call_id": "c", "output": "x"}]}, "input[0].call_id"),
         ({"input": [{"type": "function_call", "call_id": "c", "name": "f"}]}, "input[0].arguments"),
         ({"input": [{"type": "item_reference", "id": "x"}]}, "input[0].type"),
+        ({"reasoning": {"effort": "extreme"}}, "reasoning.effort"),
         ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]}, "input[0].content"),
     ],
 )

@@ -177,9 +177,17 @@ def chat_task(task_id: TaskId, model_id: ModelId, request: ChatCompletionRequest
     )
 
 
-def effort_template_kwargs(given: dict[str, Any] | None, effort: str | None) -> dict[str, Any]:
+REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh")
+"""OpenAI's values of `reasoning_effort` (and the Responses API's `reasoning.effort`)."""
+
+
+def effort_template_kwargs(
+    given: dict[str, Any] | None, effort: str | None, param: str = "reasoning_effort"
+) -> dict[str, Any]:
     """A chat's template values with OpenAI's reasoning effort: "none" is no reasoning; any other effort goes to
     templates that take one (gpt-oss'), leaving a model that thinks on or off by its own default."""
+    if effort is not None and effort not in REASONING_EFFORTS:
+        raise checks.invalid(param, f"{param} must be one of {', '.join(REASONING_EFFORTS)}")
     thinking = False if effort == "none" else None
     return checks.template_kwargs(given, thinking=thinking, effort=None if effort == "none" else effort)
 

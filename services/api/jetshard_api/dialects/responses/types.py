@@ -136,7 +136,9 @@ def response_task(task_id: TaskId, model_id: ModelId, request: ResponseRequest) 
         sampling=sampling,
         tools=_tools(request),
         output_schema=_output_schema(request.text),
-        chat_template_kwargs=effort_template_kwargs(None, request.reasoning.effort if request.reasoning else None),
+        chat_template_kwargs=effort_template_kwargs(
+            None, request.reasoning.effort if request.reasoning else None, "reasoning.effort"
+        ),
     )
 
 
