@@ -10,13 +10,14 @@ import tomllib
 from importlib import resources
 from typing import Any
 
+import msgspec
 import pytest
 from jetshard_schema.card_from_config import (
     SUPPORTED_ARCHITECTURES,
     UnsupportedModelError,
     card_from_hub_metadata,
 )
-from jetshard_schema.cards import ModelSource, Quantization
+from jetshard_schema.cards import DEFAULT_CAPABILITIES, ModelCapability, ModelCard, ModelSource, Quantization
 from jetshard_schema.catalogue import DEMO_MODEL_ID, builtin_cards, parse_card
 from jetshard_schema.ids import model_dir_name
 
@@ -221,6 +222,35 @@ def test_nested_text_config_of_a_multimodal_model() -> None:
         4,
     )
     assert (card.vocab_size, card.context_length) == (262208, 131072)
+    assert ModelCapability.VISION in card.capabilities  # its vision tower
+
+
+QWEN3_TOKENIZER_CONFIG = {
+    "added_tokens_decoder": {
+        "151643": {"content": "<|endoftext|>", "special": True},
+        "151667": {"content": "<think>", "special": False},
+        "151668": {"content": "</think>", "special": False},
+    },
+    "chat_template": "...",
+}
+
+
+def test_capabilities_come_from_the_config_and_the_tokenizers_added_tokens() -> None:
+    card = card_from_hub_metadata("org/m", QWEN3_4BIT_CONFIG, None, ONE_FILE, None, QWEN3_TOKENIZER_CONFIG)
+    assert card.capabilities == (*DEFAULT_CAPABILITIES, ModelCapability.THINKING)
+    # One marker without the other is no think format mlx-lm knows; a tokenizer config of another shape says
+    # nothing; neither refuses the model.
+    half = {"added_tokens_decoder": {"1": {"content": "<think>"}}}
+    for tokenizer_config in (None, half, {"added_tokens_decoder": ["<think>", "</think>"]}, "garbled"):
+        card = card_from_hub_metadata("org/m", QWEN3_4BIT_CONFIG, None, ONE_FILE, None, tokenizer_config)
+        assert card.capabilities == DEFAULT_CAPABILITIES, tokenizer_config
+
+
+def test_the_catalogues_qwen3_cards_think_and_the_others_do_not() -> None:
+    for model_id, card in builtin_cards().items():
+        thinks = ModelCapability.THINKING in card.capabilities
+        assert thinks == model_id.startswith("mlx-community/Qwen3-"), model_id
+        assert set(DEFAULT_CAPABILITIES) <= set(card.capabilities), model_id
 
 
 def test_text_config_supplies_the_model_type_when_the_top_level_has_none() -> None:
@@ -325,3 +355,11 @@ def test_repo_without_safetensors_is_unsupported() -> None:
 def test_model_id_is_validated() -> None:
     with pytest.raises(ValueError, match="model id"):
         card_from_hub_metadata("../etc", QWEN3_4BIT_CONFIG, None, ONE_FILE)
+
+
+def test_a_card_recorded_before_capabilities_existed_decodes_with_the_default_ones() -> None:
+    """Custom cards added before this field are in the event stream without it."""
+    card = builtin_cards()["mlx-community/Qwen3-4B-Thinking-2507-4bit"]
+    wire = msgspec.json.decode(msgspec.json.encode(card))
+    del wire["capabilities"]
+    assert msgspec.convert(wire, ModelCard).capabilities == DEFAULT_CAPABILITIES

@@ -84,3 +84,14 @@ def test_a_template_without_tools_gets_them_described_in_a_system_message(model_
     assert render_chat(tokenizer, CONVERSATION[:1], None) == (
         "<|im_start|>user\nWeather in Paris?<|im_end|>\n<|im_start|>assistant\n"
     )
+
+
+def test_a_requests_template_values_reach_the_template_but_not_the_renderings_own(model_dir: Path) -> None:
+    """`chat_template_kwargs` come from a stored request (untrusted): values the template reads pass, the arguments
+    the rendering sets itself are refused."""
+    template = "{% for m in messages %}{{ m.content }}{% endfor %}|{{ greeting | default('none') }}"
+    tokenizer = tokenizer_with(model_dir, template)
+    assert render_chat(tokenizer, CONVERSATION[:1], None, {"greeting": "hello"}) == "Weather in Paris?|hello"
+    assert render_chat(tokenizer, CONVERSATION[:1], None) == "Weather in Paris?|none"
+    with pytest.raises(ValueError, match="add_generation_prompt"):
+        render_chat(tokenizer, CONVERSATION[:1], None, {"add_generation_prompt": False})

@@ -171,7 +171,7 @@ def test_a_model_is_added_placed_served_and_removed_from_the_page(
     model = models.locator(f'[data-model-id="{PAGE_MODEL}"]')
     expect(model).to_contain_text("custom", timeout=SHOWN_MS)
     expect(model).to_contain_text("4 layers")
-    expect(model).to_contain_text("chat · completion")
+    expect(model).to_contain_text("completion · tools · embedding")
     card_file = f"{model_dir_name(ModelId(PAGE_MODEL))}.json"
     stores = [cluster.root / node / "config" / "cards" / card_file for node in cluster.workers]
     assert wait_for(lambda: all(store.exists() for store in stores), timeout=10), stores

@@ -103,6 +103,22 @@ def test_the_tokenizer_wrapper_attributes_the_worker_reads(wrapper: Any) -> None
     assert text + detokenizer.last_segment == "hello"
 
 
+def test_the_think_markers_mlx_lm_finds_in_a_vocabulary(wrapper: Any, tmp_path: Path) -> None:
+    assert boundary.think_markers_of(wrapper) is None
+    thinking_dir = make_tiny_model(tmp_path / "thinking", num_layers=1, num_files=1, thinking=True)
+    thinking = boundary.load_tokenizer(thinking_dir, None, [2, 3])
+    start, end, start_tokens, end_tokens = boundary.think_markers_of(thinking) or ("", "", (), ())
+    assert (start, end) == ("<think>", "</think>")
+    assert start_tokens == tuple(thinking.encode("<think>", add_special_tokens=False))
+    assert end_tokens == tuple(thinking.encode("</think>", add_special_tokens=False))
+    assert len(start_tokens) == len(end_tokens) == 1
+    # The template gets `enable_thinking` from the wrapper, and the request's own value wins.
+    question = [{"role": "user", "content": "hi"}]
+    default = thinking.apply_chat_template(question, add_generation_prompt=True, tokenize=False)
+    off = thinking.apply_chat_template(question, add_generation_prompt=True, tokenize=False, enable_thinking=False)
+    assert "</think>" not in default and off.endswith("<think>\n\n</think>")
+
+
 # --------------------------------------------------------------------------- mlx-lm: forward pass and caches
 
 

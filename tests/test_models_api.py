@@ -455,6 +455,7 @@ def test_cli(cluster: ModelsCluster) -> None:
     shown = jetshard_models(cluster, "show", model_id)
     assert shown.returncode == 0, shown.stderr
     assert "architecture" in shown.stdout and "qwen3" in shown.stdout
+    assert "completion, tools, embedding" in shown.stdout  # its capabilities
 
     # Flags before the subcommand work too.
     command = [sys.executable, "-m", "jetshard", "models", "--api", cluster.api, "rm", model_id]

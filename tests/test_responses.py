@@ -109,6 +109,18 @@ def test_tools_tool_choice_and_text_format() -> None:
     assert task_of(input="hi", reasoning={"effort": None}).output_schema is None  # a null reasoning is neutral
 
 
+def test_reasoning_effort_reaches_the_template_and_earlier_reasoning_is_dropped() -> None:
+    assert task_of(input="hi", reasoning={"effort": "high"}).chat_template_kwargs == {"reasoning_effort": "high"}
+    assert task_of(input="hi", reasoning={"effort": "none"}).chat_template_kwargs == {"enable_thinking": False}
+    earlier = [
+        {"role": "user", "content": "hi"},
+        {"type": "reasoning", "id": "rs_1", "summary": [], "content": [{"type": "reasoning_text", "text": "hm"}]},
+        {"role": "assistant", "content": "hello"},
+        {"role": "user", "content": "again"},
+    ]
+    assert [m.content for m in task_of(input=earlier).messages] == ["hi", "hello", "again"]
+
+
 @pytest.mark.parametrize(
     ("body", "param"),
     [
@@ -116,7 +128,6 @@ def test_tools_tool_choice_and_text_format() -> None:
         ({"previous_response_id": "resp_1"}, "previous_response_id"),
         ({"conversation": "conv_1"}, "conversation"),
         ({"background": True}, "background"),
-        ({"reasoning": {"effort": "high"}}, "reasoning"),
         ({"include": ["message.output_text.logprobs"]}, "include"),
         ({"tools": [{"type": "web_search"}]}, "tools[0].type"),
         ({"tool_choice": "required"}, "tool_choice"),
@@ -126,7 +137,8 @@ def test_tools_tool_choice_and_text_format() -> None:
         ({"input": [{"role": "tool", "content": "x"}]}, "input[0].role"),
         ({"input": [{"type": "function_call_output", "call_id": "c", "output": "x"}]}, "input[0].call_id"),
         ({"input": [{"type": "function_call", "call_id": "c", "name": "f"}]}, "input[0].arguments"),
-        ({"input": [{"type": "reasoning", "summary": []}]}, "input[0].type"),
+        ({"input": [{"type": "item_reference", "id": "x"}]}, "input[0].type"),
+        ({"reasoning": {"effort": "extreme"}}, "reasoning.effort"),
         ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]}, "input[0].content"),
     ],
 )

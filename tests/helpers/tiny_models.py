@@ -10,6 +10,7 @@ and a downloader can fetch only the files holding a layer range.
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 import string
 from collections.abc import Sequence
@@ -22,6 +23,7 @@ from mlx.utils import tree_flatten
 
 ARCHS = ("llama", "qwen3")
 SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
+THINK_TOKENS = ("<think>", "</think>")
 NUM_ATTENTION_HEADS = 4
 NUM_KV_HEADS = 2  # fewer kv heads than query heads: exercises grouped-query attention
 # 256 byte tokens plus the special tokens is the smallest byte-level BPE vocabulary.
@@ -32,6 +34,18 @@ CHATML_TEMPLATE = (
     "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
     "{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+# Qwen3's thinking switch: a model told not to think gets an empty reasoning in its prompt. (Qwen3 adds a blank line
+# after it, which the scripted model's answer does not need.) `think_in_prompt` opens the reasoning in the prompt
+# instead, as Qwen3-Thinking-2507's and DeepSeek-R1's templates always do: the model's output starts inside it.
+THINKING_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}"
+    "{% if enable_thinking is defined and enable_thinking is false %}{{ '<think>\n\n</think>' }}"
+    "{% elif think_in_prompt is defined and think_in_prompt %}{{ '<think>' }}{% endif %}"
+    "{% endif %}"
 )
 
 # Gains applied on top of a 1/sqrt(fan_in) init. With plain init a random 4-layer model collapses
@@ -50,13 +64,15 @@ def make_tiny_model(
     hidden_size: int = 64,
     vocab_size: int = 512,
     heads: tuple[int, int] = (NUM_ATTENTION_HEADS, NUM_KV_HEADS),
+    thinking: bool = False,
 ) -> Path:
     """Write a tiny mlx-lm model of `arch` ("llama" or "qwen3") into `out_dir` and return it.
 
     Deterministic for a given set of arguments. Weights are float32 and split over `num_files`
     safetensors files by contiguous layer ranges: embeddings live in the first file, the final
     norm and lm_head in the last. `num_files=1` writes a single `model.safetensors` and no index.
-    `heads` is (attention heads, key/value heads).
+    `heads` is (attention heads, key/value heads). A `thinking` model's vocabulary has `<think>`/`</think>` and its
+    chat template Qwen3's `enable_thinking` switch.
     """
     if arch not in ARCHS:
         raise ValueError(f"arch must be one of {ARCHS}, got {arch!r}")
@@ -69,7 +85,7 @@ def make_tiny_model(
 
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    token_ids = _write_tokenizer(out_dir, vocab_size)
+    token_ids = _write_tokenizer(out_dir, vocab_size, SPECIAL_TOKENS + (THINK_TOKENS if thinking else ()))
     config = _model_config(arch, num_layers, hidden_size, vocab_size, token_ids, heads)
     _write_json(out_dir / "config.json", config)
     _write_json(
@@ -143,17 +159,18 @@ def _merges(count: int) -> list[tuple[str, str]]:
     return candidates[:count]
 
 
-def _write_tokenizer(out_dir: Path, vocab_size: int) -> dict[str, int]:
-    """Write tokenizer.json / tokenizer_config.json; returns the special tokens' ids."""
+def _write_tokenizer(out_dir: Path, vocab_size: int, added: tuple[str, ...]) -> dict[str, int]:
+    """Write tokenizer.json / tokenizer_config.json; returns the added tokens' ids. The think markers are added
+    tokens but not special ones, as in Qwen3's vocabulary (decoding keeps them in the text)."""
     from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
 
     alphabet = _byte_level_alphabet()
-    merges = _merges(vocab_size - MIN_VOCAB_SIZE)
+    merges = _merges(vocab_size - 256 - len(added))
     vocab: dict[str, int] = {symbol: i for i, symbol in enumerate(alphabet)}
     for left, right in merges:
         vocab[left + right] = len(vocab)
     # Special tokens take the last ids, as in Qwen's vocabulary.
-    special_ids = {token: len(vocab) + i for i, token in enumerate(SPECIAL_TOKENS)}
+    special_ids = {token: len(vocab) + i for i, token in enumerate(added)}
     vocab.update(special_ids)
     assert len(vocab) == vocab_size
 
@@ -161,8 +178,18 @@ def _write_tokenizer(out_dir: Path, vocab_size: int) -> dict[str, int]:
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
     tokenizer.decoder = decoders.ByteLevel()
     tokenizer.add_special_tokens([AddedToken(token, special=True, normalized=False) for token in SPECIAL_TOKENS])
+    thinking = THINK_TOKENS[0] in added
+    if thinking:
+        tokenizer.add_tokens([AddedToken(token, special=False, normalized=False) for token in THINK_TOKENS])
     tokenizer.save(str(out_dir / "tokenizer.json"))
 
+    config: dict[str, Any] = {}
+    if thinking:
+        # As transformers writes it: what a card derived from this file reads the think markers from.
+        config["added_tokens_decoder"] = {
+            str(token_id): {"content": token, "special": token in SPECIAL_TOKENS, "normalized": False}
+            for token, token_id in special_ids.items()
+        }
     _write_json(
         out_dir / "tokenizer_config.json",
         {
@@ -175,7 +202,8 @@ def _write_tokenizer(out_dir: Path, vocab_size: int) -> dict[str, int]:
             "add_eos_token": False,
             "model_max_length": 2048,
             "clean_up_tokenization_spaces": False,
-            "chat_template": CHATML_TEMPLATE,
+            "chat_template": THINKING_TEMPLATE if thinking else CHATML_TEMPLATE,
+            **config,
         },
     )
     _write_json(
@@ -301,4 +329,41 @@ def endless_model(out_dir: Path) -> Path:
     head = np.array(weights["lm_head.weight"])
     head[eos] = 0
     mx.save_safetensors(weights_file, {**weights, "lm_head.weight": mx.array(head)}, metadata={"format": "mlx"})
+    return path
+
+
+THOUGHT_TOKENS = ("Ġh", "m", "Ġo", "k")
+"""What the thinking model reasons, token by token: " hm ok"."""
+ANSWER_TOKENS = ("Ġy", "es")
+"""What it answers after its reasoning: " yes"."""
+THOUGHT, ANSWER = "hm ok", "yes"
+"""The reasoning and the answer a client sees: the whitespace around the markers is not part of either."""
+
+
+def thinking_model(out_dir: Path) -> Path:
+    """A tiny thinking model whose greedy output follows a script wherever the prompt leaves it: after a generation
+    prompt (its last token a newline) it writes `<think>`, THOUGHT, `</think>`, ANSWER and ends; after a prompt that
+    closed the reasoning (`enable_thinking` false) or a forced `</think>`, only the answer.
+
+    Its layers add nothing to the residual stream (their output projections are zero), so the last hidden state is
+    the last token's embedding, and its lm_head row for each scripted token is the embedding of the token before:
+    the next token is the script's (any other token repeats itself)."""
+    path = make_tiny_model(out_dir, num_layers=2, num_files=1, seed=11, thinking=True)
+    vocab = json.loads((path / "tokenizer.json").read_text())["model"]["vocab"]
+    script = ["Ċ", "<think>", *THOUGHT_TOKENS, "</think>", *ANSWER_TOKENS, "<|im_end|>"]
+    ids = [vocab[token] for token in script]
+    weights_file = str(path / "model.safetensors")
+    weights = {name: np.array(value) for name, value in mx.load(weights_file).items()}
+    embeddings = weights["model.embed_tokens.weight"]
+    head = embeddings.copy()  # every token predicts itself...
+    head[ids[0]] = 0
+    for before, token in itertools.pairwise(ids):
+        head[token] = embeddings[before]  # ...but a scripted one is predicted by the token before it
+    for name in weights:
+        if name.endswith(("o_proj.weight", "down_proj.weight")):
+            weights[name] = np.zeros_like(weights[name])
+        elif name.endswith("norm.weight"):
+            weights[name] = np.ones_like(weights[name])
+    weights["lm_head.weight"] = head * _LM_HEAD_GAIN
+    mx.save_safetensors(weights_file, _to_mx(weights), metadata={"format": "mlx"})
     return path

@@ -7,7 +7,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from jetshard_schema.cards import ModelCard, Quantization
+from jetshard_schema.cards import DEFAULT_CAPABILITIES, ModelCapability, ModelCard, Quantization
 from jetshard_schema.ids import parse_model_id
 from jetshard_schema.sampling import generation_config_defaults
 
@@ -27,6 +27,8 @@ _HEAD_KEYS = ("num_attention_heads", "n_head", "n_heads")
 _KV_HEAD_KEYS = ("num_key_value_heads", "n_kv_heads", "num_kv_heads")
 _VOCAB_KEYS = ("vocab_size", "n_vocab", "padded_vocab_size")
 _CONTEXT_KEYS = ("max_position_embeddings", "n_positions", "max_seq_len", "seq_length", "n_ctx")
+THINK_MARKERS = (("<think>", "</think>"), ("<longcat_think>", "</longcat_think>"), ("<|think:start|>", "<|think:end|>"))
+"""The single-token think markers mlx-lm's tokenizer wrapper recognises in a vocabulary (`_infer_thinking`)."""
 
 
 class UnsupportedModelError(ValueError):
@@ -39,12 +41,14 @@ def card_from_hub_metadata(
     safetensors_index: Mapping[str, Any] | None,
     file_sizes: Mapping[str, int],
     generation_config: object = None,
+    tokenizer_config: object = None,
 ) -> ModelCard:
     """Describe a Hub repo as a custom card.
 
     `config` is the parsed `config.json`; `safetensors_index` the parsed `model.safetensors.index.json`, or
     None for a single-file model; `file_sizes` maps each repo path to its size in bytes; `generation_config`
-    the parsed `generation_config.json`, or None, whose sampling values become the card's `generation`.
+    the parsed `generation_config.json`, or None, whose sampling values become the card's `generation`;
+    `tokenizer_config` the parsed `tokenizer_config.json`, or None, whose added tokens say whether the model thinks.
     Raises `UnsupportedModelError` for an architecture or weight format jetshard cannot serve, and
     `ValueError` naming the field for a config that lacks or garbles a required value.
     """
@@ -94,8 +98,34 @@ def card_from_hub_metadata(
         is_custom=True,
         display_name=valid_id.split("/", 1)[1],
         generation=generation_config_defaults(generation_config),
+        capabilities=capabilities_of(config, tokenizer_config),
         **card_fields,
     )
+
+
+def capabilities_of(config: Mapping[str, Any], tokenizer_config: object) -> tuple[ModelCapability, ...]:
+    """What a model does, from its config (a vision tower) and its tokenizer's added tokens (think markers, found as
+    mlx-lm finds them). A tokenizer config of another shape says nothing: capabilities never refuse a model."""
+    capabilities = list(DEFAULT_CAPABILITIES)
+    tokens = added_tokens(tokenizer_config)
+    if any(set(pair) <= tokens for pair in THINK_MARKERS):
+        capabilities.append(ModelCapability.THINKING)
+    if isinstance(config.get("vision_config"), Mapping):
+        capabilities.append(ModelCapability.VISION)
+    return tuple(capabilities)
+
+
+def added_tokens(tokenizer_config: object) -> set[str]:
+    """The texts of the added tokens `tokenizer_config.json` lists (`added_tokens_decoder`, as transformers writes
+    it)."""
+    decoder = tokenizer_config.get("added_tokens_decoder") if isinstance(tokenizer_config, Mapping) else None
+    if not isinstance(decoder, Mapping):
+        return set()
+    return {
+        entry["content"]
+        for entry in decoder.values()
+        if isinstance(entry, Mapping) and isinstance(entry.get("content"), str)
+    }
 
 
 def _architecture(model_id: str, config: Mapping[str, Any], text_config: Mapping[str, Any] | None) -> str:

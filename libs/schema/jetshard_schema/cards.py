@@ -15,6 +15,25 @@ class ModelTask(enum.StrEnum):
     COMPLETION = "completion"
 
 
+class ModelCapability(enum.StrEnum):
+    """What a model does, as Ollama's `/api/show` names it."""
+
+    COMPLETION = "completion"
+    """Chat and text completion."""
+    TOOLS = "tools"
+    """Function calls: in the model's own format, or in the JSON form every chat model is taught in its prompt."""
+    THINKING = "thinking"
+    """Reasons between think markers before it answers; the reasoning is returned apart from the answer."""
+    VISION = "vision"
+    """Takes images."""
+    EMBEDDING = "embedding"
+    """Embeddings: the mean of the last hidden states, which any of these decoder models gives."""
+
+
+DEFAULT_CAPABILITIES = (ModelCapability.COMPLETION, ModelCapability.TOOLS, ModelCapability.EMBEDDING)
+"""What every text model jetshard serves does."""
+
+
 class ModelSource(enum.StrEnum):
     HUB = "hub"
     """Files come from the Hugging Face Hub (or HF_ENDPOINT)."""
@@ -53,6 +72,8 @@ class ModelCard(msgspec.Struct, frozen=True, kw_only=True):
     """True until the size was measured from the model's real file list."""
     context_length: int = 4096
     tasks: tuple[ModelTask, ...] = (ModelTask.CHAT, ModelTask.COMPLETION)
+    capabilities: tuple[ModelCapability, ...] = DEFAULT_CAPABILITIES
+    """What the model does: a custom card's are derived from its config and tokenizer when it is added."""
     quantization: Quantization | None = None
     checkpoint_dtype: str = ""
     """The unquantized weights' dtype in the checkpoint (config.json's `torch_dtype`): "float32", "bfloat16" or

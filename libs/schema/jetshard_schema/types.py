@@ -304,6 +304,29 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
     stop: tuple[str, ...] = ()
 
 
+CHAT_TEMPLATE_ARGUMENTS = frozenset(
+    {
+        "conversation",
+        "messages",
+        "tools",
+        "documents",
+        "chat_template",
+        "add_generation_prompt",
+        "continue_final_message",
+        "tokenize",
+        "padding",
+        "truncation",
+        "max_length",
+        "return_tensors",
+        "return_dict",
+        "return_assistant_tokens_mask",
+        "tokenizer_kwargs",
+    }
+)
+"""The arguments of transformers' `apply_chat_template` that the rendering sets itself: a request's
+`chat_template_kwargs` may set none of them."""
+
+
 class TaskRequest(msgspec.Struct, frozen=True, kw_only=True):
     task_id: ValidTaskId
     model_id: ValidModelId
@@ -321,6 +344,12 @@ class TaskRequest(msgspec.Struct, frozen=True, kw_only=True):
     """Report each token's log-probability and this many alternatives; None reports none."""
     n: Annotated[int, msgspec.Meta(ge=1, le=MAX_CHOICES)] = 1
     """Choices generated from the prompt (rows of one batch, one prefill shared through the prefix cache)."""
+    chat_template_kwargs: dict[str, Any] = msgspec.field(default_factory=dict)
+    """Values the chat template reads besides the conversation (`enable_thinking`, `reasoning_effort`...), as
+    vLLM's `chat_template_kwargs`; each dialect's thinking switch becomes `enable_thinking` here."""
+    thinking_budget: Annotated[int, msgspec.Meta(ge=1)] | None = None
+    """The most tokens a thinking model may reason for: reaching it ends the reasoning with the model's end
+    marker, and the answer follows."""
 
 
 class TaskRef(msgspec.Struct, frozen=True, kw_only=True):
@@ -353,6 +382,8 @@ class TokenLogprob(msgspec.Struct, frozen=True, kw_only=True):
 class Usage(msgspec.Struct, frozen=True, kw_only=True):
     prompt_tokens: int
     completion_tokens: int
+    reasoning_tokens: int = 0
+    """The completion tokens a thinking model reasoned with, its think markers included."""
 
     @property
     def total_tokens(self) -> int:
@@ -375,6 +406,9 @@ class Chunk(msgspec.Struct, frozen=True, kw_only=True):
     choice: int = 0
     """Which of the task's `n` choices (or embedding inputs) this piece belongs to."""
     text: str = ""
+    """Answer text."""
+    reasoning: str = ""
+    """Text a thinking model wrote between its think markers (the markers left out), before `text`."""
     token_count: int = 0
     tool_calls: tuple[ToolCall, ...] = ()
     logprobs: tuple[TokenLogprob, ...] = ()

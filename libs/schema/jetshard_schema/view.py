@@ -14,7 +14,7 @@ from pathlib import PurePosixPath
 
 import msgspec
 
-from jetshard_schema.cards import ModelCard, ModelTask
+from jetshard_schema.cards import ModelCapability, ModelCard
 from jetshard_schema.events import EventEnvelope
 from jetshard_schema.gist import gist
 from jetshard_schema.ids import InstanceId, ModelId, NodeId, TaskId
@@ -155,8 +155,8 @@ class ModelView(msgspec.Struct, frozen=True, kw_only=True):
     num_layers: int
     storage_size_bytes: int
     context_length: int
-    tasks: tuple[ModelTask, ...]
-    """What it can be asked to do: chat, completion."""
+    capabilities: tuple[ModelCapability, ...]
+    """What it does: completion, tools, thinking, vision, embedding."""
     quantization_bits: int | None
     builtin: bool
     """Its card ships with jetshard; the others were added (`POST /models`) and can be deleted."""
@@ -239,7 +239,7 @@ def _model_view(model_id: ModelId, card: ModelCard | None, downloads: list[Downl
         num_layers=card.num_layers if card else 0,
         storage_size_bytes=card.storage_size_bytes if card else 0,
         context_length=card.context_length if card else 0,
-        tasks=card.tasks if card else (),
+        capabilities=card.capabilities if card else (),
         quantization_bits=card.quantization.bits if card and card.quantization else None,
         builtin=builtin,
         known=card is not None,

@@ -1,4 +1,4 @@
-"""A task's whole output, as a non-streaming answer gives it: each choice's text, tool calls, logprobs,
+"""A task's whole output, as a non-streaming answer gives it: each choice's text, reasoning, tool calls, logprobs,
 finish reason or embedding, and the usage. The dialects' wire types are built from it; the request path
 (`tasks`) fills it in.
 """
@@ -15,6 +15,7 @@ class Choice:
     """One choice's whole output, as a non-streaming answer gives it."""
 
     text: str = ""
+    reasoning: str = ""
     tool_calls: list[ToolCall] = field(default_factory=list)
     logprobs: list[TokenLogprob] = field(default_factory=list)
     finish_reason: TaskOutcome | None = None
@@ -23,6 +24,7 @@ class Choice:
     def add(self, chunk: Chunk) -> None:
         """Take in one chunk of this choice's output."""
         self.text += chunk.text
+        self.reasoning += chunk.reasoning
         self.tool_calls += chunk.tool_calls
         self.logprobs += chunk.logprobs
         self.embedding = chunk.embedding or self.embedding

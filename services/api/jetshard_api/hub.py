@@ -23,6 +23,7 @@ from jetshard_api.errors import ApiError
 
 INDEX_FILE = "model.safetensors.index.json"
 GENERATION_CONFIG_FILE = "generation_config.json"
+TOKENIZER_CONFIG_FILE = "tokenizer_config.json"
 
 # Connection refused, DNS failures and timeouts surface as the HTTP library's own errors: `OSError`s with
 # requests, but neither `OSError` nor `HfHubHTTPError` with httpx (huggingface_hub >= 1) or its httpx2 fork.
@@ -41,7 +42,8 @@ def offline() -> bool:
 
 
 def fetch_card(model_id: ModelId) -> ModelCard:
-    """Build a custom card from the repo's config.json and safetensors index. Blocking: run in a thread."""
+    """Build a custom card from the repo's config.json, safetensors index, generation and tokenizer configs.
+    Blocking: run in a thread."""
     if offline():
         raise ApiError(
             503,
@@ -65,6 +67,11 @@ def fetch_card(model_id: ModelId) -> ModelCard:
                 # ignores it too).
                 with contextlib.suppress(ApiError):
                     generation = _read_json(model_id, GENERATION_CONFIG_FILE, info.sha, scratch)
+            tokenizer_config = None
+            if TOKENIZER_CONFIG_FILE in sizes:
+                # Optional too: it only says whether the model thinks (its added tokens).
+                with contextlib.suppress(ApiError):
+                    tokenizer_config = _read_json(model_id, TOKENIZER_CONFIG_FILE, info.sha, scratch)
     except GatedRepoError as error:
         raise ApiError(
             403, f"{model_id} is gated or private: accept its terms on the Hub and set HF_TOKEN", "gated_repo"
@@ -82,7 +89,7 @@ def fetch_card(model_id: ModelId) -> ModelCard:
     except _TRANSPORT_ERRORS as error:  # connection refused, DNS, timeouts
         raise ApiError(502, f"the Hub is unreachable: {error}", "hub_unreachable") from error
     try:
-        return card_from_hub_metadata(model_id, config, index, sizes, generation)
+        return card_from_hub_metadata(model_id, config, index, sizes, generation, tokenizer_config)
     except UnsupportedModelError as error:
         raise ApiError(400, str(error), "unsupported_model") from error
     except ValueError as error:  # a config.json that lacks or garbles a required value

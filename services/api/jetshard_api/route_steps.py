@@ -12,7 +12,7 @@ from collections.abc import AsyncIterator, Callable
 
 import msgspec
 from jetshard_schema import commands
-from jetshard_schema.cards import ModelCard
+from jetshard_schema.cards import ModelCapability, ModelCard
 from jetshard_schema.events import InstanceChosen, InstancePlaced
 from jetshard_schema.ids import InstanceId, ModelId, NodeId, new_instance_id, parse_model_id
 from jetshard_schema.models import find_card
@@ -54,6 +54,12 @@ def checked_model_id(value: str, param: str = "model_id") -> ModelId:
         return parse_model_id(value)
     except ValueError as error:
         raise ApiError(400, str(error), "invalid_model_id", param) from error
+
+
+def can_think(state: State, model_id: ModelId) -> bool:
+    """Whether the model's card says it thinks; an unknown model passes, for its own error to come later."""
+    card = find_card(state, model_id)
+    return card is None or ModelCapability.THINKING in card.capabilities
 
 
 def ready_models(state: State) -> set[ModelId]:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from jetshard_schema.types import ChatMessage, Tool, ToolChoice, Tools
+from jetshard_schema.types import CHAT_TEMPLATE_ARGUMENTS, ChatMessage, Tool, ToolChoice, Tools
 
 TOOLS_PROMPT = (
     "You can call these functions:\n{tools}\n\n"
@@ -26,13 +26,30 @@ def tool_spec(tool: Tool) -> dict[str, Any]:
     return {"name": tool.name, "description": tool.description, "parameters": tool.parameters}
 
 
-def render_chat(tokenizer: Any, messages: tuple[ChatMessage, ...], tools: Tools | None) -> str:
-    """The prompt text; the tools are left out when the request's choice is `none`."""
-    plain = _render(tokenizer, [_message(m) for m in messages], None)
+def render_chat(
+    tokenizer: Any,
+    messages: tuple[ChatMessage, ...],
+    tools: Tools | None,
+    template_kwargs: dict[str, Any] | None = None,
+) -> str:
+    """The prompt text; the tools are left out when the request's choice is `none`. `template_kwargs` are the
+    request's own values for the template (`enable_thinking`...); the ones the rendering itself sets are refused."""
+    template_kwargs = template_kwargs or {}
+    reserved = sorted(set(template_kwargs) & CHAT_TEMPLATE_ARGUMENTS)
+    if reserved:
+        raise ValueError(f"chat_template_kwargs may not set {', '.join(reserved)}")
+
+    def _render(messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None) -> str:
+        rendered = tokenizer.apply_chat_template(
+            messages, tools=tools, add_generation_prompt=True, tokenize=False, **template_kwargs
+        )
+        return str(rendered)
+
+    plain = _render([_message(m) for m in messages], None)
     if tools is None or tools.choice is ToolChoice.NONE or not tools.functions:
         return plain
     specs = [{"type": "function", "function": tool_spec(tool)} for tool in tools.functions]
-    with_tools = _render(tokenizer, [_message(m) for m in messages], specs)
+    with_tools = _render([_message(m) for m in messages], specs)
     if with_tools != plain:
         return with_tools
     described = TOOLS_PROMPT.format(tools="\n".join(json.dumps(spec["function"]) for spec in specs))
@@ -41,11 +58,7 @@ def render_chat(tokenizer: Any, messages: tuple[ChatMessage, ...], tools: Tools 
         inline[0] = {**inline[0], "content": f"{inline[0]['content']}\n\n{described}"}
     else:
         inline.insert(0, {"role": "system", "content": described})
-    return _render(tokenizer, inline, None)
-
-
-def _render(tokenizer: Any, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None) -> str:
-    return str(tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=True, tokenize=False))
+    return _render(inline, None)
 
 
 def _message(message: ChatMessage, calls_as_text: bool = False) -> dict[str, Any]:

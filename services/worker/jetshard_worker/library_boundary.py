@@ -46,6 +46,7 @@ __all__ = [
     "ring_socket_from_previous_rank",
     "shard_across",
     "splits_across_ranks",
+    "think_markers_of",
     "trim_prompt_cache",
 ]
 
@@ -81,6 +82,15 @@ def hf_tokenizer_of(wrapper: TokenizerWrapper) -> Any:
     itself, which llguidance needs as an object of its own.
     """
     return wrapper._tokenizer
+
+
+def think_markers_of(wrapper: TokenizerWrapper) -> tuple[str, str, tuple[int, ...], tuple[int, ...]] | None:
+    """The model's think markers as mlx-lm's `TokenizerWrapper` detects them in the vocabulary: the start and end
+    marker's text and token ids; None for a model that does not think."""
+    if not wrapper.has_thinking:
+        return None
+    start_tokens, end_tokens = wrapper.think_start_tokens, wrapper.think_end_tokens
+    return wrapper.think_start, wrapper.think_end, tuple(start_tokens), tuple(end_tokens)
 
 
 def grammar_tokenizer_of(tokenizer: Any, vocab_size: int) -> LLTokenizer:

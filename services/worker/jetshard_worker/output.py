@@ -1,5 +1,6 @@
 """What a task's generated tokens become on `jetshard.chunks.<node id>.<task id>`: per choice, its text (stop strings
-held back), its tool calls, its logprobs; then the task's usage on the last chunk.
+held back) split into reasoning and answer for a thinking model, its tool calls (parsed from the answer), its
+logprobs; then the task's usage on the last chunk.
 
 A task with `n` choices runs as `n` engine rows; an embedding task as one row per input. Every piece of
 output becomes a `Chunk` with the next index of the task, whichever choice it belongs to, so the API sees
@@ -22,6 +23,7 @@ from jetshard_schema.types import Chunk, TaskOutcome, TokenLogprob, ToolCall, To
 
 from jetshard_worker.constrained import JsonConstraint
 from jetshard_worker.engine import TokenScores
+from jetshard_worker.reasoning import ReasoningText, ReasoningTokens
 from jetshard_worker.textstream import TextStream
 from jetshard_worker.toolcalls import ToolCallParsed, ToolCallSplitter, parse_forced
 
@@ -48,8 +50,10 @@ class ChoiceOutput:
     forced_calls: bool = False
     """Tools `required` or named: the whole (constrained) output is the calls."""
     constraint: JsonConstraint | None = None
+    reasoning: tuple[ReasoningText, ReasoningTokens] | None = None
+    """A thinking model's chat: its text split into reasoning and answer, its reasoning tokens counted."""
     text: list[str] = field(default_factory=list)
-    """Everything generated, stop strings cut: what the constraint and a forced call read."""
+    """The answer generated, stop strings cut: what the constraint and a forced call read."""
     tokens: int = 0
     called: bool = False
     ending: TaskOutcome | None = None
@@ -58,6 +62,21 @@ class ChoiceOutput:
 
     def joined(self) -> str:
         return "".join(self.text)
+
+    @property
+    def reasoning_tokens(self) -> int:
+        return 0 if self.reasoning is None else self.reasoning[1].count
+
+    def split(self, text: str, last: bool = False) -> tuple[str, str]:
+        """`text`'s reasoning and answer (with what the split still held, when `last`); the answer is kept."""
+        reasoning = ""
+        if self.reasoning is not None:
+            reasoning, text = self.reasoning[0].add(text)
+            if last:
+                more_reasoning, more_text = self.reasoning[0].finish()
+                reasoning, text = reasoning + more_reasoning, text + more_text
+        self.text.append(text)
+        return reasoning, text
 
 
 class TaskOutput:
@@ -78,8 +97,8 @@ class TaskOutput:
         self._decode_token = decode_token
         self._publish = publish
         self._holding = holding
-        self._held: tuple[int, list[str], list[TokenLogprob]] | None = None
-        """A choice's text and logprobs not published yet."""
+        self._held: tuple[int, list[str], list[str], list[TokenLogprob]] | None = None
+        """A choice's reasoning, text and logprobs not published yet."""
         self._next_index = 0
         self._prompt_tokens = 0
         self.outcome = TaskOutcome.STOP
@@ -103,19 +122,19 @@ class TaskOutput:
         output.tokens += 1
         if scores is not None:
             self._logprobs.setdefault(choice, []).append(self._token_logprob(token, scores))
-        text = output.stream.add(token)
-        output.text.append(text)
+        if output.reasoning is not None:
+            output.reasoning[1].add(token)
+        reasoning, text = output.split(output.stream.add(token))
         if output.stream.stopped:
             output.ending = TaskOutcome.STOP
         elif output.constraint is not None and output.constraint.closing(output.joined, output.tokens) is not None:
             # Ending: what the detokenizer still holds back comes first, then what closes the document after it.
-            tail = output.stream.finish()
-            output.text.append(tail)
+            more_reasoning, tail = output.split(output.stream.finish(), last=True)
             closing = output.constraint.closing(output.joined, output.tokens) or ""
-            text += tail + closing
+            reasoning, text = reasoning + more_reasoning, text + tail + closing
             output.text.append(closing)
             output.ending = TaskOutcome.LENGTH if closing else TaskOutcome.STOP
-        self._emit(choice, text)
+        self._emit(choice, reasoning, text)
         return output.ending
 
     def finish(self, choice: int, reason: TaskOutcome, prompt_tokens: int) -> Usage | None:
@@ -129,10 +148,9 @@ class TaskOutput:
             # A stop string or a closed document: the reason the output gave, whatever stopped the engine first
             # (the last token may complete a stop string just as max_tokens is reached: that is a stop).
             reason = output.ending if reason is not TaskOutcome.CANCELLED else reason
-            text = ""
+            reasoning, text = "", ""
         else:
-            text = output.stream.finish()
-            output.text.append(text)
+            reasoning, text = output.split(output.stream.finish(), last=True)
         calls: list[ToolCallParsed] = []
         if output.forced_calls:
             calls = parse_forced(output.joined())
@@ -146,8 +164,12 @@ class TaskOutput:
         usage = None
         self.outcome = reason
         if self.done:
-            usage = Usage(prompt_tokens=self._prompt_tokens, completion_tokens=sum(c.tokens for c in self.choices))
-        self._chunk(choice, text, calls, finish_reason=reason, usage=usage)
+            usage = Usage(
+                prompt_tokens=self._prompt_tokens,
+                completion_tokens=sum(c.tokens for c in self.choices),
+                reasoning_tokens=sum(c.reasoning_tokens for c in self.choices),
+            )
+        self._chunk(choice, text, calls, reasoning, finish_reason=reason, usage=usage)
         return usage
 
     def embedding(self, choice: int, vector: list[float], prompt_tokens: int) -> Usage | None:
@@ -159,26 +181,30 @@ class TaskOutput:
         self._publish(self._next(choice, embedding=tuple(vector), token_count=prompt_tokens, usage=usage))
         return usage
 
-    def _emit(self, choice: int, text: str) -> None:
+    def _emit(self, choice: int, reasoning: str, text: str) -> None:
         output = self.choices[choice]
         calls: list[ToolCallParsed] = []
         if output.forced_calls:
             text = ""  # the calls' JSON, sent as calls at the end
         elif output.splitter is not None:
             text, calls = output.splitter.add(text)
-        if text or calls:
-            self._chunk(choice, text, calls)
+        if reasoning or text or calls:
+            self._chunk(choice, text, calls, reasoning)
 
-    def _chunk(self, choice: int, text: str, calls: list[ToolCallParsed], **fields: Any) -> None:
+    def _chunk(self, choice: int, text: str, calls: list[ToolCallParsed], reasoning: str = "", **fields: Any) -> None:
         logprobs = self._logprobs.pop(choice, [])
         if not calls and not fields:
-            if self._held is not None and self._held[0] != choice:
+            held = self._held
+            # A chunk's reasoning comes before its text: reasoning after held text (a model that thinks again)
+            # starts a chunk of its own.
+            if held is not None and (held[0] != choice or (reasoning and any(held[2]))):
                 self.flush()
             if self._held is None:
-                self._held = (choice, [], [])
+                self._held = (choice, [], [], [])
                 self._holding(self)
-            self._held[1].append(text)
-            self._held[2].extend(logprobs)
+            self._held[1].append(reasoning)
+            self._held[2].append(text)
+            self._held[3].extend(logprobs)
             return
         self.flush()
         if calls:
@@ -186,15 +212,19 @@ class TaskOutput:
         tool_calls = tuple(
             ToolCall(id=f"call_{secrets.token_hex(12)}", name=call.name, arguments=call.arguments) for call in calls
         )
-        self._publish(self._next(choice, text=text, tool_calls=tool_calls, logprobs=tuple(logprobs), **fields))
+        self._publish(
+            self._next(
+                choice, text=text, reasoning=reasoning, tool_calls=tool_calls, logprobs=tuple(logprobs), **fields
+            )
+        )
 
     def flush(self) -> None:
-        """Publish the text held, as one chunk."""
+        """Publish the reasoning and text held, as one chunk."""
         if self._held is None:
             return
-        choice, texts, logprobs = self._held
+        choice, reasonings, texts, logprobs = self._held
         self._held = None
-        self._publish(self._next(choice, text="".join(texts), logprobs=tuple(logprobs)))
+        self._publish(self._next(choice, reasoning="".join(reasonings), text="".join(texts), logprobs=tuple(logprobs)))
 
     def _next(self, choice: int, **fields: Any) -> Chunk:
         index, self._next_index = self._next_index, self._next_index + 1

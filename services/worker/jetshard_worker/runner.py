@@ -72,10 +72,11 @@ if TYPE_CHECKING:
 from jetshard_worker.chat import render_chat, tool_spec
 from jetshard_worker.constrained import JsonConstraint, SchemaError, grammar_tokenizer
 from jetshard_worker.engine import GenerationRequest, PipelineEngine, TokenScores, init_ring, load_shard
-from jetshard_worker.library_boundary import hf_tokenizer_of, load_tokenizer
+from jetshard_worker.library_boundary import hf_tokenizer_of, load_tokenizer, think_markers_of
 from jetshard_worker.lifeline import die_with_worker
 from jetshard_worker.output import ChoiceOutput, TaskOutput, row_id, split_row_id
 from jetshard_worker.publishing import NATS_ERRORS, publish_until_stored
+from jetshard_worker.reasoning import ReasoningText, ReasoningTokens, ThinkMarkers, opens_in_reasoning
 from jetshard_worker.runner_spec import RunnerSpec
 from jetshard_worker.runner_test_seams import RunnerTestSeams
 from jetshard_worker.task_requests import REQUEST_WAIT_S, TaskRequests
@@ -114,6 +115,7 @@ class Runner:
         self._spans = TaskSpans(self.plan.key.instance_id) if tracing_enabled() else None
         self.engine: Any = None
         self.tokenizer: Any = None
+        self.think_markers: ThinkMarkers | None = None
         self.context_length = 4096
         self.model_generation = GenerationDefaults()
         self.done = asyncio.Event()
@@ -180,6 +182,8 @@ class Runner:
         )
         if self.engine.is_leader:
             self.tokenizer = await asyncio.to_thread(load_tokenizer, model_dir, None, sorted(shard.eos_token_ids))
+            markers = think_markers_of(self.tokenizer)
+            self.think_markers = None if markers is None else ThinkMarkers(*markers)
             self.context_length = int(shard.config.get("max_position_embeddings") or self.context_length)
             self.model_generation = _read_generation_config(model_dir)
 
@@ -357,9 +361,21 @@ class Runner:
             specs = [tool_spec(tool) for tool in tools.functions]
             schema = forced_call_schema(specs, tools.function, tools.parallel)
         seed = request.sampling.seed
+        markers = self.think_markers if request.kind is TaskKind.CHAT else None
+        thinking = markers is not None and opens_in_reasoning(markers, tokens)
         choices, rows = [], []
         for i in range(request.n):
             constraint = None if schema is None else self._constraint(schema, max_tokens)
+            processors = () if constraint is None else (constraint.process,)
+            reasoning = None
+            if markers is not None:
+                reasoning = (ReasoningText(markers, thinking), ReasoningTokens(markers, thinking))
+                # The engine thread's own follower of the tokens: it ends the reasoning at the budget, and keeps
+                # the constraint to the answer.
+                steering = ReasoningTokens(
+                    markers, thinking, request.thinking_budget, None if constraint is None else constraint.process
+                )
+                processors = (steering.process,) if steering.steers else ()
             splitter = None
             if tools is not None and tools.choice is ToolChoice.AUTO and schema is None:
                 wrapper = self.tokenizer
@@ -378,6 +394,7 @@ class Runner:
                     splitter=splitter,
                     forced_calls=forced,
                     constraint=constraint,
+                    reasoning=reasoning,
                 )
             )
             rows.append(
@@ -389,7 +406,7 @@ class Runner:
                     top_p=resolved.top_p,
                     # Each choice its own draw; a seeded request stays reproducible.
                     seed=None if seed is None else (seed + i) % 2**64,
-                    logits_processors=() if constraint is None else (constraint.process,),
+                    logits_processors=processors,
                     top_logprobs=request.top_logprobs,
                 )
             )
@@ -412,7 +429,7 @@ class Runner:
         """The token ids the engine prefills: one prompt, or one per embedding input."""
         match request.kind:
             case TaskKind.CHAT:
-                rendered = render_chat(self.tokenizer, request.messages, request.tools)
+                rendered = render_chat(self.tokenizer, request.messages, request.tools, request.chat_template_kwargs)
                 return [list(self.tokenizer.encode(rendered, add_special_tokens=False))]
             case TaskKind.EMBEDDING:
                 return [list(self.tokenizer.encode(text)) for text in request.inputs]

@@ -63,8 +63,11 @@ def import_gguf(api: ApiClient, path: Path, model_id: str | None) -> None:
     config = json.loads((directory / "config.json").read_text())
     index = json.loads((directory / "model.safetensors.index.json").read_text())
     sizes = {p.name: p.stat().st_size for p in directory.glob("*.safetensors")}
+    # The conversion rebuilt tokenizer_config.json from the GGUF's vocabulary: its added tokens say whether the
+    # model thinks.
+    tokenizer_config = json.loads((directory / "tokenizer_config.json").read_text())
     card = replace(
-        card_from_hub_metadata(model_id, config, index, sizes),
+        card_from_hub_metadata(model_id, config, index, sizes, None, tokenizer_config),
         source=ModelSource.LOCAL_GGUF,
         source_ref=str(path.resolve()),
     )

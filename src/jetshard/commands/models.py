@@ -101,6 +101,7 @@ def card_table(card: dict[str, Any]) -> Table:
         ("size", _size_text(card)),
         ("quantization", format_quantization(card)),
         ("tasks", ", ".join(card.get("tasks") or []) or "-"),
+        ("capabilities", ", ".join(card.get("capabilities") or []) or "-"),
         ("custom", "yes" if card.get("is_custom") else "no (built-in)"),
         ("source", str(card.get("source", "-")) + (f" ({card['source_ref']})" if card.get("source_ref") else "")),
     ]

@@ -121,7 +121,7 @@ function downloadRow(modelId, download) {
 function capabilities(model) {
   const parts = [`${model.num_layers} layers`, size(model.storage_size_bytes), `${model.context_length} context`];
   if (model.quantization_bits) parts.push(`${model.quantization_bits}-bit`);
-  return [...parts, model.tasks.join(" · ")].join(", ");
+  return [...parts, model.capabilities.join(" · ")].join(", ");
 }
 
 function modelRow(model, nodes) {

@@ -10,6 +10,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from jetshard_schema.types import (
+    CHAT_TEMPLATE_ARGUMENTS,
     MAX_CHOICES,
     MAX_EMBEDDING_INPUTS,
     MAX_TOP_LOGPROBS,
@@ -129,6 +130,38 @@ def tools(
     if not checked:
         return None
     return Tools(functions=tuple(checked), choice=choice, function=function, parallel=parallel)
+
+
+def template_kwargs(
+    given: dict[str, Any] | None,
+    param: str = "chat_template_kwargs",
+    *,
+    thinking: bool | None = None,
+    effort: str | None = None,
+) -> dict[str, Any]:
+    """The values a chat's template gets: the client's own (`chat_template_kwargs`), then the dialect's thinking
+    switch as `enable_thinking` (Qwen3's name, which mlx-lm renames for templates that call it otherwise) and its
+    reasoning effort as `reasoning_effort` (gpt-oss' name), unless the client's own set them. A template that
+    does not read a value renders as if it were not there."""
+    kwargs = dict(given or {})
+    reserved = sorted(set(kwargs) & CHAT_TEMPLATE_ARGUMENTS)
+    if reserved:
+        raise invalid(param, f"{param} may not set {', '.join(reserved)}: the rendering sets them")
+    if thinking is not None:
+        kwargs.setdefault("enable_thinking", thinking)
+    if effort is not None:
+        kwargs.setdefault("reasoning_effort", effort)
+    return kwargs
+
+
+def thinking_budget(budget: int | None, param: str, max_tokens: int | None = None) -> int | None:
+    if budget is None:
+        return None
+    if budget < 1:
+        raise invalid(param, f"{param} must be at least 1")
+    if max_tokens is not None and budget >= max_tokens:
+        raise invalid(param, f"{param} must be less than max_tokens ({max_tokens}): the answer comes after it")
+    return budget
 
 
 def text_content(content: object, param: str) -> str:

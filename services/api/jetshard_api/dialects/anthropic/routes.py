@@ -29,18 +29,20 @@ from jetshard_api.dialects.anthropic.types import (
     MessageBody,
     MessagesRequest,
     TextBlock,
+    ThinkingBlock,
     TokenCount,
     UsageBody,
     content_blocks,
     message_sampling,
     messages_task,
     stop_reason,
+    thinks,
     tool_use_block,
 )
 from jetshard_api.dialects.streaming import streamed
 from jetshard_api.dialects.strict_body import DialectController
 from jetshard_api.errors import ApiError, error_handlers_answering, inference_responses_in
-from jetshard_api.route_steps import InferenceSettings, checked_model_id
+from jetshard_api.route_steps import InferenceSettings, can_think, checked_model_id
 from jetshard_api.tasks import answer
 
 AnyRequest = Request[Any, Any, Any]
@@ -82,9 +84,12 @@ class AnthropicController(DialectController):
         data: JSONBody[MessagesRequest],
         request: AnyRequest,
     ) -> Response[MessageBody] | ServerSentEvent:
-        """The answer as one message, or with `stream` as Anthropic's named events: text, and tool calls
-        (`tools`, `tool_choice`; a forced call is decoded to follow the tool's `input_schema`)."""
+        """The answer as one message, or with `stream` as Anthropic's named events: a thinking model's reasoning
+        (`thinking`), text, and tool calls (`tools`, `tool_choice`; a forced call is decoded to follow the tool's
+        `input_schema`)."""
         task = _task(data, message_sampling(data))
+        if thinks(data) and not can_think(cluster.state, task.model_id):
+            raise ApiError(400, f"{task.model_id} does not support thinking", "thinking_unsupported", "thinking")
         if data.stream:
             return await streamed(cluster, settings, task, request.receive, _Events(task))
         result = await answer(cluster, settings, task, request.receive)
@@ -128,19 +133,27 @@ def _usage(usage: Usage | None) -> UsageBody:
 
 
 class _Blocks:
-    """A streamed message's content blocks: a text block stays open while text comes; each tool call is a block
-    of its own, its input sent whole as one `input_json_delta` (the runner hands out calls complete)."""
+    """A streamed message's content blocks: a thinking or a text block stays open while its kind of text comes
+    (a thinking block ends with its `signature_delta`, empty here); each tool call is a block of its own, its
+    input sent whole as one `input_json_delta` (the runner hands out calls complete)."""
 
     def __init__(self) -> None:
         self._index = 0
-        self._text_open = False
+        self._open: str | None = None
+        """The kind of the open block: "thinking" or "text"."""
+
+    def thinking(self, text: str) -> list[ServerSentEventMessage]:
+        return self._delta("thinking", ThinkingBlock(thinking=""), {"type": "thinking_delta", "thinking": text})
 
     def text(self, text: str) -> list[ServerSentEventMessage]:
-        if not text:
+        return self._delta("text", TextBlock(text=""), {"type": "text_delta", "text": text})
+
+    def _delta(self, kind: str, empty: object, delta: dict[str, str]) -> list[ServerSentEventMessage]:
+        if not delta[kind]:
             return []
-        events = [] if self._text_open else [self._event("content_block_start", content_block=TextBlock(text=""))]
-        self._text_open = True
-        return [*events, self._event("content_block_delta", delta={"type": "text_delta", "text": text})]
+        events = [] if self._open == kind else [*self.close(), self._event("content_block_start", content_block=empty)]
+        self._open = kind
+        return [*events, self._event("content_block_delta", delta=delta)]
 
     def tool_use(self, call: ToolCall) -> list[ServerSentEventMessage]:
         block = tool_use_block(call)
@@ -155,11 +168,13 @@ class _Blocks:
         return events
 
     def close(self) -> list[ServerSentEventMessage]:
-        """End the open text block, if any."""
-        if not self._text_open:
+        """End the open block, if any."""
+        if self._open is None:
             return []
         events = [self._event("content_block_stop")]
-        self._index, self._text_open = self._index + 1, False
+        if self._open == "thinking":
+            events.insert(0, self._event("content_block_delta", delta={"type": "signature_delta", "signature": ""}))
+        self._index, self._open = self._index + 1, None
         return events
 
     def _event(self, name: str, **payload: Any) -> ServerSentEventMessage:
@@ -189,7 +204,12 @@ class _Events:
     def chunk(self, chunk: Chunk) -> list[ServerSentEventMessage]:
         self._reason = chunk.finish_reason or self._reason
         self._usage = chunk.usage or self._usage
-        return self._blocks.text(chunk.text) + [e for c in chunk.tool_calls for e in self._blocks.tool_use(c)]
+        blocks = self._blocks
+        return [
+            *blocks.thinking(chunk.reasoning),
+            *blocks.text(chunk.text),
+            *(e for c in chunk.tool_calls for e in blocks.tool_use(c)),
+        ]
 
     def closing(self) -> list[ServerSentEventMessage]:
         delta = {"stop_reason": stop_reason(self._reason), "stop_sequence": None}

@@ -2,11 +2,14 @@
 the translation of a request into a TaskRequest.
 
 What a chat template can carry is translated: text, tool definitions, earlier tool calls and their results;
-`output_config.format` (a JSON schema) becomes constrained decoding. Fields that would change the output and
-that jetshard cannot honour are refused with 400, never silently ignored: `top_k` (the engine samples with
-temperature and top-p only), `thinking` of type `enabled` (the runner produces no thinking blocks; `adaptive`
-leaves thinking to the model, and is accepted), an assistant message last (Anthropic continues such a
-"prefill"; a chat template starts a new turn after it), image and document blocks (text models only).
+`output_config.format` (a JSON schema) becomes constrained decoding. `thinking` switches a thinking model's
+reasoning on (`enabled`, with its `budget_tokens`) or off (`disabled`, and by default, as Anthropic's models do);
+`adaptive` leaves it to the model's own default; the reasoning comes back as a `thinking` block before the text.
+Thinking blocks of earlier turns are dropped, as the chat templates of thinking models drop earlier reasoning.
+Fields that would change the output and that jetshard cannot honour are refused with 400, never silently
+ignored: `top_k` (the engine samples with temperature and top-p only), an assistant message last (Anthropic
+continues such a "prefill"; a chat template starts a new turn after it), image and document blocks (text
+models only).
 `cache_control` markers, `metadata` and `output_config.effort` are accepted and ignored: they change nothing
 in the output here, and the runner's prefix cache reuses any prompt start it has kept without breakpoints.
 """
@@ -30,6 +33,13 @@ class TextBlock(msgspec.Struct, frozen=True, kw_only=True, tag="text", tag_field
     text: str
 
 
+class ThinkingBlock(msgspec.Struct, frozen=True, kw_only=True, tag="thinking", tag_field="type"):
+    """A thinking model's reasoning, before its answer. The signature is empty: nothing here checks one."""
+
+    thinking: str
+    signature: str = ""
+
+
 class ToolUseBlock(msgspec.Struct, frozen=True, kw_only=True, tag="tool_use", tag_field="type"):
     """A call the model made: in an answer, or in an earlier assistant turn the client sends back."""
 
@@ -51,7 +61,7 @@ class ToolResultBlock(msgspec.Struct, frozen=True, kw_only=True, tag="tool_resul
 
 class MessageParam(msgspec.Struct, frozen=True, kw_only=True):
     role: Literal["user", "assistant"]
-    content: str | list[TextBlock | ToolUseBlock | ToolResultBlock]
+    content: str | list[TextBlock | ThinkingBlock | ToolUseBlock | ToolResultBlock]
 
 
 class ToolParam(msgspec.Struct, frozen=True, kw_only=True):
@@ -68,10 +78,10 @@ class ToolChoiceParam(msgspec.Struct, frozen=True, kw_only=True):
 
 
 class ThinkingParam(msgspec.Struct, frozen=True, kw_only=True):
-    type: str
-    """`disabled`, or `adaptive` (the model decides whether to think; these models never do); `enabled` is
-    refused."""
+    type: Literal["enabled", "disabled", "adaptive"]
+    """`enabled` turns a thinking model's reasoning on, `disabled` off; `adaptive` leaves it to the model."""
     budget_tokens: int | None = None
+    """With `enabled`, the most tokens the model reasons with (fewer than `max_tokens`)."""
 
 
 class OutputFormat(msgspec.Struct, frozen=True, kw_only=True):
@@ -83,7 +93,7 @@ class OutputConfig(msgspec.Struct, frozen=True, kw_only=True):
     format: OutputFormat | None = None
     """Structured output: the answer's text is decoded to follow the schema."""
     effort: str | None = None
-    """Accepted and ignored: it sets how much a model thinks, and these models do not."""
+    """Passed to the chat template as `reasoning_effort`, for templates that take one."""
 
 
 class CountTokensRequest(msgspec.Struct, frozen=True, kw_only=True):
@@ -127,11 +137,23 @@ def message_sampling(request: MessagesRequest) -> SamplingParams:
     )
 
 
+def thinks(request: CountTokensRequest) -> bool:
+    return request.thinking is not None and request.thinking.type == "enabled"
+
+
 def messages_task(
     task_id: TaskId, model_id: ModelId, request: CountTokensRequest, sampling: SamplingParams
 ) -> TaskRequest:
-    if request.thinking is not None and request.thinking.type not in ("disabled", "adaptive"):
-        raise checks.unsupported("thinking", "other than disabled or adaptive")
+    thinking = request.thinking
+    budget = None
+    if thinking is not None and thinking.type == "enabled":
+        if thinking.budget_tokens is None:
+            raise checks.invalid("thinking.budget_tokens", "thinking of type enabled needs budget_tokens")
+        # Counting tokens generates one: the answer's own max_tokens bounds the budget.
+        max_tokens = request.max_tokens if isinstance(request, MessagesRequest) else None
+        budget = checks.thinking_budget(thinking.budget_tokens, "thinking.budget_tokens", max_tokens)
+    switch = None if thinking is not None and thinking.type == "adaptive" else thinks(request)
+    effort = request.output_config.effort if request.output_config is not None else None
     if not request.messages:
         raise checks.invalid("messages", "messages must not be empty")
     if request.messages[-1].role == "assistant":
@@ -155,6 +177,8 @@ def messages_task(
         sampling=sampling,
         tools=tools,
         output_schema=_output_schema(request.output_config),
+        chat_template_kwargs=checks.template_kwargs(None, thinking=switch, effort=effort),
+        thinking_budget=budget,
     )
 
 
@@ -184,6 +208,8 @@ def _conversation(messages: list[MessageParam]) -> list[ChatMessage]:
             param = f"messages[{i}].content[{j}]"
             if isinstance(block, TextBlock):
                 text.append(block.text)
+            elif isinstance(block, ThinkingBlock):
+                continue
             elif isinstance(block, ToolUseBlock):
                 if message.role != "assistant":
                     raise checks.invalid(param, f"{param}: tool_use blocks belong in assistant messages")
@@ -223,7 +249,7 @@ class MessageBody(msgspec.Struct, frozen=True, kw_only=True):
     type: str = "message"
     role: str = "assistant"
     model: str
-    content: list[TextBlock | ToolUseBlock]
+    content: list[ThinkingBlock | TextBlock | ToolUseBlock]
     stop_reason: str | None
     stop_sequence: str | None = None
     """Always null: the runner does not say which stop sequence ended the output (see `stop_reason`)."""
@@ -260,6 +286,10 @@ def tool_use_block(call: ToolCall) -> ToolUseBlock:
     return ToolUseBlock(id="toolu_" + call.id.removeprefix("call_"), name=call.name, input=arguments)
 
 
-def content_blocks(choice: Choice) -> list[TextBlock | ToolUseBlock]:
-    text: list[TextBlock | ToolUseBlock] = [TextBlock(text=choice.text)] if choice.text else []
-    return text + [tool_use_block(call) for call in choice.tool_calls]
+def content_blocks(choice: Choice) -> list[ThinkingBlock | TextBlock | ToolUseBlock]:
+    blocks: list[ThinkingBlock | TextBlock | ToolUseBlock] = []
+    if choice.reasoning:
+        blocks.append(ThinkingBlock(thinking=choice.reasoning))
+    if choice.text:
+        blocks.append(TextBlock(text=choice.text))
+    return blocks + [tool_use_block(call) for call in choice.tool_calls]

@@ -61,6 +61,7 @@ from jetshard_api.dialects.ollama.types import (
     model_id_of,
     now,
     shortened,
+    thinks,
     tool_call_bodies,
 )
 from jetshard_api.dialects.openai.types import TokenLogprobBody
@@ -69,6 +70,7 @@ from jetshard_api.disconnect import unless_disconnected
 from jetshard_api.errors import ApiError, error_handlers_answering, inference_responses_in
 from jetshard_api.route_steps import (
     InferenceSettings,
+    can_think,
     delete_everywhere,
     ensure_ready,
     pulling,
@@ -81,16 +83,17 @@ from jetshard_api.tasks import LiveTask, Waiting, answer
 AnyRequest = Request[Any, Any, Any]
 NDJSON = "application/x-ndjson"
 
-Shape = Callable[[dict[str, Any], str, list[ToolCallBody] | None], ChatAnswer | GenerateAnswer]
-"""Builds a chat's or a generation's line from its common fields, its text and its tool calls."""
+Shape = Callable[[dict[str, Any], str, str, list[ToolCallBody] | None], ChatAnswer | GenerateAnswer]
+"""Builds a chat's or a generation's line from its common fields, its text, its reasoning and its tool calls."""
 
 
-def _chat_shape(head: dict[str, Any], text: str, calls: list[ToolCallBody] | None) -> ChatAnswer:
-    return ChatAnswer(**head, message=AssistantMessage(role="assistant", content=text, tool_calls=calls))
+def _chat_shape(head: dict[str, Any], text: str, thinking: str, calls: list[ToolCallBody] | None) -> ChatAnswer:
+    message = AssistantMessage(role="assistant", content=text, thinking=thinking or None, tool_calls=calls)
+    return ChatAnswer(**head, message=message)
 
 
-def _generate_shape(head: dict[str, Any], text: str, calls: list[ToolCallBody] | None) -> GenerateAnswer:
-    return GenerateAnswer(**head, response=text)
+def _generate_shape(head: dict[str, Any], text: str, thinking: str, calls: list[ToolCallBody] | None) -> GenerateAnswer:
+    return GenerateAnswer(**head, response=text, thinking=thinking or None)
 
 
 def _line(body: msgspec.Struct) -> bytes:
@@ -170,14 +173,14 @@ class _Reply:
     def waiting(self) -> ChatAnswer | GenerateAnswer:
         """An empty line while the task waits, so that proxies keep the connection (Ollama has no keep-alive;
         its clients add up empty pieces as nothing)."""
-        return self._shape(self._head(), "", None)
+        return self._shape(self._head(), "", "", None)
 
     def piece(self, chunk: Chunk) -> ChatAnswer | GenerateAnswer | None:
         calls = self._add(chunk)
         if chunk.usage is not None:
-            return self._shape(self._head(chunk.logprobs, chunk.usage, done=True), chunk.text, calls)
-        if chunk.text or calls or chunk.logprobs:
-            return self._shape(self._head(chunk.logprobs), chunk.text, calls)
+            return self._shape(self._head(chunk.logprobs, chunk.usage, done=True), chunk.text, chunk.reasoning, calls)
+        if chunk.text or chunk.reasoning or calls or chunk.logprobs:
+            return self._shape(self._head(chunk.logprobs), chunk.text, chunk.reasoning, calls)
         return None
 
     async def whole(self, live: LiveTask) -> ChatAnswer | GenerateAnswer:
@@ -187,7 +190,8 @@ class _Reply:
                 self._add(item)
                 usage = item.usage or usage
         calls = tool_call_bodies(self._whole.tool_calls) or None
-        return self._shape(self._head(self._whole.logprobs, usage, done=True), self._whole.text, calls)
+        whole = self._whole
+        return self._shape(self._head(whole.logprobs, usage, done=True), whole.text, whole.reasoning, calls)
 
 
 async def _answer(
@@ -237,7 +241,7 @@ async def _load(
     if keep_alive == 0 or (isinstance(keep_alive, str) and _ZERO_DURATION.fullmatch(keep_alive)):
         raise checks.unsupported("keep_alive", "0 (unloading): delete the model's instance (DELETE /instances/{id})")
     await _loaded(cluster, settings, task.model_id, request)
-    return Response(shape({"model": name, "created_at": now(), "done": True, "done_reason": "load"}, "", None))
+    return Response(shape({"model": name, "created_at": now(), "done": True, "done_reason": "load"}, "", "", None))
 
 
 async def _generated(
@@ -249,7 +253,10 @@ async def _generated(
     shape: Shape,
     has_input: bool,
 ) -> Response[Any] | Stream:
-    """A chat's or a generation's answer (`_answer`), or with no input its model loaded (`_load`)."""
+    """A chat's or a generation's answer (`_answer`), or with no input its model loaded (`_load`). Thinking asked
+    of a model that does not think is refused, as Ollama refuses it."""
+    if thinks(data) and not can_think(cluster.state, task.model_id):
+        raise ApiError(400, f'"{data.model}" does not support thinking', "thinking_unsupported", "think")
     if not has_input:
         return await _load(cluster, settings, task, request, data.keep_alive, data.model, shape)
     return await _answer(cluster, settings, task, request, data.stream, data.model, shape)

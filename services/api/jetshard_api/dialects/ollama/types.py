@@ -17,7 +17,7 @@ from datetime import UTC, datetime
 from typing import Any, Literal
 
 import msgspec
-from jetshard_schema.cards import ModelCard, ModelSource, ModelTask
+from jetshard_schema.cards import ModelCard, ModelSource
 from jetshard_schema.ids import ModelId, TaskId
 from jetshard_schema.placement import parameter_count
 from jetshard_schema.sampling import documented_defaults
@@ -129,6 +129,8 @@ class GenerationRequest(msgspec.Struct, frozen=True, kw_only=True):
     keep_alive: float | str | None = None
     """Accepted; instances stay until deleted, whatever it says."""
     think: bool | str | None = None
+    """A thinking model's reasoning on (true, or an effort: low, medium, high) or off (false); left out, the
+    model's own default. The reasoning comes back as `thinking`, apart from the answer."""
     logprobs: bool | None = None
     top_logprobs: int | None = None
 
@@ -268,15 +270,28 @@ def output_schema(format: str | dict[str, Any] | None) -> dict[str, Any] | None:
 def _common(
     task_id: TaskId, model_id: ModelId, request: GenerationRequest, context_length: int | None
 ) -> dict[str, Any]:
-    if request.think not in (None, False):
-        raise checks.unsupported("think", "(thinking models)")
     return {
         "task_id": task_id,
         "model_id": model_id,
         "sampling": sampling(request.options, context_length),
         "output_schema": output_schema(request.format),
         "top_logprobs": checks.top_logprobs(bool(request.logprobs), request.top_logprobs),
+        "chat_template_kwargs": _thinking(request.think),
     }
+
+
+THINK_EFFORTS = ("low", "medium", "high")
+
+
+def thinks(request: GenerationRequest) -> bool:
+    return request.think not in (None, False)
+
+
+def _thinking(think: bool | str | None) -> dict[str, Any]:
+    if isinstance(think, str) and think not in THINK_EFFORTS:
+        raise checks.invalid("think", f"think must be true, false or one of {', '.join(THINK_EFFORTS)}")
+    switch = None if think is None else think is not False
+    return checks.template_kwargs(None, thinking=switch, effort=think if isinstance(think, str) else None)
 
 
 def chat_task(task_id: TaskId, model_id: ModelId, request: ChatRequest, context_length: int | None) -> TaskRequest:
@@ -366,6 +381,7 @@ class OllamaError(msgspec.Struct, frozen=True):
 class AssistantMessage(msgspec.Struct, frozen=True, omit_defaults=True):
     role: str
     content: str
+    thinking: str | None = None
     tool_calls: list[ToolCallBody] | None = None
 
 
@@ -414,6 +430,7 @@ class ChatAnswer(_Answer, frozen=True, kw_only=True, omit_defaults=True):
 
 class GenerateAnswer(_Answer, frozen=True, kw_only=True, omit_defaults=True):
     response: str
+    thinking: str | None = None
 
 
 class EmbedAnswer(msgspec.Struct, frozen=True, kw_only=True):
@@ -553,12 +570,10 @@ class ModelInfo(msgspec.Struct, frozen=True, kw_only=True):
             f"{arch}.attention.head_count_kv": card.num_key_value_heads,
             f"{arch}.vocab_size": card.vocab_size,
         }
-        # Every model can call tools (constrained decoding keeps a call valid) and embed (mean pooling).
-        capabilities = ["completion", *(["tools"] if ModelTask.CHAT in card.tasks else []), "embedding"]
         return cls(
             modelfile=modelfile,
             parameters=parameters,
             details=ModelDetails.of(card),
             model_info=info,
-            capabilities=capabilities,
+            capabilities=[str(capability) for capability in card.capabilities],
         )

@@ -140,6 +140,7 @@ def _model_object(model_id: ModelId, card: ModelCard, ready: set[ModelId]) -> Mo
         owned_by=model_id.split("/")[0],
         ready=model_id in ready,
         placeable=model_id not in ready,
+        capabilities=[str(capability) for capability in card.capabilities],
         generation_defaults=documented_defaults(card.generation),
     )
 
@@ -201,11 +202,13 @@ class _Events:
 
     def _piece(self, chunk: Chunk) -> dict[str, Any] | None:
         reason = finish_reason(chunk.finish_reason)
-        if not (chunk.text or chunk.tool_calls or chunk.logprobs or reason):
+        if not (chunk.text or chunk.reasoning or chunk.tool_calls or chunk.logprobs or reason):
             return None
         entry: dict[str, Any] = {"index": chunk.choice, "finish_reason": reason, "logprobs": None}
         if self._chat:
-            delta: dict[str, Any] = {"content": chunk.text} if chunk.text else {}
+            delta: dict[str, Any] = {"reasoning_content": chunk.reasoning} if chunk.reasoning else {}
+            if chunk.text:
+                delta["content"] = chunk.text
             if chunk.tool_calls:
                 first = self._tool_calls_sent[chunk.choice]
                 self._tool_calls_sent[chunk.choice] += len(chunk.tool_calls)

@@ -112,6 +112,10 @@ class ChatCompletionRequest(_Common, frozen=True, kw_only=True):
     response_format: ResponseFormat | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
+    reasoning_effort: str | None = None
+    """Passed to the chat template as `reasoning_effort`; "none" turns a thinking model's reasoning off."""
+    chat_template_kwargs: dict[str, Any] | None = None
+    """vLLM's: values for the chat template (`{"enable_thinking": false}`)."""
 
 
 class CompletionRequest(_Common, frozen=True, kw_only=True):
@@ -169,7 +173,23 @@ def chat_task(task_id: TaskId, model_id: ModelId, request: ChatCompletionRequest
         output_schema=output_schema,
         top_logprobs=checks.top_logprobs(request.logprobs, request.top_logprobs),
         n=checks.choices(request.n),
+        chat_template_kwargs=effort_template_kwargs(request.chat_template_kwargs, request.reasoning_effort),
     )
+
+
+REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh")
+"""OpenAI's values of `reasoning_effort` (and the Responses API's `reasoning.effort`)."""
+
+
+def effort_template_kwargs(
+    given: dict[str, Any] | None, effort: str | None, param: str = "reasoning_effort"
+) -> dict[str, Any]:
+    """A chat's template values with OpenAI's reasoning effort: "none" is no reasoning; any other effort goes to
+    templates that take one (gpt-oss'), leaving a model that thinks on or off by its own default."""
+    if effort is not None and effort not in REASONING_EFFORTS:
+        raise checks.invalid(param, f"{param} must be one of {', '.join(REASONING_EFFORTS)}")
+    thinking = False if effort == "none" else None
+    return checks.template_kwargs(given, thinking=thinking, effort=None if effort == "none" else effort)
 
 
 def _tools(request: ChatCompletionRequest) -> Tools | None:
@@ -233,15 +253,21 @@ def embedding_task(task_id: TaskId, model_id: ModelId, request: EmbeddingRequest
 # --- response bodies ---------------------------------------------------------------------------------------
 
 
+class CompletionTokensDetails(msgspec.Struct, frozen=True):
+    reasoning_tokens: int
+
+
 class UsageBody(msgspec.Struct, frozen=True):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    completion_tokens_details: CompletionTokensDetails
 
     @classmethod
     def of(cls, usage: Usage | None) -> UsageBody:
         usage = usage or Usage(prompt_tokens=0, completion_tokens=0)
-        return cls(usage.prompt_tokens, usage.completion_tokens, usage.total_tokens)
+        details = CompletionTokensDetails(reasoning_tokens=usage.reasoning_tokens)
+        return cls(usage.prompt_tokens, usage.completion_tokens, usage.total_tokens, details)
 
 
 class TopLogprobBody(msgspec.Struct, frozen=True):
@@ -296,6 +322,8 @@ class AssistantMessage(msgspec.Struct, frozen=True):
     content: str | None
     role: str = "assistant"
     tool_calls: list[ToolCallBody] | None = None
+    reasoning_content: str | None = None
+    """A thinking model's reasoning, apart from its answer (vLLM's and DeepSeek's name)."""
 
 
 def finish_reason(reason: TaskOutcome | None) -> str | None:
@@ -319,7 +347,11 @@ class ChatChoice(msgspec.Struct, frozen=True, kw_only=True):
             index=index,
             finish_reason=finish_reason(choice.finish_reason),
             logprobs=ChoiceLogprobs.of(choice.logprobs) if logprobs else None,
-            message=AssistantMessage(content=choice.text if choice.text or not calls else None, tool_calls=calls),
+            message=AssistantMessage(
+                content=choice.text if choice.text or not calls else None,
+                tool_calls=calls,
+                reasoning_content=choice.reasoning or None,
+            ),
         )
 
 
@@ -391,6 +423,8 @@ class ModelObject(msgspec.Struct, frozen=True, kw_only=True):
     owned_by: str
     ready: bool
     placeable: bool
+    capabilities: list[str]
+    """What the model does: completion, tools, thinking, vision, embedding (Ollama's names)."""
     generation_defaults: ResolvedSampling
     """What a request that leaves these out gets, unless the model directory's generation_config.json sets
     them (the runner reads it; see jetshard_schema.sampling)."""

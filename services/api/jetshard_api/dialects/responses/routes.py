@@ -27,10 +27,13 @@ from jetshard_api.dialects.responses.types import (
     MessageItem,
     OutputItem,
     OutputText,
+    ReasoningItem,
+    ReasoningText,
     ResponseObject,
     ResponseRequest,
     call_item,
     message_item,
+    reasoning_item,
     response_task,
 )
 from jetshard_api.dialects.streaming import keep_alive_comment, streamed
@@ -63,7 +66,7 @@ class ResponsesController(DialectController):
             return await streamed(cluster, settings, task, request.receive, _Events(head))
         result = await answer(cluster, settings, task, request.receive)
         choice = result.choices[0]
-        output = _output(choice.text, choice.tool_calls, choice.finish_reason)
+        output = _output(choice.reasoning, choice.text, choice.tool_calls, choice.finish_reason)
         # A Response, not the bare body: the route's media type would otherwise be JSON for the stream too.
         return Response(head.finished(output, result.usage, choice.finish_reason))
 
@@ -72,9 +75,10 @@ def _response_id(task: TaskRequest) -> str:
     return "resp_" + task.task_id.removeprefix("task-")
 
 
-def _output(text: str, calls: list[ToolCall], reason: TaskOutcome | None) -> list[OutputItem]:
-    """A message with the text (left out when the model only called functions), then one item per call."""
-    items: list[OutputItem] = []
+def _output(reasoning: str, text: str, calls: list[ToolCall], reason: TaskOutcome | None) -> list[OutputItem]:
+    """A thinking model's reasoning, a message with the text (left out when the model only called functions), then
+    one item per call."""
+    items: list[OutputItem] = [reasoning_item(reasoning, "completed")] if reasoning else []
     if text or not calls:
         items.append(message_item(text, "incomplete" if reason is TaskOutcome.LENGTH else "completed"))
     items += [call_item(call, "completed") for call in calls]
@@ -83,7 +87,8 @@ def _output(text: str, calls: list[ToolCall], reason: TaskOutcome | None) -> lis
 
 class _Events:
     """The Responses API's events for one streamed response: each output item opens (`output_item.added`),
-    fills (text or argument deltas) and closes (`output_item.done`) in turn, and every event is numbered."""
+    fills (reasoning, text or argument deltas) and closes (`output_item.done`) in turn, and every event is
+    numbered."""
 
     def __init__(self, head: ResponseObject) -> None:
         self.head = head
@@ -93,6 +98,9 @@ class _Events:
         self._message: MessageItem | None = None
         """The message item open now: its text arrives in deltas, kept in `_text`."""
         self._text = ""
+        self._reasoning: ReasoningItem | None = None
+        """The reasoning item open now: its text arrives in deltas, kept in `_thought`."""
+        self._thought = ""
 
     def event(self, type: str, **fields: Any) -> ServerSentEventMessage:
         data = {"type": type, "sequence_number": self._sequence, **fields}
@@ -107,17 +115,26 @@ class _Events:
         return keep_alive_comment(what)
 
     def chunk(self, chunk: Chunk) -> Iterator[ServerSentEventMessage]:
+        if chunk.reasoning:
+            if self._reasoning is None:
+                yield from self._close_message("completed")
+                yield from self._open_reasoning()
+            yield self.event("response.reasoning_text.delta", delta=chunk.reasoning, **self._thought_place())
+            self._thought += chunk.reasoning
         if chunk.text:
+            yield from self._close_reasoning()
             if self._message is None:
                 yield from self._open_message()
             yield self.event("response.output_text.delta", delta=chunk.text, logprobs=[], **self._text_place())
             self._text += chunk.text
         for call in chunk.tool_calls:
+            yield from self._close_reasoning()
             yield from self._close_message("completed")
             yield from self._call(call)
         if chunk.usage is not None:
             cut = chunk.finish_reason is TaskOutcome.LENGTH
-            if not self.output and self._message is None:
+            yield from self._close_reasoning()
+            if not any(isinstance(item, MessageItem | FunctionCallItem) for item in self.output) and not self._message:
                 yield from self._open_message()  # a response always has an item; an empty answer, an empty text
             yield from self._close_message("incomplete" if cut else "completed")
             done = self.head.finished(self.output, chunk.usage, chunk.finish_reason)
@@ -130,6 +147,8 @@ class _Events:
     def failed(self, error: ApiError) -> Iterator[ServerSentEventMessage]:
         """The error, then the response with what output there was (a message cut short: incomplete)."""
         output = list(self.output)
+        if self._reasoning is not None:
+            output.append(self._reasoning_done("incomplete"))
         if self._message is not None:
             cut = msgspec.structs.replace(self._message, status="incomplete", content=[OutputText(text=self._text)])
             output.append(cut)
@@ -139,6 +158,27 @@ class _Events:
     def _text_place(self) -> dict[str, Any]:
         assert self._message is not None
         return {"item_id": self._message.id, "output_index": len(self.output), "content_index": 0}
+
+    def _thought_place(self) -> dict[str, Any]:
+        assert self._reasoning is not None
+        return {"item_id": self._reasoning.id, "output_index": len(self.output), "content_index": 0}
+
+    def _open_reasoning(self) -> Iterator[ServerSentEventMessage]:
+        self._reasoning, self._thought = reasoning_item(None, "in_progress"), ""
+        yield self.event("response.output_item.added", output_index=len(self.output), item=self._reasoning)
+
+    def _reasoning_done(self, status: ItemStatus) -> ReasoningItem:
+        assert self._reasoning is not None
+        return msgspec.structs.replace(self._reasoning, status=status, content=[ReasoningText(text=self._thought)])
+
+    def _close_reasoning(self) -> Iterator[ServerSentEventMessage]:
+        if self._reasoning is None:
+            return
+        yield self.event("response.reasoning_text.done", text=self._thought, **self._thought_place())
+        item = self._reasoning_done("completed")
+        yield self.event("response.output_item.done", output_index=len(self.output), item=item)
+        self.output.append(item)
+        self._reasoning = None
 
     def _open_message(self) -> Iterator[ServerSentEventMessage]:
         self._message, self._text = message_item(None, "in_progress"), ""

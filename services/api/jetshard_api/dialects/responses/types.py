@@ -17,6 +17,7 @@ from jetshard_schema.ids import ModelId, TaskId
 from jetshard_schema.types import ChatMessage, TaskKind, TaskOutcome, TaskRequest, ToolCall, ToolChoice, Tools, Usage
 
 from jetshard_api.dialects import checks
+from jetshard_api.dialects.openai.types import effort_template_kwargs
 from jetshard_api.errors import ApiError
 
 NO_STORAGE = "jetshard keeps no responses: send the whole conversation in `input` each time"
@@ -71,6 +72,8 @@ class TextConfig(msgspec.Struct, frozen=True, kw_only=True):
 
 class Reasoning(msgspec.Struct, frozen=True, kw_only=True):
     effort: str | None = None
+    """Passed to the chat template as `reasoning_effort`; "none" turns a thinking model's reasoning off. A
+    summary is not made: a thinking model's reasoning comes whole, as a `reasoning` item's content."""
     summary: str | None = None
     generate_summary: str | None = None
 
@@ -133,6 +136,9 @@ def response_task(task_id: TaskId, model_id: ModelId, request: ResponseRequest) 
         sampling=sampling,
         tools=_tools(request),
         output_schema=_output_schema(request.text),
+        chat_template_kwargs=effort_template_kwargs(
+            None, request.reasoning.effort if request.reasoning else None, "reasoning.effort"
+        ),
     )
 
 
@@ -154,8 +160,6 @@ def _refuse_stored_state(request: ResponseRequest) -> None:
         raise checks.unsupported("include")
     if request.top_logprobs:
         raise checks.unsupported("top_logprobs")
-    if request.reasoning is not None and any(msgspec.structs.astuple(request.reasoning)):
-        raise checks.unsupported("reasoning", "(jetshard's models are not run as reasoning models)")
 
 
 def _messages(input: str | list[InputItem]) -> list[ChatMessage]:
@@ -187,7 +191,7 @@ def _messages(input: str | list[InputItem]) -> list[ChatMessage]:
             messages.append(
                 ChatMessage(role="tool", content=output, tool_call_id=item.call_id, name=call_names[item.call_id])
             )
-        else:
+        elif item.type != "reasoning":  # an earlier turn's reasoning: templates of thinking models drop it
             message = f"{param} is a {item.type!r} item; jetshard reads message, function_call and function_call_output"
             raise ApiError(400, message, "unsupported_parameter", f"{param}.type")
     return messages
@@ -245,6 +249,19 @@ class OutputText(msgspec.Struct, frozen=True, kw_only=True, tag_field="type", ta
 ItemStatus = Literal["in_progress", "completed", "incomplete"]
 
 
+class ReasoningText(msgspec.Struct, frozen=True, kw_only=True, tag_field="type", tag="reasoning_text"):
+    text: str
+
+
+class ReasoningItem(msgspec.Struct, frozen=True, kw_only=True, tag_field="type", tag="reasoning"):
+    """A thinking model's reasoning, before its answer: whole in `content`, with no summary."""
+
+    id: str
+    status: ItemStatus
+    summary: list[dict[str, Any]] = msgspec.field(default_factory=list)
+    content: list[ReasoningText]
+
+
 class MessageItem(msgspec.Struct, frozen=True, kw_only=True, tag_field="type", tag="message"):
     id: str
     status: ItemStatus
@@ -260,7 +277,13 @@ class FunctionCallItem(msgspec.Struct, frozen=True, kw_only=True, tag_field="typ
     status: ItemStatus
 
 
-OutputItem = MessageItem | FunctionCallItem
+OutputItem = ReasoningItem | MessageItem | FunctionCallItem
+
+
+def reasoning_item(text: str | None, status: ItemStatus) -> ReasoningItem:
+    """A reasoning item: with no text (its stream has only begun), no content yet."""
+    content = [] if text is None else [ReasoningText(text=text)]
+    return ReasoningItem(id=f"rs_{uuid.uuid4().hex}", status=status, content=content)
 
 
 def message_item(text: str | None, status: ItemStatus) -> MessageItem:
@@ -295,7 +318,10 @@ class ResponseUsage(msgspec.Struct, frozen=True, kw_only=True):
     @classmethod
     def of(cls, usage: Usage) -> ResponseUsage:
         return cls(
-            input_tokens=usage.prompt_tokens, output_tokens=usage.completion_tokens, total_tokens=usage.total_tokens
+            input_tokens=usage.prompt_tokens,
+            output_tokens=usage.completion_tokens,
+            total_tokens=usage.total_tokens,
+            output_tokens_details=OutputTokensDetails(reasoning_tokens=usage.reasoning_tokens),
         )
 
 
@@ -337,7 +363,7 @@ class ResponseObject(msgspec.Struct, frozen=True, kw_only=True):
     store: bool = False
     background: bool = False
     previous_response_id: None = None
-    reasoning: None = None
+    reasoning: Reasoning | None = None
     truncation: Literal["auto", "disabled"] = "disabled"
 
     @classmethod
@@ -360,6 +386,7 @@ class ResponseObject(msgspec.Struct, frozen=True, kw_only=True):
             metadata=request.metadata or {},
             user=request.user,
             truncation=request.truncation or "disabled",
+            reasoning=request.reasoning,
         )
 
     def finished(self, output: list[OutputItem], usage: Usage, reason: TaskOutcome | None) -> ResponseObject:
