@@ -220,7 +220,7 @@ def test_a_model_is_added_placed_served_and_removed_from_the_page(
     page.fill("#chat-temperature", "0")
     page.fill("#chat-max-tokens", str(ANSWER_TOKENS))
     assert chat(page, "Hello there.") == greedy_answer(api, PAGE_MODEL, [{"role": "user", "content": "Hello there."}])
-    page.fill("#chat-max-tokens", "")
+    page.fill("#chat-max-tokens", "60000")  # minutes of tokens: it ends only when cancelled
     page.fill("#chat-input", "Go on for ever.")
     page.press("#chat-input", "Enter")
     cancel = page.get_by_role("button", name=re.compile("^Cancel task "))
