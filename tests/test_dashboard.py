@@ -356,6 +356,11 @@ def test_with_an_api_key_the_page_asks_for_it_and_reconnects_after_the_api_resta
     page.get_by_label("Hugging Face model id").fill("jetshard-test/not-on-the-hub")
     page.get_by_role("button", name="Add model").click()
     expect(page.locator("#add-model-message")).to_contain_text("jetshard-test/not-on-the-hub was not found on the Hub")
+    # A hostile id comes back in the API's refusal as text, never as markup.
+    page.get_by_label("Hugging Face model id").fill("<img src=x onerror=alert(1)>/y")
+    page.get_by_role("button", name="Add model").click()
+    expect(page.locator("#add-model-message")).to_contain_text("model id '<img src=x onerror=alert(1)>/y'")
+    expect(page.locator("#add-model-message img")).to_have_count(0)
     page.fill("#chat-max-tokens", "4")
     page.fill("#chat-input", "Hello?")
     page.click("#chat-send")
