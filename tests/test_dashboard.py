@@ -147,7 +147,7 @@ def test_a_model_is_added_placed_served_and_removed_from_the_page(
     expect(page.locator("#connection")).to_have_text("live", timeout=SHOWN_MS)
     models = page.locator("#models")
     expect(models.locator('[data-kind="builtin"]').first).to_contain_text("built-in")
-    expect(models.get_by_role("button", name=re.compile("^Delete model card "))).to_have_count(
+    expect(models.get_by_role("button", name=re.compile("^Delete card "))).to_have_count(
         len([m for m in cluster.get("/view")["models"] if m["known"] and not m["builtin"]])
     )  # only custom cards can be deleted
 
@@ -245,7 +245,7 @@ def test_a_model_is_added_placed_served_and_removed_from_the_page(
     expect(row).to_have_count(0, timeout=SHOWN_MS)
     assert not Path(download["directory"]).exists()
     expect(model.get_by_role("button", name=f"Download {PAGE_MODEL} to {node_id}")).to_be_visible()
-    page.get_by_role("button", name=f"Delete model card {PAGE_MODEL}").click()
+    page.get_by_role("button", name=f"Delete card {PAGE_MODEL}").click()
     page.get_by_role("dialog").get_by_role("button", name="Delete", exact=True).click()
     expect(model).to_have_count(0, timeout=SHOWN_MS)
     assert wait_for(lambda: not any(store.exists() for store in stores), timeout=10), stores
@@ -317,7 +317,7 @@ def test_a_download_is_started_cancelled_and_its_files_deleted_from_the_page(
         expect(row).to_have_attribute("data-status", "cancelled", timeout=SHOWN_MS)
         hub.release()  # the next chunk reaches the downloader, which stops there and says so
         expect(row.locator(".reason")).to_contain_text("stopped", timeout=20_000)
-        expect(row.get_by_role("button", name=f"Download {HELD_MODEL} to {node_id}")).to_have_text("Download again")
+        expect(row.get_by_role("button", name=f"Download {HELD_MODEL} to {node_id}")).to_have_text("Download")
         (download,) = [d for d in cluster.get("/downloads") if d["model_id"] == HELD_MODEL]
         kept = Path(download["directory"])
         assert kept.parent == cluster.root / "node-a" / "models" and kept.is_dir()  # kept for the next attempt

@@ -90,7 +90,7 @@ function downloadActions(modelId, download) {
   const on = `${modelId} on ${download.node_id}`;
   if (UNDER_WAY.has(download.status)) return [actionButton("Cancel", `Cancel download of ${on}`, "cancel-download", ids)];
   const again = ["failed", "cancelled"].includes(download.status)
-    ? actionButton("Download again", `Download ${modelId} to ${download.node_id}`, "download", ids)
+    ? actionButton("Download", `Download ${modelId} to ${download.node_id}`, "download", ids)
     : null;
   if (download.read_only) {
     return [again, el("span", { className: "note" }, "read-only directory: jetshard uses these files and never deletes them")];
@@ -141,7 +141,7 @@ function modelRow(model, nodes) {
         "span",
         { className: "actions" },
         model.known ? actionButton("Place", `Place ${id}`, "place", { modelId: id }, "") : null,
-        model.builtin || !model.known ? null : actionButton("Delete card", `Delete model card ${id}`, "delete-card", { modelId: id }, "danger"),
+        model.builtin || !model.known ? null : actionButton("Delete card", `Delete card ${id}`, "delete-card", { modelId: id }, "danger"),
       ),
     ),
     model.known ? el("p", { className: "muted capabilities" }, capabilities(model)) : null,
