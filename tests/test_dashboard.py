@@ -26,6 +26,7 @@ from playwright.sync_api import Browser, expect
 SECOND_MODEL = "jetshard-test/tiny-dashboard"
 PAGE_MODEL = "jetshard-test/tiny-from-the-page"
 HELD_MODEL = "jetshard-test/tiny-held"
+GATED_MODEL = "jetshard-test/tiny-gated"
 KEY = "dashboard-key-0123456789"
 ANSWER_TOKENS = 24
 
@@ -356,6 +357,12 @@ def test_with_an_api_key_the_page_asks_for_it_and_reconnects_after_the_api_resta
     page.get_by_label("Hugging Face model id").fill("jetshard-test/not-on-the-hub")
     page.get_by_role("button", name="Add model").click()
     expect(page.locator("#add-model-message")).to_contain_text("jetshard-test/not-on-the-hub was not found on the Hub")
+    cluster.hub.add_repo(GATED_MODEL, dialect_cluster.model_dir, gated=True)
+    page.get_by_label("Hugging Face model id").fill(GATED_MODEL)
+    page.get_by_role("button", name="Add model").click()
+    expect(page.locator("#add-model-message")).to_have_text(
+        f"{GATED_MODEL} is gated or private: accept its terms on the Hub and set HF_TOKEN"
+    )
     # A hostile id comes back in the API's refusal as text, never as markup.
     page.get_by_label("Hugging Face model id").fill("<img src=x onerror=alert(1)>/y")
     page.get_by_role("button", name="Add model").click()
