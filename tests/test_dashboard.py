@@ -26,6 +26,7 @@ from playwright.sync_api import Browser, expect
 SECOND_MODEL = "jetshard-test/tiny-dashboard"
 PAGE_MODEL = "jetshard-test/tiny-from-the-page"
 HELD_MODEL = "jetshard-test/tiny-held"
+GATED_MODEL = "jetshard-test/tiny-gated"
 KEY = "dashboard-key-0123456789"
 ANSWER_TOKENS = 24
 
@@ -151,7 +152,7 @@ def test_a_model_is_added_placed_served_and_removed_from_the_page(
     expect(page.locator("#connection")).to_have_text("live", timeout=SHOWN_MS)
     models = page.locator("#models")
     expect(models.locator('[data-kind="builtin"]').first).to_contain_text("built-in")
-    expect(models.get_by_role("button", name=re.compile("^Delete model card "))).to_have_count(
+    expect(models.get_by_role("button", name=re.compile("^Delete card "))).to_have_count(
         len([m for m in cluster.get("/view")["models"] if m["known"] and not m["builtin"]])
     )  # only custom cards can be deleted
 
@@ -224,7 +225,7 @@ def test_a_model_is_added_placed_served_and_removed_from_the_page(
     page.fill("#chat-temperature", "0")
     page.fill("#chat-max-tokens", str(ANSWER_TOKENS))
     assert chat(page, "Hello there.") == greedy_answer(api, PAGE_MODEL, [{"role": "user", "content": "Hello there."}])
-    page.fill("#chat-max-tokens", "")
+    page.fill("#chat-max-tokens", "60000")  # minutes of tokens: it ends only when cancelled
     page.fill("#chat-input", "Go on for ever.")
     page.press("#chat-input", "Enter")
     cancel = page.get_by_role("button", name=re.compile("^Cancel task "))
@@ -249,7 +250,7 @@ def test_a_model_is_added_placed_served_and_removed_from_the_page(
     expect(row).to_have_count(0, timeout=SHOWN_MS)
     assert not Path(download["directory"]).exists()
     expect(model.get_by_role("button", name=f"Download {PAGE_MODEL} to {node_id}")).to_be_visible()
-    page.get_by_role("button", name=f"Delete model card {PAGE_MODEL}").click()
+    page.get_by_role("button", name=f"Delete card {PAGE_MODEL}").click()
     page.get_by_role("dialog").get_by_role("button", name="Delete", exact=True).click()
     expect(model).to_have_count(0, timeout=SHOWN_MS)
     assert wait_for(lambda: not any(store.exists() for store in stores), timeout=10), stores
@@ -321,7 +322,7 @@ def test_a_download_is_started_cancelled_and_its_files_deleted_from_the_page(
         expect(row).to_have_attribute("data-status", "cancelled", timeout=SHOWN_MS)
         hub.release()  # the next chunk reaches the downloader, which stops there and says so
         expect(row.locator(".reason")).to_contain_text("stopped", timeout=20_000)
-        expect(row.get_by_role("button", name=f"Download {HELD_MODEL} to {node_id}")).to_have_text("Download again")
+        expect(row.get_by_role("button", name=f"Download {HELD_MODEL} to {node_id}")).to_have_text("Download")
         (download,) = [d for d in cluster.get("/downloads") if d["model_id"] == HELD_MODEL]
         kept = Path(download["directory"])
         assert kept.parent == cluster.root / "node-a" / "models" and kept.is_dir()  # kept for the next attempt
@@ -360,6 +361,17 @@ def test_with_an_api_key_the_page_asks_for_it_and_reconnects_after_the_api_resta
     page.get_by_label("Hugging Face model id").fill("jetshard-test/not-on-the-hub")
     page.get_by_role("button", name="Add model").click()
     expect(page.locator("#add-model-message")).to_contain_text("jetshard-test/not-on-the-hub was not found on the Hub")
+    cluster.hub.add_repo(GATED_MODEL, dialect_cluster.model_dir, gated=True)
+    page.get_by_label("Hugging Face model id").fill(GATED_MODEL)
+    page.get_by_role("button", name="Add model").click()
+    expect(page.locator("#add-model-message")).to_have_text(
+        f"{GATED_MODEL} is gated or private: accept its terms on the Hub and set HF_TOKEN"
+    )
+    # A hostile id comes back in the API's refusal as text, never as markup.
+    page.get_by_label("Hugging Face model id").fill("<img src=x onerror=alert(1)>/y")
+    page.get_by_role("button", name="Add model").click()
+    expect(page.locator("#add-model-message")).to_contain_text("model id '<img src=x onerror=alert(1)>/y'")
+    expect(page.locator("#add-model-message img")).to_have_count(0)
     page.fill("#chat-max-tokens", "4")
     page.fill("#chat-input", "Hello?")
     page.click("#chat-send")

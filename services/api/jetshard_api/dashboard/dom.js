@@ -50,8 +50,9 @@ export function clock(atMs) {
 }
 
 // A button for one of the page's actions (see manage.js): `label`, its accessible name, names what it acts on
-// ("Place org/model"), while `text` is what it shows; `data-ids` carries the ids the action needs (one attribute
-// of its own, so a button never matches what selects the element it sits in, like `[data-node-id]`).
+// ("Place org/model") and holds `text`, what it shows (so a voice user can say what they see). `data-ids`
+// carries the ids the action needs, in one attribute of its own, so a button never matches what selects the
+// element it sits in (like `[data-node-id]`).
 export function actionButton(text, label, action, ids = {}, tone = "quiet") {
   const dataset = { action, ids: JSON.stringify(ids) };
   return el("button", { type: "button", className: `action ${tone}`, "aria-label": label, dataset }, text);

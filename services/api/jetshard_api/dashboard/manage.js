@@ -151,7 +151,8 @@ const ACTIONS = {
       text: "Every node forgets the model; files already downloaded stay where they are.",
       action: "Delete",
     });
-    return yes ? [await send("DELETE", `/models/${modelPath(modelId)}`), `Deleted the card of ${modelId}`] : null;
+    if (!yes) return null;
+    return [await send("DELETE", `/models/${modelPath(modelId)}`), `Deleted the card of ${modelId}`];
   },
   async download({ modelId, nodeId }) {
     const error = await send("POST", "/downloads", { model_id: modelId, node_id: nodeId });
@@ -177,7 +178,8 @@ const ACTIONS = {
       text: "Its runners stop, and the requests it is serving end with an error.",
       action: "Delete",
     });
-    return yes ? [await send("DELETE", `/instances/${encodeURIComponent(instanceId)}`), `Deleted instance ${instanceId}`] : null;
+    if (!yes) return null;
+    return [await send("DELETE", `/instances/${encodeURIComponent(instanceId)}`), `Deleted instance ${instanceId}`];
   },
   async "cancel-task"({ taskId }) {
     return [await send("DELETE", `/tasks/${encodeURIComponent(taskId)}`), `Cancelled task ${taskId}`];

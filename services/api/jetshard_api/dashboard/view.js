@@ -90,7 +90,7 @@ function downloadActions(modelId, download) {
   const on = `${modelId} on ${download.node_id}`;
   if (UNDER_WAY.has(download.status)) return [actionButton("Cancel", `Cancel download of ${on}`, "cancel-download", ids)];
   const again = ["failed", "cancelled"].includes(download.status)
-    ? actionButton("Download again", `Download ${modelId} to ${download.node_id}`, "download", ids)
+    ? actionButton("Download", `Download ${modelId} to ${download.node_id}`, "download", ids)
     : null;
   if (download.read_only) {
     return [again, el("span", { className: "note" }, "read-only directory: jetshard uses these files and never deletes them")];
@@ -113,7 +113,12 @@ function downloadRow(modelId, download) {
     bar(download.bytes_total ? download.bytes_done / download.bytes_total : 0, tone),
     status(download.status),
     el("span", { className: "figure" }, detail),
-    el("div", { className: "download-more" }, filesAt(download), el("span", { className: "actions" }, downloadActions(modelId, download))),
+    el(
+      "div",
+      { className: "download-more" },
+      filesAt(download),
+      el("span", { className: "actions" }, downloadActions(modelId, download)),
+    ),
     download.reason ? el("span", { className: "reason" }, download.reason) : null,
   );
 }
@@ -141,7 +146,9 @@ function modelRow(model, nodes) {
         "span",
         { className: "actions" },
         model.known ? actionButton("Place", `Place ${id}`, "place", { modelId: id }, "") : null,
-        model.builtin || !model.known ? null : actionButton("Delete card", `Delete model card ${id}`, "delete-card", { modelId: id }, "danger"),
+        model.builtin || !model.known
+          ? null
+          : actionButton("Delete card", `Delete card ${id}`, "delete-card", { modelId: id }, "danger"),
       ),
     ),
     model.known ? el("p", { className: "muted capabilities" }, capabilities(model)) : null,
@@ -151,7 +158,9 @@ function modelRow(model, nodes) {
           "p",
           { className: "fetch" },
           el("span", { className: "muted" }, model.downloads.length ? "also download to" : "download to"),
-          elsewhere.map((n) => actionButton(n.node_id, `Download ${id} to ${n.node_id}`, "download", { modelId: id, nodeId: n.node_id })),
+          elsewhere.map((n) =>
+            actionButton(n.node_id, `Download ${id} to ${n.node_id}`, "download", { modelId: id, nodeId: n.node_id }),
+          ),
         )
       : null,
   );
@@ -191,6 +200,7 @@ export function throughput(instance) {
 }
 
 function instanceCard(instance) {
+  const id = instance.instance_id;
   const queued = instance.tasks_in_flight - instance.tasks_running;
   const load = [`${instance.tasks_running} running, ${queued} queued`, throughput(instance)].filter(Boolean).join("; ");
   return el(
@@ -205,7 +215,7 @@ function instanceCard(instance) {
       el(
         "span",
         { className: "actions" },
-        actionButton("Delete", `Delete instance ${instance.instance_id}`, "delete-instance", { instanceId: instance.instance_id }, "danger"),
+        actionButton("Delete", `Delete instance ${id}`, "delete-instance", { instanceId: id }, "danger"),
       ),
     ),
     field("model", el("code", {}, instance.model_id)),
@@ -217,7 +227,8 @@ function instanceCard(instance) {
 
 function taskTable(tasks, instances) {
   const byId = new Map(instances.map((i) => [i.instance_id, i]));
-  const head = el("tr", {}, ["task", "model", "kind", "instance", "status", "prompt tokens", "speed", ""].map((h) => el("th", {}, h)));
+  const columns = ["task", "model", "kind", "instance", "status", "prompt tokens", "speed", ""];
+  const head = el("tr", {}, columns.map((h) => el("th", {}, h)));
   const rows = tasks.map((task) =>
     el(
       "tr",
