@@ -124,7 +124,7 @@ def load_shard(
     """Build the mlx-lm model of `model_dir` holding layers `[start_layer, end_layer)` only,
     reading only the tensors that range needs. `float32` dequantizes quantized layers and widens 16-bit
     weights to float32 (a CPU with a fast BLAS multiplies that several times faster than quantized kernels).
-    With a `tensor_group` of several ranks this rank keeps only its slice of each layer (see `split_layers`)."""
+    With a `tensor_group` of several ranks this rank keeps only its slice of each layer (see `split_every_layer`)."""
     model_dir = Path(model_dir)
     config = load_config(model_dir)
     model_class, args_class = model_classes(config)
@@ -181,7 +181,7 @@ def load_shard(
     tensor_ranks = 1 if tensor_group is None else tensor_group.size()
     if tensor_ranks > 1:
         assert tensor_group is not None
-        split_layers(model, config, tensor_group, start_layer, end_layer)
+        split_every_layer(model, config, tensor_group, start_layer, end_layer)
     weights_dtype = _weights_dtype(model)
 
     total = end_layer - start_layer
@@ -212,7 +212,7 @@ def load_shard(
     )
 
 
-def split_layers(
+def split_every_layer(
     model: nn.Module, config: Mapping[str, Any], group: mx.distributed.Group, start: int, end: int
 ) -> None:
     """Tensor parallelism: keep this rank's slice of every layer of `model` (weights still lazy, so only the slices
