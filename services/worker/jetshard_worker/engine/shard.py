@@ -61,6 +61,9 @@ class Shard:
     tensor_ranks: int = 1
     """Tensor parallelism: every layer is split across `tensor_ranks` ranks, this one holding slice `tensor_rank`
     (1: the layers are whole)."""
+    has_head: bool = True
+    """Whether it holds the final norm and the head: the last pipeline rank, or the last tensor rank (which alone
+    samples)."""
 
     @property
     def is_first(self) -> bool:
@@ -99,12 +102,12 @@ class Shard:
 
     def final_norm(self, h: mx.array) -> mx.array:
         """The last layer's output as the head sees it: what an embedding pools."""
-        if not self.is_last:
+        if not self.has_head:
             raise ValueError(f"shard [{self.start_layer}, {self.end_layer}) has no final norm")
         return self.model.model.norm(h)
 
     def head(self, h: mx.array) -> mx.array:
-        if not self.is_last:
+        if not self.has_head:
             raise ValueError(f"shard [{self.start_layer}, {self.end_layer}) has no lm_head")
         h = self.final_norm(h)
         if self.tied_embeddings:
@@ -141,7 +144,8 @@ def load_shard(
             f"layer range [{start_layer}, {end_layer}) is not a non-empty range within the model's {num_layers} layers"
         )
     tied = "lm_head" not in model
-    is_first, is_last = start_layer == 0, end_layer == num_layers
+    # `is_last`: holds the final norm and the head, which of the tensor ranks only the last needs.
+    is_first, is_last = start_layer == 0, end_layer == num_layers and _samples(tensor_group)
     wants_embedding = is_first or (is_last and tied)
 
     def needed(name: str) -> bool:
@@ -209,7 +213,13 @@ def load_shard(
         weights_dtype=weights_dtype,
         tensor_rank=0 if tensor_group is None else tensor_group.rank(),
         tensor_ranks=tensor_ranks,
+        has_head=is_last,
     )
+
+
+def _samples(tensor_group: mx.distributed.Group | None) -> bool:
+    """Whether this rank of `tensor_group` (None: no tensor parallelism) is the one that samples: the last."""
+    return tensor_group is None or tensor_group.rank() == tensor_group.size() - 1
 
 
 def split_every_layer(
