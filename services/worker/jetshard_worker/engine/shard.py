@@ -227,9 +227,9 @@ def split_every_layer(
 ) -> None:
     """Tensor parallelism: keep this rank's slice of every layer of `model` (weights still lazy, so only the slices
     are read into memory), whose attention and MLP then sum their outputs over `group` (two all-reduces a layer).
-    Every rank holds the whole embedding, final norm and head. Refused unless the rank holds every layer, mlx-lm
-    splits the architecture, and the attention and key/value heads divide evenly over the ranks (mlx-lm would
-    silently split them unevenly)."""
+    Every rank holds the whole embedding, the last also the final norm and head. Refused unless the rank holds every
+    layer, mlx-lm splits the architecture, and the attention and key/value heads divide evenly over the ranks
+    (mlx-lm would silently split them unevenly)."""
     ranks = group.size()
     num_layers = len(model.model.layers)
     if (start, end) != (0, num_layers):
