@@ -14,6 +14,7 @@ import json
 import signal
 import time
 from collections.abc import Iterator
+from typing import Any
 
 import httpx
 import msgspec
@@ -110,6 +111,20 @@ def greedy(client: openai.OpenAI, model: str, max_tokens: int = 12) -> str:
 # ------------------------------------------------------------------------------------------- runner death
 
 
+def scores(client: openai.OpenAI, model: str) -> list[Any]:
+    """The greedy answer's first tokens with their logprobs and top two alternatives."""
+    reply = client.chat.completions.create(
+        model=model,
+        messages=MESSAGES,
+        temperature=0,  # type: ignore[arg-type]
+        max_tokens=6,
+        logprobs=True,
+        top_logprobs=2,
+    )
+    logprobs = reply.choices[0].logprobs
+    return list(logprobs.content or []) if logprobs is not None else []
+
+
 def test_a_tensor_parallel_instance_answers_as_the_pipeline_of_the_same_weights(
     cluster: InferenceCluster, client: openai.OpenAI
 ) -> None:
@@ -117,6 +132,16 @@ def test_a_tensor_parallel_instance_answers_as_the_pipeline_of_the_same_weights(
     assert sorted((s["tensor_rank"], s["start_layer"], s["end_layer"]) for s in shards) == [(0, 0, 4), (1, 0, 4)]
     assert len({s["node_id"] for s in shards}) == 2
     assert greedy(client, TENSOR, max_tokens=24) == greedy(client, SPLIT, max_tokens=24)
+    # Logprobs and constrained decoding, both the sampling rank's alone, as on the pipeline.
+    tensor_scores, pipeline_scores = (scores(client, model) for model in (TENSOR, SPLIT))
+    assert [t.token for t in tensor_scores] == [t.token for t in pipeline_scores] and tensor_scores
+    assert [t.logprob for t in tensor_scores] == pytest.approx([t.logprob for t in pipeline_scores], abs=1e-3)
+    schema = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]}
+    response_format: Any = {"type": "json_schema", "json_schema": {"name": "n", "schema": schema}}
+    reply = client.chat.completions.create(
+        model=TENSOR, messages=MESSAGES, response_format=response_format, max_tokens=40
+    )
+    assert isinstance(json.loads(reply.choices[0].message.content or "")["n"], int)
 
 
 @pytest.mark.parametrize(

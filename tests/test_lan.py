@@ -221,9 +221,9 @@ def test_three_machines_serve_the_demo_split_tensor_parallel(cluster: LanCluster
     instance = wait_ready(third, placed["body"]["instance_id"], 240)
     assert sorted(s["tensor_rank"] for s in instance["shards"]) == [0, 1, 2], instance
     assert len({s["node_id"] for s in instance["shards"]}) == 3, instance
-    answer = third.probe("chat", third.api, DEMO_MODEL_ID, "16")
+    # Three ranks on this machine's two cores decode slowly (see bench/RESULTS.md): a short answer.
+    answer = third.probe("chat", third.api, DEMO_MODEL_ID, "6")
     assert answer["ok"] and "Paris" in answer["text"], answer
-    print(f"\ndemo model tensor-parallel over three hosts: {tokens_per_s(third):.1f} tok/s")
 
     again = third.probe(
         "http", "POST", f"{third.api}/instances", json.dumps({"model_id": DEMO_MODEL_ID, "min_nodes": 2})

@@ -21,6 +21,7 @@ from jetshard_schema.placement import (
     place_in,
     required_memory_bytes,
     split_layers,
+    tensor_share_bytes,
     weights_bytes,
 )
 from jetshard_schema.state import Instance, Node, State
@@ -353,11 +354,20 @@ def test_a_tensor_parallel_instance_spans_exactly_min_nodes_each_holding_a_slice
         ("big", 0, 0, 0, 32),
         ("mid", 1, 1, 0, 32),
     ]
-    share = -(-required_memory_bytes(CARD, TENSOR) // 2)
+    share = tensor_share_bytes(CARD, TENSOR, 2)
     assert [s.memory_bytes for s in placement.shards] == [share, share]
     assert placement.serving.parallelism is Parallelism.TENSOR
     # A pipeline on the same nodes keeps whole layers and no tensor rank.
     assert [s.tensor_rank for s in place(CARD, nodes, min_nodes=2, serving=ONE_ROW).shards] == [None, None]
+
+
+def test_a_tensor_ranks_share_is_its_slice_of_the_layers_and_kv_cache_plus_the_whole_embedding_and_head() -> None:
+    embedding_and_head = 2 * 32000 * 4096 * 2  # 16-bit weights: 4 GiB for 2G parameters
+    required = required_memory_bytes(CARD, TENSOR)
+    assert tensor_share_bytes(CARD, TENSOR, 1) == required
+    assert tensor_share_bytes(CARD, TENSOR, 4) == embedding_and_head + -(-(required - embedding_and_head) // 4)
+    # Four shares hold more than the whole model: the embedding and head four times.
+    assert 4 * tensor_share_bytes(CARD, TENSOR, 4) - required == pytest.approx(3 * embedding_and_head, abs=4)
 
 
 def test_named_nodes_are_the_tensor_ranks_in_their_order() -> None:
@@ -394,7 +404,7 @@ def test_auto_dequantizes_tensor_ranks_only_when_each_holds_its_float32_share() 
     auto = msgspec.structs.replace(TENSOR, weights=WeightsDtype.AUTO)
     roomy = place(CARD, [node("a", 40), node("b", 40)], min_nodes=2, serving=auto)
     assert roomy.serving.weights is WeightsDtype.FLOAT32
-    assert roomy.shards[0].memory_bytes == -(-required_memory_bytes(CARD, roomy.serving) // 2)
+    assert roomy.shards[0].memory_bytes == tensor_share_bytes(CARD, roomy.serving, 2)
     # A float32 share (~4.9 GiB) fits the pair's total but not the small node: the checkpoint's dtype is kept.
     tight = place(CARD, [node("a", 40), node("b", 4)], min_nodes=2, serving=auto)
     assert tight.serving.weights is WeightsDtype.NATIVE

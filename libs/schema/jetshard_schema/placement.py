@@ -17,7 +17,8 @@ requirement.
 
 A tensor-parallel instance (`ServingSettings.parallelism`) spans exactly `min_nodes` nodes (or the nodes named),
 each holding its slice of every layer: an equal share of the requirement (weights, KV cache, prefix cache and
-headroom alike), which each node must have on its own. Its attention heads and key/value heads must divide by
+headroom alike), except the embedding and head, which each node holds whole (see `tensor_share_bytes`); each
+node must have its share on its own. Its attention heads and key/value heads must divide by
 the node count, and mlx-lm must split its architecture.
 
 `WeightsDtype.AUTO` is resolved here, once per shard, into the dtype the shard keeps, so one pipeline may mix
@@ -310,6 +311,16 @@ def tensor_split_refusal(card: ModelCard, nodes: int) -> str | None:
     return None
 
 
+def tensor_share_bytes(card: ModelCard, serving: ServingSettings, ranks: int) -> int:
+    """What each of `ranks` tensor-parallel nodes needs: its share of the requirement, plus the embedding and head
+    it holds whole rather than a share of (counted on every node: only the last holds the head, but a tied one is
+    the embedding itself, which a card does not tell apart)."""
+    required = required_memory_bytes(card, serving)
+    per_parameter = weights_bytes(card, serving.weights) / max(parameter_count(card), 1)
+    whole = min(int(2 * card.vocab_size * card.hidden_size * per_parameter), required)
+    return whole + -(-(required - whole) // ranks)
+
+
 def _place_tensor_parallel(card: ModelCard, chosen: Sequence[Node], serving: ServingSettings) -> Placement:
     """Every node of `chosen`, in order, holds its slice of every layer: an equal share of the requirement."""
     ranks = len(chosen)
@@ -318,7 +329,7 @@ def _place_tensor_parallel(card: ModelCard, chosen: Sequence[Node], serving: Ser
         # One dtype for all: a full-precision checkpoint narrows only if every node is a GPU that narrows it alike.
         alike = {_checkpoint_weights(card, n.profile) for n in chosen}
         resolved = msgspec.structs.replace(serving, weights=alike.pop() if len(alike) == 1 else WeightsDtype.NATIVE)
-    share = -(-required_memory_bytes(card, resolved) // ranks)
+    share = tensor_share_bytes(card, resolved, ranks)
     short = [n for n in chosen if compute_memory_bytes(n.profile) < share]
     if short:
         raise PlacementError(
@@ -330,7 +341,7 @@ def _place_tensor_parallel(card: ModelCard, chosen: Sequence[Node], serving: Ser
         )
     if serving.weights is WeightsDtype.AUTO and _float32_is_faster(chosen):
         dequantized = msgspec.structs.replace(serving, weights=WeightsDtype.FLOAT32)
-        widened = -(-required_memory_bytes(card, dequantized) // ranks)
+        widened = tensor_share_bytes(card, dequantized, ranks)
         if all(compute_memory_bytes(n.profile) >= widened for n in chosen):
             resolved, share = dequantized, widened
     shards = tuple(

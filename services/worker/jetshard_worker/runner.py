@@ -66,9 +66,6 @@ from jetshard_schema.types import (
 )
 from nats.js import JetStreamContext
 
-if TYPE_CHECKING:
-    import mlx.core as mx
-
 from jetshard_worker.chat import render_chat, tool_spec
 from jetshard_worker.constrained import JsonConstraint, SchemaError, grammar_tokenizer
 from jetshard_worker.engine import GenerationRequest, PipelineEngine, TokenScores, init_ring, load_shard
@@ -83,6 +80,9 @@ from jetshard_worker.task_requests import REQUEST_WAIT_S, TaskRequests
 from jetshard_worker.task_spans import TaskSpans
 from jetshard_worker.textstream import TextStream
 from jetshard_worker.toolcalls import ToolCallSplitter, forced_call_schema
+
+if TYPE_CHECKING:
+    import mlx.core as mx
 
 log = logging.getLogger(__name__)
 

@@ -1,4 +1,5 @@
-"""MLX shard engine: pipeline-parallel generation over a ring of processes, one layer range each."""
+"""MLX shard engine: generation over a ring of processes, each holding a layer range (a pipeline) or its slice of
+every layer (tensor parallelism)."""
 
 from jetshard_worker.ring_hostfile import write_hostfile
 

@@ -66,6 +66,9 @@ class Shard:
     tensor_ranks: int = 1
     """Tensor parallelism: every layer is split across `tensor_ranks` ranks, this one holding slice `tensor_rank`
     (1: the layers are whole)."""
+    has_head: bool = True
+    """Whether it holds the final norm and the head: the last pipeline rank, or the last tensor rank (which alone
+    samples)."""
 
     @property
     def is_first(self) -> bool:
@@ -111,12 +114,12 @@ class Shard:
 
     def final_norm(self, h: mx.array) -> mx.array:
         """The last layer's output as the head sees it: what an embedding pools."""
-        if not self.is_last:
+        if not self.has_head:
             raise ValueError(f"shard [{self.start_layer}, {self.end_layer}) has no final norm")
         return self.model.model.norm(h)
 
     def head(self, h: mx.array) -> mx.array:
-        if not self.is_last:
+        if not self.has_head:
             raise ValueError(f"shard [{self.start_layer}, {self.end_layer}) has no lm_head")
         h = self.final_norm(h)
         if self.tied_embeddings:
@@ -137,7 +140,7 @@ def load_shard(
     reading only the tensors that range needs. `dtype` (None: the checkpoint's own) dequantizes quantized layers
     and casts the other floating weights to it: float32 on a CPU with a fast BLAS, which multiplies that several
     times faster than quantized kernels; bfloat16 or float16 for a full-precision checkpoint on a GPU.
-    With a `tensor_group` of several ranks this rank keeps only its slice of each layer (see `split_layers`)."""
+    With a `tensor_group` of several ranks this rank keeps only its slice of each layer (see `split_every_layer`)."""
     if dtype is not None and dtype not in HOLDABLE_DTYPES:
         raise ValueError(f"weights can be held as {', '.join(map(str, HOLDABLE_DTYPES))}, not {dtype}")
     model_dir = Path(model_dir)
@@ -156,7 +159,8 @@ def load_shard(
             f"layer range [{start_layer}, {end_layer}) is not a non-empty range within the model's {num_layers} layers"
         )
     tied = "lm_head" not in model
-    is_first, is_last = start_layer == 0, end_layer == num_layers
+    # `is_last`: holds the final norm and the head, which of the tensor ranks only the last needs.
+    is_first, is_last = start_layer == 0, end_layer == num_layers and _samples(tensor_group)
     wants_embedding = is_first or (is_last and tied)
 
     def needed(name: str) -> bool:
@@ -196,7 +200,7 @@ def load_shard(
     tensor_ranks = 1 if tensor_group is None else tensor_group.size()
     if tensor_ranks > 1:
         assert tensor_group is not None
-        split_layers(model, config, tensor_group, start_layer, end_layer)
+        split_every_layer(model, config, tensor_group, start_layer, end_layer)
     weights_dtype = _weights_dtype(model)
 
     total = end_layer - start_layer
@@ -225,17 +229,23 @@ def load_shard(
         activation_dtype=_activation_dtype(inner.layers[0]),
         tensor_rank=0 if tensor_group is None else tensor_group.rank(),
         tensor_ranks=tensor_ranks,
+        has_head=is_last,
     )
 
 
-def split_layers(
+def _samples(tensor_group: mx.distributed.Group | None) -> bool:
+    """Whether this rank of `tensor_group` (None: no tensor parallelism) is the one that samples: the last."""
+    return tensor_group is None or tensor_group.rank() == tensor_group.size() - 1
+
+
+def split_every_layer(
     model: nn.Module, config: Mapping[str, Any], group: mx.distributed.Group, start: int, end: int
 ) -> None:
     """Tensor parallelism: keep this rank's slice of every layer of `model` (weights still lazy, so only the slices
     are read into memory), whose attention and MLP then sum their outputs over `group` (two all-reduces a layer).
-    Every rank holds the whole embedding, final norm and head. Refused unless the rank holds every layer, mlx-lm
-    splits the architecture, and the attention and key/value heads divide evenly over the ranks (mlx-lm would
-    silently split them unevenly)."""
+    Every rank holds the whole embedding, the last also the final norm and head. Refused unless the rank holds every
+    layer, mlx-lm splits the architecture, and the attention and key/value heads divide evenly over the ranks
+    (mlx-lm would silently split them unevenly)."""
     ranks = group.size()
     num_layers = len(model.model.layers)
     if (start, end) != (0, num_layers):
