@@ -394,6 +394,15 @@ def test_heads_that_do_not_divide_by_the_node_count_are_refused_naming_them() ->
     assert [s.tensor_rank for s in place(demo, nodes, min_nodes=3, serving=TENSOR).shards] == [0, 1, 2]
 
 
+@pytest.mark.timeout(10)
+def test_a_card_with_a_trillion_heads_is_refused_at_once() -> None:
+    """A card's head counts come from a Hub repo's config.json: the counts the refusal offers stop at the most nodes
+    a request may name, rather than trying every count up to the heads (which would stall the sequencer)."""
+    huge = tiny_card("acme/huge", num_layers=2, num_attention_heads=10**12, num_key_value_heads=10**12)
+    with pytest.raises(UnsplittableModel, match=r"divide by 3 nodes; .*: place it on 1 or 2 or 4 or 5 or 8 or 10 or"):
+        place(huge, [node("a", 10), node("b", 10), node("c", 10)], min_nodes=3, serving=TENSOR)
+
+
 def test_an_architecture_mlx_lm_does_not_split_is_refused() -> None:
     gemma = tiny_card("acme/gemma", architecture="gemma")
     with pytest.raises(UnsplittableModel, match=r"\(gemma\) cannot be split across tensor-parallel nodes"):

@@ -42,7 +42,15 @@ from jetshard_schema.card_from_config import TENSOR_PARALLEL_ARCHITECTURES
 from jetshard_schema.cards import ModelCard, ModelSource
 from jetshard_schema.ids import NodeId
 from jetshard_schema.state import Node, State
-from jetshard_schema.types import GpuInfo, NodeProfile, Parallelism, ServingSettings, ShardAssignment, WeightsDtype
+from jetshard_schema.types import (
+    MAX_NODES,
+    GpuInfo,
+    NodeProfile,
+    Parallelism,
+    ServingSettings,
+    ShardAssignment,
+    WeightsDtype,
+)
 
 ACTIVATION_HEADROOM = 0.10
 HALF_BYTES = 2
@@ -302,7 +310,9 @@ def tensor_split_refusal(card: ModelCard, nodes: int) -> str | None:
         )
     heads, kv_heads = card.num_attention_heads, card.num_key_value_heads
     if heads % nodes or kv_heads % nodes:
-        counts = [n for n in range(1, min(heads, kv_heads) + 1) if heads % n == 0 and kv_heads % n == 0]
+        # Only counts a request may ask for: a card's head counts are untrusted (a Hub repo's config.json), and
+        # trying each up to a trillion of them would stall the single writer.
+        counts = [n for n in range(1, min(heads, kv_heads, MAX_NODES) + 1) if heads % n == 0 and kv_heads % n == 0]
         return (
             f"{card.model_id} has {heads} attention heads and {kv_heads} key/value heads, which do not both divide "
             f"by {nodes} nodes; tensor parallelism splits them evenly: place it on {' or '.join(map(str, counts))} "
