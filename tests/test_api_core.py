@@ -121,6 +121,15 @@ async def test_cluster_routes(fresh_nats, processes, tmp_path: Path) -> None:
         ):
             assert "paralelism" in str(assert_openai_error(refused, 400)["message"])
 
+        # A node named twice, or unknown, is a 400 to fix (no memory would place it), and names each node once.
+        for node_ids, words in (
+            ([node_id] * 3, f"node_ids lists {node_id} more than once"),
+            (["x"], "unknown node(s): x;"),
+        ):
+            for parallelism in ("pipeline", "tensor"):
+                body = {"model_id": qwen, "node_ids": node_ids, "parallelism": parallelism}
+                assert words in str(assert_openai_error(await client.post("/instances", json=body), 400)["message"])
+
         state = (await client.get("/state")).json()
         assert state["last_seq"] >= 1
         assert node_id in state["nodes"]

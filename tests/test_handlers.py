@@ -433,6 +433,10 @@ def test_place_and_delete_instance(cluster: InMemoryCluster) -> None:
         RejectCode.INSUFFICIENT_MEMORY,
     )
     assert "GiB" in refusal.reason
+    # A node named twice, or one the cluster does not know, is the request's fault, not a lack of memory.
+    for node_ids in ((A, A), (A, NodeId("nowhere"))):
+        place = PlaceInstance(instance_id=InstanceId("i3"), model_id=MODEL, node_ids=node_ids)
+        rejected(cluster.run(place), RejectCode.INVALID)
     rejected(cluster.run(DeleteInstance(instance_id=InstanceId("nope"))), RejectCode.NOT_FOUND)
     assert cluster.run(DeleteInstance(instance_id=instance)) == [
         InstanceDeleted(instance_id=instance, reason="deleted on request")

@@ -11,6 +11,7 @@ from helpers.cards import tiny_card
 from jetshard_schema.cards import Quantization
 from jetshard_schema.ids import InstanceId, NodeId
 from jetshard_schema.placement import (
+    InvalidPlacement,
     Placement,
     PlacementError,
     UnsplittableModel,
@@ -155,16 +156,30 @@ def test_explicit_node_ids_must_fit_the_model() -> None:
     ("node_ids", "min_nodes", "match"),
     [
         (["a", "x"], 1, "unknown node"),
-        (["a", "a"], 1, "listed twice"),
-        (["a"], 2, "only 1 available"),
+        (["a", "a"], 1, "lists a more than once"),
+        (["x"] * 5000, 1, "^node_ids lists x more than once"),  # not 5000 unknown nodes
         (None, 0, "at least 1"),
-        (None, 4, "only 3 available"),
     ],
 )
-def test_bad_requests_are_refused(node_ids: list[str] | None, min_nodes: int, match: str) -> None:
+@pytest.mark.parametrize("parallelism", list(Parallelism))
+def test_bad_requests_are_refused_as_the_clients_to_fix(
+    node_ids: list[str] | None, min_nodes: int, match: str, parallelism: Parallelism
+) -> None:
+    """Not as a lack of memory: no amount of it would place them."""
     nodes = [node("a", 30), node("b", 10), node("c", 10)]
-    with pytest.raises(PlacementError, match=match):
+    named = [NodeId(n) for n in node_ids] if node_ids else None
+    with pytest.raises(InvalidPlacement, match=match):
+        place(CARD, nodes, node_ids=named, min_nodes=min_nodes, serving=replace(ONE_ROW, parallelism=parallelism))
+
+
+@pytest.mark.parametrize(
+    ("node_ids", "min_nodes", "match"), [(["a"], 2, "only 1 available"), (None, 4, "only 3 available")]
+)
+def test_too_few_nodes_are_refused(node_ids: list[str] | None, min_nodes: int, match: str) -> None:
+    nodes = [node("a", 30), node("b", 10), node("c", 10)]
+    with pytest.raises(PlacementError, match=match) as refused:
         place_one_row(CARD, nodes, node_ids=[NodeId(n) for n in node_ids] if node_ids else None, min_nodes=min_nodes)
+    assert not isinstance(refused.value, InvalidPlacement)
 
 
 def test_more_nodes_than_layers() -> None:

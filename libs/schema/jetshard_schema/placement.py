@@ -68,7 +68,12 @@ class ModelUnavailable(PlacementError):
     """The nodes that could hold the model cannot get its files (offline, and it is not on their disks)."""
 
 
-class UnsplittableModel(PlacementError):
+class InvalidPlacement(PlacementError):
+    """The request is wrong whatever the nodes' memory: a node it names is unknown or named twice, fewer than one
+    node; the client has to change it, not wait for room."""
+
+
+class UnsplittableModel(InvalidPlacement):
     """The model cannot be split across that many tensor-parallel nodes (its heads, or its architecture)."""
 
 
@@ -235,16 +240,17 @@ def place(
     actionable reason."""
     known = {node.node_id: node for node in nodes}
     if node_ids:
+        twice = [n for n, count in Counter(node_ids).items() if count > 1]
+        if twice:
+            raise InvalidPlacement(f"node_ids lists {', '.join(twice)} more than once: each node holds one rank")
         missing = [n for n in node_ids if n not in known]
         if missing:
-            raise PlacementError(f"unknown node(s): {', '.join(missing)}; see GET /nodes")
-        if len(set(node_ids)) != len(node_ids):
-            raise PlacementError("a node is listed twice")
+            raise InvalidPlacement(f"unknown node(s): {', '.join(missing)}; see GET /nodes")
         chosen = [known[n] for n in node_ids]
     else:
         chosen = sorted(nodes, key=lambda n: (-compute_memory_bytes(n.profile), n.node_id))
     if min_nodes < 1:
-        raise PlacementError("min_nodes must be at least 1")
+        raise InvalidPlacement("min_nodes must be at least 1")
     if serving.parallelism is Parallelism.TENSOR:
         refusal = tensor_split_refusal(card, len(chosen) if node_ids else min_nodes)
         if refusal is not None:
