@@ -141,11 +141,14 @@ def test_a_request_for_a_model_that_cannot_think_leaves_the_template_alone(
         model=dialect_cluster.model, messages=QUESTION, max_tokens=3, temperature=0, reasoning_effort="high"
     )
     assert reasoning_of(answer.choices[0].message) is None
-    with pytest.raises(openai.BadRequestError) as caught:
-        openai_client.chat.completions.create(
-            model=dialect_cluster.model, messages=QUESTION, extra_body={"chat_template_kwargs": {"tools": []}}
-        )
-    assert caught.value.body["param"] == "chat_template_kwargs"  # type: ignore[index]
+    # `self` and `conversations` too: the wrapper's own argument and what transformers renders the messages as.
+    for reserved in ("tools", "self", "conversations"):
+        with pytest.raises(openai.BadRequestError) as caught:
+            openai_client.chat.completions.create(
+                model=dialect_cluster.model, messages=QUESTION, extra_body={"chat_template_kwargs": {reserved: []}}
+            )
+        assert caught.value.body["param"] == "chat_template_kwargs", reserved  # type: ignore[index]
+        assert f"may not set {reserved}:" in caught.value.message
     with pytest.raises(openai.BadRequestError) as caught:
         openai_client.chat.completions.create(
             model=dialect_cluster.model, messages=QUESTION, extra_body={"reasoning_effort": "extreme"}

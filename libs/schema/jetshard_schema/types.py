@@ -306,7 +306,9 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
 
 CHAT_TEMPLATE_ARGUMENTS = frozenset(
     {
+        "self",
         "conversation",
+        "conversations",
         "messages",
         "tools",
         "documents",
@@ -323,8 +325,8 @@ CHAT_TEMPLATE_ARGUMENTS = frozenset(
         "tokenizer_kwargs",
     }
 )
-"""The arguments of transformers' `apply_chat_template` that the rendering sets itself: a request's
-`chat_template_kwargs` may set none of them."""
+"""The arguments of transformers' `apply_chat_template` (and of the `render_jinja_template` it calls with the
+conversations) that the rendering sets itself: a request's `chat_template_kwargs` may set none of them."""
 
 
 class TaskRequest(msgspec.Struct, frozen=True, kw_only=True):
