@@ -149,6 +149,15 @@ def test_a_request_for_a_model_that_cannot_think_leaves_the_template_alone(
             )
         assert caught.value.body["param"] == "chat_template_kwargs", reserved  # type: ignore[index]
         assert f"may not set {reserved}:" in caught.value.message
+    nested: dict[str, Any] = {}
+    for _ in range(500):  # deep enough to overflow the rendering's recursion, not the JSON decoder's
+        nested = {"a": nested}
+    with pytest.raises(openai.BadRequestError) as caught:
+        openai_client.chat.completions.create(
+            model=dialect_cluster.model, messages=QUESTION, extra_body={"chat_template_kwargs": nested}
+        )
+    assert caught.value.body["param"] == "chat_template_kwargs"  # type: ignore[index]
+    assert "nested deeper than 32 levels" in caught.value.message
     with pytest.raises(openai.BadRequestError) as caught:
         openai_client.chat.completions.create(
             model=dialect_cluster.model, messages=QUESTION, extra_body={"reasoning_effort": "extreme"}

@@ -147,6 +147,9 @@ def template_kwargs(
     reserved = sorted(set(kwargs) & CHAT_TEMPLATE_ARGUMENTS)
     if reserved:
         raise invalid(param, f"{param} may not set {', '.join(reserved)}: the rendering sets them")
+    # A few hundred levels would pass the JSON decoder and end in a RecursionError where the template renders.
+    if _depth(kwargs) > MAX_SCHEMA_DEPTH:
+        raise invalid(param, f"{param} is nested deeper than {MAX_SCHEMA_DEPTH} levels")
     if thinking is not None:
         kwargs.setdefault("enable_thinking", thinking)
     if effort is not None:
