@@ -259,6 +259,12 @@ def test_anthropic_refuses_thinking_for_a_model_that_cannot(
         anthropic_client.messages.create(
             model=thinking_model, max_tokens=16, messages=QUESTION, thinking={"type": "enabled", "budget_tokens": 16}
         )
+    # An effort Anthropic does not name is refused, as OpenAI's dialects refuse one OpenAI does not.
+    request: Any = {"model": thinking_model, "max_tokens": 16, "messages": QUESTION}
+    anthropic_client.messages.create(**request, extra_body={"output_config": {"effort": "max"}})
+    for effort in ("extreme", "x" * 10_000):
+        with pytest.raises(anthropic.BadRequestError, match=r"output_config\.effort"):
+            anthropic_client.messages.create(**request, extra_body={"output_config": {"effort": effort}})
 
 
 # --- Ollama -----------------------------------------------------------------------------------------------------

@@ -92,8 +92,9 @@ class OutputFormat(msgspec.Struct, frozen=True, kw_only=True):
 class OutputConfig(msgspec.Struct, frozen=True, kw_only=True):
     format: OutputFormat | None = None
     """Structured output: the answer's text is decoded to follow the schema."""
-    effort: str | None = None
-    """Passed to the chat template as `reasoning_effort`, for templates that take one."""
+    effort: Literal["low", "medium", "high", "xhigh", "max"] | None = None
+    """Passed to the chat template as `reasoning_effort`, for templates that take one; Anthropic's values only, as
+    the other dialects take OpenAI's."""
 
 
 class CountTokensRequest(msgspec.Struct, frozen=True, kw_only=True):
