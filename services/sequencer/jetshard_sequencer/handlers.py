@@ -178,6 +178,15 @@ def _add_custom_model_card(state: State, command: commands.AddCustomModelCard, c
         return _reject(command, RejectCode.ALREADY_EXISTS, f"{card.model_id} is already in the catalogue")
     if card.num_layers < 1 or card.hidden_size < 1 or card.storage_size_bytes < 0:
         return _reject(command, RejectCode.INVALID, "a card needs at least one layer and a positive hidden size")
+    # Placement splits the heads over tensor-parallel ranks and sizes the KV cache by them.
+    heads, kv_heads = card.num_attention_heads, card.num_key_value_heads
+    if heads < 1 or kv_heads < 1 or heads % kv_heads or card.vocab_size < 1:
+        return _reject(
+            command,
+            RejectCode.INVALID,
+            f"a card needs a positive vocabulary and head counts, attention heads a multiple of key/value heads; "
+            f"got {heads} and {kv_heads}, vocabulary {card.vocab_size}",
+        )
     return [events.CustomModelCardAdded(card=replace(card, is_custom=True))]
 
 
