@@ -255,6 +255,10 @@ def test_anthropic_refuses_thinking_for_a_model_that_cannot(
             thinking={"type": "enabled", "budget_tokens": 16},
         )
     assert "does not support thinking" in caught.value.message
+    with pytest.raises(anthropic.BadRequestError, match="does not support thinking"):  # counting its tokens too
+        anthropic_client.messages.count_tokens(
+            model=dialect_cluster.model, messages=QUESTION, thinking={"type": "enabled", "budget_tokens": 16}
+        )
     with pytest.raises(anthropic.BadRequestError):  # the budget leaves no room for the answer
         anthropic_client.messages.create(
             model=thinking_model, max_tokens=16, messages=QUESTION, thinking={"type": "enabled", "budget_tokens": 16}

@@ -87,9 +87,7 @@ class AnthropicController(DialectController):
         """The answer as one message, or with `stream` as Anthropic's named events: a thinking model's reasoning
         (`thinking`), text, and tool calls (`tools`, `tool_choice`; a forced call is decoded to follow the tool's
         `input_schema`)."""
-        task = _task(data, message_sampling(data))
-        if thinks(data) and not can_think(cluster.state, task.model_id):
-            raise ApiError(400, f"{task.model_id} does not support thinking", "thinking_unsupported", "thinking")
+        task = _thinking_checked(cluster, data, _task(data, message_sampling(data)))
         if data.stream:
             return await streamed(cluster, settings, task, request.receive, _Events(task))
         result = await answer(cluster, settings, task, request.receive)
@@ -115,8 +113,17 @@ class AnthropicController(DialectController):
         """The prompt's tokens, as the model's tokenizer and chat template make them. Those live where the model
         runs, not in the API: the prompt is run with `max_tokens` 1 and its usage reported. That costs one
         prefill, which the runner's prefix cache keeps for the request that follows."""
-        result = await answer(cluster, settings, _task(data, SamplingParams(max_tokens=1)), request.receive)
+        task = _thinking_checked(cluster, data, _task(data, SamplingParams(max_tokens=1)))
+        result = await answer(cluster, settings, task, request.receive)
         return TokenCount(input_tokens=result.usage.prompt_tokens)
+
+
+def _thinking_checked(cluster: Cluster, data: CountTokensRequest, task: TaskRequest) -> TaskRequest:
+    """`task`, unless it asks a model that does not think to think: counting its tokens too, as Anthropic refuses
+    both."""
+    if thinks(data) and not can_think(cluster.state, task.model_id):
+        raise ApiError(400, f"{task.model_id} does not support thinking", "thinking_unsupported", "thinking")
+    return task
 
 
 def _task(data: CountTokensRequest, sampling: SamplingParams) -> TaskRequest:
