@@ -143,6 +143,30 @@ async def test_cluster_routes(fresh_nats, processes, tmp_path: Path) -> None:
         schema = (await client.get("/openapi/openapi.json")).json()
         assert schema["info"]["title"] == "jetshard"
         assert "/state" in schema["paths"] and "/events" in schema["paths"]
+        # The placement and reasoning fields, asked and answered; an answer that may also stream is documented too.
+        components = schema["components"]["schemas"]
+
+        def fields(component: str) -> set[str]:
+            return set(components[component]["properties"])
+
+        assert {"parallelism", "node_ids", "min_nodes"} <= fields("PlaceRequest")
+        assert {"bfloat16", "float16"} <= set(components["WeightsDtype"]["enum"])
+        assert {"weights", "tensor_rank", "device"} <= fields("ShardDescription")
+        assert "parallelism" in {p["name"] for p in schema["paths"]["/instances/preview"]["get"]["parameters"]}
+        assert {"chat_template_kwargs", "reasoning_effort"} <= fields("ChatCompletionRequest")
+        assert "budget_tokens" in fields("ThinkingParam") and "think" in fields("ChatRequest")
+        assert "capabilities" in fields("ModelObject")
+        for path, answer in (
+            ("/v1/chat/completions", "ChatCompletion"),
+            ("/v1/responses", "ResponseObject"),
+            ("/v1/messages", "MessageBody"),
+            ("/api/chat", "ChatAnswer"),
+        ):
+            documented = schema["paths"][path]["post"]["responses"]["200"]["content"]["application/json"]["schema"]
+            assert documented["$ref"].endswith(answer), path  # the same name in two dialects gets a prefix
+        assert "reasoning_content" in fields("openai_types_AssistantMessage")
+        assert "completion_tokens_details" in fields("openai_types_UsageBody")
+        assert "thinking" in fields("ThinkingBlock") and "thinking" in fields("ollama_types_AssistantMessage")
 
         assert_openai_error(await client.get("/no/such/route"), 404)
         error = assert_openai_error(

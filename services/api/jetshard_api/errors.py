@@ -159,3 +159,10 @@ def inference_responses_in(body_type: type[msgspec.Struct]) -> dict[int, Respons
         status: ResponseSpec(data_container=body_type, description=spec.description)
         for status, spec in INFERENCE_RESPONSES.items()
     }
+
+
+def answering(body_type: type[msgspec.Struct], responses: dict[int, ResponseSpec]) -> dict[int, ResponseSpec]:
+    """`responses` with `body_type`, the route's answer when it does not stream, as its 200: a route that may also
+    stream returns a union of the two, which Litestar documents as an empty schema."""
+    answer = ResponseSpec(data_container=body_type, description="the answer; with `stream`, its events instead")
+    return {200: answer, **responses}

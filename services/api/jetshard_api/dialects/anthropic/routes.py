@@ -41,7 +41,7 @@ from jetshard_api.dialects.anthropic.types import (
 )
 from jetshard_api.dialects.streaming import streamed
 from jetshard_api.dialects.strict_body import DialectController
-from jetshard_api.errors import ApiError, error_handlers_answering, inference_responses_in
+from jetshard_api.errors import ApiError, answering, error_handlers_answering, inference_responses_in
 from jetshard_api.route_steps import InferenceSettings, can_think, checked_model_id
 from jetshard_api.tasks import answer
 
@@ -76,7 +76,7 @@ class AnthropicController(DialectController):
     tags = ["anthropic"]
     exception_handlers = error_handlers_answering(_error_body)
 
-    @post("/", status_code=200, responses=RESPONSES)
+    @post("/", status_code=200, responses=answering(MessageBody, RESPONSES))
     async def messages(
         self,
         cluster: NamedDependency[Cluster],

@@ -67,7 +67,7 @@ from jetshard_api.dialects.ollama.types import (
 from jetshard_api.dialects.openai.types import TokenLogprobBody
 from jetshard_api.dialects.strict_body import DialectController
 from jetshard_api.disconnect import unless_disconnected
-from jetshard_api.errors import ApiError, error_handlers_answering, inference_responses_in
+from jetshard_api.errors import ApiError, answering, error_handlers_answering, inference_responses_in
 from jetshard_api.route_steps import (
     InferenceSettings,
     can_think,
@@ -279,7 +279,7 @@ class OllamaController(DialectController):
     tags = ["ollama"]
     exception_handlers = error_handlers_answering(_ollama_error)
 
-    @post("/chat", status_code=200, responses=OLLAMA_RESPONSES)
+    @post("/chat", status_code=200, responses=answering(ChatAnswer, OLLAMA_RESPONSES))
     async def chat(
         self,
         cluster: NamedDependency[Cluster],
@@ -294,7 +294,7 @@ class OllamaController(DialectController):
         task = chat_task(new_task_id(), model_id, data, _context_length(cluster.state, model_id))
         return await _generated(cluster, settings, request, data, task, _chat_shape, bool(data.messages))
 
-    @post("/generate", status_code=200, responses=OLLAMA_RESPONSES)
+    @post("/generate", status_code=200, responses=answering(GenerateAnswer, OLLAMA_RESPONSES))
     async def generate(
         self,
         cluster: NamedDependency[Cluster],

@@ -46,7 +46,7 @@ from jetshard_api.dialects.openai.types import (
 )
 from jetshard_api.dialects.streaming import keep_alive_comment, streamed
 from jetshard_api.dialects.strict_body import DialectController
-from jetshard_api.errors import ERROR_RESPONSES, INFERENCE_RESPONSES, ApiError, error_body
+from jetshard_api.errors import ERROR_RESPONSES, INFERENCE_RESPONSES, ApiError, answering, error_body
 from jetshard_api.route_steps import InferenceSettings, checked_model_id, ready_models
 from jetshard_api.tasks import answer
 
@@ -78,7 +78,7 @@ class OpenAIController(DialectController):
             raise ApiError(404, f"unknown model {checked}", "model_not_found", "model")
         return _model_object(checked, card, ready_models(cluster.state))
 
-    @post("/chat/completions", status_code=200, responses=INFERENCE_RESPONSES)
+    @post("/chat/completions", status_code=200, responses=answering(ChatCompletion, INFERENCE_RESPONSES))
     async def chat_completions(
         self,
         cluster: NamedDependency[Cluster],
@@ -97,7 +97,7 @@ class OpenAIController(DialectController):
         # A Response, not the bare body: the route's media type would otherwise be JSON for the stream too.
         return Response(ChatCompletion(**_head(task, result.usage), choices=choices))
 
-    @post("/completions", status_code=200, responses=INFERENCE_RESPONSES)
+    @post("/completions", status_code=200, responses=answering(Completion, INFERENCE_RESPONSES))
     async def completions(
         self,
         cluster: NamedDependency[Cluster],

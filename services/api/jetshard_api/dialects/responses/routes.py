@@ -38,7 +38,7 @@ from jetshard_api.dialects.responses.types import (
 )
 from jetshard_api.dialects.streaming import keep_alive_comment, streamed
 from jetshard_api.dialects.strict_body import DialectController
-from jetshard_api.errors import INFERENCE_RESPONSES, ApiError
+from jetshard_api.errors import INFERENCE_RESPONSES, ApiError, answering
 from jetshard_api.route_steps import InferenceSettings, checked_model_id
 from jetshard_api.tasks import answer
 
@@ -49,7 +49,7 @@ class ResponsesController(DialectController):
     path = "/v1/responses"
     tags = ["openai"]
 
-    @post(status_code=200, responses=INFERENCE_RESPONSES)
+    @post(status_code=200, responses=answering(ResponseObject, INFERENCE_RESPONSES))
     async def create(
         self,
         cluster: NamedDependency[Cluster],
