@@ -121,6 +121,18 @@ async def test_cluster_routes(fresh_nats, processes, tmp_path: Path) -> None:
         ):
             assert "paralelism" in str(assert_openai_error(refused, 400)["message"])
 
+        # A value of the wrong type is refused, not converted, naming the field at fault.
+        for body, param in (
+            ({"min_nodes": "2"}, "min_nodes"),
+            ({"serving": {"max_batch": "4"}}, "serving"),
+            ({"serving": {"prefix_cache_bytes": 1.0}}, "serving"),
+            ({"parallelism": 1}, "parallelism"),
+        ):
+            error = assert_openai_error(await client.post("/instances", json={"model_id": qwen, **body}), 400)
+            assert (error["param"], error["code"]) == (param, "invalid_type"), error
+        refused = await client.post("/downloads", json={"model_id": qwen, "node_id": node_id, "start_layer": "0"})
+        assert assert_openai_error(refused, 400)["param"] == "start_layer"
+
         # A node named twice, or unknown, is a 400 to fix (no memory would place it), and names each node once.
         for node_ids, words in (
             ([node_id] * 3, f"node_ids lists {node_id} more than once"),

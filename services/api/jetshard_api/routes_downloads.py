@@ -15,6 +15,7 @@ from litestar.openapi.datastructures import ResponseSpec
 from litestar.params import FromPath, JSONBody
 
 from jetshard_api.cluster import Cluster
+from jetshard_api.dialects.strict_body import StrictBody
 from jetshard_api.errors import ERROR_RESPONSES, ApiError
 from jetshard_api.route_steps import checked_model_id
 
@@ -86,6 +87,8 @@ def _current(state: State, node_id: NodeId, model_id: ModelId) -> DownloadDescri
 
 
 class DownloadsController(Controller):
+    dto = StrictBody  # a value of the wrong type is refused, not converted ("4" is not 4)
+    return_dto = None
     path = "/downloads"
     tags = ["downloads"]
 

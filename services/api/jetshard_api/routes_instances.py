@@ -26,6 +26,7 @@ from litestar.di import NamedDependency
 from litestar.params import FromPath, FromQuery, JSONBody, Parameter
 
 from jetshard_api.cluster import Cluster
+from jetshard_api.dialects.strict_body import StrictBody
 from jetshard_api.errors import ERROR_RESPONSES, ApiError
 from jetshard_api.route_steps import (
     Deleted,
@@ -76,6 +77,8 @@ PREVIEW_PARAMETERS = frozenset({"model_id", "min_nodes", "parallelism"})
 
 
 class InstancesController(Controller):
+    dto = StrictBody  # a value of the wrong type is refused, not converted ("4" is not 4)
+    return_dto = None
     path = "/instances"
     tags = ["instances"]
 

@@ -1,4 +1,5 @@
-"""The dialects' request bodies, decoded once and strictly, with JSON's own types.
+"""The dialects' request bodies (and those of the placement and download routes), decoded once and strictly, with
+JSON's own types.
 
 Litestar converts a body leniently (`"max_tokens": "5"` becomes 5); OpenAI refuses a value of the wrong type,
 and a client that sends one has a bug to see. A dialect's controller is a `DialectController`, which
