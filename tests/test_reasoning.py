@@ -194,6 +194,19 @@ def test_responses_give_a_reasoning_item_before_the_message(openai_client: opena
     )
     assert [item.type for item in quiet.output] == ["message"] and quiet.output_text == ANSWER
 
+    # A summary is not made, but only OpenAI's kinds of it are accepted.
+    summarised = openai_client.responses.create(
+        model=thinking_model, input="Is it?", max_output_tokens=32, reasoning={"summary": "detailed"}
+    )
+    assert summarised.output_text == ANSWER
+    with pytest.raises(openai.BadRequestError, match=r"reasoning\.summary"):
+        openai_client.responses.create(
+            model=thinking_model,
+            input="Is it?",
+            max_output_tokens=32,
+            reasoning={"summary": "nonsense"},  # type: ignore[typeddict-item]
+        )
+
 
 # --- Anthropic --------------------------------------------------------------------------------------------------
 

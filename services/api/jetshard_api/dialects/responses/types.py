@@ -74,8 +74,9 @@ class Reasoning(msgspec.Struct, frozen=True, kw_only=True):
     effort: str | None = None
     """Passed to the chat template as `reasoning_effort`; "none" turns a thinking model's reasoning off. A
     summary is not made: a thinking model's reasoning comes whole, as a `reasoning` item's content."""
-    summary: str | None = None
-    generate_summary: str | None = None
+    summary: Literal["auto", "concise", "detailed"] | None = None
+    """OpenAI's values are accepted and change nothing (no summary is made); another is refused."""
+    generate_summary: Literal["auto", "concise", "detailed"] | None = None
 
 
 class StreamOptions(msgspec.Struct, frozen=True, kw_only=True):
