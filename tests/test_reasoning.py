@@ -98,6 +98,19 @@ def test_a_prompt_that_opens_the_reasoning(openai_client: openai.OpenAI, thinkin
     assert answer.usage.completion_tokens_details.reasoning_tokens == REASONING_TOKENS - 1  # no start marker
 
 
+def test_a_think_marker_in_the_conversation_opens_no_reasoning(
+    openai_client: openai.OpenAI, thinking_model: str
+) -> None:
+    """Only the template's opening of the answer may leave the model inside its reasoning: a user who writes the
+    marker in a message gets the model's reasoning and answer as anyone else does."""
+    for content in ("What is <think>?", "<think>"):
+        answer = openai_client.chat.completions.create(
+            model=thinking_model, messages=[{"role": "user", "content": content}], max_tokens=32
+        )
+        message = answer.choices[0].message
+        assert (reasoning_of(message), message.content) == (THOUGHT, ANSWER), content
+
+
 def test_openai_thinking_controls_reach_the_template(openai_client: openai.OpenAI, thinking_model: str) -> None:
     """`chat_template_kwargs` and `reasoning_effort: none` turn the reasoning off: the template closes it in the
     prompt, and the model answers at once."""

@@ -31,9 +31,11 @@ def render_chat(
     messages: tuple[ChatMessage, ...],
     tools: Tools | None,
     template_kwargs: dict[str, Any] | None = None,
+    add_generation_prompt: bool = True,
 ) -> str:
     """The prompt text; the tools are left out when the request's choice is `none`. `template_kwargs` are the
-    request's own values for the template (`enable_thinking`...); the ones the rendering itself sets are refused."""
+    request's own values for the template (`enable_thinking`...); the ones the rendering itself sets are refused.
+    Without `add_generation_prompt`, the conversation alone, without the opening of the assistant's turn."""
     template_kwargs = template_kwargs or {}
     reserved = sorted(set(template_kwargs) & CHAT_TEMPLATE_ARGUMENTS)
     if reserved:
@@ -41,7 +43,7 @@ def render_chat(
 
     def _render(messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None) -> str:
         rendered = tokenizer.apply_chat_template(
-            messages, tools=tools, add_generation_prompt=True, tokenize=False, **template_kwargs
+            messages, tools=tools, add_generation_prompt=add_generation_prompt, tokenize=False, **template_kwargs
         )
         return str(rendered)
 

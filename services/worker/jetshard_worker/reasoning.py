@@ -13,7 +13,8 @@ Two views of the same output, each where it is exact:
   answer's tokens only.
 
 A prompt may open the reasoning itself (templates that end the generation prompt with `<think>`): the output then
-starts inside it (`opens_in_reasoning`), as mlx-lm's server decides.
+starts inside it (`opens_in_reasoning`), as mlx-lm's server decides, though only from the template's opening of the
+assistant's turn (the runner's `_turn_opening`), never from a marker a user wrote in the conversation.
 """
 
 from __future__ import annotations

@@ -362,7 +362,7 @@ class Runner:
             schema = forced_call_schema(specs, tools.function, tools.parallel)
         seed = request.sampling.seed
         markers = self.think_markers if request.kind is TaskKind.CHAT else None
-        thinking = markers is not None and opens_in_reasoning(markers, tokens)
+        thinking = markers is not None and opens_in_reasoning(markers, self._turn_opening(request, tokens))
         choices, rows = [], []
         for i in range(request.n):
             constraint = None if schema is None else self._constraint(schema, max_tokens)
@@ -424,6 +424,16 @@ class Runner:
 
     def _token_text(self, token: int) -> str:
         return str(self.tokenizer.decode([token]))
+
+    def _turn_opening(self, request: TaskRequest, tokens: list[int]) -> list[int]:
+        """The prompt's tokens after the conversation: what the template opens the assistant's turn with (`<think>`
+        in a template that opens the reasoning there). A think marker a user wrote in a message is the
+        conversation's, and opens nothing. The whole prompt where the conversation alone is not its beginning."""
+        conversation = render_chat(
+            self.tokenizer, request.messages, request.tools, request.chat_template_kwargs, add_generation_prompt=False
+        )
+        start = list(self.tokenizer.encode(conversation, add_special_tokens=False))
+        return tokens[len(start) :] if tokens[: len(start)] == start else tokens
 
     def _prompts(self, request: TaskRequest) -> list[list[int]]:
         """The token ids the engine prefills: one prompt, or one per embedding input."""
