@@ -54,6 +54,11 @@ def hostile_commands(tmp_path: Path) -> list[tuple[str, dict[str, Any]]]:
         add_card("org/" + "m" * 200),
         ("ReportNodeProfile", {"node_id": "../node", "session_id": "s", "profile": {}}),
         ("DeleteInstance", {"instance_id": "inst.>"}),
+        # The placement fields: out of range, of the wrong type, or no value of their enum.
+        ("PlaceInstance", {"instance_id": "i", "model_id": "org/model", "min_nodes": 2**63}),
+        ("PlaceInstance", {"instance_id": "i", "model_id": "org/model", "min_nodes": 1.5}),
+        ("PlaceInstance", {"instance_id": "i", "model_id": "org/model", "serving": {"parallelism": "diagonal"}}),
+        ("EnsureInstance", {"instance_id": "i", "model_id": "org/model", "serving": {"weights": "float8"}}),
     ]
 
 
@@ -131,6 +136,16 @@ async def test_hostile_commands_are_rejected_and_the_worker_survives(cluster: Cl
     rejected = cluster.events[before]
     assert isinstance(rejected, CommandRejected) and "invalid command id" in rejected.reason, rejected
     assert ModelId("org/fine") not in state.custom_cards
+
+    # Well-formed but impossible placements: a node named twice, and a tensor split of a card whose trillion heads
+    # the sequencer must not try one node count at a time.
+    huge = {**CARD, "num_attention_heads": 10**12, "num_key_value_heads": 10**12}
+    await publish_raw(cluster, "AddCustomModelCard", {"card": {"model_id": "org/huge", **huge}}, "huge-card")
+    for n, (node_ids, min_nodes) in enumerate((([node_id, node_id], 1), (None, 3))):
+        body = {"instance_id": f"inst-{n}", "model_id": "org/huge", "min_nodes": min_nodes}
+        body |= {"serving": {"parallelism": "tensor"}} | ({"node_ids": node_ids} if node_ids else {})
+        rejected = await rejection_of(cluster, "PlaceInstance", body, f"impossible-{n}")
+        assert rejected.code is RejectCode.INVALID, rejected
 
     assert not escape_target(tmp_path).exists()
     assert worker.poll() is None, cluster.processes.log("worker")
