@@ -17,10 +17,13 @@ from pathlib import Path
 from typing import Any
 
 import mlx.core as mx
+import numpy as np
 import pytest
 from helpers.engine_rank import free_ports, rank_command
 from helpers.tiny_models import layer_of, make_tiny_model
-from jetshard_schema.types import TaskOutcome
+from helpers.tiny_vlm import make_tiny_vlm, mlx_vlm_greedy, png
+from jetshard_schema.types import ChatMessage, TaskOutcome
+from jetshard_worker.chat import render_chat
 from jetshard_worker.engine import (
     GenerationRequest,
     PipelineEngine,
@@ -28,6 +31,7 @@ from jetshard_worker.engine import (
     load_shard,
     write_hostfile,
 )
+from jetshard_worker.library_boundary import prompt_inputs, vision_processor
 from mlx_lm import load as mlx_load
 from mlx_lm.generate import stream_generate
 
@@ -679,3 +683,83 @@ def test_the_engine_handles_every_architecture_a_card_may_name() -> None:
 
     for arch in SUPPORTED_ARCHITECTURES:
         model_classes({"model_type": arch})  # refuses an architecture the shard engine cannot run
+
+
+# --------------------------------------------------------------------------- vision models
+
+VISION_QUESTION = "What is in this picture?"
+VISION_MAX_TOKENS = 12
+
+
+@pytest.fixture(scope="module")
+def vlm(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_tiny_vlm(tmp_path_factory.mktemp("engine-vlm") / "vlm")
+
+
+@pytest.fixture(scope="module")
+def vision_prompts(vlm: Path) -> list[tuple[list[int], dict[str, np.ndarray], list[int]]]:
+    """Two pictures of different sizes asked the same question: each prompt's tokens and image arrays as the runner
+    makes them, and mlx-vlm's own greedy answer."""
+    processor = vision_processor(vlm)
+    prompts = []
+    for picture in (png(48, 40, seed=1), png(20, 30, seed=2)):
+        message = ChatMessage(role="user", content=VISION_QUESTION, images=(picture,))
+        rendered = render_chat(processor.tokenizer, (message,), None, content_parts=True)
+        inputs = prompt_inputs(processor, rendered, [picture], image_token_index=None)
+        tokens = inputs.pop("input_ids")[0].tolist()
+        prompts.append((tokens, inputs, mlx_vlm_greedy(vlm, VISION_QUESTION, picture, VISION_MAX_TOKENS)))
+    return prompts
+
+
+@pytest.mark.parametrize("prefill_step_size", [2048, 7])
+def test_a_vision_prompt_is_answered_as_mlx_vlm_answers_it(
+    vlm: Path, vision_prompts: list[tuple[list[int], dict[str, np.ndarray], list[int]]], prefill_step_size: int
+) -> None:
+    """The vision tower and projector run where the embedding is, their features in place of the image tokens,
+    also when the prompt is prefilled in chunks; each picture gets its own answer."""
+    collector = Collector()
+    engine = PipelineEngine(
+        load_shard(vlm, 0, 4),
+        on_token=collector.on_token,
+        on_finished=collector.on_finished,
+        prefill_step_size=prefill_step_size,
+    )
+    requests = [
+        GenerationRequest(f"v{i}", tokens, VISION_MAX_TOKENS, images=arrays)
+        for i, (tokens, arrays, _) in enumerate(vision_prompts)
+    ]
+
+    run_single(engine, requests, collector)
+
+    answers = [collector.tokens[f"v{i}"] for i in range(len(vision_prompts))]
+    assert answers == [expected for _, _, expected in vision_prompts]
+    assert answers[0] != answers[1]
+    assert engine.stats.prefix_hits == 0  # the same question with another picture starts afresh
+
+
+@pytest.mark.timeout(180)
+def test_a_vision_model_pipeline_answers_as_one_rank(
+    vlm: Path, vision_prompts: list[tuple[list[int], dict[str, np.ndarray], list[int]]], tmp_path: Path
+) -> None:
+    """Rank 0 holds the vision tower and projector; the next rank sees only hidden states."""
+    requests = []
+    for i, (tokens, arrays, _) in enumerate(vision_prompts):
+        np.savez(tmp_path / f"images{i}.npz", **arrays)
+        requests.append(
+            {
+                "task_id": f"v{i}",
+                "prompt_tokens": tokens,
+                "max_tokens": VISION_MAX_TOKENS,
+                "images": str(tmp_path / f"images{i}.npz"),
+            }
+        )
+
+    outputs = run_pipeline(vlm, [0, 2, 4], requests, tmp_path, prefill_step_size=5)
+
+    results = outputs[-1]["results"]
+    assert [results[f"v{i}"]["tokens"] for i in range(len(requests))] == [expected for _, _, expected in vision_prompts]
+    first, last = (set(output["loaded_tensors"]) for output in outputs)
+    assert any(name.startswith("vision_model.") for name in first) and any(
+        name.startswith("connector.") for name in first
+    )
+    assert not any(name.startswith(("vision_model.", "connector.")) for name in last)

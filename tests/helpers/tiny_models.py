@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 import string
 from collections.abc import Sequence
 from pathlib import Path
@@ -141,24 +142,25 @@ def _merges(count: int) -> list[tuple[str, str]]:
     return candidates[:count]
 
 
-def _write_tokenizer(out_dir: Path, vocab_size: int) -> dict[str, int]:
-    """Write tokenizer.json / tokenizer_config.json; returns the special tokens' ids."""
+def _write_tokenizer(out_dir: Path, vocab_size: int, special_tokens: Sequence[str] = SPECIAL_TOKENS) -> dict[str, int]:
+    """Write tokenizer.json / tokenizer_config.json; returns the special tokens' ids. `special_tokens` starts
+    with SPECIAL_TOKENS; a vision model's add its image markers."""
     from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
 
     alphabet = _byte_level_alphabet()
-    merges = _merges(vocab_size - MIN_VOCAB_SIZE)
+    merges = _merges(vocab_size - len(alphabet) - len(special_tokens))
     vocab: dict[str, int] = {symbol: i for i, symbol in enumerate(alphabet)}
     for left, right in merges:
         vocab[left + right] = len(vocab)
     # Special tokens take the last ids, as in Qwen's vocabulary.
-    special_ids = {token: len(vocab) + i for i, token in enumerate(SPECIAL_TOKENS)}
+    special_ids = {token: len(vocab) + i for i, token in enumerate(special_tokens)}
     vocab.update(special_ids)
     assert len(vocab) == vocab_size
 
     tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=merges))
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
     tokenizer.decoder = decoders.ByteLevel()
-    tokenizer.add_special_tokens([AddedToken(token, special=True, normalized=False) for token in SPECIAL_TOKENS])
+    tokenizer.add_special_tokens([AddedToken(token, special=True, normalized=False) for token in special_tokens])
     tokenizer.save(str(out_dir / "tokenizer.json"))
 
     _write_json(
@@ -224,22 +226,28 @@ def build_model(config: dict[str, Any]) -> Any:
 
 
 def _random_weights(arch: str, config: dict[str, Any], seed: int) -> dict[str, np.ndarray]:
-    # The names and shapes come from mlx-lm's own model class, so they match what mlx_lm.load()
-    # expects. The values come from numpy seeded per weight name: reproducible across mlx versions
-    # and independent of the order in which the model class creates its parameters.
+    # The names and shapes come from mlx-lm's own model class, so they match what mlx_lm.load() expects.
     shapes = {name: tuple(value.shape) for name, value in tree_flatten(build_model(config).parameters())}
+    return seeded_weights(shapes, f"{seed}:{arch}")
+
+
+def seeded_weights(shapes: dict[str, tuple[int, ...]], seed: str) -> dict[str, np.ndarray]:
+    """float32 values for weights of these names and shapes, from numpy seeded per weight name: reproducible
+    across mlx versions and independent of the order in which a model class creates its parameters."""
     weights: dict[str, np.ndarray] = {}
     for name, shape in sorted(shapes.items()):
-        name_seed = int.from_bytes(hashlib.sha256(f"{seed}:{arch}:{name}".encode()).digest()[:8], "little")
+        name_seed = int.from_bytes(hashlib.sha256(f"{seed}:{name}".encode()).digest()[:8], "little")
         rng = np.random.default_rng(name_seed)
-        if name.endswith("norm.weight"):
-            # RMSNorm gains around 1 (not exactly 1, so norms differ between seeds too).
+        if re.search(r"norm\d*\.weight$", name):
+            # Norm gains around 1 (not exactly 1, so norms differ between seeds too).
             value = 1.0 + 0.1 * rng.standard_normal(shape)
-        elif name == "model.embed_tokens.weight":
+        elif name.endswith(".bias"):
+            value = 0.02 * rng.standard_normal(shape)
+        elif name.endswith(("embed_tokens.weight", "position_embedding.weight")):
             value = rng.standard_normal(shape)
         else:
-            gain = _LM_HEAD_GAIN if name == "lm_head.weight" else _LINEAR_GAIN
-            value = rng.standard_normal(shape) * (gain / np.sqrt(shape[-1]))
+            gain = _LM_HEAD_GAIN if name.endswith("lm_head.weight") else _LINEAR_GAIN
+            value = rng.standard_normal(shape) * (gain / np.sqrt(np.prod(shape[1:])))
         weights[name] = value.astype(np.float32)
     return weights
 

@@ -15,6 +15,10 @@ SUPPORTED_ARCHITECTURES: frozenset[str] = frozenset({"llama", "mistral", "qwen2"
 """`model_type`s the worker's shard engine can split into layer ranges (its forward pass is written per
 architecture; tests/test_engine.py checks it covers this set). mlx-lm knows many more; they are refused
 until the shard engine handles them."""
+VISION_ARCHITECTURES: frozenset[str] = frozenset({"idefics3", "smolvlm"})
+"""`model_type`s of vision models the shard engine serves: their language model (under `text_config`, one of
+`SUPPORTED_ARCHITECTURES`) split into layer ranges, mlx-vlm's vision tower and projector on the first rank
+(SmolVLM, Idefics3). These take images."""
 
 # Config keys differ between model families (GPT-2 style `n_layer`, T5 style `d_model`, ...); the first key
 # present wins, so the common Hugging Face name comes first.
@@ -90,6 +94,7 @@ def card_from_hub_metadata(
         is_custom=True,
         display_name=valid_id.split("/", 1)[1],
         generation=generation_config_defaults(generation_config),
+        vision=architecture in VISION_ARCHITECTURES,
         **card_fields,
     )
 
@@ -103,10 +108,10 @@ def _architecture(model_id: str, config: Mapping[str, Any], text_config: Mapping
         raise ValueError(f"{model_id}: config.json has no 'model_type'")
     if not isinstance(model_type, str) or not model_type:
         raise ValueError(f"{model_id}: config.json 'model_type' must be a non-empty string, got {model_type!r}")
-    if model_type not in SUPPORTED_ARCHITECTURES:
+    if model_type not in SUPPORTED_ARCHITECTURES | VISION_ARCHITECTURES:
         raise UnsupportedModelError(
             f"{model_id}: architecture {model_type!r} is not supported; supported architectures: "
-            + ", ".join(sorted(SUPPORTED_ARCHITECTURES))
+            + ", ".join(sorted(SUPPORTED_ARCHITECTURES | VISION_ARCHITECTURES))
         )
     return model_type
 

@@ -22,16 +22,18 @@ import queue
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any, cast
 
 import mlx.core as mx
+import numpy as np
 from jetshard_schema.types import TaskOutcome
 
 from jetshard_worker.library_boundary import can_trim_prompt_cache
 from jetshard_worker.ring_hostfile import ring_listen_port
 
+from . import images
 from .prefixes import PrefixHit, PrefixIndex
 from .protocol import (
     FLAG_COHORT,
@@ -100,6 +102,10 @@ class GenerationRequest:
     embed: bool = False
     """Generate nothing: prefill the whole prompt and hand out its embedding (the mean of the final norm's
     outputs over the prompt, L2-normalised) through `on_embedding`."""
+    images: Mapping[str, np.ndarray] | None = None
+    """A vision prompt's image arrays as the model's processor made them besides its `input_ids` (which are
+    `prompt_tokens`): rank 0 puts the images' features in place of their tokens. Such a prompt is prefilled
+    alone and never shares a saved prefix: its image tokens say nothing of which image they stand for."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "prompt_tokens", tuple(int(t) for t in self.prompt_tokens))
@@ -459,13 +465,19 @@ class PipelineEngine:
                 case Op.HELLO:
                     assert payload is not None
                     self._link.send(header, self._hello_hop(payload))
+                case Op.IMAGES:
+                    assert payload is not None
+                    caches.images(header, payload)
+                    if self.shard.is_first:  # the others need none of it
+                        payload = mx.zeros((1, 1), dtype=mx.uint8)
+                    self._link.send(header.with_payload(payload), payload)
                 case Op.PREFILL | Op.DECODE:
                     assert payload is not None
                     if header.op == Op.PREFILL:
                         cache = caches.for_prefill(header)
                     else:
                         cache = caches.for_decode(header)
-                    h = self.shard.embed(payload) if self.shard.is_first else payload
+                    h = caches.embed(header, payload) if self.shard.is_first else payload
                     h = self.shard.run_layers(h, cache)
                     self._link.send(header.with_payload(h), h, extra=[c.state for c in cache])
                     self.stats.steps += 1
@@ -573,11 +585,13 @@ class PipelineEngine:
         waiting = len(self._pending) + 1
         even = (self._decoding() + waiting) // len(self._groups) - min(len(g.rows) for g in self._groups)
         room = min(self.max_prefill_batch, self.max_batch - self._decoding(), max(1, even))
-        if not first.embed:
+        if not (first.embed or first.images is not None):
             for request in list(self._pending):
                 if len(cohort.tasks) >= room:
                     break
-                if request.embed or any(self._shares_prefix(request, t.request) for t in cohort.tasks):
+                if request.embed or request.images is not None:
+                    continue  # prefilled alone
+                if any(self._shares_prefix(request, t.request) for t in cohort.tasks):
                     continue  # one that starts as a row of this cohort does starts from that row's saved cache
                 task = self._start(request, announce=False)
                 if cohort_fits([len(t.to_prefill()) for t in [*cohort.tasks, task]]):
@@ -600,6 +614,9 @@ class PipelineEngine:
             dtype=mx.int32,
         )
         self._send(_Sent(Header(Op.GATHER, cohort.id).with_payload(table)), table)
+        if first.images is not None:
+            prompt = images.pack(first.prompt_tokens, first.images)
+            self._send(_Sent(Header(Op.IMAGES, cohort.id).with_payload(prompt)), prompt)
         self._send_prefill(cohort)
 
     def _start(self, request: GenerationRequest, announce: bool = True) -> _Task:
@@ -608,7 +625,7 @@ class PipelineEngine:
         eos = self.shard.eos_token_ids if request.eos_token_ids is None else request.eos_token_ids
         sampler = TaskSampler(request.temperature, request.top_p, request.seed)
         task = _Task(request=request, slot=slot, sampler=sampler, eos=frozenset(eos))
-        hit = None if request.embed else self._prefixes.find(request.prompt_tokens[:-1])
+        hit = None if request.embed or request.images is not None else self._prefixes.find(request.prompt_tokens[:-1])
         if hit is not None:
             task.restore = hit
             self.stats.prefix_hits += 1
@@ -677,7 +694,7 @@ class PipelineEngine:
         for task in cohort.tasks:
             kept = len(task.request.prompt_tokens) - 1
             saved = None
-            if not task.finished and task.to_prefill():
+            if not task.finished and task.to_prefill() and task.request.images is None:
                 size = cohort_bytes * kept // padded_tokens
                 saved, dropped = self._prefixes.add(task.request.prompt_tokens[:-1], size, self._trimmable_cache)
                 evicted += dropped
@@ -730,7 +747,7 @@ class PipelineEngine:
         sent = self._in_flight.popleft()
         if self._link is None:
             if sent.payload is not None and sent.header.op in (Op.PREFILL, Op.DECODE):
-                return sent, self.shard.embed(sent.payload)
+                return sent, self._caches.embed(sent.header, sent.payload)
             return sent, sent.payload  # GATHER's and JOIN's tables: back as they went
         back, data = self._link.recv()
         if (back.op, back.slot, back.seq) != (sent.header.op, sent.header.slot, sent.header.seq):
@@ -749,6 +766,9 @@ class PipelineEngine:
             case Op.GATHER:
                 assert data is not None
                 self._caches.gather(header, data)
+            case Op.IMAGES:  # on a single rank: this one embeds them
+                assert data is not None
+                self._caches.images(header, data)
             case Op.PREFILL:
                 assert data is not None and sent.cohort is not None
                 self._prefilled(sent.cohort, header, data)

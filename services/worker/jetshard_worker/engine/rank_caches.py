@@ -10,7 +10,8 @@ import mlx.core as mx
 
 from jetshard_worker.library_boundary import trim_prompt_cache
 
-from .protocol import FLAG_COHORT, GATHER_PREFIX, GATHER_PREFIX_LEN, GATHER_SLOT, GATHER_TOKENS, Header
+from . import images
+from .protocol import FLAG_COHORT, GATHER_PREFIX, GATHER_PREFIX_LEN, GATHER_SLOT, GATHER_TOKENS, Header, Op
 from .shard import Shard
 
 
@@ -19,6 +20,14 @@ class _CohortCache:
     cache: list[Any]
     slots: list[int]
     padded: bool  # prepared for right padding: finalized (the padding moved to the left) as it joins
+
+
+@dataclass
+class _PromptEmbeddings:
+    """A vision prompt's input embeddings, its images' features in place of their tokens (rank 0 only)."""
+
+    embeddings: mx.array  # (1, L, hidden)
+    used: int = 0  # columns its cohort's PREFILL steps took so far
 
 
 class RankCaches:
@@ -33,6 +42,26 @@ class RankCaches:
         self._saved: dict[int, tuple[list[Any], int]] = {}  # prefix -> (cache, tokens in it); never mutated
         self.rows: dict[int, list[int]] = {}
         self._batches: dict[int, list[Any]] = {}
+        self._prompts: dict[int, _PromptEmbeddings] = {}  # cohort -> its vision prompt's embeddings
+
+    def images(self, header: Header, payload: mx.array) -> None:
+        """Rank 0 embeds cohort `header.slot`'s vision prompt with its images once; its PREFILL steps take their
+        columns (`embed`). The other ranks see only hidden states."""
+        if not self._shard.is_first:
+            return
+        tokens, arrays = images.unpack(payload)
+        embeddings = self._shard.embed_prompt(tokens, arrays)
+        mx.eval(embeddings)
+        self._prompts[header.slot] = _PromptEmbeddings(embeddings)
+
+    def embed(self, header: Header, tokens: mx.array) -> mx.array:
+        """Rank 0's input to its layers for a PREFILL or DECODE step's token ids."""
+        prompt = self._prompts.get(header.slot) if header.op == Op.PREFILL else None
+        if prompt is None:
+            return self._shard.embed(tokens)
+        start = prompt.used
+        prompt.used += tokens.shape[1]
+        return prompt.embeddings[:, start : prompt.used]
 
     def gather(self, header: Header, table: mx.array) -> None:
         rows = cast("list[list[int]]", table.tolist())
@@ -53,6 +82,7 @@ class RankCaches:
     def join(self, header: Header, table: mx.array) -> None:
         self.for_prefill(header)
         cohort = self._cohorts.pop(header.slot)
+        self._prompts.pop(header.slot, None)
         if cohort.padded:
             for layer in cohort.cache:
                 layer.finalize()
@@ -74,6 +104,7 @@ class RankCaches:
     def release(self, header: Header) -> None:
         if header.flags & FLAG_COHORT:
             self._cohorts.pop(header.slot, None)
+            self._prompts.pop(header.slot, None)
             return
         group = next((g for g, rows in self.rows.items() if header.slot in rows), None)
         if group is None:
