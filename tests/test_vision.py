@@ -1,0 +1,115 @@
+"""Images in, for vision models, end to end through the API with each dialect's official client: a tiny generated
+SmolVLM-shaped model (random weights, a real Idefics3 processor) served beside the dialects' text model in the
+session's `dialect_cluster`. Its answer to a picture is mlx-vlm's own; another picture gets another answer; a bad
+image, or an image for a text model, is a 400 in the dialect's error shape.
+"""
+
+from __future__ import annotations
+
+import base64
+from pathlib import Path
+
+import openai
+import pytest
+from helpers.dialects import TINY_VLM, DialectCluster
+from helpers.tiny_vlm import mlx_vlm_greedy, png
+
+pytestmark = pytest.mark.timeout(240)
+
+QUESTION = "What is in this picture?"
+MAX_TOKENS = 12
+PICTURES = (png(48, 40, seed=1), png(20, 30, seed=2))
+
+
+@pytest.fixture(scope="module")
+def client(dialect_cluster: DialectCluster) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{dialect_cluster.api}/v1", api_key="unused", timeout=120, max_retries=0)
+
+
+@pytest.fixture(scope="module")
+def expected(vision_model: Path) -> list[str]:
+    """mlx-vlm's greedy answer to each picture, as text."""
+    from mlx_vlm.utils import load_processor
+
+    tokenizer = load_processor(vision_model, add_detokenizer=False).tokenizer
+    return [tokenizer.decode(mlx_vlm_greedy(vision_model, QUESTION, p, MAX_TOKENS)) for p in PICTURES]
+
+
+def data_url(picture: bytes) -> str:
+    return "data:image/png;base64," + base64.b64encode(picture).decode()
+
+
+def image_question(url: str) -> list[dict[str, object]]:
+    return [
+        {
+            "role": "user",
+            "content": [{"type": "image_url", "image_url": {"url": url}}, {"type": "text", "text": QUESTION}],
+        }
+    ]
+
+
+def test_openai_image_url_parts_are_answered_as_mlx_vlm_answers_them(
+    client: openai.OpenAI, expected: list[str]
+) -> None:
+    answers = []
+    for picture in PICTURES:
+        reply = client.chat.completions.create(
+            model=TINY_VLM,
+            messages=image_question(data_url(picture)),
+            max_tokens=MAX_TOKENS,
+            temperature=0,  # type: ignore[arg-type]
+        )
+        answers.append(reply.choices[0].message.content)
+    assert answers == expected
+    assert answers[0] != answers[1]
+
+    stream = client.chat.completions.create(
+        model=TINY_VLM,
+        messages=image_question(data_url(PICTURES[1])),  # type: ignore[arg-type]
+        max_tokens=MAX_TOKENS,
+        temperature=0,
+        stream=True,
+    )
+    assert "".join(c.choices[0].delta.content or "" for c in stream if c.choices) == expected[1]
+
+
+def test_an_image_for_a_text_model_is_refused(client: openai.OpenAI, dialect_cluster: DialectCluster) -> None:
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.chat.completions.create(
+            model=dialect_cluster.model,
+            messages=image_question(data_url(PICTURES[0])),
+            max_tokens=5,  # type: ignore[arg-type]
+        )
+    assert "takes no images" in refused.value.message
+    assert refused.value.code == "model_takes_no_images"
+
+
+@pytest.mark.usefixtures("vision_model")
+@pytest.mark.parametrize(
+    ("url", "why"),
+    [
+        ("data:image/png;base64," + base64.b64encode(b"not an image at all").decode(), "not a PNG, JPEG, GIF or WebP"),
+        ("data:image/png;base64,%%%", "not valid base64"),
+        ("file:///etc/passwd", "the API reads no local image files"),
+        ("http://127.0.0.1:9/picture.png", "fetches no image URLs"),
+        ("ftp://example.com/picture.png", "must be a data:, file:// or http(s):// URL"),
+    ],
+    ids=["not-an-image", "bad-base64", "local-file", "web-address", "other-scheme"],
+)
+def test_a_bad_image_url_is_a_400_naming_the_part(client: openai.OpenAI, url: str, why: str) -> None:
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.chat.completions.create(model=TINY_VLM, messages=image_question(url), max_tokens=5)  # type: ignore[arg-type]
+    assert why in refused.value.message
+    assert refused.value.param == "messages[0].content[0].image_url"
+
+
+@pytest.mark.usefixtures("vision_model")
+def test_a_broken_image_file_is_a_400_from_the_runner(client: openai.OpenAI) -> None:
+    """A file that starts like a PNG but is cut short passes the API's check; the processor refuses it."""
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.chat.completions.create(
+            model=TINY_VLM,
+            messages=image_question(data_url(PICTURES[0][:60])),
+            max_tokens=5,  # type: ignore[arg-type]
+        )
+    assert "image 0 is not a readable PNG, JPEG, GIF or WebP file" in refused.value.message
