@@ -9,6 +9,9 @@ from __future__ import annotations
 import base64
 from pathlib import Path
 
+import anthropic
+import httpx
+import ollama
 import openai
 import pytest
 from helpers.dialects import TINY_VLM, DialectCluster
@@ -113,3 +116,55 @@ def test_a_broken_image_file_is_a_400_from_the_runner(client: openai.OpenAI) -> 
             max_tokens=5,  # type: ignore[arg-type]
         )
     assert "image 0 is not a readable PNG, JPEG, GIF or WebP file" in refused.value.message
+
+
+def anthropic_question(picture: str) -> list[dict[str, object]]:
+    image = {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": picture}}
+    return [{"role": "user", "content": [image, {"type": "text", "text": QUESTION}]}]
+
+
+def test_anthropic_image_blocks_are_answered_and_refused_in_anthropics_shape(
+    dialect_cluster: DialectCluster, expected: list[str]
+) -> None:
+    client = anthropic.Anthropic(base_url=dialect_cluster.api, api_key="unused", timeout=120, max_retries=0)
+    picture = base64.b64encode(PICTURES[0]).decode()
+    reply = client.messages.create(
+        model=TINY_VLM,
+        messages=anthropic_question(picture),  # type: ignore[arg-type]
+        max_tokens=MAX_TOKENS,
+        extra_body={"temperature": 0},  # this client has no sampling arguments left
+    )
+    assert [block.text for block in reply.content if block.type == "text"] == [expected[0]]
+
+    for model, data, why in [
+        (dialect_cluster.model, picture, "takes no images"),
+        (TINY_VLM, base64.b64encode(b"GIF8").decode(), "not a PNG, JPEG, GIF or WebP"),
+    ]:
+        with pytest.raises(anthropic.BadRequestError) as refused:
+            client.messages.create(model=model, messages=anthropic_question(data), max_tokens=5)  # type: ignore[arg-type]
+        assert refused.value.body["type"] == "error"  # type: ignore[index]
+        assert refused.value.body["error"]["type"] == "invalid_request_error"  # type: ignore[index]
+        assert why in refused.value.body["error"]["message"]  # type: ignore[index]
+
+
+def test_ollama_images_are_answered_and_refused_in_ollamas_shape(
+    dialect_cluster: DialectCluster, expected: list[str]
+) -> None:
+    client = ollama.Client(host=dialect_cluster.api, timeout=120)
+    options = {"temperature": 0, "num_predict": MAX_TOKENS}
+    chat = client.chat(
+        model=TINY_VLM, messages=[{"role": "user", "content": QUESTION, "images": [PICTURES[1]]}], options=options
+    )
+    assert chat.message.content == expected[1]
+    # /api/generate's prompt is the user's turn, its images shown before it: the same prompt.
+    generated = client.generate(model=TINY_VLM, prompt=QUESTION, images=[PICTURES[1]], options=options)
+    assert generated.response == expected[1]
+
+    for model, image, why in [
+        (dialect_cluster.model, base64.b64encode(PICTURES[0]).decode(), "takes no images"),
+        (TINY_VLM, "not base64!", "not valid base64"),
+    ]:
+        body = {"model": model, "prompt": QUESTION, "images": [image], "stream": False}
+        response = httpx.post(f"{dialect_cluster.api}/api/generate", json=body, timeout=60)
+        assert response.status_code == 400
+        assert list(response.json()) == ["error"] and why in response.json()["error"]
