@@ -678,11 +678,13 @@ def test_generation_request_validation() -> None:
 
 
 def test_the_engine_handles_every_architecture_a_card_may_name() -> None:
-    from jetshard_schema.card_from_config import SUPPORTED_ARCHITECTURES
+    from jetshard_schema.card_from_config import SUPPORTED_ARCHITECTURES, VISION_ARCHITECTURES
     from jetshard_worker.engine.shard import model_classes
 
     for arch in SUPPORTED_ARCHITECTURES:
         model_classes({"model_type": arch})  # refuses an architecture the shard engine cannot run
+    for arch in VISION_ARCHITECTURES:  # their language model is one of those
+        model_classes({"model_type": arch, "text_config": {"model_type": "llama"}})
 
 
 # --------------------------------------------------------------------------- vision models

@@ -7,9 +7,8 @@ numbers cover `num_layers` (else the one with most layers) is the language model
 other stacks are treated like any other non-layer tensor.
 
 Non-layer tensors: those whose name contains `embed` go to the range starting at layer 0, and so do a vision
-model's vision tower and projector (`vision_model.*`, `connector.*`, ...: everything outside its
-`language_model.*`), which feed the embeddings; every other (final norm, `lm_head`, rotary buffers) to the range
-ending at `num_layers`. With tied
+model's vision tower and projector (`vision_model.*`, `connector.*`, ...), which feed the embeddings there; every
+other (final norm, `lm_head`, rotary buffers) to the range ending at `num_layers`. With tied
 embeddings (no `lm_head` tensor) the last range projects through the embedding matrix, so it needs the
 embedding's file as well. Layer numbers >= `num_layers` (multi-token-prediction heads some checkpoints
 carry) are needed by no range: a shard never runs them.
@@ -24,8 +23,8 @@ from typing import Any
 from jetshard_downloader.paths import CONFIG_NAME, INDEX_NAME, SINGLE_WEIGHTS_NAME, check_repo_filename
 
 _LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
-_LANGUAGE_MODEL = "language_model."
-"""A vision model's language model tensors (mlx-vlm's layout); its other tensors feed the embeddings."""
+_VISION_TOWERS = ("vision_model.", "vision_tower.", "connector.", "multi_modal_projector.", "mm_projector.")
+"""A vision model's tensors outside its language model (mlx-vlm's names for them): the first rank runs them."""
 
 SUPPORT_FILE_NAMES = frozenset(
     {
@@ -104,14 +103,13 @@ def files_for_layer_range(index: Mapping[str, Any], num_layers: int, start_layer
     is_first = start_layer == 0
     is_last = end_layer == num_layers
     tied = not any("lm_head" in tensor for tensor in weight_map)
-    vision = any(tensor.startswith(_LANGUAGE_MODEL) for tensor in weight_map)
     needed: set[str] = set()
     for tensor, filename in weight_map.items():
         split = _split_layer(tensor)
         if split is not None and split[0] == stack:
             if start_layer <= split[1] < end_layer:
                 needed.add(filename)
-        elif "embed" in tensor or (vision and not tensor.startswith(_LANGUAGE_MODEL)):
+        elif "embed" in tensor or tensor.startswith(_VISION_TOWERS):
             if is_first or (is_last and tied):
                 needed.add(filename)
         elif is_last:
