@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import binascii
+import contextlib
 import os
 import re
 from collections.abc import Iterable
@@ -79,20 +80,28 @@ async def load_image_urls(urls: Iterable[tuple[str, str]], settings: ImageSettin
     a 400 naming the param for a URL that is not allowed, not found, too large or not an image."""
     loaded: dict[str, bytes] = {}
     total = 0
-    for url, param in urls:
-        if url in loaded:
-            continue
-        scheme = urlparse(url).scheme
-        if scheme == "file":
-            data = await asyncio.to_thread(_read_local, url, param, settings)
-        elif scheme in ("http", "https"):
-            data = await _fetch(url, param, settings)
-        else:
-            raise _invalid(param, f"{param} must be a data:, file:// or http(s):// URL of an image")
-        total += len(data)
-        if total > MAX_IMAGE_BYTES:
-            raise _invalid(param, f"the request's images take more than {MAX_IMAGE_BYTES} bytes")
-        loaded[url] = image_file(data, param)
+    async with contextlib.AsyncExitStack() as stack:
+        client: httpx.AsyncClient | None = None
+        for url, param in urls:
+            if url in loaded:
+                continue
+            scheme = urlparse(url).scheme
+            if scheme == "file":
+                data = await asyncio.to_thread(_read_local, url, param, settings)
+            elif scheme in ("http", "https"):
+                if not settings.fetch_urls:
+                    raise _invalid(
+                        param, f"{param} is a web address, and this API fetches no image URLs: send a data URL"
+                    )
+                if client is None:  # made once a request needs it: a TLS context takes a while to build
+                    client = await stack.enter_async_context(httpx.AsyncClient())
+                data = await _fetch(client, url, param, settings.fetch_timeout_s)
+            else:
+                raise _invalid(param, f"{param} must be a data:, file:// or http(s):// URL of an image")
+            loaded[url] = image_file(data, param)
+            total += len(data)
+            if total > MAX_IMAGE_BYTES:
+                raise _invalid(param, f"the request's images take more than {MAX_IMAGE_BYTES} bytes")
     return loaded
 
 
@@ -129,11 +138,9 @@ def _read_local(url: str, param: str, settings: ImageSettings) -> bytes:
         raise _invalid(param, f"{param}: the file cannot be read ({error.strerror})") from error
 
 
-async def _fetch(url: str, param: str, settings: ImageSettings) -> bytes:
-    if not settings.fetch_urls:
-        raise _invalid(param, f"{param} is a web address, and this API fetches no image URLs: send a data URL")
+async def _fetch(client: httpx.AsyncClient, url: str, param: str, timeout_s: float) -> bytes:
     try:
-        async with asyncio.timeout(settings.fetch_timeout_s), httpx.AsyncClient() as client:
+        async with asyncio.timeout(timeout_s):
             async with client.stream("GET", url, follow_redirects=True) as response:
                 if response.status_code != 200:
                     raise _invalid(param, f"{param}: fetching the image answered HTTP {response.status_code}")
@@ -144,7 +151,7 @@ async def _fetch(url: str, param: str, settings: ImageSettings) -> bytes:
                         break
                 return bytes(data)
     except TimeoutError as error:
-        raise _invalid(param, f"{param}: fetching the image took over {settings.fetch_timeout_s:g} s") from error
+        raise _invalid(param, f"{param}: fetching the image took over {timeout_s:g} s") from error
     except httpx.HTTPError as error:
         raise _invalid(param, f"{param}: the image could not be fetched ({error})") from error
 
