@@ -33,7 +33,7 @@ from jetshard_schema.types import TaskOutcome
 from jetshard_worker.library_boundary import can_trim_prompt_cache
 from jetshard_worker.ring_hostfile import ring_listen_port
 
-from . import images
+from .images import pack_prompt
 from .prefixes import PrefixHit, PrefixIndex
 from .protocol import (
     FLAG_COHORT,
@@ -615,7 +615,7 @@ class PipelineEngine:
         )
         self._send(_Sent(Header(Op.GATHER, cohort.id).with_payload(table)), table)
         if first.images is not None:
-            prompt = images.pack(first.prompt_tokens, first.images)
+            prompt = pack_prompt(first.prompt_tokens, first.images)
             self._send(_Sent(Header(Op.IMAGES, cohort.id).with_payload(prompt)), prompt)
         self._send_prefill(cohort)
 

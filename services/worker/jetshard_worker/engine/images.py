@@ -12,7 +12,7 @@ import numpy as np
 INPUT_IDS = "input_ids"
 
 
-def pack(tokens: Sequence[int], arrays: Mapping[str, np.ndarray]) -> mx.array:
+def pack_prompt(tokens: Sequence[int], arrays: Mapping[str, np.ndarray]) -> mx.array:
     """(1, n) uint8: the prompt's tokens and its image arrays, in numpy's own archive format."""
     if INPUT_IDS in arrays:
         raise ValueError(f"image arrays must not be named {INPUT_IDS!r}: that is the prompt's tokens")
@@ -22,8 +22,8 @@ def pack(tokens: Sequence[int], arrays: Mapping[str, np.ndarray]) -> mx.array:
     return mx.array(np.frombuffer(buffer.getvalue(), dtype=np.uint8)[None, :])
 
 
-def unpack(payload: mx.array) -> tuple[mx.array, dict[str, mx.array]]:
-    """The prompt's token ids (1, L) and its image arrays, as `pack` packed them."""
+def unpack_prompt(payload: mx.array) -> tuple[mx.array, dict[str, mx.array]]:
+    """The prompt's token ids (1, L) and its image arrays, as `pack_prompt` packed them."""
     with np.load(io.BytesIO(np.asarray(payload).tobytes()), allow_pickle=False) as archive:
         arrays = {name: mx.array(archive[name]) for name in archive.files}
     return arrays.pop(INPUT_IDS), arrays

@@ -10,7 +10,7 @@ import mlx.core as mx
 
 from jetshard_worker.library_boundary import trim_prompt_cache
 
-from . import images
+from .images import unpack_prompt
 from .protocol import FLAG_COHORT, GATHER_PREFIX, GATHER_PREFIX_LEN, GATHER_SLOT, GATHER_TOKENS, Header, Op
 from .shard import Shard
 
@@ -49,7 +49,7 @@ class RankCaches:
         columns (`embed`). The other ranks see only hidden states."""
         if not self._shard.is_first:
             return
-        tokens, arrays = images.unpack(payload)
+        tokens, arrays = unpack_prompt(payload)
         embeddings = self._shard.embed_prompt(tokens, arrays)
         mx.eval(embeddings)
         self._prompts[header.slot] = _PromptEmbeddings(embeddings)
