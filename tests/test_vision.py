@@ -168,3 +168,15 @@ def test_ollama_images_are_answered_and_refused_in_ollamas_shape(
         response = httpx.post(f"{dialect_cluster.api}/api/generate", json=body, timeout=60)
         assert response.status_code == 400
         assert list(response.json()) == ["error"] and why in response.json()["error"]
+
+
+@pytest.mark.usefixtures("vision_model")
+def test_a_request_carries_at_most_eight_images(client: openai.OpenAI) -> None:
+    part = {"type": "image_url", "image_url": {"url": data_url(png(4, 4, seed=0))}}
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.chat.completions.create(
+            model=TINY_VLM,
+            messages=[{"role": "user", "content": [part] * 9}],  # type: ignore[list-item]
+            max_tokens=5,
+        )
+    assert "up to 8 images" in refused.value.message
