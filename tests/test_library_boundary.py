@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import inspect
 import socket
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -263,3 +264,9 @@ def test_mlx_vlms_model_its_weights_processor_inputs_and_embeddings(vlm_dir: Pat
 
     with pytest.raises(ValueError, match="image 0 is not a readable PNG"):
         boundary.prompt_inputs(processor, prompt, [b"\x89PNG\r\n\x1a\n broken"], config["image_token_id"])
+
+
+def test_a_node_without_the_vision_extra_says_how_to_get_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(sys.modules, "mlx_vlm.utils", None)  # as if mlx-vlm were not installed
+    with pytest.raises(RuntimeError, match="install jetshard's `vision` extra"):
+        boundary.vision_model({"model_type": "idefics3"})

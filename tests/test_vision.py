@@ -76,7 +76,12 @@ def test_openai_image_url_parts_are_answered_as_mlx_vlm_answers_them(
     assert "".join(c.choices[0].delta.content or "" for c in stream if c.choices) == expected[1]
 
 
+@pytest.mark.usefixtures("vision_model")
 def test_an_image_for_a_text_model_is_refused(client: openai.OpenAI, dialect_cluster: DialectCluster) -> None:
+    cluster = dialect_cluster.cluster
+    assert (
+        cluster.get(f"/models/{TINY_VLM}")["vision"] and not cluster.get(f"/models/{dialect_cluster.model}")["vision"]
+    )
     with pytest.raises(openai.BadRequestError) as refused:
         client.chat.completions.create(
             model=dialect_cluster.model,
