@@ -695,7 +695,7 @@ VISION_MAX_TOKENS = 12
 
 @pytest.fixture(scope="module")
 def vlm(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return make_tiny_vlm(tmp_path_factory.mktemp("engine-vlm") / "vlm")
+    return make_tiny_vlm(tmp_path_factory.mktemp("engine-vlm") / "vlm", split=True)
 
 
 @pytest.fixture(scope="module")

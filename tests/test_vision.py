@@ -15,7 +15,7 @@ import ollama
 import openai
 import pytest
 from helpers.dialects import TINY_VLM, DialectCluster
-from helpers.tiny_vlm import mlx_vlm_greedy, png
+from helpers.tiny_vlm import data_url, image_question, mlx_vlm_greedy, png
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -38,19 +38,6 @@ def expected(vision_model: Path) -> list[str]:
     return [tokenizer.decode(mlx_vlm_greedy(vision_model, QUESTION, p, MAX_TOKENS)) for p in PICTURES]
 
 
-def data_url(picture: bytes) -> str:
-    return "data:image/png;base64," + base64.b64encode(picture).decode()
-
-
-def image_question(url: str) -> list[dict[str, object]]:
-    return [
-        {
-            "role": "user",
-            "content": [{"type": "image_url", "image_url": {"url": url}}, {"type": "text", "text": QUESTION}],
-        }
-    ]
-
-
 def test_openai_image_url_parts_are_answered_as_mlx_vlm_answers_them(
     client: openai.OpenAI, expected: list[str]
 ) -> None:
@@ -58,7 +45,7 @@ def test_openai_image_url_parts_are_answered_as_mlx_vlm_answers_them(
     for picture in PICTURES:
         reply = client.chat.completions.create(
             model=TINY_VLM,
-            messages=image_question(data_url(picture)),
+            messages=image_question(data_url(picture), QUESTION),
             max_tokens=MAX_TOKENS,
             temperature=0,  # type: ignore[arg-type]
         )
@@ -68,7 +55,7 @@ def test_openai_image_url_parts_are_answered_as_mlx_vlm_answers_them(
 
     stream = client.chat.completions.create(
         model=TINY_VLM,
-        messages=image_question(data_url(PICTURES[1])),  # type: ignore[arg-type]
+        messages=image_question(data_url(PICTURES[1]), QUESTION),  # type: ignore[arg-type]
         max_tokens=MAX_TOKENS,
         temperature=0,
         stream=True,
@@ -85,7 +72,7 @@ def test_an_image_for_a_text_model_is_refused(client: openai.OpenAI, dialect_clu
     with pytest.raises(openai.BadRequestError) as refused:
         client.chat.completions.create(
             model=dialect_cluster.model,
-            messages=image_question(data_url(PICTURES[0])),
+            messages=image_question(data_url(PICTURES[0]), QUESTION),
             max_tokens=5,  # type: ignore[arg-type]
         )
     assert "takes no images" in refused.value.message
@@ -106,7 +93,7 @@ def test_an_image_for_a_text_model_is_refused(client: openai.OpenAI, dialect_clu
 )
 def test_a_bad_image_url_is_a_400_naming_the_part(client: openai.OpenAI, url: str, why: str) -> None:
     with pytest.raises(openai.BadRequestError) as refused:
-        client.chat.completions.create(model=TINY_VLM, messages=image_question(url), max_tokens=5)  # type: ignore[arg-type]
+        client.chat.completions.create(model=TINY_VLM, messages=image_question(url, QUESTION), max_tokens=5)  # type: ignore[arg-type]
     assert why in refused.value.message
     assert refused.value.param == "messages[0].content[0].image_url"
 
@@ -117,7 +104,7 @@ def test_a_broken_image_file_is_a_400_from_the_runner(client: openai.OpenAI) -> 
     with pytest.raises(openai.BadRequestError) as refused:
         client.chat.completions.create(
             model=TINY_VLM,
-            messages=image_question(data_url(PICTURES[0][:60])),
+            messages=image_question(data_url(PICTURES[0][:60]), QUESTION),
             max_tokens=5,  # type: ignore[arg-type]
         )
     assert "image 0 is not a readable PNG, JPEG, GIF or WebP file" in refused.value.message

@@ -7,6 +7,7 @@ processor splits an image into 32x32 tiles plus a global view, four image tokens
 
 from __future__ import annotations
 
+import base64
 import io
 import json
 from pathlib import Path
@@ -16,7 +17,7 @@ import mlx.core as mx
 import numpy as np
 from mlx.utils import tree_flatten
 
-from helpers.tiny_models import SPECIAL_TOKENS, _model_config, _write_json, _write_tokenizer, seeded_weights
+from helpers.tiny_models import SPECIAL_TOKENS, _model_config, _write_json, _write_tokenizer, layer_of, seeded_weights
 
 IMAGE_TOKENS = (
     "<fake_token_around_image>",
@@ -40,8 +41,10 @@ SMOLVLM_TEMPLATE = (
 )
 
 
-def make_tiny_vlm(out_dir: Path, num_layers: int = 4, seed: int = 0) -> Path:
-    """Write the tiny vision model into `out_dir` and return it; deterministic for a given set of arguments."""
+def make_tiny_vlm(out_dir: Path, num_layers: int = 4, seed: int = 0, split: bool = False) -> Path:
+    """Write the tiny vision model into `out_dir` and return it; deterministic for a given set of arguments.
+    `split`: three safetensors files and an index, as a larger checkpoint: the embedding and the first half of the
+    layers, the other half and the head, the vision tower and projector."""
     from mlx_vlm.utils import get_model_and_args, update_module_configs
     from transformers import PreTrainedTokenizerFast
     from transformers.models.idefics3 import Idefics3ImageProcessor, Idefics3Processor
@@ -80,8 +83,7 @@ def make_tiny_vlm(out_dir: Path, num_layers: int = 4, seed: int = 0) -> Path:
     model_config = update_module_configs(module.ModelConfig.from_dict(config), module, config, ["text", "vision"])
     shapes = {name: tuple(value.shape) for name, value in tree_flatten(module.Model(model_config).parameters())}
     weights = seeded_weights(shapes, f"{seed}:idefics3")
-    tensors = {name: mx.array(value) for name, value in weights.items()}
-    mx.save_safetensors(str(out_dir / "model.safetensors"), tensors, metadata={"format": "mlx"})
+    _write_weights(out_dir, {name: mx.array(value) for name, value in weights.items()}, num_layers, split)
 
     tokenizer = PreTrainedTokenizerFast(
         tokenizer_file=str(out_dir / "tokenizer.json"),
@@ -97,6 +99,28 @@ def make_tiny_vlm(out_dir: Path, num_layers: int = 4, seed: int = 0) -> Path:
     return out_dir
 
 
+def _write_weights(out_dir: Path, tensors: dict[str, mx.array], num_layers: int, split: bool) -> None:
+    metadata = {"format": "mlx"}
+    if not split:
+        mx.save_safetensors(str(out_dir / "model.safetensors"), tensors, metadata=metadata)
+        return
+
+    def file_of(name: str) -> int:
+        if not name.startswith("language_model."):
+            return 3
+        layer = layer_of(name.removeprefix("language_model.").replace("layers.", "model.layers.", 1))
+        if layer is None:
+            return 1 if "embed_tokens" in name else 2
+        return 1 if layer < num_layers // 2 else 2
+
+    weight_map = {name: f"model-0000{file_of(name)}-of-00003.safetensors" for name in sorted(tensors)}
+    for file in sorted(set(weight_map.values())):
+        part = {name: value for name, value in tensors.items() if weight_map[name] == file}
+        mx.save_safetensors(str(out_dir / file), part, metadata=metadata)
+    total = sum(value.nbytes for value in tensors.values())
+    _write_json(out_dir / "model.safetensors.index.json", {"metadata": {"total_size": total}, "weight_map": weight_map})
+
+
 def png(width: int, height: int, seed: int) -> bytes:
     """A PNG of random pixels."""
     from PIL import Image
@@ -105,6 +129,16 @@ def png(width: int, height: int, seed: int) -> bytes:
     buffer = io.BytesIO()
     Image.fromarray(pixels).save(buffer, format="PNG")
     return buffer.getvalue()
+
+
+def data_url(picture: bytes) -> str:
+    return "data:image/png;base64," + base64.b64encode(picture).decode()
+
+
+def image_question(url: str, question: str) -> list[dict[str, Any]]:
+    """One OpenAI user turn: the picture at `url`, then `question`."""
+    parts = [{"type": "image_url", "image_url": {"url": url}}, {"type": "text", "text": question}]
+    return [{"role": "user", "content": parts}]
 
 
 def mlx_vlm_greedy(model_dir: Path, question: str, image: bytes, max_tokens: int) -> list[int]:
