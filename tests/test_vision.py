@@ -64,6 +64,27 @@ def test_openai_image_url_parts_are_answered_as_mlx_vlm_answers_them(
 
 
 @pytest.mark.usefixtures("vision_model")
+def test_responses_input_image_parts_are_answered_as_mlx_vlm_answers_them(
+    client: openai.OpenAI, expected: list[str]
+) -> None:
+    image = {"type": "input_image", "image_url": data_url(PICTURES[0]), "detail": "auto"}
+    response = client.responses.create(
+        model=TINY_VLM,
+        input=[{"role": "user", "content": [image, {"type": "input_text", "text": QUESTION}]}],  # type: ignore[list-item]
+        max_output_tokens=MAX_TOKENS,
+        temperature=0,
+    )
+    assert response.output_text == expected[0]
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.responses.create(
+            model=TINY_VLM,
+            input=[{"role": "user", "content": [{"type": "input_image", "file_id": "file-1"}]}],  # type: ignore[list-item]
+            max_output_tokens=5,
+        )
+    assert refused.value.param == "input[0].content[0].file_id"
+
+
+@pytest.mark.usefixtures("vision_model")
 def test_an_image_for_a_text_model_is_refused(client: openai.OpenAI, dialect_cluster: DialectCluster) -> None:
     cluster = dialect_cluster.cluster
     assert (

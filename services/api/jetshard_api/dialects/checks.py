@@ -133,8 +133,9 @@ def tools(
 
 
 def chat_content(content: object, param: str, loaded: Mapping[str, bytes]) -> tuple[str, tuple[bytes, ...]]:
-    """A message's text and images: a string, or a list of text parts and OpenAI `image_url` parts (a data URL,
-    or a file or web address whose image `loaded` holds: see `image_urls`)."""
+    """A message's text and images: a string, or a list of text parts and image parts (Chat Completions'
+    `image_url`, the Responses API's `input_image`) whose URL is a data URL, or a file or web address whose image
+    `loaded` holds (see `image_urls`)."""
     if not isinstance(content, list):
         return text_content(content, param), ()
     texts, images = [], []
@@ -159,10 +160,12 @@ def image_urls(content: object, param: str) -> list[tuple[str, str]]:
 
 
 def _image_url(part: object, param: str) -> str | None:
-    """An `image_url` part's URL (`{"url": ...}`, or the URL alone as some clients send it); None for another
-    part."""
-    if not isinstance(part, dict) or part.get("type") != "image_url":
+    """An image part's URL (`image_url: {"url": ...}`, or the URL alone as the Responses API and some clients
+    send it); None for another part."""
+    if not isinstance(part, dict) or part.get("type") not in ("image_url", "input_image"):
         return None
+    if part.get("file_id") is not None:
+        raise unsupported(f"{param}.file_id", "(there are no stored files: send the image as a data URL)")
     value = part.get("image_url")
     url = value.get("url") if isinstance(value, dict) else value
     if not isinstance(url, str) or not url:
