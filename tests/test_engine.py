@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 from helpers.engine_rank import free_ports, rank_command
 from helpers.tiny_models import layer_of, make_tiny_model
-from helpers.tiny_vlm import make_tiny_vlm, mlx_vlm_greedy, png
+from helpers.tiny_vlm import make_tiny_vlm, mlx_vlm_greedy, png, quantized_vlm
 from jetshard_schema.types import ChatMessage, TaskOutcome
 from jetshard_worker.chat import render_chat
 from jetshard_worker.engine import (
@@ -737,6 +737,26 @@ def test_a_vision_prompt_is_answered_as_mlx_vlm_answers_it(
     assert answers == [expected for _, _, expected in vision_prompts]
     assert answers[0] != answers[1]
     assert engine.stats.prefix_hits == 0  # the same question with another picture starts afresh
+
+
+def test_a_4bit_vision_model_is_answered_as_mlx_vlm_answers_it(vlm: Path, tmp_path: Path) -> None:
+    """mlx-vlm's own 4-bit conversion: the quantized projector and language model load as the checkpoint says."""
+    quantized = quantized_vlm(vlm, tmp_path / "vlm-4bit")
+    picture = png(48, 40, seed=1)
+    processor = vision_processor(quantized)
+    message = ChatMessage(role="user", content=VISION_QUESTION, images=(picture,))
+    inputs = prompt_inputs(
+        processor, render_chat(processor.tokenizer, (message,), None, content_parts=True), [picture], None
+    )
+    tokens = inputs.pop("input_ids")[0].tolist()
+    collector = Collector()
+    shard = load_shard(quantized, 0, 4)
+    assert shard.weights_dtype == "4-bit affine"
+    engine = PipelineEngine(shard, on_token=collector.on_token, on_finished=collector.on_finished)
+
+    run_single(engine, [GenerationRequest("q", tokens, VISION_MAX_TOKENS, images=inputs)], collector)
+
+    assert collector.tokens["q"] == mlx_vlm_greedy(quantized, VISION_QUESTION, picture, VISION_MAX_TOKENS)
 
 
 @pytest.mark.timeout(180)

@@ -99,6 +99,15 @@ def make_tiny_vlm(out_dir: Path, num_layers: int = 4, seed: int = 0, split: bool
     return out_dir
 
 
+def quantized_vlm(model_dir: Path, out_dir: Path) -> Path:
+    """`model_dir` converted to 4 bits by mlx-vlm's own converter, as mlx-community's checkpoints are (it leaves the
+    vision tower unquantized and quantizes the projector and the language model)."""
+    from mlx_vlm.convert import convert
+
+    convert(str(model_dir), str(out_dir), quantize=True, q_group_size=32, q_bits=4)
+    return out_dir
+
+
 def _write_weights(out_dir: Path, tensors: dict[str, mx.array], num_layers: int, split: bool) -> None:
     metadata = {"format": "mlx"}
     if not split:
