@@ -145,8 +145,11 @@ def chat_content(content: object, param: str, loaded: Mapping[str, bytes]) -> tu
             texts.append(part)
         elif is_data_url(url):
             images.append(data_url_image(url, f"{param}[{j}].image_url"))
-        else:
+        elif url in loaded:
             images.append(loaded[url])
+        else:
+            field = f"{param}[{j}].image_url"
+            raise invalid(field, f"{field} must be a data URL of an image, or a file or web address the API may read")
     return text_content(texts, param), tuple(images)
 
 
