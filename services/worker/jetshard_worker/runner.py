@@ -280,14 +280,16 @@ class Runner:
                 continue
             if self._spans is not None:
                 self._spans.requested(task.task_id, stored.headers)
-            self._start_task(request)
+            await self._start_task(request)
 
-    def _start_task(self, request: TaskRequest) -> None:
+    async def _start_task(self, request: TaskRequest) -> None:
         try:
-            prompts, images = self._prompts(request)
+            prompts, images = await self._prompts(request)
         except Exception as error:  # a template that rejects the conversation, an unreadable image, for instance
             self._fail_task(request.task_id, f"could not build the prompt: {error}", "invalid_prompt")
             return
+        if request.task_id not in self._taken:
+            return  # cancelled while its images were prepared
         for tokens in prompts:
             if len(tokens) >= self.context_length:
                 self._fail_task(
@@ -393,9 +395,11 @@ class Runner:
     def _token_text(self, token: int) -> str:
         return str(self.tokenizer.decode([token]))
 
-    def _prompts(self, request: TaskRequest) -> tuple[list[list[int]], dict[str, np.ndarray] | None]:
+    async def _prompts(self, request: TaskRequest) -> tuple[list[list[int]], dict[str, np.ndarray] | None]:
         """The token ids the engine prefills: one prompt, or one per embedding input; and a chat's images as the
-        model's processor made them (its arrays besides the token ids), if it has any."""
+        model's processor made them (its arrays besides the token ids), if it has any. The images are decoded
+        and resized off the event loop, which meanwhile publishes the other tasks' chunks; only this one reader
+        uses the processor."""
         match request.kind:
             case TaskKind.CHAT:
                 vision = self.engine.shard.vision_config
@@ -408,7 +412,7 @@ class Runner:
                 if vision is None:
                     raise ValueError("this model takes no images")
                 image_token = vision.get("image_token_index", vision.get("image_token_id"))
-                inputs = prompt_inputs(self.processor, rendered, pictures, image_token)
+                inputs = await asyncio.to_thread(prompt_inputs, self.processor, rendered, pictures, image_token)
                 return [inputs.pop("input_ids")[0].tolist()], inputs
             case TaskKind.EMBEDDING:
                 return [list(self.tokenizer.encode(text)) for text in request.inputs], None
