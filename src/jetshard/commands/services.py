@@ -127,7 +127,7 @@ def inference_options(command: Callable[..., Any]) -> Callable[..., Any]:
 
 
 _INFERENCE_FLAGS = ("auto_place", "chunk_silence_s", "start_timeout_s", "first_chunk_timeout_s", "keep_alive_s")
-"""The fields of `InferenceSettings` besides `serving`, each a flag of `inference_options`."""
+"""The fields of `InferenceSettings` besides `serving` and `images`, each a flag of `inference_options`."""
 
 
 @click.command()
