@@ -1,12 +1,13 @@
 """Images in, for vision models, end to end through the API with each dialect's official client: a tiny generated
 SmolVLM-shaped model (random weights, a real Idefics3 processor) served beside the dialects' text model in the
-session's `dialect_cluster`. Its answer to a picture is mlx-vlm's own; another picture gets another answer; a bad
-image, or an image for a text model, is a 400 in the dialect's error shape.
+session's `dialect_cluster`, and removed after. Its answer to a picture is mlx-vlm's own; another picture gets
+another answer; a bad image, or an image for a text model, is a 400 in the dialect's error shape.
 """
 
 from __future__ import annotations
 
 import base64
+from collections.abc import Iterator
 from pathlib import Path
 
 import anthropic
@@ -14,14 +15,29 @@ import httpx
 import ollama
 import openai
 import pytest
-from helpers.dialects import TINY_VLM, DialectCluster
-from helpers.tiny_vlm import data_url, image_question, mlx_vlm_greedy, png
+from helpers.dialects import DialectCluster
+from helpers.tiny_vlm import data_url, image_question, make_tiny_vlm, mlx_vlm_greedy, png
 
 pytestmark = pytest.mark.timeout(240)
 
+TINY_VLM = "jetshard-test/tiny-vlm"
 QUESTION = "What is in this picture?"
 MAX_TOKENS = 12
 PICTURES = (png(48, 40, seed=1), png(20, 30, seed=2))
+
+
+@pytest.fixture(scope="module")
+def vision_model(dialect_cluster: DialectCluster, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    """The tiny vision model, added through the local Hub server as a user would and placed beside the dialects'
+    text model; its directory. Its instance is deleted after."""
+    model_dir = make_tiny_vlm(tmp_path_factory.mktemp("vision") / "tiny-vlm")
+    cluster = dialect_cluster.cluster
+    cluster.hub.add_repo(TINY_VLM, model_dir)
+    cluster.add_model(TINY_VLM)
+    instance_id = cluster.place(TINY_VLM, min_nodes=1)
+    cluster.wait_instance(instance_id)
+    yield model_dir
+    httpx.delete(f"{cluster.api}/instances/{instance_id}", timeout=30)
 
 
 @pytest.fixture(scope="module")

@@ -15,10 +15,8 @@ import pytest
 
 from helpers.harness import InferenceCluster, hub_cluster
 from helpers.tiny_models import make_tiny_model
-from helpers.tiny_vlm import make_tiny_vlm
 
 TINY_MODEL = "jetshard-test/tiny-dialects"
-TINY_VLM = "jetshard-test/tiny-vlm"
 
 
 @dataclass
@@ -44,15 +42,3 @@ def dialect_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Dialec
         cluster.start_core()
         cluster.serve_one_node(TINY_MODEL)
         yield DialectCluster(cluster=cluster, model=TINY_MODEL, model_dir=model_dir)
-
-
-@pytest.fixture(scope="session")
-def vision_model(dialect_cluster: DialectCluster, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A tiny vision model (SmolVLM's architecture) served beside the dialects' text model, added through the local
-    Hub server as a user would; its directory."""
-    model_dir = make_tiny_vlm(tmp_path_factory.mktemp("vision") / "tiny-vlm")
-    cluster = dialect_cluster.cluster
-    cluster.hub.add_repo(TINY_VLM, model_dir)
-    cluster.add_model(TINY_VLM)
-    cluster.wait_instance(cluster.place(TINY_VLM, min_nodes=1))
-    return model_dir
