@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import mlx.core as mx
+import msgspec
 import numpy as np
 import pytest
 from helpers.engine_rank import free_ports, rank_command
@@ -698,19 +699,64 @@ def vlm(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return make_tiny_vlm(tmp_path_factory.mktemp("engine-vlm") / "vlm", split=True)
 
 
+def vision_prompt(model_dir: Path, messages: tuple[ChatMessage, ...]) -> tuple[list[int], dict[str, np.ndarray]]:
+    """A conversation's prompt tokens and image arrays, as the runner makes them."""
+    processor = vision_processor(model_dir)
+    rendered = render_chat(processor.tokenizer, messages, None, content_parts=True)
+    pictures = [picture for message in messages for picture in message.images]
+    inputs = prompt_inputs(processor, rendered, pictures, image_token_index=None)
+    return inputs.pop("input_ids")[0].tolist(), inputs
+
+
 @pytest.fixture(scope="module")
 def vision_prompts(vlm: Path) -> list[tuple[list[int], dict[str, np.ndarray], list[int]]]:
-    """Two pictures of different sizes asked the same question: each prompt's tokens and image arrays as the runner
-    makes them, and mlx-vlm's own greedy answer."""
-    processor = vision_processor(vlm)
+    """Two pictures of different sizes asked the same question: each prompt's tokens and image arrays, and
+    mlx-vlm's own greedy answer."""
     prompts = []
     for picture in (png(48, 40, seed=1), png(20, 30, seed=2)):
-        message = ChatMessage(role="user", content=VISION_QUESTION, images=(picture,))
-        rendered = render_chat(processor.tokenizer, (message,), None, content_parts=True)
-        inputs = prompt_inputs(processor, rendered, [picture], image_token_index=None)
-        tokens = inputs.pop("input_ids")[0].tolist()
-        prompts.append((tokens, inputs, mlx_vlm_greedy(vlm, VISION_QUESTION, picture, VISION_MAX_TOKENS)))
+        tokens, arrays = vision_prompt(vlm, (ChatMessage(role="user", content=VISION_QUESTION, images=(picture,)),))
+        prompts.append((tokens, arrays, mlx_vlm_greedy(vlm, VISION_QUESTION, picture, VISION_MAX_TOKENS)))
     return prompts
+
+
+def test_a_follow_up_about_the_same_picture_starts_from_the_first_questions_cache(vlm: Path) -> None:
+    """The prefix cache knows image tokens by their picture: the same picture asked again reuses the first turn's
+    cache, and the answer is still mlx-vlm's; another picture with the same words does not."""
+    picture, other = png(20, 30, seed=2), png(20, 30, seed=3)
+    first_tokens, first_arrays = vision_prompt(
+        vlm, (ChatMessage(role="user", content=VISION_QUESTION, images=(picture,)),)
+    )
+    answer = vision_processor(vlm).tokenizer.decode(mlx_vlm_greedy(vlm, VISION_QUESTION, picture, VISION_MAX_TOKENS))
+    follow_up = "And what colour is it?"
+    conversation = (
+        ChatMessage(role="user", content=VISION_QUESTION, images=(picture,)),
+        ChatMessage(role="assistant", content=answer),
+        ChatMessage(role="user", content=follow_up),
+    )
+    collector = Collector()
+    engine = PipelineEngine(load_shard(vlm, 0, 4), on_token=collector.on_token, on_finished=collector.on_finished)
+    thread = threading.Thread(target=engine.run_forever)
+    thread.start()
+    try:
+        engine.submit(GenerationRequest("first", first_tokens, VISION_MAX_TOKENS, images=first_arrays))
+        collector.wait(["first"])
+        tokens, arrays = vision_prompt(vlm, conversation)
+        engine.submit(GenerationRequest("again", tokens, VISION_MAX_TOKENS, images=arrays))
+        collector.wait(["again"])
+        assert engine.stats.prefix_hits == 1 and engine.stats.prefix_hit_tokens >= len(first_tokens) - 1
+        tokens, arrays = vision_prompt(
+            vlm, tuple(msgspec.structs.replace(m, images=(other,) * len(m.images)) for m in conversation)
+        )
+        engine.submit(GenerationRequest("other", tokens, VISION_MAX_TOKENS, images=arrays))
+        collector.wait(["other"])
+        assert engine.stats.prefix_hits == 1
+    finally:
+        engine.shutdown()
+        thread.join(timeout=30)
+
+    history = ((VISION_QUESTION, answer),)
+    assert collector.tokens.get("again", []) == mlx_vlm_greedy(vlm, follow_up, picture, VISION_MAX_TOKENS, history)
+    assert collector.tokens.get("other", []) == mlx_vlm_greedy(vlm, follow_up, other, VISION_MAX_TOKENS, history)
 
 
 @pytest.mark.parametrize("prefill_step_size", [2048, 7])
@@ -743,12 +789,7 @@ def test_a_4bit_vision_model_is_answered_as_mlx_vlm_answers_it(vlm: Path, tmp_pa
     """mlx-vlm's own 4-bit conversion: the quantized projector and language model load as the checkpoint says."""
     quantized = quantized_vlm(vlm, tmp_path / "vlm-4bit")
     picture = png(48, 40, seed=1)
-    processor = vision_processor(quantized)
-    message = ChatMessage(role="user", content=VISION_QUESTION, images=(picture,))
-    inputs = prompt_inputs(
-        processor, render_chat(processor.tokenizer, (message,), None, content_parts=True), [picture], None
-    )
-    tokens = inputs.pop("input_ids")[0].tolist()
+    tokens, inputs = vision_prompt(quantized, (ChatMessage(role="user", content=VISION_QUESTION, images=(picture,)),))
     collector = Collector()
     shard = load_shard(quantized, 0, 4)
     assert shard.weights_dtype == "4-bit affine"

@@ -150,13 +150,22 @@ def image_question(url: str, question: str) -> list[dict[str, Any]]:
     return [{"role": "user", "content": parts}]
 
 
-def mlx_vlm_greedy(model_dir: Path, question: str, image: bytes, max_tokens: int) -> list[int]:
-    """mlx-vlm's own greedy output for one user turn of `image` then `question`, without a final EOS."""
+def mlx_vlm_greedy(
+    model_dir: Path, question: str, image: bytes, max_tokens: int, history: tuple[tuple[str, str], ...] = ()
+) -> list[int]:
+    """mlx-vlm's own greedy output, without a final EOS, for a conversation that opens with `image` and goes on
+    with `history`'s (question, answer) turns, then `question`."""
     from mlx_vlm import load, stream_generate
     from PIL import Image
 
     model, processor = load(str(model_dir))
-    messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": question}]}]
+    turns = [*history, (question, None)]
+    messages: list[dict[str, Any]] = []
+    for i, (asked, answered) in enumerate(turns):
+        parts = [{"type": "image"}] if i == 0 else []
+        messages.append({"role": "user", "content": [*parts, {"type": "text", "text": asked}]})
+        if answered is not None:
+            messages.append({"role": "assistant", "content": [{"type": "text", "text": answered}]})
     prompt = processor.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
     eos = set(json.loads((model_dir / "generation_config.json").read_text())["eos_token_id"])
     tokens = []

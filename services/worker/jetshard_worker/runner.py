@@ -411,7 +411,7 @@ class Runner:
                     return [list(self.tokenizer.encode(rendered, add_special_tokens=False))], None
                 if vision is None:
                     raise ValueError("this model takes no images")
-                image_token = vision.get("image_token_index", vision.get("image_token_id"))
+                image_token = self.engine.shard.image_token_id
                 inputs = await asyncio.to_thread(prompt_inputs, self.processor, rendered, pictures, image_token)
                 return [inputs.pop("input_ids")[0].tolist()], inputs
             case TaskKind.EMBEDDING:

@@ -17,6 +17,7 @@ what else shares the batch.
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import queue
 import threading
@@ -105,7 +106,7 @@ class GenerationRequest:
     images: Mapping[str, np.ndarray] | None = None
     """A vision prompt's image arrays as the model's processor made them besides its `input_ids` (which are
     `prompt_tokens`): rank 0 puts the images' features in place of their tokens. Such a prompt is prefilled
-    alone and never shares a saved prefix: its image tokens say nothing of which image they stand for."""
+    alone; the prefix cache knows its image tokens by the images' content (`prefix_key`)."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "prompt_tokens", tuple(int(t) for t in self.prompt_tokens))
@@ -132,6 +133,8 @@ class _Task:
     sampler: TaskSampler
     eos: frozenset[int]
     generated: list[int] = field(default_factory=list)  # tokens sampled, EOS included
+    prefix_key: tuple[int, ...] = ()
+    """Its prompt as the prefix cache knows it (see `_prefix_key`)."""
     restore: PrefixHit | None = None  # the saved prefix its cache starts from
     finished: bool = False
     pooled: mx.array | None = None  # an embedding task's sum of final-norm outputs over the prompt so far
@@ -624,8 +627,10 @@ class PipelineEngine:
         slot = next(s for s in range(len(used) + 1) if s not in used)
         eos = self.shard.eos_token_ids if request.eos_token_ids is None else request.eos_token_ids
         sampler = TaskSampler(request.temperature, request.top_p, request.seed)
-        task = _Task(request=request, slot=slot, sampler=sampler, eos=frozenset(eos))
-        hit = None if request.embed or request.images is not None else self._prefixes.find(request.prompt_tokens[:-1])
+        task = _Task(
+            request=request, slot=slot, sampler=sampler, eos=frozenset(eos), prefix_key=self._prefix_key(request)
+        )
+        hit = None if request.embed else self._prefixes.find(task.prefix_key[:-1])
         if hit is not None:
             task.restore = hit
             self.stats.prefix_hits += 1
@@ -633,6 +638,22 @@ class PipelineEngine:
         if announce:
             _notify(self.on_started, request.task_id, len(request.prompt_tokens))
         return task
+
+    def _prefix_key(self, request: GenerationRequest) -> tuple[int, ...]:
+        """The prompt as the prefix cache knows it: its tokens, with a vision prompt's image tokens, which are the
+        same whatever the picture, replaced by a (negative, so never a token) digest of its images. A follow-up
+        question about the same pictures starts from the cache of the first; other pictures share only what comes
+        before them."""
+        tokens = tuple(request.prompt_tokens)
+        if request.images is None:
+            return tokens
+        digest = hashlib.blake2b(digest_size=8)
+        for name, array in sorted(request.images.items()):
+            digest.update(f"{name}:{array.dtype.str}:{array.shape}".encode())
+            digest.update(np.ascontiguousarray(array).tobytes())
+        images = -1 - int.from_bytes(digest.digest()[:7], "little")
+        image_token = self.shard.image_token_id
+        return tuple(images if token == image_token else token for token in tokens)
 
     def _shares_prefix(self, a: GenerationRequest, b: GenerationRequest) -> bool:
         """Whether the prompts begin with enough of the same tokens for one to start from the other's cache."""
@@ -694,9 +715,9 @@ class PipelineEngine:
         for task in cohort.tasks:
             kept = len(task.request.prompt_tokens) - 1
             saved = None
-            if not task.finished and task.to_prefill() and task.request.images is None:
+            if not task.finished and task.to_prefill():
                 size = cohort_bytes * kept // padded_tokens
-                saved, dropped = self._prefixes.add(task.request.prompt_tokens[:-1], size, self._trimmable_cache)
+                saved, dropped = self._prefixes.add(task.prefix_key[:-1], size, self._trimmable_cache)
                 evicted += dropped
             saves.append([-1 if saved is None else saved, kept])
         table = mx.array(saves, dtype=mx.int32)

@@ -20,6 +20,7 @@ class _CohortCache:
     cache: list[Any]
     slots: list[int]
     padded: bool  # prepared for right padding: finalized (the padding moved to the left) as it joins
+    restored: list[int]  # the prompt tokens each row's cache starts with (a saved prefix's)
 
 
 @dataclass
@@ -45,14 +46,17 @@ class RankCaches:
         self._prompts: dict[int, _PromptEmbeddings] = {}  # cohort -> its vision prompt's embeddings
 
     def images(self, header: Header, payload: mx.array) -> None:
-        """Rank 0 embeds cohort `header.slot`'s vision prompt with its images once; its PREFILL steps take their
-        columns (`embed`). The other ranks see only hidden states."""
+        """Rank 0 embeds cohort `header.slot`'s vision prompt (one row, after its GATHER) with its images once; its
+        PREFILL steps take their columns (`embed`), from the end of the saved prefix its cache starts from. The
+        other ranks see only hidden states."""
         if not self._shard.is_first:
             return
         tokens, arrays = unpack_prompt(payload)
         embeddings = self._shard.embed_prompt(tokens, arrays)
         mx.eval(embeddings)
-        self._prompts[header.slot] = _PromptEmbeddings(embeddings)
+        self.for_prefill(header)  # the cohort's GATHER came first
+        (restored,) = self._cohorts[header.slot].restored  # a vision prompt is prefilled alone
+        self._prompts[header.slot] = _PromptEmbeddings(embeddings, used=restored)
 
     def embed(self, header: Header, tokens: mx.array) -> mx.array:
         """Rank 0's input to its layers for a PREFILL or DECODE step's token ids."""
@@ -72,7 +76,8 @@ class RankCaches:
         if any(padding):
             for layer in merged:
                 layer.prepare(lengths=lengths, right_padding=padding)
-        self._cohorts[header.slot] = _CohortCache(merged, [row[GATHER_SLOT] for row in rows], any(padding))
+        restored = [row[GATHER_PREFIX_LEN] if row[GATHER_PREFIX] >= 0 else 0 for row in rows]
+        self._cohorts[header.slot] = _CohortCache(merged, [row[GATHER_SLOT] for row in rows], any(padding), restored)
 
     def for_prefill(self, header: Header) -> list[Any]:
         if header.slot not in self._cohorts:

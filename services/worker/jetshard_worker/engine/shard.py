@@ -80,6 +80,14 @@ class Shard:
         return self.vision_config is not None
 
     @property
+    def image_token_id(self) -> int | None:
+        """The token a vision model's processor writes for each of an image's features; None for a text model."""
+        if self.vision_config is None:
+            return None
+        token = self.vision_config.get("image_token_index", self.vision_config.get("image_token_id"))
+        return None if token is None else int(token)
+
+    @property
     def is_first(self) -> bool:
         return self.start_layer == 0
 
