@@ -31,13 +31,8 @@ def vision_model(dialect_cluster: DialectCluster, tmp_path_factory: pytest.TempP
     """The tiny vision model, added through the local Hub server as a user would and placed beside the dialects'
     text model; its directory. Its instance is deleted after."""
     model_dir = make_tiny_vlm(tmp_path_factory.mktemp("vision") / "tiny-vlm")
-    cluster = dialect_cluster.cluster
-    cluster.hub.add_repo(TINY_VLM, model_dir)
-    cluster.add_model(TINY_VLM)
-    instance_id = cluster.place(TINY_VLM, min_nodes=1)
-    cluster.wait_instance(instance_id)
-    yield model_dir
-    httpx.delete(f"{cluster.api}/instances/{instance_id}", timeout=30)
+    with dialect_cluster.serving(TINY_VLM, model_dir):
+        yield model_dir
 
 
 @pytest.fixture(scope="module")
