@@ -224,7 +224,8 @@ def test_nested_text_config_of_a_multimodal_model() -> None:
         4,
     )
     assert (card.vocab_size, card.context_length) == (262208, 131072)
-    assert ModelCapability.VISION in card.capabilities  # its vision tower
+    # A vision tower the engine does not run (only VISION_ARCHITECTURES' are): served as text, it takes no images.
+    assert ModelCapability.VISION not in card.capabilities and not card.vision
 
 
 QWEN3_TOKENIZER_CONFIG = {

@@ -220,7 +220,12 @@ def _write_tokenizer(out_dir: Path, vocab_size: int, added: Sequence[str] = SPEC
 
 
 def _model_config(
-    arch: str, num_layers: int, hidden_size: int, vocab_size: int, token_ids: dict[str, int], heads: tuple[int, int]
+    arch: str,
+    num_layers: int,
+    hidden_size: int,
+    vocab_size: int,
+    token_ids: dict[str, int],
+    heads: tuple[int, int] = (NUM_ATTENTION_HEADS, NUM_KV_HEADS),
 ) -> dict[str, Any]:
     head_dim = hidden_size // heads[0]
     config: dict[str, Any] = {
