@@ -14,6 +14,7 @@ import msgspec
 import pytest
 from jetshard_schema.card_from_config import (
     SUPPORTED_ARCHITECTURES,
+    VISION_ARCHITECTURES,
     UnsupportedModelError,
     card_from_hub_metadata,
 )
@@ -43,7 +44,8 @@ def test_catalogue_file_is_a_plausible_card(entry: Any) -> None:
     assert card.num_attention_heads % card.num_key_value_heads == 0
     assert card.vocab_size > 1000
     assert card.context_length >= 2048
-    assert card.architecture in SUPPORTED_ARCHITECTURES
+    assert card.architecture in SUPPORTED_ARCHITECTURES | VISION_ARCHITECTURES
+    assert card.vision == (card.architecture in VISION_ARCHITECTURES)
     assert not card.is_custom
     # A card's size must at least hold the embedding table at its bit width, or placement would overcommit.
     bits = card.quantization.bits if card.quantization else 16
@@ -222,7 +224,8 @@ def test_nested_text_config_of_a_multimodal_model() -> None:
         4,
     )
     assert (card.vocab_size, card.context_length) == (262208, 131072)
-    assert ModelCapability.VISION in card.capabilities  # its vision tower
+    # A vision tower the engine does not run (only VISION_ARCHITECTURES' are): served as text, it takes no images.
+    assert ModelCapability.VISION not in card.capabilities and not card.vision
 
 
 QWEN3_TOKENIZER_CONFIG = {
@@ -363,3 +366,34 @@ def test_a_card_recorded_before_capabilities_existed_decodes_with_the_default_on
     wire = msgspec.json.decode(msgspec.json.encode(card))
     del wire["capabilities"]
     assert msgspec.convert(wire, ModelCard).capabilities == DEFAULT_CAPABILITIES
+
+
+SMOLVLM_256M_CONFIG: dict[str, Any] = {
+    "architectures": ["Idefics3ForConditionalGeneration"],
+    "model_type": "idefics3",
+    "image_token_id": 49190,
+    "scale_factor": 4,
+    "vocab_size": 49280,
+    "text_config": {
+        "model_type": "llama",
+        "hidden_size": 576,
+        "intermediate_size": 1536,
+        "num_hidden_layers": 30,
+        "num_attention_heads": 9,
+        "num_key_value_heads": 3,
+        "vocab_size": 49280,
+        "max_position_embeddings": 8192,
+    },
+    "vision_config": {"hidden_size": 768, "num_hidden_layers": 12, "num_attention_heads": 12, "image_size": 512},
+}
+
+
+def test_a_vision_model_is_carded_as_taking_images_and_the_builtin_card_agrees() -> None:
+    index = {"metadata": {"total_size": 512969856}, "weight_map": {"language_model.norm.weight": "model.safetensors"}}
+    card = card_from_hub_metadata("mlx-community/SmolVLM-256M-Instruct-bf16", SMOLVLM_256M_CONFIG, index, {})
+    assert card.vision and card.architecture == "idefics3"
+    builtin = builtin_cards()[card.model_id]
+    shape = ("num_layers", "hidden_size", "num_attention_heads", "num_key_value_heads", "vocab_size", "context_length")
+    assert [getattr(builtin, f) for f in shape] == [getattr(card, f) for f in shape] == [30, 576, 9, 3, 49280, 8192]
+    assert builtin.vision and builtin.storage_size_bytes == card.storage_size_bytes
+    assert not card_from_hub_metadata("org/m", QWEN3_4BIT_CONFIG, None, ONE_FILE).vision

@@ -10,6 +10,7 @@ from typing import Any
 
 import pytest
 from helpers.tiny_models import make_tiny_model
+from helpers.tiny_vlm import SMOLVLM_TEMPLATE
 from jetshard_schema.types import ChatMessage, Tool, ToolCall, ToolChoice, Tools
 from jetshard_worker.chat import render_chat
 from jetshard_worker.library_boundary import load_tokenizer
@@ -95,3 +96,26 @@ def test_a_requests_template_values_reach_the_template_but_not_the_renderings_ow
     assert render_chat(tokenizer, CONVERSATION[:1], None) == "Weather in Paris?|none"
     with pytest.raises(ValueError, match="add_generation_prompt"):
         render_chat(tokenizer, CONVERSATION[:1], None, {"add_generation_prompt": False})
+
+
+def test_a_vision_template_gets_each_turns_images_then_its_text_as_parts(model_dir: Path) -> None:
+    """SmolVLM's template reads content as parts; the tools' system message, added first, keeps the images with the
+    turns they came with."""
+    tokenizer = tokenizer_with(model_dir, SMOLVLM_TEMPLATE)
+    conversation = (
+        ChatMessage(role="user", content="Which is bigger?", images=(b"first", b"second")),
+        ChatMessage(role="assistant", content="The first."),
+        ChatMessage(role="user", content="", images=(b"third",)),
+    )
+
+    prompt = render_chat(tokenizer, conversation, None, content_parts=True)
+
+    assert prompt == (
+        "<|im_start|>User:<image><image>Which is bigger?<end_of_utterance>\n"
+        "Assistant: The first.<end_of_utterance>\n"
+        "User:<image><end_of_utterance>\n"
+        "Assistant:"
+    )
+    described = render_chat(tokenizer, conversation, TOOLS, content_parts=True)
+    assert described.startswith("<|im_start|>System: You can call these functions:")
+    assert described.endswith(prompt.removeprefix("<|im_start|>"))

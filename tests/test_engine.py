@@ -17,13 +17,17 @@ from pathlib import Path
 from typing import Any, cast
 
 import mlx.core as mx
+import msgspec
+import numpy as np
 import pytest
 from helpers.engine_rank import free_ports, rank_command
 from helpers.tiny_models import layer_of, make_tiny_model
+from helpers.tiny_vlm import make_tiny_vlm, mlx_vlm_greedy, png, quantized_vlm
 from jetshard_downloader.convert import convert_packaged
 from jetshard_downloader.dirs import ModelDirs
 from jetshard_schema.catalogue import DEMO_MODEL_ID, builtin_cards
-from jetshard_schema.types import TaskOutcome
+from jetshard_schema.types import ChatMessage, TaskOutcome
+from jetshard_worker.chat import render_chat
 from jetshard_worker.engine import (
     GenerationRequest,
     PipelineEngine,
@@ -32,6 +36,7 @@ from jetshard_worker.engine import (
     write_hostfile,
 )
 from jetshard_worker.engine.shard import tensor_split_problem
+from jetshard_worker.library_boundary import prompt_inputs, vision_processor
 from mlx.utils import tree_flatten
 from mlx_lm import load as mlx_load
 from mlx_lm.generate import stream_generate
@@ -893,8 +898,150 @@ def test_generation_request_validation() -> None:
 
 
 def test_the_engine_handles_every_architecture_a_card_may_name() -> None:
-    from jetshard_schema.card_from_config import SUPPORTED_ARCHITECTURES
+    from jetshard_schema.card_from_config import SUPPORTED_ARCHITECTURES, VISION_ARCHITECTURES
     from jetshard_worker.engine.shard import model_classes
 
     for arch in SUPPORTED_ARCHITECTURES:
         model_classes({"model_type": arch})  # refuses an architecture the shard engine cannot run
+    for arch in VISION_ARCHITECTURES:  # their language model is one of those
+        model_classes({"model_type": arch, "text_config": {"model_type": "llama"}})
+
+
+# --------------------------------------------------------------------------- vision models
+
+VISION_QUESTION = "What is in this picture?"
+VISION_MAX_TOKENS = 12
+
+
+@pytest.fixture(scope="module")
+def vlm(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_tiny_vlm(tmp_path_factory.mktemp("engine-vlm") / "vlm", split=True)
+
+
+def vision_prompt(model_dir: Path, messages: tuple[ChatMessage, ...]) -> tuple[list[int], dict[str, np.ndarray]]:
+    """A conversation's prompt tokens and image arrays, as the runner makes them."""
+    processor = vision_processor(model_dir)
+    rendered = render_chat(processor.tokenizer, messages, None, content_parts=True)
+    pictures = [picture for message in messages for picture in message.images]
+    inputs = prompt_inputs(processor, rendered, pictures, image_token_index=None)
+    return inputs.pop("input_ids")[0].tolist(), inputs
+
+
+@pytest.fixture(scope="module")
+def vision_prompts(vlm: Path) -> list[tuple[list[int], dict[str, np.ndarray], list[int]]]:
+    """Two pictures of different sizes asked the same question: each prompt's tokens and image arrays, and
+    mlx-vlm's own greedy answer."""
+    prompts = []
+    for picture in (png(48, 40, seed=1), png(20, 30, seed=2)):
+        tokens, arrays = vision_prompt(vlm, (ChatMessage(role="user", content=VISION_QUESTION, images=(picture,)),))
+        prompts.append((tokens, arrays, mlx_vlm_greedy(vlm, VISION_QUESTION, picture, VISION_MAX_TOKENS)))
+    return prompts
+
+
+def test_a_follow_up_about_the_same_picture_starts_from_the_first_questions_cache(vlm: Path) -> None:
+    """The prefix cache knows image tokens by their picture: the same picture asked again reuses the first turn's
+    cache, and the answer is still mlx-vlm's; another picture with the same words does not."""
+    picture, other = png(20, 30, seed=2), png(20, 30, seed=3)
+    first_tokens, first_arrays = vision_prompt(
+        vlm, (ChatMessage(role="user", content=VISION_QUESTION, images=(picture,)),)
+    )
+    answer = vision_processor(vlm).tokenizer.decode(mlx_vlm_greedy(vlm, VISION_QUESTION, picture, VISION_MAX_TOKENS))
+    follow_up = "And what colour is it?"
+    conversation = (
+        ChatMessage(role="user", content=VISION_QUESTION, images=(picture,)),
+        ChatMessage(role="assistant", content=answer),
+        ChatMessage(role="user", content=follow_up),
+    )
+    collector = Collector()
+    engine = PipelineEngine(load_shard(vlm, 0, 4), on_token=collector.on_token, on_finished=collector.on_finished)
+    thread = threading.Thread(target=engine.run_forever)
+    thread.start()
+    try:
+        engine.submit(GenerationRequest("first", first_tokens, VISION_MAX_TOKENS, images=first_arrays))
+        collector.wait(["first"])
+        tokens, arrays = vision_prompt(vlm, conversation)
+        engine.submit(GenerationRequest("again", tokens, VISION_MAX_TOKENS, images=arrays))
+        collector.wait(["again"])
+        assert engine.stats.prefix_hits == 1 and engine.stats.prefix_hit_tokens >= len(first_tokens) - 1
+        tokens, arrays = vision_prompt(
+            vlm, tuple(msgspec.structs.replace(m, images=(other,) * len(m.images)) for m in conversation)
+        )
+        engine.submit(GenerationRequest("other", tokens, VISION_MAX_TOKENS, images=arrays))
+        collector.wait(["other"])
+        assert engine.stats.prefix_hits == 1
+    finally:
+        engine.shutdown()
+        thread.join(timeout=30)
+
+    history = ((VISION_QUESTION, answer),)
+    assert collector.tokens.get("again", []) == mlx_vlm_greedy(vlm, follow_up, picture, VISION_MAX_TOKENS, history)
+    assert collector.tokens.get("other", []) == mlx_vlm_greedy(vlm, follow_up, other, VISION_MAX_TOKENS, history)
+
+
+@pytest.mark.parametrize("prefill_step_size", [2048, 7])
+def test_a_vision_prompt_is_answered_as_mlx_vlm_answers_it(
+    vlm: Path, vision_prompts: list[tuple[list[int], dict[str, np.ndarray], list[int]]], prefill_step_size: int
+) -> None:
+    """The vision tower and projector run where the embedding is, their features in place of the image tokens,
+    also when the prompt is prefilled in chunks; each picture gets its own answer."""
+    collector = Collector()
+    engine = PipelineEngine(
+        load_shard(vlm, 0, 4),
+        on_token=collector.on_token,
+        on_finished=collector.on_finished,
+        prefill_step_size=prefill_step_size,
+    )
+    requests = [
+        GenerationRequest(f"v{i}", tokens, VISION_MAX_TOKENS, images=arrays)
+        for i, (tokens, arrays, _) in enumerate(vision_prompts)
+    ]
+
+    run_single(engine, requests, collector)
+
+    answers = [collector.tokens[f"v{i}"] for i in range(len(vision_prompts))]
+    assert answers == [expected for _, _, expected in vision_prompts]
+    assert answers[0] != answers[1]
+    assert engine.stats.prefix_hits == 0  # the same question with another picture starts afresh
+
+
+def test_a_4bit_vision_model_is_answered_as_mlx_vlm_answers_it(vlm: Path, tmp_path: Path) -> None:
+    """mlx-vlm's own 4-bit conversion: the quantized projector and language model load as the checkpoint says."""
+    quantized = quantized_vlm(vlm, tmp_path / "vlm-4bit")
+    picture = png(48, 40, seed=1)
+    tokens, inputs = vision_prompt(quantized, (ChatMessage(role="user", content=VISION_QUESTION, images=(picture,)),))
+    collector = Collector()
+    shard = load_shard(quantized, 0, 4)
+    assert shard.weights_dtype == "4-bit affine"
+    engine = PipelineEngine(shard, on_token=collector.on_token, on_finished=collector.on_finished)
+
+    run_single(engine, [GenerationRequest("q", tokens, VISION_MAX_TOKENS, images=inputs)], collector)
+
+    assert collector.tokens["q"] == mlx_vlm_greedy(quantized, VISION_QUESTION, picture, VISION_MAX_TOKENS)
+
+
+@pytest.mark.timeout(180)
+def test_a_vision_model_pipeline_answers_as_one_rank(
+    vlm: Path, vision_prompts: list[tuple[list[int], dict[str, np.ndarray], list[int]]], tmp_path: Path
+) -> None:
+    """Rank 0 holds the vision tower and projector; the next rank sees only hidden states."""
+    requests = []
+    for i, (tokens, arrays, _) in enumerate(vision_prompts):
+        np.savez(tmp_path / f"images{i}.npz", **arrays)
+        requests.append(
+            {
+                "task_id": f"v{i}",
+                "prompt_tokens": tokens,
+                "max_tokens": VISION_MAX_TOKENS,
+                "images": str(tmp_path / f"images{i}.npz"),
+            }
+        )
+
+    outputs = run_pipeline(vlm, [0, 2, 4], requests, tmp_path, prefill_step_size=5)
+
+    results = outputs[-1]["results"]
+    assert [results[f"v{i}"]["tokens"] for i in range(len(requests))] == [expected for _, _, expected in vision_prompts]
+    first, last = (set(output["loaded_tensors"]) for output in outputs)
+    assert any(name.startswith("vision_model.") for name in first) and any(
+        name.startswith("connector.") for name in first
+    )
+    assert not any(name.startswith(("vision_model.", "connector.")) for name in last)

@@ -20,6 +20,7 @@ import openai
 import pytest
 from helpers.harness import ChunkTap, InferenceCluster, assert_layer_ranges, hub_cluster, wait_for
 from helpers.tiny_models import make_tiny_model
+from helpers.tiny_vlm import data_url, image_question, make_tiny_vlm, mlx_vlm_greedy, png
 from jetshard_schema.events import TaskCancelled, TaskFinished
 from jetshard_schema.types import TaskOutcome
 
@@ -27,6 +28,7 @@ ORG = "jetshard-test"
 LLAMA = f"{ORG}/tiny-llama"
 QWEN = f"{ORG}/tiny-qwen3"
 UNPLACED = f"{ORG}/tiny-unplaced"
+VISION = f"{ORG}/tiny-vlm"
 MODELS = {LLAMA: "llama", QWEN: "qwen3"}
 MAX_TOKENS = 20
 CONVERSATIONS: list[list[dict[str, Any]]] = [
@@ -52,6 +54,7 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[InferenceClust
         for model_id, arch in MODELS.items()
     }
     dirs[UNPLACED] = make_tiny_model(root / "repos" / "unplaced", arch="llama", num_layers=2, num_files=2, seed=3)
+    dirs[VISION] = make_tiny_vlm(root / "repos" / "vlm", split=True)
     with hub_cluster(root, env={"JETSHARD_COUNTERS_INTERVAL_S": "0.5"}) as c:
         for model_id, path in dirs.items():
             c.hub.add_repo(model_id, path)
@@ -63,7 +66,8 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[InferenceClust
         for model_id in dirs:
             c.add_model(model_id)
         c.instance_ids = {m: c.place(m, min_nodes=2) for m in MODELS}  # type: ignore[attr-defined]
-        seen = c.watch_until_ready(c.instance_ids.values())  # type: ignore[attr-defined]
+        c.vision_instance = c.place(VISION, min_nodes=2)  # type: ignore[attr-defined]
+        seen = c.watch_until_ready([*c.instance_ids.values(), c.vision_instance])  # type: ignore[attr-defined]
         c.statuses = {m: seen[i] for m, i in c.instance_ids.items()}  # type: ignore[attr-defined]
         yield c
 
@@ -143,6 +147,24 @@ def test_instances_span_both_nodes(cluster: InferenceCluster) -> None:
 
 
 # ------------------------------------------------------------------------------------------- equality
+
+
+def test_a_vision_model_over_two_nodes_answers_a_picture_as_mlx_vlm(
+    cluster: InferenceCluster, client: openai.OpenAI
+) -> None:
+    """The node of rank 0 downloads and runs the vision tower and projector; the other only its layers."""
+    from mlx_vlm.utils import load_processor
+
+    model_dir = cluster.model_dirs[VISION]  # type: ignore[attr-defined]
+    question, picture = "What is in this picture?", png(20, 30, seed=2)
+    expected = mlx_vlm_greedy(model_dir, question, picture, MAX_TOKENS)
+    reply = chat(client, VISION, image_question(data_url(picture), question), temperature=0, max_tokens=MAX_TOKENS)
+    assert reply.choices[0].message.content == load_processor(model_dir).tokenizer.decode(expected)
+
+    instance = cluster.get("/state")["instances"][cluster.vision_instance]  # type: ignore[attr-defined]
+    first, second = (set(instance["runners"][rank]["loaded_tensors"]) for rank in ("0", "1"))
+    assert {name.split(".")[0] for name in first} == {"model", "vision_model", "connector"}
+    assert {name.split(".")[0] for name in second} == {"model", "lm_head"}
 
 
 @pytest.mark.parametrize("model_id", list(MODELS))

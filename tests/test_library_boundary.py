@@ -1,6 +1,7 @@
-"""Every touchpoint of mlx-lm, llguidance and mlx's ring socket that `jetshard_worker.library_boundary` relies on:
-each name exists, takes the arguments the worker passes and gives back what the worker reads, on the mlx-lm and
-llguidance versions installed. A new version that moves or reshapes one of them fails here, not in a runner.
+"""Every touchpoint of mlx-lm, mlx-vlm, llguidance and mlx's ring socket that `jetshard_worker.library_boundary`
+relies on: each name exists, takes the arguments the worker passes and gives back what the worker reads, on the
+mlx-lm, mlx-vlm and llguidance versions installed. A new version that moves or reshapes one of them fails here,
+not in a runner.
 
 Fast: a one-layer tiny model, no cluster."""
 
@@ -8,6 +9,7 @@ from __future__ import annotations
 
 import inspect
 import socket
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -16,6 +18,7 @@ import mlx.nn as nn
 import numpy as np
 import pytest
 from helpers.tiny_models import make_tiny_model
+from helpers.tiny_vlm import make_tiny_vlm, png
 from jetshard_schema.card_from_config import SUPPORTED_ARCHITECTURES, TENSOR_PARALLEL_ARCHITECTURES
 from jetshard_worker import library_boundary as boundary
 from jetshard_worker.constrained import JSON_OPTIONS
@@ -257,3 +260,48 @@ def test_the_ring_socket_is_the_accepted_connection_on_the_listen_port() -> None
     finally:
         accepted.close()
         client.close()
+
+
+# --------------------------------------------------------------------------- mlx-vlm (the `vision` extra)
+
+
+@pytest.fixture(scope="module")
+def vlm_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_tiny_vlm(tmp_path_factory.mktemp("boundary") / "vlm", num_layers=1)
+
+
+def test_mlx_vlms_model_its_weights_processor_inputs_and_embeddings(vlm_dir: Path) -> None:
+    """What the shard engine takes of mlx-vlm: its model for a vision config (a vision tower, a projector and a
+    language model whose `embed_tokens` its merge reads), its weight sanitizing, its processor and input
+    preparation, and `get_input_embeddings` with the images' features where their tokens are."""
+    config = boundary.load_config(vlm_dir)
+    model = boundary.vision_model(config)
+    assert {"vision_model", "connector", "language_model"} <= set(model.keys())
+    weights = mx.load(str(vlm_dir / "model.safetensors"))
+    assert isinstance(weights, dict)
+    assert set(boundary.vision_weights(model, weights)) == set(weights)  # an MLX checkpoint passes unchanged
+    model.load_weights(list(weights.items()))
+
+    processor = boundary.vision_processor(vlm_dir)
+    prompt = f"<|im_start|>User:<image>{'hi'}<end_of_utterance>\nAssistant:"
+    inputs = boundary.prompt_inputs(processor, prompt, [png(40, 48, seed=0)], config["image_token_id"])
+    input_ids = inputs.pop("input_ids")
+    assert input_ids.shape[0] == 1 and {"pixel_values", "pixel_attention_mask"} <= set(inputs)
+    image_tokens = input_ids[0] == config["image_token_id"]
+    assert image_tokens.sum() == 5 * 4  # 2x2 tiles and the global view, 4 tokens each
+
+    tokens = mx.array(input_ids)
+    embeddings = boundary.prompt_embeddings(model, tokens, {k: mx.array(v) for k, v in inputs.items()})
+    plain = model.language_model.embed_tokens(tokens)
+    assert embeddings.shape == plain.shape
+    differs = mx.any(embeddings != plain, axis=-1)[0]
+    assert np.array_equal(np.array(differs), image_tokens)
+
+    with pytest.raises(ValueError, match="image 0 is not a readable PNG"):
+        boundary.prompt_inputs(processor, prompt, [b"\x89PNG\r\n\x1a\n broken"], config["image_token_id"])
+
+
+def test_a_node_without_the_vision_extra_says_how_to_get_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(sys.modules, "mlx_vlm.utils", None)  # as if mlx-vlm were not installed
+    with pytest.raises(RuntimeError, match="install jetshard's `vision` extra"):
+        boundary.vision_model({"model_type": "idefics3"})

@@ -13,7 +13,6 @@ from collections.abc import Iterator
 from typing import Any
 
 import anthropic
-import httpx
 import ollama
 import openai
 import pytest
@@ -37,13 +36,8 @@ def thinking_model(dialect_cluster: DialectCluster, tmp_path_factory: pytest.Tem
     """A scripted thinking model (`tiny_models.thinking_model`) served beside the dialect cluster's own, on the same
     node, and removed after: it reasons THOUGHT and answers ANSWER, so each dialect's split is asserted word for
     word."""
-    cluster = dialect_cluster.cluster
-    cluster.hub.add_repo(THINKING_MODEL, tiny_thinking_model(tmp_path_factory.mktemp("thinking") / "tiny"))
-    cluster.add_model(THINKING_MODEL)
-    instance_id = cluster.place(THINKING_MODEL, min_nodes=1)
-    cluster.wait_instance(instance_id)
-    yield THINKING_MODEL
-    httpx.delete(f"{cluster.api}/instances/{instance_id}", timeout=30)
+    with dialect_cluster.serving(THINKING_MODEL, tiny_thinking_model(tmp_path_factory.mktemp("thinking") / "tiny")):
+        yield THINKING_MODEL
 
 
 @pytest.fixture(scope="module")

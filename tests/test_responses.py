@@ -139,7 +139,11 @@ def test_reasoning_effort_reaches_the_template_and_earlier_reasoning_is_dropped(
         ({"input": [{"type": "function_call", "call_id": "c", "name": "f"}]}, "input[0].arguments"),
         ({"input": [{"type": "item_reference", "id": "x"}]}, "input[0].type"),
         ({"reasoning": {"effort": "extreme"}}, "reasoning.effort"),
-        ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]}, "input[0].content"),
+        (
+            {"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]},
+            "input[0].content[0].image_url",
+        ),
+        ({"input": [{"role": "user", "content": [{"type": "input_file", "file_id": "f"}]}]}, "input[0].content"),
     ],
 )
 def test_what_jetshard_cannot_do_is_a_400_naming_the_field(body: dict[str, Any], param: str) -> None:

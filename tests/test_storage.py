@@ -162,10 +162,39 @@ def test_layer_parsing_is_generic_and_ignores_other_towers_and_mtp_layers() -> N
         "lm_head.weight": "c.safetensors",
     }
     index = {"weight_map": weight_map}
-    assert files_for_layer_range(index, 3, 0, 1) == {"a.safetensors"}
+    # Other stacks are not the model's layers. A vision tower feeds the embeddings: it goes with the first range.
+    assert files_for_layer_range(index, 3, 0, 1) == {"a.safetensors", "vision.safetensors"}
     assert files_for_layer_range(index, 3, 1, 2) == {"b.safetensors"}
-    # Other stacks (a vision tower) are non-layer, non-embedding tensors: they go with the last range.
-    assert files_for_layer_range(index, 3, 2, 3) == {"c.safetensors", "vision.safetensors"}
+    assert files_for_layer_range(index, 3, 2, 3) == {"c.safetensors"}
+
+
+def test_a_vision_models_tower_and_projector_go_with_the_first_range_and_its_processor_with_every_range() -> None:
+    weight_map = {
+        "language_model.embed_tokens.weight": "model-00001-of-00003.safetensors",
+        "language_model.layers.0.mlp.up_proj.weight": "model-00001-of-00003.safetensors",
+        "language_model.layers.1.mlp.up_proj.weight": "model-00002-of-00003.safetensors",
+        "language_model.norm.weight": "model-00002-of-00003.safetensors",
+        "language_model.lm_head.weight": "model-00002-of-00003.safetensors",
+        "vision_model.encoder.layers.0.mlp.fc1.weight": "model-00003-of-00003.safetensors",
+        "vision_model.encoder.layers.1.mlp.fc1.weight": "model-00003-of-00003.safetensors",
+        "connector.modality_projection.proj.weight": "model-00003-of-00003.safetensors",
+    }
+    index = {"weight_map": weight_map}
+    repo = [*set(weight_map.values()), "config.json", "processor_config.json", "preprocessor_config.json", "README.md"]
+    first = required_files(repo, index, 2, 0, 1)
+    assert first == {
+        "model-00001-of-00003.safetensors",
+        "model-00003-of-00003.safetensors",
+        "config.json",
+        "processor_config.json",
+        "preprocessor_config.json",
+    }
+    assert required_files(repo, index, 2, 1, 2) == {
+        "model-00002-of-00003.safetensors",
+        "config.json",
+        "processor_config.json",
+        "preprocessor_config.json",
+    }
 
 
 @pytest.mark.parametrize(

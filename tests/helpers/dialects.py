@@ -9,9 +9,11 @@ Registered as a pytest plugin by `conftest.py`, so its fixtures need no import.
 from __future__ import annotations
 
 from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
+import httpx
 import pytest
 from jetshard_schema.ids import ModelId, model_dir_name
 
@@ -33,6 +35,19 @@ class DialectCluster:
     @property
     def api(self) -> str:
         return self.cluster.api
+
+    @contextmanager
+    def serving(self, model_id: str, model_dir: Path) -> Iterator[None]:
+        """`model_dir` added through the local Hub server as a user would, and placed beside the cluster's own model
+        on its node until the block ends (then its instance is deleted)."""
+        self.cluster.hub.add_repo(model_id, model_dir)
+        self.cluster.add_model(model_id)
+        instance_id = self.cluster.place(model_id, min_nodes=1)
+        self.cluster.wait_instance(instance_id)
+        try:
+            yield
+        finally:
+            httpx.delete(f"{self.api}/instances/{instance_id}", timeout=30)
 
 
 @pytest.fixture(scope="session")

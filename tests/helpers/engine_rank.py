@@ -5,7 +5,8 @@
 
 Every rank writes OUT.json with the tensor names it loaded; the last rank also serves the
 requests in REQ.json (a list of GenerationRequest fields plus an optional "cancel_after": cancel
-the task once it has produced that many tokens), records what came back, then shuts the ring down.
+the task once it has produced that many tokens; a vision prompt's "images" name a .npz file of its
+image arrays), records what came back, then shuts the ring down.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 import mlx.core as mx
+import numpy as np
 from jetshard_schema.types import TaskOutcome
 from jetshard_worker.engine import GenerationRequest, PipelineEngine, TokenScores, init_ring, load_shard
 from mlx.utils import tree_flatten
@@ -127,6 +129,9 @@ def main() -> None:
         try:
             time.sleep(args.idle_before)  # deliberate timing: the engine idles before the first request
             for spec in specs:
+                if "images" in spec:
+                    with np.load(spec["images"]) as arrays:
+                        spec["images"] = dict(arrays)
                 engine.submit(GenerationRequest(**spec))
             while specs and not done.wait(0.2) and thread.is_alive():
                 pass

@@ -12,6 +12,7 @@ from __future__ import annotations
 import hashlib
 import itertools
 import json
+import re
 import string
 from collections.abc import Sequence
 from pathlib import Path
@@ -159,13 +160,14 @@ def _merges(count: int) -> list[tuple[str, str]]:
     return candidates[:count]
 
 
-def _write_tokenizer(out_dir: Path, vocab_size: int, added: tuple[str, ...]) -> dict[str, int]:
-    """Write tokenizer.json / tokenizer_config.json; returns the added tokens' ids. The think markers are added
-    tokens but not special ones, as in Qwen3's vocabulary (decoding keeps them in the text)."""
+def _write_tokenizer(out_dir: Path, vocab_size: int, added: Sequence[str] = SPECIAL_TOKENS) -> dict[str, int]:
+    """Write tokenizer.json / tokenizer_config.json; returns the added tokens' ids. `added` starts with
+    SPECIAL_TOKENS; a thinking model's adds the think markers, which are added tokens but not special ones, as in
+    Qwen3's vocabulary (decoding keeps them in the text); a vision model's adds its image markers."""
     from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
 
     alphabet = _byte_level_alphabet()
-    merges = _merges(vocab_size - 256 - len(added))
+    merges = _merges(vocab_size - len(alphabet) - len(added))
     vocab: dict[str, int] = {symbol: i for i, symbol in enumerate(alphabet)}
     for left, right in merges:
         vocab[left + right] = len(vocab)
@@ -177,7 +179,8 @@ def _write_tokenizer(out_dir: Path, vocab_size: int, added: tuple[str, ...]) -> 
     tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=merges))
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
     tokenizer.decoder = decoders.ByteLevel()
-    tokenizer.add_special_tokens([AddedToken(token, special=True, normalized=False) for token in SPECIAL_TOKENS])
+    special = [token for token in added if token not in THINK_TOKENS]
+    tokenizer.add_special_tokens([AddedToken(token, special=True, normalized=False) for token in special])
     thinking = THINK_TOKENS[0] in added
     if thinking:
         tokenizer.add_tokens([AddedToken(token, special=False, normalized=False) for token in THINK_TOKENS])
@@ -217,7 +220,12 @@ def _write_tokenizer(out_dir: Path, vocab_size: int, added: tuple[str, ...]) -> 
 
 
 def _model_config(
-    arch: str, num_layers: int, hidden_size: int, vocab_size: int, token_ids: dict[str, int], heads: tuple[int, int]
+    arch: str,
+    num_layers: int,
+    hidden_size: int,
+    vocab_size: int,
+    token_ids: dict[str, int],
+    heads: tuple[int, int] = (NUM_ATTENTION_HEADS, NUM_KV_HEADS),
 ) -> dict[str, Any]:
     head_dim = hidden_size // heads[0]
     config: dict[str, Any] = {
@@ -254,22 +262,28 @@ def build_model(config: dict[str, Any]) -> Any:
 
 
 def _random_weights(arch: str, config: dict[str, Any], seed: int) -> dict[str, np.ndarray]:
-    # The names and shapes come from mlx-lm's own model class, so they match what mlx_lm.load()
-    # expects. The values come from numpy seeded per weight name: reproducible across mlx versions
-    # and independent of the order in which the model class creates its parameters.
+    # The names and shapes come from mlx-lm's own model class, so they match what mlx_lm.load() expects.
     shapes = {name: tuple(value.shape) for name, value in tree_flatten(build_model(config).parameters())}
+    return seeded_weights(shapes, f"{seed}:{arch}")
+
+
+def seeded_weights(shapes: dict[str, tuple[int, ...]], seed: str) -> dict[str, np.ndarray]:
+    """float32 values for weights of these names and shapes, from numpy seeded per weight name: reproducible
+    across mlx versions and independent of the order in which a model class creates its parameters."""
     weights: dict[str, np.ndarray] = {}
     for name, shape in sorted(shapes.items()):
-        name_seed = int.from_bytes(hashlib.sha256(f"{seed}:{arch}:{name}".encode()).digest()[:8], "little")
+        name_seed = int.from_bytes(hashlib.sha256(f"{seed}:{name}".encode()).digest()[:8], "little")
         rng = np.random.default_rng(name_seed)
-        if name.endswith("norm.weight"):
-            # RMSNorm gains around 1 (not exactly 1, so norms differ between seeds too).
+        if re.search(r"norm\d*\.weight$", name):
+            # Norm gains around 1 (not exactly 1, so norms differ between seeds too).
             value = 1.0 + 0.1 * rng.standard_normal(shape)
-        elif name == "model.embed_tokens.weight":
+        elif name.endswith(".bias"):
+            value = 0.02 * rng.standard_normal(shape)
+        elif name.endswith(("embed_tokens.weight", "position_embedding.weight")):
             value = rng.standard_normal(shape)
         else:
-            gain = _LM_HEAD_GAIN if name == "lm_head.weight" else _LINEAR_GAIN
-            value = rng.standard_normal(shape) * (gain / np.sqrt(shape[-1]))
+            gain = _LM_HEAD_GAIN if name.endswith("lm_head.weight") else _LINEAR_GAIN
+            value = rng.standard_normal(shape) * (gain / np.sqrt(np.prod(shape[1:])))
         weights[name] = value.astype(np.float32)
     return weights
 

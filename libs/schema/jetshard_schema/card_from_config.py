@@ -18,6 +18,10 @@ until the shard engine handles them."""
 TENSOR_PARALLEL_ARCHITECTURES: frozenset[str] = frozenset({"llama", "mistral", "qwen2", "qwen3"})
 """Those of them mlx-lm can split every layer of across ranks (its models' `shard(group)`), for tensor-parallel
 instances; tests/test_library_boundary.py checks it against mlx-lm."""
+VISION_ARCHITECTURES: frozenset[str] = frozenset({"idefics3", "smolvlm"})
+"""`model_type`s of vision models the shard engine serves: their language model (under `text_config`, one of
+`SUPPORTED_ARCHITECTURES`) split into layer ranges, mlx-vlm's vision tower and projector on the first rank
+(SmolVLM, Idefics3). These take images."""
 
 # Config keys differ between model families (GPT-2 style `n_layer`, T5 style `d_model`, ...); the first key
 # present wins, so the common Hugging Face name comes first.
@@ -98,19 +102,20 @@ def card_from_hub_metadata(
         is_custom=True,
         display_name=valid_id.split("/", 1)[1],
         generation=generation_config_defaults(generation_config),
-        capabilities=capabilities_of(config, tokenizer_config),
+        capabilities=capabilities_of(architecture, tokenizer_config),
         **card_fields,
     )
 
 
-def capabilities_of(config: Mapping[str, Any], tokenizer_config: object) -> tuple[ModelCapability, ...]:
-    """What a model does, from its config (a vision tower) and its tokenizer's added tokens (think markers, found as
-    mlx-lm finds them). A tokenizer config of another shape says nothing: capabilities never refuse a model."""
+def capabilities_of(architecture: str, tokenizer_config: object) -> tuple[ModelCapability, ...]:
+    """What a model does, from its architecture (a vision model's, whose tower the engine runs) and its tokenizer's
+    added tokens (think markers, found as mlx-lm finds them). A tokenizer config of another shape says nothing:
+    capabilities never refuse a model."""
     capabilities = list(DEFAULT_CAPABILITIES)
     tokens = added_tokens(tokenizer_config)
     if any(set(pair) <= tokens for pair in THINK_MARKERS):
         capabilities.append(ModelCapability.THINKING)
-    if isinstance(config.get("vision_config"), Mapping):
+    if architecture in VISION_ARCHITECTURES:
         capabilities.append(ModelCapability.VISION)
     return tuple(capabilities)
 
@@ -137,10 +142,10 @@ def _architecture(model_id: str, config: Mapping[str, Any], text_config: Mapping
         raise ValueError(f"{model_id}: config.json has no 'model_type'")
     if not isinstance(model_type, str) or not model_type:
         raise ValueError(f"{model_id}: config.json 'model_type' must be a non-empty string, got {model_type!r}")
-    if model_type not in SUPPORTED_ARCHITECTURES:
+    if model_type not in SUPPORTED_ARCHITECTURES | VISION_ARCHITECTURES:
         raise UnsupportedModelError(
             f"{model_id}: architecture {model_type!r} is not supported; supported architectures: "
-            + ", ".join(sorted(SUPPORTED_ARCHITECTURES))
+            + ", ".join(sorted(SUPPORTED_ARCHITECTURES | VISION_ARCHITECTURES))
         )
     return model_type
 

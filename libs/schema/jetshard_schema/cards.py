@@ -87,3 +87,9 @@ class ModelCard(msgspec.Struct, frozen=True, kw_only=True):
     generation: GenerationDefaults = GenerationDefaults()
     """The model's recommended sampling values, used when neither the request nor the model directory's
     `generation_config.json` sets them."""
+
+    @property
+    def vision(self) -> bool:
+        """The model takes images (a vision tower and projector beside its language model, run through mlx-vlm on
+        the rank that holds the embeddings); a request with an image for a model without it is refused."""
+        return ModelCapability.VISION in self.capabilities

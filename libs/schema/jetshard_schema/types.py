@@ -231,6 +231,11 @@ MAX_CHOICES = 16
 MAX_TOP_LOGPROBS = 20
 """OpenAI's bound on `top_logprobs`."""
 MAX_EMBEDDING_INPUTS = 256
+MAX_IMAGES = 8
+"""Images one request may carry, over all its messages."""
+MAX_IMAGE_BYTES = 4 * 2**20
+"""The images of one request together, as encoded files: the request travels in one NATS message (8 MiB, its
+JSON carrying them in base64), and each image is decoded and encoded again by the vision model's processor."""
 
 
 class TaskKind(enum.StrEnum):
@@ -258,6 +263,9 @@ class ChatMessage(msgspec.Struct, frozen=True, kw_only=True):
     """A tool turn's answer to this call."""
     name: str | None = None
     """A tool turn's function."""
+    images: tuple[bytes, ...] = ()
+    """The turn's images as encoded files (PNG, JPEG, GIF, WebP), shown to the model before its text, in order;
+    only a card with `vision` takes them."""
 
 
 class Tool(msgspec.Struct, frozen=True, kw_only=True):

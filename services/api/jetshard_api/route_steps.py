@@ -18,11 +18,12 @@ from jetshard_schema.ids import InstanceId, ModelId, NodeId, new_instance_id, pa
 from jetshard_schema.models import find_card
 from jetshard_schema.placement import ModelUnavailable, Placement, PlacementError, UnsplittableModel, place_in
 from jetshard_schema.state import Instance, State, ready_instances
-from jetshard_schema.types import DownloadProgress, DownloadStatus, ServingSettings
+from jetshard_schema.types import DownloadProgress, DownloadStatus, ServingSettings, TaskRequest
 
 from jetshard_api.cluster import Cluster
 from jetshard_api.errors import ApiError
 from jetshard_api.hub import fetch_card
+from jetshard_api.images import ImageSettings, has_images
 
 
 class InferenceSettings(msgspec.Struct, frozen=True):
@@ -42,6 +43,8 @@ class InferenceSettings(msgspec.Struct, frozen=True):
     often, so that proxies and clients with read timeouts keep the connection."""
     serving: ServingSettings = ServingSettings()
     """The serving settings of the instances this API places, where a request does not set them."""
+    images: ImageSettings = ImageSettings()
+    """Where the API may read images a request names by file or web address."""
 
 
 class Deleted(msgspec.Struct, frozen=True):
@@ -98,6 +101,17 @@ def preview_placement(state: State, card: ModelCard, serving: ServingSettings, m
         raise ApiError(400, str(error), "invalid_parallelism", "parallelism") from error
     except PlacementError as error:
         raise ApiError(409, str(error), "insufficient_memory") from error
+
+
+def check_inputs(state: State, task: TaskRequest) -> None:
+    """A 400 for images sent to a model whose card says it takes none (it would see only their placeholders)."""
+    if not has_images(task):
+        return
+    card = find_card(state, task.model_id)
+    if card is not None and not card.vision:
+        raise ApiError(
+            400, f"{task.model_id} takes no images: it is not a vision model", "model_takes_no_images", "messages"
+        )
 
 
 async def ensure_ready(cluster: Cluster, model_id: ModelId, settings: InferenceSettings) -> None:

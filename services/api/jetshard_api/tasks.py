@@ -32,7 +32,7 @@ from jetshard_api.answers import Answer, Choice
 from jetshard_api.cluster import Cluster
 from jetshard_api.disconnect import stopped, unless_disconnected
 from jetshard_api.errors import ApiError
-from jetshard_api.route_steps import InferenceSettings, ensure_placed, ensure_ready, wait_ready
+from jetshard_api.route_steps import InferenceSettings, check_inputs, ensure_placed, ensure_ready, wait_ready
 
 log = logging.getLogger(__name__)
 
@@ -239,6 +239,7 @@ async def answer(cluster: Cluster, settings: InferenceSettings, task: TaskReques
 
 async def _collect(cluster: Cluster, settings: InferenceSettings, task: TaskRequest) -> Answer:
     cluster.require_broker()
+    check_inputs(cluster.state, task)
     await ensure_ready(cluster, task.model_id, settings)
     choices = [Choice() for _ in range(max(task.n, len(task.inputs)))]
     usage = Usage(prompt_tokens=0, completion_tokens=0)
@@ -287,6 +288,7 @@ class LiveTask:
         return live
 
     async def _open(self, receive: Receive) -> None:
+        check_inputs(self._cluster.state, self.task)
         await self._resources.enter_async_context(self._chunks)
         coming = await unless_disconnected(receive, ensure_placed(self._cluster, self.task.model_id, self._settings))
 

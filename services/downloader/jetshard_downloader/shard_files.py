@@ -6,8 +6,9 @@ counts: when an index has several stacks (a vision tower's `encoder.layers.<n>`)
 numbers cover `num_layers` (else the one with most layers) is the language model's, and tensors of the
 other stacks are treated like any other non-layer tensor.
 
-Non-layer tensors: those whose name contains `embed` go to the range starting at layer 0; every other
-(final norm, `lm_head`, rotary buffers, other towers) to the range ending at `num_layers`. With tied
+Non-layer tensors: those whose name contains `embed` go to the range starting at layer 0, and so do a vision
+model's vision tower and projector (`vision_model.*`, `connector.*`, ...), which feed the embeddings there; every
+other (final norm, `lm_head`, rotary buffers) to the range ending at `num_layers`. With tied
 embeddings (no `lm_head` tensor) the last range projects through the embedding matrix, so it needs the
 embedding's file as well. Layer numbers >= `num_layers` (multi-token-prediction heads some checkpoints
 carry) are needed by no range: a shard never runs them.
@@ -22,6 +23,8 @@ from typing import Any
 from jetshard_downloader.paths import CONFIG_NAME, INDEX_NAME, SINGLE_WEIGHTS_NAME, check_repo_filename
 
 _LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
+_VISION_TOWERS = ("vision_model.", "vision_tower.", "connector.", "multi_modal_projector.", "mm_projector.")
+"""A vision model's tensors outside its language model (mlx-vlm's names for them): the first rank runs them."""
 
 SUPPORT_FILE_NAMES = frozenset(
     {
@@ -39,10 +42,12 @@ SUPPORT_FILE_NAMES = frozenset(
         "added_tokens.json",
         "chat_template.jinja",
         "chat_template.json",
+        "processor_config.json",
+        "preprocessor_config.json",
     }
 )
-"""Top-level files a runner needs besides weights. An allow-list, so weights in other formats (*.bin, *.pt,
-*.gguf, onnx/, ...) and anything else in the repo are never fetched."""
+"""Top-level files a runner needs besides weights (a vision model's processor too). An allow-list, so weights in
+other formats (*.bin, *.pt, *.gguf, onnx/, ...) and anything else in the repo are never fetched."""
 
 _SUPPORT_SUFFIXES = (".tiktoken",)
 
@@ -104,7 +109,7 @@ def files_for_layer_range(index: Mapping[str, Any], num_layers: int, start_layer
         if split is not None and split[0] == stack:
             if start_layer <= split[1] < end_layer:
                 needed.add(filename)
-        elif "embed" in tensor:
+        elif "embed" in tensor or tensor.startswith(_VISION_TOWERS):
             if is_first or (is_last and tied):
                 needed.add(filename)
         elif is_last:

@@ -5,6 +5,9 @@ calls as `tool_calls`, the shape Hugging Face templates read. A template with no
 same text with and without them; the tools are then described in a system message that asks for the JSON
 form `jetshard_worker.toolcalls` parses, and earlier calls are written in that form, so a model without a
 tool format can still take part.
+
+A vision model's template takes each message's content as a list of parts, as Hugging Face processors do: its
+images (`{"type": "image"}`, which the template writes as the placeholder the processor expands), then its text.
 """
 
 from __future__ import annotations
@@ -31,27 +34,24 @@ def render_chat(
     messages: tuple[ChatMessage, ...],
     tools: Tools | None,
     template_kwargs: dict[str, Any] | None = None,
+    content_parts: bool = False,
     add_generation_prompt: bool = True,
 ) -> str:
     """The prompt text; the tools are left out when the request's choice is `none`. `template_kwargs` are the
     request's own values for the template (`enable_thinking`...); the ones the rendering itself sets are refused.
-    Without `add_generation_prompt`, the conversation alone, without the opening of the assistant's turn."""
+    `content_parts`: the template is a vision model's (see the module's doc). Without `add_generation_prompt`, the
+    conversation alone, without the opening of the assistant's turn."""
     template_kwargs = template_kwargs or {}
     reserved = sorted(set(template_kwargs) & CHAT_TEMPLATE_ARGUMENTS)
     if reserved:
         raise ValueError(f"chat_template_kwargs may not set {', '.join(reserved)}")
-
-    def _render(messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None) -> str:
-        rendered = tokenizer.apply_chat_template(
-            messages, tools=tools, add_generation_prompt=add_generation_prompt, tokenize=False, **template_kwargs
-        )
-        return str(rendered)
-
-    plain = _render([_message(m) for m in messages], None)
+    template_kwargs = {**template_kwargs, "add_generation_prompt": add_generation_prompt}
+    parts = {i: len(m.images) for i, m in enumerate(messages)} if content_parts else None
+    plain = _render(tokenizer, [_message(m) for m in messages], None, parts, template_kwargs)
     if tools is None or tools.choice is ToolChoice.NONE or not tools.functions:
         return plain
     specs = [{"type": "function", "function": tool_spec(tool)} for tool in tools.functions]
-    with_tools = _render([_message(m) for m in messages], specs)
+    with_tools = _render(tokenizer, [_message(m) for m in messages], specs, parts, template_kwargs)
     if with_tools != plain:
         return with_tools
     described = TOOLS_PROMPT.format(tools="\n".join(json.dumps(spec["function"]) for spec in specs))
@@ -60,7 +60,32 @@ def render_chat(
         inline[0] = {**inline[0], "content": f"{inline[0]['content']}\n\n{described}"}
     else:
         inline.insert(0, {"role": "system", "content": described})
-    return _render(inline, None)
+        if parts is not None:  # the images stay with their messages
+            parts = {i + 1: count for i, count in parts.items()}
+    return _render(tokenizer, inline, None, parts, template_kwargs)
+
+
+def _render(
+    tokenizer: Any,
+    messages: list[dict[str, Any]],
+    tools: list[dict[str, Any]] | None,
+    parts: dict[int, int] | None,
+    template_kwargs: dict[str, Any],
+) -> str:
+    """`parts`: each message's image count, by index, for a template that takes content as parts. `template_kwargs`
+    include `add_generation_prompt`."""
+    if parts is not None:
+        messages = [{**m, "content": _content_parts(parts.get(i, 0), m["content"])} for i, m in enumerate(messages)]
+    rendered = tokenizer.apply_chat_template(messages, tools=tools, tokenize=False, **template_kwargs)
+    return str(rendered)
+
+
+def _content_parts(images: int, text: str) -> list[dict[str, str]]:
+    """A message's images, then its text (also when empty: a template may read the first part)."""
+    return [
+        *({"type": "image"} for _ in range(images)),
+        *([{"type": "text", "text": text}] if text or not images else []),
+    ]
 
 
 def _message(message: ChatMessage, calls_as_text: bool = False) -> dict[str, Any]:

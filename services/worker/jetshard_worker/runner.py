@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, Any, NoReturn
 import mlx.core as mx
 import msgspec
 import nats.errors
+import numpy as np
 from jetshard_bus.commands import publish_command
 from jetshard_bus.connect import connect
 from jetshard_bus.follower import StateFollower
@@ -69,7 +70,13 @@ from nats.js import JetStreamContext
 from jetshard_worker.chat import render_chat, tool_spec
 from jetshard_worker.constrained import JsonConstraint, SchemaError, grammar_tokenizer
 from jetshard_worker.engine import GenerationRequest, PipelineEngine, TokenScores, init_ring, load_shard
-from jetshard_worker.library_boundary import hf_tokenizer_of, load_tokenizer, think_markers_of
+from jetshard_worker.library_boundary import (
+    hf_tokenizer_of,
+    load_tokenizer,
+    prompt_inputs,
+    think_markers_of,
+    vision_processor,
+)
 from jetshard_worker.lifeline import die_with_worker
 from jetshard_worker.output import ChoiceOutput, TaskOutput, row_id, split_row_id
 from jetshard_worker.publishing import NATS_ERRORS, publish_until_stored
@@ -116,6 +123,8 @@ class Runner:
         self.engine: Any = None
         self.tokenizer: Any = None
         self.think_markers: ThinkMarkers | None = None
+        self.processor: Any = None
+        """A vision model's processor (its images' pixels and tokens); None for a text model."""
         self.context_length = 4096
         self.model_generation = GenerationDefaults()
         self.done = asyncio.Event()
@@ -184,6 +193,8 @@ class Runner:
             self.tokenizer = await asyncio.to_thread(load_tokenizer, model_dir, None, sorted(shard.eos_token_ids))
             markers = think_markers_of(self.tokenizer)
             self.think_markers = None if markers is None else ThinkMarkers(*markers)
+            if shard.takes_images:
+                self.processor = await asyncio.to_thread(vision_processor, model_dir)
             self.context_length = int(shard.config.get("max_position_embeddings") or self.context_length)
             self.model_generation = _read_generation_config(model_dir)
 
@@ -303,14 +314,16 @@ class Runner:
                 continue
             if self._spans is not None:
                 self._spans.requested(task.task_id, stored.headers)
-            self._start_task(request)
+            await self._start_task(request)
 
-    def _start_task(self, request: TaskRequest) -> None:
+    async def _start_task(self, request: TaskRequest) -> None:
         try:
-            prompts = self._prompts(request)
-        except Exception as error:  # a template that rejects the conversation, for instance
+            prompts, images = await self._prompts(request)
+        except Exception as error:  # a template that rejects the conversation, an unreadable image, for instance
             self._fail_task(request.task_id, f"could not build the prompt: {error}", "invalid_prompt")
             return
+        if request.task_id not in self._taken:
+            return  # cancelled while its images were prepared
         for tokens in prompts:
             if len(tokens) >= self.context_length:
                 self._fail_task(
@@ -331,7 +344,7 @@ class Runner:
             output = TaskOutput(request.task_id, [ChoiceOutput(stream=TextStream(None, ())) for _ in rows], *self._io)
         else:
             try:
-                output, rows = self._generation(request, prompts[0])
+                output, rows = self._generation(request, prompts[0], images)
             except (ValueError, SchemaError) as error:  # values no API would pass on, a schema we cannot follow
                 code = "invalid_schema" if isinstance(error, SchemaError) else "invalid_request"
                 self._fail_task(request.task_id, str(error), code)
@@ -349,8 +362,11 @@ class Runner:
         self._holding.append(output)
         self._outbox.put_nowait(None)
 
-    def _generation(self, request: TaskRequest, tokens: list[int]) -> tuple[TaskOutput, list[GenerationRequest]]:
-        """A chat's or completion's rows, one per choice, and the output they feed."""
+    def _generation(
+        self, request: TaskRequest, tokens: list[int], images: dict[str, np.ndarray] | None
+    ) -> tuple[TaskOutput, list[GenerationRequest]]:
+        """A chat's or completion's rows, one per choice, and the output they feed; `images`: a vision prompt's
+        image arrays."""
         resolved = resolve_sampling(request.sampling, self.model_generation, self.spec.card_generation)
         max_tokens = min(resolved.max_tokens, self.context_length - len(tokens))
         tools = request.tools
@@ -408,6 +424,7 @@ class Runner:
                     seed=None if seed is None else (seed + i) % 2**64,
                     logits_processors=processors,
                     top_logprobs=request.top_logprobs,
+                    images=images,
                 )
             )
         return TaskOutput(request.task_id, choices, *self._io), rows
@@ -435,15 +452,32 @@ class Runner:
         start = list(self.tokenizer.encode(conversation, add_special_tokens=False))
         return tokens[len(start) :] if tokens[: len(start)] == start else tokens
 
-    def _prompts(self, request: TaskRequest) -> list[list[int]]:
-        """The token ids the engine prefills: one prompt, or one per embedding input."""
+    async def _prompts(self, request: TaskRequest) -> tuple[list[list[int]], dict[str, np.ndarray] | None]:
+        """The token ids the engine prefills: one prompt, or one per embedding input; and a chat's images as the
+        model's processor made them (its arrays besides the token ids), if it has any. The images are decoded
+        and resized off the event loop, which meanwhile publishes the other tasks' chunks; only this one reader
+        uses the processor."""
         match request.kind:
             case TaskKind.CHAT:
-                rendered = render_chat(self.tokenizer, request.messages, request.tools, request.chat_template_kwargs)
-                return [list(self.tokenizer.encode(rendered, add_special_tokens=False))]
+                vision = self.engine.shard.vision_config
+                rendered = render_chat(
+                    self.tokenizer,
+                    request.messages,
+                    request.tools,
+                    request.chat_template_kwargs,
+                    content_parts=vision is not None,
+                )
+                pictures = [image for message in request.messages for image in message.images]
+                if not pictures:
+                    return [list(self.tokenizer.encode(rendered, add_special_tokens=False))], None
+                if vision is None:
+                    raise ValueError("this model takes no images")
+                image_token = self.engine.shard.image_token_id
+                inputs = await asyncio.to_thread(prompt_inputs, self.processor, rendered, pictures, image_token)
+                return [inputs.pop("input_ids")[0].tolist()], inputs
             case TaskKind.EMBEDDING:
-                return [list(self.tokenizer.encode(text)) for text in request.inputs]
-        return [list(self.tokenizer.encode(request.prompt))]
+                return [list(self.tokenizer.encode(text)) for text in request.inputs], None
+        return [list(self.tokenizer.encode(request.prompt))], None
 
     def _fail_task(self, task_id: TaskId, message: str, code: str) -> None:
         if self._spans is not None:

@@ -65,10 +65,16 @@ def inference_options(command: Callable[..., Any]) -> Callable[..., Any]:
 
     @functools.wraps(command)
     def wrapper(serving: ServingSettings, **kwargs: Any) -> Any:
-        from jetshard_api.route_steps import InferenceSettings  # the API's modules load only to run it
+        from jetshard_api.images import ImageSettings  # the API's modules load only to run it
+        from jetshard_api.route_steps import InferenceSettings
 
         given = {name: kwargs.pop(name) for name in _INFERENCE_FLAGS}
-        return command(inference=InferenceSettings(**given, serving=serving), **kwargs)
+        images = ImageSettings(
+            fetch_urls=kwargs.pop("fetch_image_urls"),
+            fetch_timeout_s=kwargs.pop("image_fetch_timeout_s"),
+            local_dirs=tuple(str(d) for d in kwargs.pop("image_dirs")),
+        )
+        return command(inference=InferenceSettings(**given, serving=serving, images=images), **kwargs)
 
     decorators = [
         option(
@@ -101,13 +107,27 @@ def inference_options(command: Callable[..., Any]) -> Callable[..., Any]:
             "a streaming request waiting (for its model, in its instance's queue, for its prompt) is sent an SSE "
             "comment this often",
         ),
+        option(
+            "--fetch-image-urls/--no-fetch-image-urls",
+            default=False,
+            show_default=True,
+            help="fetch the http(s) image URLs requests name (from this host: it reaches what the API reaches)",
+        ),
+        seconds_option("--image-fetch-timeout-s", 10.0, "how long fetching one image URL may take"),
+        option(
+            "--image-dir",
+            "image_dirs",
+            multiple=True,
+            type=click.Path(file_okay=False, path_type=Path),
+            help="a directory whose files requests may name as file:// image URLs (repeatable; none by default)",
+        ),
         serving_options,
     ]
     return with_options(wrapper, decorators)
 
 
 _INFERENCE_FLAGS = ("auto_place", "chunk_silence_s", "start_timeout_s", "first_chunk_timeout_s", "keep_alive_s")
-"""The fields of `InferenceSettings` besides `serving`, each a flag of `inference_options`."""
+"""The fields of `InferenceSettings` besides `serving` and `images`, each a flag of `inference_options`."""
 
 
 @click.command()

@@ -6,7 +6,7 @@ schemas, conversation messages. Each dialect names its own fields (`max_tokens`,
 from __future__ import annotations
 
 import re
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from jetshard_schema.types import (
@@ -21,6 +21,7 @@ from jetshard_schema.types import (
 )
 
 from jetshard_api.errors import ApiError
+from jetshard_api.images import data_url_image, is_data_url
 
 MAX_SEED = 2**64 - 1
 """Seeds are unsigned 64-bit, the range MLX's PRNG keys take."""
@@ -165,6 +166,50 @@ def thinking_budget(budget: int | None, param: str, max_tokens: int | None = Non
     if max_tokens is not None and budget >= max_tokens:
         raise invalid(param, f"{param} must be less than max_tokens ({max_tokens}): the answer comes after it")
     return budget
+
+
+def chat_content(content: object, param: str, loaded: Mapping[str, bytes]) -> tuple[str, tuple[bytes, ...]]:
+    """A message's text and images: a string, or a list of text parts and image parts (Chat Completions'
+    `image_url`, the Responses API's `input_image`) whose URL is a data URL, or a file or web address whose image
+    `loaded` holds (see `image_urls`)."""
+    if not isinstance(content, list):
+        return text_content(content, param), ()
+    texts, images = [], []
+    for j, part in enumerate(content):
+        url = _image_url(part, f"{param}[{j}]")
+        if url is None:
+            texts.append(part)
+        elif is_data_url(url):
+            images.append(data_url_image(url, f"{param}[{j}].image_url"))
+        elif url in loaded:
+            images.append(loaded[url])
+        else:
+            field = f"{param}[{j}].image_url"
+            raise invalid(field, f"{field} must be a data URL of an image, or a file or web address the API may read")
+    return text_content(texts, param), tuple(images)
+
+
+def image_urls(content: object, param: str) -> list[tuple[str, str]]:
+    """The file and web addresses of a message's `image_url` parts, each with the field that names it: the API
+    reads them (`images.load_image_urls`) before `chat_content`."""
+    if not isinstance(content, list):
+        return []
+    urls = [(_image_url(part, f"{param}[{j}]"), f"{param}[{j}].image_url") for j, part in enumerate(content)]
+    return [(url, field) for url, field in urls if url is not None and not is_data_url(url)]
+
+
+def _image_url(part: object, param: str) -> str | None:
+    """An image part's URL (`image_url: {"url": ...}`, or the URL alone as the Responses API and some clients
+    send it); None for another part."""
+    if not isinstance(part, dict) or part.get("type") not in ("image_url", "input_image"):
+        return None
+    if part.get("file_id") is not None:
+        raise unsupported(f"{param}.file_id", "(there are no stored files: send the image as a data URL)")
+    value = part.get("image_url")
+    url = value.get("url") if isinstance(value, dict) else value
+    if not isinstance(url, str) or not url:
+        raise invalid(f"{param}.image_url", f"{param}.image_url needs a url")
+    return url
 
 
 def text_content(content: object, param: str) -> str:

@@ -24,21 +24,24 @@ what else shares the batch.
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import queue
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any, cast
 
 import mlx.core as mx
+import numpy as np
 from jetshard_schema.types import TaskOutcome
 
 from jetshard_worker.library_boundary import can_trim_prompt_cache
 from jetshard_worker.ring_hostfile import ring_listen_port
 
+from .images import pack_prompt
 from .prefixes import PrefixHit, PrefixIndex
 from .protocol import (
     FLAG_COHORT,
@@ -107,6 +110,10 @@ class GenerationRequest:
     embed: bool = False
     """Generate nothing: prefill the whole prompt and hand out its embedding (the mean of the final norm's
     outputs over the prompt, L2-normalised) through `on_embedding`."""
+    images: Mapping[str, np.ndarray] | None = None
+    """A vision prompt's image arrays as the model's processor made them besides its `input_ids` (which are
+    `prompt_tokens`): rank 0 puts the images' features in place of their tokens. Such a prompt is prefilled
+    alone; the prefix cache knows its image tokens by the images' content (`prefix_key`)."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "prompt_tokens", tuple(int(t) for t in self.prompt_tokens))
@@ -133,6 +140,8 @@ class _Task:
     sampler: TaskSampler
     eos: frozenset[int]
     generated: list[int] = field(default_factory=list)  # tokens sampled, EOS included
+    prefix_key: tuple[int, ...] = ()
+    """Its prompt as the prefix cache knows it (see `_prefix_key`)."""
     restore: PrefixHit | None = None  # the saved prefix its cache starts from
     finished: bool = False
     pooled: mx.array | None = None  # an embedding task's sum of final-norm outputs over the prompt so far
@@ -479,13 +488,19 @@ class PipelineEngine:
                 case Op.HELLO:
                     assert payload is not None
                     self._link.send(header, self._hello_hop(payload))
+                case Op.IMAGES:
+                    assert payload is not None
+                    caches.images(header, payload)
+                    if self.shard.is_first:  # the others need none of it
+                        payload = mx.zeros((1, 1), dtype=mx.uint8)
+                    self._link.send(header.with_payload(payload), payload)
                 case Op.PREFILL | Op.DECODE:
                     assert payload is not None
                     if header.op == Op.PREFILL:
                         cache = caches.for_prefill(header)
                     else:
                         cache = caches.for_decode(header)
-                    h = self.shard.embed(payload) if self.shard.is_first else self._arrived(payload)
+                    h = caches.embed(header, payload) if self.shard.is_first else self._arrived(payload)
                     h = self.shard.run_layers(h, cache)
                     if self._tensor:
                         mx.eval(h, [c.state for c in cache])  # every all-reduce the leader's step runs
@@ -614,11 +629,13 @@ class PipelineEngine:
         waiting = len(self._pending) + 1
         even = (self._decoding() + waiting) // len(self._groups) - min(len(g.rows) for g in self._groups)
         room = min(self.max_prefill_batch, self.max_batch - self._decoding(), max(1, even))
-        if not first.embed:
+        if not (first.embed or first.images is not None):
             for request in list(self._pending):
                 if len(cohort.tasks) >= room:
                     break
-                if request.embed or any(self._shares_prefix(request, t.request) for t in cohort.tasks):
+                if request.embed or request.images is not None:
+                    continue  # prefilled alone
+                if any(self._shares_prefix(request, t.request) for t in cohort.tasks):
                     continue  # one that starts as a row of this cohort does starts from that row's saved cache
                 task = self._start(request, announce=False)
                 if cohort_fits([len(t.to_prefill()) for t in [*cohort.tasks, task]]):
@@ -641,6 +658,9 @@ class PipelineEngine:
             dtype=mx.int32,
         )
         self._send(_Sent(Header(Op.GATHER, cohort.id).with_payload(table)), table)
+        if first.images is not None:
+            prompt = pack_prompt(first.prompt_tokens, first.images)
+            self._send(_Sent(Header(Op.IMAGES, cohort.id).with_payload(prompt)), prompt)
         self._send_prefill(cohort)
 
     def _start(self, request: GenerationRequest, announce: bool = True) -> _Task:
@@ -648,8 +668,10 @@ class PipelineEngine:
         slot = next(s for s in range(len(used) + 1) if s not in used)
         eos = self.shard.eos_token_ids if request.eos_token_ids is None else request.eos_token_ids
         sampler = TaskSampler(request.temperature, request.top_p, request.seed)
-        task = _Task(request=request, slot=slot, sampler=sampler, eos=frozenset(eos))
-        hit = None if request.embed else self._prefixes.find(request.prompt_tokens[:-1])
+        task = _Task(
+            request=request, slot=slot, sampler=sampler, eos=frozenset(eos), prefix_key=self._prefix_key(request)
+        )
+        hit = None if request.embed else self._prefixes.find(task.prefix_key[:-1])
         if hit is not None:
             task.restore = hit
             self.stats.prefix_hits += 1
@@ -657,6 +679,22 @@ class PipelineEngine:
         if announce:
             _notify(self.on_started, request.task_id, len(request.prompt_tokens))
         return task
+
+    def _prefix_key(self, request: GenerationRequest) -> tuple[int, ...]:
+        """The prompt as the prefix cache knows it: its tokens, with a vision prompt's image tokens, which are the
+        same whatever the picture, replaced by a (negative, so never a token) digest of its images. A follow-up
+        question about the same pictures starts from the cache of the first; other pictures share only what comes
+        before them."""
+        tokens = tuple(request.prompt_tokens)
+        if request.images is None:
+            return tokens
+        digest = hashlib.blake2b(digest_size=8)
+        for name, array in sorted(request.images.items()):
+            digest.update(f"{name}:{array.dtype.str}:{array.shape}".encode())
+            digest.update(np.ascontiguousarray(array).tobytes())
+        images = -1 - int.from_bytes(digest.digest()[:7], "little")
+        image_token = self.shard.image_token_id
+        return tuple(images if token == image_token else token for token in tokens)
 
     def _shares_prefix(self, a: GenerationRequest, b: GenerationRequest) -> bool:
         """Whether the prompts begin with enough of the same tokens for one to start from the other's cache."""
@@ -722,7 +760,7 @@ class PipelineEngine:
             saved = None
             if not task.finished and task.to_prefill():
                 size = cohort_bytes * kept // padded_tokens
-                saved, dropped = self._prefixes.add(task.request.prompt_tokens[:-1], size, self._trimmable_cache)
+                saved, dropped = self._prefixes.add(task.prefix_key[:-1], size, self._trimmable_cache)
                 evicted += dropped
             saves.append([-1 if saved is None else saved, kept])
         table = mx.array(saves, dtype=mx.int32)
@@ -777,7 +815,7 @@ class PipelineEngine:
                 # Tensor ranks: sent now, as this rank runs it, after the previous step's all-reduces went out.
                 self._link.send(sent.header, sent.payload)
             if sent.payload is not None and sent.header.op in (Op.PREFILL, Op.DECODE):
-                return sent, self.shard.embed(sent.payload)
+                return sent, self._caches.embed(sent.header, sent.payload)
             return sent, sent.payload  # GATHER's and JOIN's tables: back as they went
         back, data = self._link.recv()
         if (back.op, back.slot, back.seq) != (sent.header.op, sent.header.slot, sent.header.seq):
@@ -796,6 +834,9 @@ class PipelineEngine:
             case Op.GATHER:
                 assert data is not None
                 self._caches.gather(header, data)
+            case Op.IMAGES:  # on a single rank: this one embeds them
+                assert data is not None
+                self._caches.images(header, data)
             case Op.PREFILL:
                 assert data is not None and sent.cohort is not None
                 self._prefilled(sent.cohort, header, data)

@@ -6,7 +6,8 @@ then (for compute ops) a payload whose shape and dtype the header declares, beca
 `mx.distributed.recv` must know both before any byte arrives.
 
 Payload per hop: last -> rank 0 carries token ids `(batch, length)` int32; rank i -> i+1
-carries hidden states `(batch, length, width)` in the activation dtype.
+carries hidden states `(batch, length, width)` in the activation dtype. A vision prompt's images go to rank 0
+once, before its prefill (IMAGES, bytes); rank 0 sends on a byte in their place.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ class Op(IntEnum):
     JOIN = 6  # move cohort `slot`'s cache into micro-batch `group`, its rows last (payload: JOIN_*, a row each)
     EVICT = 7  # drop the saved prefix cache `prefix`
     GATHER = 8  # start prefill cohort `slot`: one batched cache of its rows' starting caches (payload: GATHER_*)
+    IMAGES = 9  # cohort `slot` (one row) is a vision prompt: rank 0 embeds it with its images (payload: `images`)
 
 
 # HELLO payload (int32): the next layer expected, the model's layer count, and the first rank
@@ -51,7 +53,7 @@ FLAG_COHORT = 1  # RELEASE: `slot` names a prefill cohort whose tasks all ended 
 HEADER_LEN = 10
 
 # The index of a dtype here is its code in the header; append only.
-DTYPES: tuple[mx.Dtype, ...] = (mx.int32, mx.float32, mx.float16, mx.bfloat16)
+DTYPES: tuple[mx.Dtype, ...] = (mx.int32, mx.float32, mx.float16, mx.bfloat16, mx.uint8)
 
 
 @dataclass(frozen=True)
@@ -94,7 +96,7 @@ class Header:
 
     @property
     def has_payload(self) -> bool:
-        return self.op in (Op.PREFILL, Op.DECODE, Op.HELLO, Op.GATHER, Op.JOIN)
+        return self.op in (Op.PREFILL, Op.DECODE, Op.HELLO, Op.GATHER, Op.JOIN, Op.IMAGES)
 
     @property
     def payload_shape(self) -> tuple[int, ...]:

@@ -10,7 +10,8 @@ import mlx.core as mx
 
 from jetshard_worker.library_boundary import trim_prompt_cache
 
-from .protocol import FLAG_COHORT, GATHER_PREFIX, GATHER_PREFIX_LEN, GATHER_SLOT, GATHER_TOKENS, Header
+from .images import unpack_prompt
+from .protocol import FLAG_COHORT, GATHER_PREFIX, GATHER_PREFIX_LEN, GATHER_SLOT, GATHER_TOKENS, Header, Op
 from .shard import Shard
 
 
@@ -19,6 +20,15 @@ class _CohortCache:
     cache: list[Any]
     slots: list[int]
     padded: bool  # prepared for right padding: finalized (the padding moved to the left) as it joins
+    restored: list[int]  # the prompt tokens each row's cache starts with (a saved prefix's)
+
+
+@dataclass
+class _PromptEmbeddings:
+    """A vision prompt's input embeddings, its images' features in place of their tokens (rank 0 only)."""
+
+    embeddings: mx.array  # (1, L, hidden)
+    used: int = 0  # columns its cohort's PREFILL steps took so far
 
 
 class RankCaches:
@@ -33,6 +43,29 @@ class RankCaches:
         self._saved: dict[int, tuple[list[Any], int]] = {}  # prefix -> (cache, tokens in it); never mutated
         self.rows: dict[int, list[int]] = {}
         self._batches: dict[int, list[Any]] = {}
+        self._prompts: dict[int, _PromptEmbeddings] = {}  # cohort -> its vision prompt's embeddings
+
+    def images(self, header: Header, payload: mx.array) -> None:
+        """Rank 0 embeds cohort `header.slot`'s vision prompt (one row, after its GATHER) with its images once; its
+        PREFILL steps take their columns (`embed`), from the end of the saved prefix its cache starts from. The
+        other ranks see only hidden states."""
+        if not self._shard.is_first:
+            return
+        tokens, arrays = unpack_prompt(payload)
+        embeddings = self._shard.embed_prompt(tokens, arrays)
+        mx.eval(embeddings)
+        self.for_prefill(header)  # the cohort's GATHER came first
+        (restored,) = self._cohorts[header.slot].restored  # a vision prompt is prefilled alone
+        self._prompts[header.slot] = _PromptEmbeddings(embeddings, used=restored)
+
+    def embed(self, header: Header, tokens: mx.array) -> mx.array:
+        """Rank 0's input to its layers for a PREFILL or DECODE step's token ids."""
+        prompt = self._prompts.get(header.slot) if header.op == Op.PREFILL else None
+        if prompt is None:
+            return self._shard.embed(tokens)
+        start = prompt.used
+        prompt.used += tokens.shape[1]
+        return prompt.embeddings[:, start : prompt.used]
 
     def gather(self, header: Header, table: mx.array) -> None:
         rows = cast("list[list[int]]", table.tolist())
@@ -43,7 +76,8 @@ class RankCaches:
         if any(padding):
             for layer in merged:
                 layer.prepare(lengths=lengths, right_padding=padding)
-        self._cohorts[header.slot] = _CohortCache(merged, [row[GATHER_SLOT] for row in rows], any(padding))
+        restored = [row[GATHER_PREFIX_LEN] if row[GATHER_PREFIX] >= 0 else 0 for row in rows]
+        self._cohorts[header.slot] = _CohortCache(merged, [row[GATHER_SLOT] for row in rows], any(padding), restored)
 
     def for_prefill(self, header: Header) -> list[Any]:
         if header.slot not in self._cohorts:
@@ -53,6 +87,7 @@ class RankCaches:
     def join(self, header: Header, table: mx.array) -> None:
         self.for_prefill(header)
         cohort = self._cohorts.pop(header.slot)
+        self._prompts.pop(header.slot, None)
         if cohort.padded:
             for layer in cohort.cache:
                 layer.finalize()
@@ -74,6 +109,7 @@ class RankCaches:
     def release(self, header: Header) -> None:
         if header.flags & FLAG_COHORT:
             self._cohorts.pop(header.slot, None)
+            self._prompts.pop(header.slot, None)
             return
         group = next((g for g, rows in self.rows.items() if header.slot in rows), None)
         if group is None:

@@ -4,6 +4,11 @@ The model object is mlx-lm's own class for the architecture (so the layers are e
 mlx-lm's), but `model.model.layers` holds only the owned layers and the embedding, final
 norm and lm_head exist only on the ranks that need them. The forward pass is ours, because
 mlx-lm's `Model.__call__` always runs embedding -> all layers -> head.
+
+A vision model (an MLX checkpoint of mlx-vlm's layout: `language_model.*`, `vision_model.*`, `connector.*`) is
+its language model, loaded the same way from `text_config`, plus, on the first rank only, mlx-vlm's vision tower
+and projector, which turn a prompt's images into embeddings in place of their tokens. The other ranks see only
+hidden states, as for any model.
 """
 
 from __future__ import annotations
@@ -19,11 +24,20 @@ from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
+from jetshard_schema.card_from_config import VISION_ARCHITECTURES
 from mlx.nn.layers.distributed import QuantizedAllToShardedLinear, QuantizedShardedToAllLinear
 from mlx.utils import tree_flatten, tree_unflatten
 
 from jetshard_worker import library_boundary
-from jetshard_worker.library_boundary import create_attention_mask, infer_quant_config, load_config, make_prompt_cache
+from jetshard_worker.library_boundary import (
+    create_attention_mask,
+    infer_quant_config,
+    load_config,
+    make_prompt_cache,
+    prompt_embeddings,
+    vision_model,
+    vision_weights,
+)
 
 ProgressCallback = Callable[[int, int], None]
 
@@ -45,6 +59,8 @@ _QuantizedSlice = QuantizedAllToShardedLinear | QuantizedShardedToAllLinear
 
 _LAYER_KEY = re.compile(r"^model\.layers\.(\d+)\.")
 _ANY_LAYER_KEY = re.compile(r"(?:^|\.)layers\.(\d+)\.")
+_LANGUAGE_MODEL = "language_model."
+"""A vision checkpoint's language model tensors; the others are its vision tower's and projector's."""
 
 
 @dataclass
@@ -69,6 +85,23 @@ class Shard:
     has_head: bool = True
     """Whether it holds the final norm and the head: the last pipeline rank, or the last tensor rank (which alone
     samples)."""
+    vision_config: dict[str, Any] | None = None
+    """A vision model's whole config.json (`config` is its language model's); None for a text model."""
+    vision: nn.Module | None = None
+    """On a vision model's first rank: mlx-vlm's model holding the vision tower and projector, its language model
+    reduced to this shard's embedding (all mlx-vlm reads of it when it merges image features)."""
+
+    @property
+    def takes_images(self) -> bool:
+        return self.vision_config is not None
+
+    @property
+    def image_token_id(self) -> int | None:
+        """The token a vision model's processor writes for each of an image's features; None for a text model."""
+        if self.vision_config is None:
+            return None
+        token = self.vision_config.get("image_token_index", self.vision_config.get("image_token_id"))
+        return None if token is None else int(token)
 
     @property
     def is_first(self) -> bool:
@@ -100,6 +133,13 @@ class Shard:
         step header names that dtype, and the receiver casts. Uncast, a bfloat16 rank fed float32 states would
         compute and keep its KV cache in float32 by promotion: twice the memory placement counted for it."""
         return h if h.dtype == self.activation_dtype else h.astype(self.activation_dtype)
+
+    def embed_prompt(self, input_ids: mx.array, inputs: Mapping[str, mx.array]) -> mx.array:
+        """A prompt's input embeddings (1, L, hidden) with its images' features in place of their tokens: `inputs`
+        are the processor's arrays besides `input_ids` (1, L) (pixel values...)."""
+        if self.vision is None:
+            raise ValueError(f"shard [{self.start_layer}, {self.end_layer}) has no vision tower")
+        return prompt_embeddings(self.vision, input_ids, inputs)
 
     def run_layers(self, h: mx.array, cache: list[Any]) -> mx.array:
         sliding_window = getattr(self.model.model, "sliding_window", None)
@@ -145,6 +185,9 @@ def load_shard(
         raise ValueError(f"weights can be held as {', '.join(map(str, HOLDABLE_DTYPES))}, not {dtype}")
     model_dir = Path(model_dir)
     config = load_config(model_dir)
+    full_config = config if config.get("model_type") in VISION_ARCHITECTURES else None
+    if full_config is not None:
+        config = _language_config(full_config)
     model_class, args_class = model_classes(config)
     arch = model_class.__module__.rsplit(".", 1)[-1]
     # Parameters are created lazily, so building all layers costs no memory: the ones we drop
@@ -171,8 +214,17 @@ def load_shard(
             return wants_embedding
         return is_last  # final norm, lm_head
 
-    weights = _read_weights(model_dir, needed)
-    loaded = frozenset(weights)
+    if full_config is None:
+        weights = _read_weights(model_dir, needed)
+        tower: dict[str, mx.array] = {}
+    else:
+        # The vision tower and projector feed the embeddings: only the first rank runs them.
+        raw = _read_weights(
+            model_dir, lambda name: needed(_language_name(name)) if name.startswith(_LANGUAGE_MODEL) else is_first
+        )
+        weights = {_language_name(name): value for name, value in raw.items() if name.startswith(_LANGUAGE_MODEL)}
+        tower = {name: value for name, value in raw.items() if not name.startswith(_LANGUAGE_MODEL)}
+    loaded = frozenset(weights) | frozenset(tower)
     weights = model.sanitize(weights) if hasattr(model, "sanitize") else weights
 
     quantization = config.get("quantization")
@@ -193,10 +245,16 @@ def load_shard(
             del model["lm_head"]
     model.eval()
     model.load_weights(list(_renumber(weights, start_layer).items()), strict=True)
+    vision = None if full_config is None or not is_first else _load_vision(full_config, tower)
     if dtype is not None:
         # Lazy: each layer is dequantized as the loop below evaluates it, so the quantized and converted copies
         # of the whole shard never coexist.
         _convert(model, dtype)
+        if vision is not None:
+            _convert(vision, dtype)
+    if vision is not None:
+        # Shared once the embedding is final (a converted one replaces a quantized one).
+        vision.language_model = _SharedEmbedding(inner.embed_tokens)
     tensor_ranks = 1 if tensor_group is None else tensor_group.size()
     if tensor_ranks > 1:
         assert tensor_group is not None
@@ -209,6 +267,8 @@ def load_shard(
     extra = [m.parameters() for name, m in inner.items() if name != "layers" and isinstance(m, nn.Module)]
     if "lm_head" in model:
         extra.append(model.lm_head.parameters())
+    if vision is not None:
+        extra += [vision.parameters(), _buffers(vision)]
     mx.eval(extra)
     for done, layer in enumerate(inner.layers, start=1):
         mx.eval(layer.parameters(), _buffers(layer))
@@ -230,6 +290,8 @@ def load_shard(
         tensor_rank=0 if tensor_group is None else tensor_group.rank(),
         tensor_ranks=tensor_ranks,
         has_head=is_last,
+        vision_config=full_config,
+        vision=vision,
     )
 
 
@@ -271,9 +333,57 @@ def tensor_split_problem(config: Mapping[str, Any], ranks: int) -> str | None:
     return None
 
 
+def _language_config(config: dict[str, Any]) -> dict[str, Any]:
+    """A vision model's language model config, as mlx-lm's class for it takes it, with the checkpoint's
+    quantization (mlx-vlm keeps it at the top level). mlx-vlm's language models of these architectures always hold
+    an lm_head, so an MLX checkpoint of one carries it even when the original tied it to the embedding."""
+    language = config.get("text_config")
+    if not isinstance(language, dict):
+        raise ValueError(f"vision model type {config['model_type']!r} without a 'text_config' object")
+    quantization = {key: config[key] for key in ("quantization", "quantization_config") if key in config}
+    return {**language, **quantization, "tie_word_embeddings": False}
+
+
+def _language_name(name: str) -> str:
+    """A vision checkpoint's language model tensor under the name mlx-lm's model has for it."""
+    rest = name.removeprefix(_LANGUAGE_MODEL)
+    return rest if rest.startswith("lm_head.") else f"model.{rest}"
+
+
+class _SharedEmbedding(nn.Module):
+    """All of its language model mlx-vlm's vision model reads when it merges image features: the embedding, here
+    the shard's own (so it is held once)."""
+
+    def __init__(self, embed_tokens: nn.Module) -> None:
+        super().__init__()
+        self.embed_tokens = embed_tokens
+
+
+def _load_vision(config: dict[str, Any], tower: dict[str, mx.array]) -> nn.Module:
+    """mlx-vlm's model for `config` holding the checkpoint's vision tower and projector (`tower`), quantized
+    where the checkpoint is, without its language model."""
+    vision = vision_model(config)
+    del vision["language_model"]
+    tower = vision_weights(vision, tower)
+    quantization = config.get("quantization")
+    if quantization is not None and any(name.endswith(".scales") for name in tower):
+        nn.quantize(
+            vision,
+            group_size=quantization["group_size"],
+            bits=quantization["bits"],
+            mode=quantization.get("mode", "affine"),
+            class_predicate=lambda path, module: hasattr(module, "to_quantized") and f"{path}.scales" in tower,
+        )
+    vision.eval()
+    vision.load_weights(list(tower.items()), strict=True)
+    return vision
+
+
 def model_classes(config: Mapping[str, Any]) -> tuple[Any, Any]:
-    """mlx-lm's model class and its arguments class for `config`, found as mlx-lm's loader finds them. An
-    architecture the shard engine's forward pass does not know is refused."""
+    """mlx-lm's model class and its arguments class for `config` (a vision model's: its language model's), found
+    as mlx-lm's loader finds them. An architecture the shard engine's forward pass does not know is refused."""
+    if config.get("model_type") in VISION_ARCHITECTURES:
+        config = _language_config(dict(config))
     try:
         model_class, args_class = library_boundary.model_classes(config)
     except ValueError:  # mlx-lm has no module for the model type

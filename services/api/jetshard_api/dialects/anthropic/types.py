@@ -6,10 +6,11 @@ What a chat template can carry is translated: text, tool definitions, earlier to
 reasoning on (`enabled`, with its `budget_tokens`) or off (`disabled`, and by default, as Anthropic's models do);
 `adaptive` leaves it to the model's own default; the reasoning comes back as a `thinking` block before the text.
 Thinking blocks of earlier turns are dropped, as the chat templates of thinking models drop earlier reasoning.
-Fields that would change the output and that jetshard cannot honour are refused with 400, never silently
-ignored: `top_k` (the engine samples with temperature and top-p only), an assistant message last (Anthropic
-continues such a "prefill"; a chat template starts a new turn after it), image and document blocks (text
-models only).
+Base64 image blocks go to a vision model. Fields that would change the output and that jetshard cannot honour are
+refused with 400, never silently ignored: `top_k` (the engine samples with temperature and top-p only), an
+assistant message last (Anthropic continues such a "prefill"; a chat template starts a new turn after it),
+document blocks, and image blocks other than base64 (a text model refuses base64 ones too, saying it takes no
+images).
 `cache_control` markers, `metadata` and `output_config.effort` are accepted and ignored: they change nothing
 in the output here, and the runner's prefix cache reuses any prompt start it has kept without breakpoints.
 """
@@ -25,6 +26,7 @@ from jetshard_schema.types import ChatMessage, SamplingParams, TaskKind, TaskOut
 
 from jetshard_api.answers import Choice
 from jetshard_api.dialects import checks
+from jetshard_api.images import base64_image, check_images
 
 # --- content blocks, in requests and in answers -------------------------------------------------------------
 
@@ -48,6 +50,19 @@ class ToolUseBlock(msgspec.Struct, frozen=True, kw_only=True, tag="tool_use", ta
     input: dict[str, Any]
 
 
+class ImageSource(msgspec.Struct, frozen=True, kw_only=True):
+    type: str
+    """`base64`; `url` and `file` sources are refused."""
+    media_type: str | None = None
+    data: str | None = None
+
+
+class ImageBlock(msgspec.Struct, frozen=True, kw_only=True, tag="image", tag_field="type"):
+    """A picture for a vision model, in a user turn."""
+
+    source: ImageSource
+
+
 class ToolResultBlock(msgspec.Struct, frozen=True, kw_only=True, tag="tool_result", tag_field="type"):
     """A call's result, in a user turn."""
 
@@ -61,7 +76,7 @@ class ToolResultBlock(msgspec.Struct, frozen=True, kw_only=True, tag="tool_resul
 
 class MessageParam(msgspec.Struct, frozen=True, kw_only=True):
     role: Literal["user", "assistant"]
-    content: str | list[TextBlock | ThinkingBlock | ToolUseBlock | ToolResultBlock]
+    content: str | list[TextBlock | ThinkingBlock | ImageBlock | ToolUseBlock | ToolResultBlock]
 
 
 class ToolParam(msgspec.Struct, frozen=True, kw_only=True):
@@ -203,6 +218,7 @@ def _conversation(messages: list[MessageParam]) -> list[ChatMessage]:
     for i, message in enumerate(messages):
         blocks = [TextBlock(text=message.content)] if isinstance(message.content, str) else message.content
         text: list[str] = []
+        images: list[bytes] = []
         calls: list[ToolCall] = []
         results: list[ChatMessage] = []
         for j, block in enumerate(blocks):
@@ -211,6 +227,10 @@ def _conversation(messages: list[MessageParam]) -> list[ChatMessage]:
                 text.append(block.text)
             elif isinstance(block, ThinkingBlock):
                 continue
+            elif isinstance(block, ImageBlock):
+                if message.role != "user":
+                    raise checks.invalid(param, f"{param}: image blocks belong in user messages")
+                images.append(_image(block.source, f"{param}.source"))
             elif isinstance(block, ToolUseBlock):
                 if message.role != "assistant":
                     raise checks.invalid(param, f"{param}: tool_use blocks belong in assistant messages")
@@ -221,9 +241,19 @@ def _conversation(messages: list[MessageParam]) -> list[ChatMessage]:
                     raise checks.invalid(param, f"{param}: tool_result blocks belong in user messages")
                 results.append(_tool_message(block, called.get(block.tool_use_id)))
         converted += results
-        if text or calls or not results:
-            converted.append(ChatMessage(role=message.role, content="".join(text), tool_calls=tuple(calls)))
+        if text or images or calls or not results:
+            turn = ChatMessage(role=message.role, content="".join(text), images=tuple(images), tool_calls=tuple(calls))
+            converted.append(turn)
+    check_images(converted)
     return converted
+
+
+def _image(source: ImageSource, param: str) -> bytes:
+    if source.type != "base64":
+        raise checks.unsupported(f"{param}.type", f"of {source.type!r} (send the image as base64)")
+    if source.data is None:
+        raise checks.invalid(f"{param}.data", f"{param}.data is required for a base64 image")
+    return base64_image(source.data, f"{param}.data")
 
 
 def _tool_message(block: ToolResultBlock, name: str | None) -> ChatMessage:

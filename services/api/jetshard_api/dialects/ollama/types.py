@@ -34,6 +34,7 @@ from jetshard_schema.types import (
 from jetshard_api.dialects import checks
 from jetshard_api.dialects.openai.types import TokenLogprobBody
 from jetshard_api.errors import ApiError
+from jetshard_api.images import base64_image, check_images
 from jetshard_api.route_steps import checked_model_id
 
 OLLAMA_VERSION = "0.12.0"
@@ -298,7 +299,9 @@ def chat_task(task_id: TaskId, model_id: ModelId, request: ChatRequest, context_
     common = _common(task_id, model_id, request, context_length)
     functions = [(t.function.name, t.function.description, t.function.parameters) for t in request.tools or ()]
     tools: Tools | None = checks.tools(functions)  # Ollama has no tool_choice: the model decides
-    return TaskRequest(kind=TaskKind.CHAT, messages=messages(request.messages), tools=tools, **common)
+    conversation = messages(request.messages)
+    check_images(conversation)
+    return TaskRequest(kind=TaskKind.CHAT, messages=conversation, tools=tools, **common)
 
 
 def messages(bodies: list[MessageBody]) -> tuple[ChatMessage, ...]:
@@ -310,8 +313,6 @@ def messages(bodies: list[MessageBody]) -> tuple[ChatMessage, ...]:
         param = f"messages[{i}]"
         if body.role not in ("system", "user", "assistant", "tool"):
             raise checks.invalid(f"{param}.role", f"{param}.role must be system, user, assistant or tool")
-        if body.images:
-            raise checks.unsupported(f"{param}.images")
         calls = tuple(
             ToolCall(id=c.id or f"call_{i}_{k}", name=c.function.name, arguments=json.dumps(c.function.arguments))
             for k, c in enumerate(body.tool_calls or ())
@@ -330,6 +331,7 @@ def messages(bodies: list[MessageBody]) -> tuple[ChatMessage, ...]:
             ChatMessage(
                 role=body.role,
                 content=body.content or "",
+                images=_images(body.images, f"{param}.images"),
                 tool_calls=calls,
                 tool_call_id=call_id,
                 name=body.tool_name if body.role == "tool" else None,
@@ -343,15 +345,23 @@ def generate_task(
 ) -> TaskRequest:
     """A chat turn (`system`, then the prompt as the user's message) through the model's template, or with
     `raw` the prompt as it is, as a completion."""
-    for name in ("suffix", "template", "context", "images"):
+    for name in ("suffix", "template", "context"):
         if getattr(request, name):
             raise checks.unsupported(name)
     common = _common(task_id, model_id, request, context_length)
     if request.raw:
+        if request.images:
+            raise checks.unsupported("images", "with raw (a raw prompt has no place for them)")
         return TaskRequest(kind=TaskKind.COMPLETION, prompt=request.prompt, **common)
     turn = [ChatMessage(role="system", content=request.system)] if request.system else []
-    turn.append(ChatMessage(role="user", content=request.prompt))
+    turn.append(ChatMessage(role="user", content=request.prompt, images=_images(request.images, "images")))
+    check_images(turn, "images")
     return TaskRequest(kind=TaskKind.CHAT, messages=tuple(turn), **common)
+
+
+def _images(images: list[str] | None, param: str) -> tuple[bytes, ...]:
+    """Ollama's images: base64 files."""
+    return tuple(base64_image(image, f"{param}[{k}]") for k, image in enumerate(images or ()))
 
 
 def embed_task(task_id: TaskId, model_id: ModelId, inputs: str | list[str]) -> TaskRequest:

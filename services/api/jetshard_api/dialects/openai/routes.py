@@ -43,10 +43,12 @@ from jetshard_api.dialects.openai.types import (
     completion_task,
     embedding_task,
     finish_reason,
+    image_urls,
 )
 from jetshard_api.dialects.streaming import keep_alive_comment, streamed
 from jetshard_api.dialects.strict_body import DialectController
 from jetshard_api.errors import ERROR_RESPONSES, INFERENCE_RESPONSES, ApiError, answering, error_body
+from jetshard_api.images import load_image_urls
 from jetshard_api.route_steps import InferenceSettings, checked_model_id, ready_models
 from jetshard_api.tasks import answer
 
@@ -89,7 +91,9 @@ class OpenAIController(DialectController):
         """The answer as one JSON body, or with `stream` as Server-Sent Events of `chat.completion.chunk`s:
         text, tool calls (`tools`, `tool_choice`), JSON that follows a schema (`response_format`), logprobs,
         `n` choices."""
-        task = chat_task(new_task_id(), checked_model_id(data.model, param="model"), data)
+        model_id = checked_model_id(data.model, param="model")
+        loaded = await load_image_urls(image_urls(data), settings.images)
+        task = chat_task(new_task_id(), model_id, data, loaded)
         if data.stream:
             return await streamed(cluster, settings, task, request.receive, _Events(task, data.stream_options))
         result = await answer(cluster, settings, task, request.receive)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import base64
 import struct
+from collections.abc import Mapping
 from typing import Any, Literal
 
 import msgspec
@@ -29,6 +30,7 @@ from jetshard_schema.types import (
 
 from jetshard_api.answers import Choice
 from jetshard_api.dialects import checks
+from jetshard_api.images import check_images
 
 
 class StreamOptions(msgspec.Struct, frozen=True):
@@ -150,7 +152,17 @@ def _common(request: _Common, max_tokens: int | None) -> SamplingParams:
     )
 
 
-def chat_task(task_id: TaskId, model_id: ModelId, request: ChatCompletionRequest) -> TaskRequest:
+def image_urls(request: ChatCompletionRequest) -> list[tuple[str, str]]:
+    """The file and web addresses of the request's images, each with the field that names it."""
+    return [
+        url for i, m in enumerate(request.messages) for url in checks.image_urls(m.content, f"messages[{i}].content")
+    ]
+
+
+def chat_task(
+    task_id: TaskId, model_id: ModelId, request: ChatCompletionRequest, loaded: Mapping[str, bytes] | None = None
+) -> TaskRequest:
+    """`loaded`: the images the request names by file or web address (`image_urls`), as the API read them."""
     max_tokens = request.max_completion_tokens if request.max_completion_tokens is not None else request.max_tokens
     sampling = _common(request, max_tokens)
     if not request.messages:
@@ -163,11 +175,13 @@ def chat_task(task_id: TaskId, model_id: ModelId, request: ChatCompletionRequest
         if response_format.json_schema is None or response_format.json_schema.schema is None:
             raise checks.invalid("response_format", "response_format json_schema needs json_schema.schema")
         output_schema = checks.output_schema(response_format.json_schema.schema, "response_format")
+    messages = tuple(_message(m, i, loaded or {}) for i, m in enumerate(request.messages))
+    check_images(messages)
     return TaskRequest(
         task_id=task_id,
         model_id=model_id,
         kind=TaskKind.CHAT,
-        messages=tuple(_message(m, i) for i, m in enumerate(request.messages)),
+        messages=messages,
         sampling=sampling,
         tools=_tools(request),
         output_schema=output_schema,
@@ -202,7 +216,7 @@ def _tools(request: ChatCompletionRequest) -> Tools | None:
     return checks.tools(functions, choice, function, request.parallel_tool_calls)
 
 
-def _message(message: MessageBody, index: int) -> ChatMessage:
+def _message(message: MessageBody, index: int, loaded: Mapping[str, bytes]) -> ChatMessage:
     param = f"messages[{index}]"
     role = "system" if message.role == "developer" else message.role
     if role not in ("system", "user", "assistant", "tool"):
@@ -214,9 +228,11 @@ def _message(message: MessageBody, index: int) -> ChatMessage:
     )
     if calls and role != "assistant":
         raise checks.invalid(f"{param}.tool_calls", f"{param}: only assistant messages carry tool_calls")
+    content, images = checks.chat_content(message.content, f"{param}.content", loaded)
     return ChatMessage(
         role=role,
-        content=checks.text_content(message.content, f"{param}.content"),
+        content=content,
+        images=images,
         tool_calls=calls,
         tool_call_id=message.tool_call_id,
         name=message.name,

@@ -10,6 +10,7 @@ silently ignored.
 from __future__ import annotations
 
 import uuid
+from collections.abc import Mapping
 from typing import Any, Literal
 
 import msgspec
@@ -19,6 +20,7 @@ from jetshard_schema.types import ChatMessage, TaskKind, TaskOutcome, TaskReques
 from jetshard_api.dialects import checks
 from jetshard_api.dialects.openai.types import effort_template_kwargs
 from jetshard_api.errors import ApiError
+from jetshard_api.images import check_images
 
 NO_STORAGE = "jetshard keeps no responses: send the whole conversation in `input` each time"
 
@@ -118,7 +120,22 @@ class ResponseRequest(msgspec.Struct, frozen=True, kw_only=True):
     service_tier: str | None = None
 
 
-def response_task(task_id: TaskId, model_id: ModelId, request: ResponseRequest) -> TaskRequest:
+def image_urls(request: ResponseRequest) -> list[tuple[str, str]]:
+    """The file and web addresses of the request's images, each with the field that names it."""
+    if isinstance(request.input, str):
+        return []
+    return [
+        url
+        for i, item in enumerate(request.input)
+        if item.type == "message"
+        for url in checks.image_urls(item.content, f"input[{i}].content")
+    ]
+
+
+def response_task(
+    task_id: TaskId, model_id: ModelId, request: ResponseRequest, loaded: Mapping[str, bytes] | None = None
+) -> TaskRequest:
+    """`loaded`: the images the request names by file or web address (`image_urls`), as the API read them."""
     _refuse_stored_state(request)
     sampling = checks.sampling(
         max_tokens=request.max_output_tokens,
@@ -126,7 +143,8 @@ def response_task(task_id: TaskId, model_id: ModelId, request: ResponseRequest) 
         top_p=request.top_p,
         names={"max_tokens": "max_output_tokens"},
     )
-    messages = _messages(request.input)
+    messages = _messages(request.input, loaded or {})
+    check_images(messages, "input")
     if request.instructions:
         messages.insert(0, ChatMessage(role="system", content=request.instructions))
     return TaskRequest(
@@ -163,7 +181,7 @@ def _refuse_stored_state(request: ResponseRequest) -> None:
         raise checks.unsupported("top_logprobs")
 
 
-def _messages(input: str | list[InputItem]) -> list[ChatMessage]:
+def _messages(input: str | list[InputItem], loaded: Mapping[str, bytes]) -> list[ChatMessage]:
     if isinstance(input, str):
         return [ChatMessage(role="user", content=input)]
     if not input:
@@ -173,7 +191,7 @@ def _messages(input: str | list[InputItem]) -> list[ChatMessage]:
     for i, item in enumerate(input):
         param = f"input[{i}]"
         if item.type == "message":
-            messages.append(_message(item, param))
+            messages.append(_message(item, param, loaded))
         elif item.type == "function_call":
             call = _call(item, param)
             call_names[call.id] = call.name
@@ -198,11 +216,12 @@ def _messages(input: str | list[InputItem]) -> list[ChatMessage]:
     return messages
 
 
-def _message(item: InputItem, param: str) -> ChatMessage:
+def _message(item: InputItem, param: str, loaded: Mapping[str, bytes]) -> ChatMessage:
     role = "system" if item.role == "developer" else item.role
     if role not in ("system", "user", "assistant"):
         raise checks.invalid(f"{param}.role", f"{param}.role must be user, assistant, system or developer")
-    return ChatMessage(role=role, content=checks.text_content(item.content, f"{param}.content"))
+    content, images = checks.chat_content(item.content, f"{param}.content", loaded)
+    return ChatMessage(role=role, content=content, images=images)
 
 
 def _call(item: InputItem, param: str) -> ToolCall:
