@@ -443,3 +443,13 @@ def test_tensor_ranks_hold_one_dtype_narrowing_a_full_precision_checkpoint_only_
     # Beside a CPU without a fast BLAS the ranks keep the checkpoint's float32: partial sums must agree in dtype.
     mixed = place(FULL_PRECISION, [gpu_node("a", 4, 40), node("b", 40, fast_blas=False)], min_nodes=2, serving=auto)
     assert [s.weights for s in mixed.shards] == [WeightsDtype.NATIVE, WeightsDtype.NATIVE]
+
+
+def test_a_card_that_needs_no_memory_is_placed_not_divided_by_zero() -> None:
+    # A hostile custom card: no stored bytes, and a head dimension of 0 (fewer hidden units than heads).
+    empty = tiny_card("acme/empty", num_layers=4, hidden_size=2, num_attention_heads=4, storage_size_bytes=0)
+    serving = ServingSettings(max_batch=1, prefix_cache_bytes=0)
+    assert [s.end_layer for s in place(empty, [node("a", 1), node("b", 1)], min_nodes=2, serving=serving).shards] == [
+        2,
+        4,
+    ]

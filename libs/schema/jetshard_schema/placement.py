@@ -200,7 +200,9 @@ class _Sizing:
         """The whole model's requirement, were every shard in `weights`."""
         if weights not in self._required:
             resolved = msgspec.structs.replace(self.serving, weights=weights)
-            self._required[weights] = required_memory_bytes(self.card, resolved)
+            # At least a byte: a card that claims to need nothing (no stored bytes, a head dimension of 0) is sized,
+            # not a division by zero in the sequencer.
+            self._required[weights] = max(required_memory_bytes(self.card, resolved), 1)
         return self._required[weights]
 
     def layers_held(self, node: Node, weights: WeightsDtype) -> float:
