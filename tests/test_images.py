@@ -15,7 +15,7 @@ import pytest
 from helpers.tiny_vlm import png
 from jetshard_api.errors import ApiError
 from jetshard_api.images import ImageSettings, load_image_urls
-from jetshard_schema.types import MAX_IMAGE_BYTES
+from jetshard_schema.types import MAX_IMAGE_BYTES, MAX_IMAGES
 
 PICTURE = png(8, 8, seed=3)
 FIELD = "messages[0].content[0].image_url"
@@ -60,6 +60,10 @@ async def test_web_addresses_are_fetched_only_when_allowed_and_within_bounds(web
     assert "took over 0.5 s" in await refused(f"{web}/slow.png", allowed)
     assert f"images may take {MAX_IMAGE_BYTES} bytes" in await refused(f"{web}/big.png", allowed)
     assert "not a PNG, JPEG, GIF or WebP" in await refused(f"{web}/text", allowed)
+    # More addresses than a request may carry images are refused before any is fetched.
+    many = [(f"{web}/a.png?{i}", FIELD) for i in range(MAX_IMAGES + 1)]
+    with pytest.raises(ApiError, match=f"up to {MAX_IMAGES} images"):
+        await load_image_urls(many, allowed)
 
 
 async def test_local_files_are_read_only_inside_the_allowed_directories(tmp_path: Path) -> None:

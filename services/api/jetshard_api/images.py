@@ -78,6 +78,9 @@ def data_url_image(url: str, param: str) -> bytes:
 async def load_image_urls(urls: Iterable[tuple[str, str]], settings: ImageSettings) -> dict[str, bytes]:
     """The images that (url, param) pairs name by a `file://` or `http(s)://` URL, read where `settings` allow;
     a 400 naming the param for a URL that is not allowed, not found, too large or not an image."""
+    urls = list(urls)
+    if len({url for url, _ in urls}) > MAX_IMAGES:  # refused before anything is read or fetched
+        raise _invalid(urls[0][1], f"a request may carry up to {MAX_IMAGES} images, this one names {len(urls)}")
     loaded: dict[str, bytes] = {}
     total = 0
     async with contextlib.AsyncExitStack() as stack:
