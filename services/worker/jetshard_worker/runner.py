@@ -23,7 +23,7 @@ import threading
 import time
 from collections.abc import Callable, Coroutine
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, NoReturn
+from typing import Any, NoReturn
 
 import mlx.core as mx
 import msgspec
@@ -87,9 +87,6 @@ from jetshard_worker.task_requests import REQUEST_WAIT_S, TaskRequests
 from jetshard_worker.task_spans import TaskSpans
 from jetshard_worker.textstream import TextStream
 from jetshard_worker.toolcalls import ToolCallSplitter, forced_call_schema
-
-if TYPE_CHECKING:
-    import mlx.core as mx
 
 log = logging.getLogger(__name__)
 

@@ -267,7 +267,7 @@ class EngineStats:
     prefix_hit_tokens: int = 0  # prompt tokens those tasks did not prefill
     prefix_cache_entries: int = 0  # saved prefix caches
     prefix_cache_bytes: int = 0  # their size, for the whole model
-    arrived_dtypes: set[str] = field(default_factory=set)  # what the previous rank's hidden states came as
+    arrived_dtypes: set[mx.Dtype] = field(default_factory=set)  # what the previous rank's hidden states came as
     # How things stand now (leader only): rows in the current decode step, decoding or prefilling, waiting.
     batch_size: int = 0
     running_rows: int = 0
@@ -493,7 +493,7 @@ class PipelineEngine:
                     caches.images(header, payload)
                     if self.shard.is_first:  # the others need none of it
                         payload = mx.zeros((1, 1), dtype=mx.uint8)
-                    self._link.send(header.with_payload(payload), payload)
+                    self._forward(header.with_payload(payload), payload)
                 case Op.PREFILL | Op.DECODE:
                     assert payload is not None
                     if header.op == Op.PREFILL:
@@ -510,7 +510,7 @@ class PipelineEngine:
 
     def _arrived(self, hidden: mx.array) -> mx.array:
         if self._link is not None:  # a single rank's "arrivals" are its own embeddings
-            self.stats.arrived_dtypes.add(str(hidden.dtype).removeprefix("mlx.core."))
+            self.stats.arrived_dtypes.add(hidden.dtype)
         return self.shard.arrived(hidden)
 
     def _forward(self, header: Header, payload: mx.array | None = None) -> None:
