@@ -168,7 +168,11 @@ def device_of(profile: NodeProfile) -> str:
 
 def _float32_is_faster(nodes: Sequence[Node]) -> bool:
     """Whether every node computes on its CPU with a fast BLAS, which multiplies float32 faster than quantized."""
-    return all(n.profile.accelerator == "cpu" and n.profile.fast_blas for n in nodes)
+    return all(_fast_cpu(n.profile) for n in nodes)
+
+
+def _fast_cpu(profile: NodeProfile) -> bool:
+    return profile.accelerator == "cpu" and profile.fast_blas
 
 
 def _gib(n: int) -> str:
@@ -186,7 +190,7 @@ def _checkpoint_weights(card: ModelCard, profile: NodeProfile) -> WeightsDtype:
 
 
 def _widened(profile: NodeProfile, weights: WeightsDtype) -> WeightsDtype:
-    return WeightsDtype.FLOAT32 if profile.accelerator == "cpu" and profile.fast_blas else weights
+    return WeightsDtype.FLOAT32 if _fast_cpu(profile) else weights
 
 
 class _Sizing:
