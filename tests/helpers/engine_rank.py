@@ -153,7 +153,7 @@ def main() -> None:
                 "rank": args.rank,
                 "loaded_tensors": sorted(shard.loaded_tensors),
                 "weights_dtype": shard.weights_dtype,
-                "arrived_dtypes": sorted(str(d).removeprefix("mlx.core.") for d in engine.stats.arrived_dtypes),
+                "arrived_dtypes": sorted(engine.stats.arrived_dtypes),
                 "tensor_rank": shard.tensor_rank,
                 "parameter_bytes": sum(p.nbytes for _, p in tree_flatten(shard.model.parameters())),
                 "progress": progress,

@@ -267,7 +267,9 @@ class EngineStats:
     prefix_hit_tokens: int = 0  # prompt tokens those tasks did not prefill
     prefix_cache_entries: int = 0  # saved prefix caches
     prefix_cache_bytes: int = 0  # their size, for the whole model
-    arrived_dtypes: set[mx.Dtype] = field(default_factory=set)  # what the previous rank's hidden states came as
+    # What the previous rank's hidden states came as: names, since the runner copies these stats (dataclasses.asdict)
+    # and mlx's dtypes cannot be deep-copied.
+    arrived_dtypes: set[str] = field(default_factory=set)
     # How things stand now (leader only): rows in the current decode step, decoding or prefilling, waiting.
     batch_size: int = 0
     running_rows: int = 0
@@ -510,7 +512,7 @@ class PipelineEngine:
 
     def _arrived(self, hidden: mx.array) -> mx.array:
         if self._link is not None:  # a single rank's "arrivals" are its own embeddings
-            self.stats.arrived_dtypes.add(hidden.dtype)
+            self.stats.arrived_dtypes.add(str(hidden.dtype).removeprefix("mlx.core."))
         return self.shard.arrived(hidden)
 
     def _forward(self, header: Header, payload: mx.array | None = None) -> None:
