@@ -10,6 +10,7 @@ from helpers.cards import tiny_card
 from jetshard_schema.admission import Queue, start_wait_ms
 from jetshard_schema.commands import (
     AddCustomModelCard,
+    CancelTask,
     EnsureInstance,
     ExpireRequester,
     ForgetInstance,
@@ -155,6 +156,29 @@ def test_a_task_that_could_not_start_in_time_is_refused_with_a_retry_from_the_pa
     assert isinstance(full, CommandRejected) and full.retry_after_s == 5
     negative = SubmitTask(task=TaskRef(task_id=TaskId("t"), model_id=MODEL, kind=TaskKind.CHAT), start_within_ms=-1)
     rejected(cluster.run(negative), RejectCode.INVALID)
+
+
+def test_a_node_that_slows_down_refuses_at_once_what_it_can_no_longer_start_in_time(
+    cluster: InMemoryCluster,
+) -> None:
+    cluster.join(A)
+    instance = ensure(cluster, "inst-1")
+    cluster.make_ready(instance)
+    submit(cluster, "warm-up")
+    start_and_finish(cluster, instance, "warm-up", took_ms=10_000)
+    for task in ("run-1", "run-2"):  # a full batch, started
+        assert isinstance(submit(cluster, task), TaskAssigned)
+        cluster.run(ReportTaskStarted(node_id=A, task_id=TaskId(task), instance_id=instance, prompt_tokens=3))
+    # At the average pace a third would start in about 5 s…
+    assert isinstance(submit(cluster, "in-time", start_within_ms=6_000), TaskAssigned)
+    cluster.run(CancelTask(task_id=TaskId("in-time")))
+    # …but the node slowed down: its two tasks have run 30 s and not finished, so none will free a place in 5 s,
+    # though no task has finished to lower the average. Refused, with a retry from the pace they show.
+    cluster.now_ms += 30_000
+    assert cluster.state.instances[instance].task_ms == 10_000
+    refused = submit(cluster, "too-late", start_within_ms=6_000)
+    assert isinstance(refused, CommandRejected) and refused.code is RejectCode.QUEUE_FULL
+    assert "15 s to start" in refused.reason and refused.retry_after_s == 9
 
 
 def test_the_pace_follows_the_recent_tasks() -> None:

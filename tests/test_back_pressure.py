@@ -1,6 +1,6 @@
 """Back-pressure, decided by the sequencer for every API at once: an instance's bounded queue (429 past it,
 from any API), a task refused when it could not start before its client's deadline (429, never a timeout while
-queued), one instance for a cold model however many ask at once, tasks that die with the API holding their
+queued, even when its instance slows down after admitting it), one instance for a cold model however many ask at once, tasks that die with the API holding their
 client; keep-alive comments while a streaming request waits; serving settings set by `jetshard api`'s flags
 and by `POST /instances`.
 
@@ -17,12 +17,14 @@ import json
 import signal
 import subprocess
 import sys
+import threading
 from collections import Counter
 from collections.abc import AsyncIterator, Iterator
-from contextlib import AsyncExitStack
+from contextlib import AsyncExitStack, contextmanager
 from typing import Any
 
 import httpx
+import psutil
 import pytest
 from helpers.harness import InferenceCluster, api_until, hub_cluster
 from helpers.tiny_models import endless_model, make_tiny_model
@@ -47,7 +49,9 @@ pytestmark = pytest.mark.timeout(240)
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[InferenceCluster]:
     root = tmp_path_factory.mktemp("back-pressure")
-    with hub_cluster(root, {"JETSHARD_LIVENESS_TTL_S": "4"}) as c:
+    # Runners report their stats every half second: a queued request's deadline runs from its instance's last
+    # report of tokens sampled, and the impatient API's is 4 s.
+    with hub_cluster(root, {"JETSHARD_LIVENESS_TTL_S": "4", "JETSHARD_STATS_INTERVAL_S": "0.5"}) as c:
         c.hub.add_repo(MODEL, endless_model(root / "repos" / "tiny"))
         c.hub.add_repo(COLD, endless_model(root / "repos" / "cold"))
         c.hub.add_repo(
@@ -239,6 +243,50 @@ async def test_a_burst_past_what_can_start_in_time_is_answered_or_429_never_time
         a.json()["error"]["code"] == "queue_full" and "to start" in a.json()["error"]["message"] for a in refused
     )
     assert all(1 <= int(a.headers["retry-after"]) <= 2 * START_TIMEOUT_S + task_ms / 1000 for a in refused)
+
+
+@contextmanager
+def slowed_down(process: psutil.Process, stopped_s: float = 0.3, running_s: float = 0.1) -> Iterator[None]:
+    """`process` runs a quarter of the time, as on a node whose CPU another program took: stopped and continued
+    in turn (SIGSTOP, SIGCONT) until the block ends."""
+    done = threading.Event()
+
+    def throttle() -> None:
+        while not done.is_set():
+            process.suspend()
+            done.wait(stopped_s)
+            process.resume()
+            done.wait(running_s)
+
+    thread = threading.Thread(target=throttle, daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        done.set()
+        thread.join()
+        process.resume()
+
+
+async def test_work_queued_on_an_instance_that_slows_down_is_still_answered(
+    cluster: InferenceCluster, roomy_api: str, impatient_api: str
+) -> None:
+    (instance,) = cluster.instances_of(COLD)  # placed by the tests before
+    (runner,) = cluster.runners_of(instance["instance_id"])
+    task_ms = cluster.get("/state")["instances"][instance["instance_id"]]["task_ms"]
+    max_batch = instance["serving"]["max_batch"]
+    burst = min(max_batch + int(2 * START_TIMEOUT_S * 1000 * max_batch / task_ms) + 4, max_batch + 64)
+    # Admitted at the pace the instance had; then it runs four times slower, so the last admitted ones start
+    # long after the deadline they were admitted for, though they were never refused. They wait their turn.
+    with slowed_down(runner):
+        async with httpx.AsyncClient(base_url=impatient_api, timeout=180) as http:
+            answers = await asyncio.gather(
+                *(http.post("/v1/chat/completions", json=cold_chat(SHORT_ANSWER)) for _ in range(burst))
+            )
+    statuses = Counter(a.status_code for a in answers)
+    assert set(statuses) <= {200, 429}, {a.status_code: a.text for a in answers if a.status_code not in (200, 429)}
+    assert statuses[200] > max_batch, statuses  # some of them waited in the queue
+    assert all(a.json()["usage"]["completion_tokens"] == SHORT_ANSWER for a in answers if a.status_code == 200)
 
 
 async def test_a_killed_apis_tasks_are_cancelled_within_the_liveness_ttl(

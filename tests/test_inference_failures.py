@@ -17,11 +17,10 @@ from collections.abc import Iterator
 from typing import Any
 
 import httpx
-import msgspec
 import openai
 import psutil
 import pytest
-from helpers.harness import InferenceCluster, hub_cluster, run_async, wait_for
+from helpers.harness import InferenceCluster, hub_cluster, run_async, runner_spec, wait_for
 from helpers.tiny_models import make_tiny_model
 from jetshard_bus.connect import connect
 from jetshard_bus.options import NatsOptions
@@ -32,7 +31,6 @@ from jetshard_schema.events import (
     NodeLost,
 )
 from jetshard_schema.subjects import COMMANDS_STREAM
-from jetshard_worker.runner_spec import RunnerSpec
 
 ORG = "jetshard-test"
 SPLIT = f"{ORG}/tiny-split"
@@ -81,21 +79,6 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[InferenceClust
 @pytest.fixture(scope="module")
 def client(cluster: InferenceCluster) -> openai.OpenAI:
     return openai.OpenAI(base_url=f"{cluster.api}/v1", api_key="unused", timeout=120, max_retries=0)
-
-
-def _runner_spec(process: psutil.Process) -> RunnerSpec:
-    return msgspec.json.decode(process.cmdline()[-1], type=RunnerSpec)
-
-
-def runners_of(cluster: InferenceCluster, instance_id: str) -> list[psutil.Process]:
-    found = []
-    for process in cluster.runner_processes():
-        try:
-            if _runner_spec(process).plan.key.instance_id == instance_id:
-                found.append(process)
-        except (psutil.Error, msgspec.DecodeError, IndexError):
-            continue
-    return found
 
 
 def greedy(client: openai.OpenAI, model: str, max_tokens: int = 12) -> str:
@@ -155,7 +138,7 @@ def test_kill_9_of_a_runner_mid_stream(cluster: InferenceCluster, client: openai
     before = greedy(client, model)
     generation = cluster.get(f"/instances/{instance_id}")["generation"]
     since = cluster.last_seq()
-    victim = next(p for p in runners_of(cluster, instance_id) if _runner_spec(p).plan.rank == rank)
+    victim = next(p for p in cluster.runners_of(instance_id) if runner_spec(p).plan.rank == rank)
 
     stream = client.chat.completions.create(
         model=model,
@@ -216,10 +199,10 @@ def test_a_runner_death_reported_while_commands_were_refused_is_reported_once_th
     cluster.wait_instance(instance_id, "ready")
     generation = cluster.get(f"/instances/{instance_id}")["generation"]
     since = cluster.last_seq()
-    runners = runners_of(cluster, instance_id)
+    runners = cluster.runners_of(instance_id)
     # Each rank was handed the socket holding the port its worker reported, and its ring came up on that port.
-    assert all(_runner_spec(p).ring_socket_fd is not None for p in runners), [_runner_spec(p) for p in runners]
-    victim = next(p for p in runners if _runner_spec(p).plan.rank == 1)
+    assert all(runner_spec(p).ring_socket_fd is not None for p in runners), [runner_spec(p) for p in runners]
+    victim = next(p for p in runners if runner_spec(p).plan.rank == 1)
     node = next(n for n in cluster.workers if victim.pid in {p.pid for p in cluster.runner_processes(n)})
     logged = len(cluster.processes.log(f"{node}-worker"))
 
@@ -246,14 +229,14 @@ def test_deleting_an_instance_stops_its_runners(cluster: InferenceCluster, clien
     instance_id = cluster.place(DELETED, min_nodes=2)
     cluster.watch_until_ready([instance_id])
     assert greedy(client, DELETED)
-    runners = runners_of(cluster, instance_id)
+    runners = cluster.runners_of(instance_id)
     assert len(runners) == 2
     response = httpx.delete(f"{cluster.api}/instances/{instance_id}", timeout=30)
     assert response.status_code == 200, response.text
     assert httpx.get(f"{cluster.api}/instances/{instance_id}", timeout=10).status_code == 404
     gone = psutil.wait_procs(runners, timeout=60)[1]
     assert not gone, "runners still alive after their instance was deleted"
-    assert not runners_of(cluster, instance_id)
+    assert not cluster.runners_of(instance_id)
 
 
 # ------------------------------------------------------------------------------------------- auto-place

@@ -36,6 +36,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import msgspec
 import psutil
 import pytest
 import pytest_asyncio
@@ -53,6 +54,7 @@ from jetshard_schema.ids import ModelId, NodeId, new_command_id
 from jetshard_schema.state import Download, State
 from jetshard_schema.subjects import EVENTS_STREAM
 from jetshard_schema.types import DownloadStatus, NodeProfile
+from jetshard_worker.runner_spec import RunnerSpec
 
 from helpers.cards import tiny_card
 from helpers.hub_fixtures import use_hub
@@ -403,6 +405,17 @@ class InferenceCluster:
             found += [c for c in children if _is_runner(c)]
         return found
 
+    def runners_of(self, instance_id: str) -> list[psutil.Process]:
+        """The runner subprocesses of one instance, on any node."""
+        found = []
+        for process in self.runner_processes():
+            try:
+                if runner_spec(process).plan.key.instance_id == instance_id:
+                    found.append(process)
+            except (psutil.Error, msgspec.DecodeError, IndexError):
+                continue
+        return found
+
     # --- HTTP --------------------------------------------------------------------------------------------
 
     def get(self, path: str, api: str | None = None) -> Any:
@@ -520,6 +533,11 @@ def hub_cluster(
                 processes.stop_all()
     finally:
         stop_groups([s.process for s in servers], 5)
+
+
+def runner_spec(process: psutil.Process) -> RunnerSpec:
+    """What a runner was started to do: the spec its worker passes as its last argument."""
+    return msgspec.json.decode(process.cmdline()[-1], type=RunnerSpec)
 
 
 def _is_runner(process: psutil.Process) -> bool:

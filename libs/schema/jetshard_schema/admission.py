@@ -1,9 +1,11 @@
 """Admission: whether an instance's queue has room for one more task, decided on the single writer's State.
 
 An instance holds at most `max_batch + max_queued` unfinished tasks. A task that fits may still be refused:
-when the instance's measured pace (`Instance.task_ms`, the recent tasks' time from start to finish) says it
-would wait longer to start than its requester waits, queuing it would only turn into a timeout. A refusal
-says when to retry, from the same pace. Pure; tested without NATS.
+when the instance's pace says it would wait longer to start than its requester waits, queuing it would only
+turn into a timeout. The pace is the recent tasks' time from start to finish (`Instance.task_ms`, a moving
+average), or the age of its oldest running task where that is longer: when the node slows down (another
+program takes its CPU), the running tasks show it at once, long before they finish and move the average. A
+refusal says when to retry, from the same pace. Pure; tested without NATS.
 """
 
 from __future__ import annotations
@@ -24,6 +26,8 @@ class Queue(msgspec.Struct, frozen=True, kw_only=True):
 
     running: int
     waiting: int
+    oldest_running_ms: int = 0
+    """How long the longest-running of its started tasks has run so far (0: none runs)."""
 
 
 class Refused(msgspec.Struct, frozen=True, kw_only=True):
@@ -31,17 +35,27 @@ class Refused(msgspec.Struct, frozen=True, kw_only=True):
     retry_after_s: int
 
 
-def queue_of(state: State, instance: Instance) -> Queue:
+def queue_of(state: State, instance: Instance, now_ms: int) -> Queue:
     tasks = [t for t in state.tasks.values() if t.instance_id == instance.instance_id]
+    started_at = [t.started_at_ms for t in tasks if t.started and t.started_at_ms]
     running = sum(1 for t in tasks if t.started)
-    return Queue(running=running, waiting=len(tasks) - running)
+    oldest = max(0, now_ms - min(started_at)) if started_at else 0
+    return Queue(running=running, waiting=len(tasks) - running, oldest_running_ms=oldest)
+
+
+def pace_ms(instance: Instance, queue: Queue) -> float:
+    """How long a task takes from start to finish now: the recent average, or longer where a running task has
+    already taken longer (the instance slowed down since). 0 while no task has finished."""
+    if not instance.task_ms:
+        return 0.0
+    return max(instance.task_ms, float(queue.oldest_running_ms))
 
 
 def start_wait_ms(instance: Instance, queue: Queue) -> float:
     """How long a task submitted now would wait to start, at the instance's pace: the tasks ahead of it beyond
     a full batch must finish first, `max_batch` at a time. 0 while the pace is unknown."""
     ahead = queue.running + queue.waiting + 1 - instance.serving.max_batch
-    return max(0, ahead) * instance.task_ms / instance.serving.max_batch
+    return max(0, ahead) * pace_ms(instance, queue) / instance.serving.max_batch
 
 
 def _seconds(ms: float) -> int:
@@ -51,9 +65,9 @@ def _seconds(ms: float) -> int:
 def _refusal(instance: Instance, queue: Queue, start_within_ms: int | None) -> Refused | None:
     """Why `instance` cannot take one more task, or None when it can."""
     serving = instance.serving
-    one_place_ms = instance.task_ms / serving.max_batch
+    pace = pace_ms(instance, queue)
     if queue.running + queue.waiting >= serving.max_batch + serving.max_queued:
-        retry = _seconds(one_place_ms) if instance.task_ms else UNKNOWN_PACE_RETRY_AFTER_S
+        retry = _seconds(pace / serving.max_batch) if pace else UNKNOWN_PACE_RETRY_AFTER_S
         return Refused(
             reason=f"all {serving.max_batch + serving.max_queued} places of its queue are taken",
             retry_after_s=retry,
@@ -68,13 +82,14 @@ def _refusal(instance: Instance, queue: Queue, start_within_ms: int | None) -> R
     return None
 
 
-def admit(state: State, model_id: ModelId, start_within_ms: int | None) -> Instance | Refused | None:
+def admit(state: State, model_id: ModelId, start_within_ms: int | None, now_ms: int) -> Instance | Refused | None:
     """The ready instance of `model_id` a new task goes to (the one with the fewest unfinished tasks among
-    those with room), a refusal naming the soonest retry, or None when no instance is ready."""
+    those with room), a refusal naming the soonest retry, or None when no instance is ready. `now_ms` is on the
+    clock of the tasks' `started_at_ms` (the sequencer's)."""
     ready = ready_instances(state, model_id)
     if not ready:
         return None
-    queues = {i.instance_id: queue_of(state, i) for i in ready}
+    queues = {i.instance_id: queue_of(state, i, now_ms) for i in ready}
     refusals = {i.instance_id: _refusal(i, queues[i.instance_id], start_within_ms) for i in ready}
     open_ = [i for i in ready if refusals[i.instance_id] is None]
     if open_:

@@ -36,6 +36,8 @@ class StatsBoard:
         self._clock = clock
         self._latest: dict[str, tuple[float, Stats]] = {}
         """Per subject (one per source), the last figures and when they came."""
+        self._sampled_at: dict[InstanceId, float] = {}
+        """Per instance, when its leader last said it had sampled tokens since its figures before."""
         self._subscription: Any = None
 
     def record(self, subject: str, data: bytes) -> None:
@@ -49,7 +51,15 @@ class StatsBoard:
         if stats_subject(stats) != subject:
             log.debug("ignoring %s: its figures are another source's", subject)
             return
-        self._latest[subject] = (self._clock(), stats)
+        now = self._clock()
+        self._latest[subject] = (now, stats)
+        if isinstance(stats, RunnerStats) and stats.tokens_per_s > 0:
+            self._sampled_at[stats.instance_id] = now
+
+    def sampled_at(self, instance_id: InstanceId) -> float:
+        """When `instance_id`'s leader last reported tokens sampled (this board's clock); 0.0 if never: the sign
+        that an instance is making progress, however slowly."""
+        return self._sampled_at.get(instance_id, 0.0)
 
     def current(self) -> list[Stats]:
         """Every source's latest figures, oldest first (where two name one instance, the newer wins), those

@@ -25,7 +25,7 @@ from jetshard_schema.events import TaskAssigned, TaskFinished
 from jetshard_schema.ids import InstanceId, NodeId
 from jetshard_schema.state import State, ready_instances
 from jetshard_schema.subjects import chunk_sender, task_chunks
-from jetshard_schema.types import Chunk, TaskRequest, Usage
+from jetshard_schema.types import Chunk, TaskOutcome, TaskRequest, Usage
 from litestar.types import Receive
 
 from jetshard_api.answers import Answer, Choice
@@ -42,9 +42,10 @@ LOST_CHUNK_GRACE_S = 5.0
 """Once the task has finished, how long its remaining chunks may take: they were published before its
 TaskFinished, over core NATS, which drops them when a server fails; past this they are lost."""
 
-ADMITTED_WAIT_SLACK = 2.0
-"""An admitted task was predicted to start within `start_timeout_s` from its instance's recent pace; a burst
-slows every task down, so it is given this many times that before its request gives up waiting."""
+STALLED_QUEUE_SLACK = 2.0
+"""An admitted task waits for its turn however slow its instance has become (the sequencer promised it a
+start, and refuses, with 429, what it can no longer start in time), but not behind an instance that samples
+nothing: one that reports no token for this many times `start_timeout_s` has stalled."""
 
 REQUEST_ERRORS = frozenset({"context_length_exceeded", "invalid_prompt", "invalid_schema", "invalid_request"})
 """A runner's error codes that are the request's fault: 400, not 502."""
@@ -147,8 +148,9 @@ class ChunkStream:
         return ApiError(502, f"the generation stopped: {why}", "runner_failed")
 
     def _deadline(self, waiting_since: float) -> tuple[float, ApiError]:
-        """When the wait for the next chunk gives up, and with which error. A task still queued has
-        `start_timeout_s` (with slack) from its submission; the first chunk of a started one
+        """When the wait for the next chunk gives up, and with which error. A task still queued waits while its
+        instance samples tokens, and gives up once it has sampled none for `start_timeout_s` (with slack); the
+        first chunk of a started one
         `first_chunk_timeout_s` from its start; any later chunk `chunk_silence_s` from the one before."""
         settings = self._settings
         if self._next_index > 0:
@@ -158,9 +160,12 @@ class ChunkStream:
             )
         task = self._cluster.state.tasks.get(self._request.task_id)
         if task is not None and not task.started:
-            waited = settings.start_timeout_s * ADMITTED_WAIT_SLACK
-            return self._submitted_at + waited, ApiError(
-                504, f"the task waited {waited:.0f} s in its instance's queue without starting", "queue_timeout"
+            stalled = settings.start_timeout_s * STALLED_QUEUE_SLACK
+            progressed = max(self._submitted_at, self._cluster.stats.sampled_at(task.instance_id))
+            return progressed + stalled, ApiError(
+                504,
+                f"the task waited in its instance's queue while the instance sampled nothing for {stalled:.0f} s",
+                "queue_timeout",
             )
         if self._started_at is None:
             self._started_at = time.monotonic()
@@ -214,6 +219,11 @@ class ChunkStream:
             self.finished = True
             status = 400 if chunk.error_code in REQUEST_ERRORS else 502
             raise ApiError(status, chunk.error, chunk.error_code or "runner_error")
+        if chunk.finish_reason is TaskOutcome.CANCELLED:
+            # The runner's last chunk of a task cancelled on the bus may come before this API sees the task leave
+            # State: its client hears the same end either way.
+            self.finished = True
+            raise self._gone_error()
         if chunk.usage is not None or chunk.index == self._last_index:
             self.finished = True
         self._timer.chunk(chunk)

@@ -453,7 +453,7 @@ def _submit_task(state: State, command: commands.SubmitTask, ctx: Context) -> li
         return _reject(command, RejectCode.ALREADY_EXISTS, f"task {task_ref.task_id} already exists")
     if command.start_within_ms is not None and command.start_within_ms < 0:
         return _reject(command, RejectCode.INVALID, "start_within_ms cannot be negative")
-    chosen = admit(state, task_ref.model_id, command.start_within_ms)
+    chosen = admit(state, task_ref.model_id, command.start_within_ms, ctx.now_ms)
     if chosen is None:
         return _reject(command, RejectCode.NO_CAPACITY, f"no ready instance of {task_ref.model_id}")
     if isinstance(chosen, Refused):
