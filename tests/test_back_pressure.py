@@ -1,8 +1,8 @@
 """Back-pressure, decided by the sequencer for every API at once: an instance's bounded queue (429 past it,
 from any API), a task refused when it could not start before its client's deadline (429, never a timeout while
-queued, even when its instance slows down after admitting it), one instance for a cold model however many ask at once, tasks that die with the API holding their
-client; keep-alive comments while a streaming request waits; serving settings set by `jetshard api`'s flags
-and by `POST /instances`.
+queued, even when its instance slows down after admitting it), one instance for a cold model however many ask
+at once, tasks that die with the API holding their client; keep-alive comments while a streaming request
+waits; serving settings set by `jetshard api`'s flags and by `POST /instances`.
 
 One cluster for the module, all real processes: nats-server, a sequencer, an API started with
 `--max-batch 1 --max-queued 1` and a short `--keep-alive-s`, more APIs with other flags, one node serving tiny

@@ -190,13 +190,8 @@ ENDLESS_MODEL = "jetshard-test/tiny-endless"
 @pytest.fixture(scope="module")
 def endless(dialect_cluster: DialectCluster, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     """A model that never ends a reply by itself, placed beside the dialect cluster's own, removed after."""
-    cluster = dialect_cluster.cluster
-    cluster.hub.add_repo(ENDLESS_MODEL, endless_model(tmp_path_factory.mktemp("endless")))
-    cluster.add_model(ENDLESS_MODEL)
-    instance_id = cluster.place(ENDLESS_MODEL, min_nodes=1)
-    cluster.wait_instance(instance_id)
-    yield ENDLESS_MODEL
-    httpx.delete(f"{cluster.api}/instances/{instance_id}", timeout=30)
+    with dialect_cluster.serving(ENDLESS_MODEL, endless_model(tmp_path_factory.mktemp("endless"))):
+        yield ENDLESS_MODEL
 
 
 def endless_chat(api: str, outcome: dict[str, Any]) -> threading.Thread:
@@ -301,6 +296,7 @@ def test_the_view_stream_and_the_task_commands_follow_a_chat_and_its_cancel(
         assert refused.returncode == 2 and "use letters, digits" in refused.stderr, refused.stderr
 
 
+@pytest.mark.usefixtures("restores_the_dialect_cluster")
 def test_instances_ls_and_rm(dialect_cluster: DialectCluster) -> None:
     api = dialect_cluster.api
     placed = httpx.post(f"{api}/instances", json={"model_id": dialect_cluster.model}, timeout=60).json()

@@ -140,6 +140,7 @@ def test_the_page_shows_the_cluster_streams_a_chat_and_follows_changes(
     page.close()
 
 
+@pytest.mark.usefixtures("restores_the_dialect_cluster")
 def test_a_model_is_added_placed_served_and_removed_from_the_page(
     browser: Browser, dialect_cluster: DialectCluster, screenshots: Path, tmp_path: Path
 ) -> None:
@@ -267,6 +268,7 @@ def test_a_model_is_added_placed_served_and_removed_from_the_page(
     page.close()
 
 
+@pytest.mark.usefixtures("restores_the_dialect_cluster")
 def test_files_in_a_read_only_directory_are_shown_there_and_offer_no_delete(
     browser: Browser, dialect_cluster: DialectCluster, screenshots: Path
 ) -> None:
@@ -299,6 +301,7 @@ def test_files_in_a_read_only_directory_are_shown_there_and_offer_no_delete(
     page.close()
 
 
+@pytest.mark.usefixtures("restores_the_dialect_cluster")
 def test_a_download_is_started_cancelled_and_its_files_deleted_from_the_page(
     browser: Browser, dialect_cluster: DialectCluster, screenshots: Path, tmp_path: Path
 ) -> None:

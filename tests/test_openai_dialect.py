@@ -57,8 +57,9 @@ def client(dialect_cluster: DialectCluster) -> openai.OpenAI:
 
 
 def leader_counters(dialect_cluster: DialectCluster) -> dict[str, Any]:
-    (instance,) = dialect_cluster.cluster.get("/state")["instances"].values()
-    return instance["runners"]["0"].get("counters") or {}
+    (instance,) = dialect_cluster.cluster.instances_of(dialect_cluster.model)  # not the other tests' models
+    runners = dialect_cluster.cluster.get("/state")["instances"][instance["instance_id"]]["runners"]
+    return runners["0"].get("counters") or {}
 
 
 @pytest.fixture(scope="module")

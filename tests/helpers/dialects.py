@@ -37,17 +37,35 @@ class DialectCluster:
         return self.cluster.api
 
     @contextmanager
-    def serving(self, model_id: str, model_dir: Path) -> Iterator[None]:
-        """`model_dir` added through the local Hub server as a user would, and placed beside the cluster's own model
-        on its node until the block ends (then its instance is deleted)."""
-        self.cluster.hub.add_repo(model_id, model_dir)
-        self.cluster.add_model(model_id)
-        instance_id = self.cluster.place(model_id, min_nodes=1)
-        self.cluster.wait_instance(instance_id)
+    def restored(self) -> Iterator[None]:
+        """Whatever the block leaves placed or added, it removes at its end, even when it fails: the instances
+        and custom cards that were not there before it. The next test finds the cluster as this one did."""
+        before = self.cluster.get("/state")
         try:
             yield
         finally:
-            httpx.delete(f"{self.api}/instances/{instance_id}", timeout=30)
+            after = self.cluster.get("/state")
+            for instance_id in sorted(after["instances"].keys() - before["instances"].keys()):
+                httpx.delete(f"{self.api}/instances/{instance_id}", timeout=30)
+            for model_id in sorted(after["custom_cards"].keys() - before["custom_cards"].keys()):
+                httpx.delete(f"{self.api}/models/{model_id}", timeout=30)
+
+    @contextmanager
+    def serving(self, model_id: str, model_dir: Path) -> Iterator[None]:
+        """`model_dir` added through the local Hub server as a user would, and placed beside the cluster's own model
+        on its node until the block ends (then its instance and card are removed)."""
+        with self.restored():
+            self.cluster.hub.add_repo(model_id, model_dir)
+            self.cluster.add_model(model_id)
+            self.cluster.wait_instance(self.cluster.place(model_id, min_nodes=1))
+            yield
+
+
+@pytest.fixture
+def restores_the_dialect_cluster(dialect_cluster: DialectCluster) -> Iterator[None]:
+    """For a test that places or adds on the shared cluster: what it leaves is removed, even when it fails."""
+    with dialect_cluster.restored():
+        yield
 
 
 @pytest.fixture(scope="session")
