@@ -181,6 +181,41 @@ def figures(runs: Sequence[Sequence[Stream]]) -> Figures:
     )
 
 
+README_QUESTION: Messages = [{"role": "user", "content": "What is the capital of France?"}]
+"""The README's request (16 tokens, greedy): what a new user sends first."""
+
+
+@contextlib.contextmanager
+def busy_cpu(loops: int = 2) -> Iterator[None]:
+    """`loops` CPU-bound processes at `nice -n 19` for the block, as another program on a user's machine."""
+    hogs = [subprocess.Popen(["nice", "-n", "19", sys.executable, "-c", "while True: pass"]) for _ in range(loops)]
+    try:
+        yield
+    finally:
+        for hog in hogs:
+            hog.kill()
+            hog.wait()
+
+
+def question_latency(base_url: str, model: str, rounds: int) -> float:
+    """Median seconds the README's request takes, answered whole (not streamed), over `rounds` tries."""
+    client = openai.OpenAI(base_url=base_url, api_key="unused", timeout=300, max_retries=0)
+    took = []
+    for _ in range(rounds):
+        started = time.perf_counter()
+        client.chat.completions.create(model=model, messages=README_QUESTION, max_tokens=16, temperature=0)  # type: ignore[arg-type]
+        took.append(time.perf_counter() - started)
+    return statistics.median(took)
+
+
+def idle_and_busy_latency(base_url: str, model: str, rounds: int = 5) -> tuple[float, float]:
+    """The README request's median latency on this machine as it is, then beside two busy loops."""
+    idle = question_latency(base_url, model, rounds)
+    with busy_cpu():
+        busy = question_latency(base_url, model, rounds)
+    return idle, busy
+
+
 def table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
     widths = [max(len(str(r[i])) for r in [header, *rows]) for i in range(len(header))]
     lines = [
