@@ -171,3 +171,26 @@ def test_a_thread_count_the_user_set_is_kept(tmp_path: Path) -> None:
     library = fake_blas(tmp_path)
     env = runner_environment(4, {"OPENBLAS_NUM_THREADS": "3", "JETSHARD_BLAS": str(library)})
     assert env["OPENBLAS_NUM_THREADS"] == "3" and env["MKL_NUM_THREADS"] == "4"
+
+
+THREADS_PER_STEP = (
+    "import ctypes\n"
+    "from jetshard_worker.engine.blas_threads import PARALLEL_MIN_TOKENS, BlasThreads\n"
+    "get = ctypes.CDLL(None).scipy_openblas_get_num_threads\n"
+    "threads = BlasThreads.of_this_process()\n"
+    "seen = [get()]\n"
+    "for tokens in (1, 8, PARALLEL_MIN_TOKENS, 2048, 4):\n"
+    "    threads.fit(tokens)\n"
+    "    seen.append(get())\n"
+    "print(seen)\n"
+)
+"""The OpenBLAS thread count a runner's process has as it loads, then after each step of so many tokens."""
+
+
+@linux_only
+def test_a_runner_multiplies_small_steps_on_one_thread_and_long_prompts_on_all(tmp_path: Path) -> None:
+    """OpenBLAS's threads spin on sched_yield: on a busy machine a decode step split over two of them waits for
+    scheduler slices (ten times slower beside two nice-19 loops). Decode steps run on one, long prompts on all."""
+    env = runner_environment(2, {"PATH": "/usr/bin:/bin"})
+    done = subprocess.run([sys.executable, "-c", THREADS_PER_STEP], env=env, capture_output=True, text=True, check=True)
+    assert done.stdout.strip() == "[2, 1, 1, 2, 2, 1]", done.stdout + done.stderr

@@ -41,6 +41,7 @@ from jetshard_schema.types import TaskOutcome
 from jetshard_worker.library_boundary import can_trim_prompt_cache
 from jetshard_worker.ring_hostfile import ring_listen_port
 
+from .blas_threads import BlasThreads
 from .images import pack_prompt
 from .prefixes import PrefixHit, PrefixIndex
 from .protocol import (
@@ -381,6 +382,7 @@ class PipelineEngine:
         self._seq = 0
         self._shutdown_requested = False
         self.stats = EngineStats()
+        self._blas_threads = BlasThreads.of_this_process()
 
     @property
     def is_leader(self) -> bool:
@@ -503,12 +505,17 @@ class PipelineEngine:
                     else:
                         cache = caches.for_decode(header)
                     h = caches.embed(header, payload) if self.shard.is_first else self._arrived(payload)
-                    h = self.shard.run_layers(h, cache)
+                    h = self._run_layers(h, cache)
                     if self._tensor:
                         mx.eval(h, [c.state for c in cache])  # every all-reduce the leader's step runs
                     else:
                         self._link.send(header.with_payload(h), h, extra=[c.state for c in cache])
                     self.stats.steps += 1
+
+    def _run_layers(self, hidden: mx.array, cache: list[Any]) -> mx.array:
+        """This rank's layers over a step's hidden states, the BLAS on as many threads as the step is worth."""
+        self._blas_threads.fit(hidden.shape[0] * hidden.shape[1])
+        return self.shard.run_layers(hidden, cache)
 
     def _arrived(self, hidden: mx.array) -> mx.array:
         if self._link is not None:  # a single rank's "arrivals" are its own embeddings
@@ -862,7 +869,7 @@ class PipelineEngine:
                 mx.eval(group.launched.tokens)  # time the chunk alone, not a decode step still running
         started = time.perf_counter()
         cache = self._caches.for_prefill(header)
-        h = self.shard.run_layers(self._arrived(hidden), cache)
+        h = self._run_layers(self._arrived(hidden), cache)
         first = cohort.tasks[0]
         if first.request.embed:  # alone in its cohort: no padding in the mean
             pooled = self.shard.final_norm(h).astype(mx.float32).sum(axis=1)
@@ -883,7 +890,7 @@ class PipelineEngine:
         if previous is not None and any(t.request.logits_processors for t in rows):
             self._read(previous)
             previous = None
-        h = self.shard.run_layers(self._arrived(hidden), self._caches.for_decode(header))
+        h = self._run_layers(self._arrived(hidden), self._caches.for_decode(header))
         self.stats.steps += 1
         tokens, scores = self._sample(rows, self.shard.head(h)[:, -1, :])
         mx.async_eval(tokens, *(scores or ()))
