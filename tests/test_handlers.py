@@ -448,6 +448,19 @@ def test_place_and_delete_instance(cluster: InMemoryCluster) -> None:
     for node_ids in ((A, A), (A, NodeId("nowhere"))):
         place = PlaceInstance(instance_id=InstanceId("i3"), model_id=MODEL, node_ids=node_ids)
         rejected(cluster.run(place), RejectCode.INVALID)
+    # Thousands of unknown nodes: the refusal names a few, not every one of them.
+    unknown = tuple(NodeId(f"nowhere-{n}") for n in range(4096))
+    refusal = rejected(
+        cluster.run(PlaceInstance(instance_id=InstanceId("i3"), model_id=MODEL, node_ids=unknown)), RejectCode.INVALID
+    )
+    assert refusal.reason == "unknown node(s): nowhere-0, nowhere-1, nowhere-2 and 4093 more; see GET /nodes"
+    # More nodes than the cluster has: not a lack of memory either, and not the request's fault alone.
+    refusal = rejected(
+        cluster.run(PlaceInstance(instance_id=InstanceId("i3"), model_id=MODEL, min_nodes=2)),
+        RejectCode.NOT_ENOUGH_NODES,
+    )
+    assert refusal.reason == "2 node(s) requested but only 1 available"
+    assert REJECT_STATUS[refusal.code] == 409
     rejected(cluster.run(DeleteInstance(instance_id=InstanceId("nope"))), RejectCode.NOT_FOUND)
     assert cluster.run(DeleteInstance(instance_id=instance)) == [
         InstanceDeleted(instance_id=instance, reason="deleted on request")

@@ -28,6 +28,7 @@ from jetshard_schema.types import (
     DownloadProgress,
     Endpoint,
     MinNodes,
+    NodeIds,
     NodeProfile,
     NodeStorage,
     RunnerReport,
@@ -154,7 +155,8 @@ class ReportDownloadDeleted(_DownloaderReport, frozen=True):
 class PlaceInstance(_Command, frozen=True):
     instance_id: ValidInstanceId
     model_id: ValidModelId
-    node_ids: tuple[ValidNodeId, ...] | None = None
+    node_ids: NodeIds | None = None
+    """None: placement chooses."""
     min_nodes: MinNodes = 1
     serving: ServingSettings = ServingSettings()
 

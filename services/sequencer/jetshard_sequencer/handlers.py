@@ -15,7 +15,7 @@ from jetshard_schema import commands, events
 from jetshard_schema.admission import Refused, admit
 from jetshard_schema.ids import CommandId, InstanceId, ModelId, NodeId, parse_model_id
 from jetshard_schema.models import find_card, is_builtin
-from jetshard_schema.placement import InvalidPlacement, ModelUnavailable, PlacementError, place_in
+from jetshard_schema.placement import InvalidPlacement, ModelUnavailable, NotEnoughNodes, PlacementError, place_in
 from jetshard_schema.state import Instance, State, apply, instance_status
 from jetshard_schema.types import (
     DownloadStatus,
@@ -355,6 +355,8 @@ def _placed(
         return _reject(command, RejectCode.MODEL_UNAVAILABLE, str(error))
     except InvalidPlacement as error:
         return _reject(command, RejectCode.INVALID, str(error))
+    except NotEnoughNodes as error:
+        return _reject(command, RejectCode.NOT_ENOUGH_NODES, str(error))
     except PlacementError as error:
         return _reject(command, RejectCode.INSUFFICIENT_MEMORY, str(error))
     return [
