@@ -341,21 +341,12 @@ def test_card_add_duplicate_builtin_and_invalid(cluster: InMemoryCluster) -> Non
     rejected(cluster.run(AddCustomModelCard(card=CARD)), RejectCode.ALREADY_EXISTS)
     builtin = msgspec.structs.replace(CARD, model_id=BUILTIN)
     rejected(cluster.run(AddCustomModelCard(card=builtin)), RejectCode.ALREADY_EXISTS)
-    bad_id = msgspec.structs.replace(CARD, model_id=ModelId("../etc"))
-    rejected(cluster.run(AddCustomModelCard(card=bad_id)), RejectCode.INVALID)
-    no_layers = msgspec.structs.replace(CARD, model_id=ModelId("acme/empty"), num_layers=0)
-    rejected(cluster.run(AddCustomModelCard(card=no_layers)), RejectCode.INVALID)
-    # Heads that placement could not split over tensor-parallel ranks (a raw command on the bus can say anything).
-    for heads, kv_heads, vocab in ((0, 0, 64), (-4, -2, 64), (4, 0, 64), (4, 3, 64), (4, 2, 0)):
-        odd = msgspec.structs.replace(
-            CARD,
-            model_id=ModelId("acme/odd"),
-            num_attention_heads=heads,
-            num_key_value_heads=kv_heads,
-            vocab_size=vocab,
-        )
-        refusal = rejected(cluster.run(AddCustomModelCard(card=odd)), RejectCode.INVALID)
-        assert f"got {heads} and {kv_heads}, vocabulary {vocab}" in refusal.reason
+    # A card's own fields are checked where it is decoded (tests/test_hostile_ids.py); which architectures the
+    # shard engine runs is checked here, where it may change between versions without refusing a stored card.
+    gpt2 = msgspec.structs.replace(CARD, model_id=ModelId("acme/gpt2"), architecture="gpt2")
+    refusal = rejected(cluster.run(AddCustomModelCard(card=gpt2)), RejectCode.INVALID)
+    assert "architecture 'gpt2' is not supported" in refusal.reason
+    assert ModelId("acme/gpt2") not in cluster.state.custom_cards
 
 
 def test_card_delete_builtin_is_a_409_conflict_and_unknown_is_404(cluster: InMemoryCluster) -> None:

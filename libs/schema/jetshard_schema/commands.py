@@ -15,7 +15,7 @@ from typing import ClassVar
 
 import msgspec
 
-from jetshard_schema.cards import ModelCard
+from jetshard_schema.cards import ModelCard, StorageBytes
 from jetshard_schema.ids import NodeId, ValidInstanceId, ValidModelId, ValidNodeId, ValidSessionId, ValidTaskId
 from jetshard_schema.subjects import (
     API_SENDER,
@@ -113,7 +113,7 @@ class ReportModelSize(_DownloaderReport, frozen=True):
     """The real total size of a model's weights, measured from its file list."""
 
     model_id: ValidModelId
-    storage_size_bytes: int
+    storage_size_bytes: StorageBytes
 
 
 # --- downloads ---------------------------------------------------------------------------------------------

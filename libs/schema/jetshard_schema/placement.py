@@ -117,7 +117,7 @@ def weights_bytes(card: ModelCard, weights: WeightsDtype) -> int:
 def kv_cache_bytes(card: ModelCard, weights: WeightsDtype = WeightsDtype.NATIVE) -> int:
     """The KV cache of one row holding a full context, in the dtype the layers compute in: float32 with float32
     weights (converted, or a full-precision checkpoint's own), 16 bits otherwise."""
-    head_dim = card.hidden_size // max(card.num_attention_heads, 1)
+    head_dim = card.hidden_size // card.num_attention_heads
     wide = weights is WeightsDtype.FLOAT32 or (weights is WeightsDtype.NATIVE and _full_precision(card))
     per_value = FLOAT32_BYTES if wide else HALF_BYTES
     return 2 * card.num_layers * card.num_key_value_heads * head_dim * card.context_length * per_value
@@ -208,9 +208,9 @@ class _Sizing:
         """The whole model's requirement, were every shard in `weights`."""
         if weights not in self._required:
             resolved = msgspec.structs.replace(self.serving, weights=weights)
-            # At least a byte: a card that claims to need nothing (no stored bytes, a head dimension of 0) is sized,
-            # not a division by zero in the sequencer.
-            self._required[weights] = max(required_memory_bytes(self.card, resolved), 1)
+            # Never 0, which `layers_held` divides by: a card holds a layer, a head at least one unit wide and a
+            # token of context, so its KV cache takes some bytes.
+            self._required[weights] = required_memory_bytes(self.card, resolved)
         return self._required[weights]
 
     def layers_held(self, node: Node, weights: WeightsDtype) -> float:

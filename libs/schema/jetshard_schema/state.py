@@ -13,7 +13,7 @@ import msgspec
 from msgspec.structs import replace
 
 from jetshard_schema import events
-from jetshard_schema.cards import ModelCard
+from jetshard_schema.cards import ModelCard, StorageBytes
 from jetshard_schema.ids import (
     InstanceId,
     ModelId,
@@ -113,7 +113,7 @@ class State(msgspec.Struct, frozen=True, kw_only=True):
     nodes: dict[ValidNodeId, Node] = {}
     node_storage: dict[ValidNodeId, NodeStorage] = {}
     custom_cards: dict[ValidModelId, ModelCard] = {}
-    measured_sizes: dict[ValidModelId, int] = {}
+    measured_sizes: dict[ValidModelId, StorageBytes] = {}
     downloads: dict[ValidNodeId, dict[ValidModelId, Download]] = {}
     instances: dict[ValidInstanceId, Instance] = {}
     tasks: dict[ValidTaskId, Task] = {}

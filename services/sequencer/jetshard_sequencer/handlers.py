@@ -13,7 +13,9 @@ from typing import Any
 import msgspec
 from jetshard_schema import commands, events
 from jetshard_schema.admission import Refused, admit
-from jetshard_schema.ids import CommandId, InstanceId, ModelId, NodeId, parse_model_id
+from jetshard_schema.card_from_config import SUPPORTED_ARCHITECTURES
+from jetshard_schema.cards import VISION_ARCHITECTURES
+from jetshard_schema.ids import CommandId, InstanceId, ModelId, NodeId
 from jetshard_schema.models import find_card, is_builtin
 from jetshard_schema.placement import InvalidPlacement, ModelUnavailable, NotEnoughNodes, PlacementError, place_in
 from jetshard_schema.state import Instance, State, apply, instance_status
@@ -172,20 +174,17 @@ def _try_place(state: State, lost: Instance, ctx: Context) -> events.InstancePla
 
 
 def _add_custom_model_card(state: State, command: commands.AddCustomModelCard, ctx: Context) -> list[events.Event]:
+    # The card's own fields were checked where it was decoded (`ModelCard.__post_init__`); what is checked here
+    # may change between versions (which architectures run), so that a stored card is never refused on replay.
     card = command.card
-    parse_model_id(card.model_id)
     if find_card(state, card.model_id) is not None:
         return _reject(command, RejectCode.ALREADY_EXISTS, f"{card.model_id} is already in the catalogue")
-    if card.num_layers < 1 or card.hidden_size < 1 or card.storage_size_bytes < 0:
-        return _reject(command, RejectCode.INVALID, "a card needs at least one layer and a positive hidden size")
-    # Placement splits the heads over tensor-parallel ranks and sizes the KV cache by them.
-    heads, kv_heads = card.num_attention_heads, card.num_key_value_heads
-    if heads < 1 or kv_heads < 1 or heads % kv_heads or card.vocab_size < 1:
+    servable = SUPPORTED_ARCHITECTURES | VISION_ARCHITECTURES
+    if card.architecture not in servable:
         return _reject(
             command,
             RejectCode.INVALID,
-            f"a card needs a positive vocabulary and head counts, attention heads a multiple of key/value heads; "
-            f"got {heads} and {kv_heads}, vocabulary {card.vocab_size}",
+            f"architecture {card.architecture!r} is not supported; supported: {', '.join(sorted(servable))}",
         )
     return [events.CustomModelCardAdded(card=replace(card, is_custom=True))]
 
