@@ -359,6 +359,29 @@ def test_card_delete_builtin_is_a_409_conflict_and_unknown_is_404(cluster: InMem
     assert cluster.state.custom_cards == {}
 
 
+def test_a_card_in_use_is_not_deleted(cluster: InMemoryCluster) -> None:
+    """Its instances need it (to restart) and its downloads' records (to start their runners)."""
+    cluster.join(A)
+    instance = cluster.place("inst-1")
+    refusal = rejected(cluster.run(DeleteCustomModelCard(model_id=MODEL)), RejectCode.CONFLICT)
+    assert refusal.reason == f"{MODEL} is in use by instance(s) inst-1; delete them first"
+    assert REJECT_STATUS[refusal.code] == 409
+    cluster.run(DeleteInstance(instance_id=instance))
+    assert cluster.run(DeleteCustomModelCard(model_id=MODEL)) == [CustomModelCardDeleted(model_id=MODEL)]
+
+
+def test_a_download_ending_after_its_card_was_deleted_is_not_recorded(cluster: InMemoryCluster) -> None:
+    """The download was forgotten with its card: the downloader's last report of it must not bring it back."""
+    cluster.join(A)
+    cluster.run(StartDownload(model_id=MODEL, node_id=A))
+    cluster.run(DeleteCustomModelCard(model_id=MODEL))
+    assert cluster.state.downloads[A] == {}
+    failed = DownloadProgress(status=DownloadStatus.FAILED, reason=f"unknown model {MODEL}: no card in the catalogue")
+    for progress in (completed(0, 8), failed):
+        assert cluster.run(ReportDownloadProgress(node_id=A, model_id=MODEL, progress=progress)) == []
+    assert cluster.state.downloads[A] == {}
+
+
 # --- downloads ---------------------------------------------------------------------------------------------
 
 

@@ -218,7 +218,10 @@ def _custom_model_card_added(event: events.CustomModelCardAdded, state: State) -
 
 @_fold.register
 def _custom_model_card_deleted(event: events.CustomModelCardDeleted, state: State) -> State:
-    return replace(state, custom_cards=_without(state.custom_cards, event.model_id))
+    # Its downloads' records go with it: nothing can be done with a download of a model the cluster does not know
+    # (the files stay on disk, and are found again if the card is added back).
+    downloads = {node_id: _without(per_node, event.model_id) for node_id, per_node in state.downloads.items()}
+    return replace(state, custom_cards=_without(state.custom_cards, event.model_id), downloads=downloads)
 
 
 @_fold.register

@@ -198,6 +198,14 @@ def _delete_custom_model_card(
         )
     if command.model_id not in state.custom_cards:
         return _reject(command, RejectCode.NOT_FOUND, f"no custom model card {command.model_id}")
+    users = sorted(i.instance_id for i in state.instances.values() if i.model_id == command.model_id)
+    if users:
+        # Its instances need the card (to restart) and its downloads' records (to start their runners).
+        return _reject(
+            command,
+            RejectCode.CONFLICT,
+            f"{command.model_id} is in use by instance(s) {', '.join(users)}; delete them first",
+        )
     return [events.CustomModelCardDeleted(model_id=command.model_id)]
 
 
@@ -268,6 +276,8 @@ def _report_download_progress(
     state: State, command: commands.ReportDownloadProgress, ctx: Context
 ) -> list[events.Event]:
     node_id, model_id, progress = command.node_id, command.model_id, command.progress
+    if find_card(state, model_id) is None:
+        return []  # the end of a download whose card was deleted meanwhile: State forgot it with the card
     match progress.status:
         case DownloadStatus.COMPLETED:
             return [events.DownloadCompleted(node_id=node_id, model_id=model_id, progress=progress)]
