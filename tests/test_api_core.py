@@ -141,6 +141,23 @@ async def test_cluster_routes(fresh_nats, processes, tmp_path: Path) -> None:
             for parallelism in ("pipeline", "tensor"):
                 body = {"model_id": qwen, "node_ids": node_ids, "parallelism": parallelism}
                 assert words in str(assert_openai_error(await client.post("/instances", json=body), 400)["message"])
+        # No node named is a 400, not "choose for me" (which leaving node_ids out, or null, means); more ids than a
+        # cluster may have are refused as they are decoded; unknown ones are named a few, not echoed back in full.
+        for node_ids in ([], [f"x{n}" for n in range(5000)]):
+            refused = await client.post("/instances", json={"model_id": qwen, "node_ids": node_ids})
+            assert assert_openai_error(refused, 400)["param"] == "node_ids"
+            assert len(refused.content) < 1000
+        refused = await client.post("/instances", json={"model_id": qwen, "node_ids": [f"x{n}" for n in range(4096)]})
+        message = assert_openai_error(refused, 400)["message"]
+        assert message == "unknown node(s): x0, x1, x2 and 4093 more; see GET /nodes"
+        # More nodes than the cluster has: a 409 of its own, not a lack of memory.
+        params = {"model_id": qwen, "min_nodes": 2}
+        for refused in (
+            await client.get("/instances/preview", params=params),
+            await client.post("/instances", json=params),
+        ):
+            error = assert_openai_error(refused, 409)
+            assert (error["code"], error["message"]) == ("not_enough_nodes", "2 node(s) requested but only 1 available")
 
         state = (await client.get("/state")).json()
         assert state["last_seq"] >= 1

@@ -7,20 +7,23 @@ import logging
 import msgspec
 import pytest
 from helpers.cards import tiny_card
-from helpers.states import fold, raw_envelope
+from helpers.states import downloaded, fold, raw_envelope
 from jetshard_schema import codec
 from jetshard_schema.events import (
     CustomModelCardAdded,
     CustomModelCardDeleted,
+    DownloadFailed,
+    DownloadRequested,
     Event,
     EventEnvelope,
     ModelSizeMeasured,
 )
-from jetshard_schema.ids import CommandId, ModelId
+from jetshard_schema.ids import CommandId, ModelId, NodeId
 from jetshard_schema.models import all_cards, find_card
 from jetshard_schema.state import State
 
 MODEL = ModelId("acme/tiny-7")
+A, B = NodeId("node-a"), NodeId("node-b")
 CARD = tiny_card(MODEL, num_layers=8, vocab_size=1000, storage_size_estimated=True, is_custom=True)
 
 SAMPLES: list[Event] = [
@@ -39,6 +42,40 @@ def test_card_added_then_deleted() -> None:
     assert state.custom_cards == {}
     assert find_card(state, MODEL) is None
     assert state.last_seq == 2
+
+
+def test_deleting_a_card_forgets_its_downloads_on_every_node() -> None:
+    """Not left behind as failed downloads of a model the cluster no longer knows; the files stay on the disks."""
+    other = ModelId("acme/other")
+    state = fold(
+        CustomModelCardAdded(card=CARD),
+        CustomModelCardAdded(card=tiny_card(other)),
+        DownloadRequested(node_id=A, model_id=MODEL, start_layer=0, end_layer=8),
+        DownloadFailed(node_id=A, model_id=MODEL, reason=f"unknown model {MODEL}: no card in the catalogue"),
+        downloaded(B, MODEL, 0, 8),
+        downloaded(B, other, 0, 4),
+    )
+    state = fold(CustomModelCardDeleted(model_id=MODEL), state=state)
+    assert state.download(A, MODEL) is None and state.download(B, MODEL) is None
+    assert state.download(B, other) is not None
+    assert codec.decode_state(codec.encode(state)) == state
+
+
+def test_a_stored_card_beyond_the_bounds_is_skipped_on_replay(caplog: pytest.LogCaptureFixture) -> None:
+    """A card an older version accepted (a group size of 0, which divided by zero on every listing): a replica
+    replaying the history skips it with a warning, and the events about it that follow apply without it."""
+    lying = {**msgspec.to_builtins(CARD), "quantization": {"bits": 4, "group_size": 0}}
+    stored = msgspec.json.encode(raw_envelope({"type": "CustomModelCardAdded", "card": lying}))
+    with caplog.at_level(logging.WARNING, logger="jetshard_schema.codec"):
+        assert codec.decode_event(stored) is None
+    assert any("group_size" in r.getMessage() for r in caplog.records)
+    state = fold(ModelSizeMeasured(model_id=MODEL, storage_size_bytes=7), CustomModelCardDeleted(model_id=MODEL))
+    assert find_card(state, MODEL) is None
+    # A snapshot holding it does not decode either (msgspec.DecodeError): `load_snapshot` then rebuilds State from
+    # the first event, skipping the card as above.
+    snapshot = msgspec.json.encode({"custom_cards": {MODEL: lying}})
+    with pytest.raises(msgspec.DecodeError, match="group_size"):
+        codec.decode_state(snapshot)
 
 
 def test_deleting_an_unknown_card_changes_nothing_else() -> None:

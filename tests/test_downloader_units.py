@@ -15,7 +15,7 @@ from jetshard_downloader.manifest import read_manifest
 from jetshard_downloader.resume import PARTIAL_DIR, partial_path
 from jetshard_schema.cards import ModelCard
 from jetshard_schema.commands import ReportDownloadProgress
-from jetshard_schema.events import DownloadCancelled, DownloadRequested
+from jetshard_schema.events import CustomModelCardAdded, DownloadCancelled, DownloadRequested
 from jetshard_schema.ids import CommandId, ModelId, NodeId
 from jetshard_schema.state import State, apply
 from jetshard_schema.types import DownloadProgress, DownloadStatus
@@ -114,12 +114,13 @@ def test_find_shard_uses_the_local_index(tmp_path: Path) -> None:
 @pytest.mark.parametrize("status", [DownloadStatus.ONGOING, DownloadStatus.PENDING])
 def test_a_progress_report_sent_before_a_cancel_does_not_revive_the_download(status: DownloadStatus) -> None:
     node, model = NodeId("n1"), ModelId(REPO)
-    state = apply(State(), DownloadRequested(node_id=node, model_id=model, start_layer=0, end_layer=2), 1)
-    state = apply(state, DownloadCancelled(node_id=node, model_id=model), 2)
+    state = apply(State(), CustomModelCardAdded(card=_card(2)), 1)
+    state = apply(state, DownloadRequested(node_id=node, model_id=model, start_layer=0, end_layer=2), 2)
+    state = apply(state, DownloadCancelled(node_id=node, model_id=model), 3)
     late = ReportDownloadProgress(
         node_id=node, model_id=model, progress=DownloadProgress(status=status, bytes_done=5, bytes_total=10)
     )
     assert handle(state, late, Context(command_id=CommandId("c"), now_ms=0)) == []
     # A new request resets the download; its reports count again.
-    state = apply(state, DownloadRequested(node_id=node, model_id=model, start_layer=0, end_layer=2), 3)
+    state = apply(state, DownloadRequested(node_id=node, model_id=model, start_layer=0, end_layer=2), 4)
     assert handle(state, late, Context(command_id=CommandId("d"), now_ms=0)) != []

@@ -898,7 +898,8 @@ def test_generation_request_validation() -> None:
 
 
 def test_the_engine_handles_every_architecture_a_card_may_name() -> None:
-    from jetshard_schema.card_from_config import SUPPORTED_ARCHITECTURES, VISION_ARCHITECTURES
+    from jetshard_schema.card_from_config import SUPPORTED_ARCHITECTURES
+    from jetshard_schema.cards import VISION_ARCHITECTURES
     from jetshard_worker.engine.shard import model_classes
 
     for arch in SUPPORTED_ARCHITECTURES:

@@ -341,21 +341,12 @@ def test_card_add_duplicate_builtin_and_invalid(cluster: InMemoryCluster) -> Non
     rejected(cluster.run(AddCustomModelCard(card=CARD)), RejectCode.ALREADY_EXISTS)
     builtin = msgspec.structs.replace(CARD, model_id=BUILTIN)
     rejected(cluster.run(AddCustomModelCard(card=builtin)), RejectCode.ALREADY_EXISTS)
-    bad_id = msgspec.structs.replace(CARD, model_id=ModelId("../etc"))
-    rejected(cluster.run(AddCustomModelCard(card=bad_id)), RejectCode.INVALID)
-    no_layers = msgspec.structs.replace(CARD, model_id=ModelId("acme/empty"), num_layers=0)
-    rejected(cluster.run(AddCustomModelCard(card=no_layers)), RejectCode.INVALID)
-    # Heads that placement could not split over tensor-parallel ranks (a raw command on the bus can say anything).
-    for heads, kv_heads, vocab in ((0, 0, 64), (-4, -2, 64), (4, 0, 64), (4, 3, 64), (4, 2, 0)):
-        odd = msgspec.structs.replace(
-            CARD,
-            model_id=ModelId("acme/odd"),
-            num_attention_heads=heads,
-            num_key_value_heads=kv_heads,
-            vocab_size=vocab,
-        )
-        refusal = rejected(cluster.run(AddCustomModelCard(card=odd)), RejectCode.INVALID)
-        assert f"got {heads} and {kv_heads}, vocabulary {vocab}" in refusal.reason
+    # A card's own fields are checked where it is decoded (tests/test_hostile_ids.py); which architectures the
+    # shard engine runs is checked here, where it may change between versions without refusing a stored card.
+    gpt2 = msgspec.structs.replace(CARD, model_id=ModelId("acme/gpt2"), architecture="gpt2")
+    refusal = rejected(cluster.run(AddCustomModelCard(card=gpt2)), RejectCode.INVALID)
+    assert "architecture 'gpt2' is not supported" in refusal.reason
+    assert ModelId("acme/gpt2") not in cluster.state.custom_cards
 
 
 def test_card_delete_builtin_is_a_409_conflict_and_unknown_is_404(cluster: InMemoryCluster) -> None:
@@ -366,6 +357,29 @@ def test_card_delete_builtin_is_a_409_conflict_and_unknown_is_404(cluster: InMem
     assert REJECT_STATUS[refusal.code] == 404
     assert cluster.run(DeleteCustomModelCard(model_id=MODEL)) == [CustomModelCardDeleted(model_id=MODEL)]
     assert cluster.state.custom_cards == {}
+
+
+def test_a_card_in_use_is_not_deleted(cluster: InMemoryCluster) -> None:
+    """Its instances need it (to restart) and its downloads' records (to start their runners)."""
+    cluster.join(A)
+    instance = cluster.place("inst-1")
+    refusal = rejected(cluster.run(DeleteCustomModelCard(model_id=MODEL)), RejectCode.CONFLICT)
+    assert refusal.reason == f"{MODEL} is in use by instance(s) inst-1; delete them first"
+    assert REJECT_STATUS[refusal.code] == 409
+    cluster.run(DeleteInstance(instance_id=instance))
+    assert cluster.run(DeleteCustomModelCard(model_id=MODEL)) == [CustomModelCardDeleted(model_id=MODEL)]
+
+
+def test_a_download_ending_after_its_card_was_deleted_is_not_recorded(cluster: InMemoryCluster) -> None:
+    """The download was forgotten with its card: the downloader's last report of it must not bring it back."""
+    cluster.join(A)
+    cluster.run(StartDownload(model_id=MODEL, node_id=A))
+    cluster.run(DeleteCustomModelCard(model_id=MODEL))
+    assert cluster.state.downloads[A] == {}
+    failed = DownloadProgress(status=DownloadStatus.FAILED, reason=f"unknown model {MODEL}: no card in the catalogue")
+    for progress in (completed(0, 8), failed):
+        assert cluster.run(ReportDownloadProgress(node_id=A, model_id=MODEL, progress=progress)) == []
+    assert cluster.state.downloads[A] == {}
 
 
 # --- downloads ---------------------------------------------------------------------------------------------
@@ -448,6 +462,19 @@ def test_place_and_delete_instance(cluster: InMemoryCluster) -> None:
     for node_ids in ((A, A), (A, NodeId("nowhere"))):
         place = PlaceInstance(instance_id=InstanceId("i3"), model_id=MODEL, node_ids=node_ids)
         rejected(cluster.run(place), RejectCode.INVALID)
+    # Thousands of unknown nodes: the refusal names a few, not every one of them.
+    unknown = tuple(NodeId(f"nowhere-{n}") for n in range(4096))
+    refusal = rejected(
+        cluster.run(PlaceInstance(instance_id=InstanceId("i3"), model_id=MODEL, node_ids=unknown)), RejectCode.INVALID
+    )
+    assert refusal.reason == "unknown node(s): nowhere-0, nowhere-1, nowhere-2 and 4093 more; see GET /nodes"
+    # More nodes than the cluster has: not a lack of memory either, and not the request's fault alone.
+    refusal = rejected(
+        cluster.run(PlaceInstance(instance_id=InstanceId("i3"), model_id=MODEL, min_nodes=2)),
+        RejectCode.NOT_ENOUGH_NODES,
+    )
+    assert refusal.reason == "2 node(s) requested but only 1 available"
+    assert REJECT_STATUS[refusal.code] == 409
     rejected(cluster.run(DeleteInstance(instance_id=InstanceId("nope"))), RejectCode.NOT_FOUND)
     assert cluster.run(DeleteInstance(instance_id=instance)) == [
         InstanceDeleted(instance_id=instance, reason="deleted on request")

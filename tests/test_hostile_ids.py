@@ -10,16 +10,18 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import re
 import signal
 from pathlib import Path
 from typing import Any
 
 import msgspec
 import pytest
-from helpers.cards import TINY_SHAPE
+from helpers.cards import TINY_SHAPE, tiny_card
 from helpers.harness import Cluster, until
 from jetshard_bus.node import node_id_for
 from jetshard_schema import subjects
+from jetshard_schema.cards import MAX_HIDDEN_SIZE, Quantization
 from jetshard_schema.codec import decode_command, decode_event, decode_state
 from jetshard_schema.events import CommandRejected, CustomModelCardAdded
 from jetshard_schema.ids import NAME_MAX_LENGTH, CommandId, ModelId
@@ -34,8 +36,31 @@ def place(instance_id: str, model_id: str = "org/model") -> tuple[str, dict[str,
     return "PlaceInstance", {"instance_id": instance_id, "model_id": model_id}
 
 
-def add_card(model_id: str) -> tuple[str, dict[str, Any]]:
-    return "AddCustomModelCard", {"card": {"model_id": model_id, **CARD}}
+def add_card(model_id: str, **lies: Any) -> tuple[str, dict[str, Any]]:
+    return "AddCustomModelCard", {"card": {"model_id": model_id, **CARD, **lies}}
+
+
+CARD_LIES: list[tuple[dict[str, Any], str]] = [
+    # Each a card field that placement, listings or the dashboard would otherwise compute with or carry everywhere,
+    # and what the refusal names.
+    ({"quantization": {"bits": 4, "group_size": 0}}, "quantization.group_size"),
+    ({"quantization": {"bits": 0, "group_size": 64}}, "quantization.bits"),
+    ({"num_layers": 10**9}, "num_layers"),
+    ({"num_layers": 2**64}, "num_layers"),
+    ({"num_layers": "30"}, "num_layers"),
+    ({"context_length": -5}, "context_length"),
+    ({"hidden_size": 2, "num_attention_heads": 4, "num_key_value_heads": 4}, "num_attention_heads"),
+    ({"num_attention_heads": 4, "num_key_value_heads": 3}, "num_key_value_heads"),
+    ({"vocab_size": 0}, "vocab_size"),
+    ({"storage_size_bytes": 0}, "storage_size_bytes"),
+    ({"architecture": "../../../../etc/passwd"}, "architecture"),
+    ({"display_name": "x" * 300}, "display_name"),
+    ({"source_ref": "x" * 5000}, "source_ref"),
+    ({"source_sha256": "not hex"}, "source_sha256"),
+    ({"checkpoint_dtype": "int1"}, "checkpoint_dtype"),
+    ({"capabilities": ["completion", "vision"]}, "capabilities"),  # a llama card: no vision tower
+    ({"capabilities": ["tools"] * 1000}, "capabilities"),
+]
 
 
 def escape_target(tmp_path: Path) -> Path:
@@ -59,6 +84,11 @@ def hostile_commands(tmp_path: Path) -> list[tuple[str, dict[str, Any]]]:
         ("PlaceInstance", {"instance_id": "i", "model_id": "org/model", "min_nodes": 1.5}),
         ("PlaceInstance", {"instance_id": "i", "model_id": "org/model", "serving": {"parallelism": "diagonal"}}),
         ("EnsureInstance", {"instance_id": "i", "model_id": "org/model", "serving": {"weights": "float8"}}),
+        # No nodes named (not "choose for me", which leaving node_ids out means), or more than a cluster may hold.
+        ("PlaceInstance", {"instance_id": "i", "model_id": "org/model", "node_ids": []}),
+        ("PlaceInstance", {"instance_id": "i", "model_id": "org/model", "node_ids": [f"n{i}" for i in range(5000)]}),
+        # Cards that lie: each would break placement or every listing for as long as it stayed.
+        *(add_card(f"org/liar-{n}", **lies) for n, (lies, _) in enumerate(CARD_LIES)),
     ]
 
 
@@ -72,6 +102,20 @@ def test_every_id_is_checked_when_decoded() -> None:
         decode_command(b'{"type":"PlaceInstance","instance_id":"i","model_id":"o/m","node_ids":["a","../b"]}')
     with pytest.raises(msgspec.ValidationError, match="key"):
         decode_state(b'{"custom_cards":{"../x":{}}}')
+
+
+@pytest.mark.parametrize(("lies", "field"), CARD_LIES, ids=[field for _, field in CARD_LIES])
+def test_a_card_that_lies_is_refused_naming_the_field(lies: dict[str, Any], field: str) -> None:
+    """Where it is decoded (a command, an event, a snapshot, a request body), and where it is built in code (from a
+    Hub repo's config.json) alike."""
+    data = json.dumps({"type": "AddCustomModelCard", **add_card("org/liar", **lies)[1]}).encode()
+    with pytest.raises(msgspec.ValidationError, match=re.escape(field)) as refused:
+        decode_command(data)
+    assert "at `$.card" in str(refused.value)
+    if not isinstance(lies.get("num_layers"), str):  # a value of the wrong type is only met when decoding
+        with pytest.raises(ValueError, match=re.escape(field)):
+            quantization = lies.get("quantization")
+            tiny_card("org/liar", **lies | ({"quantization": Quantization(**quantization)} if quantization else {}))
 
 
 def test_a_hostile_event_decodes_to_nothing_with_a_warning(caplog: pytest.LogCaptureFixture) -> None:
@@ -137,9 +181,10 @@ async def test_hostile_commands_are_rejected_and_the_worker_survives(cluster: Cl
     assert isinstance(rejected, CommandRejected) and "invalid command id" in rejected.reason, rejected
     assert ModelId("org/fine") not in state.custom_cards
 
-    # Well-formed but impossible placements: a node named twice, and a tensor split of a card whose trillion heads
-    # the sequencer must not try one node count at a time.
-    huge = {**CARD, "num_attention_heads": 10**12, "num_key_value_heads": 10**12}
+    # Well-formed but impossible placements: a node named twice, and a tensor split of a card with the most heads a
+    # card may have, which the sequencer must not try one node count at a time.
+    most = MAX_HIDDEN_SIZE
+    huge = {**CARD, "hidden_size": most, "num_attention_heads": most, "num_key_value_heads": most}
     await publish_raw(cluster, "AddCustomModelCard", {"card": {"model_id": "org/huge", **huge}}, "huge-card")
     for n, (node_ids, min_nodes) in enumerate((([node_id, node_id], 1), (None, 3))):
         body = {"instance_id": f"inst-{n}", "model_id": "org/huge", "min_nodes": min_nodes}

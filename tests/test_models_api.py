@@ -21,6 +21,7 @@ from typing import Any
 
 import httpx
 import pytest
+from helpers.cards import TINY_SHAPE
 from helpers.harness import InferenceCluster, free_port, hub_cluster, wait_for
 from helpers.tiny_models import make_tiny_model
 from jetshard_bus.node import node_id_for
@@ -229,6 +230,62 @@ def test_list_show_and_delete(cluster: ModelsCluster) -> None:
 def _assert_not_added(cluster: ModelsCluster, model_id: str) -> None:
     assert httpx.get(f"{cluster.api}/models/{model_id}", timeout=10).status_code == 404
     assert added_events(cluster, model_id) == 0
+
+
+IMPORTED = f"{ORG}/tiny-imported"
+IMPORTED_CARD = {**TINY_SHAPE, "model_id": IMPORTED, "source": "local-gguf", "source_ref": "/models/tiny.gguf"}
+"""A card as `jetshard models import-gguf` sends it, built from a converted GGUF."""
+CARD_LIES: list[tuple[dict[str, Any], str]] = [
+    ({"quantization": {"bits": 4, "group_size": 0}}, "quantization.group_size"),
+    ({"quantization": {"bits": 0, "group_size": 64}}, "quantization.bits"),
+    ({"num_layers": 10**9}, "num_layers"),
+    ({"num_layers": 2**64}, "num_layers"),
+    ({"context_length": -5}, "context_length"),
+    ({"architecture": "../../../../etc/passwd"}, "architecture"),
+    ({"display_name": "x" * (4 * 2**20)}, "display_name"),
+    ({"capabilities": ["completion", "vision"]}, "capabilities"),  # a llama: no vision tower
+]
+
+
+def test_a_card_that_lies_is_refused_naming_the_field(cluster: ModelsCluster) -> None:
+    """A card supplied in the body: each lie would have broken placement or every listing while the card stayed."""
+
+    def add(body: dict[str, Any]) -> dict[str, object]:
+        response = httpx.post(f"{cluster.api}/models", json=body, timeout=30)
+        assert response.status_code == 400, response.text
+        error: dict[str, object] = response.json()["error"]
+        assert len(response.content) < 2000, "the refusal does not echo the body back"
+        return error
+
+    # The body is decoded strictly, as every request body is: unknown fields and wrong types are named.
+    error = add({"model_id": IMPORTED, "card": IMPORTED_CARD, "cards": [IMPORTED_CARD]})
+    assert error["message"] == "Object contains unknown field `cards`", error
+    error = add({"model_id": IMPORTED, "card": {**IMPORTED_CARD, "num_layers": "30"}})
+    assert (error["param"], error["code"]) == ("card", "invalid_type"), error
+    assert "$.card.num_layers" in str(error["message"]), error
+    for lies, named in CARD_LIES:
+        error = add({"model_id": IMPORTED, "card": {**IMPORTED_CARD, **lies}})
+        assert error["param"] == "card" and named in str(error["message"]), (named, error)
+    _assert_not_added(cluster, IMPORTED)
+    for path in ("/models", "/api/tags", f"/instances/preview?model_id={BUILTIN}"):
+        assert httpx.get(f"{cluster.api}{path}", timeout=30).status_code != 500, path
+
+    # A Hub repo whose config.json lies is refused too, naming the config.
+    deep = f"{ORG}/tiny-deep"
+    repo = cluster.root / "repos" / "deep"
+    shutil.copytree(cluster.split_dir, repo)
+    config = json.loads((repo / "config.json").read_text())
+    (repo / "config.json").write_text(json.dumps(config | {"num_hidden_layers": 10**9}))
+    cluster.serve(deep, repo)
+    response = post(cluster.api, deep)
+    assert response.status_code == 400, response.text
+    assert "config.json describes no servable model: num_layers must be between 1 and 4096" in error_message(response)
+    _assert_not_added(cluster, deep)
+
+    # The honest card adds.
+    added = httpx.post(f"{cluster.api}/models", json={"model_id": IMPORTED, "card": IMPORTED_CARD}, timeout=30)
+    assert added.status_code == 201, added.text
+    assert httpx.delete(f"{cluster.api}/models/{IMPORTED}", timeout=30).status_code == 200
 
 
 def test_hub_errors_add_nothing(cluster: ModelsCluster) -> None:

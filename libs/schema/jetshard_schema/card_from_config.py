@@ -7,7 +7,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from jetshard_schema.cards import DEFAULT_CAPABILITIES, ModelCapability, ModelCard, Quantization
+from jetshard_schema.cards import DEFAULT_CAPABILITIES, VISION_ARCHITECTURES, ModelCapability, ModelCard, Quantization
 from jetshard_schema.ids import parse_model_id
 from jetshard_schema.sampling import generation_config_defaults
 
@@ -18,11 +18,6 @@ until the shard engine handles them."""
 TENSOR_PARALLEL_ARCHITECTURES: frozenset[str] = frozenset({"llama", "mistral", "qwen2", "qwen3"})
 """Those of them mlx-lm can split every layer of across ranks (its models' `shard(group)`), for tensor-parallel
 instances; tests/test_library_boundary.py checks it against mlx-lm."""
-VISION_ARCHITECTURES: frozenset[str] = frozenset({"idefics3", "smolvlm"})
-"""`model_type`s of vision models the shard engine serves: their language model (under `text_config`, one of
-`SUPPORTED_ARCHITECTURES`) split into layer ranges, mlx-vlm's vision tower and projector on the first rank
-(SmolVLM, Idefics3). These take images."""
-
 # Config keys differ between model families (GPT-2 style `n_layer`, T5 style `d_model`, ...); the first key
 # present wins, so the common Hugging Face name comes first.
 _LAYER_KEYS = ("num_hidden_layers", "n_layer", "num_layers", "n_layers")
@@ -74,37 +69,36 @@ def card_from_hub_metadata(
     kv_heads = _optional_int(valid_id, scopes, _KV_HEAD_KEYS)
     # Without a kv-head count the model uses plain multi-head attention: one kv head per query head.
     kv_heads = heads if kv_heads is None else kv_heads
-    if heads % kv_heads != 0:
-        raise ValueError(
-            f"{valid_id}: config.json has {heads} attention heads and {kv_heads} key/value heads; "
-            "the attention head count must be a multiple of the key/value head count"
-        )
     vocab_size = _required_int(valid_id, scopes, _VOCAB_KEYS)
     context_length = _optional_int(valid_id, scopes, _CONTEXT_KEYS)
 
     storage_size = _storage_size(valid_id, safetensors_index, file_sizes)
+    quantization = _quantization(valid_id, config)
     # A config without any context key leaves the card's own default in force rather than inventing one here.
     card_fields: dict[str, Any] = {}
     if context_length is not None:
         card_fields["context_length"] = context_length
-    return ModelCard(
-        model_id=valid_id,
-        num_layers=num_layers,
-        hidden_size=hidden_size,
-        num_attention_heads=heads,
-        num_key_value_heads=kv_heads,
-        vocab_size=vocab_size,
-        architecture=architecture,
-        storage_size_bytes=storage_size,
-        storage_size_estimated=False,
-        quantization=_quantization(valid_id, config),
-        checkpoint_dtype=_checkpoint_dtype(scopes),
-        is_custom=True,
-        display_name=valid_id.split("/", 1)[1],
-        generation=generation_config_defaults(generation_config),
-        capabilities=capabilities_of(architecture, tokenizer_config),
-        **card_fields,
-    )
+    try:
+        return ModelCard(
+            model_id=valid_id,
+            num_layers=num_layers,
+            hidden_size=hidden_size,
+            num_attention_heads=heads,
+            num_key_value_heads=kv_heads,
+            vocab_size=vocab_size,
+            architecture=architecture,
+            storage_size_bytes=storage_size,
+            storage_size_estimated=False,
+            quantization=quantization,
+            checkpoint_dtype=_checkpoint_dtype(scopes),
+            is_custom=True,
+            display_name=valid_id.split("/", 1)[1],
+            generation=generation_config_defaults(generation_config),
+            capabilities=capabilities_of(architecture, tokenizer_config),
+            **card_fields,
+        )
+    except ValueError as error:  # a value beyond a card's bounds (`ModelCard.__post_init__`)
+        raise ValueError(f"{valid_id}: config.json describes no servable model: {error}") from error
 
 
 def capabilities_of(architecture: str, tokenizer_config: object) -> tuple[ModelCapability, ...]:

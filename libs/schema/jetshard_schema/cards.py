@@ -1,13 +1,20 @@
-"""Model cards: what the cluster needs to know about a model to place, download and serve it."""
+"""Model cards: what the cluster needs to know about a model to place, download and serve it.
+
+A custom card is untrusted input (a Hub repo's config.json, a client's body, a command anyone with a publishing
+identity could send), and every node does arithmetic with its numbers on every placement and listing: each field
+is bounded where a card is decoded or built, so a card that exists is one the cluster can work with. The bounds are
+generous to every real model; one outside them is a lie or a mistake, refused with the field named.
+"""
 
 from __future__ import annotations
 
 import enum
+import re
 from typing import Annotated
 
 import msgspec
 
-from jetshard_schema.ids import ValidModelId
+from jetshard_schema.ids import ValidModelId, parse_model_id
 
 
 class ModelTask(enum.StrEnum):
@@ -43,9 +50,49 @@ class ModelSource(enum.StrEnum):
     """A GGUF file a user imported with `jetshard models import-gguf`."""
 
 
+VISION_ARCHITECTURES: frozenset[str] = frozenset({"idefics3", "smolvlm"})
+"""`model_type`s of vision models the shard engine serves: their language model (under `text_config`, one of
+`card_from_config.SUPPORTED_ARCHITECTURES`) split into layer ranges, mlx-vlm's vision tower and projector on the
+first rank (SmolVLM, Idefics3). These take images."""
+
+QUANTIZATION_BITS = frozenset({2, 3, 4, 5, 6, 8})
+"""The widths MLX's affine quantization stores (and a GGUF import converts to)."""
+QUANTIZATION_GROUP_SIZES = frozenset({16, 32, 64, 128})
+"""The group sizes MLX quantizes in (16 for nvfp4); a GGUF's 32-weight blocks convert to groups of 32."""
+MAX_LAYERS = 4096
+"""The deepest models have a few hundred layers."""
+MAX_HIDDEN_SIZE = 1 << 17
+"""The widest models are some 16,000-25,000 wide."""
+MAX_VOCAB_SIZE = 1 << 21
+"""The largest vocabularies hold some 260,000 tokens."""
+MAX_CONTEXT_LENGTH = 1 << 24
+"""The longest contexts are some 10 million tokens."""
+MAX_STORAGE_BYTES = 1 << 50
+"""A pebibyte: the largest checkpoints are a few terabytes."""
+MAX_NAME_LENGTH = 256
+"""`display_name`, which every listing and every dashboard update carries."""
+MAX_SOURCE_REF_LENGTH = 4096
+"""`source_ref`: a package and file, or a path (PATH_MAX)."""
+CHECKPOINT_DTYPES = ("", "float32", "bfloat16", "float16")
+
+SHA256_PATTERN = re.compile(r"[0-9a-f]{64}")
+ARCHITECTURE_PATTERN = re.compile(r"[a-z][a-z0-9_-]{0,63}")
+"""A `model_type` as transformers spells them (`llama`, `qwen2_moe`, `xlm-roberta`): a name, never a path."""
+StorageBytes = Annotated[int, msgspec.Meta(ge=1, le=MAX_STORAGE_BYTES)]
+"""A model's weights in bytes, as a downloader measures them: held to a card's bounds."""
+
+
 class Quantization(msgspec.Struct, frozen=True, forbid_unknown_fields=False):
     bits: int
     group_size: int
+
+    def __post_init__(self) -> None:
+        if self.bits not in QUANTIZATION_BITS:
+            raise ValueError(f"quantization.bits must be one of {sorted(QUANTIZATION_BITS)}, got {self.bits}")
+        if self.group_size not in QUANTIZATION_GROUP_SIZES:
+            raise ValueError(
+                f"quantization.group_size must be one of {sorted(QUANTIZATION_GROUP_SIZES)}, got {self.group_size}"
+            )
 
 
 class GenerationDefaults(msgspec.Struct, frozen=True, kw_only=True):
@@ -88,8 +135,55 @@ class ModelCard(msgspec.Struct, frozen=True, kw_only=True):
     """The model's recommended sampling values, used when neither the request nor the model directory's
     `generation_config.json` sets them."""
 
+    def __post_init__(self) -> None:
+        # Checked here, not as constraints of the fields: msgspec runs this where a card is decoded (a body, a
+        # command, an event, a snapshot, a catalogue file) and where one is built in code (from a Hub repo's
+        # config.json), so no card exists that breaks them.
+        parse_model_id(self.model_id)
+        for field, most in _COUNT_BOUNDS.items():
+            value = getattr(self, field)
+            if not 1 <= value <= most:
+                raise ValueError(f"{field} must be between 1 and {most}, got {value}")
+        heads, kv_heads = self.num_attention_heads, self.num_key_value_heads
+        if heads > self.hidden_size:
+            raise ValueError(f"num_attention_heads ({heads}) cannot exceed hidden_size ({self.hidden_size})")
+        if heads % kv_heads:
+            raise ValueError(f"num_attention_heads ({heads}) must be a multiple of num_key_value_heads ({kv_heads})")
+        if not ARCHITECTURE_PATTERN.fullmatch(self.architecture):
+            raise ValueError(
+                f"architecture must be a model_type such as 'llama' (lower-case letters, digits, '_' and '-', "
+                f"at most 64), got {self.architecture[:80]!r}"
+            )
+        if self.checkpoint_dtype not in CHECKPOINT_DTYPES:
+            raise ValueError(f"checkpoint_dtype must be one of {CHECKPOINT_DTYPES}, got {self.checkpoint_dtype[:80]!r}")
+        for field, most in (("display_name", MAX_NAME_LENGTH), ("source_ref", MAX_SOURCE_REF_LENGTH)):
+            if len(getattr(self, field)) > most:
+                raise ValueError(f"{field} must be at most {most} characters, got {len(getattr(self, field))}")
+        if self.source_sha256 and not SHA256_PATTERN.fullmatch(self.source_sha256):
+            raise ValueError("source_sha256 must be empty or 64 lower-case hexadecimal digits")
+        for field in ("tasks", "capabilities"):
+            if len(set(getattr(self, field))) != len(getattr(self, field)):
+                raise ValueError(f"{field} lists a value more than once")
+        if ModelCapability.VISION in self.capabilities and self.architecture not in VISION_ARCHITECTURES:
+            raise ValueError(
+                f"capabilities: a {self.architecture} model has no vision tower; vision models are "
+                + ", ".join(sorted(VISION_ARCHITECTURES))
+            )
+
     @property
     def vision(self) -> bool:
         """The model takes images (a vision tower and projector beside its language model, run through mlx-vlm on
         the rank that holds the embeddings); a request with an image for a model without it is refused."""
         return ModelCapability.VISION in self.capabilities
+
+
+_COUNT_BOUNDS = {
+    "num_layers": MAX_LAYERS,
+    "hidden_size": MAX_HIDDEN_SIZE,
+    "num_attention_heads": MAX_HIDDEN_SIZE,
+    "num_key_value_heads": MAX_HIDDEN_SIZE,
+    "vocab_size": MAX_VOCAB_SIZE,
+    "context_length": MAX_CONTEXT_LENGTH,
+    "storage_size_bytes": MAX_STORAGE_BYTES,
+}
+"""A card's counts: at least 1 each (placement divides by several), at most these."""

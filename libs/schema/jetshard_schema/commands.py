@@ -15,7 +15,7 @@ from typing import ClassVar
 
 import msgspec
 
-from jetshard_schema.cards import ModelCard
+from jetshard_schema.cards import ModelCard, StorageBytes
 from jetshard_schema.ids import NodeId, ValidInstanceId, ValidModelId, ValidNodeId, ValidSessionId, ValidTaskId
 from jetshard_schema.subjects import (
     API_SENDER,
@@ -28,6 +28,7 @@ from jetshard_schema.types import (
     DownloadProgress,
     Endpoint,
     MinNodes,
+    NodeIds,
     NodeProfile,
     NodeStorage,
     RunnerReport,
@@ -112,7 +113,7 @@ class ReportModelSize(_DownloaderReport, frozen=True):
     """The real total size of a model's weights, measured from its file list."""
 
     model_id: ValidModelId
-    storage_size_bytes: int
+    storage_size_bytes: StorageBytes
 
 
 # --- downloads ---------------------------------------------------------------------------------------------
@@ -154,7 +155,8 @@ class ReportDownloadDeleted(_DownloaderReport, frozen=True):
 class PlaceInstance(_Command, frozen=True):
     instance_id: ValidInstanceId
     model_id: ValidModelId
-    node_ids: tuple[ValidNodeId, ...] | None = None
+    node_ids: NodeIds | None = None
+    """None: placement chooses."""
     min_nodes: MinNodes = 1
     serving: ServingSettings = ServingSettings()
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import msgspec
 
-from jetshard_schema.cards import ModelCard
+from jetshard_schema.cards import ModelCard, StorageBytes
 from jetshard_schema.ids import ValidCommandId, ValidInstanceId, ValidModelId, ValidNodeId, ValidSessionId, ValidTaskId
 from jetshard_schema.subjects import event_subject
 from jetshard_schema.types import (
@@ -78,7 +78,7 @@ class CustomModelCardDeleted(_Event, frozen=True):
 
 class ModelSizeMeasured(_Event, frozen=True):
     model_id: ValidModelId
-    storage_size_bytes: int
+    storage_size_bytes: StorageBytes
 
 
 # --- downloads ---------------------------------------------------------------------------------------------

@@ -73,6 +73,10 @@ class InvalidPlacement(PlacementError):
     node; the client has to change it, not wait for room."""
 
 
+class NotEnoughNodes(PlacementError):
+    """The placement asks for more nodes than there are (that can get the model's files)."""
+
+
 class UnsplittableModel(InvalidPlacement):
     """The model cannot be split across that many tensor-parallel nodes (its heads, or its architecture)."""
 
@@ -113,7 +117,7 @@ def weights_bytes(card: ModelCard, weights: WeightsDtype) -> int:
 def kv_cache_bytes(card: ModelCard, weights: WeightsDtype = WeightsDtype.NATIVE) -> int:
     """The KV cache of one row holding a full context, in the dtype the layers compute in: float32 with float32
     weights (converted, or a full-precision checkpoint's own), 16 bits otherwise."""
-    head_dim = card.hidden_size // max(card.num_attention_heads, 1)
+    head_dim = card.hidden_size // card.num_attention_heads
     wide = weights is WeightsDtype.FLOAT32 or (weights is WeightsDtype.NATIVE and _full_precision(card))
     per_value = FLOAT32_BYTES if wide else HALF_BYTES
     return 2 * card.num_layers * card.num_key_value_heads * head_dim * card.context_length * per_value
@@ -204,9 +208,9 @@ class _Sizing:
         """The whole model's requirement, were every shard in `weights`."""
         if weights not in self._required:
             resolved = msgspec.structs.replace(self.serving, weights=weights)
-            # At least a byte: a card that claims to need nothing (no stored bytes, a head dimension of 0) is sized,
-            # not a division by zero in the sequencer.
-            self._required[weights] = max(required_memory_bytes(self.card, resolved), 1)
+            # Never 0, which `layers_held` divides by: a card holds a layer, a head at least one unit wide and a
+            # token of context, so its KV cache takes some bytes.
+            self._required[weights] = required_memory_bytes(self.card, resolved)
         return self._required[weights]
 
     def layers_held(self, node: Node, weights: WeightsDtype) -> float:
@@ -245,31 +249,33 @@ def place(
     """Choose nodes, layer ranges and each shard's weights dtype for `card`; raise PlacementError with an
     actionable reason."""
     known = {node.node_id: node for node in nodes}
-    if node_ids:
+    if node_ids is not None:
+        if not node_ids:
+            raise InvalidPlacement("node_ids names no node: name one at least, or leave it out for placement to choose")
         twice = [n for n, count in Counter(node_ids).items() if count > 1]
         if twice:
-            raise InvalidPlacement(f"node_ids lists {', '.join(twice)} more than once: each node holds one rank")
+            raise InvalidPlacement(f"node_ids lists {_some(twice)} more than once: each node holds one rank")
         missing = [n for n in node_ids if n not in known]
         if missing:
-            raise InvalidPlacement(f"unknown node(s): {', '.join(missing)}; see GET /nodes")
+            raise InvalidPlacement(f"unknown node(s): {_some(missing)}; see GET /nodes")
         chosen = [known[n] for n in node_ids]
     else:
         chosen = sorted(nodes, key=lambda n: (-compute_memory_bytes(n.profile), n.node_id))
     if min_nodes < 1:
         raise InvalidPlacement("min_nodes must be at least 1")
     if serving.parallelism is Parallelism.TENSOR:
-        refusal = tensor_split_refusal(card, len(chosen) if node_ids else min_nodes)
+        refusal = tensor_split_refusal(card, min_nodes if node_ids is None else len(chosen))
         if refusal is not None:
             raise UnsplittableModel(refusal)
     if len(chosen) < min_nodes:
-        raise PlacementError(f"{min_nodes} node(s) requested but only {len(chosen)} available")
+        raise NotEnoughNodes(f"{min_nodes} node(s) requested but only {len(chosen)} available")
     if serving.parallelism is Parallelism.TENSOR:
-        return _place_tensor_parallel(card, chosen if node_ids else chosen[:min_nodes], serving)
+        return _place_tensor_parallel(card, chosen[:min_nodes] if node_ids is None else chosen, serving)
 
     sizing = _Sizing(card, serving)
     auto = serving.weights is WeightsDtype.AUTO
     dtypes = [_checkpoint_weights(card, n.profile) if auto else serving.weights for n in chosen]
-    if not node_ids:
+    if node_ids is None:
         # The fewest nodes (at least min_nodes) whose memory holds every layer: fewer hops per token.
         count, held = 0, 0.0
         for count, (node, weights) in enumerate(zip(chosen, dtypes, strict=True), start=1):
@@ -311,6 +317,12 @@ def place(
     required = sum(sizing.required(w) * layers // card.num_layers for w, layers in layers_in.items())
     common = dtypes[0] if len(layers_in) == 1 else WeightsDtype.AUTO
     return Placement(shards=shards, required_bytes=required, serving=msgspec.structs.replace(serving, weights=common))
+
+
+def _some(node_ids: Sequence[str], shown: int = 3) -> str:
+    """The first few of `node_ids`, for a message: a request may name thousands."""
+    more = f" and {len(node_ids) - shown} more" if len(node_ids) > shown else ""
+    return ", ".join(node_ids[:shown]) + more
 
 
 def tensor_split_refusal(card: ModelCard, nodes: int) -> str | None:

@@ -13,7 +13,7 @@ import msgspec
 from msgspec.structs import replace
 
 from jetshard_schema import events
-from jetshard_schema.cards import ModelCard
+from jetshard_schema.cards import ModelCard, StorageBytes
 from jetshard_schema.ids import (
     InstanceId,
     ModelId,
@@ -113,7 +113,7 @@ class State(msgspec.Struct, frozen=True, kw_only=True):
     nodes: dict[ValidNodeId, Node] = {}
     node_storage: dict[ValidNodeId, NodeStorage] = {}
     custom_cards: dict[ValidModelId, ModelCard] = {}
-    measured_sizes: dict[ValidModelId, int] = {}
+    measured_sizes: dict[ValidModelId, StorageBytes] = {}
     downloads: dict[ValidNodeId, dict[ValidModelId, Download]] = {}
     instances: dict[ValidInstanceId, Instance] = {}
     tasks: dict[ValidTaskId, Task] = {}
@@ -218,7 +218,10 @@ def _custom_model_card_added(event: events.CustomModelCardAdded, state: State) -
 
 @_fold.register
 def _custom_model_card_deleted(event: events.CustomModelCardDeleted, state: State) -> State:
-    return replace(state, custom_cards=_without(state.custom_cards, event.model_id))
+    # Its downloads' records go with it: nothing can be done with a download of a model the cluster does not know
+    # (the files stay on disk, and are found again if the card is added back).
+    downloads = {node_id: _without(per_node, event.model_id) for node_id, per_node in state.downloads.items()}
+    return replace(state, custom_cards=_without(state.custom_cards, event.model_id), downloads=downloads)
 
 
 @_fold.register

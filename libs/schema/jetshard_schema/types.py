@@ -81,6 +81,9 @@ class Parallelism(enum.StrEnum):
 MAX_NODES = 4096
 MinNodes = Annotated[int, msgspec.Meta(ge=1, le=MAX_NODES)]
 """How many nodes an instance spans at least."""
+NodeIds = Annotated[tuple[ValidNodeId, ...], msgspec.Meta(min_length=1, max_length=MAX_NODES)]
+"""The nodes a placement names, in rank order: at least one (leaving them out lets placement choose), and no more
+than a cluster may have."""
 MaxBatch = Annotated[int, msgspec.Meta(ge=1, le=256)]
 MaxQueued = Annotated[int, msgspec.Meta(ge=0, le=100_000)]
 PrefixCacheBytes = Annotated[int, msgspec.Meta(ge=0, le=2**40)]
@@ -216,6 +219,8 @@ class RejectCode(enum.StrEnum):
     CONFLICT = "conflict"
     ALREADY_EXISTS = "already_exists"
     INSUFFICIENT_MEMORY = "insufficient_memory"
+    NOT_ENOUGH_NODES = "not_enough_nodes"
+    """A placement asks for more nodes than the cluster has (that can get the model's files)."""
     NO_CAPACITY = "no_capacity"
     MODEL_UNAVAILABLE = "model_unavailable"
     """The model's files cannot be had where it would run (offline nodes without it)."""

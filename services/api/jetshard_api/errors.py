@@ -36,6 +36,7 @@ REJECT_STATUS = {
     RejectCode.CONFLICT: 409,
     RejectCode.ALREADY_EXISTS: 409,
     RejectCode.INSUFFICIENT_MEMORY: 409,
+    RejectCode.NOT_ENOUGH_NODES: 409,
     RejectCode.NO_CAPACITY: 503,
     RejectCode.MODEL_UNAVAILABLE: 503,
     RejectCode.QUEUE_FULL: 429,

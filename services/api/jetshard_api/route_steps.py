@@ -16,7 +16,14 @@ from jetshard_schema.cards import ModelCapability, ModelCard
 from jetshard_schema.events import InstanceChosen, InstancePlaced
 from jetshard_schema.ids import InstanceId, ModelId, NodeId, new_instance_id, parse_model_id
 from jetshard_schema.models import find_card
-from jetshard_schema.placement import ModelUnavailable, Placement, PlacementError, UnsplittableModel, place_in
+from jetshard_schema.placement import (
+    ModelUnavailable,
+    NotEnoughNodes,
+    Placement,
+    PlacementError,
+    UnsplittableModel,
+    place_in,
+)
 from jetshard_schema.state import Instance, State, ready_instances
 from jetshard_schema.types import DownloadProgress, DownloadStatus, ServingSettings, TaskRequest
 
@@ -74,7 +81,7 @@ async def place_instance(
     cluster: Cluster,
     model_id: ModelId,
     serving: ServingSettings,
-    node_ids: list[str] | None = None,
+    node_ids: tuple[NodeId, ...] | None = None,
     min_nodes: int = 1,
 ) -> Instance:
     instance_id = new_instance_id()
@@ -82,7 +89,7 @@ async def place_instance(
         commands.PlaceInstance(
             instance_id=instance_id,
             model_id=model_id,
-            node_ids=tuple(NodeId(n) for n in node_ids) if node_ids else None,
+            node_ids=node_ids,
             min_nodes=min_nodes,
             serving=serving,
         )
@@ -99,6 +106,8 @@ def preview_placement(state: State, card: ModelCard, serving: ServingSettings, m
         raise ApiError(503, str(error), "model_unavailable") from error
     except UnsplittableModel as error:
         raise ApiError(400, str(error), "invalid_parallelism", "parallelism") from error
+    except NotEnoughNodes as error:
+        raise ApiError(409, str(error), "not_enough_nodes", "min_nodes") from error
     except PlacementError as error:
         raise ApiError(409, str(error), "insufficient_memory") from error
 

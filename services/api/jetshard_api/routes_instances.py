@@ -14,6 +14,7 @@ from jetshard_schema.types import (
     MaxBatch,
     MaxQueued,
     MinNodes,
+    NodeIds,
     Parallelism,
     PrefixCacheBytes,
     ServingSettings,
@@ -52,7 +53,8 @@ class ServingRequest(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 
 class PlaceRequest(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     model_id: str
-    node_ids: list[str] | None = None
+    node_ids: NodeIds | None = None
+    """The nodes to place on, in rank order; left out (or null), placement chooses."""
     min_nodes: MinNodes = 1
     """How many nodes the instance spans at least; for a tensor-parallel one, exactly (unless `node_ids` names
     them)."""

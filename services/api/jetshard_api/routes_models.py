@@ -16,16 +16,19 @@ from litestar.openapi.datastructures import ResponseSpec
 from litestar.params import FromPath, JSONBody
 
 from jetshard_api.cluster import Cluster
+from jetshard_api.dialects.strict_body import StrictBody
 from jetshard_api.errors import ERROR_RESPONSES, ApiError
 from jetshard_api.hub import fetch_card
 from jetshard_api.route_steps import Deleted, checked_model_id
 
 
-class AddModelRequest(msgspec.Struct, frozen=True):
+class AddModelRequest(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     model_id: str
     card: ModelCard | None = None
     """Only for models imported from a local GGUF file (`jetshard models import-gguf`): the card built from
-    the converted files. Every other card is fetched from the Hub."""
+    the converted files. Every other card is fetched from the Hub. Its fields are bounded as every card's are
+    (`ModelCard.__post_init__`); a field this version does not know is ignored, as on the bus, so a newer CLI's
+    card still adds."""
 
 
 class ModelDescription(ModelCard, frozen=True, kw_only=True):
@@ -43,6 +46,8 @@ def describe(state: State, card: ModelCard) -> ModelDescription:
 
 
 class ModelsController(Controller):
+    dto = StrictBody  # a value of the wrong type is refused, not converted ("30" is not 30)
+    return_dto = None
     path = "/models"
     tags = ["models"]
 

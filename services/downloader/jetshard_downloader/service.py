@@ -47,6 +47,7 @@ from jetshard_schema.commands import (
     ReportNodeStorage,
 )
 from jetshard_schema.events import (
+    CustomModelCardDeleted,
     DownloadCancelled,
     DownloadDeleteRequested,
     DownloadRequested,
@@ -250,6 +251,8 @@ class Downloader:
                         self.request(model_id, shard.start_layer, shard.end_layer)
             case DownloadCancelled(node_id=node_id, model_id=model_id) if node_id == self.node_id:
                 self.cancel(model_id)
+            case CustomModelCardDeleted(model_id=model_id):
+                self.cancel(model_id)  # State forgot its download with the card; what was fetched stays on disk
             case DownloadDeleteRequested(node_id=node_id, model_id=model_id) if node_id == self.node_id:
                 self._spawn(self._delete(model_id))
 

@@ -13,9 +13,11 @@ from typing import Any
 import msgspec
 from jetshard_schema import commands, events
 from jetshard_schema.admission import Refused, admit
-from jetshard_schema.ids import CommandId, InstanceId, ModelId, NodeId, parse_model_id
+from jetshard_schema.card_from_config import SUPPORTED_ARCHITECTURES
+from jetshard_schema.cards import VISION_ARCHITECTURES
+from jetshard_schema.ids import CommandId, InstanceId, ModelId, NodeId
 from jetshard_schema.models import find_card, is_builtin
-from jetshard_schema.placement import InvalidPlacement, ModelUnavailable, PlacementError, place_in
+from jetshard_schema.placement import InvalidPlacement, ModelUnavailable, NotEnoughNodes, PlacementError, place_in
 from jetshard_schema.state import Instance, State, apply, instance_status
 from jetshard_schema.types import (
     DownloadStatus,
@@ -172,20 +174,17 @@ def _try_place(state: State, lost: Instance, ctx: Context) -> events.InstancePla
 
 
 def _add_custom_model_card(state: State, command: commands.AddCustomModelCard, ctx: Context) -> list[events.Event]:
+    # The card's own fields were checked where it was decoded (`ModelCard.__post_init__`); what is checked here
+    # may change between versions (which architectures run), so that a stored card is never refused on replay.
     card = command.card
-    parse_model_id(card.model_id)
     if find_card(state, card.model_id) is not None:
         return _reject(command, RejectCode.ALREADY_EXISTS, f"{card.model_id} is already in the catalogue")
-    if card.num_layers < 1 or card.hidden_size < 1 or card.storage_size_bytes < 0:
-        return _reject(command, RejectCode.INVALID, "a card needs at least one layer and a positive hidden size")
-    # Placement splits the heads over tensor-parallel ranks and sizes the KV cache by them.
-    heads, kv_heads = card.num_attention_heads, card.num_key_value_heads
-    if heads < 1 or kv_heads < 1 or heads % kv_heads or card.vocab_size < 1:
+    servable = SUPPORTED_ARCHITECTURES | VISION_ARCHITECTURES
+    if card.architecture not in servable:
         return _reject(
             command,
             RejectCode.INVALID,
-            f"a card needs a positive vocabulary and head counts, attention heads a multiple of key/value heads; "
-            f"got {heads} and {kv_heads}, vocabulary {card.vocab_size}",
+            f"architecture {card.architecture!r} is not supported; supported: {', '.join(sorted(servable))}",
         )
     return [events.CustomModelCardAdded(card=replace(card, is_custom=True))]
 
@@ -199,6 +198,14 @@ def _delete_custom_model_card(
         )
     if command.model_id not in state.custom_cards:
         return _reject(command, RejectCode.NOT_FOUND, f"no custom model card {command.model_id}")
+    users = sorted(i.instance_id for i in state.instances.values() if i.model_id == command.model_id)
+    if users:
+        # Its instances need the card (to restart) and its downloads' records (to start their runners).
+        return _reject(
+            command,
+            RejectCode.CONFLICT,
+            f"{command.model_id} is in use by instance(s) {', '.join(users)}; delete them first",
+        )
     return [events.CustomModelCardDeleted(model_id=command.model_id)]
 
 
@@ -269,6 +276,8 @@ def _report_download_progress(
     state: State, command: commands.ReportDownloadProgress, ctx: Context
 ) -> list[events.Event]:
     node_id, model_id, progress = command.node_id, command.model_id, command.progress
+    if find_card(state, model_id) is None:
+        return []  # the end of a download whose card was deleted meanwhile: State forgot it with the card
     match progress.status:
         case DownloadStatus.COMPLETED:
             return [events.DownloadCompleted(node_id=node_id, model_id=model_id, progress=progress)]
@@ -355,6 +364,8 @@ def _placed(
         return _reject(command, RejectCode.MODEL_UNAVAILABLE, str(error))
     except InvalidPlacement as error:
         return _reject(command, RejectCode.INVALID, str(error))
+    except NotEnoughNodes as error:
+        return _reject(command, RejectCode.NOT_ENOUGH_NODES, str(error))
     except PlacementError as error:
         return _reject(command, RejectCode.INSUFFICIENT_MEMORY, str(error))
     return [

@@ -24,7 +24,7 @@ from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
-from jetshard_schema.card_from_config import VISION_ARCHITECTURES
+from jetshard_schema.cards import VISION_ARCHITECTURES
 from mlx.nn.layers.distributed import QuantizedAllToShardedLinear, QuantizedShardedToAllLinear
 from mlx.utils import tree_flatten, tree_unflatten
 
