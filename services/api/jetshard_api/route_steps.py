@@ -125,14 +125,15 @@ def preview_placement(state: State, card: ModelCard, serving: ServingSettings, m
         raise ApiError(409, str(error), "insufficient_memory") from error
 
 
-def check_inputs(state: State, task: TaskRequest) -> None:
-    """A 400 for images sent to a model whose card says it takes none (it would see only their placeholders)."""
+def check_inputs(state: State, task: TaskRequest, images_param: str = "messages") -> None:
+    """A 400 naming `images_param`, the request field that carries the images, for images sent to a model whose
+    card says it takes none (it would see only their placeholders)."""
     if not has_images(task):
         return
     card = find_card(state, task.model_id)
     if card is not None and not card.vision:
         raise ApiError(
-            400, f"{task.model_id} takes no images: it is not a vision model", "model_takes_no_images", "messages"
+            400, f"{task.model_id} takes no images: it is not a vision model", "model_takes_no_images", images_param
         )
 
 
