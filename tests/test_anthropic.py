@@ -169,6 +169,26 @@ def test_refusals_are_anthropic_errors(client: anthropic.Anthropic, dialect_clus
         assert missing.value.body["error"]["type"] == "not_found_error"  # type: ignore[index]
 
 
+def test_an_unknown_field_in_thinking_is_refused_naming_it(
+    client: anthropic.Anthropic, dialect_cluster: DialectCluster
+) -> None:
+    """The top level takes other servers' extras (tests/test_dialect_conventions.py); `thinking` is Anthropic's own
+    object, and a field there that nothing reads would be a way of thinking asked for and silently not had."""
+    model = dialect_cluster.model
+    for thinking, named in (
+        ({"type": "disabled", "budget": 10}, "`budget`"),
+        ({"type": "adaptive", "display": "omitted"}, "thinking.display"),  # not honoured: the reasoning comes whole
+    ):
+        with pytest.raises(anthropic.BadRequestError) as refused:
+            client.messages.create(model=model, messages=QUESTION, max_tokens=2, thinking=thinking)  # type: ignore[arg-type]
+        body: Any = refused.value.body
+        assert body["type"] == "error" and body["error"]["type"] == "invalid_request_error"
+        assert named in body["error"]["message"] and "thinking" in body["error"]["message"]
+    # The client's own fields pass: `display` as it is summarized by default.
+    thinking: Any = {"type": "disabled", "display": "summarized"}
+    assert client.messages.create(model=model, messages=QUESTION, max_tokens=2, thinking=thinking).content
+
+
 def test_a_wrong_api_key_is_an_authentication_error() -> None:
     """The key middleware answers before the route's handler, in the route's error shape. No NATS is needed:
     the request never gets that far."""

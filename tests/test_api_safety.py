@@ -36,6 +36,8 @@ async def test_api_key_host_origin_content_type_and_nesting(processes, fresh_nat
     bearer = {"Authorization": f"Bearer {KEY}"}
     async with httpx.AsyncClient(base_url=base, timeout=30) as client:
         assert (await client.get("/healthz")).status_code == 200  # open: a load balancer has no key
+        health = await client.get("/health")  # vLLM's and llama-server's probe, open too
+        assert (health.status_code, health.json()) == (200, {"status": "ok"})
         assert (await client.get("/openapi/openapi.json")).status_code == 200
         # The dashboard's page and files hold no data; the view they show needs the key like every route.
         assert (await client.get("/")).status_code == 200

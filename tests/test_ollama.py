@@ -285,7 +285,7 @@ def test_pull_downloads_a_model_and_delete_removes_it(
 
 @pytest.mark.parametrize(
     ("model", "status"),
-    [("nobody/nothing", 404), ("jetshard-test/tiny-dialects:7b", 404), ("llama3", 400)],
+    [("nobody/nothing", 404), ("jetshard-test/tiny-dialects:7b", 404), ("llama3", 404), ("../../llama3", 400)],
 )
 def test_model_errors_in_ollamas_shape(client: ollama.Client, model: str, status: int) -> None:
     for stream in (False, True):

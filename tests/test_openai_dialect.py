@@ -255,3 +255,36 @@ def test_embeddings_are_the_normalised_mean_of_the_models_hidden_states(
     assert plain.data[0].embedding == pytest.approx(result.data[1].embedding, abs=1e-6)
     with pytest.raises(openai.BadRequestError):
         client.embeddings.create(model=dialect_cluster.model, input=[""])
+
+
+def test_token_id_inputs_are_embedded_as_they_are(
+    client: openai.OpenAI, dialect_cluster: DialectCluster, reference: tuple[Any, Any]
+) -> None:
+    """OpenAI's and llama.cpp's other forms of `input`: one input's token ids, or a list of such lists. The ids of a
+    text embed to the text's vector; ids outside the model's vocabulary, negative ones, an empty list and a mix of
+    forms are 400s, and the runner goes on serving."""
+    _, tokenizer = reference
+    texts = ["the capital of France", "a"]
+    ids = [tokenizer.encode(text) for text in texts]
+    by_text = client.embeddings.create(model=dialect_cluster.model, input=texts, encoding_format="float")
+    by_ids = client.embeddings.create(model=dialect_cluster.model, input=ids, encoding_format="float")
+    for text_data, ids_data in zip(by_text.data, by_ids.data, strict=True):
+        assert ids_data.embedding == pytest.approx(text_data.embedding, abs=1e-5)
+    assert by_ids.usage.prompt_tokens == sum(len(i) for i in ids)
+    one = client.embeddings.create(model=dialect_cluster.model, input=ids[1], encoding_format="float")
+    assert [d.index for d in one.data] == [0]
+    assert one.data[0].embedding == pytest.approx(by_text.data[1].embedding, abs=1e-5)
+
+    vocab_size = json.loads((dialect_cluster.model_dir / "config.json").read_text())["vocab_size"]
+    for wrong, why in [
+        ([ids[0], [*ids[1], vocab_size]], f"input 1 holds token id {vocab_size}"),
+        ([1, -2, 3], "input holds -2"),
+        ([[1], []], "input[1] is an empty list of token ids"),
+        (["a", [1]], "not a mix"),
+        ([1, [2]], "not a mix"),
+    ]:
+        with pytest.raises(openai.BadRequestError) as refused:
+            client.embeddings.create(model=dialect_cluster.model, input=wrong)  # type: ignore[arg-type]
+        assert why in refused.value.message
+    again = client.embeddings.create(model=dialect_cluster.model, input=ids[1], encoding_format="float")
+    assert again.data[0].embedding == pytest.approx(one.data[0].embedding, abs=1e-6)

@@ -190,6 +190,7 @@ async def test_the_api_answers_503_at_once_while_nats_is_down_and_serves_again_a
         health = (await http.get("/healthz")).json()
         assert health["status"] == "unavailable" and "NATS" in health["reason"], health
         for method, path, body in (
+            ("GET", "/health", None),
             ("DELETE", "/instances/some-instance", None),
             ("POST", "/v1/chat/completions", {"model": "any/model", "messages": [{"role": "user", "content": "hi"}]}),
         ):

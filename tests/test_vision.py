@@ -110,6 +110,27 @@ def test_an_image_for_a_text_model_is_refused(client: openai.OpenAI, dialect_clu
     assert refused.value.code == "model_takes_no_images"
 
 
+def test_an_image_for_a_text_model_names_the_field_that_carries_it(
+    client: openai.OpenAI, dialect_cluster: DialectCluster
+) -> None:
+    """Chat Completions carries images in `messages`, the Responses API in `input`."""
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.chat.completions.create(
+            model=dialect_cluster.model, messages=image_question(data_url(PICTURES[0]), QUESTION), max_tokens=5
+        )  # type: ignore[arg-type]
+    assert (refused.value.code, refused.value.param) == ("model_takes_no_images", "messages")
+    image = {"type": "input_image", "image_url": data_url(PICTURES[0]), "detail": "auto"}
+    for stream in (False, True):
+        with pytest.raises(openai.BadRequestError) as refused:
+            client.responses.create(
+                model=dialect_cluster.model,
+                input=[{"role": "user", "content": [image, {"type": "input_text", "text": QUESTION}]}],  # type: ignore[list-item]
+                max_output_tokens=5,
+                stream=stream,
+            )
+        assert (refused.value.code, refused.value.param) == ("model_takes_no_images", "input")
+
+
 @pytest.mark.usefixtures("vision_model")
 @pytest.mark.parametrize(
     ("url", "why"),

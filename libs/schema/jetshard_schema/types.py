@@ -236,6 +236,9 @@ MAX_CHOICES = 16
 MAX_TOP_LOGPROBS = 20
 """OpenAI's bound on `top_logprobs`."""
 MAX_EMBEDDING_INPUTS = 256
+TOKEN_ID_LIMIT = 2**31
+"""Token ids a request may give are below this: what the engine's int32 token arrays hold (vocabularies are far
+smaller; the model's own bounds them where it runs)."""
 MAX_IMAGES = 8
 """Images one request may carry, over all its messages."""
 MAX_IMAGE_BYTES = 4 * 2**20
@@ -342,6 +345,9 @@ CHAT_TEMPLATE_ARGUMENTS = frozenset(
 conversations) that the rendering sets itself: a request's `chat_template_kwargs` may set none of them."""
 
 
+TokenId = Annotated[int, msgspec.Meta(ge=0, lt=TOKEN_ID_LIMIT)]
+
+
 class TaskRequest(msgspec.Struct, frozen=True, kw_only=True):
     task_id: ValidTaskId
     model_id: ValidModelId
@@ -349,8 +355,8 @@ class TaskRequest(msgspec.Struct, frozen=True, kw_only=True):
     messages: tuple[ChatMessage, ...] = ()
     prompt: str = ""
     """A completion's prompt."""
-    inputs: Annotated[tuple[str, ...], msgspec.Meta(max_length=MAX_EMBEDDING_INPUTS)] = ()
-    """An embedding task's texts, one vector each."""
+    inputs: Annotated[tuple[str | tuple[TokenId, ...], ...], msgspec.Meta(max_length=MAX_EMBEDDING_INPUTS)] = ()
+    """An embedding task's inputs, one vector each: a text, or token ids embedded as they are (not tokenized)."""
     sampling: SamplingParams = SamplingParams()
     tools: Tools | None = None
     output_schema: dict[str, Any] | None = None

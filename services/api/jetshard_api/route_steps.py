@@ -8,13 +8,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import re
 from collections.abc import AsyncIterator, Callable
 
 import msgspec
 from jetshard_schema import commands
 from jetshard_schema.cards import ModelCapability, ModelCard
 from jetshard_schema.events import InstanceChosen, InstancePlaced
-from jetshard_schema.ids import InstanceId, ModelId, NodeId, new_instance_id, parse_model_id
+from jetshard_schema.ids import MODEL_ID_MAX_LENGTH, InstanceId, ModelId, NodeId, new_instance_id, parse_model_id
 from jetshard_schema.models import find_card
 from jetshard_schema.placement import (
     ModelUnavailable,
@@ -66,6 +67,27 @@ def checked_model_id(value: str, param: str = "model_id") -> ModelId:
         raise ApiError(400, str(error), "invalid_model_id", param) from error
 
 
+_MODEL_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:/@+-]*")
+"""What another server's model names look like (`gpt-4o`, `claude-sonnet-4-5`, `llama3:8b`,
+`hf.co/org/repo:Q4_K_M`): a name this cluster cannot have, not an attack."""
+
+
+def requested_model_id(value: str, param: str = "model") -> ModelId:
+    """The model an inference request names (every dialect's `model`). A name that cannot be one of this cluster's
+    models, as clients send that were made for another server (`gpt-3.5-turbo`, `llama3`), is a 404
+    `model_not_found`, which is what OpenAI, Anthropic and Ollama answer for a model they do not have; only a
+    hostile value (a path, control characters, an overlong string) is a 400 `invalid_model_id`."""
+    try:
+        return parse_model_id(value)
+    except ValueError as error:
+        hostile = len(value) > MODEL_ID_MAX_LENGTH or not _MODEL_NAME.fullmatch(value) or ".." in value or "//" in value
+        if hostile:
+            raise ApiError(400, str(error), "invalid_model_id", param) from error
+        raise ApiError(
+            404, f"model {value!r} not found: this cluster's models are named 'org/name'", "model_not_found", param
+        ) from error
+
+
 def can_think(state: State, model_id: ModelId) -> bool:
     """Whether the model's card says it thinks; an unknown model passes, for its own error to come later."""
     card = find_card(state, model_id)
@@ -112,14 +134,15 @@ def preview_placement(state: State, card: ModelCard, serving: ServingSettings, m
         raise ApiError(409, str(error), "insufficient_memory") from error
 
 
-def check_inputs(state: State, task: TaskRequest) -> None:
-    """A 400 for images sent to a model whose card says it takes none (it would see only their placeholders)."""
+def check_inputs(state: State, task: TaskRequest, images_param: str = "messages") -> None:
+    """A 400 naming `images_param`, the request field that carries the images, for images sent to a model whose
+    card says it takes none (it would see only their placeholders)."""
     if not has_images(task):
         return
     card = find_card(state, task.model_id)
     if card is not None and not card.vision:
         raise ApiError(
-            400, f"{task.model_id} takes no images: it is not a vision model", "model_takes_no_images", "messages"
+            400, f"{task.model_id} takes no images: it is not a vision model", "model_takes_no_images", images_param
         )
 
 

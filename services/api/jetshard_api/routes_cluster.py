@@ -30,6 +30,10 @@ class Health(msgspec.Struct, frozen=True, kw_only=True):
     last_seq: int
 
 
+class Serving(msgspec.Struct, frozen=True):
+    status: str = "ok"
+
+
 NodeDescription = msgspec.defstruct(
     "NodeDescription",
     [(f.name, f.type, f.default) for f in msgspec.structs.fields(NodeStorage)],
@@ -57,6 +61,14 @@ class ClusterController(Controller):
             ),
             status_code=503,
         )
+
+    @get("/health", responses=ERROR_RESPONSES)
+    async def health(self, cluster: NamedDependency[Cluster]) -> Serving:
+        """The probe of load balancers and of tools made for vLLM and llama-server: 200 `{"status": "ok"}` while
+        this API can take requests, i.e. reaches NATS (as `/healthz`); 503 in the error shape while it cannot. A
+        model that is not ready does not make the API unready: a request for it places it and waits."""
+        cluster.require_broker()
+        return Serving()
 
     @get("/metrics", include_in_schema=False)
     async def metrics(self, cluster: NamedDependency[Cluster], request: Request[Any, Any, Any]) -> Response[bytes]:

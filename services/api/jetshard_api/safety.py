@@ -25,9 +25,10 @@ from jetshard_api.errors import ApiError
 
 LOOPBACK_HOSTS = ("localhost", "127.0.0.1", "::1")
 WILDCARD_ADDRESSES = ("", "0.0.0.0", "::")
-OPEN_PATHS = ("/healthz", "/openapi", "/dashboard/")
-"""Answered without the API key: the health check, the API's description and the dashboard's files (a page
-cannot send a key before the user enters it there), and the dashboard's page `/` itself."""
+OPEN_PATHS = ("/health", "/openapi", "/dashboard/")
+"""Answered without the API key: the health checks (`/health`, `/healthz`), the API's description and the
+dashboard's files (a page cannot send a key before the user enters it there), and the dashboard's page `/`
+itself."""
 OPEN_PAGE = "/"
 STATE_CHANGING_METHODS = frozenset({"POST", "PUT", "PATCH", "DELETE"})
 BODY_METHODS = frozenset({"POST", "PUT", "PATCH"})

@@ -334,6 +334,14 @@ class Runner:
             if empty is not None:
                 self._fail_task(request.task_id, f"input {empty} is empty", "invalid_request")
                 return
+            # Token ids a client gave index the embedding: one outside it would fail the model, not the request.
+            vocab_size = self._vocab_size
+            unknown = next(((i, t) for i, tokens in enumerate(prompts) for t in tokens if t >= vocab_size), None)
+            if unknown is not None:
+                i, token = unknown
+                message = f"input {i} holds token id {token}; the model's vocabulary has ids 0 to {vocab_size - 1}"
+                self._fail_task(request.task_id, message, "invalid_request")
+                return
             rows = [
                 GenerationRequest(task_id=row_id(request.task_id, i), prompt_tokens=tokens, max_tokens=1, embed=True)
                 for i, tokens in enumerate(prompts)
@@ -426,11 +434,16 @@ class Runner:
             )
         return TaskOutput(request.task_id, choices, *self._io), rows
 
+    @property
+    def _vocab_size(self) -> int:
+        """The model's token ids: its embedding's rows and its logits' width (the tokenizer's size for a config
+        that does not say)."""
+        return int(self.engine.shard.config.get("vocab_size") or len(hf_tokenizer_of(self.tokenizer)))
+
     def _constraint(self, schema: dict[str, Any], max_tokens: int) -> JsonConstraint:
         hf_tokenizer = hf_tokenizer_of(self.tokenizer)
-        vocab_size = int(self.engine.shard.config.get("vocab_size") or len(hf_tokenizer))
         return JsonConstraint(
-            grammar_tokenizer(hf_tokenizer, vocab_size),
+            grammar_tokenizer(hf_tokenizer, self._vocab_size),
             schema,
             max_tokens,
             lambda text: list(hf_tokenizer.encode(text, add_special_tokens=False)),
@@ -473,7 +486,9 @@ class Runner:
                 inputs = await asyncio.to_thread(prompt_inputs, self.processor, rendered, pictures, image_token)
                 return [inputs.pop("input_ids")[0].tolist()], inputs
             case TaskKind.EMBEDDING:
-                return [list(self.tokenizer.encode(text)) for text in request.inputs], None
+                # Token ids a client gave are embedded as they are: tokenizing is what they stand in for.
+                given = request.inputs
+                return [list(self.tokenizer.encode(i)) if isinstance(i, str) else list(i) for i in given], None
         return [list(self.tokenizer.encode(request.prompt))], None
 
     def _fail_task(self, task_id: TaskId, message: str, code: str) -> None:

@@ -14,6 +14,7 @@ from jetshard_schema.types import (
     MAX_CHOICES,
     MAX_EMBEDDING_INPUTS,
     MAX_TOP_LOGPROBS,
+    TOKEN_ID_LIMIT,
     SamplingParams,
     Tool,
     ToolChoice,
@@ -84,14 +85,35 @@ def top_logprobs(wanted: bool, top: int | None, param: str = "top_logprobs") -> 
     return (top or 0) if wanted else None
 
 
-def embedding_inputs(value: str | Sequence[str], param: str = "input") -> tuple[str, ...]:
-    """The texts to embed: one string or a list of them, none empty."""
-    inputs = (value,) if isinstance(value, str) else tuple(value)
-    if not inputs or len(inputs) > MAX_EMBEDDING_INPUTS:
-        raise invalid(param, f"{param} takes 1 to {MAX_EMBEDDING_INPUTS} strings")
-    if any(not text for text in inputs):
-        raise invalid(param, f"{param} strings must not be empty")
-    return inputs
+EmbeddingInput = str | Sequence[str | int | Sequence[int]]
+"""OpenAI's (and llama.cpp's) forms of what to embed: a string, a list of strings, one input's token ids, or a list
+of such lists."""
+
+
+def embedding_inputs(value: EmbeddingInput, param: str = "input") -> tuple[str | tuple[int, ...], ...]:
+    """The inputs to embed, each a text or token ids; none empty, every id in [0, TOKEN_ID_LIMIT). Whether an id
+    is in the model's vocabulary is checked where the model is (an error there is a 400 too)."""
+    single = isinstance(value, str) or (bool(value) and all(isinstance(item, int) for item in value))
+    items = [value] if single else list(value)
+    if not items or len(items) > MAX_EMBEDDING_INPUTS:
+        raise invalid(param, f"{param} takes 1 to {MAX_EMBEDDING_INPUTS} inputs")
+    if all(isinstance(item, str) for item in items):
+        if not all(items):
+            raise invalid(param, f"{param} strings must not be empty")
+        return tuple(str(item) for item in items)
+    inputs = []
+    for i, ids in enumerate(items):
+        if not isinstance(ids, list):
+            forms = "a string, a list of strings, a list of token ids or a list of lists of token ids"
+            raise invalid(param, f"{param} must be {forms}, not a mix")
+        where = param if single else f"{param}[{i}]"
+        if not ids:
+            raise invalid(param, f"{where} is an empty list of token ids")
+        wrong = next((t for t in ids if not 0 <= t < TOKEN_ID_LIMIT), None)
+        if wrong is not None:
+            raise invalid(param, f"{where} holds {wrong}: token ids are 0 or more (and below {TOKEN_ID_LIMIT})")
+        inputs.append(tuple(ids))
+    return tuple(inputs)
 
 
 def output_schema(schema: object, param: str) -> dict[str, Any]:

@@ -42,7 +42,7 @@ from jetshard_api.dialects.anthropic.types import (
 from jetshard_api.dialects.streaming import streamed
 from jetshard_api.dialects.strict_body import DialectController
 from jetshard_api.errors import ApiError, answering, error_handlers_answering, inference_responses_in
-from jetshard_api.route_steps import InferenceSettings, can_think, checked_model_id
+from jetshard_api.route_steps import InferenceSettings, can_think, requested_model_id
 from jetshard_api.tasks import answer
 
 AnyRequest = Request[Any, Any, Any]
@@ -127,7 +127,7 @@ def _thinking_checked(cluster: Cluster, data: CountTokensRequest, task: TaskRequ
 
 
 def _task(data: CountTokensRequest, sampling: SamplingParams) -> TaskRequest:
-    return messages_task(new_task_id(), checked_model_id(data.model, param="model"), data, sampling)
+    return messages_task(new_task_id(), requested_model_id(data.model, param="model"), data, sampling)
 
 
 def _message_id(task: TaskRequest) -> str:

@@ -92,11 +92,16 @@ class ToolChoiceParam(msgspec.Struct, frozen=True, kw_only=True):
     disable_parallel_tool_use: bool = False
 
 
-class ThinkingParam(msgspec.Struct, frozen=True, kw_only=True):
+class ThinkingParam(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """Unknown fields are refused here, as Anthropic refuses them, where the request's top level takes (and
+    ignores) other servers' extras: a field here is a way to think the client expects to be honoured."""
+
     type: Literal["enabled", "disabled", "adaptive"]
     """`enabled` turns a thinking model's reasoning on, `disabled` off; `adaptive` leaves it to the model."""
     budget_tokens: int | None = None
     """With `enabled`, the most tokens the model reasons with (fewer than `max_tokens`)."""
+    display: Literal["summarized", "omitted"] | None = None
+    """`summarized` (the reasoning comes back whole here); `omitted` is refused."""
 
 
 class OutputFormat(msgspec.Struct, frozen=True, kw_only=True):
@@ -168,6 +173,8 @@ def messages_task(
         # Counting tokens generates one: the answer's own max_tokens bounds the budget.
         max_tokens = request.max_tokens if isinstance(request, MessagesRequest) else None
         budget = checks.thinking_budget(thinking.budget_tokens, "thinking.budget_tokens", max_tokens)
+    if thinking is not None and thinking.display == "omitted":
+        raise checks.unsupported("thinking.display", "'omitted' (the reasoning comes back whole)")
     switch = None if thinking is not None and thinking.type == "adaptive" else thinks(request)
     effort = request.output_config.effort if request.output_config is not None else None
     if not request.messages:

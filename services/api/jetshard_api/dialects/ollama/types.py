@@ -35,7 +35,7 @@ from jetshard_api.dialects import checks
 from jetshard_api.dialects.openai.types import TokenLogprobBody
 from jetshard_api.errors import ApiError
 from jetshard_api.images import base64_image, check_images
-from jetshard_api.route_steps import checked_model_id
+from jetshard_api.route_steps import requested_model_id
 
 OLLAMA_VERSION = "0.12.0"
 """The Ollama version `/api/version` reports: one whose API these routes follow, so that clients which check
@@ -70,9 +70,11 @@ def ollama_name(model_id: ModelId) -> str:
 def model_id_of(name: str, param: str = "model") -> ModelId:
     """A model id from an Ollama model name: `org/name` or `org/name:latest`. Other tags name nothing here."""
     base, colon, tag = name.partition(":")
+    model_id = requested_model_id(base, param)
     if colon and tag != "latest":
-        raise ApiError(404, f"model {name!r} not found: this cluster serves only the tag 'latest'", "model_not_found")
-    return checked_model_id(base, param)
+        message = f"model {model_id!r} not found with that tag: this cluster serves only the tag 'latest'"
+        raise ApiError(404, message, "model_not_found", param)
+    return model_id
 
 
 def now() -> str:

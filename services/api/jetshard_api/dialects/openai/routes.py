@@ -49,7 +49,7 @@ from jetshard_api.dialects.streaming import keep_alive_comment, streamed
 from jetshard_api.dialects.strict_body import DialectController
 from jetshard_api.errors import ERROR_RESPONSES, INFERENCE_RESPONSES, ApiError, answering, error_body
 from jetshard_api.images import load_image_urls
-from jetshard_api.route_steps import InferenceSettings, checked_model_id, ready_models
+from jetshard_api.route_steps import InferenceSettings, ready_models, requested_model_id
 from jetshard_api.tasks import answer
 
 AnyRequest = Request[Any, Any, Any]
@@ -74,7 +74,7 @@ class OpenAIController(DialectController):
     @get("/models/{model_id:path}", responses=ERROR_RESPONSES)
     async def model(self, cluster: NamedDependency[Cluster], model_id: FromPath[str]) -> ModelObject:
         """One model, as `client.models.retrieve("org/name")` asks for it."""
-        checked = checked_model_id(model_id.lstrip("/"), param="model")
+        checked = requested_model_id(model_id.lstrip("/"), param="model")
         card = find_card(cluster.state, checked)
         if card is None:
             raise ApiError(404, f"unknown model {checked}", "model_not_found", "model")
@@ -91,7 +91,7 @@ class OpenAIController(DialectController):
         """The answer as one JSON body, or with `stream` as Server-Sent Events of `chat.completion.chunk`s:
         text, tool calls (`tools`, `tool_choice`), JSON that follows a schema (`response_format`), logprobs,
         `n` choices."""
-        model_id = checked_model_id(data.model, param="model")
+        model_id = requested_model_id(data.model, param="model")
         loaded = await load_image_urls(image_urls(data), settings.images)
         task = chat_task(new_task_id(), model_id, data, loaded)
         if data.stream:
@@ -110,7 +110,7 @@ class OpenAIController(DialectController):
         request: AnyRequest,
     ) -> Response[Completion] | ServerSentEvent:
         """The answer as one JSON body, or with `stream` as Server-Sent Events of `text_completion`s."""
-        task = completion_task(new_task_id(), checked_model_id(data.model, param="model"), data)
+        task = completion_task(new_task_id(), requested_model_id(data.model, param="model"), data)
         if data.stream:
             return await streamed(cluster, settings, task, request.receive, _Events(task, data.stream_options))
         result = await answer(cluster, settings, task, request.receive)
@@ -128,7 +128,7 @@ class OpenAIController(DialectController):
         """One vector per input: the mean of the model's last hidden states over the input's tokens, L2-normalised.
         Meant for models trained to embed that way (e5-mistral, gte-Qwen2, Qwen3-Embedding use last-token or mean
         pooling of a decoder); any chat model answers too, with vectors that are only roughly semantic."""
-        task = embedding_task(new_task_id(), checked_model_id(data.model, param="model"), data)
+        task = embedding_task(new_task_id(), requested_model_id(data.model, param="model"), data)
         result = await answer(cluster, settings, task, request.receive)
         usage = result.usage.prompt_tokens
         return EmbeddingList(

@@ -130,7 +130,8 @@ class CompletionRequest(_Common, frozen=True, kw_only=True):
 
 class EmbeddingRequest(msgspec.Struct, frozen=True, kw_only=True):
     model: str
-    input: str | list[str]
+    input: str | list[str | int | list[int]]
+    """A string, a list of strings, one input's token ids, or a list of such lists (see `checks.EmbeddingInput`)."""
     encoding_format: Literal["float", "base64"] = "float"
     dimensions: int | None = None
     user: str | None = None

@@ -41,7 +41,7 @@ from jetshard_api.dialects.streaming import keep_alive_comment, streamed
 from jetshard_api.dialects.strict_body import DialectController
 from jetshard_api.errors import INFERENCE_RESPONSES, ApiError, answering
 from jetshard_api.images import load_image_urls
-from jetshard_api.route_steps import InferenceSettings, checked_model_id
+from jetshard_api.route_steps import InferenceSettings, check_inputs, requested_model_id
 from jetshard_api.tasks import answer
 
 AnyRequest = Request[Any, Any, Any]
@@ -62,9 +62,11 @@ class ResponsesController(DialectController):
         """A model response to `input` (text, or messages with function calls and their outputs), as one JSON
         body or with `stream` as Server-Sent Events (`response.created` … `response.completed`). Nothing is
         stored: send the whole conversation each time, with `store` false or left out."""
-        model_id = checked_model_id(data.model, param="model")
+        model_id = requested_model_id(data.model, param="model")
         loaded = await load_image_urls(image_urls(data), settings.images)
         task = response_task(new_task_id(), model_id, data, loaded)
+        # Before the shared request path's own check, which names Chat Completions' `messages`.
+        check_inputs(cluster.state, task, images_param="input")
         head = ResponseObject.head(_response_id(task), int(time.time()), task.model_id, data)
         if data.stream:
             return await streamed(cluster, settings, task, request.receive, _Events(head))

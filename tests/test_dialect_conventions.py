@@ -1,0 +1,108 @@
+"""What every dialect does the way its ecosystem's servers do, with the official clients against the session's
+`dialect_cluster`: a request carrying other servers' extra fields is answered (vLLM, llama-server and Ollama
+ignore what they do not read); a model the cluster cannot have (`gpt-3.5-turbo`, `llama3`) is the ecosystem's
+404, and only a hostile model id a 400; `GET /health` answers as vLLM's and llama-server's does.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import anthropic
+import httpx
+import ollama
+import openai
+import pytest
+from helpers.dialects import DialectCluster
+
+pytestmark = pytest.mark.timeout(240)
+
+QUESTION: Any = [{"role": "user", "content": "Hi"}]
+EXTRAS = {"cache_prompt": True, "repetition_penalty_range": 64, "another_servers_option": {"x": [1, 2]}}
+"""Fields no dialect here knows, as clients made for llama-server, vLLM and others send them."""
+HOSTILE_IDS = ["../../etc/passwd", "org/na\x00me", "x" * 10_000]
+
+
+@pytest.fixture(scope="module")
+def openai_client(dialect_cluster: DialectCluster) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{dialect_cluster.api}/v1", api_key="unused", timeout=120, max_retries=0)
+
+
+@pytest.fixture(scope="module")
+def anthropic_client(dialect_cluster: DialectCluster) -> anthropic.Anthropic:
+    return anthropic.Anthropic(base_url=dialect_cluster.api, api_key="unused", timeout=120, max_retries=0)
+
+
+def test_unknown_top_level_fields_are_ignored_in_every_dialect(
+    dialect_cluster: DialectCluster, openai_client: openai.OpenAI, anthropic_client: anthropic.Anthropic
+) -> None:
+    model = dialect_cluster.model
+    chat = openai_client.chat.completions.create(model=model, messages=QUESTION, max_tokens=2, extra_body=EXTRAS)
+    assert chat.choices[0].finish_reason == "length"
+    response = openai_client.responses.create(model=model, input="Hi", max_output_tokens=2, extra_body=EXTRAS)
+    assert response.status == "incomplete"
+    message = anthropic_client.messages.create(model=model, messages=QUESTION, max_tokens=2, extra_body=EXTRAS)
+    assert message.stop_reason == "max_tokens"
+    # The ollama client sends only the fields it knows.
+    body = {"model": model, "messages": QUESTION, "stream": False, "options": {"num_predict": 2}, **EXTRAS}
+    answered = httpx.post(f"{dialect_cluster.api}/api/chat", json=body, timeout=120)
+    assert answered.status_code == 200 and answered.json()["done_reason"] == "length", answered.text
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_model_of_another_server_is_openais_404(openai_client: openai.OpenAI, stream: bool) -> None:
+    for create in (
+        lambda: openai_client.chat.completions.create(model="gpt-3.5-turbo", messages=QUESTION, stream=stream),
+        lambda: openai_client.completions.create(model="gpt-3.5-turbo-instruct", prompt="Hi", stream=stream),
+        lambda: openai_client.responses.create(model="gpt-4o", input="Hi", stream=stream),
+    ):
+        with pytest.raises(openai.NotFoundError) as missing:
+            create()
+        assert missing.value.code == "model_not_found" and missing.value.param == "model"
+    with pytest.raises(openai.NotFoundError) as missing:
+        openai_client.embeddings.create(model="text-embedding-3-small", input="Hi")
+    assert missing.value.code == "model_not_found"
+    with pytest.raises(openai.NotFoundError) as missing:
+        openai_client.models.retrieve("gpt-3.5-turbo")
+    assert missing.value.code == "model_not_found"
+
+
+def test_a_model_of_another_server_is_anthropics_and_ollamas_404(
+    dialect_cluster: DialectCluster, anthropic_client: anthropic.Anthropic
+) -> None:
+    for stream in (False, True):
+        with pytest.raises(anthropic.NotFoundError) as missing:
+            anthropic_client.messages.create(model="claude-sonnet-4-5", messages=QUESTION, max_tokens=5, stream=stream)
+        assert missing.value.body["error"]["type"] == "not_found_error"  # type: ignore[index]
+    client = ollama.Client(host=dialect_cluster.api, timeout=120)
+    for ask in (
+        lambda: client.chat(model="llama3", messages=QUESTION, stream=False),
+        lambda: client.generate(model="llama3.2:1b", prompt="Hi"),
+        lambda: client.embed(model="nomic-embed-text", input="Hi"),
+        lambda: client.show("llama3"),
+    ):
+        with pytest.raises(ollama.ResponseError) as not_found:
+            ask()
+        assert not_found.value.status_code == 404
+        assert not_found.value.error.startswith("model '") and "' not found" in not_found.value.error
+
+
+@pytest.mark.parametrize("model", HOSTILE_IDS, ids=["path", "control-character", "10-KB"])
+def test_a_hostile_model_id_is_still_a_400_in_every_dialect(
+    dialect_cluster: DialectCluster, openai_client: openai.OpenAI, anthropic_client: anthropic.Anthropic, model: str
+) -> None:
+    with pytest.raises(openai.BadRequestError) as refused:
+        openai_client.chat.completions.create(model=model, messages=QUESTION)
+    assert refused.value.code == "invalid_model_id"
+    with pytest.raises(openai.BadRequestError):
+        openai_client.responses.create(model=model, input="Hi")
+    with pytest.raises(anthropic.BadRequestError):
+        anthropic_client.messages.create(model=model, messages=QUESTION, max_tokens=5)
+    body = {"model": model, "messages": QUESTION, "stream": False}
+    refused_here = httpx.post(f"{dialect_cluster.api}/api/chat", json=body, timeout=30)
+    assert refused_here.status_code == 400 and list(refused_here.json()) == ["error"]
+
+
+def test_health_answers_as_llama_servers_does(dialect_cluster: DialectCluster) -> None:
+    response = httpx.get(f"{dialect_cluster.api}/health", timeout=30)
+    assert response.status_code == 200 and response.json() == {"status": "ok"}
