@@ -34,7 +34,7 @@ from jetshard_downloader.dirs import ModelDirs, free_bytes
 from jetshard_downloader.fetch import Cancelled
 from jetshard_downloader.gguf import packaged_demo_gguf
 from jetshard_downloader.locate import find_model
-from jetshard_downloader.paths import MANIFEST_NAME
+from jetshard_downloader.paths import INDEX_NAME, MANIFEST_NAME
 from jetshard_schema.catalogue import DEMO_MODEL_ID, builtin_cards
 from jetshard_schema.commands import StartDownload
 from jetshard_schema.ids import ModelId, model_dir_name
@@ -446,6 +446,15 @@ async def test_a_killed_conversion_or_a_half_written_model_is_never_complete(clu
     assert not [p for p in models.iterdir() if p.name.startswith(".")], list(models.iterdir())
     config_json = json.loads((target / "config.json").read_text())
     assert config_json["num_hidden_layers"] == 30 and "quantization" in config_json
+    assert_sizes_are_the_files_on_disk(demo, target, await cluster.wait(lambda s: DEMO_MODEL_ID in s.measured_sizes))
+
+
+def assert_sizes_are_the_files_on_disk(download: Any, directory: Path, state: Any) -> None:
+    """A completed download reports its files' bytes on disk, and the model's size is its weight files'."""
+    weights = sum(p.stat().st_size for p in directory.glob("*.safetensors"))
+    loaded = weights + sum((directory / name).stat().st_size for name in ("config.json", INDEX_NAME))
+    assert download.progress.bytes_total == download.progress.bytes_done == loaded
+    assert state.measured_sizes[download.model_id] == weights
 
 
 async def test_import_gguf_adds_a_local_model_that_its_node_serves_from_disk(cluster: Cluster, tmp_path: Path) -> None:
@@ -469,6 +478,8 @@ async def test_import_gguf_adds_a_local_model_that_its_node_serves_from_disk(clu
     await cluster.submit(StartDownload(model_id=ModelId("local/smol"), node_id=node))
     done = await cluster.wait_download(node, "local/smol", FINAL, 60)
     assert done.progress.status is DownloadStatus.COMPLETED and done.progress.directory == str(models / "local--smol")
+    measured = await cluster.wait(lambda s: "local/smol" in s.measured_sizes, what="local/smol's size measured")
+    assert_sizes_are_the_files_on_disk(done, models / "local--smol", measured)
 
     again = await asyncio.to_thread(import_gguf, str(tmp_path / "missing.gguf"))
     assert again.returncode != 0 and "does not exist" in again.stderr
