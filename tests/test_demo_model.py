@@ -15,9 +15,11 @@ import io
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -27,14 +29,15 @@ import psutil
 import pytest
 from helpers.harness import Cluster, free_port, until, wait_for
 from helpers.mounts import tmpfs
-from jetshard_downloader.convert import NotEnoughSpace, convert_packaged
+from jetshard_downloader.convert import NotEnoughSpace, convert_packaged, install_gguf
 from jetshard_downloader.dirs import ModelDirs, free_bytes
+from jetshard_downloader.fetch import Cancelled
 from jetshard_downloader.gguf import packaged_demo_gguf
 from jetshard_downloader.locate import find_model
-from jetshard_downloader.paths import MANIFEST_NAME
+from jetshard_downloader.paths import INDEX_NAME, MANIFEST_NAME
 from jetshard_schema.catalogue import DEMO_MODEL_ID, builtin_cards
 from jetshard_schema.commands import StartDownload
-from jetshard_schema.ids import ModelId
+from jetshard_schema.ids import ModelId, model_dir_name
 from jetshard_schema.types import DownloadStatus
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -357,6 +360,32 @@ def test_a_dir_that_fills_up_mid_conversion_is_cleaned_up_and_the_next_one_used(
         assert list(tight.iterdir()) == []
 
 
+def test_a_replacement_that_fails_midway_keeps_the_stored_model(tmp_path: Path) -> None:
+    models = tmp_path / "models"
+    dirs = ModelDirs.from_options(models)
+    gguf = packaged_demo_gguf()
+    directory, _ = install_gguf(gguf, dirs, "local/demo")
+    manifest = (directory / MANIFEST_NAME).read_bytes()
+
+    cancel = threading.Event()
+
+    def cancel_once_read(done: int, total: int) -> None:
+        if done >= 0.35 * total:  # hashed and read: the conversion is writing
+            cancel.set()
+
+    with pytest.raises(Cancelled):
+        install_gguf(gguf, dirs, "local/demo", on_progress=cancel_once_read, cancel=cancel, replace=True)
+    found = find_model(dirs, "local/demo")
+    assert found is not None and found.path == directory
+    assert (directory / MANIFEST_NAME).read_bytes() == manifest
+    assert [p.name for p in models.iterdir()] == [directory.name]  # no staging directory left
+
+    # A replacement that succeeds takes the old copy's place, in one rename.
+    assert install_gguf(gguf, dirs, "local/demo", replace=True)[0] == directory
+    assert find_model(dirs, "local/demo") == found
+    assert [p.name for p in models.iterdir()] == [directory.name]
+
+
 def readme_answers(api_url: str, count: int) -> list[str]:
     """Ask the README's question with its curl body and its Python example, run as written (only the port
     differs), alternately: no temperature, max_tokens or seed, so the model's defaults decide."""
@@ -417,6 +446,15 @@ async def test_a_killed_conversion_or_a_half_written_model_is_never_complete(clu
     assert not [p for p in models.iterdir() if p.name.startswith(".")], list(models.iterdir())
     config_json = json.loads((target / "config.json").read_text())
     assert config_json["num_hidden_layers"] == 30 and "quantization" in config_json
+    assert_sizes_are_the_files_on_disk(demo, target, await cluster.wait(lambda s: DEMO_MODEL_ID in s.measured_sizes))
+
+
+def assert_sizes_are_the_files_on_disk(download: Any, directory: Path, state: Any) -> None:
+    """A completed download reports its files' bytes on disk, and the model's size is its weight files'."""
+    weights = sum(p.stat().st_size for p in directory.glob("*.safetensors"))
+    loaded = weights + sum((directory / name).stat().st_size for name in ("config.json", INDEX_NAME))
+    assert download.progress.bytes_total == download.progress.bytes_done == loaded
+    assert state.measured_sizes[download.model_id] == weights
 
 
 async def test_import_gguf_adds_a_local_model_that_its_node_serves_from_disk(cluster: Cluster, tmp_path: Path) -> None:
@@ -425,25 +463,12 @@ async def test_import_gguf_adds_a_local_model_that_its_node_serves_from_disk(clu
     cluster.start_downloader("downloader", config, "--offline", "--default-models-dir", str(models))
     api = cluster.start_api()
     env = {**cluster.env, "JETSHARD_DEFAULT_MODELS_DIR": str(models), "JETSHARD_NATS": cluster.nats.url}
-    result = await asyncio.to_thread(
-        subprocess.run,
-        [
-            sys.executable,
-            "-m",
-            "jetshard",
-            "models",
-            "--api",
-            api,
-            "import-gguf",
-            str(packaged_demo_gguf()),
-            "--id",
-            "local/smol",
-        ],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=120,
-    )
+    command = [sys.executable, "-m", "jetshard", "models", "--api", api, "import-gguf"]
+
+    def import_gguf(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([*command, *args], capture_output=True, text=True, env=env, timeout=120)
+
+    result = await asyncio.to_thread(import_gguf, str(packaged_demo_gguf()), "--id", "local/smol")
     assert result.returncode == 0, result.stdout + result.stderr
     assert "imported local/smol" in result.stdout
 
@@ -453,12 +478,62 @@ async def test_import_gguf_adds_a_local_model_that_its_node_serves_from_disk(clu
     await cluster.submit(StartDownload(model_id=ModelId("local/smol"), node_id=node))
     done = await cluster.wait_download(node, "local/smol", FINAL, 60)
     assert done.progress.status is DownloadStatus.COMPLETED and done.progress.directory == str(models / "local--smol")
+    measured = await cluster.wait(lambda s: "local/smol" in s.measured_sizes, what="local/smol's size measured")
+    assert_sizes_are_the_files_on_disk(done, models / "local--smol", measured)
 
-    again = await asyncio.to_thread(
-        subprocess.run,
-        [sys.executable, "-m", "jetshard", "models", "--api", api, "import-gguf", str(tmp_path / "missing.gguf")],
-        capture_output=True,
-        text=True,
-        env=env,
-    )
+    again = await asyncio.to_thread(import_gguf, str(tmp_path / "missing.gguf"))
     assert again.returncode != 0 and "does not exist" in again.stderr
+
+    await asyncio.to_thread(assert_imports_over_a_stored_model_lose_nothing, command, env, models, tmp_path)
+
+
+def assert_imports_over_a_stored_model_lose_nothing(
+    command: list[str], env: dict[str, str], models: Path, tmp_path: Path
+) -> None:
+    """`local/smol`, imported and stored, survives every import under its id that does not complete, and one not
+    asked to replace it; other models' ids are refused."""
+    gguf = str(packaged_demo_gguf())
+    smol = models / "local--smol"
+    manifest = (smol / MANIFEST_NAME).read_bytes()
+
+    def import_gguf(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([*command, *args], capture_output=True, text=True, env=env, timeout=120)
+
+    def kept() -> bool:
+        found = find_model(ModelDirs.from_options(models), "local/smol")
+        left = sorted(p.name for p in models.iterdir())
+        return found is not None and (smol / MANIFEST_NAME).read_bytes() == manifest and left == [smol.name]
+
+    refused = import_gguf(gguf, "--id", "local/smol")
+    assert refused.returncode == 1 and f"local/smol is already stored in {smol}; pass --replace" in refused.stderr
+    assert kept()
+    truncated = tmp_path / "truncated.gguf"
+    truncated.write_bytes(Path(gguf).read_bytes()[: 40 * 2**20])
+    broken = import_gguf(str(truncated), "--id", "local/smol", "--replace")
+    assert broken.returncode == 1 and "is not a readable GGUF file" in broken.stderr, broken.stderr
+    assert kept()
+    # Ctrl-C while the replacement is being converted.
+    with open(tmp_path / "interrupted.log", "wb") as log:
+        interrupted = subprocess.Popen([*command, gguf, "--id", "local/smol", "--replace"], stderr=log, env=env)
+        assert wait_for(lambda: any(".convert-" in p.name for p in models.iterdir()), timeout=60)
+        interrupted.send_signal(signal.SIGINT)
+        assert interrupted.wait(60) == 1
+    assert "Aborted" in (tmp_path / "interrupted.log").read_text()
+    assert kept()
+
+    # Another model's id is refused, the built-in demo's and a Hub model's alike: nothing is written for them.
+    for other in (DEMO_MODEL_ID, "HuggingFaceTB/SmolLM2-135M-Instruct"):
+        taken = import_gguf(gguf, "--id", other)
+        assert taken.returncode == 1 and f"{other} is already in the catalogue as a" in taken.stderr, taken.stderr
+        assert not (models / model_dir_name(ModelId(other))).exists()
+    # So is this id for another file: its card describes the first one.
+    other_file = tmp_path / "copy.gguf"
+    shutil.copyfile(gguf, other_file)
+    moved = import_gguf(str(other_file), "--id", "local/smol", "--replace")
+    assert moved.returncode == 1 and f"local/smol was imported from {Path(gguf).resolve()}" in moved.stderr
+    assert kept()
+
+    replaced = import_gguf(gguf, "--id", "local/smol", "--replace")
+    assert replaced.returncode == 0 and "already known: local/smol" in replaced.stdout, replaced.stderr
+    found = find_model(ModelDirs.from_options(models), "local/smol")
+    assert found is not None and found.path == smol and sorted(p.name for p in models.iterdir()) == [smol.name]

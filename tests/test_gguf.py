@@ -6,6 +6,11 @@ The file is converted once per session; everything runs real MLX and the real to
 from __future__ import annotations
 
 import json
+import os
+import re
+import struct
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +26,7 @@ from jetshard_downloader.gguf import (
     sha256_file,
     verify_sha256,
 )
+from jetshard_downloader.gguf_header import check_gguf_header
 from jetshard_downloader.gguf_tokenizer import TOKEN_CONTROL, TOKEN_NORMAL
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 
@@ -236,3 +242,99 @@ def test_conversion_is_all_or_nothing(gguf_path: Path, tmp_path: Path) -> None:
     with pytest.raises(KeyboardInterrupt):
         convert_gguf(gguf_path, tmp_path / "interrupted", progress=fail_late)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["broken.gguf", "existing"]
+
+
+def test_a_gguf_named_without_its_suffix_converts(gguf_path: Path, tmp_path: Path) -> None:
+    # The Hugging Face cache's layout: snapshots/<rev>/<name>.gguf links to blobs/<sha256>, which the import
+    # resolves to; and a suffix in capitals.
+    blob = tmp_path / "blobs" / SMOLLM2_GGUF_SHA256
+    blob.parent.mkdir()
+    blob.symlink_to(gguf_path)
+    capitals = tmp_path / "demo.GGUF"
+    capitals.symlink_to(gguf_path)
+    for source in (blob, capitals):
+        out = convert_gguf(source, tmp_path / "converted" / source.name)
+        assert json.loads((out / "config.json").read_text())["num_hidden_layers"] == 30
+
+
+def _string(text: bytes, length: int | None = None) -> bytes:
+    return struct.pack("<Q", len(text) if length is None else length) + text
+
+
+def _gguf(tensor_count: int, metadata_count: int, rest: bytes, version: int = 3) -> bytes:
+    return b"GGUF" + struct.pack("<IQQ", version, tensor_count, metadata_count) + rest + bytes(64)
+
+
+def _tensor_info(name: bytes, dims: tuple[int, ...], ggml_type: int, offset: int) -> bytes:
+    return _string(name) + struct.pack(f"<I{len(dims)}QIQ", len(dims), *dims, ggml_type, offset)
+
+
+# Each of these crashed the CLI inside mlx's GGUF reader (SIGSEGV, or SIGABRT on an assertion).
+CRASHING_HEADERS = {
+    "tensor count 2**62": (_gguf(2**62, 0, b""), "the tensor count is 4611686018427387904, but"),
+    "string length 2**63-1": (_gguf(0, 1, _string(b"general.name", 2**63 - 1)), "length of 9223372036854775807"),
+    "n_dims 2**31": (_gguf(1, 0, _string(b"w") + struct.pack("<I", 2**31)), "w has 2147483648 dimensions"),
+}
+
+
+@pytest.mark.parametrize("case", CRASHING_HEADERS)
+def test_a_hostile_gguf_header_is_refused_with_a_message_not_a_crash(case: str, tmp_path: Path) -> None:
+    content, problem = CRASHING_HEADERS[case]
+    hostile = tmp_path / "hostile.gguf"
+    hostile.write_bytes(content)
+    models = tmp_path / "models"
+    # No API listens there: the file is refused before one is asked anything.
+    result = subprocess.run(
+        [sys.executable, "-m", "jetshard", "models", "--api", "http://127.0.0.1:9", "import-gguf", str(hostile)],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "JETSHARD_DEFAULT_MODELS_DIR": str(models)},
+        timeout=120,
+    )
+    assert result.returncode == 1, (result.returncode, result.stderr)  # a signal would make it negative
+    assert f"{hostile} is not a readable GGUF file: " in result.stderr and problem in result.stderr, result.stderr
+    assert not models.exists() or list(models.iterdir()) == []
+
+
+def _metadata(key: bytes, value_type: int, value: bytes) -> bytes:
+    return _string(key) + struct.pack("<I", value_type) + value
+
+
+BAD_HEADERS = {
+    "short": (b"GGUF", "fewer than a GGUF header"),
+    "magic": (b"GGML" + bytes(60), "does not start with the GGUF magic bytes"),
+    "version 1": (_gguf(0, 0, b"", version=1), "GGUF version 1 is not supported"),
+    "metadata count": (_gguf(0, 2**40, b""), "the metadata count is 1099511627776, but"),
+    "alignment 0": (_gguf(0, 1, _metadata(b"general.alignment", 4, struct.pack("<I", 0))), "general.alignment is 0"),
+    "value type": (_gguf(0, 1, _metadata(b"x", 13, b"")), "x has unknown value type 13"),
+    "nested array": (_gguf(0, 1, _metadata(b"x", 9, struct.pack("<IQ", 9, 1))), "x is an array of arrays"),
+    "array length": (_gguf(0, 1, _metadata(b"x", 9, struct.pack("<IQ", 8, 2**62))), "the length of x is 4611686"),
+    "array item": (
+        _gguf(0, 1, _metadata(b"x", 9, struct.pack("<IQ", 8, 2) + _string(b"a") + _string(b"b", 1000))),
+        "item 1 of x at byte 66 needs 1000 bytes",
+    ),
+    "dimension": (_gguf(1, 0, _tensor_info(b"w", (2**40,), 0, 0)), "tensor w has a dimension of 1099511627776"),
+    "tensor type": (_gguf(1, 0, _tensor_info(b"w", (32,), 4, 0)), "tensor w has ggml type 4, which mlx does not"),
+    "tensor data": (_gguf(1, 0, _tensor_info(b"w", (32,), 0, 0)), "tensor w (128 bytes at byte 64) runs past the"),
+    "tensor offset": (_gguf(1, 0, _tensor_info(b"w", (32,), 2, 2**63)), "runs past the end of the file"),
+}
+
+
+@pytest.mark.parametrize("case", BAD_HEADERS)
+def test_the_gguf_header_check_names_each_problem(tmp_path: Path, case: str) -> None:
+    content, problem = BAD_HEADERS[case]
+    path = tmp_path / "bad.gguf"
+    path.write_bytes(content)
+    with pytest.raises(ValueError, match=re.escape(problem)):
+        check_gguf_header(path)
+
+
+def test_the_gguf_header_check_passes_the_demo_and_a_file_mlx_writes(gguf_path: Path, tmp_path: Path) -> None:
+    check_gguf_header(gguf_path)
+    written = tmp_path / "small.gguf"
+    mx.save_gguf(str(written), {"a": mx.ones((3, 5)), "b": mx.arange(7, dtype=mx.int32)}, {"name": "small"})
+    check_gguf_header(written)
+    truncated = tmp_path / "truncated.gguf"
+    truncated.write_bytes(written.read_bytes()[:-8])
+    with pytest.raises(ValueError, match=r"tensor . .* runs past the end of the file"):
+        check_gguf_header(truncated)

@@ -1,4 +1,4 @@
-"""Models whose source is a packaged GGUF file: checked, converted to an MLX directory, never downloaded.
+"""Models whose source is a GGUF file: checked, converted to an MLX directory, never downloaded.
 
 The converted model goes to `<models dir>/<org>--<name>/` in the first writable directory (the default
 first) with room for it, chosen by `choose.choose_directory` as for downloads; the room needed is the card's
@@ -6,9 +6,10 @@ size, or the GGUF file's size when there is no card. That is an estimate, so a d
 mid-write: the staging directory is then removed and the next writable directory with room is tried.
 `gguf.convert_gguf` writes into a temporary directory and renames it; here that
 whole step runs inside a hidden staging directory `.<org>--<name>.convert-<random>/`, the manifest is
-written into the converted directory, and only then is it renamed to its final name. So the final directory
-either does not exist or is complete and vouched for by its manifest; a crash leaves only a staging
-directory, which `sweep_staging` removes at the next start.
+written into the converted directory, and only then is it renamed to its final name, or exchanged with what
+is there. So the final directory is never touched until a complete replacement, vouched for by its
+manifest, takes its place in one rename; a failed, interrupted or crashed conversion leaves only a staging
+directory (removed on the way out, or by `sweep_staging` at the next start) and the old model as it was.
 """
 
 from __future__ import annotations
@@ -26,10 +27,12 @@ from pathlib import Path, PurePosixPath
 from jetshard_schema.cards import ModelCard
 
 from jetshard_downloader.choose import NoSpace, choose_directory, format_bytes
+from jetshard_downloader.delete import remove_model_dir
 from jetshard_downloader.dirs import ModelDirs, free_bytes
 from jetshard_downloader.fetch import Cancelled, IntegrityError
+from jetshard_downloader.locate import find_model, is_complete
 from jetshard_downloader.manifest import Manifest, ManifestFile, fsync_dir, write_manifest
-from jetshard_downloader.paths import STAGING, TOMBSTONE, side_directory, sweep_side_directories
+from jetshard_downloader.paths import STAGING, exchange_directories, side_directory, sweep_side_directories
 
 log = logging.getLogger(__name__)
 
@@ -124,14 +127,24 @@ def install_gguf(
     on_target: TargetCallback | None = None,
     on_progress: ProgressCallback | None = None,
     cancel: threading.Event | None = None,
+    replace: bool = False,
 ) -> tuple[Path, int]:
     """Convert `gguf_path` into `<models dir>/<org>--<name>` in a writable directory of `dirs` with room for
     `bytes_needed` (default: the GGUF's size) beyond what `reserved` holds back, manifest included, all or
     nothing; returns (directory, bytes written).
 
-    With `expected_sha256` the file is checked first (IntegrityError on a mismatch).
+    With `expected_sha256` the file is checked first (IntegrityError on a mismatch). A complete copy found
+    in the chosen directory when the conversion is done is kept (another downloader converted the same file
+    meanwhile) unless `replace`: then the new copy takes its place, preferably in the directory of the copy
+    it replaces, and a complete copy elsewhere in a writable directory is removed once the new one is in.
     """
     cancel = cancel or threading.Event()
+    previous = find_model(dirs, model_id) if replace else None
+    if previous is not None and not previous.read_only:
+        # Replace in place where it has room: the model stays in one directory, and no stale copy is found first.
+        dirs = dataclasses.replace(
+            dirs, writable=(previous.models_dir, *(d for d in dirs.writable if d != previous.models_dir))
+        )
     size = gguf_path.stat().st_size
     bytes_needed = bytes_needed or size
     total = max(bytes_needed, 1)
@@ -164,7 +177,9 @@ def install_gguf(
         if on_target is not None:
             on_target(choice.model_dir, bytes_needed)
         try:
-            written = _write_converted(gguf_path, choice.model_dir, model_id, f"gguf-sha256-{actual}", stage, cancel)
+            written = _write_converted(
+                gguf_path, choice.model_dir, model_id, f"gguf-sha256-{actual}", stage, cancel, replace
+            )
         except (OSError, RuntimeError) as error:
             if not _ran_out_of_space(error):
                 raise
@@ -177,6 +192,8 @@ def install_gguf(
             )
             ran_out.append(choice.models_dir)
             continue
+        if previous is not None and not previous.read_only and previous.path != choice.model_dir:
+            remove_model_dir(previous.path)
         report(1.0)
         return choice.model_dir, written
 
@@ -198,19 +215,17 @@ def _write_converted(
     revision: str,
     stage: Callable[[str, float], None],
     cancel: threading.Event,
+    replace: bool,
 ) -> int:
-    """Convert into a staging directory beside `target`, add the manifest, rename; returns bytes written.
+    """Convert into a staging directory beside `target`, add the manifest, move it to `target`; returns bytes
+    written.
 
-    The staging directory is removed whatever happens, so a failed write leaves nothing behind.
+    The staging directory is removed whatever happens, so a failed write leaves nothing behind; `target` is
+    not touched until the new copy is complete.
     """
     from jetshard_downloader.gguf import convert_gguf
 
     target.parent.mkdir(parents=True, exist_ok=True)
-    if target.exists():
-        # No manifest (else it was found complete): what a crash or another tool left. It is ours to replace.
-        tombstone = side_directory(target, TOMBSTONE)
-        target.rename(tombstone)
-        shutil.rmtree(tombstone, ignore_errors=True)
     staging = side_directory(target, STAGING)
     staging.mkdir()
     try:
@@ -227,9 +242,14 @@ def _write_converted(
         except OSError as error:
             if error.errno not in (errno.ENOTEMPTY, errno.EEXIST):
                 raise
-            # Another downloader sharing this directory (two nodes of one machine, a shared disk) converted the
-            # same file first and renamed its complete copy into place: it is as good as ours.
-            log.info("%s was converted meanwhile by another downloader; keeping that copy", model_id)
+            if not replace and is_complete(target, None, read_only=False):
+                # Another downloader sharing this directory (two nodes of one machine, a shared disk) converted
+                # the same file first and renamed its complete copy into place: it is as good as ours.
+                log.info("%s was converted meanwhile by another downloader; keeping that copy", model_id)
+            else:
+                # What was there (the copy replaced, or what a crash or another tool left) goes to the staging
+                # directory, and with it.
+                exchange_directories(out, target)
         fsync_dir(target.parent)
     finally:
         shutil.rmtree(staging, ignore_errors=True)

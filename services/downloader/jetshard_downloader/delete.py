@@ -33,7 +33,8 @@ def _read_only_copies(dirs: ModelDirs, model_id: ModelId) -> tuple[Path, ...]:
     return tuple(found)
 
 
-def _remove(path: Path) -> None:
+def remove_model_dir(path: Path) -> None:
+    """Remove one model directory (a link: only the link), atomically as far as a reader can tell."""
     if path.is_symlink():
         # A link someone placed in a models directory points at data that is not ours: drop the link only.
         path.unlink()
@@ -57,7 +58,7 @@ def delete_model(dirs: ModelDirs, model_id: ModelId | str) -> Deleted:
     for d in dirs.writable:
         candidate = model_path(d, model_id)
         if candidate.exists() or candidate.is_symlink():
-            _remove(candidate)
+            remove_model_dir(candidate)
             removed.append(candidate)
     kept = _read_only_copies(dirs, model_id)
     if not removed and kept:

@@ -25,6 +25,7 @@ from typing import Any
 import mlx.core as mx
 import numpy as np
 
+from .gguf_header import check_gguf_header
 from .gguf_tokenizer import to_python, write_tokenizer
 from .manifest import fsync_dir
 
@@ -308,8 +309,12 @@ def convert_gguf(
 
     report("reading", 0.0)
     try:
-        loaded = mx.load(str(gguf_path), return_metadata=True)
-    except RuntimeError as e:  # mlx reports a malformed file as RuntimeError("[load_gguf] gguf_init failed")
+        # mlx would read past the end of a file whose header lies about it, and crash the process.
+        check_gguf_header(gguf_path)
+        # format= since the name may lack a ".gguf" suffix mlx could infer it from: a Hugging Face cache blob
+        # (named by its hash), "model.GGUF".
+        loaded = mx.load(str(gguf_path), format="gguf", return_metadata=True)
+    except (ValueError, RuntimeError) as e:  # mlx: RuntimeError("[load_gguf] gguf_init failed") and the like
         raise ValueError(f"{gguf_path} is not a readable GGUF file: {e}") from e
     if not isinstance(loaded, tuple):
         raise ValueError(f"{gguf_path} is not a GGUF file (mx.load returned no metadata)")

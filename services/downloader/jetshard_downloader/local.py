@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+from pathlib import Path
 
 from jetshard_schema.cards import ModelCard
 
@@ -65,3 +66,9 @@ def find_shard(dirs: ModelDirs, card: ModelCard, start_layer: int, end_layer: in
         except OSError:
             continue
     return found, size
+
+
+def weights_size(dirs: ModelDirs, card: ModelCard, model_dir: Path) -> int:
+    """Bytes of the whole model's weight files in `model_dir` (a complete copy): its real size on this node."""
+    names = required_local_files(dirs, card, 0, card.num_layers)
+    return sum(file_in(model_dir, name).stat().st_size for name in names if name.endswith(".safetensors"))

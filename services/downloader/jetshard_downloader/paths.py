@@ -7,6 +7,9 @@ builds paths from the validated form only.
 
 from __future__ import annotations
 
+import ctypes
+import errno
+import os
 import re
 import secrets
 import shutil
@@ -86,3 +89,26 @@ def sweep_side_directories(models_dir: Path, kind: str) -> int:
             shutil.rmtree(entry, ignore_errors=True)
             count += 1
     return count
+
+
+_AT_FDCWD = -100
+_RENAME_EXCHANGE = 2
+
+
+def exchange_directories(new: Path, target: Path) -> None:
+    """Put the directory `new` at `target` and the directory that was at `target` at `new`, its sibling.
+
+    One renameat2(RENAME_EXCHANGE) where the kernel and filesystem offer it, so `target` is never missing;
+    elsewhere two renames, with a moment between them in which it is.
+    """
+    renameat2 = getattr(ctypes.CDLL(None, use_errno=True), "renameat2", None)
+    if renameat2 is not None:
+        if renameat2(_AT_FDCWD, os.fsencode(new), _AT_FDCWD, os.fsencode(target), _RENAME_EXCHANGE) == 0:
+            return
+        code = ctypes.get_errno()
+        if code not in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP):
+            raise OSError(code, os.strerror(code), str(new), None, str(target))
+    aside = side_directory(target, STAGING)
+    target.rename(aside)
+    new.rename(target)
+    aside.rename(new)

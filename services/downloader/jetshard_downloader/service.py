@@ -77,8 +77,8 @@ from jetshard_downloader.fetch import (
     list_remote_files,
     offline_error,
 )
-from jetshard_downloader.local import find_shard
-from jetshard_downloader.locate import find_model, partial_bytes_for
+from jetshard_downloader.local import find_shard, weights_size
+from jetshard_downloader.locate import Found, find_model, partial_bytes_for
 from jetshard_downloader.paths import INDEX_NAME, SINGLE_WEIGHTS_NAME
 from jetshard_downloader.resume import use_small_download_chunks
 from jetshard_downloader.shard_files import required_files
@@ -322,9 +322,20 @@ class Downloader:
             )
         )
 
-    async def _report_completed(
-        self, job: _Job, card: ModelCard, directory: Path, read_only: bool, bytes_total: int
-    ) -> None:
+    async def _written_into(self, job: _Job, card: ModelCard, directory: Path) -> tuple[Found, int]:
+        """The job's layers found complete in `directory`, which it just wrote, and their bytes on disk."""
+        found = await asyncio.to_thread(find_shard, self.dirs, card, job.start, job.end)
+        if found is None or found[0].path != directory:
+            raise FetchError(
+                f"{job.model_id}: the files were written into {directory} but it does "
+                "not hold the layer range completely; retry the download"
+            )
+        return found
+
+    async def _report_completed(self, job: _Job, card: ModelCard, found: tuple[Found, int]) -> None:
+        """Report the job's layers complete in `found`, with the bytes its files have on disk (not what a
+        listing or a conversion said), and the model's real size where the whole model is here."""
+        directory, read_only, bytes_total = found[0].path, found[0].read_only, found[1]
         # A node keeps one download record per model: report the widest range that is complete here, so a
         # second shard of a model does not make State forget the first.
         start, end = job.start, job.end
@@ -333,10 +344,18 @@ class Downloader:
         if done is not None and done.status is DownloadStatus.COMPLETED and done.end_layer > 0:
             wide = (min(start, done.start_layer), max(end, done.end_layer))
             if wide != (start, end):
-                found = await asyncio.to_thread(find_shard, self.dirs, card, *wide)
-                if found is not None and found[0].path == directory:
+                wider = await asyncio.to_thread(find_shard, self.dirs, card, *wide)
+                if wider is not None and wider[0].path == directory:
                     start, end = wide
-                    bytes_total = found[1]
+                    bytes_total = wider[1]
+        if (start, end) == (0, card.num_layers):
+            # The card's size came from a listing, an index or whoever added the card (an imported GGUF's, a
+            # file replaced since): the files here are the truth.
+            measured = await asyncio.to_thread(weights_size, self.dirs, card, directory)
+            if measured != card.storage_size_bytes or card.storage_size_estimated:
+                await self.publish(
+                    ReportModelSize(node_id=self.node_id, model_id=job.model_id, storage_size_bytes=measured)
+                )
         log.info("%s layers [%d, %d) complete in %s", job.model_id, start, end, directory)
         await self._report(
             job,
@@ -417,7 +436,7 @@ class Downloader:
                 and known.progress.start_layer <= job.start
                 and job.end <= known.progress.end_layer
             ):
-                await self._report_completed(job, card, found[0].path, found[0].read_only, found[1])
+                await self._report_completed(job, card, found)
             return
         if card.source is ModelSource.GGUF_PACKAGE:
             await self._convert(job, card)
@@ -481,7 +500,7 @@ class Downloader:
         await self._report(job, DownloadStatus.PENDING, bytes_total=card.storage_size_bytes)
         log.info("converting the packaged GGUF of %s", job.model_id)
         reserved = self._reserved_by_others(job)
-        target, size = await self._with_progress(
+        target, _ = await self._with_progress(
             job,
             lambda on_progress, on_target: convert_packaged(
                 card,
@@ -493,7 +512,7 @@ class Downloader:
             ),
             None,
         )
-        await self._report_completed(job, card, target, False, size)
+        await self._report_completed(job, card, await self._written_into(job, card, target))
 
     async def _fetch(self, job: _Job, card: ModelCard, attempt: int) -> None:
         if self.offline:
@@ -557,13 +576,7 @@ class Downloader:
             ),
             choice.model_dir,
         )
-        found = await asyncio.to_thread(find_shard, self.dirs, card, job.start, job.end)
-        if found is None or found[0].path != choice.model_dir:
-            raise FetchError(
-                f"{job.model_id}: the files were fetched into {choice.model_dir} but it does "
-                "not hold the layer range completely; retry the download"
-            )
-        await self._report_completed(job, card, choice.model_dir, False, needed)
+        await self._report_completed(job, card, await self._written_into(job, card, choice.model_dir))
 
     # --- deletes -----------------------------------------------------------------------------------------
 
