@@ -4,6 +4,7 @@ order of a start (NATS, the services, the model) and of a stop."""
 from __future__ import annotations
 
 import contextlib
+import os
 import signal
 import time
 from pathlib import Path
@@ -23,6 +24,7 @@ from jetshard.clusterfile import data_dir, remove_cluster_file, write_cluster_fi
 from jetshard.lan.options import LanChoice, lan_options
 from jetshard.lan.servers import LanServers
 from jetshard.options import model_dir_environment, model_dir_options, option, serving_options
+from jetshard.up.lock import Holder, lock_data_dir
 from jetshard.up.nats import UpNats, start_nats
 from jetshard.up.placing import place_and_wait
 from jetshard.up.services import Services, service_arguments, services_environment
@@ -102,17 +104,23 @@ def up(
 ) -> None:
     """Start everything on this machine; Ctrl-C stops it all. Running it again keeps the history."""
     console = Console(highlight=False)
+    root = state_dir or data_dir()
+    host = host or ("0.0.0.0" if lan else "127.0.0.1")
+    api_url = f"http://{'127.0.0.1' if host in ('0.0.0.0', '::') else host}:{port}"
+    # Before anything reads or writes the data directory (a second start must not even rebuild the store, or
+    # remove the first one's cluster file when it stops).
+    nats_shown = _without_userinfo(nats_url or f"nats://127.0.0.1:{nats_port}")
+    store_lock_fd = lock_data_dir(root, Holder(os.getpid(), api_url, nats_shown))
     for sig in STOP_SIGNALS:
         signal.signal(sig, _stop_on_signal)
-    root = state_dir or data_dir()
     logs = root / "logs"
     logs.mkdir(parents=True, exist_ok=True)
     supervisor = Supervisor(STOP_GRACE_S, report=lambda line: console.print(f"[yellow]{line}[/]", soft_wrap=True))
-    host = host or ("0.0.0.0" if lan else "127.0.0.1")
-    api_url = f"http://{'127.0.0.1' if host in ('0.0.0.0', '::') else host}:{port}"
     stops_before_servers = contextlib.ExitStack()
     try:
-        nats = start_nats(nats_url, nats_port, fsync, lan, port, root, supervisor, console, stops_before_servers)
+        nats = start_nats(
+            nats_url, nats_port, fsync, lan, port, root, store_lock_fd, supervisor, console, stops_before_servers
+        )
         lan_servers = nats.lan_servers
         # Runners of one model on several machines reach each other on the address the LAN sees.
         advertise_host = lan_servers.layout.address if lan_servers else None
