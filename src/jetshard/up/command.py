@@ -17,13 +17,13 @@ from jetshard_bus.natsserver import Fsync, NatsServerError
 from jetshard_bus.node import node_profile, unused_gpu_hint
 from jetshard_bus.options import DEFAULT_API_PORT
 from jetshard_schema.catalogue import DEMO_MODEL_ID
-from jetshard_schema.types import ServingSettings
 from rich.console import Console
 
 from jetshard.clusterfile import data_dir, remove_cluster_file, write_cluster_file
+from jetshard.commands.services import api_serving_flags_passed_on
 from jetshard.lan.options import LanChoice, lan_options
 from jetshard.lan.servers import LanServers
-from jetshard.options import model_dir_environment, model_dir_options, option, serving_options
+from jetshard.options import model_dir_environment, model_dir_options, option
 from jetshard.up.lock import Holder, lock_data_dir
 from jetshard.up.nats import UpNats, start_nats
 from jetshard.up.placing import place_and_wait
@@ -61,12 +61,6 @@ STOP_GRACE_S = (2.0, 1.0, 0.8, 0.8)
 @option("--port", type=int, default=DEFAULT_API_PORT, show_default=True, help="API port")
 @option("--api-key", default=None, help="require this key of API clients")
 @option(
-    "--allowed-host",
-    "allowed_hosts",
-    multiple=True,
-    help="also answer API requests naming this Host (besides loopback names and --host's addresses)",
-)
-@option(
     "--data-dir",
     "state_dir",
     type=click.Path(path_type=Path),
@@ -82,7 +76,7 @@ STOP_GRACE_S = (2.0, 1.0, 0.8, 0.8)
 )
 @option("--no-model", is_flag=True, help="place no model")
 @lan_options
-@serving_options
+@api_serving_flags_passed_on
 @model_dir_options
 def up(
     nats_url: str | None,
@@ -91,13 +85,12 @@ def up(
     host: str | None,
     port: int,
     api_key: str | None,
-    allowed_hosts: tuple[str, ...],
     state_dir: Path | None,
     offline: bool,
     model: str,
     no_model: bool,
     lan: LanChoice | None,
-    serving: ServingSettings,
+    api_args: list[str],
     default_models_dir: str | None,
     models_dirs: str | None,
     models_read_only_dirs: str | None,
@@ -135,7 +128,7 @@ def up(
                     models_read_only_dirs=models_read_only_dirs,
                 ),
             ),
-            service_arguments(host, port, allowed_hosts, serving, advertise_host),
+            service_arguments(host, port, api_args, advertise_host),
             api_key,
             logs,
         )
