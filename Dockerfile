@@ -2,5 +2,6 @@ FROM python:3.11-slim
 RUN pip install --no-cache-dir uv
 WORKDIR /app
 COPY . .
-RUN uv sync --frozen --no-dev && ln -s /app/.venv/bin/jetshard /usr/local/bin/jetshard
+# With the `vision` extra (mlx-vlm): the image's worker serves vision models as well as text ones.
+RUN uv sync --frozen --no-dev --extra vision && ln -s /app/.venv/bin/jetshard /usr/local/bin/jetshard
 ENV PATH="/app/.venv/bin:$PATH"

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import re
+import shlex
 import shutil
 import subprocess
 from pathlib import Path
@@ -48,3 +49,18 @@ def test_the_cpu_and_a_cuda_build_together_are_refused_naming_the_conflict() -> 
     exported = _export("--extra", "cuda13")
     assert exported.returncode != 0
     assert "cuda13" in exported.stderr and "cpu" in exported.stderr
+
+
+def test_the_docker_image_installs_the_vision_extra(tmp_path: Path) -> None:
+    """The Dockerfile's own install command, run as a dry run into a throwaway environment (no Docker engine runs
+    here): the image gets mlx-vlm, so its worker serves vision models, and the CPU build of mlx, without the dev
+    tools."""
+    dockerfile = (ROOT / "Dockerfile").read_text()
+    (install,) = [line.removeprefix("RUN ").split("&&")[0] for line in dockerfile.splitlines() if "uv sync" in line]
+    command = [_uv(), *shlex.split(install)[1:], "--offline", "--dry-run"]
+    environment = {**os.environ, "UV_PROJECT_ENVIRONMENT": str(tmp_path / "venv")}
+    planned = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=120, env=environment)
+    assert planned.returncode == 0, planned.stderr
+    installed = set(re.findall(r"^ \+ ([\w.-]+)(?:==| @ )", planned.stdout + planned.stderr, re.MULTILINE))
+    assert {"mlx-vlm", "mlx-lm", "mlx-cpu", "jetshard-worker", "pillow"} <= installed, planned.stdout + planned.stderr
+    assert "pytest" not in installed

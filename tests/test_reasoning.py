@@ -77,6 +77,21 @@ def test_openai_chat_gives_the_reasoning_apart_from_the_answer(
     assert usage.completion_tokens_details.reasoning_tokens == REASONING_TOKENS
 
 
+def test_a_stop_string_ends_the_answer_never_the_reasoning(openai_client: openai.OpenAI, thinking_model: str) -> None:
+    """As in vLLM: a stop string the model writes while it reasons ends nothing; in the answer it ends it."""
+    in_reasoning = THOUGHT.split()[-1]
+    answer = openai_client.chat.completions.create(
+        model=thinking_model, messages=QUESTION, max_tokens=32, stop=[in_reasoning]
+    )
+    message = answer.choices[0].message
+    assert (reasoning_of(message), message.content) == (THOUGHT, ANSWER)
+    cut = openai_client.chat.completions.create(
+        model=thinking_model, messages=QUESTION, max_tokens=32, stop=[ANSWER[1:]]
+    )
+    message = cut.choices[0].message
+    assert (reasoning_of(message), message.content, cut.choices[0].finish_reason) == (THOUGHT, ANSWER[:1], "stop")
+
+
 def test_a_prompt_that_opens_the_reasoning(openai_client: openai.OpenAI, thinking_model: str) -> None:
     """A template that ends the prompt with `<think>` (Qwen3-Thinking-2507's, DeepSeek-R1's): the model writes no
     start marker, and what it writes up to `</think>` is its reasoning all the same."""

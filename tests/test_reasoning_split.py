@@ -1,13 +1,19 @@
 """The runner's split of a thinking model's output (`jetshard_worker.reasoning`), where a live model cannot be made
 to go: markers cut across pieces of text, a marker that never completes, a prompt that opens the reasoning, markers
-of several tokens (Gemma's `<|channel>thought`), and a budget that forces such a marker token by token. Pure: no
-model, no cluster (tests/test_reasoning.py runs the whole path in every dialect)."""
+of several tokens (Gemma's `<|channel>thought`), a budget that forces such a marker token by token, and stop strings,
+which the answer alone is matched against. Pure: no model, no cluster (tests/test_reasoning.py runs the whole path
+in every dialect)."""
 
 from __future__ import annotations
 
 import mlx.core as mx
 import pytest
+from jetshard_schema.ids import TaskId
+from jetshard_schema.types import Chunk, TaskOutcome
+from jetshard_worker.output import ChoiceOutput, TaskOutput
 from jetshard_worker.reasoning import ReasoningText, ReasoningTokens, ThinkMarkers, opens_in_reasoning
+from jetshard_worker.textstream import StopText
+from test_textstream import PieceDetokenizer
 
 QWEN = ThinkMarkers(start="<think>", end="</think>", start_tokens=(10,), end_tokens=(11,))
 CHANNEL = ThinkMarkers(start="<|channel>thought", end="<channel|>", start_tokens=(20, 21), end_tokens=(22, 23))
@@ -96,3 +102,41 @@ def test_an_answer_constraint_sees_the_prompt_and_the_answer_only() -> None:
     assert forced(steering, [1, 2, 10, 7, 11]) == 3  # answering: constrained
     assert forced(steering, [1, 2, 10, 7, 11, 3]) == 3
     assert seen == [[1, 2], [1, 2], [1, 2, 3]]
+
+
+# --- stop strings: the answer's only, as vLLM matches them ------------------------------------------------------
+
+MARKED = ThinkMarkers(start="<think>", end="</think>", start_tokens=(100,), end_tokens=(101,))
+"""Marker ids apart from the pieces' (token i is piece i)."""
+
+
+def generate(pieces: list[str], stop: tuple[str, ...]) -> tuple[str, str, TaskOutcome | None]:
+    """The reasoning, the answer and the finish reason the worker publishes for a thinking model writing `pieces`
+    (one token each), as its runner builds a choice's output: detokenized, split, stop strings applied."""
+    chunks: list[Chunk] = []
+    choice = ChoiceOutput(
+        detokenizer=PieceDetokenizer(pieces),
+        stop=StopText(stop),
+        reasoning=(ReasoningText(MARKED, reasoning=False), ReasoningTokens(MARKED, reasoning=False)),
+    )
+    output = TaskOutput(TaskId("task"), [choice], str, chunks.append, lambda _: None)
+    ending = None
+    for token in range(len(pieces)):
+        if (ending := output.token(0, token, None)) is not None:
+            break
+    output.finish(0, ending or TaskOutcome.LENGTH, prompt_tokens=3)
+    reasoning = "".join(chunk.reasoning for chunk in chunks)
+    return reasoning, "".join(chunk.text for chunk in chunks), chunks[-1].finish_reason
+
+
+THINKING_ABOUT_STOP = ["<think>", "\nThey said ", "ST", "OP", " so I", " stop.\n", "</think>", "\n\n", "Fine", "."]
+
+
+def test_a_stop_string_in_the_reasoning_ends_nothing() -> None:
+    reasoning, answer, reason = generate([*THINKING_ABOUT_STOP, " Bye"], ("STOP",))
+    assert (reasoning, answer, reason) == ("They said STOP so I stop.", "Fine. Bye", TaskOutcome.LENGTH)
+
+
+def test_a_stop_string_in_the_answer_ends_it_and_is_not_shown() -> None:
+    reasoning, answer, reason = generate([*THINKING_ABOUT_STOP, " ST", "OP", " more"], ("STOP",))
+    assert (reasoning, answer, reason) == ("They said STOP so I stop.", "Fine. ", TaskOutcome.STOP)

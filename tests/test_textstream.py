@@ -1,8 +1,8 @@
-"""Stop strings are matched across token boundaries and never returned."""
+"""Stop strings are matched across pieces of text and never returned."""
 
 from __future__ import annotations
 
-from jetshard_worker.textstream import TextStream
+from jetshard_worker.textstream import StopText
 
 
 class PieceDetokenizer:
@@ -20,21 +20,25 @@ class PieceDetokenizer:
 
 
 def run(pieces: list[str], stop: tuple[str, ...]) -> tuple[str, bool]:
-    stream = TextStream(PieceDetokenizer(pieces), stop)
+    text = StopText(stop)
     out = ""
-    for token in range(len(pieces)):
-        out += stream.add(token)
-        if stream.stopped:
+    for piece in pieces:
+        out += text.add(piece)
+        if text.stopped:
             break
-    return out + stream.finish(), stream.stopped
+    return out + text.finish(), text.stopped
 
 
-def test_stop_string_split_over_tokens_is_cut_and_not_returned() -> None:
+def test_stop_string_split_over_pieces_is_cut_and_not_returned() -> None:
     assert run(["Hello", " wor", "ld.", " EN", "D more"], ("END",)) == ("Hello world. ", True)
 
 
 def test_held_back_prefix_is_released_when_it_turns_out_not_to_be_a_stop() -> None:
     assert run(["a", "E", "N", "x", "b"], ("END",)) == ("aENxb", False)
+
+
+def test_a_held_back_prefix_is_released_when_the_text_ends() -> None:
+    assert run(["a", "EN"], ("END",)) == ("aEN", False)
 
 
 def test_the_earliest_of_several_stop_strings_wins_within_one_piece() -> None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import functools
 import re
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import click
@@ -195,30 +195,47 @@ _SERVING_HELP = {
 """A flag per `ServingSettings` field the API sets for the instances it places, named after it."""
 
 
-def serving_options(command: Callable[..., Any]) -> Callable[..., Any]:
-    """The serving settings of the instances an API places (`jetshard api`, and `jetshard up` passing them on
-    to it) where a request does not set them; passed on as `serving`, checked against `ServingSettings`."""
-
-    @functools.wraps(command)
-    def wrapper(**kwargs: Any) -> Any:
-        given = {name: kwargs.pop(name) for name in _SERVING_HELP}
-        try:
-            serving = msgspec.convert(given, ServingSettings)
-        except msgspec.ValidationError as error:
-            raise click.BadParameter(str(error).replace("$.", "--").replace("_", "-")) from None
-        return command(serving=serving, **kwargs)
-
-    defaults = ServingSettings()
-    decorators = [
-        option(flag_of(name), type=int, default=getattr(defaults, name), show_default=True, help=help)
-        for name, help in _SERVING_HELP.items()
-    ]
-    return with_options(wrapper, decorators)
+SERVING_FLAGS: list[Decorator] = [
+    option(flag_of(name), type=int, default=getattr(ServingSettings(), name), show_default=True, help=help)
+    for name, help in _SERVING_HELP.items()
+]
+"""The serving settings of the instances an API places where a request does not set them; read with
+`serving_settings`."""
 
 
-def serving_args(serving: ServingSettings) -> list[str]:
-    """`serving_options`' flags for `serving`, to pass it on to a `jetshard api` process."""
-    return [f"{flag_of(name)}={getattr(serving, name)}" for name in _SERVING_HELP]
+def serving_settings(given: dict[str, Any]) -> ServingSettings:
+    """The values of `SERVING_FLAGS`, popped from a command's parameters `given` and checked against
+    `ServingSettings`."""
+    values = {name: given.pop(name) for name in _SERVING_HELP}
+    try:
+        return msgspec.convert(values, ServingSettings)
+    except msgspec.ValidationError as error:
+        raise click.BadParameter(str(error).replace("$.", "--").replace("_", "-")) from None
+
+
+def options_of(decorators: Sequence[Decorator]) -> list[click.Option]:
+    """The options `decorators` declare, as the command they decorate has them."""
+    params = click.command()(with_options(lambda **_: None, decorators)).params
+    return [param for param in params if isinstance(param, click.Option)]
+
+
+def command_line(options: Sequence[click.Option], values: Mapping[str, Any]) -> list[str]:
+    """The arguments that give a command with `options` the `values` (by parameter name): how a command passes
+    the flags it took on to a process of a command that takes the same."""
+    args: list[str] = []
+    for option_ in options:
+        assert option_.name is not None  # every option has a parameter name
+        value = values[option_.name]
+        flag = next(name for name in option_.opts if name.startswith("--"))
+        if option_.is_flag and option_.secondary_opts:
+            args.append(flag if value else option_.secondary_opts[0])
+        elif option_.is_flag:
+            args.extend([flag] if value else [])
+        elif option_.multiple:
+            args.extend(f"{flag}={item}" for item in value)
+        elif value is not None:
+            args.append(f"{flag}={value}")
+    return args
 
 
 def checked_name(_context: click.Context, _parameter: click.Parameter, value: str | None) -> str | None:

@@ -168,11 +168,14 @@ def start_nats_server(
     cluster: ClusterSettings | None = None,
     monitor_port: int | None = None,
     fsync: Fsync = Fsync.ALWAYS,
+    store_lock_fd: int | None = None,
 ) -> NatsServer:
     """Start nats-server with JetStream on loopback; `port=-1` picks a free port. Returns once it listens.
 
     Without `authorization` (a config block, see `jetshard_bus.auth.server_authorization`) anyone may connect.
     With `cluster` it joins a cluster over routes (see `ClusterSettings`). `fsync`: see `Fsync`.
+    `store_lock_fd`: a lock on the store (`jetshard up`'s data directory lock) the server inherits, so that the
+    store stays locked until the server has exited too, even when the process that took the lock died first.
     """
     settings = ServerSettings(store_dir, port, host, authorization, cluster, monitor_port, fsync)
     store_dir.mkdir(parents=True, exist_ok=True)
@@ -180,7 +183,8 @@ def start_nats_server(
     for stale in settings.ports_dir.glob("*.ports"):
         stale.unlink()
     config = _write_config(settings)
-    process = spawn([str(nats_server_binary()), "-c", str(config)], log_file)
+    inherited = () if store_lock_fd is None else (store_lock_fd,)
+    process = spawn([str(nats_server_binary()), "-c", str(config)], log_file, pass_fds=inherited)
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if process.poll() is not None:

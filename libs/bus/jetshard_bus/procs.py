@@ -31,15 +31,20 @@ def _prepare_child() -> None:
         _prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
-def spawn(args: Sequence[str], log_file: Path | None, env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
-    """Start `args` in a new process group that is signalled when this process dies."""
+def spawn(
+    args: Sequence[str], log_file: Path | None, env: dict[str, str] | None = None, pass_fds: Sequence[int] = ()
+) -> subprocess.Popen[bytes]:
+    """Start `args` in a new process group that is signalled when this process dies; it inherits `pass_fds`
+    (no other descriptor of ours)."""
     if log_file is None:
-        return _popen(args, subprocess.DEVNULL, env)
+        return _popen(args, subprocess.DEVNULL, env, pass_fds)
     with open(log_file, "ab") as log:  # the child has its own copy; ours would leak one per restart
-        return _popen(args, log, env)
+        return _popen(args, log, env, pass_fds)
 
 
-def _popen(args: Sequence[str], stdout: int | IO[bytes], env: dict[str, str] | None) -> subprocess.Popen[bytes]:
+def _popen(
+    args: Sequence[str], stdout: int | IO[bytes], env: dict[str, str] | None, pass_fds: Sequence[int]
+) -> subprocess.Popen[bytes]:
     return subprocess.Popen(
         list(args),
         stdout=stdout,
@@ -47,6 +52,7 @@ def _popen(args: Sequence[str], stdout: int | IO[bytes], env: dict[str, str] | N
         env=env,
         start_new_session=True,
         preexec_fn=_prepare_child,
+        pass_fds=tuple(pass_fds),
     )
 
 

@@ -1,6 +1,7 @@
-"""What a task's generated tokens become on `jetshard.chunks.<node id>.<task id>`: per choice, its text (stop strings
-held back) split into reasoning and answer for a thinking model, its tool calls (parsed from the answer), its
-logprobs; then the task's usage on the last chunk.
+"""What a task's generated tokens become on `jetshard.chunks.<node id>.<task id>`: per choice, its text split into
+reasoning and answer for a thinking model, the answer cut at a stop string (the reasoning may hold one: it ends
+nothing, as in vLLM), its tool calls (parsed from the answer), its logprobs; then the task's usage on the last
+chunk.
 
 A task with `n` choices runs as `n` engine rows; an embedding task as one row per input. Every piece of
 output becomes a `Chunk` with the next index of the task, whichever choice it belongs to, so the API sees
@@ -24,7 +25,7 @@ from jetshard_schema.types import Chunk, TaskOutcome, TokenLogprob, ToolCall, To
 from jetshard_worker.constrained import JsonConstraint
 from jetshard_worker.engine import TokenScores
 from jetshard_worker.reasoning import ReasoningText, ReasoningTokens
-from jetshard_worker.textstream import TextStream
+from jetshard_worker.textstream import StopText
 from jetshard_worker.toolcalls import ToolCallParsed, ToolCallSplitter, parse_forced
 
 ROW_SEPARATOR = "#"
@@ -42,9 +43,13 @@ def split_row_id(row: str) -> tuple[TaskId, int]:
 
 @dataclass(eq=False)
 class ChoiceOutput:
-    """One choice's output so far."""
+    """One choice's output so far: each token detokenized, split into reasoning and answer, the answer cut at a
+    stop string."""
 
-    stream: TextStream
+    detokenizer: Any
+    """mlx-lm's streaming detokenizer (None for an embedding, which makes no text)."""
+    stop: StopText = field(default_factory=lambda: StopText(()))
+    """The request's stop strings, matched in the answer only."""
     splitter: ToolCallSplitter | None = None
     """Tools in `auto`: calls parsed out of the text."""
     forced_calls: bool = False
@@ -67,14 +72,29 @@ class ChoiceOutput:
     def reasoning_tokens(self) -> int:
         return 0 if self.reasoning is None else self.reasoning[1].count
 
-    def split(self, text: str, last: bool = False) -> tuple[str, str]:
-        """`text`'s reasoning and answer (with what the split still held, when `last`); the answer is kept."""
+    def add(self, token: int) -> tuple[str, str]:
+        """The reasoning and the answer that `token` makes safe to show."""
+        self.detokenizer.add_token(token)
+        return self._show(self.detokenizer.last_segment, last=False)
+
+    def finish(self) -> tuple[str, str]:
+        """The reasoning and the answer still held once the output ends for another reason than a stop string."""
+        self.detokenizer.finalize()
+        return self._show(self.detokenizer.last_segment, last=True)
+
+    def _show(self, text: str, last: bool) -> tuple[str, str]:
+        """`text`'s reasoning and answer (with what the split and the stop strings still held, when `last`); the
+        answer, cut at a stop string, is kept."""
         reasoning = ""
         if self.reasoning is not None:
             reasoning, text = self.reasoning[0].add(text)
             if last:
                 more_reasoning, more_text = self.reasoning[0].finish()
                 reasoning, text = reasoning + more_reasoning, text + more_text
+        # Only now, on the answer alone: a stop string the model reasons about must not end its answer.
+        text = self.stop.add(text)
+        if last:
+            text += self.stop.finish()
         self.text.append(text)
         return reasoning, text
 
@@ -124,12 +144,12 @@ class TaskOutput:
             self._logprobs.setdefault(choice, []).append(self._token_logprob(token, scores))
         if output.reasoning is not None:
             output.reasoning[1].add(token)
-        reasoning, text = output.split(output.stream.add(token))
-        if output.stream.stopped:
+        reasoning, text = output.add(token)
+        if output.stop.stopped:
             output.ending = TaskOutcome.STOP
         elif output.constraint is not None and output.constraint.closing(output.joined, output.tokens) is not None:
             # Ending: what the detokenizer still holds back comes first, then what closes the document after it.
-            more_reasoning, tail = output.split(output.stream.finish(), last=True)
+            more_reasoning, tail = output.finish()
             closing = output.constraint.closing(output.joined, output.tokens) or ""
             reasoning, text = reasoning + more_reasoning, text + tail + closing
             output.text.append(closing)
@@ -150,7 +170,7 @@ class TaskOutput:
             reason = output.ending if reason is not TaskOutcome.CANCELLED else reason
             reasoning, text = "", ""
         else:
-            reasoning, text = output.split(output.stream.finish(), last=True)
+            reasoning, text = output.finish()
         calls: list[ToolCallParsed] = []
         if output.forced_calls:
             calls = parse_forced(output.joined())

@@ -85,7 +85,7 @@ from jetshard_worker.runner_spec import RunnerSpec
 from jetshard_worker.runner_test_seams import RunnerTestSeams
 from jetshard_worker.task_requests import REQUEST_WAIT_S, TaskRequests
 from jetshard_worker.task_spans import TaskSpans
-from jetshard_worker.textstream import TextStream
+from jetshard_worker.textstream import StopText
 from jetshard_worker.toolcalls import ToolCallSplitter, forced_call_schema
 
 log = logging.getLogger(__name__)
@@ -346,7 +346,7 @@ class Runner:
                 GenerationRequest(task_id=row_id(request.task_id, i), prompt_tokens=tokens, max_tokens=1, embed=True)
                 for i, tokens in enumerate(prompts)
             ]
-            output = TaskOutput(request.task_id, [ChoiceOutput(stream=TextStream(None, ())) for _ in rows], *self._io)
+            output = TaskOutput(request.task_id, [ChoiceOutput(detokenizer=None) for _ in rows], *self._io)
         else:
             try:
                 output, rows = self._generation(request, prompts[0], images)
@@ -411,7 +411,8 @@ class Runner:
             stop = () if constraint is not None else request.sampling.stop
             choices.append(
                 ChoiceOutput(
-                    stream=TextStream(self.tokenizer.detokenizer, stop),
+                    detokenizer=self.tokenizer.detokenizer,
+                    stop=StopText(stop),
                     splitter=splitter,
                     forced_calls=forced,
                     constraint=constraint,

@@ -12,15 +12,18 @@ from typing import TYPE_CHECKING, Any
 import click
 from jetshard_bus.options import DEFAULT_API_PORT, NatsOptions
 from jetshard_bus.streams import BusTimings
-from jetshard_schema.types import ServingSettings
 
 from jetshard.options import (
+    SERVING_FLAGS,
+    Decorator,
     checked_name,
+    command_line,
     model_dir_options,
     nats_options,
     option,
+    options_of,
     seconds_option,
-    serving_options,
+    serving_settings,
     with_options,
 )
 
@@ -60,14 +63,89 @@ def sequencer(
     run_service("sequencer", lambda stop: run_sequencer(config, stop))
 
 
-def inference_options(command: Callable[..., Any]) -> Callable[..., Any]:
-    """How `jetshard api` serves inference requests; passed on as `inference`."""
+_API_SERVING_FLAGS: list[Decorator] = [
+    option(
+        "--command-timeout-s",
+        type=float,
+        default=30.0,
+        show_default=True,
+        help="how long a route waits for its command's outcome before answering 504",
+    ),
+    option(
+        "--auto-place/--no-auto-place",
+        default=True,
+        show_default=True,
+        help="place a model that has no instance when a request asks for it",
+    ),
+    option(
+        "--chunk-silence-s",
+        type=float,
+        default=60.0,
+        show_default=True,
+        help="a generation silent this long (after its first chunk) ends with an error",
+    ),
+    seconds_option(
+        "--start-timeout-s",
+        300.0,
+        "how long a request may wait in its instance's queue for its turn: one that could not start in this "
+        "long at the instance's measured pace is refused with 429 at once (one admitted is given twice this)",
+    ),
+    seconds_option(
+        "--first-chunk-timeout-s",
+        300.0,
+        "once its task started, how long a request waits for its first chunk (the prompt's prefill)",
+    ),
+    seconds_option(
+        "--keep-alive-s",
+        5.0,
+        "a streaming request waiting (for its model, in its instance's queue, for its prompt) is sent an SSE "
+        "comment this often",
+    ),
+    option(
+        "--fetch-image-urls/--no-fetch-image-urls",
+        default=False,
+        show_default=True,
+        help="fetch the http(s) image URLs requests name (from this host: it reaches what the API reaches)",
+    ),
+    seconds_option("--image-fetch-timeout-s", 10.0, "how long fetching one image URL may take"),
+    option(
+        "--image-dir",
+        "image_dirs",
+        multiple=True,
+        type=click.Path(file_okay=False, path_type=Path),
+        help="a directory whose files requests may name as file:// image URLs (repeatable; none by default)",
+    ),
+    *SERVING_FLAGS,
+    option(
+        "--allowed-host",
+        "allowed_hosts",
+        multiple=True,
+        help="also answer requests naming this Host (besides loopback names and --host's addresses); '*': any",
+    ),
+    option(
+        "--cors-origin",
+        "cors_origins",
+        multiple=True,
+        help="let web pages from this origin (scheme://host[:port]) call the API; none by default",
+    ),
+]
+"""How `jetshard api` serves: its flags besides NATS, its address and its key. `jetshard up` takes the same and
+passes them on to the API it starts (`api_serving_flags_passed_on`)."""
+
+_INFERENCE_FLAGS = ("auto_place", "chunk_silence_s", "start_timeout_s", "first_chunk_timeout_s", "keep_alive_s")
+"""The fields of `InferenceSettings` besides `serving` and `images`, each one of `_API_SERVING_FLAGS`."""
+
+
+def api_serving_options(command: Callable[..., Any]) -> Callable[..., Any]:
+    """`_API_SERVING_FLAGS` for `jetshard api`: passed on as `inference` (`InferenceSettings`),
+    `command_timeout_s`, `allowed_hosts` and `cors_origins`."""
 
     @functools.wraps(command)
-    def wrapper(serving: ServingSettings, **kwargs: Any) -> Any:
+    def wrapper(**kwargs: Any) -> Any:
         from jetshard_api.images import ImageSettings  # the API's modules load only to run it
         from jetshard_api.route_steps import InferenceSettings
 
+        serving = serving_settings(kwargs)
         given = {name: kwargs.pop(name) for name in _INFERENCE_FLAGS}
         images = ImageSettings(
             fetch_urls=kwargs.pop("fetch_image_urls"),
@@ -76,58 +154,21 @@ def inference_options(command: Callable[..., Any]) -> Callable[..., Any]:
         )
         return command(inference=InferenceSettings(**given, serving=serving, images=images), **kwargs)
 
-    decorators = [
-        option(
-            "--auto-place/--no-auto-place",
-            default=True,
-            show_default=True,
-            help="place a model that has no instance when a request asks for it",
-        ),
-        option(
-            "--chunk-silence-s",
-            type=float,
-            default=60.0,
-            show_default=True,
-            help="a generation silent this long (after its first chunk) ends with an error",
-        ),
-        seconds_option(
-            "--start-timeout-s",
-            300.0,
-            "how long a request may wait in its instance's queue for its turn: one that could not start in this "
-            "long at the instance's measured pace is refused with 429 at once (one admitted is given twice this)",
-        ),
-        seconds_option(
-            "--first-chunk-timeout-s",
-            300.0,
-            "once its task started, how long a request waits for its first chunk (the prompt's prefill)",
-        ),
-        seconds_option(
-            "--keep-alive-s",
-            5.0,
-            "a streaming request waiting (for its model, in its instance's queue, for its prompt) is sent an SSE "
-            "comment this often",
-        ),
-        option(
-            "--fetch-image-urls/--no-fetch-image-urls",
-            default=False,
-            show_default=True,
-            help="fetch the http(s) image URLs requests name (from this host: it reaches what the API reaches)",
-        ),
-        seconds_option("--image-fetch-timeout-s", 10.0, "how long fetching one image URL may take"),
-        option(
-            "--image-dir",
-            "image_dirs",
-            multiple=True,
-            type=click.Path(file_okay=False, path_type=Path),
-            help="a directory whose files requests may name as file:// image URLs (repeatable; none by default)",
-        ),
-        serving_options,
-    ]
-    return with_options(wrapper, decorators)
+    return with_options(wrapper, _API_SERVING_FLAGS)
 
 
-_INFERENCE_FLAGS = ("auto_place", "chunk_silence_s", "start_timeout_s", "first_chunk_timeout_s", "keep_alive_s")
-"""The fields of `InferenceSettings` besides `serving` and `images`, each a flag of `inference_options`."""
+def api_serving_flags_passed_on(command: Callable[..., Any]) -> Callable[..., Any]:
+    """`_API_SERVING_FLAGS` for `jetshard up`: passed on as `api_args`, the arguments that give the `jetshard api`
+    it starts the same values. The serving settings are checked here: a bad one stops `up` before it starts."""
+    options = options_of(_API_SERVING_FLAGS)
+
+    @functools.wraps(command)
+    def wrapper(**kwargs: Any) -> Any:
+        given = {option_.name: kwargs.pop(option_.name) for option_ in options if option_.name is not None}
+        serving_settings(dict(given))
+        return command(api_args=command_line(options, given), **kwargs)
+
+    return with_options(wrapper, _API_SERVING_FLAGS)
 
 
 @click.command()
@@ -135,43 +176,24 @@ _INFERENCE_FLAGS = ("auto_place", "chunk_silence_s", "start_timeout_s", "first_c
 @option("--host", default="127.0.0.1", show_default=True, help="address the HTTP API listens on")
 @option("--port", type=int, default=DEFAULT_API_PORT, show_default=True, help="HTTP port (0: any free port)")
 @option(
-    "--command-timeout-s",
-    type=float,
-    default=30.0,
-    show_default=True,
-    help="how long a route waits for its command's outcome before answering 504",
-)
-@option(
     "--port-file",
     type=click.Path(dir_okay=False, path_type=Path),
     default=None,
     help="write the bound port here once listening",
 )
-@inference_options
 @option(
     "--api-key", default=None, help="require this key ('Authorization: Bearer' or 'x-api-key'); /healthz stays open"
 )
-@option(
-    "--allowed-host",
-    "allowed_hosts",
-    multiple=True,
-    help="also answer requests naming this Host (besides loopback names and --host's addresses); '*': any",
-)
-@option(
-    "--cors-origin",
-    "cors_origins",
-    multiple=True,
-    help="let web pages from this origin (scheme://host[:port]) call the API; none by default",
-)
+@api_serving_options
 def api(
     nats: NatsOptions,
     timings: BusTimings,
     host: str,
     port: int,
-    command_timeout_s: float,
     port_file: Path | None,
-    inference: InferenceSettings,
     api_key: str | None,
+    command_timeout_s: float,
+    inference: InferenceSettings,
     allowed_hosts: tuple[str, ...],
     cors_origins: tuple[str, ...],
 ) -> None:

@@ -49,6 +49,8 @@ class LanServers:
     system_nkey: Path
     report: Callable[[str], None]
     stop_stage: int
+    store_lock_fd: int
+    """The data directory's lock (`jetshard.up.lock`), which every server started on its stores inherits."""
     server: NatsServer | None = dataclasses.field(default=None, init=False)
     witness: NatsServer | None = dataclasses.field(default=None, init=False)
     next_tend: float = dataclasses.field(default=0.0, init=False)
@@ -127,6 +129,7 @@ class LanServers:
             cluster=settings.cluster,
             monitor_port=settings.monitor_port,
             fsync=settings.fsync,
+            store_lock_fd=self.store_lock_fd,
         )
 
     def _check_name_is_free(self) -> None:

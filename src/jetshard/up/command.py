@@ -4,6 +4,7 @@ order of a start (NATS, the services, the model) and of a stop."""
 from __future__ import annotations
 
 import contextlib
+import os
 import signal
 import time
 from pathlib import Path
@@ -16,13 +17,14 @@ from jetshard_bus.natsserver import Fsync, NatsServerError
 from jetshard_bus.node import node_profile, unused_gpu_hint
 from jetshard_bus.options import DEFAULT_API_PORT
 from jetshard_schema.catalogue import DEMO_MODEL_ID
-from jetshard_schema.types import ServingSettings
 from rich.console import Console
 
 from jetshard.clusterfile import data_dir, remove_cluster_file, write_cluster_file
+from jetshard.commands.services import api_serving_flags_passed_on
 from jetshard.lan.options import LanChoice, lan_options
 from jetshard.lan.servers import LanServers
-from jetshard.options import model_dir_environment, model_dir_options, option, serving_options
+from jetshard.options import model_dir_environment, model_dir_options, option
+from jetshard.up.lock import Holder, lock_data_dir
 from jetshard.up.nats import UpNats, start_nats
 from jetshard.up.placing import place_and_wait
 from jetshard.up.services import Services, service_arguments, services_environment
@@ -59,12 +61,6 @@ STOP_GRACE_S = (2.0, 1.0, 0.8, 0.8)
 @option("--port", type=int, default=DEFAULT_API_PORT, show_default=True, help="API port")
 @option("--api-key", default=None, help="require this key of API clients")
 @option(
-    "--allowed-host",
-    "allowed_hosts",
-    multiple=True,
-    help="also answer API requests naming this Host (besides loopback names and --host's addresses)",
-)
-@option(
     "--data-dir",
     "state_dir",
     type=click.Path(path_type=Path),
@@ -80,7 +76,7 @@ STOP_GRACE_S = (2.0, 1.0, 0.8, 0.8)
 )
 @option("--no-model", is_flag=True, help="place no model")
 @lan_options
-@serving_options
+@api_serving_flags_passed_on
 @model_dir_options
 def up(
     nats_url: str | None,
@@ -89,30 +85,35 @@ def up(
     host: str | None,
     port: int,
     api_key: str | None,
-    allowed_hosts: tuple[str, ...],
     state_dir: Path | None,
     offline: bool,
     model: str,
     no_model: bool,
     lan: LanChoice | None,
-    serving: ServingSettings,
+    api_args: list[str],
     default_models_dir: str | None,
     models_dirs: str | None,
     models_read_only_dirs: str | None,
 ) -> None:
     """Start everything on this machine; Ctrl-C stops it all. Running it again keeps the history."""
     console = Console(highlight=False)
+    root = state_dir or data_dir()
+    host = host or ("0.0.0.0" if lan else "127.0.0.1")
+    api_url = f"http://{'127.0.0.1' if host in ('0.0.0.0', '::') else host}:{port}"
+    # Before anything reads or writes the data directory (a second start must not even rebuild the store, or
+    # remove the first one's cluster file when it stops).
+    nats_shown = _without_userinfo(nats_url or f"nats://127.0.0.1:{nats_port}")
+    store_lock_fd = lock_data_dir(root, Holder(os.getpid(), api_url, nats_shown))
     for sig in STOP_SIGNALS:
         signal.signal(sig, _stop_on_signal)
-    root = state_dir or data_dir()
     logs = root / "logs"
     logs.mkdir(parents=True, exist_ok=True)
     supervisor = Supervisor(STOP_GRACE_S, report=lambda line: console.print(f"[yellow]{line}[/]", soft_wrap=True))
-    host = host or ("0.0.0.0" if lan else "127.0.0.1")
-    api_url = f"http://{'127.0.0.1' if host in ('0.0.0.0', '::') else host}:{port}"
     stops_before_servers = contextlib.ExitStack()
     try:
-        nats = start_nats(nats_url, nats_port, fsync, lan, port, root, supervisor, console, stops_before_servers)
+        nats = start_nats(
+            nats_url, nats_port, fsync, lan, port, root, store_lock_fd, supervisor, console, stops_before_servers
+        )
         lan_servers = nats.lan_servers
         # Runners of one model on several machines reach each other on the address the LAN sees.
         advertise_host = lan_servers.layout.address if lan_servers else None
@@ -127,7 +128,7 @@ def up(
                     models_read_only_dirs=models_read_only_dirs,
                 ),
             ),
-            service_arguments(host, port, allowed_hosts, serving, advertise_host),
+            service_arguments(host, port, api_args, advertise_host),
             api_key,
             logs,
         )

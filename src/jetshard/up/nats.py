@@ -45,12 +45,14 @@ def start_nats(
     lan: LanChoice | None,
     api_port: int,
     root: Path,
+    store_lock_fd: int,
     supervisor: Supervisor,
     console: Console,
     stops: contextlib.ExitStack,
 ) -> UpNats:
-    """The NATS at `nats_url`, else the servers `up` starts under `supervisor`, their streams declared. What
-    must stop before the servers do (the LAN announcement) is pushed onto `stops`."""
+    """The NATS at `nats_url`, else the servers `up` starts under `supervisor` on `root`'s store (each inherits
+    `store_lock_fd`, `jetshard.up.lock`), their streams declared. What must stop before the servers do (the LAN
+    announcement) is pushed onto `stops`."""
     if nats_url is not None:
         return UpNats(nats_url, {})
     node_id = node_id_for(config_dir())
@@ -58,7 +60,7 @@ def start_nats(
     authorization = server_authorization(list(identities.values()))
     logs = root / "logs"
     if lan is None:
-        url = _start_embedded(root, nats_port, authorization, fsync, supervisor)
+        url = _start_embedded(root, nats_port, authorization, fsync, store_lock_fd, supervisor)
         asyncio.run(_declare_streams(NatsOptions(servers=(url,), nkey_file=str(identities[ADMIN].seed_file))))
         return UpNats(url, identities)
     layout = lan_layout(root, lan, node_id, nats_port, authorization, fsync)
@@ -75,6 +77,7 @@ def start_nats(
         identities[SYSTEM].seed_file,
         lambda line: console.print(line, soft_wrap=True),
         NATS_STOP_STAGE,
+        store_lock_fd,
     )
     lan_servers.start()
     admin = NatsOptions(
@@ -86,7 +89,9 @@ def start_nats(
     return UpNats(lan_servers.nats_url, identities, lan_servers)
 
 
-def _start_embedded(root: Path, port: int, authorization: str, fsync: Fsync, supervisor: Supervisor) -> str:
+def _start_embedded(
+    root: Path, port: int, authorization: str, fsync: Fsync, store_lock_fd: int, supervisor: Supervisor
+) -> str:
     """Start the single-machine nats-server; its URL."""
     log_file = root / "logs" / "nats-server.log"
     server_url: list[str] = []
@@ -94,7 +99,12 @@ def _start_embedded(root: Path, port: int, authorization: str, fsync: Fsync, sup
     def start() -> subprocess.Popen[bytes]:
         # Same port, store and users on every restart: services reconnect to it and find their history.
         server = start_nats_server(
-            root / "nats", port=port, log_file=log_file, authorization=authorization, fsync=fsync
+            root / "nats",
+            port=port,
+            log_file=log_file,
+            authorization=authorization,
+            fsync=fsync,
+            store_lock_fd=store_lock_fd,
         )
         server_url[:] = [server.url]
         return server.process

@@ -12,9 +12,7 @@ from pathlib import Path
 
 from jetshard_bus.procs import spawn
 from jetshard_schema.ids import new_id
-from jetshard_schema.types import ServingSettings
 
-from jetshard.options import serving_args
 from jetshard.up.nats import UpNats
 from jetshard.up.supervisor import Supervisor
 
@@ -30,16 +28,11 @@ def services_environment(nats_url: str, offline: bool, model_dirs: Mapping[str, 
     return {**environment, **model_dirs}
 
 
-def service_arguments(
-    host: str, port: int, allowed_hosts: tuple[str, ...], serving: ServingSettings, advertise_host: str | None
-) -> dict[str, list[str]]:
-    """The flags of the services that take some from `up`."""
+def service_arguments(host: str, port: int, api_args: list[str], advertise_host: str | None) -> dict[str, list[str]]:
+    """The flags of the services that take some from `up`; `api_args`: its API serving flags'
+    (`api_serving_flags_passed_on`)."""
     return {
-        "api": [
-            *("--host", host, "--port", str(port)),
-            *(f"--allowed-host={h}" for h in allowed_hosts),
-            *serving_args(serving),
-        ],
+        "api": ["--host", host, "--port", str(port), *api_args],
         "worker": ["--advertise-host", advertise_host] if advertise_host else [],
     }
 
