@@ -69,6 +69,17 @@ def start_and_finish(cluster: InMemoryCluster, instance: InstanceId, task: str, 
     )
 
 
+def paced(cluster: InMemoryCluster, task_ms: int) -> InstanceId:
+    """A ready instance of MODEL on A that has finished one task, in `task_ms`: its measured pace."""
+    cluster.join(A)
+    instance = ensure(cluster, "inst-1")
+    cluster.make_ready(instance)
+    submit(cluster, "warm-up")
+    start_and_finish(cluster, instance, "warm-up", took_ms=task_ms)
+    assert cluster.state.instances[instance].task_ms == task_ms
+    return instance
+
+
 def test_concurrent_first_requests_place_one_instance(cluster: InMemoryCluster) -> None:
     cluster.join(A)
     # Eight APIs' requests, each with an instance id of its own, in whatever order the sequencer takes them.
@@ -136,12 +147,7 @@ def test_the_queue_bound_holds_for_every_requester(cluster: InMemoryCluster) -> 
 def test_a_task_that_could_not_start_in_time_is_refused_with_a_retry_from_the_pace(
     cluster: InMemoryCluster,
 ) -> None:
-    cluster.join(A)
-    instance = ensure(cluster, "inst-1")
-    cluster.make_ready(instance)
-    submit(cluster, "warm-up")
-    start_and_finish(cluster, instance, "warm-up", took_ms=10_000)
-    assert cluster.state.instances[instance].task_ms == 10_000
+    paced(cluster, task_ms=10_000)
     # Two run (a full batch); a third would start once one of them ends, in about 5 s at 2 rows per 10 s.
     assert isinstance(submit(cluster, "run-1"), TaskAssigned)
     assert isinstance(submit(cluster, "run-2"), TaskAssigned)
@@ -161,11 +167,7 @@ def test_a_task_that_could_not_start_in_time_is_refused_with_a_retry_from_the_pa
 def test_a_node_that_slows_down_refuses_at_once_what_it_can_no_longer_start_in_time(
     cluster: InMemoryCluster,
 ) -> None:
-    cluster.join(A)
-    instance = ensure(cluster, "inst-1")
-    cluster.make_ready(instance)
-    submit(cluster, "warm-up")
-    start_and_finish(cluster, instance, "warm-up", took_ms=10_000)
+    instance = paced(cluster, task_ms=10_000)
     for task in ("run-1", "run-2"):  # a full batch, started
         assert isinstance(submit(cluster, task), TaskAssigned)
         cluster.run(ReportTaskStarted(node_id=A, task_id=TaskId(task), instance_id=instance, prompt_tokens=3))
