@@ -88,7 +88,8 @@ _API_SERVING_FLAGS: list[Decorator] = [
         "--start-timeout-s",
         300.0,
         "how long a request may wait in its instance's queue for its turn: one that could not start in this "
-        "long at the instance's measured pace is refused with 429 at once (one admitted is given twice this)",
+        "long at the instance's pace is refused with 429 at once; one admitted waits its turn, unless its "
+        "instance samples nothing for twice this",
     ),
     seconds_option(
         "--first-chunk-timeout-s",
