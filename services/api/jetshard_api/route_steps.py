@@ -42,8 +42,9 @@ class InferenceSettings(msgspec.Struct, frozen=True):
     """No chunk for this long (after the first) ends the request with an error."""
     start_timeout_s: float = 300.0
     """How long a request may wait in its instance's queue for its task to start. The sequencer refuses (429) a
-    task that could not start in this long at the instance's measured pace, so a queued request is not left to
-    time out; an admitted one is given twice this (the pace is an average) before it ends with 504."""
+    task that could not start in this long at the instance's pace, so a queued request is not left to time out;
+    an admitted one waits its turn while its instance samples tokens, and ends with 504 only when the instance
+    sampled none for twice this (a stalled instance, not a slow one)."""
     first_chunk_timeout_s: float = 300.0
     """Once its task started, how long a request waits for its first chunk (the prompt's prefill)."""
     keep_alive_s: float = 5.0
