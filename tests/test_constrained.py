@@ -1,7 +1,7 @@
 """Constrained JSON decoding: the closer (`minimal_completion`) on every prefix of valid documents, the llguidance
 verification of its completions, generation with a real tiny model at temperature 1 under generous and tight
 budgets, and any token sequence handed to the runner's output however far it lags behind the engine: every output
-parses and validates, within the budget."""
+parses and validates, within the budget; a budget below the shortest document is refused."""
 
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ from hypothesis import strategies as st
 from jetshard_schema.ids import TaskId
 from jetshard_schema.types import Chunk, TaskOutcome
 from jetshard_worker import constrained
-from jetshard_worker.constrained import JsonConstraint, SchemaError, grammar_tokenizer
+from jetshard_worker.constrained import BudgetTooSmall, JsonConstraint, SchemaError, grammar_tokenizer
 from jetshard_worker.json_closer import minimal_completion
 from jetshard_worker.output import ChoiceOutput, TaskOutput
 from jetshard_worker.textstream import TextStream
@@ -409,16 +409,28 @@ def generate(
     raise AssertionError(f"reached max_tokens={max_tokens} without closing: {tokenizer.decode(generated)!r}")
 
 
-@pytest.mark.parametrize("max_tokens", [120, 70, 12])
+@pytest.mark.parametrize("max_tokens", [120, 70, 46])
 def test_sampled_documents_always_parse_and_validate(tiny: tuple[Any, Any], max_tokens: int) -> None:
     """120 tokens: the grammar usually completes the document. 70: the closer completes it mid-way, within the
-    budget. 12: less than the minimal document (46 tokens), which the closer returns at once."""
+    budget. 46: just the minimal document, which the closer returns after the first token."""
     model, tokenizer = tiny
     for seed in range(20):
         text, closing, generated = generate(model, tokenizer, RECORD, max_tokens, seed)
         validate(json.loads(text + closing), RECORD)
-        if max_tokens > 46:
-            assert generated + len(tokenizer.encode(closing, add_special_tokens=False)) <= max_tokens
+        assert generated + len(tokenizer.encode(closing, add_special_tokens=False)) <= max_tokens
+
+
+def test_a_budget_below_the_shortest_document_is_refused(tiny: tuple[Any, Any]) -> None:
+    """RECORD's shortest document takes 46 tokens; a schema the closer cannot complete alone is not refused."""
+    _, tokenizer = tiny
+    with pytest.raises(BudgetTooSmall, match=r"^max_tokens 45 cannot hold .* the shortest takes 46 tokens"):
+        make_constraint(tokenizer, RECORD, 45)
+    make_constraint(tokenizer, RECORD, 46)
+    make_constraint(
+        tokenizer,
+        {"type": "object", "properties": {"c": {"type": "string", "pattern": "^[éè]$"}}, "required": ["c"]},
+        1,
+    )
 
 
 @pytest.mark.parametrize("max_tokens", [8, 30])

@@ -4,7 +4,7 @@ llguidance compiles the schema into a token matcher; `JsonConstraint.process` is
 every token the grammar does not allow, so each sampled token keeps the output a valid prefix of a valid document.
 The budget of generated tokens can still cut a document short: `JsonConstraint.ends` tells the runner when to stop,
 and `JsonConstraint.completion` which text completes the document, so the output always parses, even when max_tokens
-cuts it.
+cuts it. A budget too small for the shortest document the schema allows is refused up front (`BudgetTooSmall`).
 
 The closing text comes from `json_closer.completions`, which builds the shortest completions of the prefix it can;
 each is then verified with a copy of the matcher, since llguidance (not that parser) is the authority on what the
@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any, cast
 import mlx.core as mx
 import numpy as np
 
-from jetshard_worker.json_closer import agnostic_close, completions, minimal_completion
+from jetshard_worker.json_closer import agnostic_close, completions
 from jetshard_worker.library_boundary import LLMatcher, LLTokenizer, grammar_tokenizer_of, json_schema_grammar
 
 if TYPE_CHECKING:
@@ -52,6 +52,10 @@ _PREFERRED = (
 
 class SchemaError(ValueError):
     """A JSON schema llguidance cannot compile; the message names the problem in the schema."""
+
+
+class BudgetTooSmall(ValueError):
+    """The task's budget of generated tokens cannot hold the shortest document valid for the schema."""
 
 
 _tokenizers: weakref.WeakKeyDictionary[Any, dict[int, LLTokenizer]] = weakref.WeakKeyDictionary()
@@ -107,12 +111,20 @@ class JsonConstraint:
         self._closers = {single[c] for c in _CLOSERS if c in single}
         self._eos_only = np.zeros(ll_tokenizer.vocab_size, dtype=np.bool_)
         self._eos_only[ll_tokenizer.eos_tokens] = True
-        # A document with many required fields needs more than _LOOKAHEAD tokens to close: start looking earlier.
+        # The closer's shortest documents: when llguidance accepts one, the budget must hold it.
         try:
-            minimal = minimal_completion("", schema)
+            shortest = completions("", schema)
         except ValueError:
-            minimal = ""
-        self._window = _LOOKAHEAD + len(encode(minimal))
+            shortest = []
+        fewest = min((len(encode(c)) for c in shortest if self._verifies(self._matcher, c)), default=0)
+        if fewest > max_tokens:
+            raise BudgetTooSmall(
+                f"max_tokens {max_tokens} cannot hold a JSON document valid for the schema (of the response format or "
+                f"the forced tool call): the shortest takes {fewest} tokens (the budget is max_tokens, or the room the "
+                "context leaves after the prompt if that is less)"
+            )
+        # A document with many required fields needs more than _LOOKAHEAD tokens to close: start looking earlier.
+        self._window = _LOOKAHEAD + len(encode(shortest[0] if shortest else ""))
 
     def process(self, tokens: mx.array, logprobs: mx.array) -> mx.array:
         """mlx-lm logits processor: `tokens` is the row's prompt and generated ids so far, `logprobs` (1, vocab).
@@ -150,7 +162,9 @@ class JsonConstraint:
         matcher has stopped or near the budget's end) and the number of tokens generated. True once `text` is a
         complete document (only EOS allowed), or once the budget requires closing it: the completion's tokens plus a
         margin of a few tokens reach `max_tokens`. A completion that depends on an unusual token (say, a long
-        property name the next token starts) may overshoot by a few tokens.
+        property name the next token starts) may overshoot by a few tokens. Where even the shortest document exceeds
+        the budget (one the constructor could not refuse: a schema the closer does not model), that is at once, and
+        the output exceeds `max_tokens` by the completion's tokens, but parses.
         """
         with self._lock:
             near_budget = self._max_tokens - generated <= self._window
