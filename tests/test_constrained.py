@@ -1,23 +1,32 @@
 """Constrained JSON decoding: the closer (`minimal_completion`) on every prefix of valid documents, the llguidance
-verification of its completions, and generation with a real tiny model at temperature 1 under generous and tight
-budgets: every output parses and validates."""
+verification of its completions, generation with a real tiny model at temperature 1 under generous and tight
+budgets, and any token sequence handed to the runner's output however far it lags behind the engine: every output
+parses and validates, within the budget; a budget below the shortest document is refused."""
 
 from __future__ import annotations
 
 import functools
 import json
 import logging
+import random
 import re
+from collections.abc import Callable
 from typing import Any
 
 import llguidance
 import mlx.core as mx
 import mlx_lm
+import numpy as np
 import pytest
 from helpers.tiny_models import make_tiny_model
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from jetshard_schema.ids import TaskId
+from jetshard_schema.types import Chunk, TaskOutcome
 from jetshard_worker import constrained
-from jetshard_worker.constrained import JsonConstraint, SchemaError, grammar_tokenizer
+from jetshard_worker.constrained import BudgetTooSmall, JsonConstraint, SchemaError, grammar_tokenizer
 from jetshard_worker.json_closer import minimal_completion
+from jetshard_worker.output import ChoiceOutput, TaskOutput
 from mlx_lm.generate import generate_step
 from mlx_lm.sample_utils import make_sampler
 
@@ -318,14 +327,14 @@ def test_a_complete_document_allows_only_eos(tiny: tuple[Any, Any]) -> None:
     masked = run_process(constraint, [1, 2, 3], tokenizer.encode(doc, add_special_tokens=False), width=520)
     allowed = [i for i, value in enumerate(masked[0].tolist()) if value > -float("inf")]
     assert sorted(allowed) == sorted(tokenizer.eos_token_ids)
-    assert constraint.closing(lambda: doc, 40) == ""
+    assert constraint.ends(lambda: doc, 40) and constraint.completion(doc) == ""
 
 
 def closing_after(tokenizer: Any, schema: dict[str, Any], text: str) -> str | None:
-    """What `closing` returns once `text` is generated and the budget is spent."""
-    constraint = make_constraint(tokenizer, schema, max_tokens=4)
+    """What closes `text` once it is generated and the budget is spent (None if the task would go on)."""
+    constraint = make_constraint(tokenizer, schema, max_tokens=100)
     run_process(constraint, [1], tokenizer.encode(text, add_special_tokens=False), width=512)
-    return constraint.closing(lambda: text, 4)
+    return constraint.completion(text) if constraint.ends(lambda: text, 100) else None
 
 
 def test_the_verifier_rejects_a_completion_llguidance_does_not_accept(tiny: tuple[Any, Any]) -> None:
@@ -394,22 +403,33 @@ def generate(
             return tokenizer.decode(generated), "", len(generated)
         generated.append(token)
         text = tokenizer.decode(generated)
-        closing = constraint.closing(functools.partial(str, text), len(generated))
-        if closing is not None:
-            return text, closing, len(generated)
+        if constraint.ends(functools.partial(str, text), len(generated)):
+            return text, constraint.completion(text), len(generated)
     raise AssertionError(f"reached max_tokens={max_tokens} without closing: {tokenizer.decode(generated)!r}")
 
 
-@pytest.mark.parametrize("max_tokens", [120, 70, 12])
+@pytest.mark.parametrize("max_tokens", [120, 70, 46])
 def test_sampled_documents_always_parse_and_validate(tiny: tuple[Any, Any], max_tokens: int) -> None:
     """120 tokens: the grammar usually completes the document. 70: the closer completes it mid-way, within the
-    budget. 12: less than the minimal document (46 tokens), which the closer returns at once."""
+    budget. 46: just the minimal document, which the closer returns after the first token."""
     model, tokenizer = tiny
     for seed in range(20):
         text, closing, generated = generate(model, tokenizer, RECORD, max_tokens, seed)
         validate(json.loads(text + closing), RECORD)
-        if max_tokens > 46:
-            assert generated + len(tokenizer.encode(closing, add_special_tokens=False)) <= max_tokens
+        assert generated + len(tokenizer.encode(closing, add_special_tokens=False)) <= max_tokens
+
+
+def test_a_budget_below_the_shortest_document_is_refused(tiny: tuple[Any, Any]) -> None:
+    """RECORD's shortest document takes 46 tokens; a schema the closer cannot complete alone is not refused."""
+    _, tokenizer = tiny
+    with pytest.raises(BudgetTooSmall, match=r"^max_tokens 45 cannot hold .* the shortest takes 46 tokens"):
+        make_constraint(tokenizer, RECORD, 45)
+    make_constraint(tokenizer, RECORD, 46)
+    make_constraint(
+        tokenizer,
+        {"type": "object", "properties": {"c": {"type": "string", "pattern": "^[éè]$"}}, "required": ["c"]},
+        1,
+    )
 
 
 @pytest.mark.parametrize("max_tokens", [8, 30])
@@ -423,3 +443,70 @@ def test_json_object_under_a_tight_budget(tiny: tuple[Any, Any], max_tokens: int
         text, closing, _ = generate(model, tokenizer, ANY_OBJECT, max_tokens, seed, bias)
         assert isinstance(json.loads(text + closing), dict)
         assert closing
+
+
+# --------------------------------------------------------------------------- the runner's output behind the engine
+
+
+def run_like_the_runner(
+    tokenizer: Any, schema: dict[str, Any], max_tokens: int, choose: Callable[[np.ndarray], int], lag: int
+) -> tuple[str, int, str]:
+    """Generate as the engine and the runner do: the engine masks the logits with the constraint and samples (`choose`
+    picks one of the allowed token ids), and hands each token (then the row's end) to the runner's `TaskOutput`, which
+    handles it `lag` tokens later, as its event loop does when other tasks keep it busy. Once the output says the
+    choice ends, the engine ends the row. Returns the text published, the tokens the output counted, and its closing
+    text ("" when the document ended by itself)."""
+    constraint = make_constraint(tokenizer, schema, max_tokens)
+    chunks: list[Chunk] = []
+    choice = ChoiceOutput(detokenizer=tokenizer.detokenizer, constraint=constraint)
+    output = TaskOutput(TaskId("task"), [choice], str, chunks.append, lambda _: None)
+    prompt = [1, 2, 3]
+    tokens = list(prompt)
+    handed: list[int | TaskOutcome] = []
+
+    def loop(behind: int) -> None:
+        while len(handed) > behind and not choice.finished:
+            item = handed.pop(0)
+            if isinstance(item, TaskOutcome):
+                output.finish(0, item, len(prompt))
+            elif (ending := output.token(0, item, None)) is not None:
+                output.finish(0, ending, len(prompt))  # the engine ends the row: what it handed out since is void
+
+    while not choice.finished and not (handed and isinstance(handed[-1], TaskOutcome)):
+        masked = constraint.process(mx.array(tokens), mx.zeros((1, 512)))
+        token = choose(np.flatnonzero(np.array(masked[0]) > -np.inf))
+        if token in tokenizer.eos_token_ids:
+            handed.append(TaskOutcome.STOP)
+        else:
+            tokens.append(token)
+            handed += [token] if len(tokens) - len(prompt) < max_tokens else [token, TaskOutcome.LENGTH]
+        loop(lag)
+    loop(0)
+    closing = choice.text[-1] if choice.ending is TaskOutcome.LENGTH else ""
+    return "".join(chunk.text for chunk in chunks), choice.tokens, closing
+
+
+def test_a_document_the_engine_completed_ahead_of_the_runner_is_not_cut(tiny: tuple[Any, Any]) -> None:
+    """The engine has written the whole document (its matcher allows only EOS) before the runner handles the first
+    token: the runner's text is not complete until its last token, however far the budget."""
+    _, tokenizer = tiny
+    doc = '{"name":"x","count":1,"color":"red","ok":true,"tags":[]}'
+    script = iter([*tokenizer.encode(doc, add_special_tokens=False), min(tokenizer.eos_token_ids)])
+    text, _, closing = run_like_the_runner(tokenizer, RECORD, 300, lambda allowed: next(script), lag=100)
+    assert (text, closing) == (doc, "")
+
+
+@settings(max_examples=150, deadline=None, database=None, derandomize=True, suppress_health_check=list(HealthCheck))
+@given(max_tokens=st.sampled_from([46, 47, 50, 60, 90, 300]), lag=st.integers(0, 40), seed=st.integers(0, 2**32))
+def test_any_token_sequence_closes_within_the_budget_however_far_the_runner_lags(
+    tiny: tuple[Any, Any], max_tokens: int, lag: int, seed: int
+) -> None:
+    """Whatever allowed tokens the engine samples (uniformly: long strings of odd characters, several tokens each),
+    under a budget from the shortest document (46 tokens) up, and however many tokens the runner's output is behind
+    the engine: the published text is a valid document, and its closing fits in the budget with the tokens generated.
+    Before, the runner took the engine's finished document for its own text and ended that text unclosed."""
+    _, tokenizer = tiny
+    draw = random.Random(seed)
+    text, generated, closing = run_like_the_runner(tokenizer, RECORD, max_tokens, lambda a: int(draw.choice(a)), lag)
+    validate(json.loads(text), RECORD)
+    assert generated + len(tokenizer.encode(closing, add_special_tokens=False)) <= max_tokens, (text, closing)

@@ -171,6 +171,19 @@ def test_a_schema_the_grammar_cannot_follow_is_a_400(client: openai.OpenAI, dial
     assert caught.value.code == "invalid_schema"
 
 
+def test_a_budget_too_small_for_any_valid_document_is_a_400(
+    client: openai.OpenAI, dialect_cluster: DialectCluster
+) -> None:
+    """PERSON's shortest document takes more than 10 tokens: no output could be valid, so none is made."""
+    response_format: Any = {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON}}
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.chat.completions.create(
+            model=dialect_cluster.model, messages=QUESTION, response_format=response_format, max_tokens=10
+        )
+    assert caught.value.code == "invalid_request"
+    assert "max_tokens 10 cannot hold a JSON document" in caught.value.message
+
+
 def test_logprobs_of_the_greedy_tokens_are_mlx_lms_log_softmax(
     client: openai.OpenAI, dialect_cluster: DialectCluster, reference: tuple[Any, Any]
 ) -> None:

@@ -2,12 +2,17 @@
 
 llguidance compiles the schema into a token matcher; `JsonConstraint.process` is an mlx-lm logits processor that masks
 every token the grammar does not allow, so each sampled token keeps the output a valid prefix of a valid document.
-The budget of generated tokens can still cut a document short: `JsonConstraint.closing` tells the runner when to stop
-and which text completes the document, so the output always parses, even when max_tokens cuts it.
+The budget of generated tokens can still cut a document short: `JsonConstraint.ends` tells the runner when to stop,
+and `JsonConstraint.completion` which text completes the document, so the output always parses, even when max_tokens
+cuts it. A budget too small for the shortest document the schema allows is refused up front (`BudgetTooSmall`).
 
 The closing text comes from `json_closer.completions`, which builds the shortest completions of the prefix it can;
 each is then verified with a copy of the matcher, since llguidance (not that parser) is the authority on what the
 schema allows.
+
+The engine thread feeds the matcher each token as it samples the next one, while the runner's event loop reads the
+text: the loop may be many tokens behind the engine (other tasks' output keeps it busy), so the matcher says nothing
+about the text the loop holds until it is positioned there (`_positioned`).
 """
 
 from __future__ import annotations
@@ -22,7 +27,7 @@ from typing import TYPE_CHECKING, Any, cast
 import mlx.core as mx
 import numpy as np
 
-from jetshard_worker.json_closer import agnostic_close, completions, minimal_completion
+from jetshard_worker.json_closer import agnostic_close, completions
 from jetshard_worker.library_boundary import LLMatcher, LLTokenizer, grammar_tokenizer_of, json_schema_grammar
 
 if TYPE_CHECKING:
@@ -35,7 +40,7 @@ log = logging.getLogger(__name__)
 # unions whose branches are disjoint anyway.
 JSON_OPTIONS: JsonCompileOptions = {"whitespace_flexible": False, "coerce_one_of": True}
 _MARGIN = 3  # tokens kept in hand, so the next sampled token cannot push the completion past the budget
-_LOOKAHEAD = 64  # closing computes completions only within this many tokens (plus the minimal document) of the budget
+_LOOKAHEAD = 64  # `ends` computes completions only within this many tokens (plus the minimal document) of the budget
 _GUIDED_STEPS = 64  # bytes the guided close may add before giving up
 # The guided close's choice among allowed characters: closing ones first, then short values' characters.
 # "1" before "0": a fraction may not end in 0 where a range bounds it, and zeros would never end it.
@@ -47,6 +52,10 @@ _PREFERRED = (
 
 class SchemaError(ValueError):
     """A JSON schema llguidance cannot compile; the message names the problem in the schema."""
+
+
+class BudgetTooSmall(ValueError):
+    """The task's budget of generated tokens cannot hold the shortest document valid for the schema."""
 
 
 _tokenizers: weakref.WeakKeyDictionary[Any, dict[int, LLTokenizer]] = weakref.WeakKeyDictionary()
@@ -94,7 +103,7 @@ class JsonConstraint:
         self._encode = encode
         self._prompt_len: int | None = None
         self._generated: list[int] = []
-        # The engine thread calls `process`, the runner's event loop `closing`: the matcher is used by one at a time.
+        # The engine thread calls `process`, the runner's event loop `ends`: the matcher is used by one at a time.
         self._lock = threading.Lock()
         spelled = {c: ll_tokenizer.greedy_tokenize(c) for c in _PREFERRED}
         single = {c: tokens[0] for c, tokens in spelled.items() if len(tokens) == 1}
@@ -102,12 +111,20 @@ class JsonConstraint:
         self._closers = {single[c] for c in _CLOSERS if c in single}
         self._eos_only = np.zeros(ll_tokenizer.vocab_size, dtype=np.bool_)
         self._eos_only[ll_tokenizer.eos_tokens] = True
-        # A document with many required fields needs more than _LOOKAHEAD tokens to close: start looking earlier.
+        # The closer's shortest documents: when llguidance accepts one, the budget must hold it.
         try:
-            minimal = minimal_completion("", schema)
+            shortest = completions("", schema)
         except ValueError:
-            minimal = ""
-        self._window = _LOOKAHEAD + len(encode(minimal))
+            shortest = []
+        fewest = min((len(encode(c)) for c in shortest if self._verifies(self._matcher, c)), default=0)
+        if fewest > max_tokens:
+            raise BudgetTooSmall(
+                f"max_tokens {max_tokens} cannot hold a JSON document valid for the schema (of the response format or "
+                f"the forced tool call): the shortest takes {fewest} tokens (the budget is max_tokens, or the room the "
+                "context leaves after the prompt if that is less)"
+            )
+        # A document with many required fields needs more than _LOOKAHEAD tokens to close: start looking earlier.
+        self._window = _LOOKAHEAD + len(encode(shortest[0] if shortest else ""))
 
     def process(self, tokens: mx.array, logprobs: mx.array) -> mx.array:
         """mlx-lm logits processor: `tokens` is the row's prompt and generated ids so far, `logprobs` (1, vocab).
@@ -138,42 +155,55 @@ class JsonConstraint:
             allowed = np.pad(allowed, (0, width - allowed.size))
         return mx.where(mx.array(allowed[:width]), logprobs, mx.array(-mx.inf, dtype=logprobs.dtype))
 
-    def closing(self, text: Callable[[], str], generated: int) -> str | None:
-        """The text that ends the task now, or None while generation may go on.
+    def ends(self, text: Callable[[], str], generated: int) -> bool:
+        """Whether the task ends now: `completion` then gives the text that ends it.
 
-        Called after each generated token with the text generated so far (a function, as it is needed only near the
-        budget's end) and the number of tokens generated. Returns
-        "" once the document is complete (only EOS allowed), and otherwise, once the budget requires it (the
-        completion's tokens plus a margin of a few tokens reach `max_tokens`), the shortest verified text that makes
-        `text` a document valid for the schema. When even the minimal document exceeds the budget, that is at once:
-        the output then exceeds `max_tokens` by the closing tokens, but always parses. A completion that depends on
-        an unusual token (say, a long property name the next token starts) may also overshoot by a few tokens.
+        Called after each generated token with the text generated so far (a function, as it is needed only when the
+        matcher has stopped or near the budget's end) and the number of tokens generated. True once `text` is a
+        complete document (only EOS allowed), or once the budget requires closing it: the completion's tokens plus a
+        margin of a few tokens reach `max_tokens`. A completion that depends on an unusual token (say, a long
+        property name the next token starts) may overshoot by a few tokens. Where even the shortest document exceeds
+        the budget (one the constructor could not refuse: a schema the closer does not model), that is at once, and
+        the output exceeds `max_tokens` by the completion's tokens, but parses.
         """
         with self._lock:
-            return self._closing(text, generated)
+            near_budget = self._max_tokens - generated <= self._window
+            # The live matcher may be ahead of `text` (see the module's doc): stopped, it says that the engine's
+            # document is complete, not `text`; not stopped, `text` is not complete either (it is at most a token
+            # ahead of the matcher, whose next step allows EOS if that token completes it).
+            if not near_budget and not self._matcher.is_stopped():
+                return False
+            completion, verified = self._completion(text())
+            if verified and not completion:
+                return True
+            return near_budget and generated + len(self._encode(completion)) + _MARGIN >= self._max_tokens
 
-    def _closing(self, generated_text: Callable[[], str], generated: int) -> str | None:
-        if self._max_tokens - generated > self._window:
-            return "" if self._matcher.is_stopped() and self._matcher.is_accepting() else None
-        text = generated_text()
-        matcher = self._positioned(text)
-        if matcher is not None and matcher.is_stopped() and matcher.is_accepting():
-            return ""
-        try:
-            candidates = completions(text, self._schema)
-        except ValueError:
-            candidates = []
-        verified = next((c for c in candidates if matcher is not None and self._verifies(matcher, c)), None)
-        if verified is None and matcher is not None:
-            verified = self._guided_close(matcher)
-        completion = verified if verified is not None else agnostic_close(text)
-        if generated + len(self._encode(completion)) + _MARGIN < self._max_tokens:
-            return None
-        if verified is None:
+    def completion(self, text: str) -> str:
+        """The shortest verified text that makes `text` a document valid for the schema: "" when it is one. If none
+        is found (or the matcher failed), the schema-agnostic close, which still parses."""
+        with self._lock:
+            completion, verified = self._completion(text)
+        if not verified:
             log.warning(
                 "constrained decoding: no completion valid for the schema; closing ...%r as plain JSON", text[-80:]
             )
         return completion
+
+    def _completion(self, text: str) -> tuple[str, bool]:
+        """`completion`, and whether llguidance verified it."""
+        matcher = self._positioned(text)
+        if matcher is None:
+            return agnostic_close(text), False
+        if matcher.is_stopped() and matcher.is_accepting():
+            return "", True
+        try:
+            candidates = completions(text, self._schema)
+        except ValueError:
+            candidates = []
+        verified = next((c for c in candidates if self._verifies(matcher, c)), None)
+        if verified is None:
+            verified = self._guided_close(matcher)
+        return (agnostic_close(text), False) if verified is None else (verified, True)
 
     def _positioned(self, text: str) -> LLMatcher | None:
         """A matcher that has consumed exactly `text`, or None if the matcher failed.

@@ -147,10 +147,10 @@ class TaskOutput:
         reasoning, text = output.add(token)
         if output.stop.stopped:
             output.ending = TaskOutcome.STOP
-        elif output.constraint is not None and output.constraint.closing(output.joined, output.tokens) is not None:
-            # Ending: what the detokenizer still holds back comes first, then what closes the document after it.
+        elif output.constraint is not None and output.constraint.ends(output.joined, output.tokens):
+            # Ending: what the detokenizer still holds back comes first, then what completes the document after it.
             more_reasoning, tail = output.finish()
-            closing = output.constraint.closing(output.joined, output.tokens) or ""
+            closing = output.constraint.completion(output.joined())
             reasoning, text = reasoning + more_reasoning, text + tail + closing
             output.text.append(closing)
             output.ending = TaskOutcome.LENGTH if closing else TaskOutcome.STOP
