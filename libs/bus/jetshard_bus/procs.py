@@ -81,3 +81,14 @@ def stop_groups(processes: Sequence[subprocess.Popen[bytes]], grace_s: float) ->
         signal_group(process, signal.SIGKILL)
     for process in processes:
         process.wait()
+
+
+def pid_alive(pid: int) -> bool:
+    """Whether a process `pid` exists (a zombie not yet reaped counts)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True

@@ -10,6 +10,8 @@ import tempfile
 from collections.abc import Callable, Iterable
 from pathlib import Path
 
+from jetshard_bus.procs import pid_alive
+
 log = logging.getLogger(__name__)
 
 PREFIX = "jetshard-runners-"
@@ -37,14 +39,3 @@ def stale_scratch_dirs(names: Iterable[str], own_pid: int, alive: Callable[[int]
         if int(pid) == own_pid or not alive(int(pid)):
             stale.append(name)
     return stale
-
-
-def pid_alive(pid: int) -> bool:
-    """Whether a process `pid` exists (a zombie, not yet reaped, counts: its directory goes on the next start)."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # another user's process
-        return True
-    return True

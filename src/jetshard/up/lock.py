@@ -16,6 +16,7 @@ from typing import Annotated
 
 import click
 import msgspec
+from jetshard_bus.procs import pid_alive
 
 LOCK_NAME = "up.lock"
 HOLDER_NAME = "up.holder.json"
@@ -47,7 +48,7 @@ def lock_data_dir(root: Path, holder: Holder) -> int:
         except BlockingIOError:
             other = _recorded_holder(root)
             # Read again on each try: the holder may still be writing its record.
-            if other is not None and not _alive(other.pid) and time.monotonic() < deadline:
+            if other is not None and not pid_alive(other.pid) and time.monotonic() < deadline:
                 time.sleep(0.1)
                 continue
             os.close(descriptor)
@@ -66,21 +67,11 @@ def _recorded_holder(root: Path) -> Holder | None:
         return None
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # alive, as another user
-        return True
-    return True
-
-
 def _refusal(root: Path, holder: Holder | None) -> str:
     advice = "stop it first, or give this one another --data-dir"
     if holder is None:
         return f"another `jetshard up` is using the data directory {root}: {advice}"
-    if _alive(holder.pid):
+    if pid_alive(holder.pid):
         return (
             f"another `jetshard up` (pid {holder.pid}, API {holder.api}, NATS {holder.nats}) is using the data "
             f"directory {root}: {advice}"
