@@ -74,7 +74,7 @@ def test_a_gist_is_one_short_line_without_tensor_lists() -> None:
     failed = gist(events.InstanceFailed(instance_id="i1", reason=traceback))
     assert failed.startswith("i1: RuntimeError: boom") and len(failed) == len("i1: ") + REASON_CHARS
     placed = events.InstancePlaced(instance_id="i1", model_id="org/m", shards=SHARDS, serving=ServingSettings())
-    assert gist(placed) == "i1 of org/m on a layers [0, 10), b layers [10, 24); max batch 8"
+    assert gist(placed) == "i1 of org/m on a layers [0, 10), b layers [10, 24); mlx, max batch 8"
 
 
 def test_the_view_summarises_nodes_instances_and_tasks() -> None:

@@ -60,6 +60,7 @@ from jetshard_schema.types import (
     DownloadProgress,
     DownloadStatus,
     Endpoint,
+    Engine,
     GpuInfo,
     InstanceStatus,
     ModelDirInfo,
@@ -747,10 +748,10 @@ def test_placement_records_the_resolved_weights_dtype(cluster: InMemoryCluster) 
     cluster.join(B, 16)
     placed = cluster.run(PlaceInstance(instance_id=InstanceId("inst-1"), model_id=MODEL, node_ids=(A,)))
     assert isinstance(placed[0], InstancePlaced)
-    assert placed[0].serving == ServingSettings(weights=WeightsDtype.FLOAT32)
+    assert placed[0].serving == ServingSettings(weights=WeightsDtype.FLOAT32, engine=Engine.MLX)
     assert cluster.state.instances[InstanceId("inst-1")].serving.weights is WeightsDtype.FLOAT32
     native = ServingSettings(max_batch=2, weights=WeightsDtype.NATIVE)
     asked = cluster.run(PlaceInstance(instance_id=InstanceId("inst-2"), model_id=MODEL, node_ids=(B,), serving=native))
-    assert isinstance(asked[0], InstancePlaced) and asked[0].serving == native
+    assert isinstance(asked[0], InstancePlaced) and asked[0].serving == msgspec.structs.replace(native, engine=Engine.MLX)
     replaced = cluster.run(ExpireNode(node_id=A, session_id="s1"))
     assert isinstance(replaced[2], InstancePlaced) and replaced[2].serving.weights is WeightsDtype.FLOAT32

@@ -27,7 +27,7 @@ from jetshard_schema.placement import (
     weights_bytes,
 )
 from jetshard_schema.state import Instance, Node, State
-from jetshard_schema.types import GpuInfo, NodeProfile, Parallelism, ServingSettings, WeightsDtype
+from jetshard_schema.types import Engine, GpuInfo, NodeProfile, Parallelism, ServingSettings, WeightsDtype
 from msgspec.structs import replace
 
 GiB = 2**30
@@ -234,7 +234,9 @@ def test_an_8b_model_that_fits_one_row_does_not_fit_a_batch_of_eight() -> None:
 
 def test_auto_dequantizes_on_cpu_nodes_when_float32_fits() -> None:
     placement = place(Q4_CARD, [node("a", 40)], serving=ServingSettings(max_batch=2, prefix_cache_bytes=0))
-    assert placement.serving == ServingSettings(max_batch=2, prefix_cache_bytes=0, weights=WeightsDtype.FLOAT32)
+    assert placement.serving == ServingSettings(
+        max_batch=2, prefix_cache_bytes=0, weights=WeightsDtype.FLOAT32, engine=Engine.MLX
+    )
     assert placement.required_bytes == int(32 * GiB * 1.1) + 2 * kv_cache_bytes(Q4_CARD, WeightsDtype.FLOAT32)
 
 

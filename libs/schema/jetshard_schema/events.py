@@ -130,6 +130,11 @@ class InstancePlaced(_Event, frozen=True):
     model_id: ValidModelId
     shards: tuple[ShardAssignment, ...]
     serving: ServingSettings = ServingSettings()
+    """As placement resolved it: the engine and weights dtype the runners use."""
+    requested: ServingSettings | None = None
+    """As the placement was asked for, before placement resolved it (an engine left open, `weights` AUTO): an
+    instance whose engine placement chose moves to a faster one when its nodes gain it. None in events recorded
+    before engines."""
 
 
 class InstanceChosen(_Event, frozen=True):

@@ -148,7 +148,8 @@ def _which_download(event: events.DownloadCancelled | events.DownloadDeleteReque
 @gist.register
 def _instance_placed(event: events.InstancePlaced) -> str:
     shards = ", ".join(f"{s.node_id} layers {shard_layers(s)}" for s in event.shards)
-    return f"{event.instance_id} of {event.model_id} on {shards}; max batch {event.serving.max_batch}"
+    engine = event.serving.engine or "mlx"
+    return f"{event.instance_id} of {event.model_id} on {shards}; {engine}, max batch {event.serving.max_batch}"
 
 
 @gist.register

@@ -28,6 +28,14 @@ fit the chosen nodes; bfloat16 (float16 before Ampere) for a full-precision chec
 vLLM's `--dtype auto` does; the checkpoint's own dtype otherwise. The nodes are chosen as the checkpoint's
 dtype needs them: float32 never adds a node (a network hop per token). A tensor-parallel instance's ranks sum
 their partial results, so they all hold one dtype: float32 only if every node is such a CPU.
+
+One engine serves an instance (`ServingSettings.engine`), chosen here when the request leaves it open: the
+fastest engine every node used runs (`NodeProfile.engines`) for a format the card has (`ModelCard.formats`).
+llama.cpp first where every candidate node computes on its CPU (upstream's kernels are several times MLX's CPU
+path there), MLX first on Apple silicon and NVIDIA; the other engine where the first cannot place the model.
+llama.cpp serves from one node holding every layer (across nodes comes with its RPC backend), as a pipeline,
+in the GGUF's own quantization; it needs the GGUF's size, its KV cache (f16 K and V for each slot's context,
+`llama_cpp_slot_context`), the prompt cache and a compute buffer. The MLX accounting above is MLX's alone.
 """
 
 from __future__ import annotations
@@ -39,11 +47,12 @@ import msgspec
 from msgspec.structs import replace
 
 from jetshard_schema.card_from_config import TENSOR_PARALLEL_ARCHITECTURES
-from jetshard_schema.cards import ModelCard, ModelSource
+from jetshard_schema.cards import ModelCard, ModelFormat, ModelSource
 from jetshard_schema.ids import NodeId
-from jetshard_schema.state import Node, State
+from jetshard_schema.state import Instance, Node, State
 from jetshard_schema.types import (
     MAX_NODES,
+    Engine,
     GpuInfo,
     NodeProfile,
     Parallelism,
@@ -58,6 +67,16 @@ FLOAT32_BYTES = 4
 UNQUANTIZED_BITS = 16
 """Checkpoints without quantization whose dtype the card does not name are taken as 16-bit (bf16/fp16)."""
 NARROWED = (WeightsDtype.BFLOAT16, WeightsDtype.FLOAT16)
+ENGINE_FORMATS = {Engine.MLX: ModelFormat.MLX, Engine.LLAMA_CPP: ModelFormat.GGUF}
+"""The format of the weights each engine loads."""
+LLAMA_CPP_SLOT_CONTEXT = 4096
+"""The most tokens of context one llama-server slot holds: its KV cache is allocated whole at start, for every
+slot, so a model's full context (128k for many) would take tens of GiB a slot."""
+LLAMA_CPP_UBATCH = 512
+"""llama-server's physical batch: its compute buffer holds the logits of this many tokens at once."""
+LLAMA_CPP_COMPUTE_SLACK_BYTES = 64 * 2**20
+"""The rest of llama.cpp's compute buffer (activations of one micro-batch; flash attention keeps no score
+matrix), with room to spare for small models."""
 
 
 class PlacementError(ValueError):
@@ -79,6 +98,15 @@ class NotEnoughNodes(PlacementError):
 
 class UnsplittableModel(InvalidPlacement):
     """The model cannot be split across that many tensor-parallel nodes (its heads, or its architecture)."""
+
+
+class EngineMismatch(InvalidPlacement):
+    """The engine cannot serve the request whatever the nodes: the card has no weights in its format, or the
+    request asks what the engine does not do (llama.cpp across nodes, tensor parallelism, a converted dtype)."""
+
+
+class EngineUnavailable(PlacementError):
+    """No node (or not every node named) runs the engine now: llama.cpp's build may not be done yet."""
 
 
 class Placement(msgspec.Struct, frozen=True):
@@ -123,7 +151,30 @@ def kv_cache_bytes(card: ModelCard, weights: WeightsDtype = WeightsDtype.NATIVE)
     return 2 * card.num_layers * card.num_key_value_heads * head_dim * card.context_length * per_value
 
 
+def llama_cpp_slot_context(card: ModelCard) -> int:
+    """The context each llama-server slot holds: the model's, at most `LLAMA_CPP_SLOT_CONTEXT`. The runner starts
+    llama-server with `-c` this times `max_batch` and `-np max_batch`, so that placement's accounting holds."""
+    return max(1, min(card.context_length, LLAMA_CPP_SLOT_CONTEXT))
+
+
+def llama_cpp_kv_cache_bytes(card: ModelCard, slots: int) -> int:
+    """llama.cpp's KV cache for `slots` slots of `llama_cpp_slot_context` tokens: f16 keys and values."""
+    head_dim = card.hidden_size // card.num_attention_heads
+    context = llama_cpp_slot_context(card) * slots
+    return 2 * card.num_layers * card.num_key_value_heads * head_dim * context * HALF_BYTES
+
+
+def llama_cpp_compute_bytes(card: ModelCard) -> int:
+    return LLAMA_CPP_UBATCH * card.vocab_size * FLOAT32_BYTES + LLAMA_CPP_COMPUTE_SLACK_BYTES
+
+
 def required_memory_bytes(card: ModelCard, serving: ServingSettings) -> int:
+    """The whole model's requirement under `serving`, on the engine it names (MLX when it names none)."""
+    if serving.engine is Engine.LLAMA_CPP:
+        # The GGUF as it is on disk (llama.cpp maps it whole), each slot's KV cache, the prompt cache llama-server
+        # keeps in host memory (`--cache-ram`, sized by prefix_cache_bytes) and its compute buffer.
+        kv_cache = llama_cpp_kv_cache_bytes(card, serving.max_batch)
+        return card.storage_size_bytes + kv_cache + serving.prefix_cache_bytes + llama_cpp_compute_bytes(card)
     weights = weights_bytes(card, serving.weights)
     kv_caches = kv_cache_bytes(card, serving.weights) * serving.max_batch + serving.prefix_cache_bytes
     return int(weights * (1 + ACTIVATION_HEADROOM)) + kv_caches
@@ -263,19 +314,143 @@ def place(
         chosen = sorted(nodes, key=lambda n: (-compute_memory_bytes(n.profile), n.node_id))
     if min_nodes < 1:
         raise InvalidPlacement("min_nodes must be at least 1")
+    named = node_ids is not None
+    if serving.engine is not None:
+        refusal = _engine_refusal(serving.engine, card, chosen, named, min_nodes, serving)
+        if refusal is not None:
+            raise refusal
+        return _place_with(serving.engine, card, chosen, named, min_nodes, serving)
+    by_speed = _engines_by_speed(chosen)
+    refusals = {engine: _engine_refusal(engine, card, chosen, named, min_nodes, serving) for engine in by_speed}
+    candidates = [engine for engine in by_speed if refusals[engine] is None]
+    if not candidates:
+        raise next(refusal for refusal in refusals.values() if refusal is not None)  # the fastest engine's
+    first_error: PlacementError | None = None
+    for engine in candidates:
+        try:
+            return _place_with(engine, card, chosen, named, min_nodes, serving)
+        except PlacementError as error:
+            first_error = first_error or error  # the fastest engine's reason is the one to act on
+    assert first_error is not None
+    raise first_error
+
+
+def _engines_by_speed(nodes: Sequence[Node]) -> list[Engine]:
+    """The engines to try, fastest first on `nodes`: llama.cpp where they all compute on their CPUs, MLX on Apple
+    silicon and NVIDIA GPUs."""
+    if nodes and all(n.profile.accelerator == "cpu" for n in nodes):
+        return [Engine.LLAMA_CPP, Engine.MLX]
+    return [Engine.MLX, Engine.LLAMA_CPP]
+
+
+def _engine_refusal(
+    engine: Engine, card: ModelCard, chosen: Sequence[Node], named: bool, min_nodes: int, serving: ServingSettings
+) -> PlacementError | None:
+    """Why `engine` cannot serve `card` as asked, on the nodes named (`named`) or on any of `chosen`; None if it
+    can (memory aside)."""
+    wanted = ENGINE_FORMATS[engine]
+    if wanted not in card.formats:
+        return EngineMismatch(
+            f"{card.model_id} has no {wanted} weights, which {engine} serves (it has {', '.join(card.formats)}): "
+            f"leave engine out for placement to choose, or import the model as {wanted}"
+        )
+    if engine is Engine.LLAMA_CPP:
+        if serving.parallelism is Parallelism.TENSOR:
+            return EngineMismatch(
+                "llama.cpp serves an instance as a pipeline; tensor parallelism is MLX's: "
+                "leave parallelism out, or use engine mlx"
+            )
+        if min_nodes > 1 or (named and len(chosen) > 1):
+            return EngineMismatch(
+                "llama.cpp serves an instance from one node; serving across nodes comes with its RPC backend: "
+                "place it on one node, or use engine mlx"
+            )
+        if serving.weights is WeightsDtype.FLOAT32 or serving.weights in NARROWED:
+            return EngineMismatch(
+                f"llama.cpp holds the GGUF's own quantization ({card.file_type or 'as stored'}); weights "
+                f"{serving.weights} applies to MLX only: leave weights out (or native), or use engine mlx"
+            )
+    lacking = [n.node_id for n in chosen if engine not in n.profile.engines]
+    if named and lacking:
+        return EngineUnavailable(
+            f"{_some(lacking)} {'does' if len(lacking) == 1 else 'do'} not run {engine}{_not_yet(engine)}: "
+            "name nodes that do (GET /nodes lists each node's engines), or leave engine out"
+        )
+    if chosen and len(lacking) == len(chosen):
+        return EngineUnavailable(
+            f"no node runs {engine}{_not_yet(engine)}; "
+            f"nodes run {', '.join(sorted({e for n in chosen for e in n.profile.engines}))}"
+        )
+    return None
+
+
+def _not_yet(engine: Engine) -> str:
+    return " (yet: its build may still be running)" if engine is Engine.LLAMA_CPP else ""
+
+
+def _place_with(
+    engine: Engine, card: ModelCard, chosen: Sequence[Node], named: bool, min_nodes: int, serving: ServingSettings
+) -> Placement:
+    """Place `card` on `engine`: on the nodes named, or on those of `chosen` that run it."""
+    serving = msgspec.structs.replace(serving, engine=engine)
+    if not named:
+        chosen = [n for n in chosen if engine in n.profile.engines]
+    if engine is Engine.LLAMA_CPP:
+        return _place_llama_cpp(card, chosen, named, serving)
+    return _place_mlx(card, chosen, named, min_nodes, serving)
+
+
+def _place_llama_cpp(card: ModelCard, chosen: Sequence[Node], named: bool, serving: ServingSettings) -> Placement:
+    """The node named, or the one with the most memory, holds every layer in the GGUF's own quantization."""
+    if not chosen:
+        raise NotEnoughNodes("1 node(s) requested but only 0 available")
+    node = chosen[0] if named else min(chosen, key=lambda n: (-llama_cpp_memory_bytes(n.profile), n.node_id))
+    serving = msgspec.structs.replace(serving, weights=WeightsDtype.NATIVE)
+    required = required_memory_bytes(card, serving)
+    available = llama_cpp_memory_bytes(node.profile)
+    if available < required:
+        kv_cache = llama_cpp_kv_cache_bytes(card, serving.max_batch)
+        which = "" if named else ", the most of any node that runs llama.cpp"
+        raise PlacementError(
+            f"{card.model_id} on llama.cpp needs {_gib(required)} (the GGUF {_gib(card.storage_size_bytes)}"
+            f"{f' as {card.file_type}' if card.file_type else ''}, a KV cache of {_gib(kv_cache)} for "
+            f"{serving.max_batch} slot(s) of {llama_cpp_slot_context(card)} tokens, a prompt cache of "
+            f"{_gib(serving.prefix_cache_bytes)} and {_gib(llama_cpp_compute_bytes(card))} to compute) but "
+            f"{node.node_id} has {_gib(available)} available{which}; lower max_batch or prefix_cache_bytes, "
+            "free memory, or choose a smaller model"
+        )
+    shard = ShardAssignment(
+        node_id=node.node_id,
+        rank=0,
+        start_layer=0,
+        end_layer=card.num_layers,
+        memory_bytes=required,
+        weights=WeightsDtype.NATIVE,
+    )
+    return Placement(shards=(shard,), required_bytes=required, serving=serving)
+
+
+def llama_cpp_memory_bytes(profile: NodeProfile) -> int:
+    """The memory llama.cpp computes in on a node: the system's (its builds are CPU builds, on every node)."""
+    return profile.memory_available_bytes
+
+
+def _place_mlx(
+    card: ModelCard, chosen: Sequence[Node], named: bool, min_nodes: int, serving: ServingSettings
+) -> Placement:
     if serving.parallelism is Parallelism.TENSOR:
-        refusal = tensor_split_refusal(card, min_nodes if node_ids is None else len(chosen))
+        refusal = tensor_split_refusal(card, len(chosen) if named else min_nodes)
         if refusal is not None:
             raise UnsplittableModel(refusal)
     if len(chosen) < min_nodes:
         raise NotEnoughNodes(f"{min_nodes} node(s) requested but only {len(chosen)} available")
     if serving.parallelism is Parallelism.TENSOR:
-        return _place_tensor_parallel(card, chosen[:min_nodes] if node_ids is None else chosen, serving)
+        return _place_tensor_parallel(card, chosen if named else chosen[:min_nodes], serving)
 
     sizing = _Sizing(card, serving)
     auto = serving.weights is WeightsDtype.AUTO
     dtypes = [_checkpoint_weights(card, n.profile) if auto else serving.weights for n in chosen]
-    if node_ids is None:
+    if not named:
         # The fewest nodes (at least min_nodes) whose memory holds every layer: fewer hops per token.
         count, held = 0, 0.0
         for count, (node, weights) in enumerate(zip(chosen, dtypes, strict=True), start=1):
@@ -452,3 +627,35 @@ def place_in(
         )
     pending = pending_bytes(state)
     return place(card, [_less_pending(node, pending[node.node_id]) for node in usable], node_ids, min_nodes, serving)
+
+
+def faster_placement(state: State, instance: Instance, card: ModelCard) -> Placement | None:
+    """Where `instance` would move now that its nodes run an engine they did not (llama.cpp, once built): its
+    placement as asked (`Instance.requested`), on its own nodes, were it not there. None when placement chose
+    its engine and would choose the same again, when the request named the engine, or when the faster engine
+    cannot take it (a multi-node instance on llama.cpp, too little memory)."""
+    if not instance.engine_chosen or instance.requested is None:
+        return None
+    nodes = [state.nodes[s.node_id] for s in instance.shards if s.node_id in state.nodes]
+    if len(nodes) < len(instance.shards):
+        return None  # a node is gone: its loss replaces the instance
+    fastest = _engines_by_speed(nodes)[0]
+    if fastest is instance.engine or any(fastest not in n.profile.engines for n in nodes):
+        return None
+    try:
+        placement = place_in(_without(state, instance), card, [n.node_id for n in nodes], serving=instance.requested)
+    except PlacementError:
+        return None
+    return placement if placement.serving.engine is not instance.engine else None
+
+
+def _without(state: State, instance: Instance) -> State:
+    """`state` as if `instance` were gone: its shards no longer pending, and the memory the nodes' reports show
+    them taking free again."""
+    nodes = dict(state.nodes)
+    for shard in instance.shards:
+        node = nodes.get(shard.node_id)
+        if node is not None and instance.ready_seq and node.profile_seq > instance.ready_seq:
+            nodes[shard.node_id] = _less_pending(node, -shard.memory_bytes)
+    instances = {k: i for k, i in state.instances.items() if k != instance.instance_id}
+    return replace(state, nodes=nodes, instances=instances)

@@ -29,6 +29,7 @@ from jetshard_schema.types import (
     DownloadProgress,
     DownloadStatus,
     Endpoint,
+    Engine,
     InstanceStatus,
     NodeProfile,
     NodeStorage,
@@ -60,6 +61,10 @@ class Instance(msgspec.Struct, frozen=True, kw_only=True):
     model_id: ValidModelId
     shards: tuple[ShardAssignment, ...]
     serving: ServingSettings = ServingSettings()
+    """As placement resolved it: the engine and weights dtype its runners use (no engine in placements recorded
+    before engines: MLX)."""
+    requested: ServingSettings | None = None
+    """As its placement was asked for (`InstancePlaced.requested`); None before engines."""
     generation: int = 0
     """Bumped on every whole-instance restart; endpoints and runner reports belong to one generation."""
     restart_attempt: int = 0
@@ -81,6 +86,15 @@ class Instance(msgspec.Struct, frozen=True, kw_only=True):
     @property
     def num_layers(self) -> int:
         return self.shards[-1].end_layer
+
+    @property
+    def engine(self) -> Engine:
+        return self.serving.engine or Engine.MLX
+
+    @property
+    def engine_chosen(self) -> bool:
+        """Whether placement chose its engine (the request left it open): it may move to a faster one."""
+        return self.requested is not None and self.requested.engine is None
 
     @property
     def leader_node(self) -> NodeId:
@@ -336,7 +350,11 @@ def _of_generation(state: State, instance_id: InstanceId, generation: int) -> In
 @_fold.register
 def _instance_placed(event: events.InstancePlaced, state: State) -> State:
     instance = Instance(
-        instance_id=event.instance_id, model_id=event.model_id, shards=event.shards, serving=event.serving
+        instance_id=event.instance_id,
+        model_id=event.model_id,
+        shards=event.shards,
+        serving=event.serving,
+        requested=event.requested,
     )
     return replace(state, instances=_with(state.instances, event.instance_id, instance))
 

@@ -17,7 +17,16 @@ from jetshard_schema.card_from_config import SUPPORTED_ARCHITECTURES
 from jetshard_schema.cards import VISION_ARCHITECTURES
 from jetshard_schema.ids import CommandId, InstanceId, ModelId, NodeId
 from jetshard_schema.models import find_card, is_builtin
-from jetshard_schema.placement import InvalidPlacement, ModelUnavailable, NotEnoughNodes, PlacementError, place_in
+from jetshard_schema.placement import (
+    EngineUnavailable,
+    InvalidPlacement,
+    ModelUnavailable,
+    NotEnoughNodes,
+    Placement,
+    PlacementError,
+    faster_placement,
+    place_in,
+)
 from jetshard_schema.state import Instance, State, apply, instance_status
 from jetshard_schema.types import (
     DownloadStatus,
@@ -75,7 +84,7 @@ def handle(state: State, command: commands.Command, ctx: Context) -> list[events
 
 
 def profile_changed_meaningfully(old: NodeProfile, new: NodeProfile) -> bool:
-    fixed = ("hostname", "os", "cpu_cores", "memory_total_bytes", "accelerator", "fast_blas")
+    fixed = ("hostname", "os", "cpu_cores", "memory_total_bytes", "accelerator", "fast_blas", "engines")
     if any(getattr(old, f) != getattr(new, f) for f in fixed):
         return True
     if _moved_meaningfully(old.memory_available_bytes, new.memory_available_bytes, new.memory_total_bytes):
@@ -106,21 +115,74 @@ def _report_node_profile(state: State, command: commands.ReportNodeProfile, ctx:
     joined = events.NodeJoined(node_id=command.node_id, session_id=command.session_id, profile=command.profile)
     if known is None:
         return [joined]
+    on_node = [
+        instance.instance_id
+        for instance in sorted(state.instances.values(), key=lambda i: i.instance_id)
+        if instance.shard_for(command.node_id) is not None and not instance.failed
+    ]
     if known.session_id != command.session_id:
         # A new session of a known node is its worker restarted: the runners of the old one died with it (they
         # cannot outlive their worker), so whatever they last reported, READY included, is no longer true.
         reason = f"the worker on {command.node_id} restarted; its runners died with it"
-        return [
+        emitted: list[events.Event] = [
             joined,
-            *(
-                _restart_or_fail(state, instance, reason, ctx)
-                for instance in sorted(state.instances.values(), key=lambda i: i.instance_id)
-                if instance.shard_for(command.node_id) is not None and not instance.failed
-            ),
+            *(_restart_or_fail(state, state.instances[i], reason, ctx) for i in on_node),
         ]
-    if profile_changed_meaningfully(known.profile, command.profile):
-        return [events.NodeUpdated(node_id=command.node_id, profile=command.profile)]
-    return []
+    elif profile_changed_meaningfully(known.profile, command.profile):
+        emitted = [events.NodeUpdated(node_id=command.node_id, profile=command.profile)]
+    else:
+        return []
+    if known.profile.engines == command.profile.engines:
+        return emitted
+    return emitted + _engine_moves(_applied(state, emitted), on_node, ctx)
+
+
+def _applied(state: State, emitted: list[events.Event]) -> State:
+    for event in emitted:
+        state = apply(state, event, state.last_seq + 1)
+    return state
+
+
+def _engine_moves(state: State, instance_ids: list[InstanceId], ctx: Context) -> list[events.Event]:
+    """Move each idle instance of `instance_ids` whose engine placement chose to the faster engine its nodes now
+    run (llama.cpp, once built there): delete it and place it again, as a lost node's instances are. One that
+    has tasks running or queued moves when its last one ends."""
+    emitted: list[events.Event] = []
+    for instance_id in instance_ids:
+        instance = state.instances.get(instance_id)
+        if instance is None or instance.failed or not instance.engine_chosen:
+            continue
+        if any(task.instance_id == instance_id for task in state.tasks.values()):
+            continue
+        card = find_card(state, instance.model_id)
+        placement = faster_placement(state, instance, card) if card is not None else None
+        if placement is None:
+            continue
+        moved: list[events.Event] = [
+            events.InstanceDeleted(
+                instance_id=instance_id,
+                reason=f"moved to {placement.serving.engine}, which serves it faster on its node(s)",
+            ),
+            _placed_event(_replacement_id(ctx, instance), instance, placement),
+        ]
+        emitted += moved
+        state = _applied(state, moved)
+    return emitted
+
+
+def _replacement_id(ctx: Context, replaced: Instance) -> InstanceId:
+    digest = hashlib.sha256(f"{ctx.command_id}/{replaced.instance_id}".encode()).hexdigest()[:12]
+    return InstanceId(f"inst-{digest}")
+
+
+def _placed_event(instance_id: InstanceId, replaced: Instance, placement: Placement) -> events.InstancePlaced:
+    return events.InstancePlaced(
+        instance_id=instance_id,
+        model_id=replaced.model_id,
+        shards=placement.shards,
+        serving=placement.serving,
+        requested=replaced.requested,
+    )
 
 
 def _report_node_storage(state: State, command: commands.ReportNodeStorage, ctx: Context) -> list[events.Event]:
@@ -161,13 +223,7 @@ def _try_place(state: State, lost: Instance, ctx: Context) -> events.InstancePla
         placement = place_in(state, card, min_nodes=len(lost.shards) if tensor else 1, serving=lost.serving)
     except PlacementError:
         return None
-    digest = hashlib.sha256(f"{ctx.command_id}/{lost.instance_id}".encode()).hexdigest()[:12]
-    return events.InstancePlaced(
-        instance_id=InstanceId(f"inst-{digest}"),
-        model_id=lost.model_id,
-        shards=placement.shards,
-        serving=placement.serving,
-    )
+    return _placed_event(_replacement_id(ctx, lost), lost, placement)
 
 
 # --- model cards -------------------------------------------------------------------------------------------
@@ -366,11 +422,17 @@ def _placed(
         return _reject(command, RejectCode.INVALID, str(error))
     except NotEnoughNodes as error:
         return _reject(command, RejectCode.NOT_ENOUGH_NODES, str(error))
+    except EngineUnavailable as error:
+        return _reject(command, RejectCode.CONFLICT, str(error))
     except PlacementError as error:
         return _reject(command, RejectCode.INSUFFICIENT_MEMORY, str(error))
     return [
         events.InstancePlaced(
-            instance_id=instance_id, model_id=model_id, shards=placement.shards, serving=placement.serving
+            instance_id=instance_id,
+            model_id=model_id,
+            shards=placement.shards,
+            serving=placement.serving,
+            requested=serving,
         )
     ]
 
@@ -481,17 +543,26 @@ def _submit_task(state: State, command: commands.SubmitTask, ctx: Context) -> li
 
 def _expire_requester(state: State, command: commands.ExpireRequester, ctx: Context) -> list[events.Event]:
     reason = f"its requester (API session {command.session_id}) is gone: nobody reads its output"
-    return [
-        events.TaskCancelled(task_id=task_id, reason=reason)
-        for task_id, task in sorted(state.tasks.items())
-        if task.ref.requester == command.session_id
-    ]
+    orphans = sorted(
+        (task_id, task) for task_id, task in state.tasks.items() if task.ref.requester == command.session_id
+    )
+    cancelled: list[events.Event] = [events.TaskCancelled(task_id=task_id, reason=reason) for task_id, _ in orphans]
+    return _then_idle_moves(state, cancelled, sorted({task.instance_id for _, task in orphans}), ctx)
 
 
 def _cancel_task(state: State, command: commands.CancelTask, ctx: Context) -> list[events.Event]:
-    if command.task_id not in state.tasks:
+    task = state.tasks.get(command.task_id)
+    if task is None:
         return []  # already finished: nothing left to cancel
-    return [events.TaskCancelled(task_id=command.task_id, reason=command.reason)]
+    cancelled: list[events.Event] = [events.TaskCancelled(task_id=command.task_id, reason=command.reason)]
+    return _then_idle_moves(state, cancelled, [task.instance_id], ctx)
+
+
+def _then_idle_moves(
+    state: State, ending: list[events.Event], instance_ids: list[InstanceId], ctx: Context
+) -> list[events.Event]:
+    """`ending` (tasks that end), then the moves to a faster engine that waited for those instances to be idle."""
+    return ending + _engine_moves(_applied(state, ending), instance_ids, ctx)
 
 
 def _not_the_leader(
@@ -520,7 +591,7 @@ def _report_task_finished(state: State, command: commands.ReportTaskFinished, ct
         return []
     if refused := _not_the_leader(state, command):
         return refused
-    return [
+    finished: list[events.Event] = [
         events.TaskFinished(
             task_id=command.task_id,
             outcome=command.outcome,
@@ -530,6 +601,7 @@ def _report_task_finished(state: State, command: commands.ReportTaskFinished, ct
             at_ms=ctx.now_ms,
         )
     ]
+    return _then_idle_moves(state, finished, [state.tasks[command.task_id].instance_id], ctx)
 
 
 _HANDLERS: dict[type, Callable[[State, Any, Context], list[events.Event]]] = {
