@@ -9,6 +9,7 @@ import pytest
 from helpers.cards import tiny_card
 from helpers.states import completed
 from jetshard_api.errors import REJECT_STATUS
+from jetshard_schema.cards import ModelFormat
 from jetshard_schema.commands import (
     AddCustomModelCard,
     CancelDownload,
@@ -752,6 +753,97 @@ def test_placement_records_the_resolved_weights_dtype(cluster: InMemoryCluster) 
     assert cluster.state.instances[InstanceId("inst-1")].serving.weights is WeightsDtype.FLOAT32
     native = ServingSettings(max_batch=2, weights=WeightsDtype.NATIVE)
     asked = cluster.run(PlaceInstance(instance_id=InstanceId("inst-2"), model_id=MODEL, node_ids=(B,), serving=native))
-    assert isinstance(asked[0], InstancePlaced) and asked[0].serving == msgspec.structs.replace(native, engine=Engine.MLX)
+    assert isinstance(asked[0], InstancePlaced) and asked[0].serving == msgspec.structs.replace(
+        native, engine=Engine.MLX
+    )
     replaced = cluster.run(ExpireNode(node_id=A, session_id="s1"))
     assert isinstance(replaced[2], InstancePlaced) and replaced[2].serving.weights is WeightsDtype.FLOAT32
+
+
+# --- engines -----------------------------------------------------------------------------------------------
+
+GGUF_MODEL = ModelId("acme/tiny-gguf")
+GGUF_CARD = msgspec.structs.replace(CARD, model_id=GGUF_MODEL, formats=(ModelFormat.GGUF, ModelFormat.MLX))
+
+
+def with_llama_cpp(available_gib: float = 16) -> NodeProfile:
+    return msgspec.structs.replace(profile(available_gib), engines=(Engine.MLX, Engine.LLAMA_CPP))
+
+
+def test_an_engine_no_node_runs_is_a_conflict_and_one_the_card_cannot_serve_is_invalid(
+    cluster: InMemoryCluster,
+) -> None:
+    cluster.join(A)
+    cluster.run(AddCustomModelCard(card=GGUF_CARD))
+    llama_cpp = ServingSettings(engine=Engine.LLAMA_CPP)
+    refused = rejected(
+        cluster.run(PlaceInstance(instance_id=InstanceId("i1"), model_id=GGUF_MODEL, serving=llama_cpp)),
+        RejectCode.CONFLICT,
+    )
+    assert "no node runs llama.cpp" in refused.reason and REJECT_STATUS[refused.code] == 409
+    refused = rejected(
+        cluster.run(PlaceInstance(instance_id=InstanceId("i1"), model_id=MODEL, serving=llama_cpp)),
+        RejectCode.INVALID,
+    )
+    assert "no gguf weights" in refused.reason
+
+
+def test_an_idle_instance_whose_engine_placement_chose_moves_to_llama_cpp_once_its_node_runs_it(
+    cluster: InMemoryCluster,
+) -> None:
+    cluster.join(A)
+    cluster.run(AddCustomModelCard(card=GGUF_CARD))
+    placed = cluster.run(PlaceInstance(instance_id=InstanceId("auto"), model_id=GGUF_MODEL))
+    assert isinstance(placed[0], InstancePlaced) and placed[0].serving.engine is Engine.MLX
+    assert placed[0].requested == ServingSettings()
+    asked_mlx = ServingSettings(engine=Engine.MLX)
+    cluster.run(PlaceInstance(instance_id=InstanceId("asked"), model_id=GGUF_MODEL, serving=asked_mlx))
+    for instance_id in (InstanceId("auto"), InstanceId("asked")):
+        cluster.make_ready(instance_id)
+    busy = TaskRef(task_id=TaskId("t1"), model_id=GGUF_MODEL, kind=TaskKind.CHAT)
+    assert isinstance(cluster.run(SubmitTask(task=busy))[0], TaskAssigned)
+    assert cluster.state.tasks[TaskId("t1")].instance_id == InstanceId("asked")  # the first ready, by id
+    busy_auto = TaskRef(task_id=TaskId("t2"), model_id=GGUF_MODEL, kind=TaskKind.CHAT)
+    cluster.run(SubmitTask(task=busy_auto))
+    assert cluster.state.tasks[TaskId("t2")].instance_id == InstanceId("auto")
+
+    # llama.cpp's build is done on A: the busy instance waits, the one asked for on MLX stays.
+    assert cluster.run(ReportNodeProfile(node_id=A, session_id="s1", profile=with_llama_cpp())) == [
+        NodeUpdated(node_id=A, profile=with_llama_cpp())
+    ]
+    finished = cluster.run(
+        ReportTaskFinished(
+            node_id=A,
+            task_id=TaskId("t1"),
+            instance_id=InstanceId("asked"),
+            outcome=TaskOutcome.STOP,
+            usage=Usage(prompt_tokens=1, completion_tokens=1),
+        )
+    )
+    assert [type(e) for e in finished] == [TaskFinished]
+    moved = cluster.run(CancelTask(task_id=TaskId("t2")))
+    assert [type(e) for e in moved] == [TaskCancelled, InstanceDeleted, InstancePlaced]
+    assert isinstance(moved[1], InstanceDeleted) and moved[1].instance_id == InstanceId("auto")
+    assert "moved to llama.cpp" in moved[1].reason
+    replacement = cluster.state.instances[moved[2].instance_id]  # type: ignore[attr-defined]
+    assert replacement.serving.engine is Engine.LLAMA_CPP and replacement.engine_chosen
+    assert [(s.node_id, s.start_layer, s.end_layer) for s in replacement.shards] == [(A, 0, 8)]
+    assert sorted(cluster.state.instances) == sorted([InstanceId("asked"), replacement.instance_id])
+    # Placed again on llama.cpp, it stays there; later placements choose llama.cpp.
+    assert cluster.run(ReportNodeProfile(node_id=A, session_id="s1", profile=with_llama_cpp(4))) == [
+        NodeUpdated(node_id=A, profile=with_llama_cpp(4))
+    ]
+    later = cluster.run(PlaceInstance(instance_id=InstanceId("later"), model_id=GGUF_MODEL))
+    assert isinstance(later[0], InstancePlaced) and later[0].serving.engine is Engine.LLAMA_CPP
+
+
+def test_an_idle_instance_moves_as_soon_as_its_node_reports_llama_cpp(cluster: InMemoryCluster) -> None:
+    cluster.join(A)
+    cluster.run(AddCustomModelCard(card=GGUF_CARD))
+    cluster.run(PlaceInstance(instance_id=InstanceId("auto"), model_id=GGUF_MODEL))
+    cluster.make_ready(InstanceId("auto"))
+    events = cluster.run(ReportNodeProfile(node_id=A, session_id="s1", profile=with_llama_cpp()))
+    assert [type(e) for e in events] == [NodeUpdated, InstanceDeleted, InstancePlaced]
+    assert isinstance(events[2], InstancePlaced) and events[2].serving.engine is Engine.LLAMA_CPP
+    # Redelivered, the same command changes nothing more.
+    assert cluster.run(ReportNodeProfile(node_id=A, session_id="s1", profile=with_llama_cpp())) == []

@@ -8,9 +8,12 @@ import itertools
 import msgspec
 import pytest
 from helpers.cards import tiny_card
-from jetshard_schema.cards import MAX_HIDDEN_SIZE, Quantization
+from jetshard_schema.cards import MAX_HIDDEN_SIZE, ModelFormat, Quantization
 from jetshard_schema.ids import InstanceId, NodeId
 from jetshard_schema.placement import (
+    LLAMA_CPP_SLOT_CONTEXT,
+    EngineMismatch,
+    EngineUnavailable,
     InvalidPlacement,
     NotEnoughNodes,
     Placement,
@@ -18,6 +21,8 @@ from jetshard_schema.placement import (
     UnsplittableModel,
     device_of,
     kv_cache_bytes,
+    llama_cpp_compute_bytes,
+    llama_cpp_slot_context,
     parameter_count,
     place,
     place_in,
@@ -449,3 +454,89 @@ def test_tensor_ranks_hold_one_dtype_narrowing_a_full_precision_checkpoint_only_
     # Beside a CPU without a fast BLAS the ranks keep the checkpoint's float32: partial sums must agree in dtype.
     mixed = place(FULL_PRECISION, [gpu_node("a", 4, 40), node("b", 40, fast_blas=False)], min_nodes=2, serving=auto)
     assert [s.weights for s in mixed.shards] == [WeightsDtype.NATIVE, WeightsDtype.NATIVE]
+
+
+# --- engines -----------------------------------------------------------------------------------------------
+
+BOTH = (Engine.MLX, Engine.LLAMA_CPP)
+GGUF_AND_MLX = replace(Q4_CARD, model_id="acme/m-gguf", formats=(ModelFormat.GGUF, ModelFormat.MLX), file_type="Q4_0")
+GGUF_ONLY = replace(GGUF_AND_MLX, model_id="acme/m-k", formats=(ModelFormat.GGUF,), file_type="Q4_K_M")
+SMALL_ROWS = ServingSettings(max_batch=2, prefix_cache_bytes=0)
+
+
+def running(engines: tuple[Engine, ...], *nodes: Node) -> list[Node]:
+    return [replace(n, profile=replace(n.profile, engines=engines)) for n in nodes]
+
+
+def test_placement_chooses_the_fastest_engine_the_nodes_run_for_a_format_the_card_has() -> None:
+    on_cpu = place(GGUF_AND_MLX, running(BOTH, node("a", 64), node("b", 64)), serving=SMALL_ROWS)
+    assert on_cpu.serving.engine is Engine.LLAMA_CPP
+    assert on_cpu.serving.weights is WeightsDtype.NATIVE  # the GGUF's own quantization, never float32
+    [shard] = on_cpu.shards
+    assert (shard.start_layer, shard.end_layer, shard.weights) == (0, 32, WeightsDtype.NATIVE)
+    # Before llama.cpp is built the same node serves it on MLX, exactly as it did before engines.
+    before = place(GGUF_AND_MLX, [node("a", 64)], serving=SMALL_ROWS)
+    assert before == replace(place(Q4_CARD, [node("a", 64)], serving=SMALL_ROWS), serving=before.serving)
+    assert before.serving.engine is Engine.MLX and before.serving.weights is WeightsDtype.FLOAT32
+    # Apple silicon and NVIDIA: MLX, when the card has the MLX format; a card with only a GGUF needs llama.cpp.
+    for fast in (node("m", 64, accelerator="metal"), gpu_node("g", 64, 64)):
+        assert place(GGUF_AND_MLX, running(BOTH, fast), serving=SMALL_ROWS).serving.engine is Engine.MLX
+        assert place(GGUF_ONLY, running(BOTH, fast), serving=SMALL_ROWS).serving.engine is Engine.LLAMA_CPP
+    assert place(Q4_CARD, running(BOTH, node("a", 64)), serving=SMALL_ROWS).serving.engine is Engine.MLX
+    with pytest.raises(EngineUnavailable, match=r"no node runs llama\.cpp \(yet"):
+        place(GGUF_ONLY, [node("a", 64)], serving=SMALL_ROWS)
+
+
+def test_llama_cpp_goes_to_the_node_with_most_memory_that_runs_it_and_falls_back_to_mlx_across_nodes() -> None:
+    nodes = [*running(BOTH, node("a", 20)), node("big", 60)]  # "big" has no llama.cpp yet
+    assert [s.node_id for s in place(GGUF_AND_MLX, nodes, serving=SMALL_ROWS).shards] == ["a"]
+    # 4.5 GiB of GGUF fits no single node; MLX splits it over both.
+    split = place(GGUF_AND_MLX, running(BOTH, node("a", 3.5), node("b", 3.5)), serving=SMALL_ROWS)
+    assert split.serving.engine is Engine.MLX and len(split.shards) == 2
+
+
+def test_an_engine_asked_for_that_cannot_serve_is_refused_naming_it() -> None:
+    nodes = running(BOTH, node("a", 64), node("b", 64))
+    llama_cpp = replace(SMALL_ROWS, engine=Engine.LLAMA_CPP)
+    with pytest.raises(EngineMismatch, match=r"no gguf weights, which llama\.cpp serves \(it has mlx\)"):
+        place(Q4_CARD, nodes, serving=llama_cpp)
+    with pytest.raises(EngineMismatch, match=r"no mlx weights, which mlx serves \(it has gguf\)"):
+        place(GGUF_ONLY, nodes, serving=replace(SMALL_ROWS, engine=Engine.MLX))
+    with pytest.raises(EngineUnavailable, match=r"^plain does not run llama\.cpp"):
+        place(GGUF_AND_MLX, [*nodes, node("plain", 64)], [NodeId("plain")], serving=llama_cpp)
+    for across in ({"min_nodes": 2}, {"node_ids": [NodeId("a"), NodeId("b")]}):
+        with pytest.raises(EngineMismatch, match=r"llama\.cpp serves an instance from one node.*RPC"):
+            place(GGUF_AND_MLX, nodes, serving=llama_cpp, **across)  # type: ignore[arg-type]
+    with pytest.raises(EngineMismatch, match=r"llama\.cpp serves an instance as a pipeline"):
+        place(GGUF_AND_MLX, nodes, serving=replace(llama_cpp, parallelism=Parallelism.TENSOR))
+    with pytest.raises(EngineMismatch, match=r"own quantization \(Q4_0\); weights float32 applies to MLX only"):
+        place(GGUF_AND_MLX, nodes, serving=replace(llama_cpp, weights=WeightsDtype.FLOAT32))
+    # Left to placement, what llama.cpp cannot do goes to MLX.
+    assert place(GGUF_AND_MLX, nodes, min_nodes=2, serving=SMALL_ROWS).serving.engine is Engine.MLX
+    float32 = replace(SMALL_ROWS, weights=WeightsDtype.FLOAT32)
+    assert place(GGUF_AND_MLX, nodes, serving=float32).serving.engine is Engine.MLX
+    named = place(GGUF_AND_MLX, nodes, [NodeId("b")], serving=llama_cpp)
+    assert [s.node_id for s in named.shards] == ["b"] and named.serving.engine is Engine.LLAMA_CPP
+
+
+def test_llama_cpp_needs_the_gguf_its_kv_cache_for_each_slot_and_a_compute_buffer() -> None:
+    long_context = replace(GGUF_AND_MLX, context_length=131072)
+    assert llama_cpp_slot_context(long_context) == LLAMA_CPP_SLOT_CONTEXT == 4096
+    assert llama_cpp_slot_context(replace(long_context, context_length=2048)) == 2048
+    serving = ServingSettings(max_batch=4, prefix_cache_bytes=GiB, engine=Engine.LLAMA_CPP)
+    kv = 2 * 32 * 8 * 128 * 4096 * 4 * 2  # K and V, layers, kv heads, head dim, context per slot, slots, f16
+    compute = llama_cpp_compute_bytes(long_context)
+    assert compute == 512 * 32000 * 4 + 64 * 2**20
+    required = int(4.5 * GiB) + kv + GiB + compute
+    assert required_memory_bytes(long_context, serving) == required
+    placement = place(long_context, running(BOTH, node("a", 12)), serving=serving)
+    assert placement.required_bytes == placement.shards[0].memory_bytes == required
+    with pytest.raises(PlacementError) as raised:
+        place(long_context, running(BOTH, node("a", 7)), serving=serving)
+    message = str(raised.value)
+    assert "on llama.cpp needs 7.62 GiB" in message and "a KV cache of 2.00 GiB for 4 slot(s) of 4096 tokens" in message
+    assert "a has 7.00 GiB available" in message and "lower max_batch" in message
+    # MLX's accounting is its own: the same settings on MLX count its full context and float32 weights.
+    assert required_memory_bytes(long_context, replace(serving, engine=Engine.MLX, weights=WeightsDtype.NATIVE)) == (
+        int(4.5 * GiB * 1.1) + 4 * kv_cache_bytes(long_context) + GiB
+    )
