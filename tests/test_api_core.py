@@ -121,6 +121,26 @@ async def test_cluster_routes(fresh_nats, processes, tmp_path: Path) -> None:
         ):
             assert "paralelism" in str(assert_openai_error(refused, 400)["message"])
 
+        # The engine: placement's choice shown; one the model has no weights for is a 400 naming it, an unknown one a
+        # 400 listing the engines; llama.cpp where no node runs it a 409 (until its build is done there).
+        assert (preview.json()["engine"], preview.json()["serving"]["engine"]) == ("mlx", "mlx")
+        for refused in (
+            await client.get("/instances/preview", params={"model_id": qwen, "engine": "llama.cpp"}),
+            await client.post("/instances", json={"model_id": qwen, "engine": "llama.cpp"}),
+        ):
+            message = assert_openai_error(refused, 400)["message"]
+            assert "has no gguf weights, which llama.cpp serves (it has mlx)" in message
+        error = assert_openai_error(await client.post("/instances", json={"model_id": qwen, "engine": "vllm"}), 400)
+        assert error["param"] == "engine" and 'engine is one of: "mlx", "llama.cpp"' in str(error["message"])
+        assert_openai_error(await client.get("/instances/preview", params={"model_id": qwen, "engine": "vllm"}), 400)
+        if "llama.cpp" not in nodes[0]["profile"]["engines"]:
+            demo = "jetshard/SmolLM2-135M-Instruct-Q4"
+            for refused in (
+                await client.get("/instances/preview", params={"model_id": demo, "engine": "llama.cpp"}),
+                await client.post("/instances", json={"model_id": demo, "engine": "llama.cpp"}),
+            ):
+                assert "no node runs llama.cpp" in str(assert_openai_error(refused, 409)["message"])
+
         # A value of the wrong type is refused, not converted, naming the field at fault.
         for body, param in (
             ({"min_nodes": "2"}, "min_nodes"),
@@ -178,7 +198,8 @@ async def test_cluster_routes(fresh_nats, processes, tmp_path: Path) -> None:
         def fields(component: str) -> set[str]:
             return set(components[component]["properties"])
 
-        assert {"parallelism", "node_ids", "min_nodes"} <= fields("PlaceRequest")
+        assert {"parallelism", "node_ids", "min_nodes", "engine"} <= fields("PlaceRequest")
+        assert {"engine", "engine_chosen"} <= fields("InstanceDescription") and "engines" in fields("ModelObject")
         assert {"bfloat16", "float16"} <= set(components["WeightsDtype"]["enum"])
         assert {"weights", "tensor_rank", "device"} <= fields("ShardDescription")
         assert "parallelism" in {p["name"] for p in schema["paths"]["/instances/preview"]["get"]["parameters"]}

@@ -25,6 +25,7 @@ from jetshard_schema.stats import RunnerStats
 from jetshard_schema.types import (
     DownloadProgress,
     DownloadStatus,
+    Engine,
     GpuInfo,
     InstanceStatus,
     ModelDirInfo,
@@ -61,6 +62,10 @@ class InstanceDescription(msgspec.Struct, frozen=True, kw_only=True):
     """Why it failed or last restarted: news only until it is ready again."""
     shards: list[ShardDescription]
     serving: ServingSettings
+    engine: Engine
+    """What serves it: `serving.engine`, or MLX for an instance placed before engines."""
+    engine_chosen: bool
+    """Whether placement chose the engine (the request left it open): it moves to a faster one its nodes gain."""
     tasks_in_flight: int
     """Assigned and not finished: running, or queued for a place in a batch."""
     tasks_running: int
@@ -108,6 +113,8 @@ def describe_instance(state: State, instance: Instance) -> InstanceDescription:
         reason=(instance.failed_reason or None) if status is not InstanceStatus.READY else None,
         shards=[_describe_shard(state, instance, shard) for shard in instance.shards],
         serving=instance.serving,
+        engine=instance.engine,
+        engine_chosen=instance.engine_chosen,
         tasks_in_flight=len(tasks),
         tasks_running=sum(1 for t in tasks if t.started),
     )
@@ -122,6 +129,8 @@ class NodeView(msgspec.Struct, frozen=True, kw_only=True):
     memory_total_bytes: int
     memory_available_bytes: int
     gpus: tuple[GpuInfo, ...]
+    engines: tuple[Engine, ...]
+    """The engines its runners can run now (llama.cpp once its build is ready there)."""
     disk_free_bytes: int
     """Free space in the node's writable model directories, together."""
     disk_total_bytes: int

@@ -18,6 +18,8 @@ from jetshard_schema.events import InstanceChosen, InstancePlaced
 from jetshard_schema.ids import MODEL_ID_MAX_LENGTH, InstanceId, ModelId, NodeId, new_instance_id, parse_model_id
 from jetshard_schema.models import find_card
 from jetshard_schema.placement import (
+    EngineMismatch,
+    EngineUnavailable,
     ModelUnavailable,
     NotEnoughNodes,
     Placement,
@@ -26,7 +28,7 @@ from jetshard_schema.placement import (
     place_in,
 )
 from jetshard_schema.state import Instance, State, ready_instances
-from jetshard_schema.types import DownloadProgress, DownloadStatus, ServingSettings, TaskRequest
+from jetshard_schema.types import DownloadProgress, DownloadStatus, Engine, ServingSettings, TaskRequest
 
 from jetshard_api.cluster import Cluster
 from jetshard_api.errors import ApiError
@@ -100,6 +102,16 @@ def ready_models(state: State) -> set[ModelId]:
     return {i.model_id for i in ready_instances(state)}
 
 
+def engines_serving(state: State) -> dict[ModelId, list[Engine]]:
+    """Per model with a ready instance, the engines its ready instances run on."""
+    serving: dict[ModelId, list[Engine]] = {}
+    for instance in ready_instances(state):
+        engines = serving.setdefault(instance.model_id, [])
+        if instance.engine not in engines:
+            engines.append(instance.engine)
+    return serving
+
+
 async def place_instance(
     cluster: Cluster,
     model_id: ModelId,
@@ -129,6 +141,10 @@ def preview_placement(state: State, card: ModelCard, serving: ServingSettings, m
         raise ApiError(503, str(error), "model_unavailable") from error
     except UnsplittableModel as error:
         raise ApiError(400, str(error), "invalid_parallelism", "parallelism") from error
+    except EngineMismatch as error:
+        raise ApiError(400, str(error), "invalid_engine", "engine") from error
+    except EngineUnavailable as error:
+        raise ApiError(409, str(error), "engine_unavailable", "engine") from error
     except NotEnoughNodes as error:
         raise ApiError(409, str(error), "not_enough_nodes", "min_nodes") from error
     except PlacementError as error:

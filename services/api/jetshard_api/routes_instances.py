@@ -11,6 +11,7 @@ from jetshard_schema.models import find_card
 from jetshard_schema.placement import device_of
 from jetshard_schema.types import (
     MAX_NODES,
+    Engine,
     MaxBatch,
     MaxQueued,
     MinNodes,
@@ -60,6 +61,9 @@ class PlaceRequest(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     them)."""
     serving: ServingRequest = ServingRequest()
     parallelism: Parallelism = Parallelism.PIPELINE
+    engine: Engine | None = None
+    """What serves the instance: "mlx" or "llama.cpp"; left out (or null), placement chooses the fastest its nodes
+    run for a format the model has."""
 
 
 class PreviewShard(ShardAssignment, frozen=True, kw_only=True):
@@ -73,9 +77,11 @@ class PlacementPreview(msgspec.Struct, frozen=True):
     shards: tuple[PreviewShard, ...]
     serving: ServingSettings
     """The API's settings as placement would resolve them (AUTO made concrete)."""
+    engine: Engine
+    """What would serve it: the engine asked for, or the one placement chooses."""
 
 
-PREVIEW_PARAMETERS = frozenset({"model_id", "min_nodes", "parallelism"})
+PREVIEW_PARAMETERS = frozenset({"model_id", "min_nodes", "parallelism", "engine"})
 
 
 class InstancesController(Controller):
@@ -98,6 +104,7 @@ class InstancesController(Controller):
         model_id: FromQuery[str],
         min_nodes: Annotated[int, Parameter(ge=1, le=MAX_NODES)] = 1,  # a query parameter: Litestar's bounds
         parallelism: FromQuery[Parallelism] = Parallelism.PIPELINE,
+        engine: FromQuery[Engine | None] = None,
     ) -> PlacementPreview:
         """The placement that would be chosen now with the API's serving settings, without placing anything."""
         unknown = sorted(set(request.query_params) - PREVIEW_PARAMETERS)
@@ -106,7 +113,7 @@ class InstancesController(Controller):
         card = find_card(cluster.state, checked_model_id(model_id))
         if card is None:
             raise ApiError(404, f"unknown model {model_id}", "model_not_found")
-        serving = msgspec.structs.replace(settings.serving, parallelism=parallelism)
+        serving = msgspec.structs.replace(settings.serving, parallelism=parallelism, engine=engine)
         placement = preview_placement(cluster.state, card, serving, min_nodes)
         return PlacementPreview(
             model_id=card.model_id,
@@ -116,6 +123,7 @@ class InstancesController(Controller):
                 for s in placement.shards
             ),
             serving=placement.serving,
+            engine=placement.serving.engine or Engine.MLX,
         )
 
     @get("/{instance_id:str}", responses=ERROR_RESPONSES)
@@ -132,7 +140,9 @@ class InstancesController(Controller):
         settings: NamedDependency[InferenceSettings],
         data: JSONBody[PlaceRequest],
     ) -> InstanceDescription:
-        serving = msgspec.structs.replace(data.serving.over(settings.serving), parallelism=data.parallelism)
+        serving = msgspec.structs.replace(
+            data.serving.over(settings.serving), parallelism=data.parallelism, engine=data.engine
+        )
         instance = await place_instance(
             cluster, checked_model_id(data.model_id), serving, data.node_ids, data.min_nodes
         )

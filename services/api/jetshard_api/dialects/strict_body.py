@@ -16,6 +16,7 @@ from collections.abc import Generator
 from typing import Any, TypeVar
 
 import msgspec
+import msgspec.inspect
 from litestar import Controller
 from litestar.dto import AbstractDTO, DTOFieldDefinition
 from litestar.openapi.spec import Reference, Schema
@@ -42,7 +43,25 @@ def strictly_decoded(body: bytes, body_type: type[Body]) -> Body:
     except msgspec.DecodeError as error:
         raise _not_json(error) from error
     field = _ERROR_PATH.search(str(wrong_type))
-    raise ApiError(400, str(wrong_type), "invalid_type", field.group(1) if field else None) from wrong_type
+    name = field.group(1) if field else None
+    message = str(wrong_type)
+    allowed = _enum_values(body_type, name) if name and message.startswith("Invalid enum value") else []
+    if allowed:
+        quoted = ", ".join(f'"{value}"' for value in allowed)
+        message += f"; {name} is one of: {quoted}"
+    raise ApiError(400, message, "invalid_type", name) from wrong_type
+
+
+def _enum_values(body_type: type[Any], name: str) -> list[str]:
+    """The values of the enum that the top-level field `name` of `body_type` takes, if it takes one."""
+    info = msgspec.inspect.type_info(body_type)
+    if not isinstance(info, msgspec.inspect.StructType):
+        return []
+    for field in info.fields:
+        if field.encode_name == name:
+            kinds = field.type.types if isinstance(field.type, msgspec.inspect.UnionType) else (field.type,)
+            return [str(m.value) for t in kinds if isinstance(t, msgspec.inspect.EnumType) for m in t.cls]
+    return []
 
 
 def _not_json(error: msgspec.DecodeError) -> ApiError:

@@ -14,7 +14,7 @@ from jetshard_schema.cards import ModelCard
 from jetshard_schema.ids import ModelId, new_task_id
 from jetshard_schema.models import all_cards, find_card
 from jetshard_schema.sampling import documented_defaults
-from jetshard_schema.types import Chunk, TaskKind, TaskRequest
+from jetshard_schema.types import Chunk, Engine, TaskKind, TaskRequest
 from litestar import Request, Response, get, post
 from litestar.di import NamedDependency
 from litestar.params import FromPath, JSONBody
@@ -49,7 +49,7 @@ from jetshard_api.dialects.streaming import keep_alive_comment, streamed
 from jetshard_api.dialects.strict_body import DialectController
 from jetshard_api.errors import ERROR_RESPONSES, INFERENCE_RESPONSES, ApiError, answering, error_body
 from jetshard_api.images import load_image_urls
-from jetshard_api.route_steps import InferenceSettings, ready_models, requested_model_id
+from jetshard_api.route_steps import InferenceSettings, engines_serving, requested_model_id
 from jetshard_api.tasks import answer
 
 AnyRequest = Request[Any, Any, Any]
@@ -66,8 +66,8 @@ class OpenAIController(DialectController):
     @get("/models", responses=ERROR_RESPONSES)
     async def models(self, cluster: NamedDependency[Cluster]) -> ModelList:
         state = cluster.state
-        ready = ready_models(state)
-        data = [_model_object(model_id, card, ready) for model_id, card in all_cards(state).items()]
+        serving = engines_serving(state)
+        data = [_model_object(model_id, card, serving) for model_id, card in all_cards(state).items()]
         data.sort(key=lambda m: (not m.ready, m.id))
         return ModelList(data=data)
 
@@ -78,7 +78,7 @@ class OpenAIController(DialectController):
         card = find_card(cluster.state, checked)
         if card is None:
             raise ApiError(404, f"unknown model {checked}", "model_not_found", "model")
-        return _model_object(checked, card, ready_models(cluster.state))
+        return _model_object(checked, card, engines_serving(cluster.state))
 
     @post("/chat/completions", status_code=200, responses=answering(ChatCompletion, INFERENCE_RESPONSES))
     async def chat_completions(
@@ -138,12 +138,13 @@ class OpenAIController(DialectController):
         )
 
 
-def _model_object(model_id: ModelId, card: ModelCard, ready: set[ModelId]) -> ModelObject:
+def _model_object(model_id: ModelId, card: ModelCard, serving: dict[ModelId, list[Engine]]) -> ModelObject:
     return ModelObject(
         id=model_id,
         owned_by=model_id.split("/")[0],
-        ready=model_id in ready,
-        placeable=model_id not in ready,
+        ready=model_id in serving,
+        placeable=model_id not in serving,
+        engines=[str(engine) for engine in serving.get(model_id, [])],
         capabilities=[str(capability) for capability in card.capabilities],
         generation_defaults=documented_defaults(card.generation),
     )

@@ -440,6 +440,8 @@ class ModelObject(msgspec.Struct, frozen=True, kw_only=True):
     owned_by: str
     ready: bool
     placeable: bool
+    engines: list[str]
+    """What serves its ready instances ("mlx", "llama.cpp"); empty while none is ready."""
     capabilities: list[str]
     """What the model does: completion, tools, thinking, vision, embedding (Ollama's names)."""
     generation_defaults: ResolvedSampling
