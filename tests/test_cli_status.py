@@ -299,9 +299,15 @@ def test_the_view_stream_and_the_task_commands_follow_a_chat_and_its_cancel(
 @pytest.mark.usefixtures("restores_the_dialect_cluster")
 def test_instances_ls_and_rm(dialect_cluster: DialectCluster) -> None:
     api = dialect_cluster.api
-    placed = httpx.post(f"{api}/instances", json={"model_id": dialect_cluster.model}, timeout=60).json()
+    model = dialect_cluster.model
+    place = ("instances", "--api", api, "place", model)
+    placed = json.loads(jetshard(*place, "--engine", "mlx", "--max-batch", "2", "--json").stdout)
     second = placed["instance_id"]
-    assert second in jetshard("instances", "--api", api, "ls").stdout
+    assert (placed["engine"], placed["engine_chosen"], placed["serving"]["max_batch"]) == ("mlx", False, 2)
+    refused = jetshard(*place, "--engine", "llama.cpp", check=False)
+    assert refused.returncode == 1 and "has no gguf weights, which llama.cpp serves" in refused.stderr
+    listing = jetshard("instances", "--api", api, "ls").stdout
+    assert second in listing and "mlx (asked)" in listing
     assert f"removed {second}" in jetshard("instances", "--api", api, "rm", second).stdout
     listed = json.loads(jetshard("instances", "--api", api, "ls", "--json").stdout)
     assert second not in [i["instance_id"] for i in listed] and listed

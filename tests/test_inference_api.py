@@ -409,6 +409,7 @@ def test_models_lists_ready_and_placeable(client: openai.OpenAI, cluster: Infere
     raw = {m["id"]: m for m in cluster.get("/v1/models")["data"]}
     assert raw[LLAMA]["ready"] and raw[QWEN]["ready"]
     assert not raw[UNPLACED]["ready"] and raw[UNPLACED]["placeable"]
+    assert (raw[LLAMA]["engines"], raw[UNPLACED]["engines"]) == (["mlx"], [])  # what serves it, once ready
     order = list(raw)
     assert order.index(LLAMA) < order.index(UNPLACED) and order.index(QWEN) < order.index(UNPLACED)
 

@@ -1,4 +1,5 @@
-"""`jetshard instances ls|rm` and `jetshard tasks ls|cancel`: what a running API serves, and stopping it."""
+"""`jetshard instances ls|place|rm` and `jetshard tasks ls|cancel`: what a running API serves, placing a model, and
+stopping it."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ from urllib.parse import quote
 import click
 import msgspec
 from jetshard_schema.gist import shard_layers
-from jetshard_schema.types import ShardAssignment
+from jetshard_schema.types import Engine, ShardAssignment
 from rich.table import Table
 
 from jetshard.client import ApiClient
@@ -22,6 +23,7 @@ def instances_table(instances: list[dict[str, Any]]) -> Table:
     table.add_column("id", no_wrap=True)
     table.add_column("model", overflow="fold")
     table.add_column("status")
+    table.add_column("engine")
     table.add_column("nodes", overflow="fold")
     table.add_column("max batch", justify="right")
     table.add_column("max queued", justify="right")
@@ -33,6 +35,7 @@ def instances_table(instances: list[dict[str, Any]]) -> Table:
             instance["instance_id"],
             instance["model_id"],
             instance["status"],
+            instance["engine"] + ("" if instance["engine_chosen"] else " (asked)"),
             ", ".join(_shard(s) for s in instance["shards"]),
             str(serving["max_batch"]),
             str(serving["max_queued"]),
@@ -85,7 +88,7 @@ def add_removal(group: click.Group, name: str, *, argument: str, path: str, done
         click.echo(f"{done} {removed}")
 
 
-instances = api_group("instances", "List and remove instances (a model placed on nodes).")
+instances = api_group("instances", "List, place and remove instances (a model placed on nodes).")
 add_listing(
     instances,
     path="/instances",
@@ -93,6 +96,49 @@ add_listing(
     nothing="no instances",
     help="Status, nodes and layers, serving settings and tasks in flight (running or queued).",
 )
+
+
+@instances.command(
+    "place",
+    help="Place MODEL_ID: an instance of it on the cluster's nodes, which download it if needed and load it. "
+    "Placement chooses the engine and the nodes unless told.",
+)
+@click.argument("model_id")
+@click.option(
+    "--engine",
+    type=click.Choice([str(engine) for engine in Engine]),
+    help="what serves it (default: the fastest engine its nodes run for a format the model has: llama.cpp for a "
+    "GGUF on CPUs, MLX on Apple silicon and NVIDIA)",
+)
+@click.option(
+    "--node",
+    "node_ids",
+    multiple=True,
+    callback=lambda context, parameter, values: tuple(checked_name(context, parameter, v) for v in values),
+    help="a node to place it on, in rank order; repeat for several (default: placement chooses)",
+)
+@click.option("--max-batch", type=click.IntRange(1, 256), help="tasks that decode together (default: the API's)")
+@json_option
+@click.pass_obj
+def place(
+    client: ApiClient,
+    model_id: str,
+    engine: str | None,
+    node_ids: tuple[str, ...],
+    max_batch: int | None,
+    as_json: bool,
+) -> None:
+    body: dict[str, Any] = {"model_id": model_id}
+    if engine is not None:
+        body["engine"] = engine
+    if node_ids:
+        body["node_ids"] = list(node_ids)
+    if max_batch is not None:
+        body["serving"] = {"max_batch": max_batch}
+    _, placed = client.request("POST", "/instances", body=body)
+    print_answer(placed, as_json, lambda instance: instances_table([instance]))
+
+
 add_removal(
     instances,
     "rm",
