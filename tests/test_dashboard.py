@@ -186,8 +186,15 @@ def test_a_model_is_added_placed_served_and_removed_from_the_page(
     expect(dialog).to_be_visible()
     expect(dialog.locator(f'tr[data-node-id="{node_id}"]')).to_contain_text("[0, 4)")
     expect(dialog.locator(f'tr[data-node-id="{node_id}"]')).to_contain_text("cpu")
-    weights = cluster.get(f"/instances/preview?model_id={PAGE_MODEL}")["serving"]["weights"]
-    expect(dialog).to_contain_text(f"weights {weights}")
+    chosen = cluster.get(f"/instances/preview?model_id={PAGE_MODEL}")
+    expect(dialog).to_contain_text(f"on {chosen['engine']} (placement's choice)")
+    expect(dialog).to_contain_text(f"weights {chosen['serving']['weights']}")
+    # An engine chosen by hand: the card has no GGUF, so llama.cpp cannot serve it, and says why.
+    dialog.get_by_label("Engine").select_option("llama.cpp")
+    expect(dialog.locator(".impossible")).to_contain_text("has no gguf weights, which llama.cpp serves")
+    expect(dialog.get_by_role("button", name="Place", exact=True)).to_be_disabled()
+    dialog.get_by_label("Engine").select_option("")
+    expect(dialog.locator(f'tr[data-node-id="{node_id}"]')).to_be_visible()
     page.keyboard.press("Escape")
     expect(dialog).to_be_hidden()
     expect(place).to_be_focused()
@@ -208,6 +215,7 @@ def test_a_model_is_added_placed_served_and_removed_from_the_page(
     instance_id = instance["instance_id"]
     shown = page.locator(f'#instances [data-instance-id="{instance_id}"]')
     expect(shown).to_contain_text(instance_id)
+    expect(shown.locator(".engine")).to_have_text(instance["engine"])
     expect(shown).to_have_attribute("data-status", "ready", timeout=60_000)
 
     # Ready, with the node's directory that holds its files.
@@ -257,13 +265,15 @@ def test_a_model_is_added_placed_served_and_removed_from_the_page(
     assert wait_for(lambda: not any(store.exists() for store in stores), timeout=10), stores
     page.screenshot(path=screenshots / "removed.png", full_page=True)
 
-    # What went wrong on purpose, and nothing else: the unknown repo, the impossible placement.
+    # What went wrong on purpose, and nothing else: the unknown repo, the engine that cannot serve the model, the
+    # impossible placement.
     # (The page closes the cancelled answer's stream itself, which the browser counts as a failed request when
     # it is quicker than the API.)
     cancelled_chat = f"failed: POST {api}/v1/chat/completions: net::ERR_ABORTED"
     seen = [t for t in troubles.seen if t != cancelled_chat]
     refused = [t.split("?")[0] for t in seen if not t.startswith("console error: Failed to load resource")]
-    assert refused == [f"404: POST {api}/models", f"409: GET {api}/instances/preview"]
+    preview = f"GET {api}/instances/preview"
+    assert refused == [f"404: POST {api}/models", f"400: {preview}", f"409: {preview}"]
     assert len(seen) == 2 * len(refused)  # the browser's console says the same of each
     page.close()
 

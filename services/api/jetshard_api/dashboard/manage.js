@@ -70,12 +70,14 @@ function previewTable(preview) {
     ),
   );
   const serving = preview.serving;
+  const engine = $("place-engine").value ? preview.engine : `${preview.engine} (placement's choice)`;
   return [
     el("table", { className: "preview" }, el("thead", {}, head), el("tbody", {}, rows)),
     el(
       "p",
       { className: "muted preview-summary" },
-      `${size(preview.required_bytes)} in all; weights ${serving.weights}; up to ${serving.max_batch} requests at once`,
+      `on ${engine}; ${size(preview.required_bytes)} in all; weights ${serving.weights}; ` +
+        `up to ${serving.max_batch} requests at once`,
     ),
   ];
 }
@@ -91,6 +93,7 @@ async function preview() {
   let ready = false;
   try {
     const query = new URLSearchParams({ model_id: model, min_nodes: minNodes });
+    if ($("place-engine").value) query.set("engine", $("place-engine").value);
     const response = await apiFetch(`/instances/preview?${query}`);
     if (response.ok) {
       shown = previewTable(await response.json());
@@ -110,6 +113,7 @@ function openPlace(modelId) {
   placing = modelId;
   $("place-title").textContent = `Place ${modelId}`;
   $("place-min-nodes").value = "1";
+  $("place-engine").value = "";
   $("place-dialog").showModal();
   preview();
 }
@@ -119,6 +123,7 @@ async function place() {
   const confirm = $("place-confirm");
   confirm.disabled = true;
   const body = { model_id: model, min_nodes: Number($("place-min-nodes").value || "1") };
+  if ($("place-engine").value) body.engine = $("place-engine").value;
   let failure;
   let placed = null;
   try {
@@ -224,6 +229,7 @@ export function startManaging() {
     if (button && !button.disabled) act(button);
   });
   $("place-min-nodes").addEventListener("input", preview);
+  $("place-engine").addEventListener("change", preview);
   $("place-confirm").addEventListener("click", place);
   $("place-cancel").addEventListener("click", () => $("place-dialog").close());
   $("place-dialog").addEventListener("close", () => {

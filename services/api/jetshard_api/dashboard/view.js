@@ -219,6 +219,7 @@ function instanceCard(instance) {
       ),
     ),
     field("model", el("code", {}, instance.model_id)),
+    field("engine", el("span", { className: "engine" }, instance.engine), instance.engine_chosen ? "" : " (asked for)"),
     instance.reason ? el("p", { className: "reason" }, instance.reason) : null,
     el("ol", { className: "shards" }, instance.shards.map(shardRow)),
     field("tasks", load),
