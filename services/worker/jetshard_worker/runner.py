@@ -99,6 +99,8 @@ log = logging.getLogger(__name__)
 PROGRESS_INTERVAL_S = 0.5
 GGUF_FILE = "model.gguf"
 """Where a GGUF model's directory holds its weights (the downloader's contract)."""
+MMPROJ_FILE = "mmproj.gguf"
+"""And a vision model's image projector, beside it."""
 LLAMA_SERVER_LOAD_TIMEOUT_S = 600.0
 _HELD_AS = {WeightsDtype.FLOAT32: mx.float32, WeightsDtype.BFLOAT16: mx.bfloat16, WeightsDtype.FLOAT16: mx.float16}
 """The dtypes a shard converts its weights to; the others (NATIVE, and AUTO in placements made before it was
@@ -219,11 +221,15 @@ class Runner:
         build = find_ready_build()
         if build is None:
             raise RuntimeError("llama.cpp is not built on this node: run `jetshard engines build llama.cpp`")
+        model_dir = Path(self.plan.model_dir)
+        mmproj = model_dir / MMPROJ_FILE
         settings = ServerSettings(
             binary=build.llama_server,
-            model=Path(self.plan.model_dir) / GGUF_FILE,
+            # Resolved: llama.cpp finds a split model's other parts beside the first part's own name.
+            model=(model_dir / GGUF_FILE).resolve(),
             slots=self.plan.serving.max_batch,
             context_per_slot=self.spec.context_per_slot,
+            mmproj=mmproj if mmproj.is_file() else None,
         )
         if not settings.model.is_file():
             raise RuntimeError(f"{settings.model} is missing: the model's GGUF file did not reach this node")
@@ -421,7 +427,7 @@ class Runner:
                 "unsupported_by_engine",
             )
             return
-        if any(message.images for message in request.messages):
+        if self.engine.server.settings.mmproj is None and any(message.images for message in request.messages):
             self._fail_task(
                 request.task_id,
                 "the llama.cpp engine serving this instance has no image projector for this model",

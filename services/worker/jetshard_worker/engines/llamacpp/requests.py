@@ -163,8 +163,13 @@ def _message(message: ChatMessage) -> dict[str, Any]:
     return out
 
 
+_IMAGE_TYPES = {b"\x89PNG": "image/png", b"\xff\xd8\xff": "image/jpeg", b"GIF8": "image/gif", b"RIFF": "image/webp"}
+
+
 def _data_url(image: bytes) -> str:
-    return "data:application/octet-stream;base64," + base64.b64encode(image).decode("ascii")
+    """The image as a data URL with its type (the API has checked it is one of these)."""
+    kind = next((name for magic, name in _IMAGE_TYPES.items() if image.startswith(magic)), "image/png")
+    return f"data:{kind};base64," + base64.b64encode(image).decode("ascii")
 
 
 def parse_event(path: str, data: str, state: StreamState) -> tuple[Piece | None, Ending | None]:
