@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-pytest_plugins = ["helpers.hub_fixtures", "helpers.harness", "helpers.dialects"]
+pytest_plugins = ["helpers.hub_fixtures", "helpers.harness", "helpers.dialects", "helpers.llamacpp_cluster"]
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -47,7 +47,9 @@ STALLED_QUEUE_SLACK = 2.0
 start, and refuses, with 429, what it can no longer start in time), but not behind an instance that samples
 nothing: one that reports no token for this many times `start_timeout_s` has stalled."""
 
-REQUEST_ERRORS = frozenset({"context_length_exceeded", "invalid_prompt", "invalid_schema", "invalid_request"})
+REQUEST_ERRORS = frozenset(
+    {"context_length_exceeded", "invalid_prompt", "invalid_schema", "invalid_request", "unsupported_by_engine"}
+)
 """A runner's error codes that are the request's fault: 400, not 502."""
 
 

@@ -47,7 +47,7 @@ class ChoiceOutput:
     stop string."""
 
     detokenizer: Any
-    """mlx-lm's streaming detokenizer (None for an embedding, which makes no text)."""
+    """mlx-lm's streaming detokenizer; None where the engine hands out text (llama.cpp), and for an embedding."""
     stop: StopText = field(default_factory=lambda: StopText(()))
     """The request's stop strings, matched in the answer only."""
     splitter: ToolCallSplitter | None = None
@@ -57,6 +57,8 @@ class ChoiceOutput:
     constraint: JsonConstraint | None = None
     reasoning: tuple[ReasoningText, ReasoningTokens] | None = None
     """A thinking model's chat: its text split into reasoning and answer, its reasoning tokens counted."""
+    engine_reasoning_tokens: int = 0
+    """Reasoning tokens of an engine that splits the reasoning itself (llama.cpp)."""
     text: list[str] = field(default_factory=list)
     """The answer generated, stop strings cut: what the constraint and a forced call read."""
     tokens: int = 0
@@ -70,19 +72,21 @@ class ChoiceOutput:
 
     @property
     def reasoning_tokens(self) -> int:
-        return 0 if self.reasoning is None else self.reasoning[1].count
+        return self.engine_reasoning_tokens if self.reasoning is None else self.reasoning[1].count
 
     def add(self, token: int) -> tuple[str, str]:
         """The reasoning and the answer that `token` makes safe to show."""
         self.detokenizer.add_token(token)
-        return self._show(self.detokenizer.last_segment, last=False)
+        return self.show(self.detokenizer.last_segment, last=False)
 
     def finish(self) -> tuple[str, str]:
         """The reasoning and the answer still held once the output ends for another reason than a stop string."""
+        if self.detokenizer is None:
+            return self.show("", last=True)
         self.detokenizer.finalize()
-        return self._show(self.detokenizer.last_segment, last=True)
+        return self.show(self.detokenizer.last_segment, last=True)
 
-    def _show(self, text: str, last: bool) -> tuple[str, str]:
+    def show(self, text: str, last: bool) -> tuple[str, str]:
         """`text`'s reasoning and answer (with what the split and the stop strings still held, when `last`); the
         answer, cut at a stop string, is kept."""
         reasoning = ""
@@ -157,12 +161,47 @@ class TaskOutput:
         self._emit(choice, reasoning, text)
         return output.ending
 
-    def finish(self, choice: int, reason: TaskOutcome, prompt_tokens: int) -> Usage | None:
-        """A choice ended; its last chunk. Returns the task's usage once every choice has ended."""
+    def text(
+        self,
+        choice: int,
+        reasoning: str,
+        text: str,
+        logprobs: tuple[TokenLogprob, ...],
+        tokens: int,
+        reasoning_tokens: int,
+    ) -> TaskOutcome | None:
+        """A choice's next text from an engine that detokenizes and splits the reasoning itself (llama.cpp): the
+        answer is cut at a stop string here, as for tokens. Returns STOP when the choice must end now."""
+        output = self.choices[choice]
+        if output.ending is not None or output.finished:
+            return None
+        output.tokens += tokens
+        output.engine_reasoning_tokens += reasoning_tokens
+        if logprobs:
+            self._logprobs.setdefault(choice, []).extend(logprobs)
+        _, text = output.show(text, last=False)
+        if output.stop.stopped:
+            output.ending = TaskOutcome.STOP
+        self._emit(choice, reasoning, text)
+        return output.ending
+
+    def finish(
+        self,
+        choice: int,
+        reason: TaskOutcome,
+        prompt_tokens: int,
+        engine_calls: list[ToolCallParsed] | None = None,
+        completion_tokens: int | None = None,
+    ) -> Usage | None:
+        """A choice ended; its last chunk. Returns the task's usage once every choice has ended. An engine that
+        parses tool calls itself (llama.cpp) hands them in `engine_calls`, and its own count of the choice's
+        tokens in `completion_tokens`."""
         output = self.choices[choice]
         if output.finished:
             return None
         output.finished = True
+        if completion_tokens:
+            output.tokens = completion_tokens
         self._prompt_tokens = max(self._prompt_tokens, prompt_tokens)
         if output.ending is not None:
             # A stop string or a closed document: the reason the output gave, whatever stopped the engine first
@@ -179,6 +218,8 @@ class TaskOutput:
             shown, calls = output.splitter.add(text)
             rest, more = output.splitter.finish()
             text, calls = shown + rest, calls + more
+        elif engine_calls:
+            calls = engine_calls
         if calls or output.called:
             reason = TaskOutcome.TOOL_CALLS if reason is TaskOutcome.STOP else reason
         usage = None

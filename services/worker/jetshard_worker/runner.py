@@ -53,6 +53,7 @@ from jetshard_schema.stats import RunnerStats
 from jetshard_schema.subjects import chunk_subject
 from jetshard_schema.types import (
     Chunk,
+    Engine,
     Parallelism,
     RunnerReport,
     RunnerStatus,
@@ -70,6 +71,11 @@ from nats.js import JetStreamContext
 from jetshard_worker.chat import render_chat, tool_spec
 from jetshard_worker.constrained import JsonConstraint, SchemaError, grammar_tokenizer
 from jetshard_worker.engine import GenerationRequest, PipelineEngine, TokenScores, init_ring, load_shard
+from jetshard_worker.engines.llamacpp import requests as llama_requests
+from jetshard_worker.engines.llamacpp.build import find_ready_build
+from jetshard_worker.engines.llamacpp.engine import LlamaCppEngine
+from jetshard_worker.engines.llamacpp.requests import Ending, Piece
+from jetshard_worker.engines.llamacpp.server import LlamaServer, ServerSettings
 from jetshard_worker.library_boundary import (
     hf_tokenizer_of,
     load_tokenizer,
@@ -91,6 +97,11 @@ from jetshard_worker.toolcalls import ToolCallSplitter, forced_call_schema
 log = logging.getLogger(__name__)
 
 PROGRESS_INTERVAL_S = 0.5
+GGUF_FILE = "model.gguf"
+"""Where a GGUF model's directory holds its weights (the downloader's contract)."""
+MMPROJ_FILE = "mmproj.gguf"
+"""And a vision model's image projector, beside it."""
+LLAMA_SERVER_LOAD_TIMEOUT_S = 600.0
 _HELD_AS = {WeightsDtype.FLOAT32: mx.float32, WeightsDtype.BFLOAT16: mx.bfloat16, WeightsDtype.FLOAT16: mx.float16}
 """The dtypes a shard converts its weights to; the others (NATIVE, and AUTO in placements made before it was
 resolved) keep the checkpoint's."""
@@ -144,7 +155,14 @@ class Runner:
             ),
         )
 
+    @property
+    def on_llama_cpp(self) -> bool:
+        return self.plan.serving.engine is Engine.LLAMA_CPP
+
     async def load(self) -> None:
+        if self.on_llama_cpp:
+            await self._start_llama_server()
+            return
         total = self.plan.end_layer - self.plan.start_layer
         last_report = 0.0
 
@@ -195,6 +213,39 @@ class Runner:
             self.context_length = int(shard.config.get("max_position_embeddings") or self.context_length)
             self.model_generation = _read_generation_config(model_dir)
 
+    async def _start_llama_server(self) -> None:
+        """Start the instance's llama-server on its GGUF and wait until it has loaded it. llama.cpp reports no
+        progress while it loads: the runner reports none loaded, then all."""
+        total = self.plan.end_layer - self.plan.start_layer
+        await self.report(RunnerStatus.LOADING, layers_loaded=0, layers_total=total)
+        build = find_ready_build()
+        if build is None:
+            raise RuntimeError("llama.cpp is not built on this node: run `jetshard engines build llama.cpp`")
+        model_dir = Path(self.plan.model_dir)
+        mmproj = model_dir / MMPROJ_FILE
+        settings = ServerSettings(
+            binary=build.llama_server,
+            # Resolved: llama.cpp finds a split model's other parts beside the first part's own name.
+            model=(model_dir / GGUF_FILE).resolve(),
+            slots=self.plan.serving.max_batch,
+            context_per_slot=self.spec.context_per_slot,
+            mmproj=mmproj if mmproj.is_file() else None,
+        )
+        if not settings.model.is_file():
+            raise RuntimeError(f"{settings.model} is missing: the model's GGUF file did not reach this node")
+        server = LlamaServer(settings)
+        await server.start(LLAMA_SERVER_LOAD_TIMEOUT_S)
+        self.engine = LlamaCppEngine(
+            server,
+            settings.slots,
+            on_started=self._llama_started,
+            on_piece=self._llama_piece,
+            on_finished=self._llama_finished,
+            on_failed=self._llama_failed,
+        )
+        self.context_length = settings.context_per_slot
+        self.model_generation = _read_generation_config(Path(self.plan.model_dir))
+
     async def _join_ring(self) -> mx.distributed.Group | None:
         """The ring of the instance's ranks, None for a single rank. Blocks until both ring neighbours are up; the
         worker kills us if that takes too long."""
@@ -208,13 +259,17 @@ class Runner:
 
     async def report_ready(self, counters: ServingCounters | None = None) -> None:
         total = self.plan.end_layer - self.plan.start_layer
+        if self.on_llama_cpp:
+            tensors, held_as = (), "GGUF (llama.cpp)"
+        else:
+            tensors, held_as = tuple(sorted(self.engine.shard.loaded_tensors)), self.engine.shard.weights_dtype
         await self.report(
             RunnerStatus.READY,
             layers_loaded=total,
             layers_total=total,
-            loaded_tensors=tuple(sorted(self.engine.shard.loaded_tensors)),
+            loaded_tensors=tensors,
             counters=counters,
-            weights_dtype=self.engine.shard.weights_dtype,
+            weights_dtype=held_as,
         )
 
     async def report_counters(self) -> None:
@@ -314,6 +369,9 @@ class Runner:
             await self._start_task(request)
 
     async def _start_task(self, request: TaskRequest) -> None:
+        if self.on_llama_cpp:
+            self._start_llama_task(request)
+            return
         try:
             prompts, images = await self._prompts(request)
         except Exception as error:  # a template that rejects the conversation, an unreadable image, for instance
@@ -357,6 +415,75 @@ class Runner:
         self._outputs[request.task_id] = output
         for row in rows:
             self.engine.submit(row)
+
+    def _start_llama_task(self, request: TaskRequest) -> None:
+        """A task as llama-server requests, one per choice: llama.cpp renders the chat with the model's own
+        template, tokenizes, samples (a JSON schema as its grammar) and parses tool calls and reasoning."""
+        if request.kind is TaskKind.EMBEDDING:
+            self._fail_task(
+                request.task_id,
+                "the llama.cpp engine serving this instance makes no embeddings of a chat model; "
+                'place the model on the mlx engine (`"engine": "mlx"`) for embeddings',
+                "unsupported_by_engine",
+            )
+            return
+        if self.engine.server.settings.mmproj is None and any(message.images for message in request.messages):
+            self._fail_task(
+                request.task_id,
+                "the llama.cpp engine serving this instance has no image projector for this model",
+                "unsupported_by_engine",
+            )
+            return
+        resolved = resolve_sampling(request.sampling, self.model_generation, self.spec.card_generation)
+        build = llama_requests.chat_request if request.kind is TaskKind.CHAT else llama_requests.completion_request
+        seed = request.sampling.seed
+        # A constrained document must not be cut by a stop string: it closes itself.
+        stop = () if request.output_schema is not None else request.sampling.stop
+        rows = [
+            build(
+                row_id(request.task_id, i),
+                request,
+                max_tokens=min(resolved.max_tokens, self.context_length),
+                temperature=resolved.temperature,
+                top_p=resolved.top_p,
+                # Each choice its own draw; a seeded request stays reproducible.
+                seed=None if seed is None else (seed + i) % 2**64,
+            )
+            for i in range(request.n)
+        ]
+        choices = [ChoiceOutput(detokenizer=None, stop=StopText(stop)) for _ in rows]
+        self._outputs[request.task_id] = TaskOutput(request.task_id, choices, *self._io)
+        for row in rows:
+            self.engine.submit(row)
+
+    def _llama_started(self, row: str) -> None:
+        task_id, choice = split_row_id(row)
+        if choice == 0:
+            # llama.cpp counts the prompt's tokens as it prefills them; they come with the task's usage.
+            self._started(task_id, 0)
+
+    def _llama_piece(self, row: str, piece: Piece) -> None:
+        task_id, choice = split_row_id(row)
+        if self._spans is not None:
+            self._spans.token(task_id)
+        output = self._outputs.get(task_id)
+        if output is None:
+            return
+        ending = output.text(choice, piece.reasoning, piece.text, piece.logprobs, piece.tokens, piece.reasoning_tokens)
+        if ending is not None:
+            self.engine.finish(row, ending)
+
+    def _llama_finished(self, row: str, ending: Ending, calls: list[Any]) -> None:
+        self._finish(row, ending.reason, ending.prompt_tokens, calls, ending.completion_tokens)
+
+    def _llama_failed(self, row: str, message: str, code: str) -> None:
+        task_id, _ = split_row_id(row)
+        output = self._outputs.pop(task_id, None)
+        if output is None:
+            return
+        for other in range(len(output.choices)):
+            self.engine.cancel(row_id(task_id, other))
+        self._fail_task(task_id, message, code)
 
     @property
     def _io(self) -> tuple[Any, Any, Any]:
@@ -559,7 +686,14 @@ class Runner:
         if output is not None and (ending := output.token(choice, token, scores)) is not None:
             self.engine.finish(row, ending)
 
-    def _finish(self, row: str, reason: TaskOutcome, prompt_tokens: int) -> None:
+    def _finish(
+        self,
+        row: str,
+        reason: TaskOutcome,
+        prompt_tokens: int,
+        engine_calls: list[Any] | None = None,
+        completion_tokens: int | None = None,
+    ) -> None:
         task_id, choice = split_row_id(row)
         output = self._outputs.get(task_id)
         if output is None:
@@ -571,7 +705,7 @@ class Runner:
             if reason is TaskOutcome.CANCELLED:
                 for other in range(len(output.choices)):
                     self.engine.cancel(row_id(task_id, other))
-            usage = output.finish(choice, reason, prompt_tokens)
+            usage = output.finish(choice, reason, prompt_tokens, engine_calls, completion_tokens)
         if usage is None:
             return
         del self._outputs[task_id]
@@ -684,13 +818,17 @@ async def run_runner(spec: RunnerSpec, stop: asyncio.Event) -> None:
         await runner.report(RunnerStatus.FAILED, reason=f"rank {spec.plan.rank} failed to start: {error}")
         await client.drain()
         sys.exit(1)
-    engine_thread = threading.Thread(target=runner.engine.run_forever, name="engine", daemon=True)
-    engine_thread.start()
+    if isinstance(runner.engine, LlamaCppEngine):
+        engine_runs: Coroutine[Any, Any, None] = _named("llama.cpp", runner.engine.serve())
+    else:
+        engine_thread = threading.Thread(target=runner.engine.run_forever, name="engine", daemon=True)
+        engine_thread.start()
+        engine_runs = asyncio.to_thread(engine_thread.join)
     follower = StateFollower(js) if runner.engine.is_leader else None
     try:
         async with asyncio.TaskGroup() as tasks:
             runner.tasks = tasks
-            await _serve(runner, follower, client, stop, engine_thread)
+            await _serve(runner, follower, client, stop, engine_runs)
             raise _Stopped
     except* _Stopped:
         pass
@@ -698,7 +836,9 @@ async def run_runner(spec: RunnerSpec, stop: asyncio.Event) -> None:
         _exit_failed(failed)
     finally:
         runner.tasks = None
-    if runner.engine.is_leader:
+    if isinstance(runner.engine, LlamaCppEngine):
+        await runner.engine.close()
+    elif runner.engine.is_leader:
         runner.engine.shutdown()
     with contextlib.suppress(Exception):
         await runner.report(RunnerStatus.STOPPED, reason="stopped")
@@ -708,7 +848,11 @@ async def run_runner(spec: RunnerSpec, stop: asyncio.Event) -> None:
 
 
 async def _serve(
-    runner: Runner, follower: StateFollower | None, client: Any, stop: asyncio.Event, engine_thread: threading.Thread
+    runner: Runner,
+    follower: StateFollower | None,
+    client: Any,
+    stop: asyncio.Event,
+    engine_runs: Coroutine[Any, Any, None],
 ) -> None:
     """Report ready and serve until asked to stop, the instance is over, or the engine ended; the leader's
     reader, publisher and reports run meanwhile in `runner.tasks`."""
@@ -730,10 +874,12 @@ async def _serve(
     waiters = [
         asyncio.create_task(stop.wait()),
         asyncio.create_task(runner.done.wait()),
-        asyncio.create_task(asyncio.to_thread(engine_thread.join)),
+        asyncio.create_task(engine_runs),
     ]
     try:
-        await asyncio.wait(waiters, return_when=asyncio.FIRST_COMPLETED)
+        done, _ = await asyncio.wait(waiters, return_when=asyncio.FIRST_COMPLETED)
+        for waiter in done:
+            waiter.result()  # the engine's end, when it failed (llama-server died), fails the runner with its reason
     finally:
         for waiter in waiters:
             waiter.cancel()

@@ -25,3 +25,10 @@ class RunnerSpec(msgspec.Struct, frozen=True, kw_only=True):
     the port: open until the ring's own listener binds the port too, so nothing else can take it meanwhile."""
     card_generation: GenerationDefaults = GenerationDefaults()
     """The model card's sampling defaults; the model directory's generation_config.json overrides them."""
+    context_per_slot: int = 4096
+    """On llama.cpp: the context each of the instance's slots holds (prompt and answer), as placement counted
+    its KV cache."""
+
+
+def llama_cpp_context_per_slot(card_context_length: int) -> int:
+    return min(card_context_length, 4096)

@@ -1,0 +1,1 @@
+"""llama.cpp as an engine: upstream `llama-server`, one per instance, supervised by the instance's runner."""

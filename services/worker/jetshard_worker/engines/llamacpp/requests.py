@@ -1,0 +1,260 @@
+"""Our tasks as llama-server requests, and its streamed answers as our pieces: pure translation, tested without
+a server.
+
+Chats go to `/v1/chat/completions`, so the model's own chat template (Jinja, in the GGUF), llama.cpp's tool-call
+parsers and its reasoning split serve them; completions go to `/completion` with the prompt as it is. Both stream
+(server-sent events), and `cache_prompt` keeps each slot's prompt for the next request that starts alike.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+from jetshard_schema.types import ChatMessage, TaskOutcome, TaskRequest, TokenLogprob, ToolChoice, TopLogprob
+
+from jetshard_worker.toolcalls import ToolCallParsed
+
+CHAT_PATH = "/v1/chat/completions"
+COMPLETION_PATH = "/completion"
+SEED_LIMIT = 2**32
+"""llama.cpp's samplers take a 32-bit seed; ours are 64-bit, folded into its range."""
+
+_FINISH = {"stop": TaskOutcome.STOP, "length": TaskOutcome.LENGTH, "tool_calls": TaskOutcome.STOP}
+_STOP_TYPES = {"eos": TaskOutcome.STOP, "word": TaskOutcome.STOP, "limit": TaskOutcome.LENGTH}
+
+
+@dataclass(frozen=True)
+class LlamaRequest:
+    """One choice of a task, as llama-server takes it."""
+
+    row_id: str
+    path: str
+    body: dict[str, Any]
+
+
+@dataclass(frozen=True)
+class Piece:
+    """What one streamed event adds to a choice."""
+
+    reasoning: str = ""
+    text: str = ""
+    logprobs: tuple[TokenLogprob, ...] = ()
+    tokens: int = 0
+    """Tokens the event stands for (one per event while streaming; a reasoning token counts too)."""
+    reasoning_tokens: int = 0
+
+
+@dataclass(frozen=True)
+class Ending:
+    """How a choice ended, from llama-server's last event."""
+
+    reason: TaskOutcome
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached_tokens: int = 0
+    """Prompt tokens served from the slot's cache, not prefilled."""
+
+
+@dataclass
+class StreamState:
+    """What a choice's stream has said so far that only its end uses: tool calls arrive in fragments."""
+
+    calls: dict[int, list[str]] = field(default_factory=dict)
+    """Per call index: its name, then its argument fragments."""
+
+    def parsed_calls(self) -> list[ToolCallParsed]:
+        return [ToolCallParsed(parts[0], "".join(parts[1:]) or "{}") for _, parts in sorted(self.calls.items())]
+
+
+def chat_request(
+    row_id: str,
+    request: TaskRequest,
+    *,
+    max_tokens: int,
+    temperature: float,
+    top_p: float,
+    seed: int | None,
+) -> LlamaRequest:
+    body: dict[str, Any] = {
+        "messages": [_message(m) for m in request.messages],
+        "stream": True,
+        "stream_options": {"include_usage": True},
+        "max_tokens": max_tokens,
+        "cache_prompt": True,
+        **_sampling(temperature, top_p, seed),
+    }
+    tools = request.tools
+    if tools is not None and tools.functions and tools.choice is not ToolChoice.NONE:
+        functions = tools.functions
+        if tools.choice is ToolChoice.FUNCTION:
+            functions = tuple(f for f in functions if f.name == tools.function)
+        body["tools"] = [
+            {"type": "function", "function": {"name": f.name, "description": f.description, "parameters": f.parameters}}
+            for f in functions
+        ]
+        body["tool_choice"] = "auto" if tools.choice is ToolChoice.AUTO else "required"
+        body["parallel_tool_calls"] = tools.parallel
+    if request.output_schema is not None:
+        body["json_schema"] = request.output_schema
+    if request.top_logprobs is not None:
+        body["logprobs"] = True
+        body["top_logprobs"] = request.top_logprobs
+    if request.chat_template_kwargs:
+        body["chat_template_kwargs"] = request.chat_template_kwargs
+    if request.thinking_budget is not None:
+        body["thinking_budget_tokens"] = request.thinking_budget
+    return LlamaRequest(row_id, CHAT_PATH, body)
+
+
+def completion_request(
+    row_id: str,
+    request: TaskRequest,
+    *,
+    max_tokens: int,
+    temperature: float,
+    top_p: float,
+    seed: int | None,
+) -> LlamaRequest:
+    body: dict[str, Any] = {
+        "prompt": request.prompt,
+        "stream": True,
+        "n_predict": max_tokens,
+        "cache_prompt": True,
+        **_sampling(temperature, top_p, seed),
+    }
+    if request.output_schema is not None:
+        body["json_schema"] = request.output_schema
+    if request.top_logprobs is not None:
+        body["n_probs"] = request.top_logprobs
+        body["post_sampling_probs"] = False
+    return LlamaRequest(row_id, COMPLETION_PATH, body)
+
+
+def _sampling(temperature: float, top_p: float, seed: int | None) -> dict[str, Any]:
+    # Greedy at temperature 0, as our MLX engine samples; llama.cpp's default samplers (top_k 40, min_p 0.05)
+    # would otherwise apply on top of what the request asked for.
+    values: dict[str, Any] = {"temperature": temperature, "top_p": top_p, "top_k": 0, "min_p": 0.0}
+    if seed is not None:
+        values["seed"] = seed % SEED_LIMIT
+    return values
+
+
+def _message(message: ChatMessage) -> dict[str, Any]:
+    out: dict[str, Any] = {"role": message.role}
+    if message.images:
+        parts: list[dict[str, Any]] = [
+            {"type": "image_url", "image_url": {"url": _data_url(image)}} for image in message.images
+        ]
+        out["content"] = [*parts, {"type": "text", "text": message.content}]
+    else:
+        out["content"] = message.content
+    if message.tool_calls:
+        out["tool_calls"] = [
+            {"id": call.id, "type": "function", "function": {"name": call.name, "arguments": call.arguments}}
+            for call in message.tool_calls
+        ]
+    if message.tool_call_id is not None:
+        out["tool_call_id"] = message.tool_call_id
+    if message.name is not None:
+        out["name"] = message.name
+    return out
+
+
+_IMAGE_TYPES = {b"\x89PNG": "image/png", b"\xff\xd8\xff": "image/jpeg", b"GIF8": "image/gif", b"RIFF": "image/webp"}
+
+
+def _data_url(image: bytes) -> str:
+    """The image as a data URL with its type (the API has checked it is one of these)."""
+    kind = next((name for magic, name in _IMAGE_TYPES.items() if image.startswith(magic)), "image/png")
+    return f"data:{kind};base64," + base64.b64encode(image).decode("ascii")
+
+
+def parse_event(path: str, data: str, state: StreamState) -> tuple[Piece | None, Ending | None]:
+    """One server-sent event's data: what it adds to the choice, and how the choice ended if this is its end.
+    Raises `ServerError` for an error event."""
+    if data == "[DONE]":
+        return None, None
+    event = json.loads(data)
+    if "error" in event:
+        raise ServerError.of(event)
+    if path == CHAT_PATH:
+        return _chat_event(event, state)
+    return _completion_event(event)
+
+
+def _chat_event(event: dict[str, Any], state: StreamState) -> tuple[Piece | None, Ending | None]:
+    piece = ending = None
+    for choice in event.get("choices") or ():
+        delta = choice.get("delta") or {}
+        reasoning = delta.get("reasoning_content") or ""
+        text = delta.get("content") or ""
+        for call in delta.get("tool_calls") or ():
+            parts = state.calls.setdefault(int(call.get("index", 0)), [""])
+            function = call.get("function") or {}
+            parts[0] += function.get("name") or ""
+            if function.get("arguments"):
+                parts.append(function["arguments"])
+        logprobs = tuple(_token_logprob(entry) for entry in ((choice.get("logprobs") or {}).get("content") or ()))
+        if reasoning or text or logprobs or delta.get("tool_calls"):
+            counted = max(1, len(logprobs))
+            piece = Piece(reasoning, text, logprobs, counted, counted if reasoning and not text else 0)
+        if choice.get("finish_reason"):
+            ending = Ending(_FINISH.get(choice["finish_reason"], TaskOutcome.STOP))
+    usage = event.get("usage")
+    if usage:
+        timings = event.get("timings") or {}
+        ending = Ending(
+            ending.reason if ending is not None else TaskOutcome.STOP,
+            int(usage.get("prompt_tokens", 0)),
+            int(usage.get("completion_tokens", 0)),
+            int(timings.get("cache_n", 0)),
+        )
+    return piece, ending
+
+
+def _completion_event(event: dict[str, Any]) -> tuple[Piece | None, Ending | None]:
+    probabilities = event.get("completion_probabilities") or ()
+    logprobs = tuple(_token_logprob(entry) for entry in probabilities)
+    text = event.get("content") or ""
+    piece = Piece("", text, logprobs, max(1, len(logprobs))) if text or logprobs else None
+    if not event.get("stop"):
+        return piece, None
+    timings = event.get("timings") or {}
+    ending = Ending(
+        _STOP_TYPES.get(event.get("stop_type", "eos"), TaskOutcome.STOP),
+        int(event.get("tokens_evaluated", 0)),
+        int(event.get("tokens_predicted", 0)),
+        int(timings.get("cache_n", 0)),
+    )
+    return piece, ending
+
+
+def _token_logprob(entry: dict[str, Any]) -> TokenLogprob:
+    top = tuple(
+        TopLogprob(token=str(t.get("token", "")), logprob=float(t["logprob"])) for t in entry.get("top_logprobs") or ()
+    )
+    return TokenLogprob(token=str(entry.get("token", "")), logprob=float(entry.get("logprob", 0.0)), top=top)
+
+
+class ServerError(Exception):
+    """llama-server refused or failed a request; `code` is ours for the task's error."""
+
+    def __init__(self, message: str, code: str) -> None:
+        super().__init__(message)
+        self.code = code
+
+    @classmethod
+    def of(cls, body: dict[str, Any]) -> ServerError:
+        error = body.get("error") or {}
+        if not isinstance(error, dict):
+            return cls(str(error), "engine_error")
+        message = str(error.get("message") or error)
+        kind = str(error.get("type") or "")
+        if "context" in kind or ("context" in message and "exceed" in message):
+            return cls(f"llama.cpp: {message}", "context_length_exceeded")
+        if kind == "invalid_request_error" or error.get("code") == 400:
+            return cls(f"llama.cpp: {message}", "invalid_request")
+        return cls(f"llama.cpp: {message}", "engine_error")

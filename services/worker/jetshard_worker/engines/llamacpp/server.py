@@ -1,0 +1,145 @@
+"""One upstream `llama-server` for one instance: on loopback, behind a key only its runner knows, dying with its
+runner. The runner streams from it; llama.cpp batches, samples, follows grammars and caches prompts."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import secrets
+import shutil
+import signal
+import socket
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+
+HEALTH_POLL_S = 0.1
+STOP_GRACE_S = 5.0
+
+
+class ServerDied(RuntimeError):
+    """llama-server exited; the message says how and quotes the end of its output."""
+
+
+@dataclass(frozen=True)
+class ServerSettings:
+    """How the runner starts llama-server for its instance."""
+
+    binary: Path
+    model: Path
+    slots: int
+    """Tasks decoding together (`serving.max_batch`): llama.cpp's parallel slots."""
+    context_per_slot: int
+    threads: int | None = None
+    """None: llama.cpp's own choice (the machine's physical cores)."""
+    mmproj: Path | None = None
+
+    def arguments(self, port: int) -> list[str]:
+        arguments = [
+            str(self.binary),
+            "--model",
+            str(self.model),
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--parallel",
+            str(self.slots),
+            "--ctx-size",
+            str(self.context_per_slot * self.slots),
+            "--jinja",
+            "--no-webui",
+            "--metrics",
+            "--log-disable" if os.environ.get("JETSHARD_LLAMA_CPP_QUIET") else "--log-prefix",
+        ]
+        if self.threads is not None:
+            arguments += ["--threads", str(self.threads)]
+        if self.mmproj is not None:
+            arguments += ["--mmproj", str(self.mmproj)]
+        return arguments
+
+
+class LlamaServer:
+    """A running llama-server: `start`, stream from `url` with `headers`, `stop`."""
+
+    def __init__(self, settings: ServerSettings) -> None:
+        self.settings = settings
+        self._key = secrets.token_urlsafe(32)
+        self.port = 0
+        self._process: asyncio.subprocess.Process | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def headers(self) -> dict[str, str]:
+        return {"Authorization": f"Bearer {self._key}"}
+
+    async def start(self, timeout_s: float) -> None:
+        """Start it and wait until it has loaded the model (`/health` answers 200; 503 while loading)."""
+        self.port = _free_port()
+        command = self.settings.arguments(self.port)
+        # The kernel kills it when the runner dies, however the runner dies: a llama-server of a dead runner would
+        # hold the model's memory with no one to serve. setpriv execs it, so nothing runs between fork and exec.
+        setpriv = shutil.which("setpriv")
+        if sys.platform == "linux" and setpriv is not None:
+            command = [setpriv, "--pdeathsig", "KILL", "--", *command]
+        # The key goes in the environment, never on a command line that `ps` shows to every user.
+        environment = {**os.environ, "LLAMA_API_KEY": self._key}
+        self._process = await asyncio.create_subprocess_exec(
+            *command, env=environment, stdin=asyncio.subprocess.DEVNULL
+        )
+        deadline = time.monotonic() + timeout_s
+        async with httpx.AsyncClient(timeout=2.0) as client:
+            while True:
+                if self._process.returncode is not None:
+                    how = describe_exit(self._process.returncode)
+                    raise ServerDied(f"llama-server exited while loading the model: {how}")
+                with contextlib.suppress(httpx.HTTPError):
+                    response = await client.get(f"{self.url}/health", headers=self.headers)
+                    if response.status_code == 200:
+                        return
+                if time.monotonic() > deadline:
+                    await self.stop()
+                    raise ServerDied(f"llama-server did not load the model within {timeout_s:.0f} s")
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._process.wait(), HEALTH_POLL_S)
+
+    async def wait(self) -> int:
+        assert self._process is not None
+        return await self._process.wait()
+
+    async def stop(self) -> None:
+        process = self._process
+        if process is None or process.returncode is not None:
+            return
+        with contextlib.suppress(ProcessLookupError):
+            process.terminate()
+        try:
+            await asyncio.wait_for(process.wait(), STOP_GRACE_S)
+        except TimeoutError:
+            with contextlib.suppress(ProcessLookupError):
+                process.kill()
+            await process.wait()
+
+
+def describe_exit(returncode: int) -> str:
+    if returncode < 0:
+        try:
+            return f"killed by {signal.Signals(-returncode).name}"
+        except ValueError:
+            return f"killed by signal {-returncode}"
+    return f"exit status {returncode}"
+
+
+def _free_port() -> int:
+    # llama-server binds the port itself; the window in which another process could take it is the few
+    # milliseconds before it starts, and a port taken meanwhile fails the start, which the instance retries.
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])

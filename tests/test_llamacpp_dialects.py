@@ -1,0 +1,206 @@
+"""The demo GGUF served by llama.cpp, through the official clients of every dialect: the same answers, streams,
+usage, stop strings, seeds, logprobs, `n`, structured output and tool calls as on MLX, cancel within a token,
+refusals that name the engine, and an instance that heals when its llama-server is killed."""
+
+from __future__ import annotations
+
+import json
+import signal
+import time
+
+import anthropic
+import httpx
+import jsonschema
+import ollama
+import openai
+import psutil
+import pytest
+from helpers.harness import wait_for
+from helpers.llamacpp_cluster import LlamaCppCluster
+
+pytestmark = pytest.mark.timeout(300)
+
+QUESTION = "What is the capital of France? Answer in one sentence."
+ASK = [{"role": "user", "content": QUESTION}]
+STORY = [{"role": "user", "content": "Write a very long story about a dragon and a knight."}]
+
+
+@pytest.fixture(scope="module")
+def client(llamacpp_cluster: LlamaCppCluster) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{llamacpp_cluster.api}/v1", api_key="unused", timeout=120, max_retries=0)
+
+
+def test_the_demo_answers_on_llama_cpp_and_says_so(client: openai.OpenAI, llamacpp_cluster: LlamaCppCluster) -> None:
+    reply = client.chat.completions.create(model=llamacpp_cluster.model, messages=ASK, max_tokens=24, temperature=0)
+    assert "Paris" in (reply.choices[0].message.content or "")
+    assert reply.usage is not None and reply.usage.prompt_tokens > 0 and 0 < reply.usage.completion_tokens <= 24
+    instance = llamacpp_cluster.cluster.get(f"/instances/{llamacpp_cluster.instance_id}")
+    assert instance["engine"] == "llama.cpp", instance
+    listed = {m.id: m for m in client.models.list().data}
+    assert listed[llamacpp_cluster.model].model_extra["engine"] == "llama.cpp"  # type: ignore[index]
+
+
+def test_a_stream_carries_the_same_text_and_its_usage(client: openai.OpenAI, llamacpp_cluster: LlamaCppCluster) -> None:
+    whole = client.chat.completions.create(model=llamacpp_cluster.model, messages=ASK, max_tokens=24, temperature=0)
+    stream = client.chat.completions.create(
+        model=llamacpp_cluster.model,
+        messages=ASK,
+        max_tokens=24,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
+    chunks = list(stream)
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == whole.choices[0].message.content
+    assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == whole.usage.completion_tokens  # type: ignore[union-attr]
+
+
+def test_a_stop_string_cuts_the_answer(client: openai.OpenAI, llamacpp_cluster: LlamaCppCluster) -> None:
+    reply = client.chat.completions.create(
+        model=llamacpp_cluster.model, messages=ASK, max_tokens=24, temperature=0, stop=["Paris"]
+    )
+    content = reply.choices[0].message.content or ""
+    assert "Paris" not in content and content.startswith("The capital")
+    assert reply.choices[0].finish_reason == "stop"
+
+
+def test_seeds_reproduce_and_n_choices_draw_apart(client: openai.OpenAI, llamacpp_cluster: LlamaCppCluster) -> None:
+    def draw(seed: int) -> list[str]:
+        reply = client.chat.completions.create(
+            model=llamacpp_cluster.model, messages=STORY, max_tokens=12, temperature=1.5, seed=seed, n=2
+        )
+        return [choice.message.content or "" for choice in sorted(reply.choices, key=lambda c: c.index)]
+
+    first = draw(7)
+    assert len(first) == 2 and draw(7) == first
+    assert first[0] != first[1]  # each choice its own draw
+
+
+def test_logprobs_come_with_their_alternatives(client: openai.OpenAI, llamacpp_cluster: LlamaCppCluster) -> None:
+    reply = client.chat.completions.create(
+        model=llamacpp_cluster.model, messages=ASK, max_tokens=6, temperature=0, logprobs=True, top_logprobs=3
+    )
+    content = reply.choices[0].logprobs.content  # type: ignore[union-attr]
+    assert content and len(content) == reply.usage.completion_tokens  # type: ignore[union-attr]
+    for entry in content:
+        assert entry.logprob <= 0 and len(entry.top_logprobs) == 3
+        assert entry.top_logprobs[0].logprob >= entry.logprob - 1e-6  # greedy: the chosen token is the likeliest
+
+
+def test_structured_output_follows_the_schema(client: openai.OpenAI, llamacpp_cluster: LlamaCppCluster) -> None:
+    schema = {
+        "type": "object",
+        "properties": {"city": {"type": "string", "maxLength": 20}, "population": {"type": "integer"}},
+        "required": ["city", "population"],
+        "additionalProperties": False,
+    }
+    reply = client.chat.completions.create(
+        model=llamacpp_cluster.model,
+        messages=[{"role": "user", "content": "Give the capital of France and its population as JSON."}],
+        max_tokens=60,
+        temperature=0,
+        response_format={"type": "json_schema", "json_schema": {"name": "city", "schema": schema}},
+    )
+    jsonschema.validate(json.loads(reply.choices[0].message.content or ""), schema)
+
+
+def test_a_required_tool_call_comes_as_a_call(client: openai.OpenAI, llamacpp_cluster: LlamaCppCluster) -> None:
+    weather = {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "description": "The weather in a city",
+            "parameters": {
+                "type": "object",
+                "properties": {"city": {"type": "string", "maxLength": 12}},
+                "required": ["city"],
+            },
+        },
+    }
+    reply = client.chat.completions.create(
+        model=llamacpp_cluster.model,
+        messages=[{"role": "user", "content": "What is the weather in Paris?"}],
+        tools=[weather],  # type: ignore[list-item]
+        tool_choice="required",
+        max_tokens=60,
+        temperature=0,
+    )
+    choice = reply.choices[0]
+    assert choice.finish_reason == "tool_calls", choice
+    (call,) = choice.message.tool_calls or []
+    assert call.function.name == "get_weather"  # type: ignore[union-attr]
+    assert isinstance(json.loads(call.function.arguments)["city"], str)  # type: ignore[union-attr]
+
+
+def test_completions_anthropic_ollama_and_responses_answer_too(llamacpp_cluster: LlamaCppCluster) -> None:
+    api, model = llamacpp_cluster.api, llamacpp_cluster.model
+    completion = openai.OpenAI(base_url=f"{api}/v1", api_key="unused", max_retries=0).completions.create(
+        model=model, prompt="The capital of France is", max_tokens=4, temperature=0
+    )
+    assert completion.choices[0].text and completion.usage.completion_tokens == 4  # type: ignore[union-attr]
+    message = anthropic.Anthropic(base_url=api, api_key="unused", max_retries=0).messages.create(
+        model=model,
+        max_tokens=24,
+        messages=ASK,  # type: ignore[arg-type]
+    )
+    assert "Paris" in message.content[0].text  # type: ignore[union-attr]
+    chat = ollama.Client(host=api).chat(model=model, messages=ASK, options={"temperature": 0, "num_predict": 24})
+    assert "Paris" in chat.message.content
+    response = openai.OpenAI(base_url=f"{api}/v1", api_key="unused", max_retries=0).responses.create(
+        model=model, input=QUESTION, max_output_tokens=24, temperature=0
+    )
+    assert "Paris" in response.output_text
+
+
+def test_what_llama_cpp_cannot_do_is_refused_naming_it(llamacpp_cluster: LlamaCppCluster) -> None:
+    response = httpx.post(
+        f"{llamacpp_cluster.api}/v1/embeddings", json={"model": llamacpp_cluster.model, "input": "hello"}, timeout=60
+    )
+    assert response.status_code == 400, response.text
+    assert "llama.cpp" in response.json()["error"]["message"]
+
+
+def test_a_disconnected_stream_stops_within_a_token(llamacpp_cluster: LlamaCppCluster) -> None:
+    body = {"model": llamacpp_cluster.model, "messages": STORY, "max_tokens": 400, "temperature": 0, "stream": True}
+    with httpx.stream("POST", f"{llamacpp_cluster.api}/v1/chat/completions", json=body, timeout=60) as response:
+        for line in response.iter_lines():
+            if line.startswith("data: {"):
+                break  # one token came: hang up
+    before = _tokens_served(llamacpp_cluster)
+
+    def stopped() -> bool:
+        state = llamacpp_cluster.cluster.get("/state")
+        return not state["tasks"]
+
+    assert wait_for(stopped, timeout=10), llamacpp_cluster.cluster.get("/state")["tasks"]
+    time.sleep(1.5)  # three stats intervals: a slot still generating would count on
+    assert _tokens_served(llamacpp_cluster) - before < 20
+
+
+def _tokens_served(llamacpp_cluster: LlamaCppCluster) -> int:
+    metrics = httpx.get(f"{llamacpp_cluster.api}/metrics", timeout=10).text
+    lines = [line for line in metrics.splitlines() if line.startswith("jetshard_instance_tokens_total")]
+    return int(sum(float(line.rsplit(" ", 1)[1]) for line in lines))
+
+
+def test_a_killed_llama_server_fails_its_stream_clearly_and_the_instance_heals(
+    llamacpp_cluster: LlamaCppCluster,
+) -> None:
+    cluster = llamacpp_cluster.cluster
+    (runner,) = cluster.runners_of(llamacpp_cluster.instance_id)
+    (server,) = [p for p in runner.children(recursive=True) if "llama-server" in " ".join(p.cmdline())]
+    body = {"model": llamacpp_cluster.model, "messages": STORY, "max_tokens": 400, "temperature": 0, "stream": True}
+    errors = []
+    with httpx.stream("POST", f"{llamacpp_cluster.api}/v1/chat/completions", json=body, timeout=120) as response:
+        for line in response.iter_lines():
+            if line.startswith("data: {") and server.is_running():
+                server.send_signal(signal.SIGKILL)
+            if '"error"' in line:
+                errors.append(json.loads(line.removeprefix("data: "))["error"])
+    assert errors and "llama" in errors[0]["message"], errors
+    with pytest.raises(psutil.NoSuchProcess):
+        psutil.Process(server.pid).status()
+    reply = openai.OpenAI(base_url=f"{llamacpp_cluster.api}/v1", api_key="unused", max_retries=0, timeout=240)
+    answer = reply.chat.completions.create(model=llamacpp_cluster.model, messages=ASK, max_tokens=24, temperature=0)
+    assert "Paris" in (answer.choices[0].message.content or "")

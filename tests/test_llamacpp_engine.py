@@ -1,0 +1,194 @@
+"""The llama.cpp engine below the runner: our tasks as llama-server requests and its events as our pieces (pure),
+then the engine against a real llama-server on the demo GGUF: streaming, cancel within a token, a killed server."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+
+import pytest
+from jetshard_downloader.convert import packaged_gguf_path
+from jetshard_schema.catalogue import DEMO_MODEL_ID, builtin_cards
+from jetshard_schema.types import (
+    ChatMessage,
+    SamplingParams,
+    TaskKind,
+    TaskOutcome,
+    TaskRequest,
+    Tool,
+    ToolChoice,
+    Tools,
+)
+from jetshard_worker.engines.llamacpp import requests as llama
+from jetshard_worker.engines.llamacpp.build import find_ready_build
+from jetshard_worker.engines.llamacpp.engine import LlamaCppEngine
+from jetshard_worker.engines.llamacpp.server import LlamaServer, ServerDied, ServerSettings
+
+DEMO_GGUF, _ = packaged_gguf_path(builtin_cards()[DEMO_MODEL_ID])
+
+
+QUESTION = "What is the capital of France? Answer in one sentence."
+
+
+def _chat(question: str = QUESTION, **fields: object) -> TaskRequest:
+    return TaskRequest(
+        task_id="t1",
+        model_id="jetshard/SmolLM2-135M-Instruct-Q4",
+        kind=TaskKind.CHAT,
+        messages=(ChatMessage(role="user", content=question),),
+        **fields,  # type: ignore[arg-type]
+    )
+
+
+def test_a_chat_becomes_one_streamed_request_with_the_models_own_template_and_our_sampling() -> None:
+    tools = Tools(
+        functions=(Tool(name="weather", parameters={"type": "object"}),), choice=ToolChoice.FUNCTION, function="weather"
+    )
+    request = _chat(tools=tools, top_logprobs=3, thinking_budget=64, chat_template_kwargs={"enable_thinking": True})
+    row = llama.chat_request("t1#0", request, max_tokens=16, temperature=0.0, top_p=1.0, seed=2**64 - 1)
+    assert row.path == llama.CHAT_PATH
+    body = row.body
+    assert body["messages"] == [{"role": "user", "content": QUESTION}]
+    assert body["stream"] and body["cache_prompt"] and body["max_tokens"] == 16
+    assert body["seed"] == (2**64 - 1) % 2**32  # llama.cpp's seeds are 32-bit
+    assert (body["top_k"], body["min_p"]) == (0, 0.0)  # no sampler the request did not ask for
+    assert body["tool_choice"] == "required" and [t["function"]["name"] for t in body["tools"]] == ["weather"]
+    assert body["logprobs"] is True and body["top_logprobs"] == 3
+    assert body["thinking_budget_tokens"] == 64 and body["chat_template_kwargs"] == {"enable_thinking": True}
+
+
+def test_streamed_events_become_pieces_tool_calls_and_an_ending() -> None:
+    state = llama.StreamState()
+    events = [
+        {"choices": [{"delta": {"reasoning_content": "Let me think"}, "finish_reason": None}]},
+        {"choices": [{"delta": {"content": "Paris"}, "finish_reason": None}]},
+        {"choices": [{"delta": {"tool_calls": [{"index": 0, "function": {"name": "weather", "arguments": '{"ci'}}]}}]},
+        {"choices": [{"delta": {"tool_calls": [{"index": 0, "function": {"arguments": 'ty": "Paris"}'}}]}}]},
+        {"choices": [{"delta": {}, "finish_reason": "tool_calls"}]},
+        {"choices": [], "usage": {"prompt_tokens": 12, "completion_tokens": 5}, "timings": {"cache_n": 8}},
+    ]
+    pieces, ending = [], None
+    for event in events:
+        piece, end = llama.parse_event(llama.CHAT_PATH, json.dumps(event), state)
+        pieces += [piece] if piece else []
+        ending = end or ending
+    assert [(p.reasoning, p.text) for p in pieces[:2]] == [("Let me think", ""), ("", "Paris")]
+    assert pieces[0].reasoning_tokens == 1 and pieces[1].reasoning_tokens == 0
+    assert [tuple(call) for call in state.parsed_calls()] == [("weather", '{"city": "Paris"}')]
+    assert ending == llama.Ending(TaskOutcome.STOP, prompt_tokens=12, completion_tokens=5, cached_tokens=8)
+    assert llama.parse_event(llama.CHAT_PATH, "[DONE]", state) == (None, None)
+
+
+def test_llama_server_errors_keep_their_meaning() -> None:
+    too_long = {
+        "error": {
+            "code": 400,
+            "message": "the request exceeds the available context size",
+            "type": "exceed_context_size_error",
+        }
+    }
+    with pytest.raises(llama.ServerError) as raised:
+        llama.parse_event(llama.CHAT_PATH, json.dumps(too_long), llama.StreamState())
+    assert raised.value.code == "context_length_exceeded" and "context size" in str(raised.value)
+
+
+def test_a_completion_ends_at_its_limit_with_its_token_counts() -> None:
+    request = TaskRequest(
+        task_id="t2", model_id="a/b", kind=TaskKind.COMPLETION, prompt="Once", sampling=SamplingParams()
+    )
+    row = llama.completion_request("t2#0", request, max_tokens=4, temperature=0.7, top_p=0.9, seed=None)
+    assert row.path == llama.COMPLETION_PATH and row.body["prompt"] == "Once" and row.body["n_predict"] == 4
+    assert "seed" not in row.body
+    last = {"content": "", "stop": True, "stop_type": "limit", "tokens_evaluated": 2, "tokens_predicted": 4}
+    assert llama.parse_event(llama.COMPLETION_PATH, json.dumps(last), llama.StreamState())[1] == llama.Ending(
+        TaskOutcome.LENGTH, 2, 4
+    )
+
+
+@pytest.fixture
+async def demo_server() -> LlamaServer:
+    build = find_ready_build()
+    assert build is not None, "no llama.cpp build: `bash tests/run` builds it before the suite"
+    server = LlamaServer(ServerSettings(binary=build.llama_server, model=DEMO_GGUF, slots=2, context_per_slot=512))
+    await asyncio.wait_for(server.start(timeout_s=120), 150)
+    yield server
+    await server.stop()
+
+
+class _Rows:
+    """What the engine hands the runner, per row."""
+
+    def __init__(self) -> None:
+        self.text: dict[str, str] = {}
+        self.endings: dict[str, llama.Ending] = {}
+        self.failures: dict[str, tuple[str, str]] = {}
+        self.first_piece = asyncio.Event()
+        self.finished = asyncio.Event()
+
+    def engine(self, server: LlamaServer) -> LlamaCppEngine:
+        return LlamaCppEngine(
+            server,
+            2,
+            on_started=lambda row: None,
+            on_piece=self._piece,
+            on_finished=self._finished,
+            on_failed=lambda row, message, code: (self.failures.__setitem__(row, (message, code)), self.finished.set()),
+        )
+
+    def _piece(self, row: str, piece: llama.Piece) -> None:
+        self.text[row] = self.text.get(row, "") + piece.text
+        self.first_piece.set()
+
+    def _finished(self, row: str, ending: llama.Ending, calls: object) -> None:
+        self.endings[row] = ending
+        self.finished.set()
+
+
+async def test_the_engine_streams_a_greedy_answer_and_counts_it(demo_server: LlamaServer) -> None:
+    rows = _Rows()
+    engine = rows.engine(demo_server)
+    engine.submit(llama.chat_request("t1#0", _chat(), max_tokens=16, temperature=0.0, top_p=1.0, seed=None))
+    await asyncio.wait_for(rows.finished.wait(), 60)
+    assert "Paris" in rows.text["t1#0"], rows.text
+    ending = rows.endings["t1#0"]
+    assert ending.prompt_tokens > 0 and 0 < ending.completion_tokens <= 16
+    assert engine.stats.tokens >= ending.completion_tokens - 1 and engine.stats.running_rows == 0
+    await engine.close()
+
+
+async def test_a_cancelled_row_ends_at_once_and_frees_its_slot(demo_server: LlamaServer) -> None:
+    rows = _Rows()
+    engine = rows.engine(demo_server)
+    long = _chat("Write a very long story about a dragon.")
+    engine.submit(llama.chat_request("t1#0", long, max_tokens=400, temperature=0.0, top_p=1.0, seed=None))
+    await asyncio.wait_for(rows.first_piece.wait(), 60)
+    engine.cancel("t1#0")
+    await asyncio.wait_for(rows.finished.wait(), 5)
+    assert rows.endings["t1#0"].reason is TaskOutcome.CANCELLED
+    slots = await engine._client.get("/slots")  # llama-server's own view: the slot stopped
+    for _ in range(50):
+        if not any(slot["is_processing"] for slot in slots.json()):
+            break
+        await asyncio.sleep(0.1)
+        slots = await engine._client.get("/slots")
+    assert not any(slot["is_processing"] for slot in slots.json())
+    await engine.close()
+
+
+async def test_a_killed_llama_server_fails_the_rows_and_ends_the_engine(demo_server: LlamaServer) -> None:
+    rows = _Rows()
+    engine = rows.engine(demo_server)
+    long = _chat("Write a very long story about a dragon.")
+    engine.submit(llama.chat_request("t1#0", long, max_tokens=400, temperature=0.0, top_p=1.0, seed=None))
+    serving = asyncio.create_task(engine.serve())
+    await asyncio.wait_for(rows.first_piece.wait(), 60)
+    assert demo_server._process is not None
+    os.kill(demo_server._process.pid, signal.SIGKILL)
+    with pytest.raises(ServerDied, match="SIGKILL"):
+        await asyncio.wait_for(serving, 10)
+    await asyncio.wait_for(rows.finished.wait(), 10)
+    message, code = rows.failures["t1#0"]
+    assert code == "engine_error" and "llama.cpp stopped answering" in message
+    await engine.close()
