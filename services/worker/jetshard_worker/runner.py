@@ -229,6 +229,7 @@ class Runner:
             model=(model_dir / GGUF_FILE).resolve(),
             slots=self.plan.serving.max_batch,
             context_per_slot=self.spec.context_per_slot,
+            prompt_cache_bytes=self.plan.serving.prefix_cache_bytes,
             mmproj=mmproj if mmproj.is_file() else None,
         )
         if not settings.model.is_file():

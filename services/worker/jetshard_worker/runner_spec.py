@@ -27,8 +27,4 @@ class RunnerSpec(msgspec.Struct, frozen=True, kw_only=True):
     """The model card's sampling defaults; the model directory's generation_config.json overrides them."""
     context_per_slot: int = 4096
     """On llama.cpp: the context each of the instance's slots holds (prompt and answer), as placement counted
-    its KV cache."""
-
-
-def llama_cpp_context_per_slot(card_context_length: int) -> int:
-    return min(card_context_length, 4096)
+    its KV cache (`jetshard_schema.placement.llama_cpp_slot_context`)."""

@@ -26,6 +26,7 @@ from jetshard_schema.cards import GenerationDefaults
 from jetshard_schema.commands import ReportRunnerEndpoint, ReportRunnerStatus
 from jetshard_schema.ids import CommandId, InstanceId, NodeId, ValidInstanceId, new_command_id
 from jetshard_schema.models import find_card
+from jetshard_schema.placement import LLAMA_CPP_SLOT_CONTEXT, llama_cpp_slot_context
 from jetshard_schema.state import State
 from jetshard_schema.types import Endpoint, RunnerReport, RunnerStatus
 from nats.js import JetStreamContext
@@ -35,7 +36,7 @@ from jetshard_worker.cuda import cuda_runner_environment
 from jetshard_worker.planning import RunnerKey, RunnerPlan, plan, runners_on_machine
 from jetshard_worker.publishing import NATS_ERRORS
 from jetshard_worker.ring_hostfile import write_hostfile
-from jetshard_worker.runner_spec import RunnerSpec, llama_cpp_context_per_slot
+from jetshard_worker.runner_spec import RunnerSpec
 from jetshard_worker.scratch import make_scratch_dir
 
 log = logging.getLogger(__name__)
@@ -184,7 +185,7 @@ class RunnerSupervisor:
             hostfile=hostfile,
             ring_socket_fd=ring_fd,
             card_generation=card.generation if card is not None else GenerationDefaults(),
-            context_per_slot=llama_cpp_context_per_slot(card.context_length) if card is not None else 4096,
+            context_per_slot=llama_cpp_slot_context(card) if card is not None else LLAMA_CPP_SLOT_CONTEXT,
         )
         log_path = self._scratch_file(key, f"-rank{runner_plan.rank}.log")
         # On mlx's CUDA build the runner computes on the GPU; on its CPU build, with the fastest BLAS that works.

@@ -34,6 +34,9 @@ class ServerSettings:
     slots: int
     """Tasks decoding together (`serving.max_batch`): llama.cpp's parallel slots."""
     context_per_slot: int
+    prompt_cache_bytes: int = 0
+    """Prompts llama.cpp keeps beyond its slots for later requests that start alike (`serving.prefix_cache_bytes`,
+    as placement counts it); 0 keeps none."""
     threads: int | None = None
     """None: llama.cpp's own choice (the machine's physical cores)."""
     mmproj: Path | None = None
@@ -51,10 +54,11 @@ class ServerSettings:
             str(self.slots),
             "--ctx-size",
             str(self.context_per_slot * self.slots),
+            "--cache-ram",
+            str(self.prompt_cache_bytes // 2**20),
             "--jinja",
             "--no-webui",
             "--metrics",
-            "--log-disable" if os.environ.get("JETSHARD_LLAMA_CPP_QUIET") else "--log-prefix",
         ]
         if self.threads is not None:
             arguments += ["--threads", str(self.threads)]
