@@ -181,7 +181,7 @@ def figures(runs: Sequence[Sequence[Stream]]) -> Figures:
     )
 
 
-README_QUESTION: Messages = [{"role": "user", "content": "What is the capital of France?"}]
+README_QUESTION: Messages = [{"role": "user", "content": "What is the capital of France? Answer in one sentence."}]
 """The README's request (16 tokens, greedy): what a new user sends first."""
 
 

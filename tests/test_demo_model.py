@@ -165,7 +165,7 @@ def test_jetshard_up_serves_the_demo_model_offline_stops_in_order_and_restarts_r
             model=DEMO_MODEL_ID,
             temperature=0,
             max_tokens=16,
-            messages=[{"role": "user", "content": "What is the capital of France?"}],
+            messages=[{"role": "user", "content": "What is the capital of France? Answer in one sentence."}],
         )
         assert "Paris" in (reply.choices[0].message.content or "")
         assert reply.usage is not None and 0 < reply.usage.completion_tokens <= 16
@@ -251,7 +251,7 @@ def assert_the_dashboard_answers_paris(api: str) -> None:
         page.goto(f"{api}/")
         expect(page.locator("#connection")).to_have_text("live", timeout=SHOWN_MS)
         expect(page.locator("#chat-model")).to_have_value(DEMO_MODEL_ID)
-        answer = chat(page, "What is the capital of France?")
+        answer = chat(page, "What is the capital of France? Answer in one sentence.")
         assert "Paris" in answer, answer
         assert troubles.seen == [], troubles.seen
 
@@ -263,7 +263,7 @@ def assert_every_dialect_answers_paris(api: str) -> None:
     import ollama
     from openai import OpenAI
 
-    question = "What is the capital of France?"
+    question = "What is the capital of France? Answer in one sentence."
     messages: Any = [{"role": "user", "content": question}]
     openai_client = OpenAI(base_url=f"{api}/v1", api_key="unused", timeout=120, max_retries=0)
     ollama_client = ollama.Client(host=api, timeout=120)

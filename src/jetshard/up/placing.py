@@ -121,13 +121,16 @@ def _update(progress: Progress, bars: dict[str, TaskID], instance: dict[str, Any
         progress.update(bars[key], completed=shard.get(done_field, 0), total=total)
 
 
+README_QUESTION = "What is the capital of France? Answer in one sentence."
+
+
 def examples(api_url: str, model_id: str) -> str:
     return f"""  curl {api_url}/v1/chat/completions -H 'Content-Type: application/json' \\
-    -d '{{"model": "{model_id}", "messages": [{{"role": "user", "content": "What is the capital of France?"}}]}}'
+    -d '{{"model": "{model_id}", "messages": [{{"role": "user", "content": "{README_QUESTION}"}}]}}'
 
   python -c 'from openai import OpenAI
   client = OpenAI(base_url="{api_url}/v1", api_key="unused")
   reply = client.chat.completions.create(model="{model_id}",
-      messages=[{{"role": "user", "content": "What is the capital of France?"}}])
+      messages=[{{"role": "user", "content": "{README_QUESTION}"}}])
   print(reply.choices[0].message.content)'
 """
