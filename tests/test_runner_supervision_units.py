@@ -1,29 +1,43 @@
 """The pieces of runner supervision, each on its own: which scratch directories are stale, the retry of a report
-JetStream refused (a real nats-server), the port a worker holds for a rank (real sockets), and a runner dying with
-its worker (real processes). The whole, in a cluster: tests/test_inference_failures.py and test_requests_never_hang.py.
+JetStream refused (a real nats-server), the port a worker holds for a rank (real sockets), a runner dying with its
+worker and a worker's stop leaving no runner behind (real processes), and the reason quoted for a runner's death.
+The whole, in a cluster: tests/test_inference_failures.py and test_requests_never_hang.py.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
+import signal
 import socket
 import subprocess
 import sys
 import textwrap
 from collections.abc import AsyncIterator
+from pathlib import Path
 from typing import Any
 
+import msgspec
 import psutil
 import pytest
-from helpers.harness import until
+from helpers.harness import free_port, until
+from helpers.states import downloaded, fold
+from jetshard_bus.natsserver import NatsServer
+from jetshard_bus.options import NatsOptions
+from jetshard_schema.codec import decode_command
 from jetshard_schema.commands import ReportRunnerStatus
-from jetshard_schema.ids import InstanceId, NodeId
+from jetshard_schema.events import InstancePlaced, RunnerEndpointReported
+from jetshard_schema.ids import InstanceId, ModelId, NodeId
+from jetshard_schema.state import State
 from jetshard_schema.subjects import COMMANDS_STREAM
-from jetshard_schema.types import RunnerReport, RunnerStatus
+from jetshard_schema.types import Endpoint, RunnerReport, RunnerStatus, ShardAssignment
+from jetshard_worker.planning import RunnerKey, RunnerPlan
 from jetshard_worker.publishing import LAST_RETRY_S, publish_until_stored, retry_delay_s
-from jetshard_worker.runners import hold_ring_port
+from jetshard_worker.runner_spec import RunnerSpec
+from jetshard_worker.runner_test_seams import START_DELAY_ENV
+from jetshard_worker.runners import RunnerSupervisor, failure_reason, hold_ring_port
 from jetshard_worker.scratch import PREFIX, stale_scratch_dirs
 
 # ------------------------------------------------------------------------------------------ stale directories
@@ -156,3 +170,177 @@ def test_a_runner_whose_worker_is_already_gone_exits() -> None:
     )
     assert gone.returncode == 1
     assert f"the worker (pid {not_its_parent}) that started this runner is gone" in gone.stderr
+
+
+# ------------------------------------------------------------------------------------------ stopping the worker
+
+NODE = NodeId("node-here")
+INSTANCE = InstanceId("inst-stopping")
+MODEL = ModelId("test/tiny")
+SLOW_START_S = 120
+"""How long each runner of these tests takes to start (`START_DELAY_ENV`): far longer than any test waits."""
+
+
+def runner_processes() -> list[psutil.Process]:
+    """This test process's runners: started by a RunnerSupervisor here, or by a worker this test started."""
+    found = []
+    for process in psutil.Process().children(recursive=True):
+        with contextlib.suppress(psutil.NoSuchProcess):
+            if "jetshard_worker.runner" in process.cmdline() and process.status() != psutil.STATUS_ZOMBIE:
+                found.append(process)
+    return found
+
+
+def placed_here(model_dir: Path) -> State:
+    """An instance of one rank on this node, its files in `model_dir`: the worker is to start its runner."""
+    return fold(
+        InstancePlaced(
+            instance_id=INSTANCE,
+            model_id=MODEL,
+            shards=(ShardAssignment(node_id=NODE, rank=0, start_layer=0, end_layer=2),),
+        ),
+        downloaded(NODE, MODEL, 0, 2, str(model_dir)),
+        RunnerEndpointReported(
+            instance_id=INSTANCE, generation=0, node_id=NODE, rank=0, endpoint=Endpoint("127.0.0.1", free_port())
+        ),
+    )
+
+
+async def test_a_worker_stopping_as_state_changes_leaves_no_runner_running(
+    bus: tuple[Any, Any], fresh_nats: NatsServer, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """A State change that reaches the worker as it begins to stop (an event and Ctrl-C together) wakes its runner
+    supervision for one more pass; the runner it stopped must not be started again behind the stop's back."""
+    monkeypatch.setenv(START_DELAY_ENV, str(SLOW_START_S))
+    _, js = bus
+    state = placed_here(tmp_path)
+    supervisor = RunnerSupervisor(js, NODE, "s", NatsOptions(servers=(fresh_nats.url,)), start_timeout_s=300)
+    try:
+        await supervisor.start(state)
+        await until(lambda: len(runner_processes()) == 1, 30, "the runner started")
+        supervisor.on_state(state)
+        await supervisor.shutdown()
+        assert runner_processes() == [], "runners outlived their worker's stop"
+    finally:
+        for process in runner_processes():
+            os.killpg(process.pid, signal.SIGKILL)
+
+
+# A "worker" that launches a runner as the worker does, says its pid on stdout, and sleeps.
+LAUNCHING_WORKER = textwrap.dedent(
+    """
+    import os, sys, time
+    from pathlib import Path
+    import msgspec
+    from jetshard_worker.runner_spec import RunnerSpec
+    from jetshard_worker.runners import launch_runner
+    runner = launch_runner(msgspec.json.decode(sys.argv[1], type=RunnerSpec), Path(sys.argv[2]), os.environ)
+    print(runner.pid, flush=True)
+    time.sleep(60)
+    """
+)
+
+
+def test_a_runner_still_starting_dies_with_its_worker(tmp_path: Path) -> None:
+    """The runner's imports take seconds before its own code runs; a worker that dies meanwhile takes it along."""
+    spec = RunnerSpec(
+        nats=NatsOptions(),
+        plan=RunnerPlan(
+            key=RunnerKey(INSTANCE, 0),
+            model_id=MODEL,
+            rank=0,
+            world_size=1,
+            start_layer=0,
+            end_layer=2,
+            model_dir=str(tmp_path),
+            endpoints=("127.0.0.1:1",),
+        ),
+        node_id=NODE,
+        worker_session="s",
+    )
+    worker = subprocess.Popen(
+        [sys.executable, "-c", LAUNCHING_WORKER, msgspec.json.encode(spec).decode(), str(tmp_path / "runner.log")],
+        stdout=subprocess.PIPE,
+        text=True,
+        env={**os.environ, START_DELAY_ENV: str(SLOW_START_S)},
+    )
+    try:
+        assert worker.stdout is not None
+        runner = psutil.Process(int(worker.stdout.readline()))
+        worker.kill()
+        worker.wait()
+        assert psutil.wait_procs([runner], timeout=10)[1] == [], "the runner outlived its worker"
+    finally:
+        worker.kill()
+        worker.wait()
+        with contextlib.suppress(psutil.NoSuchProcess):
+            psutil.Process(runner.pid).kill()
+
+
+# ------------------------------------------------------------------------------------------ why a runner died
+
+
+async def runner_reports(js: Any) -> list[ReportRunnerStatus]:
+    stored = await commands_stored(js)
+    commands = [decode_command((await js.get_msg(COMMANDS_STREAM, seq)).data) for seq in range(1, stored + 1)]
+    return [c for c in commands if isinstance(c, ReportRunnerStatus)]
+
+
+async def test_a_runner_that_failed_to_load_is_reported_failed_with_its_own_error(
+    bus: tuple[Any, Any], fresh_nats: NatsServer, tmp_path: Path
+) -> None:
+    """The worker quotes the error the runner died of, not whatever its log ended with (an import's warning)."""
+    _, js = bus
+    missing = tmp_path / "no-model-here"
+    supervisor = RunnerSupervisor(js, NODE, "s", NatsOptions(servers=(fresh_nats.url,)), start_timeout_s=300)
+    await supervisor.start(placed_here(missing))
+    try:
+
+        async def reported_by_worker() -> list[ReportRunnerStatus]:
+            return [r for r in await runner_reports(js) if r.runner.reason.startswith("runner exited")]
+
+        await until(reported_by_worker, 60, "the worker's report of its runner's death")
+    finally:
+        await supervisor.shutdown()
+    (report,) = await reported_by_worker()
+    assert report.runner.status is RunnerStatus.FAILED
+    error = f"FileNotFoundError: [Errno 2] No such file or directory: '{missing / 'config.json'}'"
+    assert report.runner.reason == f"runner exited with 1: {error}"
+
+
+LOGGED = "2025-01-02 03:04:05,678 runner/0   {level:<7} jetshard_worker.runner: {message}"
+
+
+def test_the_reason_quoted_for_a_runners_death_is_its_last_error_not_a_later_warning(tmp_path: Path) -> None:
+    log_path = tmp_path / "runner.log"
+    log_path.write_text(
+        "\n".join(
+            [
+                LOGGED.format(level="INFO", message="loading layers [0, 2)"),
+                LOGGED.format(level="ERROR", message="runner failed"),
+                "Traceback (most recent call last):",
+                '  File "engine.py", line 1, in run',
+                "RuntimeError: the engine failed",
+                LOGGED.format(level="ERROR", message="runner stopping: the engine failed"),
+                "[transformers] PyTorch was not found. Models won't be available.",
+                LOGGED.format(level="WARNING", message="chunk publisher slow"),
+            ]
+        )
+    )
+    assert failure_reason(log_path) == "runner stopping: the engine failed"
+
+
+def test_the_reason_for_a_runner_that_died_of_an_uncaught_exception_is_that_exception(tmp_path: Path) -> None:
+    log_path = tmp_path / "runner.log"
+    log_path.write_text(
+        "Traceback (most recent call last):\n  File \"runner.py\", line 3\nModuleNotFoundError: No module named 'mlx'\n"
+    )
+    assert failure_reason(log_path) == "ModuleNotFoundError: No module named 'mlx'"
+
+
+def test_a_runner_that_logged_no_error_is_quoted_by_its_last_lines(tmp_path: Path) -> None:
+    """As one killed by a signal: its exit status says how it died, its last lines what it was doing."""
+    lines = [LOGGED.format(level="INFO", message=f"step {n}") for n in range(5)]
+    log_path = tmp_path / "runner.log"
+    log_path.write_text("\n".join(lines))
+    assert failure_reason(log_path) == " | ".join(lines[-3:])

@@ -1,14 +1,19 @@
 """A runner never outlives its worker: a runner of a dead worker holds a model's memory and has nobody to report to.
 
-The runner arms this itself, first thing in its own process, rather than in a `preexec_fn`: that would run Python
-(and load libc with ctypes) in the child of a multi-threaded worker between fork and exec, where a lock another
-thread held at the fork stays locked for ever.
+The worker starts a runner as `python -m jetshard_worker.lifeline WORKER_PID jetshard_worker.runner SPEC_JSON`, which
+arms the lifeline before the runner's module is even imported: those imports (mlx, transformers) take seconds, and a
+worker that dies meanwhile must take its runner along at once, not leave it to load a model for nobody.
+
+The runner arms this itself, in its own process, rather than in a `preexec_fn`: that would run Python (and load libc
+with ctypes) in the child of a multi-threaded worker between fork and exec, where a lock another thread held at the
+fork stays locked for ever. What is left of the window, the interpreter's start, is covered by the parent check.
 """
 
 from __future__ import annotations
 
 import ctypes
 import os
+import runpy
 import signal
 import sys
 
@@ -27,3 +32,16 @@ def die_with_worker(worker_pid: int) -> None:
             raise OSError(ctypes.get_errno(), "prctl(PR_SET_PDEATHSIG) failed")
     if os.getppid() != worker_pid:
         raise SystemExit(f"the worker (pid {worker_pid}) that started this runner is gone")
+
+
+def main() -> None:
+    """`python -m jetshard_worker.lifeline WORKER_PID MODULE ARG...`: arm the lifeline, then run MODULE as
+    `python -m MODULE ARG...` would."""
+    worker_pid, module, *args = sys.argv[1:]
+    die_with_worker(int(worker_pid))
+    sys.argv = [module, *args]
+    runpy.run_module(module, run_name="__main__", alter_sys=True)
+
+
+if __name__ == "__main__":
+    main()

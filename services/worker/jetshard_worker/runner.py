@@ -1,5 +1,6 @@
-"""A runner: one process hosting one shard of an instance. `python -m jetshard_worker.runner SPEC_JSON`
-(the spec holds no secret: a NATS password or token comes in the environment).
+"""A runner: one process hosting one shard of an instance. `python -m jetshard_worker.runner SPEC_JSON`, started
+through its lifeline (`jetshard_worker.lifeline`), which has it die with its worker (the spec holds no secret: a NATS
+password or token comes in the environment).
 
 Every rank loads its layers, joins the ring, and reports its status. The last rank is the leader: it
 takes the tasks assigned to its instance from the event stream, renders and tokenizes prompts, drives the
@@ -83,7 +84,6 @@ from jetshard_worker.library_boundary import (
     think_markers_of,
     vision_processor,
 )
-from jetshard_worker.lifeline import die_with_worker
 from jetshard_worker.output import ChoiceOutput, TaskOutput, row_id, split_row_id
 from jetshard_worker.publishing import NATS_ERRORS, publish_until_stored
 from jetshard_worker.reasoning import ReasoningText, ReasoningTokens, ThinkMarkers, opens_in_reasoning
@@ -887,8 +887,8 @@ async def _serve(
 
 
 def main() -> None:
+    time.sleep(RunnerTestSeams.from_environ(os.environ).start_delay_s)
     spec = msgspec.json.decode(sys.argv[1], type=RunnerSpec)
-    die_with_worker(spec.worker_pid)
     spec = msgspec.structs.replace(spec, nats=spec.nats.with_secrets(os.environ))
     run_service(f"runner/{spec.plan.rank}", lambda stop: run_runner(spec, stop))
 

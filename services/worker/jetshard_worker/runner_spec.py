@@ -17,8 +17,6 @@ class RunnerSpec(msgspec.Struct, frozen=True, kw_only=True):
     """Which rank of which instance generation, its layers and files, and how the instance serves."""
     node_id: NodeId
     worker_session: str
-    worker_pid: int
-    """The worker that starts the runner: the runner dies with it (`lifeline.die_with_worker`)."""
     hostfile: str | None = None
     ring_socket_fd: int | None = None
     """A socket bound to this rank's port in the hostfile, inherited from the worker, which bound it before it reported

@@ -1,7 +1,7 @@
 """Runner supervision: a thin shell that carries out `planning.plan` — reports endpoints, starts runner
 processes (each in its own process group, dying with the worker), kills those no longer wanted, and
 reports runners that died or did not join their peers in time. A report that NATS did not store is sent
-again on the next pass."""
+again on the next pass. Its shutdown stops every runner it started, and starts none after."""
 
 from __future__ import annotations
 
@@ -9,12 +9,14 @@ import asyncio
 import contextlib
 import logging
 import os
+import re
 import shutil
 import signal
 import socket
 import subprocess
 import sys
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -58,6 +60,23 @@ def hold_ring_port(host: str) -> socket.socket:
     return sock
 
 
+def launch_runner(spec: RunnerSpec, log_path: Path, env: Mapping[str, str]) -> subprocess.Popen[bytes]:
+    """Start the runner process of `spec`, writing to `log_path`, in a process group of its own (killed as one). It
+    arms its lifeline before it imports the runner's module, which takes seconds: a worker that dies meanwhile
+    takes it along (`jetshard_worker.lifeline`)."""
+    command = [sys.executable, "-m", "jetshard_worker.lifeline", str(os.getpid()), "jetshard_worker.runner"]
+    with open(log_path, "ab") as log_file:
+        return subprocess.Popen(
+            [*command, msgspec.json.encode(spec).decode()],
+            stdout=log_file,
+            stderr=subprocess.STDOUT,
+            # Import-time warnings (transformers': "PyTorch was not found") are noise in a log read for failures.
+            env={"TRANSFORMERS_VERBOSITY": "error", **env},
+            start_new_session=True,
+            pass_fds=() if spec.ring_socket_fd is None else (spec.ring_socket_fd,),
+        )
+
+
 @dataclass
 class RunningRunner:
     plan: RunnerPlan
@@ -92,6 +111,8 @@ class RunnerSupervisor:
         self._scratch: Path | None = None
         self._watching: asyncio.Task[None] | None = None
         self._wake = asyncio.Event()
+        self._stopping = False
+        """Set when shutdown begins: from then on no runner starts, as shutdown would neither stop nor wait for it."""
 
     async def start(self, state: State) -> None:
         blas_candidates()  # a JETSHARD_BLAS naming no file stops the worker here, not each runner's start
@@ -104,7 +125,8 @@ class RunnerSupervisor:
         self._wake.set()
 
     async def _watch(self) -> None:
-        while True:
+        # Not only cancelled: on Python 3.11, asyncio.wait_for loses a cancellation that comes as its wait ends.
+        while not self._stopping:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._wake.wait(), 1.0)
             self._wake.clear()
@@ -154,7 +176,10 @@ class RunnerSupervisor:
         self._endpoints_stored.add(key)
 
     def _spawn(self, runner_plan: RunnerPlan, hosted: int) -> None:
-        """Start a runner; `hosted` runners (this one included) will share the machine's cores."""
+        """Start a runner; `hosted` runners (this one included) will share the machine's cores. None once shutdown
+        began (a pass it failed to cancel may still be under way)."""
+        if self._stopping:
+            return
         key = runner_plan.key
         ring_socket = self._ring_ports.pop(key, None)
         try:
@@ -181,7 +206,6 @@ class RunnerSupervisor:
             plan=runner_plan,
             node_id=self.node_id,
             worker_session=self.session_id,
-            worker_pid=os.getpid(),
             hostfile=hostfile,
             ring_socket_fd=ring_fd,
             card_generation=card.generation if card is not None else GenerationDefaults(),
@@ -194,16 +218,7 @@ class RunnerSupervisor:
             if mlx_cuda_installed()
             else runner_environment(blas_threads(os.cpu_count() or 1, hosted))
         )
-        with open(log_path, "ab") as log_file:
-            # No preexec_fn: the runner arms its death with the worker itself (lifeline.die_with_worker).
-            process = subprocess.Popen(
-                [sys.executable, "-m", "jetshard_worker.runner", msgspec.json.encode(spec).decode()],
-                stdout=log_file,
-                stderr=subprocess.STDOUT,
-                env={**env, **nats_secrets},
-                start_new_session=True,  # a process group of its own, killed as one
-                pass_fds=() if ring_fd is None else (ring_fd,),
-            )
+        process = launch_runner(spec, log_path, {**env, **nats_secrets})
         log.info(
             "started runner rank %d of %s (generation %d), pid %d, log %s",
             runner_plan.rank,
@@ -224,10 +239,11 @@ class RunnerSupervisor:
         return self._scratch_dir() / f"{instance_id}-{key.generation}{suffix}"
 
     async def _stop(self, key: RunnerKey) -> None:
-        runner = self._running.pop(key)
+        runner = self._running[key]
         log.info("stopping runner of %s (generation %d)", key.instance_id, key.generation)
         _kill_group(runner.process)
         await _exited(runner.process)
+        del self._running[key]  # only now: a shutdown that cancelled this wait waits for the runner itself
 
     async def _check_health(self, state: State) -> None:
         for key, runner in list(self._running.items()):
@@ -247,7 +263,7 @@ class RunnerSupervisor:
                         key.generation,
                         runner.plan.rank,
                         RunnerStatus.FAILED,
-                        f"runner exited with {exit_code}: {_tail(runner.log_path)}",
+                        f"runner exited with {exit_code}: {failure_reason(runner.log_path)}",
                     )
             elif not ready and time.monotonic() - runner.started_at > self._start_timeout_s:
                 await self._stop(key)
@@ -289,8 +305,12 @@ class RunnerSupervisor:
             del self._unsent[runner]
 
     async def shutdown(self) -> None:
+        """Stop every runner this worker started and wait for each to exit; none starts from here on."""
+        self._stopping = True
         if self._watching is not None:
+            # The pass under way ends first, so that no runner is being started or stopped behind our back.
             self._watching.cancel()
+            await asyncio.wait([self._watching])
         stopping = list(self._running.items())
         self._running.clear()
         for _, runner in stopping:
@@ -318,8 +338,22 @@ async def _exited(process: subprocess.Popen[bytes]) -> int:
     return await asyncio.to_thread(process.wait)
 
 
-def _tail(path: Path, lines: int = 3) -> str:
+_LOGGED_ERROR = re.compile(r"^\d{4}-\d\d-\d\d [\d:,]+ \S+\s+(?:ERROR|CRITICAL)\s+\S+: (?P<message>.*)")
+"""A record the runner logged at ERROR or above (`jetshard_bus.service.configure_logging`'s format)."""
+_UNCAUGHT = re.compile(r"^[A-Za-z_][\w.]*(?:Error|Exception|Exit|Interrupt)(?:: .*)?$")
+"""The last line of a traceback: the exception and its message."""
+
+
+def failure_reason(log_path: Path, lines: int = 3) -> str:
+    """Why a runner died, as its log tells: the last error it logged or the exception it died of; failing that (a
+    runner killed by a signal logs nothing), the log's last `lines` lines."""
     try:
-        return " | ".join(path.read_text(errors="replace").strip().splitlines()[-lines:])
+        logged = log_path.read_text(errors="replace").strip().splitlines()
     except OSError:
         return ""
+    for line in reversed(logged):
+        if (record := _LOGGED_ERROR.match(line)) is not None:
+            return record["message"]
+        if _UNCAUGHT.match(line):
+            return line
+    return " | ".join(logged[-lines:])
