@@ -157,7 +157,7 @@ def test_refusals_are_anthropic_errors(client: anthropic.Anthropic, dialect_clus
     body: Any = refused.value.body
     assert body["type"] == "error" and body["error"]["type"] == "invalid_request_error"
     assert "max_tokens" in body["error"]["message"]
-    for wrong in ({"temperature": 1.5}, {"top_k": 5}, {"thinking": {"type": "enabled", "budget_tokens": 1024}}):
+    for wrong in ({"temperature": 1.5}, {"top_k": -1}, {"thinking": {"type": "enabled", "budget_tokens": 1024}}):
         with pytest.raises(anthropic.BadRequestError):
             client.messages.create(model=model, messages=QUESTION, max_tokens=5, extra_body=wrong)
     prefill: Any = [*QUESTION, {"role": "assistant", "content": "{"}]

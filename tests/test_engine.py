@@ -803,6 +803,127 @@ def test_seeded_sampling_is_reproducible(models: dict[str, Path]) -> None:
     assert len(collector.tokens["s1"]) == MAX_TOKENS
 
 
+@pytest.mark.timeout(60)
+def test_top_k_1_and_min_p_1_sample_the_greedy_tokens_at_any_temperature(models: dict[str, Path]) -> None:
+    """Each row of one batch with its own cut: k=1 and min_p=1 leave the most likely token alone, whatever the
+    temperature; a k as large as the vocabulary cuts nothing."""
+    model_dir = models["qwen3"]
+    prompts = prompt_ids(model_dir)
+    greedy = reference(model_dir, prompts[1:2])[0]
+    vocab = json.loads((model_dir / "config.json").read_text())["vocab_size"]
+    hot = {"temperature": 2.0, "seed": 5}
+    collector = Collector()
+    engine = PipelineEngine(load_shard(model_dir, 0, 4), on_token=collector.on_token, on_finished=collector.on_finished)
+    requests = [
+        GenerationRequest("hot", prompts[1], MAX_TOKENS, **hot),
+        GenerationRequest("top_k=1", prompts[1], MAX_TOKENS, top_k=1, **hot),
+        GenerationRequest("min_p=1", prompts[1], MAX_TOKENS, min_p=1.0, **hot),
+        GenerationRequest("top_k=vocab", prompts[1], MAX_TOKENS, top_k=vocab, **hot),
+    ]
+    run_single(engine, requests, collector)
+
+    assert engine.stats.max_rows == 4
+    assert collector.tokens["hot"] != greedy
+    assert collector.tokens["top_k=1"] == greedy
+    assert collector.tokens["min_p=1"] == greedy
+    assert collector.tokens["top_k=vocab"] == collector.tokens["hot"]
+
+
+def formula_penalties(
+    prompt_length: int, repetition: float = 1.0, presence: float = 0.0, frequency: float = 0.0, last_n: int = 10**9
+) -> Any:
+    """The penalties as their authors define them, in numpy, as an mlx-lm logits processor: the repetition
+    penalty (transformers', vLLM's, llama.cpp's) on every token of the prompt and the answer, presence and
+    frequency (OpenAI's: logit -= presence * (count > 0) + frequency * count) on the answer's; all within the last
+    `last_n` tokens."""
+
+    def process(tokens: mx.array, logits: mx.array) -> mx.array:
+        sequence = cast("list[int]", tokens.tolist())
+        start = max(0, len(sequence) - last_n)
+        out = np.array(logits.astype(mx.float32))
+        for token in set(sequence[start:]):
+            logit = out[0, token]
+            out[0, token] = logit / repetition if logit > 0 else logit * repetition
+        answer = sequence[max(start, prompt_length) :]
+        for token in set(answer):
+            out[0, token] -= presence + frequency * answer.count(token)
+        return mx.array(out)
+
+    return process
+
+
+def greedy_with(model_dir: Path, prompt: list[int], processor: Any, max_tokens: int = MAX_TOKENS) -> list[int]:
+    """mlx-lm's greedy output with `processor` on its logits, which it hands the prompt and the tokens so far."""
+    model, tokenizer = mlx_load(str(model_dir))
+    tokens = []
+    for response in stream_generate(model, tokenizer, prompt, max_tokens=max_tokens, logits_processors=[processor]):
+        if response.finish_reason == "stop" and response.token in tokenizer.eos_token_ids:
+            break
+        tokens.append(response.token)
+    return tokens
+
+
+PENALTIES: dict[str, dict[str, Any]] = {
+    "repetition": {"repetition_penalty": 1.5},
+    "repetition in a window": {"repetition_penalty": 3.0, "repeat_last_n": 12},
+    "presence": {"presence_penalty": 2.0},
+    "frequency": {"frequency_penalty": 1.0},
+    "all": {"repetition_penalty": 1.2, "presence_penalty": 0.5, "frequency_penalty": 0.5, "repeat_last_n": 16},
+}
+
+
+@pytest.mark.timeout(120)
+def test_each_penalty_follows_its_formula_on_its_own_row(models: dict[str, Path]) -> None:
+    """Greedy rows of one batch, each with its penalties, answer as greedy decoding with the published formulas
+    does; the unpenalised row beside them as plain greedy decoding."""
+    model_dir = models["llama"]
+    prompt = prompt_ids(model_dir)[3]  # a chat turn: its template's tokens repeat in the prompt
+    collector = Collector()
+    engine = PipelineEngine(load_shard(model_dir, 0, 4), on_token=collector.on_token, on_finished=collector.on_finished)
+    max_tokens = 2 * MAX_TOKENS  # long enough for plain greedy decoding to repeat a few tokens
+    requests = [GenerationRequest("plain", prompt, max_tokens)] + [
+        GenerationRequest(name, prompt, max_tokens, **penalties) for name, penalties in PENALTIES.items()
+    ]
+    run_single(engine, requests, collector)
+
+    greedy = greedy_with(model_dir, prompt, formula_penalties(len(prompt)), max_tokens)
+    assert collector.tokens["plain"] == greedy
+    for name, penalties in PENALTIES.items():
+        formula = formula_penalties(
+            len(prompt),
+            penalties.get("repetition_penalty", 1.0),
+            penalties.get("presence_penalty", 0.0),
+            penalties.get("frequency_penalty", 0.0),
+            penalties.get("repeat_last_n", 10**9),
+        )
+        assert collector.tokens[name] == greedy_with(model_dir, prompt, formula, max_tokens), name
+        assert collector.tokens[name] != greedy, name
+
+
+@pytest.mark.timeout(120)
+def test_a_strong_repetition_penalty_stops_greedy_decoding_repeating_itself(models: dict[str, Path]) -> None:
+    model_dir = models["llama"]
+    prompt = prompt_ids(model_dir)[1]
+    window = 32
+
+    def repeats(tokens: list[int]) -> int:
+        return sum(token in tokens[max(0, i - window + 1) : i] for i, token in enumerate(tokens))
+
+    collector = Collector()
+    engine = PipelineEngine(load_shard(model_dir, 0, 4), on_token=collector.on_token, on_finished=collector.on_finished)
+    common: dict[str, Any] = {"max_tokens": 150, "eos_token_ids": frozenset()}
+    requests = [
+        GenerationRequest("greedy", prompt, **common),
+        GenerationRequest("penalised", prompt, repetition_penalty=10.0, repeat_last_n=window, **common),
+        GenerationRequest("off", prompt, repetition_penalty=10.0, repeat_last_n=0, **common),
+    ]
+    run_single(engine, requests, collector)
+
+    assert repeats(collector.tokens["greedy"]) > 5
+    assert repeats(collector.tokens["penalised"]) == 0
+    assert collector.tokens["off"] == collector.tokens["greedy"]  # a window of 0 tokens penalises nothing
+
+
 # --------------------------------------------------------------------------- loading
 
 
@@ -895,6 +1016,14 @@ def test_generation_request_validation() -> None:
     for seed in (-1, 2**64):
         with pytest.raises(ValueError, match="seed"):
             GenerationRequest("x", [1], 5, seed=seed)
+    with pytest.raises(ValueError, match="top_k"):
+        GenerationRequest("x", [1], 5, top_k=-1)
+    with pytest.raises(ValueError, match="min_p"):
+        GenerationRequest("x", [1], 5, min_p=1.5)
+    with pytest.raises(ValueError, match="repetition_penalty"):
+        GenerationRequest("x", [1], 5, repetition_penalty=0)
+    with pytest.raises(ValueError, match="repeat_last_n"):
+        GenerationRequest("x", [1], 5, repeat_last_n=-1)
 
 
 def test_the_engine_handles_every_architecture_a_card_may_name() -> None:

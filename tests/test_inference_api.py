@@ -342,7 +342,7 @@ def test_content_as_text_parts_and_neutral_parameters(client: openai.OpenAI, ref
     "extra",
     [
         {"logit_bias": {"42": 5}},
-        {"presence_penalty": 0.5},
+        {"presence_penalty": 2.5},
         {"n": 17},
         {"tools": [{"type": "function", "function": {"name": "bad name!", "parameters": {"type": "object"}}}]},
         {"tool_choice": {"type": "function", "function": {"name": "absent"}}},

@@ -216,6 +216,30 @@ def test_apply_top_p_masks_the_unlikely_tail() -> None:
     assert np.isfinite(kept[0, :2]).all() and not np.isfinite(kept[0, 2])
 
 
+def test_top_k_and_min_p_mask_all_but_the_likeliest() -> None:
+    logprobs = mx.log(mx.array([[0.5, 0.3, 0.15, 0.05]]))
+    assert np.isfinite(np.array(boundary.apply_top_k(logprobs, 2))[0]).tolist() == [True, True, False, False]
+    # min_p 0.5: at least half as likely as the likeliest (0.5)
+    assert np.isfinite(np.array(boundary.apply_min_p(logprobs, 0.5))[0]).tolist() == [True, True, False, False]
+
+
+def test_penalty_processors_take_a_factor_or_amount_and_a_context_size() -> None:
+    tokens = mx.array([1, 2, 2])
+
+    def logits() -> mx.array:  # a fresh array each time: the processors may write into the one they are given
+        return mx.array([[1.0, -1.0, 2.0, 0.5]])
+
+    for make in (boundary.make_repetition_penalty, boundary.make_presence_penalty, boundary.make_frequency_penalty):
+        assert parameters(make) == ["penalty", "context_size"]
+    repetition = boundary.make_repetition_penalty(2.0, 10)(tokens, logits())
+    assert repetition.tolist() == [[1.0, -2.0, 1.0, 0.5]]  # a factor: divides a positive logit, multiplies a negative
+    presence = boundary.make_presence_penalty(1.0, 10)(tokens, logits())
+    assert presence.tolist() == [[1.0, -2.0, 1.0, 0.5]]
+    frequency = boundary.make_frequency_penalty(1.0, 10)(tokens, logits())
+    assert frequency.tolist() == [[1.0, -2.0, 0.0, 0.5]]  # once per occurrence
+    assert boundary.make_frequency_penalty(1.0, 1)(tokens, logits()).tolist() == [[1.0, -1.0, 1.0, 0.5]]
+
+
 # --------------------------------------------------------------------------- llguidance
 
 

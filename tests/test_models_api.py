@@ -25,6 +25,7 @@ from helpers.cards import TINY_SHAPE
 from helpers.harness import InferenceCluster, free_port, hub_cluster, wait_for
 from helpers.tiny_models import make_tiny_model
 from jetshard_bus.node import node_id_for
+from jetshard_schema.cards import GenerationDefaults
 from jetshard_schema.events import CustomModelCardAdded, CustomModelCardDeleted, Event
 from jetshard_schema.ids import MODEL_ID_MAX_LENGTH
 from jetshard_worker.scratch import PREFIX
@@ -33,6 +34,8 @@ ORG = "jetshard-test"
 SPLIT = f"{ORG}/tiny-split"
 SINGLE = f"{ORG}/tiny-single"
 BUILTIN = "mlx-community/Qwen3-0.6B-4bit"
+UNSET_GENERATION = dict.fromkeys(GenerationDefaults.__struct_fields__)
+"""A card's `generation` table that sets nothing."""
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -79,7 +82,7 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ModelsCluster]
     config = json.loads((single_dir / "config.json").read_text())
     config["quantization"] = {"bits": 4, "group_size": 64}  # only the card reads it; the weights stay float
     (single_dir / "config.json").write_text(json.dumps(config))
-    # Qwen3's own sampling defaults (top_k is not supported, so not carried)
+    # Qwen3's own sampling defaults
     generation = json.loads((single_dir / "generation_config.json").read_text())
     generation.update(do_sample=True, temperature=0.6, top_p=0.95, top_k=20)
     (single_dir / "generation_config.json").write_text(json.dumps(generation))
@@ -156,7 +159,7 @@ def test_add_split_model_from_the_hub(cluster: ModelsCluster) -> None:
     assert card["storage_size_estimated"] is False
     assert card["quantization"] is None
     # its generation_config.json says `do_sample: false`
-    assert card["generation"] == {"temperature": 0.0, "top_p": None, "max_tokens": None}
+    assert card["generation"] == UNSET_GENERATION | {"temperature": 0.0}
 
     again = post(cluster.api, SPLIT)
     assert again.status_code == 200, again.text
@@ -173,10 +176,19 @@ def test_add_single_file_model_sizes_from_the_file(cluster: ModelsCluster) -> No
     assert card["architecture"] == "qwen3"
     assert card["num_layers"] == 2
     assert card["quantization"] == {"bits": 4, "group_size": 64}
-    assert card["generation"] == {"temperature": 0.6, "top_p": 0.95, "max_tokens": None}
+    assert card["generation"] == UNSET_GENERATION | {"temperature": 0.6, "top_p": 0.95, "top_k": 20}
     assert added_events(cluster, SINGLE) == 1
     listed = {m["id"]: m for m in httpx.get(f"{cluster.api}/v1/models", timeout=30).json()["data"]}
-    assert listed[SINGLE]["generation_defaults"] == {"temperature": 0.6, "top_p": 0.95, "max_tokens": 512}
+    assert listed[SINGLE]["generation_defaults"] == {
+        "temperature": 0.6,
+        "top_p": 0.95,
+        "top_k": 20,
+        "min_p": 0.0,
+        "repetition_penalty": 1.0,
+        "presence_penalty": 0.0,
+        "frequency_penalty": 0.0,
+        "max_tokens": 512,
+    }
 
 
 def test_a_broken_generation_config_only_loses_the_sampling_defaults(cluster: ModelsCluster) -> None:
@@ -187,7 +199,7 @@ def test_a_broken_generation_config_only_loses_the_sampling_defaults(cluster: Mo
     cluster.serve(model_id, repo)
     response = post(cluster.api, model_id)
     assert response.status_code == 201, response.text
-    assert response.json()["generation"] == {"temperature": None, "top_p": None, "max_tokens": None}
+    assert response.json()["generation"] == UNSET_GENERATION
 
 
 def test_list_show_and_delete(cluster: ModelsCluster) -> None:

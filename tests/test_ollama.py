@@ -35,7 +35,7 @@ from jetshard_api.dialects.ollama.types import (
     tool_call_bodies,
 )
 from jetshard_api.errors import ApiError
-from jetshard_schema.types import ToolCall
+from jetshard_schema.types import SamplingParams, ToolCall
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -196,8 +196,14 @@ def test_options_map_onto_sampling() -> None:
     assert sampling(Options(num_predict=-1, seed=-1, num_ctx=8), context_length=2048).max_tokens == 2048
     assert sampling(Options(num_predict=-2), context_length=2048).max_tokens == 2048
     assert sampling(Options(seed=-1), None).seed is None  # Ollama's random seed
-    neutral = Options(top_k=0, min_p=0, typical_p=1, tfs_z=1, repeat_penalty=1, mirostat=0, repeat_last_n=64)
+    neutral = Options(typical_p=1, tfs_z=1, mirostat=0, penalize_newline=True)
     assert sampling(neutral, None) == sampling(None, None)
+    options = Options(top_k=40, min_p=0.05, repeat_penalty=1.1, presence_penalty=0.5, frequency_penalty=-0.5)
+    assert sampling(options, None) == SamplingParams(
+        top_k=40, min_p=0.05, repetition_penalty=1.1, presence_penalty=0.5, frequency_penalty=-0.5
+    )
+    assert sampling(Options(top_k=-1, repeat_last_n=-1), None) == SamplingParams(top_k=0)  # Ollama's "no limit"
+    assert sampling(Options(repeat_last_n=64), None).repeat_last_n == 64
     with pytest.raises(ApiError) as caught:
         sampling(Options(mirostat=2), None)
     assert caught.value.status == 400 and caught.value.param == "options.mirostat"
@@ -299,7 +305,8 @@ def test_model_errors_in_ollamas_shape(client: ollama.Client, model: str, status
     ("body", "field"),
     [
         ({"options": {"temperature": "hot"}}, "temperature"),
-        ({"options": {"top_k": 40}}, "top_k"),
+        ({"options": {"top_k": -2}}, "top_k"),
+        ({"options": {"typical_p": 0.9}}, "typical_p"),
         ({"options": {"num_predict": 0}}, "num_predict"),
         ({"format": "yaml"}, "format"),
         ({"think": True}, "think"),

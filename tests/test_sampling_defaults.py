@@ -48,6 +48,48 @@ def test_each_value_comes_from_the_first_source_that_sets_it() -> None:
     )
 
 
+def test_the_cuts_and_penalties_come_from_the_first_source_that_sets_them() -> None:
+    model = GenerationDefaults(top_k=20, repetition_penalty=1.05)
+    card = GenerationDefaults(top_k=40, min_p=0.05, repetition_penalty=1.1)
+    assert resolve_sampling(SamplingParams(), model, card) == ResolvedSampling(
+        temperature=DEFAULT_TEMPERATURE,
+        top_p=DEFAULT_TOP_P,
+        top_k=20,
+        min_p=0.05,
+        repetition_penalty=1.05,
+        max_tokens=DEFAULT_MAX_TOKENS,
+    )
+    request = SamplingParams(top_k=0, min_p=0.0, repetition_penalty=1.0, presence_penalty=0.5, frequency_penalty=-1)
+    resolved = resolve_sampling(request, model, card)
+    # A request's neutral values win over the model's: top_k 0 is "no cut", not "unset".
+    assert (resolved.top_k, resolved.min_p, resolved.repetition_penalty) == (0, 0.0, 1.0)
+    assert (resolved.presence_penalty, resolved.frequency_penalty) == (0.5, -1.0)
+
+
+def test_nothing_set_anywhere_cuts_and_penalises_nothing() -> None:
+    resolved = resolve_sampling(SamplingParams(), NONE, NONE)
+    assert (resolved.top_k, resolved.min_p, resolved.repetition_penalty) == (0, 0.0, 1.0)
+    assert (resolved.presence_penalty, resolved.frequency_penalty) == (0.0, 0.0)
+
+
+@pytest.mark.parametrize(
+    "wire",
+    [
+        {"top_k": -1},
+        {"min_p": 1.01},
+        {"repetition_penalty": 0},
+        {"repetition_penalty": 10.5},
+        {"presence_penalty": 2.5},
+        {"frequency_penalty": -2.5},
+        {"repeat_last_n": -1},
+    ],
+)
+def test_a_task_read_back_with_a_value_out_of_range_does_not_decode(wire: dict[str, Any]) -> None:
+    """A task on the bus is untrusted: the engine never sees a value the API would have refused."""
+    with pytest.raises(msgspec.ValidationError):
+        msgspec.json.decode(msgspec.json.encode(wire), type=SamplingParams)
+
+
 def test_an_explicit_zero_temperature_is_a_value_not_a_gap() -> None:
     assert resolve_sampling(SamplingParams(temperature=0.0), MODEL, CARD).temperature == 0.0
     assert resolve_sampling(SamplingParams(), GenerationDefaults(temperature=0.0), CARD).temperature == 0.0
@@ -58,10 +100,15 @@ def test_an_explicit_zero_temperature_is_a_value_not_a_gap() -> None:
     [
         ({}, NONE),
         ({"bos_token_id": 1, "eos_token_id": [2, 3]}, NONE),
-        # Qwen3's generation_config.json (top_k is not supported and ignored)
+        # Qwen3's generation_config.json
         (
             {"do_sample": True, "temperature": 0.6, "top_k": 20, "top_p": 0.95},
-            GenerationDefaults(temperature=0.6, top_p=0.95),
+            GenerationDefaults(temperature=0.6, top_p=0.95, top_k=20),
+        ),
+        # vLLM reads these too; top_k 0 is a value (no cut), not a gap
+        (
+            {"top_k": 0, "min_p": 0.05, "repetition_penalty": 1.1},
+            GenerationDefaults(top_k=0, min_p=0.05, repetition_penalty=1.1),
         ),
         ({"max_new_tokens": 256, "temperature": 1}, GenerationDefaults(temperature=1.0, max_tokens=256)),
         # transformers decodes greedily when do_sample is false, whatever temperature says
@@ -72,6 +119,8 @@ def test_an_explicit_zero_temperature_is_a_value_not_a_gap() -> None:
             NONE,
         ),
         ({"temperature": True, "top_p": 1.5, "max_new_tokens": 12.5}, NONE),
+        ({"top_k": -1, "min_p": 1.5, "repetition_penalty": 0}, NONE),
+        ({"top_k": 20.0, "min_p": "0.1", "repetition_penalty": 11}, NONE),
         ({"temperature": float("nan"), "top_p": float("inf"), "max_new_tokens": True}, NONE),
         ([1, 2], NONE),
         (None, NONE),
@@ -118,6 +167,10 @@ storage_size_bytes = 1000000
         ("temperature = 2.5", "generation.temperature"),
         ("top_p = 0.0", "generation.top_p"),
         ("max_tokens = 0", "generation.max_tokens"),
+        ("top_k = -1", "generation.top_k"),
+        ("min_p = 1.5", "generation.min_p"),
+        ("repetition_penalty = 0.0", "generation.repetition_penalty"),
+        ("presence_penalty = 0.5", "generation.presence_penalty"),
     ],
 )
 def test_the_catalogue_refuses_a_misspelt_or_out_of_range_generation_value(table: str, complaint: str) -> None:

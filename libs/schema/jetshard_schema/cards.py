@@ -15,6 +15,7 @@ from typing import Annotated
 import msgspec
 
 from jetshard_schema.ids import ValidModelId, parse_model_id
+from jetshard_schema.types import MAX_REPETITION_PENALTY
 
 
 class ModelTask(enum.StrEnum):
@@ -113,6 +114,9 @@ class GenerationDefaults(msgspec.Struct, frozen=True, kw_only=True):
 
     temperature: Annotated[float, msgspec.Meta(ge=0, le=2)] | None = None
     top_p: Annotated[float, msgspec.Meta(gt=0, le=1)] | None = None
+    top_k: Annotated[int, msgspec.Meta(ge=0)] | None = None
+    min_p: Annotated[float, msgspec.Meta(ge=0, le=1)] | None = None
+    repetition_penalty: Annotated[float, msgspec.Meta(gt=0, le=MAX_REPETITION_PENALTY)] | None = None
     max_tokens: Annotated[int, msgspec.Meta(ge=1)] | None = None
 
 

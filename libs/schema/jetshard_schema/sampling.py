@@ -3,9 +3,11 @@
 Like vLLM (`--generation-config auto`) and Ollama (a Modelfile's parameters), the model decides: per value,
 the first of these that sets it wins:
 
-1. the request (`temperature`, `top_p`, `max_tokens` / `max_completion_tokens`);
-2. the model directory's `generation_config.json` (`temperature`, `top_p`, `max_new_tokens`; `do_sample`
-   set to false means greedy, temperature 0, as in transformers);
+1. the request (`temperature`, `top_p`, `top_k`, `min_p`, the penalties, `max_tokens` /
+   `max_completion_tokens`);
+2. the model directory's `generation_config.json` (`temperature`, `top_p`, `top_k`, `min_p`,
+   `repetition_penalty`, `max_new_tokens`, the values vLLM's `--generation-config auto` reads; `do_sample` set
+   to false means greedy, temperature 0, as in transformers);
 3. the model card's `generation` table (its authors' recommended settings);
 4. the documented defaults below.
 
@@ -21,12 +23,21 @@ from typing import Any
 import msgspec
 
 from jetshard_schema.cards import GenerationDefaults
-from jetshard_schema.types import SamplingParams
+from jetshard_schema.types import MAX_REPETITION_PENALTY, SamplingParams
 
 DEFAULT_TEMPERATURE = 1.0
 """OpenAI's default: the model's own distribution."""
 DEFAULT_TOP_P = 1.0
 """OpenAI's default: no nucleus cut."""
+DEFAULT_TOP_K = 0
+"""No cut (OpenAI has none; vLLM's default)."""
+DEFAULT_MIN_P = 0.0
+"""No cut (vLLM's default)."""
+DEFAULT_REPETITION_PENALTY = 1.0
+"""None (OpenAI has none; vLLM's and llama.cpp's default)."""
+DEFAULT_PRESENCE_PENALTY = 0.0
+DEFAULT_FREQUENCY_PENALTY = 0.0
+"""OpenAI's defaults: none. Only the request sets these two: neither `generation_config.json` nor a card has them."""
 DEFAULT_MAX_TOKENS = 512
 """mlx_lm.server's default. Bounded, so a request without `max_tokens` cannot run to the end of the context."""
 
@@ -34,6 +45,11 @@ DEFAULT_MAX_TOKENS = 512
 class ResolvedSampling(msgspec.Struct, frozen=True, kw_only=True):
     temperature: float
     top_p: float
+    top_k: int = DEFAULT_TOP_K
+    min_p: float = DEFAULT_MIN_P
+    repetition_penalty: float = DEFAULT_REPETITION_PENALTY
+    presence_penalty: float = DEFAULT_PRESENCE_PENALTY
+    frequency_penalty: float = DEFAULT_FREQUENCY_PENALTY
     max_tokens: int
 
 
@@ -56,6 +72,16 @@ def resolve_sampling(
             params.temperature, model_defaults.temperature, card_defaults.temperature, DEFAULT_TEMPERATURE
         ),
         top_p=first(params.top_p, model_defaults.top_p, card_defaults.top_p, DEFAULT_TOP_P),
+        top_k=first(params.top_k, model_defaults.top_k, card_defaults.top_k, DEFAULT_TOP_K),
+        min_p=first(params.min_p, model_defaults.min_p, card_defaults.min_p, DEFAULT_MIN_P),
+        repetition_penalty=first(
+            params.repetition_penalty,
+            model_defaults.repetition_penalty,
+            card_defaults.repetition_penalty,
+            DEFAULT_REPETITION_PENALTY,
+        ),
+        presence_penalty=first(params.presence_penalty, DEFAULT_PRESENCE_PENALTY),
+        frequency_penalty=first(params.frequency_penalty, DEFAULT_FREQUENCY_PENALTY),
         max_tokens=first(params.max_tokens, model_defaults.max_tokens, card_defaults.max_tokens, DEFAULT_MAX_TOKENS),
     )
 
@@ -74,9 +100,18 @@ def generation_config_defaults(config: object) -> GenerationDefaults:
     if config.get("do_sample") is False:
         temperature = 0.0
     top_p = _number(config.get("top_p"), lambda v: 0 < v <= 1)
+    top_k = config.get("top_k")
+    min_p = _number(config.get("min_p"), lambda v: 0 <= v <= 1)
+    repetition_penalty = _number(config.get("repetition_penalty"), lambda v: 0 < v <= MAX_REPETITION_PENALTY)
     max_new_tokens = config.get("max_new_tokens")
-    max_tokens = max_new_tokens if type(max_new_tokens) is int and max_new_tokens >= 1 else None
-    return GenerationDefaults(temperature=temperature, top_p=top_p, max_tokens=max_tokens)
+    return GenerationDefaults(
+        temperature=temperature,
+        top_p=top_p,
+        top_k=top_k if type(top_k) is int and top_k >= 0 else None,
+        min_p=min_p,
+        repetition_penalty=repetition_penalty,
+        max_tokens=max_new_tokens if type(max_new_tokens) is int and max_new_tokens >= 1 else None,
+    )
 
 
 def _number(value: object, in_range: Any) -> float | None:

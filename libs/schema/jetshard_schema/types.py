@@ -321,6 +321,12 @@ class Tools(msgspec.Struct, frozen=True, kw_only=True):
     """Several calls in one answer."""
 
 
+MAX_REPETITION_PENALTY = 10.0
+"""The largest repetition penalty. Useful ones are 1 to 2 (transformers' docs suggest 1.2, Ollama's default is 1.1);
+at 10 a repeated token's logit is a tenth of what it was, which already forbids any repetition, so a larger value
+is a mistake (a percentage, say) that deserves an error rather than an answer that can repeat no token."""
+
+
 class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
     """A request's sampling values; None leaves the value to the model (`jetshard_schema.sampling`)."""
 
@@ -332,6 +338,20 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
     seed: Annotated[int, msgspec.Meta(ge=0)] | None = None
     """Below 2**64 too (the engine checks: msgspec bounds stop at 64-bit signed)."""
     stop: tuple[str, ...] = ()
+    top_k: Annotated[int, msgspec.Meta(ge=0)] | None = None
+    """Sample among the k most likely tokens only; 0 cuts nothing."""
+    min_p: Annotated[float, msgspec.Meta(ge=0, le=1)] | None = None
+    """Sample among the tokens at least this share as likely as the most likely one; 0 cuts nothing."""
+    repetition_penalty: Annotated[float, msgspec.Meta(gt=0, le=MAX_REPETITION_PENALTY)] | None = None
+    """Divides the logit of each token already in the prompt or the answer (multiplies it where it is negative),
+    as transformers, vLLM and llama.cpp do; 1 is none."""
+    presence_penalty: Annotated[float, msgspec.Meta(ge=-2, le=2)] | None = None
+    """Subtracted from the logit of each token the answer holds already (OpenAI's); 0 is none."""
+    frequency_penalty: Annotated[float, msgspec.Meta(ge=-2, le=2)] | None = None
+    """Subtracted from a token's logit once for each time the answer holds it (OpenAI's); 0 is none."""
+    repeat_last_n: Annotated[int, msgspec.Meta(ge=0)] | None = None
+    """The penalties look at the last this many tokens only (Ollama's and llama.cpp's window; 0 turns them off);
+    None: at all of them."""
 
 
 CHAT_TEMPLATE_ARGUMENTS = frozenset(

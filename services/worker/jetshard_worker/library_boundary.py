@@ -29,7 +29,14 @@ import numpy as np
 from llguidance import LLMatcher, LLTokenizer
 from mlx_lm.models.base import create_attention_mask
 from mlx_lm.models.cache import PromptTrie, can_trim_prompt_cache, make_prompt_cache, trim_prompt_cache
-from mlx_lm.sample_utils import apply_top_p
+from mlx_lm.sample_utils import (
+    apply_min_p,
+    apply_top_k,
+    apply_top_p,
+    make_frequency_penalty,
+    make_presence_penalty,
+    make_repetition_penalty,
+)
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 from mlx_lm.utils import _get_classes, infer_quant_config, load_config, load_tokenizer
 
@@ -41,6 +48,8 @@ __all__ = [
     "LLMatcher",
     "LLTokenizer",
     "PromptTrie",
+    "apply_min_p",
+    "apply_top_k",
     "apply_top_p",
     "can_trim_prompt_cache",
     "create_attention_mask",
@@ -50,7 +59,10 @@ __all__ = [
     "json_schema_grammar",
     "load_config",
     "load_tokenizer",
+    "make_frequency_penalty",
+    "make_presence_penalty",
     "make_prompt_cache",
+    "make_repetition_penalty",
     "model_classes",
     "prompt_embeddings",
     "prompt_inputs",

@@ -554,6 +554,12 @@ class Runner:
                     max_tokens=max_tokens,
                     temperature=resolved.temperature,
                     top_p=resolved.top_p,
+                    top_k=resolved.top_k,
+                    min_p=resolved.min_p,
+                    repetition_penalty=resolved.repetition_penalty,
+                    presence_penalty=resolved.presence_penalty,
+                    frequency_penalty=resolved.frequency_penalty,
+                    repeat_last_n=request.sampling.repeat_last_n,
                     # Each choice its own draw; a seeded request stays reproducible.
                     seed=None if seed is None else (seed + i) % 2**64,
                     logits_processors=processors,

@@ -13,6 +13,7 @@ from jetshard_schema.types import (
     CHAT_TEMPLATE_ARGUMENTS,
     MAX_CHOICES,
     MAX_EMBEDDING_INPUTS,
+    MAX_REPETITION_PENALTY,
     MAX_TOP_LOGPROBS,
     TOKEN_ID_LIMIT,
     SamplingParams,
@@ -43,6 +44,22 @@ def invalid(param: str, message: str) -> ApiError:
     return ApiError(400, message, "invalid_value", param)
 
 
+SAMPLING_FIELDS = (
+    "max_tokens",
+    "temperature",
+    "top_p",
+    "seed",
+    "stop",
+    "top_k",
+    "min_p",
+    "repetition_penalty",
+    "presence_penalty",
+    "frequency_penalty",
+    "repeat_last_n",
+)
+"""The parameters of `sampling`, each named in errors as itself unless the dialect names it otherwise."""
+
+
 def sampling(
     *,
     max_tokens: int | None = None,
@@ -50,12 +67,20 @@ def sampling(
     top_p: float | None = None,
     seed: int | None = None,
     stop: str | Sequence[str] | None = None,
+    top_k: int | None = None,
+    min_p: float | None = None,
+    repetition_penalty: float | None = None,
+    presence_penalty: float | None = None,
+    frequency_penalty: float | None = None,
+    repeat_last_n: int | None = None,
     names: dict[str, str] | None = None,
 ) -> SamplingParams:
     """A request's sampling values, checked; a value left out stays None, for the model's defaults to fill in
-    where the model is (jetshard_schema.sampling). `names` maps these parameters to the dialect's fields."""
-    name = {"max_tokens": "max_tokens", "temperature": "temperature", "top_p": "top_p", "seed": "seed"}
-    name |= {"stop": "stop"} | (names or {})
+    where the model is (jetshard_schema.sampling). `names` maps these parameters to the dialect's fields.
+
+    `top_k` -1 means no cut, as 0 does (vLLM's and Ollama's way of saying it); `repeat_last_n` -1 means the whole
+    sequence (Ollama's and llama.cpp's), as leaving it out does."""
+    name = {field: field for field in SAMPLING_FIELDS} | (names or {})
     if max_tokens is not None and max_tokens < 1:
         raise invalid(name["max_tokens"], f"{name['max_tokens']} must be at least 1")
     if temperature is not None and not 0 <= temperature <= 2:
@@ -64,10 +89,35 @@ def sampling(
         raise invalid(name["top_p"], f"{name['top_p']} must be in (0, 1]")
     if seed is not None and not 0 <= seed <= MAX_SEED:
         raise invalid(name["seed"], f"{name['seed']} must be between 0 and {MAX_SEED}")
+    if top_k is not None and top_k < -1:
+        raise invalid(name["top_k"], f"{name['top_k']} must be 0 or more (0 or -1: no cut)")
+    if min_p is not None and not 0 <= min_p <= 1:
+        raise invalid(name["min_p"], f"{name['min_p']} must be between 0 and 1")
+    if repetition_penalty is not None and not 0 < repetition_penalty <= MAX_REPETITION_PENALTY:
+        field = name["repetition_penalty"]
+        raise invalid(field, f"{field} must be in (0, {MAX_REPETITION_PENALTY:g}] (1: no penalty)")
+    for key, penalty in (("presence_penalty", presence_penalty), ("frequency_penalty", frequency_penalty)):
+        if penalty is not None and not -2 <= penalty <= 2:
+            raise invalid(name[key], f"{name[key]} must be between -2 and 2")
+    if repeat_last_n is not None and repeat_last_n < -1:
+        field = name["repeat_last_n"]
+        raise invalid(field, f"{field} must be 0 or more (0: no penalties; -1: the whole sequence)")
     stops = (stop,) if isinstance(stop, str) else tuple(stop or ())
     if len(stops) > MAX_STOP or any(not s for s in stops):
         raise invalid(name["stop"], f"{name['stop']} takes up to {MAX_STOP} non-empty strings")
-    return SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, seed=seed, stop=stops)
+    return SamplingParams(
+        max_tokens=max_tokens,
+        temperature=temperature,
+        top_p=top_p,
+        seed=seed,
+        stop=stops,
+        top_k=0 if top_k == -1 else top_k,
+        min_p=min_p,
+        repetition_penalty=repetition_penalty,
+        presence_penalty=presence_penalty,
+        frequency_penalty=frequency_penalty,
+        repeat_last_n=None if repeat_last_n == -1 else repeat_last_n,
+    )
 
 
 def choices(n: int | None) -> int:

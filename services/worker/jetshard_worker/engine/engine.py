@@ -58,7 +58,7 @@ from .protocol import (
     Op,
 )
 from .rank_caches import RankCaches
-from .sampling import TaskSampler
+from .sampling import Penalties, TaskSampler
 from .shard import Shard
 
 log = logging.getLogger(__name__)
@@ -102,6 +102,13 @@ class GenerationRequest:
     max_tokens: int
     temperature: float = 0.0
     top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repeat_last_n: int | None = None
+    """The penalties' window (see `Penalties`); None: the whole sequence."""
     seed: int | None = None
     # None: the model's own EOS ids (config.json and generation_config.json).
     eos_token_ids: frozenset[int] | None = None
@@ -128,6 +135,14 @@ class GenerationRequest:
             raise ValueError(f"task {self.task_id}: temperature must be >= 0, got {self.temperature}")
         if not 0 < self.top_p <= 1:
             raise ValueError(f"task {self.task_id}: top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < 0:
+            raise ValueError(f"task {self.task_id}: top_k must be >= 0, got {self.top_k}")
+        if not 0 <= self.min_p <= 1:
+            raise ValueError(f"task {self.task_id}: min_p must be in [0, 1], got {self.min_p}")
+        if self.repetition_penalty <= 0:
+            raise ValueError(f"task {self.task_id}: repetition_penalty must be > 0, got {self.repetition_penalty}")
+        if self.repeat_last_n is not None and self.repeat_last_n < 0:
+            raise ValueError(f"task {self.task_id}: repeat_last_n must be >= 0, got {self.repeat_last_n}")
         if self.seed is not None and not 0 <= self.seed < 2**64:
             raise ValueError(f"task {self.task_id}: seed must be in [0, 2**64), got {self.seed}")
         if self.top_logprobs is not None and not 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS:
@@ -139,6 +154,8 @@ class _Task:
     request: GenerationRequest
     slot: int
     sampler: TaskSampler
+    penalties: Penalties | None
+    """None when its request sets none."""
     eos: frozenset[int]
     generated: list[int] = field(default_factory=list)  # tokens sampled, EOS included
     prefix_key: tuple[int, ...] = ()
@@ -154,6 +171,11 @@ class _Task:
         prompt = self.request.prompt_tokens
         start = 0 if self.restore is None else self.restore.tokens
         return prompt[start:] if self.request.embed else prompt[start:-1]
+
+    @property
+    def processes_logits(self) -> bool:
+        """Whether its logits go through processors (penalties, its request's own), which read its history."""
+        return self.penalties is not None or bool(self.request.logits_processors)
 
     def processor_history(self) -> mx.array:
         """What mlx-lm hands a logits processor: the prompt and every token generated so far."""
@@ -676,9 +698,21 @@ class PipelineEngine:
         used = {task.slot for task in self._slots_held()}
         slot = next(s for s in range(len(used) + 1) if s not in used)
         eos = self.shard.eos_token_ids if request.eos_token_ids is None else request.eos_token_ids
-        sampler = TaskSampler(request.temperature, request.top_p, request.seed)
+        sampler = TaskSampler(request.temperature, request.top_p, request.seed, request.top_k, request.min_p)
+        penalties = Penalties(
+            len(request.prompt_tokens),
+            request.repetition_penalty,
+            request.presence_penalty,
+            request.frequency_penalty,
+            request.repeat_last_n,
+        )
         task = _Task(
-            request=request, slot=slot, sampler=sampler, eos=frozenset(eos), prefix_key=self._prefix_key(request)
+            request=request,
+            slot=slot,
+            sampler=sampler,
+            penalties=penalties if penalties.active else None,
+            eos=frozenset(eos),
+            prefix_key=self._prefix_key(request),
         )
         hit = None if request.embed else self._prefixes.find(task.prefix_key[:-1])
         if hit is not None:
@@ -887,7 +921,7 @@ class PipelineEngine:
         mlx_lm's generate_step. A logits processor needs its row's previous token first: then it is read first."""
         group.in_flight = False
         previous, group.launched = group.launched, None
-        if previous is not None and any(t.request.logits_processors for t in rows):
+        if previous is not None and any(t.processes_logits for t in rows):
             self._read(previous)
             previous = None
         h = self._run_layers(self._arrived(hidden), self._caches.for_decode(header))
@@ -905,15 +939,18 @@ class PipelineEngine:
     ) -> tuple[mx.array, tuple[mx.array, mx.array, mx.array] | None]:
         """The rows' next tokens, and their scores when a row asked for them."""
         logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
-        if all(t.sampler.greedy and not t.request.logits_processors for t in rows):
+        if all(t.sampler.greedy and not t.processes_logits for t in rows):
             # Same op as mlx_lm's greedy_sampler, so greedy output matches mlx-lm exactly.
             tokens = mx.argmax(logprobs, axis=-1)
         else:
             sampled = []
             for i, task in enumerate(rows):
                 row = logprobs[i : i + 1]
-                if task.request.logits_processors:
+                if task.processes_logits:
                     history = task.processor_history()
+                    if task.penalties is not None:
+                        penalised = task.penalties(history, logits[i : i + 1])
+                        row = penalised - mx.logsumexp(penalised, axis=-1, keepdims=True)
                     for processor in task.request.logits_processors:
                         row = processor(history, row)
                 sampled.append(task.sampler(row))

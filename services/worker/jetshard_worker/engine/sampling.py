@@ -11,21 +11,39 @@ import secrets
 
 import mlx.core as mx
 
-from jetshard_worker.library_boundary import apply_top_p
+from jetshard_worker.library_boundary import (
+    apply_min_p,
+    apply_top_k,
+    apply_top_p,
+    make_frequency_penalty,
+    make_presence_penalty,
+    make_repetition_penalty,
+)
 
 
 class TaskSampler:
-    def __init__(self, temperature: float, top_p: float, seed: int | None) -> None:
+    """Cuts the distribution to the `top_k` most likely tokens, then to the `top_p` nucleus, then to the tokens at
+    least `min_p` times as likely as the most likely one (llama.cpp's order and vLLM's), and draws at
+    `temperature`; 0, 1 and 0 cut nothing."""
+
+    def __init__(self, temperature: float, top_p: float, seed: int | None, top_k: int = 0, min_p: float = 0.0) -> None:
         if temperature < 0:
             raise ValueError(f"temperature must be >= 0, got {temperature}")
         if not 0 < top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1], got {top_p}")
+        if top_k < 0:
+            raise ValueError(f"top_k must be >= 0, got {top_k}")
+        if not 0 <= min_p <= 1:
+            raise ValueError(f"min_p must be in [0, 1], got {min_p}")
         self.temperature = temperature
         self.top_p = top_p
+        self.top_k = top_k
+        self.min_p = min_p
         self._key = mx.random.key(secrets.randbits(63) if seed is None else seed)
 
     @property
     def greedy(self) -> bool:
+        """Argmax: no cut changes which token is the most likely."""
         return self.temperature == 0
 
     def __call__(self, logprobs: mx.array) -> mx.array:
@@ -34,6 +52,55 @@ class TaskSampler:
             # Same op as mlx_lm's greedy_sampler, so greedy output matches mlx-lm exactly.
             return mx.argmax(logprobs, axis=-1)
         self._key, key = mx.random.split(self._key)
+        if 0 < self.top_k < logprobs.shape[-1]:  # mlx-lm refuses a k that keeps the whole vocabulary
+            logprobs = apply_top_k(logprobs, self.top_k)
         if self.top_p < 1:
             logprobs = apply_top_p(logprobs, self.top_p)
+        if self.min_p > 0:
+            logprobs = apply_min_p(logprobs, self.min_p)
         return mx.random.categorical(logprobs * (1.0 / self.temperature), key=key)
+
+
+class Penalties:
+    """A task's repetition, presence and frequency penalties, with mlx-lm's processors, on the logits (before the
+    softmax, where transformers, vLLM and llama.cpp apply them: the repetition penalty is a factor, which the
+    softmax does not undo).
+
+    The repetition penalty looks at the prompt and the answer, as transformers, vLLM and llama.cpp do; the presence
+    and frequency penalties at the answer only, OpenAI's definition (and vLLM's): a chat's prompt repeats its
+    template's tokens, the end-of-turn token among them, which would otherwise be penalised once per turn. With
+    `last_n` each looks at the last `last_n` tokens of the sequence only (Ollama's `repeat_last_n`); 0 turns them
+    all off.
+    """
+
+    def __init__(
+        self, prompt_length: int, repetition: float, presence: float, frequency: float, last_n: int | None
+    ) -> None:
+        if repetition <= 0:
+            raise ValueError(f"repetition_penalty must be > 0, got {repetition}")
+        if last_n is not None and last_n < 0:
+            raise ValueError(f"repeat_last_n must be >= 0, got {last_n}")
+        self.prompt_length = prompt_length
+        self.last_n = last_n
+        # mlx-lm's processors look at their last `context_size` tokens: here the window is cut before they see it.
+        self._repetition = make_repetition_penalty(repetition, 2**31 - 1) if repetition != 1 else None
+        self._answer = [
+            make(penalty, 2**31 - 1)
+            for make, penalty in ((make_presence_penalty, presence), (make_frequency_penalty, frequency))
+            if penalty != 0
+        ]
+
+    @property
+    def active(self) -> bool:
+        return self.last_n != 0 and (self._repetition is not None or bool(self._answer))
+
+    def __call__(self, history: mx.array, logits: mx.array) -> mx.array:
+        """`history`: the prompt and the tokens generated so far; `logits` (1, vocab)."""
+        start = 0 if self.last_n is None else max(0, history.size - self.last_n)
+        if self._repetition is not None and start < history.size:
+            logits = self._repetition(history[start:], logits)
+        answer_start = max(start, self.prompt_length)
+        if answer_start < history.size:
+            for penalty in self._answer:
+                logits = penalty(history[answer_start:], logits)
+        return logits

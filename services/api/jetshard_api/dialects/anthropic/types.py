@@ -6,11 +6,10 @@ What a chat template can carry is translated: text, tool definitions, earlier to
 reasoning on (`enabled`, with its `budget_tokens`) or off (`disabled`, and by default, as Anthropic's models do);
 `adaptive` leaves it to the model's own default; the reasoning comes back as a `thinking` block before the text.
 Thinking blocks of earlier turns are dropped, as the chat templates of thinking models drop earlier reasoning.
-Base64 image blocks go to a vision model. Fields that would change the output and that jetshard cannot honour are
-refused with 400, never silently ignored: `top_k` (the engine samples with temperature and top-p only), an
-assistant message last (Anthropic continues such a "prefill"; a chat template starts a new turn after it),
-document blocks, and image blocks other than base64 (a text model refuses base64 ones too, saying it takes no
-images).
+Base64 image blocks go to a vision model. `top_k` cuts the sampling to the k most likely tokens. Fields that would
+change the output and that jetshard cannot honour are refused with 400, never silently ignored: an assistant
+message last (Anthropic continues such a "prefill"; a chat template starts a new turn after it), document blocks,
+and image blocks other than base64 (a text model refuses base64 ones too, saying it takes no images).
 `cache_control` markers, `metadata` and `output_config.effort` are accepted and ignored: they change nothing
 in the output here, and the runner's prefix cache reuses any prompt start it has kept without breakpoints.
 """
@@ -147,12 +146,13 @@ _CHOICES = {"auto": ToolChoice.AUTO, "any": ToolChoice.REQUIRED, "tool": ToolCho
 def message_sampling(request: MessagesRequest) -> SamplingParams:
     if request.temperature is not None and not 0 <= request.temperature <= 1:
         raise checks.invalid("temperature", "temperature must be between 0 and 1")
-    if request.top_k is not None:
-        raise checks.unsupported("top_k")
+    if request.top_k is not None and request.top_k < 0:
+        raise checks.invalid("top_k", "top_k must be 0 or more (0: no cut)")
     return checks.sampling(
         max_tokens=request.max_tokens,
         temperature=request.temperature,
         top_p=request.top_p,
+        top_k=request.top_k,
         stop=request.stop_sequences,
         names={"stop": "stop_sequences"},
     )

@@ -1,12 +1,13 @@
 """Request and response bodies of the Ollama-compatible routes, and the translation of a request into a
 TaskRequest.
 
-Ollama's options that would change the output and have no counterpart here (`top_k`, `repeat_penalty`,
-`mirostat`…) are accepted at their neutral values only and refused otherwise: Ollama's clients send no
-option they were not asked for, so a request that sets one wants it. Options about resources and loading
-(`num_ctx`, `num_gpu`, `num_thread`, `use_mmap`…) are accepted and have no effect: the cluster sizes its
-instances itself, and every model runs with its whole context. Option names Ollama does not know are
-ignored, as Ollama ignores them.
+The sampling options `temperature`, `top_p`, `top_k`, `min_p`, `repeat_penalty`, `presence_penalty`,
+`frequency_penalty` and `repeat_last_n` (the penalties' window) are applied. Those that would change the output
+and have no counterpart here (`typical_p`, `mirostat`…) are accepted at their neutral values only and refused
+otherwise: Ollama's clients send no option they were not asked for, so a request that sets one wants it. Options
+about resources and loading (`num_ctx`, `num_gpu`, `num_thread`, `use_mmap`…) are accepted and have no effect:
+the cluster sizes its instances itself, and every model runs with its whole context. Option names Ollama does not
+know are ignored, as Ollama ignores them.
 """
 
 from __future__ import annotations
@@ -47,18 +48,13 @@ NEVER = "9999-12-31T23:59:59Z"
 """When a ready model unloads: not before someone deletes its instance (`keep_alive` changes nothing)."""
 
 NEUTRAL_OPTIONS: dict[str, float] = {
-    "top_k": 0,
-    "min_p": 0.0,
     "typical_p": 1.0,
     "tfs_z": 1.0,
-    "repeat_penalty": 1.0,
-    "presence_penalty": 0.0,
-    "frequency_penalty": 0.0,
     "mirostat": 0,
 }
 """Sampling options this cluster does not apply, at the values that make them do nothing. Their companions
-(`repeat_last_n`, `penalize_newline`, `mirostat_tau`, `mirostat_eta`) do nothing without them, and `num_keep`
-only matters when a prompt overflows the context, which is an error here."""
+(`penalize_newline`, which recent Ollama ignores too, `mirostat_tau`, `mirostat_eta`) do nothing without them,
+and `num_keep` only matters when a prompt overflows the context, which is an error here."""
 UNTIL_CONTEXT_ENDS = (-1, -2)
 """`num_predict` values meaning no limit (-1) and fill the context (-2): both end with the context here."""
 
@@ -246,8 +242,9 @@ def sampling(options: Options | None, context_length: int | None) -> SamplingPar
         max_tokens = context_length
     elif max_tokens is not None and max_tokens < 1:
         raise checks.invalid("options.num_predict", "options.num_predict must be at least 1, or -1 or -2")
-    names = {k: f"options.{k}" for k in ("temperature", "top_p", "seed", "stop")} | {
-        "max_tokens": "options.num_predict"
+    names = {k: f"options.{k}" for k in checks.SAMPLING_FIELDS} | {
+        "max_tokens": "options.num_predict",
+        "repetition_penalty": "options.repeat_penalty",
     }
     return checks.sampling(
         max_tokens=max_tokens,
@@ -255,6 +252,12 @@ def sampling(options: Options | None, context_length: int | None) -> SamplingPar
         top_p=options.top_p,
         seed=None if options.seed == -1 else options.seed,  # Ollama's -1: a random seed
         stop=options.stop,
+        top_k=options.top_k,
+        min_p=options.min_p,
+        repetition_penalty=options.repeat_penalty,
+        presence_penalty=options.presence_penalty,
+        frequency_penalty=options.frequency_penalty,
+        repeat_last_n=options.repeat_last_n,
         names=names,
     )
 

@@ -49,6 +49,10 @@ class _Common(msgspec.Struct, frozen=True, kw_only=True):
     n: int | None = None
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
+    top_k: int | None = None
+    """vLLM's (the openai client sends it in `extra_body`), as are `min_p` and `repetition_penalty`."""
+    min_p: float | None = None
+    repetition_penalty: float | None = None
     logit_bias: dict[str, float] | None = None
     user: str | None = None
 
@@ -138,10 +142,6 @@ class EmbeddingRequest(msgspec.Struct, frozen=True, kw_only=True):
 
 
 def _common(request: _Common, max_tokens: int | None) -> SamplingParams:
-    if request.presence_penalty or request.frequency_penalty:
-        raise checks.unsupported(
-            "presence_penalty" if request.presence_penalty else "frequency_penalty", "other than 0"
-        )
     if request.logit_bias:
         raise checks.unsupported("logit_bias")
     return checks.sampling(
@@ -150,6 +150,11 @@ def _common(request: _Common, max_tokens: int | None) -> SamplingParams:
         top_p=request.top_p,
         seed=request.seed,
         stop=request.stop,
+        top_k=request.top_k,
+        min_p=request.min_p,
+        repetition_penalty=request.repetition_penalty,
+        presence_penalty=request.presence_penalty,
+        frequency_penalty=request.frequency_penalty,
     )
 
 

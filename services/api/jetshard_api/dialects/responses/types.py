@@ -94,6 +94,13 @@ class ResponseRequest(msgspec.Struct, frozen=True, kw_only=True):
     max_output_tokens: int | None = None
     temperature: float | None = None
     top_p: float | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    top_k: int | None = None
+    """vLLM's, as in chat completions (the openai client sends it in `extra_body`), as are `min_p` and
+    `repetition_penalty`."""
+    min_p: float | None = None
+    repetition_penalty: float | None = None
     tools: list[FunctionTool] | None = None
     tool_choice: Literal["auto", "none", "required"] | FunctionToolChoice | None = None
     parallel_tool_calls: bool = True
@@ -141,6 +148,11 @@ def response_task(
         max_tokens=request.max_output_tokens,
         temperature=request.temperature,
         top_p=request.top_p,
+        top_k=request.top_k,
+        min_p=request.min_p,
+        repetition_penalty=request.repetition_penalty,
+        presence_penalty=request.presence_penalty,
+        frequency_penalty=request.frequency_penalty,
         names={"max_tokens": "max_output_tokens"},
     )
     messages = _messages(request.input, loaded or {})
