@@ -11,6 +11,7 @@ import signal
 import pytest
 from jetshard_downloader.convert import packaged_gguf_path
 from jetshard_schema.catalogue import DEMO_MODEL_ID, builtin_cards
+from jetshard_schema.sampling import ResolvedSampling
 from jetshard_schema.types import (
     ChatMessage,
     SamplingParams,
@@ -29,6 +30,7 @@ from jetshard_worker.engines.llamacpp.server import LlamaServer, ServerDied, Ser
 DEMO_GGUF, _ = packaged_gguf_path(builtin_cards()[DEMO_MODEL_ID])
 
 
+GREEDY = ResolvedSampling(temperature=0.0, top_p=1.0, max_tokens=400)
 QUESTION = "What is the capital of France? Answer in one sentence."
 
 
@@ -47,13 +49,15 @@ def test_a_chat_becomes_one_streamed_request_with_the_models_own_template_and_ou
         functions=(Tool(name="weather", parameters={"type": "object"}),), choice=ToolChoice.FUNCTION, function="weather"
     )
     request = _chat(tools=tools, top_logprobs=3, thinking_budget=64, chat_template_kwargs={"enable_thinking": True})
-    row = llama.chat_request("t1#0", request, max_tokens=16, temperature=0.0, top_p=1.0, seed=2**64 - 1)
+    row = llama.chat_request("t1#0", request, GREEDY, max_tokens=16, seed=2**64 - 1, window=512)
     assert row.path == llama.CHAT_PATH
     body = row.body
     assert body["messages"] == [{"role": "user", "content": QUESTION}]
     assert body["stream"] and body["cache_prompt"] and body["max_tokens"] == 16
     assert body["seed"] == (2**64 - 1) % 2**32  # llama.cpp's seeds are 32-bit
-    assert (body["top_k"], body["min_p"]) == (0, 0.0)  # no sampler the request did not ask for
+    # Every sampler as we resolved it, none of llama.cpp's own defaults (top_k 40, min_p 0.05, a 64-token window).
+    assert (body["top_k"], body["min_p"], body["repeat_penalty"], body["repeat_last_n"]) == (0, 0.0, 1.0, 512)
+    assert (body["temperature"], body["presence_penalty"], body["frequency_penalty"]) == (0.0, 0.0, 0.0)
     assert body["tool_choice"] == "required" and [t["function"]["name"] for t in body["tools"]] == ["weather"]
     assert body["logprobs"] is True and body["top_logprobs"] == 3
     assert body["thinking_budget_tokens"] == 64 and body["chat_template_kwargs"] == {"enable_thinking": True}
@@ -98,7 +102,9 @@ def test_a_completion_ends_at_its_limit_with_its_token_counts() -> None:
     request = TaskRequest(
         task_id="t2", model_id="a/b", kind=TaskKind.COMPLETION, prompt="Once", sampling=SamplingParams()
     )
-    row = llama.completion_request("t2#0", request, max_tokens=4, temperature=0.7, top_p=0.9, seed=None)
+    sampling = ResolvedSampling(temperature=0.7, top_p=0.9, top_k=5, repetition_penalty=1.3, max_tokens=4)
+    row = llama.completion_request("t2#0", request, sampling, max_tokens=4, seed=None, window=512)
+    assert (row.body["top_k"], row.body["repeat_penalty"], row.body["temperature"]) == (5, 1.3, 0.7)
     assert row.path == llama.COMPLETION_PATH and row.body["prompt"] == "Once" and row.body["n_predict"] == 4
     assert "seed" not in row.body
     last = {"content": "", "stop": True, "stop_type": "limit", "tokens_evaluated": 2, "tokens_predicted": 4}
@@ -149,7 +155,7 @@ class _Rows:
 async def test_the_engine_streams_a_greedy_answer_and_counts_it(demo_server: LlamaServer) -> None:
     rows = _Rows()
     engine = rows.engine(demo_server)
-    engine.submit(llama.chat_request("t1#0", _chat(), max_tokens=16, temperature=0.0, top_p=1.0, seed=None))
+    engine.submit(llama.chat_request("t1#0", _chat(), GREEDY, max_tokens=16, seed=None, window=512))
     await asyncio.wait_for(rows.finished.wait(), 60)
     assert "Paris" in rows.text["t1#0"], rows.text
     ending = rows.endings["t1#0"]
@@ -162,7 +168,7 @@ async def test_a_cancelled_row_ends_at_once_and_frees_its_slot(demo_server: Llam
     rows = _Rows()
     engine = rows.engine(demo_server)
     long = _chat("Write a very long story about a dragon.")
-    engine.submit(llama.chat_request("t1#0", long, max_tokens=400, temperature=0.0, top_p=1.0, seed=None))
+    engine.submit(llama.chat_request("t1#0", long, GREEDY, max_tokens=400, seed=None, window=512))
     await asyncio.wait_for(rows.first_piece.wait(), 60)
     engine.cancel("t1#0")
     await asyncio.wait_for(rows.finished.wait(), 5)
@@ -181,7 +187,7 @@ async def test_a_killed_llama_server_fails_the_rows_and_ends_the_engine(demo_ser
     rows = _Rows()
     engine = rows.engine(demo_server)
     long = _chat("Write a very long story about a dragon.")
-    engine.submit(llama.chat_request("t1#0", long, max_tokens=400, temperature=0.0, top_p=1.0, seed=None))
+    engine.submit(llama.chat_request("t1#0", long, GREEDY, max_tokens=400, seed=None, window=512))
     serving = asyncio.create_task(engine.serve())
     await asyncio.wait_for(rows.first_piece.wait(), 60)
     assert demo_server._process is not None

@@ -444,11 +444,11 @@ class Runner:
             build(
                 row_id(request.task_id, i),
                 request,
+                resolved,
                 max_tokens=min(resolved.max_tokens, self.context_length),
-                temperature=resolved.temperature,
-                top_p=resolved.top_p,
                 # Each choice its own draw; a seeded request stays reproducible.
                 seed=None if seed is None else (seed + i) % 2**64,
+                window=self.context_length,
             )
             for i in range(request.n)
         ]

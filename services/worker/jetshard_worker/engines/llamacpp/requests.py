@@ -13,6 +13,7 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
+from jetshard_schema.sampling import ResolvedSampling
 from jetshard_schema.types import ChatMessage, TaskOutcome, TaskRequest, TokenLogprob, ToolChoice, TopLogprob
 
 from jetshard_worker.toolcalls import ToolCallParsed
@@ -70,21 +71,16 @@ class StreamState:
 
 
 def chat_request(
-    row_id: str,
-    request: TaskRequest,
-    *,
-    max_tokens: int,
-    temperature: float,
-    top_p: float,
-    seed: int | None,
+    row_id: str, request: TaskRequest, sampling: ResolvedSampling, *, max_tokens: int, seed: int | None, window: int
 ) -> LlamaRequest:
+    """`window`: the tokens the penalties look back over when the request does not say (the slot's context)."""
     body: dict[str, Any] = {
         "messages": [_message(m) for m in request.messages],
         "stream": True,
         "stream_options": {"include_usage": True},
         "max_tokens": max_tokens,
         "cache_prompt": True,
-        **_sampling(temperature, top_p, seed),
+        **_sampling(sampling, request.sampling.repeat_last_n, seed, window),
     }
     tools = request.tools
     if tools is not None and tools.functions and tools.choice is not ToolChoice.NONE:
@@ -110,20 +106,14 @@ def chat_request(
 
 
 def completion_request(
-    row_id: str,
-    request: TaskRequest,
-    *,
-    max_tokens: int,
-    temperature: float,
-    top_p: float,
-    seed: int | None,
+    row_id: str, request: TaskRequest, sampling: ResolvedSampling, *, max_tokens: int, seed: int | None, window: int
 ) -> LlamaRequest:
     body: dict[str, Any] = {
         "prompt": request.prompt,
         "stream": True,
         "n_predict": max_tokens,
         "cache_prompt": True,
-        **_sampling(temperature, top_p, seed),
+        **_sampling(sampling, request.sampling.repeat_last_n, seed, window),
     }
     if request.output_schema is not None:
         body["json_schema"] = request.output_schema
@@ -133,10 +123,22 @@ def completion_request(
     return LlamaRequest(row_id, COMPLETION_PATH, body)
 
 
-def _sampling(temperature: float, top_p: float, seed: int | None) -> dict[str, Any]:
-    # Greedy at temperature 0, as our MLX engine samples; llama.cpp's default samplers (top_k 40, min_p 0.05)
-    # would otherwise apply on top of what the request asked for.
-    values: dict[str, Any] = {"temperature": temperature, "top_p": top_p, "top_k": 0, "min_p": 0.0}
+def _sampling(sampling: ResolvedSampling, repeat_last_n: int | None, seed: int | None, window: int) -> dict[str, Any]:
+    # Every value, always: llama.cpp's own defaults (top_k 40, min_p 0.05, a 64-token penalty window) would
+    # otherwise apply on top of what the request and the model asked for. Its presence and frequency penalties
+    # count the prompt's tokens too (MLX's count the answer's, as OpenAI's do): a difference upstream has no
+    # switch for.
+    values: dict[str, Any] = {
+        "temperature": sampling.temperature,
+        "top_p": sampling.top_p,
+        "top_k": sampling.top_k,
+        "min_p": sampling.min_p,
+        "repeat_penalty": sampling.repetition_penalty,
+        "presence_penalty": sampling.presence_penalty,
+        "frequency_penalty": sampling.frequency_penalty,
+        # None is the whole sequence: llama-server refuses -1, and allocates a window of the size it is given.
+        "repeat_last_n": window if repeat_last_n is None else min(repeat_last_n, window),
+    }
     if seed is not None:
         values["seed"] = seed % SEED_LIMIT
     return values
