@@ -14,7 +14,8 @@ import msgspec
 from jetshard_schema import commands, events
 from jetshard_schema.admission import Refused, admit
 from jetshard_schema.card_from_config import SUPPORTED_ARCHITECTURES
-from jetshard_schema.cards import VISION_ARCHITECTURES
+from jetshard_schema.cards import VISION_ARCHITECTURES, ModelFormat
+from jetshard_schema.gguf_card import LLAMA_CPP_ARCHITECTURES
 from jetshard_schema.ids import CommandId, InstanceId, ModelId, NodeId
 from jetshard_schema.models import find_card, is_builtin
 from jetshard_schema.placement import InvalidPlacement, ModelUnavailable, NotEnoughNodes, PlacementError, place_in
@@ -179,7 +180,8 @@ def _add_custom_model_card(state: State, command: commands.AddCustomModelCard, c
     card = command.card
     if find_card(state, card.model_id) is not None:
         return _reject(command, RejectCode.ALREADY_EXISTS, f"{card.model_id} is already in the catalogue")
-    servable = SUPPORTED_ARCHITECTURES | VISION_ARCHITECTURES
+    # A card MLX can hold needs an architecture mlx-lm runs; a GGUF-only one, an architecture llama.cpp loads.
+    servable = SUPPORTED_ARCHITECTURES | VISION_ARCHITECTURES if ModelFormat.MLX in card.formats else LLAMA_CPP_ARCHITECTURES
     if card.architecture not in servable:
         return _reject(
             command,
