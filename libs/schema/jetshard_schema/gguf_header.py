@@ -141,9 +141,7 @@ class _Reader:
     def skip(self, count: int, what: str) -> int:
         start = self.offset
         if count > self.file_size - start:
-            raise ValueError(
-                f"{what} at byte {start} needs {count} bytes, but the file ends at byte {self.file_size}"
-            )
+            raise ValueError(f"{what} at byte {start} needs {count} bytes, but the file ends at byte {self.file_size}")
         if count > len(self.data) - start:
             raise NeedMoreBytes(start + count)
         self.offset += count
@@ -165,7 +163,9 @@ class _Reader:
             return self.string(what)
         if value_type in _SCALAR_FORMATS:
             fmt = _SCALAR_FORMATS[value_type]
-            value: int | float | bool = struct.unpack_from(fmt, self.data, self.skip(_SCALAR_SIZES[value_type], what))[0]
+            value: int | float | bool = struct.unpack_from(fmt, self.data, self.skip(_SCALAR_SIZES[value_type], what))[
+                0
+            ]
             return value
         raise ValueError(f"{what} has unknown value type {value_type}")
 

@@ -156,6 +156,24 @@ class RunnerStatus(enum.StrEnum):
     STOPPED = "stopped"
 
 
+class ImportStatus(enum.StrEnum):
+    ONGOING = "ongoing"
+    COMPLETED = "completed"
+    FAILED = "failed"
+
+
+class ImportProgress(msgspec.Struct, frozen=True, kw_only=True):
+    """Where one import of a model file stands on its node, as its downloader reports it."""
+
+    status: ImportStatus
+    bytes_done: int = 0
+    bytes_total: int = 0
+    directory: str = ""
+    """The model directory it was written to, once completed."""
+    reason: str = ""
+    """Why it failed, for a person."""
+
+
 class DownloadProgress(msgspec.Struct, frozen=True, kw_only=True):
     """Where one node's download of one model stands: what its downloader reports, and State records."""
 

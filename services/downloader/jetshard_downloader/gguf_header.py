@@ -9,7 +9,9 @@ from pathlib import Path
 from jetshard_schema.gguf_header import GGML_TYPES, MLX_TENSOR_TYPES, GgufHeader, parse_gguf_header
 
 
-def read_gguf_header(path: Path, *, tensor_types: frozenset[int] = frozenset(GGML_TYPES), reader: str = "llama.cpp") -> GgufHeader:
+def read_gguf_header(
+    path: Path, *, tensor_types: frozenset[int] = frozenset(GGML_TYPES), reader: str = "llama.cpp"
+) -> GgufHeader:
     """The header of the GGUF file at `path`; ValueError naming the problem when it is not one `reader` reads,
     OSError when it cannot be read."""
     with open(path, "rb") as f:

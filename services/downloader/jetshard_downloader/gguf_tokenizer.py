@@ -13,8 +13,8 @@ from pathlib import Path
 from typing import Any
 
 import mlx.core as mx
-from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors
 from jetshard_schema.gguf_card import DIGITS_THEN_GPT2_PRE, GPT2_ONLY_PRE
+from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors
 
 # llama.cpp token types (enum llama_token_type / gguf TokenType).
 TOKEN_NORMAL = 1

@@ -12,12 +12,14 @@ import json
 import os
 from pathlib import Path
 
-from jetshard_schema.cards import ModelCard
+from jetshard_schema.cards import ModelCard, ModelFormat
 
 from jetshard_downloader.dirs import ModelDirs
 from jetshard_downloader.locate import Found, find_model, hf_cache_snapshots
+from jetshard_downloader.manifest import read_manifest
 from jetshard_downloader.paths import (
     CONFIG_NAME,
+    GGUF_NAME,
     INDEX_NAME,
     SINGLE_WEIGHTS_NAME,
     file_in,
@@ -43,6 +45,8 @@ def _local_index(dirs: ModelDirs, card: ModelCard) -> dict | None:  # type: igno
 
 
 def required_local_files(dirs: ModelDirs, card: ModelCard, start_layer: int, end_layer: int) -> set[str]:
+    if ModelFormat.MLX not in card.formats:  # llama.cpp loads the whole file, whatever layers a node serves
+        return {GGUF_NAME}
     index = _local_index(dirs, card)
     if index is None:
         return {CONFIG_NAME, SINGLE_WEIGHTS_NAME}
@@ -70,5 +74,10 @@ def find_shard(dirs: ModelDirs, card: ModelCard, start_layer: int, end_layer: in
 
 def weights_size(dirs: ModelDirs, card: ModelCard, model_dir: Path) -> int:
     """Bytes of the whole model's weight files in `model_dir` (a complete copy): its real size on this node."""
+    if ModelFormat.MLX not in card.formats:
+        manifest = read_manifest(model_dir)
+        if manifest is not None:
+            return sum(manifest.sizes().values())
+        return file_in(model_dir, GGUF_NAME).stat().st_size
     names = required_local_files(dirs, card, 0, card.num_layers)
     return sum(file_in(model_dir, name).stat().st_size for name in names if name.endswith(".safetensors"))

@@ -39,6 +39,7 @@ from jetshard_downloader.dirs import ModelDirs
 from jetshard_downloader.manifest import Manifest, read_manifest
 from jetshard_downloader.paths import (
     CONFIG_NAME,
+    GGUF_NAME,
     INDEX_NAME,
     SINGLE_WEIGHTS_NAME,
     check_ref_component,
@@ -62,7 +63,12 @@ class Found:
 
 
 def _whole_model_files(model_dir: Path) -> set[str] | None:
-    """Files the whole model needs, read from the index on disk; None when that cannot be determined."""
+    """Files the whole model needs, read from the index on disk; None when that cannot be determined. A GGUF
+    model directory (an import: `model.gguf`, no config.json) needs its `model.gguf` and what its manifest lists
+    beside it (a split model's parts, the projector)."""
+    if not (model_dir / CONFIG_NAME).exists() and os.path.lexists(model_dir / GGUF_NAME):
+        manifest = read_manifest(model_dir)
+        return {GGUF_NAME, *(manifest.sizes() if manifest is not None else ())}
     index_path = model_dir / INDEX_NAME
     if index_path.is_file():
         try:
@@ -80,6 +86,8 @@ def _whole_model_files(model_dir: Path) -> set[str] | None:
 def _needed(model_dir: Path, required_files: set[str] | None) -> set[str] | None:
     if required_files is None:
         return _whole_model_files(model_dir)
+    if GGUF_NAME in required_files:  # llama.cpp's file: no config.json beside it
+        return set(required_files)
     return {CONFIG_NAME, *required_files}
 
 
@@ -89,6 +97,10 @@ def _complete_by_manifest(model_dir: Path, manifest: Manifest, required_files: s
         return False
     sizes = manifest.sizes()
     for name in needed:
+        if name == GGUF_NAME and name not in sizes:  # a split model's link to its first part, listed itself
+            if not file_in(model_dir, name).is_file():
+                return False
+            continue
         if name not in sizes:
             return False
         try:

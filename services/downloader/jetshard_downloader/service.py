@@ -43,6 +43,7 @@ from jetshard_schema.commands import (
     Command,
     ReportDownloadDeleted,
     ReportDownloadProgress,
+    ReportModelImport,
     ReportModelSize,
     ReportNodeStorage,
 )
@@ -53,12 +54,20 @@ from jetshard_schema.events import (
     DownloadRequested,
     EventEnvelope,
     InstancePlaced,
+    ModelImportRequested,
 )
 from jetshard_schema.ids import ModelId, NodeId
 from jetshard_schema.models import all_cards, find_card
 from jetshard_schema.state import Download, State
 from jetshard_schema.stats import DownloaderStats, DownloadFigures
-from jetshard_schema.types import DownloadProgress, DownloadStatus, ModelDirInfo, NodeStorage
+from jetshard_schema.types import (
+    DownloadProgress,
+    DownloadStatus,
+    ImportProgress,
+    ImportStatus,
+    ModelDirInfo,
+    NodeStorage,
+)
 
 from jetshard_downloader.choose import NoSpace, choose_directory
 from jetshard_downloader.convert import ProgressCallback, TargetCallback, convert_packaged, sweep_staging
@@ -77,6 +86,7 @@ from jetshard_downloader.fetch import (
     list_remote_files,
     offline_error,
 )
+from jetshard_downloader.import_file import ImportRefused, read_import, store_import
 from jetshard_downloader.local import find_shard, weights_size
 from jetshard_downloader.locate import Found, find_model, partial_bytes_for
 from jetshard_downloader.paths import INDEX_NAME, SINGLE_WEIGHTS_NAME
@@ -255,6 +265,8 @@ class Downloader:
                 self.cancel(model_id)  # State forgot its download with the card; what was fetched stays on disk
             case DownloadDeleteRequested(node_id=node_id, model_id=model_id) if node_id == self.node_id:
                 self._spawn(self._delete(model_id))
+            case ModelImportRequested(node_id=node_id) if node_id == self.node_id:
+                self._spawn(self._import(envelope.event))
 
     def resume(self, state: State) -> None:
         """Pick up what State says this node was doing when the downloader stopped."""
@@ -577,6 +589,67 @@ class Downloader:
             choice.model_dir,
         )
         await self._report_completed(job, card, await self._written_into(job, card, choice.model_dir))
+
+    # --- imports -----------------------------------------------------------------------------------------
+
+    async def _import(self, request: ModelImportRequested) -> None:
+        """Import a GGUF file on this node (`import_file`), reporting its progress, then the card or the problem."""
+        model_id = request.model_id
+
+        async def report(progress: ImportProgress, card: ModelCard | None = None) -> None:
+            await self.publish(
+                ReportModelImport(
+                    node_id=self.node_id, import_id=request.import_id, model_id=model_id, progress=progress, card=card
+                )
+            )
+
+        async with self.locks[model_id]:
+            job = _Job(model_id, 0, 0)
+            self.running[model_id] = job
+            try:
+                mmproj = Path(request.mmproj_path) if request.mmproj_path else None
+                card, files = await asyncio.to_thread(read_import, model_id, Path(request.path), mmproj)
+                log.info("importing %s from %s", model_id, request.path)
+                loop = asyncio.get_running_loop()
+                last_sent = [0.0]
+
+                def on_progress(done: int, total: int) -> None:
+                    job.done, job.total = done, total
+                    now = time.monotonic()
+                    if now - last_sent[0] >= self.config.progress_interval_s:
+                        last_sent[0] = now
+                        progress = ImportProgress(status=ImportStatus.ONGOING, bytes_done=done, bytes_total=total)
+                        asyncio.run_coroutine_threadsafe(report(progress), loop)
+
+                directory, total = await asyncio.to_thread(
+                    store_import,
+                    self.dirs,
+                    model_id,
+                    files,
+                    replace=request.replace,
+                    on_progress=on_progress,
+                    cancel=job.cancel,
+                )
+            except asyncio.CancelledError:
+                job.cancel.set()
+                raise
+            except (ImportRefused, OSError, Cancelled) as error:
+                reason = str(error) if isinstance(error, ImportRefused | Cancelled) else f"the import failed: {error}"
+                log.warning("import of %s failed: %s", model_id, reason)
+                await report(ImportProgress(status=ImportStatus.FAILED, reason=reason))
+                return
+            except Exception as error:  # a bug: the import fails with it, the downloader goes on
+                log.exception("import of %s failed", model_id)
+                await report(ImportProgress(status=ImportStatus.FAILED, reason=f"{type(error).__name__}: {error}"))
+                return
+            finally:
+                if self.running.get(model_id) is job:
+                    del self.running[model_id]
+            log.info("imported %s into %s", model_id, directory)
+            done = ImportProgress(
+                status=ImportStatus.COMPLETED, bytes_done=total, bytes_total=total, directory=str(directory)
+            )
+            await report(done, card)
 
     # --- deletes -----------------------------------------------------------------------------------------
 
