@@ -40,6 +40,7 @@ from jetshard_schema.types import (
     ServingSettings,
     ShardAssignment,
     TaskRef,
+    engine_format,
 )
 
 
@@ -496,7 +497,7 @@ def instance_status(state: State, instance: Instance) -> InstanceStatus:
         return InstanceStatus.RESTARTING
     for shard in instance.shards:
         download = state.download(shard.node_id, instance.model_id)
-        if download is None or download.progress.status is not DownloadStatus.COMPLETED:
+        if download is None or not download.progress.holds(engine_format(instance.serving.engine)):
             return InstanceStatus.DOWNLOADING
     return InstanceStatus.WAITING
 

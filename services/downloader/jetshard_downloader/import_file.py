@@ -146,7 +146,7 @@ def store_import(
                 done += len(chunk)
                 on_progress(done, total)
 
-            _link_or_copy(source, out / name, advance)
+            link_or_copy(source, out / name, advance)
             entries.append(ManifestFile(name, (out / name).stat().st_size, digest.hexdigest()))
         if files[0][1] != GGUF_NAME:  # a split model: model.gguf names its first part
             os.symlink(files[0][1], out / GGUF_NAME)
@@ -165,7 +165,7 @@ def store_import(
     return target, total
 
 
-def _link_or_copy(source: Path, destination: Path, advance: Callable[[bytes], None]) -> None:
+def link_or_copy(source: Path, destination: Path, advance: Callable[[bytes], None]) -> None:
     """A hard link where the filesystem allows it, else a copy; `advance` sees every byte (the manifest's hash)."""
     try:
         os.link(source, destination)

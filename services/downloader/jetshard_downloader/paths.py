@@ -23,6 +23,7 @@ SINGLE_WEIGHTS_NAME = "model.safetensors"
 CONFIG_NAME = "config.json"
 GGUF_NAME = "model.gguf"
 """A GGUF model directory's model, the file llama.cpp loads (a split model's: a link to its first part)."""
+GGUF_SUFFIX = ".gguf"
 MMPROJ_NAME = "mmproj.gguf"
 """A GGUF model directory's projector, for a model that sees."""
 

@@ -273,6 +273,7 @@ def _report_model_import(state: State, command: commands.ReportModelImport, ctx:
         bytes_done=command.progress.bytes_total,
         bytes_total=command.progress.bytes_total,
         directory=command.progress.directory,
+        formats=(ModelFormat.GGUF,),
     )
     return [
         *added,
