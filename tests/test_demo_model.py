@@ -15,7 +15,6 @@ import io
 import json
 import os
 import re
-import shutil
 import signal
 import subprocess
 import sys

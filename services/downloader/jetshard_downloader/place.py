@@ -5,7 +5,8 @@ directory does not exist yet, the staged directory, its manifest written, become
 exists and holds another form of the model (the GGUF an MLX directory is converted from, or the MLX directory a
 GGUF joins), the staged files move in beside it and the manifest, rewritten last and atomically, lists both: a
 crash in between leaves files the manifest does not vouch for, never a form that looks complete and is not.
-A replacement (`replace`) takes the directory's place whole, in one exchange.
+A replacement (`replace`), or a form meeting a directory no manifest vouches for (what a crash or another tool
+left), takes the directory's place whole, in one exchange.
 """
 
 from __future__ import annotations
@@ -21,8 +22,8 @@ from jetshard_downloader.paths import exchange_directories, file_in
 def move_into_place(out: Path, target: Path, manifest: Manifest, *, replace: bool = False) -> None:
     """Make the staged directory `out`, whose files `manifest` lists, the model directory `target` (see module
     doc); `out` is left to its staging directory's removal."""
+    write_manifest(out, manifest)  # a directory of its own (a join moves only the files it lists)
     if replace or not target.exists():
-        write_manifest(out, manifest)
         try:
             os.rename(out, target)
             fsync_dir(target.parent)
@@ -30,10 +31,12 @@ def move_into_place(out: Path, target: Path, manifest: Manifest, *, replace: boo
         except OSError as error:
             if error.errno not in (errno.ENOTEMPTY, errno.EEXIST):
                 raise
-        if replace:
-            exchange_directories(out, target)  # what was there goes to the staging directory, and with it
-            fsync_dir(target.parent)
-            return
+    if replace or read_manifest(target) is None:
+        # What was there (the copy replaced, or what a crash or another tool left, which no manifest vouches
+        # for) goes to the staging directory, and with it.
+        exchange_directories(out, target)
+        fsync_dir(target.parent)
+        return
     _join(out, target, manifest)
 
 
