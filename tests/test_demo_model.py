@@ -15,7 +15,6 @@ import io
 import json
 import os
 import re
-import shutil
 import signal
 import subprocess
 import sys
@@ -35,6 +34,7 @@ from jetshard_downloader.fetch import Cancelled
 from jetshard_downloader.gguf import packaged_demo_gguf
 from jetshard_downloader.locate import find_model
 from jetshard_downloader.paths import INDEX_NAME, MANIFEST_NAME
+from jetshard_schema.cards import ModelFormat
 from jetshard_schema.catalogue import DEMO_MODEL_ID, builtin_cards
 from jetshard_schema.commands import StartDownload
 from jetshard_schema.ids import ModelId, model_dir_name
@@ -475,23 +475,34 @@ async def test_import_gguf_adds_a_local_model_that_its_node_serves_from_disk(clu
     async with httpx.AsyncClient() as http:
         card: dict[str, Any] = (await http.get(f"{api}/models/local/smol")).json()
     assert card["is_custom"] and card["source"] == "local-gguf" and card["num_layers"] == 30
+    smol, gguf_size = models / "local--smol", packaged_demo_gguf().stat().st_size
+    stored = cluster.follower.state.download(node, ModelId("local/smol"))
+    assert stored is not None and stored.progress.formats == (ModelFormat.GGUF,)  # the import is llama.cpp's form
+    # A download that names no engine makes the MLX form: converted from the stored GGUF, into the same directory.
     await cluster.submit(StartDownload(model_id=ModelId("local/smol"), node_id=node))
-    done = await cluster.wait_download(node, "local/smol", FINAL, 60)
-    assert done.progress.status is DownloadStatus.COMPLETED and done.progress.directory == str(models / "local--smol")
-    measured = await cluster.wait(lambda s: "local/smol" in s.measured_sizes, what="local/smol's size measured")
-    assert_sizes_are_the_files_on_disk(done, models / "local--smol", measured)
+    done = await cluster.wait_download_of(node, "local/smol", ModelFormat.MLX, 90)
+    assert done.progress.directory == str(smol) and set(done.progress.formats) == {ModelFormat.GGUF, ModelFormat.MLX}
+    weights = sum(p.stat().st_size for p in smol.glob("*.safetensors"))
+    loaded = weights + sum((smol / name).stat().st_size for name in ("config.json", INDEX_NAME))
+    assert done.progress.bytes_total == done.progress.bytes_done == loaded
+    assert (smol / "model.gguf").stat().st_size == gguf_size  # still there, beside the MLX form
+    # The card's size stays the GGUF's (exact, as llama.cpp holds it): the conversion does not change it.
+    assert "local/smol" not in cluster.follower.state.measured_sizes
+    async with httpx.AsyncClient() as http:
+        assert (await http.get(f"{api}/models/local/smol")).json()["storage_size_bytes"] == gguf_size
 
     again = await asyncio.to_thread(import_gguf, str(tmp_path / "missing.gguf"))
     assert again.returncode != 0 and "does not exist" in again.stderr
 
-    await asyncio.to_thread(assert_imports_over_a_stored_model_lose_nothing, command, env, models, tmp_path)
+    await asyncio.to_thread(assert_imports_over_a_stored_model_lose_nothing, api, command, env, models, tmp_path)
 
 
 def assert_imports_over_a_stored_model_lose_nothing(
-    command: list[str], env: dict[str, str], models: Path, tmp_path: Path
+    api: str, command: list[str], env: dict[str, str], models: Path, tmp_path: Path
 ) -> None:
-    """`local/smol`, imported and stored, survives every import under its id that does not complete, and one not
-    asked to replace it; other models' ids are refused."""
+    """`local/smol`, imported and stored (both forms), survives every import under its id that does not complete,
+    and one not asked to replace it; other models' ids are refused. The node's downloader owns an import: a Ctrl-C
+    of the CLI leaves it to finish there."""
     gguf = str(packaged_demo_gguf())
     smol = models / "local--smol"
     manifest = (smol / MANIFEST_NAME).read_bytes()
@@ -507,18 +518,15 @@ def assert_imports_over_a_stored_model_lose_nothing(
     refused = import_gguf(gguf, "--id", "local/smol")
     assert refused.returncode == 1 and f"local/smol is already stored in {smol}; pass --replace" in refused.stderr
     assert kept()
+    # A bad file under a new id is refused naming the problem, and nothing is written for it.
     truncated = tmp_path / "truncated.gguf"
     truncated.write_bytes(Path(gguf).read_bytes()[: 40 * 2**20])
-    broken = import_gguf(str(truncated), "--id", "local/smol", "--replace")
+    broken = import_gguf(str(truncated), "--id", "local/broken")
     assert broken.returncode == 1 and "is not a readable GGUF file" in broken.stderr, broken.stderr
     assert kept()
-    # Ctrl-C while the replacement is being converted.
-    with open(tmp_path / "interrupted.log", "wb") as log:
-        interrupted = subprocess.Popen([*command, gguf, "--id", "local/smol", "--replace"], stderr=log, env=env)
-        assert wait_for(lambda: any(".convert-" in p.name for p in models.iterdir()), timeout=60)
-        interrupted.send_signal(signal.SIGINT)
-        assert interrupted.wait(60) == 1
-    assert "Aborted" in (tmp_path / "interrupted.log").read_text()
+    # Under this id another path is refused: the card describes the file it was imported from.
+    moved = import_gguf(str(truncated), "--id", "local/smol", "--replace")
+    assert moved.returncode == 1 and f"local/smol was imported from {Path(gguf).resolve()}" in moved.stderr
     assert kept()
 
     # Another model's id is refused, the built-in demo's and a Hub model's alike: nothing is written for them.
@@ -526,14 +534,30 @@ def assert_imports_over_a_stored_model_lose_nothing(
         taken = import_gguf(gguf, "--id", other)
         assert taken.returncode == 1 and f"{other} is already in the catalogue as a" in taken.stderr, taken.stderr
         assert not (models / model_dir_name(ModelId(other))).exists()
-    # So is this id for another file: its card describes the first one.
-    other_file = tmp_path / "copy.gguf"
-    shutil.copyfile(gguf, other_file)
-    moved = import_gguf(str(other_file), "--id", "local/smol", "--replace")
-    assert moved.returncode == 1 and f"local/smol was imported from {Path(gguf).resolve()}" in moved.stderr
-    assert kept()
+    # Ctrl-C of the CLI once the node has the import: its downloader finishes the replacement. A replaced GGUF takes
+    # its directory's place whole, the MLX form converted from the old one with it.
+    before = httpx.get(f"{api}/state", timeout=10).json()["imports"]["local/smol"]["import_id"]
+    with open(tmp_path / "interrupted.log", "wb") as log:
+        interrupted = subprocess.Popen([*command, gguf, "--id", "local/smol", "--replace"], stderr=log, env=env)
+
+        def requested() -> bool:
+            return httpx.get(f"{api}/state", timeout=10).json()["imports"]["local/smol"]["import_id"] != before
+
+        assert wait_for(requested, timeout=60)
+        interrupted.send_signal(signal.SIGINT)
+        assert interrupted.wait(60) == 1
+    assert "Aborted" in (tmp_path / "interrupted.log").read_text()
+
+    def finished() -> bool:
+        record = httpx.get(f"{api}/state", timeout=10).json()["imports"]["local/smol"]
+        return record["progress"]["status"] == "completed"
+
+    assert wait_for(finished, timeout=60)
+    found = find_model(ModelDirs.from_options(models), "local/smol")
+    assert found is not None and found.path == smol and sorted(p.name for p in models.iterdir()) == [smol.name]
+    assert not (smol / "config.json").exists() and (smol / "model.gguf").is_file()
 
     replaced = import_gguf(gguf, "--id", "local/smol", "--replace")
-    assert replaced.returncode == 0 and "already known: local/smol" in replaced.stdout, replaced.stderr
+    assert replaced.returncode == 0 and "imported local/smol (Q4_1, llama.cpp and MLX)" in replaced.stdout
     found = find_model(ModelDirs.from_options(models), "local/smol")
     assert found is not None and found.path == smol and sorted(p.name for p in models.iterdir()) == [smol.name]

@@ -6,11 +6,8 @@ The file is converted once per session; everything runs real MLX and the real to
 from __future__ import annotations
 
 import json
-import os
 import re
 import struct
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -28,6 +25,8 @@ from jetshard_downloader.gguf import (
 )
 from jetshard_downloader.gguf_header import check_gguf_header
 from jetshard_downloader.gguf_tokenizer import TOKEN_CONTROL, TOKEN_NORMAL
+from jetshard_downloader.import_file import ImportRefused, read_import
+from jetshard_schema.ids import ModelId
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 
 
@@ -282,18 +281,10 @@ def test_a_hostile_gguf_header_is_refused_with_a_message_not_a_crash(case: str, 
     content, problem = CRASHING_HEADERS[case]
     hostile = tmp_path / "hostile.gguf"
     hostile.write_bytes(content)
-    models = tmp_path / "models"
-    # No API listens there: the file is refused before one is asked anything.
-    result = subprocess.run(
-        [sys.executable, "-m", "jetshard", "models", "--api", "http://127.0.0.1:9", "import-gguf", str(hostile)],
-        capture_output=True,
-        text=True,
-        env={**os.environ, "JETSHARD_DEFAULT_MODELS_DIR": str(models)},
-        timeout=120,
-    )
-    assert result.returncode == 1, (result.returncode, result.stderr)  # a signal would make it negative
-    assert f"{hostile} is not a readable GGUF file: " in result.stderr and problem in result.stderr, result.stderr
-    assert not models.exists() or list(models.iterdir()) == []
+    # The node's downloader imports (`jetshard models import-gguf` sends it the path): it reads the header first.
+    with pytest.raises(ImportRefused) as refused:
+        read_import(ModelId("local/hostile"), hostile, None)
+    assert f"{hostile} is not a readable GGUF file: " in str(refused.value) and problem in str(refused.value)
 
 
 def _metadata(key: bytes, value_type: int, value: bytes) -> bytes:

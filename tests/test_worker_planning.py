@@ -5,6 +5,7 @@ from __future__ import annotations
 import msgspec
 from helpers import states
 from helpers.states import fold
+from jetshard_schema.cards import ModelFormat
 from jetshard_schema.events import (
     DownloadCompleted,
     InstancePlaced,
@@ -16,6 +17,7 @@ from jetshard_schema.events import (
 from jetshard_schema.ids import InstanceId, ModelId, NodeId
 from jetshard_schema.types import (
     Endpoint,
+    Engine,
     NodeProfile,
     RunnerReport,
     RunnerStatus,
@@ -79,6 +81,27 @@ def test_a_runner_starts_only_once_downloaded_and_every_endpoint_is_known() -> N
 def test_a_download_of_another_layer_range_does_not_count() -> None:
     state = fold(*PLACED, downloaded(A, 2, 4), endpoint(A, 0), endpoint(B, 1))
     assert plan(state, A, "s-a", frozenset(), now_ms=0).start == ()
+
+
+def test_a_runner_waits_for_the_form_its_engine_loads() -> None:
+    shard = ShardAssignment(node_id=A, rank=0, start_layer=0, end_layer=4)
+    llama = InstancePlaced(
+        instance_id=INSTANCE, model_id=MODEL, shards=(shard,), serving=ServingSettings(engine=Engine.LLAMA_CPP)
+    )
+    mlx_only = msgspec.structs.replace(
+        downloaded(A, 0, 4), progress=msgspec.structs.replace(downloaded(A, 0, 4).progress, formats=(ModelFormat.MLX,))
+    )
+    waiting = fold(PLACED[0], llama, mlx_only, endpoint(A, 0))
+    assert plan(waiting, A, "s-a", frozenset(), now_ms=0).start == ()  # the MLX directory is no llama.cpp model
+    both = msgspec.structs.replace(
+        mlx_only, progress=msgspec.structs.replace(mlx_only.progress, formats=(ModelFormat.GGUF, ModelFormat.MLX))
+    )
+    (start,) = plan(fold(PLACED[0], llama, both, endpoint(A, 0)), A, "s-a", frozenset(), now_ms=0).start
+    assert start.model_dir == "/models/node-a"
+    # A record from before formats is an MLX directory: an instance placed before engines still starts on it.
+    assert plan(
+        fold(*PLACED, downloaded(A, 0, 2), endpoint(A, 0), endpoint(B, 1)), A, "s-a", frozenset(), now_ms=0
+    ).start
 
 
 def test_a_restart_waits_for_its_back_off_and_drops_the_old_generation() -> None:

@@ -47,6 +47,7 @@ from jetshard_bus.natsserver import NatsServer, start_nats_server
 from jetshard_bus.node import keep_alive, node_id_for
 from jetshard_bus.options import NatsOptions
 from jetshard_bus.procs import stop_groups
+from jetshard_schema.cards import ModelFormat
 from jetshard_schema.codec import decode_event
 from jetshard_schema.commands import AddCustomModelCard, Command, ReportNodeProfile
 from jetshard_schema.events import CommandRejected, Event, EventEnvelope
@@ -305,6 +306,22 @@ class Cluster:
         )
         download = state.download(node_id, ModelId(model_id))
         assert download is not None
+        return download
+
+    async def wait_download_of(
+        self, node_id: NodeId, model_id: str, form: ModelFormat, timeout_s: float = 30.0
+    ) -> Download:
+        """The node's download of `model_id` once it holds `form`; AssertionError naming the reason if it fails."""
+        state = await self.wait(
+            lambda s: (
+                (d := s.download(node_id, ModelId(model_id))) is not None
+                and (d.progress.holds(form) or d.progress.status is DownloadStatus.FAILED)
+            ),
+            timeout_s,
+            f"{model_id} on {node_id} in {form}",
+        )
+        download = state.download(node_id, ModelId(model_id))
+        assert download is not None and download.progress.holds(form), download
         return download
 
 

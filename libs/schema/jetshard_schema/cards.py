@@ -167,7 +167,9 @@ class ModelCard(msgspec.Struct, frozen=True, kw_only=True):
         heads, kv_heads = self.num_attention_heads, self.num_key_value_heads
         if heads > self.hidden_size:
             raise ValueError(f"num_attention_heads ({heads}) cannot exceed hidden_size ({self.hidden_size})")
-        if heads % kv_heads:
+        # MLX's attention groups query heads evenly over key/value heads; llama.cpp's per-layer counts (a GGUF card
+        # takes the largest of each) need not divide.
+        if heads % kv_heads and ModelFormat.MLX in self.formats:
             raise ValueError(f"num_attention_heads ({heads}) must be a multiple of num_key_value_heads ({kv_heads})")
         if not ARCHITECTURE_PATTERN.fullmatch(self.architecture):
             raise ValueError(
@@ -188,10 +190,14 @@ class ModelCard(msgspec.Struct, frozen=True, kw_only=True):
         for field in ("tasks", "capabilities", "formats"):
             if len(set(getattr(self, field))) != len(getattr(self, field)):
                 raise ValueError(f"{field} lists a value more than once")
-        if ModelCapability.VISION in self.capabilities and self.architecture not in VISION_ARCHITECTURES:
+        # A GGUF card that sees has its projector beside it (mmproj), which llama.cpp runs; MLX runs the towers of
+        # VISION_ARCHITECTURES only.
+        mlx_vision = self.architecture in VISION_ARCHITECTURES
+        if ModelCapability.VISION in self.capabilities and not mlx_vision and ModelFormat.MLX in self.formats:
             raise ValueError(
-                f"capabilities: a {self.architecture} model has no vision tower; vision models are "
+                f"capabilities: a {self.architecture} model has no vision tower MLX runs; vision models are "
                 + ", ".join(sorted(VISION_ARCHITECTURES))
+                + " (or a GGUF file with its mmproj projector, for llama.cpp)"
             )
 
     @property

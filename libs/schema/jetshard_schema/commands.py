@@ -11,12 +11,20 @@ belong on the subject it came on: a node's identity can speak for that node, and
 
 from __future__ import annotations
 
-from typing import ClassVar
+from typing import Annotated, ClassVar
 
 import msgspec
 
-from jetshard_schema.cards import ModelCard, StorageBytes
-from jetshard_schema.ids import NodeId, ValidInstanceId, ValidModelId, ValidNodeId, ValidSessionId, ValidTaskId
+from jetshard_schema.cards import MAX_SOURCE_REF_LENGTH, ModelCard, StorageBytes
+from jetshard_schema.ids import (
+    NodeId,
+    ValidImportId,
+    ValidInstanceId,
+    ValidModelId,
+    ValidNodeId,
+    ValidSessionId,
+    ValidTaskId,
+)
 from jetshard_schema.subjects import (
     API_SENDER,
     DOWNLOADER_SENDER,
@@ -27,6 +35,7 @@ from jetshard_schema.subjects import (
 from jetshard_schema.types import (
     DownloadProgress,
     Endpoint,
+    ImportProgress,
     MinNodes,
     NodeIds,
     NodeProfile,
@@ -114,6 +123,30 @@ class ReportModelSize(_DownloaderReport, frozen=True):
 
     model_id: ValidModelId
     storage_size_bytes: StorageBytes
+
+
+class ImportModelFile(_Command, frozen=True):
+    """Make a GGUF file on a node a model: that node's downloader reads its card from the header and puts it in one
+    of its model directories (`model.gguf`, with `mmproj.gguf` when a projector is named)."""
+
+    import_id: ValidImportId
+    """Names this attempt: its record in State says how it went."""
+    node_id: ValidNodeId
+    model_id: ValidModelId
+    path: Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_SOURCE_REF_LENGTH)]
+    """An absolute path on that node (a split model: its first part, the others beside it)."""
+    mmproj_path: Annotated[str, msgspec.Meta(max_length=MAX_SOURCE_REF_LENGTH)] = ""
+    replace: bool = False
+    """Replace a copy already stored under this id (atomically: the old one stays until the new one is in)."""
+
+
+class ReportModelImport(_DownloaderReport, frozen=True):
+    """How an import on this node goes; a completed one carries the card read from the file."""
+
+    import_id: ValidImportId
+    model_id: ValidModelId
+    progress: ImportProgress
+    card: ModelCard | None = None
 
 
 # --- downloads ---------------------------------------------------------------------------------------------
@@ -243,6 +276,8 @@ Command = (
     | AddCustomModelCard
     | DeleteCustomModelCard
     | ReportModelSize
+    | ImportModelFile
+    | ReportModelImport
     | StartDownload
     | CancelDownload
     | DeleteDownload

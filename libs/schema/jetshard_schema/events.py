@@ -9,11 +9,20 @@ from __future__ import annotations
 import msgspec
 
 from jetshard_schema.cards import ModelCard, StorageBytes
-from jetshard_schema.ids import ValidCommandId, ValidInstanceId, ValidModelId, ValidNodeId, ValidSessionId, ValidTaskId
+from jetshard_schema.ids import (
+    ValidCommandId,
+    ValidImportId,
+    ValidInstanceId,
+    ValidModelId,
+    ValidNodeId,
+    ValidSessionId,
+    ValidTaskId,
+)
 from jetshard_schema.subjects import event_subject
 from jetshard_schema.types import (
     DownloadProgress,
     Endpoint,
+    ImportProgress,
     NodeProfile,
     NodeStorage,
     RejectCode,
@@ -74,6 +83,24 @@ class CustomModelCardAdded(_Event, frozen=True):
 
 class CustomModelCardDeleted(_Event, frozen=True):
     model_id: ValidModelId
+
+
+class ModelImportRequested(_Event, frozen=True):
+    import_id: ValidImportId
+    node_id: ValidNodeId
+    model_id: ValidModelId
+    path: str
+    mmproj_path: str = ""
+    replace: bool = False
+
+
+class ModelImportProgressed(_Event, frozen=True):
+    """An import went on, completed or failed (a completed one's card comes as `CustomModelCardAdded`)."""
+
+    import_id: ValidImportId
+    node_id: ValidNodeId
+    model_id: ValidModelId
+    progress: ImportProgress
 
 
 class ModelSizeMeasured(_Event, frozen=True):
@@ -222,6 +249,8 @@ Event = (
     | CustomModelCardAdded
     | CustomModelCardDeleted
     | ModelSizeMeasured
+    | ModelImportRequested
+    | ModelImportProgressed
     | DownloadRequested
     | DownloadProgressed
     | DownloadCompleted

@@ -41,6 +41,7 @@ ValidModelId = Annotated[ModelId, msgspec.Meta(pattern=MODEL_ID_PATTERN, max_len
 ValidNodeId = Annotated[NodeId, msgspec.Meta(pattern=NAME_PATTERN, max_length=NAME_MAX_LENGTH)]
 ValidInstanceId = Annotated[InstanceId, msgspec.Meta(pattern=NAME_PATTERN, max_length=NAME_MAX_LENGTH)]
 ValidTaskId = Annotated[TaskId, msgspec.Meta(pattern=NAME_PATTERN, max_length=NAME_MAX_LENGTH)]
+ValidImportId = Annotated[str, msgspec.Meta(pattern=NAME_PATTERN, max_length=NAME_MAX_LENGTH)]
 ValidSessionId = Annotated[str, msgspec.Meta(pattern=NAME_PATTERN, max_length=NAME_MAX_LENGTH)]
 ValidCommandId = Annotated[CommandId, msgspec.Meta(pattern=NAME_PATTERN, max_length=COMMAND_ID_MAX_LENGTH)]
 

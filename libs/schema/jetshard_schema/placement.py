@@ -47,7 +47,7 @@ import msgspec
 from msgspec.structs import replace
 
 from jetshard_schema.card_from_config import TENSOR_PARALLEL_ARCHITECTURES
-from jetshard_schema.cards import ModelCard, ModelFormat, ModelSource
+from jetshard_schema.cards import ModelCard, ModelSource
 from jetshard_schema.ids import NodeId
 from jetshard_schema.state import Instance, Node, State
 from jetshard_schema.types import (
@@ -59,6 +59,7 @@ from jetshard_schema.types import (
     ServingSettings,
     ShardAssignment,
     WeightsDtype,
+    engine_format,
 )
 
 ACTIVATION_HEADROOM = 0.10
@@ -67,8 +68,6 @@ FLOAT32_BYTES = 4
 UNQUANTIZED_BITS = 16
 """Checkpoints without quantization whose dtype the card does not name are taken as 16-bit (bf16/fp16)."""
 NARROWED = (WeightsDtype.BFLOAT16, WeightsDtype.FLOAT16)
-ENGINE_FORMATS = {Engine.MLX: ModelFormat.MLX, Engine.LLAMA_CPP: ModelFormat.GGUF}
-"""The format of the weights each engine loads."""
 LLAMA_CPP_SLOT_CONTEXT = 4096
 """The most tokens of context one llama-server slot holds: its KV cache is allocated whole at start, for every
 slot, so a model's full context (128k for many) would take tens of GiB a slot."""
@@ -348,7 +347,7 @@ def _engine_refusal(
 ) -> PlacementError | None:
     """Why `engine` cannot serve `card` as asked, on the nodes named (`named`) or on any of `chosen`; None if it
     can (memory aside)."""
-    wanted = ENGINE_FORMATS[engine]
+    wanted = engine_format(engine)
     if wanted not in card.formats:
         return EngineMismatch(
             f"{card.model_id} has no {wanted} weights, which {engine} serves (it has {', '.join(card.formats)}): "

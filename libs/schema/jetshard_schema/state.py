@@ -19,6 +19,7 @@ from jetshard_schema.ids import (
     ModelId,
     NodeId,
     TaskId,
+    ValidImportId,
     ValidInstanceId,
     ValidModelId,
     ValidNodeId,
@@ -30,6 +31,8 @@ from jetshard_schema.types import (
     DownloadStatus,
     Endpoint,
     Engine,
+    ImportProgress,
+    ImportStatus,
     InstanceStatus,
     NodeProfile,
     NodeStorage,
@@ -38,6 +41,7 @@ from jetshard_schema.types import (
     ServingSettings,
     ShardAssignment,
     TaskRef,
+    engine_format,
 )
 
 
@@ -119,6 +123,16 @@ class Task(msgspec.Struct, frozen=True, kw_only=True):
         return self.ref.task_id
 
 
+class ModelImport(msgspec.Struct, frozen=True, kw_only=True):
+    """The latest import of a model file (`ImportModelFile`): on which node, from where, and how it went."""
+
+    import_id: ValidImportId
+    node_id: ValidNodeId
+    model_id: ValidModelId
+    path: str
+    progress: ImportProgress
+
+
 class State(msgspec.Struct, frozen=True, kw_only=True):
     last_seq: int = 0
     """Stream sequence of the last event applied."""
@@ -131,6 +145,8 @@ class State(msgspec.Struct, frozen=True, kw_only=True):
     downloads: dict[ValidNodeId, dict[ValidModelId, Download]] = {}
     instances: dict[ValidInstanceId, Instance] = {}
     tasks: dict[ValidTaskId, Task] = {}
+    imports: dict[ValidModelId, ModelImport] = {}
+    """The latest import of each model id, kept until the next one (or the card's deletion)."""
 
     def download(self, node_id: NodeId, model_id: ModelId) -> Download | None:
         return self.downloads.get(node_id, {}).get(model_id)
@@ -235,7 +251,32 @@ def _custom_model_card_deleted(event: events.CustomModelCardDeleted, state: Stat
     # Its downloads' records go with it: nothing can be done with a download of a model the cluster does not know
     # (the files stay on disk, and are found again if the card is added back).
     downloads = {node_id: _without(per_node, event.model_id) for node_id, per_node in state.downloads.items()}
-    return replace(state, custom_cards=_without(state.custom_cards, event.model_id), downloads=downloads)
+    return replace(
+        state,
+        custom_cards=_without(state.custom_cards, event.model_id),
+        downloads=downloads,
+        imports=_without(state.imports, event.model_id),
+    )
+
+
+@_fold.register
+def _model_import_requested(event: events.ModelImportRequested, state: State) -> State:
+    record = ModelImport(
+        import_id=event.import_id,
+        node_id=event.node_id,
+        model_id=event.model_id,
+        path=event.path,
+        progress=ImportProgress(status=ImportStatus.ONGOING),
+    )
+    return replace(state, imports=_with(state.imports, event.model_id, record))
+
+
+@_fold.register
+def _model_import_progressed(event: events.ModelImportProgressed, state: State) -> State:
+    known = state.imports.get(event.model_id)
+    if known is None or known.import_id != event.import_id:
+        return state  # an attempt a newer import replaced
+    return replace(state, imports=_with(state.imports, event.model_id, replace(known, progress=event.progress)))
 
 
 @_fold.register
@@ -474,7 +515,7 @@ def instance_status(state: State, instance: Instance) -> InstanceStatus:
         return InstanceStatus.RESTARTING
     for shard in instance.shards:
         download = state.download(shard.node_id, instance.model_id)
-        if download is None or download.progress.status is not DownloadStatus.COMPLETED:
+        if download is None or not download.progress.holds(engine_format(instance.serving.engine)):
             return InstanceStatus.DOWNLOADING
     return InstanceStatus.WAITING
 

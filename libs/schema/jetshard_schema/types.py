@@ -7,6 +7,7 @@ from typing import Annotated, Any
 
 import msgspec
 
+from jetshard_schema.cards import ModelFormat
 from jetshard_schema.ids import ValidModelId, ValidNodeId, ValidSessionId, ValidTaskId
 
 
@@ -28,6 +29,11 @@ class Engine(enum.StrEnum):
     """MLX (mlx-lm): MLX directories; Metal on Apple silicon, CUDA on NVIDIA, a reference path on x86 CPUs."""
     LLAMA_CPP = "llama.cpp"
     """Upstream llama.cpp (`llama-server`, one per instance): GGUF files, fastest on CPUs."""
+
+
+def engine_format(engine: Engine | None) -> ModelFormat:
+    """The form of the weights `engine` loads; None (placements recorded before engines) is MLX."""
+    return ModelFormat.GGUF if engine is Engine.LLAMA_CPP else ModelFormat.MLX
 
 
 class NodeProfile(msgspec.Struct, frozen=True, kw_only=True):
@@ -156,6 +162,24 @@ class RunnerStatus(enum.StrEnum):
     STOPPED = "stopped"
 
 
+class ImportStatus(enum.StrEnum):
+    ONGOING = "ongoing"
+    COMPLETED = "completed"
+    FAILED = "failed"
+
+
+class ImportProgress(msgspec.Struct, frozen=True, kw_only=True):
+    """Where one import of a model file stands on its node, as its downloader reports it."""
+
+    status: ImportStatus
+    bytes_done: int = 0
+    bytes_total: int = 0
+    directory: str = ""
+    """The model directory it was written to, once completed."""
+    reason: str = ""
+    """Why it failed, for a person."""
+
+
 class DownloadProgress(msgspec.Struct, frozen=True, kw_only=True):
     """Where one node's download of one model stands: what its downloader reports, and State records."""
 
@@ -175,6 +199,14 @@ class DownloadProgress(msgspec.Struct, frozen=True, kw_only=True):
     attempt: int = 0
     """0 for the first attempt; n for the n-th retry after an error mid-transfer, of at most `max_attempts`."""
     max_attempts: int = 0
+    formats: tuple[ModelFormat, ...] = ()
+    """Completed: the forms of the weights complete in `directory` for the layers (one directory holds a GGUF and
+    the MLX directory converted from it); otherwise the form being made. () in records from before formats,
+    which were all MLX."""
+
+    def holds(self, form: ModelFormat) -> bool:
+        """Whether the weights are complete in `directory` in `form` (what a runner of an engine loads)."""
+        return self.status is DownloadStatus.COMPLETED and form in (self.formats or (ModelFormat.MLX,))
 
 
 class ServingCounters(msgspec.Struct, frozen=True, kw_only=True):

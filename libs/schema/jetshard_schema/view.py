@@ -33,6 +33,7 @@ from jetshard_schema.types import (
     ServingSettings,
     ShardAssignment,
     TaskKind,
+    engine_format,
 )
 
 
@@ -90,7 +91,7 @@ def _describe_shard(state: State, instance: Instance, shard: ShardAssignment) ->
         )
     download = state.download(shard.node_id, instance.model_id)
     progress = download.progress if download else None
-    if progress is None or progress.status is not DownloadStatus.COMPLETED:
+    if progress is None or not progress.holds(engine_format(instance.serving.engine)):
         return ShardDescription(
             **fields,
             status="downloading" if progress is None or progress.status is not DownloadStatus.FAILED else "failed",

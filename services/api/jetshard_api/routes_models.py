@@ -6,10 +6,11 @@ import asyncio
 
 import msgspec
 from jetshard_schema.cards import ModelCard, ModelSource
-from jetshard_schema.commands import AddCustomModelCard, DeleteCustomModelCard
-from jetshard_schema.ids import NodeId
+from jetshard_schema.commands import AddCustomModelCard, DeleteCustomModelCard, ImportModelFile
+from jetshard_schema.ids import NodeId, new_id
 from jetshard_schema.models import all_cards, find_card, is_builtin
 from jetshard_schema.state import Download, State
+from jetshard_schema.types import ImportStatus
 from litestar import Controller, Response, delete, get, post
 from litestar.di import NamedDependency
 from litestar.openapi.datastructures import ResponseSpec
@@ -29,6 +30,20 @@ class AddModelRequest(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     the converted files. Every other card is fetched from the Hub. Its fields are bounded as every card's are
     (`ModelCard.__post_init__`); a field this version does not know is ignored, as on the bus, so a newer CLI's
     card still adds."""
+
+
+class ImportModelRequest(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    node_id: str
+    """The node that has the file; its downloader imports it."""
+    model_id: str
+    path: str
+    """An absolute path on that node."""
+    mmproj_path: str = ""
+    replace: bool = False
+
+
+IMPORT_TIMEOUT_S = 3600.0
+"""An import links the file (instant) or copies it where it cannot (some seconds a gigabyte)."""
 
 
 class ModelDescription(ModelCard, frozen=True, kw_only=True):
@@ -96,6 +111,46 @@ class ModelsController(Controller):
                 raise
             return Response(describe(cluster.state, find_card(cluster.state, model_id) or card), status_code=200)
         return Response(describe(cluster.state, find_card(cluster.state, model_id) or card), status_code=201)
+
+    @post("/import", status_code=201, responses=ERROR_RESPONSES)
+    async def import_model(
+        self, cluster: NamedDependency[Cluster], data: JSONBody[ImportModelRequest]
+    ) -> ModelDescription:
+        """Import a GGUF file on a node: its downloader reads the card from the file's header and stores the file in
+        one of its model directories; answers once it has, with the card, or 400 naming what is wrong with it."""
+        model_id = checked_model_id(data.model_id)
+        if data.node_id not in cluster.state.nodes:
+            raise ApiError(404, f"unknown node {data.node_id}; see GET /nodes", "node_not_found", "node_id")
+        import_id = new_id()
+        command = ImportModelFile(
+            import_id=import_id,
+            node_id=NodeId(data.node_id),
+            model_id=model_id,
+            path=data.path,
+            mmproj_path=data.mmproj_path,
+            replace=data.replace,
+        )
+        await cluster.submit(command)
+
+        def finished(state: State) -> bool:
+            record = state.imports.get(model_id)
+            return record is None or record.import_id != import_id or record.progress.status is not ImportStatus.ONGOING
+
+        try:
+            state = await cluster.follower.wait_until(finished, IMPORT_TIMEOUT_S)
+        except TimeoutError as error:
+            raise ApiError(504, f"the import of {model_id} did not finish in time", "import_timeout") from error
+        record = state.imports.get(model_id)
+        if record is None or record.import_id != import_id:
+            raise ApiError(
+                409, f"the import of {model_id} was superseded (its card deleted, or imported again)", "conflict"
+            )
+        if record.progress.status is ImportStatus.FAILED:
+            raise ApiError(400, record.progress.reason, "import_failed", "path")
+        card = find_card(state, model_id)
+        if card is None:
+            raise ApiError(409, f"{model_id} was imported, then its card was deleted", "conflict")
+        return describe(state, card)
 
     @delete("/{org:str}/{name:str}", status_code=200, responses=ERROR_RESPONSES)
     async def delete_model(self, cluster: NamedDependency[Cluster], org: FromPath[str], name: FromPath[str]) -> Deleted:

@@ -1,15 +1,16 @@
-"""Models whose source is a GGUF file: checked, converted to an MLX directory, never downloaded.
+"""Models whose source is a GGUF file: checked, converted to an MLX directory, or placed as llama.cpp's
+`model.gguf`; never downloaded.
 
-The converted model goes to `<models dir>/<org>--<name>/` in the first writable directory (the default
-first) with room for it, chosen by `choose.choose_directory` as for downloads; the room needed is the card's
-size, or the GGUF file's size when there is no card. That is an estimate, so a directory can still fill up
-mid-write: the staging directory is then removed and the next writable directory with room is tried.
-`gguf.convert_gguf` writes into a temporary directory and renames it; here that
-whole step runs inside a hidden staging directory `.<org>--<name>.convert-<random>/`, the manifest is
-written into the converted directory, and only then is it renamed to its final name, or exchanged with what
-is there. So the final directory is never touched until a complete replacement, vouched for by its
-manifest, takes its place in one rename; a failed, interrupted or crashed conversion leaves only a staging
-directory (removed on the way out, or by `sweep_staging` at the next start) and the old model as it was.
+Both forms of a model go to one `<models dir>/<org>--<name>/`: the directory already holding the model when it
+is writable and has room (a conversion lands beside the GGUF it converts), else the first writable directory
+(the default first) with room, chosen by `choose.choose_directory` as for downloads; the room needed is the
+card's size, or the GGUF file's size when there is no card. That is an estimate, so a directory can still fill
+up mid-write: the staging directory is then removed and the next writable directory with room is tried.
+`gguf.convert_gguf` writes into a temporary directory and renames it; here that whole step runs inside a hidden
+staging directory `.<org>--<name>.convert-<random>/`, and `place.move_into_place` puts the result into the
+model directory with its manifest (a new directory in one rename, a form joining another with the manifest
+last, a replacement in one exchange). A failed, interrupted or crashed conversion leaves only a staging
+directory (removed on the way out, or by `sweep_staging` at the next start) and the model as it was.
 """
 
 from __future__ import annotations
@@ -18,7 +19,6 @@ import dataclasses
 import errno
 import hashlib
 import logging
-import os
 import shutil
 import threading
 from collections.abc import Callable, Mapping
@@ -30,9 +30,10 @@ from jetshard_downloader.choose import NoSpace, choose_directory, format_bytes
 from jetshard_downloader.delete import remove_model_dir
 from jetshard_downloader.dirs import ModelDirs, free_bytes
 from jetshard_downloader.fetch import Cancelled, IntegrityError
-from jetshard_downloader.locate import find_model, is_complete
-from jetshard_downloader.manifest import Manifest, ManifestFile, fsync_dir, write_manifest
-from jetshard_downloader.paths import STAGING, exchange_directories, side_directory, sweep_side_directories
+from jetshard_downloader.locate import Found, find_model
+from jetshard_downloader.manifest import Manifest, ManifestFile
+from jetshard_downloader.paths import GGUF_NAME, STAGING, side_directory, sweep_side_directories
+from jetshard_downloader.place import move_into_place
 
 log = logging.getLogger(__name__)
 
@@ -116,6 +117,65 @@ def convert_packaged(
     )
 
 
+def place_packaged(
+    card: ModelCard,
+    dirs: ModelDirs,
+    *,
+    reserved: Mapping[Path, int] | None = None,
+    on_target: TargetCallback | None = None,
+    on_progress: ProgressCallback | None = None,
+    cancel: threading.Event | None = None,
+) -> tuple[Path, int]:
+    """Put the card's packaged GGUF into its model directory as `model.gguf` (a hard link where the filesystem
+    allows, else a copy), checked against its sha256 on the way; returns (directory, bytes stored).
+
+    Raises IntegrityError on a mismatch (nothing is stored), Cancelled, FileNotFoundError, NotEnoughSpace.
+    """
+    from jetshard_downloader.import_file import link_or_copy
+
+    cancel = cancel or threading.Event()
+    gguf_path, expected = packaged_gguf_path(card)
+    size = gguf_path.stat().st_size
+    dirs = beside(dirs, find_model(dirs, card.model_id))
+    choice = choose_directory(dirs, card.model_id, size, free_bytes, reserved or {}, lambda _: 0)
+    if isinstance(choice, NoSpace):
+        raise NotEnoughSpace(choice.message)
+    if on_target is not None:
+        on_target(choice.model_dir, size)
+    target = choice.model_dir
+    target.parent.mkdir(parents=True, exist_ok=True)
+    staging = side_directory(target, STAGING)
+    staging.mkdir()
+    try:
+        out = staging / target.name
+        out.mkdir()
+        digest = hashlib.sha256()
+        done = 0
+
+        def advance(chunk: bytes) -> None:
+            nonlocal done
+            if cancel.is_set():
+                raise Cancelled(f"placing the GGUF of {card.model_id} cancelled")
+            digest.update(chunk)
+            done += len(chunk)
+            if on_progress is not None:
+                on_progress(done, size)
+
+        link_or_copy(gguf_path, out / GGUF_NAME, advance)
+        if digest.hexdigest() != expected:
+            raise IntegrityError(
+                f"{gguf_path} has sha256 {digest.hexdigest()}, {card.model_id} expects {expected}; "
+                "reinstall the package it comes from"
+            )
+        entry = ManifestFile(GGUF_NAME, size, expected)
+        move_into_place(
+            out, target, Manifest(model_id=card.model_id, revision=f"gguf-sha256-{expected}", files=(entry,))
+        )
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return target, size
+
+
 def install_gguf(
     gguf_path: Path,
     dirs: ModelDirs,
@@ -133,18 +193,15 @@ def install_gguf(
     `bytes_needed` (default: the GGUF's size) beyond what `reserved` holds back, manifest included, all or
     nothing; returns (directory, bytes written).
 
-    With `expected_sha256` the file is checked first (IntegrityError on a mismatch). A complete copy found
-    in the chosen directory when the conversion is done is kept (another downloader converted the same file
-    meanwhile) unless `replace`: then the new copy takes its place, preferably in the directory of the copy
-    it replaces, and a complete copy elsewhere in a writable directory is removed once the new one is in.
+    With `expected_sha256` the file is checked first (IntegrityError on a mismatch). The converted files join
+    what the model's directory holds (its GGUF, or a copy another downloader converted meanwhile) unless
+    `replace`: then the new copy takes the directory's place, and a complete copy elsewhere in a writable
+    directory is removed once the new one is in.
     """
     cancel = cancel or threading.Event()
-    previous = find_model(dirs, model_id) if replace else None
-    if previous is not None and not previous.read_only:
-        # Replace in place where it has room: the model stays in one directory, and no stale copy is found first.
-        dirs = dataclasses.replace(
-            dirs, writable=(previous.models_dir, *(d for d in dirs.writable if d != previous.models_dir))
-        )
+    stored = find_model(dirs, model_id)
+    previous = stored if replace else None
+    dirs = beside(dirs, stored)
     size = gguf_path.stat().st_size
     bytes_needed = bytes_needed or size
     total = max(bytes_needed, 1)
@@ -198,6 +255,16 @@ def install_gguf(
         return choice.model_dir, written
 
 
+def beside(dirs: ModelDirs, stored: Found | None) -> ModelDirs:
+    """`dirs` with the writable directory holding `stored` first: a model's forms, and its replacement, stay in
+    one directory where it has room (and no stale copy is found first)."""
+    if stored is None or stored.read_only:
+        return dirs
+    return dataclasses.replace(
+        dirs, writable=(stored.models_dir, *(d for d in dirs.writable if d != stored.models_dir))
+    )
+
+
 def _filled_up_message(model_id: str, bytes_needed: int, ran_out: list[Path], no_space: NoSpace) -> str:
     lines = [f"not enough disk space for {model_id}: it needs more than the {format_bytes(bytes_needed)} estimated;"]
     lines += [f"  {d}: filled up while the model was written there" for d in ran_out]
@@ -236,21 +303,9 @@ def _write_converted(
                 raise Cancelled(f"conversion of {model_id} cancelled")
             digest = hashlib.sha256(path.read_bytes()).hexdigest()
             files.append(ManifestFile(path.relative_to(out).as_posix(), path.stat().st_size, digest))
-        write_manifest(out, Manifest(model_id=model_id, revision=revision, files=tuple(files)))
-        try:
-            os.rename(out, target)
-        except OSError as error:
-            if error.errno not in (errno.ENOTEMPTY, errno.EEXIST):
-                raise
-            if not replace and is_complete(target, None, read_only=False):
-                # Another downloader sharing this directory (two nodes of one machine, a shared disk) converted
-                # the same file first and renamed its complete copy into place: it is as good as ours.
-                log.info("%s was converted meanwhile by another downloader; keeping that copy", model_id)
-            else:
-                # What was there (the copy replaced, or what a crash or another tool left) goes to the staging
-                # directory, and with it.
-                exchange_directories(out, target)
-        fsync_dir(target.parent)
+        move_into_place(
+            out, target, Manifest(model_id=model_id, revision=revision, files=tuple(files)), replace=replace
+        )
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     return sum(f.size for f in files)

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import mlx.core as mx
+from jetshard_schema.gguf_card import DIGITS_THEN_GPT2_PRE, GPT2_ONLY_PRE
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors
 
 # llama.cpp token types (enum llama_token_type / gguf TokenType).
@@ -23,11 +24,11 @@ TOKEN_USER_DEFINED = 4
 TOKEN_UNUSED = 5
 TOKEN_BYTE = 6
 
-# `tokenizer.ggml.pre` names whose llama.cpp split is "each digit alone, then the GPT-2 regex":
-# exactly what Hugging Face writes as Sequence[Digits(individual_digits=True), ByteLevel(use_regex=True)].
-_DIGITS_THEN_GPT2 = frozenset({"smollm", "starcoder", "refact", "command-r", "codeshell", "exaone", "minerva"})
-# Plain GPT-2 regex, no digit split.
-_GPT2_ONLY = frozenset({"default", "gpt-2", "gpt2"})
+# "Each digit alone, then the GPT-2 regex" is exactly what Hugging Face writes as
+# Sequence[Digits(individual_digits=True), ByteLevel(use_regex=True)]. The card of a GGUF file says MLX can hold it
+# from the same sets.
+_DIGITS_THEN_GPT2 = DIGITS_THEN_GPT2_PRE
+_GPT2_ONLY = GPT2_ONLY_PRE
 
 
 def to_python(value: Any) -> Any:

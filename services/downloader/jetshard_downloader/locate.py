@@ -10,8 +10,11 @@ Layouts:
 Read-only directories are searched first (a model someone placed there costs no disk and no download),
 then writable ones, each in configured order.
 
-Completeness, for a required file set (a shard's files) or, when none is given, the whole model (every
-weight file the safetensors index names, or `model.safetensors`, plus `config.json`):
+Completeness, for a required file set (a shard's files, plus `config.json`; or a GGUF's `model.gguf`, plus the
+other GGUF files its manifest lists: a split model's parts, the projector) or, when none is given, the whole
+model in either form (its GGUF; or every weight file the safetensors index names, or `model.safetensors`, plus
+`config.json`). One directory may hold both forms, a GGUF and the MLX directory converted from it, each complete
+or not on its own:
 
 * With a manifest (any directory): every required file is listed in it and is on disk with the size the
   manifest records. Sizes are checked, not hashes: hashing gigabytes on every lookup is too slow, and the
@@ -39,6 +42,8 @@ from jetshard_downloader.dirs import ModelDirs
 from jetshard_downloader.manifest import Manifest, read_manifest
 from jetshard_downloader.paths import (
     CONFIG_NAME,
+    GGUF_NAME,
+    GGUF_SUFFIX,
     INDEX_NAME,
     SINGLE_WEIGHTS_NAME,
     check_ref_component,
@@ -61,8 +66,8 @@ class Found:
     layout: Layout = "jetshard"
 
 
-def _whole_model_files(model_dir: Path) -> set[str] | None:
-    """Files the whole model needs, read from the index on disk; None when that cannot be determined."""
+def _mlx_files(model_dir: Path) -> set[str] | None:
+    """Files the whole MLX model needs, read from the index on disk; None when that cannot be determined."""
     index_path = model_dir / INDEX_NAME
     if index_path.is_file():
         try:
@@ -77,18 +82,22 @@ def _whole_model_files(model_dir: Path) -> set[str] | None:
     return {CONFIG_NAME, SINGLE_WEIGHTS_NAME}
 
 
-def _needed(model_dir: Path, required_files: set[str] | None) -> set[str] | None:
-    if required_files is None:
-        return _whole_model_files(model_dir)
+def _needed(model_dir: Path, required_files: set[str], manifest: Manifest | None) -> set[str]:
+    """The files `required_files` stand for: a GGUF's `model.gguf` brings the other GGUF files its manifest lists
+    (a split model's parts, the projector); MLX files bring `config.json`."""
+    if GGUF_NAME in required_files:  # llama.cpp's file: no config.json beside it
+        listed = manifest.sizes() if manifest is not None else {}
+        return required_files | {name for name in listed if name.endswith(GGUF_SUFFIX)}
     return {CONFIG_NAME, *required_files}
 
 
-def _complete_by_manifest(model_dir: Path, manifest: Manifest, required_files: set[str] | None) -> bool:
-    needed = _needed(model_dir, required_files)
-    if needed is None:
-        return False
+def _complete_by_manifest(model_dir: Path, manifest: Manifest, required_files: set[str]) -> bool:
     sizes = manifest.sizes()
-    for name in needed:
+    for name in _needed(model_dir, required_files, manifest):
+        if name == GGUF_NAME and name not in sizes:  # a split model's link to its first part, listed itself
+            if not file_in(model_dir, name).is_file():
+                return False
+            continue
         if name not in sizes:
             return False
         try:
@@ -99,24 +108,31 @@ def _complete_by_manifest(model_dir: Path, manifest: Manifest, required_files: s
     return True
 
 
-def _complete_by_presence(model_dir: Path, required_files: set[str] | None) -> bool:
-    needed = _needed(model_dir, required_files)
-    if needed is None:
-        return False
+def _complete_by_presence(model_dir: Path, required_files: set[str]) -> bool:
     # is_file() follows symlinks, so an HF cache entry whose blob is missing counts as absent.
-    return all(file_in(model_dir, name).is_file() for name in needed)
+    return all(file_in(model_dir, name).is_file() for name in _needed(model_dir, required_files, None))
 
 
-def is_complete(model_dir: Path, required_files: set[str] | None, *, read_only: bool) -> bool:
-    """Whether `model_dir` holds `required_files` (None: the whole model) by the rules in the module doc."""
-    if not model_dir.is_dir():
-        return False
+def _complete_files(model_dir: Path, required_files: set[str], *, read_only: bool) -> bool:
     manifest = read_manifest(model_dir)
     if manifest is not None:
         return _complete_by_manifest(model_dir, manifest, required_files)
     if not read_only:
         return False
     return _complete_by_presence(model_dir, required_files)
+
+
+def is_complete(model_dir: Path, required_files: set[str] | None, *, read_only: bool) -> bool:
+    """Whether `model_dir` holds `required_files` by the rules in the module doc; None: the whole model in some
+    form (a GGUF, `model.gguf`, or an MLX directory; a directory may hold both)."""
+    if not model_dir.is_dir():
+        return False
+    if required_files is not None:
+        return _complete_files(model_dir, required_files, read_only=read_only)
+    if os.path.lexists(model_dir / GGUF_NAME) and _complete_files(model_dir, {GGUF_NAME}, read_only=read_only):
+        return True
+    mlx = _mlx_files(model_dir)
+    return mlx is not None and _complete_files(model_dir, mlx, read_only=read_only)
 
 
 def hf_cache_snapshots(repo_dir: Path) -> list[Path]:

@@ -21,6 +21,11 @@ MANIFEST_NAME = ".jetshard-manifest.json"
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_WEIGHTS_NAME = "model.safetensors"
 CONFIG_NAME = "config.json"
+GGUF_NAME = "model.gguf"
+"""A GGUF model directory's model, the file llama.cpp loads (a split model's: a link to its first part)."""
+GGUF_SUFFIX = ".gguf"
+MMPROJ_NAME = "mmproj.gguf"
+"""A GGUF model directory's projector, for a model that sees."""
 
 # Names jetshard itself keeps inside a model directory; a repo file may not shadow them.
 _RESERVED_TOP = {MANIFEST_NAME, ".cache"}

@@ -38,11 +38,12 @@ from jetshard_bus.node import config_dir, node_id_for
 from jetshard_bus.options import NatsOptions
 from jetshard_bus.stats import publish_stats
 from jetshard_bus.streams import BusTimings
-from jetshard_schema.cards import ModelCard, ModelSource
+from jetshard_schema.cards import ModelCard, ModelFormat, ModelSource
 from jetshard_schema.commands import (
     Command,
     ReportDownloadDeleted,
     ReportDownloadProgress,
+    ReportModelImport,
     ReportModelSize,
     ReportNodeStorage,
 )
@@ -53,15 +54,31 @@ from jetshard_schema.events import (
     DownloadRequested,
     EventEnvelope,
     InstancePlaced,
+    ModelImportRequested,
 )
 from jetshard_schema.ids import ModelId, NodeId
 from jetshard_schema.models import all_cards, find_card
 from jetshard_schema.state import Download, State
 from jetshard_schema.stats import DownloaderStats, DownloadFigures
-from jetshard_schema.types import DownloadProgress, DownloadStatus, ModelDirInfo, NodeStorage
+from jetshard_schema.types import (
+    DownloadProgress,
+    DownloadStatus,
+    ImportProgress,
+    ImportStatus,
+    ModelDirInfo,
+    NodeStorage,
+    engine_format,
+)
 
 from jetshard_downloader.choose import NoSpace, choose_directory
-from jetshard_downloader.convert import ProgressCallback, TargetCallback, convert_packaged, sweep_staging
+from jetshard_downloader.convert import (
+    ProgressCallback,
+    TargetCallback,
+    convert_packaged,
+    install_gguf,
+    place_packaged,
+    sweep_staging,
+)
 from jetshard_downloader.delete import ReadOnlyModelError, delete_model, sweep_tombstones
 from jetshard_downloader.dirs import ModelDirs, directory_report, free_bytes
 from jetshard_downloader.fetch import (
@@ -77,9 +94,10 @@ from jetshard_downloader.fetch import (
     list_remote_files,
     offline_error,
 )
-from jetshard_downloader.local import find_shard, weights_size
+from jetshard_downloader.import_file import ImportRefused, read_import, store_import
+from jetshard_downloader.local import complete_forms, default_form, find_shard, sized_form, weights_size
 from jetshard_downloader.locate import Found, find_model, partial_bytes_for
-from jetshard_downloader.paths import INDEX_NAME, SINGLE_WEIGHTS_NAME
+from jetshard_downloader.paths import GGUF_NAME, INDEX_NAME, SINGLE_WEIGHTS_NAME
 from jetshard_downloader.resume import use_small_download_chunks
 from jetshard_downloader.shard_files import required_files
 
@@ -124,6 +142,7 @@ class _Progress:
         self.done = 0
         self.total = 0
         self.directory = ""
+        self.form = ModelFormat.MLX
         self.samples: collections.deque[tuple[float, int]] = collections.deque(maxlen=64)
         self.dirty = False
         self.last_sent = 0.0
@@ -175,6 +194,7 @@ class _Progress:
                         speed_bytes_per_s=round(speed, 1),
                         eta_s=None if eta is None else round(eta, 1),
                         directory=self.directory,
+                        formats=(self.form,),
                     ),
                 )
             )
@@ -211,6 +231,8 @@ class _Job:
     """The Hub answered the listing: an error from now on happened mid-transfer and is worth a retry."""
     directory: str = ""
     """Where its files go, once chosen: every report of the job says so (a stopped one too)."""
+    form: ModelFormat = ModelFormat.MLX
+    """The form of the weights it makes available: the one the engine of the instance it serves loads."""
 
 
 _NOT_RETRIED = (AuthRequired, NotFoundOnHub, OfflineUnavailable, RateLimited, Cancelled)
@@ -244,17 +266,20 @@ class Downloader:
             case DownloadRequested(node_id=node_id, model_id=model_id, start_layer=start, end_layer=end) if (
                 node_id == self.node_id
             ):
-                self.request(model_id, start, end)
-            case InstancePlaced(model_id=model_id, shards=shards):
+                card = find_card(state, model_id)
+                self.request(model_id, start, end, default_form(card) if card else ModelFormat.MLX)
+            case InstancePlaced(model_id=model_id, shards=shards, serving=serving):
                 for shard in shards:
                     if shard.node_id == self.node_id:
-                        self.request(model_id, shard.start_layer, shard.end_layer)
+                        self.request(model_id, shard.start_layer, shard.end_layer, engine_format(serving.engine))
             case DownloadCancelled(node_id=node_id, model_id=model_id) if node_id == self.node_id:
                 self.cancel(model_id)
             case CustomModelCardDeleted(model_id=model_id):
                 self.cancel(model_id)  # State forgot its download with the card; what was fetched stays on disk
             case DownloadDeleteRequested(node_id=node_id, model_id=model_id) if node_id == self.node_id:
                 self._spawn(self._delete(model_id))
+            case ModelImportRequested(node_id=node_id) if node_id == self.node_id:
+                self._spawn(self._import(envelope.event))
 
     def resume(self, state: State) -> None:
         """Pick up what State says this node was doing when the downloader stopped."""
@@ -262,22 +287,26 @@ class Downloader:
             if download.deleting:
                 self._spawn(self._delete(download.model_id))
             elif download.progress.status in (DownloadStatus.PENDING, DownloadStatus.ONGOING):
+                card = find_card(state, download.model_id)
                 start, end = download.progress.start_layer, download.progress.end_layer
                 if end <= start:  # reported by a shard job before any DownloadRequested: the whole model
-                    card = find_card(state, download.model_id)
                     start, end = 0, card.num_layers if card else 0
+                form = download.progress.formats[0] if download.progress.formats else None
                 if end > start:
-                    self.request(download.model_id, start, end)
+                    self.request(download.model_id, start, end, form or (default_form(card) if card else None))
         for instance in state.instances.values():
             shard = instance.shard_for(self.node_id)
             if shard is not None:
-                self.request(instance.model_id, shard.start_layer, shard.end_layer)
+                form = engine_format(instance.serving.engine)
+                self.request(instance.model_id, shard.start_layer, shard.end_layer, form)
 
-    def request(self, model_id: ModelId, start: int, end: int) -> None:
+    def request(self, model_id: ModelId, start: int, end: int, form: ModelFormat | None) -> None:
+        """Make layers `[start, end)` of `model_id` available here in `form` (None: MLX)."""
+        form = form or ModelFormat.MLX
         job = self.running.get(model_id)
-        if job is not None and not job.cancel.is_set() and job.start <= start and end <= job.end:
+        if job is not None and not job.cancel.is_set() and job.start <= start and end <= job.end and job.form is form:
             return  # already being fetched
-        self._spawn(self._run(model_id, start, end, self.generation[model_id]))
+        self._spawn(self._run(model_id, start, end, form, self.generation[model_id]))
 
     def cancel(self, model_id: ModelId) -> None:
         self.generation[model_id] += 1
@@ -315,7 +344,9 @@ class Downloader:
     async def _report(self, job: _Job, status: DownloadStatus, **fields: object) -> None:
         """Report this node's download of the job's model as `status`, over the job's layers unless `fields`
         name others; `fields` set the rest of its `DownloadProgress`."""
-        progress = DownloadProgress(status=status, start_layer=job.start, end_layer=job.end, directory=job.directory)
+        progress = DownloadProgress(
+            status=status, start_layer=job.start, end_layer=job.end, directory=job.directory, formats=(job.form,)
+        )
         await self.publish(
             ReportDownloadProgress(
                 model_id=job.model_id, node_id=self.node_id, progress=msgspec.structs.replace(progress, **fields)
@@ -324,7 +355,7 @@ class Downloader:
 
     async def _written_into(self, job: _Job, card: ModelCard, directory: Path) -> tuple[Found, int]:
         """The job's layers found complete in `directory`, which it just wrote, and their bytes on disk."""
-        found = await asyncio.to_thread(find_shard, self.dirs, card, job.start, job.end)
+        found = await asyncio.to_thread(find_shard, self.dirs, card, job.start, job.end, job.form)
         if found is None or found[0].path != directory:
             raise FetchError(
                 f"{job.model_id}: the files were written into {directory} but it does "
@@ -344,14 +375,14 @@ class Downloader:
         if done is not None and done.status is DownloadStatus.COMPLETED and done.end_layer > 0:
             wide = (min(start, done.start_layer), max(end, done.end_layer))
             if wide != (start, end):
-                wider = await asyncio.to_thread(find_shard, self.dirs, card, *wide)
+                wider = await asyncio.to_thread(find_shard, self.dirs, card, *wide, job.form)
                 if wider is not None and wider[0].path == directory:
                     start, end = wide
                     bytes_total = wider[1]
-        if (start, end) == (0, card.num_layers):
+        if (start, end) == (0, card.num_layers) and job.form is sized_form(card):
             # The card's size came from a listing, an index or whoever added the card (an imported GGUF's, a
             # file replaced since): the files here are the truth.
-            measured = await asyncio.to_thread(weights_size, self.dirs, card, directory)
+            measured = await asyncio.to_thread(weights_size, self.dirs, card, directory, job.form)
             if measured != card.storage_size_bytes or card.storage_size_estimated:
                 await self.publish(
                     ReportModelSize(node_id=self.node_id, model_id=job.model_id, storage_size_bytes=measured)
@@ -366,15 +397,16 @@ class Downloader:
             end_layer=end,
             bytes_done=bytes_total,
             bytes_total=bytes_total,
+            formats=await asyncio.to_thread(complete_forms, self.dirs, card, found[0], start, end),
         )
 
     # --- one download ------------------------------------------------------------------------------------
 
-    async def _run(self, model_id: ModelId, start: int, end: int, generation: int) -> None:
+    async def _run(self, model_id: ModelId, start: int, end: int, form: ModelFormat, generation: int) -> None:
         async with self.locks[model_id]:
             if self.generation[model_id] != generation:
                 return  # cancelled or deleted while queued
-            job = _Job(model_id, start, end)
+            job = _Job(model_id, start, end, form=form)
             self.running[model_id] = job
             try:
                 await self._run_with_retries(job)
@@ -426,27 +458,81 @@ class Downloader:
             raise ValueError(f"unknown model {job.model_id}: no card in the catalogue")
         if not 0 <= job.start < job.end <= card.num_layers:
             job.start, job.end = 0, card.num_layers
-        found = await asyncio.to_thread(find_shard, self.dirs, card, job.start, job.end)
+        if job.form not in card.formats:
+            raise FetchError(
+                f"{job.model_id} has no {job.form} form, which its engine loads (it has {', '.join(card.formats)})"
+            )
+        found = await asyncio.to_thread(find_shard, self.dirs, card, job.start, job.end, job.form)
         if found is not None:
             known = self.follower.state.download(self.node_id, job.model_id)
             if not (
                 known is not None
-                and known.progress.status is DownloadStatus.COMPLETED
+                and known.progress.holds(job.form)
                 and known.progress.directory == str(found[0].path)
                 and known.progress.start_layer <= job.start
                 and job.end <= known.progress.end_layer
             ):
                 await self._report_completed(job, card, found)
             return
-        if card.source is ModelSource.GGUF_PACKAGE:
-            await self._convert(job, card)
-        elif card.source is ModelSource.LOCAL_GGUF:
+        if card.source is ModelSource.HUB:
+            await self._fetch(job, card, attempt)
+        elif card.source is ModelSource.GGUF_PACKAGE:
+            place = convert_packaged if job.form is ModelFormat.MLX else place_packaged
+            await self._make(
+                job,
+                card,
+                lambda reserved, on_target, on_progress: place(
+                    card, self.dirs, reserved=reserved, on_target=on_target, on_progress=on_progress, cancel=job.cancel
+                ),
+            )
+        elif job.form is ModelFormat.GGUF:
+            await self._stored_gguf(job, card, attempt)
+        else:  # the MLX directory converted from the GGUF stored here, beside it
+            stored = await self._stored_gguf(job, card, attempt)
+            await self._make(
+                job,
+                card,
+                lambda reserved, on_target, on_progress: install_gguf(
+                    (stored / GGUF_NAME).resolve(),
+                    self.dirs,
+                    card.model_id,
+                    bytes_needed=card.storage_size_bytes,
+                    reserved=reserved,
+                    on_target=on_target,
+                    on_progress=on_progress,
+                    cancel=job.cancel,
+                ),
+            )
+
+    async def _stored_gguf(self, job: _Job, card: ModelCard, attempt: int) -> Path:
+        """The directory holding the card's GGUF on this node: an imported one's, or one fetched now from the Hub
+        (reported complete when the job makes the GGUF form)."""
+        found = await asyncio.to_thread(find_shard, self.dirs, card, 0, card.num_layers, ModelFormat.GGUF)
+        if found is not None:
+            return found[0].path
+        if card.source is ModelSource.LOCAL_GGUF:
             raise FetchError(
                 f"{job.model_id} was imported from a local GGUF file and is not in any model "
                 "directory of this node any more; import it again"
             )
-        else:
-            await self._fetch(job, card, attempt)
+        raise FetchError(f"{job.model_id}: fetching a Hub GGUF is not built yet")
+
+    async def _make(
+        self,
+        job: _Job,
+        card: ModelCard,
+        work: Callable[[dict[Path, int], TargetCallback, ProgressCallback], tuple[Path, int]],
+    ) -> None:
+        """Make the job's form of the whole model on this node with blocking `work(reserved, on_target,
+        on_progress)` (a conversion, a packaged GGUF placed), reporting its progress, then its completion."""
+        job.start, job.end = 0, card.num_layers  # always the whole model
+        await self._report(job, DownloadStatus.PENDING, bytes_total=card.storage_size_bytes)
+        log.info("making the %s form of %s from its GGUF", job.form, job.model_id)
+        reserved = self._reserved_by_others(job)
+        target, _ = await self._with_progress(
+            job, lambda on_progress, on_target: work(reserved, on_target, on_progress), None
+        )
+        await self._report_completed(job, card, await self._written_into(job, card, target))
 
     async def _with_progress(
         self, job: _Job, work: Callable[[ProgressCallback, TargetCallback], T], directory: Path | None
@@ -461,7 +547,7 @@ class Downloader:
         )
         if directory is not None:
             job.directory = str(directory)
-        progress.directory = job.directory
+        progress.directory, progress.form = job.directory, job.form
         progress.last_sent = time.monotonic()  # the pending report just went out
         loop = asyncio.get_running_loop()
         base_remaining = job.remaining
@@ -494,25 +580,6 @@ class Downloader:
             if other is not job and other.models_dir is not None:
                 reserved[other.models_dir] += other.remaining
         return reserved
-
-    async def _convert(self, job: _Job, card: ModelCard) -> None:
-        job.start, job.end = 0, card.num_layers  # a conversion always produces the whole model
-        await self._report(job, DownloadStatus.PENDING, bytes_total=card.storage_size_bytes)
-        log.info("converting the packaged GGUF of %s", job.model_id)
-        reserved = self._reserved_by_others(job)
-        target, _ = await self._with_progress(
-            job,
-            lambda on_progress, on_target: convert_packaged(
-                card,
-                self.dirs,
-                reserved=reserved,
-                on_target=on_target,
-                on_progress=on_progress,
-                cancel=job.cancel,
-            ),
-            None,
-        )
-        await self._report_completed(job, card, await self._written_into(job, card, target))
 
     async def _fetch(self, job: _Job, card: ModelCard, attempt: int) -> None:
         if self.offline:
@@ -577,6 +644,67 @@ class Downloader:
             choice.model_dir,
         )
         await self._report_completed(job, card, await self._written_into(job, card, choice.model_dir))
+
+    # --- imports -----------------------------------------------------------------------------------------
+
+    async def _import(self, request: ModelImportRequested) -> None:
+        """Import a GGUF file on this node (`import_file`), reporting its progress, then the card or the problem."""
+        model_id = request.model_id
+
+        async def report(progress: ImportProgress, card: ModelCard | None = None) -> None:
+            await self.publish(
+                ReportModelImport(
+                    node_id=self.node_id, import_id=request.import_id, model_id=model_id, progress=progress, card=card
+                )
+            )
+
+        async with self.locks[model_id]:
+            job = _Job(model_id, 0, 0)
+            self.running[model_id] = job
+            try:
+                mmproj = Path(request.mmproj_path) if request.mmproj_path else None
+                card, files = await asyncio.to_thread(read_import, model_id, Path(request.path), mmproj)
+                log.info("importing %s from %s", model_id, request.path)
+                loop = asyncio.get_running_loop()
+                last_sent = [0.0]
+
+                def on_progress(done: int, total: int) -> None:
+                    job.done, job.total = done, total
+                    now = time.monotonic()
+                    if now - last_sent[0] >= self.config.progress_interval_s:
+                        last_sent[0] = now
+                        progress = ImportProgress(status=ImportStatus.ONGOING, bytes_done=done, bytes_total=total)
+                        asyncio.run_coroutine_threadsafe(report(progress), loop)
+
+                directory, total = await asyncio.to_thread(
+                    store_import,
+                    self.dirs,
+                    model_id,
+                    files,
+                    replace=request.replace,
+                    on_progress=on_progress,
+                    cancel=job.cancel,
+                )
+            except asyncio.CancelledError:
+                job.cancel.set()
+                raise
+            except (ImportRefused, OSError, Cancelled) as error:
+                reason = str(error) if isinstance(error, ImportRefused | Cancelled) else f"the import failed: {error}"
+                log.warning("import of %s failed: %s", model_id, reason)
+                await report(ImportProgress(status=ImportStatus.FAILED, reason=reason))
+                return
+            except Exception as error:  # a bug: the import fails with it, the downloader goes on
+                log.exception("import of %s failed", model_id)
+                await report(ImportProgress(status=ImportStatus.FAILED, reason=f"{type(error).__name__}: {error}"))
+                return
+            finally:
+                if self.running.get(model_id) is job:
+                    del self.running[model_id]
+            log.info("imported %s into %s", model_id, directory)
+            done = ImportProgress(
+                status=ImportStatus.COMPLETED, bytes_done=total, bytes_total=total, directory=str(directory)
+            )
+            await report(done, card)
 
     # --- deletes -----------------------------------------------------------------------------------------
 

@@ -8,13 +8,15 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Callable
+from pathlib import PurePosixPath
 from typing import Any
 
 import msgspec
 from jetshard_schema import commands, events
 from jetshard_schema.admission import Refused, admit
 from jetshard_schema.card_from_config import SUPPORTED_ARCHITECTURES
-from jetshard_schema.cards import VISION_ARCHITECTURES
+from jetshard_schema.cards import VISION_ARCHITECTURES, ModelCard, ModelFormat, ModelSource
+from jetshard_schema.gguf_card import LLAMA_CPP_ARCHITECTURES
 from jetshard_schema.ids import CommandId, InstanceId, ModelId, NodeId
 from jetshard_schema.models import find_card, is_builtin
 from jetshard_schema.placement import (
@@ -29,7 +31,9 @@ from jetshard_schema.placement import (
 )
 from jetshard_schema.state import Instance, State, apply, instance_status
 from jetshard_schema.types import (
+    DownloadProgress,
     DownloadStatus,
+    ImportStatus,
     InstanceStatus,
     NodeProfile,
     NodeStorage,
@@ -235,14 +239,103 @@ def _add_custom_model_card(state: State, command: commands.AddCustomModelCard, c
     card = command.card
     if find_card(state, card.model_id) is not None:
         return _reject(command, RejectCode.ALREADY_EXISTS, f"{card.model_id} is already in the catalogue")
-    servable = SUPPORTED_ARCHITECTURES | VISION_ARCHITECTURES
-    if card.architecture not in servable:
+    if (why := _unservable(card)) is not None:
+        return _reject(command, RejectCode.INVALID, why)
+    return [events.CustomModelCardAdded(card=replace(card, is_custom=True))]
+
+
+def _unservable(card: ModelCard) -> str | None:
+    """Why no engine of this version serves `card`; None when one does. A card MLX can hold needs an architecture
+    mlx-lm runs; a GGUF-only one, an architecture llama.cpp loads."""
+    servable = (
+        SUPPORTED_ARCHITECTURES | VISION_ARCHITECTURES if ModelFormat.MLX in card.formats else LLAMA_CPP_ARCHITECTURES
+    )
+    if card.architecture in servable:
+        return None
+    return f"architecture {card.architecture!r} is not supported; supported: {', '.join(sorted(servable))}"
+
+
+def _import_model_file(state: State, command: commands.ImportModelFile, ctx: Context) -> list[events.Event]:
+    if command.node_id not in state.nodes:
+        return _reject(command, RejectCode.NOT_FOUND, f"unknown node {command.node_id}; see GET /nodes")
+    for what, path in (("path", command.path), ("mmproj_path", command.mmproj_path)):
+        if path and not PurePosixPath(path).is_absolute():
+            return _reject(command, RejectCode.INVALID, f"{what} must be an absolute path on the node, got {path!r}")
+    model_id = command.model_id
+    card = find_card(state, model_id)
+    # Files imported under another model's id would be served as it.
+    if card is not None and card.source is not ModelSource.LOCAL_GGUF:
+        origin = card.source_ref or "the Hugging Face Hub"
         return _reject(
             command,
-            RejectCode.INVALID,
-            f"architecture {card.architecture!r} is not supported; supported: {', '.join(sorted(servable))}",
+            RejectCode.ALREADY_EXISTS,
+            f"{model_id} is already in the catalogue as a {card.source} model ({origin}); choose another id",
         )
-    return [events.CustomModelCardAdded(card=replace(card, is_custom=True))]
+    if card is not None and card.source_ref != command.path:
+        return _reject(
+            command,
+            RejectCode.CONFLICT,
+            f"{model_id} was imported from {card.source_ref}, not {command.path}; remove its card first "
+            f"(jetshard models rm {model_id}) or choose another id",
+        )
+    ongoing = state.imports.get(model_id)
+    if ongoing is not None and ongoing.progress.status is ImportStatus.ONGOING:
+        return _reject(command, RejectCode.CONFLICT, f"{model_id} is being imported on {ongoing.node_id} already")
+    stored = state.download(command.node_id, model_id)
+    if stored is not None and stored.progress.status is DownloadStatus.COMPLETED and not command.replace:
+        return _reject(
+            command,
+            RejectCode.CONFLICT,
+            f"{model_id} is already stored in {stored.progress.directory}; pass --replace to import over it",
+        )
+    return [
+        events.ModelImportRequested(
+            import_id=command.import_id,
+            node_id=command.node_id,
+            model_id=model_id,
+            path=command.path,
+            mmproj_path=command.mmproj_path,
+            replace=command.replace,
+        )
+    ]
+
+
+def _report_model_import(state: State, command: commands.ReportModelImport, ctx: Context) -> list[events.Event]:
+    known = state.imports.get(command.model_id)
+    if known is None or (known.import_id, known.node_id) != (command.import_id, command.node_id):
+        return []  # an attempt a newer import (or the card's deletion) superseded
+    progressed = events.ModelImportProgressed(
+        import_id=command.import_id, node_id=command.node_id, model_id=command.model_id, progress=command.progress
+    )
+    if command.progress.status is not ImportStatus.COMPLETED:
+        return [progressed]
+    card = command.card
+    why = "the report of a completed import carries no card"
+    if card is not None:
+        why = _unservable(card) or ""
+        if (card.model_id, card.source, card.source_ref) != (command.model_id, ModelSource.LOCAL_GGUF, known.path):
+            why = f"the card reported for {command.model_id} is not that of its import from {known.path}"
+    if card is None or why:
+        failed = replace(command.progress, status=ImportStatus.FAILED, reason=why)
+        return [replace(progressed, progress=failed)]
+    card = replace(card, is_custom=True)
+    added: list[events.Event] = (
+        [] if find_card(state, card.model_id) == card else [events.CustomModelCardAdded(card=card)]
+    )
+    stored = DownloadProgress(
+        status=DownloadStatus.COMPLETED,
+        start_layer=0,
+        end_layer=card.num_layers,
+        bytes_done=command.progress.bytes_total,
+        bytes_total=command.progress.bytes_total,
+        directory=command.progress.directory,
+        formats=(ModelFormat.GGUF,),
+    )
+    return [
+        *added,
+        events.DownloadCompleted(node_id=command.node_id, model_id=card.model_id, progress=stored),
+        progressed,
+    ]
 
 
 def _delete_custom_model_card(
@@ -611,6 +704,8 @@ _HANDLERS: dict[type, Callable[[State, Any, Context], list[events.Event]]] = {
     commands.AddCustomModelCard: _add_custom_model_card,
     commands.DeleteCustomModelCard: _delete_custom_model_card,
     commands.ReportModelSize: _report_model_size,
+    commands.ImportModelFile: _import_model_file,
+    commands.ReportModelImport: _report_model_import,
     commands.StartDownload: _start_download,
     commands.CancelDownload: _cancel_download,
     commands.DeleteDownload: _delete_download,

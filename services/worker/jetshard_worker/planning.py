@@ -5,7 +5,7 @@ from __future__ import annotations
 import msgspec
 from jetshard_schema.ids import InstanceId, ModelId, NodeId
 from jetshard_schema.state import Instance, State
-from jetshard_schema.types import DownloadStatus, RunnerStatus, ServingSettings, WeightsDtype
+from jetshard_schema.types import RunnerStatus, ServingSettings, WeightsDtype, engine_format
 
 
 class RunnerKey(msgspec.Struct, frozen=True):
@@ -71,8 +71,8 @@ def _startable(state: State, instance: Instance, node_id: NodeId) -> RunnerPlan 
     shard = instance.shard_for(node_id)
     assert shard is not None
     download = state.download(node_id, instance.model_id)
-    if download is None or download.progress.status is not DownloadStatus.COMPLETED:
-        return None
+    if download is None or not download.progress.holds(engine_format(instance.serving.engine)):
+        return None  # the form its engine loads is not here yet (one record per model: it may hold another)
     if download.progress.start_layer > shard.start_layer or download.progress.end_layer < shard.end_layer:
         return None
     if any(s.rank not in instance.endpoints for s in instance.shards):

@@ -1,0 +1,184 @@
+"""Importing a GGUF file on this node: its card read from its header, the file put into a model directory.
+
+The file (every part of a split model, and the projector when one is named) is checked first, then linked into
+`<models dir>/<org>--<name>/` as `model.gguf` (`mmproj.gguf`; a split model's parts keep llama.cpp's part names,
+`model-00001-of-00003.gguf`..., with `model.gguf` a link to the first, which llama.cpp finds the others from): a
+hard link where the file is on the same filesystem (no copy, no space), else a copy. Everything is written into a
+hidden staging directory with its manifest, then renamed into place in one step, or exchanged with the copy it
+replaces; so a failed or interrupted import leaves only a staging directory (removed on the way out, or by
+`convert.sweep_staging` at the next start) and whatever was stored before as it was.
+
+A hard link shares the file with its source: a tool that rewrites the source in place changes the model too (the
+manifest's sizes catch a change of size). Tools that write GGUF files write new files, so this is rare.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import errno
+import hashlib
+import os
+import shutil
+import threading
+from collections.abc import Callable
+from pathlib import Path
+
+from jetshard_schema.cards import ModelCard, ModelSource
+from jetshard_schema.gguf_card import UnsupportedGguf, card_from_gguf, split_count, split_part_names
+from jetshard_schema.gguf_header import GgufHeader
+from jetshard_schema.ids import ModelId
+
+from jetshard_downloader.choose import NoSpace, choose_directory
+from jetshard_downloader.dirs import ModelDirs, free_bytes
+from jetshard_downloader.fetch import Cancelled
+from jetshard_downloader.gguf_header import read_gguf_header
+from jetshard_downloader.locate import find_model
+from jetshard_downloader.manifest import Manifest, ManifestFile, fsync_dir, write_manifest
+from jetshard_downloader.paths import GGUF_NAME, MMPROJ_NAME, STAGING, exchange_directories, side_directory
+
+_CHUNK = 8 * 1024 * 1024
+PROJECTOR_ARCHITECTURE = "clip"
+"""What llama.cpp's projector files (mmproj) name as their general.architecture."""
+
+
+class ImportRefused(ValueError):
+    """The file cannot be imported: the message names the file and the problem, for a person."""
+
+
+def read_import(model_id: ModelId, path: Path, mmproj: Path | None) -> tuple[ModelCard, list[tuple[Path, str]]]:
+    """The card of the model in `path` (and `mmproj`) and the files to store, each with its name in the model
+    directory; ImportRefused naming the problem otherwise. Reads headers only."""
+
+    def header_of(file: Path, role: str) -> GgufHeader:
+        try:
+            return read_gguf_header(file)
+        except FileNotFoundError as error:
+            raise ImportRefused(f"{file} does not exist on this node") from error
+        except IsADirectoryError as error:
+            raise ImportRefused(f"{file} is a directory, not a GGUF file") from error
+        except OSError as error:
+            raise ImportRefused(f"cannot read {file}: {error.strerror}") from error
+        except ValueError as error:
+            raise ImportRefused(f"{file} is not a readable GGUF {role}: {error}") from error
+
+    header = header_of(path, "file")
+    files = [(path, GGUF_NAME)]
+    count = split_count(header)
+    if count > 1:
+        try:
+            names = split_part_names(path.name, count)
+        except UnsupportedGguf as error:
+            raise ImportRefused(f"{path}: {error}") from error
+        missing = [name for name in names if not (path.parent / name).is_file()]
+        if missing:
+            raise ImportRefused(
+                f"{path} is part 1 of a model split into {count} files; missing beside it: {', '.join(missing)}"
+            )
+        for name in names[1:]:
+            header_of(path.parent / name, f"part of {path.name}")
+        files = [(path.parent / name, name.replace(_prefix(path.name), "model", 1)) for name in names]
+    if mmproj is not None:
+        projector = header_of(mmproj, "projector")
+        if projector.text("general.architecture") != PROJECTOR_ARCHITECTURE:
+            raise ImportRefused(
+                f"{mmproj} is not a projector (mmproj) file: its general.architecture is "
+                f"{projector.text('general.architecture')!r}, not {PROJECTOR_ARCHITECTURE!r}"
+            )
+        files.append((mmproj, MMPROJ_NAME))
+    try:
+        card = card_from_gguf(
+            model_id,
+            header,
+            file_sizes_bytes=[source.stat().st_size for source, _ in files],
+            source=ModelSource.LOCAL_GGUF,
+            source_ref=str(path),
+            has_mmproj=mmproj is not None,
+        )
+    except ValueError as error:
+        raise ImportRefused(f"{path} cannot be imported: {error}") from error
+    return card, files
+
+
+def _prefix(first_part: str) -> str:
+    return first_part[: -len("-00001-of-00000.gguf")]
+
+
+def store_import(
+    dirs: ModelDirs,
+    model_id: ModelId,
+    files: list[tuple[Path, str]],
+    *,
+    replace: bool,
+    on_progress: Callable[[int, int], None],
+    cancel: threading.Event,
+) -> tuple[Path, int]:
+    """Put `files` into the model directory of `model_id`, all or nothing; returns (directory, bytes stored)."""
+    stored = find_model(dirs, model_id)
+    if stored is not None and stored.read_only:
+        raise ImportRefused(f"{model_id} is in {stored.path}, a read-only directory jetshard never writes to")
+    if stored is not None and not replace:
+        raise ImportRefused(f"{model_id} is already stored in {stored.path}; pass --replace to import over it")
+    if stored is not None:  # replaced where it is: the model stays in one directory
+        dirs = dataclasses.replace(
+            dirs, writable=(stored.models_dir, *(d for d in dirs.writable if d != stored.models_dir))
+        )
+    total = sum(source.stat().st_size for source, _ in files)
+    choice = choose_directory(dirs, model_id, total, free_bytes, {}, lambda _: 0)
+    if isinstance(choice, NoSpace):
+        raise ImportRefused(choice.message)
+    target = choice.model_dir
+    target.parent.mkdir(parents=True, exist_ok=True)
+    staging = side_directory(target, STAGING)
+    staging.mkdir()
+    try:
+        out = staging / target.name
+        out.mkdir()
+        done = 0
+        entries = []
+        for source, name in files:
+            digest = hashlib.sha256()
+
+            def advance(chunk: bytes, digest: hashlib._Hash = digest) -> None:
+                nonlocal done
+                if cancel.is_set():
+                    raise Cancelled(f"the import of {model_id} was cancelled")
+                digest.update(chunk)
+                done += len(chunk)
+                on_progress(done, total)
+
+            link_or_copy(source, out / name, advance)
+            entries.append(ManifestFile(name, (out / name).stat().st_size, digest.hexdigest()))
+        if files[0][1] != GGUF_NAME:  # a split model: model.gguf names its first part
+            os.symlink(files[0][1], out / GGUF_NAME)
+        write_manifest(out, Manifest(model_id=model_id, revision="local-gguf", files=tuple(entries)))
+        try:
+            os.rename(out, target)
+        except OSError as error:
+            if error.errno not in (errno.ENOTEMPTY, errno.EEXIST) or not replace:
+                raise
+            exchange_directories(out, target)  # what was there goes to the staging directory, and with it
+        fsync_dir(target.parent)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    if stored is not None and stored.path != target:
+        shutil.rmtree(stored.path, ignore_errors=True)
+    return target, total
+
+
+def link_or_copy(source: Path, destination: Path, advance: Callable[[bytes], None]) -> None:
+    """A hard link where the filesystem allows it, else a copy; `advance` sees every byte (the manifest's hash)."""
+    try:
+        os.link(source, destination)
+        with open(destination, "rb") as f:
+            while chunk := f.read(_CHUNK):
+                advance(chunk)
+        return
+    except OSError as error:
+        if error.errno not in (errno.EXDEV, errno.EPERM, errno.EMLINK, errno.ENOTSUP):
+            raise
+    with open(source, "rb") as src, open(destination, "wb") as dst:
+        while chunk := src.read(_CHUNK):
+            advance(chunk)
+            dst.write(chunk)
+        dst.flush()
+        os.fsync(dst.fileno())

@@ -1,0 +1,71 @@
+"""Putting a staged form of a model into its model directory, all or nothing.
+
+A conversion, an import or a packaged GGUF is written into a hidden staging directory first. Where the model
+directory does not exist yet, the staged directory, its manifest written, becomes it in one rename. Where it
+exists and holds another form of the model (the GGUF an MLX directory is converted from, or the MLX directory a
+GGUF joins), the staged files move in beside it and the manifest, rewritten last and atomically, lists both: a
+crash in between leaves files the manifest does not vouch for, never a form that looks complete and is not.
+A replacement (`replace`), or a form meeting a directory no manifest vouches for (what a crash or another tool
+left), takes the directory's place whole, in one exchange.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+from pathlib import Path
+
+from jetshard_downloader.manifest import Manifest, fsync_dir, read_manifest, write_manifest
+from jetshard_downloader.paths import exchange_directories, file_in
+
+
+def move_into_place(out: Path, target: Path, manifest: Manifest, *, replace: bool = False) -> None:
+    """Make the staged directory `out`, whose files `manifest` lists, the model directory `target` (see module
+    doc); `out` is left to its staging directory's removal."""
+    write_manifest(out, manifest)  # a directory of its own (a join moves only the files it lists)
+    if replace or not target.exists():
+        try:
+            os.rename(out, target)
+            fsync_dir(target.parent)
+            return
+        except OSError as error:
+            if error.errno not in (errno.ENOTEMPTY, errno.EEXIST):
+                raise
+    if replace or read_manifest(target) is None:
+        # What was there (the copy replaced, or what a crash or another tool left, which no manifest vouches
+        # for) goes to the staging directory, and with it.
+        exchange_directories(out, target)
+        fsync_dir(target.parent)
+        return
+    _join(out, target, manifest)
+
+
+def _join(out: Path, target: Path, manifest: Manifest) -> None:
+    """Move `manifest`'s files from `out` into `target` beside what its own manifest lists; the manifest last."""
+    existing = read_manifest(target)
+    kept = {f.name: f for f in existing.files} if existing is not None else {}
+    changed = [f for f in manifest.files if kept.get(f.name) != f]
+    if existing is not None and any(f.name in kept for f in changed):
+        # Files the manifest vouches for are about to change: it stops vouching for them first.
+        stale = {f.name for f in changed}
+        write_manifest(
+            target,
+            Manifest(
+                model_id=existing.model_id,
+                revision=existing.revision,
+                files=tuple(f for f in existing.files if f.name not in stale),
+            ),
+        )
+    for entry in changed:
+        destination = file_in(target, entry.name)
+        destination.parent.mkdir(parents=True, exist_ok=True)
+        os.replace(file_in(out, entry.name), destination)
+        fsync_dir(destination.parent)
+    kept.update({f.name: f for f in manifest.files})
+    revision = existing.revision if existing is not None else manifest.revision
+    write_manifest(
+        target,
+        Manifest(
+            model_id=manifest.model_id, revision=revision, files=tuple(sorted(kept.values(), key=lambda f: f.name))
+        ),
+    )

@@ -1,0 +1,309 @@
+"""Any GGUF llama.cpp loads becomes a card: read from its header (never its tensors), refused with the problem
+named when it is not one, imported by the node's own downloader.
+
+The files are written here with llama.cpp's own gguf-py (`GGUFWriter`): tiny tensors, real metadata.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import subprocess
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import gguf
+import httpx
+import numpy as np
+import pytest
+from helpers.harness import Cluster
+from helpers.states import fold
+from jetshard_downloader.dirs import ModelDirs
+from jetshard_downloader.gguf_header import read_gguf_header
+from jetshard_downloader.import_file import ImportRefused, read_import, store_import
+from jetshard_downloader.locate import find_model
+from jetshard_schema.cards import ModelCapability, ModelFormat, ModelSource, Quantization
+from jetshard_schema.commands import ImportModelFile, ReportModelImport
+from jetshard_schema.events import CustomModelCardAdded, DownloadCompleted, ModelImportProgressed, NodeJoined
+from jetshard_schema.gguf_card import UnsupportedGguf, card_from_gguf
+from jetshard_schema.gguf_header import NeedMoreBytes, parse_gguf_header
+from jetshard_schema.ids import CommandId, ModelId, NodeId
+from jetshard_schema.types import DownloadStatus, ImportProgress, ImportStatus, NodeProfile
+from jetshard_sequencer.handlers import Context, handle
+
+QWEN3_TEMPLATE = (
+    "{% if tools %}<tools>{{ tools }}</tools>{% endif %}{% for m in messages %}<think>\n</think>{% endfor %}"
+)
+
+
+def write_gguf(
+    path: Path,
+    arch: str,
+    *,
+    layers: int = 2,
+    hidden: int = 64,
+    heads: int = 4,
+    kv_heads: int | Sequence[int] = 2,
+    context: int = 2048,
+    file_type: gguf.LlamaFileType = gguf.LlamaFileType.MOSTLY_Q4_K_M,
+    tensor_type: gguf.GGMLQuantizationType = gguf.GGMLQuantizationType.Q4_K,
+    template: str = "",
+    pre: str = "default",
+    extra: dict[str, Any] | None = None,
+) -> Path:
+    """A GGUF file of `arch` with the metadata llama.cpp reads, one embedding and one weight of `tensor_type`."""
+    writer = gguf.GGUFWriter(str(path), arch)
+    writer.add_name(path.stem)
+    writer.add_block_count(layers)
+    writer.add_embedding_length(hidden)
+    writer.add_head_count(heads)
+    if isinstance(kv_heads, int):
+        writer.add_head_count_kv(kv_heads)
+    else:
+        writer.add_array(f"{arch}.attention.head_count_kv", list(kv_heads))
+    writer.add_context_length(context)
+    writer.add_file_type(file_type)
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre(pre)
+    writer.add_token_list([f"t{i}" for i in range(300)])
+    if template:
+        writer.add_chat_template(template)
+    for key, value in (extra or {}).items():
+        writer.add_uint32(key, value)
+    writer.add_tensor("token_embd.weight", np.zeros((300, hidden), dtype=np.float32))
+    block = gguf.GGML_QUANT_SIZES[tensor_type]
+    if tensor_type in (gguf.GGMLQuantizationType.F32,):
+        writer.add_tensor("blk.0.attn_q.weight", np.zeros((hidden, hidden), dtype=np.float32))
+    else:
+        rows = np.zeros((hidden, hidden // block[0] * block[1] if hidden >= block[0] else block[1]), dtype=np.uint8)
+        writer.add_tensor("blk.0.attn_q.weight", rows, raw_dtype=tensor_type)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+def card_of(path: Path, model_id: str = "local/m", **kwargs: Any) -> Any:
+    return card_from_gguf(
+        model_id,
+        read_gguf_header(path),
+        file_sizes_bytes=[path.stat().st_size],
+        source=ModelSource.LOCAL_GGUF,
+        source_ref=str(path),
+        **kwargs,
+    )
+
+
+def test_a_k_quant_qwen3_is_a_llama_cpp_only_card_with_its_tools_and_thinking(tmp_path: Path) -> None:
+    path = write_gguf(tmp_path / "Qwen3-Q4_K_M.gguf", "qwen3", context=40960, template=QWEN3_TEMPLATE)
+    card = card_of(path)
+    assert (card.architecture, card.num_layers, card.hidden_size) == ("qwen3", 2, 64)
+    assert (card.num_attention_heads, card.num_key_value_heads, card.vocab_size) == (4, 2, 300)
+    assert card.context_length == 40960 and card.storage_size_bytes == path.stat().st_size
+    assert card.file_type == "Q4_K_M" and card.quantization is None
+    assert card.formats == (ModelFormat.GGUF,)  # MLX's converter takes llama alone: llama.cpp only
+    assert ModelCapability.TOOLS in card.capabilities and ModelCapability.THINKING in card.capabilities
+    assert ModelCapability.VISION not in card.capabilities
+
+
+def test_gemma3_per_layer_kv_heads_take_the_largest_and_a_projector_makes_it_see(tmp_path: Path) -> None:
+    path = write_gguf(
+        tmp_path / "gemma.gguf",
+        "gemma3",
+        heads=8,
+        kv_heads=[4, 2],
+        file_type=gguf.LlamaFileType.MOSTLY_IQ4_XS,
+        tensor_type=gguf.GGMLQuantizationType.IQ4_XS,
+        template="{{ messages }}",
+    )
+    card = card_of(path, has_mmproj=True)
+    assert card.num_key_value_heads == 4 and card.file_type == "IQ4_XS"
+    assert ModelCapability.VISION in card.capabilities and ModelCapability.TOOLS not in card.capabilities
+    assert ModelCapability.THINKING not in card.capabilities
+
+
+def test_a_q8_llama_with_a_known_tokenizer_split_is_also_an_mlx_card(tmp_path: Path) -> None:
+    path = write_gguf(
+        tmp_path / "llama.gguf",
+        "llama",
+        file_type=gguf.LlamaFileType.MOSTLY_Q8_0,
+        tensor_type=gguf.GGMLQuantizationType.Q8_0,
+        pre="smollm",
+    )
+    card = card_of(path)
+    assert card.formats == (ModelFormat.GGUF, ModelFormat.MLX)
+    assert card.file_type == "Q8_0" and card.quantization == Quantization(bits=8, group_size=32)
+    # The same llama as a K-quant: MLX's converter cannot read it.
+    k_quant = write_gguf(tmp_path / "llama-k.gguf", "llama", pre="smollm")
+    assert card_of(k_quant).formats == (ModelFormat.GGUF,)
+
+
+def test_bad_files_are_refused_with_the_problem_named(tmp_path: Path) -> None:
+    good = write_gguf(tmp_path / "good.gguf", "qwen3")
+    truncated = tmp_path / "truncated.gguf"
+    truncated.write_bytes(good.read_bytes()[:-100])
+    with pytest.raises(ValueError, match=r"runs past the end of the file .*: the file is truncated"):
+        read_gguf_header(truncated)
+    not_gguf = tmp_path / "weights.safetensors"
+    not_gguf.write_bytes(b"{" + b" " * 100)
+    with pytest.raises(ValueError, match="does not start with the GGUF magic bytes"):
+        read_gguf_header(not_gguf)
+    unknown = write_gguf(tmp_path / "unknown.gguf", "transmogrifier")
+    with pytest.raises(UnsupportedGguf, match=r"architecture 'transmogrifier' is not one llama\.cpp knows"):
+        card_of(unknown)
+
+
+def test_a_header_read_from_a_prefix_asks_for_more_until_it_has_it_all(tmp_path: Path) -> None:
+    path = write_gguf(tmp_path / "m.gguf", "qwen3", template=QWEN3_TEMPLATE)
+    data = path.read_bytes()
+    with pytest.raises(NeedMoreBytes) as more:
+        parse_gguf_header(data[:64], len(data))
+    size = more.value.size
+    while True:
+        try:
+            header = parse_gguf_header(data[:size], len(data))
+            break
+        except NeedMoreBytes as error:
+            assert error.size > size
+            size = max(error.size, size * 2)
+    assert header.text("general.architecture") == "qwen3" and header.data_start <= size
+
+
+def _split(tmp_path: Path, count: int) -> list[Path]:
+    parts = []
+    for i in range(1, count + 1):
+        part = tmp_path / f"big-{i:05d}-of-{count:05d}.gguf"
+        write_gguf(part, "qwen3", extra={"split.no": i - 1, "split.count": count})
+        parts.append(part)
+    return parts
+
+
+def test_a_split_model_with_a_part_missing_is_refused_and_a_whole_one_stores_all_parts(tmp_path: Path) -> None:
+    parts = _split(tmp_path, 3)
+    parts[1].unlink()
+    with pytest.raises(ImportRefused, match=r"part 1 of a model split into 3 files; missing beside it: big-00002-of"):
+        read_import(ModelId("local/big"), parts[0], None)
+    write_gguf(parts[1], "qwen3", extra={"split.no": 1, "split.count": 3})
+    with pytest.raises(ImportRefused, match=r"name its first part"):
+        read_import(ModelId("local/big"), parts[1], None)
+    card, files = read_import(ModelId("local/big"), parts[0], None)
+    assert card.storage_size_bytes == sum(p.stat().st_size for p in parts)
+    dirs = ModelDirs.from_options(tmp_path / "models")
+    directory, _ = store_import(
+        dirs,
+        ModelId("local/big"),
+        files,
+        replace=False,
+        on_progress=lambda *_: None,
+        cancel=__import__("threading").Event(),
+    )
+    assert sorted(p.name for p in directory.iterdir()) == [
+        ".jetshard-manifest.json",
+        "model-00001-of-00003.gguf",
+        "model-00002-of-00003.gguf",
+        "model-00003-of-00003.gguf",
+        "model.gguf",
+    ]
+    assert (directory / "model.gguf").resolve() == directory / "model-00001-of-00003.gguf"
+    assert find_model(dirs, "local/big") is not None
+
+
+NODE = NodeId("n1")
+
+
+def test_an_import_report_adds_the_card_and_the_copy_on_its_node() -> None:
+    profile = NodeProfile(hostname="h", os="linux", cpu_cores=1, memory_total_bytes=2**30, memory_available_bytes=2**30)
+    state = fold(NodeJoined(node_id=NODE, session_id="s", profile=profile))
+    ctx = Context(command_id=CommandId("c1"), now_ms=0)
+    request = ImportModelFile(import_id="i1", node_id=NODE, model_id=ModelId("local/m"), path="/data/m.gguf")
+    relative = handle(
+        state, ImportModelFile(import_id="i0", node_id=NODE, model_id=ModelId("local/m"), path="m.gguf"), ctx
+    )
+    assert "must be an absolute path" in relative[0].reason  # type: ignore[union-attr]
+    state = fold(*handle(state, request, ctx), state=state)
+    assert state.imports[ModelId("local/m")].progress.status is ImportStatus.ONGOING
+    from jetshard_schema.cards import ModelCard
+
+    card = ModelCard(
+        model_id=ModelId("local/m"),
+        num_layers=2,
+        hidden_size=64,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=300,
+        architecture="qwen3",
+        storage_size_bytes=1000,
+        source=ModelSource.LOCAL_GGUF,
+        source_ref="/data/m.gguf",
+        formats=(ModelFormat.GGUF,),
+        file_type="Q4_K_M",
+    )
+    done = ImportProgress(
+        status=ImportStatus.COMPLETED, bytes_done=1000, bytes_total=1000, directory="/models/local--m"
+    )
+    report = ReportModelImport(node_id=NODE, import_id="i1", model_id=ModelId("local/m"), progress=done, card=card)
+    emitted = handle(state, report, ctx)
+    assert [type(e) for e in emitted] == [CustomModelCardAdded, DownloadCompleted, ModelImportProgressed]
+    state = fold(*emitted, state=state)
+    assert state.custom_cards[ModelId("local/m")].is_custom
+    assert state.download(NODE, ModelId("local/m")).progress.status is DownloadStatus.COMPLETED  # type: ignore[union-attr]
+    again = handle(state, request, ctx)
+    assert "already stored in /models/local--m; pass --replace" in again[0].reason  # type: ignore[union-attr]
+
+
+async def test_import_gguf_runs_on_the_nodes_downloader_and_refuses_bad_files(cluster: Cluster, tmp_path: Path) -> None:
+    config, models = tmp_path / "node", tmp_path / "models"
+    node = await cluster.join(config)
+    cluster.start_downloader("downloader", config, "--offline", "--default-models-dir", str(models))
+    api = cluster.start_api()
+    # The CLI writes nothing itself: its models directory is not the downloader's.
+    env = {**cluster.env, "JETSHARD_CONFIG_DIR": str(config), "JETSHARD_DEFAULT_MODELS_DIR": str(tmp_path / "cli")}
+
+    def import_gguf(*args: str) -> subprocess.CompletedProcess[str]:
+        command = [sys.executable, "-m", "jetshard", "models", "--api", api, "import-gguf", *args]
+        return subprocess.run(command, capture_output=True, text=True, env=env, timeout=120)
+
+    qwen = write_gguf(tmp_path / "Qwen3-Q4_K_M.gguf", "qwen3", context=40960, template=QWEN3_TEMPLATE)
+    result = await asyncio.to_thread(import_gguf, str(qwen), "--id", "local/qwen")
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "imported local/qwen (Q4_K_M, llama.cpp only)" in result.stdout
+    stored = models / "local--qwen" / "model.gguf"
+    assert stored.read_bytes() == qwen.read_bytes() and not (tmp_path / "cli").exists()
+    async with httpx.AsyncClient() as http:
+        card = (await http.get(f"{api}/models/local/qwen")).json()
+    assert card["formats"] == ["gguf"] and card["file_type"] == "Q4_K_M" and card["source"] == "local-gguf"
+    assert card["downloads"][node]["progress"]["status"] == "completed"
+    assert card["downloads"][node]["progress"]["directory"] == str(models / "local--qwen")
+
+    truncated = tmp_path / "truncated.gguf"
+    truncated.write_bytes(qwen.read_bytes()[:-64])
+    unknown = write_gguf(tmp_path / "unknown.gguf", "transmogrifier")
+    not_gguf = tmp_path / "not.gguf"
+    not_gguf.write_bytes(os.urandom(4096))
+    for bad, problem in (
+        (truncated, "the file is truncated"),
+        (unknown, "architecture 'transmogrifier' is not one llama.cpp knows"),
+        (not_gguf, "does not start with the GGUF magic bytes"),
+    ):
+        refused = await asyncio.to_thread(import_gguf, str(bad), "--id", "local/bad")
+        assert refused.returncode == 1 and problem in refused.stderr, refused.stderr
+    # A file rewritten since (a new file in its place, as tools write them) and truncated: the re-import is refused
+    # and the copy stored before stays as it was, with nothing left beside it.
+    kept = qwen.read_bytes()
+    truncated.replace(qwen)
+    refused = await asyncio.to_thread(import_gguf, str(qwen), "--id", "local/qwen", "--replace")
+    assert refused.returncode == 1 and "the file is truncated" in refused.stderr, refused.stderr
+    assert stored.read_bytes() == kept
+    assert sorted(p.name for p in models.iterdir()) == ["local--qwen"]
+    other = await asyncio.to_thread(import_gguf, str(unknown), "--id", "local/qwen", "--replace")
+    assert other.returncode == 1 and "local/qwen was imported from" in other.stderr
+    # Without --replace a stored copy is never written over; with it, it is replaced in one step.
+    qwen.write_bytes(kept)
+    again = await asyncio.to_thread(import_gguf, str(qwen), "--id", "local/qwen")
+    assert again.returncode == 1 and "already stored in" in again.stderr and "--replace" in again.stderr
+    replaced = await asyncio.to_thread(import_gguf, str(qwen), "--id", "local/qwen", "--replace")
+    assert replaced.returncode == 0, replaced.stderr
+    assert stored.read_bytes() == kept and sorted(p.name for p in models.iterdir()) == ["local--qwen"]
