@@ -15,7 +15,7 @@ from typing import Annotated
 import msgspec
 
 from jetshard_schema.ids import ValidModelId, parse_model_id
-from jetshard_schema.types import MAX_REPETITION_PENALTY
+from jetshard_schema.types import MAX_REPETITION_PENALTY, ModelFormat
 
 
 class ModelTask(enum.StrEnum):
@@ -51,15 +51,6 @@ class ModelSource(enum.StrEnum):
     """A GGUF file a user imported with `jetshard models import-gguf`."""
     HUB_GGUF = "hub-gguf"
     """One GGUF file of a Hugging Face Hub repo (`source_ref`: the repo and the file's path in it)."""
-
-
-class ModelFormat(enum.StrEnum):
-    """A form of a model's weights a node can get, and the engine that loads it."""
-
-    MLX = "mlx"
-    """An MLX directory (safetensors, MLX quantization), from the Hub or converted from a GGUF MLX can hold."""
-    GGUF = "gguf"
-    """One GGUF file, as llama.cpp loads it."""
 
 
 VISION_ARCHITECTURES: frozenset[str] = frozenset({"idefics3", "smolvlm"})

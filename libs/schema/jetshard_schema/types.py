@@ -7,7 +7,6 @@ from typing import Annotated, Any
 
 import msgspec
 
-from jetshard_schema.cards import ModelFormat
 from jetshard_schema.ids import ValidModelId, ValidNodeId, ValidSessionId, ValidTaskId
 
 
@@ -29,6 +28,15 @@ class Engine(enum.StrEnum):
     """MLX (mlx-lm): MLX directories; Metal on Apple silicon, CUDA on NVIDIA, a reference path on x86 CPUs."""
     LLAMA_CPP = "llama.cpp"
     """Upstream llama.cpp (`llama-server`, one per instance): GGUF files, fastest on CPUs."""
+
+
+class ModelFormat(enum.StrEnum):
+    """A form of a model's weights a node can get, and the engine that loads it."""
+
+    MLX = "mlx"
+    """An MLX directory (safetensors, MLX quantization), from the Hub or converted from a GGUF MLX can hold."""
+    GGUF = "gguf"
+    """One GGUF file, as llama.cpp loads it."""
 
 
 def engine_format(engine: Engine | None) -> ModelFormat:
