@@ -11,6 +11,12 @@ import subprocess
 from pathlib import Path
 
 import pytest
+from jetshard_bus.connect import connect
+from jetshard_bus.follower import StateFollower
+from jetshard_bus.options import NatsOptions
+from jetshard_bus.streams import BusTimings
+from jetshard_schema.events import NodeJoined, NodeUpdated
+from jetshard_schema.types import Engine
 from jetshard_worker.engines.llamacpp import build as llamacpp_build
 from jetshard_worker.engines.llamacpp.build import (
     CACHE_ENV,
@@ -291,3 +297,46 @@ def test_a_variant_named_in_the_skip_switch_is_never_tried(
     passed = probe(build_copy)
     assert [(d.variant, d.reason) for d in passed.dropped] == [("dying", f"named in {SKIP_VARIANTS_ENV}")]
     assert passed.library == "libggml-cpu.so"
+
+
+# --- the worker ---------------------------------------------------------------------------------------------
+
+
+async def test_a_worker_serves_on_mlx_while_it_readies_llama_cpp_then_reports_it(
+    fresh_nats, processes, build_copy: LlamaCppBuild, tmp_path: Path
+) -> None:
+    """A node whose cache holds a build not yet probed here joins with MLX alone, probes in the background and
+    reports llama.cpp; restarted, it joins with llama.cpp at once."""
+    client, js = await connect(NatsOptions(servers=(fresh_nats.url,)), "test", BusTimings())
+    engines_seen: list[tuple[Engine, ...]] = []
+    follower = StateFollower(js)
+
+    def record(envelope, state, live) -> None:  # type: ignore[no-untyped-def]
+        if isinstance(envelope.event, NodeJoined | NodeUpdated):
+            engines_seen.append(envelope.event.profile.engines)
+
+    follower.add_listener(record)
+    await follower.start()
+    env = {
+        "JETSHARD_CONFIG_DIR": str(tmp_path / "cfg"),
+        CACHE_ENV: str(build_copy.root.parent),
+        "JETSHARD_BUILD_LLAMA_CPP": "1",
+        "JETSHARD_LLAMA_CPP_CPU_VARIANTS": "avx2",
+    }
+    try:
+        processes.start("seq", "sequencer", "--nats", fresh_nats.url)
+        worker = processes.start("w1", "worker", "--nats", fresh_nats.url, env=env)
+        await follower.wait_until(lambda s: any(Engine.LLAMA_CPP in e for e in engines_seen), 120)
+        assert engines_seen[0] == (Engine.MLX,), engines_seen
+        assert "llama.cpp is ready" in processes.log("w1")
+        assert (build_copy.root / "probe.json").is_file()
+
+        processes.kill(worker, signal.SIGTERM)
+        engines_seen.clear()
+        processes.start("w2", "worker", "--nats", fresh_nats.url, env=env)
+        await follower.wait_until(lambda s: bool(engines_seen), 60)
+        assert engines_seen[0] == (Engine.MLX, Engine.LLAMA_CPP)
+        assert "building llama.cpp" not in processes.log("w2")
+    finally:
+        await follower.stop()
+        await client.close()

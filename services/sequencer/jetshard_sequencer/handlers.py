@@ -75,7 +75,7 @@ def handle(state: State, command: commands.Command, ctx: Context) -> list[events
 
 
 def profile_changed_meaningfully(old: NodeProfile, new: NodeProfile) -> bool:
-    fixed = ("hostname", "os", "cpu_cores", "memory_total_bytes", "accelerator", "fast_blas")
+    fixed = ("hostname", "os", "cpu_cores", "memory_total_bytes", "accelerator", "fast_blas", "engines")
     if any(getattr(old, f) != getattr(new, f) for f in fixed):
         return True
     if _moved_meaningfully(old.memory_available_bytes, new.memory_available_bytes, new.memory_total_bytes):

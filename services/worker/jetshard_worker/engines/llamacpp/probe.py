@@ -293,7 +293,8 @@ def run_once(build: LlamaCppBuild, model: Path) -> ProbeOutcome:
     log_path = build.root / "probe.log"
     url = f"http://127.0.0.1:{port}"
     command = [str(build.llama_server), "-m", str(model), "--host", "127.0.0.1", "--port", str(port)]
-    command += ["-c", "512", "-np", "1"]
+    # -lv 4: ggml's info lines (which CPU library it loaded) are llama's trace level, below the default 3.
+    command += ["-c", "512", "-np", "1", "-lv", "4"]
     # From the build's root: ggml also loads CPU variants from the current directory, which must hold none.
     with open(log_path, "wb") as log:
         process = subprocess.Popen(command, cwd=build.root, stdout=log, stderr=subprocess.STDOUT)
