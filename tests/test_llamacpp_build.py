@@ -10,13 +10,16 @@ import signal
 import subprocess
 from pathlib import Path
 
+import msgspec
 import pytest
 from jetshard_bus.connect import connect
 from jetshard_bus.follower import StateFollower
+from jetshard_bus.node import node_profile
 from jetshard_bus.options import NatsOptions
 from jetshard_bus.streams import BusTimings
 from jetshard_schema.events import NodeJoined, NodeUpdated
 from jetshard_schema.types import Engine
+from jetshard_sequencer.handlers import profile_changed_meaningfully
 from jetshard_worker.engines.llamacpp import build as llamacpp_build
 from jetshard_worker.engines.llamacpp.build import (
     CACHE_ENV,
@@ -300,6 +303,11 @@ def test_a_variant_named_in_the_skip_switch_is_never_tried(
 
 
 # --- the worker ---------------------------------------------------------------------------------------------
+
+
+def test_a_node_that_gains_an_engine_is_a_change_the_sequencer_records() -> None:
+    before = node_profile()
+    assert profile_changed_meaningfully(before, msgspec.structs.replace(before, engines=(Engine.MLX, Engine.LLAMA_CPP)))
 
 
 async def test_a_worker_serves_on_mlx_while_it_readies_llama_cpp_then_reports_it(
