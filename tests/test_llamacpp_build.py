@@ -4,10 +4,13 @@ for real on this machine, with a variant that dies."""
 
 from __future__ import annotations
 
+import functools
+import http.server
 import json
 import shutil
 import signal
 import subprocess
+import threading
 from pathlib import Path
 
 import msgspec
@@ -192,6 +195,32 @@ def test_an_sdist_that_is_not_the_pinned_one_is_refused_and_leaves_nothing(tmp_p
     cache = tmp_path / "cache"
     with pytest.raises(BuildError, match="is not the pinned"):
         llamacpp_build.build(CpuVariants.AVX2, environ={CACHE_ENV: str(cache), SDIST_ENV: str(fake)})
+    assert [path.name for path in cache.iterdir() if path.is_dir()] == []
+
+
+def test_the_sdist_comes_from_the_mirror_pip_uses_and_is_checked_after_download(tmp_path: Path) -> None:
+    """A mirror (PIP_INDEX_URL) serving its PEP 503 page and a file that is not the pinned sdist: downloaded with
+    progress, then refused by its sha256, leaving nothing in the cache."""
+    (tmp_path / "simple" / "llama-cpp-python").mkdir(parents=True)
+    (tmp_path / "files").mkdir()
+    (tmp_path / "files" / SDIST_FILENAME).write_bytes(b"x" * 3_000_000)
+    page = f'<html><body><a href="../../files/{SDIST_FILENAME}#sha256=00">{SDIST_FILENAME}</a></body></html>'
+    (tmp_path / "simple" / "llama-cpp-python" / "index.html").write_text(page)
+    handler = functools.partial(http.server.SimpleHTTPRequestHandler, directory=str(tmp_path))
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    seen: list[Progress] = []
+    cache = tmp_path / "cache"
+    try:
+        environ = {CACHE_ENV: str(cache), "PIP_INDEX_URL": f"http://127.0.0.1:{server.server_port}/simple"}
+        with pytest.raises(BuildError, match="is not the pinned") as raised:
+            llamacpp_build.build(CpuVariants.AVX2, seen.append, environ)
+    finally:
+        server.shutdown()
+        server.server_close()
+    assert f"http://127.0.0.1:{server.server_port}/files/{SDIST_FILENAME}" in str(raised.value)
+    downloads = [p for p in seen if p.phase is Phase.DOWNLOAD]
+    assert downloads and downloads[-1].percent == 100.0
     assert [path.name for path in cache.iterdir() if path.is_dir()] == []
 
 

@@ -440,7 +440,10 @@ def _extract_tree(sdist: Path, destination: Path) -> Path:
     prefix = f"llama_cpp_python-{LLAMA_CPP_PYTHON_VERSION}/vendor/llama.cpp/"
     with tarfile.open(sdist, "r:gz") as archive:
         members = [member for member in archive.getmembers() if member.name.startswith(prefix)]
-        archive.extractall(destination, members=members, filter="data")
+        if hasattr(tarfile, "data_filter"):  # Python 3.11.4 and later: no links or paths out of `destination`
+            archive.extractall(destination, members=members, filter="data")
+        else:
+            archive.extractall(destination, members=members)  # the archive is the pinned one: its sha256 was checked
     return destination / prefix
 
 
