@@ -12,9 +12,11 @@ import signal
 import subprocess
 import threading
 from pathlib import Path
+from typing import Any
 
 import msgspec
 import pytest
+from click.testing import CliRunner
 from jetshard_bus.connect import connect
 from jetshard_bus.follower import StateFollower
 from jetshard_bus.node import node_profile
@@ -60,6 +62,8 @@ from jetshard_worker.engines.llamacpp.probe import (
     skipped_variants,
     variant_of,
 )
+
+from jetshard.cli import main
 
 # --- pure parts ---------------------------------------------------------------------------------------------
 
@@ -254,13 +258,23 @@ def test_the_build_carries_its_binaries_and_one_cpu_library(avx2_build: LlamaCpp
     assert cpu_libraries(avx2_build) == ["libggml-cpu.so"]
 
 
+def _llama_cpp_status() -> dict[str, Any]:
+    answer = CliRunner().invoke(main, ["engines", "status", "--json"])
+    assert answer.exit_code == 0, answer.output
+    return next(engine for engine in json.loads(answer.output) if engine["engine"] == "llama.cpp")
+
+
 def test_a_fresh_build_is_ready_only_once_probed_on_this_cpu(build_copy: LlamaCppBuild) -> None:
     assert ready_build() is None
+    assert _llama_cpp_status()["ready"] is False
     passed = probe(build_copy)
     assert passed.library == "libggml-cpu.so" and passed.dropped == []
     ready = ready_build()
     assert ready is not None and ready.llama_server == build_copy.llama_server and ready.probe == passed
     assert ready.bin_dir == build_copy.root / "bin"
+    status = _llama_cpp_status()
+    assert status["ready"] is True and status["variant"] == "cpu" and status["dropped"] == []
+    assert status["llama_server"] == str(build_copy.llama_server)
 
 
 def _die_after_loading(tmp_path: Path, bin_dir: Path) -> None:

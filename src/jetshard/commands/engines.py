@@ -56,8 +56,11 @@ def engines_table(status: list[dict[str, Any]]) -> Table:
             lines = [engine["llama_server"], f"CPU variant: {engine['variant']}"]
             lines.append("dropped: " + (", ".join(engine["dropped"]) or "none"))
         elif engine["builds"]:
-            lines = [f"built in {b['path']}, not yet probed on this CPU" for b in engine["builds"]]
-            lines.append("run `jetshard engines build llama.cpp` to probe it")
+            lines = [
+                f"{b['path']}: not yet probed on this CPU; "
+                f"`jetshard engines build llama.cpp --cpu-variants {b['cpu_variants']}` probes it"
+                for b in engine["builds"]
+            ]
         else:
             lines = [f"not built (cache: {engine['cache']}): `jetshard engines build llama.cpp` compiles it"]
         table.add_row(LLAMA_CPP, "yes" if engine["ready"] else "no", "\n".join(lines))
