@@ -223,7 +223,11 @@ def probe_model() -> Path:
     """The demo GGUF, from the installed distribution's file list (the package itself is never imported: it
     imports `llm` and `llama_cpp`, which jetshard does not install)."""
     distribution, filename = PROBE_MODEL
-    for entry in importlib.metadata.distribution(distribution).files or ():
+    try:
+        entries = importlib.metadata.distribution(distribution).files or ()
+    except importlib.metadata.PackageNotFoundError:
+        raise ProbeError(f"{distribution} (the demo GGUF, installed with jetshard) is missing: reinstall") from None
+    for entry in entries:
         if entry.name == filename:
             return Path(str(entry.locate())).resolve()
     raise ProbeError(f"{distribution} has no {filename} to probe llama.cpp with")
