@@ -244,7 +244,9 @@ def probe(
         if (done := passed_here(build, environ)) is not None:
             return done
         key, description = this_cpu()
-        dropped: list[DroppedVariant] = []
+        disabled = build.bin_dir / DISABLED_DIR
+        earlier = sorted(path.name for path in disabled.iterdir()) if disabled.is_dir() else []
+        dropped = [DroppedVariant(variant_of(name), name, "moved aside by an earlier probe") for name in earlier]
         for library in cpu_libraries(build):
             if variant_of(library) in skipped_variants(environ):
                 _move_aside(build, library)
