@@ -283,6 +283,7 @@ def _die_after_loading(tmp_path: Path, bin_dir: Path) -> None:
     source = tmp_path / "dying.c"
     source.write_text(
         r"""
+#define _GNU_SOURCE /* dladdr */
 #include <dlfcn.h>
 #include <pthread.h>
 #include <signal.h>
