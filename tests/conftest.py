@@ -27,6 +27,8 @@ def isolated_home(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
             "HF_HUB_DISABLE_TELEMETRY": "1",
             # Runners must compute exactly what in-process mlx_lm does for the equality tests.
             "JETSHARD_BLAS": "0",
+            # Workers find the llama.cpp build `tests/run` made (JETSHARD_LLAMA_CPP_CACHE) and never compile one.
+            "JETSHARD_BUILD_LLAMA_CPP": "0",
         }
     )
     for name in ("HF_HUB_OFFLINE", "JETSHARD_OFFLINE", "HF_TOKEN"):

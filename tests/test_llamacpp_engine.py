@@ -23,8 +23,8 @@ from jetshard_schema.types import (
     Tools,
 )
 from jetshard_worker.engines.llamacpp import requests as llama
-from jetshard_worker.engines.llamacpp.build import find_ready_build
 from jetshard_worker.engines.llamacpp.engine import LlamaCppEngine
+from jetshard_worker.engines.llamacpp.probe import ready_build
 from jetshard_worker.engines.llamacpp.server import LlamaServer, ServerDied, ServerSettings
 
 DEMO_GGUF, _ = packaged_gguf_path(builtin_cards()[DEMO_MODEL_ID])
@@ -115,9 +115,13 @@ def test_a_completion_ends_at_its_limit_with_its_token_counts() -> None:
 
 @pytest.fixture
 async def demo_server() -> LlamaServer:
-    build = find_ready_build()
+    build = ready_build()
     assert build is not None, "no llama.cpp build: `bash tests/run` builds it before the suite"
-    server = LlamaServer(ServerSettings(binary=build.llama_server, model=DEMO_GGUF, slots=2, context_per_slot=512))
+    server = LlamaServer(
+        ServerSettings(
+            binary=build.llama_server, working_dir=build.build.root, model=DEMO_GGUF, slots=2, context_per_slot=512
+        )
+    )
     await asyncio.wait_for(server.start(timeout_s=120), 150)
     yield server
     await server.stop()

@@ -6,6 +6,7 @@ import click
 
 from jetshard.commands.chat import chat
 from jetshard.commands.download import download
+from jetshard.commands.engines import engines
 from jetshard.commands.import_gguf import import_gguf
 from jetshard.commands.inspect import events, state
 from jetshard.commands.instances import instances, tasks
@@ -25,6 +26,6 @@ def main() -> None:
 
 for command in (up, models, download, instances, tasks, status, chat, lan, sequencer, api, worker, downloader):
     main.add_command(command)
-for command in (credentials, events, state):
+for command in (credentials, events, state, engines):
     main.add_command(command)
 models.add_command(import_gguf)

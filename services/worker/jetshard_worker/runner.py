@@ -73,8 +73,8 @@ from jetshard_worker.chat import render_chat, tool_spec
 from jetshard_worker.constrained import JsonConstraint, SchemaError, grammar_tokenizer
 from jetshard_worker.engine import GenerationRequest, PipelineEngine, TokenScores, init_ring, load_shard
 from jetshard_worker.engines.llamacpp import requests as llama_requests
-from jetshard_worker.engines.llamacpp.build import find_ready_build
 from jetshard_worker.engines.llamacpp.engine import LlamaCppEngine
+from jetshard_worker.engines.llamacpp.probe import ready_build
 from jetshard_worker.engines.llamacpp.requests import Ending, Piece
 from jetshard_worker.engines.llamacpp.server import LlamaServer, ServerSettings
 from jetshard_worker.library_boundary import (
@@ -218,13 +218,14 @@ class Runner:
         progress while it loads: the runner reports none loaded, then all."""
         total = self.plan.end_layer - self.plan.start_layer
         await self.report(RunnerStatus.LOADING, layers_loaded=0, layers_total=total)
-        build = find_ready_build()
+        build = ready_build()
         if build is None:
             raise RuntimeError("llama.cpp is not built on this node: run `jetshard engines build llama.cpp`")
         model_dir = Path(self.plan.model_dir)
         mmproj = model_dir / MMPROJ_FILE
         settings = ServerSettings(
             binary=build.llama_server,
+            working_dir=build.build.root,
             # Resolved: llama.cpp finds a split model's other parts beside the first part's own name.
             model=(model_dir / GGUF_FILE).resolve(),
             slots=self.plan.serving.max_batch,

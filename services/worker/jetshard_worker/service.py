@@ -25,6 +25,8 @@ from nats.aio.client import Client
 
 from jetshard_worker.blas import runner_blas
 from jetshard_worker.cards import CardDirectory
+from jetshard_worker.engines.llamacpp.background import NodeEngines, build_llama_cpp
+from jetshard_worker.engines.llamacpp.build import CpuVariants
 from jetshard_worker.runners import RunnerSupervisor
 
 log = logging.getLogger(__name__)
@@ -43,6 +45,9 @@ class WorkerConfig:
     """Where peers reach this node's runners; None: the local address of the connection to NATS."""
     session_id: str = field(default_factory=lambda: new_id()[:12])
     """This start of the worker; runners and liveness carry it, so State tells them from a previous life's."""
+    build_llama_cpp: bool = False
+    """Without a ready llama.cpp build here, compile one in the background (`jetshard worker` turns it on)."""
+    llama_cpp_cpu_variants: CpuVariants = CpuVariants.ALL
 
 
 async def run_worker(config: WorkerConfig, stop: asyncio.Event) -> None:
@@ -74,15 +79,29 @@ async def run_worker(config: WorkerConfig, stop: asyncio.Event) -> None:
     # Before the node announces itself: once State shows this session, its card directory matches State.
     cards.reconcile(follower.state.custom_cards)
     heartbeat = asyncio.create_task(keep_alive(js, node_id, session_id, config.timings.liveness_ttl_s, stop))
-    profile = msgspec.structs.replace(node_profile(), fast_blas=await asyncio.to_thread(_fast_blas_here))
+    engines = await asyncio.to_thread(NodeEngines)
+    profile = msgspec.structs.replace(
+        node_profile(), fast_blas=await asyncio.to_thread(_fast_blas_here), engines=engines.engines
+    )
     if (hint := unused_gpu_hint(profile)) is not None:
         log.warning("%s", hint)
-    reporting = asyncio.create_task(_report_profile(js, node_id, session_id, profile, config.profile_interval_s, stop))
+    reporting = asyncio.create_task(
+        _report_profile(js, node_id, session_id, profile, engines, config.profile_interval_s, stop)
+    )
+    building = (
+        asyncio.create_task(build_llama_cpp(engines, config.llama_cpp_cpu_variants))
+        if config.build_llama_cpp and not engines.llama_cpp_ready
+        else None
+    )
     log.info("worker for node %s (session %s) started; cards in %s", node_id, session_id, cards.path)
     try:
         await supervisor.start(follower.state)
         await stop.wait()
     finally:
+        if building is not None:
+            building.cancel()  # kills the build's process group; its half-made directory is removed next time
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await building
         await supervisor.shutdown()
         for task in (heartbeat, reporting):
             with contextlib.suppress(Exception):
@@ -111,15 +130,23 @@ def _fast_blas_here() -> bool:
     return blas.library is not None
 
 
-async def _report_profile(js, node_id, session_id, first: NodeProfile, interval_s: float, stop: asyncio.Event) -> None:  # type: ignore[no-untyped-def]
-    """Report the profile now and periodically; the sequencer keeps only meaningful changes."""
+async def _report_profile(  # type: ignore[no-untyped-def]
+    js, node_id, session_id, first: NodeProfile, engines: NodeEngines, interval_s: float, stop: asyncio.Event
+) -> None:
+    """Report the profile now, periodically and as soon as the engines change; the sequencer keeps only
+    meaningful changes."""
     profile = first
     while not stop.is_set():
         try:
             await publish_command(js, ReportNodeProfile(node_id=node_id, session_id=session_id, profile=profile))
         except Exception as error:
             log.warning("profile report failed: %s", error)
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(stop.wait(), interval_s)
+        waits = [asyncio.ensure_future(stop.wait()), asyncio.ensure_future(engines.changed.wait())]
+        await asyncio.wait(waits, timeout=interval_s, return_when=asyncio.FIRST_COMPLETED)
+        for wait in waits:
+            wait.cancel()
+        engines.changed.clear()
         # NVML's queries can take a while on an idle GPU: off the loop that beats the node's liveness.
-        profile = msgspec.structs.replace(await asyncio.to_thread(node_profile), fast_blas=first.fast_blas)
+        profile = msgspec.structs.replace(
+            await asyncio.to_thread(node_profile), fast_blas=first.fast_blas, engines=engines.engines
+        )

@@ -231,19 +231,41 @@ def api(
     help="a runner that has not loaded and joined its peers within this time is killed and reported",
 )
 @option("--worker-session", default=None, hidden=True, help="this start's session id, chosen by `jetshard up`")
+@option(
+    "--build-llama-cpp/--no-build-llama-cpp",
+    default=True,
+    show_default=True,
+    help="without a ready llama.cpp build on this machine, compile one in the background (nice'd; MLX serves "
+    "meanwhile), as `jetshard engines build llama.cpp` does",
+)
+@option(
+    "--llama-cpp-cpu-variants",
+    type=click.Choice(["all", "avx2"]),
+    default="all",
+    show_default=True,
+    help="the CPU variants of the llama.cpp the worker builds (as `jetshard engines build llama.cpp --cpu-variants`)",
+)
 def worker(
     nats: NatsOptions,
     timings: BusTimings,
     advertise_host: str | None,
     runner_start_timeout_s: float,
     worker_session: str | None,
+    build_llama_cpp: bool,
+    llama_cpp_cpu_variants: str,
 ) -> None:
     """The node agent: node profile, custom model cards, shard runners."""
     from jetshard_bus.service import run_service
+    from jetshard_worker.engines.llamacpp.build import CpuVariants
     from jetshard_worker.service import WorkerConfig, run_worker
 
     config = WorkerConfig(
-        nats=nats, timings=timings, advertise_host=advertise_host, runner_start_timeout_s=runner_start_timeout_s
+        nats=nats,
+        timings=timings,
+        advertise_host=advertise_host,
+        runner_start_timeout_s=runner_start_timeout_s,
+        build_llama_cpp=build_llama_cpp,
+        llama_cpp_cpu_variants=CpuVariants(llama_cpp_cpu_variants),
     )
     if worker_session:
         config = dataclasses.replace(config, session_id=worker_session)

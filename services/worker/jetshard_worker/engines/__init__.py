@@ -1,1 +1,2 @@
-"""The engines a runner drives; `jetshard_worker.engine` is MLX's (see ARCHITECTURE.md, Engines)."""
+"""The engines a runner can drive: MLX (in process; `jetshard_worker.engine`) and llama.cpp (upstream
+`llama-server`, a child process of the runner)."""

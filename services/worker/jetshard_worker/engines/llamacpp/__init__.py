@@ -1,1 +1,2 @@
-"""llama.cpp as an engine: upstream `llama-server`, one per instance, supervised by the instance's runner."""
+"""llama.cpp as an engine: upstream `llama-server` built from the tree vendored in PyPI's `llama-cpp-python` sdist
+(`build`), checked on this CPU (`probe`), and run one process per instance by its runner (`server`, `engine`)."""

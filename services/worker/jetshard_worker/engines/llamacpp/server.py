@@ -30,6 +30,9 @@ class ServerSettings:
     """How the runner starts llama-server for its instance."""
 
     binary: Path
+    working_dir: Path
+    """Where it runs: ggml loads CPU variant libraries from the working directory too, so never one that holds
+    some (the build's root holds none; its `bin/` holds them all, probed or not)."""
     model: Path
     slots: int
     """Tasks decoding together (`serving.max_batch`): llama.cpp's parallel slots."""
@@ -96,7 +99,7 @@ class LlamaServer:
         # The key goes in the environment, never on a command line that `ps` shows to every user.
         environment = {**os.environ, "LLAMA_API_KEY": self._key}
         self._process = await asyncio.create_subprocess_exec(
-            *command, env=environment, stdin=asyncio.subprocess.DEVNULL
+            *command, env=environment, cwd=self.settings.working_dir, stdin=asyncio.subprocess.DEVNULL
         )
         deadline = time.monotonic() + timeout_s
         async with httpx.AsyncClient(timeout=2.0) as client:
