@@ -8,7 +8,10 @@ and the downloader as processes; the files are written with llama.cpp's gguf-py 
 
 from __future__ import annotations
 
+import asyncio
 import os
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -89,6 +92,14 @@ async def test_a_hub_gguf_becomes_a_card_from_its_header_and_a_llama_cpp_placeme
     assert big.status_code == 201, big.text
     assert big.json()["vocab_size"] == 200_000 and big.json()["file_type"] == "Q8_0"
     assert big.json()["source_ref"] == f"{REPO}:{BIG_HEADER}"
+
+    # The same through the CLI.
+    command = [sys.executable, "-m", "jetshard", "models", "--api", api, "add", "jetshard-test/qwen3-q4-cli"]
+    command += ["--repo", REPO, "--gguf", Q4]
+    result = await asyncio.to_thread(
+        subprocess.run, command, capture_output=True, text=True, env=cluster.env, timeout=60
+    )
+    assert result.returncode == 0 and "added jetshard-test/qwen3-q4-cli" in result.stdout, result.stderr
 
     split = _add(api, model_id="jetshard-test/qwen3-split", repo=REPO, gguf_file=SPLIT_FIRST)
     assert split.status_code == 201, split.text
