@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -19,6 +20,8 @@ import gguf
 import httpx
 from helpers.harness import Cluster
 from helpers.hub_server import HubServer
+from jetshard_downloader.gguf import packaged_demo_gguf
+from jetshard_downloader.hub_gguf import DOWNLOAD_DIR
 from jetshard_schema.cards import ModelFormat
 from jetshard_schema.commands import PlaceInstance, StartDownload
 from jetshard_schema.events import CommandRejected
@@ -162,3 +165,28 @@ async def test_a_hub_gguf_becomes_a_card_from_its_header_and_a_llama_cpp_placeme
         "mmproj.gguf",
         "model.gguf",
     ]
+
+
+async def test_an_mlx_download_of_a_hub_gguf_mlx_can_hold_converts_it_beside_the_gguf(
+    cluster: Cluster, hub_server: HubServer, tmp_path: Path
+) -> None:
+    demo = packaged_demo_gguf()
+    repo = tmp_path / "demo-repo"
+    repo.mkdir()
+    shutil.copyfile(demo, repo / demo.name)
+    hub_server.add_repo("jetshard-test/SmolLM2-GGUF", repo)
+    api = cluster.start_api()
+    added = _add(api, model_id="jetshard-test/SmolLM2-GGUF", gguf_file=demo.name)
+    assert added.status_code == 201, added.text
+    assert added.json()["formats"] == ["gguf", "mlx"]  # a llama GGUF today's converter converts
+
+    config, models = tmp_path / "node", tmp_path / "models"
+    node = await cluster.join(config)
+    cluster.start_downloader("downloader", config, "--default-models-dir", str(models))
+    await cluster.submit(StartDownload(model_id=ModelId("jetshard-test/SmolLM2-GGUF"), node_id=node))
+    done = await cluster.wait_download_of(node, "jetshard-test/SmolLM2-GGUF", ModelFormat.MLX, 120)
+    assert set(done.progress.formats) == {ModelFormat.GGUF, ModelFormat.MLX}
+    directory = models / "jetshard-test--SmolLM2-GGUF"
+    assert (directory / "model.gguf").read_bytes() == demo.read_bytes() and (directory / "config.json").is_file()
+    assert not (directory / DOWNLOAD_DIR).exists()
+    assert sorted(p.name for p in models.iterdir()) == [directory.name]
