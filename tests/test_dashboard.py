@@ -22,9 +22,11 @@ from helpers.tiny_models import endless_model, make_tiny_model
 from jetshard_schema.ids import ModelId, model_dir_name
 from openai import OpenAI
 from playwright.sync_api import Browser, expect
+from test_gguf_cards import QWEN3_TEMPLATE, write_gguf
 
 SECOND_MODEL = "jetshard-test/tiny-dashboard"
 PAGE_MODEL = "jetshard-test/tiny-from-the-page"
+PAGE_GGUF = "jetshard-test/tiny-gguf-from-the-page"
 HELD_MODEL = "jetshard-test/tiny-held"
 GATED_MODEL = "jetshard-test/tiny-gated"
 KEY = "dashboard-key-0123456789"
@@ -177,6 +179,18 @@ def test_a_model_is_added_placed_served_and_removed_from_the_page(
     card_file = f"{model_dir_name(ModelId(PAGE_MODEL))}.json"
     stores = [cluster.root / node / "config" / "cards" / card_file for node in cluster.workers]
     assert wait_for(lambda: all(store.exists() for store in stores), timeout=10), stores
+
+    # One GGUF file of a repo, typed as `repo:file.gguf`: its card read from the file's header.
+    gguf_repo = tmp_path / "page-gguf"
+    gguf_repo.mkdir()
+    write_gguf(gguf_repo / "Tiny-Q4_K_M.gguf", "qwen3", template=QWEN3_TEMPLATE)
+    cluster.hub.add_repo(PAGE_GGUF, gguf_repo)
+    field.fill(f"{PAGE_GGUF}:Tiny-Q4_K_M.gguf")
+    field.press("Enter")
+    expect(page.locator("#add-model-message")).to_have_text(f"Added {PAGE_GGUF}: its card is on every node")
+    expect(models.locator(f'[data-model-id="{PAGE_GGUF}"]')).to_contain_text(
+        "completion · tools · thinking · embedding", timeout=SHOWN_MS
+    )
 
     # The preview, in the page's own dialog, opened and closed from the keyboard.
     place = page.get_by_role("button", name=f"Place {PAGE_MODEL}")

@@ -52,8 +52,11 @@ def write_gguf(
     template: str = "",
     pre: str = "default",
     extra: dict[str, Any] | None = None,
+    tokens: int = 300,
+    embedding_rows: int | None = None,
 ) -> Path:
-    """A GGUF file of `arch` with the metadata llama.cpp reads, one embedding and one weight of `tensor_type`."""
+    """A GGUF file of `arch` with the metadata llama.cpp reads, one embedding (a row per token unless
+    `embedding_rows` says) and one weight of `tensor_type`."""
     writer = gguf.GGUFWriter(str(path), arch)
     writer.add_name(path.stem)
     writer.add_block_count(layers)
@@ -67,12 +70,13 @@ def write_gguf(
     writer.add_file_type(file_type)
     writer.add_tokenizer_model("gpt2")
     writer.add_tokenizer_pre(pre)
-    writer.add_token_list([f"t{i}" for i in range(300)])
+    writer.add_token_list([f"t{i}" for i in range(tokens)])
     if template:
         writer.add_chat_template(template)
     for key, value in (extra or {}).items():
         writer.add_uint32(key, value)
-    writer.add_tensor("token_embd.weight", np.zeros((300, hidden), dtype=np.float32))
+    rows = tokens if embedding_rows is None else embedding_rows
+    writer.add_tensor("token_embd.weight", np.zeros((rows, hidden), dtype=np.float32))
     block = gguf.GGML_QUANT_SIZES[tensor_type]
     if tensor_type in (gguf.GGMLQuantizationType.F32,):
         writer.add_tensor("blk.0.attn_q.weight", np.zeros((hidden, hidden), dtype=np.float32))

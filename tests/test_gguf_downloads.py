@@ -53,7 +53,7 @@ def test_the_demo_s_gguf_and_its_mlx_conversion_share_one_directory(tmp_path: Pa
 
 async def test_a_llama_cpp_instance_gets_the_gguf_and_no_conversion(cluster: Cluster, tmp_path: Path) -> None:
     config, models = tmp_path / "node", tmp_path / "models"
-    node = await cluster.join(config)
+    node = await cluster.join(config, engines=(Engine.LLAMA_CPP,))
     cluster.start_downloader("downloader", config, "--offline", "--default-models-dir", str(models))
     instance_id = new_instance_id()
     serving = ServingSettings(engine=Engine.LLAMA_CPP)

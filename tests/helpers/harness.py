@@ -54,7 +54,7 @@ from jetshard_schema.events import CommandRejected, Event, EventEnvelope
 from jetshard_schema.ids import ModelId, NodeId, new_command_id
 from jetshard_schema.state import Download, State
 from jetshard_schema.subjects import EVENTS_STREAM
-from jetshard_schema.types import DownloadStatus, NodeProfile
+from jetshard_schema.types import DownloadStatus, Engine, NodeProfile
 from jetshard_worker.runner_spec import RunnerSpec
 
 from helpers.cards import tiny_card
@@ -259,14 +259,19 @@ class Cluster:
         await publish_command(self.js, command, command_id)
         return [e.event for e in await asyncio.wait_for(outcome, timeout_s)]
 
-    async def join(self, config_dir: Path) -> NodeId:
-        """Make the node of `config_dir` present, as its worker would."""
+    async def join(self, config_dir: Path, engines: tuple[Engine, ...] = (Engine.MLX,)) -> NodeId:
+        """Make the node of `config_dir` present, as its worker would, running `engines`."""
         node_id = node_id_for(config_dir)
         stop = asyncio.Event()
         task = asyncio.create_task(keep_alive(self.js, node_id, "test-session", 10.0, stop))
         self.heartbeats.append((stop, task))
         profile = NodeProfile(
-            hostname=node_id, os="test", cpu_cores=4, memory_total_bytes=64 * GiB, memory_available_bytes=32 * GiB
+            hostname=node_id,
+            os="test",
+            cpu_cores=4,
+            memory_total_bytes=64 * GiB,
+            memory_available_bytes=32 * GiB,
+            engines=engines,
         )
         await self.submit(ReportNodeProfile(node_id=node_id, session_id="test-session", profile=profile))
         return node_id

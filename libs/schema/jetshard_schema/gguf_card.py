@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Iterable
+from dataclasses import dataclass
 
 from jetshard_schema.cards import (
     MAX_NAME_LENGTH,
@@ -20,7 +21,7 @@ from jetshard_schema.cards import (
     Quantization,
 )
 from jetshard_schema.gguf_header import GGML_TYPES, ArrayInfo, GgufHeader, MetadataValue
-from jetshard_schema.ids import ModelId
+from jetshard_schema.ids import ModelId, parse_model_id
 
 LLAMA_CPP_ARCHITECTURES: frozenset[str] = frozenset(
     {
@@ -242,6 +243,41 @@ analysis channel, ...)."""
 _TOOLS_IN_TEMPLATE = re.compile(r"\btools\b")
 SPLIT_NAME = re.compile(r"^(?P<prefix>.+)-(?P<part>\d{5})-of-(?P<count>\d{5})\.gguf$")
 """llama.cpp's split files: `<prefix>-00001-of-00003.gguf` (`llama_split_path`)."""
+
+PROJECTOR_ARCHITECTURE = "clip"
+"""What llama.cpp's projector files (mmproj) name as their general.architecture."""
+
+
+@dataclass(frozen=True)
+class HubGgufRef:
+    """Which files of a Hub repo a `hub-gguf` card's model is: its `source_ref`, `<repo>:<file>` or, for a model
+    that sees, `<repo>:<file>:<projector file>`. A repo id has no `:`; a file name that does is refused where
+    the card is made (`check_hub_gguf_file`), so the text reads back unambiguously."""
+
+    repo: ModelId
+    file: str
+    """The GGUF (a split model's first part), its path in the repo."""
+    mmproj: str = ""
+    """The projector (mmproj) file, for a model that sees; empty otherwise."""
+
+    def __str__(self) -> str:
+        return f"{self.repo}:{self.file}" + (f":{self.mmproj}" if self.mmproj else "")
+
+    @classmethod
+    def parse(cls, source_ref: str) -> HubGgufRef:
+        """The ref a card's `source_ref` holds; ValueError naming what is wrong."""
+        repo, _, files = source_ref.partition(":")
+        file, _, mmproj = files.partition(":")
+        if not file or ":" in mmproj:
+            raise ValueError(f"source_ref {source_ref[:200]!r} is not '<repo>:<file>' or '<repo>:<file>:<mmproj>'")
+        return cls(parse_model_id(repo), file, mmproj)
+
+
+def check_hub_gguf_file(name: str) -> str:
+    """`name` as a file of a Hub repo that a `HubGgufRef` can hold; ValueError otherwise."""
+    if not name or len(name) > MAX_NAME_LENGTH or ":" in name:
+        raise ValueError(f"a GGUF file's path in its repo must be 1 to {MAX_NAME_LENGTH} characters without ':'")
+    return name
 
 
 class UnsupportedGguf(ValueError):

@@ -7,6 +7,7 @@ import asyncio
 import msgspec
 from jetshard_schema.cards import ModelCard, ModelSource
 from jetshard_schema.commands import AddCustomModelCard, DeleteCustomModelCard, ImportModelFile
+from jetshard_schema.gguf_card import HubGgufRef
 from jetshard_schema.ids import NodeId, new_id
 from jetshard_schema.models import all_cards, find_card, is_builtin
 from jetshard_schema.state import Download, State
@@ -19,12 +20,21 @@ from litestar.params import FromPath, JSONBody
 from jetshard_api.cluster import Cluster
 from jetshard_api.dialects.strict_body import StrictBody
 from jetshard_api.errors import ERROR_RESPONSES, ApiError
-from jetshard_api.hub import fetch_card
+from jetshard_api.hub import checked_gguf_file, fetch_card, fetch_gguf_card
 from jetshard_api.route_steps import Deleted, checked_model_id
 
 
 class AddModelRequest(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     model_id: str
+    """The card's id: the Hub repo, unless `repo` names it."""
+    gguf_file: str = ""
+    """A GGUF file's path in the repo (a split model's first part, `...-00001-of-0000N.gguf`): the card is read from
+    its header, and llama.cpp serves it (MLX too, where it converts the file)."""
+    repo: str = ""
+    """The Hub repo of `gguf_file`, where the card's id is another: a second quantization of one repo needs an id
+    of its own (`{"model_id": "me/qwen3-0.6b-q8", "repo": "Qwen/Qwen3-0.6B-GGUF", "gguf_file": "...Q8_0.gguf"}`)."""
+    mmproj_file: str = ""
+    """With `gguf_file`: the repo's projector file (mmproj) for a model that sees."""
     card: ModelCard | None = None
     """Only for models imported from a local GGUF file (`jetshard models import-gguf`): the card built from
     the converted files. Every other card is fetched from the Hub. Its fields are bounded as every card's are
@@ -89,8 +99,29 @@ class ModelsController(Controller):
     async def add_model(
         self, cluster: NamedDependency[Cluster], data: JSONBody[AddModelRequest]
     ) -> Response[ModelDescription]:
-        """Fetch a card from the Hub and add it to every node; 200 with the card if it exists already."""
+        """Fetch a card from the Hub and add it to every node; 200 with the card if it exists already.
+
+        `{"model_id": "org/name"}`: a transformers-style repo's card, from its config files.
+        `{"model_id": "org/name", "gguf_file": "x-Q4_K_M.gguf"}`: the card of one GGUF file of that repo, read from
+        the file's header with Range requests (never its tensors), sized by the repo's listing (every part of a
+        split model); nodes download only that file (and its parts, and the projector named by `mmproj_file`).
+        `"repo"` gives the repo where the card's id is another (a second quantization of one repo): then
+        `model_id` is any valid id of the cluster's. A missing repo 404, a gated one 403, a missing file 404
+        naming the repo's GGUF files, a file that is not GGUF or not a model llama.cpp loads 400 naming it."""
         model_id = checked_model_id(data.model_id)
+        if data.gguf_file and data.card is not None:
+            raise ApiError(400, "a card and gguf_file exclude each other", "invalid_request_error", "card")
+        if data.gguf_file:
+            ref = HubGgufRef(
+                checked_model_id(data.repo, "repo") if data.repo else model_id,
+                checked_gguf_file(data.gguf_file, "gguf_file"),
+                checked_gguf_file(data.mmproj_file, "mmproj_file") if data.mmproj_file else "",
+            )
+        elif data.repo or data.mmproj_file:
+            field = "repo" if data.repo else "mmproj_file"
+            raise ApiError(
+                400, f"{field} goes with gguf_file, the GGUF file it belongs to", "invalid_request_error", field
+            )
         if (existing := find_card(cluster.state, model_id)) is not None:
             return Response(describe(cluster.state, existing), status_code=200)
         if data.card is not None:
@@ -102,6 +133,8 @@ class ModelsController(Controller):
                     "card",
                 )
             card = data.card
+        elif data.gguf_file:
+            card = await asyncio.to_thread(fetch_gguf_card, model_id, ref)
         else:
             card = await asyncio.to_thread(fetch_card, model_id)
         try:

@@ -24,7 +24,13 @@ from collections.abc import Callable
 from pathlib import Path
 
 from jetshard_schema.cards import ModelCard, ModelSource
-from jetshard_schema.gguf_card import UnsupportedGguf, card_from_gguf, split_count, split_part_names
+from jetshard_schema.gguf_card import (
+    PROJECTOR_ARCHITECTURE,
+    UnsupportedGguf,
+    card_from_gguf,
+    split_count,
+    split_part_names,
+)
 from jetshard_schema.gguf_header import GgufHeader
 from jetshard_schema.ids import ModelId
 
@@ -37,8 +43,6 @@ from jetshard_downloader.manifest import Manifest, ManifestFile, fsync_dir, writ
 from jetshard_downloader.paths import GGUF_NAME, MMPROJ_NAME, STAGING, exchange_directories, side_directory
 
 _CHUNK = 8 * 1024 * 1024
-PROJECTOR_ARCHITECTURE = "clip"
-"""What llama.cpp's projector files (mmproj) name as their general.architecture."""
 
 
 class ImportRefused(ValueError):

@@ -94,6 +94,7 @@ from jetshard_downloader.fetch import (
     list_remote_files,
     offline_error,
 )
+from jetshard_downloader.hub_gguf import fetch_hub_gguf, hub_gguf_files, hub_gguf_ref
 from jetshard_downloader.import_file import ImportRefused, read_import, store_import
 from jetshard_downloader.local import complete_forms, default_form, find_shard, sized_form, weights_size
 from jetshard_downloader.locate import Found, find_model, partial_bytes_for
@@ -510,12 +511,57 @@ class Downloader:
         found = await asyncio.to_thread(find_shard, self.dirs, card, 0, card.num_layers, ModelFormat.GGUF)
         if found is not None:
             return found[0].path
-        if card.source is ModelSource.LOCAL_GGUF:
-            raise FetchError(
-                f"{job.model_id} was imported from a local GGUF file and is not in any model "
-                "directory of this node any more; import it again"
+        if card.source is ModelSource.HUB_GGUF:
+            return await self._fetch_hub_gguf(job, card, attempt)
+        raise FetchError(
+            f"{job.model_id} was imported from a local GGUF file and is not in any model "
+            "directory of this node any more; import it again"
+        )
+
+    async def _fetch_hub_gguf(self, job: _Job, card: ModelCard, attempt: int) -> Path:
+        """Fetch the card's GGUF files from its Hub repo into its model directory (`hub_gguf`); the directory."""
+        if self.offline:
+            raise offline_error(job.model_id)
+        if attempt == 0:
+            await self._report(job, DownloadStatus.PENDING, bytes_total=card.storage_size_bytes)
+        repo = hub_gguf_ref(card).repo
+        kwargs: dict[str, Any] = {"token": self.config.token, "endpoint": self.config.endpoint, "environ": self.environ}
+        listing = await asyncio.to_thread(list_remote_files, repo, cancel=job.cancel, **kwargs)
+        files = hub_gguf_files(card, listing)
+        job.transferring = True
+        needed = sum(remote.size or 0 for remote, _ in files)
+        async with self.choose_lock:
+            choice = await asyncio.to_thread(
+                choose_directory,
+                self.dirs,
+                job.model_id,
+                needed,
+                free_bytes,
+                self._reserved_by_others(job),
+                partial_bytes_for(job.model_id),
             )
-        raise FetchError(f"{job.model_id}: fetching a Hub GGUF is not built yet")
+            if isinstance(choice, NoSpace):
+                raise FetchError(choice.message)
+            job.models_dir, job.remaining = choice.models_dir, choice.bytes_remaining
+        log.info(
+            "downloading %s from %s: %s, %d bytes into %s%s",
+            job.model_id,
+            repo,
+            ", ".join(remote.name for remote, _ in files),
+            needed,
+            choice.model_dir,
+            " (resuming)" if choice.resumes else "",
+        )
+        await self._with_progress(
+            job,
+            lambda on_progress, _on_target: fetch_hub_gguf(
+                card, listing, files, choice.model_dir, on_progress=on_progress, cancel=job.cancel, **kwargs
+            ),
+            choice.model_dir,
+        )
+        if job.form is ModelFormat.GGUF:
+            await self._report_completed(job, card, await self._written_into(job, card, choice.model_dir))
+        return choice.model_dir
 
     async def _make(
         self,

@@ -132,11 +132,16 @@ def list_models(api: ApiClient, only_custom: bool, as_json: bool) -> None:
 
 @models.command("add")
 @click.argument("model_id")
+@click.option("--gguf", "gguf_file", default="", help="one GGUF file of the repo: the card is read from its header")
+@click.option("--repo", default="", help="the Hub repo of --gguf, where MODEL_ID is another id (a second quant)")
+@click.option("--mmproj", "mmproj_file", default="", help="with --gguf: the repo's projector file, for vision")
 @json_option
 @click.pass_obj
-def add_model(api: ApiClient, model_id: str, as_json: bool) -> None:
+def add_model(api: ApiClient, model_id: str, gguf_file: str, repo: str, mmproj_file: str, as_json: bool) -> None:
     """Fetch MODEL_ID's card (org/name) from the Hugging Face Hub and add it to every node."""
-    status, card = api.request("POST", "/models", body={"model_id": model_id}, timeout=ADD_TIMEOUT_S)
+    body = {"model_id": model_id, "gguf_file": gguf_file, "repo": repo, "mmproj_file": mmproj_file}
+    body = {name: value for name, value in body.items() if value}
+    status, card = api.request("POST", "/models", body=body, timeout=ADD_TIMEOUT_S)
     if not as_json:
         verb = "added" if status == 201 else "already known:"
         click.echo(f"{verb} {card.get('model_id', model_id)}")

@@ -204,20 +204,29 @@ async function act(button) {
   if (!document.querySelector("dialog[open]")) labelled(document.querySelector(".cluster"), label)?.focus();
 }
 
-// --- adding a model by its Hugging Face id -------------------------------------------------------------------
+// --- adding a model by its Hugging Face id, or one GGUF file of a repo (`org/name:file.gguf`) -------------------
+
+// `org/name` asks for a transformers-style repo's card; `org/name:path/in/repo.gguf` for the card of that GGUF file,
+// with the repo as its id (a repo id never has a colon).
+function addModelBody(value) {
+  const colon = value.indexOf(":");
+  if (colon < 0) return { model_id: value };
+  return { model_id: value.slice(0, colon), gguf_file: value.slice(colon + 1) };
+}
 
 async function addModel(event) {
   event.preventDefault();
   const input = $("add-model-id");
   const message = $("add-model-message");
-  const modelId = input.value.trim();
-  if (!modelId) return;
+  const value = input.value.trim();
+  if (!value) return;
+  const body = addModelBody(value);
   $("add-model").disabled = true;
-  message.textContent = `Fetching the card of ${modelId} from the Hub…`;
+  message.textContent = `Fetching the card of ${value} from the Hub…`;
   message.className = "form-message";
-  const error = await send("POST", "/models", { model_id: modelId });
+  const error = await send("POST", "/models", body);
   $("add-model").disabled = false;
-  message.textContent = error ?? `Added ${modelId}: its card is on every node`;
+  message.textContent = error ?? `Added ${body.model_id}: its card is on every node`;
   message.className = `form-message ${error ? "error" : "good"}`;
   if (!error) input.value = "";
 }
