@@ -37,7 +37,7 @@ def test_the_demo_answers_on_llama_cpp_and_says_so(client: openai.OpenAI, llamac
     instance = llamacpp_cluster.cluster.get(f"/instances/{llamacpp_cluster.instance_id}")
     assert instance["engine"] == "llama.cpp", instance
     listed = {m.id: m for m in client.models.list().data}
-    assert listed[llamacpp_cluster.model].model_extra["engine"] == "llama.cpp"  # type: ignore[index]
+    assert listed[llamacpp_cluster.model].model_extra["engines"] == ["llama.cpp"]  # type: ignore[index]
 
 
 def test_a_stream_carries_the_same_text_and_its_usage(client: openai.OpenAI, llamacpp_cluster: LlamaCppCluster) -> None:
@@ -123,6 +123,7 @@ def test_a_required_tool_call_comes_as_a_call(client: openai.OpenAI, llamacpp_cl
         messages=[{"role": "user", "content": "What is the weather in Paris?"}],
         tools=[weather],  # type: ignore[list-item]
         tool_choice="required",
+        parallel_tool_calls=False,
         max_tokens=60,
         temperature=0,
     )
@@ -201,6 +202,13 @@ def test_a_killed_llama_server_fails_its_stream_clearly_and_the_instance_heals(
     assert errors and "llama" in errors[0]["message"], errors
     with pytest.raises(psutil.NoSuchProcess):
         psutil.Process(server.pid).status()
+    generation = cluster.get(f"/instances/{llamacpp_cluster.instance_id}")["generation"]
+
+    def healed() -> bool:
+        instance = cluster.get(f"/instances/{llamacpp_cluster.instance_id}")
+        return bool(instance["status"] == "ready" and instance["generation"] > generation)
+
+    assert wait_for(healed, timeout=180), cluster.get(f"/instances/{llamacpp_cluster.instance_id}")
     reply = openai.OpenAI(base_url=f"{llamacpp_cluster.api}/v1", api_key="unused", max_retries=0, timeout=240)
     answer = reply.chat.completions.create(model=llamacpp_cluster.model, messages=ASK, max_tokens=24, temperature=0)
     assert "Paris" in (answer.choices[0].message.content or "")

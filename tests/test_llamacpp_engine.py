@@ -8,12 +8,15 @@ import json
 import os
 import signal
 
+import jsonschema
 import pytest
 from jetshard_downloader.convert import packaged_gguf_path
 from jetshard_schema.catalogue import DEMO_MODEL_ID, builtin_cards
+from jetshard_schema.ids import TaskId
 from jetshard_schema.sampling import ResolvedSampling
 from jetshard_schema.types import (
     ChatMessage,
+    Chunk,
     SamplingParams,
     TaskKind,
     TaskOutcome,
@@ -26,6 +29,7 @@ from jetshard_worker.engines.llamacpp import requests as llama
 from jetshard_worker.engines.llamacpp.engine import LlamaCppEngine
 from jetshard_worker.engines.llamacpp.probe import ready_build
 from jetshard_worker.engines.llamacpp.server import LlamaServer, ServerDied, ServerSettings
+from jetshard_worker.output import ChoiceOutput, TaskOutput
 
 DEMO_GGUF, _ = packaged_gguf_path(builtin_cards()[DEMO_MODEL_ID])
 
@@ -49,7 +53,9 @@ def test_a_chat_becomes_one_streamed_request_with_the_models_own_template_and_ou
         functions=(Tool(name="weather", parameters={"type": "object"}),), choice=ToolChoice.FUNCTION, function="weather"
     )
     request = _chat(tools=tools, top_logprobs=3, thinking_budget=64, chat_template_kwargs={"enable_thinking": True})
-    row = llama.chat_request("t1#0", request, GREEDY, max_tokens=16, seed=2**64 - 1, window=512)
+    row = llama.chat_request(
+        "t1#0", request, GREEDY, max_tokens=16, seed=2**64 - 1, window=512, template_takes_tools=True
+    )
     assert row.path == llama.CHAT_PATH
     body = row.body
     assert body["messages"] == [{"role": "user", "content": QUESTION}]
@@ -70,7 +76,7 @@ def test_streamed_events_become_pieces_tool_calls_and_an_ending() -> None:
         {"choices": [{"delta": {"content": "Paris"}, "finish_reason": None}]},
         {"choices": [{"delta": {"tool_calls": [{"index": 0, "function": {"name": "weather", "arguments": '{"ci'}}]}}]},
         {"choices": [{"delta": {"tool_calls": [{"index": 0, "function": {"arguments": 'ty": "Paris"}'}}]}}]},
-        {"choices": [{"delta": {}, "finish_reason": "tool_calls"}]},
+        {"choices": [{"delta": {}, "finish_reason": "length"}]},
         {"choices": [], "usage": {"prompt_tokens": 12, "completion_tokens": 5}, "timings": {"cache_n": 8}},
     ]
     pieces, ending = [], None
@@ -81,7 +87,8 @@ def test_streamed_events_become_pieces_tool_calls_and_an_ending() -> None:
     assert [(p.reasoning, p.text) for p in pieces[:2]] == [("Let me think", ""), ("", "Paris")]
     assert pieces[0].reasoning_tokens == 1 and pieces[1].reasoning_tokens == 0
     assert [tuple(call) for call in state.parsed_calls()] == [("weather", '{"city": "Paris"}')]
-    assert ending == llama.Ending(TaskOutcome.STOP, prompt_tokens=12, completion_tokens=5, cached_tokens=8)
+    # The usage comes last, in an event of its own: the reason the choice ended stays the one said before it.
+    assert ending == llama.Ending(TaskOutcome.LENGTH, prompt_tokens=12, completion_tokens=5, cached_tokens=8)
     assert llama.parse_event(llama.CHAT_PATH, "[DONE]", state) == (None, None)
 
 
@@ -159,7 +166,9 @@ class _Rows:
 async def test_the_engine_streams_a_greedy_answer_and_counts_it(demo_server: LlamaServer) -> None:
     rows = _Rows()
     engine = rows.engine(demo_server)
-    engine.submit(llama.chat_request("t1#0", _chat(), GREEDY, max_tokens=16, seed=None, window=512))
+    engine.submit(
+        llama.chat_request("t1#0", _chat(), GREEDY, max_tokens=16, seed=None, window=512, template_takes_tools=False)
+    )
     await asyncio.wait_for(rows.finished.wait(), 60)
     assert "Paris" in rows.text["t1#0"], rows.text
     ending = rows.endings["t1#0"]
@@ -172,7 +181,9 @@ async def test_a_cancelled_row_ends_at_once_and_frees_its_slot(demo_server: Llam
     rows = _Rows()
     engine = rows.engine(demo_server)
     long = _chat("Write a very long story about a dragon.")
-    engine.submit(llama.chat_request("t1#0", long, GREEDY, max_tokens=400, seed=None, window=512))
+    engine.submit(
+        llama.chat_request("t1#0", long, GREEDY, max_tokens=400, seed=None, window=512, template_takes_tools=False)
+    )
     await asyncio.wait_for(rows.first_piece.wait(), 60)
     engine.cancel("t1#0")
     await asyncio.wait_for(rows.finished.wait(), 5)
@@ -191,7 +202,9 @@ async def test_a_killed_llama_server_fails_the_rows_and_ends_the_engine(demo_ser
     rows = _Rows()
     engine = rows.engine(demo_server)
     long = _chat("Write a very long story about a dragon.")
-    engine.submit(llama.chat_request("t1#0", long, GREEDY, max_tokens=400, seed=None, window=512))
+    engine.submit(
+        llama.chat_request("t1#0", long, GREEDY, max_tokens=400, seed=None, window=512, template_takes_tools=False)
+    )
     serving = asyncio.create_task(engine.serve())
     await asyncio.wait_for(rows.first_piece.wait(), 60)
     assert demo_server._process is not None
@@ -202,3 +215,35 @@ async def test_a_killed_llama_server_fails_the_rows_and_ends_the_engine(demo_ser
     message, code = rows.failures["t1#0"]
     assert code == "engine_error" and "llama.cpp stopped answering" in message
     await engine.close()
+
+
+def test_tools_a_template_cannot_render_are_described_and_a_forced_call_is_held_to_its_schema() -> None:
+    weather = Tool(name="weather", parameters={"type": "object", "properties": {"city": {"type": "string"}}})
+    request = _chat(tools=Tools(functions=(weather,), choice=ToolChoice.FUNCTION, function="weather"))
+    body = llama.chat_request(
+        "t1#0", request, GREEDY, max_tokens=16, seed=None, window=512, template_takes_tools=False
+    ).body
+    assert "tools" not in body  # llama.cpp would render none and parse none
+    system = body["messages"][0]
+    assert system["role"] == "system" and '"name": "weather"' in system["content"]
+    assert body["json_schema"]["properties"]["name"] == {"const": "weather"}
+    assert llama.tool_call_parsing(request, template_takes_tools=False) == (body["json_schema"], None)
+    assert llama.tool_call_parsing(request, template_takes_tools=True) == (None, None)
+
+
+def test_a_grammar_document_cut_at_max_tokens_is_closed_into_a_valid_one() -> None:
+    schema = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
+    published: list[Chunk] = []
+    output = TaskOutput(
+        TaskId("t1"),
+        [ChoiceOutput(detokenizer=None, grammar_schema=schema)],
+        str,
+        published.append,
+        lambda output: None,  # the runner flushes held text later; the last chunk flushes it here
+    )
+    output.text(0, "", '{"city": "Par', (), 4, 0)
+    usage = output.finish(0, TaskOutcome.LENGTH, prompt_tokens=9, completion_tokens=4)
+    text = "".join(chunk.text for chunk in published)
+    jsonschema.validate(json.loads(text), schema)
+    assert text.startswith('{"city": "Par') and published[-1].finish_reason is TaskOutcome.LENGTH
+    assert usage is not None and usage.completion_tokens == 4

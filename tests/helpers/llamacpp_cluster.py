@@ -11,7 +11,7 @@ import httpx
 import pytest
 from jetshard_schema.catalogue import DEMO_MODEL_ID
 
-from helpers.harness import InferenceCluster, hub_cluster
+from helpers.harness import InferenceCluster, hub_cluster, wait_for
 
 
 @dataclass
@@ -39,6 +39,14 @@ def llamacpp_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Llama
         cluster.start_core()
         cluster.start_node("node-a")
         cluster.wait_nodes(1)
+
+        def runs_llama_cpp() -> bool:
+            return any("llama.cpp" in node["profile"]["engines"] for node in cluster.get("/nodes"))
+
+        assert wait_for(runs_llama_cpp, timeout=60), (
+            "the node found no llama.cpp build: run the suite with `bash tests/run`, which builds one and names its "
+            f"cache in JETSHARD_LLAMA_CPP_CACHE\n{cluster.get('/nodes')}"
+        )
         serving = LlamaCppCluster(cluster, "")
         serving.instance_id = serving.place(DEMO_MODEL_ID)
         cluster.wait_instance(serving.instance_id, timeout=240)

@@ -47,22 +47,27 @@ def render_chat(
         raise ValueError(f"chat_template_kwargs may not set {', '.join(reserved)}")
     template_kwargs = {**template_kwargs, "add_generation_prompt": add_generation_prompt}
     parts = {i: len(m.images) for i, m in enumerate(messages)} if content_parts else None
-    plain = _render(tokenizer, [_message(m) for m in messages], None, parts, template_kwargs)
+    plain = _render(tokenizer, [message_dict(m) for m in messages], None, parts, template_kwargs)
     if tools is None or tools.choice is ToolChoice.NONE or not tools.functions:
         return plain
-    specs = [{"type": "function", "function": tool_spec(tool)} for tool in tools.functions]
-    with_tools = _render(tokenizer, [_message(m) for m in messages], specs, parts, template_kwargs)
+    specs: list[dict[str, Any]] = [{"type": "function", "function": tool_spec(tool)} for tool in tools.functions]
+    with_tools = _render(tokenizer, [message_dict(m) for m in messages], specs, parts, template_kwargs)
     if with_tools != plain:
         return with_tools
-    described = TOOLS_PROMPT.format(tools="\n".join(json.dumps(spec["function"]) for spec in specs))
-    inline = [_message(m, calls_as_text=True) for m in messages]
-    if inline and inline[0]["role"] == "system":
-        inline[0] = {**inline[0], "content": f"{inline[0]['content']}\n\n{described}"}
-    else:
-        inline.insert(0, {"role": "system", "content": described})
-        if parts is not None:  # the images stay with their messages
-            parts = {i + 1: count for i, count in parts.items()}
-    return _render(tokenizer, inline, None, parts, template_kwargs)
+    inline = [message_dict(m, calls_as_text=True) for m in messages]
+    described = with_tools_described(inline, [spec["function"] for spec in specs])
+    if parts is not None and len(described) > len(inline):  # the images stay with their messages
+        parts = {i + 1: count for i, count in parts.items()}
+    return _render(tokenizer, described, None, parts, template_kwargs)
+
+
+def with_tools_described(messages: list[dict[str, Any]], specs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """`messages` (earlier calls written as text) with the tools described in the system message, for a template
+    with no place for tools: the model answers a call in the JSON form `toolcalls` parses."""
+    described = TOOLS_PROMPT.format(tools="\n".join(json.dumps(spec) for spec in specs))
+    if messages and messages[0]["role"] == "system":
+        return [{**messages[0], "content": f"{messages[0]['content']}\n\n{described}"}, *messages[1:]]
+    return [{"role": "system", "content": described}, *messages]
 
 
 def _render(
@@ -88,7 +93,9 @@ def _content_parts(images: int, text: str) -> list[dict[str, str]]:
     ]
 
 
-def _message(message: ChatMessage, calls_as_text: bool = False) -> dict[str, Any]:
+def message_dict(message: ChatMessage, calls_as_text: bool = False) -> dict[str, Any]:
+    """A message as chat templates (and OpenAI-style servers) read it; `calls_as_text`: an assistant's earlier
+    calls written into its content in the JSON form, for a template with no place for calls."""
     rendered: dict[str, Any] = {"role": message.role, "content": message.content}
     if message.tool_calls:
         if calls_as_text:

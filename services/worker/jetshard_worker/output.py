@@ -24,6 +24,7 @@ from jetshard_schema.types import Chunk, TaskOutcome, TokenLogprob, ToolCall, To
 
 from jetshard_worker.constrained import JsonConstraint
 from jetshard_worker.engine import TokenScores
+from jetshard_worker.json_closer import minimal_completion
 from jetshard_worker.reasoning import ReasoningText, ReasoningTokens
 from jetshard_worker.textstream import StopText
 from jetshard_worker.toolcalls import ToolCallParsed, ToolCallSplitter, parse_forced
@@ -55,6 +56,9 @@ class ChoiceOutput:
     forced_calls: bool = False
     """Tools `required` or named: the whole (constrained) output is the calls."""
     constraint: JsonConstraint | None = None
+    grammar_schema: dict[str, Any] | None = None
+    """The JSON Schema an engine's own grammar holds the output to (llama.cpp): a document cut short at
+    `max_tokens` is closed with the shortest valid completion, as `constraint` closes one on MLX."""
     reasoning: tuple[ReasoningText, ReasoningTokens] | None = None
     """A thinking model's chat: its text split into reasoning and answer, its reasoning tokens counted."""
     engine_reasoning_tokens: int = 0
@@ -210,6 +214,10 @@ class TaskOutput:
             reasoning, text = "", ""
         else:
             reasoning, text = output.finish()
+            if output.grammar_schema is not None and reason is TaskOutcome.LENGTH:
+                closing = minimal_completion(output.joined(), output.grammar_schema)
+                text += closing
+                output.text.append(closing)
         calls: list[ToolCallParsed] = []
         if output.forced_calls:
             calls = parse_forced(output.joined())

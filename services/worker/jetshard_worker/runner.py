@@ -135,6 +135,8 @@ class Runner:
         """A vision model's processor (its images' pixels and tokens); None for a text model."""
         self.context_length = 4096
         self.model_generation = GenerationDefaults()
+        self._template_takes_tools = False
+        """On llama.cpp: the model's chat template renders tools (its `chat_template_caps`)."""
         self.done = asyncio.Event()
         self._tokens_seen = (time.monotonic(), 0)
         """When the stats last counted the engine's tokens, and how many there were: tokens/s between two."""
@@ -247,6 +249,7 @@ class Runner:
         )
         self.context_length = settings.context_per_slot
         self.model_generation = _read_generation_config(Path(self.plan.model_dir))
+        self._template_takes_tools = await server.template_takes_tools()
 
     async def _join_ring(self) -> mx.distributed.Group | None:
         """The ring of the instance's ranks, None for a single rank. Blocks until both ring neighbours are up; the
@@ -437,23 +440,53 @@ class Runner:
             )
             return
         resolved = resolve_sampling(request.sampling, self.model_generation, self.spec.card_generation)
-        build = llama_requests.chat_request if request.kind is TaskKind.CHAT else llama_requests.completion_request
         seed = request.sampling.seed
-        # A constrained document must not be cut by a stop string: it closes itself.
-        stop = () if request.output_schema is not None else request.sampling.stop
-        rows = [
-            build(
-                row_id(request.task_id, i),
-                request,
-                resolved,
-                max_tokens=min(resolved.max_tokens, self.context_length),
-                # Each choice its own draw; a seeded request stays reproducible.
-                seed=None if seed is None else (seed + i) % 2**64,
-                window=self.context_length,
+        max_tokens, takes_tools, window = (
+            min(resolved.max_tokens, self.context_length),
+            self._template_takes_tools,
+            self.context_length,
+        )
+        rows, choices = [], []
+        for i in range(request.n):
+            choice_id = row_id(request.task_id, i)
+            # Each choice its own draw; a seeded request stays reproducible.
+            choice_seed = None if seed is None else (seed + i) % 2**64
+            if request.kind is TaskKind.CHAT:
+                rows.append(
+                    llama_requests.chat_request(
+                        choice_id,
+                        request,
+                        resolved,
+                        max_tokens=max_tokens,
+                        seed=choice_seed,
+                        window=window,
+                        template_takes_tools=takes_tools,
+                    )
+                )
+            else:
+                rows.append(
+                    llama_requests.completion_request(
+                        choice_id,
+                        request,
+                        resolved,
+                        max_tokens=max_tokens,
+                        seed=choice_seed,
+                        window=self.context_length,
+                    )
+                )
+            forced, splitter = llama_requests.tool_call_parsing(request, takes_tools)
+            schema = forced if forced is not None else request.output_schema
+            # A constrained document (a schema's, a forced call's) must not be cut by a stop string: it closes itself.
+            stop = () if schema is not None else request.sampling.stop
+            choices.append(
+                ChoiceOutput(
+                    detokenizer=None,
+                    stop=StopText(stop),
+                    splitter=splitter,
+                    forced_calls=forced is not None,
+                    grammar_schema=schema,
+                )
             )
-            for i in range(request.n)
-        ]
-        choices = [ChoiceOutput(detokenizer=None, stop=StopText(stop)) for _ in rows]
         self._outputs[request.task_id] = TaskOutput(request.task_id, choices, *self._io)
         for row in rows:
             self.engine.submit(row)
@@ -485,7 +518,7 @@ class Runner:
             return
         for other in range(len(output.choices)):
             self.engine.cancel(row_id(task_id, other))
-        self._fail_task(task_id, message, code)
+        self._fail_task(task_id, message, code, output)
 
     @property
     def _io(self) -> tuple[Any, Any, Any]:
@@ -627,13 +660,19 @@ class Runner:
                 return [list(self.tokenizer.encode(i)) if isinstance(i, str) else list(i) for i in given], None
         return [list(self.tokenizer.encode(request.prompt))], None
 
-    def _fail_task(self, task_id: TaskId, message: str, code: str) -> None:
+    def _fail_task(self, task_id: TaskId, message: str, code: str, output: TaskOutput | None = None) -> None:
+        """End the task with an error chunk: its first, or the one after what `output` has published (what it held
+        back goes first, so the client sees every chunk before the error)."""
+        index = 0
+        if output is not None:
+            output.flush()
+            index = output.last_index + 1
         if self._spans is not None:
             self._spans.finished(task_id, TaskOutcome.ERROR, None, code)
         self._publish_chunk(
-            Chunk(task_id=task_id, index=0, error=message, error_code=code, finish_reason=TaskOutcome.ERROR)
+            Chunk(task_id=task_id, index=index, error=message, error_code=code, finish_reason=TaskOutcome.ERROR)
         )
-        self._report_finished(task_id, TaskOutcome.ERROR, Usage(prompt_tokens=0, completion_tokens=0), 0, message)
+        self._report_finished(task_id, TaskOutcome.ERROR, Usage(prompt_tokens=0, completion_tokens=0), index, message)
 
     def _on_started(self, row: str, prompt_tokens: int) -> None:
         """Engine thread: a queued row's prefill begins; the task has started with its first."""

@@ -27,6 +27,10 @@ OnFailed = Callable[[str, str, str], None]
 """A row's id, the message and our error code."""
 
 
+class OutputFailed(Exception):
+    """The runner failed to turn a streamed piece into output: the row's task fails (it never hangs)."""
+
+
 @dataclass
 class LlamaCppStats:
     """The fields the runner reports (`ServingCounters`, `RunnerStats`), as the MLX engine's `EngineStats` names
@@ -112,6 +116,10 @@ class LlamaCppEngine:
         except ServerError as error:
             self._on_failed(row, str(error), error.code)
             return
+        except OutputFailed as error:
+            log.exception("the output of %s failed", row)
+            self._on_failed(row, f"the output could not be made: {error}", "engine_error")
+            return
         except (httpx.HTTPError, ValueError) as error:
             # The server died or answered what is not its protocol: the runner's watch on the process ends the
             # instance (it restarts); this task's client hears why now.
@@ -127,7 +135,11 @@ class LlamaCppEngine:
         if ending.cached_tokens:
             self.stats.prefix_hits += 1
             self.stats.prefix_hit_tokens += ending.cached_tokens
-        self._on_finished(row, ending, state.parsed_calls())
+        try:
+            self._on_finished(row, ending, state.parsed_calls())
+        except Exception as error:  # the runner could not make the output's end: its task ends, never hangs
+            log.exception("ending %s failed", row)
+            self._on_failed(row, f"the output could not be completed: {type(error).__name__}: {error}", "engine_error")
 
     async def _stream(self, request: LlamaRequest, state: StreamState) -> Ending:
         ending = Ending(TaskOutcome.STOP)
@@ -145,7 +157,10 @@ class LlamaCppEngine:
                 piece, end = parse_event(request.path, line[len("data: ") :], state)
                 if piece is not None:
                     self.stats.tokens += piece.tokens
-                    self._on_piece(request.row_id, piece)
+                    try:
+                        self._on_piece(request.row_id, piece)
+                    except Exception as error:
+                        raise OutputFailed(f"{type(error).__name__}: {error}") from error
                 if end is not None:
                     ending = end
         return ending

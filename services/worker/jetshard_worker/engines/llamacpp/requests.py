@@ -16,7 +16,8 @@ from typing import Any
 from jetshard_schema.sampling import ResolvedSampling
 from jetshard_schema.types import ChatMessage, TaskOutcome, TaskRequest, TokenLogprob, ToolChoice, TopLogprob
 
-from jetshard_worker.toolcalls import ToolCallParsed
+from jetshard_worker.chat import message_dict, tool_spec, with_tools_described
+from jetshard_worker.toolcalls import ToolCallParsed, ToolCallSplitter, forced_call_schema
 
 CHAT_PATH = "/v1/chat/completions"
 COMPLETION_PATH = "/completion"
@@ -65,15 +66,28 @@ class StreamState:
 
     calls: dict[int, list[str]] = field(default_factory=dict)
     """Per call index: its name, then its argument fragments."""
+    reason: TaskOutcome = TaskOutcome.STOP
+    """Why the choice ended, once an event said so (the usage comes in a later event of its own)."""
 
     def parsed_calls(self) -> list[ToolCallParsed]:
         return [ToolCallParsed(parts[0], "".join(parts[1:]) or "{}") for _, parts in sorted(self.calls.items())]
 
 
 def chat_request(
-    row_id: str, request: TaskRequest, sampling: ResolvedSampling, *, max_tokens: int, seed: int | None, window: int
+    row_id: str,
+    request: TaskRequest,
+    sampling: ResolvedSampling,
+    *,
+    max_tokens: int,
+    seed: int | None,
+    window: int,
+    template_takes_tools: bool,
 ) -> LlamaRequest:
-    """`window`: the tokens the penalties look back over when the request does not say (the slot's context)."""
+    """`window`: the tokens the penalties look back over when the request does not say (the slot's context).
+    `template_takes_tools`: the model's chat template renders tools (llama-server's `chat_template_caps`); llama.cpp
+    then parses the calls in the model's own format. A template without tools renders none, so the tools are
+    described in the system message, as on MLX (`chat.with_tools_described`), a forced call is held to its schema
+    by llama.cpp's grammar, and the runner parses the calls (`tool_call_parsing`)."""
     body: dict[str, Any] = {
         "messages": [_message(m) for m in request.messages],
         "stream": True,
@@ -82,8 +96,17 @@ def chat_request(
         "cache_prompt": True,
         **_sampling(sampling, request.sampling.repeat_last_n, seed, window),
     }
+    if request.output_schema is not None:
+        body["json_schema"] = request.output_schema
     tools = request.tools
-    if tools is not None and tools.functions and tools.choice is not ToolChoice.NONE:
+    if tools is not None and tools.functions and tools.choice is not ToolChoice.NONE and not template_takes_tools:
+        specs = [tool_spec(tool) for tool in tools.functions]
+        inline = [_message(m, calls_as_text=True) for m in request.messages]
+        body["messages"] = with_tools_described(inline, specs)
+        forced, _ = tool_call_parsing(request, template_takes_tools)
+        if forced is not None:
+            body["json_schema"] = forced
+    elif tools is not None and tools.functions and tools.choice is not ToolChoice.NONE:
         functions = tools.functions
         if tools.choice is ToolChoice.FUNCTION:
             functions = tuple(f for f in functions if f.name == tools.function)
@@ -93,8 +116,6 @@ def chat_request(
         ]
         body["tool_choice"] = "auto" if tools.choice is ToolChoice.AUTO else "required"
         body["parallel_tool_calls"] = tools.parallel
-    if request.output_schema is not None:
-        body["json_schema"] = request.output_schema
     if request.top_logprobs is not None:
         body["logprobs"] = True
         body["top_logprobs"] = request.top_logprobs
@@ -144,25 +165,40 @@ def _sampling(sampling: ResolvedSampling, repeat_last_n: int | None, seed: int |
     return values
 
 
-def _message(message: ChatMessage) -> dict[str, Any]:
-    out: dict[str, Any] = {"role": message.role}
-    if message.images:
-        parts: list[dict[str, Any]] = [
-            {"type": "image_url", "image_url": {"url": _data_url(image)}} for image in message.images
-        ]
-        out["content"] = [*parts, {"type": "text", "text": message.content}]
-    else:
-        out["content"] = message.content
-    if message.tool_calls:
+def _message(message: ChatMessage, calls_as_text: bool = False) -> dict[str, Any]:
+    """A message in OpenAI's shape, as llama-server reads it: calls' arguments as JSON text, images as parts."""
+    out: dict[str, Any] = {"role": message.role, "content": message.content}
+    if message.tool_calls and calls_as_text:
+        out = message_dict(message, calls_as_text=True)
+    elif message.tool_calls:
         out["tool_calls"] = [
             {"id": call.id, "type": "function", "function": {"name": call.name, "arguments": call.arguments}}
             for call in message.tool_calls
         ]
+    if message.images:
+        parts: list[dict[str, Any]] = [
+            {"type": "image_url", "image_url": {"url": _data_url(image)}} for image in message.images
+        ]
+        out["content"] = [*parts, {"type": "text", "text": out["content"]}]
     if message.tool_call_id is not None:
         out["tool_call_id"] = message.tool_call_id
     if message.name is not None:
         out["name"] = message.name
     return out
+
+
+def tool_call_parsing(
+    request: TaskRequest, template_takes_tools: bool
+) -> tuple[dict[str, Any] | None, ToolCallSplitter | None]:
+    """How the runner parses this chat's calls itself: (the schema a forced call is held to, the splitter of an
+    `auto` choice's text). Neither where llama.cpp parses them (a template that takes tools) or there are none."""
+    tools = request.tools
+    if template_takes_tools or tools is None or not tools.functions or tools.choice is ToolChoice.NONE:
+        return None, None
+    specs = [tool_spec(tool) for tool in tools.functions]
+    if tools.choice is not ToolChoice.AUTO:
+        return forced_call_schema(specs, tools.function, tools.parallel), None
+    return None, ToolCallSplitter(None, None, None, specs, tools.parallel)
 
 
 _IMAGE_TYPES = {b"\x89PNG": "image/png", b"\xff\xd8\xff": "image/jpeg", b"GIF8": "image/gif", b"RIFF": "image/webp"}
@@ -204,12 +240,13 @@ def _chat_event(event: dict[str, Any], state: StreamState) -> tuple[Piece | None
             counted = max(1, len(logprobs))
             piece = Piece(reasoning, text, logprobs, counted, counted if reasoning and not text else 0)
         if choice.get("finish_reason"):
-            ending = Ending(_FINISH.get(choice["finish_reason"], TaskOutcome.STOP))
+            state.reason = _FINISH.get(choice["finish_reason"], TaskOutcome.STOP)
+            ending = Ending(state.reason)
     usage = event.get("usage")
     if usage:
         timings = event.get("timings") or {}
         ending = Ending(
-            ending.reason if ending is not None else TaskOutcome.STOP,
+            state.reason,
             int(usage.get("prompt_tokens", 0)),
             int(usage.get("completion_tokens", 0)),
             int(timings.get("cache_n", 0)),

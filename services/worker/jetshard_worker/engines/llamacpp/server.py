@@ -117,6 +117,13 @@ class LlamaServer:
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(self._process.wait(), HEALTH_POLL_S)
 
+    async def template_takes_tools(self) -> bool:
+        """Whether the model's chat template renders tools, as llama-server read it from the GGUF."""
+        async with httpx.AsyncClient(timeout=10.0) as client:
+            response = await client.get(f"{self.url}/props", headers=self.headers)
+            response.raise_for_status()
+            return bool(response.json().get("chat_template_caps", {}).get("supports_tools"))
+
     async def wait(self) -> int:
         assert self._process is not None
         return await self._process.wait()
