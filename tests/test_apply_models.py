@@ -16,11 +16,14 @@ from jetshard_schema.events import (
     DownloadRequested,
     Event,
     EventEnvelope,
+    ModelImportProgressed,
+    ModelImportRequested,
     ModelSizeMeasured,
 )
 from jetshard_schema.ids import CommandId, ModelId, NodeId
 from jetshard_schema.models import all_cards, find_card
 from jetshard_schema.state import State
+from jetshard_schema.types import ImportProgress, ImportStatus
 
 MODEL = ModelId("acme/tiny-7")
 A, B = NodeId("node-a"), NodeId("node-b")
@@ -30,6 +33,13 @@ SAMPLES: list[Event] = [
     CustomModelCardAdded(card=CARD),
     CustomModelCardDeleted(model_id=MODEL),
     ModelSizeMeasured(model_id=MODEL, storage_size_bytes=3 << 20),
+    ModelImportRequested(import_id="imp-1", node_id=A, model_id=MODEL, path="/data/tiny.gguf"),
+    ModelImportProgressed(
+        import_id="imp-1",
+        node_id=A,
+        model_id=MODEL,
+        progress=ImportProgress(status=ImportStatus.ONGOING, bytes_done=1, bytes_total=2),
+    ),
 ]
 COVERED = {type(e) for e in SAMPLES}
 
@@ -81,6 +91,32 @@ def test_a_stored_card_beyond_the_bounds_is_skipped_on_replay(caplog: pytest.Log
 def test_deleting_an_unknown_card_changes_nothing_else() -> None:
     state = fold(CustomModelCardDeleted(model_id=ModelId("acme/none")))
     assert state == State(last_seq=1, last_command_seq=1)
+
+
+def test_an_import_is_followed_until_a_newer_one_replaces_it_and_forgotten_with_its_card() -> None:
+    first = "imp-1"
+    state = fold(
+        ModelImportRequested(import_id=first, node_id=A, model_id=MODEL, path="/data/tiny.gguf"),
+        ModelImportProgressed(
+            import_id=first,
+            node_id=A,
+            model_id=MODEL,
+            progress=ImportProgress(status=ImportStatus.ONGOING, bytes_done=5, bytes_total=10),
+        ),
+    )
+    assert state.imports[MODEL].progress.bytes_done == 5 and state.imports[MODEL].path == "/data/tiny.gguf"
+    again = "imp-2"
+    state = fold(
+        ModelImportRequested(import_id=again, node_id=B, model_id=MODEL, path="/other/tiny.gguf"),
+        # The first attempt's last word comes after the second began: it changes nothing.
+        ModelImportProgressed(
+            import_id=first, node_id=A, model_id=MODEL, progress=ImportProgress(status=ImportStatus.FAILED)
+        ),
+        state=state,
+    )
+    assert state.imports[MODEL].import_id == again and state.imports[MODEL].progress.status is ImportStatus.ONGOING
+    state = fold(CustomModelCardAdded(card=CARD), CustomModelCardDeleted(model_id=MODEL), state=state)
+    assert MODEL not in state.imports
 
 
 def test_measured_size_replaces_the_estimate() -> None:
