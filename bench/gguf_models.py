@@ -2,7 +2,7 @@
 
 Llama-3.2-1B's shape: 16 layers, hidden 2048, 32 heads over 8 key/value heads (head 64), FFN 8192, a 128256-token
 vocabulary and the output projection tied to the embedding. The vocabulary is the demo SmolLM2 tokenizer's 49152
-tokens padded with reserved control tokens to 128256 (Llama 3's own tokenizer is not installed anywhere): what the
+tokens padded with filler tokens to 128256 (Llama 3's own tokenizer is not installed anywhere): what the
 model costs to run depends on its shape, not on which tokens it has, and prompts tokenize as for SmolLM2.
 
 The float16 file (~2.5 GB) is written once, quantized to every file type asked for, then deleted; the quantized

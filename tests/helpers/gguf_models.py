@@ -112,8 +112,8 @@ def _add_tokenizer(
     vocab_size: int | None,
     chat_template: str | None,
 ) -> int:
-    """Write the demo tokenizer with `added` tokens appended (of `added_type`), padded with reserved control tokens
-    up to `vocab_size` if given, and `chat_template` instead of the demo's if given; returns the vocabulary size."""
+    """Write the demo tokenizer with `added` tokens appended (of `added_type`), padded with filler tokens up to
+    `vocab_size` if given, and `chat_template` instead of the demo's if given; returns the vocabulary size."""
     tokenizer = dict(demo_tokenizer())
     if chat_template is not None:
         tokenizer["tokenizer.chat_template"] = (chat_template, gguf.GGUFValueType.STRING, None)
@@ -122,9 +122,12 @@ def _add_tokenizer(
     if vocab_size is not None:
         if vocab_size < len(tokens):
             raise ValueError(f"vocab_size {vocab_size} is smaller than the tokenizer's {len(tokens)} tokens")
+        # Normal tokens, not control ones as Llama 3 reserves: random weights pick filler tokens most of the time, and
+        # a control token renders as nothing, so a stream would have tokens but no text to time. No merge makes
+        # them, so no prompt contains them.
         padding = range(vocab_size - len(tokens))
-        tokens += [f"<|reserved_special_token_{i}|>" for i in padding]
-        types += [int(gguf.TokenType.CONTROL)] * len(padding)
+        tokens += [f"<filler_{i}>" for i in padding]
+        types += [int(gguf.TokenType.NORMAL)] * len(padding)
     tokenizer["tokenizer.ggml.tokens"] = (tokens, *tokenizer["tokenizer.ggml.tokens"][1:])
     tokenizer["tokenizer.ggml.token_type"] = (types, *tokenizer["tokenizer.ggml.token_type"][1:])
     for key, (value, value_type, item_type) in tokenizer.items():
@@ -207,7 +210,7 @@ def write_gguf(
 ) -> Path:
     """Write a float16 GGUF model of `shape` with seeded random weights and the demo tokenizer to `path`.
 
-    `vocab_size`: pad the vocabulary with reserved control tokens up to this size (the 49152-token SmolLM2
+    `vocab_size`: pad the vocabulary with filler tokens up to this size (the 49152-token SmolLM2
     vocabulary otherwise, plus Qwen3's tags for qwen3). Tensors are generated and written one at a time, so a
     model larger than memory can be written. Written to a temporary name, then renamed: no half file remains.
     """
