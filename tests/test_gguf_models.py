@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import gguf
 import httpx
 import pytest
 from helpers.gguf_fixtures import TinyGGUFs
@@ -53,3 +54,11 @@ def test_qwen3_is_a_thinking_model(tiny_ggufs: TinyGGUFs, llama_cpp_bin: Path, t
 @pytest.mark.parametrize("file_type", ["Q4_0", "Q8_0"])
 def test_legacy_quants(file_type: str, tiny_ggufs: TinyGGUFs, llama_cpp_bin: Path) -> None:
     assert file_type_of(tiny_ggufs.get("llama", file_type)) == file_type
+
+
+def test_q4_k_m_quantizes_every_matrix_to_a_k_quant(tiny_ggufs: TinyGGUFs, llama_cpp_bin: Path) -> None:
+    """llama-quantize falls back to a legacy type, silently, for a matrix whose rows are not a multiple of 256 (a
+    K-quant block): every matrix of the tiny models is, qwen3's attention output (4 heads x 128) included."""
+    reader = gguf.GGUFReader(tiny_ggufs.get("qwen3", "Q4_K_M"))
+    types = {t.name: t.tensor_type.name for t in reader.tensors if len(t.shape) == 2}
+    assert types and all(kind in ("Q4_K", "Q6_K") for kind in types.values()), types

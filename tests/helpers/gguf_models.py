@@ -267,12 +267,10 @@ def write_tiny_gguf(path: Path, arch: str, seed: int = 0) -> Path:
     return write_gguf(path, TINY_SHAPES[arch], seed=seed)
 
 
-def quantize(source: Path, target: Path, file_type: str, threads: int | None = None) -> Path:
+def quantize(source: Path, target: Path, file_type: str) -> Path:
     """`llama-quantize source target file_type` ("Q4_K_M", "Q4_0", "Q8_0"...), through a temporary name."""
     partial = target.with_name(target.name + ".partial")
     command = [str(llama_cpp_tool("llama-quantize")), str(source), str(partial), file_type]
-    if threads is not None:
-        command.append(str(threads))
     try:
         done = subprocess.run(command, capture_output=True, text=True)
         if done.returncode != 0:
