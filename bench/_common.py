@@ -92,8 +92,10 @@ async def stream_chat(
     max_tokens: int,
     temperature: float = 0.0,
     on_chunk: Callable[[], None] | None = None,
+    extra_body: dict[str, Any] | None = None,
 ) -> Stream:
-    """Stream one chat completion; tokens come from the usage the server sends last (chunks if it sends none)."""
+    """Stream one chat completion; tokens come from the usage the server sends last (chunks if it sends none).
+    `extra_body`: fields beyond OpenAI's (llama-server's `ignore_eos`)."""
     result = Stream(start=time.perf_counter())
     stream = await client.chat.completions.create(  # type: ignore[call-overload]
         model=model,
@@ -102,6 +104,7 @@ async def stream_chat(
         max_tokens=max_tokens,
         temperature=temperature,
         stream_options={"include_usage": True},
+        extra_body=extra_body,
     )
     async for chunk in stream:
         now = time.perf_counter()
@@ -123,12 +126,21 @@ def client_for(base_url: str) -> openai.AsyncOpenAI:
 
 
 async def concurrent_streams(
-    base_url: str, model: str, prompts: Sequence[Messages], max_tokens: int, temperature: float = 0.0
+    base_url: str,
+    model: str,
+    prompts: Sequence[Messages],
+    max_tokens: int,
+    temperature: float = 0.0,
+    extra_body: dict[str, Any] | None = None,
 ) -> list[Stream]:
     """All `prompts` sent at once, each its own stream."""
     client = client_for(base_url)
     try:
-        return list(await asyncio.gather(*(stream_chat(client, model, p, max_tokens, temperature) for p in prompts)))
+        return list(
+            await asyncio.gather(
+                *(stream_chat(client, model, p, max_tokens, temperature, extra_body=extra_body) for p in prompts)
+            )
+        )
     finally:
         await client.close()
 
@@ -321,6 +333,14 @@ def rss_mib(pid: int) -> float:
 # ---------------------------------------------------------------------------------------- processes
 
 
+def bench_cache_dir() -> Path:
+    """Where benchmarks keep what is slow to make (generated models): `JETSHARD_BENCH_CACHE`, else
+    `$XDG_CACHE_HOME/jetshard-bench` (~/.cache/jetshard-bench)."""
+    if configured := os.environ.get("JETSHARD_BENCH_CACHE"):
+        return Path(configured)
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "jetshard-bench"
+
+
 def free_port() -> int:
     """A port free now, below Linux's ephemeral range (see tests/helpers/harness.py free_port)."""
     while True:
@@ -370,18 +390,27 @@ def serving_of(api: str, instance_id: str) -> dict[str, Any]:
     return dict(state.get("instances", {}).get(instance_id, {}).get("serving") or {})
 
 
-@contextlib.contextmanager
-def jetshard_up(
-    root: Path, model_id: str, ready_timeout_s: float = 900, env: dict[str, str] | None = None
-) -> Iterator[tuple[str, subprocess.Popen[bytes]]]:
-    """`jetshard up` in `root` (its own data, config and model directories), offline, on free ports; yields
-    (API URL, the `up` process) once `model_id` is ready. `env`: more environment variables for it (they win)."""
-    port = free_port()
-    env = {
+def jetshard_env(root: Path) -> dict[str, str]:
+    """The environment of a `jetshard up` in `root` (its own data, config and model directories), and of the
+    commands that talk to it."""
+    return {
         **os.environ,
         "JETSHARD_CONFIG_DIR": str(root / "config"),
         "JETSHARD_DATA_DIR": str(root / "data"),
         "JETSHARD_DEFAULT_MODELS_DIR": str(root / "models"),
+    }
+
+
+@contextlib.contextmanager
+def jetshard_up(
+    root: Path, model_id: str | None, ready_timeout_s: float = 900, env: dict[str, str] | None = None
+) -> Iterator[tuple[str, subprocess.Popen[bytes]]]:
+    """`jetshard up` in `root` (its own data, config and model directories), offline, on free ports; yields
+    (API URL, the `up` process) once `model_id` is ready (None: `--no-model`, once the API answers and this
+    machine's node has joined). `env`: more environment variables for it (they win)."""
+    port = free_port()
+    env = {
+        **jetshard_env(root),
         "JETSHARD_LOG_LEVEL": "INFO",
         # A 2-core machine running flat out can starve a worker's liveness beat: a generous TTL keeps the node
         # from being declared lost mid-run.
@@ -391,7 +420,7 @@ def jetshard_up(
     root.mkdir(parents=True, exist_ok=True)
     log_path = root / "up.log"
     command = [sys.executable, "-m", "jetshard", "up", "--offline", "--nats-port", str(free_port())]
-    command += ["--port", str(port), "--model", model_id]
+    command += ["--port", str(port), *(["--model", model_id] if model_id else ["--no-model"])]
     with open(log_path, "wb") as log:
         up = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
 
@@ -399,10 +428,12 @@ def jetshard_up(
         text = log_path.read_text(errors="replace")
         if up.poll() is not None or "could not place" in text:
             raise RuntimeError(f"jetshard up failed:\n{text[-3000:]}")
+        if model_id is None:
+            return "jetshard is up" in text and bool(httpx.get(f"http://127.0.0.1:{port}/nodes", timeout=5).json())
         return f"{model_id} is ready" in text
 
     try:
-        wait(ready, ready_timeout_s, f"jetshard up with {model_id} ready", interval=0.5)
+        wait(ready, ready_timeout_s, f"jetshard up with {model_id or 'its node'} ready", interval=0.5)
         yield f"http://127.0.0.1:{port}", up
     finally:
         stop_group(up)

@@ -1,5 +1,5 @@
 """Shared fixtures: temporary homes here; processes, nats-servers and clusters in `helpers.harness`; the fake
-Hub in `helpers.hub_fixtures`."""
+Hub in `helpers.hub_fixtures`; tiny GGUF models in `helpers.gguf_fixtures`."""
 
 from __future__ import annotations
 
@@ -9,7 +9,13 @@ from pathlib import Path
 
 import pytest
 
-pytest_plugins = ["helpers.hub_fixtures", "helpers.harness", "helpers.dialects", "helpers.llamacpp_cluster"]
+pytest_plugins = [
+    "helpers.hub_fixtures",
+    "helpers.harness",
+    "helpers.dialects",
+    "helpers.llamacpp_cluster",
+    "helpers.gguf_fixtures",
+]
 
 
 @pytest.fixture(scope="session", autouse=True)
