@@ -212,3 +212,19 @@ def test_a_killed_llama_server_fails_its_stream_clearly_and_the_instance_heals(
     reply = openai.OpenAI(base_url=f"{llamacpp_cluster.api}/v1", api_key="unused", max_retries=0, timeout=240)
     answer = reply.chat.completions.create(model=llamacpp_cluster.model, messages=ASK, max_tokens=24, temperature=0)
     assert "Paris" in (answer.choices[0].message.content or "")
+
+
+def test_a_conversations_next_turn_starts_from_llama_cpps_prompt_cache(
+    client: openai.OpenAI, llamacpp_cluster: LlamaCppCluster
+) -> None:
+    def counters() -> dict[str, int]:
+        runners = llamacpp_cluster.cluster.get("/state")["instances"][llamacpp_cluster.instance_id]["runners"]
+        return dict(runners["0"].get("counters") or {})
+
+    before = counters().get("prefix_hit_tokens", 0)
+    first = client.chat.completions.create(model=llamacpp_cluster.model, messages=STORY, max_tokens=8, temperature=0)
+    turn = [*STORY, {"role": "assistant", "content": first.choices[0].message.content}, *ASK]
+    second = client.chat.completions.create(model=llamacpp_cluster.model, messages=turn, max_tokens=8, temperature=0)
+    assert second.usage is not None and second.usage.prompt_tokens > 20
+    # The counters come every half second (JETSHARD_COUNTERS_INTERVAL_S): the second turn's shared start was cached.
+    assert wait_for(lambda: counters().get("prefix_hit_tokens", 0) - before >= 10, timeout=10), counters()
