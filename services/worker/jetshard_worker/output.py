@@ -23,7 +23,7 @@ from jetshard_schema.ids import TaskId
 from jetshard_schema.types import Chunk, TaskOutcome, TokenLogprob, ToolCall, TopLogprob, Usage
 
 from jetshard_worker.constrained import JsonConstraint
-from jetshard_worker.engine import TokenScores
+from jetshard_worker.engines.mlx import TokenScores
 from jetshard_worker.json_closer import minimal_completion
 from jetshard_worker.reasoning import ReasoningText, ReasoningTokens
 from jetshard_worker.textstream import StopText

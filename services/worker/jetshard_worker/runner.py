@@ -71,12 +71,12 @@ from nats.js import JetStreamContext
 
 from jetshard_worker.chat import render_chat, tool_spec
 from jetshard_worker.constrained import JsonConstraint, SchemaError, grammar_tokenizer
-from jetshard_worker.engine import GenerationRequest, PipelineEngine, TokenScores, init_ring, load_shard
 from jetshard_worker.engines.llamacpp import requests as llama_requests
 from jetshard_worker.engines.llamacpp.engine import LlamaCppEngine
 from jetshard_worker.engines.llamacpp.probe import ready_build
 from jetshard_worker.engines.llamacpp.requests import Ending, Piece
 from jetshard_worker.engines.llamacpp.server import LlamaServer, ServerSettings
+from jetshard_worker.engines.mlx import GenerationRequest, PipelineEngine, TokenScores, init_ring, load_shard
 from jetshard_worker.library_boundary import (
     hf_tokenizer_of,
     load_tokenizer,
