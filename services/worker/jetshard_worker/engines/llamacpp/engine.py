@@ -48,9 +48,6 @@ class LlamaCppStats:
 
 
 class LlamaCppEngine:
-    is_leader = True
-    """One rank: llama.cpp serves the whole model from this node."""
-
     def __init__(
         self,
         server: LlamaServer,
