@@ -5,15 +5,13 @@ the task's output here."""
 
 from __future__ import annotations
 
-from collections.abc import Coroutine
 from pathlib import Path
-from typing import Any
 
 from jetshard_schema.cards import GenerationDefaults
 from jetshard_schema.sampling import resolve_sampling
-from jetshard_schema.types import TaskKind, TaskOutcome, TaskRequest
+from jetshard_schema.types import TaskKind, TaskRequest
 
-from jetshard_worker.engines.base import Admitted, EngineFigures, OnProgress, Refused, RowEvents
+from jetshard_worker.engines.base import Admitted, OnProgress, Refused, RowEvents
 from jetshard_worker.engines.model_dir import read_generation_config
 from jetshard_worker.output import ChoiceOutput, row_id
 from jetshard_worker.runner_spec import RunnerSpec
@@ -64,8 +62,9 @@ async def load(spec: RunnerSpec, events: RowEvents, on_progress: OnProgress) -> 
     )
 
 
-class LlamaCppServing:
-    """An instance's `LlamaCppEngine` as the runner drives it (`engines.base.ServingEngine`)."""
+class LlamaCppServing(LlamaCppEngine):
+    """An instance's `LlamaCppEngine` as the runner drives it (`engines.base.ServingEngine`): it admits tasks and
+    hands its rows' pieces to their outputs."""
 
     is_leader = True
     """One rank: llama.cpp serves the whole model from this node."""
@@ -81,14 +80,7 @@ class LlamaCppServing:
         model_generation: GenerationDefaults,
         template_takes_tools: bool,
     ) -> None:
-        self._events = events
-        self._has_projector = server.settings.mmproj is not None
-        self._card_generation = card_generation
-        self._model_generation = model_generation
-        self._template_takes_tools = template_takes_tools
-        """The model's chat template renders tools (its `chat_template_caps`)."""
-        self._context_length = server.settings.context_per_slot
-        self.engine = LlamaCppEngine(
+        super().__init__(
             server,
             server.settings.slots,
             on_started=self._started,
@@ -96,27 +88,15 @@ class LlamaCppServing:
             on_finished=self._finished,
             on_failed=events.failed,
         )
-
-    @property
-    def stats(self) -> EngineFigures:
-        return self.engine.stats
-
-    def submit(self, row: LlamaRequest) -> None:
-        self.engine.submit(row)
-
-    def cancel(self, row_id: str) -> None:
-        self.engine.cancel(row_id)
-
-    def finish(self, row_id: str, reason: TaskOutcome) -> None:
-        self.engine.finish(row_id, reason)
-
-    def serve(self) -> Coroutine[Any, Any, None]:
-        return self.engine.serve()
-
-    async def close(self) -> None:
-        await self.engine.close()
+        self._events = events
+        self._card_generation = card_generation
+        self._model_generation = model_generation
+        self._template_takes_tools = template_takes_tools
+        """The model's chat template renders tools (its `chat_template_caps`)."""
+        self._context_length = server.settings.context_per_slot
 
     def token_text(self, token: int) -> str:
+        """Never asked: llama.cpp's logprobs come with their tokens' text (`Piece.logprobs`)."""
         raise TypeError("llama.cpp hands out text, never token ids")
 
     async def admit(self, request: TaskRequest) -> Admitted[LlamaRequest] | Refused:
@@ -126,7 +106,7 @@ class LlamaCppServing:
                 'place the model on the mlx engine (`"engine": "mlx"`) for embeddings',
                 "unsupported_by_engine",
             )
-        if not self._has_projector and any(message.images for message in request.messages):
+        if self.server.settings.mmproj is None and any(message.images for message in request.messages):
             return Refused(
                 "the llama.cpp engine serving this instance has no image projector for this model",
                 "unsupported_by_engine",
@@ -192,7 +172,7 @@ class LlamaCppServing:
         output, choice = produced
         ending = output.text(choice, piece.reasoning, piece.text, piece.logprobs, piece.tokens, piece.reasoning_tokens)
         if ending is not None:
-            self.engine.finish(row, ending)
+            self.finish(row, ending)
 
     def _finished(self, row: str, ending: Ending, calls: list[ToolCallParsed]) -> None:
         self._events.finished(row, ending.reason, ending.prompt_tokens, calls, ending.completion_tokens)
