@@ -43,24 +43,15 @@ class Refused:
 class EngineFigures(Protocol):
     """What the runner reports of an engine's work: the `ServingCounters` fields and how things stand now."""
 
-    @property
-    def tokens(self) -> int: ...
-    @property
-    def max_rows(self) -> int: ...
-    @property
-    def prefix_hits(self) -> int: ...
-    @property
-    def prefix_hit_tokens(self) -> int: ...
-    @property
-    def prefix_cache_entries(self) -> int: ...
-    @property
-    def prefix_cache_bytes(self) -> int: ...
-    @property
-    def batch_size(self) -> int: ...
-    @property
-    def running_rows(self) -> int: ...
-    @property
-    def queued_rows(self) -> int: ...
+    tokens: int
+    max_rows: int
+    prefix_hits: int
+    prefix_hit_tokens: int
+    prefix_cache_entries: int
+    prefix_cache_bytes: int
+    batch_size: int
+    running_rows: int
+    queued_rows: int
 
 
 class RowEvents(Protocol):
