@@ -27,7 +27,6 @@ from jetshard_downloader.convert import convert_packaged
 from jetshard_downloader.dirs import ModelDirs
 from jetshard_schema.catalogue import DEMO_MODEL_ID, builtin_cards
 from jetshard_schema.types import ChatMessage, TaskOutcome
-from jetshard_worker.chat import render_chat
 from jetshard_worker.engines.mlx import (
     GenerationRequest,
     PipelineEngine,
@@ -37,6 +36,7 @@ from jetshard_worker.engines.mlx import (
 )
 from jetshard_worker.engines.mlx.shard import tensor_split_problem
 from jetshard_worker.library_boundary import prompt_inputs, vision_processor
+from jetshard_worker.text.chat import render_chat
 from mlx.utils import tree_flatten
 from mlx_lm import load as mlx_load
 from mlx_lm.generate import stream_generate

@@ -61,13 +61,13 @@ from nats.js import JetStreamContext
 from jetshard_worker.engines.base import LoadEngine, Refused, ServingEngine
 from jetshard_worker.engines.llamacpp import tasks as llamacpp_tasks
 from jetshard_worker.engines.mlx import tasks as mlx_tasks
-from jetshard_worker.output import TaskOutput, row_id, split_row_id
 from jetshard_worker.publishing import NATS_ERRORS, publish_until_stored
 from jetshard_worker.runner_spec import RunnerSpec
 from jetshard_worker.runner_test_seams import RunnerTestSeams
 from jetshard_worker.task_requests import REQUEST_WAIT_S, TaskRequests
 from jetshard_worker.task_spans import TaskSpans
-from jetshard_worker.toolcalls import ToolCallParsed
+from jetshard_worker.text.output import TaskOutput, row_id, split_row_id
+from jetshard_worker.text.toolcalls import ToolCallParsed
 
 log = logging.getLogger(__name__)
 

@@ -16,9 +16,9 @@ from typing import Any, Generic, Protocol, TypeVar
 
 from jetshard_schema.types import TaskOutcome, TaskRequest
 
-from jetshard_worker.output import ChoiceOutput, TaskOutput
 from jetshard_worker.runner_spec import RunnerSpec
-from jetshard_worker.toolcalls import ToolCallParsed
+from jetshard_worker.text.output import ChoiceOutput, TaskOutput
+from jetshard_worker.text.toolcalls import ToolCallParsed
 
 Row = TypeVar("Row")
 

@@ -13,10 +13,10 @@ from jetshard_schema.types import TaskKind, TaskRequest
 
 from jetshard_worker.engines.base import Admitted, OnProgress, Refused, RowEvents
 from jetshard_worker.engines.model_dir import read_generation_config
-from jetshard_worker.output import ChoiceOutput, row_id
 from jetshard_worker.runner_spec import RunnerSpec
-from jetshard_worker.textstream import StopText
-from jetshard_worker.toolcalls import ToolCallParsed
+from jetshard_worker.text.output import ChoiceOutput, row_id
+from jetshard_worker.text.textstream import StopText
+from jetshard_worker.text.toolcalls import ToolCallParsed
 
 from . import requests as llama_requests
 from .engine import LlamaCppEngine

@@ -20,8 +20,6 @@ from jetshard_schema.cards import GenerationDefaults
 from jetshard_schema.sampling import resolve_sampling
 from jetshard_schema.types import Parallelism, TaskKind, TaskOutcome, TaskRequest, ToolChoice, WeightsDtype
 
-from jetshard_worker.chat import render_chat, tool_spec
-from jetshard_worker.constrained import JsonConstraint, SchemaError, grammar_tokenizer
 from jetshard_worker.engines.base import Admitted, EngineFigures, OnProgress, Refused, RowEvents
 from jetshard_worker.engines.model_dir import read_generation_config
 from jetshard_worker.library_boundary import (
@@ -31,11 +29,13 @@ from jetshard_worker.library_boundary import (
     think_markers_of,
     vision_processor,
 )
-from jetshard_worker.output import ChoiceOutput, row_id
-from jetshard_worker.reasoning import ReasoningText, ReasoningTokens, ThinkMarkers, opens_in_reasoning
 from jetshard_worker.runner_spec import RunnerSpec
-from jetshard_worker.textstream import StopText
-from jetshard_worker.toolcalls import ToolCallSplitter, forced_call_schema
+from jetshard_worker.text.chat import render_chat, tool_spec
+from jetshard_worker.text.constrained import JsonConstraint, SchemaError, grammar_tokenizer
+from jetshard_worker.text.output import ChoiceOutput, row_id
+from jetshard_worker.text.reasoning import ReasoningText, ReasoningTokens, ThinkMarkers, opens_in_reasoning
+from jetshard_worker.text.textstream import StopText
+from jetshard_worker.text.toolcalls import ToolCallSplitter, forced_call_schema
 
 from .distributed import init_ring
 from .engine import GenerationRequest, PipelineEngine, TokenScores
