@@ -175,7 +175,7 @@ def test_a_thread_count_the_user_set_is_kept(tmp_path: Path) -> None:
 
 THREADS_PER_STEP = (
     "import ctypes\n"
-    "from jetshard_worker.engine.blas_threads import PARALLEL_MIN_TOKENS, BlasThreads\n"
+    "from jetshard_worker.engines.mlx.blas_threads import PARALLEL_MIN_TOKENS, BlasThreads\n"
     "get = ctypes.CDLL(None).scipy_openblas_get_num_threads\n"
     "threads = BlasThreads.of_this_process()\n"
     "seen = [get()]\n"

@@ -12,8 +12,8 @@ import pytest
 from helpers.tiny_models import make_tiny_model
 from helpers.tiny_vlm import SMOLVLM_TEMPLATE
 from jetshard_schema.types import ChatMessage, Tool, ToolCall, ToolChoice, Tools
-from jetshard_worker.chat import render_chat
 from jetshard_worker.library_boundary import load_tokenizer
+from jetshard_worker.text.chat import render_chat
 
 # The shape of Qwen2.5's template, cut down: tools in the system turn, calls in <tool_call> tags.
 TOOLS_TEMPLATE = (

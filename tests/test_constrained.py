@@ -23,10 +23,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from jetshard_schema.ids import TaskId
 from jetshard_schema.types import Chunk, TaskOutcome
-from jetshard_worker import constrained
-from jetshard_worker.constrained import BudgetTooSmall, JsonConstraint, SchemaError, grammar_tokenizer
-from jetshard_worker.json_closer import minimal_completion
-from jetshard_worker.output import ChoiceOutput, TaskOutput
+from jetshard_worker.text import constrained
+from jetshard_worker.text.constrained import BudgetTooSmall, JsonConstraint, SchemaError, grammar_tokenizer
+from jetshard_worker.text.json_closer import minimal_completion
+from jetshard_worker.text.output import ChoiceOutput, TaskOutput
 from mlx_lm.generate import generate_step
 from mlx_lm.sample_utils import make_sampler
 
@@ -374,7 +374,7 @@ def test_what_nothing_completes_is_closed_as_plain_json(tiny: tuple[Any, Any], c
     """No single ASCII character continues the string: the schema-agnostic close, still JSON, and a warning."""
     _, tokenizer = tiny
     schema = {"type": "object", "properties": {"c": {"type": "string", "pattern": "^[éè]$"}}, "required": ["c"]}
-    with caplog.at_level(logging.WARNING, logger="jetshard_worker.constrained"):
+    with caplog.at_level(logging.WARNING, logger="jetshard_worker.text.constrained"):
         assert closing_after(tokenizer, schema, '{"c":"') == '"}'
     assert "no completion valid for the schema;" in caplog.text
 

@@ -27,16 +27,16 @@ from jetshard_downloader.convert import convert_packaged
 from jetshard_downloader.dirs import ModelDirs
 from jetshard_schema.catalogue import DEMO_MODEL_ID, builtin_cards
 from jetshard_schema.types import ChatMessage, TaskOutcome
-from jetshard_worker.chat import render_chat
-from jetshard_worker.engine import (
+from jetshard_worker.engines.mlx import (
     GenerationRequest,
     PipelineEngine,
     TokenScores,
     load_shard,
     write_hostfile,
 )
-from jetshard_worker.engine.shard import tensor_split_problem
+from jetshard_worker.engines.mlx.shard import tensor_split_problem
 from jetshard_worker.library_boundary import prompt_inputs, vision_processor
+from jetshard_worker.text.chat import render_chat
 from mlx.utils import tree_flatten
 from mlx_lm import load as mlx_load
 from mlx_lm.generate import stream_generate
@@ -1029,7 +1029,7 @@ def test_generation_request_validation() -> None:
 def test_the_engine_handles_every_architecture_a_card_may_name() -> None:
     from jetshard_schema.card_from_config import SUPPORTED_ARCHITECTURES
     from jetshard_schema.cards import VISION_ARCHITECTURES
-    from jetshard_worker.engine.shard import model_classes
+    from jetshard_worker.engines.mlx.shard import model_classes
 
     for arch in SUPPORTED_ARCHITECTURES:
         model_classes({"model_type": arch})  # refuses an architecture the shard engine cannot run

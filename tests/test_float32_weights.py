@@ -18,7 +18,7 @@ import pytest
 from helpers.engine_rank import rank_command
 from helpers.tiny_models import make_tiny_model
 from jetshard_worker.blas import runner_environment
-from jetshard_worker.engine import load_shard
+from jetshard_worker.engines.mlx import load_shard
 from mlx.utils import tree_flatten
 from mlx_lm import convert, load
 

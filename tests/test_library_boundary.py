@@ -21,7 +21,7 @@ from helpers.tiny_models import make_tiny_model
 from helpers.tiny_vlm import make_tiny_vlm, png
 from jetshard_schema.card_from_config import SUPPORTED_ARCHITECTURES, TENSOR_PARALLEL_ARCHITECTURES
 from jetshard_worker import library_boundary as boundary
-from jetshard_worker.constrained import JSON_OPTIONS
+from jetshard_worker.text.constrained import JSON_OPTIONS
 from mlx.nn.layers.distributed import AllToShardedLinear, ShardedToAllLinear
 from mlx_lm.models.cache import BatchKVCache, KVCache
 

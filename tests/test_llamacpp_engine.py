@@ -29,7 +29,7 @@ from jetshard_worker.engines.llamacpp import requests as llama
 from jetshard_worker.engines.llamacpp.engine import LlamaCppEngine
 from jetshard_worker.engines.llamacpp.probe import ready_build
 from jetshard_worker.engines.llamacpp.server import LlamaServer, ServerDied, ServerSettings
-from jetshard_worker.output import ChoiceOutput, TaskOutput
+from jetshard_worker.text.output import ChoiceOutput, TaskOutput
 
 DEMO_GGUF, _ = packaged_gguf_path(builtin_cards()[DEMO_MODEL_ID])
 

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 from helpers.tiny_models import make_tiny_model
-from jetshard_worker.engine import GenerationRequest, PipelineEngine, load_shard
-from jetshard_worker.engine.prefixes import PrefixHit, PrefixIndex
+from jetshard_worker.engines.mlx import GenerationRequest, PipelineEngine, load_shard
+from jetshard_worker.engines.mlx.prefixes import PrefixHit, PrefixIndex
 from test_engine import MAX_TOKENS, Collector, reference, run_pipeline
 
 SYSTEM = [(7 * i) % 500 + 3 for i in range(40)]  # a shared "system prompt"

@@ -1,4 +1,4 @@
-"""The runner's split of a thinking model's output (`jetshard_worker.reasoning`), where a live model cannot be made
+"""The runner's split of a thinking model's output (`jetshard_worker.text.reasoning`), where a live model cannot be made
 to go: markers cut across pieces of text, a marker that never completes, a prompt that opens the reasoning, markers
 of several tokens (Gemma's `<|channel>thought`), a budget that forces such a marker token by token, and stop strings,
 which the answer alone is matched against. Pure: no model, no cluster (tests/test_reasoning.py runs the whole path
@@ -10,9 +10,9 @@ import mlx.core as mx
 import pytest
 from jetshard_schema.ids import TaskId
 from jetshard_schema.types import Chunk, TaskOutcome
-from jetshard_worker.output import ChoiceOutput, TaskOutput
-from jetshard_worker.reasoning import ReasoningText, ReasoningTokens, ThinkMarkers, opens_in_reasoning
-from jetshard_worker.textstream import StopText
+from jetshard_worker.text.output import ChoiceOutput, TaskOutput
+from jetshard_worker.text.reasoning import ReasoningText, ReasoningTokens, ThinkMarkers, opens_in_reasoning
+from jetshard_worker.text.textstream import StopText
 from test_textstream import PieceDetokenizer
 
 QWEN = ThinkMarkers(start="<think>", end="</think>", start_tokens=(10,), end_tokens=(11,))

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from jetshard_worker.textstream import StopText
+from jetshard_worker.text.textstream import StopText
 
 
 class PieceDetokenizer:

@@ -10,7 +10,7 @@ import random
 from dataclasses import dataclass
 
 import pytest
-from jetshard_worker.toolcalls import ToolCallParsed, ToolCallSplitter, forced_call_schema, parse_forced
+from jetshard_worker.text.toolcalls import ToolCallParsed, ToolCallSplitter, forced_call_schema, parse_forced
 from mlx_lm.tokenizer_utils import _infer_tool_parser
 
 TOOLS = [
@@ -226,7 +226,7 @@ def test_string_arguments_are_normalised_to_compact_json() -> None:
 
 def test_arguments_off_the_schema_are_returned_with_a_warning(caplog: pytest.LogCaptureFixture) -> None:
     text = '<tool_call>\n{"name": "get_weather", "arguments": {"days": "3", "unit": "kelvin"}}\n</tool_call>'
-    with caplog.at_level(logging.WARNING, logger="jetshard_worker.toolcalls"):
+    with caplog.at_level(logging.WARNING, logger="jetshard_worker.text.toolcalls"):
         assert run("json_tools", [text]) == ("", [ToolCallParsed("get_weather", '{"days":"3","unit":"kelvin"}')])
     assert "city is required" in caplog.text
     assert "days is not of type integer" in caplog.text

@@ -22,7 +22,7 @@ from mlx_lm import load
 from mlx_lm.generate import generate_step
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from jetshard_worker.engine import write_hostfile
+from jetshard_worker.engines.mlx import write_hostfile
 
 from helpers.engine_rank import free_ports, rank_command
 from helpers.tiny_models import make_tiny_model

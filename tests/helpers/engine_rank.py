@@ -23,7 +23,7 @@ from typing import Any
 import mlx.core as mx
 import numpy as np
 from jetshard_schema.types import TaskOutcome
-from jetshard_worker.engine import GenerationRequest, PipelineEngine, TokenScores, init_ring, load_shard
+from jetshard_worker.engines.mlx import GenerationRequest, PipelineEngine, TokenScores, init_ring, load_shard
 from mlx.utils import tree_flatten
 
 SCRIPT = Path(__file__)

@@ -255,7 +255,7 @@ def _model_config(
 
 def build_model(config: dict[str, Any]) -> Any:
     """An mlx-lm model instance for `config`, from mlx-lm's own model classes."""
-    from jetshard_worker.engine.shard import model_classes
+    from jetshard_worker.engines.mlx.shard import model_classes
 
     model_class, args_class = model_classes(config)
     return model_class(args_class.from_dict(config))

@@ -1,2 +1,2 @@
-"""The engines a runner can drive: MLX (in process; `jetshard_worker.engine`) and llama.cpp (upstream
+"""The engines a runner can drive: MLX (in process; `jetshard_worker.engines.mlx`) and llama.cpp (upstream
 `llama-server`, a child process of the runner)."""

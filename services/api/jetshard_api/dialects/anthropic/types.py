@@ -319,7 +319,7 @@ def stop_reason(outcome: TaskOutcome | None) -> str | None:
 
 def tool_use_block(call: ToolCall) -> ToolUseBlock:
     """A call as Anthropic gives it: a `toolu_` id, its input an object (the runner hands out only calls whose
-    arguments are a JSON object: `jetshard_worker.toolcalls`)."""
+    arguments are a JSON object: `jetshard_worker.text.toolcalls`)."""
     arguments = msgspec.json.decode(call.arguments, type=dict[str, Any])
     return ToolUseBlock(id="toolu_" + call.id.removeprefix("call_"), name=call.name, input=arguments)
 

@@ -16,7 +16,7 @@ from jetshard_schema.types import TaskOutcome
 
 from jetshard_worker.engines.llamacpp.requests import Ending, LlamaRequest, Piece, ServerError, StreamState, parse_event
 from jetshard_worker.engines.llamacpp.server import LlamaServer, ServerDied, describe_exit
-from jetshard_worker.toolcalls import ToolCallParsed
+from jetshard_worker.text.toolcalls import ToolCallParsed
 
 log = logging.getLogger(__name__)
 
@@ -48,9 +48,6 @@ class LlamaCppStats:
 
 
 class LlamaCppEngine:
-    is_leader = True
-    """One rank: llama.cpp serves the whole model from this node."""
-
     def __init__(
         self,
         server: LlamaServer,

@@ -16,8 +16,8 @@ from typing import Any
 from jetshard_schema.sampling import ResolvedSampling
 from jetshard_schema.types import ChatMessage, TaskOutcome, TaskRequest, TokenLogprob, ToolChoice, TopLogprob
 
-from jetshard_worker.chat import message_dict, tool_spec, with_tools_described
-from jetshard_worker.toolcalls import ToolCallParsed, ToolCallSplitter, forced_call_schema
+from jetshard_worker.text.chat import message_dict, tool_spec, with_tools_described
+from jetshard_worker.text.toolcalls import ToolCallParsed, ToolCallSplitter, forced_call_schema
 
 CHAT_PATH = "/v1/chat/completions"
 COMPLETION_PATH = "/completion"

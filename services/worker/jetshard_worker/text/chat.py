@@ -3,7 +3,7 @@
 Templates that know tools (Qwen, Llama 3.1+, Mistral…) get them as `tools=` and the conversation's earlier
 calls as `tool_calls`, the shape Hugging Face templates read. A template with no place for tools renders the
 same text with and without them; the tools are then described in a system message that asks for the JSON
-form `jetshard_worker.toolcalls` parses, and earlier calls are written in that form, so a model without a
+form `jetshard_worker.text.toolcalls` parses, and earlier calls are written in that form, so a model without a
 tool format can still take part.
 
 A vision model's template takes each message's content as a list of parts, as Hugging Face processors do: its

@@ -27,8 +27,8 @@ from typing import TYPE_CHECKING, Any, cast
 import mlx.core as mx
 import numpy as np
 
-from jetshard_worker.json_closer import agnostic_close, completions
 from jetshard_worker.library_boundary import LLMatcher, LLTokenizer, grammar_tokenizer_of, json_schema_grammar
+from jetshard_worker.text.json_closer import agnostic_close, completions
 
 if TYPE_CHECKING:
     from jetshard_worker.library_boundary import JsonCompileOptions

@@ -25,7 +25,7 @@ from typing import cast
 
 import mlx.core as mx
 
-from jetshard_worker.textstream import pending_prefix_length
+from jetshard_worker.text.textstream import pending_prefix_length
 
 LogitsProcessor = Callable[[mx.array, mx.array], mx.array]
 

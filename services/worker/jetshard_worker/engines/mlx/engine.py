@@ -290,8 +290,8 @@ class EngineStats:
     prefix_hit_tokens: int = 0  # prompt tokens those tasks did not prefill
     prefix_cache_entries: int = 0  # saved prefix caches
     prefix_cache_bytes: int = 0  # their size, for the whole model
-    # What the previous rank's hidden states came as: names, since the runner copies these stats (dataclasses.asdict)
-    # and mlx's dtypes cannot be deep-copied.
+    # What the previous rank's hidden states came as: names, plain data like every field here (mlx's dtypes cannot
+    # even be deep-copied).
     arrived_dtypes: set[str] = field(default_factory=set)
     # How things stand now (leader only): rows in the current decode step, decoding or prefilling, waiting.
     batch_size: int = 0

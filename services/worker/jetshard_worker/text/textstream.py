@@ -1,5 +1,5 @@
 """Stop strings: the text a client sees ends before the first one (the runner applies them to the answer only,
-after a thinking model's reasoning is split from it: `jetshard_worker.output`).
+after a thinking model's reasoning is split from it: `jetshard_worker.text.output`).
 
 Stop strings are matched across pieces of text: text that could still become the start of a stop string is
 held back until the next piece shows whether it does. The stop text itself is never returned.

@@ -22,12 +22,12 @@ from typing import Any
 from jetshard_schema.ids import TaskId
 from jetshard_schema.types import Chunk, TaskOutcome, TokenLogprob, ToolCall, TopLogprob, Usage
 
-from jetshard_worker.constrained import JsonConstraint
-from jetshard_worker.engine import TokenScores
-from jetshard_worker.json_closer import minimal_completion
-from jetshard_worker.reasoning import ReasoningText, ReasoningTokens
-from jetshard_worker.textstream import StopText
-from jetshard_worker.toolcalls import ToolCallParsed, ToolCallSplitter, parse_forced
+from jetshard_worker.engines.mlx import TokenScores
+from jetshard_worker.text.constrained import JsonConstraint
+from jetshard_worker.text.json_closer import minimal_completion
+from jetshard_worker.text.reasoning import ReasoningText, ReasoningTokens
+from jetshard_worker.text.textstream import StopText
+from jetshard_worker.text.toolcalls import ToolCallParsed, ToolCallSplitter, parse_forced
 
 ROW_SEPARATOR = "#"
 """Between a task id and its choice in an engine row's id: task ids never hold it."""

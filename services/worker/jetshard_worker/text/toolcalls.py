@@ -24,7 +24,7 @@ import logging
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
-from jetshard_worker.textstream import pending_prefix_length
+from jetshard_worker.text.textstream import pending_prefix_length
 
 log = logging.getLogger(__name__)
 

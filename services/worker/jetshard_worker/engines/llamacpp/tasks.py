@@ -1,0 +1,178 @@
+"""The llama.cpp engine behind the runner's seam (`engines.base`): the instance's llama-server started on its GGUF,
+and a task as llama-server requests, one per choice. llama.cpp renders the chat with the model's own template,
+tokenizes, samples (a JSON schema as its grammar) and parses tool calls and reasoning; its streamed pieces go to
+the task's output here."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from jetshard_schema.cards import GenerationDefaults
+from jetshard_schema.sampling import resolve_sampling
+from jetshard_schema.types import TaskKind, TaskRequest
+
+from jetshard_worker.engines.base import Admitted, OnProgress, Refused, RowEvents
+from jetshard_worker.engines.model_dir import read_generation_config
+from jetshard_worker.runner_spec import RunnerSpec
+from jetshard_worker.text.output import ChoiceOutput, row_id
+from jetshard_worker.text.textstream import StopText
+from jetshard_worker.text.toolcalls import ToolCallParsed
+
+from . import requests as llama_requests
+from .engine import LlamaCppEngine
+from .probe import ready_build
+from .requests import Ending, LlamaRequest, Piece
+from .server import LlamaServer, ServerSettings
+
+GGUF_FILE = "model.gguf"
+"""Where a GGUF model's directory holds its weights (the downloader's contract)."""
+MMPROJ_FILE = "mmproj.gguf"
+"""And a vision model's image projector, beside it."""
+LLAMA_SERVER_LOAD_TIMEOUT_S = 600.0
+
+
+async def load(spec: RunnerSpec, events: RowEvents, on_progress: OnProgress) -> LlamaCppServing:
+    """Start the instance's llama-server on its GGUF and wait until it has loaded it. llama.cpp reports no
+    progress while it loads: the runner reports none loaded, then all."""
+    build = ready_build()
+    if build is None:
+        raise RuntimeError("llama.cpp is not built on this node: run `jetshard engines build llama.cpp`")
+    model_dir = Path(spec.plan.model_dir)
+    mmproj = model_dir / MMPROJ_FILE
+    settings = ServerSettings(
+        binary=build.llama_server,
+        working_dir=build.build.root,
+        # Resolved: llama.cpp finds a split model's other parts beside the first part's own name.
+        model=(model_dir / GGUF_FILE).resolve(),
+        slots=spec.plan.serving.max_batch,
+        context_per_slot=spec.context_per_slot,
+        prompt_cache_bytes=spec.plan.serving.prefix_cache_bytes,
+        mmproj=mmproj if mmproj.is_file() else None,
+    )
+    if not settings.model.is_file():
+        raise RuntimeError(f"{settings.model} is missing: the model's GGUF file did not reach this node")
+    server = LlamaServer(settings)
+    await server.start(LLAMA_SERVER_LOAD_TIMEOUT_S)
+    return LlamaCppServing(
+        server,
+        events,
+        card_generation=spec.card_generation,
+        model_generation=read_generation_config(model_dir),
+        template_takes_tools=await server.template_takes_tools(),
+    )
+
+
+class LlamaCppServing(LlamaCppEngine):
+    """An instance's `LlamaCppEngine` as the runner drives it (`engines.base.ServingEngine`): it admits tasks and
+    hands its rows' pieces to their outputs."""
+
+    is_leader = True
+    """One rank: llama.cpp serves the whole model from this node."""
+    loaded_tensors: tuple[str, ...] = ()
+    weights_held_as = "GGUF (llama.cpp)"
+
+    def __init__(
+        self,
+        server: LlamaServer,
+        events: RowEvents,
+        *,
+        card_generation: GenerationDefaults,
+        model_generation: GenerationDefaults,
+        template_takes_tools: bool,
+    ) -> None:
+        super().__init__(
+            server,
+            server.settings.slots,
+            on_started=self._started,
+            on_piece=self._piece,
+            on_finished=self._finished,
+            on_failed=events.failed,
+        )
+        self._events = events
+        self._card_generation = card_generation
+        self._model_generation = model_generation
+        self._template_takes_tools = template_takes_tools
+        """The model's chat template renders tools (its `chat_template_caps`)."""
+        self._context_length = server.settings.context_per_slot
+
+    def token_text(self, token: int) -> str:
+        """Never asked: llama.cpp's logprobs come with their tokens' text (`Piece.logprobs`)."""
+        raise TypeError("llama.cpp hands out text, never token ids")
+
+    async def admit(self, request: TaskRequest) -> Admitted[LlamaRequest] | Refused:
+        if request.kind is TaskKind.EMBEDDING:
+            return Refused(
+                "the llama.cpp engine serving this instance makes no embeddings of a chat model; "
+                'place the model on the mlx engine (`"engine": "mlx"`) for embeddings',
+                "unsupported_by_engine",
+            )
+        if self.server.settings.mmproj is None and any(message.images for message in request.messages):
+            return Refused(
+                "the llama.cpp engine serving this instance has no image projector for this model",
+                "unsupported_by_engine",
+            )
+        resolved = resolve_sampling(request.sampling, self._model_generation, self._card_generation)
+        seed = request.sampling.seed
+        max_tokens, takes_tools, window = (
+            min(resolved.max_tokens, self._context_length),
+            self._template_takes_tools,
+            self._context_length,
+        )
+        rows, choices = [], []
+        for i in range(request.n):
+            choice_id = row_id(request.task_id, i)
+            # Each choice its own draw; a seeded request stays reproducible.
+            choice_seed = None if seed is None else (seed + i) % 2**64
+            if request.kind is TaskKind.CHAT:
+                rows.append(
+                    llama_requests.chat_request(
+                        choice_id,
+                        request,
+                        resolved,
+                        max_tokens=max_tokens,
+                        seed=choice_seed,
+                        window=window,
+                        template_takes_tools=takes_tools,
+                    )
+                )
+            else:
+                rows.append(
+                    llama_requests.completion_request(
+                        choice_id,
+                        request,
+                        resolved,
+                        max_tokens=max_tokens,
+                        seed=choice_seed,
+                        window=self._context_length,
+                    )
+                )
+            forced, splitter = llama_requests.tool_call_parsing(request, takes_tools)
+            schema = forced if forced is not None else request.output_schema
+            # A constrained document (a schema's, a forced call's) must not be cut by a stop string: it closes itself.
+            stop = () if schema is not None else request.sampling.stop
+            choices.append(
+                ChoiceOutput(
+                    detokenizer=None,
+                    stop=StopText(stop),
+                    splitter=splitter,
+                    forced_calls=forced is not None,
+                    grammar_schema=schema,
+                )
+            )
+        return Admitted(choices, rows)
+
+    def _started(self, row: str) -> None:
+        # llama.cpp counts the prompt's tokens as it prefills them; they come with the task's usage.
+        self._events.started(row, 0)
+
+    def _piece(self, row: str, piece: Piece) -> None:
+        produced = self._events.produced(row)
+        if produced is None:
+            return
+        output, choice = produced
+        ending = output.text(choice, piece.reasoning, piece.text, piece.logprobs, piece.tokens, piece.reasoning_tokens)
+        if ending is not None:
+            self.finish(row, ending)
+
+    def _finished(self, row: str, ending: Ending, calls: list[ToolCallParsed]) -> None:
+        self._events.finished(row, ending.reason, ending.prompt_tokens, calls, ending.completion_tokens)
