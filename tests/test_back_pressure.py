@@ -113,7 +113,7 @@ def test_placed_instances_take_the_apis_serving_flags(cluster: InferenceCluster)
     assert json.loads(jetshard("instances", "--api", cluster.api, "ls", "--json")) == cluster.get("/instances")
     listing = jetshard("instances", "--api", cluster.api, "ls")
     (row,) = [line for line in listing.splitlines() if instance["instance_id"] in line]
-    assert [cell.strip() for cell in row.split("│")[5:8]] == ["1", "1", "0"], row
+    assert [cell.strip() for cell in row.split("│")[6:9]] == ["1", "1", "0"], row
 
 
 def test_place_sets_some_serving_settings_and_the_api_the_rest(cluster: InferenceCluster) -> None:

@@ -30,6 +30,8 @@ from jetshard_schema.gist import REASON_CHARS, gist
 from jetshard_schema.types import (
     DownloadProgress,
     DownloadStatus,
+    ImportProgress,
+    ImportStatus,
     ModelDirInfo,
     NodeProfile,
     NodeStorage,
@@ -75,6 +77,15 @@ def test_a_gist_is_one_short_line_without_tensor_lists() -> None:
     assert failed.startswith("i1: RuntimeError: boom") and len(failed) == len("i1: ") + REASON_CHARS
     placed = events.InstancePlaced(instance_id="i1", model_id="org/m", shards=SHARDS, serving=ServingSettings())
     assert gist(placed) == "i1 of org/m on a layers [0, 10), b layers [10, 24); mlx, max batch 8"
+    failed_import = events.ModelImportProgressed(
+        import_id="imp-1",
+        node_id="a",
+        model_id="org/m",
+        progress=ImportProgress(status=ImportStatus.FAILED, reason="the file is truncated: " + "x" * 300),
+    )
+    assert (
+        gist(failed_import).startswith("org/m on a: failed: the file is truncated") and len(gist(failed_import)) < 200
+    )
 
 
 def test_the_view_summarises_nodes_instances_and_tasks() -> None:

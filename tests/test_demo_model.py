@@ -193,7 +193,16 @@ def test_jetshard_up_serves_the_demo_model_offline_stops_in_order_and_restarts_r
         assert json.loads(run_cli("state", "--json", env=env))["instances"]
         raw_models = httpx.get(f"{api}/v1/models").json()["data"]
         demo = next(m for m in raw_models if m["id"] == DEMO_MODEL_ID)
-        assert demo["generation_defaults"] == {"temperature": 0.0, "top_p": 1.0, "max_tokens": 512}
+        assert demo["generation_defaults"] == {
+            "temperature": 0.0,
+            "top_p": 1.0,
+            "top_k": 0,
+            "min_p": 0.0,
+            "repetition_penalty": 1.0,
+            "presence_penalty": 0.0,
+            "frequency_penalty": 0.0,
+            "max_tokens": 512,
+        }
         answers = readme_answers(api, 10)
         assert sum("Paris" in answer for answer in answers) >= 9, answers
         assert_every_dialect_answers_paris(api)

@@ -182,12 +182,17 @@ SLOW_START_S = 120
 
 
 def runner_processes() -> list[psutil.Process]:
-    """This test process's runners: started by a RunnerSupervisor here, or by a worker this test started."""
+    """This test's runners: started by a RunnerSupervisor here, or by a worker this test started; not those of the
+    session's shared clusters, whose workers (`jetshard worker` services) also descend from this process."""
     found = []
     for process in psutil.Process().children(recursive=True):
         with contextlib.suppress(psutil.NoSuchProcess):
+            parent = process.parent()
+            parent_args = parent.cmdline() if parent is not None else []
+            of_a_service = " -m jetshard worker" in " " + " ".join(parent_args[1:4])
             if "jetshard_worker.runner" in process.cmdline() and process.status() != psutil.STATUS_ZOMBIE:
-                found.append(process)
+                if not of_a_service:
+                    found.append(process)
     return found
 
 

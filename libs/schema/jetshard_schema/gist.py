@@ -9,7 +9,14 @@ from __future__ import annotations
 import functools
 
 from jetshard_schema import events
-from jetshard_schema.types import DownloadProgress, DownloadStatus, NodeProfile, RunnerReport, ShardAssignment
+from jetshard_schema.types import (
+    DownloadProgress,
+    DownloadStatus,
+    ImportStatus,
+    NodeProfile,
+    RunnerReport,
+    ShardAssignment,
+)
 
 REASON_CHARS = 160
 """A reason is cut here: a traceback's last line is what a person needs from a one-line log."""
@@ -118,6 +125,21 @@ def _card_deleted(event: events.CustomModelCardDeleted) -> str:
 @gist.register
 def _size_measured(event: events.ModelSizeMeasured) -> str:
     return f"{event.model_id}: {size(event.storage_size_bytes)}"
+
+
+@gist.register
+def _import_requested(event: events.ModelImportRequested) -> str:
+    return f"{event.model_id} on {event.node_id} from {short(event.path)}"
+
+
+@gist.register
+def _import_progressed(event: events.ModelImportProgressed) -> str:
+    progress = event.progress
+    if progress.status is ImportStatus.FAILED:
+        return f"{event.model_id} on {event.node_id}: failed: {short(progress.reason)}"
+    if progress.status is ImportStatus.COMPLETED:
+        return f"{event.model_id} on {event.node_id}: {size(progress.bytes_total)} in {progress.directory}"
+    return f"{event.model_id} on {event.node_id}: {size(progress.bytes_done)} of {size(progress.bytes_total)}"
 
 
 @gist.register
