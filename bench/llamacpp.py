@@ -1,8 +1,10 @@
 """jetshard on its llama.cpp engine against upstream `llama-server` from the same build: same GGUF, same load.
 
-Two sides, one after the other (never both at once), each on every model asked for:
+Two sides, both started for each model, loaded in turn (never both at once): every round runs on one side then the
+other, the order swapped each round, so a drift in the machine's speed weighs on both alike:
   * llama-server: the build's `llama-server` on 127.0.0.1 and a free port, `--slots` slots over `--ctx-size` tokens
-    of context (its other settings its defaults: threads, batch sizes, the CPU variant ggml picks);
+    of context (by default what jetshard gives its slots; its other settings its defaults: threads, batch sizes,
+    samplers, the CPU variant ggml picks);
   * jetshard: `jetshard up --offline --no-model` in a temporary directory, the GGUF imported (`jetshard models
     import-gguf`; the demo is built in), then placed with `POST /instances` and `"engine": "llama.cpp"`; the
     bench stops with the API's answer if the cluster cannot place it on llama.cpp.
@@ -26,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import os
 import random
 import re
@@ -34,7 +37,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -54,6 +57,7 @@ from _common import (
     wait,
 )
 from gguf_models import llama_1b_ggufs
+from jetshard_schema.placement import LLAMA_CPP_SLOT_CONTEXT
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 from helpers.gguf_models import file_type_of, llama_cpp_bin_dir, llama_server
@@ -105,14 +109,31 @@ def unique_chats(n: int, rng: random.Random) -> list[Messages]:
     return chats
 
 
-def run_load(base_url: str, model: str, cases: Cases, max_tokens: int, extra_body: dict | None) -> dict[int, Figures]:
+@dataclass(frozen=True)
+class Side:
+    """One server under load: where its OpenAI routes are, the model name it takes, what every request adds."""
+
+    name: str
+    base_url: str
+    model: str
+    extra_body: dict | None
+
+
+def measure(sides: Sequence[Side], cases: Cases, max_tokens: int) -> dict[str, dict[int, Figures]]:
+    """Every round of `cases` on each side in turn, the order swapped every round: both sides see the machine as it
+    is at that moment, so a drift in its speed (another job, the CPU's clock) weighs on both alike."""
     warm = [{"role": "user", "content": "Say hello."}]
-    asyncio.run(concurrent_streams(base_url, model, [warm], 4, 0.0, extra_body))
-    out = {}
+    for side in sides:
+        asyncio.run(concurrent_streams(side.base_url, side.model, [warm], 4, 0.0, side.extra_body))
+    runs: dict[str, dict[int, list]] = {side.name: {n: [] for n in cases} for side in sides}
     for streams, rounds in cases.items():
-        runs = [asyncio.run(concurrent_streams(base_url, model, r, max_tokens, 0.0, extra_body)) for r in rounds]
-        out[streams] = figures(runs)
-    return out
+        for i, prompts in enumerate(rounds):
+            for side in sides if i % 2 == 0 else list(reversed(sides)):
+                run = asyncio.run(
+                    concurrent_streams(side.base_url, side.model, prompts, max_tokens, 0.0, side.extra_body)
+                )
+                runs[side.name][streams].append(run)
+    return {name: {n: figures(r) for n, r in per.items()} for name, per in runs.items()}
 
 
 def load_line() -> str:
@@ -131,28 +152,27 @@ def _server_facts(pid: int, log: Path) -> str:
     return f"CPU backend {', '.join(variants) or '?'}, threads {threads[-1] if threads else '?'}"
 
 
-def anchor_side(
-    model: BenchModel, path: Path, cases: Cases, args: argparse.Namespace, root: Path
-) -> dict[int, Figures]:
+@contextlib.contextmanager
+def anchor_side(model: BenchModel, path: Path, args: argparse.Namespace, root: Path) -> Iterator[Side]:
     log = root / f"llama-server-{model.name}.log"
     server_args = ["-c", str(args.ctx_size), "-np", str(args.slots)]
     print(f"llama-server {' '.join(server_args)} on {path.name}; {load_line()}", flush=True)
     with llama_server(path, log, *server_args, ready_timeout_s=600) as (url, server):
-        measured = run_load(f"{url}/v1", "default", cases, args.max_tokens, {"ignore_eos": True})
-        facts = _server_facts(server.pid, log)
-    print(f"  {facts}; {load_line()}", flush=True)
-    return measured
+        yield Side("llama-server", f"{url}/v1", "default", {"ignore_eos": True})
+        print(f"  llama-server: {_server_facts(server.pid, log)}", flush=True)
 
 
-def _cli(root: Path, api: str, *arguments: str) -> None:
+def _cli(root: Path, api: str, group: str, *arguments: str) -> None:
     done = subprocess.run(
-        [sys.executable, "-m", "jetshard", *arguments, "--api", api],
+        [sys.executable, "-m", "jetshard", group, "--api", api, *arguments],
         env=jetshard_env(root),
         capture_output=True,
         text=True,
     )
     if done.returncode != 0:
-        raise RuntimeError(f"`jetshard {' '.join(arguments)}` failed:\n{done.stdout[-2000:]}{done.stderr[-2000:]}")
+        raise RuntimeError(
+            f"`jetshard {group} {' '.join(arguments)}` failed:\n{done.stdout[-2000:]}{done.stderr[-2000:]}"
+        )
 
 
 def place_on_llama_cpp(api: str, model_id: str, timeout_s: float) -> dict:
@@ -181,9 +201,8 @@ def place_on_llama_cpp(api: str, model_id: str, timeout_s: float) -> dict:
     return instance
 
 
-def jetshard_side(
-    model: BenchModel, path: Path, cases: Cases, args: argparse.Namespace, root: Path
-) -> dict[int, Figures]:
+@contextlib.contextmanager
+def jetshard_side(model: BenchModel, path: Path, args: argparse.Namespace, root: Path) -> Iterator[Side]:
     home = root / f"jetshard-{model.name}"
     print(f"jetshard: `jetshard up --no-model`, {model.jetshard_id} on {LLAMA_CPP}; {load_line()}", flush=True)
     with jetshard_up(home, None) as (api, _):
@@ -191,9 +210,7 @@ def jetshard_side(
             _cli(home, api, "models", "import-gguf", str(path), "--id", model.jetshard_id)
         instance = place_on_llama_cpp(api, model.jetshard_id, args.ready_timeout)
         print(f"  placed: serving {instance['serving']}", flush=True)
-        measured = run_load(f"{api}/v1", model.jetshard_id, cases, args.max_tokens, None)
-    print(f"  {load_line()}", flush=True)
-    return measured
+        yield Side("jetshard", f"{api}/v1", model.jetshard_id, None)
 
 
 def ratio(ours: float, theirs: float) -> str:
@@ -249,10 +266,16 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=2, help="rounds of each number of streams")
     parser.add_argument("--max-tokens", type=int, default=32, help="tokens each answer has")
     parser.add_argument("--slots", type=int, default=8, help="llama-server's slots (-np)")
-    parser.add_argument("--ctx-size", type=int, default=8192, help="llama-server's context over all slots (-c)")
+    parser.add_argument(
+        "--ctx-size",
+        type=int,
+        help="llama-server's context over all slots (-c) [default: what jetshard gives its slots, "
+        f"--slots x {LLAMA_CPP_SLOT_CONTEXT}]",
+    )
     parser.add_argument("--ready-timeout", type=float, default=1800, help="seconds jetshard's instance may take")
     parser.add_argument("--work-dir", type=Path, help="keep logs and jetshard's directories here")
     args = parser.parse_args()
+    args.ctx_size = args.ctx_size or args.slots * LLAMA_CPP_SLOT_CONTEXT
     models = [m.strip() for m in args.models.split(",") if m.strip()]
     sides = [s.strip() for s in args.sides.split(",") if s.strip()]
     streams = [int(s) for s in args.streams.split(",")]
@@ -273,18 +296,23 @@ def main() -> None:
         print(f"\n{name}: {path} ({file_type_of(path)}, {path.stat().st_size / 2**20:.0f} MiB)", flush=True)
         # The same fresh prompts for both sides: neither has seen them.
         cases = {n: [unique_chats(n, rng) for _ in range(args.rounds)] for n in streams}
-        for side in sides:
-            if side == "jetshard" and failed is not None:
-                continue
-            run = anchor_side if side == "llama-server" else jetshard_side
-            try:
-                results[name, side] = run(model, path, cases, args, root)
-            except RuntimeError as error:
-                if side != "jetshard":
-                    raise
-                # The anchor's figures still print; the other models are not tried on a cluster that cannot.
-                failed = f"{error}\n(the jetshard side was not run from {name} on; its logs are in {root})"
-                print(f"  jetshard FAILED: {error}", flush=True)
+        with contextlib.ExitStack() as servers:
+            started_sides = []
+            for side in sides:
+                if side == "jetshard" and failed is not None:
+                    continue
+                start = anchor_side if side == "llama-server" else jetshard_side
+                try:
+                    started_sides.append(servers.enter_context(start(model, path, args, root)))
+                except RuntimeError as error:
+                    if side != "jetshard":
+                        raise
+                    # The anchor's figures still print; the other models are not tried on a cluster that cannot.
+                    failed = f"{error}\n(the jetshard side was not run from {name} on; its logs are in {root})"
+                    print(f"  jetshard FAILED: {error}", flush=True)
+            for side_name, measured in measure(started_sides, cases, args.max_tokens).items():
+                results[name, side_name] = measured
+            print(f"  measured; {load_line()}", flush=True)
     report(results, models, streams)
     print(f"\nelapsed {time.monotonic() - started:.0f} s")
     if failed is not None:

@@ -62,7 +62,8 @@ def test_a_chat_becomes_one_streamed_request_with_the_models_own_template_and_ou
     assert body["stream"] and body["cache_prompt"] and body["max_tokens"] == 16
     assert body["seed"] == (2**64 - 1) % 2**32  # llama.cpp's seeds are 32-bit
     # Every sampler as we resolved it, none of llama.cpp's own defaults (top_k 40, min_p 0.05, a 64-token window).
-    assert (body["top_k"], body["min_p"], body["repeat_penalty"], body["repeat_last_n"]) == (0, 0.0, 1.0, 512)
+    # Greedy (temperature 0) as a cut to the top token, which spares llama.cpp's other samplers the vocabulary.
+    assert (body["top_k"], body["min_p"], body["repeat_penalty"], body["repeat_last_n"]) == (1, 0.0, 1.0, 512)
     assert (body["temperature"], body["presence_penalty"], body["frequency_penalty"]) == (0.0, 0.0, 0.0)
     assert body["tool_choice"] == "required" and [t["function"]["name"] for t in body["tools"]] == ["weather"]
     assert body["logprobs"] is True and body["top_logprobs"] == 3

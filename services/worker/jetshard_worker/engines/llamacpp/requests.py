@@ -152,7 +152,9 @@ def _sampling(sampling: ResolvedSampling, repeat_last_n: int | None, seed: int |
     values: dict[str, Any] = {
         "temperature": sampling.temperature,
         "top_p": sampling.top_p,
-        "top_k": sampling.top_k,
+        # Greedy is the top token: a cut to one spares llama.cpp's other samplers the whole vocabulary each token
+        # (and with a grammar it is still the top token the grammar allows).
+        "top_k": 1 if sampling.temperature == 0 else sampling.top_k,
         "min_p": sampling.min_p,
         "repeat_penalty": sampling.repetition_penalty,
         "presence_penalty": sampling.presence_penalty,
