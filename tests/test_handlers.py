@@ -7,7 +7,7 @@ from collections.abc import Sequence
 import msgspec
 import pytest
 from helpers.cards import tiny_card
-from helpers.states import completed
+from helpers.states import completed, downloaded, fold
 from jetshard_api.errors import REJECT_STATUS
 from jetshard_schema.cards import ModelFormat
 from jetshard_schema.commands import (
@@ -741,6 +741,17 @@ def test_placement_skips_offline_nodes_that_lack_the_model(cluster: InMemoryClus
     assert "offline" in rejected(nowhere, RejectCode.MODEL_UNAVAILABLE).reason
     cluster.run(ReportNodeStorage(node_id=A, storage=NodeStorage(offline=True, available_models=(MODEL,))))
     assert isinstance(cluster.run(PlaceInstance(instance_id=InstanceId("inst-4"), model_id=MODEL))[0], InstancePlaced)
+
+
+def test_an_offline_node_holds_what_it_completed_before_its_next_storage_report(cluster: InMemoryCluster) -> None:
+    """A model imported on an offline node is placed there at once: its completed download is in State before the
+    node's next storage report lists it."""
+    cluster.join(A, 32)
+    cluster.run(ReportNodeStorage(node_id=A, storage=NodeStorage(offline=True)))
+    refused = cluster.run(PlaceInstance(instance_id=InstanceId("inst-1"), model_id=MODEL))
+    assert "offline" in rejected(refused, RejectCode.MODEL_UNAVAILABLE).reason
+    cluster.state = fold(downloaded(A, MODEL, 0, CARD.num_layers), state=cluster.state)
+    assert isinstance(cluster.run(PlaceInstance(instance_id=InstanceId("inst-2"), model_id=MODEL))[0], InstancePlaced)
 
 
 def test_placement_records_the_resolved_weights_dtype(cluster: InMemoryCluster) -> None:

@@ -52,6 +52,7 @@ from jetshard_schema.ids import NodeId
 from jetshard_schema.state import Instance, Node, State
 from jetshard_schema.types import (
     MAX_NODES,
+    DownloadStatus,
     Engine,
     GpuInfo,
     NodeProfile,
@@ -568,14 +569,20 @@ def _place_tensor_parallel(card: ModelCard, chosen: Sequence[Node], serving: Ser
 
 
 def cannot_fetch(state: State, card: ModelCard) -> set[NodeId]:
-    """Nodes that could not get `card`'s files: offline, and the model is not complete on their disks.
-    (A packaged GGUF is converted on the node itself, which needs no network.)"""
+    """Nodes that could not get `card`'s files: offline, and the model is not complete on their disks, by their
+    last storage report or by a download (an import) State saw complete since. (A packaged GGUF is placed or
+    converted on the node itself, which needs no network; so is an MLX form of a GGUF a node holds.)"""
     if card.source is ModelSource.GGUF_PACKAGE:
         return set()
+
+    def holds(node_id: NodeId) -> bool:
+        download = state.download(node_id, card.model_id)
+        return download is not None and download.progress.status is DownloadStatus.COMPLETED
+
     return {
         node_id
         for node_id, storage in state.node_storage.items()
-        if storage.offline and card.model_id not in storage.available_models
+        if storage.offline and card.model_id not in storage.available_models and not holds(node_id)
     }
 
 
