@@ -1,10 +1,11 @@
 """The demo GGUF served by llama.cpp, through the official clients of every dialect: the same answers, streams,
 usage, stop strings, seeds, logprobs, `n`, structured output and tool calls as on MLX, cancel within a token,
-refusals that name the engine, and an instance that heals when its llama-server is killed."""
+embeddings from a second llama-server, and an instance that heals when its llama-server is killed."""
 
 from __future__ import annotations
 
 import json
+import math
 import signal
 import time
 
@@ -154,12 +155,48 @@ def test_completions_anthropic_ollama_and_responses_answer_too(llamacpp_cluster:
     assert "Paris" in response.output_text
 
 
-def test_what_llama_cpp_cannot_do_is_refused_naming_it(llamacpp_cluster: LlamaCppCluster) -> None:
-    response = httpx.post(
-        f"{llamacpp_cluster.api}/v1/embeddings", json={"model": llamacpp_cluster.model, "input": "hello"}, timeout=60
-    )
-    assert response.status_code == 400, response.text
-    assert "llama.cpp" in response.json()["error"]["message"]
+def test_embeddings_on_llama_cpp_are_normalised_vectors_of_the_hidden_size(
+    client: openai.OpenAI, llamacpp_cluster: LlamaCppCluster
+) -> None:
+    """A second llama-server, started on the first embedding task, pools the mean of the final norm's outputs:
+    one L2-normalised vector per input, of the demo's hidden size, through OpenAI's and Ollama's clients."""
+    model = llamacpp_cluster.model
+    texts = ["the capital of France", "a", "the capital of France"]
+    result = client.embeddings.create(model=model, input=texts)  # the client asks for base64
+    assert [d.index for d in result.data] == [0, 1, 2]
+    for data in result.data:
+        assert len(data.embedding) == 576
+        assert math.fsum(v * v for v in data.embedding) == pytest.approx(1.0, abs=1e-4)
+    assert result.data[2].embedding == pytest.approx(result.data[0].embedding, abs=1e-5)
+    assert result.data[1].embedding != pytest.approx(result.data[0].embedding, abs=1e-2)
+
+    by_ids = client.embeddings.create(model=model, input=[[1, 2, 3, 4], [5, 6]], encoding_format="float")
+    assert [len(d.embedding) for d in by_ids.data] == [576, 576]
+    assert by_ids.usage.prompt_tokens == 6  # token ids are embedded as they are: no BOS added
+    alone = client.embeddings.create(model=model, input=[1, 2, 3, 4], encoding_format="float")
+    assert alone.data[0].embedding == pytest.approx(by_ids.data[0].embedding, abs=1e-5)
+    assert result.usage.prompt_tokens > 3
+
+    ollama_client = ollama.Client(host=llamacpp_cluster.api)
+    embedded = ollama_client.embed(model=model, input=["the capital of France", "a"])
+    assert embedded.embeddings[0] == pytest.approx(result.data[0].embedding, abs=1e-5)
+    assert embedded.embeddings[1] == pytest.approx(result.data[1].embedding, abs=1e-5)
+    assert embedded.prompt_eval_count and embedded.prompt_eval_count > 2
+
+
+def test_embedding_inputs_the_server_cannot_take_are_refused_before_it_runs(
+    client: openai.OpenAI, llamacpp_cluster: LlamaCppCluster
+) -> None:
+    model = llamacpp_cluster.model
+    with pytest.raises(openai.BadRequestError) as too_long:
+        client.embeddings.create(model=model, input="hello " * 9000)
+    assert too_long.value.code == "context_length_exceeded", too_long.value.body
+    assert "embeddings on llama.cpp take at most" in too_long.value.message
+    with pytest.raises(openai.BadRequestError) as unknown:
+        client.embeddings.create(model=model, input=[[1, 2], [1, 10**6]])
+    assert "input 1 holds token id 1000000" in unknown.value.message
+    again = client.embeddings.create(model=model, input="a", encoding_format="float")
+    assert len(again.data[0].embedding) == 576
 
 
 def test_a_disconnected_stream_stops_within_a_token(llamacpp_cluster: LlamaCppCluster) -> None:
@@ -190,7 +227,11 @@ def test_a_killed_llama_server_fails_its_stream_clearly_and_the_instance_heals(
 ) -> None:
     cluster = llamacpp_cluster.cluster
     (runner,) = cluster.runners_of(llamacpp_cluster.instance_id)
-    (server,) = [p for p in runner.children(recursive=True) if "llama-server" in " ".join(p.cmdline())]
+    (server,) = [
+        p
+        for p in runner.children(recursive=True)
+        if "llama-server" in " ".join(p.cmdline()) and "--embeddings" not in p.cmdline()
+    ]
     body = {"model": llamacpp_cluster.model, "messages": STORY, "max_tokens": 400, "temperature": 0, "stream": True}
     errors = []
     with httpx.stream("POST", f"{llamacpp_cluster.api}/v1/chat/completions", json=body, timeout=120) as response:

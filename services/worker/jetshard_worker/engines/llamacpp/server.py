@@ -43,6 +43,10 @@ class ServerSettings:
     threads: int | None = None
     """None: llama.cpp's own choice (the machine's physical cores)."""
     mmproj: Path | None = None
+    embeddings: bool = False
+    """Serve embeddings only (`--embeddings`: llama-server then serves nothing else): the mean of the final norm's
+    outputs over the prompt, L2-normalised, as the MLX engine makes them. A prompt's embedding is made in one
+    physical batch, so the batch is a whole slot's context."""
 
     def arguments(self, port: int) -> list[str]:
         arguments = [
@@ -67,6 +71,10 @@ class ServerSettings:
             arguments += ["--threads", str(self.threads)]
         if self.mmproj is not None:
             arguments += ["--mmproj", str(self.mmproj)]
+        if self.embeddings:
+            batch = str(self.context_per_slot)
+            arguments += ["--embeddings", "--pooling", "mean", "--embd-normalize", "2"]
+            arguments += ["--batch-size", batch, "--ubatch-size", batch]
         return arguments
 
 
@@ -123,6 +131,17 @@ class LlamaServer:
             response = await client.get(f"{self.url}/props", headers=self.headers)
             response.raise_for_status()
             return bool(response.json().get("chat_template_caps", {}).get("supports_tools"))
+
+    async def vocabulary_size(self) -> int:
+        """The model's token ids, 0 to this less one, as llama-server read them from the GGUF."""
+        async with httpx.AsyncClient(timeout=10.0) as client:
+            response = await client.get(f"{self.url}/v1/models", headers=self.headers)
+            response.raise_for_status()
+            return int(response.json()["data"][0]["meta"]["n_vocab"])
+
+    @property
+    def exited(self) -> bool:
+        return self._process is None or self._process.returncode is not None
 
     async def wait(self) -> int:
         assert self._process is not None

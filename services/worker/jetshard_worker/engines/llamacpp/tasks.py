@@ -7,9 +7,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import httpx
 from jetshard_schema.cards import GenerationDefaults
 from jetshard_schema.sampling import resolve_sampling
-from jetshard_schema.types import TaskKind, TaskRequest
+from jetshard_schema.types import TaskKind, TaskOutcome, TaskRequest
 
 from jetshard_worker.engines.base import Admitted, OnProgress, Refused, RowEvents
 from jetshard_worker.engines.model_dir import read_generation_config
@@ -19,6 +20,7 @@ from jetshard_worker.text.textstream import StopText
 from jetshard_worker.text.toolcalls import ToolCallParsed
 
 from . import requests as llama_requests
+from .embeddings import Embedder, EmbeddingRow, embedding_settings
 from .engine import LlamaCppEngine
 from .probe import ready_build
 from .requests import Ending, LlamaRequest, Piece
@@ -59,6 +61,7 @@ async def load(spec: RunnerSpec, events: RowEvents, on_progress: OnProgress) -> 
         card_generation=spec.card_generation,
         model_generation=read_generation_config(model_dir),
         template_takes_tools=await server.template_takes_tools(),
+        vocabulary_size=await server.vocabulary_size(),
     )
 
 
@@ -79,6 +82,7 @@ class LlamaCppServing(LlamaCppEngine):
         card_generation: GenerationDefaults,
         model_generation: GenerationDefaults,
         template_takes_tools: bool,
+        vocabulary_size: int,
     ) -> None:
         super().__init__(
             server,
@@ -94,18 +98,37 @@ class LlamaCppServing(LlamaCppEngine):
         self._template_takes_tools = template_takes_tools
         """The model's chat template renders tools (its `chat_template_caps`)."""
         self._context_length = server.settings.context_per_slot
+        self._vocabulary_size = vocabulary_size
+        self._embedder = Embedder(
+            embedding_settings(server.settings),
+            LLAMA_SERVER_LOAD_TIMEOUT_S,
+            on_started=events.started,
+            on_embedded=events.embedded,
+            on_cancelled=lambda row: events.finished(row, TaskOutcome.CANCELLED, 0),
+            on_failed=events.failed,
+        )
 
     def token_text(self, token: int) -> str:
         """Never asked: llama.cpp's logprobs come with their tokens' text (`Piece.logprobs`)."""
         raise TypeError("llama.cpp hands out text, never token ids")
 
-    async def admit(self, request: TaskRequest) -> Admitted[LlamaRequest] | Refused:
+    def submit(self, request: LlamaRequest | EmbeddingRow) -> None:  # type: ignore[override]
+        if isinstance(request, EmbeddingRow):
+            self._embedder.submit(request)
+        else:
+            super().submit(request)
+
+    def cancel(self, row_id: str) -> None:
+        self._embedder.cancel(row_id)
+        super().cancel(row_id)
+
+    async def close(self) -> None:
+        await self._embedder.close()
+        await super().close()
+
+    async def admit(self, request: TaskRequest) -> Admitted[LlamaRequest | EmbeddingRow] | Refused:
         if request.kind is TaskKind.EMBEDDING:
-            return Refused(
-                "the llama.cpp engine serving this instance makes no embeddings of a chat model; "
-                'place the model on the mlx engine (`"engine": "mlx"`) for embeddings',
-                "unsupported_by_engine",
-            )
+            return await self._embedding(request)
         if self.server.settings.mmproj is None and any(message.images for message in request.messages):
             return Refused(
                 "the llama.cpp engine serving this instance has no image projector for this model",
@@ -118,7 +141,8 @@ class LlamaCppServing(LlamaCppEngine):
             self._template_takes_tools,
             self._context_length,
         )
-        rows, choices = [], []
+        rows: list[LlamaRequest | EmbeddingRow] = []
+        choices = []
         for i in range(request.n):
             choice_id = row_id(request.task_id, i)
             # Each choice its own draw; a seeded request stays reproducible.
@@ -160,6 +184,39 @@ class LlamaCppServing(LlamaCppEngine):
                 )
             )
         return Admitted(choices, rows)
+
+    async def _embedding(self, request: TaskRequest) -> Admitted[LlamaRequest | EmbeddingRow] | Refused:
+        """One row per input, its token ids checked here: llama-server would fail a whole request on one of them."""
+        rows: list[LlamaRequest | EmbeddingRow] = []
+        limit = self._embedder.context_length
+        for i, given in enumerate(request.inputs):
+            # Token ids a client gave are embedded as they are: tokenizing is what they stand in for.
+            try:
+                tokens = await self._tokenize(given) if isinstance(given, str) else list(given)
+            except (httpx.HTTPError, ValueError, LookupError, TypeError) as error:
+                return Refused(f"llama.cpp could not tokenize input {i}: {error}", "engine_error")
+            if not tokens:
+                return Refused(f"input {i} is empty", "invalid_request")
+            if len(tokens) > limit:
+                return Refused(
+                    f"input {i} has {len(tokens)} tokens; embeddings on llama.cpp take at most {limit}",
+                    "context_length_exceeded",
+                )
+            unknown = next((t for t in tokens if t >= self._vocabulary_size), None)
+            if unknown is not None:
+                message = (
+                    f"input {i} holds token id {unknown}; the model's vocabulary has ids 0 to "
+                    f"{self._vocabulary_size - 1}"
+                )
+                return Refused(message, "invalid_request")
+            rows.append(EmbeddingRow(row_id(request.task_id, i), tokens))
+        return Admitted([ChoiceOutput(detokenizer=None) for _ in rows], rows)
+
+    async def _tokenize(self, text: str) -> list[int]:
+        """The text's tokens as llama-server's embedding tokenizes it: with the model's special tokens (its BOS)."""
+        response = await self._client.post("/tokenize", json={"content": text, "add_special": True})
+        response.raise_for_status()
+        return [int(token) for token in response.json()["tokens"]]
 
     def _started(self, row: str) -> None:
         # llama.cpp counts the prompt's tokens as it prefills them; they come with the task's usage.
