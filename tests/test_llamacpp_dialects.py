@@ -199,6 +199,24 @@ def test_embedding_inputs_the_server_cannot_take_are_refused_before_it_runs(
     assert len(again.data[0].embedding) == 576
 
 
+def test_a_killed_embedding_server_is_started_again_by_the_next_embedding(
+    client: openai.OpenAI, llamacpp_cluster: LlamaCppCluster
+) -> None:
+    model = llamacpp_cluster.model
+    first = client.embeddings.create(model=model, input="a", encoding_format="float").data[0].embedding
+    (runner,) = llamacpp_cluster.cluster.runners_of(llamacpp_cluster.instance_id)
+    servers = [p for p in runner.children(recursive=True) if "llama-server" in " ".join(p.cmdline())]
+    (embedding,) = [p for p in servers if "--embeddings" in p.cmdline()]
+    (serving,) = [p for p in servers if p is not embedding]
+    embedding.send_signal(signal.SIGKILL)
+    embedding.wait(10)
+    again = client.embeddings.create(model=model, input="a", encoding_format="float").data[0].embedding
+    assert again == pytest.approx(first, abs=1e-5)
+    assert serving.is_running() and runner.is_running()  # the instance's chats went on: nothing restarted
+    reply = client.chat.completions.create(model=model, messages=ASK, max_tokens=8, temperature=0)
+    assert reply.choices[0].message.content
+
+
 def test_a_disconnected_stream_stops_within_a_token(llamacpp_cluster: LlamaCppCluster) -> None:
     body = {"model": llamacpp_cluster.model, "messages": STORY, "max_tokens": 400, "temperature": 0, "stream": True}
     with httpx.stream("POST", f"{llamacpp_cluster.api}/v1/chat/completions", json=body, timeout=60) as response:
