@@ -7,6 +7,7 @@ import asyncio
 import json
 import os
 import signal
+from pathlib import Path
 
 import jsonschema
 import pytest
@@ -248,3 +249,37 @@ def test_a_grammar_document_cut_at_max_tokens_is_closed_into_a_valid_one() -> No
     jsonschema.validate(json.loads(text), schema)
     assert text.startswith('{"city": "Par') and published[-1].finish_reason is TaskOutcome.LENGTH
     assert usage is not None and usage.completion_tokens == 4
+
+
+async def test_a_stream_that_ends_before_llama_servers_last_event_fails_its_row() -> None:
+    """llama-server killed between two events leaves whole chunks and no last event: the row fails, it never passes
+    for a finished answer. A socket server stands in for it, answering two pieces and closing (the timing a real
+    kill gives only now and then)."""
+    events = [{"choices": [{"delta": {"content": word}, "finish_reason": None}]} for word in ("The", " capital")]
+    body = "".join(f"data: {json.dumps(event)}\n\n" for event in events).encode()
+
+    async def answer(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await reader.readuntil(b"\r\n\r\n")
+        head = f"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nContent-Length: {len(body)}\r\n\r\n"
+        writer.write(head.encode() + body)
+        await writer.drain()
+        writer.close()
+
+    stand_in = await asyncio.start_server(answer, "127.0.0.1", 0)
+    server = LlamaServer(
+        ServerSettings(
+            binary=Path("llama-server"), working_dir=Path("."), model=DEMO_GGUF, slots=1, context_per_slot=64
+        )
+    )
+    server.port = stand_in.sockets[0].getsockname()[1]
+    rows = _Rows()
+    engine = rows.engine(server)
+    engine.submit(
+        llama.chat_request("t1#0", _chat(), GREEDY, max_tokens=16, seed=None, window=64, template_takes_tools=False)
+    )
+    await asyncio.wait_for(rows.finished.wait(), 10)
+    assert rows.text["t1#0"] == "The capital" and "t1#0" not in rows.endings
+    message, code = rows.failures["t1#0"]
+    assert code == "engine_error" and "ended before the answer did" in message
+    await engine._client.aclose()
+    stand_in.close()

@@ -139,7 +139,7 @@ class LlamaCppEngine:
             self._on_failed(row, f"the output could not be completed: {type(error).__name__}: {error}", "engine_error")
 
     async def _stream(self, request: LlamaRequest, state: StreamState) -> Ending:
-        ending = Ending(TaskOutcome.STOP)
+        ending: Ending | None = None
         async with self._client.stream("POST", request.path, json=request.body) as response:
             if response.status_code != 200:
                 body = await response.aread()
@@ -160,6 +160,10 @@ class LlamaCppEngine:
                         raise OutputFailed(f"{type(error).__name__}: {error}") from error
                 if end is not None:
                     ending = end
+        if ending is None:
+            # The stream ended without llama-server's last event: it stopped (killed between two events, whose
+            # chunks were whole). An answer cut short must not pass for a finished one.
+            raise ServerError("llama-server's stream ended before the answer did (llama.cpp stopped?)", "engine_error")
         return ending
 
     def _running(self, change: int) -> None:
