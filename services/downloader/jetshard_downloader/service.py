@@ -70,7 +70,7 @@ from jetshard_schema.types import (
     engine_format,
 )
 
-from jetshard_downloader.choose import NoSpace, choose_directory
+from jetshard_downloader.choose import Choice, NoSpace, choose_directory
 from jetshard_downloader.convert import (
     ProgressCallback,
     TargetCallback,
@@ -530,19 +530,7 @@ class Downloader:
         files = hub_gguf_files(card, listing)
         job.transferring = True
         needed = sum(remote.size or 0 for remote, _ in files)
-        async with self.choose_lock:
-            choice = await asyncio.to_thread(
-                choose_directory,
-                self.dirs,
-                job.model_id,
-                needed,
-                free_bytes,
-                self._reserved_by_others(job),
-                partial_bytes_for(job.model_id),
-            )
-            if isinstance(choice, NoSpace):
-                raise FetchError(choice.message)
-            job.models_dir, job.remaining = choice.models_dir, choice.bytes_remaining
+        choice = await self._choose_directory(job, needed)
         log.info(
             "downloading %s from %s: %s, %d bytes into %s%s",
             job.model_id,
@@ -619,6 +607,24 @@ class Downloader:
             await asyncio.wait({reporter}, timeout=REPORT_TIMEOUT_S)
             reporter.cancel()
 
+    async def _choose_directory(self, job: _Job, needed: int) -> Choice:
+        """The models directory `job` downloads `needed` bytes into (the job reserves them there), one choice at a
+        time so that two jobs never count the same free space."""
+        async with self.choose_lock:
+            choice = await asyncio.to_thread(
+                choose_directory,
+                self.dirs,
+                job.model_id,
+                needed,
+                free_bytes,
+                self._reserved_by_others(job),
+                partial_bytes_for(job.model_id),
+            )
+        if isinstance(choice, NoSpace):
+            raise FetchError(choice.message)
+        job.models_dir, job.remaining = choice.models_dir, choice.bytes_remaining
+        return choice
+
     def _reserved_by_others(self, job: _Job) -> dict[Path, int]:
         """Bytes the other running jobs still expect to write, per models directory."""
         reserved: dict[Path, int] = collections.defaultdict(int)
@@ -652,20 +658,7 @@ class Downloader:
             await self.publish(report)
         files = listing.select(required_files(names, index, card.num_layers, job.start, job.end))
         needed = sum(f.size or 0 for f in files)
-
-        async with self.choose_lock:
-            choice = await asyncio.to_thread(
-                choose_directory,
-                self.dirs,
-                job.model_id,
-                needed,
-                free_bytes,
-                self._reserved_by_others(job),
-                partial_bytes_for(job.model_id),
-            )
-            if isinstance(choice, NoSpace):
-                raise FetchError(choice.message)
-            job.models_dir, job.remaining = choice.models_dir, choice.bytes_remaining
+        choice = await self._choose_directory(job, needed)
         log.info(
             "downloading %s layers [%d, %d): %d files, %d bytes into %s%s",
             job.model_id,
