@@ -229,8 +229,10 @@ def test_tools_a_template_cannot_render_are_described_and_a_forced_call_is_held_
     system = body["messages"][0]
     assert system["role"] == "system" and '"name": "weather"' in system["content"]
     assert body["json_schema"]["properties"]["name"] == {"const": "weather"}
-    assert llama.tool_call_parsing(request, template_takes_tools=False) == (body["json_schema"], None)
-    assert llama.tool_call_parsing(request, template_takes_tools=True) == (None, None)
+    assert llama.forced_call(request, template_takes_tools=False) == body["json_schema"]
+    assert llama.call_splitter(request, template_takes_tools=False) is None  # a forced call is parsed whole
+    assert llama.forced_call(request, template_takes_tools=True) is None
+    assert llama.call_splitter(request, template_takes_tools=True) is None
 
 
 def test_a_grammar_document_cut_at_max_tokens_is_closed_into_a_valid_one() -> None:

@@ -16,6 +16,7 @@ from typing import Any, Generic, Protocol, TypeVar
 
 from jetshard_schema.types import TaskOutcome, TaskRequest
 
+from jetshard_worker.engines.figures import EngineFigures
 from jetshard_worker.runner_spec import RunnerSpec
 from jetshard_worker.text.output import ChoiceOutput, TaskOutput
 from jetshard_worker.text.toolcalls import ToolCallParsed
@@ -38,20 +39,6 @@ class Refused:
 
     message: str
     code: str
-
-
-class EngineFigures(Protocol):
-    """What the runner reports of an engine's work: the `ServingCounters` fields and how things stand now."""
-
-    tokens: int
-    max_rows: int
-    prefix_hits: int
-    prefix_hit_tokens: int
-    prefix_cache_entries: int
-    prefix_cache_bytes: int
-    batch_size: int
-    running_rows: int
-    queued_rows: int
 
 
 class RowEvents(Protocol):

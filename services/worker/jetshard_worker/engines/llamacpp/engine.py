@@ -9,11 +9,11 @@ import asyncio
 import json
 import logging
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import httpx
 from jetshard_schema.types import TaskOutcome
 
+from jetshard_worker.engines.figures import EngineFigures
 from jetshard_worker.engines.llamacpp.requests import Ending, LlamaRequest, Piece, ServerError, StreamState, parse_event
 from jetshard_worker.engines.llamacpp.server import LlamaServer, ServerDied, describe_exit
 from jetshard_worker.text.toolcalls import ToolCallParsed
@@ -31,22 +31,6 @@ class OutputFailed(Exception):
     """The runner failed to turn a streamed piece into output: the row's task fails (it never hangs)."""
 
 
-@dataclass
-class LlamaCppStats:
-    """The fields the runner reports (`ServingCounters`, `RunnerStats`), as the MLX engine's `EngineStats` names
-    them."""
-
-    tokens: int = 0
-    max_rows: int = 0
-    prefix_hits: int = 0
-    prefix_hit_tokens: int = 0
-    prefix_cache_entries: int = 0
-    prefix_cache_bytes: int = 0
-    batch_size: int = 0
-    running_rows: int = 0
-    queued_rows: int = 0
-
-
 class LlamaCppEngine:
     def __init__(
         self,
@@ -59,7 +43,7 @@ class LlamaCppEngine:
         on_failed: OnFailed,
     ) -> None:
         self.server = server
-        self.stats = LlamaCppStats()
+        self.stats = EngineFigures()
         self._client = httpx.AsyncClient(
             base_url=server.url, headers=server.headers, timeout=httpx.Timeout(None, connect=10.0)
         )

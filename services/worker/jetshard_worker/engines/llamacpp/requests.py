@@ -87,7 +87,7 @@ def chat_request(
     `template_takes_tools`: the model's chat template renders tools (llama-server's `chat_template_caps`); llama.cpp
     then parses the calls in the model's own format. A template without tools renders none, so the tools are
     described in the system message, as on MLX (`chat.with_tools_described`), a forced call is held to its schema
-    by llama.cpp's grammar, and the runner parses the calls (`tool_call_parsing`)."""
+    (`forced_call`) by llama.cpp's grammar, and the runner parses the calls (`call_splitter`)."""
     body: dict[str, Any] = {
         "messages": [_message(m) for m in request.messages],
         "stream": True,
@@ -103,9 +103,8 @@ def chat_request(
         specs = [tool_spec(tool) for tool in tools.functions]
         inline = [_message(m, calls_as_text=True) for m in request.messages]
         body["messages"] = with_tools_described(inline, specs)
-        forced, _ = tool_call_parsing(request, template_takes_tools)
-        if forced is not None:
-            body["json_schema"] = forced
+        if tools.choice is not ToolChoice.AUTO:
+            body["json_schema"] = forced_call_schema(specs, tools.function, tools.parallel)
     elif tools is not None and tools.functions and tools.choice is not ToolChoice.NONE:
         functions = tools.functions
         if tools.choice is ToolChoice.FUNCTION:
@@ -189,18 +188,30 @@ def _message(message: ChatMessage, calls_as_text: bool = False) -> dict[str, Any
     return out
 
 
-def tool_call_parsing(
-    request: TaskRequest, template_takes_tools: bool
-) -> tuple[dict[str, Any] | None, ToolCallSplitter | None]:
-    """How the runner parses this chat's calls itself: (the schema a forced call is held to, the splitter of an
-    `auto` choice's text). Neither where llama.cpp parses them (a template that takes tools) or there are none."""
+def _parsed_here(request: TaskRequest, template_takes_tools: bool) -> bool:
+    """Whether the runner parses the chat's calls itself: it has tools, and a template that renders none (where one
+    does, llama.cpp parses them)."""
     tools = request.tools
-    if template_takes_tools or tools is None or not tools.functions or tools.choice is ToolChoice.NONE:
-        return None, None
-    specs = [tool_spec(tool) for tool in tools.functions]
-    if tools.choice is not ToolChoice.AUTO:
-        return forced_call_schema(specs, tools.function, tools.parallel), None
-    return None, ToolCallSplitter(None, None, None, specs, tools.parallel)
+    return (
+        not template_takes_tools and tools is not None and bool(tools.functions) and tools.choice is not ToolChoice.NONE
+    )
+
+
+def forced_call(request: TaskRequest, template_takes_tools: bool) -> dict[str, Any] | None:
+    """The schema the runner's forced call is held to (`tool_choice` required or named), which `chat_request` sends
+    as the grammar; None where there is none to force or llama.cpp parses the calls."""
+    tools = request.tools
+    if tools is None or tools.choice is ToolChoice.AUTO or not _parsed_here(request, template_takes_tools):
+        return None
+    return forced_call_schema([tool_spec(tool) for tool in tools.functions], tools.function, tools.parallel)
+
+
+def call_splitter(request: TaskRequest, template_takes_tools: bool) -> ToolCallSplitter | None:
+    """A choice's own splitter of its text into content and calls, for tools in `auto` the runner parses."""
+    tools = request.tools
+    if tools is None or tools.choice is not ToolChoice.AUTO or not _parsed_here(request, template_takes_tools):
+        return None
+    return ToolCallSplitter(None, None, None, [tool_spec(tool) for tool in tools.functions], tools.parallel)
 
 
 _IMAGE_TYPES = {b"\x89PNG": "image/png", b"\xff\xd8\xff": "image/jpeg", b"GIF8": "image/gif", b"RIFF": "image/webp"}

@@ -136,11 +136,11 @@ class LlamaCppServing(LlamaCppEngine):
             )
         resolved = resolve_sampling(request.sampling, self._model_generation, self._card_generation)
         seed = request.sampling.seed
-        max_tokens, takes_tools, window = (
-            min(resolved.max_tokens, self._context_length),
-            self._template_takes_tools,
-            self._context_length,
-        )
+        max_tokens, window = min(resolved.max_tokens, self._context_length), self._context_length
+        forced = llama_requests.forced_call(request, self._template_takes_tools)
+        schema = forced if forced is not None else request.output_schema
+        # A constrained document (a schema's, a forced call's) must not be cut by a stop string: it closes itself.
+        stop = () if schema is not None else request.sampling.stop
         rows: list[LlamaRequest | EmbeddingRow] = []
         choices = []
         for i in range(request.n):
@@ -156,7 +156,7 @@ class LlamaCppServing(LlamaCppEngine):
                         max_tokens=max_tokens,
                         seed=choice_seed,
                         window=window,
-                        template_takes_tools=takes_tools,
+                        template_takes_tools=self._template_takes_tools,
                     )
                 )
             else:
@@ -167,18 +167,14 @@ class LlamaCppServing(LlamaCppEngine):
                         resolved,
                         max_tokens=max_tokens,
                         seed=choice_seed,
-                        window=self._context_length,
+                        window=window,
                     )
                 )
-            forced, splitter = llama_requests.tool_call_parsing(request, takes_tools)
-            schema = forced if forced is not None else request.output_schema
-            # A constrained document (a schema's, a forced call's) must not be cut by a stop string: it closes itself.
-            stop = () if schema is not None else request.sampling.stop
             choices.append(
                 ChoiceOutput(
                     detokenizer=None,
                     stop=StopText(stop),
-                    splitter=splitter,
+                    splitter=llama_requests.call_splitter(request, self._template_takes_tools),
                     forced_calls=forced is not None,
                     grammar_schema=schema,
                 )

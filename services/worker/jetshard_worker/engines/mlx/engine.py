@@ -38,6 +38,7 @@ import mlx.core as mx
 import numpy as np
 from jetshard_schema.types import TaskOutcome
 
+from jetshard_worker.engines.figures import EngineFigures
 from jetshard_worker.library_boundary import can_trim_prompt_cache
 from jetshard_worker.ring_hostfile import ring_listen_port
 
@@ -278,25 +279,15 @@ def _smoothed(previous: float | None, sample: float) -> float:
 
 
 @dataclass
-class EngineStats:
-    """What the engine did since it started; the runner reports the fields `ServingCounters` names."""
+class EngineStats(EngineFigures):
+    """What the engine did since it started: the figures the runner reports, and the pipeline's own."""
 
     steps: int = 0  # forward passes this rank ran (prefill chunks and decode steps)
-    tokens: int = 0  # tokens sampled (leader only)
-    max_rows: int = 0  # the most tasks decoding at once
     max_prefill_rows: int = 0  # the most prompts prefilled together
     max_micro_batches: int = 0  # the most micro-batches under way around the ring at once
-    prefix_hits: int = 0  # tasks whose prompt started from a saved prefix
-    prefix_hit_tokens: int = 0  # prompt tokens those tasks did not prefill
-    prefix_cache_entries: int = 0  # saved prefix caches
-    prefix_cache_bytes: int = 0  # their size, for the whole model
     # What the previous rank's hidden states came as: names, plain data like every field here (mlx's dtypes cannot
     # even be deep-copied).
     arrived_dtypes: set[str] = field(default_factory=set)
-    # How things stand now (leader only): rows in the current decode step, decoding or prefilling, waiting.
-    batch_size: int = 0
-    running_rows: int = 0
-    queued_rows: int = 0
 
 
 # Messages from the caller's threads to the leader's loop, which alone touches the queue and the caches.
