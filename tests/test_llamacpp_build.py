@@ -392,3 +392,30 @@ async def test_a_worker_serves_on_mlx_while_it_readies_llama_cpp_then_reports_it
     finally:
         await follower.stop()
         await client.close()
+
+
+def test_a_build_under_way_shows_how_far_it_has_got_to_engines_and_up(tmp_path: Path) -> None:
+    """While the worker compiles llama.cpp in the background, `jetshard engines` and `jetshard up` say so and how far
+    it got (its log's last step), instead of offering to compile it again; a build nobody runs any more (a killed one's
+    leftover `.partial`) is no build under way."""
+    import fcntl
+
+    from jetshard.commands.engines import llama_cpp_hint
+
+    environ = {"JETSHARD_LLAMA_CPP_CACHE": str(tmp_path)}
+    key = "llama-cpp-python-0.3.36-gcc-12.2.0-x86_64-all"
+    (tmp_path / f"{key}.partial").mkdir()
+    (tmp_path / f"{key}.log").write_text(
+        "-- Configuring done\n[ 12%] Building C object a.o\n[ 43%] Building CXX object b.o\n"
+    )
+    assert llamacpp_build.builds_under_way(environ) == []  # left by a killed build: its lock is free
+    with open(tmp_path / f"{key}.lock", "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # as the building process holds it
+        (under_way,) = llamacpp_build.builds_under_way(environ)
+        assert under_way.key == key and under_way.progress is not None and under_way.progress.percent == 43
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setenv("JETSHARD_LLAMA_CPP_CACHE", str(tmp_path))
+            listed = CliRunner().invoke(main, ["engines"], terminal_width=200)
+            hint = llama_cpp_hint(build_allowed=True)
+        assert listed.exit_code == 0 and "compile 43%" in listed.output, listed.output
+        assert hint is not None and "compiling in the background (compile 43%" in hint

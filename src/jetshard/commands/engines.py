@@ -20,7 +20,7 @@ LLAMA_CPP = "llama.cpp"
 
 def engines_status() -> list[dict[str, Any]]:
     """Each engine with whether it is ready here, and for llama.cpp each cached build and its probe on this CPU."""
-    from jetshard_worker.engines.llamacpp.build import cache_root, cached_builds
+    from jetshard_worker.engines.llamacpp.build import builds_under_way, cache_root, cached_builds
     from jetshard_worker.engines.llamacpp.probe import passed_here, ready_build
 
     mlx = {"engine": "mlx", "ready": True, "detail": f"mlx {importlib.metadata.version('mlx')} (Python package)"}
@@ -36,6 +36,7 @@ def engines_status() -> list[dict[str, Any]]:
         }
         for build in cached_builds()
     ]
+    llama_cpp["compiling"] = [msgspec.to_builtins(build) for build in builds_under_way()]
     if ready is not None:
         llama_cpp["llama_server"] = str(ready.llama_server)
         llama_cpp["variant"] = ready.probe.variant
@@ -55,6 +56,8 @@ def engines_table(status: list[dict[str, Any]]) -> Table:
         if engine["ready"]:
             lines = [engine["llama_server"], f"CPU variant: {engine['variant']}"]
             lines.append("dropped: " + (", ".join(engine["dropped"]) or "none"))
+        elif engine["compiling"]:
+            lines = [f"compiling {build['key']}: {progress_text(build['progress'])}" for build in engine["compiling"]]
         elif engine["builds"]:
             lines = [
                 f"{b['path']}: not yet probed on this CPU; "
@@ -65,6 +68,36 @@ def engines_table(status: list[dict[str, Any]]) -> Table:
             lines = [f"not built (cache: {engine['cache']}): `jetshard engines build llama.cpp` compiles it"]
         table.add_row(LLAMA_CPP, "yes" if engine["ready"] else "no", "\n".join(lines))
     return table
+
+
+def progress_text(progress: dict[str, Any] | None) -> str:
+    """A build's last step as a person reads it: `compile 43%`."""
+    if progress is None:
+        return "starting"
+    percent = progress.get("percent")
+    return f"{progress['phase']} {percent:.0f}%" if percent is not None else str(progress["phase"])
+
+
+def llama_cpp_hint(build_allowed: bool) -> str | None:
+    """What `jetshard up` says of llama.cpp on a machine that cannot run it yet (`build_allowed`: its worker compiles
+    one in the background); None where it can."""
+    from jetshard_worker.engines.llamacpp.build import BuildError, find_toolchain
+
+    status = engines_status()[1]
+    if status["ready"]:
+        return None
+    if not build_allowed:
+        return "llama.cpp is not built on this machine, so MLX serves: `jetshard engines build llama.cpp` compiles it"
+    try:
+        find_toolchain()
+    except BuildError as error:
+        return f"llama.cpp cannot be built here, so MLX serves: {error}"
+    how_far = progress_text(status["compiling"][0]["progress"]) if status["compiling"] else "starting"
+    return (
+        f"llama.cpp is compiling in the background ({how_far}; about 12 minutes on a 2-core machine, once; "
+        "`jetshard engines` shows how far): MLX serves meanwhile, and the model moves to llama.cpp once it is built "
+        "and idle"
+    )
 
 
 @click.group(context_settings=COMMAND_CONTEXT, invoke_without_command=True)

@@ -20,6 +20,7 @@ from jetshard_schema.catalogue import DEMO_MODEL_ID
 from rich.console import Console
 
 from jetshard.clusterfile import data_dir, remove_cluster_file, write_cluster_file
+from jetshard.commands.engines import llama_cpp_hint
 from jetshard.commands.services import api_serving_flags_passed_on
 from jetshard.lan.options import LanChoice, lan_options
 from jetshard.lan.servers import LanServers
@@ -151,6 +152,10 @@ def up(
         if not no_model:
             headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
             place_and_wait(console, api_url, model, services.worker_session, tend, headers)
+        # The worker's own flag, read as click reads it there.
+        build_allowed = click.BOOL.convert(os.environ.get("JETSHARD_BUILD_LLAMA_CPP", "1"), None, None)
+        if (llama_cpp := llama_cpp_hint(build_allowed)) is not None:
+            console.print(f"[yellow]{llama_cpp}[/]", soft_wrap=True)
         console.print("Press Ctrl-C to stop.")
         while tend():
             time.sleep(0.2)

@@ -302,6 +302,47 @@ def locked(lock_path: Path) -> Iterator[None]:
             fcntl.flock(lock, fcntl.LOCK_UN)
 
 
+class BuildUnderWay(msgspec.Struct, frozen=True):
+    """A build another process is compiling now (its `<key>.partial` exists and its lock is held)."""
+
+    key: str
+    progress: Progress | None
+    """How far it has got, by the last step its log names."""
+
+
+def builds_under_way(environ: Mapping[str, str] = os.environ) -> list[BuildUnderWay]:
+    """The builds being compiled now, by any process on this machine (the worker's background build, a `jetshard
+    engines build`), each with its progress: what `jetshard engines` and `jetshard up` show while one runs."""
+    root = cache_root(environ)
+    return [
+        BuildUnderWay(key, _last_progress(root / f"{key}.log"))
+        for partial in sorted(root.glob("*.partial"))
+        if _held(root / f"{(key := partial.name.removesuffix('.partial'))}.lock")
+    ]
+
+
+def _held(lock_path: Path) -> bool:
+    try:
+        with open(lock_path, "a") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            fcntl.flock(lock, fcntl.LOCK_UN)
+    except BlockingIOError:
+        return True
+    except OSError:
+        return False
+    return False
+
+
+def _last_progress(log_path: Path, tail_bytes: int = 16384) -> Progress | None:
+    try:
+        with open(log_path, "rb") as log:
+            log.seek(max(0, log.seek(0, os.SEEK_END) - tail_bytes))
+            lines = log.read().decode(errors="replace").splitlines()
+    except OSError:
+        return None
+    return next((p for line in reversed(lines) if (p := parse_progress(line)) is not None), None)
+
+
 def read_build(root: Path) -> LlamaCppBuild | None:
     """The complete build at `root`, or None."""
     try:
