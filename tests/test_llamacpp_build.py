@@ -7,6 +7,7 @@ from __future__ import annotations
 import functools
 import http.server
 import json
+import platform
 import shutil
 import signal
 import subprocess
@@ -419,3 +420,38 @@ def test_a_build_under_way_shows_how_far_it_has_got_to_engines_and_up(tmp_path: 
             hint = llama_cpp_hint(build_allowed=True)
         assert listed.exit_code == 0 and "compile 43%" in listed.output, listed.output
         assert hint is not None and "compiling in the background (compile 43%" in hint
+
+
+FAKE_TREE_CMAKE = """cmake_minimum_required(VERSION 3.16)
+project(stand_in NONE)
+file(MAKE_DIRECTORY ${CMAKE_BINARY_DIR}/bin)
+foreach(name llama-server ggml-rpc-server llama-quantize)
+  add_custom_target(${name} ALL COMMAND ${CMAKE_COMMAND} -E touch ${CMAKE_BINARY_DIR}/bin/${name})
+endforeach()
+"""
+
+
+def test_a_build_stopped_part_way_goes_on_from_its_tree_and_one_that_fails_again_starts_afresh(tmp_path: Path) -> None:
+    """`jetshard up` stopped while its worker compiles: the next build resumes from the checked, extracted tree (no
+    download, objects kept); a resumed build that fails leaves nothing, so the one after starts clean. A stand-in
+    CMake project takes llama.cpp's place (compiling it takes minutes)."""
+    environ = {"JETSHARD_LLAMA_CPP_CACHE": str(tmp_path / "cache"), "JETSHARD_LLAMA_CPP_SDIST": str(tmp_path / "none")}
+    key = build_key(LLAMA_CPP_PYTHON_VERSION, find_toolchain().compiler, platform.machine().lower(), CpuVariants.AVX2)
+    partial = tmp_path / "cache" / f"{key}.partial"
+    tree = partial / "src" / "llama.cpp"
+    tree.mkdir(parents=True)
+    (tree / "CMakeLists.txt").write_text(FAKE_TREE_CMAKE)
+    (partial / "build").mkdir()
+    (partial / llamacpp_build.EXTRACTED_MARK).write_text(str(tree))
+    (tmp_path / "cache" / f"{key}.log").write_text("[ 40%] Building CXX object before-the-stop.o\n")
+    done = llamacpp_build.build(CpuVariants.AVX2, environ=environ)  # no sdist anywhere: it must not fetch one
+    assert {p.name for p in done.bin_dir.iterdir()} >= {"llama-server", "ggml-rpc-server", "llama-quantize"}
+    assert not partial.exists()
+    assert "before-the-stop.o" in (tmp_path / "cache" / f"{key}.log").read_text()  # one log across both runs
+    shutil.rmtree(done.root)
+    tree.mkdir(parents=True)
+    (tree / "CMakeLists.txt").write_text('cmake_minimum_required(VERSION 3.16)\\nmessage(FATAL_ERROR "broken")\\n')
+    (partial / llamacpp_build.EXTRACTED_MARK).write_text(str(tree))
+    with pytest.raises(BuildError):
+        llamacpp_build.build(CpuVariants.AVX2, environ=environ)
+    assert not partial.exists()

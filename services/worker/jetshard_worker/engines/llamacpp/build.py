@@ -51,6 +51,8 @@ RPC_SERVER = "ggml-rpc-server"
 LLAMA_QUANTIZE = "llama-quantize"
 TARGETS = (LLAMA_SERVER, RPC_SERVER, LLAMA_QUANTIZE)
 BUILD_RECORD = "build.json"
+EXTRACTED_MARK = "extracted"
+"""In `<key>.partial`: the path of the checked sdist's extracted tree, written once it is whole."""
 
 _DOWNLOAD_CHUNK_BYTES = 1 << 20
 
@@ -378,7 +380,10 @@ def build(
 ) -> LlamaCppBuild:
     """The build for `variants` with this machine's compiler: from the cache, else compiled now (minutes to tens
     of minutes). Compiled into `<key>.partial` and renamed into place when complete, so a killed build leaves no
-    half a cache; a lock keeps two builds of one key from running at once."""
+    half a cache; a lock keeps two builds of one key from running at once. A build stopped part way (`jetshard up`
+    stopped while its worker compiled) goes on where it stopped the next time: its checked, extracted tree and its
+    compiled objects stay in `<key>.partial` (ninja recompiles what it had not finished); a resumed build that
+    fails is started afresh the time after."""
     machine = platform.machine().lower()
     if variants is CpuVariants.AVX2 and not is_x86(machine):
         raise BuildError(f"--cpu-variants avx2 is for x86 machines; this one is {machine}: use all")
@@ -391,18 +396,24 @@ def build(
             return done
         shutil.rmtree(target, ignore_errors=True)  # a directory without its record is not a build
         partial = root / f"{key}.partial"
-        shutil.rmtree(partial, ignore_errors=True)  # left by a build that was killed: the lock says none runs now
-        partial.mkdir(parents=True)
+        extracted = partial / EXTRACTED_MARK
+        resumed = extracted.is_file()  # left by a build that stopped: the lock says none runs now
         started = time.monotonic()
         try:
-            sdist = _sdist(partial, on_progress, environ)
-            on_progress(Progress(Phase.EXTRACT, detail=str(sdist)))
-            tree = _extract_tree(sdist, partial / "src")
+            if resumed:
+                tree = Path(extracted.read_text())
+            else:
+                shutil.rmtree(partial, ignore_errors=True)
+                partial.mkdir(parents=True)
+                sdist = _sdist(partial, on_progress, environ)
+                on_progress(Progress(Phase.EXTRACT, detail=str(sdist)))
+                tree = _extract_tree(sdist, partial / "src")
+                extracted.write_text(str(tree))
             build_dir = partial / "build"
             args = cmake_configure_args(tree, build_dir, variants, platform.system(), toolchain.ninja)
             args += [f"-DCMAKE_C_COMPILER={toolchain.c_compiler}", f"-DCMAKE_CXX_COMPILER={toolchain.cxx_compiler}"]
             log_path = root / f"{key}.log"
-            with open(log_path, "w") as log:
+            with open(log_path, "a" if resumed else "w") as log:
                 on_progress(Progress(Phase.CONFIGURE, detail=" ".join(["cmake", *args])))
                 _run([toolchain.cmake, *args], log, log_path, on_progress)
                 jobs = str(os.cpu_count() or 1)
@@ -425,8 +436,11 @@ def build(
             )
             (out / BUILD_RECORD).write_bytes(msgspec.json.format(msgspec.json.encode(record)))
             out.rename(target)
-        finally:
-            shutil.rmtree(partial, ignore_errors=True)
+        except BaseException:
+            if resumed:  # what was left may be what fails: the next build starts afresh
+                shutil.rmtree(partial, ignore_errors=True)
+            raise
+        shutil.rmtree(partial, ignore_errors=True)
     result = read_build(target)
     assert result is not None, f"{target} was just built"
     return result
