@@ -315,24 +315,21 @@ def place(
     if min_nodes < 1:
         raise InvalidPlacement("min_nodes must be at least 1")
     named = node_ids is not None
-    if serving.engine is not None:
-        refusal = _engine_refusal(serving.engine, card, chosen, named, min_nodes, serving)
+    engines = [serving.engine] if serving.engine is not None else _engines_by_speed(chosen)
+    refusals: list[PlacementError] = []
+    no_room: list[PlacementError] = []
+    for engine in engines:
+        refusal = _engine_refusal(engine, card, chosen, named, min_nodes, serving)
         if refusal is not None:
-            raise refusal
-        return _place_with(serving.engine, card, chosen, named, min_nodes, serving)
-    by_speed = _engines_by_speed(chosen)
-    refusals = {engine: _engine_refusal(engine, card, chosen, named, min_nodes, serving) for engine in by_speed}
-    candidates = [engine for engine in by_speed if refusals[engine] is None]
-    if not candidates:
-        raise next(refusal for refusal in refusals.values() if refusal is not None)  # the fastest engine's
-    first_error: PlacementError | None = None
-    for engine in candidates:
+            refusals.append(refusal)
+            continue
         try:
             return _place_with(engine, card, chosen, named, min_nodes, serving)
         except PlacementError as error:
-            first_error = first_error or error  # the fastest engine's reason is the one to act on
-    assert first_error is not None
-    raise first_error
+            no_room.append(error)
+    # The reason to act on: that of the fastest engine that could serve the model as asked but did not fit it,
+    # else the fastest engine's refusal.
+    raise (no_room or refusals)[0]
 
 
 def _engines_by_speed(nodes: Sequence[Node]) -> list[Engine]:
