@@ -632,11 +632,10 @@ def place_in(
     return place(card, [_less_pending(node, pending[node.node_id]) for node in usable], node_ids, min_nodes, serving)
 
 
-def faster_placement(state: State, instance: Instance, card: ModelCard) -> Placement | None:
-    """Where `instance` would move now that its nodes run an engine they did not (llama.cpp, once built): its
-    placement as asked (`Instance.requested`), on its own nodes, were it not there. None when placement chose
-    its engine and would choose the same again, when the request named the engine, or when the faster engine
-    cannot take it (a multi-node instance on llama.cpp, too little memory)."""
+def faster_engine(state: State, instance: Instance, card: ModelCard) -> Engine | None:
+    """The engine `instance` would move to: the fastest one every node of its own runs now, when placement chose
+    its engine, that is another, and it can serve the instance as asked there, memory aside. Cheap (no
+    placement): it runs at every task's end, to find the instances worth placing again (`faster_placement`)."""
     if not instance.engine_chosen or instance.requested is None:
         return None
     nodes = [state.nodes[s.node_id] for s in instance.shards if s.node_id in state.nodes]
@@ -645,8 +644,21 @@ def faster_placement(state: State, instance: Instance, card: ModelCard) -> Place
     fastest = _engines_by_speed(nodes)[0]
     if fastest is instance.engine or any(fastest not in n.profile.engines for n in nodes):
         return None
+    if _engine_refusal(fastest, card, nodes, True, 1, instance.requested) is not None:
+        return None  # an instance over several nodes, for llama.cpp
+    return fastest
+
+
+def faster_placement(state: State, instance: Instance, card: ModelCard) -> Placement | None:
+    """Where `instance` would move now that its nodes run an engine they did not (llama.cpp, once built): its
+    placement as asked (`Instance.requested`), on its own nodes, were it not there. None when placement chose
+    its engine and would choose the same again, when the request named the engine, or when the faster engine
+    cannot take it (a multi-node instance on llama.cpp, too little memory)."""
+    if faster_engine(state, instance, card) is None or instance.requested is None:
+        return None
+    node_ids = [s.node_id for s in instance.shards]
     try:
-        placement = place_in(_without(state, instance), card, [n.node_id for n in nodes], serving=instance.requested)
+        placement = place_in(_without(state, instance), card, node_ids, serving=instance.requested)
     except PlacementError:
         return None
     return placement if placement.serving.engine is not instance.engine else None
