@@ -229,9 +229,11 @@ def _try_place(state: State, lost: Instance, ctx: Context) -> events.InstancePla
         return None
     try:
         # The lost instance's settings are already resolved: its replacement keeps the same weights dtype, and a
-        # tensor-parallel one as many ranks (its slices are that many).
-        tensor = lost.serving.parallelism is Parallelism.TENSOR
-        placement = place_in(state, card, min_nodes=len(lost.shards) if tensor else 1, serving=lost.serving)
+        # tensor-parallel one as many ranks (its slices are that many). Not the engine placement chose: the nodes
+        # left may not run it.
+        serving = replace(lost.serving, engine=None) if lost.engine_chosen else lost.serving
+        tensor = serving.parallelism is Parallelism.TENSOR
+        placement = place_in(state, card, min_nodes=len(lost.shards) if tensor else 1, serving=serving)
     except PlacementError:
         return None
     return _placed_event(_replacement_id(ctx, lost), lost, placement)
