@@ -19,6 +19,7 @@ from jetshard_schema.commands import (
     DeleteDownload,
     DeleteInstance,
     ExpireNode,
+    ExpireRequester,
     PlaceInstance,
     ReportDownloadProgress,
     ReportNodeProfile,
@@ -858,3 +859,39 @@ def test_an_idle_instance_moves_as_soon_as_its_node_reports_llama_cpp(cluster: I
     assert isinstance(events[2], InstancePlaced) and events[2].serving.engine is Engine.LLAMA_CPP
     # Redelivered, the same command changes nothing more.
     assert cluster.run(ReportNodeProfile(node_id=A, session_id="s1", profile=with_llama_cpp())) == []
+
+
+def test_an_instance_moves_once_the_last_of_the_tasks_ending_together_ends(cluster: InMemoryCluster) -> None:
+    """An API that went away takes its tasks with it, several on one instance: the instance waits for the last
+    one, and another API's task keeps it where it is."""
+    cluster.join(A)
+    cluster.run(AddCustomModelCard(card=GGUF_CARD))
+    cluster.run(PlaceInstance(instance_id=InstanceId("auto"), model_id=GGUF_MODEL))
+    cluster.make_ready(InstanceId("auto"))
+    for task_id, requester in (("t1", "api-1"), ("t2", "api-1"), ("t3", "api-2")):
+        ref = TaskRef(task_id=TaskId(task_id), model_id=GGUF_MODEL, kind=TaskKind.CHAT, requester=requester)
+        assert isinstance(cluster.run(SubmitTask(task=ref))[0], TaskAssigned)
+    assert cluster.run(ReportNodeProfile(node_id=A, session_id="s1", profile=with_llama_cpp())) == [
+        NodeUpdated(node_id=A, profile=with_llama_cpp())
+    ]
+    assert [type(e) for e in cluster.run(ExpireRequester(session_id="api-1"))] == [TaskCancelled, TaskCancelled]
+    moved = cluster.run(ExpireRequester(session_id="api-2"))
+    assert [type(e) for e in moved] == [TaskCancelled, InstanceDeleted, InstancePlaced]
+    assert isinstance(moved[2], InstancePlaced) and moved[2].serving.engine is Engine.LLAMA_CPP
+
+
+def test_an_instance_whose_engine_placement_chose_is_replaced_on_another_engine_when_its_node_is_lost(
+    cluster: InMemoryCluster,
+) -> None:
+    """Lost with its node, an instance placement put on llama.cpp comes back on MLX where no node left runs
+    llama.cpp: the request left the engine open."""
+    cluster.run(ReportNodeProfile(node_id=A, session_id="s1", profile=with_llama_cpp(32)))
+    cluster.join(B, 16)
+    cluster.run(AddCustomModelCard(card=GGUF_CARD))
+    [placed] = cluster.run(PlaceInstance(instance_id=InstanceId("auto"), model_id=GGUF_MODEL))
+    assert isinstance(placed, InstancePlaced) and placed.serving.engine is Engine.LLAMA_CPP
+    events = cluster.run(ExpireNode(node_id=A, session_id="s1"))
+    assert [type(e) for e in events] == [NodeLost, InstanceDeleted, InstancePlaced]
+    replacement = cluster.state.instances[events[2].instance_id]  # type: ignore[attr-defined]
+    assert replacement.engine is Engine.MLX and replacement.engine_chosen
+    assert [s.node_id for s in replacement.shards] == [B]

@@ -315,24 +315,21 @@ def place(
     if min_nodes < 1:
         raise InvalidPlacement("min_nodes must be at least 1")
     named = node_ids is not None
-    if serving.engine is not None:
-        refusal = _engine_refusal(serving.engine, card, chosen, named, min_nodes, serving)
+    engines = [serving.engine] if serving.engine is not None else _engines_by_speed(chosen)
+    refusals: list[PlacementError] = []
+    no_room: list[PlacementError] = []
+    for engine in engines:
+        refusal = _engine_refusal(engine, card, chosen, named, min_nodes, serving)
         if refusal is not None:
-            raise refusal
-        return _place_with(serving.engine, card, chosen, named, min_nodes, serving)
-    by_speed = _engines_by_speed(chosen)
-    refusals = {engine: _engine_refusal(engine, card, chosen, named, min_nodes, serving) for engine in by_speed}
-    candidates = [engine for engine in by_speed if refusals[engine] is None]
-    if not candidates:
-        raise next(refusal for refusal in refusals.values() if refusal is not None)  # the fastest engine's
-    first_error: PlacementError | None = None
-    for engine in candidates:
+            refusals.append(refusal)
+            continue
         try:
             return _place_with(engine, card, chosen, named, min_nodes, serving)
         except PlacementError as error:
-            first_error = first_error or error  # the fastest engine's reason is the one to act on
-    assert first_error is not None
-    raise first_error
+            no_room.append(error)
+    # The reason to act on: that of the fastest engine that could serve the model as asked but did not fit it,
+    # else the fastest engine's refusal.
+    raise (no_room or refusals)[0]
 
 
 def _engines_by_speed(nodes: Sequence[Node]) -> list[Engine]:
@@ -635,11 +632,10 @@ def place_in(
     return place(card, [_less_pending(node, pending[node.node_id]) for node in usable], node_ids, min_nodes, serving)
 
 
-def faster_placement(state: State, instance: Instance, card: ModelCard) -> Placement | None:
-    """Where `instance` would move now that its nodes run an engine they did not (llama.cpp, once built): its
-    placement as asked (`Instance.requested`), on its own nodes, were it not there. None when placement chose
-    its engine and would choose the same again, when the request named the engine, or when the faster engine
-    cannot take it (a multi-node instance on llama.cpp, too little memory)."""
+def faster_engine(state: State, instance: Instance, card: ModelCard) -> Engine | None:
+    """The engine `instance` would move to: the fastest one every node of its own runs now, when placement chose
+    its engine, that is another, and it can serve the instance as asked there, memory aside. Cheap (no
+    placement): it runs at every task's end, to find the instances worth placing again (`faster_placement`)."""
     if not instance.engine_chosen or instance.requested is None:
         return None
     nodes = [state.nodes[s.node_id] for s in instance.shards if s.node_id in state.nodes]
@@ -648,8 +644,21 @@ def faster_placement(state: State, instance: Instance, card: ModelCard) -> Place
     fastest = _engines_by_speed(nodes)[0]
     if fastest is instance.engine or any(fastest not in n.profile.engines for n in nodes):
         return None
+    if _engine_refusal(fastest, card, nodes, True, 1, instance.requested) is not None:
+        return None  # an instance over several nodes, for llama.cpp
+    return fastest
+
+
+def faster_placement(state: State, instance: Instance, card: ModelCard) -> Placement | None:
+    """Where `instance` would move now that its nodes run an engine they did not (llama.cpp, once built): its
+    placement as asked (`Instance.requested`), on its own nodes, were it not there. None when placement chose
+    its engine and would choose the same again, when the request named the engine, or when the faster engine
+    cannot take it (a multi-node instance on llama.cpp, too little memory)."""
+    if faster_engine(state, instance, card) is None or instance.requested is None:
+        return None
+    node_ids = [s.node_id for s in instance.shards]
     try:
-        placement = place_in(_without(state, instance), card, [n.node_id for n in nodes], serving=instance.requested)
+        placement = place_in(_without(state, instance), card, node_ids, serving=instance.requested)
     except PlacementError:
         return None
     return placement if placement.serving.engine is not instance.engine else None

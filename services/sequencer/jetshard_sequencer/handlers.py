@@ -7,7 +7,7 @@ on. The same inputs always give the same events, so a command redelivered after 
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import PurePosixPath
 from typing import Any
 
@@ -26,6 +26,7 @@ from jetshard_schema.placement import (
     NotEnoughNodes,
     Placement,
     PlacementError,
+    faster_engine,
     faster_placement,
     place_in,
 )
@@ -174,6 +175,12 @@ def _engine_moves(state: State, instance_ids: list[InstanceId], ctx: Context) ->
     return emitted
 
 
+def _may_move(state: State, instance_id: InstanceId) -> bool:
+    instance = state.instances.get(instance_id)
+    card = find_card(state, instance.model_id) if instance is not None else None
+    return instance is not None and card is not None and faster_engine(state, instance, card) is not None
+
+
 def _replacement_id(ctx: Context, replaced: Instance) -> InstanceId:
     digest = hashlib.sha256(f"{ctx.command_id}/{replaced.instance_id}".encode()).hexdigest()[:12]
     return InstanceId(f"inst-{digest}")
@@ -222,9 +229,11 @@ def _try_place(state: State, lost: Instance, ctx: Context) -> events.InstancePla
         return None
     try:
         # The lost instance's settings are already resolved: its replacement keeps the same weights dtype, and a
-        # tensor-parallel one as many ranks (its slices are that many).
-        tensor = lost.serving.parallelism is Parallelism.TENSOR
-        placement = place_in(state, card, min_nodes=len(lost.shards) if tensor else 1, serving=lost.serving)
+        # tensor-parallel one as many ranks (its slices are that many). Not the engine placement chose: the nodes
+        # left may not run it.
+        serving = replace(lost.serving, engine=None) if lost.engine_chosen else lost.serving
+        tensor = serving.parallelism is Parallelism.TENSOR
+        placement = place_in(state, card, min_nodes=len(lost.shards) if tensor else 1, serving=serving)
     except PlacementError:
         return None
     return _placed_event(_replacement_id(ctx, lost), lost, placement)
@@ -636,26 +645,33 @@ def _submit_task(state: State, command: commands.SubmitTask, ctx: Context) -> li
 
 def _expire_requester(state: State, command: commands.ExpireRequester, ctx: Context) -> list[events.Event]:
     reason = f"its requester (API session {command.session_id}) is gone: nobody reads its output"
-    orphans = sorted(
-        (task_id, task) for task_id, task in state.tasks.items() if task.ref.requester == command.session_id
-    )
-    cancelled: list[events.Event] = [events.TaskCancelled(task_id=task_id, reason=reason) for task_id, _ in orphans]
-    return _then_idle_moves(state, cancelled, sorted({task.instance_id for _, task in orphans}), ctx)
+    orphans = sorted(task_id for task_id, task in state.tasks.items() if task.ref.requester == command.session_id)
+    return _then_idle_moves(state, [events.TaskCancelled(task_id=task_id, reason=reason) for task_id in orphans], ctx)
 
 
 def _cancel_task(state: State, command: commands.CancelTask, ctx: Context) -> list[events.Event]:
     task = state.tasks.get(command.task_id)
     if task is None:
         return []  # already finished: nothing left to cancel
-    cancelled: list[events.Event] = [events.TaskCancelled(task_id=command.task_id, reason=command.reason)]
-    return _then_idle_moves(state, cancelled, [task.instance_id], ctx)
+    return _then_idle_moves(state, [events.TaskCancelled(task_id=command.task_id, reason=command.reason)], ctx)
 
 
 def _then_idle_moves(
-    state: State, ending: list[events.Event], instance_ids: list[InstanceId], ctx: Context
+    state: State, ending: Sequence[events.TaskFinished | events.TaskCancelled], ctx: Context
 ) -> list[events.Event]:
-    """`ending` (tasks that end), then the moves to a faster engine that waited for those instances to be idle."""
-    return ending + _engine_moves(_applied(state, ending), instance_ids, ctx)
+    """`ending` (tasks that end), then the moves to a faster engine that waited for their instances to be idle.
+    This runs at every task's end: State is folded ahead of the sequencer only for an instance that moves now
+    (idle once these tasks end, with a faster engine to move to), so that an ordinary end costs no second fold."""
+    ended = {event.task_id for event in ending}
+    moving = [
+        instance_id
+        for instance_id in sorted({state.tasks[task_id].instance_id for task_id in ended})
+        if _may_move(state, instance_id)
+        and not any(t.instance_id == instance_id and t.task_id not in ended for t in state.tasks.values())
+    ]
+    if not moving:
+        return list(ending)
+    return [*ending, *_engine_moves(_applied(state, list(ending)), moving, ctx)]
 
 
 def _not_the_leader(
@@ -684,17 +700,15 @@ def _report_task_finished(state: State, command: commands.ReportTaskFinished, ct
         return []
     if refused := _not_the_leader(state, command):
         return refused
-    finished: list[events.Event] = [
-        events.TaskFinished(
-            task_id=command.task_id,
-            outcome=command.outcome,
-            usage=command.usage,
-            error=command.error,
-            last_chunk_index=command.last_chunk_index,
-            at_ms=ctx.now_ms,
-        )
-    ]
-    return _then_idle_moves(state, finished, [state.tasks[command.task_id].instance_id], ctx)
+    finished = events.TaskFinished(
+        task_id=command.task_id,
+        outcome=command.outcome,
+        usage=command.usage,
+        error=command.error,
+        last_chunk_index=command.last_chunk_index,
+        at_ms=ctx.now_ms,
+    )
+    return _then_idle_moves(state, [finished], ctx)
 
 
 _HANDLERS: dict[type, Callable[[State, Any, Context], list[events.Event]]] = {
