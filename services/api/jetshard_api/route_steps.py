@@ -204,12 +204,14 @@ async def ensure_placed(cluster: Cluster, model_id: ModelId, settings: Inference
 async def wait_ready(
     cluster: Cluster, model_id: ModelId, coming: frozenset[InstanceId], settings: InferenceSettings
 ) -> None:
-    """Until an instance of `model_id` is ready; 503 as soon as every instance in `coming` failed or left."""
+    """Until an instance of `model_id` is ready; 503 as soon as every instance in `coming` failed or left and none
+    took its place (the sequencer replaces an instance in the command that removes it: one moved to a faster
+    engine, one whose node was lost)."""
 
     def ready_or_hopeless(s: State) -> bool:
         if ready_instances(s, model_id):
             return True
-        return all(i not in s.instances or s.instances[i].failed for i in coming)
+        return not any(i.model_id == model_id and not i.failed for i in s.instances.values())
 
     try:
         state = await cluster.follower.wait_until(ready_or_hopeless, settings.ready_timeout_s)

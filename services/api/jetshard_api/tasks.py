@@ -25,7 +25,7 @@ from jetshard_schema.events import TaskAssigned, TaskFinished
 from jetshard_schema.ids import InstanceId, NodeId
 from jetshard_schema.state import State, ready_instances
 from jetshard_schema.subjects import chunk_sender, task_chunks
-from jetshard_schema.types import Chunk, TaskOutcome, TaskRequest, Usage
+from jetshard_schema.types import Chunk, RejectCode, TaskOutcome, TaskRequest, Usage
 from litestar.types import Receive
 
 from jetshard_api.answers import Answer, Choice
@@ -118,7 +118,16 @@ class ChunkStream:
         self._submitted_at = time.monotonic()
         start_within_ms = int(self._settings.start_timeout_s * 1000)
         task = self._cluster.task_ref(self._request)
-        events = await self._cluster.submit(SubmitTask(task=task, start_within_ms=start_within_ms))
+        submit = SubmitTask(task=task, start_within_ms=start_within_ms)
+        try:
+            events = await self._cluster.submit(submit)
+        except ApiError as error:
+            if error.code != RejectCode.NO_CAPACITY:
+                raise
+            # The instance this API saw ready left before the sequencer took the task (moved to a faster engine,
+            # deleted, its node lost): wait for the one that takes its place, as a first request would.
+            await ensure_ready(self._cluster, self._request.model_id, self._settings)
+            events = await self._cluster.submit(submit)
         assigned = next(e for e in events if isinstance(e, TaskAssigned))
         self._instance_id, self._generation = assigned.instance_id, assigned.generation
         self._watcher = asyncio.create_task(self._watch(finishing))
