@@ -444,6 +444,13 @@ def test_a_build_stopped_part_way_goes_on_from_its_tree_and_one_that_fails_again
     (partial / "build").mkdir()
     (partial / llamacpp_build.EXTRACTED_MARK).write_text(str(tree))
     (tmp_path / "cache" / f"{key}.log").write_text("[ 40%] Building CXX object before-the-stop.o\n")
+
+    def worker_gone(progress: Progress) -> None:
+        raise BrokenPipeError("the worker reading the build's progress died")
+
+    with pytest.raises(BrokenPipeError):
+        llamacpp_build.build(CpuVariants.AVX2, worker_gone, environ=environ)
+    assert (partial / llamacpp_build.EXTRACTED_MARK).is_file()  # stopped, not failed: kept for the next build
     done = llamacpp_build.build(CpuVariants.AVX2, environ=environ)  # no sdist anywhere: it must not fetch one
     assert {p.name for p in done.bin_dir.iterdir()} >= {"llama-server", "ggml-rpc-server", "llama-quantize"}
     assert not partial.exists()
