@@ -349,3 +349,19 @@ def test_a_runner_that_logged_no_error_is_quoted_by_its_last_lines(tmp_path: Pat
     log_path = tmp_path / "runner.log"
     log_path.write_text("\n".join(lines))
     assert failure_reason(log_path) == " | ".join(lines[-3:])
+
+
+def test_a_llama_cpp_runner_starts_without_importing_mlx() -> None:
+    """MLX's modules (mlx, mlx-lm, transformers, llguidance) take seconds to import and hundreds of MB: a runner of a
+    llama.cpp instance, which never uses them, loads its engine without them."""
+    script = textwrap.dedent(
+        """
+        import sys
+        from jetshard_schema.types import Engine
+        from jetshard_worker.runner import engine_loader
+        engine_loader(Engine.LLAMA_CPP)
+        print(sorted(m for m in ("mlx", "mlx_lm", "transformers", "llguidance") if m in sys.modules))
+        """
+    )
+    imported = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True, timeout=120)
+    assert imported.stdout.strip() == "[]"

@@ -2,7 +2,7 @@
 through its lifeline (`jetshard_worker.lifeline`), which has it die with its worker (the spec holds no secret: a NATS
 password or token comes in the environment).
 
-Every rank loads its engine (the one its placement chose: `ENGINES`) and reports its status. The last rank is
+Every rank loads its engine (the one its placement chose: `engine_loader`) and reports its status. The last rank is
 the leader: it takes the tasks assigned to its instance from the event stream, has its engine admit each (the
 engine renders and tokenizes the prompt, and samples: `engines.base` is all the runner knows of it), and
 publishes what the engine makes on `jetshard.chunks.<node id>.<task id>`.
@@ -59,8 +59,6 @@ from jetshard_schema.types import (
 from nats.js import JetStreamContext
 
 from jetshard_worker.engines.base import LoadEngine, Refused, ServingEngine
-from jetshard_worker.engines.llamacpp import tasks as llamacpp_tasks
-from jetshard_worker.engines.mlx import tasks as mlx_tasks
 from jetshard_worker.publishing import NATS_ERRORS, publish_until_stored
 from jetshard_worker.runner_spec import RunnerSpec
 from jetshard_worker.runner_test_seams import RunnerTestSeams
@@ -72,8 +70,20 @@ from jetshard_worker.text.toolcalls import ToolCallParsed
 log = logging.getLogger(__name__)
 
 PROGRESS_INTERVAL_S = 0.5
-ENGINES: dict[Engine, LoadEngine] = {Engine.MLX: mlx_tasks.load, Engine.LLAMA_CPP: llamacpp_tasks.load}
-"""How a runner loads each engine; an instance placed before placement chose one runs on MLX."""
+
+
+def engine_loader(engine: Engine) -> LoadEngine:
+    """How a runner loads `engine`, its modules imported only by the runners that run it: MLX's (mlx, mlx-lm,
+    transformers, llguidance) take seconds and hundreds of MB, which a llama.cpp runner does without."""
+    match engine:
+        case Engine.MLX:
+            from jetshard_worker.engines.mlx import tasks as mlx_tasks
+
+            return mlx_tasks.load
+        case Engine.LLAMA_CPP:
+            from jetshard_worker.engines.llamacpp import tasks as llamacpp_tasks
+
+            return llamacpp_tasks.load
 
 
 class Runner:
@@ -94,6 +104,7 @@ class Runner:
         self.requests = TaskRequests(client, js, spec.node_id, self.plan.key.instance_id)
         self._spans = TaskSpans(self.plan.key.instance_id) if tracing_enabled() else None
         self.engine_kind = self.plan.serving.engine or Engine.MLX
+        """An instance placed before placement chose an engine runs on MLX."""
         self._engine: ServingEngine[Any] | None = None
         self.done = asyncio.Event()
         self._tokens_seen = (time.monotonic(), 0)
@@ -134,7 +145,7 @@ class Runner:
                 )
 
         await self.report(RunnerStatus.LOADING, layers_loaded=0, layers_total=total)
-        self._engine = await ENGINES[self.engine_kind](self.spec, self, on_progress)
+        self._engine = await engine_loader(self.engine_kind)(self.spec, self, on_progress)
 
     async def report_ready(self, counters: ServingCounters | None = None) -> None:
         total = self.plan.end_layer - self.plan.start_layer

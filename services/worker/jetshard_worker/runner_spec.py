@@ -7,6 +7,7 @@ import msgspec
 from jetshard_bus.options import NatsOptions
 from jetshard_schema.cards import GenerationDefaults
 from jetshard_schema.ids import NodeId
+from jetshard_schema.placement import LLAMA_CPP_SLOT_CONTEXT
 
 from jetshard_worker.planning import RunnerPlan
 
@@ -23,6 +24,6 @@ class RunnerSpec(msgspec.Struct, frozen=True, kw_only=True):
     the port: open until the ring's own listener binds the port too, so nothing else can take it meanwhile."""
     card_generation: GenerationDefaults = GenerationDefaults()
     """The model card's sampling defaults; the model directory's generation_config.json overrides them."""
-    context_per_slot: int = 4096
+    context_per_slot: int = LLAMA_CPP_SLOT_CONTEXT
     """On llama.cpp: the context each of the instance's slots holds (prompt and answer), as placement counted
     its KV cache (`jetshard_schema.placement.llama_cpp_slot_context`)."""

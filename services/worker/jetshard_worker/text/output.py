@@ -17,17 +17,21 @@ from __future__ import annotations
 import secrets
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from jetshard_schema.ids import TaskId
 from jetshard_schema.types import Chunk, TaskOutcome, TokenLogprob, ToolCall, TopLogprob, Usage
 
-from jetshard_worker.engines.mlx import TokenScores
-from jetshard_worker.text.constrained import JsonConstraint
 from jetshard_worker.text.json_closer import minimal_completion
-from jetshard_worker.text.reasoning import ReasoningText, ReasoningTokens
 from jetshard_worker.text.textstream import StopText
 from jetshard_worker.text.toolcalls import ToolCallParsed, ToolCallSplitter, parse_forced
+
+if TYPE_CHECKING:
+    # MLX's parts, named here only as types: importing them takes seconds (mlx, mlx-lm, transformers, llguidance),
+    # which a llama.cpp runner does without.
+    from jetshard_worker.engines.mlx import TokenScores
+    from jetshard_worker.text.constrained import JsonConstraint
+    from jetshard_worker.text.reasoning import ReasoningText, ReasoningTokens
 
 ROW_SEPARATOR = "#"
 """Between a task id and its choice in an engine row's id: task ids never hold it."""

@@ -118,14 +118,6 @@ class ReadyBuild:
         return self.build.llama_server
 
     @property
-    def rpc_server(self) -> Path:
-        return self.build.rpc_server
-
-    @property
-    def llama_quantize(self) -> Path:
-        return self.build.llama_quantize
-
-    @property
     def bin_dir(self) -> Path:
         return self.build.bin_dir
 

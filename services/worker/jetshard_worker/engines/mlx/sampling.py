@@ -24,17 +24,9 @@ from jetshard_worker.library_boundary import (
 class TaskSampler:
     """Cuts the distribution to the `top_k` most likely tokens, then to the `top_p` nucleus, then to the tokens at
     least `min_p` times as likely as the most likely one (llama.cpp's order and vLLM's), and draws at
-    `temperature`; 0, 1 and 0 cut nothing."""
+    `temperature`; 0, 1 and 0 cut nothing. The values are its request's, which checked them (`GenerationRequest`)."""
 
     def __init__(self, temperature: float, top_p: float, seed: int | None, top_k: int = 0, min_p: float = 0.0) -> None:
-        if temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {temperature}")
-        if not 0 < top_p <= 1:
-            raise ValueError(f"top_p must be in (0, 1], got {top_p}")
-        if top_k < 0:
-            raise ValueError(f"top_k must be >= 0, got {top_k}")
-        if not 0 <= min_p <= 1:
-            raise ValueError(f"min_p must be in [0, 1], got {min_p}")
         self.temperature = temperature
         self.top_p = top_p
         self.top_k = top_k
@@ -70,16 +62,12 @@ class Penalties:
     and frequency penalties at the answer only, OpenAI's definition (and vLLM's): a chat's prompt repeats its
     template's tokens, the end-of-turn token among them, which would otherwise be penalised once per turn. With
     `last_n` each looks at the last `last_n` tokens of the sequence only (Ollama's `repeat_last_n`); 0 turns them
-    all off.
+    all off. The values are its request's, which checked them (`GenerationRequest`).
     """
 
     def __init__(
         self, prompt_length: int, repetition: float, presence: float, frequency: float, last_n: int | None
     ) -> None:
-        if repetition <= 0:
-            raise ValueError(f"repetition_penalty must be > 0, got {repetition}")
-        if last_n is not None and last_n < 0:
-            raise ValueError(f"repeat_last_n must be >= 0, got {last_n}")
         self.prompt_length = prompt_length
         self.last_n = last_n
         # mlx-lm's processors look at their last `context_size` tokens: here the window is cut before they see it.
