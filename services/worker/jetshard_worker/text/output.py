@@ -41,6 +41,11 @@ def row_id(task_id: str, choice: int) -> str:
     return f"{task_id}{ROW_SEPARATOR}{choice}"
 
 
+def choice_seed(seed: int | None, choice: int) -> int | None:
+    """The seed of a task's `choice`: each choice its own draw, and a seeded request stays reproducible."""
+    return None if seed is None else (seed + choice) % 2**64
+
+
 def split_row_id(row: str) -> tuple[TaskId, int]:
     task_id, _, choice = row.rpartition(ROW_SEPARATOR)
     return TaskId(task_id), int(choice)

@@ -382,8 +382,8 @@ def build(
     of minutes). Compiled into `<key>.partial` and renamed into place when complete, so a killed build leaves no
     half a cache; a lock keeps two builds of one key from running at once. A build stopped part way (`jetshard up`
     stopped while its worker compiled) goes on where it stopped the next time: its checked, extracted tree and its
-    compiled objects stay in `<key>.partial` (ninja recompiles what it had not finished); a resumed build whose
-    compile fails is started afresh the time after."""
+    compiled objects stay in `<key>.partial` (ninja recompiles what it had not finished); a build that fails leaves
+    nothing, and the next starts afresh."""
     machine = platform.machine().lower()
     if variants is CpuVariants.AVX2 and not is_x86(machine):
         raise BuildError(f"--cpu-variants avx2 is for x86 machines; this one is {machine}: use all")
@@ -437,10 +437,9 @@ def build(
             (out / BUILD_RECORD).write_bytes(msgspec.json.format(msgspec.json.encode(record)))
             out.rename(target)
         except BuildError:
-            # What was left may be what fails: the next build starts afresh. A build that was only stopped (its
-            # worker gone: the progress pipe broken; Ctrl-C) keeps what it made.
-            if resumed:
-                shutil.rmtree(partial, ignore_errors=True)
+            # A build that fails leaves nothing (what was left may be what fails): the next starts afresh. One that
+            # was only stopped (its worker gone: the progress pipe broken; Ctrl-C) keeps what it made.
+            shutil.rmtree(partial, ignore_errors=True)
             raise
         shutil.rmtree(partial, ignore_errors=True)
     result = read_build(target)

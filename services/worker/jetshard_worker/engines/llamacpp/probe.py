@@ -17,7 +17,6 @@ import os
 import platform
 import re
 import signal
-import socket
 import subprocess
 import time
 import urllib.error
@@ -38,6 +37,7 @@ from jetshard_worker.engines.llamacpp.build import (
     cached_builds,
     locked,
 )
+from jetshard_worker.engines.llamacpp.server import free_port
 
 SKIP_VARIANTS_ENV = "JETSHARD_LLAMA_CPP_SKIP_VARIANTS"
 """CPU variants to move aside before probing, by name (`sapphirerapids,zen4`)."""
@@ -279,15 +279,9 @@ def _move_aside(build: LlamaCppBuild, library: str) -> None:
     (build.bin_dir / library).replace(disabled / library)
 
 
-def _free_port() -> int:
-    with socket.socket() as probe_socket:
-        probe_socket.bind(("127.0.0.1", 0))
-        return int(probe_socket.getsockname()[1])
-
-
 def run_once(build: LlamaCppBuild, model: Path) -> ProbeOutcome:
     """Start `llama-server` on `model`, wait for it, generate a few tokens, stop it."""
-    port = _free_port()
+    port = free_port()
     log_path = build.root / "probe.log"
     url = f"http://127.0.0.1:{port}"
     command = [str(build.llama_server), "-m", str(model), "--host", "127.0.0.1", "--port", str(port)]

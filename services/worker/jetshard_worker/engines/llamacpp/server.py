@@ -97,7 +97,7 @@ class LlamaServer:
 
     async def start(self, timeout_s: float) -> None:
         """Start it and wait until it has loaded the model (`/health` answers 200; 503 while loading)."""
-        self.port = _free_port()
+        self.port = free_port()
         command = self.settings.arguments(self.port)
         # The kernel kills it when the runner dies, however the runner dies: a llama-server of a dead runner would
         # hold the model's memory with no one to serve. setpriv execs it, so nothing runs between fork and exec.
@@ -170,9 +170,10 @@ def describe_exit(returncode: int) -> str:
     return f"exit status {returncode}"
 
 
-def _free_port() -> int:
-    # llama-server binds the port itself; the window in which another process could take it is the few
-    # milliseconds before it starts, and a port taken meanwhile fails the start, which the instance retries.
+def free_port() -> int:
+    """A loopback port free now, for a llama-server to bind. It binds the port itself: the window in which another
+    process could take it is the few milliseconds before it starts, and a port taken meanwhile fails the start,
+    which its caller retries (an instance restarts; a probe is run again)."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
         probe.bind(("127.0.0.1", 0))
         return int(probe.getsockname()[1])

@@ -15,7 +15,7 @@ from jetshard_schema.types import TaskKind, TaskOutcome, TaskRequest
 from jetshard_worker.engines.base import Admitted, OnProgress, Refused, RowEvents
 from jetshard_worker.engines.model_dir import read_generation_config
 from jetshard_worker.runner_spec import RunnerSpec
-from jetshard_worker.text.output import ChoiceOutput, row_id
+from jetshard_worker.text.output import ChoiceOutput, choice_seed, row_id
 from jetshard_worker.text.textstream import StopText
 from jetshard_worker.text.toolcalls import ToolCallParsed
 
@@ -145,8 +145,6 @@ class LlamaCppServing(LlamaCppEngine):
         choices = []
         for i in range(request.n):
             choice_id = row_id(request.task_id, i)
-            # Each choice its own draw; a seeded request stays reproducible.
-            choice_seed = None if seed is None else (seed + i) % 2**64
             if request.kind is TaskKind.CHAT:
                 rows.append(
                     llama_requests.chat_request(
@@ -154,7 +152,7 @@ class LlamaCppServing(LlamaCppEngine):
                         request,
                         resolved,
                         max_tokens=max_tokens,
-                        seed=choice_seed,
+                        seed=choice_seed(seed, i),
                         window=window,
                         template_takes_tools=self._template_takes_tools,
                     )
@@ -166,7 +164,7 @@ class LlamaCppServing(LlamaCppEngine):
                         request,
                         resolved,
                         max_tokens=max_tokens,
-                        seed=choice_seed,
+                        seed=choice_seed(seed, i),
                         window=window,
                     )
                 )

@@ -32,7 +32,7 @@ from jetshard_worker.library_boundary import (
 from jetshard_worker.runner_spec import RunnerSpec
 from jetshard_worker.text.chat import render_chat, tool_spec
 from jetshard_worker.text.constrained import JsonConstraint, SchemaError, grammar_tokenizer
-from jetshard_worker.text.output import ChoiceOutput, row_id
+from jetshard_worker.text.output import ChoiceOutput, choice_seed, row_id
 from jetshard_worker.text.reasoning import ReasoningText, ReasoningTokens, ThinkMarkers, opens_in_reasoning
 from jetshard_worker.text.textstream import StopText
 from jetshard_worker.text.toolcalls import ToolCallSplitter, forced_call_schema
@@ -258,8 +258,7 @@ class MlxServing:
                     presence_penalty=resolved.presence_penalty,
                     frequency_penalty=resolved.frequency_penalty,
                     repeat_last_n=request.sampling.repeat_last_n,
-                    # Each choice its own draw; a seeded request stays reproducible.
-                    seed=None if seed is None else (seed + i) % 2**64,
+                    seed=choice_seed(seed, i),
                     logits_processors=processors,
                     top_logprobs=request.top_logprobs,
                     images=images,
