@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import struct
 import subprocess
 import sys
 from collections.abc import Sequence
@@ -158,6 +159,41 @@ def test_bad_files_are_refused_with_the_problem_named(tmp_path: Path) -> None:
     unknown = write_gguf(tmp_path / "unknown.gguf", "transmogrifier")
     with pytest.raises(UnsupportedGguf, match=r"architecture 'transmogrifier' is not one llama\.cpp knows"):
         card_of(unknown)
+
+
+def _hostile_header(path: Path, file_size: int, metadata_count: int, entries: Sequence[tuple[bytes, int]]) -> Path:
+    """A GGUF file of `file_size` bytes, sparse (it takes no disk), whose header claims `metadata_count` key-value
+    pairs: the first ones `(key, length)`, each a string value of `length` bytes; zeros after them."""
+    with open(path, "wb") as f:
+        f.write(b"GGUF" + struct.pack("<IQQ", 3, 0, metadata_count))
+        for key, length in entries:
+            f.write(struct.pack("<Q", len(key)) + key + struct.pack("<IQ", 8, length))
+            f.seek(length, os.SEEK_CUR)
+        f.truncate(file_size)
+    return path
+
+
+@pytest.mark.timeout(60)
+def test_a_header_that_no_model_has_is_refused_without_walking_it(tmp_path: Path) -> None:
+    """What a file on the node can claim within its size, where the size is that of a sparse file (or a link to a
+    disk): its walk is bounded as the Hub's Range reads are, and llama.cpp's own refusals come before it loads."""
+    # A key repeated (here the empty key, in every entry of zeros): llama.cpp refuses a file with a duplicate key.
+    zeros = _hostile_header(tmp_path / "zeros.gguf", 1 << 36, 1 << 28, ())
+    with pytest.raises(ValueError, match="metadata key 1 repeats the key ''"):
+        read_gguf_header(zeros)
+    # Strings of a gigabyte each, which the walk would copy and decode one after another.
+    strings = [(b"key.%d" % n, 1 << 30) for n in range(16)]
+    long = _hostile_header(tmp_path / "long.gguf", 1 << 40, len(strings), strings)
+    with pytest.raises(ValueError, match="its GGUF header is longer than 64 MiB"):
+        read_gguf_header(long)
+    # Not a regular file: a FIFO would block the reader until someone writes to it; a device has no GGUF header.
+    fifo = tmp_path / "model.gguf"
+    os.mkfifo(fifo)
+    for special, kind in ((fifo, "a FIFO"), (Path("/dev/zero"), "a character device"), (tmp_path, "a directory")):
+        with pytest.raises(ValueError, match=f"it is {kind}, not a regular file"):
+            read_gguf_header(special)
+        with pytest.raises(ImportRefused, match=f"{special} is not a readable GGUF file: it is {kind}, not a regular"):
+            read_import(ModelId("local/m"), special, None)
 
 
 def test_a_header_read_from_a_prefix_asks_for_more_until_it_has_it_all(tmp_path: Path) -> None:

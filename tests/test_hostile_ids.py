@@ -30,6 +30,8 @@ from jetshard_schema.types import RejectCode
 pytestmark = pytest.mark.timeout(120)
 
 CARD = {**TINY_SHAPE, "storage_size_bytes": 1000}
+PROFILE = {"hostname": "h", "os": "linux", "cpu_cores": 2, "memory_total_bytes": 1, "memory_available_bytes": 1}
+DONE = {"status": "completed"}
 
 
 def place(instance_id: str, model_id: str = "org/model") -> tuple[str, dict[str, Any]]:
@@ -84,6 +86,16 @@ def hostile_commands(tmp_path: Path) -> list[tuple[str, dict[str, Any]]]:
         ("PlaceInstance", {"instance_id": "i", "model_id": "org/model", "min_nodes": 1.5}),
         ("PlaceInstance", {"instance_id": "i", "model_id": "org/model", "serving": {"parallelism": "diagonal"}}),
         ("EnsureInstance", {"instance_id": "i", "model_id": "org/model", "serving": {"weights": "float8"}}),
+        # The engine fields: no engine of the enum, of the wrong type; formats and engines a node cannot have.
+        ("PlaceInstance", {"instance_id": "i", "model_id": "org/model", "serving": {"engine": "tensorrt"}}),
+        ("PlaceInstance", {"instance_id": "i", "model_id": "org/model", "serving": {"engine": ["llama.cpp"]}}),
+        ("ReportNodeProfile", {"node_id": "n", "session_id": "s", "profile": {**PROFILE, "engines": ["vllm"]}}),
+        ("ReportDownloadProgress", {"node_id": "n", "model_id": "org/model", "progress": {**DONE, "formats": ["pt"]}}),
+        # An import's id, path and report: a path no node has (too long), an id that would be a subject or a path.
+        ("ImportModelFile", {"import_id": "../i", "node_id": "n", "model_id": "local/m", "path": "/m.gguf"}),
+        ("ImportModelFile", {"import_id": "i", "node_id": "n", "model_id": "local/m", "path": "/" + "x" * 5000}),
+        ("ImportModelFile", {"import_id": "i", "node_id": "n", "model_id": "local/m", "path": ""}),
+        ("ReportModelImport", {"node_id": "n", "import_id": "i.>", "model_id": "local/m", "progress": DONE}),
         # No nodes named (not "choose for me", which leaving node_ids out means), or more than a cluster may hold.
         ("PlaceInstance", {"instance_id": "i", "model_id": "org/model", "node_ids": []}),
         ("PlaceInstance", {"instance_id": "i", "model_id": "org/model", "node_ids": [f"n{i}" for i in range(5000)]}),

@@ -78,6 +78,25 @@ def test_seeds_reproduce_and_n_choices_draw_apart(client: openai.OpenAI, llamacp
     assert first[0] != first[1]  # each choice its own draw
 
 
+def test_a_top_k_past_32_bits_cuts_nothing(client: openai.OpenAI, llamacpp_cluster: LlamaCppCluster) -> None:
+    """llama-server reads top_k as a 32-bit int: 2**32 + 1 would wrap to 1, greedy, where the request asked for a cut
+    larger than any vocabulary, which is none. The answers are those of top_k 0, draw for draw."""
+
+    def draws(top_k: int) -> list[str]:
+        extra = {"top_k": top_k}
+        replies = [
+            client.chat.completions.create(
+                model=llamacpp_cluster.model, messages=STORY, max_tokens=8, temperature=1.5, seed=seed, extra_body=extra
+            )
+            for seed in range(3)
+        ]
+        return [reply.choices[0].message.content or "" for reply in replies]
+
+    uncut = draws(0)
+    assert len(set(uncut)) > 1  # drawn, not greedy
+    assert draws(2**32 + 1) == uncut
+
+
 def test_logprobs_come_with_their_alternatives(client: openai.OpenAI, llamacpp_cluster: LlamaCppCluster) -> None:
     reply = client.chat.completions.create(
         model=llamacpp_cluster.model, messages=ASK, max_tokens=6, temperature=0, logprobs=True, top_logprobs=3

@@ -71,6 +71,16 @@ def test_a_chat_becomes_one_streamed_request_with_the_models_own_template_and_ou
     assert body["thinking_budget_tokens"] == 64 and body["chat_template_kwargs"] == {"enable_thinking": True}
 
 
+def test_values_llama_server_reads_as_32_bit_ints_keep_their_meaning() -> None:
+    """A top_k or a thinking budget of 2**32 + 1 would wrap to 1 there (greedy; one token of thinking): a cut larger
+    than any vocabulary cuts nothing (top_k 0), and a budget that large is one no answer reaches."""
+    drawn = ResolvedSampling(temperature=1.0, top_p=1.0, top_k=2**32 + 1, max_tokens=400)
+    row = llama.chat_request(
+        "t1#0", _chat(thinking_budget=2**32 + 1), drawn, max_tokens=16, seed=None, window=512, template_takes_tools=True
+    )
+    assert (row.body["top_k"], row.body["thinking_budget_tokens"]) == (0, 2**31 - 1)
+
+
 def test_streamed_events_become_pieces_tool_calls_and_an_ending() -> None:
     state = llama.StreamState()
     events = [

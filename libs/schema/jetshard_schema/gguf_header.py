@@ -75,6 +75,10 @@ _ALIGNMENT_KEY = "general.alignment"
 _SMALLEST_TENSOR_INFO = 8 + 4 + 8 + 4 + 8
 _SMALLEST_METADATA = 8 + 4 + 1
 _DEFAULT_ALIGNMENT = 32
+MAX_HEADER_BYTES = 64 << 20
+"""A header longer than this is refused, however large its file: the largest real ones (vocabularies of 260,000
+tokens) are some 15 MiB, and every count a header claims is bounded only by the file's size, which a sparse file
+(or a link to a disk) makes as large as it likes."""
 MAX_KEPT_ARRAY = 1 << 16
 """Numeric arrays up to this long are kept (per-layer head counts); longer ones (token scores, merges) only
 counted, as string arrays always are: a card needs their length, not their items."""
@@ -205,6 +209,8 @@ def _metadata(reader: _Reader, count: int) -> tuple[dict[str, MetadataValue], in
     alignment = _DEFAULT_ALIGNMENT
     for i in range(count):
         name = reader.string(f"metadata key {i}")
+        if name in metadata:
+            raise ValueError(f"metadata key {i} repeats the key {name[:200]!r}, which llama.cpp refuses")
         value_type = reader.number("<I", f"the type of {name}")
         if value_type == _ARRAY:
             metadata[name] = _array(reader, name)
@@ -221,8 +227,12 @@ def _metadata(reader: _Reader, count: int) -> tuple[dict[str, MetadataValue], in
 
 def _tensor_infos(reader: _Reader, count: int, tensor_types: frozenset[int], reader_name: str) -> list[TensorInfo]:
     tensors = []
+    names: set[str] = set()
     for i in range(count):
         name = reader.string(f"the name of tensor {i}")
+        if name in names:
+            raise ValueError(f"tensor {i} repeats the name {name[:200]!r}, which llama.cpp refuses")
+        names.add(name)
         n_dims = reader.number("<I", f"the dimension count of {name}")
         if not 1 <= n_dims <= MAX_DIMS:
             raise ValueError(f"tensor {name} has {n_dims} dimensions; GGUF allows 1 to {MAX_DIMS}")

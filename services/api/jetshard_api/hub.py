@@ -29,7 +29,7 @@ from jetshard_schema.gguf_card import (
     split_count,
     split_part_names,
 )
-from jetshard_schema.gguf_header import GgufHeader, NeedMoreBytes, parse_gguf_header
+from jetshard_schema.gguf_header import MAX_HEADER_BYTES, GgufHeader, NeedMoreBytes, parse_gguf_header
 from jetshard_schema.ids import ModelId
 
 from jetshard_api.errors import ApiError
@@ -40,8 +40,6 @@ TOKENIZER_CONFIG_FILE = "tokenizer_config.json"
 GGUF_FIRST_READ_BYTES = 1 << 20
 """The first Range request of a GGUF's header: all of it for most models; one with a large vocabulary (150,000
 tokens and their merges: some 6 MiB) takes a few more, each asking at least twice as much."""
-MAX_GGUF_HEADER_BYTES = 64 << 20
-"""A header longer than this is refused: the largest real ones (vocabularies of 260,000 tokens) are some 15 MiB."""
 HUB_READ_TIMEOUT_S = 30.0
 
 # Connection refused, DNS failures and timeouts surface as the HTTP library's own errors: `OSError`s with
@@ -225,15 +223,15 @@ def _read_gguf_header(repo: ModelId, filename: str, revision: str, size: int, pa
         try:
             return parse_gguf_header(bytes(data), size)
         except NeedMoreBytes as more:
-            if more.size > MAX_GGUF_HEADER_BYTES:
+            if more.size > MAX_HEADER_BYTES:
                 raise ApiError(
                     400,
-                    f"{repo}/{filename}: its GGUF header is longer than {MAX_GGUF_HEADER_BYTES >> 20} MiB "
+                    f"{repo}/{filename}: its GGUF header is longer than {MAX_HEADER_BYTES >> 20} MiB "
                     f"(it runs past byte {more.size}); no model llama.cpp loads has one that long",
                     "invalid_gguf",
                     param,
                 ) from None
-            wanted = min(max(more.size, 2 * len(data)), size, MAX_GGUF_HEADER_BYTES)
+            wanted = min(max(more.size, 2 * len(data)), size, MAX_HEADER_BYTES)
         except ValueError as error:
             raise ApiError(
                 400, f"{repo}/{filename} is not a GGUF file llama.cpp reads: {error}", "invalid_gguf", param

@@ -58,8 +58,6 @@ def read_import(model_id: ModelId, path: Path, mmproj: Path | None) -> tuple[Mod
             return read_gguf_header(file)
         except FileNotFoundError as error:
             raise ImportRefused(f"{file} does not exist on this node") from error
-        except IsADirectoryError as error:
-            raise ImportRefused(f"{file} is a directory, not a GGUF file") from error
         except OSError as error:
             raise ImportRefused(f"cannot read {file}: {error.strerror}") from error
         except ValueError as error:

@@ -23,6 +23,10 @@ CHAT_PATH = "/v1/chat/completions"
 COMPLETION_PATH = "/completion"
 SEED_LIMIT = 2**32
 """llama.cpp's samplers take a 32-bit seed; ours are 64-bit, folded into its range."""
+INT32_MAX = 2**31 - 1
+"""llama-server reads top_k and the thinking budget as 32-bit ints, wrapping larger ones (2**32 + 1 would be 1:
+greedy; one token of thinking). A larger top_k keeps every token of any vocabulary: it is sent as 0, no cut; a
+larger budget is sent as this, which no answer reaches."""
 
 _FINISH = {"stop": TaskOutcome.STOP, "length": TaskOutcome.LENGTH, "tool_calls": TaskOutcome.STOP}
 _STOP_TYPES = {"eos": TaskOutcome.STOP, "word": TaskOutcome.STOP, "limit": TaskOutcome.LENGTH}
@@ -121,7 +125,7 @@ def chat_request(
     if request.chat_template_kwargs:
         body["chat_template_kwargs"] = request.chat_template_kwargs
     if request.thinking_budget is not None:
-        body["thinking_budget_tokens"] = request.thinking_budget
+        body["thinking_budget_tokens"] = min(request.thinking_budget, INT32_MAX)
     return LlamaRequest(row_id, CHAT_PATH, body)
 
 
@@ -153,7 +157,7 @@ def _sampling(sampling: ResolvedSampling, repeat_last_n: int | None, seed: int |
         "top_p": sampling.top_p,
         # Greedy is the top token: a cut to one spares llama.cpp's other samplers the whole vocabulary each token
         # (and with a grammar it is still the top token the grammar allows).
-        "top_k": 1 if sampling.temperature == 0 else sampling.top_k,
+        "top_k": 1 if sampling.temperature == 0 else (sampling.top_k if sampling.top_k <= INT32_MAX else 0),
         "min_p": sampling.min_p,
         "repeat_penalty": sampling.repetition_penalty,
         "presence_penalty": sampling.presence_penalty,
