@@ -178,7 +178,8 @@ def test_a_header_that_no_model_has_is_refused_without_walking_it(tmp_path: Path
     """What a file on the node can claim within its size, where the size is that of a sparse file (or a link to a
     disk): its walk is bounded as the Hub's Range reads are, and llama.cpp's own refusals come before it loads."""
     # A key repeated (here the empty key, in every entry of zeros): llama.cpp refuses a file with a duplicate key.
-    zeros = _hostile_header(tmp_path / "zeros.gguf", 1 << 36, 1 << 28, ())
+    # Fewer entries than any count a model could not have (those are refused before the walk: the test below).
+    zeros = _hostile_header(tmp_path / "zeros.gguf", 1 << 36, 1 << 12, ())
     with pytest.raises(ValueError, match="metadata key 1 repeats the key ''"):
         read_gguf_header(zeros)
     # Strings of a gigabyte each, which the walk would copy and decode one after another.
@@ -347,3 +348,13 @@ async def test_import_gguf_runs_on_the_nodes_downloader_and_refuses_bad_files(cl
     replaced = await asyncio.to_thread(import_gguf, str(qwen), "--id", "local/qwen", "--replace")
     assert replaced.returncode == 0, replaced.stderr
     assert stored.read_bytes() == kept and sorted(p.name for p in models.iterdir()) == ["local--qwen"]
+
+
+@pytest.mark.parametrize(("field", "offset"), [("tensor count", 8), ("metadata count", 16)])
+def test_a_header_claiming_more_entries_than_any_model_is_refused_before_it_is_walked(field: str, offset: int) -> None:
+    """Counts a file's size would allow (a sparse file can be any size) but no model has: refused at once, before the
+    reader builds a table of them."""
+    header = bytearray(b"GGUF" + struct.pack("<IQQ", 3, 0, 0))
+    struct.pack_into("<Q", header, offset, 1 << 24)
+    with pytest.raises(ValueError, match=f"the {field} is {1 << 24}; no model has more"):
+        parse_gguf_header(bytes(header), 1 << 40)

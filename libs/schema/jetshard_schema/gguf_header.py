@@ -76,6 +76,11 @@ _SMALLEST_TENSOR_INFO = 8 + 4 + 8 + 4 + 8
 _SMALLEST_METADATA = 8 + 4 + 1
 _DEFAULT_ALIGNMENT = 32
 MAX_HEADER_BYTES = 64 << 20
+MAX_TENSORS = 1 << 17
+"""The largest GGUFs hold a few thousand tensors (a mixture of experts keeps each layer's experts in one); a count
+beyond this is a file made to be walked, refused before the walk builds a table of it."""
+MAX_METADATA = 1 << 14
+"""Real files carry some tens of metadata keys (a vocabulary is one key, an array)."""
 """A header longer than this is refused, however large its file: the largest real ones (vocabularies of 260,000
 tokens) are some 15 MiB, and every count a header claims is bounded only by the file's size, which a sparse file
 (or a link to a disk) makes as large as it likes."""
@@ -173,12 +178,15 @@ class _Reader:
             return value
         raise ValueError(f"{what} has unknown value type {value_type}")
 
-    def count(self, what: str, smallest_entry: int) -> int:
-        """A count, refused when that many entries of at least `smallest_entry` bytes cannot fit in the file."""
+    def count(self, what: str, smallest_entry: int, most: int) -> int:
+        """A count, refused when that many entries of at least `smallest_entry` bytes cannot fit in the file, or when
+        it exceeds `most`."""
         count = self.number("<Q", what)
         room = (self.file_size - self.offset) // smallest_entry
         if count > room:
             raise ValueError(f"{what} is {count}, but the rest of the file has room for at most {room}")
+        if count > most:
+            raise ValueError(f"{what} is {count}; no model has more than {most}")
         return count
 
 
@@ -189,9 +197,7 @@ def _array(reader: _Reader, name: str) -> ArrayInfo:
     if item_type != _STRING and item_type not in _SCALAR_SIZES:
         raise ValueError(f"{name} has items of unknown value type {item_type}")
     smallest = 8 if item_type == _STRING else _SCALAR_SIZES[item_type]
-    length = reader.count(f"the length of {name}", smallest)
-    if length > INT_MAX:
-        raise ValueError(f"{name} claims {length} items")
+    length = reader.count(f"the length of {name}", smallest, INT_MAX)
     if item_type == _STRING:
         for j in range(length):
             reader.string(f"item {j} of {name}")
@@ -278,8 +284,8 @@ def parse_gguf_header(
     version = reader.number("<I", "the version")
     if version not in SUPPORTED_VERSIONS:
         raise ValueError(f"GGUF version {version} is not supported (only 2 and 3)")
-    tensor_count = reader.count("the tensor count", _SMALLEST_TENSOR_INFO)
-    metadata_count = reader.count("the metadata count", _SMALLEST_METADATA)
+    tensor_count = reader.count("the tensor count", _SMALLEST_TENSOR_INFO, MAX_TENSORS)
+    metadata_count = reader.count("the metadata count", _SMALLEST_METADATA, MAX_METADATA)
     metadata, alignment = _metadata(reader, metadata_count)
     tensors = _tensor_infos(reader, tensor_count, tensor_types, reader_name)
     data_start = -(-reader.offset // alignment) * alignment
