@@ -10,6 +10,7 @@ import asyncio
 import os
 import subprocess
 import sys
+import threading
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -213,6 +214,23 @@ def test_a_split_model_with_a_part_missing_is_refused_and_a_whole_one_stores_all
     ]
     assert (directory / "model.gguf").resolve() == directory / "model-00001-of-00003.gguf"
     assert find_model(dirs, "local/big") is not None
+
+
+def test_an_import_takes_the_place_of_leftovers_no_manifest_vouches_for(tmp_path: Path) -> None:
+    """A Hub GGUF download interrupted under the id (its card deleted since) left its model directory holding only
+    the download folder: the import takes that directory's place, as a conversion or a fetch does."""
+    source = write_gguf(tmp_path / "m.gguf", "qwen3")
+    dirs = ModelDirs.from_options(tmp_path / "models")
+    leftover = tmp_path / "models" / "local--m" / ".jetshard-download"
+    leftover.mkdir(parents=True)
+    (leftover / "m-Q4_K_M.gguf").write_bytes(b"GGUF partial")
+    _, files = read_import(ModelId("local/m"), source, None)
+    directory, _ = store_import(
+        dirs, ModelId("local/m"), files, replace=False, on_progress=lambda *_: None, cancel=threading.Event()
+    )
+    assert directory == tmp_path / "models" / "local--m"
+    assert sorted(p.name for p in directory.iterdir()) == [".jetshard-manifest.json", "model.gguf"]
+    assert find_model(dirs, "local/m") is not None
 
 
 NODE = NodeId("n1")

@@ -30,10 +30,10 @@ from jetshard_downloader.choose import NoSpace, choose_directory, format_bytes
 from jetshard_downloader.delete import remove_model_dir
 from jetshard_downloader.dirs import ModelDirs, free_bytes
 from jetshard_downloader.fetch import Cancelled, IntegrityError
-from jetshard_downloader.locate import Found, find_model
+from jetshard_downloader.locate import find_model
 from jetshard_downloader.manifest import Manifest, ManifestFile
 from jetshard_downloader.paths import GGUF_NAME, STAGING, side_directory, sweep_side_directories
-from jetshard_downloader.place import move_into_place
+from jetshard_downloader.place import beside, move_into_place
 
 log = logging.getLogger(__name__)
 
@@ -253,16 +253,6 @@ def install_gguf(
             remove_model_dir(previous.path)
         report(1.0)
         return choice.model_dir, written
-
-
-def beside(dirs: ModelDirs, stored: Found | None) -> ModelDirs:
-    """`dirs` with the writable directory holding `stored` first: a model's forms, and its replacement, stay in
-    one directory where it has room (and no stale copy is found first)."""
-    if stored is None or stored.read_only:
-        return dirs
-    return dataclasses.replace(
-        dirs, writable=(stored.models_dir, *(d for d in dirs.writable if d != stored.models_dir))
-    )
 
 
 def _filled_up_message(model_id: str, bytes_needed: int, ran_out: list[Path], no_space: NoSpace) -> str:

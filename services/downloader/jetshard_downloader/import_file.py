@@ -4,9 +4,10 @@ The file (every part of a split model, and the projector when one is named) is c
 `<models dir>/<org>--<name>/` as `model.gguf` (`mmproj.gguf`; a split model's parts keep llama.cpp's part names,
 `model-00001-of-00003.gguf`..., with `model.gguf` a link to the first, which llama.cpp finds the others from): a
 hard link where the file is on the same filesystem (no copy, no space), else a copy. Everything is written into a
-hidden staging directory with its manifest, then renamed into place in one step, or exchanged with the copy it
-replaces; so a failed or interrupted import leaves only a staging directory (removed on the way out, or by
-`convert.sweep_staging` at the next start) and whatever was stored before as it was.
+hidden staging directory with its manifest, then made the model directory in one step by `place.move_into_place`
+(renamed into place, or exchanged with the copy it replaces or with what an interrupted download left); so a
+failed or interrupted import leaves only a staging directory (removed on the way out, or by `convert.sweep_staging`
+at the next start) and whatever was stored before as it was.
 
 A hard link shares the file with its source: a tool that rewrites the source in place changes the model too (the
 manifest's sizes catch a change of size). Tools that write GGUF files write new files, so this is rare.
@@ -14,7 +15,6 @@ manifest's sizes catch a change of size). Tools that write GGUF files write new 
 
 from __future__ import annotations
 
-import dataclasses
 import errno
 import hashlib
 import os
@@ -39,8 +39,9 @@ from jetshard_downloader.dirs import ModelDirs, free_bytes
 from jetshard_downloader.fetch import Cancelled
 from jetshard_downloader.gguf_header import read_gguf_header
 from jetshard_downloader.locate import find_model
-from jetshard_downloader.manifest import Manifest, ManifestFile, fsync_dir, write_manifest
-from jetshard_downloader.paths import GGUF_NAME, MMPROJ_NAME, STAGING, exchange_directories, side_directory
+from jetshard_downloader.manifest import Manifest, ManifestFile
+from jetshard_downloader.paths import GGUF_NAME, MMPROJ_NAME, STAGING, side_directory
+from jetshard_downloader.place import beside, move_into_place
 
 _CHUNK = 8 * 1024 * 1024
 
@@ -122,10 +123,7 @@ def store_import(
         raise ImportRefused(f"{model_id} is in {stored.path}, a read-only directory jetshard never writes to")
     if stored is not None and not replace:
         raise ImportRefused(f"{model_id} is already stored in {stored.path}; pass --replace to import over it")
-    if stored is not None:  # replaced where it is: the model stays in one directory
-        dirs = dataclasses.replace(
-            dirs, writable=(stored.models_dir, *(d for d in dirs.writable if d != stored.models_dir))
-        )
+    dirs = beside(dirs, stored)  # replaced where it is: the model stays in one directory
     total = sum(source.stat().st_size for source, _ in files)
     choice = choose_directory(dirs, model_id, total, free_bytes, {}, lambda _: 0)
     if isinstance(choice, NoSpace):
@@ -154,14 +152,10 @@ def store_import(
             entries.append(ManifestFile(name, (out / name).stat().st_size, digest.hexdigest()))
         if files[0][1] != GGUF_NAME:  # a split model: model.gguf names its first part
             os.symlink(files[0][1], out / GGUF_NAME)
-        write_manifest(out, Manifest(model_id=model_id, revision="local-gguf", files=tuple(entries)))
-        try:
-            os.rename(out, target)
-        except OSError as error:
-            if error.errno not in (errno.ENOTEMPTY, errno.EEXIST) or not replace:
-                raise
-            exchange_directories(out, target)  # what was there goes to the staging directory, and with it
-        fsync_dir(target.parent)
+        manifest = Manifest(model_id=model_id, revision="local-gguf", files=tuple(entries))
+        # No complete copy is there but the one replaced (refused above otherwise): the import takes the whole
+        # directory, never joining what an interrupted download of another model under this id left.
+        move_into_place(out, target, manifest, replace=True)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     if stored is not None and stored.path != target:

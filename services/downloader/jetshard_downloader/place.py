@@ -11,12 +11,25 @@ left), takes the directory's place whole, in one exchange.
 
 from __future__ import annotations
 
+import dataclasses
 import errno
 import os
 from pathlib import Path
 
+from jetshard_downloader.dirs import ModelDirs
+from jetshard_downloader.locate import Found
 from jetshard_downloader.manifest import Manifest, fsync_dir, read_manifest, write_manifest
 from jetshard_downloader.paths import exchange_directories, file_in
+
+
+def beside(dirs: ModelDirs, stored: Found | None) -> ModelDirs:
+    """`dirs` with the writable directory holding `stored` first: a model's forms, and its replacement, stay in
+    one directory where it has room (and no stale copy is found first)."""
+    if stored is None or stored.read_only:
+        return dirs
+    return dataclasses.replace(
+        dirs, writable=(stored.models_dir, *(d for d in dirs.writable if d != stored.models_dir))
+    )
 
 
 def move_into_place(out: Path, target: Path, manifest: Manifest, *, replace: bool = False) -> None:
