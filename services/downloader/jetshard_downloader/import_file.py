@@ -35,6 +35,7 @@ from jetshard_schema.gguf_header import GgufHeader
 from jetshard_schema.ids import ModelId
 
 from jetshard_downloader.choose import NoSpace, choose_directory
+from jetshard_downloader.delete import remove_model_dir
 from jetshard_downloader.dirs import ModelDirs, free_bytes
 from jetshard_downloader.fetch import Cancelled
 from jetshard_downloader.gguf_header import read_gguf_header
@@ -159,7 +160,7 @@ def store_import(
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     if stored is not None and stored.path != target:
-        shutil.rmtree(stored.path, ignore_errors=True)
+        remove_model_dir(stored.path)
     return target, total
 
 
