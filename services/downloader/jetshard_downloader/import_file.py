@@ -15,10 +15,7 @@ manifest's sizes catch a change of size). Tools that write GGUF files write new 
 
 from __future__ import annotations
 
-import errno
-import hashlib
 import os
-import shutil
 import threading
 from collections.abc import Callable
 from pathlib import Path
@@ -41,10 +38,8 @@ from jetshard_downloader.fetch import Cancelled
 from jetshard_downloader.gguf_header import read_gguf_header
 from jetshard_downloader.locate import find_model
 from jetshard_downloader.manifest import Manifest, ManifestFile
-from jetshard_downloader.paths import GGUF_NAME, MMPROJ_NAME, STAGING, side_directory
-from jetshard_downloader.place import beside, move_into_place
-
-_CHUNK = 8 * 1024 * 1024
+from jetshard_downloader.paths import GGUF_NAME, MMPROJ_NAME
+from jetshard_downloader.place import beside, link_or_copy, move_into_place, staged
 
 
 class ImportRefused(ValueError):
@@ -130,54 +125,27 @@ def store_import(
     if isinstance(choice, NoSpace):
         raise ImportRefused(choice.message)
     target = choice.model_dir
-    target.parent.mkdir(parents=True, exist_ok=True)
-    staging = side_directory(target, STAGING)
-    staging.mkdir()
-    try:
-        out = staging / target.name
+    with staged(target) as out:
         out.mkdir()
         done = 0
         entries = []
         for source, name in files:
-            digest = hashlib.sha256()
 
-            def advance(chunk: bytes, digest: hashlib._Hash = digest) -> None:
-                nonlocal done
+            def advance(file_done: int, before: int = done) -> None:
                 if cancel.is_set():
                     raise Cancelled(f"the import of {model_id} was cancelled")
-                digest.update(chunk)
-                done += len(chunk)
-                on_progress(done, total)
+                on_progress(before + file_done, total)
 
-            link_or_copy(source, out / name, advance)
-            entries.append(ManifestFile(name, (out / name).stat().st_size, digest.hexdigest()))
+            sha256 = link_or_copy(source, out / name, advance)
+            size = (out / name).stat().st_size
+            entries.append(ManifestFile(name, size, sha256))
+            done += size
         if files[0][1] != GGUF_NAME:  # a split model: model.gguf names its first part
             os.symlink(files[0][1], out / GGUF_NAME)
         manifest = Manifest(model_id=model_id, revision="local-gguf", files=tuple(entries))
         # No complete copy is there but the one replaced (refused above otherwise): the import takes the whole
         # directory, never joining what an interrupted download of another model under this id left.
         move_into_place(out, target, manifest, replace=True)
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
     if stored is not None and stored.path != target:
         remove_model_dir(stored.path)
     return target, total
-
-
-def link_or_copy(source: Path, destination: Path, advance: Callable[[bytes], None]) -> None:
-    """A hard link where the filesystem allows it, else a copy; `advance` sees every byte (the manifest's hash)."""
-    try:
-        os.link(source, destination)
-        with open(destination, "rb") as f:
-            while chunk := f.read(_CHUNK):
-                advance(chunk)
-        return
-    except OSError as error:
-        if error.errno not in (errno.EXDEV, errno.EPERM, errno.EMLINK, errno.ENOTSUP):
-            raise
-    with open(source, "rb") as src, open(destination, "wb") as dst:
-        while chunk := src.read(_CHUNK):
-            advance(chunk)
-            dst.write(chunk)
-        dst.flush()
-        os.fsync(dst.fileno())
