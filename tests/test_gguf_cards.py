@@ -17,6 +17,7 @@ from typing import Any
 
 import gguf
 import httpx
+import msgspec
 import numpy as np
 import pytest
 from helpers.harness import Cluster
@@ -27,7 +28,13 @@ from jetshard_downloader.import_file import ImportRefused, read_import, store_im
 from jetshard_downloader.locate import find_model
 from jetshard_schema.cards import ModelCapability, ModelFormat, ModelSource, Quantization
 from jetshard_schema.commands import ImportModelFile, ReportModelImport
-from jetshard_schema.events import CustomModelCardAdded, DownloadCompleted, ModelImportProgressed, NodeJoined
+from jetshard_schema.events import (
+    CustomModelCardAdded,
+    DownloadCompleted,
+    ModelImportProgressed,
+    ModelImportRequested,
+    NodeJoined,
+)
 from jetshard_schema.gguf_card import UnsupportedGguf, card_from_gguf
 from jetshard_schema.gguf_header import NeedMoreBytes, parse_gguf_header
 from jetshard_schema.ids import CommandId, ModelId, NodeId
@@ -274,6 +281,13 @@ def test_an_import_report_adds_the_card_and_the_copy_on_its_node() -> None:
     assert state.download(NODE, ModelId("local/m")).progress.status is DownloadStatus.COMPLETED  # type: ignore[union-attr]
     again = handle(state, request, ctx)
     assert "already stored in /models/local--m; pass --replace" in again[0].reason  # type: ignore[union-attr]
+    # A progress report the import's end overtook (its publish retried) changes nothing: the import stays completed,
+    # so the next import under this id is not refused as one still running.
+    late = ImportProgress(status=ImportStatus.ONGOING, bytes_done=500, bytes_total=1000)
+    assert handle(state, msgspec.structs.replace(report, progress=late, card=None), ctx) == []
+    assert handle(state, report, ctx) == []  # nor does the end reported twice
+    replacing = msgspec.structs.replace(request, import_id="i2", replace=True)
+    assert [type(e) for e in handle(state, replacing, ctx)] == [ModelImportRequested]
 
 
 async def test_import_gguf_runs_on_the_nodes_downloader_and_refuses_bad_files(cluster: Cluster, tmp_path: Path) -> None:
