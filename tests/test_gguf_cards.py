@@ -11,12 +11,14 @@ import os
 import struct
 import subprocess
 import sys
+import threading
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import gguf
 import httpx
+import msgspec
 import numpy as np
 import pytest
 from helpers.harness import Cluster
@@ -27,7 +29,13 @@ from jetshard_downloader.import_file import ImportRefused, read_import, store_im
 from jetshard_downloader.locate import find_model
 from jetshard_schema.cards import ModelCapability, ModelFormat, ModelSource, Quantization
 from jetshard_schema.commands import ImportModelFile, ReportModelImport
-from jetshard_schema.events import CustomModelCardAdded, DownloadCompleted, ModelImportProgressed, NodeJoined
+from jetshard_schema.events import (
+    CustomModelCardAdded,
+    DownloadCompleted,
+    ModelImportProgressed,
+    ModelImportRequested,
+    NodeJoined,
+)
 from jetshard_schema.gguf_card import UnsupportedGguf, card_from_gguf
 from jetshard_schema.gguf_header import NeedMoreBytes, parse_gguf_header
 from jetshard_schema.ids import CommandId, ModelId, NodeId
@@ -252,6 +260,23 @@ def test_a_split_model_with_a_part_missing_is_refused_and_a_whole_one_stores_all
     assert find_model(dirs, "local/big") is not None
 
 
+def test_an_import_takes_the_place_of_leftovers_no_manifest_vouches_for(tmp_path: Path) -> None:
+    """A Hub GGUF download interrupted under the id (its card deleted since) left its model directory holding only
+    the download folder: the import takes that directory's place, as a conversion or a fetch does."""
+    source = write_gguf(tmp_path / "m.gguf", "qwen3")
+    dirs = ModelDirs.from_options(tmp_path / "models")
+    leftover = tmp_path / "models" / "local--m" / ".jetshard-download"
+    leftover.mkdir(parents=True)
+    (leftover / "m-Q4_K_M.gguf").write_bytes(b"GGUF partial")
+    _, files = read_import(ModelId("local/m"), source, None)
+    directory, _ = store_import(
+        dirs, ModelId("local/m"), files, replace=False, on_progress=lambda *_: None, cancel=threading.Event()
+    )
+    assert directory == tmp_path / "models" / "local--m"
+    assert sorted(p.name for p in directory.iterdir()) == [".jetshard-manifest.json", "model.gguf"]
+    assert find_model(dirs, "local/m") is not None
+
+
 NODE = NodeId("n1")
 
 
@@ -293,6 +318,13 @@ def test_an_import_report_adds_the_card_and_the_copy_on_its_node() -> None:
     assert state.download(NODE, ModelId("local/m")).progress.status is DownloadStatus.COMPLETED  # type: ignore[union-attr]
     again = handle(state, request, ctx)
     assert "already stored in /models/local--m; pass --replace" in again[0].reason  # type: ignore[union-attr]
+    # A progress report the import's end overtook (its publish retried) changes nothing: the import stays completed,
+    # so the next import under this id is not refused as one still running.
+    late = ImportProgress(status=ImportStatus.ONGOING, bytes_done=500, bytes_total=1000)
+    assert handle(state, msgspec.structs.replace(report, progress=late, card=None), ctx) == []
+    assert handle(state, report, ctx) == []  # nor does the end reported twice
+    replacing = msgspec.structs.replace(request, import_id="i2", replace=True)
+    assert [type(e) for e in handle(state, replacing, ctx)] == [ModelImportRequested]
 
 
 async def test_import_gguf_runs_on_the_nodes_downloader_and_refuses_bad_files(cluster: Cluster, tmp_path: Path) -> None:

@@ -19,7 +19,6 @@ import dataclasses
 import errno
 import hashlib
 import logging
-import shutil
 import threading
 from collections.abc import Callable, Mapping
 from pathlib import Path, PurePosixPath
@@ -30,10 +29,10 @@ from jetshard_downloader.choose import NoSpace, choose_directory, format_bytes
 from jetshard_downloader.delete import remove_model_dir
 from jetshard_downloader.dirs import ModelDirs, free_bytes
 from jetshard_downloader.fetch import Cancelled, IntegrityError
-from jetshard_downloader.locate import Found, find_model
+from jetshard_downloader.locate import find_model
 from jetshard_downloader.manifest import Manifest, ManifestFile
-from jetshard_downloader.paths import GGUF_NAME, STAGING, side_directory, sweep_side_directories
-from jetshard_downloader.place import move_into_place
+from jetshard_downloader.paths import GGUF_NAME, STAGING, sweep_side_directories
+from jetshard_downloader.place import beside, link_or_copy, move_into_place, staged
 
 log = logging.getLogger(__name__)
 
@@ -131,8 +130,6 @@ def place_packaged(
 
     Raises IntegrityError on a mismatch (nothing is stored), Cancelled, FileNotFoundError, NotEnoughSpace.
     """
-    from jetshard_downloader.import_file import link_or_copy
-
     cancel = cancel or threading.Event()
     gguf_path, expected = packaged_gguf_path(card)
     size = gguf_path.stat().st_size
@@ -143,36 +140,25 @@ def place_packaged(
     if on_target is not None:
         on_target(choice.model_dir, size)
     target = choice.model_dir
-    target.parent.mkdir(parents=True, exist_ok=True)
-    staging = side_directory(target, STAGING)
-    staging.mkdir()
-    try:
-        out = staging / target.name
+    with staged(target) as out:
         out.mkdir()
-        digest = hashlib.sha256()
-        done = 0
 
-        def advance(chunk: bytes) -> None:
-            nonlocal done
+        def advance(done: int) -> None:
             if cancel.is_set():
                 raise Cancelled(f"placing the GGUF of {card.model_id} cancelled")
-            digest.update(chunk)
-            done += len(chunk)
             if on_progress is not None:
                 on_progress(done, size)
 
-        link_or_copy(gguf_path, out / GGUF_NAME, advance)
-        if digest.hexdigest() != expected:
+        actual = link_or_copy(gguf_path, out / GGUF_NAME, advance)
+        if actual != expected:
             raise IntegrityError(
-                f"{gguf_path} has sha256 {digest.hexdigest()}, {card.model_id} expects {expected}; "
+                f"{gguf_path} has sha256 {actual}, {card.model_id} expects {expected}; "
                 "reinstall the package it comes from"
             )
         entry = ManifestFile(GGUF_NAME, size, expected)
         move_into_place(
             out, target, Manifest(model_id=card.model_id, revision=f"gguf-sha256-{expected}", files=(entry,))
         )
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
     return target, size
 
 
@@ -255,16 +241,6 @@ def install_gguf(
         return choice.model_dir, written
 
 
-def beside(dirs: ModelDirs, stored: Found | None) -> ModelDirs:
-    """`dirs` with the writable directory holding `stored` first: a model's forms, and its replacement, stay in
-    one directory where it has room (and no stale copy is found first)."""
-    if stored is None or stored.read_only:
-        return dirs
-    return dataclasses.replace(
-        dirs, writable=(stored.models_dir, *(d for d in dirs.writable if d != stored.models_dir))
-    )
-
-
 def _filled_up_message(model_id: str, bytes_needed: int, ran_out: list[Path], no_space: NoSpace) -> str:
     lines = [f"not enough disk space for {model_id}: it needs more than the {format_bytes(bytes_needed)} estimated;"]
     lines += [f"  {d}: filled up while the model was written there" for d in ran_out]
@@ -292,11 +268,8 @@ def _write_converted(
     """
     from jetshard_downloader.gguf import convert_gguf
 
-    target.parent.mkdir(parents=True, exist_ok=True)
-    staging = side_directory(target, STAGING)
-    staging.mkdir()
-    try:
-        out = convert_gguf(gguf_path, staging / target.name, progress=stage)
+    with staged(target) as out:
+        convert_gguf(gguf_path, out, progress=stage)
         files = []
         for path in sorted(p for p in out.rglob("*") if p.is_file()):
             if cancel.is_set():
@@ -306,8 +279,6 @@ def _write_converted(
         move_into_place(
             out, target, Manifest(model_id=model_id, revision=revision, files=tuple(files)), replace=replace
         )
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
     return sum(f.size for f in files)
 
 

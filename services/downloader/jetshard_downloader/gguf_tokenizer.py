@@ -24,12 +24,6 @@ TOKEN_USER_DEFINED = 4
 TOKEN_UNUSED = 5
 TOKEN_BYTE = 6
 
-# "Each digit alone, then the GPT-2 regex" is exactly what Hugging Face writes as
-# Sequence[Digits(individual_digits=True), ByteLevel(use_regex=True)]. The card of a GGUF file says MLX can hold it
-# from the same sets.
-_DIGITS_THEN_GPT2 = DIGITS_THEN_GPT2_PRE
-_GPT2_ONLY = GPT2_ONLY_PRE
-
 
 def to_python(value: Any) -> Any:
     """mx.load returns GGUF scalars and numeric arrays as mx.array, strings and string arrays as str/list."""
@@ -54,12 +48,15 @@ def _optional_id(metadata: Mapping[str, Any], key: str, vocab_size: int) -> int 
 
 
 def _pre_tokenizer(pre: str) -> pre_tokenizers.PreTokenizer:
+    # DIGITS_THEN_GPT2_PRE's split, "each digit alone, then the GPT-2 regex", is exactly what Hugging Face writes as
+    # Sequence[Digits(individual_digits=True), ByteLevel(use_regex=True)]; GPT2_ONLY_PRE's is the GPT-2 regex alone.
+    # The card of a GGUF file says MLX can hold it from the same sets.
     byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=True, use_regex=True)
-    if pre in _DIGITS_THEN_GPT2:
+    if pre in DIGITS_THEN_GPT2_PRE:
         return pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), byte_level])
-    if pre in _GPT2_ONLY:
+    if pre in GPT2_ONLY_PRE:
         return byte_level
-    supported = sorted(_DIGITS_THEN_GPT2 | _GPT2_ONLY)
+    supported = sorted(DIGITS_THEN_GPT2_PRE | GPT2_ONLY_PRE)
     raise ValueError(
         f"GGUF tokenizer.ggml.pre={pre!r} is not supported (its split regex is unknown here); "
         f"supported: {', '.join(supported)}"

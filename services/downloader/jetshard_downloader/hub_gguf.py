@@ -30,8 +30,8 @@ from jetshard_downloader.fetch import (
     fetch_files,
 )
 from jetshard_downloader.manifest import Manifest, ManifestFile
-from jetshard_downloader.paths import GGUF_NAME, MMPROJ_NAME, STAGING, file_in, side_directory
-from jetshard_downloader.place import move_into_place
+from jetshard_downloader.paths import GGUF_NAME, MMPROJ_NAME, file_in
+from jetshard_downloader.place import move_into_place, staged
 
 DOWNLOAD_DIR = ".jetshard-download"
 """Inside a model directory: the files of a Hub GGUF being fetched (no repo file can take a `.jetshard` name)."""
@@ -101,10 +101,7 @@ def fetch_hub_gguf(
         environ=environ,
     )
     hashes = {entry.name: entry for entry in fetched.files}
-    staging = side_directory(model_dir, STAGING)
-    staging.mkdir()
-    try:
-        out = staging / model_dir.name
+    with staged(model_dir) as out:
         out.mkdir()
         entries = []
         for remote, name in files:
@@ -114,7 +111,5 @@ def fetch_hub_gguf(
             os.symlink(files[0][1], out / GGUF_NAME)
         manifest = Manifest(model_id=card.model_id, revision=listing.revision, files=tuple(entries))
         move_into_place(out, model_dir, manifest)
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
     shutil.rmtree(download_dir, ignore_errors=True)  # where the model directory joined another form
     return sum(entry.size for entry in entries)

@@ -4,9 +4,10 @@ The file (every part of a split model, and the projector when one is named) is c
 `<models dir>/<org>--<name>/` as `model.gguf` (`mmproj.gguf`; a split model's parts keep llama.cpp's part names,
 `model-00001-of-00003.gguf`..., with `model.gguf` a link to the first, which llama.cpp finds the others from): a
 hard link where the file is on the same filesystem (no copy, no space), else a copy. Everything is written into a
-hidden staging directory with its manifest, then renamed into place in one step, or exchanged with the copy it
-replaces; so a failed or interrupted import leaves only a staging directory (removed on the way out, or by
-`convert.sweep_staging` at the next start) and whatever was stored before as it was.
+hidden staging directory with its manifest, then made the model directory in one step by `place.move_into_place`
+(renamed into place, or exchanged with the copy it replaces or with what an interrupted download left); so a
+failed or interrupted import leaves only a staging directory (removed on the way out, or by `convert.sweep_staging`
+at the next start) and whatever was stored before as it was.
 
 A hard link shares the file with its source: a tool that rewrites the source in place changes the model too (the
 manifest's sizes catch a change of size). Tools that write GGUF files write new files, so this is rare.
@@ -14,11 +15,7 @@ manifest's sizes catch a change of size). Tools that write GGUF files write new 
 
 from __future__ import annotations
 
-import dataclasses
-import errno
-import hashlib
 import os
-import shutil
 import threading
 from collections.abc import Callable
 from pathlib import Path
@@ -35,14 +32,14 @@ from jetshard_schema.gguf_header import GgufHeader
 from jetshard_schema.ids import ModelId
 
 from jetshard_downloader.choose import NoSpace, choose_directory
+from jetshard_downloader.delete import remove_model_dir
 from jetshard_downloader.dirs import ModelDirs, free_bytes
 from jetshard_downloader.fetch import Cancelled
 from jetshard_downloader.gguf_header import read_gguf_header
 from jetshard_downloader.locate import find_model
-from jetshard_downloader.manifest import Manifest, ManifestFile, fsync_dir, write_manifest
-from jetshard_downloader.paths import GGUF_NAME, MMPROJ_NAME, STAGING, exchange_directories, side_directory
-
-_CHUNK = 8 * 1024 * 1024
+from jetshard_downloader.manifest import Manifest, ManifestFile
+from jetshard_downloader.paths import GGUF_NAME, MMPROJ_NAME
+from jetshard_downloader.place import beside, link_or_copy, move_into_place, staged
 
 
 class ImportRefused(ValueError):
@@ -120,67 +117,33 @@ def store_import(
         raise ImportRefused(f"{model_id} is in {stored.path}, a read-only directory jetshard never writes to")
     if stored is not None and not replace:
         raise ImportRefused(f"{model_id} is already stored in {stored.path}; pass --replace to import over it")
-    if stored is not None:  # replaced where it is: the model stays in one directory
-        dirs = dataclasses.replace(
-            dirs, writable=(stored.models_dir, *(d for d in dirs.writable if d != stored.models_dir))
-        )
+    dirs = beside(dirs, stored)  # replaced where it is: the model stays in one directory
     total = sum(source.stat().st_size for source, _ in files)
     choice = choose_directory(dirs, model_id, total, free_bytes, {}, lambda _: 0)
     if isinstance(choice, NoSpace):
         raise ImportRefused(choice.message)
     target = choice.model_dir
-    target.parent.mkdir(parents=True, exist_ok=True)
-    staging = side_directory(target, STAGING)
-    staging.mkdir()
-    try:
-        out = staging / target.name
+    with staged(target) as out:
         out.mkdir()
         done = 0
         entries = []
         for source, name in files:
-            digest = hashlib.sha256()
 
-            def advance(chunk: bytes, digest: hashlib._Hash = digest) -> None:
-                nonlocal done
+            def advance(file_done: int, before: int = done) -> None:
                 if cancel.is_set():
                     raise Cancelled(f"the import of {model_id} was cancelled")
-                digest.update(chunk)
-                done += len(chunk)
-                on_progress(done, total)
+                on_progress(before + file_done, total)
 
-            link_or_copy(source, out / name, advance)
-            entries.append(ManifestFile(name, (out / name).stat().st_size, digest.hexdigest()))
+            sha256 = link_or_copy(source, out / name, advance)
+            size = (out / name).stat().st_size
+            entries.append(ManifestFile(name, size, sha256))
+            done += size
         if files[0][1] != GGUF_NAME:  # a split model: model.gguf names its first part
             os.symlink(files[0][1], out / GGUF_NAME)
-        write_manifest(out, Manifest(model_id=model_id, revision="local-gguf", files=tuple(entries)))
-        try:
-            os.rename(out, target)
-        except OSError as error:
-            if error.errno not in (errno.ENOTEMPTY, errno.EEXIST) or not replace:
-                raise
-            exchange_directories(out, target)  # what was there goes to the staging directory, and with it
-        fsync_dir(target.parent)
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
+        manifest = Manifest(model_id=model_id, revision="local-gguf", files=tuple(entries))
+        # No complete copy is there but the one replaced (refused above otherwise): the import takes the whole
+        # directory, never joining what an interrupted download of another model under this id left.
+        move_into_place(out, target, manifest, replace=True)
     if stored is not None and stored.path != target:
-        shutil.rmtree(stored.path, ignore_errors=True)
+        remove_model_dir(stored.path)
     return target, total
-
-
-def link_or_copy(source: Path, destination: Path, advance: Callable[[bytes], None]) -> None:
-    """A hard link where the filesystem allows it, else a copy; `advance` sees every byte (the manifest's hash)."""
-    try:
-        os.link(source, destination)
-        with open(destination, "rb") as f:
-            while chunk := f.read(_CHUNK):
-                advance(chunk)
-        return
-    except OSError as error:
-        if error.errno not in (errno.EXDEV, errno.EPERM, errno.EMLINK, errno.ENOTSUP):
-            raise
-    with open(source, "rb") as src, open(destination, "wb") as dst:
-        while chunk := src.read(_CHUNK):
-            advance(chunk)
-            dst.write(chunk)
-        dst.flush()
-        os.fsync(dst.fileno())

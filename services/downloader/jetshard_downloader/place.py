@@ -11,12 +11,75 @@ left), takes the directory's place whole, in one exchange.
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import errno
+import hashlib
 import os
+import shutil
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import BinaryIO
 
+from jetshard_downloader.dirs import ModelDirs
+from jetshard_downloader.locate import Found
 from jetshard_downloader.manifest import Manifest, fsync_dir, read_manifest, write_manifest
-from jetshard_downloader.paths import exchange_directories, file_in
+from jetshard_downloader.paths import STAGING, exchange_directories, file_in, side_directory
+
+_CHUNK = 8 * 1024 * 1024
+
+
+def beside(dirs: ModelDirs, stored: Found | None) -> ModelDirs:
+    """`dirs` with the writable directory holding `stored` first: a model's forms, and its replacement, stay in
+    one directory where it has room (and no stale copy is found first)."""
+    if stored is None or stored.read_only:
+        return dirs
+    return dataclasses.replace(
+        dirs, writable=(stored.models_dir, *(d for d in dirs.writable if d != stored.models_dir))
+    )
+
+
+@contextlib.contextmanager
+def staged(target: Path) -> Iterator[Path]:
+    """Where to stage a form of the model directory `target` (not made yet: the caller makes it), inside a hidden
+    staging directory beside `target` that goes on the way out with whatever is left in it (one a crash left goes
+    at the next start: `convert.sweep_staging`)."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    staging = side_directory(target, STAGING)
+    staging.mkdir()
+    try:
+        yield staging / target.name
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+
+
+def link_or_copy(source: Path, destination: Path, on_bytes: Callable[[int], None]) -> str:
+    """A hard link where the filesystem allows it, else a copy; returns the file's sha256 (the manifest's), read
+    as it is stored. `on_bytes` sees the bytes done so far after each chunk (progress; it raises to stop)."""
+
+    def read_through(f: BinaryIO, write: Callable[[bytes], object]) -> str:
+        digest = hashlib.sha256()
+        done = 0
+        while chunk := f.read(_CHUNK):
+            digest.update(chunk)
+            write(chunk)
+            done += len(chunk)
+            on_bytes(done)
+        return digest.hexdigest()
+
+    try:
+        os.link(source, destination)
+    except OSError as error:
+        if error.errno not in (errno.EXDEV, errno.EPERM, errno.EMLINK, errno.ENOTSUP):
+            raise
+    else:
+        with open(destination, "rb") as f:
+            return read_through(f, lambda _: None)
+    with open(source, "rb") as src, open(destination, "wb") as dst:
+        sha256 = read_through(src, dst.write)
+        dst.flush()
+        os.fsync(dst.fileno())
+    return sha256
 
 
 def move_into_place(out: Path, target: Path, manifest: Manifest, *, replace: bool = False) -> None:

@@ -313,6 +313,8 @@ def _report_model_import(state: State, command: commands.ReportModelImport, ctx:
     known = state.imports.get(command.model_id)
     if known is None or (known.import_id, known.node_id) != (command.import_id, command.node_id):
         return []  # an attempt a newer import (or the card's deletion) superseded
+    if known.progress.status is not ImportStatus.ONGOING:
+        return []  # a report its end overtook (a publish retried), or the end again: an ended import stays ended
     progressed = events.ModelImportProgressed(
         import_id=command.import_id, node_id=command.node_id, model_id=command.model_id, progress=command.progress
     )
