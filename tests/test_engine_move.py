@@ -30,7 +30,7 @@ from jetshard_schema.commands import (
     ReportRunnerStatus,
     SubmitTask,
 )
-from jetshard_schema.ids import NodeId
+from jetshard_schema.ids import InstanceId, ModelId, NodeId
 from jetshard_schema.subjects import COMMANDS_STREAM, command_subject
 from jetshard_schema.types import Engine, NodeProfile, RunnerReport, RunnerStatus
 from nats.js.errors import NotFoundError
@@ -93,11 +93,11 @@ async def test_a_request_whose_instance_leaves_before_the_sequencer_takes_it_wai
     node = await cluster.join(tmp_path / "node-a")
     await cluster.add_card(MODEL, num_layers=4)
     api = await asyncio.to_thread(cluster.start_api)
-    (sequencer,) = [p for p in cluster.processes.started if p.args[-1] == "sequencer"]
+    (sequencer,) = [p for p in cluster.processes.started if "sequencer" in str(p.args)]
     async with httpx.AsyncClient(base_url=api, timeout=60) as client:
         placed = await client.post("/instances", json={"model_id": MODEL})
         assert placed.status_code == 201, placed.text
-        first = placed.json()["instance_id"]
+        first = InstanceId(placed.json()["instance_id"])
         await _make_ready(cluster, node, first)
         await api_until(client, lambda instance: instance["status"] == "ready", f"/instances/{first}")
 
@@ -128,12 +128,12 @@ async def test_a_request_whose_instance_leaves_before_the_sequencer_takes_it_wai
         request.cancel()
 
 
-async def _make_ready(cluster: Cluster, node: NodeId, instance_id: str) -> None:
+async def _make_ready(cluster: Cluster, node: NodeId, instance_id: InstanceId) -> None:
     """Report what the node's downloader and runner would: the shard's layers on disk, then the runner ready."""
     instance = cluster.follower.state.instances[instance_id]
     (shard,) = instance.shards
     progress = completed(shard.start_layer, shard.end_layer)
-    await cluster.submit(ReportDownloadProgress(node_id=node, model_id=MODEL, progress=progress))
+    await cluster.submit(ReportDownloadProgress(node_id=node, model_id=ModelId(MODEL), progress=progress))
     runner = RunnerReport(node_id=node, rank=0, worker_session="test-session", status=RunnerStatus.READY)
     await cluster.submit(ReportRunnerStatus(instance_id=instance_id, generation=instance.generation, runner=runner))
 
