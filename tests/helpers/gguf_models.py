@@ -87,6 +87,14 @@ _GEMMA3_ROPE_FREQ_BASE_SWA = 10000.0
 
 QWEN3_CHAT_TEMPLATE = (Path(__file__).with_name("qwen3_chat_template.jinja")).read_text()
 """Qwen3-0.6B's chat template, as llama.cpp's tree keeps it (models/templates/Qwen-Qwen3-0.6B.jinja)."""
+QWEN3_OPEN_THINKING_TEMPLATE = QWEN3_CHAT_TEMPLATE.replace(
+    "{{- '<think>\\n\\n</think>\\n\\n' }}\n    {%- endif %}",
+    "{{- '<think>\\n\\n</think>\\n\\n' }}\n    {%- else %}\n        {{- '<think>\\n' }}\n    {%- endif %}",
+)
+"""Qwen3's template whose generation prompt opens the reasoning (`<think>\\n`) unless `enable_thinking` is false, as
+Qwen3-Thinking-2507's and DeepSeek-R1's do: llama.cpp takes all a model writes up to `</think>` as reasoning, so even
+random weights, which never write the markers, give their output as reasoning."""
+assert QWEN3_OPEN_THINKING_TEMPLATE != QWEN3_CHAT_TEMPLATE, "Qwen3's template no longer ends as expected"
 QWEN3_ADDED_TOKENS = ("<think>", "</think>", "<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>")
 """Qwen3's tags, added tokens that are not special (rendered in the output), as in Qwen3's own vocabulary."""
 
@@ -210,11 +218,13 @@ def write_gguf(
     seed: int = 0,
     vocab_size: int | None = None,
     name: str | None = None,
+    chat_template: str | None = None,
 ) -> Path:
     """Write a float16 GGUF model of `shape` with seeded random weights and the demo tokenizer to `path`.
 
     `vocab_size`: pad the vocabulary with filler tokens up to this size (the 49152-token SmolLM2
-    vocabulary otherwise, plus Qwen3's tags for qwen3). Tensors are generated and written one at a time, so a
+    vocabulary otherwise, plus Qwen3's tags for qwen3). `chat_template`: instead of the architecture's own (Qwen3's
+    for qwen3, the demo's otherwise). Tensors are generated and written one at a time, so a
     model larger than memory can be written. Written to a temporary name, then renamed: no half file remains.
     """
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -240,9 +250,10 @@ def write_gguf(
         writer.add_sliding_window_pattern(_GEMMA3_SWA_PATTERN)
         writer.add_rope_freq_base_swa(_GEMMA3_ROPE_FREQ_BASE_SWA)
     if arch == "qwen3":
-        vocab = _add_tokenizer(writer, QWEN3_ADDED_TOKENS, gguf.TokenType.USER_DEFINED, vocab_size, QWEN3_CHAT_TEMPLATE)
+        template = chat_template or QWEN3_CHAT_TEMPLATE
+        vocab = _add_tokenizer(writer, QWEN3_ADDED_TOKENS, gguf.TokenType.USER_DEFINED, vocab_size, template)
     else:
-        vocab = _add_tokenizer(writer, (), gguf.TokenType.NORMAL, vocab_size, None)
+        vocab = _add_tokenizer(writer, (), gguf.TokenType.NORMAL, vocab_size, chat_template)
     writer.add_vocab_size(vocab)
 
     tensors = _tensors(shape, vocab)
@@ -263,11 +274,11 @@ def write_gguf(
     return path
 
 
-def write_tiny_gguf(path: Path, arch: str, seed: int = 0) -> Path:
+def write_tiny_gguf(path: Path, arch: str, seed: int = 0, chat_template: str | None = None) -> Path:
     """A tiny float16 GGUF of `arch` (one of TINY_ARCHS): 2 layers, hidden 256, ~28 MB (most of it the embedding)."""
     if arch not in TINY_SHAPES:
         raise ValueError(f"arch must be one of {TINY_ARCHS}, got {arch!r}")
-    return write_gguf(path, TINY_SHAPES[arch], seed=seed)
+    return write_gguf(path, TINY_SHAPES[arch], seed=seed, chat_template=chat_template)
 
 
 def quantize(source: Path, target: Path, file_type: str) -> Path:
