@@ -1,5 +1,6 @@
 """The tiny GGUF models the llama.cpp tests run on (helpers.gguf_models): each architecture loads in upstream
-`llama-server` from the llama.cpp build and answers a completion, quantized with that build's `llama-quantize`."""
+`llama-server` from the llama.cpp build and answers a completion, quantized with that build's `llama-quantize`; the
+tiny llama sees through the tiny image projector."""
 
 from __future__ import annotations
 
@@ -9,7 +10,8 @@ import gguf
 import httpx
 import pytest
 from helpers.gguf_fixtures import TinyGGUFs
-from helpers.gguf_models import TINY_ARCHS, file_type_of, llama_server
+from helpers.gguf_models import TINY_ARCHS, TINY_PROJECTOR, file_type_of, llama_server
+from helpers.tiny_vlm import data_url, image_question, png
 
 COMPLETION_TOKENS = 8
 
@@ -62,3 +64,24 @@ def test_q4_k_m_quantizes_every_matrix_to_a_k_quant(tiny_ggufs: TinyGGUFs, llama
     reader = gguf.GGUFReader(tiny_ggufs.get("qwen3", "Q4_K_M"))
     types = {t.name: t.tensor_type.name for t in reader.tensors if len(t.shape) == 2}
     assert types and all(kind in ("Q4_K", "Q6_K") for kind in types.values()), types
+
+
+def test_the_tiny_llama_sees_through_the_tiny_projector(
+    tiny_ggufs: TinyGGUFs, llama_cpp_bin: Path, tmp_path: Path
+) -> None:
+    """llama-server loads the projector beside the model (`--mmproj`): an image becomes one embedding a patch in the
+    prompt, and another image gives another answer."""
+    model, projector = tiny_ggufs.get("llama"), tiny_ggufs.projector()
+    log = tmp_path / "llama-server.log"
+    with llama_server(model, log, "-c", "512", "-np", "1", "--mmproj", str(projector)) as (url, _):
+
+        def ask(messages: list[dict[str, object]]) -> tuple[int, str]:
+            body = {"messages": messages, "max_tokens": 8, "temperature": 0}
+            reply = httpx.post(f"{url}/v1/chat/completions", json=body, timeout=120)
+            assert reply.status_code == 200, reply.text
+            return reply.json()["usage"]["prompt_tokens"], reply.json()["choices"][0]["message"]["content"]
+
+        text_only, _ = ask([{"role": "user", "content": "What is in this picture?"}])
+        seen = [ask(image_question(data_url(png(48, 40, seed)), "What is in this picture?")) for seed in (1, 2)]
+    assert [tokens for tokens, _ in seen] == [text_only + TINY_PROJECTOR.image_tokens] * 2
+    assert seen[0][1] != seen[1][1]

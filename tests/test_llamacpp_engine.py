@@ -4,12 +4,14 @@ then the engine against a real llama-server on the demo GGUF: streaming, cancel 
 from __future__ import annotations
 
 import asyncio
+import base64
 import json
 import os
 import signal
 from pathlib import Path
 
 import jsonschema
+import msgspec
 import pytest
 from jetshard_downloader.convert import packaged_gguf_path
 from jetshard_schema.catalogue import DEMO_MODEL_ID, builtin_cards
@@ -69,6 +71,28 @@ def test_a_chat_becomes_one_streamed_request_with_the_models_own_template_and_ou
     assert body["tool_choice"] == "required" and [t["function"]["name"] for t in body["tools"]] == ["weather"]
     assert body["logprobs"] is True and body["top_logprobs"] == 3
     assert body["thinking_budget_tokens"] == 64 and body["chat_template_kwargs"] == {"enable_thinking": True}
+
+
+def test_images_go_as_data_url_parts_of_their_own_type_and_webp_is_refused_by_its_index() -> None:
+    """llama-server reads OpenAI's image parts (its projector turns each into embeddings) and decodes PNG, JPEG and
+    GIF; a WebP, which the API takes for MLX, is named before llama-server fails on it."""
+    png, jpeg, webp = b"\x89PNG\r\n", b"\xff\xd8\xff\xe0", b"RIFF\0\0\0\0WEBP"
+    messages = (
+        ChatMessage(role="user", content="first", images=(png, jpeg)),
+        ChatMessage(role="assistant", content="seen"),
+        ChatMessage(role="user", content="then", images=(webp,)),
+    )
+    request = msgspec.structs.replace(_chat(), messages=messages)
+    row = llama.chat_request("t1#0", request, GREEDY, max_tokens=8, seed=None, window=512, template_takes_tools=True)
+    first = row.body["messages"][0]["content"]
+    assert [part["type"] for part in first] == ["image_url", "image_url", "text"]
+    assert first[0]["image_url"]["url"] == "data:image/png;base64," + base64.b64encode(png).decode()
+    assert first[1]["image_url"]["url"].startswith("data:image/jpeg;base64,")
+    assert first[2] == {"type": "text", "text": "first"}
+    assert llama.unreadable_image(request) == (
+        "image 2 is WebP, which llama.cpp does not read: send it as PNG, JPEG or GIF"
+    )
+    assert llama.unreadable_image(_chat()) is None
 
 
 def test_values_llama_server_reads_as_32_bit_ints_keep_their_meaning() -> None:

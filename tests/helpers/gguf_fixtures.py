@@ -1,5 +1,6 @@
 """Session fixtures for tiny GGUF models (helpers.gguf_models): each (architecture, file type) is made once per
-session, on first use; quantized files come from the llama.cpp build's `llama-quantize`."""
+session, on first use; quantized files come from the llama.cpp build's `llama-quantize`. The image projector that
+pairs with the tiny llama is made once too."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers.gguf_models import TINY_ARCHS, llama_cpp_tool, quantize, write_tiny_gguf
+from helpers.gguf_models import TINY_ARCHS, llama_cpp_tool, quantize, write_tiny_gguf, write_tiny_projector
 
 
 class TinyGGUFs:
@@ -30,6 +31,13 @@ class TinyGGUFs:
         if not target.exists():
             quantize(f16, target, file_type)
         return target
+
+    def projector(self) -> Path:
+        """The image projector (`mmproj`) that the tiny llama sees through: `TINY_PROJECTOR`."""
+        path = self.root / "tiny-llama-mmproj-F16.gguf"
+        if not path.exists():
+            write_tiny_projector(path)
+        return path
 
 
 @pytest.fixture(scope="session")

@@ -341,6 +341,120 @@ def file_type_of(path: Path) -> str:
     return file_type.name.removeprefix("MOSTLY_").removeprefix("ALL_")
 
 
+# ---------------------------------------------------------------------------------------- image projector
+
+
+@dataclass(frozen=True)
+class ProjectorShape:
+    """A LLaVA-style image projector (llama.cpp's `mlp` projector type, tools/mtmd/models/llava.cpp): a CLIP vision
+    tower of `layers` pre-norm blocks over `patch`-pixel patches of an `image`-pixel square, then a two-layer MLP
+    into the text model's embedding. llama.cpp's LLaVA graph reads the second-to-last block's output, so an image
+    becomes (image / patch)^2 embeddings, one per patch."""
+
+    image: int
+    patch: int
+    hidden: int
+    heads: int
+    ffn: int
+    layers: int
+    text_hidden: int
+    """The text model's embedding width: llama.cpp refuses a projector whose output is another."""
+
+    @property
+    def image_tokens(self) -> int:
+        return (self.image // self.patch) ** 2
+
+
+TINY_PROJECTOR = ProjectorShape(
+    image=32, patch=8, hidden=64, heads=2, ffn=128, layers=2, text_hidden=TINY_SHAPES["llama"].hidden
+)
+"""Pairs with the tiny llama: 16 embeddings an image. The feed-forward width is not the hidden width: llama.cpp takes
+a block whose down projection outputs `ffn` wide for an old converter's swapped up/down, and swaps them back."""
+
+
+def _projector_tensors(shape: ProjectorShape) -> list[_Tensor]:
+    """What llama.cpp's clip loader requires for an `mlp` projector (clip.cpp `load_tensors`), in numpy order."""
+    e, f = shape.hidden, shape.ffn
+    tensors = [
+        _Tensor("v.patch_embd.weight", (e, 3, shape.patch, shape.patch)),
+        _Tensor("v.position_embd.weight", (shape.image_tokens, e)),
+    ]
+    for i in range(shape.layers):
+        block = f"v.blk.{i}"
+        tensors += [
+            _Tensor(f"{block}.ln1.weight", (e,)),
+            _Tensor(f"{block}.ln1.bias", (e,)),
+            *(
+                _Tensor(f"{block}.attn_{p}.{kind}", (e, e) if kind == "weight" else (e,))
+                for p in "qkv"
+                for kind in ("weight", "bias")
+            ),
+            _Tensor(f"{block}.attn_out.weight", (e, e)),
+            _Tensor(f"{block}.attn_out.bias", (e,)),
+            _Tensor(f"{block}.ln2.weight", (e,)),
+            _Tensor(f"{block}.ln2.bias", (e,)),
+            _Tensor(f"{block}.ffn_up.weight", (f, e)),
+            _Tensor(f"{block}.ffn_up.bias", (f,)),
+            _Tensor(f"{block}.ffn_down.weight", (e, f)),
+            _Tensor(f"{block}.ffn_down.bias", (e,)),
+        ]
+    t = shape.text_hidden
+    tensors += [
+        _Tensor("mm.0.weight", (t, e)),
+        _Tensor("mm.0.bias", (t,)),
+        _Tensor("mm.2.weight", (t, t)),
+        _Tensor("mm.2.bias", (t,)),
+    ]
+    return tensors
+
+
+def _projector_weights(tensor: _Tensor, rng: np.random.Generator) -> np.ndarray:
+    """Norm weights 1 and biases 0 (float32), matrices and the patch kernel random over 1/sqrt(fan_in) (float16)."""
+    if tensor.is_norm:
+        fill = 1.0 if tensor.name.endswith(("ln1.weight", "ln2.weight")) else 0.0
+        return np.full(tensor.shape, fill, dtype=np.float32)
+    values = rng.standard_normal(tensor.shape, dtype=np.float32)
+    values *= int(np.prod(tensor.shape[1:])) ** -0.5
+    return values.astype(np.float16)
+
+
+def write_tiny_projector(path: Path, shape: ProjectorShape = TINY_PROJECTOR, seed: int = 0) -> Path:
+    """Write a random LLaVA-style image projector (`mmproj`) that llama.cpp loads with `--mmproj` beside a text
+    model whose embedding is `shape.text_hidden` wide: the tiny llama for `TINY_PROJECTOR`."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    partial = path.with_name(path.name + ".partial")
+    writer = gguf.GGUFWriter(partial, "clip")
+    writer.add_type(gguf.GGUFType.MMPROJ)
+    writer.add_name("jetshard tiny projector")
+    writer.add_file_type(gguf.LlamaFileType.MOSTLY_F16)
+    writer.add_bool("clip.has_vision_encoder", True)
+    writer.add_string("clip.projector_type", "mlp")
+    writer.add_bool("clip.use_gelu", True)
+    writer.add_uint32("clip.vision.image_size", shape.image)
+    writer.add_uint32("clip.vision.patch_size", shape.patch)
+    writer.add_uint32("clip.vision.embedding_length", shape.hidden)
+    writer.add_uint32("clip.vision.feed_forward_length", shape.ffn)
+    writer.add_uint32("clip.vision.block_count", shape.layers)
+    writer.add_uint32("clip.vision.projection_dim", shape.text_hidden)
+    writer.add_uint32("clip.vision.attention.head_count", shape.heads)
+    writer.add_float32("clip.vision.attention.layer_norm_epsilon", 1e-5)
+    # CLIP's normalisation, as LLaVA's converter writes it.
+    writer.add_array("clip.vision.image_mean", [0.48145466, 0.4578275, 0.40821073])
+    writer.add_array("clip.vision.image_std", [0.26862954, 0.26130258, 0.27577711])
+    rng = np.random.default_rng(seed)
+    for tensor in _projector_tensors(shape):
+        writer.add_tensor(tensor.name, _projector_weights(tensor, rng))
+    try:
+        writer.write_header_to_file()
+        writer.write_kv_data_to_file()
+        writer.write_tensors_to_file()
+        writer.close()
+        partial.rename(path)
+    finally:
+        partial.unlink(missing_ok=True)
+    return path
+
+
 # ------------------------------------------------------------------------------------------- llama-server
 
 

@@ -28,7 +28,7 @@ from jetshard_schema.placement import (
     place_in,
 )
 from jetshard_schema.state import Instance, State, ready_instances
-from jetshard_schema.types import DownloadProgress, DownloadStatus, Engine, ServingSettings, TaskRequest
+from jetshard_schema.types import DownloadProgress, DownloadStatus, Engine, ModelFormat, ServingSettings, TaskRequest
 
 from jetshard_api.cluster import Cluster
 from jetshard_api.errors import ApiError
@@ -159,8 +159,20 @@ def check_inputs(state: State, task: TaskRequest, images_param: str = "messages"
     card = find_card(state, task.model_id)
     if card is not None and not card.vision:
         raise ApiError(
-            400, f"{task.model_id} takes no images: it is not a vision model", "model_takes_no_images", images_param
+            400, f"{task.model_id} takes no images: {_why_blind(card)}", "model_takes_no_images", images_param
         )
+
+
+def _why_blind(card: ModelCard) -> str:
+    """Why a model without vision takes no images. A GGUF model sees on llama.cpp only through the projector file
+    that is added with it (a text GGUF and a vision one look alike otherwise): say so, and how to add one."""
+    if ModelFormat.GGUF not in card.formats:
+        return "it is not a vision model"
+    return (
+        "it has no image projector (mmproj), through which llama.cpp sees images; a GGUF model that sees is added "
+        "with its projector: `jetshard models import-gguf FILE --mmproj PROJECTOR`, or `mmproj_file` beside "
+        "`gguf_file` for a Hub repo"
+    )
 
 
 async def ensure_ready(cluster: Cluster, model_id: ModelId, settings: InferenceSettings) -> None:

@@ -221,10 +221,24 @@ def call_splitter(request: TaskRequest, template_takes_tools: bool) -> ToolCallS
 _IMAGE_TYPES = {b"\x89PNG": "image/png", b"\xff\xd8\xff": "image/jpeg", b"GIF8": "image/gif", b"RIFF": "image/webp"}
 
 
+def _image_type(image: bytes) -> str:
+    """The image's media type (the API has checked it is one of these)."""
+    return next((name for magic, name in _IMAGE_TYPES.items() if image.startswith(magic)), "image/png")
+
+
 def _data_url(image: bytes) -> str:
-    """The image as a data URL with its type (the API has checked it is one of these)."""
-    kind = next((name for magic, name in _IMAGE_TYPES.items() if image.startswith(magic)), "image/png")
-    return f"data:{kind};base64," + base64.b64encode(image).decode("ascii")
+    """The image as a data URL with its type."""
+    return f"data:{_image_type(image)};base64," + base64.b64encode(image).decode("ascii")
+
+
+def unreadable_image(request: TaskRequest) -> str | None:
+    """Why llama.cpp cannot read one of the request's images, else None. It decodes images with stb_image: PNG,
+    JPEG and GIF, not the WebP the API also takes (llama-server would answer only that it failed to load a file)."""
+    images = [image for message in request.messages for image in message.images]
+    for index, image in enumerate(images):
+        if _image_type(image) == "image/webp":
+            return f"image {index} is WebP, which llama.cpp does not read: send it as PNG, JPEG or GIF"
+    return None
 
 
 def parse_event(path: str, data: str, state: StreamState) -> tuple[Piece | None, Ending | None]:

@@ -134,6 +134,8 @@ class LlamaCppServing(LlamaCppEngine):
                 "the llama.cpp engine serving this instance has no image projector for this model",
                 "unsupported_by_engine",
             )
+        if (unreadable := llama_requests.unreadable_image(request)) is not None:
+            return Refused(unreadable, "unsupported_by_engine")
         resolved = resolve_sampling(request.sampling, self._model_generation, self._card_generation)
         seed = request.sampling.seed
         max_tokens, window = min(resolved.max_tokens, self._context_length), self._context_length
