@@ -469,7 +469,7 @@ def assert_sizes_are_the_files_on_disk(download: Any, directory: Path, state: An
 async def test_import_gguf_adds_a_local_model_that_its_node_serves_from_disk(cluster: Cluster, tmp_path: Path) -> None:
     config, models = tmp_path / "node", tmp_path / "models"
     node = await cluster.join(config)
-    cluster.start_downloader("downloader", config, "--offline", "--default-models-dir", str(models))
+    downloader = cluster.start_downloader("downloader", config, "--offline", "--default-models-dir", str(models))
     api = cluster.start_api()
     env = {**cluster.env, "JETSHARD_DEFAULT_MODELS_DIR": str(models), "JETSHARD_NATS": cluster.nats.url}
     command = [sys.executable, "-m", "jetshard", "models", "--api", api, "import-gguf"]
@@ -503,11 +503,13 @@ async def test_import_gguf_adds_a_local_model_that_its_node_serves_from_disk(clu
     again = await asyncio.to_thread(import_gguf, str(tmp_path / "missing.gguf"))
     assert again.returncode != 0 and "does not exist" in again.stderr
 
-    await asyncio.to_thread(assert_imports_over_a_stored_model_lose_nothing, api, command, env, models, tmp_path)
+    await asyncio.to_thread(
+        assert_imports_over_a_stored_model_lose_nothing, api, command, env, models, tmp_path, downloader
+    )
 
 
 def assert_imports_over_a_stored_model_lose_nothing(
-    api: str, command: list[str], env: dict[str, str], models: Path, tmp_path: Path
+    api: str, command: list[str], env: dict[str, str], models: Path, tmp_path: Path, downloader: subprocess.Popen[bytes]
 ) -> None:
     """`local/smol`, imported and stored (both forms), survives every import under its id that does not complete,
     and one not asked to replace it; other models' ids are refused. The node's downloader owns an import: a Ctrl-C
