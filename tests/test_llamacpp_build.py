@@ -397,11 +397,11 @@ async def test_a_worker_serves_on_mlx_while_it_readies_llama_cpp_then_reports_it
 
 def test_a_build_under_way_shows_how_far_it_has_got_to_engines_and_up(tmp_path: Path) -> None:
     """While the worker compiles llama.cpp in the background, `jetshard engines` and `jetshard up` say so and how far
-    it got (its log's last step), instead of offering to compile it again; a build nobody runs any more (a killed one's
-    leftover `.partial`) is no build under way."""
+    it got (its log's last step), instead of offering to compile it again, and `up` says when it is ready; a build
+    nobody runs any more (a killed one's leftover `.partial`) is no build under way."""
     import fcntl
 
-    from jetshard.commands.engines import llama_cpp_hint
+    from jetshard.commands.engines import llama_cpp_hint, llama_cpp_ready_line
 
     environ = {"JETSHARD_LLAMA_CPP_CACHE": str(tmp_path)}
     key = "llama-cpp-python-0.3.36-gcc-12.2.0-x86_64-all"
@@ -418,8 +418,12 @@ def test_a_build_under_way_shows_how_far_it_has_got_to_engines_and_up(tmp_path: 
             patch.setenv("JETSHARD_LLAMA_CPP_CACHE", str(tmp_path))
             listed = CliRunner().invoke(main, ["engines"], terminal_width=200)
             hint = llama_cpp_hint(build_allowed=True)
+            assert llama_cpp_ready_line() is None
         assert listed.exit_code == 0 and "compile 43%" in listed.output, listed.output
-        assert hint is not None and "compiling in the background (compile 43%" in hint
+        assert hint is not None and hint.building and "compiling in the background (compile 43%" in hint.text
+    # Once a build has passed its probe here (the suite's own), `up` says that models now move to it.
+    ready = llama_cpp_ready_line()
+    assert ready is not None and ready.startswith("llama.cpp is built (CPU variant "), ready
 
 
 FAKE_TREE_CMAKE = """cmake_minimum_required(VERSION 3.16)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import importlib.metadata
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import click
 import msgspec
@@ -78,7 +78,13 @@ def progress_text(progress: dict[str, Any] | None) -> str:
     return f"{progress['phase']} {percent:.0f}%" if percent is not None else str(progress["phase"])
 
 
-def llama_cpp_hint(build_allowed: bool) -> str | None:
+class LlamaCppHint(NamedTuple):
+    text: str
+    building: bool
+    """A build is under way here: `jetshard up` says so again once it is ready (`llama_cpp_ready_line`)."""
+
+
+def llama_cpp_hint(build_allowed: bool) -> LlamaCppHint | None:
     """What `jetshard up` says of llama.cpp on a machine that cannot run it yet (`build_allowed`: its worker compiles
     one in the background); None where it can."""
     from jetshard_worker.engines.llamacpp.build import BuildError, find_toolchain
@@ -87,17 +93,29 @@ def llama_cpp_hint(build_allowed: bool) -> str | None:
     if status["ready"]:
         return None
     if not build_allowed:
-        return "llama.cpp is not built on this machine, so MLX serves: `jetshard engines build llama.cpp` compiles it"
+        text = "llama.cpp is not built on this machine, so MLX serves: `jetshard engines build llama.cpp` compiles it"
+        return LlamaCppHint(text, building=False)
     try:
         find_toolchain()
     except BuildError as error:
-        return f"llama.cpp cannot be built here, so MLX serves: {error}"
+        return LlamaCppHint(f"llama.cpp cannot be built here, so MLX serves: {error}", building=False)
     how_far = progress_text(status["compiling"][0]["progress"]) if status["compiling"] else "starting"
-    return (
+    text = (
         f"llama.cpp is compiling in the background ({how_far}; about 12 minutes on a 2-core machine, once; "
         "`jetshard engines` shows how far): MLX serves meanwhile, and the model moves to llama.cpp once it is built "
         "and idle"
     )
+    return LlamaCppHint(text, building=True)
+
+
+def llama_cpp_ready_line() -> str | None:
+    """What `jetshard up` says when the background build has passed its probe; None until then."""
+    from jetshard_worker.engines.llamacpp.probe import ready_build
+
+    ready = ready_build()
+    if ready is None:
+        return None
+    return f"llama.cpp is built (CPU variant {ready.probe.variant}): models move to it as soon as they are idle"
 
 
 @click.group(context_settings=COMMAND_CONTEXT, invoke_without_command=True)

@@ -20,7 +20,7 @@ from jetshard_schema.catalogue import DEMO_MODEL_ID
 from rich.console import Console
 
 from jetshard.clusterfile import data_dir, remove_cluster_file, write_cluster_file
-from jetshard.commands.engines import llama_cpp_hint
+from jetshard.commands.engines import llama_cpp_hint, llama_cpp_ready_line
 from jetshard.commands.services import api_serving_flags_passed_on
 from jetshard.lan.options import LanChoice, lan_options
 from jetshard.lan.servers import LanServers
@@ -33,6 +33,8 @@ from jetshard.up.supervisor import STOP_SIGNALS, Supervisor
 
 STOP_GRACE_S = (2.0, 1.0, 0.8, 0.8)
 """Per stop stage, between SIGTERM and SIGKILL: a whole stop takes under 5 s even when a service hangs."""
+LLAMA_CPP_LOOK_S = 5.0
+"""How often `up` looks whether the background llama.cpp build is ready, to say so (a few small files read)."""
 
 
 @click.command()
@@ -155,9 +157,16 @@ def up(
         # The worker's own flag, read as click reads it there.
         build_allowed = click.BOOL.convert(os.environ.get("JETSHARD_BUILD_LLAMA_CPP", "1"), None, None)
         if (llama_cpp := llama_cpp_hint(build_allowed)) is not None:
-            console.print(f"[yellow]{llama_cpp}[/]", soft_wrap=True)
+            console.print(f"[yellow]{llama_cpp.text}[/]", soft_wrap=True)
         console.print("Press Ctrl-C to stop.")
+        awaiting_llama_cpp = llama_cpp is not None and llama_cpp.building
+        next_look = time.monotonic()
         while tend():
+            if awaiting_llama_cpp and time.monotonic() >= next_look:
+                next_look += LLAMA_CPP_LOOK_S
+                if (ready := llama_cpp_ready_line()) is not None:
+                    console.print(f"[green]{ready}[/]", soft_wrap=True)
+                    awaiting_llama_cpp = False
             time.sleep(0.2)
     except NatsServerError as error:
         raise click.ClickException(f"{error} (see {logs / 'nats-server.log'})") from None
