@@ -128,6 +128,25 @@ def test_streamed_events_become_pieces_tool_calls_and_an_ending() -> None:
     assert llama.parse_event(llama.CHAT_PATH, "[DONE]", state) == (None, None)
 
 
+def test_tokens_the_reasoning_parser_consumes_count_as_reasoning() -> None:
+    """llama-server sends no event for the tokens its parser consumes (`</think>`, the whitespace after it): the
+    answer's first event covers them (`timings.predicted_n` jumps), and they are reasoning's, as MLX counts them."""
+    state = llama.StreamState()
+    events = [
+        ({"reasoning_content": "Let"}, 1),
+        ({"reasoning_content": " me"}, 2),
+        ({"content": "Paris"}, 5),  # `</think>`, a newline, then "Paris"
+        ({"content": "."}, 6),
+    ]
+    pieces = []
+    for delta, sampled in events:
+        event = {"choices": [{"delta": delta, "finish_reason": None}], "timings": {"predicted_n": sampled}}
+        piece, _ = llama.parse_event(llama.CHAT_PATH, json.dumps(event), state)
+        assert piece is not None
+        pieces.append(piece)
+    assert [(p.tokens, p.reasoning_tokens) for p in pieces] == [(1, 1), (1, 1), (3, 2), (1, 0)]
+
+
 def test_llama_server_errors_keep_their_meaning() -> None:
     too_long = {
         "error": {

@@ -49,7 +49,8 @@ class Piece:
     text: str = ""
     logprobs: tuple[TokenLogprob, ...] = ()
     tokens: int = 0
-    """Tokens the event stands for (one per event while streaming; a reasoning token counts too)."""
+    """Tokens the event stands for: the ones sampled since the event before, a reasoning token too (the parser
+    sends none for the tokens it consumes, such as `</think>`, so they count with the next event)."""
     reasoning_tokens: int = 0
 
 
@@ -72,6 +73,11 @@ class StreamState:
     """Per call index: its name, then its argument fragments."""
     reason: TaskOutcome = TaskOutcome.STOP
     """Why the choice ended, once an event said so (the usage comes in a later event of its own)."""
+    sampled: int = 0
+    """Tokens sampled as of the last event (llama-server's `timings.predicted_n`, sent with every event)."""
+    reasoning: bool = False
+    """The last piece was reasoning: the tokens the parser consumed before the answer's first (the closing marker,
+    whitespace) are reasoning's, as the MLX engine counts them."""
 
     def parsed_calls(self) -> list[ToolCallParsed]:
         return [ToolCallParsed(parts[0], "".join(parts[1:]) or "{}") for _, parts in sorted(self.calls.items())]
@@ -98,6 +104,9 @@ def chat_request(
         "stream_options": {"include_usage": True},
         "max_tokens": max_tokens,
         "cache_prompt": True,
+        # Each event then says how many tokens were sampled so far: the reasoning parser sends no event for the
+        # tokens it consumes, which the usage's reasoning tokens would otherwise leave out.
+        "timings_per_token": True,
         **_sampling(sampling, request.sampling.repeat_last_n, seed, window),
     }
     if request.output_schema is not None:
@@ -256,6 +265,8 @@ def parse_event(path: str, data: str, state: StreamState) -> tuple[Piece | None,
 
 def _chat_event(event: dict[str, Any], state: StreamState) -> tuple[Piece | None, Ending | None]:
     piece = ending = None
+    timings = event.get("timings") or {}
+    sampled = int(timings.get("predicted_n", state.sampled))
     for choice in event.get("choices") or ():
         delta = choice.get("delta") or {}
         reasoning = delta.get("reasoning_content") or ""
@@ -268,14 +279,19 @@ def _chat_event(event: dict[str, Any], state: StreamState) -> tuple[Piece | None
                 parts.append(function["arguments"])
         logprobs = tuple(_token_logprob(entry) for entry in ((choice.get("logprobs") or {}).get("content") or ()))
         if reasoning or text or logprobs or delta.get("tool_calls"):
-            counted = max(1, len(logprobs))
-            piece = Piece(reasoning, text, logprobs, counted, counted if reasoning and not text else 0)
+            counted = max(1, len(logprobs), sampled - state.sampled)
+            if reasoning and not text:
+                reasoning_tokens = counted
+            else:
+                reasoning_tokens = counted - 1 if state.reasoning else 0
+            state.reasoning = bool(reasoning and not text)
+            piece = Piece(reasoning, text, logprobs, counted, reasoning_tokens)
         if choice.get("finish_reason"):
             state.reason = _FINISH.get(choice["finish_reason"], TaskOutcome.STOP)
             ending = Ending(state.reason)
+    state.sampled = max(state.sampled, sampled)
     usage = event.get("usage")
     if usage:
-        timings = event.get("timings") or {}
         ending = Ending(
             state.reason,
             int(usage.get("prompt_tokens", 0)),
