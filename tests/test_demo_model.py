@@ -547,16 +547,21 @@ def assert_imports_over_a_stored_model_lose_nothing(
         assert not (models / model_dir_name(ModelId(other))).exists()
     # Ctrl-C of the CLI once the node has the import: its downloader finishes the replacement. A replaced GGUF takes
     # its directory's place whole, the MLX form converted from the old one with it.
+    # The downloader is stopped until the CLI has gone, so the import cannot end before the Ctrl-C.
     before = httpx.get(f"{api}/state", timeout=10).json()["imports"]["local/smol"]["import_id"]
-    with open(tmp_path / "interrupted.log", "wb") as log:
-        interrupted = subprocess.Popen([*command, gguf, "--id", "local/smol", "--replace"], stderr=log, env=env)
+    os.killpg(downloader.pid, signal.SIGSTOP)
+    try:
+        with open(tmp_path / "interrupted.log", "wb") as log:
+            interrupted = subprocess.Popen([*command, gguf, "--id", "local/smol", "--replace"], stderr=log, env=env)
 
-        def requested() -> bool:
-            return httpx.get(f"{api}/state", timeout=10).json()["imports"]["local/smol"]["import_id"] != before
+            def requested() -> bool:
+                return httpx.get(f"{api}/state", timeout=10).json()["imports"]["local/smol"]["import_id"] != before
 
-        assert wait_for(requested, timeout=60)
-        interrupted.send_signal(signal.SIGINT)
-        assert interrupted.wait(60) == 1
+            assert wait_for(requested, timeout=60)
+            interrupted.send_signal(signal.SIGINT)
+            assert interrupted.wait(60) == 1
+    finally:
+        os.killpg(downloader.pid, signal.SIGCONT)
     assert "Aborted" in (tmp_path / "interrupted.log").read_text()
 
     def finished() -> bool:
