@@ -99,7 +99,14 @@ class Machine:
         return json.loads(listed.stdout)
 
     def route_names(self) -> set[str]:
-        routez = self.get("/routez", MONITOR_PORT)
+        """The servers its NATS server routes to; none while that server is not listening (starting, or restarting
+        as the cluster forms: a busy machine makes that window seconds long)."""
+        try:
+            routez = self.get("/routez", MONITOR_PORT)
+        except AssertionError as error:
+            if "ConnectionRefusedError" in str(error):
+                return set()
+            raise
         assert isinstance(routez, dict)
         return {r["remote_name"] for r in routez.get("routes") or []}
 

@@ -149,9 +149,7 @@ class Embedder:
             await server.stop()
             raise
         self._server = server
-        self._client = httpx.AsyncClient(
-            base_url=server.url, headers=server.headers, timeout=httpx.Timeout(None, connect=10.0)
-        )
+        self._client = server.client()
 
     async def _stop(self) -> None:
         client, server = self._client, self._server

@@ -44,9 +44,7 @@ class LlamaCppEngine:
     ) -> None:
         self.server = server
         self.stats = EngineFigures()
-        self._client = httpx.AsyncClient(
-            base_url=server.url, headers=server.headers, timeout=httpx.Timeout(None, connect=10.0)
-        )
+        self._client = server.client()
         self._slots = asyncio.Semaphore(slots)
         self._rows: dict[str, asyncio.Task[None]] = {}
         self._endings: dict[str, TaskOutcome] = {}

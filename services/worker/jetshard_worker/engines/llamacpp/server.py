@@ -19,6 +19,10 @@ import httpx
 
 HEALTH_POLL_S = 0.1
 STOP_GRACE_S = 5.0
+IDLE_CONNECTION_S = 2.0
+"""How long the runner keeps an idle connection to llama-server for the next request: well under the 5 s after
+which llama-server (cpp-httplib) closes one. httpx's own default is those same 5 s, and a request sent on a
+connection as the server closed it failed with "Server disconnected without sending a response"."""
 
 
 class ServerDied(RuntimeError):
@@ -94,6 +98,15 @@ class LlamaServer:
     @property
     def headers(self) -> dict[str, str]:
         return {"Authorization": f"Bearer {self._key}"}
+
+    def client(self) -> httpx.AsyncClient:
+        """A client for its requests: streams wait as long as generation takes; connecting does not."""
+        return httpx.AsyncClient(
+            base_url=self.url,
+            headers=self.headers,
+            timeout=httpx.Timeout(None, connect=10.0),
+            limits=httpx.Limits(keepalive_expiry=IDLE_CONNECTION_S),
+        )
 
     async def start(self, timeout_s: float) -> None:
         """Start it and wait until it has loaded the model (`/health` answers 200; 503 while loading)."""
