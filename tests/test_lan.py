@@ -99,16 +99,19 @@ class Machine:
         return json.loads(listed.stdout)
 
     def route_names(self) -> set[str]:
-        """The servers its NATS server routes to; none while that server is not listening (starting, or restarting
-        as the cluster forms: a busy machine makes that window seconds long)."""
-        try:
-            routez = self.get("/routez", MONITOR_PORT)
-        except AssertionError as error:
-            if "ConnectionRefusedError" in str(error):
-                return set()
-            raise
+        routez = self.get("/routez", MONITOR_PORT)
         assert isinstance(routez, dict)
         return {r["remote_name"] for r in routez.get("routes") or []}
+
+    def routes_to(self, names: set[str]) -> bool:
+        """Its NATS server routes to all of `names`; False while that server is not listening (starting, or
+        restarting as the cluster forms: a busy machine makes that window seconds long)."""
+        try:
+            return names <= self.route_names()
+        except AssertionError as error:
+            if "ConnectionRefusedError" in str(error):
+                return False
+            raise
 
 
 @dataclass
@@ -137,7 +140,7 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LanCluster]:
                 if not all((m.root / "data" / "lan.json").exists() for m in machines):
                     return False
                 names = {m.server_name for m in machines}
-                routed = all(names - {m.server_name} <= m.route_names() for m in machines)
+                routed = all(m.routes_to(names - {m.server_name}) for m in machines)
                 return routed and "retiring the witness" in first.output()
 
             formed_s = until_sync(
