@@ -157,6 +157,13 @@ class Figures:
     itl_p95: float
     tokens: int
     wall_s: float
+    """Summed over rounds: each round's first request sent to its last token."""
+
+    @property
+    def output_tok_s(self) -> float:
+        """Every token of every round over the rounds' whole time, first request to last token (vLLM's serving
+        benchmark's output throughput): unlike the decode rate, not moved by which stream got its first token first."""
+        return self.tokens / self.wall_s if self.wall_s > 0 else 0.0
 
 
 def percentile(values: Sequence[float], q: float) -> float:
