@@ -137,27 +137,17 @@ def rpc_server(
 
 
 @contextlib.contextmanager
+def leader_command(model: Path, *args: str) -> list[str]:
+    """llama-server on 127.0.0.1:LEADER_PORT, one thread, 1024 tokens of context, then `args`."""
+    address = ["--host", "127.0.0.1", "--port", str(LEADER_PORT)]
+    return ["./bin/llama-server", "-m", str(model), *address, "-c", "1024", "-t", "1", *args]
+
+
 def leader(model: Path, log: Path, *args: str, ready_timeout_s: float = 120) -> Iterator[subprocess.Popen[bytes]]:
     """llama-server in this namespace (h1) on 127.0.0.1:LEADER_PORT."""
     import httpx
 
-    command = [
-        "./bin/llama-server",
-        "-m",
-        str(model),
-        "--host",
-        "127.0.0.1",
-        "--port",
-        str(LEADER_PORT),
-        "-c",
-        "1024",
-        "-np",
-        "1",
-        "-t",
-        "1",
-        "--no-webui",
-        *args,
-    ]
+    command = leader_command(model, "-np", "1", "--no-webui", *args)
     with open(log, "wb") as out:
         proc = subprocess.Popen(command, cwd=BUILD, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
     try:
@@ -278,23 +268,7 @@ def exp_stranger(h2: str, h3: str, a2: str) -> None:
         log2 = WORK / "stranger-first-leader.log"
         with open(log2, "wb") as out2:
             lead = subprocess.Popen(
-                [
-                    "./bin/llama-server",
-                    "-m",
-                    str(WORK / "tiny4-f16.gguf"),
-                    "--host",
-                    "127.0.0.1",
-                    "--port",
-                    str(LEADER_PORT),
-                    "-c",
-                    "1024",
-                    "-t",
-                    "1",
-                    "--rpc",
-                    f"{a2}:{RPC_PORT}",
-                    "-ngl",
-                    "99",
-                ],
+                leader_command(WORK / "tiny4-f16.gguf", "--rpc", f"{a2}:{RPC_PORT}", "-ngl", "99"),
                 cwd=BUILD,
                 stdout=out2,
                 stderr=subprocess.STDOUT,
