@@ -270,6 +270,9 @@ def test_a_killed_llama_server_fails_its_stream_clearly_and_the_instance_heals(
         if "llama-server" in " ".join(p.cmdline()) and "--embeddings" not in p.cmdline()
     ]
     body = {"model": llamacpp_cluster.model, "messages": STORY, "max_tokens": 400, "temperature": 0, "stream": True}
+    # Read before the kill: the demo reloads in about a second, so its instance may be ready again by the time the
+    # stream's error has been read.
+    generation = cluster.get(f"/instances/{llamacpp_cluster.instance_id}")["generation"]
     errors = []
     with httpx.stream("POST", f"{llamacpp_cluster.api}/v1/chat/completions", json=body, timeout=120) as response:
         for line in response.iter_lines():
@@ -279,7 +282,6 @@ def test_a_killed_llama_server_fails_its_stream_clearly_and_the_instance_heals(
                 errors.append(json.loads(line.removeprefix("data: "))["error"])
     assert errors and "llama" in errors[0]["message"], errors
     assert wait_for(lambda: _gone(server), timeout=30)
-    generation = cluster.get(f"/instances/{llamacpp_cluster.instance_id}")["generation"]
 
     def healed() -> bool:
         instance = cluster.get(f"/instances/{llamacpp_cluster.instance_id}")
