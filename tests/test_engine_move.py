@@ -129,8 +129,10 @@ async def test_a_request_whose_instance_leaves_before_the_sequencer_takes_it_wai
 
 
 async def _make_ready(cluster: Cluster, node: NodeId, instance_id: InstanceId) -> None:
-    """Report what the node's downloader and runner would: the shard's layers on disk, then the runner ready."""
-    instance = cluster.follower.state.instances[instance_id]
+    """Report what the node's downloader and runner would: the shard's layers on disk, then the runner ready. The
+    test's own follower may not have read the placement yet when the API answered it."""
+    state = await cluster.wait(lambda s: instance_id in s.instances, what=f"{instance_id} in the test's state")
+    instance = state.instances[instance_id]
     (shard,) = instance.shards
     progress = completed(shard.start_layer, shard.end_layer)
     await cluster.submit(ReportDownloadProgress(node_id=node, model_id=ModelId(MODEL), progress=progress))

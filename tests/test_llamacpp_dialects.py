@@ -4,6 +4,7 @@ embeddings from a second llama-server, and an instance that heals when its llama
 
 from __future__ import annotations
 
+import asyncio
 import json
 import math
 import signal
@@ -76,6 +77,28 @@ def test_seeds_reproduce_and_n_choices_draw_apart(client: openai.OpenAI, llamacp
     first = draw(7)
     assert len(first) == 2 and draw(7) == first
     assert first[0] != first[1]  # each choice its own draw
+
+
+def test_requests_queued_behind_full_slots_are_all_answered(llamacpp_cluster: LlamaCppCluster) -> None:
+    """More requests than llama.cpp has slots: each queued one goes to llama-server the moment a stream ends, the
+    instant its connection closes (llama-server closes it after every stream). Every one is answered."""
+
+    async def crowd() -> list[str]:
+        async with openai.AsyncOpenAI(
+            base_url=f"{llamacpp_cluster.api}/v1", api_key="unused", timeout=120, max_retries=0
+        ) as client:
+            replies = await asyncio.gather(
+                *(
+                    client.chat.completions.create(
+                        model=llamacpp_cluster.model, messages=[{"role": "user", "content": f"Say {n}."}], max_tokens=1
+                    )
+                    for n in range(60)
+                )
+            )
+        return [reply.choices[0].finish_reason for reply in replies]
+
+    for _ in range(4):  # the window is narrow: each round opens it about 60 times
+        assert asyncio.run(crowd()) == ["length"] * 60
 
 
 def test_a_top_k_past_32_bits_cuts_nothing(client: openai.OpenAI, llamacpp_cluster: LlamaCppCluster) -> None:
