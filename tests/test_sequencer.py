@@ -25,13 +25,14 @@ from jetshard_bus.options import NatsOptions
 from jetshard_bus.streams import BusTimings, declare, subscribe_events
 from jetshard_schema import subjects
 from jetshard_schema.cards import ModelCard
-from jetshard_schema.codec import decode_event, decode_state, encode
+from jetshard_schema.codec import decode_command, decode_event, decode_state, encode
 from jetshard_schema.commands import AddCustomModelCard, ReportNodeProfile
 from jetshard_schema.events import CommandRejected, CustomModelCardAdded, EventEnvelope, NodeJoined
 from jetshard_schema.ids import CommandId, NodeId
 from jetshard_schema.state import State, apply
 from jetshard_schema.types import NodeProfile, RejectCode
-from jetshard_sequencer.service import atomic_batch_headers
+from jetshard_sequencer.service import atomic_batch_headers, next_commands
+from nats.js.api import AckPolicy, ConsumerConfig
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -260,6 +261,33 @@ async def test_kill_9_of_the_leader_during_a_burst_loses_and_duplicates_nothing(
     assert duplicated == {}
     assert all(isinstance(events[0].event, CustomModelCardAdded) for events in per.values())
     await follower.stop()
+
+
+async def test_fetching_commands_leaves_no_request_open_to_take_the_next_one(bus) -> None:
+    """The sequencer waits for one command, then takes exactly as many as are pending. A fetch that returns with
+    fewer commands than it asked for leaves its request open on the server; the next command then went to that
+    spent request and reached the sequencer only when it expired, up to 0.2 s later, on the way of every
+    request's first token."""
+    _, js = bus
+    config = ConsumerConfig(ack_policy=AckPolicy.ALL, max_ack_pending=-1)
+    commands = await js.pull_subscribe(
+        f"{subjects.COMMAND_PREFIX}.>", durable="fetching", stream=subjects.COMMANDS_STREAM, config=config
+    )
+    assert await next_commands(commands, batch_size=256) == []
+    for count in (1, 3, 1):
+        # The fetch waits (the server holds its request) when the commands arrive.
+        fetching = asyncio.create_task(next_commands(commands, batch_size=256))
+        await asyncio.sleep(0.05)
+        for n in range(count):
+            await publish_command(js, add_card(f"fetched-{count}-{n}"))
+        fetched = await fetching
+        while len(fetched) < count:  # the rest of a burst that came while the first was taken
+            fetched += await next_commands(commands, batch_size=256)
+        assert [decode_command(m.data).card.model_id for m in fetched] == [  # type: ignore[union-attr]
+            f"burst/fetched-{count}-{n}" for n in range(count)
+        ]
+        assert (await commands.consumer_info()).num_waiting == 0
+        await fetched[-1].ack()
 
 
 async def test_an_append_with_a_stale_expected_sequence_is_refused(bus) -> None:

@@ -70,6 +70,30 @@ class StoredCommand:
         return cls(msg.seq, msg.subject, msg.data or b"", msg.headers or {})
 
 
+COMMAND_WAIT_S = 0.2
+"""How long one fetch waits for a command: the lease is checked between fetches."""
+
+
+async def next_commands(subscription: JetStreamContext.PullSubscription, batch_size: int) -> list[Msg]:
+    """The next commands, at most `batch_size`; none if none came within `COMMAND_WAIT_S`.
+
+    One command is waited for, then exactly as many more as its delivery says are pending. A single fetch of a
+    whole batch would leave its request open on the server once it returned with fewer: a command that arrived
+    next went to that spent request, and the fetch waiting then took it only when the spent one expired, up to
+    `COMMAND_WAIT_S` later (a request's time to first token drew 0-150 ms more, at random)."""
+    try:
+        first = await subscription.fetch(1, timeout=COMMAND_WAIT_S)
+    except (TimeoutError, nats.errors.TimeoutError):
+        return []
+    pending = min(first[0].metadata.num_pending, batch_size - 1)
+    if pending == 0:
+        return first
+    try:
+        return first + await subscription.fetch(pending, timeout=COMMAND_WAIT_S)
+    except (TimeoutError, nats.errors.TimeoutError):
+        return first
+
+
 @dataclass(frozen=True)
 class SequencerConfig:
     nats: NatsOptions = NatsOptions()
@@ -294,9 +318,7 @@ class Leader:
         while not stop.is_set():
             self._check_lease()
             try:
-                messages = await subscription.fetch(self._config.batch_size, timeout=0.2)
-            except (TimeoutError, nats.errors.TimeoutError):
-                messages = []
+                messages = await next_commands(subscription, self._config.batch_size)
             except nats.js.errors.APIError as error:  # e.g. our consumer was removed while we were paused
                 raise StaleLeaderError(f"reading commands failed: {error}") from error
             self._check_lease()  # the fetch may have waited while the process was paused
