@@ -20,14 +20,16 @@ import time
 from pathlib import Path
 
 import nats
+from jetshard_bus.commands import publish_command
 from jetshard_bus.connect import connect
 from jetshard_bus.follower import StateFollower
 from jetshard_bus.natsserver import Fsync, start_nats_server
 from jetshard_bus.options import NatsOptions
 from jetshard_bus.snapshots import save_snapshot, stream_created
 from jetshard_schema import subjects
+from jetshard_schema.cards import ModelCard
 from jetshard_schema.codec import encode
-from jetshard_schema.commands import ReportDownloadProgress
+from jetshard_schema.commands import AddCustomModelCard, ReportDownloadProgress
 from jetshard_schema.events import DownloadProgressed, EventEnvelope
 from jetshard_schema.ids import CommandId, ModelId, NodeId
 from jetshard_schema.types import DownloadProgress, DownloadStatus
@@ -49,6 +51,19 @@ async def raw_publish_rate(url: str, n: int) -> float:
     await js.delete_stream("BENCH_SCRATCH")
     await client.close()
     return n / elapsed
+
+
+BENCH_CARD = ModelCard(
+    model_id=ModelId("bench/model"),
+    architecture="llama",
+    num_layers=4,
+    hidden_size=64,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    vocab_size=100,
+    storage_size_bytes=1 << 20,
+)
+"""The card the commands report progress for: progress for a model without a card changes nothing (no event)."""
 
 
 def progress(i: int) -> ReportDownloadProgress:
@@ -78,8 +93,10 @@ async def sequencer_rate(url: str, n: int, log: Path) -> tuple[float, float]:
                 break
             except Exception:
                 await asyncio.sleep(0.05)
+        await publish_command(js, AddCustomModelCard(card=BENCH_CARD))
         follower = StateFollower(js)
         await follower.start()
+        await follower.wait_until(lambda s: s.custom_cards.get(BENCH_CARD.model_id) is not None, 60)
         base = follower.state.last_seq
         commands = [(progress(i).subject, encode(progress(i)), CommandId(f"bench-{i}")) for i in range(n)]
         started = time.perf_counter()
