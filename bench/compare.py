@@ -135,7 +135,10 @@ def main() -> None:
     """Per server, the README request's median latency idle and busy, in seconds."""
 
     print("jetshard: starting `jetshard up`…", flush=True)
-    with jetshard_up(root / "jetshard", args.model) as (api, up):
+    # MLX against MLX: the node gets no llama.cpp build (an empty build cache, no background compile), so the
+    # demo is served from its MLX conversion, as mlx_lm.server is.
+    mlx_only = {"JETSHARD_LLAMA_CPP_CACHE": str(root / "no-llama-cpp"), "JETSHARD_BUILD_LLAMA_CPP": "0"}
+    with jetshard_up(root / "jetshard", args.model, env=mlx_only) as (api, up):
         from jetshard_downloader.dirs import ModelDirs
         from jetshard_downloader.locate import find_model
 
