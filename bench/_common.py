@@ -397,6 +397,13 @@ def serving_of(api: str, instance_id: str) -> dict[str, Any]:
     return dict(state.get("instances", {}).get(instance_id, {}).get("serving") or {})
 
 
+def mlx_only_env(root: Path) -> dict[str, str]:
+    """Environment that keeps a bench's jetshard on MLX: an empty llama.cpp build cache under `root` and no
+    background compile. With a build at hand, placement serves the demo on llama.cpp on a CPU node; without one,
+    a worker would compile it while the bench measures."""
+    return {"JETSHARD_LLAMA_CPP_CACHE": str(root / "no-llama-cpp"), "JETSHARD_BUILD_LLAMA_CPP": "0"}
+
+
 def jetshard_env(root: Path) -> dict[str, str]:
     """The environment of a `jetshard up` in `root` (its own data, config and model directories), and of the
     commands that talk to it."""

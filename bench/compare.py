@@ -52,6 +52,7 @@ from _common import (
     jetshard_up,
     machine_line,
     mlx_lm_server,
+    mlx_only_env,
     ms,
     rss_mib,
     runner_env,
@@ -135,10 +136,8 @@ def main() -> None:
     """Per server, the README request's median latency idle and busy, in seconds."""
 
     print("jetshard: starting `jetshard up`…", flush=True)
-    # MLX against MLX: the node gets no llama.cpp build (an empty build cache, no background compile), so the
-    # demo is served from its MLX conversion, as mlx_lm.server is.
-    mlx_only = {"JETSHARD_LLAMA_CPP_CACHE": str(root / "no-llama-cpp"), "JETSHARD_BUILD_LLAMA_CPP": "0"}
-    with jetshard_up(root / "jetshard", args.model, env=mlx_only) as (api, up):
+    # MLX against MLX: the demo is served from its MLX conversion, as mlx_lm.server serves it.
+    with jetshard_up(root / "jetshard", args.model, env=mlx_only_env(root)) as (api, up):
         from jetshard_downloader.dirs import ModelDirs
         from jetshard_downloader.locate import find_model
 

@@ -50,6 +50,7 @@ from _common import (
     figures,
     fresh_prompts,
     machine_line,
+    mlx_only_env,
     ms,
     percentile,
     place,
@@ -176,6 +177,7 @@ def main() -> None:
         "JETSHARD_OFFLINE": "1",
         "JETSHARD_LOG_LEVEL": "INFO",
         "JETSHARD_LIVENESS_TTL_S": "60",
+        **mlx_only_env(root),  # pipelines and tensor parallelism are MLX's
     }
     services = Services(root, env)
     if args.parallelism == "tensor":
