@@ -27,13 +27,15 @@ from jetshard_bus.natsserver import Fsync, start_nats_server
 from jetshard_bus.options import NatsOptions
 from jetshard_bus.snapshots import save_snapshot, stream_created
 from jetshard_schema import subjects
-from jetshard_schema.cards import ModelCard
 from jetshard_schema.codec import encode
 from jetshard_schema.commands import AddCustomModelCard, ReportDownloadProgress
 from jetshard_schema.events import DownloadProgressed, EventEnvelope
 from jetshard_schema.ids import CommandId, ModelId, NodeId
 from jetshard_schema.types import DownloadProgress, DownloadStatus
 from nats.js.api import StreamConfig
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+from helpers.cards import tiny_card
 
 RATIO_GOAL = 0.25
 REBUILD_GOAL_S = 1.0
@@ -53,22 +55,13 @@ async def raw_publish_rate(url: str, n: int) -> float:
     return n / elapsed
 
 
-BENCH_CARD = ModelCard(
-    model_id=ModelId("bench/model"),
-    architecture="llama",
-    num_layers=4,
-    hidden_size=64,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    vocab_size=100,
-    storage_size_bytes=1 << 20,
-)
+BENCH_CARD = tiny_card("bench/model")
 """The card the commands report progress for: progress for a model without a card changes nothing (no event)."""
 
 
 def progress(i: int) -> ReportDownloadProgress:
     return ReportDownloadProgress(
-        model_id=ModelId("bench/model"),
+        model_id=BENCH_CARD.model_id,
         node_id=NodeId(f"node-{i % 4}"),
         progress=DownloadProgress(
             status=DownloadStatus.ONGOING, bytes_done=i, bytes_total=10**9, speed_bytes_per_s=1e6, directory="/models"
