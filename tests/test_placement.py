@@ -487,12 +487,57 @@ def test_placement_chooses_the_fastest_engine_the_nodes_run_for_a_format_the_car
         place(GGUF_ONLY, [node("a", 64)], serving=SMALL_ROWS)
 
 
-def test_llama_cpp_goes_to_the_node_with_most_memory_that_runs_it_and_falls_back_to_mlx_across_nodes() -> None:
+def test_llama_cpp_goes_to_the_node_with_most_memory_that_runs_it() -> None:
     nodes = [*running(BOTH, node("a", 20)), node("big", 60)]  # "big" has no llama.cpp yet
     assert [s.node_id for s in place(GGUF_AND_MLX, nodes, serving=SMALL_ROWS).shards] == ["a"]
-    # 4.5 GiB of GGUF fits no single node; MLX splits it over both.
-    split = place(GGUF_AND_MLX, running(BOTH, node("a", 3.5), node("b", 3.5)), serving=SMALL_ROWS)
-    assert split.serving.engine is Engine.MLX and len(split.shards) == 2
+
+
+def test_a_gguf_no_node_holds_is_split_across_llama_cpp_nodes_by_memory_the_leader_first() -> None:
+    # 4.5 GiB of GGUF (32 layers) fits no single node; llama.cpp splits it over the fewest that hold it.
+    nodes = running(BOTH, node("small", 1.5), node("a", 3.5), node("b", 2.5))
+    split = place(GGUF_AND_MLX, nodes, serving=SMALL_ROWS)
+    assert split.serving.engine is Engine.LLAMA_CPP
+    assert [s.node_id for s in split.shards] == ["a", "b"]  # most memory first: the leader
+    assert [s.rank for s in split.shards] == [0, 1]
+    assert (split.shards[0].start_layer, split.shards[-1].end_layer) == (0, 32)
+    assert split.shards[0].end_layer == split.shards[1].start_layer
+    assert split.shards[0].end_layer > 16  # in proportion to memory: a holds more than b
+    assert all(s.weights is WeightsDtype.NATIVE for s in split.shards)
+    assert split.required_bytes == sum(s.memory_bytes for s in split.shards)
+    # Each shard fits its node, and the pair together takes about the whole GGUF plus a compute buffer each.
+    for shard in split.shards:
+        assert shard.memory_bytes <= next(n for n in nodes if n.node_id == shard.node_id).profile.memory_available_bytes
+    one_node = required_memory_bytes(GGUF_AND_MLX, replace(SMALL_ROWS, engine=Engine.LLAMA_CPP))
+    assert one_node < split.required_bytes <= one_node + llama_cpp_compute_bytes(GGUF_AND_MLX) + 1
+    # The instance's leader is its first rank on llama.cpp (its last on MLX).
+    instance = Instance(instance_id="i", model_id=GGUF_AND_MLX.model_id, shards=split.shards, serving=split.serving)
+    assert instance.leader_node == "a"
+    mlx = replace(instance, serving=replace(split.serving, engine=Engine.MLX))
+    assert mlx.leader_node == "b"
+    # Asked for, it splits a model that one node holds too; the nodes named are taken in their order.
+    roomy = running(BOTH, node("a", 64), node("b", 64), node("c", 64))
+    assert len(place(GGUF_AND_MLX, roomy, min_nodes=3, serving=SMALL_ROWS).shards) == 3
+    named = place(GGUF_AND_MLX, roomy, [NodeId("c"), NodeId("a")], serving=SMALL_ROWS)
+    assert [s.node_id for s in named.shards] == ["c", "a"] and named.serving.engine is Engine.LLAMA_CPP
+    # Too big for all of them together: why, and what to do.
+    with pytest.raises(PlacementError, match=r"but the 3 node\(s\) that run llama\.cpp have 4\.50 GiB available; add"):
+        place(GGUF_ONLY, running(BOTH, node("a", 1.5), node("b", 1.5), node("c", 1.5)), serving=SMALL_ROWS)
+
+
+def test_a_mixed_cluster_places_each_instance_on_nodes_of_one_engine_and_says_why_when_none_can() -> None:
+    mac = running((Engine.MLX,), node("mac", 64, accelerator="metal"))
+    cpus = running(BOTH, node("a", 3.5), node("b", 3.5))
+    # The GGUF-only model goes to the llama.cpp nodes, across both: never to the Mac that has room but not the engine.
+    gguf = place(GGUF_ONLY, [*mac, *cpus], serving=SMALL_ROWS)
+    assert gguf.serving.engine is Engine.LLAMA_CPP and {s.node_id for s in gguf.shards} == {"a", "b"}
+    # A model in both formats asked across all three: one engine every node runs, MLX.
+    both = place(GGUF_AND_MLX, [*mac, *cpus], [NodeId("mac"), NodeId("a"), NodeId("b")], serving=SMALL_ROWS)
+    assert both.serving.engine is Engine.MLX and len(both.shards) == 3
+    # Only the Mac has the memory for a GGUF-only model it cannot run.
+    with pytest.raises(PlacementError, match=r"needs .* but the 2 node\(s\) that run llama\.cpp have 3\.00 GiB"):
+        place(GGUF_ONLY, [*mac, *running(BOTH, node("a", 1.5), node("b", 1.5))], serving=SMALL_ROWS)
+    with pytest.raises(EngineUnavailable, match=r"^mac does not run llama\.cpp"):
+        place(GGUF_ONLY, [*mac, *cpus], [NodeId("mac"), NodeId("a")], serving=SMALL_ROWS)
 
 
 def test_an_engine_asked_for_that_cannot_serve_is_refused_naming_it() -> None:
@@ -504,15 +549,14 @@ def test_an_engine_asked_for_that_cannot_serve_is_refused_naming_it() -> None:
         place(GGUF_ONLY, nodes, serving=replace(SMALL_ROWS, engine=Engine.MLX))
     with pytest.raises(EngineUnavailable, match=r"^plain does not run llama\.cpp"):
         place(GGUF_AND_MLX, [*nodes, node("plain", 64)], [NodeId("plain")], serving=llama_cpp)
-    for across in ({"min_nodes": 2}, {"node_ids": [NodeId("a"), NodeId("b")]}):
-        with pytest.raises(EngineMismatch, match=r"llama\.cpp serves an instance from one node.*RPC"):
-            place(GGUF_AND_MLX, nodes, serving=llama_cpp, **across)  # type: ignore[arg-type]
     with pytest.raises(EngineMismatch, match=r"llama\.cpp serves an instance as a pipeline"):
         place(GGUF_AND_MLX, nodes, serving=replace(llama_cpp, parallelism=Parallelism.TENSOR))
     with pytest.raises(EngineMismatch, match=r"own quantization \(Q4_0\); weights float32 applies to MLX only"):
         place(GGUF_AND_MLX, nodes, serving=replace(llama_cpp, weights=WeightsDtype.FLOAT32))
     # Left to placement, what llama.cpp cannot do goes to MLX.
-    assert place(GGUF_AND_MLX, nodes, min_nodes=2, serving=SMALL_ROWS).serving.engine is Engine.MLX
+    assert place(GGUF_AND_MLX, nodes, min_nodes=2, serving=SMALL_ROWS).serving.engine is Engine.LLAMA_CPP
+    tensor = replace(SMALL_ROWS, parallelism=Parallelism.TENSOR)
+    assert place(GGUF_AND_MLX, nodes, min_nodes=2, serving=tensor).serving.engine is Engine.MLX
     float32 = replace(SMALL_ROWS, weights=WeightsDtype.FLOAT32)
     assert place(GGUF_AND_MLX, nodes, serving=float32).serving.engine is Engine.MLX
     named = place(GGUF_AND_MLX, nodes, [NodeId("b")], serving=llama_cpp)

@@ -64,15 +64,22 @@ MLX_CUDA_BUILDS = ("mlx-cuda-13", "mlx-cuda-12", "mlx-cuda")
 """The distributions of mlx's CUDA build: with one of them installed, mlx computes on the first NVIDIA GPU."""
 
 
-def node_profile() -> NodeProfile:
+def node_profile(memory_limit_bytes: int | None = None, used_bytes: int = 0) -> NodeProfile:
+    """This machine as placement sees it. With `memory_limit_bytes`, the node lends at most that much of its memory
+    to models: what its runners hold (`used_bytes`) counts against the limit, the rest of the machine's use does
+    not (its owner's own programs), and it never offers more than the machine has available."""
     memory = psutil.virtual_memory()
+    total, available = memory.total, memory.available
+    if memory_limit_bytes is not None:
+        total = min(total, memory_limit_bytes)
+        available = max(0, min(available, memory_limit_bytes - used_bytes))
     gpus = nvidia_gpus()
     return NodeProfile(
         hostname=socket.gethostname(),
         os=f"{platform.system()} {platform.release()}",
         cpu_cores=os.cpu_count() or 1,
-        memory_total_bytes=memory.total,
-        memory_available_bytes=memory.available,
+        memory_total_bytes=total,
+        memory_available_bytes=available,
         accelerator=_accelerator(gpus),
         gpus=gpus,
     )

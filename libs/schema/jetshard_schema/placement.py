@@ -33,9 +33,11 @@ One engine serves an instance (`ServingSettings.engine`), chosen here when the r
 fastest engine every node used runs (`NodeProfile.engines`) for a format the card has (`ModelCard.formats`).
 llama.cpp first where every candidate node computes on its CPU (upstream's kernels are several times MLX's CPU
 path there), MLX first on Apple silicon and NVIDIA; the other engine where the first cannot place the model.
-llama.cpp serves from one node holding every layer (across nodes comes with its RPC backend), as a pipeline,
-in the GGUF's own quantization; it needs the GGUF's size, its KV cache (f16 K and V for each slot's context,
-`llama_cpp_slot_context`), the prompt cache and a compute buffer. The MLX accounting above is MLX's alone.
+llama.cpp serves a pipeline in the GGUF's own quantization, from one node or across several through its RPC
+backend: it needs the GGUF's size, its KV cache (f16 K and V for each slot's context, `llama_cpp_slot_context`),
+the prompt cache and a compute buffer; across nodes each holds its layers' share of the GGUF and of the KV cache,
+and a compute buffer of its own, the leader (the first rank) the prompt cache too. The MLX accounting above is
+MLX's alone.
 """
 
 from __future__ import annotations
@@ -102,7 +104,7 @@ class UnsplittableModel(InvalidPlacement):
 
 class EngineMismatch(InvalidPlacement):
     """The engine cannot serve the request whatever the nodes: the card has no weights in its format, or the
-    request asks what the engine does not do (llama.cpp across nodes, tensor parallelism, a converted dtype)."""
+    request asks what the engine does not do (tensor parallelism or a converted dtype on llama.cpp)."""
 
 
 class EngineUnavailable(PlacementError):
@@ -317,19 +319,20 @@ def place(
     named = node_ids is not None
     engines = [serving.engine] if serving.engine is not None else _engines_by_speed(chosen)
     refusals: list[PlacementError] = []
+    no_format: list[PlacementError] = []
     no_room: list[PlacementError] = []
     for engine in engines:
         refusal = _engine_refusal(engine, card, chosen, named, min_nodes, serving)
         if refusal is not None:
-            refusals.append(refusal)
+            (refusals if engine_format(engine) in card.formats else no_format).append(refusal)
             continue
         try:
             return _place_with(engine, card, chosen, named, min_nodes, serving)
         except PlacementError as error:
             no_room.append(error)
     # The reason to act on: that of the fastest engine that could serve the model as asked but did not fit it,
-    # else the fastest engine's refusal.
-    raise (no_room or refusals)[0]
+    # else that of the fastest engine for a format the card has, else the fastest engine's.
+    raise (no_room or refusals or no_format)[0]
 
 
 def _engines_by_speed(nodes: Sequence[Node]) -> list[Engine]:
@@ -356,11 +359,6 @@ def _engine_refusal(
             return EngineMismatch(
                 "llama.cpp serves an instance as a pipeline; tensor parallelism is MLX's: "
                 "leave parallelism out, or use engine mlx"
-            )
-        if min_nodes > 1 or (named and len(chosen) > 1):
-            return EngineMismatch(
-                "llama.cpp serves an instance from one node; serving across nodes comes with its RPC backend: "
-                "place it on one node, or use engine mlx"
             )
         if serving.weights is WeightsDtype.FLOAT32 or serving.weights in NARROWED:
             return EngineMismatch(
@@ -393,38 +391,91 @@ def _place_with(
     if not named:
         chosen = [n for n in chosen if engine in n.profile.engines]
     if engine is Engine.LLAMA_CPP:
-        return _place_llama_cpp(card, chosen, named, serving)
+        return _place_llama_cpp(card, chosen, named, min_nodes, serving)
     return _place_mlx(card, chosen, named, min_nodes, serving)
 
 
-def _place_llama_cpp(card: ModelCard, chosen: Sequence[Node], named: bool, serving: ServingSettings) -> Placement:
-    """The node named, or the one with the most memory, holds every layer in the GGUF's own quantization."""
-    if not chosen:
-        raise NotEnoughNodes("1 node(s) requested but only 0 available")
-    node = chosen[0] if named else min(chosen, key=lambda n: (-llama_cpp_memory_bytes(n.profile), n.node_id))
+def _place_llama_cpp(
+    card: ModelCard, chosen: Sequence[Node], named: bool, min_nodes: int, serving: ServingSettings
+) -> Placement:
+    """The nodes named, or the fewest (at least `min_nodes`) with the most memory, hold every layer in the GGUF's own
+    quantization. The first is the leader: it runs llama-server, keeps the token embedding and the first layers,
+    and reaches the others' layers through llama.cpp's RPC backend, in rank order (the last holds the output)."""
     serving = msgspec.structs.replace(serving, weights=WeightsDtype.NATIVE)
-    required = required_memory_bytes(card, serving)
-    available = llama_cpp_memory_bytes(node.profile)
-    if available < required:
-        kv_cache = llama_cpp_kv_cache_bytes(card, serving.max_batch)
-        which = "" if named else ", the most of any node that runs llama.cpp"
-        raise PlacementError(
-            f"{card.model_id} on llama.cpp needs {_gib(required)} (the GGUF {_gib(card.storage_size_bytes)}"
-            f"{f' as {card.file_type}' if card.file_type else ''}, a KV cache of {_gib(kv_cache)} for "
-            f"{serving.max_batch} slot(s) of {llama_cpp_slot_context(card)} tokens, a prompt cache of "
-            f"{_gib(serving.prefix_cache_bytes)} and {_gib(llama_cpp_compute_bytes(card))} to compute) but "
-            f"{node.node_id} has {_gib(available)} available{which}; lower max_batch or prefix_cache_bytes, "
-            "free memory, or choose a smaller model"
+    if len(chosen) < min_nodes:
+        raise NotEnoughNodes(f"{min_nodes} node(s) requested but only {len(chosen)} run llama.cpp")
+    if not named:
+        chosen = sorted(chosen, key=lambda n: (-llama_cpp_memory_bytes(n.profile), n.node_id))
+    sizing = _LlamaCppSizing(card, serving)
+    if not named:
+        count, held = 0, 0.0
+        for count, node in enumerate(chosen, start=1):
+            held += sizing.layers_held(node, leader=count == 1)
+            if count >= min_nodes and held >= card.num_layers:
+                break
+        chosen = chosen[:count]
+    if len(chosen) > card.num_layers:
+        raise PlacementError(f"{card.model_id} has {card.num_layers} layers, fewer than the {len(chosen)} nodes")
+    held_by = [sizing.layers_held(node, leader=rank == 0) for rank, node in enumerate(chosen)]
+    if sum(held_by) < card.num_layers or min(held_by) < 1:
+        raise PlacementError(sizing.shortfall(chosen, named))
+    # Layers in proportion to what each node holds (in thousandths of a layer: integer weights for split_layers).
+    ranges = split_layers(card.num_layers, [max(1, int(held * 1000)) for held in held_by])
+    shards = tuple(
+        ShardAssignment(
+            node_id=node.node_id,
+            rank=rank,
+            start_layer=start,
+            end_layer=end,
+            memory_bytes=sizing.shard_bytes(end - start, leader=rank == 0, nodes=len(chosen)),
+            weights=WeightsDtype.NATIVE,
         )
-    shard = ShardAssignment(
-        node_id=node.node_id,
-        rank=0,
-        start_layer=0,
-        end_layer=card.num_layers,
-        memory_bytes=required,
-        weights=WeightsDtype.NATIVE,
+        for rank, (node, (start, end)) in enumerate(zip(chosen, ranges, strict=True))
     )
-    return Placement(shards=(shard,), required_bytes=required, serving=serving)
+    return Placement(shards=shards, required_bytes=sum(s.memory_bytes for s in shards), serving=serving)
+
+
+class _LlamaCppSizing:
+    """What llama.cpp takes on each node of an instance: a share of the GGUF and of every slot's KV cache for each
+    layer the node holds, a compute buffer on every node, and the prompt cache (`--cache-ram`) on the leader. One
+    node holding every layer takes exactly `required_memory_bytes`."""
+
+    def __init__(self, card: ModelCard, serving: ServingSettings) -> None:
+        self.card, self.serving = card, serving
+        self.kv_cache = llama_cpp_kv_cache_bytes(card, serving.max_batch)
+        self.layer_bytes = (card.storage_size_bytes + self.kv_cache) / card.num_layers
+        self.compute = llama_cpp_compute_bytes(card)
+
+    def overhead(self, leader: bool) -> int:
+        return self.compute + (self.serving.prefix_cache_bytes if leader else 0)
+
+    def layers_held(self, node: Node, leader: bool) -> float:
+        return max(0, llama_cpp_memory_bytes(node.profile) - self.overhead(leader)) / self.layer_bytes
+
+    def shard_bytes(self, layers: int, leader: bool, nodes: int) -> int:
+        if nodes == 1:
+            return required_memory_bytes(self.card, self.serving)
+        return int(layers * self.layer_bytes) + self.overhead(leader)
+
+    def shortfall(self, chosen: Sequence[Node], named: bool) -> str:
+        card, serving = self.card, self.serving
+        needs = (
+            f"{card.model_id} on llama.cpp needs {_gib(required_memory_bytes(card, serving))} (the GGUF "
+            f"{_gib(card.storage_size_bytes)}{f' as {card.file_type}' if card.file_type else ''}, a KV cache of "
+            f"{_gib(self.kv_cache)} for {serving.max_batch} slot(s) of {llama_cpp_slot_context(card)} tokens, a "
+            f"prompt cache of {_gib(serving.prefix_cache_bytes)} and {_gib(self.compute)} to compute on each node)"
+        )
+        if len(chosen) == 1:
+            which = "" if named else ", the most of any node that runs llama.cpp"
+            has = f"{chosen[0].node_id} has {_gib(llama_cpp_memory_bytes(chosen[0].profile))} available{which}"
+        else:
+            available = sum(llama_cpp_memory_bytes(n.profile) for n in chosen)
+            which = "" if named else " that run llama.cpp"
+            has = f"the {len(chosen)} node(s){which} have {_gib(available)} available"
+        return (
+            f"{needs} but {has}; add nodes, lower max_batch or prefix_cache_bytes, free memory, or choose a smaller "
+            "model"
+        )
 
 
 def llama_cpp_memory_bytes(profile: NodeProfile) -> int:
@@ -645,7 +696,7 @@ def faster_engine(state: State, instance: Instance, card: ModelCard) -> Engine |
     if fastest is instance.engine or any(fastest not in n.profile.engines for n in nodes):
         return None
     if _engine_refusal(fastest, card, nodes, True, 1, instance.requested) is not None:
-        return None  # an instance over several nodes, for llama.cpp
+        return None  # asked for what the faster engine does not do (tensor parallelism, a converted dtype)
     return fastest
 
 
@@ -653,7 +704,7 @@ def faster_placement(state: State, instance: Instance, card: ModelCard) -> Place
     """Where `instance` would move now that its nodes run an engine they did not (llama.cpp, once built): its
     placement as asked (`Instance.requested`), on its own nodes, were it not there. None when placement chose
     its engine and would choose the same again, when the request named the engine, or when the faster engine
-    cannot take it (a multi-node instance on llama.cpp, too little memory)."""
+    cannot take it (tensor parallelism on llama.cpp, too little memory)."""
     if faster_engine(state, instance, card) is None or instance.requested is None:
         return None
     node_ids = [s.node_id for s in instance.shards]

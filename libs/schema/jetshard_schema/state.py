@@ -102,8 +102,14 @@ class Instance(msgspec.Struct, frozen=True, kw_only=True):
 
     @property
     def leader_node(self) -> NodeId:
-        """The node of the last rank, whose runner reads the instance's requests and publishes their output."""
-        return self.shards[-1].node_id
+        """The node whose runner reads the instance's requests and publishes their output: the last rank's on MLX
+        (its pipeline's steps start and end there), the first rank's on llama.cpp (its llama-server keeps the token
+        embedding and reaches the other ranks' layers through llama.cpp's RPC backend)."""
+        return self.shards[self.leader_rank].node_id
+
+    @property
+    def leader_rank(self) -> int:
+        return 0 if self.engine is Engine.LLAMA_CPP else len(self.shards) - 1
 
 
 class Task(msgspec.Struct, frozen=True, kw_only=True):

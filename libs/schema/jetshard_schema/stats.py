@@ -18,7 +18,7 @@ class _Stats(msgspec.Struct, frozen=True, kw_only=True, tag=True, tag_field="typ
 
 
 class RunnerStats(_Stats, frozen=True, kw_only=True):
-    """An instance's leader runner (the last rank): what the instance serves."""
+    """An instance's leader runner (`Instance.leader_node`'s): what the instance serves."""
 
     node_id: ValidNodeId
     instance_id: ValidInstanceId

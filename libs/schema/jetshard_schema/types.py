@@ -104,6 +104,8 @@ class Parallelism(enum.StrEnum):
 
 
 MAX_NODES = 4096
+MAX_CERTIFICATE_CHARS = 4096
+"""A peer certificate's PEM (a self-signed Ed25519 or P-256 certificate takes under 1,000)."""
 MinNodes = Annotated[int, msgspec.Meta(ge=1, le=MAX_NODES)]
 """How many nodes an instance spans at least."""
 NodeIds = Annotated[tuple[ValidNodeId, ...], msgspec.Meta(min_length=1, max_length=MAX_NODES)]
@@ -250,10 +252,14 @@ class RunnerReport(msgspec.Struct, frozen=True, kw_only=True):
 
 
 class Endpoint(msgspec.Struct, frozen=True):
-    """Where a rank's runner listens for its neighbours in the ring."""
+    """Where a rank's runner listens for the instance's other ranks (MLX's ring; llama.cpp's RPC backend)."""
 
     host: str
     port: int
+    certificate_pem: Annotated[str, msgspec.Meta(max_length=MAX_CERTIFICATE_CHARS)] = ""
+    """The certificate its worker session presents on the tunnels between the instance's ranks, which accept only
+    the peers whose certificates the instance's endpoints name (a node reports only its own endpoints: NATS
+    permissions and `handlers.misaddressed`). Empty from a worker before tunnels: no peer connects to it."""
 
 
 class InstanceStatus(enum.StrEnum):

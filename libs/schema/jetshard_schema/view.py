@@ -41,6 +41,9 @@ class ShardDescription(ShardAssignment, frozen=True, kw_only=True):
     """A shard and how far it is: its runner's progress once it has one, else its download's."""
 
     status: str
+    leader: bool = False
+    """Whether this rank's runner serves the instance's requests (`Instance.leader_node`); on llama.cpp across nodes
+    the others serve their layers to it through llama.cpp's RPC backend."""
     worker_session: str | msgspec.UnsetType = msgspec.UNSET
     layers_loaded: int | msgspec.UnsetType = msgspec.UNSET
     layers_total: int | msgspec.UnsetType = msgspec.UNSET
@@ -75,6 +78,7 @@ class InstanceDescription(msgspec.Struct, frozen=True, kw_only=True):
 
 def _describe_shard(state: State, instance: Instance, shard: ShardAssignment) -> ShardDescription:
     fields = msgspec.structs.asdict(shard)
+    fields["leader"] = shard.rank == instance.leader_rank
     node = state.nodes.get(shard.node_id)
     if node is not None:
         fields["device"] = device_of(node.profile)

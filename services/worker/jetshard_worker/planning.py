@@ -23,6 +23,11 @@ class RunnerPlan(msgspec.Struct, frozen=True, kw_only=True):
     model_dir: str
     endpoints: tuple[str, ...]
     """`host:port` of every rank, in rank order."""
+    certificates: tuple[str, ...] = ()
+    """The certificate each rank's worker presents on the instance's tunnels, in rank order (`Endpoint`)."""
+    layer_ranges: tuple[tuple[int, int], ...] = ()
+    """Every rank's `[start_layer, end_layer)`, in rank order: llama.cpp's leader splits the model by them."""
+    leader_rank: int = 0
     serving: ServingSettings = ServingSettings()
     weights: WeightsDtype = WeightsDtype.NATIVE
     """What this rank holds its weights as (its shard's own dtype)."""
@@ -77,7 +82,7 @@ def _startable(state: State, instance: Instance, node_id: NodeId) -> RunnerPlan 
         return None
     if any(s.rank not in instance.endpoints for s in instance.shards):
         return None
-    endpoints = tuple(f"{instance.endpoints[s.rank].host}:{instance.endpoints[s.rank].port}" for s in instance.shards)
+    reported = [instance.endpoints[s.rank] for s in instance.shards]
     return RunnerPlan(
         key=RunnerKey(instance.instance_id, instance.generation),
         model_id=instance.model_id,
@@ -88,7 +93,10 @@ def _startable(state: State, instance: Instance, node_id: NodeId) -> RunnerPlan 
         start_layer=shard.start_layer,
         end_layer=shard.end_layer,
         model_dir=download.progress.directory,
-        endpoints=endpoints,
+        endpoints=tuple(f"{endpoint.host}:{endpoint.port}" for endpoint in reported),
+        certificates=tuple(endpoint.certificate_pem for endpoint in reported),
+        layer_ranges=tuple((s.start_layer, s.end_layer) for s in instance.shards),
+        leader_rank=instance.leader_rank,
     )
 
 

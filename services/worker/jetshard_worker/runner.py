@@ -2,8 +2,10 @@
 through its lifeline (`jetshard_worker.lifeline`), which has it die with its worker (the spec holds no secret: a NATS
 password or token comes in the environment).
 
-Every rank loads its engine (the one its placement chose: `engine_loader`) and reports its status. The last rank is
-the leader: it takes the tasks assigned to its instance from the event stream, has its engine admit each (the
+Every rank loads its engine (the one its placement chose: `engine_loader`) and reports its status. One rank is the
+leader (`Instance.leader_node`: the last on MLX, the first on llama.cpp, whose other ranks serve their layers
+through llama.cpp's RPC backend): it takes the tasks assigned to its instance from the event stream, has its engine
+admit each (the
 engine renders and tokenizes the prompt, and samples: `engines.base` is all the runner knows of it), and
 publishes what the engine makes on `jetshard.chunks.<node id>.<task id>`.
 

@@ -12,6 +12,12 @@ from jetshard_schema.placement import LLAMA_CPP_SLOT_CONTEXT
 from jetshard_worker.planning import RunnerPlan
 
 
+class PeerIdentityFiles(msgspec.Struct, frozen=True):
+    certificate_path: str
+    key_path: str
+    """Readable by its owner only."""
+
+
 class RunnerSpec(msgspec.Struct, frozen=True, kw_only=True):
     nats: NatsOptions
     plan: RunnerPlan
@@ -22,6 +28,9 @@ class RunnerSpec(msgspec.Struct, frozen=True, kw_only=True):
     ring_socket_fd: int | None = None
     """A socket bound to this rank's port in the hostfile, inherited from the worker, which bound it before it reported
     the port: open until the ring's own listener binds the port too, so nothing else can take it meanwhile."""
+    identity: PeerIdentityFiles | None = None
+    """The worker session's certificate and key, which the rank presents on the tunnels to the instance's other
+    ranks (`jetshard_worker.peer_tunnel`)."""
     card_generation: GenerationDefaults = GenerationDefaults()
     """The model card's sampling defaults; the model directory's generation_config.json overrides them."""
     context_per_slot: int = LLAMA_CPP_SLOT_CONTEXT

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import msgspec
+import psutil
 from jetshard_bus.commands import publish_command
 from jetshard_bus.node import mlx_cuda_installed
 from jetshard_bus.options import NatsOptions
@@ -35,10 +36,11 @@ from nats.js import JetStreamContext
 
 from jetshard_worker.blas import blas_candidates, blas_threads, runner_environment
 from jetshard_worker.cuda import cuda_runner_environment
+from jetshard_worker.peer_tunnel import PeerIdentity
 from jetshard_worker.planning import RunnerKey, RunnerPlan, plan, runners_on_machine
 from jetshard_worker.publishing import NATS_ERRORS
 from jetshard_worker.ring_hostfile import write_hostfile
-from jetshard_worker.runner_spec import RunnerSpec
+from jetshard_worker.runner_spec import PeerIdentityFiles, RunnerSpec
 from jetshard_worker.scratch import make_scratch_dir
 
 log = logging.getLogger(__name__)
@@ -109,6 +111,8 @@ class RunnerSupervisor:
         """Status reports not stored yet, the latest per (instance, generation, rank), oldest first."""
         self._state = State()
         self._scratch: Path | None = None
+        self._identity: PeerIdentity | None = None
+        """This session's certificate on the tunnels between ranks: made at start, named in every endpoint."""
         self._watching: asyncio.Task[None] | None = None
         self._wake = asyncio.Event()
         self._stopping = False
@@ -117,6 +121,7 @@ class RunnerSupervisor:
     async def start(self, state: State) -> None:
         blas_candidates()  # a JETSHARD_BLAS naming no file stops the worker here, not each runner's start
         self._scratch = make_scratch_dir()
+        self._identity = PeerIdentity.create(self._scratch, self.node_id)
         self._watching = asyncio.create_task(self._watch())
         self.on_state(state)
 
@@ -160,7 +165,9 @@ class RunnerSupervisor:
             self._ring_ports[key] = hold_ring_port(self._host)
         shard = state.instances[key.instance_id].shard_for(self.node_id)
         assert shard is not None
-        endpoint = Endpoint(self._host, int(self._ring_ports[key].getsockname()[1]))
+        assert self._identity is not None, "start() makes the identity"
+        port = int(self._ring_ports[key].getsockname()[1])
+        endpoint = Endpoint(self._host, port, certificate_pem=self._identity.certificate_pem)
         report = ReportRunnerEndpoint(
             instance_id=key.instance_id,
             generation=key.generation,
@@ -201,7 +208,10 @@ class RunnerSupervisor:
                 ring_fd = ring_socket.fileno()
         card = find_card(self._state, runner_plan.model_id)
         nats, nats_secrets = self._nats.without_secrets()
+        assert self._identity is not None, "start() makes the identity"
+        identity = PeerIdentityFiles(str(self._identity.certificate_path), str(self._identity.key_path))
         spec = RunnerSpec(
+            identity=identity,
             nats=nats,
             plan=runner_plan,
             node_id=self.node_id,
@@ -228,6 +238,17 @@ class RunnerSupervisor:
             log_path,
         )
         self._running[key] = RunningRunner(runner_plan, process, time.monotonic(), log_path)
+
+    def memory_used_bytes(self) -> int:
+        """The resident memory of this worker's runners and what they started (llama-server, ggml-rpc-server)."""
+        used = 0
+        for runner in list(self._running.values()):
+            with contextlib.suppress(psutil.Error):
+                process = psutil.Process(runner.process.pid)
+                for member in (process, *process.children(recursive=True)):
+                    with contextlib.suppress(psutil.Error):
+                        used += member.memory_info().rss
+        return used
 
     def _scratch_dir(self) -> Path:
         assert self._scratch is not None, "start() makes the scratch directory"

@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 import logging
 import socket
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -48,6 +49,9 @@ class WorkerConfig:
     build_llama_cpp: bool = False
     """Without a ready llama.cpp build here, compile one in the background (`jetshard worker` turns it on)."""
     llama_cpp_cpu_variants: CpuVariants = CpuVariants.ALL
+    memory_limit_bytes: int | None = None
+    """The most memory this node lends to models (its runners' resident memory counts against it); None: what the
+    machine has available."""
 
 
 async def run_worker(config: WorkerConfig, stop: asyncio.Event) -> None:
@@ -80,13 +84,17 @@ async def run_worker(config: WorkerConfig, stop: asyncio.Event) -> None:
     cards.reconcile(follower.state.custom_cards)
     heartbeat = asyncio.create_task(keep_alive(js, node_id, session_id, config.timings.liveness_ttl_s, stop))
     engines = await asyncio.to_thread(NodeEngines)
+
+    def measure() -> NodeProfile:
+        return node_profile(config.memory_limit_bytes, supervisor.memory_used_bytes())
+
     profile = msgspec.structs.replace(
-        node_profile(), fast_blas=await asyncio.to_thread(_fast_blas_here), engines=engines.engines
+        measure(), fast_blas=await asyncio.to_thread(_fast_blas_here), engines=engines.engines
     )
     if (hint := unused_gpu_hint(profile)) is not None:
         log.warning("%s", hint)
     reporting = asyncio.create_task(
-        _report_profile(js, node_id, session_id, profile, engines, config.profile_interval_s, stop)
+        _report_profile(js, node_id, session_id, profile, measure, engines, config.profile_interval_s, stop)
     )
     building = (
         asyncio.create_task(build_llama_cpp(engines, config.llama_cpp_cpu_variants))
@@ -131,7 +139,14 @@ def _fast_blas_here() -> bool:
 
 
 async def _report_profile(  # type: ignore[no-untyped-def]
-    js, node_id, session_id, first: NodeProfile, engines: NodeEngines, interval_s: float, stop: asyncio.Event
+    js,
+    node_id,
+    session_id,
+    first: NodeProfile,
+    measure: Callable[[], NodeProfile],
+    engines: NodeEngines,
+    interval_s: float,
+    stop: asyncio.Event,
 ) -> None:
     """Report the profile now, periodically and as soon as the engines change; the sequencer keeps only
     meaningful changes."""
@@ -148,5 +163,5 @@ async def _report_profile(  # type: ignore[no-untyped-def]
         engines.changed.clear()
         # NVML's queries can take a while on an idle GPU: off the loop that beats the node's liveness.
         profile = msgspec.structs.replace(
-            await asyncio.to_thread(node_profile), fast_blas=first.fast_blas, engines=engines.engines
+            await asyncio.to_thread(measure), fast_blas=first.fast_blas, engines=engines.engines
         )

@@ -245,6 +245,14 @@ def api(
     show_default=True,
     help="the CPU variants of the llama.cpp the worker builds (as `jetshard engines build llama.cpp --cpu-variants`)",
 )
+@option(
+    "--memory-limit-gib",
+    type=click.FloatRange(min=0, min_open=True),
+    default=None,
+    help="lend models at most this much of the machine's memory (its runners' use counts against it; the rest of "
+    "the machine's does not) [default: what the machine has available]; `jetshard up` passes the environment "
+    "variable on",
+)
 def worker(
     nats: NatsOptions,
     timings: BusTimings,
@@ -253,6 +261,7 @@ def worker(
     worker_session: str | None,
     build_llama_cpp: bool,
     llama_cpp_cpu_variants: str,
+    memory_limit_gib: float | None,
 ) -> None:
     """The node agent: node profile, custom model cards, shard runners."""
     from jetshard_bus.service import run_service
@@ -266,6 +275,7 @@ def worker(
         runner_start_timeout_s=runner_start_timeout_s,
         build_llama_cpp=build_llama_cpp,
         llama_cpp_cpu_variants=CpuVariants(llama_cpp_cpu_variants),
+        memory_limit_bytes=None if memory_limit_gib is None else int(memory_limit_gib * 2**30),
     )
     if worker_session:
         config = dataclasses.replace(config, session_id=worker_session)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Sequence
 
 import click
 import httpx
@@ -55,8 +56,10 @@ def _accelerator(node: NodeView) -> str:
     return text
 
 
-def _shard(shard: ShardDescription) -> str:
-    text = f"{shard.node_id} {shard_layers(shard)} {shard.status}"
+def _shard(shard: ShardDescription, shards: Sequence[ShardDescription]) -> str:
+    text = (
+        f"{shard.node_id} {shard_layers(shard)}{' (leader)' if shard.leader and len(shards) > 1 else ''} {shard.status}"
+    )
     if shard.status == "ready" and isinstance(shard.weights_dtype, str):
         text += f", {shard.weights_dtype} weights"
     if shard.status == "loading" and shard.layers_total:
@@ -94,7 +97,7 @@ def render(view: ClusterView) -> Group:
     instances = _table("instances", "instance", "model", "status", "shards (layers, runner)", "tasks")
     for instance in view.instances:
         status = str(instance.status) + (f": {instance.reason}" if instance.reason else "")
-        shards = "\n".join(_shard(s) for s in instance.shards)
+        shards = "\n".join(_shard(s, instance.shards) for s in instance.shards)
         instances.add_row(instance.instance_id, instance.model_id, status, shards, _load(instance))
     tasks = _table("tasks", "task", "model", "kind", "instance", "status", "prompt tokens")
     for task in view.tasks:

@@ -185,6 +185,7 @@ function shardRow(shard) {
     el("span", { className: "muted" }, `rank ${shard.rank}`),
     el("code", { className: "id" }, shard.node_id),
     el("span", { className: "layers" }, `layers [${shard.start_layer}, ${shard.end_layer})`),
+    shard.leader ? el("span", { className: "leader", title: "serves the instance's requests" }, "leader") : null,
     shard.tensor_rank === null || shard.tensor_rank === undefined
       ? null
       : el("span", { className: "tensor-rank" }, `tensor rank ${shard.tensor_rank}`),

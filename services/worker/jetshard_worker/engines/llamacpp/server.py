@@ -12,6 +12,7 @@ import signal
 import socket
 import sys
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -48,6 +49,12 @@ class ServerSettings:
     outputs over the prompt, L2-normalised, as the MLX engine makes them. A prompt's embedding is made in one
     physical batch, so the batch is a whole slot's context."""
 
+    rpc_servers: tuple[str, ...] = ()
+    """Across nodes: where this node reaches each other rank's `ggml-rpc-server`, in rank order (`host:port`, the
+    local ends of the instance's tunnels)."""
+    helper_layers: tuple[int, ...] = ()
+    """How many layers each of those ranks holds, in the same order; this node holds the first layers."""
+
     def arguments(self, port: int) -> list[str]:
         arguments = [
             str(self.binary),
@@ -67,6 +74,8 @@ class ServerSettings:
             "--no-webui",
             "--metrics",
         ]
+        if self.rpc_servers:
+            arguments += ["--rpc", ",".join(self.rpc_servers), *offload_arguments(self.helper_layers)]
         if self.threads is not None:
             arguments += ["--threads", str(self.threads)]
         if self.mmproj is not None:
@@ -76,6 +85,18 @@ class ServerSettings:
             arguments += ["--embeddings", "--pooling", "mean", "--embd-normalize", "2"]
             arguments += ["--batch-size", batch, "--ubatch-size", batch]
         return arguments
+
+
+def offload_arguments(helper_layers: Sequence[int]) -> list[str]:
+    """llama-server's flags that put exactly `helper_layers[i]` layers on the i-th `--rpc` server, the rest on this
+    node. llama.cpp offloads the *last* `--n-gpu-layers` of its layers plus the output layer, to its offload
+    devices in `--rpc` order, each taking a `--tensor-split` share: with the counts themselves as shares (the last
+    helper's one more, for the output layer) every helper gets exactly its count, and the token embedding and the
+    first layers stay here (measured in bench/RPC_FACTS.md, section 2)."""
+    if not helper_layers or min(helper_layers) < 1:
+        raise ValueError(f"each helper must hold at least one layer, got {list(helper_layers)}")
+    shares = [*helper_layers[:-1], helper_layers[-1] + 1]
+    return ["--n-gpu-layers", str(sum(shares)), "--tensor-split", ",".join(map(str, shares))]
 
 
 class LlamaServer:

@@ -5,6 +5,8 @@ the task's output here."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from dataclasses import replace
 from pathlib import Path
 
 import httpx
@@ -14,12 +16,14 @@ from jetshard_schema.types import TaskKind, TaskOutcome, TaskRequest
 
 from jetshard_worker.engines.base import Admitted, OnProgress, Refused, RowEvents
 from jetshard_worker.engines.model_dir import read_generation_config
+from jetshard_worker.peer_tunnel import Tunnel
 from jetshard_worker.runner_spec import RunnerSpec
 from jetshard_worker.text.output import ChoiceOutput, choice_seed, row_id
 from jetshard_worker.text.textstream import StopText
 from jetshard_worker.text.toolcalls import ToolCallParsed
 
 from . import requests as llama_requests
+from . import rpc_helper
 from .embeddings import Embedder, EmbeddingRow, embedding_settings
 from .engine import LlamaCppEngine
 from .probe import ready_build
@@ -33,13 +37,18 @@ MMPROJ_FILE = "mmproj.gguf"
 LLAMA_SERVER_LOAD_TIMEOUT_S = 600.0
 
 
-async def load(spec: RunnerSpec, events: RowEvents, on_progress: OnProgress) -> LlamaCppServing:
-    """Start the instance's llama-server on its GGUF and wait until it has loaded it. llama.cpp reports no
-    progress while it loads: the runner reports none loaded, then all."""
+async def load(
+    spec: RunnerSpec, events: RowEvents, on_progress: OnProgress
+) -> LlamaCppServing | rpc_helper.RpcHelperServing:
+    """Start the instance's llama-server on its GGUF and wait until it has loaded it (on the leader), or this
+    rank's share of it (`rpc_helper`). llama.cpp reports no progress while it loads: the runner reports none
+    loaded, then all."""
     build = ready_build()
     if build is None:
         raise RuntimeError("llama.cpp is not built on this node: run `jetshard engines build llama.cpp`")
     model_dir = Path(spec.plan.model_dir)
+    if spec.plan.rank != spec.plan.leader_rank:
+        return await rpc_helper.load(spec, build, model_dir / GGUF_FILE, on_progress)
     mmproj = model_dir / MMPROJ_FILE
     settings = ServerSettings(
         binary=build.llama_server,
@@ -53,10 +62,21 @@ async def load(spec: RunnerSpec, events: RowEvents, on_progress: OnProgress) -> 
     )
     if not settings.model.is_file():
         raise RuntimeError(f"{settings.model} is missing: the model's GGUF file did not reach this node")
-    server = LlamaServer(settings)
-    await server.start(LLAMA_SERVER_LOAD_TIMEOUT_S)
+    tunnels = await rpc_helper.reach_helpers(spec, LLAMA_SERVER_LOAD_TIMEOUT_S)
+    try:
+        if tunnels:
+            helper_layers = tuple(end - start for start, end in spec.plan.layer_ranges[1:])
+            rpc_servers = tuple(f"127.0.0.1:{tunnel.port}" for tunnel in tunnels)
+            settings = replace(settings, rpc_servers=rpc_servers, helper_layers=helper_layers)
+        server = LlamaServer(settings)
+        await server.start(LLAMA_SERVER_LOAD_TIMEOUT_S)
+    except BaseException:
+        for tunnel in tunnels:
+            await tunnel.close()
+        raise
     return LlamaCppServing(
         server,
+        tunnels,
         events,
         card_generation=spec.card_generation,
         model_generation=read_generation_config(model_dir),
@@ -70,13 +90,14 @@ class LlamaCppServing(LlamaCppEngine):
     hands its rows' pieces to their outputs."""
 
     is_leader = True
-    """One rank: llama.cpp serves the whole model from this node."""
+    """The instance's llama-server runs here, whatever the other ranks hold."""
     loaded_tensors: tuple[str, ...] = ()
     weights_held_as = "GGUF (llama.cpp)"
 
     def __init__(
         self,
         server: LlamaServer,
+        tunnels: Sequence[Tunnel],
         events: RowEvents,
         *,
         card_generation: GenerationDefaults,
@@ -93,6 +114,8 @@ class LlamaCppServing(LlamaCppEngine):
             on_failed=events.failed,
         )
         self._events = events
+        self._tunnels = tuple(tunnels)
+        """To the ranks that hold the rest of the model, when it is split across nodes."""
         self._card_generation = card_generation
         self._model_generation = model_generation
         self._template_takes_tools = template_takes_tools
@@ -125,6 +148,8 @@ class LlamaCppServing(LlamaCppEngine):
     async def close(self) -> None:
         await self._embedder.close()
         await super().close()
+        for tunnel in self._tunnels:
+            await tunnel.close()
 
     async def admit(self, request: TaskRequest) -> Admitted[LlamaRequest | EmbeddingRow] | Refused:
         if request.kind is TaskKind.EMBEDDING:
@@ -183,6 +208,13 @@ class LlamaCppServing(LlamaCppEngine):
 
     async def _embedding(self, request: TaskRequest) -> Admitted[LlamaRequest | EmbeddingRow] | Refused:
         """One row per input, its token ids checked here: llama-server would fail a whole request on one of them."""
+        if self._tunnels:
+            # The embedding server is a second llama-server; each helper's ggml-rpc-server serves one at a time.
+            return Refused(
+                "embeddings are not served by a llama.cpp instance split across nodes: place the model on one node "
+                "for embeddings",
+                "unsupported_by_engine",
+            )
         rows: list[LlamaRequest | EmbeddingRow] = []
         limit = self._embedder.context_length
         for i, given in enumerate(request.inputs):
