@@ -1,0 +1,333 @@
+"""An authenticated, encrypted TCP tunnel between two ranks of one instance.
+
+llama.cpp's `ggml-rpc-server` serves whoever connects, and the MLX ring between ranks is plain TCP: neither may be
+reachable from the LAN. So the helper binds its server to 127.0.0.1 and exposes it only through `serve_peer`, a TLS 1.3
+listener that admits exactly one client certificate, the leader's; the leader reaches it through `forward_to_peer`, a
+forwarder on 127.0.0.1 that opens one TLS connection, pinned to the helper's certificate, per local connection.
+
+Each worker session makes a fresh self-signed identity (`PeerIdentity.create`); the certificates' PEMs travel through
+the cluster's authenticated event log, so each side knows the one certificate its peer must present. That certificate
+is the context's only trust anchor, which pins it: a certificate verifies only if it is the anchor itself or was
+signed by the anchor's key, and OpenSSL refuses the latter: the anchor is CA:FALSE, without keyCertSign. Either way
+only the holder of the peer's key gets in.
+
+The tunnel pipes bytes with asyncio Protocols, not streams: a chunk received is written to the other side within the
+same callback, with no task to wake per message, and backpressure is the transports' own (pause/resume reading).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import datetime
+import ipaddress
+import os
+import socket
+import ssl
+from collections.abc import Coroutine
+from dataclasses import dataclass
+from pathlib import Path
+
+from cryptography import x509
+from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives.asymmetric import ec
+from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
+
+# A peer whose network is cut (a cable pulled: no RST, no FIN) is given up after this long, with data in flight
+# (TCP_USER_TIMEOUT) or idle (keepalive: 2 s idle, then 3 probes 1 s apart).
+PEER_TIMEOUT_S = 5
+KEEPALIVE_IDLE_S = 2
+KEEPALIVE_INTERVAL_S = 1
+KEEPALIVE_PROBES = 3
+# A stranger that connects and says nothing must not hold a connection (and its memory) for longer than this.
+HANDSHAKE_TIMEOUT_S = 5
+# llama.cpp's RPC messages are up to hundreds of KB: one must fit in a write buffer whole, or the pipe would stop
+# reading mid-message. (asyncio's transports already read 256 KiB at a time, plain and TLS alike.)
+WRITE_BUFFER_HIGH = 1024 * 1024
+# Valid from an hour ago, so that a peer whose clock is a little behind accepts a certificate made just now.
+CERTIFICATE_BACKDATE = datetime.timedelta(hours=1)
+CERTIFICATE_LIFETIME = datetime.timedelta(days=30)
+
+
+@dataclass(frozen=True)
+class PeerIdentity:
+    """A worker session's TLS identity: its self-signed certificate (PEM, to publish to peers) and the files that
+    `ssl.SSLContext.load_cert_chain` reads."""
+
+    certificate_pem: str
+    certificate_path: Path
+    key_path: Path
+
+    @classmethod
+    def create(cls, directory: Path, name: str) -> PeerIdentity:
+        """Make a fresh ECDSA P-256 key and a self-signed certificate for it, written to `directory` as `name.crt`
+        and `name.key` (0600: the key is the worker's word that it is who it says).
+
+        P-256, not Ed25519: both work in TLS 1.3 with OpenSSL 3, but P-256 is the curve every TLS stack supports.
+        The certificate is a plain leaf (CA:FALSE); OpenSSL accepts a self-signed leaf as its own trust anchor, so it
+        needs no CA bit, and a CA:FALSE certificate cannot be used to vouch for another."""
+        if not name or name in (".", "..") or "/" in name or "\0" in name:
+            raise ValueError(f"an identity's name must be a plain file name, not {name!r}")
+        key = ec.generate_private_key(ec.SECP256R1())
+        subject = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, f"jetshard {name}")])
+        now = datetime.datetime.now(datetime.UTC)
+        certificate = (
+            x509.CertificateBuilder()
+            .subject_name(subject)
+            .issuer_name(subject)
+            .public_key(key.public_key())
+            .serial_number(x509.random_serial_number())
+            .not_valid_before(now - CERTIFICATE_BACKDATE)
+            .not_valid_after(now + CERTIFICATE_LIFETIME)
+            .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
+            .add_extension(
+                x509.KeyUsage(
+                    digital_signature=True,
+                    content_commitment=False,
+                    key_encipherment=False,
+                    data_encipherment=False,
+                    key_agreement=False,
+                    key_cert_sign=False,
+                    crl_sign=False,
+                    encipher_only=False,
+                    decipher_only=False,
+                ),
+                critical=True,
+            )
+            # Each rank is a server to some peers and a client of others, with the one certificate.
+            .add_extension(
+                x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH]),
+                critical=False,
+            )
+            .add_extension(x509.SubjectKeyIdentifier.from_public_key(key.public_key()), critical=False)
+            .sign(key, hashes.SHA256())
+        )
+        directory.mkdir(parents=True, exist_ok=True)
+        key_path = directory / f"{name}.key"
+        # Created 0600 rather than chmod-ed after: the key is never readable by others, not even for a moment.
+        descriptor = os.open(key_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(descriptor, "wb") as key_file:
+            os.fchmod(key_file.fileno(), 0o600)  # a file left by an earlier session keeps its mode through O_CREAT
+            key_file.write(
+                key.private_bytes(
+                    serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
+                )
+            )
+        certificate_pem = certificate.public_bytes(serialization.Encoding.PEM).decode("ascii")
+        certificate_path = directory / f"{name}.crt"
+        certificate_path.write_text(certificate_pem)
+        return cls(certificate_pem=certificate_pem, certificate_path=certificate_path, key_path=key_path)
+
+
+def server_context(identity: PeerIdentity, allowed_peer_pem: str) -> ssl.SSLContext:
+    """The context of `serve_peer`: TLS 1.3, presents `identity`, and requires a client certificate that is exactly
+    `allowed_peer_pem` (the context trusts that certificate alone)."""
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    _harden(context, identity, allowed_peer_pem, "allowed_peer_pem")
+    return context
+
+
+def client_context(identity: PeerIdentity, server_pem: str) -> ssl.SSLContext:
+    """The context of `forward_to_peer`: TLS 1.3, presents `identity`, and accepts only a server that presents
+    exactly `server_pem`. The host name is not checked: the pinned certificate, not a name, says who the peer is."""
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+    context.check_hostname = False
+    _harden(context, identity, server_pem, "server_pem")
+    return context
+
+
+def _harden(context: ssl.SSLContext, identity: PeerIdentity, peer_pem: str, argument: str) -> None:
+    peer_certificate = _single_certificate(peer_pem, argument)
+    context.minimum_version = ssl.TLSVersion.TLSv1_3
+    context.verify_mode = ssl.CERT_REQUIRED
+    context.load_cert_chain(identity.certificate_path, identity.key_path)
+    context.load_verify_locations(cadata=peer_certificate.public_bytes(serialization.Encoding.DER))
+
+
+def _single_certificate(pem: str, argument: str) -> x509.Certificate:
+    """The one certificate in `pem`: a pin is one certificate, and a bundle would trust each of its members."""
+    try:
+        certificates = x509.load_pem_x509_certificates(pem.encode("ascii"))
+    except (ValueError, UnicodeEncodeError) as error:
+        raise ValueError(f"{argument} is not a PEM certificate: {error}") from None
+    if len(certificates) != 1:
+        raise ValueError(f"{argument} must hold exactly one certificate, not {len(certificates)}")
+    return certificates[0]
+
+
+class Tunnel:
+    """One side of a tunnel: a listening server and every connection it pipes. `port` is where it listens;
+    `close()` stops listening and cuts every live connection, both of its ends, at once."""
+
+    def __init__(self) -> None:
+        self.port = 0
+        self._server: asyncio.Server | None = None
+        self._transports: set[asyncio.Transport] = set()
+        self._connecting: set[asyncio.Task[None]] = set()
+
+    async def close(self) -> None:
+        """Stop accepting, abandon connections being opened and abort every live one (the ends see EOF)."""
+        if self._server is not None:
+            self._server.close()
+        for task in list(self._connecting):
+            task.cancel()
+        for transport in list(self._transports):
+            transport.abort()
+        if self._connecting:
+            await asyncio.gather(*self._connecting, return_exceptions=True)
+        if self._server is not None:
+            await self._server.wait_closed()
+
+    def _start(self, accepted: _Pipe, opening: Coroutine[None, None, _Pipe]) -> None:
+        """Pipe `accepted` to the connection `opening` opens, once open; close `accepted` at once if it fails."""
+
+        async def join() -> None:
+            try:
+                opened = await opening
+            except (TimeoutError, OSError):
+                # Said with a closed connection, at once: llama.cpp's client sees a failure, not a hang.
+                accepted.transport.close()
+                return
+            if accepted.transport.is_closing():
+                opened.transport.close()
+                return
+            accepted.partner, opened.partner = opened, accepted
+            accepted.transport.resume_reading()
+
+        task = asyncio.create_task(join())
+        self._connecting.add(task)
+        task.add_done_callback(self._connecting.discard)
+
+
+class _Pipe(asyncio.Protocol):
+    """One end of a piped connection: what it receives it writes to its partner's transport; when it closes (an EOF
+    closes it: llama.cpp's RPC has no use for half-closed connections), its partner closes after what it has to send.
+    `to_peer`: its socket goes to a peer over the network, not over loopback."""
+
+    def __init__(self, tunnel: Tunnel, *, to_peer: bool) -> None:
+        self.tunnel = tunnel
+        self.to_peer = to_peer
+        self.partner: _Pipe | None = None
+        self.transport: asyncio.Transport
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        assert isinstance(transport, asyncio.Transport)
+        self.transport = transport
+        self.tunnel._transports.add(transport)
+        sock = transport.get_extra_info("socket")
+        if sock is not None:
+            _tune(sock, to_peer=self.to_peer)
+        transport.set_write_buffer_limits(high=WRITE_BUFFER_HIGH)
+
+    def data_received(self, data: bytes) -> None:
+        if self.partner is not None:
+            self.partner.transport.write(data)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.tunnel._transports.discard(self.transport)
+        if self.partner is not None:
+            self.partner.transport.close()
+
+    def pause_writing(self) -> None:
+        # This end cannot send as fast as its partner receives: stop reading from the partner until it drains.
+        if self.partner is not None:
+            self.partner.transport.pause_reading()
+
+    def resume_writing(self) -> None:
+        if self.partner is not None:
+            self.partner.transport.resume_reading()
+
+
+class _Accepted(_Pipe):
+    """The end a tunnel's server accepted; it reads nothing until its partner is connected."""
+
+    def __init__(self, tunnel: Tunnel, connect: _Connector, *, to_peer: bool) -> None:
+        super().__init__(tunnel, to_peer=to_peer)
+        self.connect = connect
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        super().connection_made(transport)
+        self.transport.pause_reading()
+        self.tunnel._start(self, self.connect.open(self.tunnel))
+
+
+class _Connector:
+    """Opens the other end of a piped connection: to the target (loopback) or to the remote peer (TLS)."""
+
+    def __init__(self, address: tuple[str, int], context: ssl.SSLContext | None = None) -> None:
+        self.address = address
+        self.context = context
+
+    async def open(self, tunnel: Tunnel) -> _Pipe:
+        to_peer = self.context is not None
+        opening = asyncio.get_running_loop().create_connection(
+            lambda: _Pipe(tunnel, to_peer=to_peer),
+            *self.address,
+            ssl=self.context,
+            ssl_handshake_timeout=HANDSHAKE_TIMEOUT_S if to_peer else None,
+        )
+        # A peer whose network is down never answers the SYN: give up as a cut connection would be given up.
+        _, opened = await asyncio.wait_for(opening, PEER_TIMEOUT_S + HANDSHAKE_TIMEOUT_S)
+        return opened
+
+
+async def serve_peer(listening: socket.socket, context: ssl.SSLContext, target: tuple[str, int]) -> Tunnel:
+    """Serve the TLS peers `context` admits on `listening`, piping each to a new plain TCP connection to `target`.
+
+    `listening` is already bound (the worker binds the port it advertised before the runner starts, and hands it
+    over); it is listened on here if it is not yet. `target` must be a loopback address: the plain bytes never leave
+    the host. A peer is connected to the target only after its handshake, certificate included, passes, so the target
+    never sees a connection from anyone else; a peer that does not complete the handshake within
+    HANDSHAKE_TIMEOUT_S is dropped. Returns the Tunnel, whose `port` is the listening socket's."""
+    if listening.type != socket.SOCK_STREAM:
+        raise ValueError(f"serve_peer needs a TCP socket, not {listening.type!r}")
+    bound_port = listening.getsockname()[1]
+    if bound_port == 0:
+        raise ValueError("serve_peer needs a bound socket: bind it to the port the worker advertised first")
+    try:
+        loopback = ipaddress.ip_address(target[0]).is_loopback
+    except ValueError:
+        raise ValueError(f"serve_peer's target must be a loopback IP address, not {target[0]!r}") from None
+    if not loopback:
+        raise ValueError(f"serve_peer's target must be a loopback address, not {target[0]!r}: its bytes are plain")
+    tunnel = Tunnel()
+    connect = _Connector(target)
+    tunnel._server = await asyncio.get_running_loop().create_server(
+        lambda: _Accepted(tunnel, connect, to_peer=True),
+        sock=listening,
+        ssl=context,
+        ssl_handshake_timeout=HANDSHAKE_TIMEOUT_S,
+    )
+    tunnel.port = bound_port
+    return tunnel
+
+
+async def forward_to_peer(remote: tuple[str, int], context: ssl.SSLContext) -> Tunnel:
+    """Listen on 127.0.0.1 (an ephemeral port: the Tunnel's `port`) and pipe each local connection to a new TLS
+    connection to `remote`, which must present the certificate `context` pins. If that connection cannot be made,
+    the local one is closed at once."""
+    tunnel = Tunnel()
+    connect = _Connector(remote, context)
+    server = await asyncio.get_running_loop().create_server(
+        lambda: _Accepted(tunnel, connect, to_peer=False), "127.0.0.1", 0
+    )
+    tunnel._server = server
+    tunnel.port = server.sockets[0].getsockname()[1]
+    return tunnel
+
+
+def _tune(sock: socket.socket, *, to_peer: bool) -> None:
+    """No Nagle delay on any socket (llama.cpp's RPC is request/response: a held-back tail is pure latency); on a
+    socket to a peer, keepalive and TCP_USER_TIMEOUT too, so that a peer cut off the network is given up within
+    about PEER_TIMEOUT_S whether data is in flight or not."""
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    if not to_peer:
+        return
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+    if hasattr(socket, "TCP_KEEPIDLE"):
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPIDLE, KEEPALIVE_IDLE_S)
+    elif hasattr(socket, "TCP_KEEPALIVE"):  # macOS names the idle time TCP_KEEPALIVE
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPALIVE, KEEPALIVE_IDLE_S)
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPINTVL, KEEPALIVE_INTERVAL_S)
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPCNT, KEEPALIVE_PROBES)
+    if hasattr(socket, "TCP_USER_TIMEOUT"):  # Linux only; on macOS, keepalive alone detects an idle cut
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT, PEER_TIMEOUT_S * 1000)
