@@ -4,6 +4,7 @@ a wrong pin fails at once, closing cuts live connections, and peer sockets carry
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import datetime
 import os
 import socket
@@ -14,6 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
+import uvloop
 from cryptography import x509
 from jetshard_worker.peer_tunnel import (
     PEER_TIMEOUT_S,
@@ -61,6 +63,12 @@ class Lan:
 
 @pytest.fixture
 async def lan(tmp_path: Path) -> AsyncIterator[Lan]:
+    async with open_lan(tmp_path) as opened:
+        yield opened
+
+
+@contextlib.asynccontextmanager
+async def open_lan(tmp_path: Path) -> AsyncIterator[Lan]:
     leader = PeerIdentity.create(tmp_path / "leader", "leader")
     helper = PeerIdentity.create(tmp_path / "helper", "helper")
     stranger = PeerIdentity.create(tmp_path / "stranger", "stranger")
@@ -154,6 +162,19 @@ async def test_bytes_pass_unchanged_both_ways(lan: Lan) -> None:
     await round_trip(lan.forwarded.port, os.urandom(1024 * 1024), rounds=4)
     await round_trip(lan.forwarded.port, os.urandom(64), rounds=20)
     assert len(lan.target.connections) == 2
+
+
+def test_the_tunnel_serves_on_uvloop_as_the_runners_run_it(tmp_path: Path) -> None:
+    """The runners' event loop is uvloop's, whose transports are not asyncio's classes (only alike)."""
+
+    async def scenario() -> None:
+        async with open_lan(tmp_path) as lan:
+            await round_trip(lan.forwarded.port, os.urandom(1024 * 1024), rounds=2)
+            stranger = client_context(lan.stranger, lan.helper.certificate_pem)
+            assert await is_shut_out(asyncio.open_connection("127.0.0.1", lan.served.port, ssl=stranger))
+            assert len(lan.target.connections) == 1
+
+    uvloop.run(scenario())
 
 
 async def test_strangers_never_reach_the_target_and_do_not_hold_up_the_leader(lan: Lan) -> None:

@@ -26,6 +26,7 @@ import ssl
 from collections.abc import Coroutine
 from dataclasses import dataclass
 from pathlib import Path
+from typing import cast
 
 from cryptography import x509
 from cryptography.hazmat.primitives import hashes, serialization
@@ -190,7 +191,8 @@ class Tunnel:
             if accepted.transport.is_closing():
                 opened.transport.close()
                 return
-            accepted.partner, opened.partner = opened, accepted
+            accepted.join(opened)
+            opened.join(accepted)
             accepted.transport.resume_reading()
 
         task = asyncio.create_task(join())
@@ -207,20 +209,31 @@ class _Pipe(asyncio.Protocol):
         self.tunnel = tunnel
         self.to_peer = to_peer
         self.partner: _Pipe | None = None
+        self.early: list[bytes] = []
         self.transport: asyncio.Transport
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        assert isinstance(transport, asyncio.Transport)
-        self.transport = transport
-        self.tunnel._transports.add(transport)
+        # A stream transport: uvloop's (the runners' loop) are not subclasses of asyncio.Transport, only alike.
+        self.transport = cast(asyncio.Transport, transport)
+        self.tunnel._transports.add(self.transport)
         sock = transport.get_extra_info("socket")
         if sock is not None:
             _tune(sock, to_peer=self.to_peer)
-        transport.set_write_buffer_limits(high=WRITE_BUFFER_HIGH)
+        self.transport.set_write_buffer_limits(high=WRITE_BUFFER_HIGH)
 
     def data_received(self, data: bytes) -> None:
         if self.partner is not None:
             self.partner.transport.write(data)
+        else:
+            # Reading is paused until the partner is open, but a transport may hand over what it had already read
+            # (uvloop's TLS transport does): kept for the partner, never dropped.
+            self.early.append(data)
+
+    def join(self, partner: _Pipe) -> None:
+        self.partner = partner
+        for data in self.early:
+            partner.transport.write(data)
+        self.early.clear()
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.tunnel._transports.discard(self.transport)
