@@ -10,7 +10,7 @@ import os
 import socket
 import ssl
 import stat
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -101,7 +101,7 @@ async def round_trip(port: int, payload: bytes, rounds: int) -> None:
         writer.close()
 
 
-async def is_shut_out(connecting: asyncio.Future[tuple[asyncio.StreamReader, asyncio.StreamWriter]]) -> bool:
+async def is_shut_out(connecting: Awaitable[tuple[asyncio.StreamReader, asyncio.StreamWriter]]) -> bool:
     """Whether a connection is refused or closed on its sender (within the deadline: a hang fails the test)."""
     try:
         reader, writer = await asyncio.wait_for(connecting, DEADLINE_S)

@@ -16,6 +16,7 @@ import gguf
 import numpy as np
 import pytest
 from helpers.gguf_models import Shape, llama_server, write_gguf
+from jetshard_schema.gguf_header import TensorInfo, parse_gguf_header
 from jetshard_worker.engines.llamacpp.rpc_cache import HASH_THRESHOLD_BYTES, held_tensors, load_fnv1a64, prefill
 from jetshard_worker.engines.llamacpp.server import free_port
 
@@ -56,8 +57,14 @@ def small_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def small_tensors(small_model: Path) -> list[gguf.ReaderTensor]:
-    return list(gguf.GGUFReader(small_model).tensors)
+def small_tensors(small_model: Path) -> list[TensorInfo]:
+    return list(parse_gguf_header(small_model.read_bytes(), small_model.stat().st_size).tensors)
+
+
+@pytest.fixture(scope="module")
+def small_bytes(small_model: Path) -> dict[str, bytes]:
+    """Each tensor's bytes as gguf-py reads them: a reader of its own, beside the prefill's."""
+    return {tensor.name: tensor.data.tobytes() for tensor in gguf.GGUFReader(small_model).tensors}
 
 
 @pytest.mark.parametrize(
@@ -70,7 +77,7 @@ def small_tensors(small_model: Path) -> list[gguf.ReaderTensor]:
     ],
 )
 def test_a_helper_holds_its_blocks_and_the_tied_output(
-    layers: range, holds_output: bool, expected: tuple[str, ...], small_tensors: list[gguf.ReaderTensor]
+    layers: range, holds_output: bool, expected: tuple[str, ...], small_tensors: list[TensorInfo]
 ) -> None:
     assert "output.weight" not in {tensor.name for tensor in small_tensors}  # tied: the embedding is the output
     held = held_tensors(small_tensors, layers, holds_output)
@@ -79,7 +86,7 @@ def test_a_helper_holds_its_blocks_and_the_tied_output(
     ]
 
 
-def test_layers_outside_the_model_or_an_empty_helper_are_refused(small_tensors: list[gguf.ReaderTensor]) -> None:
+def test_layers_outside_the_model_or_an_empty_helper_are_refused(small_tensors: list[TensorInfo]) -> None:
     with pytest.raises(ValueError, match=r"outside the model's 2 blocks"):
         held_tensors(small_tensors, range(1, 3), False)
     with pytest.raises(ValueError, match="holds nothing"):
@@ -89,20 +96,20 @@ def test_layers_outside_the_model_or_an_empty_helper_are_refused(small_tensors: 
 
 
 def test_prefill_writes_each_tensor_over_the_threshold_under_its_hash_once(
-    small_model: Path, small_tensors: list[gguf.ReaderTensor], tmp_path: Path
+    small_model: Path, small_tensors: list[TensorInfo], small_bytes: dict[str, bytes], tmp_path: Path
 ) -> None:
     threshold = 256 * 4  # the 256-float norms (1024 bytes) sit exactly on it: the matrices only
     held = [tensor for tensor in small_tensors if tensor.name.startswith(("blk.1.", "output_norm.", "token_embd."))]
-    over = [tensor for tensor in held if tensor.n_bytes > threshold]
+    over = [tensor for tensor in held if tensor.size_bytes > threshold]
     assert over and len(over) < len(held)
     report = prefill(small_model, tmp_path / "cache", range(1, 2), True, tmp_path / "lib", threshold_bytes=threshold)
     assert set(cache_files(tmp_path / "cache")) == {
-        f"{fnv1a64(tensor.data.tobytes(), tmp_path / 'lib'):016x}" for tensor in over
+        f"{fnv1a64(small_bytes[tensor.name], tmp_path / 'lib'):016x}" for tensor in over
     }
     for path in (tmp_path / "cache/rpc").iterdir():  # each file holds exactly the bytes its name is the hash of
         assert f"{fnv1a64(path.read_bytes(), tmp_path / 'lib'):016x}" == path.name
-    assert (report.files_written, report.bytes_written) == (len(over), sum(tensor.n_bytes for tensor in over))
-    assert report.bytes_left_to_send == sum(tensor.n_bytes for tensor in held if tensor.n_bytes <= threshold)
+    assert (report.files_written, report.bytes_written) == (len(over), sum(tensor.size_bytes for tensor in over))
+    assert report.bytes_left_to_send == sum(tensor.size_bytes for tensor in held if tensor.size_bytes <= threshold)
     assert report.skipped_reason is None
 
     progress: list[tuple[int, int]] = []

@@ -26,8 +26,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
-import gguf
 import numpy as np
+from jetshard_schema.gguf_header import TensorInfo, parse_gguf_header
 
 HASH_THRESHOLD_BYTES = 10 * 2**20
 """ggml-rpc.cpp's HASH_THRESHOLD (`rpc_use_hash_cache`): only a `set_tensor` of strictly more bytes than this into a
@@ -98,10 +98,13 @@ def prefill(
         raise ValueError(f"threshold_bytes must be at least 0, got {threshold_bytes}")
     if threads is not None and threads < 1:
         raise ValueError(f"threads must be at least 1, got {threads}")
-    reader = gguf.GGUFReader(model)
-    held = held_tensors(reader.tensors, layers, holds_output)
-    hashed = [tensor for tensor in held if tensor.n_bytes > threshold_bytes]
-    left_to_send = sum(tensor.n_bytes for tensor in held if tensor.n_bytes <= threshold_bytes)
+    # The header alone, with our own bounded reader: the tensor table is all this needs (gguf-py's reader would read
+    # every metadata array, a 128k-token vocabulary included, in Python).
+    data = np.memmap(model, dtype=np.uint8, mode="r")
+    header = parse_gguf_header(data.data, data.size)
+    held = held_tensors(header.tensors, layers, holds_output)
+    hashed = [tensor for tensor in held if tensor.size_bytes > threshold_bytes]
+    left_to_send = sum(tensor.size_bytes for tensor in held if tensor.size_bytes <= threshold_bytes)
     compiler = shutil.which("cc")
     if compiler is None:
         reason = "no C compiler (`cc`) on PATH to build the FNV-1a hash: the leader will send these tensors once"
@@ -110,12 +113,13 @@ def prefill(
     rpc_dir = cache_dir / "rpc"
     rpc_dir.mkdir(parents=True, exist_ok=True)
 
-    def store(tensor: gguf.ReaderTensor) -> tuple[bool, int]:
-        data = reader.data[tensor.data_offset : tensor.data_offset + tensor.n_bytes]
-        return _store(rpc_dir / f"{fnv1a64(data):016x}", data), tensor.n_bytes
+    def store(tensor: TensorInfo) -> tuple[bool, int]:
+        start = header.data_start + tensor.offset
+        tensor_bytes = data[start : start + tensor.size_bytes]
+        return _store(rpc_dir / f"{fnv1a64(tensor_bytes):016x}", tensor_bytes), tensor.size_bytes
 
     written = present = bytes_written = bytes_present = done = 0
-    total = sum(tensor.n_bytes for tensor in hashed)
+    total = sum(tensor.size_bytes for tensor in hashed)
     with ThreadPoolExecutor(threads or os.cpu_count() or 1) as pool:
         for was_written, size in pool.map(store, hashed):
             if was_written:
@@ -130,7 +134,7 @@ def prefill(
     )
 
 
-def held_tensors(tensors: Iterable[gguf.ReaderTensor], layers: range, holds_output: bool) -> list[gguf.ReaderTensor]:
+def held_tensors(tensors: Iterable[TensorInfo], layers: range, holds_output: bool) -> list[TensorInfo]:
     """The tensors llama.cpp loads onto a helper that holds blocks `layers` (and the output layer if
     `holds_output`). A model without `output.weight` ties its output to the embedding: llama.cpp then loads
     `token_embd.weight` a second time as the output, on the device holding the output layer (the leader keeps the
