@@ -8,6 +8,7 @@ in tests/test_lan.py.
 
 from __future__ import annotations
 
+import functools
 import os
 import signal
 import subprocess
