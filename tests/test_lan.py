@@ -13,6 +13,7 @@ import json
 import re
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -190,9 +191,8 @@ def test_three_machines_form_one_cluster_and_serve_a_model_split_over_two(cluste
     one_host_tps = tokens_per_s(third)
     assert third.probe("http", "DELETE", f"{third.api}/instances/{one_host['instance_id']}")["status"] == 200
 
-    placed = third.probe(
-        "http", "POST", f"{third.api}/instances", json.dumps({"model_id": DEMO_MODEL_ID, "min_nodes": 2})
-    )
+    body = {"model_id": DEMO_MODEL_ID, "min_nodes": 2, "engine": "mlx"}
+    placed = third.probe("http", "POST", f"{third.api}/instances", json.dumps(body))
     assert placed["status"] == 201, placed
     instance = wait_ready(third, placed["body"]["instance_id"], 240)
     assert len({s["node_id"] for s in instance["shards"]}) == 2, instance
@@ -235,9 +235,8 @@ def test_three_machines_serve_the_demo_split_tensor_parallel(cluster: LanCluster
     answer = third.probe("chat", third.api, DEMO_MODEL_ID, "6")
     assert answer["ok"] and "Paris" in answer["text"], answer
 
-    again = third.probe(
-        "http", "POST", f"{third.api}/instances", json.dumps({"model_id": DEMO_MODEL_ID, "min_nodes": 2})
-    )
+    body = {"model_id": DEMO_MODEL_ID, "min_nodes": 2, "engine": "mlx"}
+    again = third.probe("http", "POST", f"{third.api}/instances", json.dumps(body))
     assert again["status"] == 201, again
     wait_ready(third, again["body"]["instance_id"], 240)
     assert third.probe("http", "DELETE", f"{third.api}/instances/{instance['instance_id']}")["status"] == 200
@@ -304,15 +303,7 @@ def test_a_machine_that_goes_away_loses_nothing_acked_and_catches_up_when_it_ret
     assert served_after, record["chats"]
 
     # Back on the network: the machine catches up from the stream and its node is in State again.
-    def caught_up() -> bool:
-        theirs = victim.probe("http", "GET", f"{victim.api}/state")
-        ours = third.probe("http", "GET", f"{third.api}/state")
-        if theirs["status"] != 200 or ours["status"] != 200:
-            return False  # an API answers 503 while its server rejoins the meta group
-        seqs = theirs["body"]["last_seq"], ours["body"]["last_seq"]
-        return seqs[0] == seqs[1] and victim.server_name in ours["body"]["nodes"]
-
-    until_sync(caught_up, 120, lambda: f"{victim.host.name} caught up")
+    until_sync(lambda: caught_up(victim, third), 120, lambda: f"{victim.host.name} caught up")
     failed = [c for c in record["chats"] if not c["ok"]]
     ack_times = [at for _, at in record["acked"]]
     takeover_s = max(b - a for a, b in itertools.pairwise(ack_times))
@@ -321,6 +312,87 @@ def test_a_machine_that_goes_away_loses_nothing_acked_and_catches_up_when_it_ret
         f"an ack (the takeover); {len(record['chats'])} chats, {len(failed)} failed around the loss; instance "
         f"re-placed {replaced_s:.1f} s after {victim.host.name} went away"
     )
+
+
+@pytest.mark.timeout(900)
+def test_a_gguf_split_across_two_hosts_on_llama_cpp_shuts_out_strangers_and_heals_when_its_helper_is_cut_off(
+    cluster: LanCluster, tmp_path: Path
+) -> None:
+    third = cluster.machines[2]
+    node_of = {m.server_name: m for m in cluster.machines}
+    for old in third.get("/instances"):  # type: ignore[union-attr]
+        assert third.probe("http", "DELETE", f"{third.api}/instances/{old['instance_id']}")["status"] == 200
+    # The reference: one llama.cpp process holding the whole model.
+    one = place(
+        third, {"model_id": DEMO_MODEL_ID, "engine": "llama.cpp", "node_ids": [cluster.machines[0].server_name]}
+    )
+    alone = third.probe("chat", third.api, DEMO_MODEL_ID, "16")
+    assert alone["ok"] and "Paris" in alone["text"], alone
+    assert third.probe("http", "DELETE", f"{third.api}/instances/{one['instance_id']}")["status"] == 200
+
+    split = place(third, {"model_id": DEMO_MODEL_ID, "engine": "llama.cpp", "min_nodes": 2})
+    leader, helper = (node_of[s["node_id"]] for s in split["shards"])
+    outsider = next(m for m in cluster.machines if m not in (leader, helper))
+    answer = leader.probe("chat", leader.api, DEMO_MODEL_ID, "16")
+    assert answer["ok"] and answer["text"] == alone["text"], (answer, alone)  # the same greedy tokens
+
+    # A stranger at the helper's endpoint, in the clear or with a certificate of its own, gets nothing of
+    # llama.cpp's RPC (whose HELLO reply starts 1c00...): the tunnel lets in the leader's certificate only.
+    endpoint = third.get("/state")["instances"][split["instance_id"]]["endpoints"]["1"]  # type: ignore[index]
+    certificate = tmp_path / "helper.pem"
+    certificate.write_text(endpoint["certificate_pem"])
+    knocked = outsider.probe("stranger", endpoint["host"], str(endpoint["port"]), str(certificate))
+    assert not any(got.startswith("1c00") for got in knocked.values()), knocked
+    assert knocked["tls"] in ("alert", "closed", "ConnectionResetError"), knocked
+    answer = leader.probe("chat", leader.api, DEMO_MODEL_ID, "16")
+    assert answer["ok"] and answer["text"] == alone["text"], answer
+
+    # The helper's cable pulled mid-stream: the stream ends with an error within seconds (llama.cpp alone would hang
+    # for the kernel's ~15 minutes of retransmissions), and the instance is placed again without it.
+    out = tmp_path / "stream.json"
+    streaming = leader.host.popen(
+        [sys.executable, PROBE, "stream", leader.api, DEMO_MODEL_ID, "3000", str(out)],
+        tmp_path / "stream.log",
+        leader.env,
+    )
+    try:
+        until_sync(lambda: Path(f"{out}.first").exists(), 120, lambda: (tmp_path / "stream.log").read_text())
+        helper.host.link_down()
+        cut_at = time.monotonic()
+        streaming.wait(180)
+        ended = json.loads(out.read_text())
+        assert not ended["ok"] and ended["at"] - cut_at < 60, ended
+
+        def replaced() -> bool:
+            instance = leader.get(f"/instances/{split['instance_id']}")
+            nodes = {s["node_id"] for s in instance["shards"]}  # type: ignore[index]
+            return instance["status"] == "ready" and helper.server_name not in nodes  # type: ignore[index]
+
+        until_sync(replaced, 300, lambda: f"re-placed without {helper.host.name}: {leader.get('/instances')}")
+        answer = leader.probe("chat", leader.api, DEMO_MODEL_ID, "16")
+        assert answer["ok"] and answer["text"] == alone["text"], answer
+    finally:
+        if streaming.poll() is None:
+            streaming.kill()
+        helper.host.link_up()
+    until_sync(lambda: caught_up(helper, leader), 180, lambda: f"{helper.host.name} caught up")
+    print(f"\nthe stream ended {ended['at'] - cut_at:.1f} s after the helper's cable was pulled: {ended['error']}")
+
+
+def place(machine: Machine, body: dict) -> dict:
+    placed = machine.probe("http", "POST", f"{machine.api}/instances", json.dumps(body))
+    assert placed["status"] == 201, placed
+    return wait_ready(machine, placed["body"]["instance_id"], 300)
+
+
+def caught_up(returned: Machine, other: Machine) -> bool:
+    """`returned` is back: its API serves the same event stream position as `other`'s, and its node is in State."""
+    theirs = returned.probe("http", "GET", f"{returned.api}/state")
+    ours = other.probe("http", "GET", f"{other.api}/state")
+    if theirs["status"] != 200 or ours["status"] != 200:
+        return False  # an API answers 503 while its server rejoins the meta group
+    seqs = theirs["body"]["last_seq"], ours["body"]["last_seq"]
+    return seqs[0] == seqs[1] and returned.server_name in ours["body"]["nodes"]
 
 
 @pytest.mark.timeout(300)

@@ -7,6 +7,8 @@ chats with the official `openai` client, and command traffic on the host's NATS.
     lan_probe.py outcomes NATS_URL NKEY_FILE IDS_FILE TIMEOUT_S
     lan_probe.py meta NATS_URL SYSTEM_NKEY_FILE
     lan_probe.py trespass NATS_URL WORKER_NKEY_FILE VICTIM_NODE
+    lan_probe.py stream API_URL MODEL MAX_TOKENS OUT_FILE
+    lan_probe.py stranger HOST PORT PEER_CERTIFICATE_FILE
 """
 
 from __future__ import annotations
@@ -162,6 +164,67 @@ async def trespass(nats_url: str, nkey: str, victim: str) -> dict[str, object]:
     return got
 
 
+def stream(api: str, model: str, max_tokens: int, out: Path) -> None:
+    """A long streamed chat: `out` + ".first" appears with the first chunk; `out` holds how the stream ended (its
+    error, if any) and when, by the machine's monotonic clock (one clock for every namespace)."""
+    import openai
+
+    client = openai.OpenAI(base_url=f"{api}/v1", api_key="none", timeout=600, max_retries=0)
+    chunks, ended = 0, {"ok": True, "error": ""}
+    try:
+        for _ in client.chat.completions.create(
+            model=model,
+            messages=[{"role": "user", "content": "Tell me a very long story about a dragon and a knight."}],
+            max_tokens=max_tokens,
+            temperature=0,
+            stream=True,
+        ):
+            chunks += 1
+            if chunks == 1:
+                Path(f"{out}.first").write_text(json.dumps({"at": time.monotonic()}))
+    except openai.APIError as error:
+        ended = {"ok": False, "error": str(error)[:500]}
+    out.write_text(json.dumps({**ended, "chunks": chunks, "at": time.monotonic()}))
+
+
+def stranger(host: str, port: int, peer_certificate: str) -> dict[str, str]:
+    """Knock on a rank's endpoint as a stranger: in the clear with llama.cpp RPC's greeting (its HELLO command), and
+    over TLS with a certificate of its own. What came back each way: "closed" (nothing), "alert" (a TLS refusal) or
+    the bytes it got."""
+    import socket
+    import ssl
+    import tempfile
+
+    from jetshard_worker.peer_tunnel import PeerIdentity, client_context
+
+    hello = bytes([14]) + (0).to_bytes(8, "little")
+
+    def knock(connection: socket.socket) -> str:
+        try:
+            connection.sendall(hello)
+            answer = connection.recv(64)
+        except ssl.SSLError:
+            return "alert"
+        except OSError as error:
+            return type(error).__name__
+        return answer.hex() if answer else "closed"
+
+    got = {}
+    with socket.create_connection((host, port), timeout=10) as plain:
+        got["plain"] = knock(plain)
+    with tempfile.TemporaryDirectory() as directory:
+        own = PeerIdentity.create(Path(directory), "stranger")
+        context = client_context(own, Path(peer_certificate).read_text())
+        with socket.create_connection((host, port), timeout=10) as raw:
+            try:
+                tls = context.wrap_socket(raw)
+            except ssl.SSLError:
+                got["tls"] = "alert"
+            else:
+                got["tls"] = knock(tls)
+    return got
+
+
 def main(args: list[str]) -> None:
     match args:
         case ["http", method, url, *body]:
@@ -181,6 +244,10 @@ def main(args: list[str]) -> None:
             asyncio.run(outcomes(nats_url, nkey, json.loads(Path(ids_file).read_text()), float(timeout_s)))
         case ["trespass", nats_url, nkey, victim]:
             print(json.dumps(asyncio.run(trespass(nats_url, nkey, victim))))
+        case ["stream", api, model, max_tokens, out]:
+            stream(api, model, int(max_tokens), Path(out))
+        case ["stranger", host, port, peer_certificate]:
+            print(json.dumps(stranger(host, int(port), peer_certificate)))
         case _:
             raise SystemExit(__doc__)
 
