@@ -23,7 +23,8 @@ import ipaddress
 import os
 import socket
 import ssl
-from collections.abc import Coroutine
+import time
+from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
 from pathlib import Path
 from typing import cast
@@ -47,6 +48,9 @@ WRITE_BUFFER_HIGH = 1024 * 1024
 # Valid from an hour ago, so that a peer whose clock is a little behind accepts a certificate made just now.
 CERTIFICATE_BACKDATE = datetime.timedelta(hours=1)
 CERTIFICATE_LIFETIME = datetime.timedelta(days=30)
+# How often a connector that waits for its target to listen (`connect_retry_s`) tries again.
+CONNECT_RETRY_INTERVAL_S = 0.25
+FLUSH_POLL_S = 0.01
 
 
 @dataclass(frozen=True)
@@ -161,6 +165,9 @@ class Tunnel:
 
     def __init__(self) -> None:
         self.port = 0
+        self.on_error: Callable[[BaseException], None] | None = None
+        """Called with why, when the other end of an accepted connection could not be opened (the connection is
+        closed at once either way)."""
         self._server: asyncio.Server | None = None
         self._transports: set[asyncio.Transport] = set()
         self._connecting: set[asyncio.Task[None]] = set()
@@ -178,15 +185,27 @@ class Tunnel:
         if self._server is not None:
             await self._server.wait_closed()
 
+    async def flush(self, timeout_s: float) -> None:
+        """Stop accepting and wait, up to `timeout_s`, until every live connection has sent what it holds (a last
+        message read from one end and not yet written to the other); `close()` then loses nothing."""
+        if self._server is not None:
+            self._server.close()
+        for _ in range(max(1, round(timeout_s / FLUSH_POLL_S))):
+            if not any(transport.get_write_buffer_size() for transport in self._transports):
+                return
+            await asyncio.sleep(FLUSH_POLL_S)
+
     def _start(self, accepted: _Pipe, opening: Coroutine[None, None, _Pipe]) -> None:
         """Pipe `accepted` to the connection `opening` opens, once open; close `accepted` at once if it fails."""
 
         async def join() -> None:
             try:
                 opened = await opening
-            except (TimeoutError, OSError):
+            except (TimeoutError, OSError) as error:
                 # Said with a closed connection, at once: llama.cpp's client sees a failure, not a hang.
                 accepted.transport.close()
+                if self.on_error is not None and not isinstance(error, _Abandoned):
+                    self.on_error(error)
                 return
             if accepted.transport.is_closing():
                 opened.transport.close()
@@ -260,37 +279,64 @@ class _Accepted(_Pipe):
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         super().connection_made(transport)
         self.transport.pause_reading()
-        self.tunnel._start(self, self.connect.open(self.tunnel))
+        self.tunnel._start(self, self.connect.open(self.tunnel, self))
+
+
+class _Abandoned(ConnectionAbortedError):
+    """The accepted connection closed while its other end was still being waited for."""
 
 
 class _Connector:
-    """Opens the other end of a piped connection: to the target (loopback) or to the remote peer (TLS)."""
+    """Opens the other end of a piped connection: to the target (loopback) or to the remote peer (TLS).
 
-    def __init__(self, address: tuple[str, int], context: ssl.SSLContext | None = None) -> None:
+    `retry_s`: for how long a connection that fails (refused: nothing listens there yet; a peer that does not answer)
+    is tried again, every CONNECT_RETRY_INTERVAL_S, while the accepted end is still open. A certificate that does not
+    verify, or a peer that refuses this one, is not tried again."""
+
+    def __init__(
+        self, address: tuple[str, int], context: ssl.SSLContext | None = None, *, retry_s: float = 0.0
+    ) -> None:
         self.address = address
         self.context = context
+        self.retry_s = retry_s
 
-    async def open(self, tunnel: Tunnel) -> _Pipe:
+    async def open(self, tunnel: Tunnel, accepted: _Pipe) -> _Pipe:
         to_peer = self.context is not None
-        opening = asyncio.get_running_loop().create_connection(
-            lambda: _Pipe(tunnel, to_peer=to_peer),
-            *self.address,
-            ssl=self.context,
-            ssl_handshake_timeout=HANDSHAKE_TIMEOUT_S if to_peer else None,
-        )
-        # A peer whose network is down never answers the SYN: give up as a cut connection would be given up.
-        _, opened = await asyncio.wait_for(opening, PEER_TIMEOUT_S + HANDSHAKE_TIMEOUT_S)
-        return opened
+        deadline = time.monotonic() + self.retry_s
+        while True:
+            opening = asyncio.get_running_loop().create_connection(
+                lambda: _Pipe(tunnel, to_peer=to_peer),
+                *self.address,
+                ssl=self.context,
+                ssl_handshake_timeout=HANDSHAKE_TIMEOUT_S if to_peer else None,
+            )
+            try:
+                # A peer whose network is down never answers the SYN: give up as a cut connection would be given up.
+                _, opened = await asyncio.wait_for(opening, PEER_TIMEOUT_S + HANDSHAKE_TIMEOUT_S)
+            except ssl.SSLError:
+                raise
+            except (TimeoutError, OSError):
+                if time.monotonic() + CONNECT_RETRY_INTERVAL_S > deadline:
+                    raise
+                await asyncio.sleep(CONNECT_RETRY_INTERVAL_S)
+                if accepted.transport.is_closing():
+                    raise _Abandoned("the accepted connection closed while its other end was waited for") from None
+                continue
+            return opened
 
 
-async def serve_peer(listening: socket.socket, context: ssl.SSLContext, target: tuple[str, int]) -> Tunnel:
+async def serve_peer(
+    listening: socket.socket, context: ssl.SSLContext, target: tuple[str, int], *, connect_retry_s: float = 0.0
+) -> Tunnel:
     """Serve the TLS peers `context` admits on `listening`, piping each to a new plain TCP connection to `target`.
 
     `listening` is already bound (the worker binds the port it advertised before the runner starts, and hands it
     over); it is listened on here if it is not yet. `target` must be a loopback address: the plain bytes never leave
     the host. A peer is connected to the target only after its handshake, certificate included, passes, so the target
     never sees a connection from anyone else; a peer that does not complete the handshake within
-    HANDSHAKE_TIMEOUT_S is dropped. Returns the Tunnel, whose `port` is the listening socket's."""
+    HANDSHAKE_TIMEOUT_S is dropped. `connect_retry_s`: how long an admitted peer waits for the target to listen (the
+    MLX ring's listener appears only once its rank joins the ring); 0, the connection is closed at once if the target
+    refuses it. Returns the Tunnel, whose `port` is the listening socket's."""
     if listening.type != socket.SOCK_STREAM:
         raise ValueError(f"serve_peer needs a TCP socket, not {listening.type!r}")
     bound_port = listening.getsockname()[1]
@@ -303,7 +349,7 @@ async def serve_peer(listening: socket.socket, context: ssl.SSLContext, target: 
     if not loopback:
         raise ValueError(f"serve_peer's target must be a loopback address, not {target[0]!r}: its bytes are plain")
     tunnel = Tunnel()
-    connect = _Connector(target)
+    connect = _Connector(target, retry_s=connect_retry_s)
     tunnel._server = await asyncio.get_running_loop().create_server(
         lambda: _Accepted(tunnel, connect, to_peer=True),
         sock=listening,
@@ -314,12 +360,12 @@ async def serve_peer(listening: socket.socket, context: ssl.SSLContext, target: 
     return tunnel
 
 
-async def forward_to_peer(remote: tuple[str, int], context: ssl.SSLContext) -> Tunnel:
+async def forward_to_peer(remote: tuple[str, int], context: ssl.SSLContext, *, connect_retry_s: float = 0.0) -> Tunnel:
     """Listen on 127.0.0.1 (an ephemeral port: the Tunnel's `port`) and pipe each local connection to a new TLS
-    connection to `remote`, which must present the certificate `context` pins. If that connection cannot be made,
-    the local one is closed at once."""
+    connection to `remote`, which must present the certificate `context` pins. If that connection cannot be made
+    (tried again for up to `connect_retry_s` while `remote` refuses it or does not answer), the local one is closed."""
     tunnel = Tunnel()
-    connect = _Connector(remote, context)
+    connect = _Connector(remote, context, retry_s=connect_retry_s)
     server = await asyncio.get_running_loop().create_server(
         lambda: _Accepted(tunnel, connect, to_peer=False), "127.0.0.1", 0
     )

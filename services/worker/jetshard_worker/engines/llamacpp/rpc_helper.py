@@ -28,6 +28,7 @@ from jetshard_schema.types import TaskOutcome, TaskRequest
 from jetshard_worker import peer_tunnel
 from jetshard_worker.engines.base import Admitted, OnProgress, Refused
 from jetshard_worker.engines.figures import EngineFigures
+from jetshard_worker.rank_tunnels import endpoint_socket, identity_of
 from jetshard_worker.runner_spec import RunnerSpec
 
 from . import rpc_cache
@@ -238,22 +239,3 @@ def cache_dir_for(gguf: Path) -> Path:
         return beside
     home_cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
     return home_cache / "jetshard" / "llama-rpc"
-
-
-def identity_of(spec: RunnerSpec) -> peer_tunnel.PeerIdentity:
-    if spec.identity is None:
-        raise RuntimeError("the worker gave this rank no identity for its tunnels")
-    certificate = Path(spec.identity.certificate_path)
-    return peer_tunnel.PeerIdentity(certificate.read_text(), certificate, Path(spec.identity.key_path))
-
-
-def endpoint_socket(spec: RunnerSpec) -> socket.socket:
-    """The socket bound to the port this rank's endpoint names: the worker's, handed over, or (a worker that
-    restarted reported it in an earlier life) bound here again."""
-    if spec.ring_socket_fd is not None:
-        return socket.socket(fileno=spec.ring_socket_fd)
-    host, _, port = spec.plan.endpoints[spec.plan.rank].rpartition(":")
-    listening = socket.socket()
-    listening.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    listening.bind((host, int(port)))
-    return listening

@@ -8,9 +8,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 import threading
-from collections.abc import Callable, Coroutine
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +28,7 @@ from jetshard_worker.library_boundary import (
     think_markers_of,
     vision_processor,
 )
+from jetshard_worker.rank_tunnels import RingTunnels, open_ring_tunnels
 from jetshard_worker.runner_spec import RunnerSpec
 from jetshard_worker.text.chat import render_chat, tool_spec
 from jetshard_worker.text.constrained import JsonConstraint, SchemaError, grammar_tokenizer
@@ -58,19 +58,24 @@ async def load(spec: RunnerSpec, events: RowEvents, on_progress: OnProgress) -> 
     # A tensor-parallel rank needs the ring to know which slice of each layer it keeps; a pipeline rank joins it
     # once loaded.
     tensor = plan.serving.parallelism is Parallelism.TENSOR
-    group = await _join_ring(spec) if tensor else None
-    shard = await asyncio.to_thread(
-        load_shard,
-        model_dir,
-        plan.start_layer,
-        plan.end_layer,
-        on_progress,
-        dtype=dtype,
-        tensor_group=group,
-    )
-    if not tensor:
-        group = await _join_ring(spec)
-    serving = MlxServing(spec, events, shard, group)
+    group, tunnels = await _join_ring(spec) if tensor else (None, None)
+    try:
+        shard = await asyncio.to_thread(
+            load_shard,
+            model_dir,
+            plan.start_layer,
+            plan.end_layer,
+            on_progress,
+            dtype=dtype,
+            tensor_group=group,
+        )
+        if not tensor:
+            group, tunnels = await _join_ring(spec)
+    except BaseException:
+        if tunnels is not None:
+            await tunnels.close()
+        raise
+    serving = MlxServing(spec, events, shard, group, tunnels)
     if serving.is_leader:
         serving.tokenizer = await asyncio.to_thread(load_tokenizer, model_dir, None, sorted(shard.eos_token_ids))
         markers = think_markers_of(serving.tokenizer)
@@ -82,23 +87,46 @@ async def load(spec: RunnerSpec, events: RowEvents, on_progress: OnProgress) -> 
     return serving
 
 
-async def _join_ring(spec: RunnerSpec) -> mx.distributed.Group | None:
-    """The ring of the instance's ranks, None for a single rank. Blocks until both ring neighbours are up; the
-    worker kills us if that takes too long."""
+async def _join_ring(spec: RunnerSpec) -> tuple[mx.distributed.Group | None, RingTunnels | None]:
+    """The ring of the instance's ranks and the tunnels it runs through (`jetshard_worker.rank_tunnels`), None for a
+    single rank. Blocks until both ring neighbours are up; the worker kills us if that takes too long."""
     if spec.plan.world_size == 1:
-        return None
+        return None, None
     assert spec.hostfile is not None
-    group = await asyncio.to_thread(init_ring, spec.plan.rank, Path(spec.hostfile))
-    if spec.ring_socket_fd is not None:
-        os.close(spec.ring_socket_fd)  # held the port until the ring's listener bound it
-    return group
+    # This rank's own hostfile: its loopback listener and its forwarder to the right neighbour.
+    own_hostfile = Path(spec.hostfile).with_name(f"{Path(spec.hostfile).stem}-rank{spec.plan.rank}-ring.json")
+    tunnels = await open_ring_tunnels(spec, own_hostfile)
+    try:
+        group = await asyncio.to_thread(init_ring, spec.plan.rank, own_hostfile)
+        tunnels.release_ring_port()  # held the port until the ring's listener bound it
+        failure = tunnels.failure()
+        if failure is not None:
+            raise RuntimeError(f"rank {spec.plan.rank} joined a ring whose tunnels are gone: {failure}")
+    except BaseException:
+        await tunnels.close()
+        raise
+    return group, tunnels
+
+
+ENGINE_STOP_S = 5.0
+"""How long closing waits for the engine thread's end (the leader's STOP sent) before it closes the ring's tunnels."""
 
 
 class MlxServing:
     """A rank's `PipelineEngine` as the runner drives it (`engines.base.ServingEngine`)."""
 
-    def __init__(self, spec: RunnerSpec, events: RowEvents, shard: Shard, group: mx.distributed.Group | None) -> None:
+    def __init__(
+        self,
+        spec: RunnerSpec,
+        events: RowEvents,
+        shard: Shard,
+        group: mx.distributed.Group | None,
+        tunnels: RingTunnels | None = None,
+    ) -> None:
         self._spec = spec
+        self._tunnels = tunnels
+        """The ring's tunnels, open for as long as the engine serves."""
+        self._engine_thread: threading.Thread | None = None
         self._events = events
         self._loop = asyncio.get_running_loop()
         self._engine_lock = threading.Lock()
@@ -148,15 +176,36 @@ class MlxServing:
     def finish(self, row_id: str, reason: TaskOutcome) -> None:
         self.engine.finish(row_id, reason)
 
-    def serve(self) -> Coroutine[Any, Any, None]:
-        """The engine runs on a thread of its own: mlx's work never holds up the event loop."""
+    async def serve(self) -> None:
+        """The engine runs on a thread of its own: mlx's work never holds up the event loop. Ends, failing, if the
+        ring's tunnels do."""
         engine_thread = threading.Thread(target=self.engine.run_forever, name="engine", daemon=True)
+        self._engine_thread = engine_thread
         engine_thread.start()
-        return asyncio.to_thread(engine_thread.join)
+        if self._tunnels is None:
+            await asyncio.to_thread(engine_thread.join)
+            return
+        joined = asyncio.ensure_future(asyncio.to_thread(engine_thread.join))
+        tunnels_end = asyncio.ensure_future(self._tunnels.wait())
+        try:
+            done, _ = await asyncio.wait({joined, tunnels_end}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for waiter in (joined, tunnels_end):
+                if not waiter.done():
+                    waiter.cancel()
+        if joined in done:
+            joined.result()
+            return
+        raise RuntimeError(f"the ring between the ranks broke: {tunnels_end.result()}")
 
     async def close(self) -> None:
         if self.engine.is_leader:
             self.engine.shutdown()
+        if self._tunnels is not None:
+            # The leader's STOP goes to the other ranks through the tunnels: let it leave first.
+            if self._engine_thread is not None:
+                await asyncio.to_thread(self._engine_thread.join, ENGINE_STOP_S)
+            await self._tunnels.close()
 
     # --- tasks in ---------------------------------------------------------------------------------------
 
