@@ -207,7 +207,7 @@ async def open_ring_tunnels(spec: RunnerSpec, hostfile: Path, form_s: float = RI
 
 async def _serve(spec: RingTunnelSpec, identity: peer_tunnel.PeerIdentity) -> int:
     """The tunnel process: serve until terminated; return a failure status when a ring path fails."""
-    failed: asyncio.Future[str] = asyncio.get_running_loop().create_future()
+    failed: asyncio.Future[object] = asyncio.get_running_loop().create_future()
 
     def fail(side: str) -> Callable[[BaseException], None]:
         def on_error(error: BaseException) -> None:
@@ -233,7 +233,7 @@ async def _serve(spec: RingTunnelSpec, identity: peer_tunnel.PeerIdentity) -> in
         loop.add_signal_handler(signum, stop.set)
     sys.stdout.write(f"{forwarder.port}\n")
     sys.stdout.flush()
-    stopping = asyncio.ensure_future(stop.wait())
+    stopping: asyncio.Future[object] = asyncio.ensure_future(stop.wait())
     try:
         await asyncio.wait({stopping, failed}, return_when=asyncio.FIRST_COMPLETED)
     finally:
