@@ -363,10 +363,11 @@ def test_a_gguf_split_across_two_hosts_on_llama_cpp_shuts_out_strangers_and_heal
         ended = json.loads(out.read_text())
         assert not ended["ok"] and ended["at"] - cut_at < 60, ended
 
-        def replaced() -> bool:
-            instance = leader.get(f"/instances/{split['instance_id']}")
-            nodes = {s["node_id"] for s in instance["shards"]}  # type: ignore[index]
-            return instance["status"] == "ready" and helper.server_name not in nodes  # type: ignore[index]
+        def replaced() -> bool:  # as a new instance of the model (the lost node's instance is deleted)
+            return any(
+                i["status"] == "ready" and helper.server_name not in {s["node_id"] for s in i["shards"]}
+                for i in leader.get("/instances")  # type: ignore[union-attr]
+            )
 
         until_sync(replaced, 300, lambda: f"re-placed without {helper.host.name}: {leader.get('/instances')}")
         answer = leader.probe("chat", leader.api, DEMO_MODEL_ID, "16")
