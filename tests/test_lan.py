@@ -8,6 +8,7 @@ client, NATS as the host's admin). The model is the packaged demo model, so no h
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import json
 import re
@@ -18,6 +19,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import psutil
 import pytest
 from helpers.harness import until_sync
 from helpers.netns import Host, Lan, lan
@@ -210,6 +212,17 @@ def test_three_machines_form_one_cluster_and_serve_a_model_split_over_two(cluste
         "subscriptions refused": 1,
         "prompts heard": 0,
     }, got
+    # A stranger at each rank's ring endpoint, in the clear or with a certificate of its own, is shut out by the
+    # tunnel (only the left neighbour's certificate passes), and the pipeline keeps serving.
+    outsider = next(m for m in cluster.machines if m.server_name not in {s["node_id"] for s in instance["shards"]})
+    endpoints = third.get("/state")["instances"][instance["instance_id"]]["endpoints"]  # type: ignore[index]
+    for rank, endpoint in endpoints.items():
+        certificate = outsider.root / f"rank{rank}.pem"
+        certificate.write_text(endpoint["certificate_pem"])
+        knocked = outsider.probe("stranger", endpoint["host"], str(endpoint["port"]), str(certificate))
+        assert knocked["tls"] in ("alert", "closed", "ConnectionResetError"), knocked
+    answer = third.probe("chat", third.api, DEMO_MODEL_ID, "16")
+    assert answer["ok"] and "Paris" in answer["text"], answer
     two_host_tps = tokens_per_s(third)
     print(
         f"\nthird up to one cluster: {cluster.formed_s:.1f} s; demo model {one_host_tps:.1f} tok/s on one host, "
@@ -377,7 +390,22 @@ def test_a_gguf_split_across_two_hosts_on_llama_cpp_shuts_out_strangers_and_heal
             streaming.kill()
         helper.host.link_up()
     until_sync(lambda: caught_up(helper, leader), 180, lambda: f"{helper.host.name} caught up")
+    # Back, the helper's worker finds its instance gone and stops what it ran for it.
+    until_sync(
+        lambda: not llama_cpp_processes(helper), 120, lambda: f"{helper.host.name}: {llama_cpp_processes(helper)}"
+    )
     print(f"\nthe stream ended {ended['at'] - cut_at:.1f} s after the helper's cable was pulled: {ended['error']}")
+
+
+def llama_cpp_processes(machine: Machine) -> list[str]:
+    """llama.cpp's servers among what the machine's `jetshard up` runs."""
+    assert machine.up is not None
+    children = psutil.Process(machine.up.pid).children(recursive=True)
+    names = []
+    for child in children:
+        with contextlib.suppress(psutil.Error):
+            names.append(child.name())
+    return [name for name in names if "rpc-server" in name or "llama-server" in name]
 
 
 def place(machine: Machine, body: dict) -> dict:

@@ -80,6 +80,14 @@ def test_a_model_too_big_for_either_node_is_split_across_both_the_leader_first(
         assert shard["memory_bytes"] <= float(MEMORY_LIMIT_GIB) * 2**30
     for node in cluster.get("/nodes"):
         assert node["profile"]["memory_total_bytes"] <= float(MEMORY_LIMIT_GIB) * 2**30
+        [held] = [s for s in node["shards"] if s["instance_id"] == split["instance_id"]]
+        shard = next(s for s in shards if s["node_id"] == node["node_id"])
+        assert (held["rank"], held["ranks"], held["leader"]) == (shard["rank"], 2, shard["leader"])
+        assert (held["start_layer"], held["end_layer"], held["engine"]) == (
+            shard["start_layer"],
+            shard["end_layer"],
+            "llama.cpp",
+        )
     # The helper's process tree is ggml-rpc-server on loopback; llama-server runs on the leader's.
     helper = next(p for p in cluster.runners_of(split["instance_id"]) if runner_spec(p).plan.rank == 1)
     names = {child.name() for child in helper.children(recursive=True)}

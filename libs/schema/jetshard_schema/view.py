@@ -56,6 +56,39 @@ class ShardDescription(ShardAssignment, frozen=True, kw_only=True):
     """What the shard runs on: "cuda:0 (<GPU name>)", "metal" or "cpu" (unset while its node is gone)."""
 
 
+class NodeShard(msgspec.Struct, frozen=True, kw_only=True):
+    """A shard a node holds, as `GET /nodes` lists it under the node."""
+
+    instance_id: InstanceId
+    model_id: ModelId
+    engine: Engine
+    rank: int
+    ranks: int
+    start_layer: int
+    end_layer: int
+    leader: bool
+
+
+def shards_on(state: State, node_id: NodeId) -> list[NodeShard]:
+    """The shards of live instances that `node_id` holds, by instance."""
+    return [
+        NodeShard(
+            instance_id=instance.instance_id,
+            model_id=instance.model_id,
+            engine=instance.engine,
+            rank=shard.rank,
+            ranks=len(instance.shards),
+            start_layer=shard.start_layer,
+            end_layer=shard.end_layer,
+            leader=shard.rank == instance.leader_rank,
+        )
+        for instance in sorted(state.instances.values(), key=lambda i: i.instance_id)
+        if not instance.failed
+        for shard in instance.shards
+        if shard.node_id == node_id
+    ]
+
+
 class InstanceDescription(msgspec.Struct, frozen=True, kw_only=True):
     instance_id: InstanceId
     model_id: ModelId

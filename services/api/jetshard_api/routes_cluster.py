@@ -11,6 +11,7 @@ from jetshard_bus.streams import subscribe_events
 from jetshard_schema.codec import decode_event
 from jetshard_schema.state import Node, State
 from jetshard_schema.types import NodeStorage
+from jetshard_schema.view import NodeShard, shards_on
 from litestar import Controller, Request, Response, get
 from litestar.di import NamedDependency
 from litestar.openapi.datastructures import ResponseSpec
@@ -36,12 +37,13 @@ class Serving(msgspec.Struct, frozen=True):
 
 NodeDescription = msgspec.defstruct(
     "NodeDescription",
-    [(f.name, f.type, f.default) for f in msgspec.structs.fields(NodeStorage)],
+    [(f.name, f.type, f.default) for f in msgspec.structs.fields(NodeStorage)] + [("shards", list[NodeShard], [])],
     bases=(Node,),
     frozen=True,
     kw_only=True,
 )
-"""A node and its storage, flat: built from both structs so the two keep one definition each."""
+"""A node and its storage, flat: built from both structs so the two keep one definition each; and the shards it
+holds (`shards_on`)."""
 
 
 class ClusterController(Controller):
@@ -89,6 +91,7 @@ class ClusterController(Controller):
             NodeDescription(
                 **msgspec.structs.asdict(node),
                 **msgspec.structs.asdict(state.node_storage.get(node_id, NodeStorage())),
+                shards=shards_on(state, node_id),
             )
             for node_id, node in sorted(state.nodes.items())
         ]
