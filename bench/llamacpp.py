@@ -179,13 +179,16 @@ def _cli(root: Path, api: str, group: str, *arguments: str) -> None:
         )
 
 
-def place_on_llama_cpp(api: str, model_id: str, timeout_s: float) -> dict:
-    """Place `model_id` with `"engine": "llama.cpp"`, wait until ready; the instance. Raises with the API's answer
-    when it cannot be placed on llama.cpp, or was placed on another engine."""
-    placed = httpx.post(f"{api}/instances", json={"model_id": model_id, "engine": LLAMA_CPP}, timeout=60)
+def place_on_llama_cpp(api: str, model_id: str, timeout_s: float, node_ids: Sequence[str] | None = None) -> dict:
+    """Place `model_id` with `"engine": "llama.cpp"` (over exactly `node_ids` in that order, the first the leader,
+    when given), wait until ready; the instance. Raises with the API's answer when it cannot be placed so."""
+    body: dict[str, object] = {"model_id": model_id, "engine": LLAMA_CPP}
+    if node_ids is not None:
+        body["node_ids"] = list(node_ids)
+    placed = httpx.post(f"{api}/instances", json=body, timeout=60)
     if placed.status_code >= 400:
         raise RuntimeError(
-            f"jetshard cannot place {model_id} on the {LLAMA_CPP} engine: POST /instances answered "
+            f"jetshard cannot place {model_id} on the {LLAMA_CPP} engine: POST /instances {body} answered "
             f"{placed.status_code} {placed.text}"
         )
     instance = placed.json()
@@ -200,8 +203,9 @@ def place_on_llama_cpp(api: str, model_id: str, timeout_s: float) -> dict:
 
     wait(ready, timeout_s, f"{model_id} ready on {LLAMA_CPP}", interval=0.5)
     engine = instance.get("serving", {}).get("engine")
-    if engine != LLAMA_CPP:
-        raise RuntimeError(f"jetshard placed {model_id} on engine {engine!r}, not {LLAMA_CPP}")
+    shards = [s["node_id"] for s in instance["shards"]]
+    if engine != LLAMA_CPP or (node_ids is not None and shards != list(node_ids)):
+        raise RuntimeError(f"jetshard placed {model_id} on engine {engine!r} over {shards}, not as {body}")
     return instance
 
 

@@ -48,7 +48,17 @@ from pathlib import Path
 import httpx
 import psutil
 from _common import Figures, free_port, jetshard_env, machine_line, ms, stop_group, table, wait
-from llamacpp import LLAMA_CPP, MODELS, BenchModel, Side, load_line, measure, ratio, unique_chats
+from llamacpp import (
+    LLAMA_CPP,
+    MODELS,
+    BenchModel,
+    Side,
+    load_line,
+    measure,
+    place_on_llama_cpp,
+    ratio,
+    unique_chats,
+)
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 from helpers.gguf_models import file_type_of
@@ -180,28 +190,6 @@ def import_gguf(host: Sequence[str], home: Path, api: str, path: Path, model_id:
         raise RuntimeError(f"`{' '.join(command)}` failed:\n{done.stdout[-2000:]}{done.stderr[-2000:]}")
 
 
-def place_split(api: str, model_id: str, node_ids: Sequence[str], timeout_s: float) -> dict:
-    """`model_id` on llama.cpp over exactly `node_ids` in that order (the first the leader), once ready."""
-    body = {"model_id": model_id, "engine": LLAMA_CPP, "node_ids": list(node_ids)}
-    placed = httpx.post(f"{api}/instances", json=body, timeout=60)
-    if placed.status_code >= 400:
-        raise RuntimeError(f"POST /instances {body} answered {placed.status_code} {placed.text}")
-    url = f"{api}/instances/{placed.json()['instance_id']}"
-    instance: dict = {}
-
-    def ready() -> bool:
-        nonlocal instance
-        instance = httpx.get(url, timeout=10).json()
-        if instance["status"] == "failed":
-            raise RuntimeError(f"{model_id} failed on the {LLAMA_CPP} engine: {instance.get('reason')}")
-        return bool(instance["status"] == "ready")
-
-    wait(ready, timeout_s, f"{model_id} ready on {LLAMA_CPP} over {len(node_ids)} nodes", interval=0.5)
-    if instance.get("engine") != LLAMA_CPP or [s["node_id"] for s in instance["shards"]] != list(node_ids):
-        raise RuntimeError(f"{model_id} was not placed on {LLAMA_CPP} over {list(node_ids)}: {instance}")
-    return instance
-
-
 def layer_ranges(instance: dict) -> list[tuple[int, int]]:
     return [(s["start_layer"], s["end_layer"]) for s in sorted(instance["shards"], key=lambda s: s["rank"])]
 
@@ -230,7 +218,7 @@ def jetshard_split_side(
         # nodes (and a copy over the LAN is not what this bench measures).
         import_gguf([], cluster.homes[0], cluster.api, path, model.jetshard_id)
         import_gguf(peer.command([]), cluster.homes[1], cluster.lan_api, path, model.jetshard_id)
-    instance = place_split(cluster.api, model.jetshard_id, cluster.node_ids, timeout_s)
+    instance = place_on_llama_cpp(cluster.api, model.jetshard_id, timeout_s, cluster.node_ids)
     try:
         ranges = layer_ranges(instance)
         print(f"  {JETSHARD}: layers {ranges} on h1, h2 (rank order); {instance.get('serving')}", flush=True)

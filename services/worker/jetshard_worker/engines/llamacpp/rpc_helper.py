@@ -33,7 +33,7 @@ from jetshard_worker.runner_spec import RunnerSpec
 
 from . import rpc_cache
 from .probe import ReadyBuild
-from .server import HEALTH_POLL_S, STOP_GRACE_S, ServerDied, describe_exit, free_port
+from .server import HEALTH_POLL_S, ServerDied, describe_exit, free_port, stop_process
 
 log = logging.getLogger(__name__)
 
@@ -84,17 +84,7 @@ class RpcServer:
         return await self._process.wait()
 
     async def stop(self) -> None:
-        process = self._process
-        if process is None or process.returncode is not None:
-            return
-        with contextlib.suppress(ProcessLookupError):
-            process.terminate()
-        try:
-            await asyncio.wait_for(process.wait(), STOP_GRACE_S)
-        except TimeoutError:
-            with contextlib.suppress(ProcessLookupError):
-                process.kill()
-            await process.wait()
+        await stop_process(self._process)
 
 
 def _listening(port: int) -> bool:
@@ -107,7 +97,7 @@ def _listening(port: int) -> bool:
 
 class RpcHelperServing:
     """A helper rank as its runner drives it (`engines.base.ServingEngine`): it takes no tasks; it serves until its
-    `ggml-rpc-server` or its tunnel ends, and says why."""
+    `ggml-rpc-server` ends, and says why (the leader notices a tunnel that breaks: its llama-server stops)."""
 
     is_leader = False
     loaded_tensors: tuple[str, ...] = ()

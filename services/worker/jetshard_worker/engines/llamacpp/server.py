@@ -184,17 +184,21 @@ class LlamaServer:
         return await self._process.wait()
 
     async def stop(self) -> None:
-        process = self._process
-        if process is None or process.returncode is not None:
-            return
+        await stop_process(self._process)
+
+
+async def stop_process(process: asyncio.subprocess.Process | None) -> None:
+    """Ask a server to stop (SIGTERM), and kill it if it has not within `STOP_GRACE_S`."""
+    if process is None or process.returncode is not None:
+        return
+    with contextlib.suppress(ProcessLookupError):
+        process.terminate()
+    try:
+        await asyncio.wait_for(process.wait(), STOP_GRACE_S)
+    except TimeoutError:
         with contextlib.suppress(ProcessLookupError):
-            process.terminate()
-        try:
-            await asyncio.wait_for(process.wait(), STOP_GRACE_S)
-        except TimeoutError:
-            with contextlib.suppress(ProcessLookupError):
-                process.kill()
-            await process.wait()
+            process.kill()
+        await process.wait()
 
 
 def describe_exit(returncode: int) -> str:
