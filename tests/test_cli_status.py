@@ -178,7 +178,8 @@ def test_status_shows_each_shard_of_a_tensor_parallel_instance_with_its_tensor_r
     out = Console(width=200, record=True)
     out.print(render(cluster_view(state)))
     text = out.export_text()
-    assert "a [0, 24) tensor rank 0 downloading" in text and "b [0, 24) tensor rank 1 downloading" in text
+    # The last rank leads on MLX: the one that takes the instance's requests.
+    assert "a [0, 24) tensor rank 0 downloading" in text and "b [0, 24) tensor rank 1 (leader) downloading" in text
     out.print(instances_table(json.loads(msgspec.json.encode([describe_instance(state, state.instances["i1"])]))))
     assert "a [0, 24) tensor rank 0, b [0, 24) tensor rank 1" in out.export_text()
 
