@@ -13,22 +13,28 @@ from jetshard_schema.events import (
     InstanceChosen,
     InstanceDeleted,
     InstanceFailed,
+    InstanceKeepAliveSet,
     InstancePlaced,
     InstanceRestarting,
     RunnerEndpointReported,
     RunnerStatusChanged,
     TaskAssigned,
+    TaskCancelled,
+    TaskFinished,
 )
 from jetshard_schema.ids import CommandId, InstanceId, ModelId, NodeId, TaskId
 from jetshard_schema.state import instance_status
 from jetshard_schema.types import (
+    KEEP_LOADED,
     Endpoint,
     InstanceStatus,
     RunnerReport,
     RunnerStatus,
     ShardAssignment,
     TaskKind,
+    TaskOutcome,
     TaskRef,
+    Usage,
 )
 
 A, B = NodeId("node-a"), NodeId("node-b")
@@ -58,6 +64,7 @@ SAMPLES: list[Event] = [
     InstanceRestarting(instance_id=INST, generation=1, attempt=1, not_before_ms=5000, reason="rank 1 failed"),
     InstanceFailed(instance_id=INST, reason="gave up"),
     InstanceChosen(instance_id=INST, model_id=MODEL),
+    InstanceKeepAliveSet(instance_id=INST, keep_alive_ms=0, at_ms=7000),
 ]
 COVERED = {type(e) for e in SAMPLES}
 
@@ -139,3 +146,28 @@ def test_state_json_round_trip_keeps_integer_rank_keys() -> None:
     decoded = codec.decode_state(codec.encode(state))
     assert decoded == state
     assert list(decoded.instances[INST].endpoints) == [0]
+
+
+def test_an_instance_unloads_its_keep_alive_after_its_last_task_ended_and_a_request_may_change_it() -> None:
+    placed = InstancePlaced(instance_id=INST, model_id=MODEL, shards=SHARDS, keep_alive_ms=300_000, at_ms=1000)
+    state = fold(placed)
+    assert state.instances[INST].unloads_at_ms(busy=False) == 301_000  # idle from its placement
+    assert state.instances[INST].unloads_at_ms(busy=True) is None
+    # A request's own keep-alive (Ollama's) replaces the instance's; its end starts the idle time.
+    ref = TaskRef(task_id=TaskId("t1"), model_id=MODEL, kind=TaskKind.CHAT, keep_alive_ms=0)
+    state = fold(TaskAssigned(task=ref, instance_id=INST, generation=0), state=state)
+    assert state.instances[INST].keep_alive_ms == 0
+    usage = Usage(prompt_tokens=1, completion_tokens=1)
+    state = fold(TaskFinished(task_id=TaskId("t1"), outcome=TaskOutcome.STOP, usage=usage, at_ms=9000), state=state)
+    assert state.instances[INST].unloads_at_ms(busy=False) == 9000
+    # A cancelled task ends the busy time too; an older end never moves it back.
+    state = fold(assigned("t2"), TaskCancelled(task_id=TaskId("t2"), reason="gone", at_ms=12_000), state=state)
+    assert state.instances[INST].idle_since_ms == 12_000
+    state = fold(assigned("t3"), TaskCancelled(task_id=TaskId("t3"), reason="gone", at_ms=11_000), state=state)
+    assert state.instances[INST].idle_since_ms == 12_000
+    # Kept loaded (Ollama's negative keep_alive, or placed by hand): it never unloads.
+    state = fold(InstanceKeepAliveSet(instance_id=INST, keep_alive_ms=KEEP_LOADED, at_ms=13_000), state=state)
+    assert state.instances[INST].unloads_at_ms(busy=False) is None
+    assert fold(InstancePlaced(instance_id=INST, model_id=MODEL, shards=SHARDS)).instances[INST].keep_alive_ms == (
+        KEEP_LOADED
+    )

@@ -18,6 +18,7 @@ from jetshard_schema.commands import (
     DeleteCustomModelCard,
     DeleteDownload,
     DeleteInstance,
+    EnsureInstance,
     ExpireNode,
     ExpireRequester,
     PlaceInstance,
@@ -28,8 +29,10 @@ from jetshard_schema.commands import (
     ReportRunnerStatus,
     ReportTaskFinished,
     ReportTaskStarted,
+    SetInstanceKeepAlive,
     StartDownload,
     SubmitTask,
+    UnloadIdleInstance,
 )
 from jetshard_schema.events import (
     CommandRejected,
@@ -43,6 +46,7 @@ from jetshard_schema.events import (
     Event,
     InstanceDeleted,
     InstanceFailed,
+    InstanceKeepAliveSet,
     InstancePlaced,
     InstanceRestarting,
     NodeJoined,
@@ -79,7 +83,7 @@ from jetshard_schema.types import (
     Usage,
     WeightsDtype,
 )
-from jetshard_sequencer.handlers import Context, handle, misaddressed
+from jetshard_sequencer.handlers import Context, handle, idle_past_keep_alive, misaddressed
 
 GiB = 2**30
 A, B, C = NodeId("node-a"), NodeId("node-b"), NodeId("node-c")
@@ -583,7 +587,9 @@ def test_task_lifecycle_and_cancel(cluster: InMemoryCluster) -> None:
     assert cluster.run(ReportTaskStarted(node_id=A, task_id=task, instance_id=instance, prompt_tokens=3)) == [
         TaskStarted(task_id=task, prompt_tokens=3, at_ms=cluster.now_ms)
     ]
-    assert cluster.run(CancelTask(task_id=task)) == [TaskCancelled(task_id=task, reason="cancelled by the client")]
+    assert cluster.run(CancelTask(task_id=task)) == [
+        TaskCancelled(task_id=task, reason="cancelled by the client", at_ms=cluster.now_ms)
+    ]
     assert cluster.state.tasks == {}
     assert cluster.run(CancelTask(task_id=task)) == []
     assert cluster.run(ReportTaskStarted(node_id=A, task_id=task, instance_id=instance, prompt_tokens=3)) == []
@@ -895,3 +901,49 @@ def test_an_instance_whose_engine_placement_chose_is_replaced_on_another_engine_
     replacement = cluster.state.instances[events[2].instance_id]  # type: ignore[attr-defined]
     assert replacement.engine is Engine.MLX and replacement.engine_chosen
     assert [s.node_id for s in replacement.shards] == [B]
+
+
+def test_an_instance_idle_past_its_keep_alive_is_unloaded_and_never_a_busy_one(cluster: InMemoryCluster) -> None:
+    cluster.join(A)
+    by_hand = cluster.place("by-hand")  # placed by hand: it stays until removed
+    cluster.make_ready(by_hand)
+    cluster.now_ms += 10**9
+    assert idle_past_keep_alive(cluster.state, cluster.now_ms) == []
+    cluster.run(DeleteInstance(instance_id=by_hand))
+    auto = InstanceId("auto")  # placed for a request, with the API's default keep-alive
+    assert isinstance(
+        cluster.run(EnsureInstance(instance_id=auto, model_id=MODEL, keep_alive_ms=60_000))[0], InstancePlaced
+    )
+    cluster.make_ready(auto)
+    cluster.now_ms += 59_000
+    assert idle_past_keep_alive(cluster.state, cluster.now_ms) == []
+    cluster.now_ms += 1_000
+    assert idle_past_keep_alive(cluster.state, cluster.now_ms) == [auto]
+    # A request comes before the sequencer acts on what it saw: busy, it stays.
+    assert isinstance(submit(cluster, "task-1")[0], TaskAssigned)
+    assert cluster.run(UnloadIdleInstance(instance_id=auto)) == []
+    cluster.now_ms += 5_000
+    usage = Usage(prompt_tokens=3, completion_tokens=1)
+    finished = ReportTaskFinished(
+        node_id=A, task_id=TaskId("task-1"), instance_id=auto, outcome=TaskOutcome.STOP, usage=usage
+    )
+    assert isinstance(cluster.run(finished)[0], TaskFinished)
+    assert cluster.run(UnloadIdleInstance(instance_id=auto)) == []  # idle again only from now
+    cluster.now_ms += 60_000
+    [unloaded] = cluster.run(UnloadIdleInstance(instance_id=auto))
+    assert isinstance(unloaded, InstanceDeleted) and "past its keep-alive of 60 s" in unloaded.reason
+    assert auto not in cluster.state.instances
+
+
+def test_a_keep_alive_set_later_counts_from_then(cluster: InMemoryCluster) -> None:
+    cluster.join(A)
+    instance = cluster.place("inst-1")
+    cluster.make_ready(instance)
+    cluster.now_ms += 600_000
+    assert idle_past_keep_alive(cluster.state, cluster.now_ms) == []
+    [set_] = cluster.run(SetInstanceKeepAlive(instance_id=instance, keep_alive_ms=0))
+    assert isinstance(set_, InstanceKeepAliveSet) and set_.at_ms == cluster.now_ms
+    assert idle_past_keep_alive(cluster.state, cluster.now_ms) == [instance]
+    rejected(
+        cluster.run(SetInstanceKeepAlive(instance_id=InstanceId("nowhere"), keep_alive_ms=0)), RejectCode.NOT_FOUND
+    )

@@ -33,9 +33,11 @@ from jetshard_schema.subjects import (
     command_subject,
 )
 from jetshard_schema.types import (
+    KEEP_LOADED,
     DownloadProgress,
     Endpoint,
     ImportProgress,
+    KeepAliveMs,
     MinNodes,
     NodeIds,
     NodeProfile,
@@ -192,6 +194,8 @@ class PlaceInstance(_Command, frozen=True):
     """None: placement chooses."""
     min_nodes: MinNodes = 1
     serving: ServingSettings = ServingSettings()
+    keep_alive_ms: KeepAliveMs = KEEP_LOADED
+    """How long it stays loaded once idle; placed by hand, it stays until removed unless this says otherwise."""
 
 
 class EnsureInstance(_Command, frozen=True):
@@ -202,6 +206,21 @@ class EnsureInstance(_Command, frozen=True):
     instance_id: ValidInstanceId
     model_id: ValidModelId
     serving: ServingSettings = ServingSettings()
+    keep_alive_ms: KeepAliveMs = KEEP_LOADED
+    """How long an instance placed for it stays loaded once idle (the API's default keep-alive)."""
+
+
+class SetInstanceKeepAlive(_Command, frozen=True):
+    """How long the instance stays loaded once idle, from now on (0: unload it as soon as it is idle)."""
+
+    instance_id: ValidInstanceId
+    keep_alive_ms: KeepAliveMs
+
+
+class UnloadIdleInstance(_SequencerCommand, frozen=True):
+    """The sequencer's own observation that an instance has been idle past its keep-alive."""
+
+    instance_id: ValidInstanceId
 
 
 class ForgetInstance(_SequencerCommand, frozen=True):
@@ -285,6 +304,8 @@ Command = (
     | ReportDownloadDeleted
     | PlaceInstance
     | EnsureInstance
+    | SetInstanceKeepAlive
+    | UnloadIdleInstance
     | ForgetInstance
     | DeleteInstance
     | ReportRunnerEndpoint

@@ -20,6 +20,7 @@ from jetshard_schema.ids import (
 )
 from jetshard_schema.subjects import event_subject
 from jetshard_schema.types import (
+    KEEP_LOADED,
     DownloadProgress,
     Endpoint,
     ImportProgress,
@@ -162,6 +163,17 @@ class InstancePlaced(_Event, frozen=True):
     """As the placement was asked for, before placement resolved it (an engine left open, `weights` AUTO): an
     instance whose engine placement chose moves to a faster one when its nodes gain it. None in events recorded
     before engines."""
+    keep_alive_ms: int = KEEP_LOADED
+    """How long it stays loaded once idle (`KEEP_LOADED`: until removed)."""
+    at_ms: int = 0
+    """When it was placed (the sequencer's clock): it is idle from then until its first task."""
+
+
+class InstanceKeepAliveSet(_Event, frozen=True):
+    instance_id: ValidInstanceId
+    keep_alive_ms: int
+    at_ms: int
+    """From when the instance counts as idle, if it has no task."""
 
 
 class InstanceChosen(_Event, frozen=True):
@@ -238,6 +250,8 @@ class TaskFinished(_Event, frozen=True):
 class TaskCancelled(_Event, frozen=True):
     task_id: ValidTaskId
     reason: str
+    at_ms: int = 0
+    """When it was cancelled (the sequencer's clock): its instance is idle from then, if nothing else runs."""
 
 
 Event = (
@@ -260,6 +274,7 @@ Event = (
     | DownloadDeleted
     | InstancePlaced
     | InstanceChosen
+    | InstanceKeepAliveSet
     | InstanceDeleted
     | RunnerEndpointReported
     | RunnerStatusChanged

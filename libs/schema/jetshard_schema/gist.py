@@ -10,6 +10,7 @@ import functools
 
 from jetshard_schema import events
 from jetshard_schema.types import (
+    KEEP_LOADED,
     DownloadProgress,
     DownloadStatus,
     ImportStatus,
@@ -172,6 +173,18 @@ def _instance_placed(event: events.InstancePlaced) -> str:
     shards = ", ".join(f"{s.node_id} layers {shard_layers(s)}" for s in event.shards)
     engine = event.serving.engine or "mlx"
     return f"{event.instance_id} of {event.model_id} on {shards}; {engine}, max batch {event.serving.max_batch}"
+
+
+@gist.register
+def _keep_alive_set(event: events.InstanceKeepAliveSet) -> str:
+    return f"{event.instance_id} stays loaded {keep_alive(event.keep_alive_ms)}"
+
+
+def keep_alive(keep_alive_ms: int) -> str:
+    """A keep-alive for a person: "until removed", or how long once idle."""
+    if keep_alive_ms == KEEP_LOADED:
+        return "until removed"
+    return f"{keep_alive_ms / 1000:g} s once idle"
 
 
 @gist.register

@@ -27,6 +27,7 @@ from jetshard_schema.ids import (
     ValidTaskId,
 )
 from jetshard_schema.types import (
+    KEEP_LOADED,
     DownloadProgress,
     DownloadStatus,
     Endpoint,
@@ -83,6 +84,17 @@ class Instance(msgspec.Struct, frozen=True, kw_only=True):
     """The event sequence at which every runner of this generation was ready (0: not ready)."""
     task_ms: float = 0.0
     """Its measured pace: a moving average of its tasks' time from start to finish (0 until one finished)."""
+    keep_alive_ms: int = KEEP_LOADED
+    """How long it stays loaded with nothing to do (`KEEP_LOADED`: until removed)."""
+    idle_since_ms: int = 0
+    """When it was placed, or its latest task ended (the sequencer's clock): idle from then if no task is in
+    flight."""
+
+    def unloads_at_ms(self, busy: bool) -> int | None:
+        """When it unloads if nothing comes for it: None while `busy` (tasks in flight) or kept loaded."""
+        if busy or self.keep_alive_ms == KEEP_LOADED:
+            return None
+        return self.idle_since_ms + self.keep_alive_ms
 
     def shard_for(self, node_id: NodeId) -> ShardAssignment | None:
         return next((s for s in self.shards if s.node_id == node_id), None)
@@ -402,8 +414,17 @@ def _instance_placed(event: events.InstancePlaced, state: State) -> State:
         shards=event.shards,
         serving=event.serving,
         requested=event.requested,
+        keep_alive_ms=event.keep_alive_ms,
+        idle_since_ms=event.at_ms,
     )
     return replace(state, instances=_with(state.instances, event.instance_id, instance))
+
+
+@_fold.register
+def _instance_keep_alive_set(event: events.InstanceKeepAliveSet, state: State) -> State:
+    if event.instance_id not in state.instances:
+        return state
+    return _update_instance(state, event.instance_id, keep_alive_ms=event.keep_alive_ms, idle_since_ms=event.at_ms)
 
 
 @_fold.register
@@ -475,7 +496,10 @@ def _instance_failed(event: events.InstanceFailed, state: State) -> State:
 @_fold.register
 def _task_assigned(event: events.TaskAssigned, state: State) -> State:
     task = Task(ref=event.task, instance_id=event.instance_id, generation=event.generation, assigned_seq=state.last_seq)
-    return replace(state, tasks=_with(state.tasks, event.task.task_id, task))
+    state = replace(state, tasks=_with(state.tasks, event.task.task_id, task))
+    if event.task.keep_alive_ms is None or event.instance_id not in state.instances:
+        return state
+    return _update_instance(state, event.instance_id, keep_alive_ms=event.task.keep_alive_ms)
 
 
 @_fold.register
@@ -494,7 +518,7 @@ PACE_WEIGHT = 0.2
 @_fold.register
 def _task_finished(event: events.TaskFinished, state: State) -> State:
     task = state.tasks.get(event.task_id)
-    state = replace(state, tasks=_without(state.tasks, event.task_id))
+    state = _ended(state, event.task_id, event.at_ms)
     instance = state.instances.get(task.instance_id) if task is not None else None
     if task is None or instance is None or not task.started_at_ms or event.at_ms < task.started_at_ms:
         return state  # not started, or recorded before events carried their times: nothing to measure
@@ -505,7 +529,17 @@ def _task_finished(event: events.TaskFinished, state: State) -> State:
 
 @_fold.register
 def _task_cancelled(event: events.TaskCancelled, state: State) -> State:
-    return replace(state, tasks=_without(state.tasks, event.task_id))
+    return _ended(state, event.task_id, event.at_ms)
+
+
+def _ended(state: State, task_id: TaskId, at_ms: int) -> State:
+    """`state` without the task, its instance idle from `at_ms` on if nothing else is in flight for it."""
+    task = state.tasks.get(task_id)
+    state = replace(state, tasks=_without(state.tasks, task_id))
+    instance = state.instances.get(task.instance_id) if task is not None else None
+    if instance is None or at_ms <= instance.idle_since_ms:
+        return state
+    return _update_instance(state, instance.instance_id, idle_since_ms=at_ms)
 
 
 def instance_status(state: State, instance: Instance) -> InstanceStatus:

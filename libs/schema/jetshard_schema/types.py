@@ -114,6 +114,11 @@ than a cluster may have."""
 MaxBatch = Annotated[int, msgspec.Meta(ge=1, le=256)]
 MaxQueued = Annotated[int, msgspec.Meta(ge=0, le=100_000)]
 PrefixCacheBytes = Annotated[int, msgspec.Meta(ge=0, le=2**40)]
+KEEP_LOADED = -1
+"""A keep-alive that never unloads: the instance stays until it is removed (Ollama's negative `keep_alive`)."""
+KeepAliveMs = Annotated[int, msgspec.Meta(ge=KEEP_LOADED, le=366 * 24 * 3600 * 1000)]
+"""How long an instance stays loaded with nothing to do, in ms (0: it unloads as soon as it is idle), or
+`KEEP_LOADED`; at most a year."""
 """Named, so that a request setting some of an instance's `ServingSettings` checks the same bounds."""
 
 
@@ -464,6 +469,9 @@ class TaskRef(msgspec.Struct, frozen=True, kw_only=True):
     requester: ValidSessionId | None = None
     """The session of the API holding the task's client: when its liveness lapses, nobody is left to read the
     task's output and the sequencer cancels it."""
+    keep_alive_ms: KeepAliveMs | None = None
+    """How long the instance serving it stays loaded once idle, from now on (Ollama's per-request `keep_alive`);
+    None leaves the instance's own."""
 
 
 class TopLogprob(msgspec.Struct, frozen=True, kw_only=True):

@@ -168,7 +168,7 @@ def _engine_moves(state: State, instance_ids: list[InstanceId], ctx: Context) ->
                 instance_id=instance_id,
                 reason=f"moved to {placement.serving.engine}, which serves it faster on its node(s)",
             ),
-            _placed_event(_replacement_id(ctx, instance), instance, placement),
+            _placed_event(_replacement_id(ctx, instance), instance, placement, ctx),
         ]
         emitted += moved
         state = _applied(state, moved)
@@ -186,13 +186,17 @@ def _replacement_id(ctx: Context, replaced: Instance) -> InstanceId:
     return InstanceId(f"inst-{digest}")
 
 
-def _placed_event(instance_id: InstanceId, replaced: Instance, placement: Placement) -> events.InstancePlaced:
+def _placed_event(
+    instance_id: InstanceId, replaced: Instance, placement: Placement, ctx: Context
+) -> events.InstancePlaced:
     return events.InstancePlaced(
         instance_id=instance_id,
         model_id=replaced.model_id,
         shards=placement.shards,
         serving=placement.serving,
         requested=replaced.requested,
+        keep_alive_ms=replaced.keep_alive_ms,
+        at_ms=ctx.now_ms,
     )
 
 
@@ -236,7 +240,7 @@ def _try_place(state: State, lost: Instance, ctx: Context) -> events.InstancePla
         placement = place_in(state, card, min_nodes=len(lost.shards) if tensor else 1, serving=serving)
     except PlacementError:
         return None
-    return _placed_event(_replacement_id(ctx, lost), lost, placement)
+    return _placed_event(_replacement_id(ctx, lost), lost, placement, ctx)
 
 
 # --- model cards -------------------------------------------------------------------------------------------
@@ -493,7 +497,15 @@ def _place_instance(state: State, command: commands.PlaceInstance, ctx: Context)
     if command.instance_id in state.instances:
         return _reject(command, RejectCode.ALREADY_EXISTS, f"instance {command.instance_id} already exists")
     return _placed(
-        state, command, command.instance_id, command.model_id, command.serving, command.node_ids, command.min_nodes
+        state,
+        command,
+        command.instance_id,
+        command.model_id,
+        command.serving,
+        ctx,
+        command.keep_alive_ms,
+        command.node_ids,
+        command.min_nodes,
     )
 
 
@@ -503,7 +515,38 @@ def _ensure_instance(state: State, command: commands.EnsureInstance, ctx: Contex
         return [events.InstanceChosen(instance_id=alive[0], model_id=command.model_id)]
     if command.instance_id in state.instances:  # a failed one: every instance id is placed once
         return _reject(command, RejectCode.ALREADY_EXISTS, f"instance {command.instance_id} already exists")
-    return _placed(state, command, command.instance_id, command.model_id, command.serving)
+    return _placed(state, command, command.instance_id, command.model_id, command.serving, ctx, command.keep_alive_ms)
+
+
+def _set_instance_keep_alive(state: State, command: commands.SetInstanceKeepAlive, ctx: Context) -> list[events.Event]:
+    instance = state.instances.get(command.instance_id)
+    if instance is None:
+        return _reject(command, RejectCode.NOT_FOUND, f"no instance {command.instance_id}")
+    # Idle from now: a keep-alive given to an idle instance counts from when it was given, as Ollama's does.
+    at_ms = max(ctx.now_ms, instance.idle_since_ms)
+    return [
+        events.InstanceKeepAliveSet(instance_id=command.instance_id, keep_alive_ms=command.keep_alive_ms, at_ms=at_ms)
+    ]
+
+
+def _unload_idle_instance(state: State, command: commands.UnloadIdleInstance, ctx: Context) -> list[events.Event]:
+    instance = state.instances.get(command.instance_id)
+    if instance is None or command.instance_id not in idle_past_keep_alive(state, ctx.now_ms):
+        return []  # deleted, or busy again, or given a longer keep-alive since the sequencer looked
+    idle_s = (ctx.now_ms - instance.idle_since_ms) / 1000
+    reason = f"idle for {idle_s:.0f} s, past its keep-alive of {instance.keep_alive_ms / 1000:g} s"
+    return [events.InstanceDeleted(instance_id=command.instance_id, reason=reason)]
+
+
+def idle_past_keep_alive(state: State, now_ms: int) -> list[InstanceId]:
+    """The instances to unload (the sequencer sends itself `UnloadIdleInstance` for each): alive, no task in
+    flight, and idle for their keep-alive."""
+    busy = {task.instance_id for task in state.tasks.values()}
+    return sorted(
+        i.instance_id
+        for i in state.instances.values()
+        if not i.failed and (unloads_at := i.unloads_at_ms(i.instance_id in busy)) is not None and unloads_at <= now_ms
+    )
 
 
 def _placed(
@@ -512,6 +555,8 @@ def _placed(
     instance_id: InstanceId,
     model_id: ModelId,
     serving: ServingSettings,
+    ctx: Context,
+    keep_alive_ms: int,
     node_ids: tuple[NodeId, ...] | None = None,
     min_nodes: int = 1,
 ) -> list[events.Event]:
@@ -537,6 +582,8 @@ def _placed(
             shards=placement.shards,
             serving=placement.serving,
             requested=serving,
+            keep_alive_ms=keep_alive_ms,
+            at_ms=ctx.now_ms,
         )
     ]
 
@@ -648,14 +695,18 @@ def _submit_task(state: State, command: commands.SubmitTask, ctx: Context) -> li
 def _expire_requester(state: State, command: commands.ExpireRequester, ctx: Context) -> list[events.Event]:
     reason = f"its requester (API session {command.session_id}) is gone: nobody reads its output"
     orphans = sorted(task_id for task_id, task in state.tasks.items() if task.ref.requester == command.session_id)
-    return _then_idle_moves(state, [events.TaskCancelled(task_id=task_id, reason=reason) for task_id in orphans], ctx)
+    return _then_idle_moves(
+        state, [events.TaskCancelled(task_id=task_id, reason=reason, at_ms=ctx.now_ms) for task_id in orphans], ctx
+    )
 
 
 def _cancel_task(state: State, command: commands.CancelTask, ctx: Context) -> list[events.Event]:
     task = state.tasks.get(command.task_id)
     if task is None:
         return []  # already finished: nothing left to cancel
-    return _then_idle_moves(state, [events.TaskCancelled(task_id=command.task_id, reason=command.reason)], ctx)
+    return _then_idle_moves(
+        state, [events.TaskCancelled(task_id=command.task_id, reason=command.reason, at_ms=ctx.now_ms)], ctx
+    )
 
 
 def _then_idle_moves(
@@ -729,6 +780,8 @@ _HANDLERS: dict[type, Callable[[State, Any, Context], list[events.Event]]] = {
     commands.ReportDownloadDeleted: _report_download_deleted,
     commands.PlaceInstance: _place_instance,
     commands.EnsureInstance: _ensure_instance,
+    commands.SetInstanceKeepAlive: _set_instance_keep_alive,
+    commands.UnloadIdleInstance: _unload_idle_instance,
     commands.ForgetInstance: _forget_instance,
     commands.DeleteInstance: _delete_instance,
     commands.ReportRunnerEndpoint: _report_runner_endpoint,

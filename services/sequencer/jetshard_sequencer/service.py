@@ -27,7 +27,7 @@ from jetshard_bus.streams import BusTimings, declare
 from jetshard_bus.tracing import inject, span_from
 from jetshard_schema import subjects
 from jetshard_schema.codec import decode_command, encode
-from jetshard_schema.commands import ExpireNode, ExpireRequester, ForgetInstance
+from jetshard_schema.commands import ExpireNode, ExpireRequester, ForgetInstance, UnloadIdleInstance
 from jetshard_schema.events import CommandRejected, Event, EventEnvelope, TaskAssigned
 from jetshard_schema.ids import CommandId, ValidCommandId, new_id
 from jetshard_schema.state import State, apply
@@ -40,7 +40,7 @@ from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy, Header, RawStr
 from nats.js.kv import KeyValue
 from opentelemetry.trace import Span, StatusCode
 
-from jetshard_sequencer.handlers import Context, handle, misaddressed, past_retention
+from jetshard_sequencer.handlers import Context, handle, idle_past_keep_alive, misaddressed, past_retention
 
 log = logging.getLogger(__name__)
 
@@ -509,7 +509,8 @@ class Leader:
     async def _housekeep(self, stop: asyncio.Event) -> None:
         """Publish the sequencer's own observations, a few times per liveness TTL: `ExpireNode` for a node in
         State whose liveness key lapsed (the bucket's TTL removed it), `ExpireRequester` for an API session
-        that holds tasks and whose key lapsed, `ForgetInstance` for a failed instance past its retention.
+        that holds tasks and whose key lapsed, `ForgetInstance` for a failed instance past its retention,
+        `UnloadIdleInstance` for one idle past its keep-alive.
 
         Each key is read directly: only the server's own "no such key" counts as lapsed. (Listing the
         bucket's keys is a watch that can come back empty under load, which once declared a live node lost.)
@@ -533,10 +534,16 @@ class Leader:
                 await publish_command(
                     self._js, ExpireRequester(session_id=session_id), CommandId(f"expire-api-{session_id}")
                 )
-            for instance_id in past_retention(state, int(time.time() * 1000), self._config.failed_retention_s):
+            now_ms = int(time.time() * 1000)
+            for instance_id in past_retention(state, now_ms, self._config.failed_retention_s):
                 await publish_command(
                     self._js, ForgetInstance(instance_id=instance_id), CommandId(f"forget-{instance_id}")
                 )
+            for instance_id in idle_past_keep_alive(state, now_ms):
+                # One command per idle spell: the id names when it began, so a spell is unloaded once.
+                idle_since = state.instances[instance_id].idle_since_ms
+                command_id = CommandId(f"unload-{instance_id}-{idle_since}")
+                await publish_command(self._js, UnloadIdleInstance(instance_id=instance_id), command_id)
 
 
 def atomic_batch_headers(count: int, last_seq: int) -> list[dict[str, str]]:
