@@ -5,7 +5,7 @@ at once, tasks that die with the API holding their client; keep-alive comments w
 waits; serving settings set by `jetshard api`'s flags and by `POST /instances`.
 
 One cluster for the module, all real processes: nats-server, a sequencer, an API started with
-`--max-batch 1 --max-queued 1` and a short `--keep-alive-s`, more APIs with other flags, one node serving tiny
+`--max-batch 1 --max-queued 1` and a short `--stream-ping-s`, more APIs with other flags, one node serving tiny
 models that never stop by themselves: a request runs until its `max_tokens`, or until its client leaves.
 Liveness lapses after 4 s here, so a killed API's tasks go within seconds.
 """
@@ -57,7 +57,7 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[InferenceClust
         c.hub.add_repo(
             OTHER, make_tiny_model(root / "repos" / "other", arch="llama", num_layers=2, num_files=1, seed=5)
         )
-        c.start_core(["--max-batch", "1", "--max-queued", "1", "--keep-alive-s", str(KEEP_ALIVE_S)])
+        c.start_core(["--max-batch", "1", "--max-queued", "1", "--stream-ping-s", str(KEEP_ALIVE_S)])
         c.serve_one_node(MODEL)
         c.add_model(OTHER)
         c.add_model(COLD)

@@ -101,7 +101,7 @@ def test_the_view_summarises_nodes_instances_and_tasks() -> None:
         ),
         events.TaskAssigned(task=task, instance_id="i1", generation=0),
     )
-    view = cluster_view(state)
+    view = cluster_view(state, 0)
     assert [n.node_id for n in view.nodes] == ["a", "b"]
     [instance] = view.instances
     # Rank 1 has no runner yet and no download: the instance waits for it.
@@ -141,7 +141,7 @@ def test_the_view_says_which_of_a_nodes_directories_holds_each_download() -> Non
         events.DownloadRequested(node_id="a", model_id="org/n", start_layer=0, end_layer=24),
         events.DownloadCompleted(node_id="a", model_id="org/n", progress=completed(f"{own}/org--n", False)),
     )
-    view = cluster_view(state)
+    view = cluster_view(state, 0)
     [node] = view.nodes
     assert node.model_dirs == storage.model_dirs
     assert (node.disk_free_bytes, node.disk_total_bytes) == (5 * 10**9, 10**11)  # the writable one only
@@ -176,11 +176,11 @@ def test_status_shows_each_shard_of_a_tensor_parallel_instance_with_its_tensor_r
     placed = gist(events.InstancePlaced(instance_id="i1", model_id="org/m", shards=tensor_shards))
     assert "on a layers [0, 24) tensor rank 0, b layers [0, 24) tensor rank 1;" in placed
     out = Console(width=200, record=True)
-    out.print(render(cluster_view(state)))
+    out.print(render(cluster_view(state, 0)))
     text = out.export_text()
     # The last rank leads on MLX: the one that takes the instance's requests.
     assert "a [0, 24) tensor rank 0 downloading" in text and "b [0, 24) tensor rank 1 (leader) downloading" in text
-    out.print(instances_table(json.loads(msgspec.json.encode([describe_instance(state, state.instances["i1"])]))))
+    out.print(instances_table(json.loads(msgspec.json.encode([describe_instance(state, state.instances["i1"], 0)]))))
     assert "a [0, 24) tensor rank 0, b [0, 24) tensor rank 1" in out.export_text()
 
 

@@ -116,9 +116,24 @@ MaxQueued = Annotated[int, msgspec.Meta(ge=0, le=100_000)]
 PrefixCacheBytes = Annotated[int, msgspec.Meta(ge=0, le=2**40)]
 KEEP_LOADED = -1
 """A keep-alive that never unloads: the instance stays until it is removed (Ollama's negative `keep_alive`)."""
-KeepAliveMs = Annotated[int, msgspec.Meta(ge=KEEP_LOADED, le=366 * 24 * 3600 * 1000)]
+MAX_KEEP_ALIVE_MS = 366 * 24 * 3600 * 1000
+KeepAliveMs = Annotated[int, msgspec.Meta(ge=KEEP_LOADED, le=MAX_KEEP_ALIVE_MS)]
 """How long an instance stays loaded with nothing to do, in ms (0: it unloads as soon as it is idle), or
 `KEEP_LOADED`; at most a year."""
+
+
+def keep_alive_ms(seconds: float) -> int:
+    """A keep-alive in seconds as a `KeepAliveMs`: negative keeps the instance loaded; ValueError past a year (or
+    not a number)."""
+    if seconds != seconds:
+        raise ValueError("a keep-alive must be a number of seconds, not NaN")
+    if seconds < 0:
+        return KEEP_LOADED
+    if seconds * 1000 > MAX_KEEP_ALIVE_MS:
+        raise ValueError(f"a keep-alive of {seconds:g} s is longer than a year; a negative one keeps the model loaded")
+    return round(seconds * 1000)
+
+
 """Named, so that a request setting some of an instance's `ServingSettings` checks the same bounds."""
 
 
@@ -443,6 +458,9 @@ class TaskRequest(msgspec.Struct, frozen=True, kw_only=True):
     inputs: Annotated[tuple[str | tuple[TokenId, ...], ...], msgspec.Meta(max_length=MAX_EMBEDDING_INPUTS)] = ()
     """An embedding task's inputs, one vector each: a text, or token ids embedded as they are (not tokenized)."""
     sampling: SamplingParams = SamplingParams()
+    keep_alive_ms: KeepAliveMs | None = None
+    """How long its instance stays loaded once idle, from this task on (Ollama's `keep_alive`); None: the
+    instance's own. It travels to the sequencer in the task's `TaskRef`."""
     tools: Tools | None = None
     output_schema: dict[str, Any] | None = None
     """JSON Schema every choice's output must match (constrained decoding); `{"type": "object"}` for any object."""

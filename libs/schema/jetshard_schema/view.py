@@ -23,6 +23,7 @@ from jetshard_schema.placement import device_of
 from jetshard_schema.state import Download, Instance, State, instance_status
 from jetshard_schema.stats import RunnerStats
 from jetshard_schema.types import (
+    KEEP_LOADED,
     DownloadProgress,
     DownloadStatus,
     Engine,
@@ -89,6 +90,23 @@ def shards_on(state: State, node_id: NodeId) -> list[NodeShard]:
     ]
 
 
+def unloads_at_ms(state: State, instance: Instance, now_ms: int) -> int | None:
+    """When `instance` unloads if nothing more comes for it (its tasks in flight end about now, if any); None
+    while it is kept loaded until removed."""
+    busy = any(task.instance_id == instance.instance_id for task in state.tasks.values())
+    if instance.keep_alive_ms == KEEP_LOADED:
+        return None
+    return now_ms + instance.keep_alive_ms if busy else instance.unloads_at_ms(busy=False)
+
+
+def model_unloads_at_ms(state: State, model_id: ModelId, now_ms: int) -> int | None:
+    """When the last of `model_id`'s instances unloads if nothing more comes for it; None if one stays."""
+    times = [
+        unloads_at_ms(state, i, now_ms) for i in state.instances.values() if i.model_id == model_id and not i.failed
+    ]
+    return None if not times or None in times else max(t for t in times if t is not None)
+
+
 class InstanceDescription(msgspec.Struct, frozen=True, kw_only=True):
     instance_id: InstanceId
     model_id: ModelId
@@ -107,6 +125,10 @@ class InstanceDescription(msgspec.Struct, frozen=True, kw_only=True):
     """Assigned and not finished: running, or queued for a place in a batch."""
     tasks_running: int
     """Of those, the ones its leader has started (prefilling or decoding)."""
+    keep_alive_s: float | None
+    """How long it stays loaded with nothing to do; None: until removed."""
+    unloads_at_ms: int | None
+    """When it unloads if nothing more comes for it (its tasks in flight ending now); None: never by itself."""
 
 
 def _describe_shard(state: State, instance: Instance, shard: ShardAssignment) -> ShardDescription:
@@ -139,7 +161,7 @@ def _describe_shard(state: State, instance: Instance, shard: ShardAssignment) ->
     return ShardDescription(**fields, status="waiting")
 
 
-def describe_instance(state: State, instance: Instance) -> InstanceDescription:
+def describe_instance(state: State, instance: Instance, now_ms: int) -> InstanceDescription:
     status = instance_status(state, instance)
     tasks = [t for t in state.tasks.values() if t.instance_id == instance.instance_id]
     return InstanceDescription(
@@ -155,6 +177,8 @@ def describe_instance(state: State, instance: Instance) -> InstanceDescription:
         engine_chosen=instance.engine_chosen,
         tasks_in_flight=len(tasks),
         tasks_running=sum(1 for t in tasks if t.started),
+        keep_alive_s=None if instance.keep_alive_ms == KEEP_LOADED else instance.keep_alive_ms / 1000,
+        unloads_at_ms=unloads_at_ms(state, instance, now_ms),
     )
 
 
@@ -309,13 +333,13 @@ def _model_views(state: State) -> list[ModelView]:
     ]
 
 
-def cluster_view(state: State, loads: Mapping[InstanceId, RunnerStats] | None = None) -> ClusterView:
-    """The summary of `state`, with each instance's tokens per second and batch size where `loads` has its
-    leader's latest stats."""
+def cluster_view(state: State, now_ms: int, loads: Mapping[InstanceId, RunnerStats] | None = None) -> ClusterView:
+    """The summary of `state` at `now_ms`, with each instance's tokens per second and batch size where `loads` has
+    its leader's latest stats."""
     loads = loads or {}
     instances = []
     for instance_id, instance in sorted(state.instances.items()):
-        description = msgspec.structs.asdict(describe_instance(state, instance))
+        description = msgspec.structs.asdict(describe_instance(state, instance, now_ms))
         load = loads.get(instance_id)
         if load is not None:
             description |= {"tokens_per_s": load.tokens_per_s, "batch_size": load.batch_size}

@@ -123,7 +123,13 @@ class Cluster:
 
     def task_ref(self, request: TaskRequest) -> TaskRef:
         """The task as the command and State name it: the request (its prompt) stays out of every permanent log."""
-        return TaskRef(task_id=request.task_id, model_id=request.model_id, kind=request.kind, requester=self.session_id)
+        return TaskRef(
+            task_id=request.task_id,
+            model_id=request.model_id,
+            kind=request.kind,
+            requester=self.session_id,
+            keep_alive_ms=request.keep_alive_ms,
+        )
 
     async def store_request(self, request: TaskRequest, instance: Instance) -> None:
         """Keep an assigned task's request in JETSHARD_TASKS under its instance's leader node, the only node whose

@@ -28,7 +28,16 @@ from jetshard_schema.placement import (
     place_in,
 )
 from jetshard_schema.state import Instance, State, ready_instances
-from jetshard_schema.types import DownloadProgress, DownloadStatus, Engine, ModelFormat, ServingSettings, TaskRequest
+from jetshard_schema.types import (
+    KEEP_LOADED,
+    DownloadProgress,
+    DownloadStatus,
+    Engine,
+    ModelFormat,
+    ServingSettings,
+    TaskRequest,
+    keep_alive_ms,
+)
 
 from jetshard_api.cluster import Cluster
 from jetshard_api.errors import ApiError
@@ -49,9 +58,12 @@ class InferenceSettings(msgspec.Struct, frozen=True):
     sampled none for twice this (a stalled instance, not a slow one)."""
     first_chunk_timeout_s: float = 300.0
     """Once its task started, how long a request waits for its first chunk (the prompt's prefill)."""
-    keep_alive_s: float = 5.0
+    stream_ping_s: float = 5.0
     """A streaming request waiting (for its model, its turn, its prompt's prefill) sends an SSE comment this
     often, so that proxies and clients with read timeouts keep the connection."""
+    model_keep_alive_s: float = 300.0
+    """How long an instance placed for a request stays loaded with nothing to do (Ollama's default `keep_alive`,
+    5 minutes; negative: until removed). A request may say otherwise (Ollama's `keep_alive`)."""
     serving: ServingSettings = ServingSettings()
     """The serving settings of the instances this API places, where a request does not set them."""
     images: ImageSettings = ImageSettings()
@@ -60,6 +72,17 @@ class InferenceSettings(msgspec.Struct, frozen=True):
 
 class Deleted(msgspec.Struct, frozen=True):
     deleted: str
+
+
+def checked_keep_alive(seconds: float | None, param: str = "keep_alive_s") -> int:
+    """A request's keep-alive in seconds as the cluster's (None or negative: kept loaded), or a 400 naming
+    `param`."""
+    if seconds is None:
+        return KEEP_LOADED
+    try:
+        return keep_alive_ms(seconds)
+    except ValueError as error:
+        raise ApiError(400, str(error), "invalid_request", param) from error
 
 
 def checked_model_id(value: str, param: str = "model_id") -> ModelId:
@@ -118,6 +141,7 @@ async def place_instance(
     serving: ServingSettings,
     node_ids: tuple[NodeId, ...] | None = None,
     min_nodes: int = 1,
+    keep_alive_ms: int = KEEP_LOADED,
 ) -> Instance:
     instance_id = new_instance_id()
     await cluster.submit(
@@ -127,6 +151,7 @@ async def place_instance(
             node_ids=node_ids,
             min_nodes=min_nodes,
             serving=serving,
+            keep_alive_ms=keep_alive_ms,
         )
     )
     return cluster.state.instances[instance_id]
@@ -208,7 +233,12 @@ async def ensure_placed(cluster: Cluster, model_id: ModelId, settings: Inference
             "model",
         )
     events = await cluster.submit(
-        commands.EnsureInstance(instance_id=new_instance_id(), model_id=model_id, serving=settings.serving)
+        commands.EnsureInstance(
+            instance_id=new_instance_id(),
+            model_id=model_id,
+            serving=settings.serving,
+            keep_alive_ms=keep_alive_ms(settings.model_keep_alive_s),
+        )
     )
     return frozenset(e.instance_id for e in events if isinstance(e, InstancePlaced | InstanceChosen))
 

@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import time
 from typing import Annotated, Any
 
 import msgspec
-from jetshard_schema.commands import DeleteInstance
+from jetshard_schema.commands import DeleteInstance, SetInstanceKeepAlive
 from jetshard_schema.ids import InstanceId, ModelId
 from jetshard_schema.models import find_card
 from jetshard_schema.placement import device_of
@@ -23,7 +24,7 @@ from jetshard_schema.types import (
     WeightsDtype,
 )
 from jetshard_schema.view import InstanceDescription, describe_instance
-from litestar import Controller, Request, delete, get, post
+from litestar import Controller, Request, delete, get, patch, post
 from litestar.di import NamedDependency
 from litestar.params import FromPath, FromQuery, JSONBody, Parameter
 
@@ -33,6 +34,7 @@ from jetshard_api.errors import ERROR_RESPONSES, ApiError
 from jetshard_api.route_steps import (
     Deleted,
     InferenceSettings,
+    checked_keep_alive,
     checked_model_id,
     place_instance,
     preview_placement,
@@ -64,6 +66,15 @@ class PlaceRequest(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     engine: Engine | None = None
     """What serves the instance: "mlx" or "llama.cpp"; left out (or null), placement chooses the fastest its nodes
     run for a format the model has."""
+    keep_alive_s: float | None = None
+    """How long it stays loaded with nothing to do, in seconds (0: unload as soon as it is idle); left out, null
+    or negative: until removed."""
+
+
+class KeepAliveRequest(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    keep_alive_s: float | None
+    """How long the instance stays loaded with nothing to do from now on, in seconds (0: unload it as soon as it
+    is idle); null or negative: until removed."""
 
 
 class PreviewShard(ShardAssignment, frozen=True, kw_only=True):
@@ -92,8 +103,8 @@ class InstancesController(Controller):
 
     @get("/", responses=ERROR_RESPONSES)
     async def list_instances(self, cluster: NamedDependency[Cluster]) -> list[InstanceDescription]:
-        state = cluster.state
-        return [describe_instance(state, i) for _, i in sorted(state.instances.items())]
+        state, now_ms = cluster.state, int(time.time() * 1000)
+        return [describe_instance(state, i, now_ms) for _, i in sorted(state.instances.items())]
 
     @get("/preview", responses=ERROR_RESPONSES)
     async def preview(
@@ -131,7 +142,7 @@ class InstancesController(Controller):
         instance = cluster.state.instances.get(InstanceId(instance_id))
         if instance is None:
             raise ApiError(404, f"no instance {instance_id}", "instance_not_found")
-        return describe_instance(cluster.state, instance)
+        return describe_instance(cluster.state, instance, int(time.time() * 1000))
 
     @post("/", status_code=201, responses=ERROR_RESPONSES)
     async def create(
@@ -143,10 +154,23 @@ class InstancesController(Controller):
         serving = msgspec.structs.replace(
             data.serving.over(settings.serving), parallelism=data.parallelism, engine=data.engine
         )
+        keep_alive = checked_keep_alive(data.keep_alive_s)
         instance = await place_instance(
-            cluster, checked_model_id(data.model_id), serving, data.node_ids, data.min_nodes
+            cluster, checked_model_id(data.model_id), serving, data.node_ids, data.min_nodes, keep_alive
         )
-        return describe_instance(cluster.state, instance)
+        return describe_instance(cluster.state, instance, int(time.time() * 1000))
+
+    @patch("/{instance_id:str}", status_code=200, responses=ERROR_RESPONSES)
+    async def set_keep_alive(
+        self, cluster: NamedDependency[Cluster], instance_id: FromPath[str], data: JSONBody[KeepAliveRequest]
+    ) -> InstanceDescription:
+        """Change how long the instance stays loaded with nothing to do, counted from now."""
+        keep_alive = checked_keep_alive(data.keep_alive_s)
+        await cluster.submit(SetInstanceKeepAlive(instance_id=InstanceId(instance_id), keep_alive_ms=keep_alive))
+        instance = cluster.state.instances.get(InstanceId(instance_id))
+        if instance is None:  # removed meanwhile
+            raise ApiError(404, f"no instance {instance_id}", "instance_not_found")
+        return describe_instance(cluster.state, instance, int(time.time() * 1000))
 
     @delete("/{instance_id:str}", status_code=200, responses=ERROR_RESPONSES)
     async def remove(self, cluster: NamedDependency[Cluster], instance_id: FromPath[str]) -> Deleted:

@@ -35,7 +35,7 @@ KEEP_ALIVE_S = 15.0
 
 
 def current_view(cluster: Cluster) -> ClusterView:
-    return cluster_view(cluster.state, cluster.stats.instances())
+    return cluster_view(cluster.state, int(time.time() * 1000), cluster.stats.instances())
 
 
 class ViewController(Controller):

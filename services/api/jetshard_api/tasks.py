@@ -324,7 +324,7 @@ class LiveTask:
         if not coming:
             # A task that starts at once answers a full queue or an over-long prompt with a plain HTTP error
             # too; one that waits longer than a keep-alive gets its stream started, and any error in it.
-            await unless_disconnected(receive, asyncio.wait({starting}, timeout=self._settings.keep_alive_s))
+            await unless_disconnected(receive, asyncio.wait({starting}, timeout=self._settings.stream_ping_s))
             if starting.done():
                 starting.result()
 
@@ -334,7 +334,7 @@ class LiveTask:
         while not starting.done():
             # At once (the client sees the response start), then every few seconds.
             yield Waiting(_waiting_for(self._cluster.state, self.task))
-            await asyncio.wait({starting}, timeout=self._settings.keep_alive_s)
+            await asyncio.wait({starting}, timeout=self._settings.stream_ping_s)
         chunk = starting.result()
         while True:
             yield chunk

@@ -6,6 +6,7 @@ import asyncio
 import datetime
 import json
 import sys
+import time
 from typing import Any
 
 import click
@@ -41,7 +42,7 @@ def print_state(state: State, as_json: bool) -> None:
         json.dump(msgspec.to_builtins(state), sys.stdout, indent=2)
         sys.stdout.write("\n")
         return
-    Console(highlight=False).print(render(cluster_view(state)))
+    Console(highlight=False).print(render(cluster_view(state, int(time.time() * 1000))))
     print(f"State at event {state.last_seq} (command {state.last_command_seq}); `--json` prints all of it")
 
 

@@ -3,6 +3,7 @@ stopping it."""
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from typing import Any
 from urllib.parse import quote
@@ -28,6 +29,7 @@ def instances_table(instances: list[dict[str, Any]]) -> Table:
     table.add_column("max batch", justify="right")
     table.add_column("max queued", justify="right")
     table.add_column("tasks", justify="right")
+    table.add_column("unloads")
     table.add_column("reason", overflow="fold")
     for instance in instances:
         serving = instance["serving"]
@@ -40,9 +42,20 @@ def instances_table(instances: list[dict[str, Any]]) -> Table:
             str(serving["max_batch"]),
             str(serving["max_queued"]),
             str(instance["tasks_in_flight"]),
+            _unloads(instance),
             instance["reason"] or "",
         )
     return table
+
+
+def _unloads(instance: dict[str, Any]) -> str:
+    """When it unloads if nothing more comes ("in 4m 10s"), or that it stays until removed."""
+    at_ms = instance.get("unloads_at_ms")
+    if at_ms is None:
+        return "when removed"
+    left_s = max(0, round(at_ms / 1000 - time.time()))
+    minutes, seconds = divmod(left_s, 60)
+    return f"in {minutes}m {seconds:02d}s" if minutes else f"in {seconds}s"
 
 
 def _shard(shard: dict[str, Any]) -> str:
@@ -118,6 +131,12 @@ add_listing(
     help="a node to place it on, in rank order; repeat for several (default: placement chooses)",
 )
 @click.option("--max-batch", type=click.IntRange(1, 256), help="tasks that decode together (default: the API's)")
+@click.option(
+    "--keep-alive-s",
+    type=float,
+    help="unload it after this many seconds with nothing to do (0: as soon as it is idle) [default: it stays "
+    "until removed]",
+)
 @json_option
 @click.pass_obj
 def place(
@@ -126,9 +145,12 @@ def place(
     engine: str | None,
     node_ids: tuple[str, ...],
     max_batch: int | None,
+    keep_alive_s: float | None,
     as_json: bool,
 ) -> None:
     body: dict[str, Any] = {"model_id": model_id}
+    if keep_alive_s is not None:
+        body["keep_alive_s"] = keep_alive_s
     if engine is not None:
         body["engine"] = engine
     if node_ids:

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 import click
 from jetshard_bus.options import DEFAULT_API_PORT, NatsOptions
 from jetshard_bus.streams import BusTimings
+from jetshard_schema.types import MAX_KEEP_ALIVE_MS
 
 from jetshard.options import (
     SERVING_FLAGS,
@@ -97,10 +98,18 @@ _API_SERVING_FLAGS: list[Decorator] = [
         "once its task started, how long a request waits for its first chunk (the prompt's prefill)",
     ),
     seconds_option(
-        "--keep-alive-s",
+        "--stream-ping-s",
         5.0,
         "a streaming request waiting (for its model, in its instance's queue, for its prompt) is sent an SSE "
         "comment this often",
+    ),
+    option(
+        "--model-keep-alive-s",
+        type=click.FloatRange(max=MAX_KEEP_ALIVE_MS / 1000),
+        default=300.0,
+        show_default=True,
+        help="how long a model placed for a request stays loaded with nothing to do (negative: until removed); "
+        "a request may say otherwise (Ollama's keep_alive); models placed by hand stay until removed",
     ),
     option(
         "--fetch-image-urls/--no-fetch-image-urls",
@@ -133,7 +142,14 @@ _API_SERVING_FLAGS: list[Decorator] = [
 """How `jetshard api` serves: its flags besides NATS, its address and its key. `jetshard up` takes the same and
 passes them on to the API it starts (`api_serving_flags_passed_on`)."""
 
-_INFERENCE_FLAGS = ("auto_place", "chunk_silence_s", "start_timeout_s", "first_chunk_timeout_s", "keep_alive_s")
+_INFERENCE_FLAGS = (
+    "auto_place",
+    "chunk_silence_s",
+    "start_timeout_s",
+    "first_chunk_timeout_s",
+    "stream_ping_s",
+    "model_keep_alive_s",
+)
 """The fields of `InferenceSettings` besides `serving` and `images`, each one of `_API_SERVING_FLAGS`."""
 
 

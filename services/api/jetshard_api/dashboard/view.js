@@ -224,7 +224,15 @@ function instanceCard(instance) {
     instance.reason ? el("p", { className: "reason" }, instance.reason) : null,
     el("ol", { className: "shards" }, instance.shards.map(shardRow)),
     field("tasks", load),
+    field("unloads", unloads(instance)),
   );
+}
+
+export function unloads(instance) {
+  if (instance.unloads_at_ms === null || instance.unloads_at_ms === undefined) return "when removed";
+  const left = Math.max(0, Math.round((instance.unloads_at_ms - Date.now()) / 1000));
+  const when = left >= 60 ? `in ${Math.floor(left / 60)} min ${left % 60} s` : `in ${left} s`;
+  return instance.tasks_in_flight ? `${when} after its tasks end` : when;
 }
 
 function taskTable(tasks, instances) {

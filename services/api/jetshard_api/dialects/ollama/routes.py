@@ -17,10 +17,12 @@ from typing import Any
 
 import msgspec
 from jetshard_schema.cards import ModelCard
+from jetshard_schema.commands import SetInstanceKeepAlive
 from jetshard_schema.ids import ModelId, NodeId, new_task_id
 from jetshard_schema.models import all_cards, find_card
 from jetshard_schema.state import State
 from jetshard_schema.types import Chunk, TaskRequest, TokenLogprob, Usage
+from jetshard_schema.view import model_unloads_at_ms
 from litestar import Request, Response, delete, get, post
 from litestar.background_tasks import BackgroundTask
 from litestar.di import NamedDependency
@@ -29,7 +31,6 @@ from litestar.response import Stream
 
 from jetshard_api.answers import Choice
 from jetshard_api.cluster import Cluster
-from jetshard_api.dialects import checks
 from jetshard_api.dialects.ollama.types import (
     OLLAMA_VERSION,
     AssistantMessage,
@@ -71,6 +72,7 @@ from jetshard_api.errors import ApiError, answering, error_handlers_answering, i
 from jetshard_api.route_steps import (
     InferenceSettings,
     can_think,
+    checked_keep_alive,
     delete_everywhere,
     ensure_ready,
     pulling,
@@ -224,7 +226,34 @@ async def _answer(
     return Stream(lines(), media_type=NDJSON, background=BackgroundTask(live.close))
 
 
-_ZERO_DURATION = re.compile(r"0+(\.0*)?(ns|us|µs|ms|s|m|h)?")
+_DURATION_PART = re.compile(r"(\d+\.?\d*|\.\d+)(ns|us|µs|ms|s|m|h)")
+_SECONDS_PER_UNIT = {"ns": 1e-9, "us": 1e-6, "µs": 1e-6, "ms": 1e-3, "s": 1.0, "m": 60.0, "h": 3600.0}
+
+
+def keep_alive_of(value: float | str | None) -> int | None:
+    """Ollama's `keep_alive` as the cluster's (ms, or `KEEP_LOADED`); None when not given. A number is seconds, a
+    string a Go duration ("5m", "1h30m", "0"); negative keeps the model loaded. Anything else is a 400."""
+    if value is None:
+        return None
+    if isinstance(value, str):
+        text = value.strip()
+        sign = -1.0 if text.startswith("-") else 1.0
+        body = text.lstrip("+-")
+        parts = _DURATION_PART.findall(body)
+        if body == "0":
+            seconds = 0.0
+        elif not parts or "".join(number + unit for number, unit in parts) != body:
+            raise ApiError(
+                400,
+                f'keep_alive {value!r} is not a duration (such as "5m" or "1h30m")',
+                "invalid_request",
+                "keep_alive",
+            )
+        else:
+            seconds = sign * sum(float(number) * _SECONDS_PER_UNIT[unit] for number, unit in parts)
+    else:
+        seconds = float(value)
+    return checked_keep_alive(seconds, "keep_alive")
 
 
 async def _load(
@@ -232,16 +261,27 @@ async def _load(
     settings: InferenceSettings,
     task: TaskRequest,
     request: AnyRequest,
-    keep_alive: float | str | None,
     name: str,
     shape: Shape,
 ) -> Response[Any]:
-    """A request with nothing to answer loads its model, as Ollama's clients ask before a conversation. With
-    `keep_alive` 0 they ask to unload it, which the cluster does only when an instance is deleted."""
-    if keep_alive == 0 or (isinstance(keep_alive, str) and _ZERO_DURATION.fullmatch(keep_alive)):
-        raise checks.unsupported("keep_alive", "0 (unloading): delete the model's instance (DELETE /instances/{id})")
+    """A request with nothing to answer loads its model, as Ollama's clients ask before a conversation, for its
+    `keep_alive` if it gives one. With `keep_alive` 0 they ask to unload it: its instances unload as soon as they
+    are idle (a model not loaded is not loaded for that)."""
+    if task.keep_alive_ms == 0:
+        await _keep_alive(cluster, task.model_id, 0)
+        unloading = {"model": name, "created_at": now(), "done": True, "done_reason": "unload"}
+        return Response(shape(unloading, "", "", None))
     await _loaded(cluster, settings, task.model_id, request)
+    if task.keep_alive_ms is not None:
+        await _keep_alive(cluster, task.model_id, task.keep_alive_ms)
     return Response(shape({"model": name, "created_at": now(), "done": True, "done_reason": "load"}, "", "", None))
+
+
+async def _keep_alive(cluster: Cluster, model_id: ModelId, keep_alive_ms: int) -> None:
+    """Every live instance of `model_id` stays loaded `keep_alive_ms` once idle, from now."""
+    for instance in list(cluster.state.instances.values()):
+        if instance.model_id == model_id and not instance.failed:
+            await cluster.submit(SetInstanceKeepAlive(instance_id=instance.instance_id, keep_alive_ms=keep_alive_ms))
 
 
 async def _generated(
@@ -257,8 +297,9 @@ async def _generated(
     of a model that does not think is refused, as Ollama refuses it."""
     if thinks(data) and not can_think(cluster.state, task.model_id):
         raise ApiError(400, f'"{data.model}" does not support thinking', "thinking_unsupported", "think")
+    task = msgspec.structs.replace(task, keep_alive_ms=keep_alive_of(data.keep_alive))
     if not has_input:
-        return await _load(cluster, settings, task, request, data.keep_alive, data.model, shape)
+        return await _load(cluster, settings, task, request, data.model, shape)
     return await _answer(cluster, settings, task, request, data.stream, data.model, shape)
 
 
@@ -320,6 +361,7 @@ class OllamaController(DialectController):
         """One L2-normalised vector per input: the mean of the model's last hidden states (see
         `/v1/embeddings`); `dimensions` keeps the first ones, normalised again."""
         task = embed_task(new_task_id(), model_id_of(data.model), data.input)
+        task = msgspec.structs.replace(task, keep_alive_ms=keep_alive_of(data.keep_alive))
         clock = await _loaded(cluster, settings, task.model_id, request)
         result = await answer(cluster, settings, task, request.receive)
         done = clock.done(result.usage)
@@ -345,7 +387,9 @@ class OllamaController(DialectController):
         if not data.prompt:
             await _loaded(cluster, settings, model_id, request)
             return EmbeddingAnswer([])
-        result = await answer(cluster, settings, embed_task(new_task_id(), model_id, data.prompt), request.receive)
+        task = embed_task(new_task_id(), model_id, data.prompt)
+        task = msgspec.structs.replace(task, keep_alive_ms=keep_alive_of(data.keep_alive))
+        result = await answer(cluster, settings, task, request.receive)
         return EmbeddingAnswer(list(result.choices[0].embedding))
 
     @get("/tags", responses=OLLAMA_RESPONSES)
@@ -355,10 +399,16 @@ class OllamaController(DialectController):
 
     @get("/ps", responses=OLLAMA_RESPONSES)
     async def ps(self, cluster: NamedDependency[Cluster]) -> RunningList:
-        """The models with a ready instance."""
-        state = cluster.state
+        """The models with a ready instance, and when each unloads if nothing more comes for it."""
+        state, now_ms = cluster.state, int(time.time() * 1000)
         ready = ready_models(state)
-        return RunningList([RunningModel.running(c) for m, c in all_cards(state).items() if m in ready])
+        return RunningList(
+            [
+                RunningModel.running(card, model_unloads_at_ms(state, model_id, now_ms))
+                for model_id, card in all_cards(state).items()
+                if model_id in ready
+            ]
+        )
 
     @post("/show", status_code=200, responses=OLLAMA_RESPONSES)
     async def show(self, cluster: NamedDependency[Cluster], data: JSONBody[ShowRequest]) -> ModelInfo:
@@ -384,13 +434,13 @@ class OllamaController(DialectController):
         model_id = model_id_of(data.model_name)
         nodes = await start_pull(cluster, model_id, settings.serving)
         if not data.stream:
-            await unless_disconnected(request.receive, until_pulled(cluster, model_id, nodes, settings.keep_alive_s))
+            await unless_disconnected(request.receive, until_pulled(cluster, model_id, nodes, settings.stream_ping_s))
             return Response(Progress(status="success"))
 
         async def lines() -> AsyncIterator[bytes]:
             yield _line(Progress(status="pulling manifest"))
             try:
-                async for progress in _pulling(cluster, model_id, nodes, settings.keep_alive_s):
+                async for progress in _pulling(cluster, model_id, nodes, settings.stream_ping_s):
                     yield _line(progress)
             except ApiError as error:
                 yield _line(OllamaError(error.message))

@@ -45,7 +45,7 @@ LATEST = ":latest"
 NO_TIME = "1970-01-01T00:00:00Z"
 """When a model was modified: the cluster does not record it."""
 NEVER = "9999-12-31T23:59:59Z"
-"""When a ready model unloads: not before someone deletes its instance (`keep_alive` changes nothing)."""
+"""When a model kept loaded unloads: not before someone removes its instance."""
 
 NEUTRAL_OPTIONS: dict[str, float] = {
     "typical_p": 1.0,
@@ -71,6 +71,10 @@ def model_id_of(name: str, param: str = "model") -> ModelId:
         message = f"model {model_id!r} not found with that tag: this cluster serves only the tag 'latest'"
         raise ApiError(404, message, "model_not_found", param)
     return model_id
+
+
+def _rfc3339(at_ms: int) -> str:
+    return datetime.fromtimestamp(at_ms / 1000, UTC).isoformat(timespec="microseconds").replace("+00:00", "Z")
 
 
 def now() -> str:
@@ -126,7 +130,8 @@ class GenerationRequest(msgspec.Struct, frozen=True, kw_only=True):
     format: str | dict[str, Any] | None = None
     options: Options | None = None
     keep_alive: float | str | None = None
-    """Accepted; instances stay until deleted, whatever it says."""
+    """How long the model stays loaded once idle: seconds, or a duration ("5m"); 0 unloads it after this answer,
+    negative keeps it loaded; left out, as it was."""
     think: bool | str | None = None
     """A thinking model's reasoning on (true, or an effort: low, medium, high) or off (false); left out, the
     model's own default. The reasoning comes back as `thinking`, apart from the answer."""
@@ -539,9 +544,12 @@ class RunningModel(ListedModel, frozen=True, kw_only=True):
     context_length: int
 
     @classmethod
-    def running(cls, card: ModelCard) -> RunningModel:
+    def running(cls, card: ModelCard, unloads_at_ms: int | None) -> RunningModel:
         listed = msgspec.structs.asdict(ListedModel.of(card))
-        return cls(**listed, size_vram=card.storage_size_bytes, context_length=card.context_length)
+        expires_at = NEVER if unloads_at_ms is None else _rfc3339(unloads_at_ms)
+        return cls(
+            **listed, expires_at=expires_at, size_vram=card.storage_size_bytes, context_length=card.context_length
+        )
 
 
 class RunningList(msgspec.Struct, frozen=True):

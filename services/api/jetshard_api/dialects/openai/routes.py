@@ -14,7 +14,9 @@ from jetshard_schema.cards import ModelCard
 from jetshard_schema.ids import ModelId, new_task_id
 from jetshard_schema.models import all_cards, find_card
 from jetshard_schema.sampling import documented_defaults
+from jetshard_schema.state import State
 from jetshard_schema.types import Chunk, Engine, TaskKind, TaskRequest
+from jetshard_schema.view import model_unloads_at_ms
 from litestar import Request, Response, get, post
 from litestar.di import NamedDependency
 from litestar.params import FromPath, JSONBody
@@ -67,7 +69,7 @@ class OpenAIController(DialectController):
     async def models(self, cluster: NamedDependency[Cluster]) -> ModelList:
         state = cluster.state
         serving = engines_serving(state)
-        data = [_model_object(model_id, card, serving) for model_id, card in all_cards(state).items()]
+        data = [_model_object(state, model_id, card, serving) for model_id, card in all_cards(state).items()]
         data.sort(key=lambda m: (not m.ready, m.id))
         return ModelList(data=data)
 
@@ -78,7 +80,7 @@ class OpenAIController(DialectController):
         card = find_card(cluster.state, checked)
         if card is None:
             raise ApiError(404, f"unknown model {checked}", "model_not_found", "model")
-        return _model_object(checked, card, engines_serving(cluster.state))
+        return _model_object(cluster.state, checked, card, engines_serving(cluster.state))
 
     @post("/chat/completions", status_code=200, responses=answering(ChatCompletion, INFERENCE_RESPONSES))
     async def chat_completions(
@@ -138,11 +140,15 @@ class OpenAIController(DialectController):
         )
 
 
-def _model_object(model_id: ModelId, card: ModelCard, serving: dict[ModelId, list[Engine]]) -> ModelObject:
+def _model_object(
+    state: State, model_id: ModelId, card: ModelCard, serving: dict[ModelId, list[Engine]]
+) -> ModelObject:
+    unloads_at_ms = model_unloads_at_ms(state, model_id, int(time.time() * 1000)) if model_id in serving else None
     return ModelObject(
         id=model_id,
         owned_by=model_id.split("/")[0],
         ready=model_id in serving,
+        unloads_at=None if unloads_at_ms is None else unloads_at_ms // 1000,
         placeable=model_id not in serving,
         engines=[str(engine) for engine in serving.get(model_id, [])],
         capabilities=[str(capability) for capability in card.capabilities],

@@ -444,6 +444,8 @@ class ModelObject(msgspec.Struct, frozen=True, kw_only=True):
     created: int = 0
     owned_by: str
     ready: bool
+    unloads_at: int | None = None
+    """When it unloads if nothing more comes for it (Unix seconds); null while it is kept loaded, or not ready."""
     placeable: bool
     engines: list[str]
     """What serves its ready instances ("mlx", "llama.cpp"); empty while none is ready."""
