@@ -120,9 +120,10 @@ def test_generate_with_and_without_the_template(client: ollama.Client, dialect_c
 def test_nothing_to_answer_loads_the_model(client: ollama.Client, dialect_cluster: DialectCluster) -> None:
     assert client.chat(model=dialect_cluster.model, messages=[]).done_reason == "load"
     assert client.generate(model=dialect_cluster.model, prompt="").done_reason == "load"
+    # A keep-alive that is no duration is refused, naming it (0 unloads: tests/test_keep_alive.py).
     with pytest.raises(ollama.ResponseError) as caught:
-        client.generate(model=dialect_cluster.model, keep_alive=0)
-    assert caught.value.status_code == 400 and "keep_alive" in caught.value.error
+        client.generate(model=dialect_cluster.model, keep_alive="soon")
+    assert caught.value.status_code == 400 and "keep_alive 'soon' is not a duration" in caught.value.error
 
 
 def test_format_schema_and_json_always_parse(client: ollama.Client, dialect_cluster: DialectCluster) -> None:

@@ -1,0 +1,140 @@
+"""Models load on request and unload when idle, with Ollama's semantics: an instance placed for a request stays
+loaded the API's default keep-alive (`--model-keep-alive-s`, 3 s here) once idle, then unloads; a request's own
+`keep_alive` (Ollama's) replaces it (0: unload after this answer; negative: keep loaded); an instance placed by
+hand stays until removed unless given one; a busy instance is never unloaded.
+
+Real parts: nats-server, a sequencer, an API, one node, tiny models on MLX from the test Hub, the official
+`ollama` and `openai` clients. Liveness lapses after 4 s here, so the sequencer looks for idle instances every
+second: an unload comes within a few seconds of its time.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from datetime import datetime
+
+import httpx
+import ollama
+import openai
+import pytest
+from helpers.harness import InferenceCluster, hub_cluster, wait_for
+from helpers.tiny_models import endless_model, make_tiny_model
+
+MODEL = "keep-alive/tiny-llama"
+ENDLESS = "keep-alive/tiny-endless"
+"""Answers until its max_tokens: a request that outlasts the keep-alive."""
+DEFAULT_KEEP_ALIVE_S = 3.0
+UNLOAD_DEADLINE_S = 30.0
+"""Generous: an unload comes within seconds of its time; this catches one that never comes."""
+QUESTION = [{"role": "user", "content": "Say hello."}]
+
+pytestmark = pytest.mark.timeout(300)
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[InferenceCluster]:
+    root = tmp_path_factory.mktemp("keep-alive")
+    with hub_cluster(root, {"JETSHARD_LIVENESS_TTL_S": "4"}) as c:
+        c.hub.add_repo(MODEL, make_tiny_model(root / "repos" / "tiny", arch="llama", num_layers=2, num_files=1))
+        c.hub.add_repo(ENDLESS, endless_model(root / "repos" / "endless"))
+        c.start_core(["--model-keep-alive-s", str(DEFAULT_KEEP_ALIVE_S)])
+        c.start_node("node-a")
+        c.wait_nodes(1)
+        c.add_model(MODEL)
+        c.add_model(ENDLESS)
+        yield c
+
+
+@pytest.fixture(scope="module")
+def client(cluster: InferenceCluster) -> ollama.Client:
+    return ollama.Client(host=cluster.api, timeout=120)
+
+
+def instances_of(cluster: InferenceCluster, model: str) -> list[dict]:
+    return [i for i in cluster.get("/instances") if i["model_id"] == model]
+
+
+def unloaded(cluster: InferenceCluster, model: str) -> bool:
+    return not instances_of(cluster, model)
+
+
+def test_a_model_placed_for_a_request_unloads_after_the_default_keep_alive_and_loads_again(
+    cluster: InferenceCluster, client: ollama.Client
+) -> None:
+    answer = client.chat(model=MODEL, messages=QUESTION, options={"num_predict": 4})
+    answered_at = time.time()
+    assert answer.done
+    [instance] = instances_of(cluster, MODEL)
+    assert instance["keep_alive_s"] == DEFAULT_KEEP_ALIVE_S
+    assert answered_at - 1 <= instance["unloads_at_ms"] / 1000 <= answered_at + DEFAULT_KEEP_ALIVE_S + 1
+    [running] = [m for m in client.ps().models if m.model and m.model.startswith(MODEL)]
+    assert running.expires_at is not None
+    assert abs(running.expires_at.timestamp() - instance["unloads_at_ms"] / 1000) < 1
+    listed = httpx.get(f"{cluster.api}/v1/models/{MODEL}", timeout=10).json()
+    assert listed["unloads_at"] == instance["unloads_at_ms"] // 1000
+    assert wait_for(lambda: unloaded(cluster, MODEL), timeout=UNLOAD_DEADLINE_S), instances_of(cluster, MODEL)
+    assert time.time() >= answered_at + DEFAULT_KEEP_ALIVE_S - 1  # not before its time
+    assert not [m for m in client.ps().models if m.model and m.model.startswith(MODEL)]
+    # Asked again, it loads again.
+    assert client.chat(model=MODEL, messages=QUESTION, options={"num_predict": 4}).done
+
+
+def test_ollama_keep_alive_keeps_a_model_loaded_or_unloads_it_after_its_answer(
+    cluster: InferenceCluster, client: ollama.Client
+) -> None:
+    client.chat(model=MODEL, messages=QUESTION, options={"num_predict": 4}, keep_alive=-1)
+    time.sleep(DEFAULT_KEEP_ALIVE_S + 3)  # past the default, and past a look by the sequencer
+    [instance] = instances_of(cluster, MODEL)
+    assert instance["keep_alive_s"] is None and instance["unloads_at_ms"] is None
+    [running] = [m for m in client.ps().models if m.model and m.model.startswith(MODEL)]
+    assert running.expires_at is not None and running.expires_at > datetime.fromisoformat("9999-01-01T00:00:00+00:00")
+    # "5m" as Go writes durations: the model stays five minutes once idle.
+    client.generate(model=MODEL, keep_alive="5m")
+    [instance] = instances_of(cluster, MODEL)
+    assert instance["keep_alive_s"] == 300
+    # keep_alive 0 with an answer: it unloads as soon as that answer is done.
+    assert client.chat(model=MODEL, messages=QUESTION, options={"num_predict": 4}, keep_alive=0).done
+    assert wait_for(lambda: unloaded(cluster, MODEL), timeout=UNLOAD_DEADLINE_S), instances_of(cluster, MODEL)
+    # A load-only request with keep_alive 0 unloads a loaded model, and loads nothing when none is.
+    client.generate(model=MODEL, keep_alive=-1)
+    assert instances_of(cluster, MODEL)
+    assert client.generate(model=MODEL, keep_alive=0).done_reason == "unload"
+    assert wait_for(lambda: unloaded(cluster, MODEL), timeout=UNLOAD_DEADLINE_S), instances_of(cluster, MODEL)
+    assert client.generate(model=MODEL, keep_alive="0s").done_reason == "unload"
+    time.sleep(1)
+    assert unloaded(cluster, MODEL)
+
+
+def test_a_busy_instance_is_never_unloaded_and_one_placed_by_hand_stays(cluster: InferenceCluster) -> None:
+    chat = openai.OpenAI(base_url=f"{cluster.api}/v1", api_key="unused", max_retries=0, timeout=120)
+    stream = chat.chat.completions.create(
+        model=ENDLESS,
+        messages=QUESTION,
+        max_tokens=100_000,
+        temperature=0,
+        stream=True,  # type: ignore[arg-type]
+    )
+    started = time.monotonic()
+    chunks = 0
+    for _ in stream:  # streams well past the keep-alive: still its instance serves it
+        chunks += 1
+        if time.monotonic() - started > DEFAULT_KEEP_ALIVE_S + 4:
+            break
+    stream.close()
+    assert chunks > 1 and instances_of(cluster, ENDLESS)
+    assert wait_for(lambda: unloaded(cluster, ENDLESS), timeout=UNLOAD_DEADLINE_S)  # idle, then gone
+
+    placed = httpx.post(f"{cluster.api}/instances", json={"model_id": MODEL}, timeout=60)
+    assert placed.status_code == 201, placed.text
+    instance_id = placed.json()["instance_id"]
+    cluster.wait_instance(instance_id)
+    time.sleep(DEFAULT_KEEP_ALIVE_S + 3)
+    shown = cluster.get(f"/instances/{instance_id}")
+    assert shown["keep_alive_s"] is None and shown["unloads_at_ms"] is None
+    # Given a keep-alive later (as the dashboard's setting does), it counts from then.
+    patched = httpx.patch(f"{cluster.api}/instances/{instance_id}", json={"keep_alive_s": 1}, timeout=30)
+    assert patched.status_code == 200 and patched.json()["keep_alive_s"] == 1, patched.text
+    assert wait_for(lambda: unloaded(cluster, MODEL), timeout=UNLOAD_DEADLINE_S)
+    refused = httpx.patch(f"{cluster.api}/instances/{instance_id}", json={"keep_alive_s": 1e12}, timeout=30)
+    assert refused.status_code == 400 and "longer than a year" in refused.text
