@@ -89,7 +89,8 @@ def serving_args(image_dirs: tuple[Path, Path]) -> list[str]:
     """Every serving flag of `jetshard api`, each at a value other than its default."""
     return [
         *("--command-timeout-s", "31", "--no-auto-place", "--chunk-silence-s", "61", "--start-timeout-s", "301"),
-        *("--first-chunk-timeout-s", "302", "--stream-ping-s", "6", "--fetch-image-urls", "--image-fetch-timeout-s"),
+        *("--first-chunk-timeout-s", "302", "--stream-ping-s", "6", "--model-keep-alive-s", "-1"),
+        *("--fetch-image-urls", "--image-fetch-timeout-s"),
         *("11", "--image-dir", str(image_dirs[0]), "--image-dir", str(image_dirs[1]), "--max-batch", "3"),
         *("--max-queued", "5", "--prefix-cache-bytes", "1000", "--allowed-host", "jetshard.test"),
         *("--cors-origin", "https://app.example"),
