@@ -947,3 +947,68 @@ def test_a_keep_alive_set_later_counts_from_then(cluster: InMemoryCluster) -> No
     rejected(
         cluster.run(SetInstanceKeepAlive(instance_id=InstanceId("nowhere"), keep_alive_ms=0)), RejectCode.NOT_FOUND
     )
+
+
+NATIVE = ServingSettings(weights=WeightsDtype.NATIVE)
+
+
+def test_placing_a_model_that_does_not_fit_unloads_idle_instances_least_recently_used_first(
+    cluster: InMemoryCluster,
+) -> None:
+    """Each card takes 1.6 GiB here (as stored): a 3.5 GiB node holds two instances, not three."""
+    others = [msgspec.structs.replace(CARD, model_id=ModelId(f"acme/other-{n}")) for n in (1, 2)]
+    for card in others:
+        cluster.run(AddCustomModelCard(card=card))
+    cluster.join(A, 3.5)
+    placed = {}
+    for name, model in (("first", MODEL), ("second", others[0].model_id)):
+        [event] = cluster.run(
+            EnsureInstance(instance_id=InstanceId(name), model_id=model, keep_alive_ms=600_000, serving=NATIVE)
+        )
+        assert isinstance(event, InstancePlaced), event
+        cluster.make_ready(event.instance_id)
+        placed[name] = event.instance_id
+        cluster.now_ms += 1_000
+    # "first" was used last: "second" is the least recently used, and the one unloaded.
+    assert isinstance(submit(cluster, "task-1")[0], TaskAssigned)
+    usage = Usage(prompt_tokens=3, completion_tokens=1)
+    cluster.run(
+        ReportTaskFinished(
+            node_id=A, task_id=TaskId("task-1"), instance_id=placed["first"], outcome=TaskOutcome.STOP, usage=usage
+        )
+    )
+    third = cluster.run(
+        EnsureInstance(
+            instance_id=InstanceId("third"), model_id=others[1].model_id, keep_alive_ms=600_000, serving=NATIVE
+        )
+    )
+    assert [type(e) for e in third] == [InstanceDeleted, InstancePlaced], third
+    assert third[0].instance_id == placed["second"] and "to make room for acme/other-2" in third[0].reason
+    assert set(cluster.state.instances) == {placed["first"], InstanceId("third")}
+
+
+def test_room_is_never_made_from_a_busy_instance_nor_one_kept_loaded(cluster: InMemoryCluster) -> None:
+    other = msgspec.structs.replace(CARD, model_id=ModelId("acme/other"))
+    cluster.run(AddCustomModelCard(card=other))
+    cluster.join(A, 2.5)
+    busy = InstanceId("busy")
+    cluster.run(EnsureInstance(instance_id=busy, model_id=MODEL, keep_alive_ms=600_000, serving=NATIVE))
+    cluster.make_ready(busy)
+    assert isinstance(submit(cluster, "task-1")[0], TaskAssigned)
+    [refused] = cluster.run(
+        EnsureInstance(instance_id=InstanceId("other"), model_id=other.model_id, keep_alive_ms=0, serving=NATIVE)
+    )
+    assert isinstance(refused, CommandRejected) and refused.code is RejectCode.NO_CAPACITY
+    assert refused.retry_after_s == 5 and "serving requests (busy)" in refused.reason
+    assert busy in cluster.state.instances
+    # Kept loaded until removed (placed by hand): it stays, and the placement says why, as it always did.
+    cluster.run(DeleteInstance(instance_id=busy))
+    kept = cluster.place("kept")
+    cluster.make_ready(kept)
+    rejected(
+        cluster.run(
+            EnsureInstance(instance_id=InstanceId("other"), model_id=other.model_id, keep_alive_ms=0, serving=NATIVE)
+        ),
+        RejectCode.INSUFFICIENT_MEMORY,
+    )
+    assert kept in cluster.state.instances

@@ -709,19 +709,21 @@ def faster_placement(state: State, instance: Instance, card: ModelCard) -> Place
         return None
     node_ids = [s.node_id for s in instance.shards]
     try:
-        placement = place_in(_without(state, instance), card, node_ids, serving=instance.requested)
+        placement = place_in(without(state, [instance]), card, node_ids, serving=instance.requested)
     except PlacementError:
         return None
     return placement if placement.serving.engine is not instance.engine else None
 
 
-def _without(state: State, instance: Instance) -> State:
-    """`state` as if `instance` were gone: its shards no longer pending, and the memory the nodes' reports show
-    them taking free again."""
+def without(state: State, gone: Sequence[Instance]) -> State:
+    """`state` as if the `gone` instances were gone: their shards no longer pending, and the memory the nodes'
+    reports show them taking free again."""
     nodes = dict(state.nodes)
-    for shard in instance.shards:
-        node = nodes.get(shard.node_id)
-        if node is not None and instance.ready_seq and node.profile_seq > instance.ready_seq:
-            nodes[shard.node_id] = _less_pending(node, -shard.memory_bytes)
-    instances = {k: i for k, i in state.instances.items() if k != instance.instance_id}
+    for instance in gone:
+        for shard in instance.shards:
+            node = nodes.get(shard.node_id)
+            if node is not None and instance.ready_seq and node.profile_seq > instance.ready_seq:
+                nodes[shard.node_id] = _less_pending(node, -shard.memory_bytes)
+    leaving = {instance.instance_id for instance in gone}
+    instances = {k: i for k, i in state.instances.items() if k not in leaving}
     return replace(state, nodes=nodes, instances=instances)

@@ -29,9 +29,11 @@ from jetshard_schema.placement import (
     faster_engine,
     faster_placement,
     place_in,
+    without,
 )
 from jetshard_schema.state import Instance, State, apply, instance_status
 from jetshard_schema.types import (
+    KEEP_LOADED,
     DownloadProgress,
     DownloadStatus,
     ImportStatus,
@@ -563,6 +565,7 @@ def _placed(
     card = find_card(state, model_id)
     if card is None:
         return _reject(command, RejectCode.NOT_FOUND, f"unknown model {model_id}; add it with POST /models")
+    unloaded: list[events.Event] = []
     try:
         placement = place_in(state, card, node_ids, min_nodes, serving)
     except ModelUnavailable as error:
@@ -573,9 +576,26 @@ def _placed(
         return _reject(command, RejectCode.NOT_ENOUGH_NODES, str(error))
     except EngineUnavailable as error:
         return _reject(command, RejectCode.CONFLICT, str(error))
-    except PlacementError as error:
-        return _reject(command, RejectCode.INSUFFICIENT_MEMORY, str(error))
+    except PlacementError as no_room:
+        room = _room_made(state, card, node_ids, min_nodes, serving)
+        if room is None:
+            return _reject(command, RejectCode.INSUFFICIENT_MEMORY, str(no_room))
+        if isinstance(room, str):
+            return [
+                events.CommandRejected(
+                    command_type=type(command).__name__,
+                    code=RejectCode.NO_CAPACITY,
+                    reason=room,
+                    retry_after_s=MAKE_ROOM_RETRY_S,
+                )
+            ]
+        victims, placement = room
+        unloaded = [
+            events.InstanceDeleted(instance_id=victim.instance_id, reason=f"unloaded to make room for {model_id}")
+            for victim in victims
+        ]
     return [
+        *unloaded,
         events.InstancePlaced(
             instance_id=instance_id,
             model_id=model_id,
@@ -584,8 +604,51 @@ def _placed(
             requested=serving,
             keep_alive_ms=keep_alive_ms,
             at_ms=ctx.now_ms,
-        )
+        ),
     ]
+
+
+MAKE_ROOM_RETRY_S = 5
+"""When the memory a model needs is held by instances that are serving: how soon to ask again."""
+
+
+def _room_made(
+    state: State,
+    card: ModelCard,
+    node_ids: tuple[NodeId, ...] | None,
+    min_nodes: int,
+    serving: ServingSettings,
+) -> tuple[list[Instance], Placement] | str | None:
+    """Room for `card` made by unloading idle instances that have a keep-alive, least recently used first (the
+    fewest that make room): those instances and the placement. Never one serving or holding queued tasks, nor
+    one kept loaded until removed. Else why to retry soon, when unloading busy instances would make room (they go
+    idle in time); None when nothing would."""
+    busy = {task.instance_id for task in state.tasks.values()}
+    unloadable = sorted(
+        (i for i in state.instances.values() if not i.failed and i.keep_alive_ms != KEEP_LOADED),
+        key=lambda i: (i.idle_since_ms, i.instance_id),
+    )
+    idle = [i for i in unloadable if i.instance_id not in busy]
+    for count in range(1, len(idle) + 1):
+        try:
+            return idle[:count], place_in(without(state, idle[:count]), card, node_ids, min_nodes, serving)
+        except PlacementError:
+            continue
+    if len(idle) == len(unloadable):
+        return None
+    try:
+        place_in(without(state, unloadable), card, node_ids, min_nodes, serving)
+    except PlacementError:
+        return None
+    held = sorted(i.instance_id for i in unloadable if i.instance_id in busy)
+    return (
+        f"{card.model_id} needs the memory of instances that are serving requests ({_some_ids(held)}): they "
+        f"unload once idle; retry in {MAKE_ROOM_RETRY_S} s"
+    )
+
+
+def _some_ids(ids: Sequence[str], shown: int = 3) -> str:
+    return ", ".join(ids[:shown]) + (f" and {len(ids) - shown} more" if len(ids) > shown else "")
 
 
 def _forget_instance(state: State, command: commands.ForgetInstance, ctx: Context) -> list[events.Event]:
