@@ -1,11 +1,13 @@
 """Models load on request and unload when idle, with Ollama's semantics: an instance placed for a request stays
 loaded the API's default keep-alive (`--model-keep-alive-s`, 3 s here) once idle, then unloads; a request's own
 `keep_alive` (Ollama's) replaces it (0: unload after this answer; negative: keep loaded); an instance placed by
-hand stays until removed unless given one; a busy instance is never unloaded.
+hand stays until removed unless given one; a busy instance is never unloaded. A model that does not fit beside
+another makes room by unloading it if it is idle, and is refused for now (503, Retry-After) if it is busy.
 
 Real parts: nats-server, a sequencer, an API, one node, tiny models on MLX from the test Hub, the official
 `ollama` and `openai` clients. Liveness lapses after 4 s here, so the sequencer looks for idle instances every
-second: an unload comes within a few seconds of its time.
+second: an unload comes within a few seconds of its time. The node lends models 1.5 GiB and each instance keeps a
+600 MB prompt cache, so the two models never fit together (the endless one needs 1.06 GiB).
 """
 
 from __future__ import annotations
@@ -38,8 +40,8 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[InferenceClust
     with hub_cluster(root, {"JETSHARD_LIVENESS_TTL_S": "4"}) as c:
         c.hub.add_repo(MODEL, make_tiny_model(root / "repos" / "tiny", arch="llama", num_layers=2, num_files=1))
         c.hub.add_repo(ENDLESS, endless_model(root / "repos" / "endless"))
-        c.start_core(["--model-keep-alive-s", str(DEFAULT_KEEP_ALIVE_S)])
-        c.start_node("node-a")
+        c.start_core(["--model-keep-alive-s", str(DEFAULT_KEEP_ALIVE_S), "--prefix-cache-bytes", "600000000"])
+        c.start_node("node-a", {"JETSHARD_MEMORY_LIMIT_GIB": "1.5"})
         c.wait_nodes(1)
         c.add_model(MODEL)
         c.add_model(ENDLESS)
@@ -138,3 +140,32 @@ def test_a_busy_instance_is_never_unloaded_and_one_placed_by_hand_stays(cluster:
     assert wait_for(lambda: unloaded(cluster, MODEL), timeout=UNLOAD_DEADLINE_S)
     refused = httpx.patch(f"{cluster.api}/instances/{instance_id}", json={"keep_alive_s": 1e12}, timeout=30)
     assert refused.status_code == 400 and "longer than a year" in refused.text
+
+
+def test_a_model_that_does_not_fit_unloads_an_idle_one_and_waits_for_a_busy_one(
+    cluster: InferenceCluster, client: ollama.Client
+) -> None:
+    client.chat(model=MODEL, messages=QUESTION, options={"num_predict": 4}, keep_alive="10m")
+    assert instances_of(cluster, MODEL)
+    chat = openai.OpenAI(base_url=f"{cluster.api}/v1", api_key="unused", max_retries=0, timeout=120)
+    stream = chat.chat.completions.create(
+        model=ENDLESS,
+        messages=QUESTION,
+        max_tokens=100_000,
+        temperature=0,
+        stream=True,  # type: ignore[arg-type]
+    )
+    assert next(iter(stream)).choices is not None  # ENDLESS serves: MODEL made room
+    assert not instances_of(cluster, MODEL)
+    # ENDLESS is busy: MODEL must wait for it, and says so at once rather than unloading it mid-answer.
+    with pytest.raises(openai.APIStatusError) as refused:
+        chat.chat.completions.create(model=MODEL, messages=QUESTION, max_tokens=4)  # type: ignore[arg-type]
+    assert refused.value.status_code == 503 and refused.value.response.headers["retry-after"] == "5"
+    assert "serving requests" in str(refused.value.message)
+    chunks = 0
+    for _ in stream:  # still streaming
+        chunks += 1
+        if chunks == 5:
+            break
+    stream.close()
+    assert chunks == 5
