@@ -7,6 +7,7 @@ from helpers import states
 from helpers.states import fold
 from jetshard_schema import codec
 from jetshard_schema.events import (
+    DefaultKeepAliveSet,
     DownloadCompleted,
     Event,
     EventEnvelope,
@@ -65,6 +66,7 @@ SAMPLES: list[Event] = [
     InstanceFailed(instance_id=INST, reason="gave up"),
     InstanceChosen(instance_id=INST, model_id=MODEL),
     InstanceKeepAliveSet(instance_id=INST, keep_alive_ms=0, at_ms=7000),
+    DefaultKeepAliveSet(keep_alive_ms=600_000),
 ]
 COVERED = {type(e) for e in SAMPLES}
 
@@ -171,3 +173,9 @@ def test_an_instance_unloads_its_keep_alive_after_its_last_task_ended_and_a_requ
     assert fold(InstancePlaced(instance_id=INST, model_id=MODEL, shards=SHARDS)).instances[INST].keep_alive_ms == (
         KEEP_LOADED
     )
+
+
+def test_the_cluster_default_keep_alive_is_set_and_given_back_to_each_api() -> None:
+    state = fold(DefaultKeepAliveSet(keep_alive_ms=600_000))
+    assert state.default_keep_alive_ms == 600_000
+    assert fold(DefaultKeepAliveSet(keep_alive_ms=None), state=state).default_keep_alive_ms is None

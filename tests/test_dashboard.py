@@ -425,3 +425,26 @@ def answers(url: str) -> bool:
         return httpx.get(url, timeout=5).status_code == 200
     except httpx.HTTPError:
         return False
+
+
+def test_the_keep_alive_of_models_placed_for_requests_is_set_from_the_page(
+    browser: Browser, dialect_cluster: DialectCluster
+) -> None:
+    api = dialect_cluster.api
+    page = browser.new_page(viewport={"width": 1400, "height": 1000})
+    troubles = Troubles(page)
+    page.goto(f"{api}/")
+    expect(page.locator("#connection")).to_have_text("live", timeout=SHOWN_MS)
+    field = page.get_by_label("Unload a model placed for requests after this many idle seconds")
+    expect(field).to_have_value("300")  # the API's default: 5 minutes
+    try:
+        field.fill("600")
+        page.get_by_role("button", name="Save").click()
+        expect(page.locator("#keep-alive-message")).to_have_text(
+            "Models placed for requests from now on unload after 600 s idle, on every API"
+        )
+        assert api_call("GET", f"{api}/settings") == {"model_keep_alive_s": 600, "cluster_wide": True}
+    finally:
+        api_call("PUT", f"{api}/settings", json={"model_keep_alive_s": None})
+    assert troubles.seen == []
+    page.close()

@@ -169,3 +169,22 @@ def test_a_model_that_does_not_fit_unloads_an_idle_one_and_waits_for_a_busy_one(
             break
     stream.close()
     assert chunks == 5
+
+
+def test_the_cluster_default_set_for_every_api_replaces_the_flag(cluster: InferenceCluster) -> None:
+    assert httpx.get(f"{cluster.api}/settings", timeout=10).json() == {
+        "model_keep_alive_s": DEFAULT_KEEP_ALIVE_S,
+        "cluster_wide": False,
+    }
+    changed = httpx.put(f"{cluster.api}/settings", json={"model_keep_alive_s": 600}, timeout=30)
+    assert changed.json() == {"model_keep_alive_s": 600, "cluster_wide": True}, changed.text
+    try:
+        chat = openai.OpenAI(base_url=f"{cluster.api}/v1", api_key="unused", max_retries=0, timeout=120)
+        chat.chat.completions.create(model=MODEL, messages=QUESTION, max_tokens=2)  # type: ignore[arg-type]
+        [instance] = instances_of(cluster, MODEL)
+        assert instance["keep_alive_s"] == 600
+        refused = httpx.put(f"{cluster.api}/settings", json={"model_keep_alive_s": "soon"}, timeout=30)
+        assert refused.status_code == 400
+    finally:
+        back = httpx.put(f"{cluster.api}/settings", json={"model_keep_alive_s": None}, timeout=30)
+        assert back.json() == {"model_keep_alive_s": DEFAULT_KEEP_ALIVE_S, "cluster_wide": False}

@@ -217,6 +217,13 @@ class SetInstanceKeepAlive(_Command, frozen=True):
     keep_alive_ms: KeepAliveMs
 
 
+class SetDefaultKeepAlive(_Command, frozen=True):
+    """How long instances placed for requests from now on stay loaded once idle, on every API of the cluster;
+    None: each API's own `--model-keep-alive-s`."""
+
+    keep_alive_ms: KeepAliveMs | None
+
+
 class UnloadIdleInstance(_SequencerCommand, frozen=True):
     """The sequencer's own observation that an instance has been idle past its keep-alive."""
 
@@ -305,6 +312,7 @@ Command = (
     | PlaceInstance
     | EnsureInstance
     | SetInstanceKeepAlive
+    | SetDefaultKeepAlive
     | UnloadIdleInstance
     | ForgetInstance
     | DeleteInstance

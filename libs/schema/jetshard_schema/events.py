@@ -169,6 +169,11 @@ class InstancePlaced(_Event, frozen=True):
     """When it was placed (the sequencer's clock): it is idle from then until its first task."""
 
 
+class DefaultKeepAliveSet(_Event, frozen=True):
+    keep_alive_ms: int | None
+    """None: each API's own."""
+
+
 class InstanceKeepAliveSet(_Event, frozen=True):
     instance_id: ValidInstanceId
     keep_alive_ms: int
@@ -275,6 +280,7 @@ Event = (
     | InstancePlaced
     | InstanceChosen
     | InstanceKeepAliveSet
+    | DefaultKeepAliveSet
     | InstanceDeleted
     | RunnerEndpointReported
     | RunnerStatusChanged

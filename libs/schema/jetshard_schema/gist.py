@@ -180,6 +180,13 @@ def _keep_alive_set(event: events.InstanceKeepAliveSet) -> str:
     return f"{event.instance_id} stays loaded {keep_alive(event.keep_alive_ms)}"
 
 
+@gist.register
+def _default_keep_alive_set(event: events.DefaultKeepAliveSet) -> str:
+    if event.keep_alive_ms is None:
+        return "instances placed for requests stay loaded as each API says"
+    return f"instances placed for requests stay loaded {keep_alive(event.keep_alive_ms)}"
+
+
 def keep_alive(keep_alive_ms: int) -> str:
     """A keep-alive for a person: "until removed", or how long once idle."""
     if keep_alive_ms == KEEP_LOADED:

@@ -165,6 +165,9 @@ class State(msgspec.Struct, frozen=True, kw_only=True):
     tasks: dict[ValidTaskId, Task] = {}
     imports: dict[ValidModelId, ModelImport] = {}
     """The latest import of each model id, kept until the next one (or the card's deletion)."""
+    default_keep_alive_ms: int | None = None
+    """How long instances placed for requests stay loaded once idle (`SetDefaultKeepAlive`); None: each API's
+    own `--model-keep-alive-s`."""
 
     def download(self, node_id: NodeId, model_id: ModelId) -> Download | None:
         return self.downloads.get(node_id, {}).get(model_id)
@@ -418,6 +421,11 @@ def _instance_placed(event: events.InstancePlaced, state: State) -> State:
         idle_since_ms=event.at_ms,
     )
     return replace(state, instances=_with(state.instances, event.instance_id, instance))
+
+
+@_fold.register
+def _default_keep_alive_set(event: events.DefaultKeepAliveSet, state: State) -> State:
+    return replace(state, default_keep_alive_ms=event.keep_alive_ms)
 
 
 @_fold.register

@@ -25,6 +25,7 @@ from jetshard_api.routes_dashboard import dashboard_routes
 from jetshard_api.routes_downloads import DownloadsController
 from jetshard_api.routes_instances import InstancesController
 from jetshard_api.routes_models import ModelsController
+from jetshard_api.routes_settings import SettingsController
 from jetshard_api.routes_view import ViewController
 from jetshard_api.safety import HttpSafety, HttpSafetyMiddleware
 
@@ -81,6 +82,7 @@ def create_app(
             OllamaController,
             ResponsesController,
             DownloadsController,
+            SettingsController,
             ViewController,
             create_static_files_router(
                 SWAGGER_UI_ASSETS_PATH, directories=[swagger_ui_path], name="swagger-ui", include_in_schema=False

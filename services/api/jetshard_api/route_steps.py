@@ -74,6 +74,14 @@ class Deleted(msgspec.Struct, frozen=True):
     deleted: str
 
 
+def default_keep_alive_ms(state: State, settings: InferenceSettings) -> int:
+    """How long an instance placed for a request stays loaded once idle: the cluster's setting (the dashboard's,
+    `PUT /settings`), else this API's `--model-keep-alive-s`."""
+    if state.default_keep_alive_ms is not None:
+        return state.default_keep_alive_ms
+    return keep_alive_ms(settings.model_keep_alive_s)
+
+
 def checked_keep_alive(seconds: float | None, param: str = "keep_alive_s") -> int:
     """A request's keep-alive in seconds as the cluster's (None or negative: kept loaded), or a 400 naming
     `param`."""
@@ -237,7 +245,7 @@ async def ensure_placed(cluster: Cluster, model_id: ModelId, settings: Inference
             instance_id=new_instance_id(),
             model_id=model_id,
             serving=settings.serving,
-            keep_alive_ms=keep_alive_ms(settings.model_keep_alive_s),
+            keep_alive_ms=default_keep_alive_ms(state, settings),
         )
     )
     return frozenset(e.instance_id for e in events if isinstance(e, InstancePlaced | InstanceChosen))

@@ -531,6 +531,10 @@ def _set_instance_keep_alive(state: State, command: commands.SetInstanceKeepAliv
     ]
 
 
+def _set_default_keep_alive(state: State, command: commands.SetDefaultKeepAlive, ctx: Context) -> list[events.Event]:
+    return [events.DefaultKeepAliveSet(keep_alive_ms=command.keep_alive_ms)]
+
+
 def _unload_idle_instance(state: State, command: commands.UnloadIdleInstance, ctx: Context) -> list[events.Event]:
     instance = state.instances.get(command.instance_id)
     if instance is None or command.instance_id not in idle_past_keep_alive(state, ctx.now_ms):
@@ -844,6 +848,7 @@ _HANDLERS: dict[type, Callable[[State, Any, Context], list[events.Event]]] = {
     commands.PlaceInstance: _place_instance,
     commands.EnsureInstance: _ensure_instance,
     commands.SetInstanceKeepAlive: _set_instance_keep_alive,
+    commands.SetDefaultKeepAlive: _set_default_keep_alive,
     commands.UnloadIdleInstance: _unload_idle_instance,
     commands.ForgetInstance: _forget_instance,
     commands.DeleteInstance: _delete_instance,

@@ -231,8 +231,31 @@ async function addModel(event) {
   if (!error) input.value = "";
 }
 
+// --- the cluster's keep-alive for models placed by requests ---------------------------------------------------
+
+async function showKeepAlive() {
+  const response = await apiFetch("/settings").catch(() => null);
+  if (!response?.ok) return;
+  const settings = await response.json();
+  $("keep-alive-s").value = settings.model_keep_alive_s === null ? -1 : settings.model_keep_alive_s;
+}
+
+async function saveKeepAlive(event) {
+  event.preventDefault();
+  const seconds = Number($("keep-alive-s").value);
+  const message = $("keep-alive-message");
+  $("keep-alive-save").disabled = true;
+  const error = await send("PUT", "/settings", { model_keep_alive_s: seconds });
+  $("keep-alive-save").disabled = false;
+  const kept = seconds < 0 ? "stay loaded until removed" : `unload after ${seconds} s idle`;
+  message.textContent = error ?? `Models placed for requests from now on ${kept}, on every API`;
+  message.className = `form-message ${error ? "error" : "good"}`;
+}
+
 export function startManaging() {
   $("add-model-form").addEventListener("submit", addModel);
+  $("keep-alive-form").addEventListener("submit", saveKeepAlive);
+  showKeepAlive();
   document.querySelector(".cluster").addEventListener("click", (event) => {
     const button = event.target.closest("button[data-action]");
     if (button && !button.disabled) act(button);
