@@ -22,7 +22,9 @@ from jetshard_schema.cards import (
     Quantization,
 )
 from jetshard_schema.catalogue import DEMO_MODEL_ID, builtin_cards, parse_card
-from jetshard_schema.ids import model_dir_name
+from jetshard_schema.gguf_card import LLAMA_CPP_ARCHITECTURES, SPLIT_NAME, HubGgufRef
+from jetshard_schema.ids import ModelId, model_dir_name
+from jetshard_schema.types import ModelFormat
 
 CATALOGUE_FILES = sorted(
     (entry for entry in resources.files("jetshard_schema.catalogue").iterdir() if entry.name.endswith(".toml")),
@@ -30,9 +32,9 @@ CATALOGUE_FILES = sorted(
 )
 
 
-def test_catalogue_has_a_dozen_real_models_and_the_demo() -> None:
+def test_catalogue_has_real_models_and_the_demo() -> None:
     cards = builtin_cards()
-    assert len(cards) == len(CATALOGUE_FILES) >= 13
+    assert len(cards) == len(CATALOGUE_FILES) >= 33
     assert DEMO_MODEL_ID in cards
     assert "mlx-community/Qwen3-0.6B-4bit" in cards
 
@@ -46,15 +48,68 @@ def test_catalogue_file_is_a_plausible_card(entry: Any) -> None:
     assert card.num_attention_heads % card.num_key_value_heads == 0
     assert card.vocab_size > 1000
     assert card.context_length >= 2048
-    assert card.architecture in SUPPORTED_ARCHITECTURES | VISION_ARCHITECTURES
+    if ModelFormat.MLX in card.formats:
+        assert card.architecture in SUPPORTED_ARCHITECTURES | VISION_ARCHITECTURES
+    else:  # llama.cpp's alone: general.architecture as llama.cpp names it
+        assert card.architecture in LLAMA_CPP_ARCHITECTURES
     assert card.vision == (card.architecture in VISION_ARCHITECTURES)
     assert not card.is_custom
     # A card's size must at least hold the embedding table at its bit width, or placement would overcommit.
-    bits = card.quantization.bits if card.quantization else 16
+    bits = card.quantization.bits if card.quantization else GGUF_BITS.get(card.file_type, 16)
     assert card.storage_size_bytes >= card.vocab_size * card.hidden_size * bits // 8
     if card.quantization is not None:
         assert card.quantization.bits in (2, 3, 4, 5, 6, 8)
         assert card.quantization.group_size in (32, 64, 128)
+
+
+GGUF_BITS = {"Q4_K_M": 4, "Q8_0": 8}
+"""The fewest bits a weight of these GGUF file types takes (their block scales and wider tensors come on top)."""
+
+HUB_GGUF_CARDS = [card for card in builtin_cards().values() if card.source is ModelSource.HUB_GGUF]
+
+
+def test_the_catalogue_offers_cpu_models_as_hub_ggufs_in_two_quantizations() -> None:
+    by_file_type: dict[str, set[str]] = {}
+    for card in HUB_GGUF_CARDS:
+        by_file_type.setdefault(card.file_type, set()).add(card.display_name.split(" (")[0])
+    wanted = {
+        "Qwen3-0.6B",
+        "Qwen3-1.7B",
+        "Qwen3-4B",
+        "Qwen3-8B",
+        "Llama-3.2-1B-Instruct",
+        "Llama-3.2-3B-Instruct",
+        "gemma-3-1b-it",
+        "gemma-3-4b-it",
+        "Phi-4-mini-instruct",
+    }
+    assert by_file_type == {"Q4_K_M": wanted, "Q8_0": wanted}
+
+
+@pytest.mark.parametrize("card", HUB_GGUF_CARDS, ids=lambda card: card.model_id)
+def test_a_hub_gguf_card_is_what_adding_its_file_makes(card: ModelCard) -> None:
+    """As `fetch_gguf_card` builds one from a repo's file (`card_from_gguf`), so the downloader fetches it alike."""
+    ref = HubGgufRef.parse(card.source_ref)
+    assert str(ref) == card.source_ref and not ref.mmproj and not card.vision
+    assert ref.file.endswith(".gguf") and SPLIT_NAME.match(ref.file) is None  # one whole file
+    assert card.file_type in GGUF_BITS and card.file_type in ref.file
+    # K-quants, and llama.cpp's other architectures and tokenizers, are beyond the GGUF -> MLX converter.
+    assert card.formats == (ModelFormat.GGUF,)
+    assert card.quantization is None and card.checkpoint_dtype == ""
+    # The model id names the publisher and the file, so each quantization of one repo has its own.
+    assert card.model_id == f"{ref.repo.split('/')[0]}/{ref.file.removesuffix('.gguf')}"
+    # A pinned sha256 is the Hub's LFS oid: lower-case hex, as the repo's listing reports it.
+    assert card.source_sha256 == "" or re.fullmatch(r"[0-9a-f]{64}", card.source_sha256)
+    # A size without a measured file list is marked so; a pinned hash always comes with the exact size.
+    if card.source_sha256:
+        assert not card.storage_size_estimated
+    thinks = ModelCapability.THINKING in card.capabilities
+    assert thinks == (card.architecture == "qwen3")
+
+
+def test_hub_gguf_sha256_pins_are_distinct() -> None:
+    pins = [card.source_sha256 for card in HUB_GGUF_CARDS if card.source_sha256]
+    assert len(pins) == len(set(pins)) >= 9
 
 
 def test_callers_cannot_change_the_builtin_catalogue() -> None:
@@ -254,7 +309,7 @@ def test_capabilities_come_from_the_config_and_the_tokenizers_added_tokens() -> 
 def test_the_catalogues_qwen3_cards_think_and_the_others_do_not() -> None:
     for model_id, card in builtin_cards().items():
         thinks = ModelCapability.THINKING in card.capabilities
-        assert thinks == model_id.startswith("mlx-community/Qwen3-"), model_id
+        assert thinks == (card.architecture == "qwen3"), model_id
         assert set(DEFAULT_CAPABILITIES) <= set(card.capabilities), model_id
 
 
@@ -365,7 +420,7 @@ def test_model_id_is_validated() -> None:
 
 def test_a_card_recorded_before_capabilities_existed_decodes_with_the_default_ones() -> None:
     """Custom cards added before this field are in the event stream without it."""
-    card = builtin_cards()["mlx-community/Qwen3-4B-Thinking-2507-4bit"]
+    card = builtin_cards()[ModelId("mlx-community/Qwen3-4B-Thinking-2507-4bit")]
     wire = msgspec.json.decode(msgspec.json.encode(card))
     del wire["capabilities"]
     assert msgspec.convert(wire, ModelCard).capabilities == DEFAULT_CAPABILITIES
