@@ -239,6 +239,7 @@ class FileServer:
         if span is not None:
             fields["Content-Range"] = f"bytes {start}-{end - 1}/{served.size}"
         await self._send_head(writer, 206 if span is not None else 200, fields)
+        log.info("sending %s/%s from byte %d of %d", model_id, name, start, served.size)
         await self._send_file(writer, served.path, start, end)
 
     async def _send_file(self, writer: asyncio.StreamWriter, path: Path, start: int, end: int) -> None:

@@ -279,6 +279,9 @@ class Downloader:
         """Bumped by a cancel or delete: requests queued before it for that model are dropped."""
         self.choose_lock = asyncio.Lock()
         self.tasks: set[asyncio.Task[None]] = set()
+        self.storage_changed = asyncio.Event()
+        """Set when a model became complete here or was deleted: the storage report goes out now, not at its next
+        interval, so other nodes may copy the model at once."""
         self.identity: PeerIdentity | None = None
         """This session's TLS identity, as a client of other nodes' file servers (None: no copies from peers)."""
 
@@ -418,6 +421,7 @@ class Downloader:
                     ReportModelSize(node_id=self.node_id, model_id=job.model_id, storage_size_bytes=measured)
                 )
         log.info("%s layers [%d, %d) complete in %s", job.model_id, start, end, directory)
+        self.storage_changed.set()
         await self._report(
             job,
             DownloadStatus.COMPLETED,
@@ -870,6 +874,7 @@ class Downloader:
                 log.warning("%s", error)
                 removed = ()
             log.info("deleted %s from %s", model_id, ", ".join(removed) or "nowhere")
+            self.storage_changed.set()
             await self.publish(ReportDownloadDeleted(model_id=model_id, node_id=self.node_id, directories=removed))
 
 
@@ -954,8 +959,13 @@ async def run_downloader(config: DownloaderConfig, stop: asyncio.Event) -> None:
         stats = asyncio.create_task(publish_stats(client, downloader.stats))
         try:
             while not stop.is_set():
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(stop.wait(), config.storage_interval_s)
+                waits = [asyncio.ensure_future(stop.wait()), asyncio.ensure_future(downloader.storage_changed.wait())]
+                try:
+                    await asyncio.wait(waits, timeout=config.storage_interval_s, return_when=asyncio.FIRST_COMPLETED)
+                finally:
+                    for waiting in waits:
+                        waiting.cancel()
+                downloader.storage_changed.clear()
                 if not stop.is_set():
                     await report_storage()
         finally:
