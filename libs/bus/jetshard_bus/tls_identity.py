@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import datetime
 import os
+import secrets
 import ssl
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -47,7 +48,10 @@ class PeerIdentity:
         if not name or name in (".", "..") or "/" in name or "\0" in name:
             raise ValueError(f"an identity's name must be a plain file name, not {name!r}")
         key = ec.generate_private_key(ec.SECP256R1())
-        subject = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, f"jetshard {name}")])
+        # A name of its own per session: OpenSSL finds a trust anchor by its subject, so a context that trusts two
+        # sessions of one node (a downloader restarted) must not find the other session's certificate first.
+        session = secrets.token_hex(8)
+        subject = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, f"jetshard {name} {session}")])
         now = datetime.datetime.now(datetime.UTC)
         certificate = (
             x509.CertificateBuilder()

@@ -164,7 +164,10 @@ class FileServer:
         if new:
             trust(self.context, new)
             self._trusted |= new
-        self._allowed = {der for der in (certificate_der(pem) for pem in pems) if der is not None}
+        allowed = {der for der in (certificate_der(pem) for pem in pems) if der is not None}
+        if allowed != self._allowed:
+            log.info("the file server admits %d client certificates", len(allowed))
+        self._allowed = allowed
 
     async def start(self, host: str, port: int = 0) -> int:
         self._server = await asyncio.start_server(
@@ -190,12 +193,16 @@ class FileServer:
             self._handlers.add(task)
         try:
             await self._serve(reader, writer)
+            # Everything written goes out before the connection closes (abort would drop what the transport holds).
+            writer.close()
+            async with asyncio.timeout(REQUEST_TIMEOUT_S):
+                await writer.wait_closed()
         except (ConnectionError, TimeoutError, ssl.SSLError, asyncio.IncompleteReadError, asyncio.LimitOverrunError):
             pass
         except Exception:
             log.exception("the file server failed a request")
         finally:
-            writer.transport.abort()
+            writer.transport.abort()  # nothing left to send by now, or a connection given up on
             if task is not None:
                 self._handlers.discard(task)
 

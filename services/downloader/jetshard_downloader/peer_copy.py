@@ -58,6 +58,11 @@ class PeerUnavailable(FetchError):
     """The source could not be reached, refused, or does not have the model (any more)."""
 
 
+class PeerUnreachable(PeerUnavailable):
+    """No HTTP answer came: the source is down, or its server does not admit this session's certificate (yet: it
+    learns a new session's certificate from State a moment after this node reported it)."""
+
+
 def _base(model_id: ModelId) -> str:
     org, name = model_id.split("/", 1)
     return f"/v1/models/{quote(org, safe='')}/{quote(name, safe='')}"
@@ -73,7 +78,7 @@ def _get(
         response = connection.getresponse()
     except (OSError, http.client.HTTPException) as error:
         connection.close()
-        raise PeerUnavailable(f"node {source.node_id} ({source.host}:{source.port}): {error}") from error
+        raise PeerUnreachable(f"node {source.node_id} ({source.host}:{source.port}): {error}") from error
     if connection.sock is not None:
         connection.sock.settimeout(READ_TIMEOUT_S)
     if response.status not in (200, 206):

@@ -107,7 +107,7 @@ from jetshard_downloader.import_file import ImportRefused, read_import, store_im
 from jetshard_downloader.local import complete_forms, default_form, find_shard, sized_form, weights_size
 from jetshard_downloader.locate import Found, find_model, partial_bytes_for
 from jetshard_downloader.paths import GGUF_NAME, GGUF_SUFFIX, INDEX_NAME, MMPROJ_NAME, SINGLE_WEIGHTS_NAME
-from jetshard_downloader.peer_copy import copy_files, fetch_manifest, fetch_small_json
+from jetshard_downloader.peer_copy import PeerUnreachable, copy_files, fetch_manifest, fetch_small_json
 from jetshard_downloader.peers import PeerSource, admitted_certificates, copy_sources
 from jetshard_downloader.resume import use_small_download_chunks
 from jetshard_downloader.shard_files import required_files
@@ -115,6 +115,9 @@ from jetshard_downloader.shard_files import required_files
 log = logging.getLogger(__name__)
 REPORT_TIMEOUT_S = 6.0
 """Longer than one progress report's publish (5 s timeout): a job waits this long at most for its last one."""
+PEER_ADMISSION_WAITS_S = (0.25, 0.5, 1.0)
+"""Waits before asking a source again that gave no answer (a moment after this session's storage report, its
+server may not know this session's certificate yet); then the next source, or the Hub."""
 STOPPED = "stopped; the files fetched so far are kept for the next attempt"
 """The reason a cancelled download's record gives once its downloader has stopped it."""
 T = TypeVar("T")
@@ -735,7 +738,13 @@ class Downloader:
         directory written, or None when no node could give it (the caller asks the Hub then)."""
         if self.identity is None or self.offline:
             return None
-        for source in copy_sources(self.follower.state, self.node_id, job.model_id, form):
+        sources = copy_sources(self.follower.state, self.node_id, job.model_id, form)
+        if sources:
+            # The sources admit this session once State names its certificate: wait for this node's report.
+            pem = self.identity.certificate_pem
+            with contextlib.suppress(TimeoutError):
+                await self.follower.wait_until(lambda state: _reported_certificate(state, self.node_id) == pem, 10)
+        for source in sources:
             try:
                 return await self._copy_from(job, card, form, source)
             except Cancelled:
@@ -748,7 +757,14 @@ class Downloader:
     async def _copy_from(self, job: _Job, card: ModelCard, form: ModelFormat, source: PeerSource) -> Path:
         assert self.identity is not None
         context = client_context(self.identity, source.certificate_pem)
-        manifest = await asyncio.to_thread(fetch_manifest, source, context, job.model_id)
+        for wait_s in (*PEER_ADMISSION_WAITS_S, None):
+            try:
+                manifest = await asyncio.to_thread(fetch_manifest, source, context, job.model_id)
+                break
+            except PeerUnreachable:
+                if wait_s is None:
+                    raise
+                await asyncio.sleep(wait_s)  # its server may not have applied our storage report yet
         listed = {entry.name: entry for entry in manifest.files}
         expected: dict[str, str] = {}
         if form is ModelFormat.GGUF:
@@ -876,6 +892,11 @@ class Downloader:
             log.info("deleted %s from %s", model_id, ", ".join(removed) or "nowhere")
             self.storage_changed.set()
             await self.publish(ReportDownloadDeleted(model_id=model_id, node_id=self.node_id, directories=removed))
+
+
+def _reported_certificate(state: State, node_id: NodeId) -> str | None:
+    storage = state.node_storage.get(node_id)
+    return storage.file_server.certificate_pem if storage is not None and storage.file_server is not None else None
 
 
 def _link_first_part(model_dir: Path, first: str) -> None:
