@@ -313,3 +313,36 @@ def test_the_file_server_serves_only_whole_manifest_files_inside_the_model(tmp_p
     for header in ("bytes=10-", "bytes=11-", "bytes=1-2,4-5", "lines=1-"):
         with pytest.raises(_Refused):
             parse_range(header, 10)
+
+
+async def test_a_hub_gguf_and_a_split_one_are_copied_from_the_node_that_has_them(
+    cluster: Cluster, hub_server: HubServer, tmp_path: Path
+) -> None:
+    from test_hub_gguf import Q4, REPO, SPLIT_FIRST, SPLIT_SECOND, _add, _repo
+
+    files = _repo(tmp_path / "repo")
+    hub_server.add_repo(REPO, files)
+    api = cluster.start_api()
+    split = "jetshard-test/qwen3-split"
+    assert (await asyncio.to_thread(_add, api, model_id=REPO, gguf_file=Q4)).status_code == 201
+    assert (await asyncio.to_thread(_add, api, model_id=split, repo=REPO, gguf_file=SPLIT_FIRST)).status_code == 201
+    nodes, models, _ = await start_nodes(cluster, tmp_path, "ab")
+    a, b = nodes["a"], nodes["b"]
+    for model in (REPO, split):
+        await cluster.submit(StartDownload(model_id=ModelId(model), node_id=a))
+        await cluster.wait_download_of(a, model, ModelFormat.GGUF, 60)
+    await cluster.wait(
+        lambda s: {ModelId(REPO), ModelId(split)} <= set(s.node_storage[a].available_models), 30, f"{a} to list both"
+    )
+
+    hub_server.reset_counters()
+    for model in (REPO, split):
+        await cluster.submit(StartDownload(model_id=ModelId(model), node_id=b))
+        done = await cluster.wait_download_of(b, model, ModelFormat.GGUF, 60)
+        assert done.progress.source == a
+    assert sum(hub_server.bytes_served.values()) == 0, dict(hub_server.bytes_served)
+    on_b = models["b"] / "jetshard-test--Qwen3-Tiny-GGUF"
+    assert sha256(on_b / "model.gguf") == sha256(files / Q4)
+    split_on_b = models["b"] / "jetshard-test--qwen3-split"
+    assert sha256(split_on_b / "model.gguf") == sha256(files / SPLIT_FIRST)  # the link to its first part
+    assert sha256(split_on_b / "model-00002-of-00002.gguf") == sha256(files / SPLIT_SECOND)
