@@ -69,6 +69,17 @@ class ModelDirInfo(msgspec.Struct, frozen=True, kw_only=True):
     total_bytes: int
 
 
+class FileServer(msgspec.Struct, frozen=True, kw_only=True):
+    """Where a node's downloader serves the model files it holds completely to the cluster's other downloaders
+    (HTTP/1.1 over mutual TLS 1.3), and the certificate its session presents there and as a client."""
+
+    host: Annotated[str, msgspec.Meta(min_length=1, max_length=253)]
+    port: Annotated[int, msgspec.Meta(ge=1, le=65535)]
+    certificate_pem: Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_CERTIFICATE_CHARS)]
+    """A node reports only its own storage (NATS permissions), so the cluster's identities vouch for it: peers pin
+    it, and its server admits only the certificates other nodes' storage reports name."""
+
+
 class NodeStorage(msgspec.Struct, frozen=True, kw_only=True):
     """What a node's downloader sees on its disks."""
 
@@ -77,6 +88,8 @@ class NodeStorage(msgspec.Struct, frozen=True, kw_only=True):
     """The downloader makes no network call: it can serve only `available_models` (and packaged GGUFs)."""
     available_models: tuple[ValidModelId, ...] = ()
     """Models complete (every layer) in one of the node's directories."""
+    file_server: FileServer | None = None
+    """Where other nodes copy `available_models` from; None from a downloader before node-to-node copies."""
 
 
 class WeightsDtype(enum.StrEnum):
@@ -229,6 +242,9 @@ class DownloadProgress(msgspec.Struct, frozen=True, kw_only=True):
     attempt: int = 0
     """0 for the first attempt; n for the n-th retry after an error mid-transfer, of at most `max_attempts`."""
     max_attempts: int = 0
+    source: Annotated[str, msgspec.Meta(max_length=64)] = ""
+    """Where the bytes come from: "hub", or the id of the node they are copied from; "" where nothing is fetched
+    (found on disk, converted) or from a downloader before node-to-node copies."""
     formats: tuple[ModelFormat, ...] = ()
     """Completed: the forms of the weights complete in `directory` for the layers (one directory holds a GGUF and
     the MLX directory converted from it); otherwise the form being made. () in records from before formats,

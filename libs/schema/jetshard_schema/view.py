@@ -218,6 +218,8 @@ class DownloadView(msgspec.Struct, frozen=True, kw_only=True):
     read_only: bool
     """The files are in a read-only directory: the node uses them and never deletes them."""
     reason: str
+    source: str = ""
+    """Where the bytes come from: "hub", or the node they are copied from."""
 
 
 class ModelView(msgspec.Struct, frozen=True, kw_only=True):

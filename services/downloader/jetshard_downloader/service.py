@@ -23,6 +23,9 @@ import contextlib
 import json
 import logging
 import os
+import socket
+import ssl
+import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterable
@@ -38,6 +41,7 @@ from jetshard_bus.node import config_dir, node_id_for
 from jetshard_bus.options import NatsOptions
 from jetshard_bus.stats import publish_stats
 from jetshard_bus.streams import BusTimings
+from jetshard_bus.tls_identity import PeerIdentity, client_context
 from jetshard_schema.cards import ModelCard, ModelFormat, ModelSource
 from jetshard_schema.commands import (
     Command,
@@ -55,6 +59,8 @@ from jetshard_schema.events import (
     EventEnvelope,
     InstancePlaced,
     ModelImportRequested,
+    NodeLost,
+    NodeStorageUpdated,
 )
 from jetshard_schema.ids import ModelId, NodeId
 from jetshard_schema.models import all_cards, find_card
@@ -63,6 +69,7 @@ from jetshard_schema.stats import DownloaderStats, DownloadFigures
 from jetshard_schema.types import (
     DownloadProgress,
     DownloadStatus,
+    FileServer,
     ImportProgress,
     ImportStatus,
     ModelDirInfo,
@@ -94,17 +101,23 @@ from jetshard_downloader.fetch import (
     list_remote_files,
     offline_error,
 )
+from jetshard_downloader.file_server import FileServer as PeerFileServer
 from jetshard_downloader.hub_gguf import fetch_hub_gguf, hub_gguf_files, hub_gguf_ref
 from jetshard_downloader.import_file import ImportRefused, read_import, store_import
 from jetshard_downloader.local import complete_forms, default_form, find_shard, sized_form, weights_size
 from jetshard_downloader.locate import Found, find_model, partial_bytes_for
-from jetshard_downloader.paths import GGUF_NAME, INDEX_NAME, SINGLE_WEIGHTS_NAME
+from jetshard_downloader.paths import GGUF_NAME, GGUF_SUFFIX, INDEX_NAME, MMPROJ_NAME, SINGLE_WEIGHTS_NAME
+from jetshard_downloader.peer_copy import PeerUnreachable, copy_files, fetch_manifest, fetch_small_json
+from jetshard_downloader.peers import PeerSource, admitted_certificates, copy_sources
 from jetshard_downloader.resume import use_small_download_chunks
 from jetshard_downloader.shard_files import required_files
 
 log = logging.getLogger(__name__)
 REPORT_TIMEOUT_S = 6.0
 """Longer than one progress report's publish (5 s timeout): a job waits this long at most for its last one."""
+PEER_ADMISSION_WAITS_S = (0.25, 0.5, 1.0)
+"""Waits before asking a source again that gave no answer (a moment after this session's storage report, its
+server may not know this session's certificate yet); then the next source, or the Hub."""
 STOPPED = "stopped; the files fetched so far are kept for the next attempt"
 """The reason a cancelled download's record gives once its downloader has stopped it."""
 T = TypeVar("T")
@@ -125,6 +138,14 @@ class DownloaderConfig:
     """The Hub (default: HF_ENDPOINT, else huggingface.co)."""
     token: str | bool | None = None
     retry_backoff_s: tuple[float, ...] = (2.0, 4.0, 8.0)
+    advertise_host: str | None = None
+    """The address other nodes reach this node's file server on (default: the address used to reach NATS)."""
+    file_server_host: str = ""
+    """Where the file server listens ("": every interface; it admits only the cluster's downloaders)."""
+    file_server_port: int = 0
+    """0: a free port, named in the node's storage report."""
+    peer_copies: bool = True
+    """Copy model files other nodes hold before asking the Hub (and serve ours to them)."""
     """Waits before each retry of a download that failed mid-transfer; one retry per entry. A Hub that
     cannot be reached at all, refuses, or lacks the model is not retried: its instance fails at once."""
 
@@ -144,6 +165,7 @@ class _Progress:
         self.total = 0
         self.directory = ""
         self.form = ModelFormat.MLX
+        self.source = ""
         self.samples: collections.deque[tuple[float, int]] = collections.deque(maxlen=64)
         self.dirty = False
         self.last_sent = 0.0
@@ -196,6 +218,7 @@ class _Progress:
                         eta_s=None if eta is None else round(eta, 1),
                         directory=self.directory,
                         formats=(self.form,),
+                        source=self.source,
                     ),
                 )
             )
@@ -234,6 +257,8 @@ class _Job:
     """Where its files go, once chosen: every report of the job says so (a stopped one too)."""
     form: ModelFormat = ModelFormat.MLX
     """The form of the weights it makes available: the one the engine of the instance it serves loads."""
+    source: str = ""
+    """Where its bytes come from: "hub", or the node they are copied from ("" while nothing is fetched)."""
 
 
 _NOT_RETRIED = (AuthRequired, NotFoundOnHub, OfflineUnavailable, RateLimited, Cancelled)
@@ -257,6 +282,11 @@ class Downloader:
         """Bumped by a cancel or delete: requests queued before it for that model are dropped."""
         self.choose_lock = asyncio.Lock()
         self.tasks: set[asyncio.Task[None]] = set()
+        self.storage_changed = asyncio.Event()
+        """Set when a model became complete here or was deleted: the storage report goes out now, not at its next
+        interval, so other nodes may copy the model at once."""
+        self.identity: PeerIdentity | None = None
+        """This session's TLS identity, as a client of other nodes' file servers (None: no copies from peers)."""
 
     # --- events ------------------------------------------------------------------------------------------
 
@@ -346,7 +376,12 @@ class Downloader:
         """Report this node's download of the job's model as `status`, over the job's layers unless `fields`
         name others; `fields` set the rest of its `DownloadProgress`."""
         progress = DownloadProgress(
-            status=status, start_layer=job.start, end_layer=job.end, directory=job.directory, formats=(job.form,)
+            status=status,
+            start_layer=job.start,
+            end_layer=job.end,
+            directory=job.directory,
+            formats=(job.form,),
+            source=job.source,
         )
         await self.publish(
             ReportDownloadProgress(
@@ -389,6 +424,7 @@ class Downloader:
                     ReportModelSize(node_id=self.node_id, model_id=job.model_id, storage_size_bytes=measured)
                 )
         log.info("%s layers [%d, %d) complete in %s", job.model_id, start, end, directory)
+        self.storage_changed.set()
         await self._report(
             job,
             DownloadStatus.COMPLETED,
@@ -476,7 +512,11 @@ class Downloader:
                 await self._report_completed(job, card, found)
             return
         if card.source is ModelSource.HUB:
-            await self._fetch(job, card, attempt)
+            copied = await self._from_peers(job, card, job.form)
+            if copied is not None:
+                await self._report_completed(job, card, await self._written_into(job, card, copied))
+            else:
+                await self._fetch(job, card, attempt)
         elif card.source is ModelSource.GGUF_PACKAGE:
             place = convert_packaged if job.form is ModelFormat.MLX else place_packaged
             await self._make(
@@ -511,6 +551,11 @@ class Downloader:
         found = await asyncio.to_thread(find_shard, self.dirs, card, 0, card.num_layers, ModelFormat.GGUF)
         if found is not None:
             return found[0].path
+        copied = await self._from_peers(job, card, ModelFormat.GGUF)
+        if copied is not None:
+            if job.form is ModelFormat.GGUF:
+                await self._report_completed(job, card, await self._written_into(job, card, copied))
+            return copied
         if card.source is ModelSource.HUB_GGUF:
             return await self._fetch_hub_gguf(job, card, attempt)
         raise FetchError(
@@ -522,6 +567,7 @@ class Downloader:
         """Fetch the card's GGUF files from its Hub repo into its model directory (`hub_gguf`); the directory."""
         if self.offline:
             raise offline_error(job.model_id)
+        job.source = "hub"
         if attempt == 0:
             await self._report(job, DownloadStatus.PENDING, bytes_total=card.storage_size_bytes)
         repo = hub_gguf_ref(card).repo
@@ -581,7 +627,7 @@ class Downloader:
         )
         if directory is not None:
             job.directory = str(directory)
-        progress.directory, progress.form = job.directory, job.form
+        progress.directory, progress.form, progress.source = job.directory, job.form, job.source
         progress.last_sent = time.monotonic()  # the pending report just went out
         loop = asyncio.get_running_loop()
         base_remaining = job.remaining
@@ -636,6 +682,7 @@ class Downloader:
     async def _fetch(self, job: _Job, card: ModelCard, attempt: int) -> None:
         if self.offline:
             raise offline_error(job.model_id)
+        job.source = "hub"
         if attempt == 0:
             await self._report(job, DownloadStatus.PENDING)
         kwargs: dict[str, Any] = {"token": self.config.token, "endpoint": self.config.endpoint, "environ": self.environ}
@@ -683,6 +730,90 @@ class Downloader:
             choice.model_dir,
         )
         await self._report_completed(job, card, await self._written_into(job, card, choice.model_dir))
+
+    # --- copies from other nodes ---------------------------------------------------------------------------
+
+    async def _from_peers(self, job: _Job, card: ModelCard, form: ModelFormat) -> Path | None:
+        """Copy what the job needs in `form` from the first node that has it (`peers.copy_sources`); the model
+        directory written, or None when no node could give it (the caller asks the Hub then)."""
+        if self.identity is None or self.offline:
+            return None
+        sources = copy_sources(self.follower.state, self.node_id, job.model_id, form)
+        if sources:
+            # The sources admit this session once State names its certificate: wait for this node's report.
+            pem = self.identity.certificate_pem
+            with contextlib.suppress(TimeoutError):
+                await self.follower.wait_until(lambda state: _reported_certificate(state, self.node_id) == pem, 10)
+        for source in sources:
+            try:
+                return await self._copy_from(job, card, form, source)
+            except Cancelled:
+                raise
+            except (FetchError, OSError, ValueError, ssl.SSLError) as error:
+                log.warning("copying %s from node %s failed: %s", job.model_id, source.node_id, error)
+        job.source = ""
+        return None
+
+    async def _copy_from(self, job: _Job, card: ModelCard, form: ModelFormat, source: PeerSource) -> Path:
+        assert self.identity is not None
+        context = client_context(self.identity, source.certificate_pem)
+        for wait_s in (*PEER_ADMISSION_WAITS_S, None):
+            try:
+                manifest = await asyncio.to_thread(fetch_manifest, source, context, job.model_id)
+                break
+            except PeerUnreachable:
+                if wait_s is None:
+                    raise
+                await asyncio.sleep(wait_s)  # its server may not have applied our storage report yet
+        listed = {entry.name: entry for entry in manifest.files}
+        expected: dict[str, str] = {}
+        if form is ModelFormat.GGUF:
+            names = sorted(name for name in listed if name.endswith(GGUF_SUFFIX))
+            if card.source is ModelSource.HUB_GGUF and card.source_sha256 and GGUF_NAME in listed:
+                expected[GGUF_NAME] = card.source_sha256
+            if not any(name != MMPROJ_NAME for name in names):
+                raise FetchError(f"node {source.node_id} has no GGUF of {job.model_id}")
+        else:
+            index: dict[str, Any] | None = None
+            if INDEX_NAME in listed:
+                read = await asyncio.to_thread(fetch_small_json, source, context, job.model_id, listed[INDEX_NAME])
+                if not isinstance(read, dict):
+                    raise FetchError(f"the {INDEX_NAME} of {job.model_id} on node {source.node_id} is not an index")
+                index = read
+            start, end = (job.start, job.end) if form is job.form else (0, card.num_layers)
+            names = sorted(required_files(listed, index, card.num_layers, start, end))
+        needed = sum(listed[name].size for name in names)
+        job.source = source.node_id
+        await self._report(job, DownloadStatus.PENDING, bytes_total=needed)
+        choice = await self._choose_directory(job, needed)
+        log.info(
+            "copying %s (%s) from node %s: %d files, %d bytes into %s%s",
+            job.model_id,
+            form,
+            source.node_id,
+            len(names),
+            needed,
+            choice.model_dir,
+            " (resuming)" if choice.resumes else "",
+        )
+        await self._with_progress(
+            job,
+            lambda on_progress, _on_target: copy_files(
+                source,
+                context,
+                manifest,
+                choice.model_dir,
+                names,
+                expected_sha256=expected,
+                on_progress=on_progress,
+                cancel=job.cancel,
+            ),
+            choice.model_dir,
+        )
+        if form is ModelFormat.GGUF and GGUF_NAME not in listed:  # a split model: model.gguf names its first part
+            first = next(name for name in names if name != MMPROJ_NAME)
+            await asyncio.to_thread(_link_first_part, choice.model_dir, first)
+        return choice.model_dir
 
     # --- imports -----------------------------------------------------------------------------------------
 
@@ -759,14 +890,28 @@ class Downloader:
                 log.warning("%s", error)
                 removed = ()
             log.info("deleted %s from %s", model_id, ", ".join(removed) or "nowhere")
+            self.storage_changed.set()
             await self.publish(ReportDownloadDeleted(model_id=model_id, node_id=self.node_id, directories=removed))
+
+
+def _reported_certificate(state: State, node_id: NodeId) -> str | None:
+    storage = state.node_storage.get(node_id)
+    return storage.file_server.certificate_pem if storage is not None and storage.file_server is not None else None
+
+
+def _link_first_part(model_dir: Path, first: str) -> None:
+    link = model_dir / GGUF_NAME
+    if not os.path.lexists(link):
+        os.symlink(first, link)
 
 
 def _cancelled(download: Download | None) -> bool:
     return download is not None and download.progress.status is DownloadStatus.CANCELLED
 
 
-def _storage(dirs: ModelDirs, offline: bool, model_ids: Iterable[ModelId]) -> NodeStorage:
+def _storage(
+    dirs: ModelDirs, offline: bool, model_ids: Iterable[ModelId], file_server: FileServer | None = None
+) -> NodeStorage:
     return NodeStorage(
         model_dirs=tuple(
             ModelDirInfo(path=str(d.path), read_only=d.read_only, free_bytes=d.free_bytes, total_bytes=d.total_bytes)
@@ -774,6 +919,7 @@ def _storage(dirs: ModelDirs, offline: bool, model_ids: Iterable[ModelId]) -> No
         ),
         offline=offline,
         available_models=tuple(m for m in model_ids if find_model(dirs, m) is not None),
+        file_server=file_server,
     )
 
 
@@ -788,28 +934,79 @@ async def run_downloader(config: DownloaderConfig, stop: asyncio.Event) -> None:
     follower = StateFollower(js)
     downloader = Downloader(config, _Publisher(js, node_id), follower)
     follower.add_listener(downloader.on_event)
-    await follower.start()
-    log.info(
-        "downloader for node %s started; model dirs %s%s",
-        node_id,
-        config.model_dirs,
-        " (offline)" if downloader.offline else "",
-    )
-    downloader.resume(follower.state)
-    stats = asyncio.create_task(publish_stats(client, downloader.stats))
-    try:
-        while not stop.is_set():
+    with contextlib.ExitStack() as scratch:
+        server: PeerFileServer | None = None
+        advertised: FileServer | None = None
+        if config.peer_copies:
+            # A fresh identity per session, its key in a private scratch directory removed at exit.
+            directory = Path(scratch.enter_context(tempfile.TemporaryDirectory(prefix="jetshard-downloader-")))
+            downloader.identity = PeerIdentity.create(directory, f"downloader-{node_id}")
+            server = PeerFileServer(config.model_dirs, downloader.identity)
+            port = await server.start(config.file_server_host, config.file_server_port)
+            advertised = FileServer(
+                host=config.advertise_host or local_address(client),
+                port=port,
+                certificate_pem=downloader.identity.certificate_pem,
+            )
+
+            def admit(envelope: EventEnvelope, state: State, live: bool) -> None:
+                if isinstance(envelope.event, NodeStorageUpdated | NodeLost):
+                    server.admit(admitted_certificates(state, node_id))
+
+            follower.add_listener(admit)
+        await follower.start()
+        if server is not None:
+            server.admit(admitted_certificates(follower.state, node_id))
+        log.info(
+            "downloader for node %s started; model dirs %s%s%s",
+            node_id,
+            config.model_dirs,
+            " (offline)" if downloader.offline else "",
+            f"; serving files to peers on {advertised.host}:{advertised.port}" if advertised else "",
+        )
+
+        async def report_storage() -> None:
             storage = await asyncio.to_thread(
-                _storage, config.model_dirs, downloader.offline, list(all_cards(follower.state))
+                _storage, config.model_dirs, downloader.offline, list(all_cards(follower.state)), advertised
             )
             try:
                 await publish_command(js, ReportNodeStorage(node_id=node_id, storage=storage))
             except Exception as error:
                 log.warning("storage report failed: %s", error)
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(stop.wait(), config.storage_interval_s)
-    finally:
-        stats.cancel()
-        await downloader.shutdown()
-        await follower.stop()
-        await client.drain()
+
+        # Before any copy starts: the other nodes' file servers admit this session's certificate once State has it.
+        await report_storage()
+        downloader.resume(follower.state)
+        stats = asyncio.create_task(publish_stats(client, downloader.stats))
+        try:
+            while not stop.is_set():
+                waits = [asyncio.ensure_future(stop.wait()), asyncio.ensure_future(downloader.storage_changed.wait())]
+                try:
+                    await asyncio.wait(waits, timeout=config.storage_interval_s, return_when=asyncio.FIRST_COMPLETED)
+                finally:
+                    for waiting in waits:
+                        waiting.cancel()
+                downloader.storage_changed.clear()
+                if not stop.is_set():
+                    await report_storage()
+        finally:
+            stats.cancel()
+            await downloader.shutdown()
+            if server is not None:
+                await server.close()
+            await follower.stop()
+            await client.drain()
+
+
+def local_address(client: Any) -> str:
+    """The address this machine uses to reach NATS: peers that reach the same server can reach it too."""
+    url = client.connected_url
+    if url is None or not url.hostname:
+        return "127.0.0.1"
+    # Connecting a UDP socket sends nothing; it only asks the kernel which local address routes there.
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+        try:
+            probe.connect((url.hostname, url.port or 4222))
+        except OSError:
+            return "127.0.0.1"
+        return str(probe.getsockname()[0])

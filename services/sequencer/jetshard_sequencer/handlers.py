@@ -111,6 +111,8 @@ def _moved_meaningfully(before_bytes: int, after_bytes: int, total_bytes: int) -
 def storage_changed_meaningfully(old: NodeStorage, new: NodeStorage) -> bool:
     if (old.offline, set(old.available_models)) != (new.offline, set(new.available_models)):
         return True
+    if old.file_server != new.file_server:  # a new downloader session: its peers must admit its certificate
+        return True
     before, after = old.model_dirs, new.model_dirs
     if [(d.path, d.read_only, d.total_bytes) for d in before] != [(d.path, d.read_only, d.total_bytes) for d in after]:
         return True

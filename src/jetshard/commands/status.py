@@ -41,6 +41,8 @@ def _download(download: DownloadView) -> str:
     text += f" of {size(download.bytes_total)}" if download.bytes_total else ""
     if download.status == "ongoing" and download.speed_bytes_per_s:
         text += f", {size(download.speed_bytes_per_s)}/s"
+    if download.status == "ongoing" and download.source:
+        text += " from the Hub" if download.source == "hub" else f" from {download.source}"
     return text + (f": {download.reason}" if download.reason else "")
 
 

@@ -34,6 +34,7 @@ def service_arguments(host: str, port: int, api_args: list[str], advertise_host:
     return {
         "api": ["--host", host, "--port", str(port), *api_args],
         "worker": ["--advertise-host", advertise_host] if advertise_host else [],
+        "downloader": ["--advertise-host", advertise_host] if advertise_host else [],
     }
 
 

@@ -104,6 +104,9 @@ function downloadRow(modelId, download) {
     detail += `, ${size(download.speed_bytes_per_s)}/s`;
     if (download.eta_s !== null) detail += `, ${duration(download.eta_s)} left`;
   }
+  if (download.status === "ongoing" && download.source) {
+    detail += download.source === "hub" ? " from the Hub" : ` from ${download.source}`;
+  }
   const tone = download.status === "failed" ? "bad" : download.status === "completed" ? "good" : "accent";
   return el(
     "div",

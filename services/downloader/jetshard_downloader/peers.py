@@ -1,0 +1,56 @@
+"""Which nodes of the cluster a downloader may copy a model's files from, and which certificates its file server
+admits: pure functions of State, no I/O.
+
+A node is a source of a model when its downloader's last storage report lists the model in `available_models`
+(complete, every layer, in one of its directories) and names a file server. Whether it is offline does not matter
+(offline means it makes no call to the Hub; it still serves its peers). Where State records the node's download of
+the model, that record must hold the form wanted (a node that has only the GGUF is no source of the MLX directory);
+where it records none (a copy found on a read-only disk), the source's own manifest decides. Sources come in node
+id order: deterministic, and every node asking at once spreads nothing but asks the same first node, which is fine
+for a LAN of a few machines; the caller tries the next one when a source fails, and the Hub only when none is left.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from jetshard_schema.cards import ModelFormat
+from jetshard_schema.ids import ModelId, NodeId
+from jetshard_schema.state import State
+from jetshard_schema.types import DownloadStatus
+
+
+@dataclass(frozen=True)
+class PeerSource:
+    node_id: NodeId
+    host: str
+    port: int
+    certificate_pem: str
+
+
+def copy_sources(state: State, node_id: NodeId, model_id: ModelId, form: ModelFormat) -> list[PeerSource]:
+    """The other nodes `node_id` may copy `model_id` in `form` from, in the order to try them."""
+    sources = []
+    for other in sorted(state.node_storage):
+        if other == node_id:
+            continue
+        storage = state.node_storage[other]
+        server = storage.file_server
+        if server is None or model_id not in storage.available_models:
+            continue
+        download = state.download(other, model_id)
+        if download is not None and download.progress.status is DownloadStatus.COMPLETED:
+            if not download.progress.holds(form):
+                continue
+        sources.append(PeerSource(other, server.host, server.port, server.certificate_pem))
+    return sources
+
+
+def admitted_certificates(state: State, node_id: NodeId) -> set[str]:
+    """The certificates (PEM) the file server of `node_id` admits: those of every other node's downloader session,
+    as their storage reports name them."""
+    return {
+        storage.file_server.certificate_pem
+        for other, storage in state.node_storage.items()
+        if other != node_id and storage.file_server is not None
+    }
