@@ -18,6 +18,7 @@ import subprocess
 from pathlib import Path
 
 import httpx
+import msgspec
 import pytest
 from helpers.harness import Cluster, until
 from helpers.hub_server import HubServer
@@ -28,7 +29,7 @@ from jetshard_downloader.dirs import ModelDirs
 from jetshard_downloader.file_server import _Refused, parse_range, parse_target, served_file
 from jetshard_downloader.manifest import Manifest, ManifestFile, write_manifest
 from jetshard_downloader.peer_copy import PeerUnavailable, fetch_manifest
-from jetshard_downloader.peers import PeerSource, admitted_certificates, copy_sources
+from jetshard_downloader.peers import PeerSource, admitted_certificates, copy_sources, hub_fetches_to_wait_for
 from jetshard_downloader.resume import PARTIAL_DIR
 from jetshard_schema.cards import ModelFormat
 from jetshard_schema.commands import StartDownload
@@ -268,6 +269,50 @@ def test_copy_sources_are_the_other_nodes_that_hold_the_model_with_a_file_server
     assert copy_sources(state, NodeId("me"), ModelId("org/other"), ModelFormat.MLX) == []
     assert admitted_certificates(state, NodeId("me")) == {"PEM"}
     assert admitted_certificates(_state({"me": NodeStorage(file_server=server)}), NodeId("me")) == set()
+
+
+def test_a_node_waits_for_the_lower_node_fetching_the_whole_model_from_the_hub() -> None:
+    model = ModelId("org/model")
+    server = FileServer(host="10.0.0.2", port=7000, certificate_pem="PEM")
+    fetching = DownloadProgress(status=DownloadStatus.ONGOING, end_layer=4, source="hub", formats=(ModelFormat.MLX,))
+    state = _state(
+        {name: NodeStorage(file_server=server) for name in ("n1", "n2", "n3", "n4", "n5")},
+        {
+            "n1": fetching,
+            "n2": msgspec.structs.replace(fetching, end_layer=2),  # a shard only: never a whole source
+            "n3": msgspec.structs.replace(fetching, source="n1"),  # waiting itself, or copying
+            "n5": fetching,  # a higher id: it waits for n1, not n4 for it
+        },
+    )
+    assert hub_fetches_to_wait_for(state, NodeId("n4"), model, ModelFormat.MLX, 4) == ["n1"]
+    assert hub_fetches_to_wait_for(state, NodeId("n4"), model, ModelFormat.GGUF, 4) == []  # another form
+    assert hub_fetches_to_wait_for(state, NodeId("n1"), model, ModelFormat.MLX, 4) == []  # the lowest fetches
+
+
+async def test_nodes_that_need_a_model_at_once_take_it_from_the_hub_once(
+    cluster: Cluster, hub_server: HubServer, tmp_path: Path
+) -> None:
+    source = make_tiny_model(tmp_path / "src", num_layers=4, num_files=2)
+    repo = "tiny/at-once"
+    hub_server.add_repo(repo, source)
+    await cluster.add_card(repo, 4)
+    nodes, _, _ = await start_nodes(cluster, tmp_path, "abc")
+    hub_server.reset_counters()
+    first = sorted(nodes.values())[0]
+    await cluster.submit(StartDownload(model_id=ModelId(repo), node_id=first))
+    await cluster.wait(
+        lambda s: (d := s.download(first, ModelId(repo))) is not None and d.progress.source == "hub", 30, "a Hub fetch"
+    )
+    for node in sorted(nodes.values())[1:]:
+        await cluster.submit(StartDownload(model_id=ModelId(repo), node_id=node))
+    for node in nodes.values():
+        done = await cluster.wait_download(node, repo, FINAL)
+        assert done.progress.status is DownloadStatus.COMPLETED, done.progress.reason
+        assert done.progress.source == ("hub" if node == first else first), (node, done.progress)
+    weights = [name for name in model_files(source) if name.endswith(".safetensors")]
+    for name in weights:  # each weight file left the Hub once, for the whole cluster
+        served = sum(count for path, count in hub_server.requests.items() if path.endswith(f"/{name}"))
+        assert served == 1, (name, dict(hub_server.requests))
 
 
 def test_the_file_server_serves_only_whole_manifest_files_inside_the_model(tmp_path: Path) -> None:

@@ -54,3 +54,31 @@ def admitted_certificates(state: State, node_id: NodeId) -> set[str]:
         for other, storage in state.node_storage.items()
         if other != node_id and storage.file_server is not None
     }
+
+
+HUB_FETCHING = (DownloadStatus.PENDING, DownloadStatus.ONGOING)
+
+
+def hub_fetches_to_wait_for(
+    state: State, node_id: NodeId, model_id: ModelId, form: ModelFormat, num_layers: int
+) -> list[NodeId]:
+    """Other nodes fetching all of `model_id` in `form` from the Hub now, with an id before `node_id`: this node
+    waits for one of them to finish and copies from it, so each file crosses from the Hub once however many nodes
+    need it at the same time. The node with the lowest id fetches; the others wait (two that start in the same
+    moment decide by their ids as well). A node whose fetch completed but whose storage report does not list the
+    model yet counts as fetching still: the report that makes it a source is on its way."""
+    fetching = []
+    for other, downloads in sorted(state.downloads.items()):
+        download = downloads.get(model_id)
+        storage = state.node_storage.get(other)
+        if other >= node_id or download is None or storage is None or storage.file_server is None:
+            continue
+        progress = download.progress
+        whole = progress.start_layer == 0 and progress.end_layer >= num_layers
+        from_hub = progress.source == "hub" and whole and form in progress.formats
+        listed = model_id in storage.available_models
+        if from_hub and (
+            progress.status in HUB_FETCHING or (progress.status is DownloadStatus.COMPLETED and not listed)
+        ):
+            fetching.append(other)
+    return fetching

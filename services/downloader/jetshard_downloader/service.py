@@ -108,7 +108,7 @@ from jetshard_downloader.local import complete_forms, default_form, find_shard, 
 from jetshard_downloader.locate import Found, find_model, partial_bytes_for
 from jetshard_downloader.paths import GGUF_NAME, GGUF_SUFFIX, INDEX_NAME, MMPROJ_NAME, SINGLE_WEIGHTS_NAME
 from jetshard_downloader.peer_copy import PeerUnreachable, copy_files, fetch_manifest, fetch_small_json
-from jetshard_downloader.peers import PeerSource, admitted_certificates, copy_sources
+from jetshard_downloader.peers import PeerSource, admitted_certificates, copy_sources, hub_fetches_to_wait_for
 from jetshard_downloader.resume import use_small_download_chunks
 from jetshard_downloader.shard_files import required_files
 
@@ -116,6 +116,10 @@ log = logging.getLogger(__name__)
 REPORT_TIMEOUT_S = 6.0
 """Longer than one progress report's publish (5 s timeout): a job waits this long at most for its last one."""
 PEER_ADMISSION_WAITS_S = (0.25, 0.5, 1.0)
+HUB_FETCH_CHECK_S = 1.0
+STORAGE_REPORT_GRACE_S = 30.0
+"""How long a node whose fetch completed may take to report the model as a source before others fetch it too."""
+"""How often a node waiting for another to fetch a model from the Hub checks whether it was cancelled."""
 """Waits before asking a source again that gave no answer (a moment after this session's storage report, its
 server may not know this session's certificate yet); then the next source, or the Hub."""
 STOPPED = "stopped; the files fetched so far are kept for the next attempt"
@@ -738,7 +742,7 @@ class Downloader:
         directory written, or None when no node could give it (the caller asks the Hub then)."""
         if self.identity is None or self.offline:
             return None
-        sources = copy_sources(self.follower.state, self.node_id, job.model_id, form)
+        sources = await self._sources_once_fetched(job, card, form)
         if sources:
             # The sources admit this session once State names its certificate: wait for this node's report.
             pem = self.identity.certificate_pem
@@ -753,6 +757,35 @@ class Downloader:
                 log.warning("copying %s from node %s failed: %s", job.model_id, source.node_id, error)
         job.source = ""
         return None
+
+    async def _sources_once_fetched(self, job: _Job, card: ModelCard, form: ModelFormat) -> list[PeerSource]:
+        """The nodes to copy from (`peers.copy_sources`); where none has the model yet but one is fetching all of it
+        from the Hub (`peers.hub_fetches_to_wait_for`), once that one has it, or has given up."""
+        state = self.follower.state
+        sources = copy_sources(state, self.node_id, job.model_id, form)
+        fetching = hub_fetches_to_wait_for(state, self.node_id, job.model_id, form, card.num_layers)
+        if sources or not fetching:
+            return sources
+        log.info("node %s is fetching %s from the Hub: copying it from there once it has it", fetching[0], job.model_id)
+        job.source = fetching[0]
+        await self._report(job, DownloadStatus.PENDING)
+
+        def settled(state: State) -> bool:
+            return bool(copy_sources(state, self.node_id, job.model_id, form)) or not hub_fetches_to_wait_for(
+                state, self.node_id, job.model_id, form, card.num_layers
+            )
+
+        waited_for_report_s = 0.0
+        while not job.cancel.is_set():
+            with contextlib.suppress(TimeoutError):
+                state = await self.follower.wait_until(settled, HUB_FETCH_CHECK_S)
+                return copy_sources(state, self.node_id, job.model_id, form)
+            still = [self.follower.state.download(n, job.model_id) for n in fetching]
+            if all(d is None or d.progress.status is DownloadStatus.COMPLETED for d in still):
+                waited_for_report_s += HUB_FETCH_CHECK_S  # fetched, not reported as a source: not for ever
+                if waited_for_report_s >= STORAGE_REPORT_GRACE_S:
+                    return []
+        raise Cancelled(f"the download of {job.model_id} was cancelled")
 
     async def _copy_from(self, job: _Job, card: ModelCard, form: ModelFormat, source: PeerSource) -> Path:
         assert self.identity is not None
