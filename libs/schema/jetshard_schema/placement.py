@@ -617,10 +617,13 @@ def _place_tensor_parallel(card: ModelCard, chosen: Sequence[Node], serving: Ser
 
 
 def cannot_fetch(state: State, card: ModelCard) -> set[NodeId]:
-    """Nodes that could not get `card`'s files: offline, and the model is not complete on their disks, by their
-    last storage report or by a download (an import) State saw complete since. (A packaged GGUF is placed or
-    converted on the node itself, which needs no network; so is an MLX form of a GGUF a node holds.)"""
+    """Nodes that could not get `card`'s files: offline (no Hub), the model not complete on their disks, by their
+    last storage report or by a download (an import) State saw complete since, and no node of the cluster serving
+    it to copy from (an offline node still copies from its peers). (A packaged GGUF is placed or converted on the
+    node itself, which needs no network; so is an MLX form of a GGUF a node holds.)"""
     if card.source is ModelSource.GGUF_PACKAGE:
+        return set()
+    if any(card.model_id in s.available_models and s.file_server is not None for s in state.node_storage.values()):
         return set()
 
     def holds(node_id: NodeId) -> bool:

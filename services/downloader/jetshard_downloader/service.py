@@ -740,8 +740,8 @@ class Downloader:
     async def _from_peers(self, job: _Job, card: ModelCard, form: ModelFormat) -> Path | None:
         """Copy what the job needs in `form` from the first node that has it (`peers.copy_sources`); the model
         directory written, or None when no node could give it (the caller asks the Hub then)."""
-        if self.identity is None or self.offline:
-            return None
+        if self.identity is None:
+            return None  # --no-peer-copies
         sources = await self._sources_once_fetched(job, card, form)
         if sources:
             # The sources admit this session once State names its certificate: wait for this node's report.
