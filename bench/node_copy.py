@@ -217,7 +217,8 @@ def measure(network, work: Path, size: int, rounds: int, server_pid: int, label:
                 print(
                     f"  [{label}] round {round_number + 1} jetshard: {rate:7.1f} MB/s  ({timing['total_s']:.2f} s: "
                     f"wire {timing['wire_s']:.2f} s = {size / timing['wire_s'] / MB:.1f} MB/s, verify and place "
-                    f"{timing['total_s'] - timing['wire_s']:.2f} s; CPU server {server_cpu:.2f} s, client "
+                    f"{timing['total_s'] - timing['wire_s']:.2f} s, of which sha256 ~{timing['hash_s']:.2f} s; "
+                    f"CPU server {server_cpu:.2f} s, client "
                     f"{timing['client_cpu_s']:.2f} s)",
                     flush=True,
                 )
