@@ -21,6 +21,7 @@ from pathlib import Path
 
 import psutil
 import pytest
+from helpers.gguf_models import write_tiny_gguf
 from helpers.harness import until_sync
 from helpers.netns import Host, Lan, lan
 from jetshard_bus.procs import stop_groups
@@ -395,6 +396,31 @@ def test_a_gguf_split_across_two_hosts_on_llama_cpp_shuts_out_strangers_and_heal
         lambda: not llama_cpp_processes(helper), 120, lambda: f"{helper.host.name}: {llama_cpp_processes(helper)}"
     )
     print(f"\nthe stream ended {ended['at'] - cut_at:.1f} s after the helper's cable was pulled: {ended['error']}")
+
+
+@pytest.mark.timeout(600)
+def test_a_model_on_one_machine_is_copied_to_another_over_the_lan_and_served_there(
+    cluster: LanCluster, tmp_path: Path
+) -> None:
+    """A GGUF someone imported on the first machine, placed on the third alone: the third's downloader copies it
+    from the first's over the LAN (mutual TLS between the downloaders; no Hub in these namespaces at all)."""
+    first, _, third = cluster.machines
+    for old in third.get("/instances"):  # type: ignore[union-attr]
+        assert third.probe("http", "DELETE", f"{third.api}/instances/{old['instance_id']}")["status"] == 200
+    gguf = write_tiny_gguf(tmp_path / "tiny-llama.gguf", "llama", seed=7)
+    imported = first.jetshard("models", "import-gguf", str(gguf), "--id", "lan/tiny-copied")
+    assert imported.returncode == 0, imported.stdout + imported.stderr
+    body = {"model_id": "lan/tiny-copied", "engine": "llama.cpp", "node_ids": [third.server_name]}
+    instance = place(third, body)
+    assert [s["node_id"] for s in instance["shards"]] == [third.server_name]
+    downloads = third.get("/downloads")
+    [copied] = [d for d in downloads if d["model_id"] == "lan/tiny-copied" and d["node_id"] == third.server_name]  # type: ignore[union-attr]
+    assert copied["status"] == "completed" and copied["source"] == first.server_name, copied
+    on_disk = third.root / "models" / "lan--tiny-copied" / "model.gguf"
+    assert on_disk.resolve().read_bytes() == gguf.read_bytes()
+    answer = third.probe("chat", third.api, "lan/tiny-copied", "4")
+    assert answer["ok"], answer  # random weights: that it answers is the point
+    assert third.probe("http", "DELETE", f"{third.api}/instances/{instance['instance_id']}")["status"] == 200
 
 
 def llama_cpp_processes(machine: Machine) -> list[str]:

@@ -29,7 +29,7 @@ from jetshard_downloader.dirs import ModelDirs
 from jetshard_downloader.file_server import _Refused, parse_range, parse_target, served_file
 from jetshard_downloader.manifest import Manifest, ManifestFile, write_manifest
 from jetshard_downloader.peer_copy import PeerUnavailable, fetch_manifest
-from jetshard_downloader.peers import PeerSource, admitted_certificates, copy_sources, hub_fetches_to_wait_for
+from jetshard_downloader.peers import PeerSource, admitted_certificates, awaited_sources, copy_sources
 from jetshard_downloader.resume import PARTIAL_DIR
 from jetshard_schema.cards import ModelFormat
 from jetshard_schema.commands import StartDownload
@@ -284,9 +284,15 @@ def test_a_node_waits_for_the_lower_node_fetching_the_whole_model_from_the_hub()
             "n5": fetching,  # a higher id: it waits for n1, not n4 for it
         },
     )
-    assert hub_fetches_to_wait_for(state, NodeId("n4"), model, ModelFormat.MLX, 4) == ["n1"]
-    assert hub_fetches_to_wait_for(state, NodeId("n4"), model, ModelFormat.GGUF, 4) == []  # another form
-    assert hub_fetches_to_wait_for(state, NodeId("n1"), model, ModelFormat.MLX, 4) == []  # the lowest fetches
+    assert awaited_sources(state, NodeId("n4"), model, ModelFormat.MLX, 4) == ["n1"]
+    assert awaited_sources(state, NodeId("n4"), model, ModelFormat.GGUF, 4) == []  # another form
+    assert awaited_sources(state, NodeId("n1"), model, ModelFormat.MLX, 4) == []  # the lowest fetches
+    # A node that has it all (an import, here) but has not reported it in its storage yet: a source on its way.
+    imported = DownloadProgress(status=DownloadStatus.COMPLETED, end_layer=4, formats=(ModelFormat.GGUF,))
+    state = _state({"n9": NodeStorage(file_server=server), "n1": NodeStorage(file_server=server)}, {"n9": imported})
+    assert awaited_sources(state, NodeId("n1"), model, ModelFormat.GGUF, 4) == ["n9"]
+    listed = _state({"n9": NodeStorage(file_server=server, available_models=(model,))}, {"n9": imported})
+    assert awaited_sources(listed, NodeId("n1"), model, ModelFormat.GGUF, 4) == []
 
 
 async def test_nodes_that_need_a_model_at_once_take_it_from_the_hub_once(

@@ -59,26 +59,25 @@ def admitted_certificates(state: State, node_id: NodeId) -> set[str]:
 HUB_FETCHING = (DownloadStatus.PENDING, DownloadStatus.ONGOING)
 
 
-def hub_fetches_to_wait_for(
+def awaited_sources(
     state: State, node_id: NodeId, model_id: ModelId, form: ModelFormat, num_layers: int
 ) -> list[NodeId]:
-    """Other nodes fetching all of `model_id` in `form` from the Hub now, with an id before `node_id`: this node
-    waits for one of them to finish and copies from it, so each file crosses from the Hub once however many nodes
-    need it at the same time. The node with the lowest id fetches; the others wait (two that start in the same
-    moment decide by their ids as well). A node whose fetch completed but whose storage report does not list the
-    model yet counts as fetching still: the report that makes it a source is on its way."""
-    fetching = []
+    """Nodes about to be sources of all of `model_id` in `form`, for `node_id` to wait for rather than go to the
+    Hub: one with an id before `node_id` fetching all of it from the Hub now, so that each file crosses from the
+    Hub once however many nodes need it at the same time (the node with the lowest id fetches, the others wait;
+    two that start in the same moment decide by their ids as well); and any node that has all of it (fetched,
+    copied or imported) but whose storage report, which makes it a source, has not come yet."""
+    awaited = []
     for other, downloads in sorted(state.downloads.items()):
         download = downloads.get(model_id)
         storage = state.node_storage.get(other)
-        if other >= node_id or download is None or storage is None or storage.file_server is None:
+        if other == node_id or download is None or storage is None or storage.file_server is None:
             continue
         progress = download.progress
-        whole = progress.start_layer == 0 and progress.end_layer >= num_layers
-        from_hub = progress.source == "hub" and whole and form in progress.formats
-        listed = model_id in storage.available_models
-        if from_hub and (
-            progress.status in HUB_FETCHING or (progress.status is DownloadStatus.COMPLETED and not listed)
-        ):
-            fetching.append(other)
-    return fetching
+        if progress.start_layer > 0 or progress.end_layer < num_layers:
+            continue  # a shard: never a source of the whole model
+        fetching = progress.status in HUB_FETCHING and progress.source == "hub" and form in progress.formats
+        unreported = progress.holds(form) and model_id not in storage.available_models
+        if (fetching and other < node_id) or unreported:
+            awaited.append(other)
+    return awaited

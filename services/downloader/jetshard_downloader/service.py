@@ -108,7 +108,7 @@ from jetshard_downloader.local import complete_forms, default_form, find_shard, 
 from jetshard_downloader.locate import Found, find_model, partial_bytes_for
 from jetshard_downloader.paths import GGUF_NAME, GGUF_SUFFIX, INDEX_NAME, MMPROJ_NAME, SINGLE_WEIGHTS_NAME
 from jetshard_downloader.peer_copy import PeerUnreachable, copy_files, fetch_manifest, fetch_small_json
-from jetshard_downloader.peers import PeerSource, admitted_certificates, copy_sources, hub_fetches_to_wait_for
+from jetshard_downloader.peers import PeerSource, admitted_certificates, awaited_sources, copy_sources
 from jetshard_downloader.resume import use_small_download_chunks
 from jetshard_downloader.shard_files import required_files
 
@@ -759,19 +759,20 @@ class Downloader:
         return None
 
     async def _sources_once_fetched(self, job: _Job, card: ModelCard, form: ModelFormat) -> list[PeerSource]:
-        """The nodes to copy from (`peers.copy_sources`); where none has the model yet but one is fetching all of it
-        from the Hub (`peers.hub_fetches_to_wait_for`), once that one has it, or has given up."""
+        """The nodes to copy from (`peers.copy_sources`); where none has the model yet but one is about to
+        (`peers.awaited_sources`: fetching all of it from the Hub, or holding it unreported yet), once it has it and
+        says so, or has given up."""
         state = self.follower.state
         sources = copy_sources(state, self.node_id, job.model_id, form)
-        fetching = hub_fetches_to_wait_for(state, self.node_id, job.model_id, form, card.num_layers)
+        fetching = awaited_sources(state, self.node_id, job.model_id, form, card.num_layers)
         if sources or not fetching:
             return sources
-        log.info("node %s is fetching %s from the Hub: copying it from there once it has it", fetching[0], job.model_id)
+        log.info("copying %s from node %s once it has it all (and says so)", job.model_id, fetching[0])
         job.source = fetching[0]
         await self._report(job, DownloadStatus.PENDING)
 
         def settled(state: State) -> bool:
-            return bool(copy_sources(state, self.node_id, job.model_id, form)) or not hub_fetches_to_wait_for(
+            return bool(copy_sources(state, self.node_id, job.model_id, form)) or not awaited_sources(
                 state, self.node_id, job.model_id, form, card.num_layers
             )
 
