@@ -13,6 +13,7 @@ import re
 import socket
 import tempfile
 from pathlib import Path
+from typing import Any
 
 import msgspec
 import psutil
@@ -189,3 +190,18 @@ async def keep_alive(js: JetStreamContext, key: str, session_id: str, ttl_s: flo
             await asyncio.wait_for(stop.wait(), ttl_s / 5)
     with contextlib.suppress(Exception):
         await kv.delete(key)
+
+
+def local_address(client: Any) -> str:
+    """The address this machine uses to reach NATS (`client`, a connected nats-py client): peers that reach the
+    same server can reach it too."""
+    url = client.connected_url
+    if url is None or not url.hostname:
+        return "127.0.0.1"
+    # Connecting a UDP socket sends nothing; it only asks the kernel which local address routes there.
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+        try:
+            probe.connect((url.hostname, url.port or 4222))
+        except OSError:
+            return "127.0.0.1"
+        return str(probe.getsockname()[0])

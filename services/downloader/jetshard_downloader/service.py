@@ -23,7 +23,6 @@ import contextlib
 import json
 import logging
 import os
-import socket
 import ssl
 import tempfile
 import threading
@@ -37,7 +36,7 @@ import msgspec
 from jetshard_bus.commands import publish_command
 from jetshard_bus.connect import connect
 from jetshard_bus.follower import StateFollower
-from jetshard_bus.node import config_dir, node_id_for
+from jetshard_bus.node import config_dir, local_address, node_id_for
 from jetshard_bus.options import NatsOptions
 from jetshard_bus.stats import publish_stats
 from jetshard_bus.streams import BusTimings
@@ -1030,17 +1029,3 @@ async def run_downloader(config: DownloaderConfig, stop: asyncio.Event) -> None:
                 await server.close()
             await follower.stop()
             await client.drain()
-
-
-def local_address(client: Any) -> str:
-    """The address this machine uses to reach NATS: peers that reach the same server can reach it too."""
-    url = client.connected_url
-    if url is None or not url.hostname:
-        return "127.0.0.1"
-    # Connecting a UDP socket sends nothing; it only asks the kernel which local address routes there.
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
-        try:
-            probe.connect((url.hostname, url.port or 4222))
-        except OSError:
-            return "127.0.0.1"
-        return str(probe.getsockname()[0])

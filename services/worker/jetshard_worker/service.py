@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import socket
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -14,7 +13,7 @@ import msgspec
 from jetshard_bus.commands import publish_command
 from jetshard_bus.connect import connect
 from jetshard_bus.follower import StateFollower
-from jetshard_bus.node import config_dir, keep_alive, node_id_for, node_profile, unused_gpu_hint
+from jetshard_bus.node import config_dir, keep_alive, local_address, node_id_for, node_profile, unused_gpu_hint
 from jetshard_bus.options import NatsOptions
 from jetshard_bus.streams import BusTimings
 from jetshard_schema.commands import ReportNodeProfile
@@ -22,7 +21,6 @@ from jetshard_schema.events import CustomModelCardAdded, CustomModelCardDeleted,
 from jetshard_schema.ids import new_id
 from jetshard_schema.state import State
 from jetshard_schema.types import NodeProfile
-from nats.aio.client import Client
 
 from jetshard_worker.blas import runner_blas
 from jetshard_worker.cards import CardDirectory
@@ -66,7 +64,7 @@ async def run_worker(config: WorkerConfig, stop: asyncio.Event) -> None:
         session_id,
         config.nats,
         config.runner_start_timeout_s,
-        config.advertise_host or _local_address(client),
+        config.advertise_host or local_address(client),
     )
 
     def on_event(envelope: EventEnvelope, state: State, live: bool) -> None:
@@ -116,20 +114,6 @@ async def run_worker(config: WorkerConfig, stop: asyncio.Event) -> None:
                 await asyncio.wait_for(task, 5)
         await follower.stop()
         await client.drain()
-
-
-def _local_address(client: Client) -> str:
-    """The address this machine uses to reach NATS: peers that reach the same server can reach it too."""
-    url = client.connected_url
-    if url is None or not url.hostname:
-        return "127.0.0.1"
-    # Connecting a UDP socket sends nothing; it only asks the kernel which local address routes there.
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
-        try:
-            probe.connect((url.hostname, url.port or 4222))
-        except OSError:
-            return "127.0.0.1"
-        return str(probe.getsockname()[0])
 
 
 def _fast_blas_here() -> bool:
