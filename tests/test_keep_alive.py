@@ -69,14 +69,16 @@ def test_a_model_placed_for_a_request_unloads_after_the_default_keep_alive_and_l
     assert answer.done
     [instance] = instances_of(cluster, MODEL)
     assert instance["keep_alive_s"] == DEFAULT_KEEP_ALIVE_S
-    assert answered_at - 1 <= instance["unloads_at_ms"] / 1000 <= answered_at + DEFAULT_KEEP_ALIVE_S + 1
+    # Its keep-alive runs from its task's end as the sequencer recorded it: about when the answer came (a busy
+    # machine may record it a little later).
+    assert answered_at - 2 <= instance["unloads_at_ms"] / 1000 <= answered_at + DEFAULT_KEEP_ALIVE_S + 10
     [running] = [m for m in client.ps().models if m.model and m.model.startswith(MODEL)]
     assert running.expires_at is not None
     assert abs(running.expires_at.timestamp() - instance["unloads_at_ms"] / 1000) < 1
     listed = httpx.get(f"{cluster.api}/v1/models/{MODEL}", timeout=10).json()
     assert listed["unloads_at"] == instance["unloads_at_ms"] // 1000
     assert wait_for(lambda: unloaded(cluster, MODEL), timeout=UNLOAD_DEADLINE_S), instances_of(cluster, MODEL)
-    assert time.time() >= answered_at + DEFAULT_KEEP_ALIVE_S - 1  # not before its time
+    assert time.time() >= answered_at + DEFAULT_KEEP_ALIVE_S - 2  # not before its time
     assert not [m for m in client.ps().models if m.model and m.model.startswith(MODEL)]
     # Asked again, it loads again.
     assert client.chat(model=MODEL, messages=QUESTION, options={"num_predict": 4}).done
