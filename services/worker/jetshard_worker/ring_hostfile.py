@@ -1,4 +1,5 @@
-"""The ring backend's hostfile: written by the worker, which never loads mlx itself, and read by its runners."""
+"""The ring backend's hostfile: each rank of an instance writes its own (`rank_tunnels`); a ring without tunnels
+(the engine's own tests and benchmarks) shares one written here."""
 
 from __future__ import annotations
 

@@ -25,8 +25,9 @@ class RunnerSpec(msgspec.Struct, frozen=True, kw_only=True):
     node_id: NodeId
     worker_session: str
     hostfile: str | None = None
+    """Where an MLX rank of several writes its own ring hostfile, in the worker's scratch directory."""
     ring_socket_fd: int | None = None
-    """A socket bound to this rank's port in the hostfile, inherited from the worker, which bound it before it reported
+    """A socket bound to the port of this rank's endpoint, inherited from the worker, which bound it before it reported
     the port: open until the ring's own listener binds the port too, so nothing else can take it meanwhile."""
     identity: PeerIdentityFiles | None = None
     """The worker session's certificate and key, which the rank presents on the tunnels to the instance's other

@@ -39,7 +39,6 @@ from jetshard_worker.cuda import cuda_runner_environment
 from jetshard_worker.peer_tunnel import PeerIdentity
 from jetshard_worker.planning import RunnerKey, RunnerPlan, plan, runners_on_machine
 from jetshard_worker.publishing import NATS_ERRORS
-from jetshard_worker.ring_hostfile import write_hostfile
 from jetshard_worker.runner_spec import PeerIdentityFiles, RunnerSpec
 from jetshard_worker.scratch import make_scratch_dir
 
@@ -199,7 +198,8 @@ class RunnerSupervisor:
         key = runner_plan.key
         hostfile = None
         if runner_plan.world_size > 1:
-            hostfile = str(write_hostfile(self._scratch_file(key, ".json"), runner_plan.endpoints))
+            # Where the rank writes its own ring hostfile, naming its tunnels (`rank_tunnels`).
+            hostfile = str(self._scratch_file(key, f"-rank{runner_plan.rank}-ring.json"))
         # A port held by an earlier life of this worker is gone with it: the runner's listener binds it afresh.
         ring_fd = None
         if hostfile is not None and ring_socket is not None:

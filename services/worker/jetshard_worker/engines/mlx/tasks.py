@@ -94,10 +94,10 @@ async def _join_ring(spec: RunnerSpec) -> tuple[mx.distributed.Group | None, Rin
         return None, None
     assert spec.hostfile is not None
     # This rank's own hostfile: its loopback listener and its forwarder to the right neighbour.
-    own_hostfile = Path(spec.hostfile).with_name(f"{Path(spec.hostfile).stem}-rank{spec.plan.rank}-ring.json")
-    tunnels = await open_ring_tunnels(spec, own_hostfile)
+    hostfile = Path(spec.hostfile)
+    tunnels = await open_ring_tunnels(spec, hostfile)
     try:
-        group = await asyncio.to_thread(init_ring, spec.plan.rank, own_hostfile)
+        group = await asyncio.to_thread(init_ring, spec.plan.rank, hostfile)
         tunnels.release_ring_port()  # held the port until the ring's listener bound it
         failure = tunnels.failure()
         if failure is not None:
