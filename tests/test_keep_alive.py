@@ -15,6 +15,7 @@ from __future__ import annotations
 import time
 from collections.abc import Iterator
 from datetime import datetime
+from typing import Any
 
 import httpx
 import ollama
@@ -55,6 +56,21 @@ def client(cluster: InferenceCluster) -> ollama.Client:
 
 def instances_of(cluster: InferenceCluster, model: str) -> list[dict]:
     return [i for i in cluster.get("/instances") if i["model_id"] == model]
+
+
+def openai_client(cluster: InferenceCluster) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{cluster.api}/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+def endless_stream(chat: openai.OpenAI) -> Any:
+    """A streamed answer of ENDLESS that goes on until its client closes it."""
+    return chat.chat.completions.create(
+        model=ENDLESS,
+        messages=QUESTION,  # type: ignore[arg-type]
+        max_tokens=100_000,
+        temperature=0,
+        stream=True,
+    )
 
 
 def unloaded(cluster: InferenceCluster, model: str) -> bool:
@@ -111,14 +127,8 @@ def test_ollama_keep_alive_keeps_a_model_loaded_or_unloads_it_after_its_answer(
 
 
 def test_a_busy_instance_is_never_unloaded_and_one_placed_by_hand_stays(cluster: InferenceCluster) -> None:
-    chat = openai.OpenAI(base_url=f"{cluster.api}/v1", api_key="unused", max_retries=0, timeout=120)
-    stream = chat.chat.completions.create(
-        model=ENDLESS,
-        messages=QUESTION,
-        max_tokens=100_000,
-        temperature=0,
-        stream=True,  # type: ignore[arg-type]
-    )
+    chat = openai_client(cluster)
+    stream = endless_stream(chat)
     started = time.monotonic()
     chunks = 0
     for _ in stream:  # streams well past the keep-alive: still its instance serves it
@@ -149,14 +159,8 @@ def test_a_model_that_does_not_fit_unloads_an_idle_one_and_waits_for_a_busy_one(
 ) -> None:
     client.chat(model=MODEL, messages=QUESTION, options={"num_predict": 4}, keep_alive="10m")
     assert instances_of(cluster, MODEL)
-    chat = openai.OpenAI(base_url=f"{cluster.api}/v1", api_key="unused", max_retries=0, timeout=120)
-    stream = chat.chat.completions.create(
-        model=ENDLESS,
-        messages=QUESTION,
-        max_tokens=100_000,
-        temperature=0,
-        stream=True,  # type: ignore[arg-type]
-    )
+    chat = openai_client(cluster)
+    stream = endless_stream(chat)
     assert next(iter(stream)).choices is not None  # ENDLESS serves: MODEL made room
     assert not instances_of(cluster, MODEL)
     # ENDLESS is busy: MODEL must wait for it, and says so at once rather than unloading it mid-answer.
@@ -181,7 +185,7 @@ def test_the_cluster_default_set_for_every_api_replaces_the_flag(cluster: Infere
     changed = httpx.put(f"{cluster.api}/settings", json={"model_keep_alive_s": 600}, timeout=30)
     assert changed.json() == {"model_keep_alive_s": 600, "cluster_wide": True}, changed.text
     try:
-        chat = openai.OpenAI(base_url=f"{cluster.api}/v1", api_key="unused", max_retries=0, timeout=120)
+        chat = openai_client(cluster)
         chat.chat.completions.create(model=MODEL, messages=QUESTION, max_tokens=2)  # type: ignore[arg-type]
         [instance] = instances_of(cluster, MODEL)
         assert instance["keep_alive_s"] == 600
