@@ -191,6 +191,8 @@ def test_the_cluster_default_set_for_every_api_replaces_the_flag(cluster: Infere
         assert instance["keep_alive_s"] == 600
         refused = httpx.put(f"{cluster.api}/settings", json={"model_keep_alive_s": "soon"}, timeout=30)
         assert refused.status_code == 400
+        too_long = httpx.put(f"{cluster.api}/settings", json={"model_keep_alive_s": 1e20}, timeout=30)
+        assert too_long.status_code == 400 and too_long.json()["error"]["param"] == "model_keep_alive_s"
     finally:
         back = httpx.put(f"{cluster.api}/settings", json={"model_keep_alive_s": None}, timeout=30)
         assert back.json() == {"model_keep_alive_s": DEFAULT_KEEP_ALIVE_S, "cluster_wide": False}

@@ -124,6 +124,10 @@ def test_nothing_to_answer_loads_the_model(client: ollama.Client, dialect_cluste
     with pytest.raises(ollama.ResponseError) as caught:
         client.generate(model=dialect_cluster.model, keep_alive="soon")
     assert caught.value.status_code == 400 and "keep_alive 'soon' is not a duration" in caught.value.error
+    for not_go in ("\u0665s", " 5m", "5m ", "-"):  # an Arabic-Indic 5, spaces, a sign alone: Go refuses them too
+        with pytest.raises(ollama.ResponseError) as caught:
+            client.generate(model=dialect_cluster.model, keep_alive=not_go)
+        assert caught.value.status_code == 400 and "is not a duration" in caught.value.error, not_go
 
 
 def test_format_schema_and_json_always_parse(client: ollama.Client, dialect_cluster: DialectCluster) -> None:

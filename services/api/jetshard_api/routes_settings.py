@@ -46,7 +46,9 @@ class SettingsController(Controller):
         data: JSONBody[SettingsRequest],
     ) -> Settings:
         """Set how long models placed for requests from now on stay loaded once idle, on every API."""
-        keep_alive = None if data.model_keep_alive_s is None else checked_keep_alive(data.model_keep_alive_s)
+        keep_alive = None
+        if data.model_keep_alive_s is not None:
+            keep_alive = checked_keep_alive(data.model_keep_alive_s, "model_keep_alive_s")
         await cluster.submit(SetDefaultKeepAlive(keep_alive_ms=keep_alive))
         return _settings(cluster, settings)
 

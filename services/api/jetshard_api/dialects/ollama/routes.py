@@ -226,7 +226,8 @@ async def _answer(
     return Stream(lines(), media_type=NDJSON, background=BackgroundTask(live.close))
 
 
-_DURATION_PART = re.compile(r"(\d+\.?\d*|\.\d+)(ns|us|µs|ms|s|m|h)")
+_DURATION_PART = re.compile(r"([0-9]+\.?[0-9]*|\.[0-9]+)(ns|us|µs|ms|s|m|h)")
+"""One number and unit of a Go duration ("1h30m" is two), ASCII digits only, as Go's parser takes them."""
 _SECONDS_PER_UNIT = {"ns": 1e-9, "us": 1e-6, "µs": 1e-6, "ms": 1e-3, "s": 1.0, "m": 60.0, "h": 3600.0}
 
 
@@ -236,9 +237,8 @@ def keep_alive_of(value: float | str | None) -> int | None:
     if value is None:
         return None
     if isinstance(value, str):
-        text = value.strip()
-        sign = -1.0 if text.startswith("-") else 1.0
-        body = text.lstrip("+-")
+        sign = -1.0 if value.startswith("-") else 1.0
+        body = value[1:] if value[:1] in ("-", "+") else value
         parts = _DURATION_PART.findall(body)
         if body == "0":
             seconds = 0.0
