@@ -142,9 +142,8 @@ class DownloaderConfig:
     token: str | bool | None = None
     retry_backoff_s: tuple[float, ...] = (2.0, 4.0, 8.0)
     advertise_host: str | None = None
-    """The address other nodes reach this node's file server on (default: the address used to reach NATS)."""
-    file_server_host: str = ""
-    """Where the file server listens ("": every interface; it admits only the cluster's downloaders)."""
+    """The address the file server listens on, and other nodes reach it on (default: the address used to reach
+    NATS: loopback where NATS is on this machine alone)."""
     file_server_port: int = 0
     """0: a free port, named in the node's storage report."""
     peer_copies: bool = True
@@ -975,9 +974,10 @@ async def run_downloader(config: DownloaderConfig, stop: asyncio.Event) -> None:
             directory = Path(scratch.enter_context(tempfile.TemporaryDirectory(prefix="jetshard-downloader-")))
             downloader.identity = PeerIdentity.create(directory, f"downloader-{node_id}")
             server = PeerFileServer(config.model_dirs, downloader.identity)
-            port = await server.start(config.file_server_host, config.file_server_port)
+            host = config.advertise_host or local_address(client)
+            port = await server.start(host, config.file_server_port)
             advertised = FileServer(
-                host=config.advertise_host or local_address(client),
+                host=host,
                 port=port,
                 certificate_pem=downloader.identity.certificate_pem,
             )
