@@ -30,6 +30,7 @@ from jetshard_schema.placement import (
     split_layers,
     tensor_share_bytes,
     weights_bytes,
+    without,
 )
 from jetshard_schema.state import Instance, Node, State
 from jetshard_schema.types import Engine, GpuInfo, NodeProfile, Parallelism, ServingSettings, WeightsDtype
@@ -363,6 +364,21 @@ def test_shards_placed_on_a_gpu_count_against_its_memory_until_loaded() -> None:
     # the system's 100 GiB are not offered instead.
     with pytest.raises(PlacementError, match=r"have 3.\d\d GiB available"):
         place_in(msgspec.structs.replace(state, instances={unloaded.instance_id: unloaded}), CARD, serving=ONE_ROW)
+
+
+def test_an_instance_thought_gone_frees_at_most_the_memory_its_node_has() -> None:
+    """Placement reserves more than an instance ends up holding (a prompt cache not yet filled): a node that reports
+    what is left of its 8 GiB after it loaded does not gain more than 8 GiB once the instance is counted as gone
+    (to make room for another model, or to move it to a faster engine)."""
+    small = replace(node("small", 6), profile=replace(node("small", 6).profile, memory_total_bytes=8 * GiB))
+    placed = place_in(State(nodes={small.node_id: small}), CARD, serving=ONE_ROW)
+    assert placed.required_bytes > 2 * GiB  # more than the 2 GiB the node's report shows it taking
+    loaded = Instance(
+        instance_id=InstanceId("i1"), model_id=CARD.model_id, shards=placed.shards, serving=placed.serving, ready_seq=1
+    )
+    reported = replace(small, profile_seq=2)
+    state = State(nodes={small.node_id: reported}, instances={loaded.instance_id: loaded})
+    assert without(state, [loaded]).nodes[small.node_id].profile.memory_available_bytes == 8 * GiB
 
 
 # --------------------------------------------------------------------------- tensor parallelism

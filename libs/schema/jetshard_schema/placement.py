@@ -217,6 +217,12 @@ def compute_memory_bytes(profile: NodeProfile) -> int:
     return profile.memory_available_bytes if gpu is None else gpu.memory_free_bytes
 
 
+def compute_memory_total_bytes(profile: NodeProfile) -> int:
+    """All the memory of what `compute_memory_bytes` counts the free part of."""
+    gpu = _compute_gpu(profile)
+    return profile.memory_total_bytes if gpu is None else gpu.memory_total_bytes
+
+
 def device_of(profile: NodeProfile) -> str:
     """The device a node's shards run on, for a person: "cuda:0 (NVIDIA H200)", "metal" or "cpu"."""
     gpu = _compute_gpu(profile)
@@ -654,8 +660,10 @@ def pending_bytes(state: State) -> Counter[NodeId]:
 
 
 def _less_pending(node: Node, pending: int) -> Node:
+    """`node` with `pending` bytes taken from its free memory (given back when negative: never past its total, as
+    the shards that leave may hold less than placement reserved for them)."""
     profile = node.profile
-    free = max(0, compute_memory_bytes(profile) - pending)
+    free = min(compute_memory_total_bytes(profile), max(0, compute_memory_bytes(profile) - pending))
     gpu = _compute_gpu(profile)
     if gpu is None:
         return replace(node, profile=replace(profile, memory_available_bytes=free))
