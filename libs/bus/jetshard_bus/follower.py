@@ -57,7 +57,9 @@ class StateFollower:
         self.received_seq = self.state.last_seq
         info = await while_unavailable(lambda: self._js.stream_info(subjects.EVENTS_STREAM))
         self._live_from_seq = info.state.last_seq + 1
-        self._subscription = await subscribe_events(self._js, self._on_message, self.state.last_seq + 1)
+        self._subscription = await while_unavailable(
+            lambda: subscribe_events(self._js, self._on_message, self.state.last_seq + 1)
+        )
         await self.wait_until(lambda _: self.received_seq >= info.state.last_seq, catch_up_timeout_s)
 
     async def stop(self) -> None:
