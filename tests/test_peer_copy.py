@@ -31,11 +31,20 @@ from jetshard_downloader.manifest import Manifest, ManifestFile, write_manifest
 from jetshard_downloader.peer_copy import PeerUnavailable, fetch_manifest
 from jetshard_downloader.peers import PeerSource, admitted_certificates, awaited_sources, copy_sources
 from jetshard_downloader.resume import PARTIAL_DIR
+from jetshard_downloader.service import STOPPED
 from jetshard_schema.cards import ModelFormat
-from jetshard_schema.commands import StartDownload
-from jetshard_schema.ids import ModelId, NodeId
-from jetshard_schema.state import Download, State
-from jetshard_schema.types import DownloadProgress, DownloadStatus, FileServer, NodeStorage
+from jetshard_schema.commands import CancelDownload, StartDownload
+from jetshard_schema.ids import InstanceId, ModelId, NodeId
+from jetshard_schema.state import Download, Instance, State
+from jetshard_schema.types import (
+    DownloadProgress,
+    DownloadStatus,
+    Engine,
+    FileServer,
+    NodeStorage,
+    ServingSettings,
+    ShardAssignment,
+)
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -231,6 +240,49 @@ async def test_an_interrupted_copy_resumes_where_it_stopped(
     assert hub_requests_for(hub_server, repo) == 0, dict(hub_server.requests)
 
 
+async def test_a_copy_cancelled_mid_file_stops_keeps_its_bytes_and_resumes_when_asked_again(
+    cluster: Cluster, hub_server: HubServer, tmp_path: Path
+) -> None:
+    source = make_tiny_model(tmp_path / "src", num_layers=2, num_files=1, hidden_size=1024)
+    big = "model.safetensors"
+    size = (source / big).stat().st_size
+    repo = "tiny/cancelled"
+    hub_server.add_repo(repo, source)
+    await cluster.add_card(repo, 2, 1024)
+    nodes, models, processes = await start_nodes(cluster, tmp_path, "ab")
+    a, b = nodes["a"], nodes["b"]
+    await cluster.submit(StartDownload(model_id=ModelId(repo), node_id=a))
+    done = await cluster.wait_download(a, repo, FINAL, 60)
+    assert done.progress.status is DownloadStatus.COMPLETED, done.progress.reason
+    await cluster.wait(lambda s: ModelId(repo) in s.node_storage[a].available_models, 30, f"{a} to list {repo}")
+
+    # B starts copying; A is held still (SIGSTOP) while the cancel is asked for, so that it lands mid-file.
+    hub_server.reset_counters()
+    partial = models["b"] / "tiny--cancelled" / PARTIAL_DIR / f"{big}.incomplete"
+    await cluster.submit(StartDownload(model_id=ModelId(repo), node_id=b))
+    await until(lambda: partial.exists() and partial.stat().st_size > 0, 30, "B's copy to start", interval_s=0.001)
+    os.kill(processes["a"].pid, signal.SIGSTOP)
+    try:
+        await cluster.submit(CancelDownload(model_id=ModelId(repo), node_id=b))
+    finally:
+        os.kill(processes["a"].pid, signal.SIGCONT)
+    stopped = await cluster.wait(
+        lambda s: (d := s.download(b, ModelId(repo))) is not None and d.progress.reason == STOPPED, 60, "B to stop"
+    )
+    assert stopped.download(b, ModelId(repo)).progress.status is DownloadStatus.CANCELLED  # type: ignore[union-attr]
+    kept = partial.stat().st_size
+    assert 0 < kept < size, (kept, size)
+    assert not (models["b"] / "tiny--cancelled" / big).exists()
+
+    await cluster.submit(StartDownload(model_id=ModelId(repo), node_id=b))
+    finished = await cluster.wait_download(b, repo, FINAL, 60)
+    assert finished.progress.status is DownloadStatus.COMPLETED, finished.progress.reason
+    assert finished.progress.source == a
+    assert sha256(models["b"] / "tiny--cancelled" / big) == sha256(source / big)
+    assert f"sending {repo}/{big} from byte {kept} of {size}" in cluster.processes.log("downloader-a")
+    assert hub_requests_for(hub_server, repo) == 0, dict(hub_server.requests)
+
+
 # --------------------------------------------------------------------------------------------- pure parts
 
 
@@ -287,6 +339,28 @@ def test_a_node_waits_for_the_lower_node_fetching_the_whole_model_from_the_hub()
     assert awaited_sources(state, NodeId("n4"), model, ModelFormat.MLX, 4) == ["n1"]
     assert awaited_sources(state, NodeId("n4"), model, ModelFormat.GGUF, 4) == []  # another form
     assert awaited_sources(state, NodeId("n1"), model, ModelFormat.MLX, 4) == []  # the lowest fetches
+    # A GGUF is fetched whole for any shard of llama.cpp's: the node fetching one for its layers is a source to be.
+    gguf = msgspec.structs.replace(fetching, start_layer=1, end_layer=3, formats=(ModelFormat.GGUF,))
+    shards = _state({name: NodeStorage(file_server=server) for name in ("n1", "n2")}, {"n1": gguf})
+    assert awaited_sources(shards, NodeId("n2"), model, ModelFormat.GGUF, 4) == ["n1"]
+    # Nodes asked at the same moment (one placement's shards) wait for the lowest before it has begun.
+    asked = DownloadProgress(status=DownloadStatus.PENDING, end_layer=4)
+    at_once = _state({name: NodeStorage(file_server=server) for name in ("n1", "n2")}, {"n1": asked, "n2": asked})
+    assert awaited_sources(at_once, NodeId("n2"), model, ModelFormat.GGUF, 4) == ["n1"]
+    assert awaited_sources(at_once, NodeId("n1"), model, ModelFormat.GGUF, 4) == []
+    # A placement's shards start at once: before any has reported, each waits for the lowest shard's node.
+    shards = tuple(
+        ShardAssignment(node_id=NodeId(n), rank=r, start_layer=2 * r, end_layer=2 * r + 2, memory_bytes=1)
+        for r, n in enumerate(("n2", "n1"))
+    )
+    llama_cpp = ServingSettings(engine=Engine.LLAMA_CPP)
+    placed = Instance(instance_id=InstanceId("i"), model_id=model, shards=shards, serving=llama_cpp)
+    quiet = _state({n: NodeStorage(file_server=server) for n in ("n1", "n2", "n3")})
+    quiet = msgspec.structs.replace(quiet, instances={placed.instance_id: placed})
+    assert awaited_sources(quiet, NodeId("n2"), model, ModelFormat.GGUF, 4) == ["n1"]
+    assert awaited_sources(quiet, NodeId("n3"), model, ModelFormat.GGUF, 4) == ["n1", "n2"]
+    assert awaited_sources(quiet, NodeId("n1"), model, ModelFormat.GGUF, 4) == []
+    assert awaited_sources(quiet, NodeId("n3"), model, ModelFormat.MLX, 4) == []  # another form (and shards)
     # A node that has it all (an import, here) but has not reported it in its storage yet: a source on its way.
     imported = DownloadProgress(status=DownloadStatus.COMPLETED, end_layer=4, formats=(ModelFormat.GGUF,))
     state = _state({"n9": NodeStorage(file_server=server), "n1": NodeStorage(file_server=server)}, {"n9": imported})

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from jetshard_schema.cards import ModelFormat
 from jetshard_schema.ids import ModelId, NodeId
 from jetshard_schema.state import State
-from jetshard_schema.types import DownloadStatus
+from jetshard_schema.types import DownloadProgress, DownloadStatus, engine_format
 
 
 @dataclass(frozen=True)
@@ -63,21 +63,47 @@ def awaited_sources(
     state: State, node_id: NodeId, model_id: ModelId, form: ModelFormat, num_layers: int
 ) -> list[NodeId]:
     """Nodes about to be sources of all of `model_id` in `form`, for `node_id` to wait for rather than go to the
-    Hub: one with an id before `node_id` fetching all of it from the Hub now, so that each file crosses from the
-    Hub once however many nodes need it at the same time (the node with the lowest id fetches, the others wait;
-    two that start in the same moment decide by their ids as well); and any node that has all of it (fetched,
-    copied or imported) but whose storage report, which makes it a source, has not come yet."""
-    awaited = []
-    for other, downloads in sorted(state.downloads.items()):
-        download = downloads.get(model_id)
+    Hub. So that each file crosses from the Hub once however many nodes need it at the same time, the node with the
+    lowest id fetches and the others wait: for one with an id before `node_id` fetching all of it from the Hub now,
+    or about to (asked for it and not begun, or holding a shard of an instance of the model and not yet reporting
+    a download: the shards of one placement start together). Also any node that has all of it (fetched, copied or
+    imported) but whose storage report, which makes it a source, has not come yet. A GGUF is fetched whole for any
+    shard; the MLX files of a shard's layers never make a node a source of the whole model."""
+
+    def whole(start_layer: int, end_layer: int) -> bool:
+        return form is ModelFormat.GGUF or (start_layer <= 0 and end_layer >= num_layers)
+
+    def serves_peers(other: NodeId) -> bool:
         storage = state.node_storage.get(other)
-        if other == node_id or download is None or storage is None or storage.file_server is None:
+        return other != node_id and storage is not None and storage.file_server is not None
+
+    awaited = set()
+    for other, downloads in state.downloads.items():
+        download = downloads.get(model_id)
+        if download is None or not serves_peers(other):
             continue
         progress = download.progress
-        if progress.start_layer > 0 or progress.end_layer < num_layers:
-            continue  # a shard: never a source of the whole model
-        fetching = progress.status in HUB_FETCHING and progress.source == "hub" and form in progress.formats
-        unreported = progress.holds(form) and model_id not in storage.available_models
+        if not whole(progress.start_layer, progress.end_layer):
+            continue
+        fetching = (fetching_from_hub(progress) and form in progress.formats) or not_begun(progress)
+        unreported = progress.holds(form) and model_id not in state.node_storage[other].available_models
         if (fetching and other < node_id) or unreported:
-            awaited.append(other)
-    return awaited
+            awaited.add(other)
+    for instance in state.instances.values():
+        if instance.model_id != model_id or engine_format(instance.serving.engine) is not form:
+            continue
+        for shard in instance.shards:
+            other = shard.node_id
+            starting = state.download(other, model_id) is None and whole(shard.start_layer, shard.end_layer)
+            if starting and other < node_id and serves_peers(other):
+                awaited.add(other)
+    return sorted(awaited)
+
+
+def fetching_from_hub(progress: DownloadProgress) -> bool:
+    return progress.status in HUB_FETCHING and progress.source == "hub"
+
+
+def not_begun(progress: DownloadProgress) -> bool:
+    """Asked for, and its node has not yet said where from (nor in what form)."""
+    return progress.status is DownloadStatus.PENDING and not progress.source and not progress.formats

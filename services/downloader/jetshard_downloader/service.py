@@ -107,7 +107,13 @@ from jetshard_downloader.local import complete_forms, default_form, find_shard, 
 from jetshard_downloader.locate import Found, find_model, partial_bytes_for
 from jetshard_downloader.paths import GGUF_NAME, GGUF_SUFFIX, INDEX_NAME, MMPROJ_NAME, SINGLE_WEIGHTS_NAME
 from jetshard_downloader.peer_copy import PeerUnreachable, copy_files, fetch_manifest, fetch_small_json
-from jetshard_downloader.peers import PeerSource, admitted_certificates, awaited_sources, copy_sources
+from jetshard_downloader.peers import (
+    PeerSource,
+    admitted_certificates,
+    awaited_sources,
+    copy_sources,
+    fetching_from_hub,
+)
 from jetshard_downloader.resume import use_small_download_chunks
 from jetshard_downloader.shard_files import required_files
 
@@ -115,12 +121,13 @@ log = logging.getLogger(__name__)
 REPORT_TIMEOUT_S = 6.0
 """Longer than one progress report's publish (5 s timeout): a job waits this long at most for its last one."""
 PEER_ADMISSION_WAITS_S = (0.25, 0.5, 1.0)
-HUB_FETCH_CHECK_S = 1.0
-STORAGE_REPORT_GRACE_S = 30.0
-"""How long a node whose fetch completed may take to report the model as a source before others fetch it too."""
-"""How often a node waiting for another to fetch a model from the Hub checks whether it was cancelled."""
 """Waits before asking a source again that gave no answer (a moment after this session's storage report, its
 server may not know this session's certificate yet); then the next source, or the Hub."""
+HUB_FETCH_CHECK_S = 1.0
+"""How often a node waiting for another to fetch a model from the Hub checks whether it was cancelled."""
+STORAGE_REPORT_GRACE_S = 30.0
+"""How long a node waits for an awaited source that is not fetching from the Hub (its fetch complete and not yet
+reported as a source, or not begun) before it fetches the model itself."""
 STOPPED = "stopped; the files fetched so far are kept for the next attempt"
 """The reason a cancelled download's record gives once its downloader has stopped it."""
 T = TypeVar("T")
@@ -774,15 +781,17 @@ class Downloader:
                 state, self.node_id, job.model_id, form, card.num_layers
             )
 
-        waited_for_report_s = 0.0
+        quiet_s = 0.0
         while not job.cancel.is_set():
             with contextlib.suppress(TimeoutError):
                 state = await self.follower.wait_until(settled, HUB_FETCH_CHECK_S)
                 return copy_sources(state, self.node_id, job.model_id, form)
             still = [self.follower.state.download(n, job.model_id) for n in fetching]
-            if all(d is None or d.progress.status is DownloadStatus.COMPLETED for d in still):
-                waited_for_report_s += HUB_FETCH_CHECK_S  # fetched, not reported as a source: not for ever
-                if waited_for_report_s >= STORAGE_REPORT_GRACE_S:
+            if not any(d is not None and fetching_from_hub(d.progress) for d in still):
+                # Fetched and not reported as a source yet, or not begun (a downloader that is gone never will):
+                # worth a wait, not for ever.
+                quiet_s += HUB_FETCH_CHECK_S
+                if quiet_s >= STORAGE_REPORT_GRACE_S:
                     return []
         raise Cancelled(f"the download of {job.model_id} was cancelled")
 
