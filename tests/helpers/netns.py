@@ -8,14 +8,17 @@ between the hosts and the machine's own firewall settings are never touched.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import os
 import random
 import secrets
 import signal
 import subprocess
-from collections.abc import Iterator
+import threading
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TypeVar
 
 import pytest
 from jetshard_bus.procs import spawn
@@ -29,6 +32,8 @@ HOST_INTERFACE = "eth0"
 # set of namespaces; the random octet tells the runs apart in logs).
 FIRST_HOST_NUMBER = 1
 MAX_HOSTS = 250
+CLONE_NEWNET = 0x40000000
+T = TypeVar("T")
 
 
 def _ip(*args: str) -> None:
@@ -66,6 +71,29 @@ class Host:
         self, args: list[str], timeout_s: float = 60, env: dict[str, str] | None = None
     ) -> subprocess.CompletedProcess[str]:
         return subprocess.run(self.command(args), capture_output=True, text=True, timeout=timeout_s, env=env)
+
+    def inside(self, make: Callable[[], T]) -> T:
+        """`make()` run by a thread of this process that has entered this host's namespace: a socket it opens (a
+        test's server, counting what the hosts ask of it in this process) belongs to this host. Other threads stay
+        where they are (a namespace is a thread's own)."""
+        made: list[T] = []
+        failed: list[BaseException] = []
+
+        def enter_and_make() -> None:
+            try:
+                with open(f"/var/run/netns/{self.name}") as namespace:
+                    if ctypes.CDLL(None, use_errno=True).setns(namespace.fileno(), CLONE_NEWNET) != 0:
+                        raise OSError(ctypes.get_errno(), f"setns into {self.name}")
+                made.append(make())
+            except BaseException as error:
+                failed.append(error)
+
+        thread = threading.Thread(target=enter_and_make, name=f"in {self.name}")
+        thread.start()
+        thread.join()
+        if failed:
+            raise failed[0]
+        return made[0]
 
     def link_down(self) -> None:
         """Unplug this host's cable: it keeps its address and processes but reaches no one."""
