@@ -20,8 +20,8 @@ Goals (issue 12): >= 2x at 1 stream and >= 10x at 8 on a Linux CPU; >= 0.97x and
 or a GPU. This folds in the former bench/inference.py (jetshard vs in-process mlx-lm on one node); the
 two-node pipeline figures moved to bench/concurrency.py.
 
-    uv run python bench/compare.py                       # defaults: --max-tokens 64 --rounds 2
-    uv run python bench/compare.py --max-tokens 8 --rounds 1   # smoke run
+    uv run --group dev python bench/compare.py                             # defaults: --max-tokens 64 --rounds 2
+    uv run --group dev python bench/compare.py --max-tokens 8 --rounds 1   # smoke run
 """
 
 from __future__ import annotations

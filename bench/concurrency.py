@@ -20,10 +20,10 @@ competing for cores cost, not the speed-up separate machines would give: a pipel
 stream, tensor ranks all compute at once and wait for each other twice a layer (spinning on their sockets
 meanwhile, in mlx's ring backend).
 
-    uv run python bench/concurrency.py                              # both rank counts, everything
-    uv run python bench/concurrency.py --ranks 1 --max-tokens 16 --streams 1,2 --long-tokens 200 \\
-        --prefix-tokens 150                                         # smoke run
-    uv run python bench/concurrency.py --parallelism tensor         # tensor vs pipeline, one stream, 3 nodes
+    uv run --group dev python bench/concurrency.py                        # both rank counts, everything
+    uv run --group dev python bench/concurrency.py --ranks 1 --max-tokens 16 --streams 1,2 --long-tokens 200 \\
+        --prefix-tokens 150                                               # smoke run
+    uv run --group dev python bench/concurrency.py --parallelism tensor   # tensor vs pipeline, one stream, 3 nodes
 """
 
 from __future__ import annotations

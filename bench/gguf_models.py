@@ -8,7 +8,7 @@ model costs to run depends on its shape, not on which tokens it has, and prompts
 The float16 file (~2.5 GB) is written once, quantized to every file type asked for, then deleted; the quantized
 files stay in the bench cache (`bench_cache_dir()`, ~0.7-0.8 GB each).
 
-    uv run python bench/gguf_models.py            # makes Q4_0 and Q4_K_M (a few minutes), prints their paths
+    uv run --group dev python bench/gguf_models.py   # makes Q4_0 and Q4_K_M (a few minutes), prints their paths
 """
 
 from __future__ import annotations

@@ -87,8 +87,8 @@ export_requirements() {
     local export_cmd=(python3 -m uv export --frozen --no-hashes --no-emit-workspace --no-group cpu --extra cuda13)
     mkdir -p "$WHEELS"
     {
-        (cd "$ROOT" && "${export_cmd[@]}" --no-dev)
-        (cd "$ROOT" && "${export_cmd[@]}") | grep -E '^(openai|jiter)=='
+        (cd "$ROOT" && "${export_cmd[@]}")
+        (cd "$ROOT" && "${export_cmd[@]}" --group dev) | grep -E '^(openai|jiter)=='
     } | "$(host_python)" "$BENCH/_gpu.py" requirements > "$WHEELS/requirements.txt"
     say "   $(wc -l < "$WHEELS/requirements.txt") pins in bench/gpu-wheels/requirements.txt"
 }

@@ -24,8 +24,8 @@ Llama-3.2-1B-shaped model with random weights, made by bench/gguf_models.py on f
 Goal (issue 36): jetshard >= 0.9x llama-server's tok/s and <= 1.2x its TTFT, at 1 and at 8 streams.
 The load average before and after each side is printed: figures taken while something else ran mean little.
 
-    uv run python bench/llamacpp.py                                   # both sides, all three models
-    uv run python bench/llamacpp.py --sides llama-server --models demo   # the anchor alone
+    uv run --group dev python bench/llamacpp.py                                      # both sides, all three models
+    uv run --group dev python bench/llamacpp.py --sides llama-server --models demo   # the anchor alone
 """
 
 from __future__ import annotations

@@ -24,8 +24,8 @@ Models: `1b-q4_0` (default; a Llama-3.2-1B-shaped Q4_0 with random weights, benc
 `demo` (the demo's SmolLM2-135M Q4_1). Goal (issue 37): jetshard >= 0.9x upstream's output tok/s with the same split.
 The load average before and after each model is printed: figures taken while something else ran mean little.
 
-    uv run python bench/llamacpp_split.py                                  # 1b-q4_0, 1 and 4 streams, 3 rounds
-    uv run python bench/llamacpp_split.py --models 1b-q4_0 demo --rounds 1 --streams 1 --max-tokens 8
+    uv run --group dev python bench/llamacpp_split.py                      # 1b-q4_0, 1 and 4 streams, 3 rounds
+    uv run --group dev python bench/llamacpp_split.py --models 1b-q4_0 demo --rounds 1 --streams 1 --max-tokens 8
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Node-to-node model copy throughput: the downloader's file server and copy client vs curl (issue 38; root only).
 
-    uv run python bench/node_copy.py [--size-mb N] [--rounds 3] [--no-raw]
+    uv run --group dev python bench/node_copy.py [--size-mb N] [--rounds 3] [--no-raw]
 
 Two network-namespace hosts on one bridge (`tests/helpers/netns.py`), every veth end (each host's `eth0` and its
 port in the switch namespace) limited to 1 Gbit/s on egress with `tc qdisc ... tbf rate 1gbit burst 1mb latency

@@ -2,7 +2,7 @@
 concurrent chats keep it busy, and the functions that hold the most samples are printed, by their own time and
 with what they call.
 
-    uv run --with py-spy python bench/profile.py [--streams 8] [--seconds 30] [--max-tokens 64]
+    uv run --group dev --with py-spy python bench/profile.py [--streams 8] [--seconds 30] [--max-tokens 64]
 
 py-spy (on PyPI) samples from outside the process, so the runner runs as it always does; it needs ptrace (root,
 or kernel.yama.ptrace_scope 0). Only threads holding the GIL or running native code count (idle waits do not).
@@ -65,7 +65,9 @@ def main() -> None:
     args = parser.parse_args()
     py_spy = shutil.which("py-spy")
     if py_spy is None:
-        raise SystemExit("py-spy is not installed: run this with `uv run --with py-spy python bench/profile.py`")
+        raise SystemExit(
+            "py-spy is not installed: run this with `uv run --group dev --with py-spy python bench/profile.py`"
+        )
 
     root = Path(tempfile.mkdtemp(prefix="jetshard-profile-"))
     with jetshard_up(root, DEMO) as (api, up):

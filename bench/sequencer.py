@@ -5,7 +5,8 @@ Anchors (2-core machine): raw async publishing to a stream (ARCHITECTURE.md: ~35
 goal: commands -> events applied at a follower at >= 0.25 of the raw rate under the same policy; rebuilding
 State from 100k events <= 1 s with a snapshot. The store is made under --dir: on a tmpfs an fsync costs nothing.
 
-    uv run python bench/sequencer.py [--n 20000] [--rebuild 100000] [--fsync always --fsync interval] [--dir D]
+    uv run --group dev python bench/sequencer.py [--n 20000] [--rebuild 100000] \\
+        [--fsync always --fsync interval] [--dir D]
 """
 
 from __future__ import annotations

@@ -35,8 +35,8 @@ machine without a fast BLAS one round of 8 chats of 32 tokens takes about a minu
 starting, the window, the pause) at least about 100 s: all six faults take about 12 minutes even when
 `--duration-s` is 600.
 
-    python3 -m uv run python bench/soak.py --duration-s 600
-    python3 -m uv run python bench/soak.py --duration-s 150 --faults runner,api     # while developing
+    python3 -m uv run --group dev python bench/soak.py --duration-s 600
+    python3 -m uv run --group dev python bench/soak.py --duration-s 150 --faults runner,api   # while developing
 """
 
 from __future__ import annotations

@@ -27,7 +27,7 @@ def _uv() -> str:
 
 
 def _export(*selection: str) -> subprocess.CompletedProcess[str]:
-    command = [_uv(), "export", "--frozen", "--offline", "--no-hashes", "--no-dev", *selection]
+    command = [_uv(), "export", "--frozen", "--offline", "--no-hashes", *selection]
     return subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=120)
 
 
@@ -43,6 +43,17 @@ def test_each_install_gets_exactly_one_mlx_build(selection: tuple[str, ...], bui
     exported = _export(*selection)
     assert exported.returncode == 0, exported.stderr
     assert sorted(BUILDS.findall(exported.stdout)) == builds
+
+
+def test_the_readme_install_carries_neither_the_dev_tools_nor_vision() -> None:
+    """`uv run jetshard up` installs what serving imports: the dev group (tests, linters, and mlx-vlm with its
+    opencv, pandas and pyarrow for the vision tests) comes only with `--group dev`."""
+    exported = _export()
+    assert exported.returncode == 0, exported.stderr
+    installed = set(re.findall(r"^([\w.-]+)==", exported.stdout, re.MULTILINE))
+    assert "mlx-lm" in installed
+    dev_only = {"pytest", "ruff", "mypy", "playwright", "schemathesis", "mlx-vlm", "opencv-python", "pandas", "pyarrow"}
+    assert not installed & dev_only
 
 
 def test_the_cpu_and_a_cuda_build_together_are_refused_naming_the_conflict() -> None:
