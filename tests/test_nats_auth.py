@@ -37,7 +37,6 @@ from jetshard_bus.auth import (
 from jetshard_bus.commands import publish_command
 from jetshard_bus.connect import connect
 from jetshard_bus.follower import StateFollower
-from jetshard_bus.natsserver import NatsServer, start_nats_server
 from jetshard_bus.node import node_id_for
 from jetshard_bus.options import NatsOptions
 from jetshard_bus.snapshots import save_snapshot, stream_created
@@ -57,6 +56,8 @@ from jetshard_schema.types import (
     TaskOutcome,
     Usage,
 )
+
+from jetshard.up.natsserver import NatsServer, start_nats_server
 
 MODEL = "jetshard-test/tiny-auth"
 OTHER_NODE = "node-other"

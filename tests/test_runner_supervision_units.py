@@ -24,7 +24,6 @@ import psutil
 import pytest
 from helpers.harness import free_port, until
 from helpers.states import downloaded, fold
-from jetshard_bus.natsserver import NatsServer
 from jetshard_bus.options import NatsOptions
 from jetshard_schema.codec import decode_command
 from jetshard_schema.commands import ReportRunnerStatus
@@ -39,6 +38,8 @@ from jetshard_worker.runner_spec import RunnerSpec
 from jetshard_worker.runner_test_seams import START_DELAY_ENV
 from jetshard_worker.runners import RunnerSupervisor, failure_reason, hold_ring_port
 from jetshard_worker.scratch import PREFIX, stale_scratch_dirs
+
+from jetshard.up.natsserver import NatsServer
 
 # ------------------------------------------------------------------------------------------ stale directories
 

