@@ -33,7 +33,6 @@ from pathlib import Path
 
 import nats.js.errors
 import psutil
-from jetshard_bus.auth import ADMIN, ensure_identity, server_authorization
 from jetshard_bus.connect import connect
 from jetshard_bus.follower import StateFollower
 from jetshard_bus.options import NatsOptions
@@ -42,6 +41,7 @@ from jetshard_schema import subjects
 from nats.js import JetStreamContext
 from nats.js.api import PubAck
 
+from jetshard.up.auth import ADMIN, ensure_identity, server_authorization
 from jetshard.up.natsserver import start_nats_server
 
 log = logging.getLogger(__name__)

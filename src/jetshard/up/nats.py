@@ -10,7 +10,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import click
-from jetshard_bus.auth import ADMIN, SYSTEM, Identity, cluster_identities, server_authorization
 from jetshard_bus.connect import connect
 from jetshard_bus.node import config_dir, node_id_for
 from jetshard_bus.options import NatsOptions
@@ -20,6 +19,7 @@ from rich.progress import Progress
 from jetshard.lan.discovery import Discovery
 from jetshard.lan.options import LanChoice, lan_layout, pending_migration
 from jetshard.lan.servers import LanServers, this_machine
+from jetshard.up.auth import ADMIN, SYSTEM, Identity, cluster_identities, server_authorization
 from jetshard.up.migrate import MigrationError, migrate_standalone_store
 from jetshard.up.natsserver import DATA_TAG, Fsync, start_nats_server
 from jetshard.up.supervisor import Supervisor
