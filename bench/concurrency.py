@@ -61,7 +61,8 @@ from _common import (
     token_counter,
     words_of_tokens,
 )
-from jetshard_bus.natsserver import start_nats_server
+
+from jetshard.up.natsserver import start_nats_server
 
 
 async def with_joiner(

@@ -24,7 +24,6 @@ import nats
 from jetshard_bus.commands import publish_command
 from jetshard_bus.connect import connect
 from jetshard_bus.follower import StateFollower
-from jetshard_bus.natsserver import Fsync, start_nats_server
 from jetshard_bus.options import NatsOptions
 from jetshard_bus.snapshots import save_snapshot, stream_created
 from jetshard_schema import subjects
@@ -34,6 +33,8 @@ from jetshard_schema.events import DownloadProgressed, EventEnvelope
 from jetshard_schema.ids import CommandId, ModelId, NodeId
 from jetshard_schema.types import DownloadProgress, DownloadStatus
 from nats.js.api import StreamConfig
+
+from jetshard.up.natsserver import Fsync, start_nats_server
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 from helpers.cards import tiny_card

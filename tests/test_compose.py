@@ -20,8 +20,9 @@ import nats.errors
 import pytest
 import yaml
 from helpers.harness import Processes, free_port, wait_for
-from jetshard_bus.natsserver import nats_server_binary
 from jetshard_bus.procs import spawn, stop_groups
+
+from jetshard.up.natsserver import nats_server_binary
 
 ROOT = Path(__file__).resolve().parent.parent
 SHARED_ENV = {"JETSHARD_NATS": "nats://nats:4222", "JETSHARD_LOG_LEVEL": "INFO"}

@@ -6,7 +6,6 @@ import dataclasses
 from pathlib import Path
 
 import pytest
-from jetshard_bus.natsserver import DATA_TAG, ClusterSettings, Fsync, ServerSettings
 
 from jetshard.lan.discovery import Peer
 from jetshard.lan.jetstream import MetaGroup
@@ -20,6 +19,7 @@ from jetshard.lan.membership import (
     signed,
     vouched,
 )
+from jetshard.up.natsserver import DATA_TAG, ClusterSettings, Fsync, ServerSettings
 
 TOKEN = JoinToken.create("home")
 

@@ -1,4 +1,4 @@
-"""Moving a one-machine cluster's history into a clustered JetStream (`jetshard_bus.migrate`).
+"""Moving a one-machine cluster's history into a clustered JetStream (`jetshard.up.migrate`).
 
 Real parts: a standalone nats-server whose history a real sequencer wrote (cards added, a snapshot taken,
 then two commands accepted while the sequencer was stopped), and a three-server JetStream cluster with R3
@@ -20,14 +20,6 @@ from helpers.cards import tiny_card
 from helpers.harness import Processes, until
 from jetshard_bus.commands import publish_command
 from jetshard_bus.connect import connect
-from jetshard_bus.migrate import (
-    PUBLISH_HEADER_PREFIXES,
-    MigrationError,
-    MigrationReport,
-    StoreInUseError,
-    migrate_standalone_store,
-)
-from jetshard_bus.natsserver import NatsServer, start_nats_server
 from jetshard_bus.options import NatsOptions
 from jetshard_bus.snapshots import load_snapshot
 from jetshard_schema import subjects
@@ -37,6 +29,14 @@ from nats.js.api import Header
 from test_nats_cluster import start_nats_cluster
 
 from jetshard.commands.inspect import fetch_state
+from jetshard.up.migrate import (
+    PUBLISH_HEADER_PREFIXES,
+    MigrationError,
+    MigrationReport,
+    StoreInUseError,
+    migrate_standalone_store,
+)
+from jetshard.up.natsserver import NatsServer, start_nats_server
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -21,23 +21,10 @@ import pytest
 import pytest_asyncio
 from helpers.harness import InferenceCluster, hub_cluster, until
 from helpers.tiny_models import make_tiny_model
-from jetshard_bus.auth import (
-    ADMIN,
-    API,
-    DOWNLOADER,
-    SEQUENCER,
-    VIEWER,
-    WORKER,
-    Identity,
-    cluster_identities,
-    ensure_identity,
-    inbox_prefix,
-    server_authorization,
-)
 from jetshard_bus.commands import publish_command
 from jetshard_bus.connect import connect
 from jetshard_bus.follower import StateFollower
-from jetshard_bus.natsserver import NatsServer, start_nats_server
+from jetshard_bus.inbox import inbox_prefix
 from jetshard_bus.node import node_id_for
 from jetshard_bus.options import NatsOptions
 from jetshard_bus.snapshots import save_snapshot, stream_created
@@ -57,6 +44,20 @@ from jetshard_schema.types import (
     TaskOutcome,
     Usage,
 )
+
+from jetshard.up.auth import (
+    ADMIN,
+    API,
+    DOWNLOADER,
+    SEQUENCER,
+    VIEWER,
+    WORKER,
+    Identity,
+    cluster_identities,
+    ensure_identity,
+    server_authorization,
+)
+from jetshard.up.natsserver import NatsServer, start_nats_server
 
 MODEL = "jetshard-test/tiny-auth"
 OTHER_NODE = "node-other"

@@ -21,13 +21,14 @@ import pytest
 from helpers.harness import InferenceCluster, free_port, hub_cluster, until
 from helpers.tiny_models import make_tiny_model
 from jetshard_bus.connect import connect
-from jetshard_bus.natsserver import MAX_PAYLOAD_BYTES, NatsServer, nats_server_binary
 from jetshard_bus.options import NatsOptions
 from jetshard_bus.procs import spawn
 from jetshard_schema.events import CustomModelCardAdded, EventEnvelope
 from jetshard_schema.ids import CommandId
 from test_sequencer import all_events, assert_gapless, outcomes_per_command
 from test_supervision import publish_surely
+
+from jetshard.up.natsserver import MAX_PAYLOAD_BYTES, NatsServer, nats_server_binary
 
 MODEL = "jetshard-test/tiny-r3"
 SERVERS = 3

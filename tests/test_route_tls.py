@@ -12,7 +12,8 @@ from pathlib import Path
 
 import pytest
 from helpers.harness import free_port, until_sync
-from jetshard_bus.natsserver import ClusterSettings, NatsServer, RouteTls, start_nats_server
+
+from jetshard.up.natsserver import ClusterSettings, NatsServer, RouteTls, start_nats_server
 
 
 def make_ca(directory: Path, name: str) -> tuple[Path, Path]:

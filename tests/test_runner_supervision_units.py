@@ -24,7 +24,6 @@ import psutil
 import pytest
 from helpers.harness import free_port, until
 from helpers.states import downloaded, fold
-from jetshard_bus.natsserver import NatsServer
 from jetshard_bus.options import NatsOptions
 from jetshard_schema.codec import decode_command
 from jetshard_schema.commands import ReportRunnerStatus
@@ -39,6 +38,8 @@ from jetshard_worker.runner_spec import RunnerSpec
 from jetshard_worker.runner_test_seams import START_DELAY_ENV
 from jetshard_worker.runners import RunnerSupervisor, failure_reason, hold_ring_port
 from jetshard_worker.scratch import PREFIX, stale_scratch_dirs
+
+from jetshard.up.natsserver import NatsServer
 
 # ------------------------------------------------------------------------------------------ stale directories
 
@@ -129,13 +130,15 @@ def test_a_held_ring_port_is_taken_by_a_listener_like_mlxs_and_by_nothing_else()
 
 # ------------------------------------------------------------------------------------------ dying with the worker
 
-# A "worker" that starts a "runner" (which arms its lifeline as runner.main does) and sleeps; both say so on stdout.
+# A "worker" that starts a "runner" through its lifeline, as `launch_runner` does, and sleeps; the worker says which
+# pid it started, the runner which pid it runs as (the same: the lifeline becomes the runner).
 WORKER = textwrap.dedent(
     """
-    import os, subprocess, sys, time
-    runner = "from jetshard_worker.lifeline import die_with_worker; import os, sys, time; "
-    runner += "die_with_worker(int(sys.argv[1])); print('armed', os.getpid(), flush=True); time.sleep(60)"
-    subprocess.Popen([sys.executable, "-c", runner, str(os.getpid())], start_new_session=True)
+    import os, signal, subprocess, sys, time
+    from jetshard_bus.lifeline import lifeline_command
+    runner = [sys.executable, "-c", "import os, time; print('armed', os.getpid(), flush=True); time.sleep(60)"]
+    started = subprocess.Popen(lifeline_command(runner, signal.SIGKILL), start_new_session=True)
+    print('started', started.pid, flush=True)
     time.sleep(60)
     """
 )
@@ -145,9 +148,9 @@ def test_a_runner_dies_with_its_worker() -> None:
     worker = subprocess.Popen([sys.executable, "-c", WORKER], stdout=subprocess.PIPE, text=True)
     try:
         assert worker.stdout is not None
-        armed, pid = worker.stdout.readline().split()
-        assert armed == "armed"
-        runner = psutil.Process(int(pid))
+        said = dict(worker.stdout.readline().split() for _ in range(2))
+        assert said["armed"] == said["started"], "the runner is not the process the worker started"
+        runner = psutil.Process(int(said["armed"]))
         worker.kill()
         worker.wait()
         assert psutil.wait_procs([runner], timeout=10)[1] == [], "the runner outlived its worker"
@@ -159,17 +162,13 @@ def test_a_runner_dies_with_its_worker() -> None:
 def test_a_runner_whose_worker_is_already_gone_exits() -> None:
     not_its_parent = os.getpid() + 1
     gone = subprocess.run(
-        [
-            sys.executable,
-            "-c",
-            f"from jetshard_worker.lifeline import die_with_worker; die_with_worker({not_its_parent})",
-        ],
+        [sys.executable, "-m", "jetshard_bus.lifeline", str(not_its_parent), "SIGKILL", "true"],
         capture_output=True,
         text=True,
         timeout=30,
     )
     assert gone.returncode == 1
-    assert f"the worker (pid {not_its_parent}) that started this runner is gone" in gone.stderr
+    assert f"the process (pid {not_its_parent}) that started this one is gone" in gone.stderr
 
 
 # ------------------------------------------------------------------------------------------ stopping the worker

@@ -24,7 +24,6 @@ from helpers.harness import free_port, until, wait_for
 from jetshard_bus.commands import publish_command
 from jetshard_bus.connect import connect
 from jetshard_bus.follower import StateFollower
-from jetshard_bus.natsserver import start_nats_server
 from jetshard_bus.options import NatsOptions
 from jetshard_bus.procs import spawn
 from jetshard_schema.events import CustomModelCardAdded
@@ -33,6 +32,7 @@ from jetshard_schema.subjects import COMMANDS_STREAM, DOWNLOADER_SENDER, command
 from test_demo_model import ctrl_c, processes_mentioning, start_in_own_group, up_command
 from test_sequencer import add_card, all_events, assert_gapless, outcomes_per_command
 
+from jetshard.up.natsserver import start_nats_server
 from jetshard.up.supervisor import Supervisor
 
 FAULTS = ("sequencer", "api", "worker", "downloader", "nats-server")

@@ -218,7 +218,7 @@ def test_the_store_stays_locked_while_a_nats_server_of_a_dead_up_runs(
 ) -> None:
     """Where no parent-death signal stops it (macOS), the nats-server of a killed `up` runs on: no other `up`
     may start a second server on its store until it exits."""
-    from jetshard_bus.natsserver import start_nats_server
+    from jetshard.up.natsserver import start_nats_server
 
     gone = subprocess.Popen(["true"])
     gone.wait()  # its pid: an `up` that is no more

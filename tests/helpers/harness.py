@@ -43,7 +43,6 @@ import pytest_asyncio
 from jetshard_bus.commands import publish_command
 from jetshard_bus.connect import connect
 from jetshard_bus.follower import StateFollower
-from jetshard_bus.natsserver import NatsServer, start_nats_server
 from jetshard_bus.node import keep_alive, node_id_for
 from jetshard_bus.options import NatsOptions
 from jetshard_bus.procs import stop_groups
@@ -60,6 +59,7 @@ from jetshard_worker.runner_spec import RunnerSpec
 from helpers.cards import tiny_card
 from helpers.hub_fixtures import use_hub
 from helpers.hub_server import HubServer
+from jetshard.up.natsserver import NatsServer, start_nats_server
 
 GiB = 2**30
 LOOPBACK = "127.0.0.1"

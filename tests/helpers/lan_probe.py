@@ -121,7 +121,7 @@ async def outcomes(nats_url: str, nkey: str, wanted: list[str], timeout_s: float
 async def trespass(nats_url: str, nkey: str, victim: str) -> dict[str, object]:
     """As this host's worker, try to read the last prompt stored for `victim` and to speak for it: what the
     server let through (each attempt: True if it succeeded)."""
-    from jetshard_bus.auth import inbox_prefix, public_key_of
+    from jetshard_bus.inbox import inbox_prefix, public_key_of
     from jetshard_schema import subjects
     from jetshard_schema.codec import encode
     from jetshard_schema.commands import ReportNodeStorage

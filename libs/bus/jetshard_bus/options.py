@@ -8,7 +8,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from jetshard_bus.auth import inbox_prefix, public_key_of
+from jetshard_bus.inbox import inbox_prefix, public_key_of
 
 DEFAULT_NATS_URL = "nats://127.0.0.1:4222"
 DEFAULT_API_PORT = 52415
@@ -70,7 +70,7 @@ class NatsOptions:
             kwargs["user_credentials"] = self.creds_file
         if self.nkey_file is not None:
             kwargs["nkeys_seed"] = self.nkey_file
-            # The only inbox jetshard's server lets this identity subscribe to (auth.py).
+            # The only inbox jetshard's server lets this identity subscribe to (jetshard_bus.inbox).
             kwargs["inbox_prefix"] = inbox_prefix(public_key_of(Path(self.nkey_file)))
         if self.tls_ca or self.tls_cert:
             context = ssl.create_default_context(cafile=self.tls_ca)

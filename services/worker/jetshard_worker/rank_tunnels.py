@@ -10,7 +10,7 @@ a placeholder mlx never uses.
 
 The tunnels run in a process of their own (`python -m jetshard_worker.rank_tunnels`), not on the runner's event loop:
 `mx.distributed.init` holds the GIL while it waits in accept() and connect(), and the tunnels must carry the very
-connections it waits for. The process dies with its runner (`jetshard_worker.lifeline`) and is stopped by it
+connections it waits for. The process dies with its runner (`jetshard_bus.lifeline`) and is stopped by it
 (`RingTunnels.close`).
 
 Ordering: the runner binds (and holds) mlx's loopback port, starts the tunnel process and waits for its forwarder's
@@ -27,7 +27,6 @@ import asyncio
 import contextlib
 import json
 import logging
-import os
 import signal
 import socket
 import sys
@@ -35,6 +34,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import msgspec
+from jetshard_bus.lifeline import lifeline_command
 
 from jetshard_worker import peer_tunnel
 from jetshard_worker.runner_spec import RunnerSpec
@@ -175,12 +175,11 @@ async def open_ring_tunnels(spec: RunnerSpec, hostfile: Path, form_s: float = RI
                 right_certificate=plan.certificates[(rank + 1) % n],
                 form_s=form_s,
             )
-            command = [sys.executable, "-m", "jetshard_worker.lifeline", str(os.getpid()), __name__]
+            command = [sys.executable, "-m", __name__, msgspec.json.encode(tunnel_spec).decode()]
             # Forked from the event loop's thread, which lives as long as the runner: the lifeline's parent-death
             # signal follows the thread that forked, not the process.
             process = await asyncio.create_subprocess_exec(
-                *command,
-                msgspec.json.encode(tunnel_spec).decode(),
+                *lifeline_command(command, signal.SIGKILL),
                 stdin=asyncio.subprocess.DEVNULL,
                 stdout=asyncio.subprocess.PIPE,
                 pass_fds=(listening.fileno(),),

@@ -1,5 +1,5 @@
 """A runner: one process hosting one shard of an instance. `python -m jetshard_worker.runner SPEC_JSON`, started
-through its lifeline (`jetshard_worker.lifeline`), which has it die with its worker (the spec holds no secret: a NATS
+through its lifeline (`jetshard_bus.lifeline`), which has it die with its worker (the spec holds no secret: a NATS
 password or token comes in the environment).
 
 Every rank loads its engine (the one its placement chose: `engine_loader`) and reports its status. One rank is the

@@ -25,6 +25,7 @@ import psutil
 from jetshard_bus.commands import publish_command
 from jetshard_bus.node import mlx_cuda_installed
 from jetshard_bus.options import NatsOptions
+from jetshard_bus.procs import spawn
 from jetshard_schema.cards import GenerationDefaults
 from jetshard_schema.commands import ReportRunnerEndpoint, ReportRunnerStatus
 from jetshard_schema.ids import CommandId, InstanceId, NodeId, ValidInstanceId, new_command_id
@@ -62,20 +63,17 @@ def hold_ring_port(host: str) -> socket.socket:
 
 
 def launch_runner(spec: RunnerSpec, log_path: Path, env: Mapping[str, str]) -> subprocess.Popen[bytes]:
-    """Start the runner process of `spec`, writing to `log_path`, in a process group of its own (killed as one). It
-    arms its lifeline before it imports the runner's module, which takes seconds: a worker that dies meanwhile
-    takes it along (`jetshard_worker.lifeline`)."""
-    command = [sys.executable, "-m", "jetshard_worker.lifeline", str(os.getpid()), "jetshard_worker.runner"]
-    with open(log_path, "ab") as log_file:
-        return subprocess.Popen(
-            [*command, msgspec.json.encode(spec).decode()],
-            stdout=log_file,
-            stderr=subprocess.STDOUT,
-            # Import-time warnings (transformers': "PyTorch was not found") are noise in a log read for failures.
-            env={"TRANSFORMERS_VERBOSITY": "error", **env},
-            start_new_session=True,
-            pass_fds=() if spec.ring_socket_fd is None else (spec.ring_socket_fd,),
-        )
+    """Start the runner process of `spec`, writing to `log_path`, in a process group of its own (killed as one). Its
+    lifeline is armed before it imports the runner's module, which takes seconds: a worker that dies meanwhile
+    takes it along (`jetshard_bus.lifeline`)."""
+    return spawn(
+        [sys.executable, "-m", "jetshard_worker.runner", msgspec.json.encode(spec).decode()],
+        log_path,
+        # Import-time warnings (transformers': "PyTorch was not found") are noise in a log read for failures.
+        env={"TRANSFORMERS_VERBOSITY": "error", **env},
+        pass_fds=() if spec.ring_socket_fd is None else (spec.ring_socket_fd,),
+        parent_death_signal=signal.SIGKILL,
+    )
 
 
 @dataclass

@@ -367,8 +367,9 @@ def credentials(directory: Path, server_config: Path | None) -> None:
     per role (admin, sequencer, api, viewer, system; worker-<node>.nk and downloader-<node>.nk for this machine's node),
     and DIRECTORY/authorization.conf, the nats-server block that admits exactly them, each with its role's
     permissions. What `jetshard up` does for its embedded server; compose.yaml runs it for its NATS."""
-    from jetshard_bus.auth import cluster_identities, server_authorization
     from jetshard_bus.node import config_dir, node_id_for
+
+    from jetshard.up.auth import cluster_identities, server_authorization
 
     identities = cluster_identities(directory, node_id_for(config_dir()))
     authorization = server_authorization(list(identities.values()))

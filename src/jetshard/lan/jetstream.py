@@ -14,10 +14,11 @@ import nats
 import nats.aio.msg
 import nats.errors
 import nats.js.errors
-from jetshard_bus.natsserver import DATA_TAG
 from jetshard_bus.options import NatsOptions
 from jetshard_bus.streams import scale
 from nats.js.api import KeyValueConfig, Placement
+
+from jetshard.up.natsserver import DATA_TAG
 
 REPLICAS = 3
 """Copies of every stream once three machines hold data: any one of them may be lost."""

@@ -12,9 +12,9 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 import msgspec
-from jetshard_bus.natsserver import ClusterSettings, Fsync, RouteTls, ServerSettings
 
 from jetshard.lan.discovery import Peer
+from jetshard.up.natsserver import ClusterSettings, Fsync, RouteTls, ServerSettings
 
 DEFAULT_CLUSTER = "jetshard"
 CLUSTER_NAME = re.compile(r"[A-Za-z0-9_-]{1,32}")

@@ -10,11 +10,11 @@ from pathlib import Path
 from typing import Any
 
 import click
-from jetshard_bus.natsserver import Fsync, RouteTls
 
 from jetshard.lan.discovery import lan_address
 from jetshard.lan.membership import JoinToken, LanLayout, LanPorts, load_membership, resolve_membership
 from jetshard.options import option, with_options
+from jetshard.up.natsserver import Fsync, RouteTls
 
 DEFAULT_ROUTE_PORT = 6222
 DEFAULT_MONITOR_PORT = 8222

@@ -13,7 +13,6 @@ from pathlib import Path
 
 import click
 import msgspec
-from jetshard_bus.natsserver import NatsServer, ServerSettings, start_nats_server
 from jetshard_bus.options import NatsOptions
 
 from jetshard.lan.discovery import Discovery, Peer
@@ -27,6 +26,7 @@ from jetshard.lan.jetstream import (
     wait_for_cluster_jetstream,
 )
 from jetshard.lan.membership import LanLayout, Membership, route_of, save_membership, signed, vouched
+from jetshard.up.natsserver import NatsServer, ServerSettings, start_nats_server
 from jetshard.up.supervisor import Supervisor
 
 TEND_INTERVAL_S = 2.0

@@ -12,8 +12,6 @@ from urllib.parse import urlsplit, urlunsplit
 
 import click
 import httpx
-from jetshard_bus.auth import ADMIN, VIEWER
-from jetshard_bus.natsserver import Fsync, NatsServerError
 from jetshard_bus.node import node_profile, unused_gpu_hint
 from jetshard_bus.options import DEFAULT_API_PORT
 from jetshard_schema.catalogue import DEMO_MODEL_ID
@@ -25,8 +23,10 @@ from jetshard.commands.services import api_serving_flags_passed_on
 from jetshard.lan.options import LanChoice, lan_options
 from jetshard.lan.servers import LanServers
 from jetshard.options import model_dir_environment, model_dir_options, option
+from jetshard.up.auth import ADMIN, VIEWER
 from jetshard.up.lock import Holder, lock_data_dir
 from jetshard.up.nats import UpNats, start_nats
+from jetshard.up.natsserver import Fsync, NatsServerError
 from jetshard.up.placing import place_and_wait
 from jetshard.up.services import Services, service_arguments, services_environment
 from jetshard.up.supervisor import STOP_SIGNALS, Supervisor

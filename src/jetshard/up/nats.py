@@ -10,10 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import click
-from jetshard_bus.auth import ADMIN, SYSTEM, Identity, cluster_identities, server_authorization
 from jetshard_bus.connect import connect
-from jetshard_bus.migrate import MigrationError, migrate_standalone_store
-from jetshard_bus.natsserver import DATA_TAG, Fsync, start_nats_server
 from jetshard_bus.node import config_dir, node_id_for
 from jetshard_bus.options import NatsOptions
 from rich.console import Console
@@ -22,6 +19,9 @@ from rich.progress import Progress
 from jetshard.lan.discovery import Discovery
 from jetshard.lan.options import LanChoice, lan_layout, pending_migration
 from jetshard.lan.servers import LanServers, this_machine
+from jetshard.up.auth import ADMIN, SYSTEM, Identity, cluster_identities, server_authorization
+from jetshard.up.migrate import MigrationError, migrate_standalone_store
+from jetshard.up.natsserver import DATA_TAG, Fsync, start_nats_server
 from jetshard.up.supervisor import Supervisor
 
 NATS_STOP_STAGE = 3

@@ -21,8 +21,8 @@ the role's processes read by path (`--nats-nkey FILE`), never on a command line.
 |                       | removing a JetStream peer (`jetshard up --lan` keeps the topology) |                    |
 
 An identity's inbox is `_INBOX.<its public key>.>`, where every reply to it comes (the client is told so by
-`inbox_prefix`): an identity that could subscribe to all of `_INBOX.>` would read the replies to every other
-one, a runner's request read included. The sequencer refuses a command that came on another subject than its
+`jetshard_bus.inbox`): an identity that could subscribe to all of `_INBOX.>` would read the replies to every
+other one, a runner's request read included. The sequencer refuses a command that came on another subject than its
 own (`handlers.misaddressed`), so a node's identity can report for that node only.
 
 Every role but admin may read the event stream and the snapshots (stream info, an ordered consumer, a
@@ -38,6 +38,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import nkeys
+from jetshard_bus.inbox import inbox_prefix, public_key_of
 from jetshard_schema import subjects
 
 ADMIN = "admin"
@@ -50,23 +51,9 @@ SYSTEM = "system"
 SYSTEM_ACCOUNT = "SYS"
 
 JS_API = "$JS.API"
-INBOX_PREFIX = "_INBOX"
 SNAPSHOT_STREAM = subjects.object_stream(subjects.SNAPSHOT_BUCKET)
 LIVENESS_STREAM = subjects.kv_stream(subjects.LIVENESS_BUCKET)
 LEADER_STREAM = subjects.kv_stream(subjects.LEADER_BUCKET)
-
-
-def inbox_prefix(public_key: str) -> str:
-    """Where the replies to the identity with `public_key` come: its inbox, which only it may subscribe to."""
-    return f"{INBOX_PREFIX}.{public_key}"
-
-
-def public_key_of(seed_file: Path) -> str:
-    key_pair = nkeys.from_seed(bytearray(seed_file.read_bytes().strip()))
-    try:
-        return str(key_pair.public_key.decode())
-    finally:
-        key_pair.wipe()
 
 
 @dataclass(frozen=True)

