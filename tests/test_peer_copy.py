@@ -15,6 +15,7 @@ import os
 import signal
 import ssl
 import subprocess
+from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
@@ -34,7 +35,7 @@ from jetshard_downloader.resume import PARTIAL_DIR
 from jetshard_downloader.service import STOPPED
 from jetshard_schema.cards import ModelFormat
 from jetshard_schema.commands import CancelDownload, StartDownload
-from jetshard_schema.ids import InstanceId, ModelId, NodeId
+from jetshard_schema.ids import InstanceId, ModelId, NodeId, model_dir_name
 from jetshard_schema.state import Download, Instance, State
 from jetshard_schema.types import (
     DownloadProgress,
@@ -194,93 +195,100 @@ async def test_a_node_copies_from_the_node_that_has_the_model_and_refuses_a_dama
         assert 400 <= status < 500, (target, status)
 
 
-async def test_an_interrupted_copy_resumes_where_it_stopped(
-    cluster: Cluster, hub_server: HubServer, tmp_path: Path
-) -> None:
+BIG = "model.safetensors"
+
+
+@dataclass
+class BigCopy:
+    """A model of one big file that node A holds (from the Hub) and node B has begun to copy from A."""
+
+    repo: str
+    source: Path
+    a: NodeId
+    b: NodeId
+    models: dict[str, Path]
+    processes: dict[str, subprocess.Popen[bytes]]
+
+    @property
+    def size(self) -> int:
+        return (self.source / BIG).stat().st_size
+
+    @property
+    def partial(self) -> Path:
+        return self.models["b"] / model_dir_name(ModelId(self.repo)) / PARTIAL_DIR / f"{BIG}.incomplete"
+
+
+async def big_copy_begun(cluster: Cluster, hub_server: HubServer, tmp_path: Path, repo: str) -> BigCopy:
     source = make_tiny_model(tmp_path / "src", num_layers=2, num_files=1, hidden_size=1024)
-    big = "model.safetensors"
-    size = (source / big).stat().st_size
-    assert size > 24 * 2**20, size
-    repo = "tiny/big"
+    assert (source / BIG).stat().st_size > 24 * 2**20
     hub_server.add_repo(repo, source)
     await cluster.add_card(repo, 2, 1024)
     nodes, models, processes = await start_nodes(cluster, tmp_path, "ab")
-    a, b = nodes["a"], nodes["b"]
-    await cluster.submit(StartDownload(model_id=ModelId(repo), node_id=a))
-    done = await cluster.wait_download(a, repo, FINAL, 60)
+    copy = BigCopy(repo, source, nodes["a"], nodes["b"], models, processes)
+    await cluster.submit(StartDownload(model_id=ModelId(repo), node_id=copy.a))
+    done = await cluster.wait_download(copy.a, repo, FINAL, 60)
     assert done.progress.status is DownloadStatus.COMPLETED, done.progress.reason
-    await cluster.wait(lambda s: ModelId(repo) in s.node_storage[a].available_models, 30, f"{a} to list {repo}")
-
-    # B starts copying; A is stopped mid-file (SIGSTOP), B is killed, A goes on, B starts again.
+    await cluster.wait(lambda s: ModelId(repo) in s.node_storage[copy.a].available_models, 30, f"A to list {repo}")
     hub_server.reset_counters()
-    a_process = processes["a"]
-    partial = models["b"] / "tiny--big" / PARTIAL_DIR / f"{big}.incomplete"
-    await cluster.submit(StartDownload(model_id=ModelId(repo), node_id=b))
-    await until(lambda: partial.exists() and partial.stat().st_size > 0, 30, "B's copy to start", interval_s=0.001)
-    os.kill(a_process.pid, signal.SIGSTOP)
+    await cluster.submit(StartDownload(model_id=ModelId(repo), node_id=copy.b))
+    await until(lambda: copy.partial.exists() and copy.partial.stat().st_size > 0, 30, "B's copy", interval_s=0.001)
+    return copy
+
+
+async def resumed_from(cluster: Cluster, hub_server: HubServer, copy: BigCopy, kept: int) -> None:
+    """B's copy completes from A, from the `kept` bytes on, and the Hub heard nothing of it."""
+    finished = await cluster.wait_download(copy.b, copy.repo, FINAL, 60)
+    assert finished.progress.status is DownloadStatus.COMPLETED, finished.progress.reason
+    assert finished.progress.source == copy.a
+    assert sha256(copy.models["b"] / model_dir_name(ModelId(copy.repo)) / BIG) == sha256(copy.source / BIG)
+    assert f"sending {copy.repo}/{BIG} from byte {kept} of {copy.size}" in cluster.processes.log("downloader-a")
+    assert hub_requests_for(hub_server, copy.repo) == 0, dict(hub_server.requests)
+
+
+async def test_an_interrupted_copy_resumes_where_it_stopped(
+    cluster: Cluster, hub_server: HubServer, tmp_path: Path
+) -> None:
+    copy = await big_copy_begun(cluster, hub_server, tmp_path, "tiny/big")
+    # A is stopped mid-file (SIGSTOP), B is killed, A goes on, B starts again.
+    os.kill(copy.processes["a"].pid, signal.SIGSTOP)
     try:
         await asyncio.sleep(0.5)  # what the sockets held reaches B
-        cluster.processes.kill(processes["b"])
-        kept = partial.stat().st_size
-        assert 0 < kept < size, (kept, size)
+        cluster.processes.kill(copy.processes["b"])
+        kept = copy.partial.stat().st_size
+        assert 0 < kept < copy.size, (kept, copy.size)
     finally:
-        os.kill(a_process.pid, signal.SIGCONT)
+        os.kill(copy.processes["a"].pid, signal.SIGCONT)
 
     cluster.start_downloader(
         "downloader-b2",
         tmp_path / "node-b",
-        JETSHARD_DEFAULT_MODELS_DIR=str(models["b"]),
+        JETSHARD_DEFAULT_MODELS_DIR=str(copy.models["b"]),
         TMPDIR=str(tmp_path / "tmp-b"),
     )
-    finished = await cluster.wait_download(b, repo, FINAL, 60)
-    assert finished.progress.status is DownloadStatus.COMPLETED, finished.progress.reason
-    assert finished.progress.source == a
-    assert sha256(models["b"] / "tiny--big" / big) == sha256(source / big)
-    assert f"sending {repo}/{big} from byte {kept} of {size}" in cluster.processes.log("downloader-a")
-    assert hub_requests_for(hub_server, repo) == 0, dict(hub_server.requests)
+    await resumed_from(cluster, hub_server, copy, kept)
 
 
 async def test_a_copy_cancelled_mid_file_stops_keeps_its_bytes_and_resumes_when_asked_again(
     cluster: Cluster, hub_server: HubServer, tmp_path: Path
 ) -> None:
-    source = make_tiny_model(tmp_path / "src", num_layers=2, num_files=1, hidden_size=1024)
-    big = "model.safetensors"
-    size = (source / big).stat().st_size
-    repo = "tiny/cancelled"
-    hub_server.add_repo(repo, source)
-    await cluster.add_card(repo, 2, 1024)
-    nodes, models, processes = await start_nodes(cluster, tmp_path, "ab")
-    a, b = nodes["a"], nodes["b"]
-    await cluster.submit(StartDownload(model_id=ModelId(repo), node_id=a))
-    done = await cluster.wait_download(a, repo, FINAL, 60)
-    assert done.progress.status is DownloadStatus.COMPLETED, done.progress.reason
-    await cluster.wait(lambda s: ModelId(repo) in s.node_storage[a].available_models, 30, f"{a} to list {repo}")
-
-    # B starts copying; A is held still (SIGSTOP) while the cancel is asked for, so that it lands mid-file.
-    hub_server.reset_counters()
-    partial = models["b"] / "tiny--cancelled" / PARTIAL_DIR / f"{big}.incomplete"
-    await cluster.submit(StartDownload(model_id=ModelId(repo), node_id=b))
-    await until(lambda: partial.exists() and partial.stat().st_size > 0, 30, "B's copy to start", interval_s=0.001)
-    os.kill(processes["a"].pid, signal.SIGSTOP)
+    copy = await big_copy_begun(cluster, hub_server, tmp_path, "tiny/cancelled")
+    model = ModelId(copy.repo)
+    # A is held still (SIGSTOP) while the cancel is asked for, so that it lands mid-file.
+    os.kill(copy.processes["a"].pid, signal.SIGSTOP)
     try:
-        await cluster.submit(CancelDownload(model_id=ModelId(repo), node_id=b))
+        await cluster.submit(CancelDownload(model_id=model, node_id=copy.b))
     finally:
-        os.kill(processes["a"].pid, signal.SIGCONT)
+        os.kill(copy.processes["a"].pid, signal.SIGCONT)
     stopped = await cluster.wait(
-        lambda s: (d := s.download(b, ModelId(repo))) is not None and d.progress.reason == STOPPED, 60, "B to stop"
+        lambda s: (d := s.download(copy.b, model)) is not None and d.progress.reason == STOPPED, 60, "B to stop"
     )
-    assert stopped.download(b, ModelId(repo)).progress.status is DownloadStatus.CANCELLED  # type: ignore[union-attr]
-    kept = partial.stat().st_size
-    assert 0 < kept < size, (kept, size)
-    assert not (models["b"] / "tiny--cancelled" / big).exists()
+    assert stopped.download(copy.b, model).progress.status is DownloadStatus.CANCELLED  # type: ignore[union-attr]
+    kept = copy.partial.stat().st_size
+    assert 0 < kept < copy.size, (kept, copy.size)
+    assert not (copy.models["b"] / model_dir_name(model) / BIG).exists()
 
-    await cluster.submit(StartDownload(model_id=ModelId(repo), node_id=b))
-    finished = await cluster.wait_download(b, repo, FINAL, 60)
-    assert finished.progress.status is DownloadStatus.COMPLETED, finished.progress.reason
-    assert finished.progress.source == a
-    assert sha256(models["b"] / "tiny--cancelled" / big) == sha256(source / big)
-    assert f"sending {repo}/{big} from byte {kept} of {size}" in cluster.processes.log("downloader-a")
-    assert hub_requests_for(hub_server, repo) == 0, dict(hub_server.requests)
+    await cluster.submit(StartDownload(model_id=model, node_id=copy.b))
+    await resumed_from(cluster, hub_server, copy, kept)
 
 
 # --------------------------------------------------------------------------------------------- pure parts
