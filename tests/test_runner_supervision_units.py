@@ -24,6 +24,7 @@ import psutil
 import pytest
 from helpers.harness import free_port, until
 from helpers.states import downloaded, fold
+from jetshard_bus.lifeline import lifeline_command
 from jetshard_bus.options import NatsOptions
 from jetshard_schema.codec import decode_command
 from jetshard_schema.commands import ReportRunnerStatus
@@ -169,6 +170,17 @@ def test_a_runner_whose_worker_is_already_gone_exits() -> None:
     )
     assert gone.returncode == 1
     assert f"the process (pid {not_its_parent}) that started this one is gone" in gone.stderr
+
+
+def test_a_child_through_the_lifeline_takes_sigpipe_as_asked() -> None:
+    """A program started through the lifeline dies of SIGPIPE when it writes to a peer gone away, as from subprocess;
+    ggml-rpc-server, started to ignore it, gets an error it returns from instead (a leader that left must not kill
+    the helper). The kernel's view of the program's ignored signals says which."""
+    sigpipe_bit = 1 << (signal.SIGPIPE - 1)
+    for ignore_sigpipe in (False, True):
+        command = lifeline_command(["grep", "SigIgn", "/proc/self/status"], signal.SIGKILL, ignore_sigpipe)
+        ignored = int(subprocess.run(command, capture_output=True, text=True, timeout=30).stdout.split()[1], 16)
+        assert bool(ignored & sigpipe_bit) is ignore_sigpipe
 
 
 # ------------------------------------------------------------------------------------------ stopping the worker

@@ -1,8 +1,10 @@
 """A child that never outlives its parent: `jetshard up`'s services and its nats-server (SIGTERM, so that a service
-whose `up` died still shuts down cleanly: its last reports, a drained connection), and the worker's runners and their
-tunnels (SIGKILL: a runner of a dead worker holds a model's memory and has nobody to report to).
+whose `up` died still shuts down cleanly: its last reports, a drained connection), and the worker's runners, their
+tunnels and llama.cpp's servers (SIGKILL: a runner of a dead worker, or a llama-server of a dead runner, holds a
+model's memory and has nobody to report to).
 
-A child starts as `python -m jetshard_bus.lifeline PARENT_PID SIGNAL PROGRAM ARG...` (`lifeline_command`), which
+A child starts as `python -m jetshard_bus.lifeline PARENT_PID SIGNAL [--ignore-sigpipe] PROGRAM ARG...`
+(`lifeline_command`), which
 arms the lifeline and then becomes PROGRAM (exec: same process, same pid, PROGRAM's own command line). So the
 lifeline is armed before PROGRAM starts at all: a runner's imports (mlx, transformers) take seconds, and a worker
 that dies meanwhile must take its runner along at once, not leave it to load a model for nobody.
@@ -23,12 +25,19 @@ from collections.abc import Sequence
 PR_SET_PDEATHSIG = 1
 
 
-def lifeline_command(args: Sequence[str], parent_death_signal: signal.Signals) -> list[str]:
-    """The command that runs `args` as a child of this process that gets `parent_death_signal` when it dies.
+IGNORE_SIGPIPE = "--ignore-sigpipe"
+
+
+def lifeline_command(
+    args: Sequence[str], parent_death_signal: signal.Signals, ignore_sigpipe: bool = False
+) -> list[str]:
+    """The command that runs `args` as a child of this process that gets `parent_death_signal` when it dies; with
+    `ignore_sigpipe`, a child that writes to a peer gone away gets an error rather than a signal that kills it.
 
     On Linux the signal follows the thread that forks the child, not the process: fork from one that lives as long
     as the child must."""
-    return [sys.executable, "-m", __name__, str(os.getpid()), parent_death_signal.name, *args]
+    options = [IGNORE_SIGPIPE] if ignore_sigpipe else []
+    return [sys.executable, "-m", __name__, str(os.getpid()), parent_death_signal.name, *options, *args]
 
 
 def die_with_parent(parent_pid: int, parent_death_signal: signal.Signals) -> None:
@@ -47,14 +56,17 @@ def die_with_parent(parent_pid: int, parent_death_signal: signal.Signals) -> Non
 
 
 def main() -> None:
-    """`python -m jetshard_bus.lifeline PARENT_PID SIGNAL PROGRAM ARG...`: arm the lifeline, then exec PROGRAM."""
+    """`python -m jetshard_bus.lifeline PARENT_PID SIGNAL [--ignore-sigpipe] PROGRAM ARG...`: arm the lifeline,
+    then exec PROGRAM."""
     parent_pid, signal_name, *args = sys.argv[1:]
     die_with_parent(int(parent_pid), signal.Signals[signal_name])
+    ignore_sigpipe = args[0] == IGNORE_SIGPIPE
     # This interpreter ignores SIGPIPE and SIGXFSZ, and an ignored signal stays ignored across exec: PROGRAM starts
-    # with their defaults, as from subprocess.
-    for name in ("SIGPIPE", "SIGXFSZ"):
-        signal.signal(getattr(signal, name), signal.SIG_DFL)
-    os.execvp(args[0], args)
+    # with their defaults, as from subprocess, unless it is to ignore SIGPIPE.
+    signal.signal(signal.SIGXFSZ, signal.SIG_DFL)
+    signal.signal(signal.SIGPIPE, signal.SIG_IGN if ignore_sigpipe else signal.SIG_DFL)
+    program = args[1:] if ignore_sigpipe else args
+    os.execvp(program[0], program)
 
 
 if __name__ == "__main__":

@@ -16,13 +16,13 @@ import asyncio
 import contextlib
 import logging
 import os
-import shutil
+import signal
 import socket
 import ssl
-import sys
 import time
 from pathlib import Path
 
+from jetshard_bus.lifeline import lifeline_command
 from jetshard_schema.types import TaskOutcome, TaskRequest
 
 from jetshard_worker import peer_tunnel
@@ -55,17 +55,11 @@ class RpcServer:
         if self.cache_dir is not None:
             command.append("--cache")
             environment["LLAMA_CACHE"] = str(self.cache_dir)
-        setpriv = shutil.which("setpriv")
-        if sys.platform == "linux" and setpriv is not None:
-            command = [setpriv, "--pdeathsig", "KILL", "--", *command]
-        # restore_signals=False: it inherits this process's ignored SIGPIPE (Python ignores it), so a client that
-        # left while it wrote is an error it returns from, not a signal that kills it.
+        # Killed with its runner, as llama-server is; SIGPIPE ignored, so that a client that left while it wrote is
+        # an error it returns from, not a signal that kills it.
+        command = lifeline_command(command, signal.SIGKILL, ignore_sigpipe=True)
         self._process = await asyncio.create_subprocess_exec(
-            *command,
-            env=environment,
-            cwd=self.working_dir,
-            stdin=asyncio.subprocess.DEVNULL,
-            restore_signals=False,
+            *command, env=environment, cwd=self.working_dir, stdin=asyncio.subprocess.DEVNULL
         )
         deadline = time.monotonic() + timeout_s
         while not _listening(self.port):

@@ -7,16 +7,15 @@ import asyncio
 import contextlib
 import os
 import secrets
-import shutil
 import signal
 import socket
-import sys
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
+from jetshard_bus.lifeline import lifeline_command
 
 HEALTH_POLL_S = 0.1
 STOP_GRACE_S = 5.0
@@ -136,10 +135,8 @@ class LlamaServer:
         self.port = free_port()
         command = self.settings.arguments(self.port)
         # The kernel kills it when the runner dies, however the runner dies: a llama-server of a dead runner would
-        # hold the model's memory with no one to serve. setpriv execs it, so nothing runs between fork and exec.
-        setpriv = shutil.which("setpriv")
-        if sys.platform == "linux" and setpriv is not None:
-            command = [setpriv, "--pdeathsig", "KILL", "--", *command]
+        # hold the model's memory with no one to serve.
+        command = lifeline_command(command, signal.SIGKILL)
         # The key goes in the environment, never on a command line that `ps` shows to every user.
         environment = {**os.environ, "LLAMA_API_KEY": self._key}
         self._process = await asyncio.create_subprocess_exec(
