@@ -7,29 +7,25 @@ import dataclasses
 import functools
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import click
+from jetshard_api.settings import ImageSettings, InferenceSettings
 from jetshard_bus.options import DEFAULT_API_PORT, NatsOptions
 from jetshard_bus.streams import BusTimings
-from jetshard_schema.types import MAX_KEEP_ALIVE_MS
 
 from jetshard.options import (
     SERVING_FLAGS,
     Decorator,
+    FieldFlags,
     checked_name,
     command_line,
     model_dir_options,
     nats_options,
     option,
     options_of,
-    seconds_option,
-    serving_settings,
     with_options,
 )
-
-if TYPE_CHECKING:
-    from jetshard_api.route_steps import InferenceSettings
 
 
 @click.command()
@@ -64,68 +60,19 @@ def sequencer(
     run_service("sequencer", lambda stop: run_sequencer(config, stop))
 
 
+_INFERENCE_FLAGS = FieldFlags(
+    InferenceSettings,
+    [
+        *("command_timeout_s", "auto_place", "chunk_silence_s", "start_timeout_s", "first_chunk_timeout_s"),
+        *("stream_ping_s", "model_keep_alive_s"),
+    ],
+)
+_IMAGE_FLAGS = FieldFlags(ImageSettings, ["fetch_urls", "fetch_timeout_s", "local_dirs"])
+
 _API_SERVING_FLAGS: list[Decorator] = [
-    option(
-        "--command-timeout-s",
-        type=float,
-        default=30.0,
-        show_default=True,
-        help="how long a route waits for its command's outcome before answering 504",
-    ),
-    option(
-        "--auto-place/--no-auto-place",
-        default=True,
-        show_default=True,
-        help="place a model that has no instance when a request asks for it",
-    ),
-    option(
-        "--chunk-silence-s",
-        type=float,
-        default=60.0,
-        show_default=True,
-        help="a generation silent this long (after its first chunk) ends with an error",
-    ),
-    seconds_option(
-        "--start-timeout-s",
-        300.0,
-        "how long a request may wait in its instance's queue for its turn: one that could not start in this "
-        "long at the instance's pace is refused with 429 at once; one admitted waits its turn, unless its "
-        "instance samples nothing for twice this",
-    ),
-    seconds_option(
-        "--first-chunk-timeout-s",
-        300.0,
-        "once its task started, how long a request waits for its first chunk (the prompt's prefill)",
-    ),
-    seconds_option(
-        "--stream-ping-s",
-        5.0,
-        "a streaming request waiting (for its model, in its instance's queue, for its prompt) is sent an SSE "
-        "comment this often",
-    ),
-    option(
-        "--model-keep-alive-s",
-        type=click.FloatRange(max=MAX_KEEP_ALIVE_MS / 1000),
-        default=300.0,
-        show_default=True,
-        help="how long a model placed for a request stays loaded with nothing to do (negative: until removed); "
-        "a request may say otherwise (Ollama's keep_alive); models placed by hand stay until removed",
-    ),
-    option(
-        "--fetch-image-urls/--no-fetch-image-urls",
-        default=False,
-        show_default=True,
-        help="fetch the http(s) image URLs requests name (from this host: it reaches what the API reaches)",
-    ),
-    seconds_option("--image-fetch-timeout-s", 10.0, "how long fetching one image URL may take"),
-    option(
-        "--image-dir",
-        "image_dirs",
-        multiple=True,
-        type=click.Path(file_okay=False, path_type=Path),
-        help="a directory whose files requests may name as file:// image URLs (repeatable; none by default)",
-    ),
-    *SERVING_FLAGS,
+    *_INFERENCE_FLAGS.options(),
+    *_IMAGE_FLAGS.options(),
+    *SERVING_FLAGS.options(),
     option(
         "--allowed-host",
         "allowed_hosts",
@@ -142,47 +89,33 @@ _API_SERVING_FLAGS: list[Decorator] = [
 """How `jetshard api` serves: its flags besides NATS, its address and its key. `jetshard up` takes the same and
 passes them on to the API it starts (`api_serving_flags_passed_on`)."""
 
-_INFERENCE_FLAGS = (
-    "auto_place",
-    "chunk_silence_s",
-    "start_timeout_s",
-    "first_chunk_timeout_s",
-    "stream_ping_s",
-    "model_keep_alive_s",
-)
-"""The fields of `InferenceSettings` besides `serving` and `images`, each one of `_API_SERVING_FLAGS`."""
+
+def _inference_settings(given: dict[str, Any]) -> InferenceSettings:
+    """The `InferenceSettings` of `_API_SERVING_FLAGS`, popped from a command's parameters `given`."""
+    serving, images = SERVING_FLAGS.value(given), _IMAGE_FLAGS.value(given)
+    return _INFERENCE_FLAGS.value(given, serving=serving, images=images)
 
 
 def api_serving_options(command: Callable[..., Any]) -> Callable[..., Any]:
-    """`_API_SERVING_FLAGS` for `jetshard api`: passed on as `inference` (`InferenceSettings`),
-    `command_timeout_s`, `allowed_hosts` and `cors_origins`."""
+    """`_API_SERVING_FLAGS` for `jetshard api`: passed on as `inference` (`InferenceSettings`), `allowed_hosts`
+    and `cors_origins`."""
 
     @functools.wraps(command)
     def wrapper(**kwargs: Any) -> Any:
-        from jetshard_api.images import ImageSettings  # the API's modules load only to run it
-        from jetshard_api.route_steps import InferenceSettings
-
-        serving = serving_settings(kwargs)
-        given = {name: kwargs.pop(name) for name in _INFERENCE_FLAGS}
-        images = ImageSettings(
-            fetch_urls=kwargs.pop("fetch_image_urls"),
-            fetch_timeout_s=kwargs.pop("image_fetch_timeout_s"),
-            local_dirs=tuple(str(d) for d in kwargs.pop("image_dirs")),
-        )
-        return command(inference=InferenceSettings(**given, serving=serving, images=images), **kwargs)
+        return command(inference=_inference_settings(kwargs), **kwargs)
 
     return with_options(wrapper, _API_SERVING_FLAGS)
 
 
 def api_serving_flags_passed_on(command: Callable[..., Any]) -> Callable[..., Any]:
     """`_API_SERVING_FLAGS` for `jetshard up`: passed on as `api_args`, the arguments that give the `jetshard api`
-    it starts the same values. The serving settings are checked here: a bad one stops `up` before it starts."""
+    it starts the same values. They are checked here: a bad one stops `up` before it starts."""
     options = options_of(_API_SERVING_FLAGS)
 
     @functools.wraps(command)
     def wrapper(**kwargs: Any) -> Any:
         given = {option_.name: kwargs.pop(option_.name) for option_ in options if option_.name is not None}
-        serving_settings(dict(given))
+        _inference_settings(dict(given))
         return command(api_args=command_line(options, given), **kwargs)
 
     return with_options(wrapper, _API_SERVING_FLAGS)
@@ -209,7 +142,6 @@ def api(
     port: int,
     port_file: Path | None,
     api_key: str | None,
-    command_timeout_s: float,
     inference: InferenceSettings,
     allowed_hosts: tuple[str, ...],
     cors_origins: tuple[str, ...],
@@ -224,7 +156,6 @@ def api(
         timings=timings,
         host=host,
         port=port,
-        command_timeout_s=command_timeout_s,
         port_file=port_file,
         inference=inference,
         safety=HttpSafety(api_key or None, allowed_hosts_for(host, allowed_hosts), cors_origins),
