@@ -70,6 +70,10 @@ class FieldFlags(Generic[T]):
     def options(self) -> list[Decorator]:
         return [field.option() for field in self.fields]
 
+    def add_to(self, command: Callable[..., Any]) -> Callable[..., Any]:
+        """`command` with `options`, as a decorator."""
+        return with_options(command, self.options())
+
     def value(self, given: dict[str, Any], **more: Any) -> T:
         """The `struct` of the values of `options`, popped from a command's parameters `given`, and of `more` of
         its fields; a value the field refuses is a `click.BadParameter` naming its flag."""

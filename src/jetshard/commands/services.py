@@ -13,6 +13,7 @@ import click
 from jetshard_api.settings import ImageSettings, InferenceSettings
 from jetshard_bus.options import DEFAULT_API_PORT, NatsOptions
 from jetshard_bus.streams import BusTimings
+from jetshard_sequencer.config import SequencerConfig
 
 from jetshard.options import (
     SERVING_FLAGS,
@@ -27,10 +28,12 @@ from jetshard.options import (
     with_options,
 )
 
+_SEQUENCER_FLAGS = FieldFlags(SequencerConfig, ["snapshot_every", "failed_retention_s"])
+
 
 @click.command()
 @nats_options
-@option("--snapshot-every", type=int, default=1000, show_default=True, help="events between State snapshots")
+@_SEQUENCER_FLAGS.add_to
 @option(
     "--sequencer-id",
     default=None,
@@ -38,23 +41,12 @@ from jetshard.options import (
     help="what the leader lease (bucket jetshard-leader), this sequencer's command consumers and its log call it "
     "[default: seq-<random>]",
 )
-@option(
-    "--failed-retention-s",
-    type=click.FloatRange(min=0),
-    default=900.0,
-    show_default=True,
-    help="how long a failed instance stays listed (with why it failed) before it leaves State",
-)
-def sequencer(
-    nats: NatsOptions, timings: BusTimings, snapshot_every: int, sequencer_id: str | None, failed_retention_s: float
-) -> None:
+def sequencer(nats: NatsOptions, timings: BusTimings, sequencer_id: str | None, **flags: Any) -> None:
     """Turn commands into the ordered event stream (one leader; start more as standbys)."""
     from jetshard_bus.service import run_service
-    from jetshard_sequencer.service import SequencerConfig, run_sequencer
+    from jetshard_sequencer.service import run_sequencer
 
-    config = SequencerConfig(
-        nats=nats, timings=timings, snapshot_every=snapshot_every, failed_retention_s=failed_retention_s
-    )
+    config = _SEQUENCER_FLAGS.value(flags, nats=nats, timings=timings)
     if sequencer_id is not None:
         config = dataclasses.replace(config, sequencer_id=sequencer_id)
     run_service("sequencer", lambda stop: run_sequencer(config, stop))
