@@ -54,11 +54,12 @@ def with_options(command: Callable[..., Any], decorators: Sequence[Decorator]) -
 
 class FieldFlags(Generic[T]):
     """A flag per field of `struct` named in `names`, in that order, all of it read from the field: its name
-    (x_y: `--x-y`; a bool's `--x-y/--no-x-y`), its environment variable, its default, and the help and bounds its
-    `msgspec.Meta` gives (`description`; `ge`, `gt`, `le`, `lt`). The Meta's `extra` may name another flag
-    (`{"flag": "--x"}`: the field is named within its struct, the flag within the command) and mark a
-    `tuple[str, ...]` as directories (`{"directory": True}`); a tuple's flag is repeatable. Each flag's parameter
-    is named after its field."""
+    (x_y: `--x-y`; a bool's `--x-y/--no-x-y`), its environment variable, its default, its choices (an enum's
+    values), and the help and bounds its `msgspec.Meta` gives (`description`; `ge`, `gt`, `le`, `lt`). The Meta's
+    `extra` may declare the flag otherwise (`{"flag": "--x"}`, as click declares it: the field is named within its
+    struct, the flag within the command; a bool's lone `--x` is a switch) and mark a `tuple[str, ...]` as
+    directories (`{"directory": True}`); a tuple's flag is repeatable. Each flag's parameter is named after its
+    field."""
 
     def __init__(self, struct: type[T], names: Sequence[str]) -> None:
         info = msgspec.inspect.type_info(struct)
@@ -90,7 +91,7 @@ class FieldFlags(Generic[T]):
 @dataclass(frozen=True)
 class _FieldFlag:
     name: str
-    flag: str
+    declaration: str
     kind: msgspec.inspect.Type
     default: Any
     help: str | None
@@ -103,18 +104,29 @@ class _FieldFlag:
         extra: dict[str, Any] = {}
         if isinstance(field.type, msgspec.inspect.Metadata):
             kind, schema, extra = field.type.type, field.type.extra_json_schema or {}, field.type.extra or {}
-        flag = extra.get("flag", flag_of(field.name))
-        return cls(field.name, flag, kind, field.default, schema.get("description"), extra.get("directory", False))
+        if isinstance(kind, msgspec.inspect.UnionType):  # X | None: None is the default, given by no flag
+            (kind,) = (member for member in kind.types if not isinstance(member, msgspec.inspect.NoneType))
+        declaration = extra.get("flag", flag_of(field.name))
+        if isinstance(kind, msgspec.inspect.BoolType) and "flag" not in extra:
+            declaration = f"{declaration}/--no-{declaration[2:]}"
+        help = schema.get("description")
+        return cls(field.name, declaration, kind, field.default, help, extra.get("directory", False))
+
+    @property
+    def flag(self) -> str:
+        return self.declaration.split("/")[0]
 
     def option(self) -> Decorator:
         settings: dict[str, Any] = {"default": self.default, "show_default": self.default not in (None, ())}
         if isinstance(self.kind, msgspec.inspect.BoolType):
-            return option(f"{self.flag}/--no-{self.flag[2:]}", self.name, help=self.help, **settings)
-        if isinstance(self.kind, msgspec.inspect.IntType | msgspec.inspect.FloatType):
+            settings["is_flag"] = True
+        elif isinstance(self.kind, msgspec.inspect.IntType | msgspec.inspect.FloatType):
             settings["type"] = _range_of(self.kind)
+        elif isinstance(self.kind, msgspec.inspect.EnumType):
+            settings.update(type=click.Choice([member.value for member in self.kind.cls]), default=self.default.value)
         elif isinstance(self.kind, msgspec.inspect.VarTupleType):
             settings.update(multiple=True, type=click.Path(file_okay=False) if self.directory else str)
-        return option(self.flag, self.name, help=self.help, **settings)
+        return option(self.declaration, self.name, help=self.help, **settings)
 
 
 def _range_of(number: msgspec.inspect.IntType | msgspec.inspect.FloatType) -> click.ParamType:

@@ -14,6 +14,7 @@ from jetshard_api.settings import ImageSettings, InferenceSettings
 from jetshard_bus.options import DEFAULT_API_PORT, NatsOptions
 from jetshard_bus.streams import BusTimings
 from jetshard_sequencer.config import SequencerConfig
+from jetshard_worker.config import WorkerConfig
 
 from jetshard.options import (
     SERVING_FLAGS,
@@ -155,67 +156,22 @@ def api(
     run_service("api", lambda stop: run_api(config, stop))
 
 
+_WORKER_FLAGS = FieldFlags(
+    WorkerConfig,
+    ["advertise_host", "runner_start_timeout_s", "build_llama_cpp", "llama_cpp_cpu_variants", "memory_limit_gib"],
+)
+
+
 @click.command()
 @nats_options
-@option(
-    "--advertise-host",
-    default=None,
-    help="address other nodes reach this node's runners on [default: the address used to reach NATS]",
-)
-@option(
-    "--runner-start-timeout-s",
-    type=float,
-    default=300.0,
-    show_default=True,
-    help="a runner that has not loaded and joined its peers within this time is killed and reported",
-)
+@_WORKER_FLAGS.add_to
 @option("--worker-session", default=None, hidden=True, help="this start's session id, chosen by `jetshard up`")
-@option(
-    "--build-llama-cpp/--no-build-llama-cpp",
-    default=True,
-    show_default=True,
-    help="without a ready llama.cpp build on this machine, compile one in the background (nice'd; MLX serves "
-    "meanwhile), as `jetshard engines build llama.cpp` does",
-)
-@option(
-    "--llama-cpp-cpu-variants",
-    type=click.Choice(["all", "avx2"]),
-    default="all",
-    show_default=True,
-    help="the CPU variants of the llama.cpp the worker builds (as `jetshard engines build llama.cpp --cpu-variants`)",
-)
-@option(
-    "--memory-limit-gib",
-    type=click.FloatRange(min=0, min_open=True),
-    default=None,
-    help="lend models at most this much of the machine's memory (its runners' use counts against it; the rest of "
-    "the machine's does not) [default: what the machine has available]; `jetshard up` passes the environment "
-    "variable on",
-)
-def worker(
-    nats: NatsOptions,
-    timings: BusTimings,
-    advertise_host: str | None,
-    runner_start_timeout_s: float,
-    worker_session: str | None,
-    build_llama_cpp: bool,
-    llama_cpp_cpu_variants: str,
-    memory_limit_gib: float | None,
-) -> None:
+def worker(nats: NatsOptions, timings: BusTimings, worker_session: str | None, **flags: Any) -> None:
     """The node agent: node profile, custom model cards, shard runners."""
     from jetshard_bus.service import run_service
-    from jetshard_worker.engines.llamacpp.build import CpuVariants
-    from jetshard_worker.service import WorkerConfig, run_worker
+    from jetshard_worker.service import run_worker
 
-    config = WorkerConfig(
-        nats=nats,
-        timings=timings,
-        advertise_host=advertise_host,
-        runner_start_timeout_s=runner_start_timeout_s,
-        build_llama_cpp=build_llama_cpp,
-        llama_cpp_cpu_variants=CpuVariants(llama_cpp_cpu_variants),
-        memory_limit_bytes=None if memory_limit_gib is None else int(memory_limit_gib * 2**30),
-    )
+    config = _WORKER_FLAGS.value(flags, nats=nats, timings=timings)
     if worker_session:
         config = dataclasses.replace(config, session_id=worker_session)
     run_service("worker", lambda stop: run_worker(config, stop))
