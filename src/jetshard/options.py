@@ -64,9 +64,9 @@ class FieldFlags(Generic[T]):
     def __init__(self, struct: type[T], names: Sequence[str]) -> None:
         info = msgspec.inspect.type_info(struct)
         assert isinstance(info, msgspec.inspect.StructType | msgspec.inspect.DataclassType)
-        fields = {field.name: _FieldFlag.of(field) for field in info.fields}
+        fields = {field.name: field for field in info.fields}
         self.struct = struct
-        self.fields = [fields[name] for name in names]
+        self.fields = [_FieldFlag.of(fields[name]) for name in names]
 
     def options(self) -> list[Decorator]:
         return [field.option() for field in self.fields]

@@ -13,6 +13,7 @@ import click
 from jetshard_api.settings import ImageSettings, InferenceSettings
 from jetshard_bus.options import DEFAULT_API_PORT, NatsOptions
 from jetshard_bus.streams import BusTimings
+from jetshard_downloader.config import DownloaderConfig
 from jetshard_sequencer.config import SequencerConfig
 from jetshard_worker.config import WorkerConfig
 
@@ -177,59 +178,31 @@ def worker(nats: NatsOptions, timings: BusTimings, worker_session: str | None, *
     run_service("worker", lambda stop: run_worker(config, stop))
 
 
+_DOWNLOADER_FLAGS = FieldFlags(DownloaderConfig, ["offline", "advertise_host", "file_server_port", "peer_copies"])
+
+
 @click.command()
 @nats_options
 @model_dir_options
-@option("--offline", is_flag=True, help="make no network call (also HF_HUB_OFFLINE=1)")
-@option(
-    "--advertise-host",
-    default=None,
-    help="address other nodes reach this node's file server on [default: the address used to reach NATS]",
-)
-@option(
-    "--file-server-port",
-    type=click.IntRange(0, 65535),
-    default=0,
-    show_default=True,
-    envvar="JETSHARD_FILE_SERVER_PORT",
-    help="the port of the file server other nodes' downloaders copy model files from (mutual TLS; 0: any free port)",
-)
-@option(
-    "--peer-copies/--no-peer-copies",
-    default=True,
-    show_default=True,
-    envvar="JETSHARD_PEER_COPIES",
-    help="copy model files from the nodes that hold them before asking the Hub, and serve ours to them",
-)
+@_DOWNLOADER_FLAGS.add_to
 def downloader(
     nats: NatsOptions,
     timings: BusTimings,
     default_models_dir: str | None,
     models_dirs: str | None,
     models_read_only_dirs: str | None,
-    offline: bool,
-    advertise_host: str | None,
-    file_server_port: int,
-    peer_copies: bool,
+    **flags: Any,
 ) -> None:
     """Find models on this machine's disks and download what its shards need."""
     from jetshard_bus.service import run_service
     from jetshard_downloader.dirs import ModelDirs
-    from jetshard_downloader.service import DownloaderConfig, run_downloader
+    from jetshard_downloader.service import run_downloader
 
     def split(value: str | None) -> list[str]:
         return [part.strip() for part in (value or "").split(":") if part.strip()]
 
     dirs = ModelDirs.from_options(default_models_dir, split(models_dirs), split(models_read_only_dirs))
-    config = DownloaderConfig(
-        nats=nats,
-        timings=timings,
-        model_dirs=dirs,
-        offline=offline,
-        advertise_host=advertise_host,
-        file_server_port=file_server_port,
-        peer_copies=peer_copies,
-    )
+    config = _DOWNLOADER_FLAGS.value(flags, nats=nats, timings=timings, model_dirs=dirs)
     run_service("downloader", lambda stop: run_downloader(config, stop))
 
 
