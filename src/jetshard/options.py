@@ -14,7 +14,6 @@ import msgspec.inspect
 from jetshard_bus.options import DEFAULT_API_PORT, DEFAULT_NATS_URL, NatsOptions
 from jetshard_bus.streams import BusTimings
 from jetshard_schema.ids import NAME_MAX_LENGTH, NAME_PATTERN
-from jetshard_schema.types import ServingSettings
 
 from jetshard.client import ApiClient
 from jetshard.clusterfile import recorded
@@ -144,8 +143,6 @@ def _range_of(number: msgspec.inspect.IntType | msgspec.inspect.FloatType) -> cl
 
 TIMING_FLAGS = FieldFlags(BusTimings, ["lease_ttl_s", "liveness_ttl_s", "task_retention_s"])
 """The cluster's timings every service takes (`nats_options`)."""
-SERVING_FLAGS = FieldFlags(ServingSettings, ["max_batch", "max_queued", "prefix_cache_bytes"])
-"""The serving settings of the instances an API places where a request does not set them."""
 
 
 def nats_options(command: Callable[..., Any]) -> Callable[..., Any]:

@@ -1,5 +1,5 @@
-"""How this API serves, as `jetshard api` (and `jetshard up`, for the API it starts) sets it: each field a flag,
-its help and bounds in its `msgspec.Meta`. Kept apart from the routes so that the command line reads them without
+"""How this API serves, as `jetshard api` (and `jetshard up`, for the API it starts) sets it: a flag per field whose
+`msgspec.Meta` gives its help (and bounds). Kept apart from the routes so that the command line reads them without
 loading the API."""
 
 from __future__ import annotations

@@ -14,11 +14,11 @@ from jetshard_api.settings import ImageSettings, InferenceSettings
 from jetshard_bus.options import DEFAULT_API_PORT, NatsOptions
 from jetshard_bus.streams import BusTimings
 from jetshard_downloader.config import DownloaderConfig
+from jetshard_schema.types import ServingSettings
 from jetshard_sequencer.config import SequencerConfig
 from jetshard_worker.config import WorkerConfig
 
 from jetshard.options import (
-    SERVING_FLAGS,
     Decorator,
     FieldFlags,
     checked_name,
@@ -57,16 +57,23 @@ def sequencer(nats: NatsOptions, timings: BusTimings, sequencer_id: str | None, 
 _INFERENCE_FLAGS = FieldFlags(
     InferenceSettings,
     [
-        *("command_timeout_s", "auto_place", "chunk_silence_s", "start_timeout_s", "first_chunk_timeout_s"),
-        *("stream_ping_s", "model_keep_alive_s"),
+        "command_timeout_s",
+        "auto_place",
+        "chunk_silence_s",
+        "start_timeout_s",
+        "first_chunk_timeout_s",
+        "stream_ping_s",
+        "model_keep_alive_s",
     ],
 )
 _IMAGE_FLAGS = FieldFlags(ImageSettings, ["fetch_urls", "fetch_timeout_s", "local_dirs"])
+_SERVING_FLAGS = FieldFlags(ServingSettings, ["max_batch", "max_queued", "prefix_cache_bytes"])
+"""The serving settings of the instances an API places where a request does not set them."""
 
 _API_SERVING_FLAGS: list[Decorator] = [
     *_INFERENCE_FLAGS.options(),
     *_IMAGE_FLAGS.options(),
-    *SERVING_FLAGS.options(),
+    *_SERVING_FLAGS.options(),
     option(
         "--allowed-host",
         "allowed_hosts",
@@ -86,7 +93,7 @@ passes them on to the API it starts (`api_serving_flags_passed_on`)."""
 
 def _inference_settings(given: dict[str, Any]) -> InferenceSettings:
     """The `InferenceSettings` of `_API_SERVING_FLAGS`, popped from a command's parameters `given`."""
-    serving, images = SERVING_FLAGS.value(given), _IMAGE_FLAGS.value(given)
+    serving, images = _SERVING_FLAGS.value(given), _IMAGE_FLAGS.value(given)
     return _INFERENCE_FLAGS.value(given, serving=serving, images=images)
 
 
