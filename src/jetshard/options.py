@@ -55,10 +55,9 @@ class FieldFlags(Generic[T]):
     """A flag per field of `struct` named in `names`, in that order, all of it read from the field: its name
     (x_y: `--x-y`; a bool's `--x-y/--no-x-y`), its environment variable, its default, its choices (an enum's
     values), and the help and bounds its `msgspec.Meta` gives (`description`; `ge`, `gt`, `le`, `lt`). The Meta's
-    `extra` may declare the flag otherwise (`{"flag": "--x"}`, as click declares it: the field is named within its
-    struct, the flag within the command; a bool's lone `--x` is a switch) and mark a `tuple[str, ...]` as
-    directories (`{"directory": True}`); a tuple's flag is repeatable. Each flag's parameter is named after its
-    field."""
+    `extra` may name the flag otherwise (`{"flag": "--x"}`: the field is named within its struct, the flag within
+    the command), make a bool a lone switch (`{"switch": True}`) and mark a `tuple[str, ...]` as directories
+    (`{"directory": True}`); a tuple's flag is repeatable. Each flag's parameter is named after its field."""
 
     def __init__(self, struct: type[T], names: Sequence[str]) -> None:
         info = msgspec.inspect.type_info(struct)
@@ -106,7 +105,7 @@ class _FieldFlag:
         if isinstance(kind, msgspec.inspect.UnionType):  # X | None: None is the default, given by no flag
             (kind,) = (member for member in kind.types if not isinstance(member, msgspec.inspect.NoneType))
         declaration = extra.get("flag", flag_of(field.name))
-        if isinstance(kind, msgspec.inspect.BoolType) and "flag" not in extra:
+        if isinstance(kind, msgspec.inspect.BoolType) and not extra.get("switch"):
             declaration = f"{declaration}/--no-{declaration[2:]}"
         help = schema.get("description")
         return cls(field.name, declaration, kind, field.default, help, extra.get("directory", False))

@@ -23,7 +23,7 @@ class DownloaderConfig:
     model_dirs: ModelDirs = field(default_factory=ModelDirs.from_env)
     storage_interval_s: float = 10.0
     offline: Annotated[
-        bool, msgspec.Meta(description="make no network call (also HF_HUB_OFFLINE=1)", extra={"flag": "--offline"})
+        bool, msgspec.Meta(description="make no network call (also HF_HUB_OFFLINE=1)", extra={"switch": True})
     ] = False
     """Also on with JETSHARD_OFFLINE=1."""
     progress_interval_s: float = 1.0
