@@ -5,14 +5,15 @@ from __future__ import annotations
 import functools
 import re
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, Generic, TypeVar
 
 import click
 import msgspec
+import msgspec.inspect
 from jetshard_bus.options import DEFAULT_API_PORT, DEFAULT_NATS_URL, NatsOptions
 from jetshard_bus.streams import BusTimings
 from jetshard_schema.ids import NAME_MAX_LENGTH, NAME_PATTERN
-from jetshard_schema.types import ServingSettings
 
 from jetshard.client import ApiClient
 from jetshard.clusterfile import recorded
@@ -21,15 +22,8 @@ DEFAULT_API_URL = f"http://127.0.0.1:{DEFAULT_API_PORT}"
 COMMAND_CONTEXT = {"help_option_names": ["-h", "--help"], "max_content_width": 110}
 """The click context of every command group and of the commands outside `main`'s: `-h`, and help 110 wide."""
 
-_TIMING_HELP = {
-    "lease_ttl_s": "a sequencer lease not renewed for this long passes to a standby",
-    "liveness_ttl_s": "a node not heard from for this long is lost",
-    "task_retention_s": "how long a task's request (its prompt) is kept in JETSHARD_TASKS; nothing keeps it longer",
-}
-"""A flag per `BusTimings` field, named after it."""
-
-
 Decorator = Callable[[Callable[..., Any]], Callable[..., Any]]
+T = TypeVar("T")
 
 
 def flag_of(name: str) -> str:
@@ -57,9 +51,97 @@ def with_options(command: Callable[..., Any], decorators: Sequence[Decorator]) -
     return command
 
 
-def seconds_option(name: str, default: float, help: str) -> Decorator:
-    """An `option` for a duration in seconds that must be above zero, its default shown."""
-    return option(name, type=click.FloatRange(min=0, min_open=True), default=default, show_default=True, help=help)
+class FieldFlags(Generic[T]):
+    """A flag per field of `struct` named in `names`, in that order, all of it read from the field: its name
+    (x_y: `--x-y`; a bool's `--x-y/--no-x-y`), its environment variable, its default, its choices (an enum's
+    values), and the help and bounds its `msgspec.Meta` gives (`description`; `ge`, `gt`, `le`, `lt`). The Meta's
+    `extra` may name the flag otherwise (`{"flag": "--x"}`: the field is named within its struct, the flag within
+    the command), make a bool a lone switch (`{"switch": True}`) and mark a `tuple[str, ...]` as directories
+    (`{"directory": True}`); a tuple's flag is repeatable. Each flag's parameter is named after its field."""
+
+    def __init__(self, struct: type[T], names: Sequence[str]) -> None:
+        info = msgspec.inspect.type_info(struct)
+        assert isinstance(info, msgspec.inspect.StructType | msgspec.inspect.DataclassType)
+        fields = {field.name: field for field in info.fields}
+        self.struct = struct
+        self.fields = [_FieldFlag.of(fields[name]) for name in names]
+
+    def options(self) -> list[Decorator]:
+        return [field.option() for field in self.fields]
+
+    def add_to(self, command: Callable[..., Any]) -> Callable[..., Any]:
+        """`command` with `options`, as a decorator."""
+        return with_options(command, self.options())
+
+    def value(self, given: dict[str, Any], **more: Any) -> T:
+        """The `struct` of the values of `options`, popped from a command's parameters `given`, and of `more` of
+        its fields; a value the field refuses is a `click.BadParameter` naming its flag."""
+        values = {field.name: given.pop(field.name) for field in self.fields}
+        try:
+            return msgspec.convert({**values, **more}, self.struct)
+        except msgspec.ValidationError as error:
+            message = str(error)
+            for field in self.fields:
+                message = message.replace(f"$.{field.name}", field.flag)
+            raise click.BadParameter(message) from None
+
+
+@dataclass(frozen=True)
+class _FieldFlag:
+    name: str
+    declaration: str
+    kind: msgspec.inspect.Type
+    default: Any
+    help: str | None
+    directory: bool
+
+    @classmethod
+    def of(cls, field: msgspec.inspect.Field) -> _FieldFlag:
+        kind: msgspec.inspect.Type = field.type
+        schema: dict[str, Any] = {}
+        extra: dict[str, Any] = {}
+        if isinstance(field.type, msgspec.inspect.Metadata):
+            kind, schema, extra = field.type.type, field.type.extra_json_schema or {}, field.type.extra or {}
+        if isinstance(kind, msgspec.inspect.UnionType):  # X | None: None is the default, given by no flag
+            (kind,) = (member for member in kind.types if not isinstance(member, msgspec.inspect.NoneType))
+        declaration = extra.get("flag", flag_of(field.name))
+        if isinstance(kind, msgspec.inspect.BoolType) and not extra.get("switch"):
+            declaration = f"{declaration}/--no-{declaration[2:]}"
+        help = schema.get("description")
+        return cls(field.name, declaration, kind, field.default, help, extra.get("directory", False))
+
+    @property
+    def flag(self) -> str:
+        return self.declaration.split("/")[0]
+
+    def option(self) -> Decorator:
+        settings: dict[str, Any] = {"default": self.default, "show_default": self.default not in (None, ())}
+        if isinstance(self.kind, msgspec.inspect.BoolType):
+            settings["is_flag"] = True
+        elif isinstance(self.kind, msgspec.inspect.IntType | msgspec.inspect.FloatType):
+            settings["type"] = _range_of(self.kind)
+        elif isinstance(self.kind, msgspec.inspect.EnumType):
+            settings.update(type=click.Choice([member.value for member in self.kind.cls]), default=self.default.value)
+        elif isinstance(self.kind, msgspec.inspect.VarTupleType):
+            settings.update(multiple=True, type=click.Path(file_okay=False) if self.directory else str)
+        return option(self.declaration, self.name, help=self.help, **settings)
+
+
+def _range_of(number: msgspec.inspect.IntType | msgspec.inspect.FloatType) -> click.ParamType:
+    """The click type of a number field: a range where the field has bounds."""
+    low = number.ge if number.gt is None else number.gt
+    high = number.le if number.lt is None else number.lt
+    integer = isinstance(number, msgspec.inspect.IntType)
+    if low is None and high is None:
+        return click.INT if integer else click.FLOAT
+    open_ends = {"min_open": number.gt is not None, "max_open": number.lt is not None}
+    if integer:
+        return click.IntRange(low, high, **open_ends)  # type: ignore[arg-type]  # an IntType's bounds are ints
+    return click.FloatRange(low, high, **open_ends)
+
+
+TIMING_FLAGS = FieldFlags(BusTimings, ["lease_ttl_s", "liveness_ttl_s", "task_retention_s"])
+"""The cluster's timings every service takes (`nats_options`)."""
 
 
 def nats_options(command: Callable[..., Any]) -> Callable[..., Any]:
@@ -103,16 +185,7 @@ def _with_nats_options(
             show_default=True,
             help="replicas of jetshard's streams and buckets (3 on a NATS cluster)",
         ),
-        *(
-            option(
-                flag_of(name),
-                type=float,
-                default=getattr(BusTimings(), name),
-                show_default=True,
-                help=help,
-            )
-            for name, help in _TIMING_HELP.items()
-        ),
+        *TIMING_FLAGS.options(),
     ]
 
     @functools.wraps(command)
@@ -132,7 +205,7 @@ def _with_nats_options(
             tls_key=kwargs.pop("nats_tls_key"),
             replicas=kwargs.pop("replicas"),
         )
-        timings = BusTimings(**{name: kwargs.pop(name) for name in _TIMING_HELP})
+        timings = TIMING_FLAGS.value(kwargs)
         return command(nats=nats, timings=timings, **kwargs)
 
     return with_options(wrapper, decorators)
@@ -185,32 +258,6 @@ def model_dir_environment(**given: str | None) -> dict[str, str]:
     """The `model_dir_options` given (by parameter name) as the environment variables their flags read, to pass
     them on to a `jetshard downloader` process."""
     return {environment_variable(flag_of(name)): value for name, value in given.items() if value is not None}
-
-
-_SERVING_HELP = {
-    "max_batch": "tasks of one instance that decode together",
-    "max_queued": "tasks of one instance that may wait beyond --max-batch; past that, requests get 429",
-    "prefix_cache_bytes": "bytes of prompt KV caches an instance keeps for prompts that start alike (0: none)",
-}
-"""A flag per `ServingSettings` field the API sets for the instances it places, named after it."""
-
-
-SERVING_FLAGS: list[Decorator] = [
-    option(flag_of(name), type=int, default=getattr(ServingSettings(), name), show_default=True, help=help)
-    for name, help in _SERVING_HELP.items()
-]
-"""The serving settings of the instances an API places where a request does not set them; read with
-`serving_settings`."""
-
-
-def serving_settings(given: dict[str, Any]) -> ServingSettings:
-    """The values of `SERVING_FLAGS`, popped from a command's parameters `given` and checked against
-    `ServingSettings`."""
-    values = {name: given.pop(name) for name in _SERVING_HELP}
-    try:
-        return msgspec.convert(values, ServingSettings)
-    except msgspec.ValidationError as error:
-        raise click.BadParameter(str(error).replace("$.", "--").replace("_", "-")) from None
 
 
 def options_of(decorators: Sequence[Decorator]) -> list[click.Option]:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Awaitable, Callable
-from typing import Any, TypeVar
+from typing import Annotated, Any, TypeVar
 
 import msgspec.json
 import nats.errors
@@ -33,15 +33,20 @@ T = TypeVar("T")
 class BusTimings(msgspec.Struct, frozen=True, kw_only=True):
     """Time settings shared by every service of a cluster (they must agree)."""
 
-    lease_ttl_s: float = 3.0
-    """A sequencer that has not renewed its lease for this long is replaced by a standby."""
-    liveness_ttl_s: float = 15.0
-    """A node whose liveness key is this old is lost (it is refreshed every fifth of that)."""
+    lease_ttl_s: Annotated[
+        float, msgspec.Meta(description="a sequencer lease not renewed for this long passes to a standby")
+    ] = 3.0
+    liveness_ttl_s: Annotated[float, msgspec.Meta(description="a node not heard from for this long is lost")] = 15.0
+    """Its liveness key is refreshed every fifth of that."""
     dedupe_window_s: float = 120.0
     """JETSHARD_COMMANDS drops a command whose `Nats-Msg-Id` it stored this recently."""
-    task_retention_s: float = 4 * 3600.0
-    """How long JETSHARD_TASKS keeps a task's request (its prompt): long enough for any task to start, and
-    no user data kept beyond that."""
+    task_retention_s: Annotated[
+        float,
+        msgspec.Meta(
+            description="how long a task's request (its prompt) is kept in JETSHARD_TASKS; nothing keeps it longer"
+        ),
+    ] = 4 * 3600.0
+    """Long enough for any task to start, and no user data kept beyond that."""
 
 
 async def declare(

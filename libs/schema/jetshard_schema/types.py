@@ -153,13 +153,18 @@ def keep_alive_ms(seconds: float) -> int:
 class ServingSettings(msgspec.Struct, frozen=True, kw_only=True):
     """How an instance serves: chosen at placement, kept in State, read by its runners and by the API."""
 
-    max_batch: MaxBatch = 8
-    """Tasks that decode together in one step; placement reserves KV cache for this many rows."""
-    max_queued: MaxQueued = 64
-    """Tasks that may wait beyond `max_batch`; past that the sequencer refuses a task (429)."""
-    prefix_cache_bytes: PrefixCacheBytes = 512 * 2**20
-    """Prompt KV caches kept for later prompts that start alike (a conversation's next turn, a shared system
-    prompt), for the whole model; 0 keeps none."""
+    max_batch: Annotated[MaxBatch, msgspec.Meta(description="tasks of one instance that decode together")] = 8
+    """In one step; placement reserves KV cache for this many rows."""
+    max_queued: Annotated[
+        MaxQueued,
+        msgspec.Meta(description="tasks of one instance that may wait beyond --max-batch; past that, requests get 429"),
+    ] = 64
+    """The sequencer refuses a task past that."""
+    prefix_cache_bytes: Annotated[
+        PrefixCacheBytes,
+        msgspec.Meta(description="bytes of prompt KV caches an instance keeps for prompts that start alike (0: none)"),
+    ] = 512 * 2**20
+    """For later prompts that start alike: a conversation's next turn, a shared system prompt."""
     weights: WeightsDtype = WeightsDtype.AUTO
     parallelism: Parallelism = Parallelism.PIPELINE
     engine: Engine | None = None

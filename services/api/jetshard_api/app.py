@@ -19,7 +19,6 @@ from jetshard_api.dialects.ollama.routes import OllamaController
 from jetshard_api.dialects.openai.routes import OpenAIController
 from jetshard_api.dialects.responses.routes import ResponsesController
 from jetshard_api.errors import ERROR_HANDLERS
-from jetshard_api.route_steps import InferenceSettings
 from jetshard_api.routes_cluster import ClusterController
 from jetshard_api.routes_dashboard import dashboard_routes
 from jetshard_api.routes_downloads import DownloadsController
@@ -28,6 +27,7 @@ from jetshard_api.routes_models import ModelsController
 from jetshard_api.routes_settings import SettingsController
 from jetshard_api.routes_view import ViewController
 from jetshard_api.safety import HttpSafety, HttpSafetyMiddleware
+from jetshard_api.settings import InferenceSettings
 
 MAX_REQUEST_BYTES = 8 * 2**20
 """An HTTP body larger than NATS's (raised) max payload could not be carried as a command: 413."""

@@ -20,10 +20,10 @@ from pathlib import Path
 from urllib.parse import unquote, urlparse
 
 import httpx
-import msgspec
 from jetshard_schema.types import MAX_IMAGE_BYTES, MAX_IMAGES, ChatMessage, TaskRequest
 
 from jetshard_api.errors import ApiError
+from jetshard_api.settings import ImageSettings
 
 _DATA_URL = re.compile(r"^data:(?P<type>[\w.+-]+/[\w.+-]+)?(?:;[^,;]*)*;base64,(?P<data>.*)$", re.DOTALL)
 _SIGNATURES = (
@@ -32,17 +32,6 @@ _SIGNATURES = (
     (b"GIF87a", "GIF"),
     (b"GIF89a", "GIF"),
 )
-
-
-class ImageSettings(msgspec.Struct, frozen=True):
-    """Where the API may read an image a request names instead of carrying it."""
-
-    fetch_urls: bool = False
-    """Fetch http(s) image URLs (from the API's host, so off by default: it reaches what the API reaches)."""
-    fetch_timeout_s: float = 10.0
-    """How long fetching one image URL may take, all of it."""
-    local_dirs: tuple[str, ...] = ()
-    """Directories whose files a `file://` image URL may name (none by default)."""
 
 
 def image_file(data: bytes, param: str) -> bytes:

@@ -42,32 +42,8 @@ from jetshard_schema.types import (
 from jetshard_api.cluster import Cluster
 from jetshard_api.errors import ApiError
 from jetshard_api.hub import fetch_card
-from jetshard_api.images import ImageSettings, has_images
-
-
-class InferenceSettings(msgspec.Struct, frozen=True):
-    auto_place: bool = True
-    """A request for a model with no instance places one and waits for it to be ready."""
-    ready_timeout_s: float = 600.0
-    chunk_silence_s: float = 60.0
-    """No chunk for this long (after the first) ends the request with an error."""
-    start_timeout_s: float = 300.0
-    """How long a request may wait in its instance's queue for its task to start. The sequencer refuses (429) a
-    task that could not start in this long at the instance's pace, so a queued request is not left to time out;
-    an admitted one waits its turn while its instance samples tokens, and ends with 504 only when the instance
-    sampled none for twice this (a stalled instance, not a slow one)."""
-    first_chunk_timeout_s: float = 300.0
-    """Once its task started, how long a request waits for its first chunk (the prompt's prefill)."""
-    stream_ping_s: float = 5.0
-    """A streaming request waiting (for its model, its turn, its prompt's prefill) sends an SSE comment this
-    often, so that proxies and clients with read timeouts keep the connection."""
-    model_keep_alive_s: float = 300.0
-    """How long an instance placed for a request stays loaded with nothing to do (Ollama's default `keep_alive`,
-    5 minutes; negative: until removed). A request may say otherwise (Ollama's `keep_alive`)."""
-    serving: ServingSettings = ServingSettings()
-    """The serving settings of the instances this API places, where a request does not set them."""
-    images: ImageSettings = ImageSettings()
-    """Where the API may read images a request names by file or web address."""
+from jetshard_api.images import has_images
+from jetshard_api.settings import InferenceSettings
 
 
 class Deleted(msgspec.Struct, frozen=True):

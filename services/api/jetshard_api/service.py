@@ -17,8 +17,8 @@ from jetshard_schema.subjects import requester_key
 
 from jetshard_api.app import create_app
 from jetshard_api.cluster import Cluster
-from jetshard_api.route_steps import InferenceSettings
 from jetshard_api.safety import HttpSafety
+from jetshard_api.settings import InferenceSettings
 
 log = logging.getLogger(__name__)
 
@@ -29,7 +29,6 @@ class ApiConfig:
     timings: BusTimings = BusTimings()
     host: str = "127.0.0.1"
     port: int = DEFAULT_API_PORT
-    command_timeout_s: float = 30.0
     port_file: Path | None = None
     """Where to write the bound port (useful with `port=0`)."""
     inference: InferenceSettings = InferenceSettings()
@@ -40,7 +39,7 @@ async def run_api(config: ApiConfig, stop: asyncio.Event) -> None:
     client, js = await connect(config.nats, "jetshard-api", config.timings, declare_streams=False)
     follower = StateFollower(js)
     await follower.start()
-    cluster = Cluster(client, js, follower, config.command_timeout_s)
+    cluster = Cluster(client, js, follower, config.inference.command_timeout_s)
     await cluster.stats.subscribe(client)
     server = uvicorn.Server(
         uvicorn.Config(

@@ -32,7 +32,8 @@ from jetshard_api.answers import Answer, Choice
 from jetshard_api.cluster import Cluster
 from jetshard_api.disconnect import stopped, unless_disconnected
 from jetshard_api.errors import ApiError
-from jetshard_api.route_steps import InferenceSettings, check_inputs, ensure_placed, ensure_ready, wait_ready
+from jetshard_api.route_steps import check_inputs, ensure_placed, ensure_ready, wait_ready
+from jetshard_api.settings import InferenceSettings
 
 log = logging.getLogger(__name__)
 

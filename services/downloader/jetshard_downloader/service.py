@@ -36,10 +36,8 @@ import msgspec
 from jetshard_bus.commands import publish_command
 from jetshard_bus.connect import connect
 from jetshard_bus.follower import StateFollower
-from jetshard_bus.node import config_dir, local_address, node_id_for
-from jetshard_bus.options import NatsOptions
+from jetshard_bus.node import local_address, node_id_for
 from jetshard_bus.stats import publish_stats
-from jetshard_bus.streams import BusTimings
 from jetshard_bus.tls_identity import PeerIdentity, client_context
 from jetshard_schema.cards import ModelCard, ModelFormat, ModelSource
 from jetshard_schema.commands import (
@@ -77,6 +75,7 @@ from jetshard_schema.types import (
 )
 
 from jetshard_downloader.choose import Choice, NoSpace, choose_directory
+from jetshard_downloader.config import DownloaderConfig
 from jetshard_downloader.convert import (
     ProgressCallback,
     TargetCallback,
@@ -131,32 +130,6 @@ reported as a source, or not begun) before it fetches the model itself."""
 STOPPED = "stopped; the files fetched so far are kept for the next attempt"
 """The reason a cancelled download's record gives once its downloader has stopped it."""
 T = TypeVar("T")
-
-
-@dataclass(frozen=True)
-class DownloaderConfig:
-    nats: NatsOptions = NatsOptions()
-    timings: BusTimings = BusTimings()
-    config_dir: Path = field(default_factory=config_dir)
-    model_dirs: ModelDirs = field(default_factory=ModelDirs.from_env)
-    storage_interval_s: float = 10.0
-    offline: bool = False
-    """Never make a network call (also on with JETSHARD_OFFLINE=1 or HF_HUB_OFFLINE=1)."""
-    progress_interval_s: float = 1.0
-    """At most one progress report per model per this many seconds."""
-    endpoint: str | None = None
-    """The Hub (default: HF_ENDPOINT, else huggingface.co)."""
-    token: str | bool | None = None
-    retry_backoff_s: tuple[float, ...] = (2.0, 4.0, 8.0)
-    advertise_host: str | None = None
-    """The address the file server listens on, and other nodes reach it on (default: the address used to reach
-    NATS: loopback where NATS is on this machine alone)."""
-    file_server_port: int = 0
-    """0: a free port, named in the node's storage report."""
-    peer_copies: bool = True
-    """Copy model files other nodes hold before asking the Hub (and serve ours to them)."""
-    """Waits before each retry of a download that failed mid-transfer; one retry per entry. A Hub that
-    cannot be reached at all, refuses, or lacks the model is not retried: its instance fails at once."""
 
 
 class _Progress:

@@ -12,7 +12,7 @@ import contextlib
 import logging
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import msgspec
@@ -20,10 +20,9 @@ import nats.js.errors
 from jetshard_bus.commands import publish_command
 from jetshard_bus.connect import connect
 from jetshard_bus.follower import StateFollower
-from jetshard_bus.options import NatsOptions
 from jetshard_bus.snapshots import save_snapshot, stream_created
 from jetshard_bus.stats import publish_stats
-from jetshard_bus.streams import BusTimings, declare
+from jetshard_bus.streams import declare
 from jetshard_bus.tracing import inject, span_from
 from jetshard_schema import subjects
 from jetshard_schema.codec import decode_command, encode
@@ -40,6 +39,7 @@ from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy, Header, RawStr
 from nats.js.kv import KeyValue
 from opentelemetry.trace import Span, StatusCode
 
+from jetshard_sequencer.config import SequencerConfig
 from jetshard_sequencer.handlers import Context, handle, idle_past_keep_alive, misaddressed, past_retention
 
 log = logging.getLogger(__name__)
@@ -92,21 +92,6 @@ async def next_commands(subscription: JetStreamContext.PullSubscription, batch_s
         return first + await subscription.fetch(pending, timeout=COMMAND_WAIT_S)
     except (TimeoutError, nats.errors.TimeoutError):
         return first
-
-
-@dataclass(frozen=True)
-class SequencerConfig:
-    nats: NatsOptions = NatsOptions()
-    timings: BusTimings = BusTimings()
-    snapshot_every: int = 1000
-    """Write a State snapshot after this many events."""
-    batch_size: int = 256
-    """Commands handled per round; their events are appended pipelined, then the commands acked."""
-    sequencer_id: str = field(default_factory=lambda: f"seq-{new_id()[:8]}")
-    max_restarts: int = 3
-    failed_retention_s: float = 900.0
-    """How long a failed instance stays in State, so that people see why it failed; then it leaves (its
-    history stays in the event stream)."""
 
 
 @dataclass

@@ -6,50 +6,24 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import Callable
-from dataclasses import dataclass, field
-from pathlib import Path
 
 import msgspec
 from jetshard_bus.commands import publish_command
 from jetshard_bus.connect import connect
 from jetshard_bus.follower import StateFollower
-from jetshard_bus.node import config_dir, keep_alive, local_address, node_id_for, node_profile, unused_gpu_hint
-from jetshard_bus.options import NatsOptions
-from jetshard_bus.streams import BusTimings
+from jetshard_bus.node import keep_alive, local_address, node_id_for, node_profile, unused_gpu_hint
 from jetshard_schema.commands import ReportNodeProfile
 from jetshard_schema.events import CustomModelCardAdded, CustomModelCardDeleted, EventEnvelope
-from jetshard_schema.ids import new_id
 from jetshard_schema.state import State
 from jetshard_schema.types import NodeProfile
 
 from jetshard_worker.blas import runner_blas
 from jetshard_worker.cards import CardDirectory
+from jetshard_worker.config import WorkerConfig
 from jetshard_worker.engines.llamacpp.background import NodeEngines, build_llama_cpp
-from jetshard_worker.engines.llamacpp.build import CpuVariants
 from jetshard_worker.runners import RunnerSupervisor
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class WorkerConfig:
-    nats: NatsOptions = NatsOptions()
-    timings: BusTimings = BusTimings()
-    config_dir: Path = field(default_factory=config_dir)
-    card_dir: Path | None = None
-    """Where custom cards are persisted; default `<config dir>/cards`."""
-    profile_interval_s: float = 5.0
-    runner_start_timeout_s: float = 300.0
-    advertise_host: str | None = None
-    """Where peers reach this node's runners; None: the local address of the connection to NATS."""
-    session_id: str = field(default_factory=lambda: new_id()[:12])
-    """This start of the worker; runners and liveness carry it, so State tells them from a previous life's."""
-    build_llama_cpp: bool = False
-    """Without a ready llama.cpp build here, compile one in the background (`jetshard worker` turns it on)."""
-    llama_cpp_cpu_variants: CpuVariants = CpuVariants.ALL
-    memory_limit_bytes: int | None = None
-    """The most memory this node lends to models (its runners' resident memory counts against it); None: what the
-    machine has available."""
 
 
 async def run_worker(config: WorkerConfig, stop: asyncio.Event) -> None:
@@ -84,7 +58,7 @@ async def run_worker(config: WorkerConfig, stop: asyncio.Event) -> None:
     engines = await asyncio.to_thread(NodeEngines)
 
     def measure() -> NodeProfile:
-        return node_profile(config.memory_limit_bytes, supervisor.memory_used_bytes())
+        return node_profile(config.memory_limit_bytes(), supervisor.memory_used_bytes())
 
     profile = msgspec.structs.replace(
         measure(), fast_blas=await asyncio.to_thread(_fast_blas_here), engines=engines.engines

@@ -7,34 +7,35 @@ import dataclasses
 import functools
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import click
+from jetshard_api.settings import ImageSettings, InferenceSettings
 from jetshard_bus.options import DEFAULT_API_PORT, NatsOptions
 from jetshard_bus.streams import BusTimings
-from jetshard_schema.types import MAX_KEEP_ALIVE_MS
+from jetshard_downloader.config import DownloaderConfig
+from jetshard_schema.types import ServingSettings
+from jetshard_sequencer.config import SequencerConfig
+from jetshard_worker.config import WorkerConfig
 
 from jetshard.options import (
-    SERVING_FLAGS,
     Decorator,
+    FieldFlags,
     checked_name,
     command_line,
     model_dir_options,
     nats_options,
     option,
     options_of,
-    seconds_option,
-    serving_settings,
     with_options,
 )
 
-if TYPE_CHECKING:
-    from jetshard_api.route_steps import InferenceSettings
+_SEQUENCER_FLAGS = FieldFlags(SequencerConfig, ["snapshot_every", "failed_retention_s"])
 
 
 @click.command()
 @nats_options
-@option("--snapshot-every", type=int, default=1000, show_default=True, help="events between State snapshots")
+@_SEQUENCER_FLAGS.add_to
 @option(
     "--sequencer-id",
     default=None,
@@ -42,90 +43,37 @@ if TYPE_CHECKING:
     help="what the leader lease (bucket jetshard-leader), this sequencer's command consumers and its log call it "
     "[default: seq-<random>]",
 )
-@option(
-    "--failed-retention-s",
-    type=click.FloatRange(min=0),
-    default=900.0,
-    show_default=True,
-    help="how long a failed instance stays listed (with why it failed) before it leaves State",
-)
-def sequencer(
-    nats: NatsOptions, timings: BusTimings, snapshot_every: int, sequencer_id: str | None, failed_retention_s: float
-) -> None:
+def sequencer(nats: NatsOptions, timings: BusTimings, sequencer_id: str | None, **flags: Any) -> None:
     """Turn commands into the ordered event stream (one leader; start more as standbys)."""
     from jetshard_bus.service import run_service
-    from jetshard_sequencer.service import SequencerConfig, run_sequencer
+    from jetshard_sequencer.service import run_sequencer
 
-    config = SequencerConfig(
-        nats=nats, timings=timings, snapshot_every=snapshot_every, failed_retention_s=failed_retention_s
-    )
+    config = _SEQUENCER_FLAGS.value(flags, nats=nats, timings=timings)
     if sequencer_id is not None:
         config = dataclasses.replace(config, sequencer_id=sequencer_id)
     run_service("sequencer", lambda stop: run_sequencer(config, stop))
 
 
+_INFERENCE_FLAGS = FieldFlags(
+    InferenceSettings,
+    [
+        "command_timeout_s",
+        "auto_place",
+        "chunk_silence_s",
+        "start_timeout_s",
+        "first_chunk_timeout_s",
+        "stream_ping_s",
+        "model_keep_alive_s",
+    ],
+)
+_IMAGE_FLAGS = FieldFlags(ImageSettings, ["fetch_urls", "fetch_timeout_s", "local_dirs"])
+_SERVING_FLAGS = FieldFlags(ServingSettings, ["max_batch", "max_queued", "prefix_cache_bytes"])
+"""The serving settings of the instances an API places where a request does not set them."""
+
 _API_SERVING_FLAGS: list[Decorator] = [
-    option(
-        "--command-timeout-s",
-        type=float,
-        default=30.0,
-        show_default=True,
-        help="how long a route waits for its command's outcome before answering 504",
-    ),
-    option(
-        "--auto-place/--no-auto-place",
-        default=True,
-        show_default=True,
-        help="place a model that has no instance when a request asks for it",
-    ),
-    option(
-        "--chunk-silence-s",
-        type=float,
-        default=60.0,
-        show_default=True,
-        help="a generation silent this long (after its first chunk) ends with an error",
-    ),
-    seconds_option(
-        "--start-timeout-s",
-        300.0,
-        "how long a request may wait in its instance's queue for its turn: one that could not start in this "
-        "long at the instance's pace is refused with 429 at once; one admitted waits its turn, unless its "
-        "instance samples nothing for twice this",
-    ),
-    seconds_option(
-        "--first-chunk-timeout-s",
-        300.0,
-        "once its task started, how long a request waits for its first chunk (the prompt's prefill)",
-    ),
-    seconds_option(
-        "--stream-ping-s",
-        5.0,
-        "a streaming request waiting (for its model, in its instance's queue, for its prompt) is sent an SSE "
-        "comment this often",
-    ),
-    option(
-        "--model-keep-alive-s",
-        type=click.FloatRange(max=MAX_KEEP_ALIVE_MS / 1000),
-        default=300.0,
-        show_default=True,
-        help="how long a model placed for a request stays loaded with nothing to do (negative: until removed); "
-        "a request may say otherwise (Ollama's keep_alive); models placed by hand stay until removed",
-    ),
-    option(
-        "--fetch-image-urls/--no-fetch-image-urls",
-        default=False,
-        show_default=True,
-        help="fetch the http(s) image URLs requests name (from this host: it reaches what the API reaches)",
-    ),
-    seconds_option("--image-fetch-timeout-s", 10.0, "how long fetching one image URL may take"),
-    option(
-        "--image-dir",
-        "image_dirs",
-        multiple=True,
-        type=click.Path(file_okay=False, path_type=Path),
-        help="a directory whose files requests may name as file:// image URLs (repeatable; none by default)",
-    ),
-    *SERVING_FLAGS,
+    *_INFERENCE_FLAGS.options(),
+    *_IMAGE_FLAGS.options(),
+    *_SERVING_FLAGS.options(),
     option(
         "--allowed-host",
         "allowed_hosts",
@@ -142,47 +90,33 @@ _API_SERVING_FLAGS: list[Decorator] = [
 """How `jetshard api` serves: its flags besides NATS, its address and its key. `jetshard up` takes the same and
 passes them on to the API it starts (`api_serving_flags_passed_on`)."""
 
-_INFERENCE_FLAGS = (
-    "auto_place",
-    "chunk_silence_s",
-    "start_timeout_s",
-    "first_chunk_timeout_s",
-    "stream_ping_s",
-    "model_keep_alive_s",
-)
-"""The fields of `InferenceSettings` besides `serving` and `images`, each one of `_API_SERVING_FLAGS`."""
+
+def _inference_settings(given: dict[str, Any]) -> InferenceSettings:
+    """The `InferenceSettings` of `_API_SERVING_FLAGS`, popped from a command's parameters `given`."""
+    serving, images = _SERVING_FLAGS.value(given), _IMAGE_FLAGS.value(given)
+    return _INFERENCE_FLAGS.value(given, serving=serving, images=images)
 
 
 def api_serving_options(command: Callable[..., Any]) -> Callable[..., Any]:
-    """`_API_SERVING_FLAGS` for `jetshard api`: passed on as `inference` (`InferenceSettings`),
-    `command_timeout_s`, `allowed_hosts` and `cors_origins`."""
+    """`_API_SERVING_FLAGS` for `jetshard api`: passed on as `inference` (`InferenceSettings`), `allowed_hosts`
+    and `cors_origins`."""
 
     @functools.wraps(command)
     def wrapper(**kwargs: Any) -> Any:
-        from jetshard_api.images import ImageSettings  # the API's modules load only to run it
-        from jetshard_api.route_steps import InferenceSettings
-
-        serving = serving_settings(kwargs)
-        given = {name: kwargs.pop(name) for name in _INFERENCE_FLAGS}
-        images = ImageSettings(
-            fetch_urls=kwargs.pop("fetch_image_urls"),
-            fetch_timeout_s=kwargs.pop("image_fetch_timeout_s"),
-            local_dirs=tuple(str(d) for d in kwargs.pop("image_dirs")),
-        )
-        return command(inference=InferenceSettings(**given, serving=serving, images=images), **kwargs)
+        return command(inference=_inference_settings(kwargs), **kwargs)
 
     return with_options(wrapper, _API_SERVING_FLAGS)
 
 
 def api_serving_flags_passed_on(command: Callable[..., Any]) -> Callable[..., Any]:
     """`_API_SERVING_FLAGS` for `jetshard up`: passed on as `api_args`, the arguments that give the `jetshard api`
-    it starts the same values. The serving settings are checked here: a bad one stops `up` before it starts."""
+    it starts the same values. They are checked here: a bad one stops `up` before it starts."""
     options = options_of(_API_SERVING_FLAGS)
 
     @functools.wraps(command)
     def wrapper(**kwargs: Any) -> Any:
         given = {option_.name: kwargs.pop(option_.name) for option_ in options if option_.name is not None}
-        serving_settings(dict(given))
+        _inference_settings(dict(given))
         return command(api_args=command_line(options, given), **kwargs)
 
     return with_options(wrapper, _API_SERVING_FLAGS)
@@ -209,7 +143,6 @@ def api(
     port: int,
     port_file: Path | None,
     api_key: str | None,
-    command_timeout_s: float,
     inference: InferenceSettings,
     allowed_hosts: tuple[str, ...],
     cors_origins: tuple[str, ...],
@@ -224,7 +157,6 @@ def api(
         timings=timings,
         host=host,
         port=port,
-        command_timeout_s=command_timeout_s,
         port_file=port_file,
         inference=inference,
         safety=HttpSafety(api_key or None, allowed_hosts_for(host, allowed_hosts), cors_origins),
@@ -232,125 +164,52 @@ def api(
     run_service("api", lambda stop: run_api(config, stop))
 
 
+_WORKER_FLAGS = FieldFlags(
+    WorkerConfig,
+    ["advertise_host", "runner_start_timeout_s", "build_llama_cpp", "llama_cpp_cpu_variants", "memory_limit_gib"],
+)
+
+
 @click.command()
 @nats_options
-@option(
-    "--advertise-host",
-    default=None,
-    help="address other nodes reach this node's runners on [default: the address used to reach NATS]",
-)
-@option(
-    "--runner-start-timeout-s",
-    type=float,
-    default=300.0,
-    show_default=True,
-    help="a runner that has not loaded and joined its peers within this time is killed and reported",
-)
+@_WORKER_FLAGS.add_to
 @option("--worker-session", default=None, hidden=True, help="this start's session id, chosen by `jetshard up`")
-@option(
-    "--build-llama-cpp/--no-build-llama-cpp",
-    default=True,
-    show_default=True,
-    help="without a ready llama.cpp build on this machine, compile one in the background (nice'd; MLX serves "
-    "meanwhile), as `jetshard engines build llama.cpp` does",
-)
-@option(
-    "--llama-cpp-cpu-variants",
-    type=click.Choice(["all", "avx2"]),
-    default="all",
-    show_default=True,
-    help="the CPU variants of the llama.cpp the worker builds (as `jetshard engines build llama.cpp --cpu-variants`)",
-)
-@option(
-    "--memory-limit-gib",
-    type=click.FloatRange(min=0, min_open=True),
-    default=None,
-    help="lend models at most this much of the machine's memory (its runners' use counts against it; the rest of "
-    "the machine's does not) [default: what the machine has available]; `jetshard up` passes the environment "
-    "variable on",
-)
-def worker(
-    nats: NatsOptions,
-    timings: BusTimings,
-    advertise_host: str | None,
-    runner_start_timeout_s: float,
-    worker_session: str | None,
-    build_llama_cpp: bool,
-    llama_cpp_cpu_variants: str,
-    memory_limit_gib: float | None,
-) -> None:
+def worker(nats: NatsOptions, timings: BusTimings, worker_session: str | None, **flags: Any) -> None:
     """The node agent: node profile, custom model cards, shard runners."""
     from jetshard_bus.service import run_service
-    from jetshard_worker.engines.llamacpp.build import CpuVariants
-    from jetshard_worker.service import WorkerConfig, run_worker
+    from jetshard_worker.service import run_worker
 
-    config = WorkerConfig(
-        nats=nats,
-        timings=timings,
-        advertise_host=advertise_host,
-        runner_start_timeout_s=runner_start_timeout_s,
-        build_llama_cpp=build_llama_cpp,
-        llama_cpp_cpu_variants=CpuVariants(llama_cpp_cpu_variants),
-        memory_limit_bytes=None if memory_limit_gib is None else int(memory_limit_gib * 2**30),
-    )
+    config = _WORKER_FLAGS.value(flags, nats=nats, timings=timings)
     if worker_session:
         config = dataclasses.replace(config, session_id=worker_session)
     run_service("worker", lambda stop: run_worker(config, stop))
 
 
+_DOWNLOADER_FLAGS = FieldFlags(DownloaderConfig, ["offline", "advertise_host", "file_server_port", "peer_copies"])
+
+
 @click.command()
 @nats_options
 @model_dir_options
-@option("--offline", is_flag=True, help="make no network call (also HF_HUB_OFFLINE=1)")
-@option(
-    "--advertise-host",
-    default=None,
-    help="address other nodes reach this node's file server on [default: the address used to reach NATS]",
-)
-@option(
-    "--file-server-port",
-    type=click.IntRange(0, 65535),
-    default=0,
-    show_default=True,
-    envvar="JETSHARD_FILE_SERVER_PORT",
-    help="the port of the file server other nodes' downloaders copy model files from (mutual TLS; 0: any free port)",
-)
-@option(
-    "--peer-copies/--no-peer-copies",
-    default=True,
-    show_default=True,
-    envvar="JETSHARD_PEER_COPIES",
-    help="copy model files from the nodes that hold them before asking the Hub, and serve ours to them",
-)
+@_DOWNLOADER_FLAGS.add_to
 def downloader(
     nats: NatsOptions,
     timings: BusTimings,
     default_models_dir: str | None,
     models_dirs: str | None,
     models_read_only_dirs: str | None,
-    offline: bool,
-    advertise_host: str | None,
-    file_server_port: int,
-    peer_copies: bool,
+    **flags: Any,
 ) -> None:
     """Find models on this machine's disks and download what its shards need."""
     from jetshard_bus.service import run_service
     from jetshard_downloader.dirs import ModelDirs
-    from jetshard_downloader.service import DownloaderConfig, run_downloader
+    from jetshard_downloader.service import run_downloader
 
     def split(value: str | None) -> list[str]:
         return [part.strip() for part in (value or "").split(":") if part.strip()]
 
     dirs = ModelDirs.from_options(default_models_dir, split(models_dirs), split(models_read_only_dirs))
-    config = DownloaderConfig(
-        nats=nats,
-        timings=timings,
-        model_dirs=dirs,
-        offline=offline,
-        advertise_host=advertise_host,
-        file_server_port=file_server_port,
-        peer_copies=peer_copies,
-    )
+    config = _DOWNLOADER_FLAGS.value(flags, nats=nats, timings=timings, model_dirs=dirs)
     run_service("downloader", lambda stop: run_downloader(config, stop))
 
 

@@ -15,6 +15,7 @@ import httpx
 from jetshard_bus.node import node_profile, unused_gpu_hint
 from jetshard_bus.options import DEFAULT_API_PORT
 from jetshard_schema.catalogue import DEMO_MODEL_ID
+from jetshard_worker.config import WorkerConfig
 from rich.console import Console
 
 from jetshard.clusterfile import data_dir, remove_cluster_file, write_cluster_file
@@ -155,7 +156,8 @@ def up(
             headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
             place_and_wait(console, api_url, model, services.worker_session, tend, headers)
         # The worker's own flag, read as click reads it there.
-        build_allowed = click.BOOL.convert(os.environ.get("JETSHARD_BUILD_LLAMA_CPP", "1"), None, None)
+        given = os.environ.get("JETSHARD_BUILD_LLAMA_CPP", str(WorkerConfig.build_llama_cpp))
+        build_allowed = click.BOOL.convert(given, None, None)
         if (llama_cpp := llama_cpp_hint(build_allowed)) is not None:
             console.print(f"[yellow]{llama_cpp.text}[/]", soft_wrap=True)
         console.print("Press Ctrl-C to stop.")

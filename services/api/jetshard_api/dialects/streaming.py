@@ -20,7 +20,7 @@ from litestar.types import Receive
 
 from jetshard_api.cluster import Cluster
 from jetshard_api.errors import ApiError
-from jetshard_api.route_steps import InferenceSettings
+from jetshard_api.settings import InferenceSettings
 from jetshard_api.tasks import LiveTask, Waiting
 
 

@@ -42,7 +42,8 @@ from jetshard_api.dialects.anthropic.types import (
 from jetshard_api.dialects.streaming import streamed
 from jetshard_api.dialects.strict_body import DialectController
 from jetshard_api.errors import ApiError, answering, error_handlers_answering, inference_responses_in
-from jetshard_api.route_steps import InferenceSettings, can_think, requested_model_id
+from jetshard_api.route_steps import can_think, requested_model_id
+from jetshard_api.settings import InferenceSettings
 from jetshard_api.tasks import answer
 
 AnyRequest = Request[Any, Any, Any]

@@ -70,7 +70,6 @@ from jetshard_api.dialects.strict_body import DialectController
 from jetshard_api.disconnect import unless_disconnected
 from jetshard_api.errors import ApiError, answering, error_handlers_answering, inference_responses_in
 from jetshard_api.route_steps import (
-    InferenceSettings,
     can_think,
     checked_keep_alive,
     delete_everywhere,
@@ -80,6 +79,7 @@ from jetshard_api.route_steps import (
     start_pull,
     until_pulled,
 )
+from jetshard_api.settings import InferenceSettings
 from jetshard_api.tasks import LiveTask, Waiting, answer
 
 AnyRequest = Request[Any, Any, Any]

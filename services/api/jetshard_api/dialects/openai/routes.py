@@ -51,7 +51,8 @@ from jetshard_api.dialects.streaming import keep_alive_comment, streamed
 from jetshard_api.dialects.strict_body import DialectController
 from jetshard_api.errors import ERROR_RESPONSES, INFERENCE_RESPONSES, ApiError, answering, error_body
 from jetshard_api.images import load_image_urls
-from jetshard_api.route_steps import InferenceSettings, engines_serving, requested_model_id
+from jetshard_api.route_steps import engines_serving, requested_model_id
+from jetshard_api.settings import InferenceSettings
 from jetshard_api.tasks import answer
 
 AnyRequest = Request[Any, Any, Any]
