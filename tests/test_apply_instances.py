@@ -47,10 +47,11 @@ SHARDS = (
 )
 
 
-def runner(rank: int, status: RunnerStatus, generation: int = 0) -> RunnerStatusChanged:
+def runner(rank: int, status: RunnerStatus, generation: int = 0, at_ms: int = 0) -> RunnerStatusChanged:
     return RunnerStatusChanged(
         instance_id=INST,
         generation=generation,
+        at_ms=at_ms,
         runner=RunnerReport(
             node_id=SHARDS[rank].node_id, rank=rank, worker_session="w", status=status, layers_loaded=3, layers_total=5
         ),
@@ -152,23 +153,28 @@ def test_state_json_round_trip_keeps_integer_rank_keys() -> None:
 
 def test_an_instance_unloads_its_keep_alive_after_its_last_task_ended_and_a_request_may_change_it() -> None:
     placed = InstancePlaced(instance_id=INST, model_id=MODEL, shards=SHARDS, keep_alive_ms=300_000, at_ms=1000)
-    state = fold(placed)
-    assert state.instances[INST].unloads_at_ms(busy=False) == 301_000  # idle from its placement
+    state = fold(placed, runner(0, RunnerStatus.READY, at_ms=2000))
+    assert state.instances[INST].unloads_at_ms(busy=False) is None  # loading, for the request that placed it
+    # Idle from when it could first serve, however long it took to load; a rank that reports again later (a
+    # restart of nothing) does not move that.
+    ready = runner(1, RunnerStatus.READY, at_ms=400_000)
+    state = fold(ready, runner(1, RunnerStatus.READY, at_ms=500_000), state=state)
+    assert state.instances[INST].unloads_at_ms(busy=False) == 700_000
     assert state.instances[INST].unloads_at_ms(busy=True) is None
     # A request's own keep-alive (Ollama's) replaces the instance's; its end starts the idle time.
     ref = TaskRef(task_id=TaskId("t1"), model_id=MODEL, kind=TaskKind.CHAT, keep_alive_ms=0)
     state = fold(TaskAssigned(task=ref, instance_id=INST, generation=0), state=state)
     assert state.instances[INST].keep_alive_ms == 0
     usage = Usage(prompt_tokens=1, completion_tokens=1)
-    state = fold(TaskFinished(task_id=TaskId("t1"), outcome=TaskOutcome.STOP, usage=usage, at_ms=9000), state=state)
-    assert state.instances[INST].unloads_at_ms(busy=False) == 9000
+    state = fold(TaskFinished(task_id=TaskId("t1"), outcome=TaskOutcome.STOP, usage=usage, at_ms=900_000), state=state)
+    assert state.instances[INST].unloads_at_ms(busy=False) == 900_000
     # A cancelled task ends the busy time too; an older end never moves it back.
-    state = fold(assigned("t2"), TaskCancelled(task_id=TaskId("t2"), reason="gone", at_ms=12_000), state=state)
-    assert state.instances[INST].idle_since_ms == 12_000
-    state = fold(assigned("t3"), TaskCancelled(task_id=TaskId("t3"), reason="gone", at_ms=11_000), state=state)
-    assert state.instances[INST].idle_since_ms == 12_000
+    state = fold(assigned("t2"), TaskCancelled(task_id=TaskId("t2"), reason="gone", at_ms=912_000), state=state)
+    assert state.instances[INST].idle_since_ms == 912_000
+    state = fold(assigned("t3"), TaskCancelled(task_id=TaskId("t3"), reason="gone", at_ms=911_000), state=state)
+    assert state.instances[INST].idle_since_ms == 912_000
     # Kept loaded (Ollama's negative keep_alive, or placed by hand): it never unloads.
-    state = fold(InstanceKeepAliveSet(instance_id=INST, keep_alive_ms=KEEP_LOADED, at_ms=13_000), state=state)
+    state = fold(InstanceKeepAliveSet(instance_id=INST, keep_alive_ms=KEEP_LOADED, at_ms=913_000), state=state)
     assert state.instances[INST].unloads_at_ms(busy=False) is None
     assert fold(InstancePlaced(instance_id=INST, model_id=MODEL, shards=SHARDS)).instances[INST].keep_alive_ms == (
         KEEP_LOADED

@@ -987,6 +987,23 @@ def test_placing_a_model_that_does_not_fit_unloads_idle_instances_least_recently
     assert set(cluster.state.instances) == {placed["first"], InstanceId("third")}
 
 
+def test_room_is_never_made_from_an_instance_loading_for_its_request(cluster: InMemoryCluster) -> None:
+    other = msgspec.structs.replace(CARD, model_id=ModelId("acme/other"))
+    cluster.run(AddCustomModelCard(card=other))
+    cluster.join(A, 2.5)
+    loading = InstanceId("loading")
+    cluster.run(EnsureInstance(instance_id=loading, model_id=MODEL, keep_alive_ms=1, serving=NATIVE))
+    cluster.now_ms += 600_000  # slow to load: far past its keep-alive, and still not idle
+    assert idle_past_keep_alive(cluster.state, cluster.now_ms) == []
+    [refused] = cluster.run(
+        EnsureInstance(instance_id=InstanceId("other"), model_id=other.model_id, keep_alive_ms=0, serving=NATIVE)
+    )
+    assert isinstance(refused, CommandRejected) and refused.code is RejectCode.NO_CAPACITY, refused
+    assert "loading for them (loading)" in refused.reason
+    cluster.make_ready(loading)
+    assert idle_past_keep_alive(cluster.state, cluster.now_ms + 1) == [loading]
+
+
 def test_room_is_never_made_from_a_busy_instance_nor_one_kept_loaded(cluster: InMemoryCluster) -> None:
     other = msgspec.structs.replace(CARD, model_id=ModelId("acme/other"))
     cluster.run(AddCustomModelCard(card=other))
@@ -999,7 +1016,7 @@ def test_room_is_never_made_from_a_busy_instance_nor_one_kept_loaded(cluster: In
         EnsureInstance(instance_id=InstanceId("other"), model_id=other.model_id, keep_alive_ms=0, serving=NATIVE)
     )
     assert isinstance(refused, CommandRejected) and refused.code is RejectCode.NO_CAPACITY
-    assert refused.retry_after_s == 5 and "serving requests (busy)" in refused.reason
+    assert refused.retry_after_s == 5 and "serving requests or loading for them (busy)" in refused.reason
     assert busy in cluster.state.instances
     # Kept loaded until removed (placed by hand): it stays, and the placement says why, as it always did.
     cluster.run(DeleteInstance(instance_id=busy))

@@ -205,6 +205,9 @@ class RunnerStatusChanged(_Event, frozen=True):
     instance_id: ValidInstanceId
     generation: int
     runner: RunnerReport
+    at_ms: int = 0
+    """The sequencer's clock: when the last rank is ready, the instance is idle from then (0 in records from before
+    this field)."""
 
 
 class InstanceRestarting(_Event, frozen=True):

@@ -87,12 +87,12 @@ class Instance(msgspec.Struct, frozen=True, kw_only=True):
     keep_alive_ms: int = KEEP_LOADED
     """How long it stays loaded with nothing to do (`KEEP_LOADED`: until removed)."""
     idle_since_ms: int = 0
-    """When it was placed, or its latest task ended (the sequencer's clock): idle from then if no task is in
-    flight."""
+    """When it was placed, became ready, or its latest task ended (the sequencer's clock): idle from then if no
+    task is in flight."""
 
     def unloads_at_ms(self, busy: bool) -> int | None:
-        """When it unloads if nothing comes for it: None while `busy` (tasks in flight) or kept loaded."""
-        if busy or self.keep_alive_ms == KEEP_LOADED:
+        """When it unloads if nothing comes for it: None while `busy` (tasks in flight), loading, or kept loaded."""
+        if busy or not self.ready_seq or self.keep_alive_ms == KEEP_LOADED:
             return None
         return self.idle_since_ms + self.keep_alive_ms
 
@@ -464,7 +464,12 @@ def _runner_status_changed(event: events.RunnerStatusChanged, state: State) -> S
         runners.get(s.rank) is not None and runners[s.rank].status is RunnerStatus.READY for s in changing.shards
     )
     ready_seq = (changing.ready_seq or state.last_seq) if loaded else 0
-    return _update_instance(state, event.instance_id, runners=runners, ready_seq=ready_seq)
+    # Its keep-alive counts from when it could first serve: a model that took longer to load than its keep-alive
+    # must not unload before the request that placed it has run.
+    idle_since_ms = max(changing.idle_since_ms, event.at_ms) if loaded and not changing.ready_seq else None
+    if idle_since_ms is None:
+        return _update_instance(state, event.instance_id, runners=runners, ready_seq=ready_seq)
+    return _update_instance(state, event.instance_id, runners=runners, ready_seq=ready_seq, idle_since_ms=idle_since_ms)
 
 
 @_fold.register

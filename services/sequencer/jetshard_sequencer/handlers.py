@@ -626,10 +626,11 @@ def _room_made(
     serving: ServingSettings,
 ) -> tuple[list[Instance], Placement] | str | None:
     """Room for `card` made by unloading idle instances that have a keep-alive, least recently used first (the
-    fewest that make room): those instances and the placement. Never one serving or holding queued tasks, nor
-    one kept loaded until removed. Else why to retry soon, when unloading busy instances would make room (they go
-    idle in time); None when nothing would."""
+    fewest that make room): those instances and the placement. Never one serving or holding queued tasks, nor one
+    loading (for the request that placed it), nor one kept loaded until removed. Else why to retry soon, when
+    unloading busy instances would make room (they go idle in time); None when nothing would."""
     busy = {task.instance_id for task in state.tasks.values()}
+    busy |= {i.instance_id for i in state.instances.values() if not i.ready_seq}
     unloadable = sorted(
         (i for i in state.instances.values() if not i.failed and i.keep_alive_ms != KEEP_LOADED),
         key=lambda i: (i.idle_since_ms, i.instance_id),
@@ -648,8 +649,8 @@ def _room_made(
         return None
     held = sorted(i.instance_id for i in unloadable if i.instance_id in busy)
     return (
-        f"{card.model_id} needs the memory of instances that are serving requests ({_some_ids(held)}): they "
-        f"unload once idle; retry in {MAKE_ROOM_RETRY_S} s"
+        f"{card.model_id} needs the memory of instances that are serving requests or loading for them "
+        f"({_some_ids(held)}): they unload once idle; retry in {MAKE_ROOM_RETRY_S} s"
     )
 
 
@@ -708,7 +709,9 @@ def _report_runner_status(state: State, command: commands.ReportRunnerStatus, ct
             RejectCode.FORBIDDEN,
             f"node {runner.node_id} holds no rank {runner.rank} of {command.instance_id}",
         )
-    changed = events.RunnerStatusChanged(instance_id=command.instance_id, generation=command.generation, runner=runner)
+    changed = events.RunnerStatusChanged(
+        instance_id=command.instance_id, generation=command.generation, runner=runner, at_ms=ctx.now_ms
+    )
     if runner.status not in (RunnerStatus.FAILED, RunnerStatus.STOPPED):
         return [changed]
     reason = runner.reason or f"rank {runner.rank} on {runner.node_id} stopped"
