@@ -3,15 +3,16 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections import deque
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator
 from typing import TypeVar
 
 import nats.errors
 from jetshard_bus.commands import publish_command
-from jetshard_bus.follower import StateFollower
+from jetshard_bus.follower import Listener, StateFollower
 from jetshard_bus.tracing import inject
 from jetshard_schema.codec import encode
 from jetshard_schema.commands import Command
@@ -22,6 +23,8 @@ from jetshard_schema.subjects import MSG_ID_HEADER, task_subject
 from jetshard_schema.types import TaskRef, TaskRequest
 from jetshard_schema.view import EventLine, event_line
 from nats.aio.client import Client
+from nats.aio.msg import Msg
+from nats.aio.subscription import Subscription
 from nats.js import JetStreamContext
 
 from jetshard_api.errors import REJECT_STATUS, ApiError
@@ -74,10 +77,33 @@ class Cluster:
     def state(self) -> State:
         return self.follower.state
 
+    @property
+    def connected(self) -> bool:
+        """Whether the API reaches NATS now."""
+        return bool(self.client.is_connected)
+
     def require_broker(self) -> None:
         """Raise 503 at once while NATS is unreachable: a request would otherwise wait out its timeout."""
-        if not self.client.is_connected:
+        if not self.connected:
             raise broker_unavailable()
+
+    async def wait_until(self, predicate: Callable[[State], bool], timeout_s: float) -> State:
+        """The first State for which `predicate` holds (this one, or one an event makes); TimeoutError after
+        `timeout_s`."""
+        return await self.follower.wait_until(predicate, timeout_s)
+
+    @contextlib.contextmanager
+    def listening(self, listener: Listener) -> Iterator[None]:
+        """`listener` called with every event applied while inside."""
+        self.follower.add_listener(listener)
+        try:
+            yield
+        finally:
+            self.follower.remove_listener(listener)
+
+    async def subscribe(self, subject: str, on_message: Callable[[Msg], Awaitable[None]]) -> Subscription:
+        """A core NATS subscription (a task's chunks, which are not stored)."""
+        return await self.client.subscribe(subject, cb=on_message)
 
     def recent_event_lines(self) -> list[EventLine]:
         return [event_line(seq, envelope) for seq, envelope in self._recent]
@@ -154,7 +180,7 @@ class Cluster:
             try:
                 return await publish()
             except (nats.errors.Error, TimeoutError) as error:
-                if not self.client.is_connected or time.monotonic() >= deadline:
+                if not self.connected or time.monotonic() >= deadline:
                     raise broker_unavailable(f"{type(error).__name__}: {error}".rstrip(": ")) from error
                 await asyncio.sleep(0.25)
 

@@ -240,7 +240,7 @@ async def wait_ready(
         return not any(i.model_id == model_id and not i.failed for i in s.instances.values())
 
     try:
-        state = await cluster.follower.wait_until(ready_or_hopeless, settings.ready_timeout_s)
+        state = await cluster.wait_until(ready_or_hopeless, settings.ready_timeout_s)
     except TimeoutError as error:
         raise ApiError(
             504, f"{model_id} did not become ready in {settings.ready_timeout_s:.0f} s", "instance_timeout"
@@ -302,7 +302,7 @@ async def _moved(
 ) -> None:
     """Until the downloads differ from `seen`, or `within_s` passed."""
     with contextlib.suppress(TimeoutError):
-        await cluster.follower.wait_until(lambda s: downloads(s) != seen, within_s)
+        await cluster.wait_until(lambda s: downloads(s) != seen, within_s)
 
 
 async def until_pulled(cluster: Cluster, model_id: ModelId, nodes: list[NodeId], every_s: float) -> None:
@@ -321,7 +321,7 @@ async def delete_everywhere(cluster: Cluster, model_id: ModelId) -> bool:
     for node in nodes:
         await cluster.submit(commands.DeleteDownload(model_id=model_id, node_id=node))
     with contextlib.suppress(TimeoutError):
-        await cluster.follower.wait_until(
+        await cluster.wait_until(
             lambda s: all(s.download(n, model_id) is None for n in nodes), cluster.command_timeout_s
         )
     if custom:

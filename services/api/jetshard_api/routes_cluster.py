@@ -52,7 +52,7 @@ class ClusterController(Controller):
     @get("/healthz", responses={**ERROR_RESPONSES, 503: ResponseSpec(Health, description="NATS is unreachable")})
     async def healthz(self, cluster: NamedDependency[Cluster]) -> Response[Health]:
         """200 while the API reaches the message broker (NATS); 503 with the reason while it does not."""
-        if cluster.client.is_connected:
+        if cluster.connected:
             return Response(Health(status="ok", broker="connected", last_seq=cluster.state.last_seq))
         return Response(
             Health(

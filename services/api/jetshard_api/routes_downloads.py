@@ -142,9 +142,7 @@ class DownloadsController(Controller):
         node = NodeId(node_id)
         await cluster.submit(DeleteDownload(model_id=model_id, node_id=node))
         with contextlib.suppress(TimeoutError):
-            await cluster.follower.wait_until(
-                lambda state: state.download(node, model_id) is None, cluster.command_timeout_s
-            )
+            await cluster.wait_until(lambda state: state.download(node, model_id) is None, cluster.command_timeout_s)
         download = cluster.state.download(node, model_id)
         if download is None:
             return Response(DownloadDeleted(deleted=model_id, node_id=node), status_code=200)

@@ -170,7 +170,7 @@ class ModelsController(Controller):
             return record is None or record.import_id != import_id or record.progress.status is not ImportStatus.ONGOING
 
         try:
-            state = await cluster.follower.wait_until(finished, IMPORT_TIMEOUT_S)
+            state = await cluster.wait_until(finished, IMPORT_TIMEOUT_S)
         except TimeoutError as error:
             raise ApiError(504, f"the import of {model_id} did not finish in time", "import_timeout") from error
         record = state.imports.get(model_id)

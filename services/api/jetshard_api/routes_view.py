@@ -81,8 +81,7 @@ async def _view_stream(cluster: Cluster) -> AsyncIterator[ServerSentEventMessage
 
     # The recent lines and the listener are taken with no await between them: no event falls in a gap.
     recent = cluster.recent_event_lines()
-    cluster.follower.add_listener(on_event)
-    try:
+    with cluster.listening(on_event):
         for past in recent:
             yield _message("event", past)
         sent, sent_at = current_view(cluster), time.monotonic()
@@ -104,5 +103,3 @@ async def _view_stream(cluster: Cluster) -> AsyncIterator[ServerSentEventMessage
             elif time.monotonic() - sent_at >= KEEP_ALIVE_S:
                 sent_at = time.monotonic()
                 yield ServerSentEventMessage(comment="keep-alive", data=None)
-    finally:
-        cluster.follower.remove_listener(on_event)

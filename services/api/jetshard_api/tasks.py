@@ -88,7 +88,7 @@ class ChunkStream:
         self._cluster.require_broker()
         # Before the task exists, so that no chunk can come before the subscription; from any node, since which
         # one runs the task is known only once it is assigned.
-        self._subscription = await self._cluster.client.subscribe(task_chunks(self._request.task_id), cb=on_chunk)
+        self._subscription = await self._cluster.subscribe(task_chunks(self._request.task_id), on_chunk)
         return self
 
     async def __aexit__(self, *exc: object) -> None:
@@ -143,7 +143,7 @@ class ChunkStream:
         with None when it left without finishing (its instance restarted, failed or was deleted, or someone
         cancelled it), so the stream ends now instead of waiting for silence."""
         task_id = self._request.task_id
-        await self._cluster.follower.wait_until(lambda s: task_id not in s.tasks, float("inf"))
+        await self._cluster.wait_until(lambda s: task_id not in s.tasks, float("inf"))
         self._queue.put_nowait(finishing.result() if finishing.done() else None)
 
     def _gone_error(self) -> ApiError:
