@@ -31,7 +31,7 @@ from jetshard_bus.commands import publish_command
 from jetshard_bus.connect import connect
 from jetshard_bus.follower import StateFollower
 from jetshard_bus.service import run_service
-from jetshard_bus.stats import publish_stats
+from jetshard_bus.stats import interval_s, publish_stats
 from jetshard_bus.tracing import enabled as tracing_enabled
 from jetshard_schema.codec import decode_task_request, encode
 from jetshard_schema.commands import Command, ReportRunnerStatus, ReportTaskFinished, ReportTaskStarted
@@ -74,6 +74,10 @@ log = logging.getLogger(__name__)
 CHUNK_BACKLOG_BYTES = 256 * 1024
 """Unwritten chunk bytes past which the publisher waits for NATS before its next round."""
 PROGRESS_INTERVAL_S = 0.5
+COUNTERS_INTERVAL_ENV = "JETSHARD_COUNTERS_INTERVAL_S"
+DEFAULT_COUNTERS_INTERVAL_S = 10.0
+"""How often a leader reports its serving counters while they change. Each report is a command and an event kept
+for good, hence far less often than the stats (`JETSHARD_STATS_INTERVAL_S`), which are never stored."""
 
 
 def engine_loader(engine: Engine) -> LoadEngine:
@@ -163,11 +167,12 @@ class Runner:
         )
 
     async def report_counters(self) -> None:
-        """The leader's counters, every 10 s (`RunnerTestSeams.counters_interval_s`) while they change: State sees
+        """The leader's counters, every `JETSHARD_COUNTERS_INTERVAL_S` (default 10 s) while they change: State sees
         prefix-cache hits and batch sizes without an event per request."""
         reported = None
+        interval = interval_s(COUNTERS_INTERVAL_ENV, DEFAULT_COUNTERS_INTERVAL_S)
         while True:
-            await asyncio.sleep(self.test_seams.counters_interval_s)
+            await asyncio.sleep(interval)
             counters = self.counters()
             if counters != reported:
                 try:
@@ -511,7 +516,6 @@ async def _serve(
 
 
 def main() -> None:
-    time.sleep(RunnerTestSeams.from_environ(os.environ).start_delay_s)
     spec = msgspec.json.decode(sys.argv[1], type=RunnerSpec)
     spec = msgspec.structs.replace(spec, nats=spec.nats.with_secrets(os.environ))
     run_service(f"runner/{spec.plan.rank}", lambda stop: run_runner(spec, stop))

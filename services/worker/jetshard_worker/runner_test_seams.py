@@ -8,20 +8,13 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-COUNTERS_INTERVAL_ENV = "JETSHARD_COUNTERS_INTERVAL_S"
 FOLLOW_DELAY_ENV = "JETSHARD_TEST_RUNNER_FOLLOW_DELAY_S"
 DROP_CHUNKS_ENV = "JETSHARD_TEST_RUNNER_DROP_CHUNKS_FROM"
 OVERSIZE_CHUNKS_ENV = "JETSHARD_TEST_RUNNER_OVERSIZE_CHUNKS_FROM"
-START_DELAY_ENV = "JETSHARD_TEST_RUNNER_START_DELAY_S"
 
 
 @dataclass(frozen=True)
 class RunnerTestSeams:
-    start_delay_s: float = 0.0
-    """How long the runner waits before it does anything, as one whose imports are slow (seconds on a busy
-    machine): it holds open the window between a runner's launch and its start."""
-    counters_interval_s: float = 10.0
-    """How often the leader reports its serving counters (a test waits less for them)."""
     follow_delay_s: float = 0.0
     """How long the leader holds its State follower before it starts."""
     drop_chunks_from: int = -1
@@ -33,8 +26,6 @@ class RunnerTestSeams:
     @classmethod
     def from_environ(cls, environ: Mapping[str, str]) -> RunnerTestSeams:
         return cls(
-            start_delay_s=float(environ.get(START_DELAY_ENV, cls.start_delay_s)),
-            counters_interval_s=float(environ.get(COUNTERS_INTERVAL_ENV, cls.counters_interval_s)),
             follow_delay_s=float(environ.get(FOLLOW_DELAY_ENV, cls.follow_delay_s)),
             drop_chunks_from=int(environ.get(DROP_CHUNKS_ENV, cls.drop_chunks_from)),
             oversize_chunks_from=int(environ.get(OVERSIZE_CHUNKS_ENV, cls.oversize_chunks_from)),
