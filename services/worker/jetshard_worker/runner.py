@@ -376,8 +376,6 @@ class Runner:
         )
 
     def _publish_chunk(self, chunk: Chunk) -> None:
-        if self.test_seams.drops(chunk.index):
-            return
         data = encode(chunk)
         if self.test_seams.oversizes(chunk.index):
             data += b" " * self._client.max_payload  # trailing blanks: still the chunk's JSON, only too big
@@ -491,7 +489,6 @@ async def _serve(
         # Follow before reporting ready: tasks are assigned once every rank is ready, and each of them
         # must reach this follower as a live event (or be in State for pick_up below).
         follower.add_listener(runner.on_event)
-        await asyncio.sleep(runner.test_seams.follow_delay_s)
         await follower.start()
         runner.tasks.create_task(_named("the chunk publisher", runner.publish_chunks()))
         runner.tasks.create_task(_named("the request reader", runner.read_requests()))

@@ -8,17 +8,11 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-FOLLOW_DELAY_ENV = "JETSHARD_TEST_RUNNER_FOLLOW_DELAY_S"
-DROP_CHUNKS_ENV = "JETSHARD_TEST_RUNNER_DROP_CHUNKS_FROM"
 OVERSIZE_CHUNKS_ENV = "JETSHARD_TEST_RUNNER_OVERSIZE_CHUNKS_FROM"
 
 
 @dataclass(frozen=True)
 class RunnerTestSeams:
-    follow_delay_s: float = 0.0
-    """How long the leader holds its State follower before it starts."""
-    drop_chunks_from: int = -1
-    """Publish no chunk from this index on, as a NATS server that fails drops them; -1: none."""
     oversize_chunks_from: int = -1
     """Pad each chunk from this index on past the server's max_payload, so that the client refuses to publish it
     (MaxPayloadError), as it would a chunk that outgrew the limit; -1: none."""
@@ -26,13 +20,8 @@ class RunnerTestSeams:
     @classmethod
     def from_environ(cls, environ: Mapping[str, str]) -> RunnerTestSeams:
         return cls(
-            follow_delay_s=float(environ.get(FOLLOW_DELAY_ENV, cls.follow_delay_s)),
-            drop_chunks_from=int(environ.get(DROP_CHUNKS_ENV, cls.drop_chunks_from)),
             oversize_chunks_from=int(environ.get(OVERSIZE_CHUNKS_ENV, cls.oversize_chunks_from)),
         )
-
-    def drops(self, chunk_index: int) -> bool:
-        return 0 <= self.drop_chunks_from <= chunk_index
 
     def oversizes(self, chunk_index: int) -> bool:
         return 0 <= self.oversize_chunks_from <= chunk_index
