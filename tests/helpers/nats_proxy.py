@@ -1,29 +1,40 @@
-"""A NATS server that loses messages, from outside the product: a TCP proxy between one node's clients and the
-nats-server that reads the client protocol's publishes (`PUB`, `HPUB`) and drops those a test names, as a server
-that fails drops messages in flight. Everything else passes through untouched, both ways."""
+"""A NATS server that fails, from outside the product: a TCP proxy between one node's clients and the nats-server
+that reads the client protocol's publishes (`PUB`, `HPUB`) and, for those a test names, either drops them, as a
+server that fails drops messages in flight, or refuses them as a server does a payload past its limit (`-ERR
+'Maximum Payload Violation'`, then the connection is closed; the NATS client then closes for good). Everything
+else passes through untouched, both ways."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import enum
 import threading
 from collections.abc import Callable
 from types import TracebackType
 from urllib.parse import urlsplit
 
-Drops = Callable[[str, bytes], bool]
-"""Whether to drop a publish, given its subject and payload (without headers)."""
+
+class Fault(enum.Enum):
+    DROP = "drop"
+    REFUSE = "refuse"
 
 
-class LossyNatsProxy:
-    """Listens on `url`, forwards each connection to `upstream` (a nats:// URL), drops the publishes `drops`
-    names; runs its own event loop in a thread, so that blocking tests can use it. A context manager."""
+Faults = Callable[[str, bytes], Fault | None]
+"""What befalls a publish, given its subject and payload (without headers): None, it passes."""
 
-    def __init__(self, upstream: str, drops: Drops) -> None:
+PAYLOAD_REFUSED = b"-ERR 'Maximum Payload Violation'\r\n"
+"""What nats-server answers a publish past its max_payload, before it closes the connection."""
+
+
+class FaultyNatsProxy:
+    """Listens on `url`, forwards each connection to `upstream` (a nats:// URL), and has `faults` befall the
+    publishes it names; runs its own event loop in a thread, so that blocking tests can use it. A context manager."""
+
+    def __init__(self, upstream: str, faults: Faults) -> None:
         address = urlsplit(upstream)
         self._upstream = (address.hostname or "127.0.0.1", address.port or 4222)
-        self._drops = drops
-        self.dropped = 0
+        self._faults = faults
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, daemon=True)
         self._thread.start()
@@ -32,7 +43,7 @@ class LossyNatsProxy:
         ).result(10)
         self.url = f"nats://127.0.0.1:{self._server.sockets[0].getsockname()[1]}"
 
-    def __enter__(self) -> LossyNatsProxy:
+    def __enter__(self) -> FaultyNatsProxy:
         return self
 
     def __exit__(self, *_: type[BaseException] | BaseException | TracebackType | None) -> None:
@@ -55,7 +66,7 @@ class LossyNatsProxy:
             client_writer.close()
             return
         pumps = [
-            asyncio.create_task(self._client_to_server(client_reader, server_writer)),
+            asyncio.create_task(self._client_to_server(client_reader, server_writer, client_writer)),
             asyncio.create_task(_copy(server_reader, client_writer)),
         ]
         try:
@@ -66,8 +77,11 @@ class LossyNatsProxy:
             client_writer.close()
             server_writer.close()
 
-    async def _client_to_server(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        """One protocol line at a time; a publish's payload (its byte count last on its line, then CRLF) with it."""
+    async def _client_to_server(
+        self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, client: asyncio.StreamWriter
+    ) -> None:
+        """One protocol line at a time; a publish's payload (its byte count last on its line, then CRLF) with it.
+        Returns once a publish is refused: the connection is closed."""
         with contextlib.suppress(asyncio.IncompleteReadError, ConnectionError):
             while True:
                 line = await reader.readuntil(b"\r\n")
@@ -77,9 +91,13 @@ class LossyNatsProxy:
                     size = int(fields[-1])
                     body = await reader.readexactly(size + 2)
                     headers = int(fields[-2]) if operation == b"HPUB" else 0
-                    if self._drops(fields[1].decode(), body[headers:size]):
-                        self.dropped += 1
+                    fault = self._faults(fields[1].decode(), body[headers:size])
+                    if fault is Fault.DROP:
                         continue
+                    if fault is Fault.REFUSE:
+                        client.write(PAYLOAD_REFUSED)
+                        await client.drain()
+                        return
                     line += body
                 writer.write(line)
                 await writer.drain()

@@ -63,7 +63,6 @@ from nats.js import JetStreamContext
 from jetshard_worker.engines.base import LoadEngine, Refused, ServingEngine
 from jetshard_worker.publishing import NATS_ERRORS, publish_until_stored
 from jetshard_worker.runner_spec import RunnerSpec
-from jetshard_worker.runner_test_seams import RunnerTestSeams
 from jetshard_worker.task_requests import REQUEST_WAIT_S, TaskRequests
 from jetshard_worker.task_spans import TaskSpans
 from jetshard_worker.text.output import TaskOutput, row_id, split_row_id
@@ -104,7 +103,6 @@ class Runner:
         self._outbox: asyncio.Queue[tuple[str, bytes] | None] = asyncio.Queue()  # None: text is held
         self._holding: list[TaskOutput] = []
         self._outputs: dict[TaskId, TaskOutput] = {}
-        self.test_seams = RunnerTestSeams.from_environ(os.environ)
         self.tasks: asyncio.TaskGroup | None = None
         """The task group of the runner's work while it serves (run_runner); reports sent later join it."""
         self._taken: set[TaskId] = set()
@@ -376,10 +374,7 @@ class Runner:
         )
 
     def _publish_chunk(self, chunk: Chunk) -> None:
-        data = encode(chunk)
-        if self.test_seams.oversizes(chunk.index):
-            data += b" " * self._client.max_payload  # trailing blanks: still the chunk's JSON, only too big
-        self._outbox.put_nowait((chunk_subject(self.spec.node_id, chunk.task_id), data))
+        self._outbox.put_nowait((chunk_subject(self.spec.node_id, chunk.task_id), encode(chunk)))
 
     def _send_later(self, report: Command) -> None:
         """Publish `report` (until stored) without holding up the loop, in the runner's task group."""
