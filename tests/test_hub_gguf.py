@@ -9,6 +9,7 @@ and the downloader as processes; the files are written with llama.cpp's gguf-py 
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import os
 import shutil
 import subprocess
@@ -18,6 +19,7 @@ from typing import Any
 
 import gguf
 import httpx
+import ollama
 from helpers.harness import Cluster
 from helpers.hub_server import HubServer
 from jetshard_downloader.gguf import packaged_demo_gguf
@@ -89,6 +91,9 @@ async def test_a_hub_gguf_becomes_a_card_from_its_header_and_a_llama_cpp_placeme
     # Only the header was read, not the 4 MiB of tensors behind it.
     assert 0 < hub_server.bytes_served[(REPO, Q4)] < size // 2
     assert _add(api, model_id=REPO, gguf_file=Q4).status_code == 200  # known already
+    # Ollama's model list digests the model as the file's real sha256 (the Hub's LFS record).
+    listed = {m.model: m for m in ollama.Client(host=api).list().models}
+    assert listed[f"{REPO}:latest"].digest == hashlib.sha256((files / Q4).read_bytes()).hexdigest()
 
     # A second quantization of the same repo takes an id of its own; its header is longer than the first read.
     big = _add(api, model_id="jetshard-test/qwen3-big-vocab", repo=REPO, gguf_file=BIG_HEADER)

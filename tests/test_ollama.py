@@ -35,6 +35,7 @@ from jetshard_api.dialects.ollama.types import (
     tool_call_bodies,
 )
 from jetshard_api.errors import ApiError
+from jetshard_schema.models import builtin_cards
 from jetshard_schema.types import SamplingParams, ToolCall
 
 pytestmark = pytest.mark.timeout(240)
@@ -249,7 +250,9 @@ def test_tags_show_ps_and_version(client: ollama.Client, dialect_cluster: Dialec
     assert name in listed
     model = listed[name]
     assert model.size and model.size > 0 and model.details and model.details.family == "llama"
-    assert model.digest and len(model.digest) == 64
+    assert model.digest is None, "a Hub repository's files have no one hash: none is invented"
+    packaged = [card for card in builtin_cards().values() if card.source_sha256]
+    assert packaged and all(listed[f"{card.model_id}:latest"].digest == card.source_sha256 for card in packaged)
 
     shown = client.show(name)
     assert shown.capabilities is not None and {"completion", "tools", "embedding"} <= set(shown.capabilities)
@@ -272,7 +275,8 @@ def test_pull_downloads_a_model_and_delete_removes_it(
     dialect_cluster.cluster.hub.add_repo(pulled, make_tiny_model(tmp_path / "pulled", num_layers=2, num_files=2))
     progress = list(client.pull(pulled, stream=True))
     assert progress[0].status == "pulling manifest" and progress[-1].status == "success"
-    layers = [p for p in progress if p.digest]
+    layers = [p for p in progress if p.total]
+    assert all(p.digest is None for p in progress), "the tiny model has no one file whose sha256 to name"
     assert layers and layers[-1].total and layers[-1].completed == layers[-1].total
     assert f"{pulled}:latest" in [m.model for m in client.list().models]
 

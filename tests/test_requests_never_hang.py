@@ -2,16 +2,15 @@
 offline node without the model, and clients that leave before their answer is done.
 
 One cluster per module, all real processes: nats-server, a sequencer, an API and three nodes:
-* `fast` holds its runners' State follower back for a few seconds (fault injection,
-  `JETSHARD_TEST_RUNNER_FOLLOW_DELAY_S`), which opens wide the window between a runner's start and its
-  follower going live;
+* `fast` serves the window test, which stops its runner (SIGSTOP) for a few seconds as it starts: that opens wide
+  the window between a runner's launch and its instance being ready;
 * `no-hub` reaches no Hub (its downloader's `HF_ENDPOINT` is a closed port);
 * `offline` runs its downloader offline;
-* `lossy` publishes only the first chunk of each answer (fault injection,
-  `JETSHARD_TEST_RUNNER_DROP_CHUNKS_FROM`), as a NATS server that fails drops chunks in flight;
-* `oversize` pads every chunk past NATS's max_payload (fault injection,
-  `JETSHARD_TEST_RUNNER_OVERSIZE_CHUNKS_FROM`), so that its runner's chunk publisher fails for real: the NATS
-  client refuses the publish. Nothing a user can send makes a chunk that big, hence the hook.
+* `lossy` reaches NATS through a proxy that passes only the first chunk of each answer
+  (`helpers.nats_proxy`), as a NATS server that fails drops chunks in flight;
+* `refusing` reaches NATS through a proxy that refuses its runners' chunks as a server refuses a payload past its
+  limit (`-ERR 'Maximum Payload Violation'`, then it closes the connection), so that the NATS client closes for
+  good and its runner's chunk publisher fails for real.
 Placement names its nodes explicitly, so each test knows where its model lands.
 """
 
@@ -20,18 +19,23 @@ from __future__ import annotations
 import concurrent.futures
 import contextlib
 import json
+import os
+import signal
 import socket
 import threading
 import time
 from collections.abc import Iterator
 
 import httpx
+import msgspec
 import openai
 import pytest
 from helpers.harness import ChunkTap, InferenceCluster, hub_cluster, wait_for
+from helpers.nats_proxy import Fault, FaultyNatsProxy
 from helpers.tiny_models import make_tiny_model
 from jetshard_schema.events import InstanceRestarting, TaskAssigned, TaskCancelled, TaskFinished
-from jetshard_schema.types import TaskOutcome
+from jetshard_schema.subjects import CHUNK_PREFIX
+from jetshard_schema.types import Chunk, TaskOutcome
 
 ORG = "jetshard-test"
 WINDOW = f"{ORG}/tiny-window"
@@ -39,9 +43,10 @@ NO_HUB = f"{ORG}/tiny-no-hub"
 OFFLINE = f"{ORG}/tiny-offline"
 LEAVING = f"{ORG}/tiny-leaving"
 LOSSY = f"{ORG}/tiny-lossy"
-OVERSIZE = f"{ORG}/tiny-oversize"
+REFUSED = f"{ORG}/tiny-refused"
 MESSAGES = [{"role": "user", "content": "Tell me a long story about the sea."}]
-FOLLOW_DELAY_S = 4
+STOPPED_S = 4
+"""How long the window test's runner is stopped as it starts."""
 UNAVAILABLE_DEADLINE_S = 30
 
 pytestmark = pytest.mark.timeout(240)
@@ -69,22 +74,37 @@ class SilentHub:
             connection.close()
 
 
+def drop_after_the_first_chunk(subject: str, payload: bytes) -> Fault | None:
+    later = subject.startswith(f"{CHUNK_PREFIX}.") and msgspec.json.decode(payload, type=Chunk).index >= 1
+    return Fault.DROP if later else None
+
+
+def refuse_chunks(subject: str, payload: bytes) -> Fault | None:
+    return Fault.REFUSE if subject.startswith(f"{CHUNK_PREFIX}.") else None
+
+
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[InferenceCluster]:
     root = tmp_path_factory.mktemp("never-hang")
-    with hub_cluster(root) as c:
-        # Seed 0 with MESSAGES decodes greedily for well over 1,500 tokens without an EOS.
-        for seed, model_id in enumerate((LEAVING, WINDOW, NO_HUB, OFFLINE, LOSSY, OVERSIZE)):
+    with (
+        hub_cluster(root) as c,
+        FaultyNatsProxy(c.nats.url, drop_after_the_first_chunk) as lossy_nats,
+        FaultyNatsProxy(c.nats.url, refuse_chunks) as refusing_nats,
+    ):
+        # Seed 0 with MESSAGES decodes greedily for well over 1,500 tokens without an EOS (REFUSED's too: an
+        # answer that goes on after the first chunk's refusal).
+        seeds = {LEAVING: 0, WINDOW: 1, NO_HUB: 2, OFFLINE: 3, LOSSY: 4, REFUSED: 0}
+        for model_id, seed in seeds.items():
             c.hub.add_repo(model_id, make_tiny_model(root / "repos" / model_id.split("/")[1], num_files=1, seed=seed))
         c.start_core()
-        c.start_node("fast", {"JETSHARD_TEST_RUNNER_FOLLOW_DELAY_S": str(FOLLOW_DELAY_S)})
+        c.start_node("fast")
         c.silent_hub = SilentHub()  # type: ignore[attr-defined]
         c.start_node("no-hub", {"HF_ENDPOINT": c.silent_hub.url})  # type: ignore[attr-defined]
         c.start_node("offline", {"JETSHARD_OFFLINE": "1"})
-        c.start_node("lossy", {"JETSHARD_TEST_RUNNER_DROP_CHUNKS_FROM": "1"})
-        c.start_node("oversize", {"JETSHARD_TEST_RUNNER_OVERSIZE_CHUNKS_FROM": "0"})
+        c.start_node("lossy", {"JETSHARD_NATS": lossy_nats.url})
+        c.start_node("refusing", {"JETSHARD_NATS": refusing_nats.url})
         c.wait_nodes(5)
-        for model_id in (WINDOW, NO_HUB, OFFLINE, LEAVING, LOSSY, OVERSIZE):
+        for model_id in seeds:
             c.add_model(model_id)
         yield c
 
@@ -102,10 +122,17 @@ def place_on(cluster: InferenceCluster, model_id: str, node: str) -> httpx.Respo
 def test_a_task_assigned_as_its_runner_becomes_ready_is_served(
     cluster: InferenceCluster, client: openai.OpenAI
 ) -> None:
-    """The request waits for the instance and is submitted the moment it is ready, while the runner's
-    follower is still held back: the runner must see the task anyway."""
+    """The request waits for the instance and is submitted the moment it is ready, as the runner's follower
+    goes live: the runner must see the task anyway."""
     since = cluster.last_seq()
-    assert place_on(cluster, WINDOW, "fast").status_code == 201
+    response = place_on(cluster, WINDOW, "fast")
+    assert response.status_code == 201
+    instance_id = response.json()["instance_id"]
+    assert wait_for(lambda: cluster.runners_of(instance_id), timeout=90)
+    (runner,) = cluster.runners_of(instance_id)
+    os.killpg(runner.pid, signal.SIGSTOP)  # its own process group: the runner and whatever it started
+    threading.Timer(STOPPED_S, os.killpg, (runner.pid, signal.SIGCONT)).start()
+    assert cluster.get(f"/instances/{instance_id}")["status"] != "ready", "the runner was ready before it was stopped"
     started = time.monotonic()
     reply = client.chat.completions.create(model=WINDOW, messages=MESSAGES, max_tokens=4, temperature=0)
     assert reply.choices[0].finish_reason == "length"
@@ -135,23 +162,24 @@ def test_chunks_lost_after_the_task_finished_fail_the_request_soon(
 def test_a_runner_whose_chunk_publisher_fails_restarts_and_its_client_hears_so_soon(
     cluster: InferenceCluster, client: openai.OpenAI
 ) -> None:
-    """The publisher fails on the answer's first chunk: the runner exits, its worker reports it failed, the
-    instance restarts, and the request fails within seconds saying why, not after the 300 s first-chunk timeout."""
-    response = place_on(cluster, OVERSIZE, "oversize")
+    """NATS refuses the answer's first chunk and the publisher fails on the next: the runner exits, its worker
+    reports it failed, the instance restarts, and the request fails within seconds saying why, not after the 300 s
+    first-chunk timeout."""
+    response = place_on(cluster, REFUSED, "refusing")
     assert response.status_code == 201
     instance_id = response.json()["instance_id"]
     generation = cluster.wait_instance(instance_id)["generation"]
     since = cluster.last_seq()
     started = time.monotonic()
     with pytest.raises(openai.APIStatusError) as raised:
-        client.chat.completions.create(model=OVERSIZE, messages=MESSAGES, max_tokens=4, temperature=0)
+        client.chat.completions.create(model=REFUSED, messages=MESSAGES, max_tokens=200, temperature=0)
     elapsed = time.monotonic() - started
     print(f"the request failed {elapsed:.1f} s after it was sent")
     assert elapsed < 20
     assert raised.value.status_code == 502
     assert raised.value.body["code"] == "runner_failed"  # type: ignore[index]
     message = raised.value.body["message"]  # type: ignore[index]
-    assert "restarted" in message and "the chunk publisher failed: MaxPayloadError" in message, message
+    assert "restarted" in message and "the chunk publisher failed: ConnectionClosedError" in message, message
     restarting = cluster.wait_event(lambda e: isinstance(e, InstanceRestarting) and e.instance_id == instance_id, since)
     assert isinstance(restarting, InstanceRestarting) and restarting.generation == generation + 1
     assert cluster.wait_instance(instance_id, timeout=90)["generation"] == generation + 1

@@ -23,6 +23,7 @@ import msgspec
 import psutil
 import pytest
 from helpers.harness import free_port, until
+from helpers.slow_imports import slow_runner_imports
 from helpers.states import downloaded, fold
 from jetshard_bus.lifeline import lifeline_command
 from jetshard_bus.options import NatsOptions
@@ -36,7 +37,6 @@ from jetshard_schema.types import Endpoint, RunnerReport, RunnerStatus, ShardAss
 from jetshard_worker.planning import RunnerKey, RunnerPlan
 from jetshard_worker.publishing import LAST_RETRY_S, publish_until_stored, retry_delay_s
 from jetshard_worker.runner_spec import RunnerSpec
-from jetshard_worker.runner_test_seams import START_DELAY_ENV
 from jetshard_worker.runners import RunnerSupervisor, failure_reason, hold_ring_port
 from jetshard_worker.scratch import PREFIX, stale_scratch_dirs
 
@@ -189,7 +189,8 @@ NODE = NodeId("node-here")
 INSTANCE = InstanceId("inst-stopping")
 MODEL = ModelId("test/tiny")
 SLOW_START_S = 120
-"""How long each runner of these tests takes to start (`START_DELAY_ENV`): far longer than any test waits."""
+"""How long each runner of these tests takes to import its module (`slow_runner_imports`): far longer than any test
+waits."""
 
 
 def runner_processes() -> list[psutil.Process]:
@@ -227,7 +228,8 @@ async def test_a_worker_stopping_as_state_changes_leaves_no_runner_running(
 ) -> None:
     """A State change that reaches the worker as it begins to stop (an event and Ctrl-C together) wakes its runner
     supervision for one more pass; the runner it stopped must not be started again behind the stop's back."""
-    monkeypatch.setenv(START_DELAY_ENV, str(SLOW_START_S))
+    for name, value in slow_runner_imports(tmp_path / "slow", SLOW_START_S).items():
+        monkeypatch.setenv(name, value)
     _, js = bus
     state = placed_here(tmp_path)
     supervisor = RunnerSupervisor(js, NODE, "s", NatsOptions(servers=(fresh_nats.url,)), start_timeout_s=300)
@@ -278,7 +280,7 @@ def test_a_runner_still_starting_dies_with_its_worker(tmp_path: Path) -> None:
         [sys.executable, "-c", LAUNCHING_WORKER, msgspec.json.encode(spec).decode(), str(tmp_path / "runner.log")],
         stdout=subprocess.PIPE,
         text=True,
-        env={**os.environ, START_DELAY_ENV: str(SLOW_START_S)},
+        env={**os.environ, **slow_runner_imports(tmp_path / "slow", SLOW_START_S)},
     )
     try:
         assert worker.stdout is not None

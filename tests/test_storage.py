@@ -74,7 +74,6 @@ def test_read_only_wins_over_writable_including_the_default(tmp_path: Path) -> N
     assert dirs.writable == (Path("/m/a"),)
     assert dirs.read_only == (Path("/m/b"), Path("/m/default"))
     assert dirs.default_dir == Path("/m/default")
-    assert dirs.is_read_only(Path("/m/default"))
 
 
 def test_from_options_matches_env(tmp_path: Path) -> None:

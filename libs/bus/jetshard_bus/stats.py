@@ -17,12 +17,17 @@ STATS_INTERVAL_ENV = "JETSHARD_STATS_INTERVAL_S"
 DEFAULT_STATS_INTERVAL_S = 2.0
 
 
+def interval_s(name: str, default: float, environ: Mapping[str, str] = os.environ) -> float:
+    """The interval the environment variable `name` sets, in seconds (`default` where unset)."""
+    value = float(environ.get(name) or default)
+    if not value > 0:
+        raise ValueError(f"{name} must be a positive number of seconds, got {value}")
+    return value
+
+
 def stats_interval_s(environ: Mapping[str, str] = os.environ) -> float:
     """Seconds between two publishes of a service's stats: `JETSHARD_STATS_INTERVAL_S`, default 2."""
-    value = float(environ.get(STATS_INTERVAL_ENV) or DEFAULT_STATS_INTERVAL_S)
-    if not value > 0:
-        raise ValueError(f"{STATS_INTERVAL_ENV} must be a positive number of seconds, got {value}")
-    return value
+    return interval_s(STATS_INTERVAL_ENV, DEFAULT_STATS_INTERVAL_S, environ)
 
 
 async def publish_stats(client: Any, figures: Callable[[float], Stats], interval_s: float | None = None) -> None:

@@ -91,9 +91,6 @@ class ModelDirs:
         """(directory, read_only) pairs in the order models are looked for: read-only ones first."""
         return tuple((d, True) for d in self.read_only) + tuple((d, False) for d in self.writable)
 
-    def is_read_only(self, path: Path) -> bool:
-        return path in self.read_only
-
     @classmethod
     def from_options(
         cls,

@@ -148,11 +148,6 @@ def runner_environment(threads: int, environ: Mapping[str, str] = os.environ) ->
     return env
 
 
-def has_fast_blas(environ: Mapping[str, str] = os.environ) -> bool:
-    """Whether runners started here multiply with a BLAS other than MLX's reference one."""
-    return runner_blas(environ).library is not None
-
-
 def _preloading(library: Path, environ: Mapping[str, str]) -> dict[str, str]:
     return {**environ, "LD_PRELOAD": ":".join(p for p in (str(library), environ.get("LD_PRELOAD", "")) if p)}
 

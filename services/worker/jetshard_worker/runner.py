@@ -31,7 +31,7 @@ from jetshard_bus.commands import publish_command
 from jetshard_bus.connect import connect
 from jetshard_bus.follower import StateFollower
 from jetshard_bus.service import run_service
-from jetshard_bus.stats import publish_stats
+from jetshard_bus.stats import interval_s, publish_stats
 from jetshard_bus.tracing import enabled as tracing_enabled
 from jetshard_schema.codec import decode_task_request, encode
 from jetshard_schema.commands import Command, ReportRunnerStatus, ReportTaskFinished, ReportTaskStarted
@@ -63,7 +63,6 @@ from nats.js import JetStreamContext
 from jetshard_worker.engines.base import LoadEngine, Refused, ServingEngine
 from jetshard_worker.publishing import NATS_ERRORS, publish_until_stored
 from jetshard_worker.runner_spec import RunnerSpec
-from jetshard_worker.runner_test_seams import RunnerTestSeams
 from jetshard_worker.task_requests import REQUEST_WAIT_S, TaskRequests
 from jetshard_worker.task_spans import TaskSpans
 from jetshard_worker.text.output import TaskOutput, row_id, split_row_id
@@ -74,6 +73,10 @@ log = logging.getLogger(__name__)
 CHUNK_BACKLOG_BYTES = 256 * 1024
 """Unwritten chunk bytes past which the publisher waits for NATS before its next round."""
 PROGRESS_INTERVAL_S = 0.5
+COUNTERS_INTERVAL_ENV = "JETSHARD_COUNTERS_INTERVAL_S"
+DEFAULT_COUNTERS_INTERVAL_S = 10.0
+"""How often a leader reports its serving counters while they change. Each report is a command and an event kept
+for good, hence far less often than the stats (`JETSHARD_STATS_INTERVAL_S`), which are never stored."""
 
 
 def engine_loader(engine: Engine) -> LoadEngine:
@@ -100,7 +103,6 @@ class Runner:
         self._outbox: asyncio.Queue[tuple[str, bytes] | None] = asyncio.Queue()  # None: text is held
         self._holding: list[TaskOutput] = []
         self._outputs: dict[TaskId, TaskOutput] = {}
-        self.test_seams = RunnerTestSeams.from_environ(os.environ)
         self.tasks: asyncio.TaskGroup | None = None
         """The task group of the runner's work while it serves (run_runner); reports sent later join it."""
         self._taken: set[TaskId] = set()
@@ -163,11 +165,12 @@ class Runner:
         )
 
     async def report_counters(self) -> None:
-        """The leader's counters, every 10 s (`RunnerTestSeams.counters_interval_s`) while they change: State sees
+        """The leader's counters, every `JETSHARD_COUNTERS_INTERVAL_S` (default 10 s) while they change: State sees
         prefix-cache hits and batch sizes without an event per request."""
         reported = None
+        interval = interval_s(COUNTERS_INTERVAL_ENV, DEFAULT_COUNTERS_INTERVAL_S)
         while True:
-            await asyncio.sleep(self.test_seams.counters_interval_s)
+            await asyncio.sleep(interval)
             counters = self.counters()
             if counters != reported:
                 try:
@@ -371,12 +374,7 @@ class Runner:
         )
 
     def _publish_chunk(self, chunk: Chunk) -> None:
-        if self.test_seams.drops(chunk.index):
-            return
-        data = encode(chunk)
-        if self.test_seams.oversizes(chunk.index):
-            data += b" " * self._client.max_payload  # trailing blanks: still the chunk's JSON, only too big
-        self._outbox.put_nowait((chunk_subject(self.spec.node_id, chunk.task_id), data))
+        self._outbox.put_nowait((chunk_subject(self.spec.node_id, chunk.task_id), encode(chunk)))
 
     def _send_later(self, report: Command) -> None:
         """Publish `report` (until stored) without holding up the loop, in the runner's task group."""
@@ -486,7 +484,6 @@ async def _serve(
         # Follow before reporting ready: tasks are assigned once every rank is ready, and each of them
         # must reach this follower as a live event (or be in State for pick_up below).
         follower.add_listener(runner.on_event)
-        await asyncio.sleep(runner.test_seams.follow_delay_s)
         await follower.start()
         runner.tasks.create_task(_named("the chunk publisher", runner.publish_chunks()))
         runner.tasks.create_task(_named("the request reader", runner.read_requests()))
@@ -511,7 +508,6 @@ async def _serve(
 
 
 def main() -> None:
-    time.sleep(RunnerTestSeams.from_environ(os.environ).start_delay_s)
     spec = msgspec.json.decode(sys.argv[1], type=RunnerSpec)
     spec = msgspec.structs.replace(spec, nats=spec.nats.with_secrets(os.environ))
     run_service(f"runner/{spec.plan.rank}", lambda stop: run_runner(spec, stop))

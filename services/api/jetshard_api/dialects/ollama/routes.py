@@ -9,7 +9,6 @@ files onto its nodes and deleting them (`route_steps`).
 
 from __future__ import annotations
 
-import hashlib
 import re
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
@@ -58,6 +57,7 @@ from jetshard_api.dialects.ollama.types import (
     chat_task,
     done_reason,
     embed_task,
+    file_sha256,
     generate_task,
     model_id_of,
     now,
@@ -455,18 +455,15 @@ class OllamaController(DialectController):
             raise ApiError(404, f"model {data.model_name!r} not found", "model_not_found", "model")
 
 
-def _digest(model_id: ModelId, node: NodeId) -> str:
-    """Names one node's download in progress lines, where Ollama names a layer of the model."""
-    return hashlib.sha256(f"{model_id}@{node}".encode()).hexdigest()
-
-
 async def _pulling(cluster: Cluster, model_id: ModelId, nodes: list[NodeId], every_s: float) -> AsyncIterator[Progress]:
-    """A line per node's download whenever one moves (and every `every_s`), then `success`."""
+    """A line per node's download whenever one moves (and every `every_s`), then `success`. Where Ollama names the
+    layer it pulls by its digest, a line names the node, and the file's real digest where the card knows it."""
+    card = find_card(cluster.state, model_id)
+    sha256 = file_sha256(card) if card is not None else msgspec.UNSET
     async for node, progress in pulling(cluster, model_id, nodes, every_s):
-        digest = _digest(model_id, node)
         yield Progress(
-            status=f"pulling {digest[:12]}",
-            digest=f"sha256:{digest}",
+            status=f"pulling onto {node}",
+            digest=f"sha256:{sha256}" if sha256 else None,
             total=progress.bytes_total,
             completed=progress.bytes_done,
         )

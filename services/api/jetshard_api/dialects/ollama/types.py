@@ -12,7 +12,6 @@ know are ignored, as Ollama ignores them.
 
 from __future__ import annotations
 
-import hashlib
 import json
 from datetime import UTC, datetime
 from typing import Any, Literal
@@ -508,9 +507,12 @@ def _count(n: int) -> str:
     return f"{n / 10**3:.2f}K"
 
 
-def digest(card: ModelCard) -> str:
-    """Changes when the card changes, as an Ollama manifest's digest changes with the model."""
-    return hashlib.sha256(msgspec.json.encode(card)).hexdigest()
+def file_sha256(card: ModelCard) -> str | msgspec.UnsetType:
+    """The sha256 of the file the card was made from, where the card records it: a GGUF's (the first part's, when
+    split), from the Hub's LFS record or the package's, which the download checks. A Hub repository's files have no
+    one hash (each node's manifest holds theirs): no digest then, which Ollama's clients take (their `digest` is
+    optional), rather than an invented one."""
+    return card.source_sha256 or msgspec.UNSET
 
 
 class ListedModel(msgspec.Struct, frozen=True, kw_only=True):
@@ -518,7 +520,7 @@ class ListedModel(msgspec.Struct, frozen=True, kw_only=True):
     model: str
     modified_at: str
     size: int
-    digest: str
+    digest: str | msgspec.UnsetType = msgspec.UNSET
     details: ModelDetails
 
     @classmethod
@@ -529,7 +531,7 @@ class ListedModel(msgspec.Struct, frozen=True, kw_only=True):
             model=name,
             modified_at=NO_TIME,
             size=card.storage_size_bytes,
-            digest=digest(card),
+            digest=file_sha256(card),
             details=ModelDetails.of(card),
         )
 

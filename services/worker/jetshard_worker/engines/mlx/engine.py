@@ -282,7 +282,6 @@ def _smoothed(previous: float | None, sample: float) -> float:
 class EngineStats(EngineFigures):
     """What the engine did since it started: the figures the runner reports, and the pipeline's own."""
 
-    steps: int = 0  # forward passes this rank ran (prefill chunks and decode steps)
     max_prefill_rows: int = 0  # the most prompts prefilled together
     max_micro_batches: int = 0  # the most micro-batches under way around the ring at once
     # What the previous rank's hidden states came as: names, plain data like every field here (mlx's dtypes cannot
@@ -523,7 +522,6 @@ class PipelineEngine:
                         mx.eval(h, [c.state for c in cache])  # every all-reduce the leader's step runs
                     else:
                         self._link.send(header.with_payload(h), h, extra=[c.state for c in cache])
-                    self.stats.steps += 1
 
     def _run_layers(self, hidden: mx.array, cache: list[Any]) -> mx.array:
         """This rank's layers over a step's hidden states, the BLAS on as many threads as the step is worth."""
@@ -902,7 +900,6 @@ class PipelineEngine:
         # A tensor rank runs every all-reduce of the step, as the others do, though no later layer needs the last.
         mx.eval([c.state for c in cache], first.pooled, h if self._tensor else [])
         self._timing.prefilled(header.batch * header.length, time.perf_counter() - started)
-        self.stats.steps += 1
         if cohort is self._prefilling:  # else every task of it ended, and it was dropped
             self._send_prefill(cohort)
 
@@ -916,7 +913,6 @@ class PipelineEngine:
             self._read(previous)
             previous = None
         h = self._run_layers(self._arrived(hidden), self._caches.for_decode(header))
-        self.stats.steps += 1
         tokens, scores = self._sample(rows, self.shard.head(h)[:, -1, :])
         mx.async_eval(tokens, *(scores or ()))
         group.launched = _Launched(rows, tokens, scores)
