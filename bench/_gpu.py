@@ -1,12 +1,13 @@
 """What bench/gpu.sh needs from Python: the pinned wheel list for the GPU machine, the wheels made to compress well
-and checked against their RECORDs, a random-weight model in jetshard's models directory, and its card.
+and checked against their RECORDs, a random-weight model in a read-only models directory (for
+JETSHARD_MODELS_READ_ONLY_DIRS), and its card.
 
     python bench/_gpu.py requirements < export.txt > requirements.txt
     python bench/_gpu.py stored WHEELS_DIR OUT_DIR
     python bench/_gpu.py check-records WHEELS_DIR
     python bench/_gpu.py unpack ARCHIVE.tar.xz OUT_DIR
     python bench/_gpu.py model MODELS_DIR --model-id ORG/NAME [--tiny] [--rope llama3|plain]
-    python bench/_gpu.py register ROOT --model-id ORG/NAME
+    python bench/_gpu.py register ROOT MODELS_DIR --model-id ORG/NAME
     python bench/_gpu.py gpu
 
 The model is Llama-3.2-3B's shape in bfloat16 (or a tiny one of the same code path, for a dry run on a CPU), with
@@ -283,22 +284,14 @@ def write_weights(model_dir: Path, config: dict[str, Any], emittable: list[bool]
     return total
 
 
-def write_manifest(model_dir: Path, model_id: str) -> None:
-    """The record a finished jetshard download leaves (so the downloader finds the model complete offline)."""
-    from jetshard_downloader.manifest import Manifest, ManifestFile
-    from jetshard_downloader.manifest import write_manifest as write
-
-    files = sorted(p for p in model_dir.iterdir() if p.is_file() and not p.name.startswith("."))
-    with ThreadPoolExecutor(max_workers=min(16, os.cpu_count() or 1)) as pool:  # hashlib hashes off the GIL
-        digests = list(pool.map(sha256_of, files))
-    pairs = zip(files, digests, strict=True)
-    listed = tuple(ManifestFile(name=p.name, size=p.stat().st_size, sha256=d) for p, d in pairs)
-    write(model_dir, Manifest(model_id=model_id, revision="random-weights-seed-0", files=listed))
+def model_path(models_dir: Path, model_id: str) -> Path:
+    """A model's directory in a models directory: `<models dir>/<org>--<name>/` (README, "Models")."""
+    return models_dir / model_id.replace("/", "--")
 
 
 def model(models_dir: Path, model_id: str, tiny: bool, rope: str) -> Path:
-    from jetshard_downloader.paths import model_path
-
+    """The model in `models_dir`, to be named in JETSHARD_MODELS_READ_ONLY_DIRS: there a model counts as complete
+    once every file it needs exists (as a model that another tool put there), so nothing else is written."""
     config: dict[str, Any] = {**LLAMA_3_2_3B, **(TINY if tiny else {})}
     if rope == "plain":  # the same shapes and work per token, without Llama 3's frequency scaling
         del config["rope_scaling"]
@@ -313,9 +306,6 @@ def model(models_dir: Path, model_id: str, tiny: bool, rope: str) -> Path:
     started = time.monotonic()
     total = write_weights(model_dir, config, emittable)
     print(f"  weights: {total / 1e9:.2f} GB bfloat16, {time.monotonic() - started:.1f} s")
-    started = time.monotonic()
-    write_manifest(model_dir, model_id)
-    print(f"  manifest (sha256 of every file): {time.monotonic() - started:.1f} s")
     return model_dir
 
 
@@ -323,19 +313,28 @@ def model(models_dir: Path, model_id: str, tiny: bool, rope: str) -> Path:
 
 
 def card_body(model_dir: Path, model_id: str) -> dict:
-    """The card `POST /models` takes: the one the Hub's metadata would give, marked a local import (the only
-    kind of card a client may supply; the downloader then serves the files already in the models directory)."""
-    import msgspec
-    from jetshard_schema.card_from_config import card_from_hub_metadata
-    from jetshard_schema.cards import ModelSource
-
+    """The card `POST /models` takes, read from the model's config.json and index as the Hub's metadata would
+    give it, marked a local import (the only kind of card a client may supply; the downloader then serves the
+    files already in the model directories)."""
     config = json.loads((model_dir / "config.json").read_text())
     index = json.loads((model_dir / "model.safetensors.index.json").read_text())
-    sizes = {p.name: p.stat().st_size for p in model_dir.glob("*.safetensors")}
-    card = msgspec.structs.replace(
-        card_from_hub_metadata(model_id, config, index, sizes), source=ModelSource.LOCAL_GGUF, source_ref=str(model_dir)
-    )
-    return {"model_id": model_id, "card": msgspec.to_builtins(card)}
+    card = {
+        "model_id": model_id,
+        "num_layers": config["num_hidden_layers"],
+        "hidden_size": config["hidden_size"],
+        "num_attention_heads": config["num_attention_heads"],
+        "num_key_value_heads": config["num_key_value_heads"],
+        "vocab_size": config["vocab_size"],
+        "architecture": config["model_type"],
+        "storage_size_bytes": index["metadata"]["total_size"],
+        "context_length": config["max_position_embeddings"],
+        "checkpoint_dtype": config["torch_dtype"],
+        "is_custom": True,
+        "display_name": model_id.split("/", 1)[1],
+        "source": "local-gguf",
+        "source_ref": str(model_dir),
+    }
+    return {"model_id": model_id, "card": card}
 
 
 @contextmanager
@@ -355,6 +354,7 @@ def cluster_without_model(root: Path) -> Iterator[str]:
     }
     port = free_port()
     command = [sys.executable, "-m", "jetshard", "up", "--offline", "--no-model", "--nats-port", str(free_port())]
+    root.mkdir(parents=True, exist_ok=True)
     with open(root / "register.log", "wb") as log:
         up = subprocess.Popen(
             [*command, "--port", str(port)], stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
@@ -367,17 +367,20 @@ def cluster_without_model(root: Path) -> Iterator[str]:
         stop_group(up)
 
 
-def register(root: Path, model_id: str) -> None:
+def register(root: Path, models_dir: Path, model_id: str) -> None:
+    """Add the card of the model in `models_dir` to the cluster kept in `root`, and say what its node computes on."""
     import httpx
-    from jetshard_downloader.paths import model_path
 
-    body = card_body(model_path(root / "models", model_id), model_id)
+    body = card_body(model_path(models_dir, model_id), model_id)
     with cluster_without_model(root) as api:
         answer = httpx.post(f"{api}/models", json=body, timeout=60)
         if answer.status_code not in (200, 201):
             raise SystemExit(f"POST /models: {answer.status_code} {answer.text}")
         card = answer.json()
         print(f"  card: {model_id}, {card.get('num_layers')} layers, {card.get('storage_size_bytes', 0) / 1e9:.2f} GB")
+        [node] = httpx.get(f"{api}/nodes", timeout=10).json()
+        profile = node["profile"]
+        print(f"  jetshard's node: accelerator {profile['accelerator']}, GPUs {[g['name'] for g in profile['gpus']]}")
 
 
 # ------------------------------------------------------------------------------------------ the GPU
@@ -391,16 +394,9 @@ print(mx.default_device(), mx.cuda.is_available() if hasattr(mx, "cuda") else ""
 
 
 def gpu() -> None:
-    """Whether mlx computes on the GPU in a runner's environment, and what jetshard's node profile says."""
-    from jetshard_bus.node import node_profile
-    from jetshard_worker.cuda import cuda_runner_environment
-
-    done = subprocess.run(
-        [sys.executable, "-c", GPU_PROBE], env=cuda_runner_environment(), capture_output=True, text=True
-    )
+    """Whether mlx computes on the GPU, with the NVIDIA libraries on LD_LIBRARY_PATH as a runner has them."""
+    done = subprocess.run([sys.executable, "-c", GPU_PROBE], capture_output=True, text=True)
     print(f"   mlx: {done.stdout.strip() or done.stderr.strip()[-2000:]}")
-    profile = node_profile()
-    print(f"   jetshard's node: accelerator {profile.accelerator}, GPUs {[g.name for g in profile.gpus]}")
     if done.returncode:
         raise SystemExit("mlx cannot compute here")
 
@@ -423,10 +419,11 @@ def main() -> None:
     p.add_argument("--model-id", required=True)
     p.add_argument("--tiny", action="store_true")
     p.add_argument("--rope", choices=("llama3", "plain"), default="llama3", help="rope_scaling as Llama 3.2's, or none")
-    p = sub.add_parser("register", help="add the model's card to the cluster kept in ROOT")
+    p = sub.add_parser("register", help="add the card of the model in MODELS_DIR to the cluster kept in ROOT")
     p.add_argument("root", type=Path)
+    p.add_argument("models_dir", type=Path)
     p.add_argument("--model-id", required=True)
-    sub.add_parser("gpu", help="check mlx computes on the GPU; the node's profile")
+    sub.add_parser("gpu", help="check mlx computes on the GPU")
     args = parser.parse_args()
     if args.command == "requirements":
         print("\n".join(requirements(sys.stdin.read().splitlines())))
@@ -439,7 +436,7 @@ def main() -> None:
     elif args.command == "model":
         print(f"  model directory: {model(args.models_dir, args.model_id, args.tiny, args.rope)}")
     elif args.command == "register":
-        register(args.root, args.model_id)
+        register(args.root, args.models_dir, args.model_id)
     else:
         gpu()
 

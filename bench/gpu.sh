@@ -27,8 +27,10 @@
 #   run:   checks part 2's, reassembles the archive and checks its sha256, unpacks it and checks every wheel's files
 #          against its RECORD, installs them offline (no index, no dependency resolution: the pins are the lock's),
 #          puts the repo's workspace packages on the venv's path, checks mlx computes on the GPU, generates the model
-#          (bench/_gpu.py model), adds its card to a fresh cluster's history (bench/_gpu.py register) and runs
-#          bench/compare.py on it; figures, timings and logs go to $OUT (compare.txt, steps.txt, *.log).
+#          (bench/_gpu.py model) in a read-only models directory (JETSHARD_MODELS_READ_ONLY_DIRS, where a model
+#          counts as complete once its files exist), adds its card to a fresh cluster's history (bench/_gpu.py
+#          register, which prints what jetshard's node computes on) and runs bench/compare.py on it; figures,
+#          timings and logs go to $OUT (compare.txt, steps.txt, *.log).
 #
 #   bench/gpu.sh --dry-run   # here, no GPU: every step that needs none (see dry_run below)
 #
@@ -47,6 +49,7 @@ STASH="$WORK/stash"
 UNPACKED="$WORK/wheels"
 VENV="$WORK/venv"
 OUT="${OUT:-$WORK/out}"
+export JETSHARD_MODELS_READ_ONLY_DIRS="$WORK/compare/read-only-models"   # the generated model, for every jetshard
 MODEL_ID="bench/Llama-3.2-3B-random"
 TINY_ID="bench/Llama-tiny-random"
 GPU_COMPARE_DEFAULT="--max-tokens 256 --rounds 3 --wide-rounds 2"
@@ -217,7 +220,7 @@ link_workspace() {
     local site
     site=$("$VENV/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
     printf '%s\n' "$ROOT"/libs/* "$ROOT"/services/* "$ROOT/src" > "$site/jetshard-workspace.pth"
-    "$VENV/bin/python" -c 'import jetshard.up.command, jetshard_api.app, jetshard_downloader.service, jetshard_worker.cuda'
+    "$VENV/bin/python" -m jetshard --version
     say "   workspace importable from the venv ($(wc -l < "$site/jetshard-workspace.pth") paths)"
 }
 
@@ -241,25 +244,32 @@ stage() {
     step "make the venv" make_venv python3
 }
 
-# The image's nvidia-* libraries on LD_LIBRARY_PATH for every process of the run. jetshard gives them to its runners
-# (jetshard_worker/cuda.py), but the worker imports mlx.core itself (jetshard_worker.runners -> engine.distributed),
-# and mlx's RPATH looks for them only beside mlx, in the venv: without this the worker dies on libnccl.so.2.
+# The image's nvidia-* libraries (every `nvidia/*/lib` directory of the venv's Python path) on LD_LIBRARY_PATH for
+# every process of the run. jetshard gives them to its runners (README: runners find the NVIDIA libraries pip
+# installed in any site directory), but the worker imports mlx.core itself, and mlx's RPATH looks for them only
+# beside mlx, in the venv: without this the worker dies on libnccl.so.2.
 nvidia_libraries() {
-    LD_LIBRARY_PATH=$("$VENV/bin/python" -c \
-        'from jetshard_worker.cuda import cuda_runner_environment as e; print(e().get("LD_LIBRARY_PATH", ""))')
+    LD_LIBRARY_PATH=$("$VENV/bin/python" -c 'import glob, os, sys
+dirs = [d for p in sys.path for d in sorted(glob.glob(os.path.join(p or ".", "nvidia/*/lib")))]
+print(os.pathsep.join(dict.fromkeys([*dirs, *filter(None, [os.environ.get("LD_LIBRARY_PATH")])])))')
     export LD_LIBRARY_PATH
-    say "   $(tr ':' '\n' <<< "$LD_LIBRARY_PATH" | grep -c .) nvidia/*/lib directories on LD_LIBRARY_PATH"
-    "$VENV/bin/python" -c 'import jetshard_worker.service'
+    say "   $(tr ':' '\n' <<< "$LD_LIBRARY_PATH" | grep -c nvidia/) nvidia/*/lib directories on LD_LIBRARY_PATH"
+    "$VENV/bin/python" -c 'import mlx.core'
 }
 
-# mlx computes on the GPU, and jetshard's node sees it (NVML). Where NVML sees none (gVisor without it) the node
-# reports a CPU, and placement would dequantize to float32 if a BLAS probe passes: JETSHARD_BLAS=0 then keeps the
-# checkpoint's bfloat16 (the runners compute on the GPU either way: mlx's CUDA build is installed).
+# mlx computes on the GPU.
 check_gpu() {
     local report
     report=$("$VENV/bin/python" "$BENCH/_gpu.py" gpu 2>&1) || { say "$report"; exit 1; }
     say "$report"
-    if ! grep -q 'accelerator cuda' <<< "$report"; then
+}
+
+# jetshard's node sees the GPU (NVML), by the profile `register` printed from GET /nodes. Where NVML sees none
+# (gVisor without it) the node reports a CPU, and placement would dequantize to float32 if a BLAS probe passes:
+# JETSHARD_BLAS=0 then keeps the checkpoint's bfloat16 (the runners compute on the GPU either way: mlx's CUDA
+# build is installed).
+node_on_gpu() {
+    if ! grep -q "jetshard's node: accelerator cuda" "$STEPS"; then
         say "   WARNING: by its profile the node computes on its CPU; JETSHARD_BLAS=0 keeps placement at bfloat16"
         export JETSHARD_BLAS=0
     fi
@@ -269,11 +279,14 @@ generate_model() {  # PYTHON MODEL_ID [--tiny]
     local py="$1" id="$2"
     shift 2
     rm -rf "$WORK/compare"
-    "$py" "$BENCH/_gpu.py" model "$WORK/compare/jetshard/models" --model-id "$id" --rope "${GPU_MODEL_ROPE:-llama3}" "$@" \
-        | tee -a "$STEPS"
+    "$py" "$BENCH/_gpu.py" model "$JETSHARD_MODELS_READ_ONLY_DIRS" --model-id "$id" \
+        --rope "${GPU_MODEL_ROPE:-llama3}" "$@" | tee -a "$STEPS"
 }
 
-register_model() { "$1" "$BENCH/_gpu.py" register "$WORK/compare/jetshard" --model-id "$2" | tee -a "$STEPS"; }
+register_model() {
+    "$1" "$BENCH/_gpu.py" register "$WORK/compare/jetshard" "$JETSHARD_MODELS_READ_ONLY_DIRS" --model-id "$2" \
+        | tee -a "$STEPS"
+}
 
 run_compare() {  # PYTHON MODEL_ID ARGS...
     local py="$1" id="$2" status=0
@@ -306,6 +319,7 @@ run() {
     step "mlx on the GPU" check_gpu
     step "generate the model ($MODEL_ID)" generate_model "$VENV/bin/python" "$MODEL_ID"
     step "add its card" register_model "$VENV/bin/python" "$MODEL_ID"
+    step "jetshard's node on the GPU" node_on_gpu
     local args
     read -r -a args <<< "${GPU_COMPARE_ARGS:-$GPU_COMPARE_DEFAULT}"
     step "bench/compare.py ${args[*]}" run_compare "$VENV/bin/python" "$MODEL_ID" "${args[@]}"
