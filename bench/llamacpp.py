@@ -2,9 +2,9 @@
 
 Two sides, both started for each model, loaded in turn (never both at once): every round runs on one side then the
 other, the order swapped each round, so a drift in the machine's speed weighs on both alike:
-  * llama-server: the build's `llama-server` on 127.0.0.1 and a free port, `--slots` slots over `--ctx-size` tokens
-    of context (by default what jetshard gives its slots; its other settings its defaults: threads, batch sizes,
-    samplers, the CPU variant ggml picks);
+  * llama-server: the `llama-server` of the build `jetshard engines status` names, on 127.0.0.1 and a free port,
+    `--slots` slots over `--ctx-size` tokens of context (by default what jetshard gives its slots; its other
+    settings its defaults: threads, batch sizes, samplers, the CPU variant ggml picks);
   * jetshard: `jetshard up --offline --no-model` in a temporary directory, the GGUF imported (`jetshard models
     import-gguf`; the demo is built in), then placed with `POST /instances` and `"engine": "llama.cpp"`; the
     bench stops with the API's answer if the cluster cannot place it on llama.cpp.
@@ -33,10 +33,12 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import json
 import os
 import random
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -52,25 +54,31 @@ from _common import (
     Figures,
     Messages,
     concurrent_streams,
+    demo_gguf,
     figures,
+    free_port,
     jetshard_env,
     jetshard_up,
     machine_line,
     ms,
+    stop_group,
     table,
     wait,
 )
 from gguf_models import llama_1b_ggufs
-from jetshard_schema.placement import LLAMA_CPP_SLOT_CONTEXT
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
-from helpers.gguf_models import file_type_of, llama_cpp_bin_dir, llama_server
+from helpers.gguf_models import file_type_of
 
 SIDES = ("llama-server", "jetshard")
 TOK_S_GOAL = 0.9
 TTFT_GOAL = 1.2
 GOAL_STREAMS = (1, 8)
 LLAMA_CPP = "llama.cpp"
+SERVER_TIMEOUT_S = 600
+SLOT_CONTEXT = 4096
+"""The context jetshard gives one llama-server slot, for a model whose own is longer (README, the llama.cpp engine:
+"at most 4096 tokens a slot"): the anchor's by default."""
 
 
 @dataclass(frozen=True)
@@ -83,19 +91,80 @@ class BenchModel:
     built_in: bool = False
 
 
-def _demo_gguf() -> Path:
-    from jetshard_downloader.gguf import packaged_demo_gguf
-
-    return packaged_demo_gguf()
-
-
 MODELS = {
-    "demo": BenchModel("demo", _demo_gguf, DEMO, built_in=True),
+    "demo": BenchModel("demo", demo_gguf, DEMO, built_in=True),
     "1b-q4_0": BenchModel("1b-q4_0", lambda: llama_1b_ggufs(["Q4_0"])["Q4_0"], "local/llama-3.2-1b-shape-Q4_0"),
     "1b-q4_k_m": BenchModel(
         "1b-q4_k_m", lambda: llama_1b_ggufs(["Q4_K_M"])["Q4_K_M"], "local/llama-3.2-1b-shape-Q4_K_M"
     ),
 }
+
+
+@dataclass(frozen=True)
+class LlamaCppBuild:
+    """The llama.cpp build jetshard's workers run on this machine, as `jetshard engines status` names it; its
+    executables run from `root`, as jetshard runs them (ggml looks for its CPU variants in the current directory
+    too)."""
+
+    llama_server: Path
+
+    @property
+    def root(self) -> Path:
+        return self.llama_server.parent.parent
+
+    @property
+    def rpc_server(self) -> Path:
+        return self.llama_server.parent / "ggml-rpc-server"
+
+
+def llama_cpp_build() -> LlamaCppBuild:
+    done = subprocess.run(
+        [sys.executable, "-m", "jetshard", "engines", "status", "--json"], capture_output=True, text=True
+    )
+    if done.returncode != 0:
+        sys.exit(f"`jetshard engines status` failed:\n{done.stdout[-2000:]}{done.stderr[-2000:]}")
+    [engine] = [e for e in json.loads(done.stdout) if e["engine"] == LLAMA_CPP]
+    if not engine["ready"]:
+        sys.exit("no llama.cpp build passed its probe here: run `jetshard engines build llama.cpp` first")
+    return LlamaCppBuild(Path(engine["llama_server"]))
+
+
+def start(command: Sequence[str], log: Path, env: dict[str, str] | None = None, **popen: object) -> subprocess.Popen:
+    """`command` in a process group of its own (so that `stop_group` ends it and all it started), output to `log`."""
+    with open(log, "ab") as out:
+        return subprocess.Popen(  # type: ignore[call-overload]
+            list(command), stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True, **popen
+        )
+
+
+def tail(log: Path, chars: int = 3000) -> str:
+    return log.read_text(errors="replace")[-chars:] if log.exists() else ""
+
+
+def flag(command: Sequence[str], name: str) -> str:
+    return command[command.index(name) + 1]
+
+
+@contextlib.contextmanager
+def llama_server(
+    build: LlamaCppBuild, arguments: list[str], log: Path, name: str
+) -> Iterator[tuple[Side, subprocess.Popen]]:
+    """`arguments` (a llama-server command line on 127.0.0.1) run from the build's root; yields its side and
+    process once it has loaded its model."""
+    port = int(flag(arguments, "--port"))
+    process = start(arguments, log, cwd=build.root)
+
+    def healthy() -> bool:
+        if process.poll() is not None:
+            raise RuntimeError(f"{name} exited:\n{tail(log)}")
+        return httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200
+
+    try:
+        wait(healthy, SERVER_TIMEOUT_S, f"{name} loading its model")
+        yield Side(name, f"http://127.0.0.1:{port}/v1", "default", {"ignore_eos": True}), process
+    finally:
+        stop_group(process, sig=signal.SIGTERM, grace_s=10)
+
 
 Cases = dict[int, list[list[Messages]]]
 """Per number of concurrent streams, its rounds, each the prompts sent at once."""
@@ -161,8 +230,10 @@ def anchor_side(model: BenchModel, path: Path, args: argparse.Namespace, root: P
     log = root / f"llama-server-{model.name}.log"
     server_args = ["-c", str(args.ctx_size), "-np", str(args.slots)]
     print(f"llama-server {' '.join(server_args)} on {path.name}; {load_line()}", flush=True)
-    with llama_server(path, log, *server_args, ready_timeout_s=600) as (url, server):
-        yield Side("llama-server", f"{url}/v1", "default", {"ignore_eos": True})
+    build = llama_cpp_build()
+    command = [str(build.llama_server), "--model", str(path), "--host", "127.0.0.1", "--port", str(free_port())]
+    with llama_server(build, [*command, *server_args], log, "llama-server") as (side, server):
+        yield side
         print(f"  llama-server: {_server_facts(server.pid, log)}", flush=True)
 
 
@@ -280,12 +351,12 @@ def main() -> None:
         "--ctx-size",
         type=int,
         help="llama-server's context over all slots (-c) [default: what jetshard gives its slots, "
-        f"--slots x {LLAMA_CPP_SLOT_CONTEXT}]",
+        f"--slots x {SLOT_CONTEXT}]",
     )
     parser.add_argument("--ready-timeout", type=float, default=1800, help="seconds jetshard's instance may take")
     parser.add_argument("--work-dir", type=Path, help="keep logs and jetshard's directories here")
     args = parser.parse_args()
-    args.ctx_size = args.ctx_size or args.slots * LLAMA_CPP_SLOT_CONTEXT
+    args.ctx_size = args.ctx_size or args.slots * SLOT_CONTEXT
     models = [m.strip() for m in args.models.split(",") if m.strip()]
     sides = [s.strip() for s in args.sides.split(",") if s.strip()]
     streams = [int(s) for s in args.streams.split(",")]
@@ -295,7 +366,9 @@ def main() -> None:
     root = args.work_dir or Path(tempfile.mkdtemp(prefix="jetshard-llamacpp-"))
     root.mkdir(parents=True, exist_ok=True)
     print(machine_line())
-    print(f"llama.cpp build: {llama_cpp_bin_dir()}; max_tokens {args.max_tokens}, temperature 0, rounds {args.rounds}")
+    print(
+        f"llama.cpp build: {llama_cpp_build().root}; max_tokens {args.max_tokens}, temperature 0, rounds {args.rounds}"
+    )
     rng = random.Random(time.time_ns())
     results: dict[tuple[str, str], dict[int, Figures]] = {}
     started = time.monotonic()

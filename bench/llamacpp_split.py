@@ -11,10 +11,10 @@ round runs on each side, the order reversed every other round, so a drift in the
     h2 the helper (ggml-rpc-server behind jetshard's TLS tunnel). The instance's layer ranges are printed.
   * llama-server split (the anchor): the same build's `ggml-rpc-server -H <h2's address> -p 50052 -c` on h2 (its
     file cache in a fresh directory, SIGPIPE ignored as jetshard starts it), and on h1 `llama-server --rpc
-    <h2>:50052` with exactly jetshard's split (`--n-gpu-layers`/`--tensor-split` from the instance's layer ranges,
-    `offload_arguments`) and the flags jetshard's own llama-server runs with (`--parallel`, `--ctx-size`,
-    `--cache-ram`, read from its command line): upstream doing the same work over plain TCP.
-  * llama-server on one host: the same llama-server on h1 alone, same flags without `--rpc`: what the split costs.
+    <h2>:50052` with jetshard's own llama-server's command line (read from /proc: `--parallel`, `--ctx-size`,
+    `--cache-ram`, ... and its split, `--n-gpu-layers`/`--tensor-split`), its `--rpc` pointed at h2 instead of
+    jetshard's tunnel: upstream doing the same work over plain TCP.
+  * llama-server on one host: the same llama-server on h1 alone, same flags without the split: what it costs.
 Load: 1 and 4 concurrent streams (`--streams`), `--rounds` rounds each, every request a fresh chat (no prompt cache
 helps), streamed through the official `openai` client at temperature 0, `max_tokens` 32 (and `ignore_eos` on
 llama-server). Figures: output tok/s (a round's tokens over its whole time, first request sent to last token) and
@@ -52,18 +52,22 @@ from llamacpp import (
     LLAMA_CPP,
     MODELS,
     BenchModel,
+    LlamaCppBuild,
     Side,
+    flag,
+    llama_cpp_build,
+    llama_server,
     load_line,
     measure,
     place_on_llama_cpp,
     ratio,
+    start,
+    tail,
     unique_chats,
 )
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 from helpers.gguf_models import file_type_of
-from jetshard_worker.engines.llamacpp.probe import ReadyBuild, ready_build
-from jetshard_worker.engines.llamacpp.server import ServerSettings, offload_arguments
 
 JETSHARD = "jetshard split"
 ANCHOR = "llama-server split"
@@ -71,9 +75,10 @@ ONE_HOST = "llama-server one host"
 SIDES = (JETSHARD, ANCHOR, ONE_HOST)
 TOK_S_GOAL = 0.9
 RPC_PORT = 50052
+SPLIT_FLAGS = ("--rpc", "--n-gpu-layers", "--tensor-split")
+"""The flags of jetshard's leader that split the model over its helpers (`--rpc`: its tunnels to them)."""
 JOIN_TOKEN = re.compile(r"jetshard up --lan --join-token (\S+)")
 CLUSTER_TIMEOUT_S = 300
-SERVER_TIMEOUT_S = 600
 INSIDE = "--inside"
 """Marks the run inside h1; the environment names h2 and the working directory (`ENV_*`)."""
 ENV_H1_ADDRESS, ENV_H2, ENV_H2_ADDRESS = "LLAMACPP_SPLIT_H1_ADDRESS", "LLAMACPP_SPLIT_H2", "LLAMACPP_SPLIT_H2_ADDRESS"
@@ -93,18 +98,6 @@ class Peer:
 
     def command(self, args: Sequence[str]) -> list[str]:
         return ["ip", "netns", "exec", self.namespace, *args]
-
-
-def start(command: Sequence[str], log: Path, env: dict[str, str] | None = None, **popen: object) -> subprocess.Popen:
-    """`command` in a process group of its own (so that `stop_group` ends it and all it started), output to `log`."""
-    with open(log, "ab") as out:
-        return subprocess.Popen(  # type: ignore[call-overload]
-            list(command), stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True, **popen
-        )
-
-
-def tail(log: Path, chars: int = 3000) -> str:
-    return log.read_text(errors="replace")[-chars:] if log.exists() else ""
 
 
 # ------------------------------------------------------------------------------------------- jetshard split
@@ -203,16 +196,12 @@ def leader_command_line(cluster: Cluster) -> list[str]:
     return servers[0].cmdline()
 
 
-def flag(command: Sequence[str], name: str) -> str:
-    return command[command.index(name) + 1]
-
-
 @contextlib.contextmanager
 def jetshard_split_side(
     cluster: Cluster, peer: Peer, model: BenchModel, path: Path, timeout_s: float
-) -> Iterator[tuple[list[tuple[int, int]], list[str]]]:
-    """The model placed over h1 and h2; yields its layer ranges in rank order and its leader's llama-server command
-    line. Deleted afterwards, so that the next model has the nodes' memory."""
+) -> Iterator[list[str]]:
+    """The model placed over h1 and h2; yields its leader's llama-server command line. Deleted afterwards, so that
+    the next model has the nodes' memory."""
     if not model.built_in:
         # On both hosts, as a user with the file on both machines does: an offline cluster copies no model between
         # nodes (and a copy over the LAN is not what this bench measures).
@@ -222,7 +211,7 @@ def jetshard_split_side(
     try:
         ranges = layer_ranges(instance)
         print(f"  {JETSHARD}: layers {ranges} on h1, h2 (rank order); {instance.get('serving')}", flush=True)
-        yield ranges, leader_command_line(cluster)
+        yield leader_command_line(cluster)
     finally:
         httpx.delete(f"{cluster.api}/instances/{instance['instance_id']}", timeout=60)
 
@@ -231,18 +220,16 @@ def jetshard_split_side(
 
 
 @contextlib.contextmanager
-def rpc_server(build: ReadyBuild, peer: Peer, root: Path, name: str) -> Iterator[str]:
+def rpc_server(build: LlamaCppBuild, peer: Peer, root: Path, name: str) -> Iterator[str]:
     """Upstream's helper on h2: `ggml-rpc-server -H <h2> -p RPC_PORT -c`, its file cache in a fresh directory;
     yields `host:port` once it listens."""
     cache = root / f"rpc-cache-{name}"
     cache.mkdir(parents=True, exist_ok=True)
     log = root / f"rpc-server-{name}.log"
-    command = peer.command([str(build.build.rpc_server), "-H", peer.address, "-p", str(RPC_PORT), "-c"])
+    command = peer.command([str(build.rpc_server), "-H", peer.address, "-p", str(RPC_PORT), "-c"])
     # restore_signals=False: it inherits Python's ignored SIGPIPE, as jetshard starts it (bench/RPC_FACTS.md, 1):
     # a client that leaves while it writes would kill it otherwise.
-    process = start(
-        command, log, {**os.environ, "LLAMA_CACHE": str(cache)}, cwd=build.build.root, restore_signals=False
-    )
+    process = start(command, log, {**os.environ, "LLAMA_CACHE": str(cache)}, cwd=build.root, restore_signals=False)
 
     def listening() -> bool:
         if process.poll() is not None:
@@ -258,48 +245,26 @@ def rpc_server(build: ReadyBuild, peer: Peer, root: Path, name: str) -> Iterator
         stop_group(process, sig=signal.SIGTERM, grace_s=10)
 
 
-def anchor_arguments(build: ReadyBuild, path: Path, jetshard_leader: Sequence[str], port: int) -> list[str]:
-    """llama-server with the flags jetshard's leader runs with (slots, context, prompt cache), on this GGUF."""
-    slots = int(flag(jetshard_leader, "--parallel"))
-    settings = ServerSettings(
-        binary=build.llama_server,
-        working_dir=build.build.root,
-        model=path,
-        slots=slots,
-        context_per_slot=int(flag(jetshard_leader, "--ctx-size")) // slots,
-        prompt_cache_bytes=int(flag(jetshard_leader, "--cache-ram")) * 2**20,
-    )
-    return settings.arguments(port)
+def anchor_arguments(jetshard_leader: Sequence[str], path: Path, port: int) -> list[str]:
+    """The command line of jetshard's leader (its slots, context, prompt cache and every other flag) on this GGUF
+    and `port`, without its split."""
+    arguments = list(jetshard_leader)
+    for name in SPLIT_FLAGS:
+        if name in arguments:
+            del arguments[arguments.index(name) : arguments.index(name) + 2]
+    arguments[arguments.index("--model") + 1] = str(path)
+    arguments[arguments.index("--port") + 1] = str(port)
+    return arguments
 
 
-def split_arguments(
-    ranges: Sequence[tuple[int, int]], helpers: Sequence[str], jetshard_leader: Sequence[str]
-) -> list[str]:
-    """`--rpc` and the offload flags that give each helper its range of layers, as jetshard's runner computes them;
-    checked against the flags jetshard's leader really got, so that both sides split alike."""
-    offload = offload_arguments([end - start for start, end in ranges[1:]])
-    for name, value in zip(offload[::2], offload[1::2], strict=True):
-        if flag(jetshard_leader, name) != value:
-            raise RuntimeError(f"jetshard's leader runs with {name} {flag(jetshard_leader, name)}, not {value}")
-    return ["--rpc", ",".join(helpers), *offload]
-
-
-@contextlib.contextmanager
-def llama_server(build: ReadyBuild, arguments: list[str], log: Path, name: str) -> Iterator[Side]:
-    """`arguments` (a llama-server command line on 127.0.0.1) run in h1 from the build's root; yields its side."""
-    port = int(flag(arguments, "--port"))
-    process = start(arguments, log, cwd=build.build.root)
-
-    def healthy() -> bool:
-        if process.poll() is not None:
-            raise RuntimeError(f"{name} exited:\n{tail(log)}")
-        return httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200
-
-    try:
-        wait(healthy, SERVER_TIMEOUT_S, f"{name} loading its model")
-        yield Side(name, f"http://127.0.0.1:{port}/v1", "default", {"ignore_eos": True})
-    finally:
-        stop_group(process, sig=signal.SIGTERM, grace_s=10)
+def split_arguments(helpers: Sequence[str], jetshard_leader: Sequence[str]) -> list[str]:
+    """`--rpc` to `helpers` and the offload flags jetshard's leader got: each helper takes the range of layers it
+    takes in jetshard's instance."""
+    return [
+        "--rpc",
+        ",".join(helpers),
+        *(part for name in SPLIT_FLAGS[1:] for part in (name, flag(jetshard_leader, name))),
+    ]
 
 
 # ---------------------------------------------------------------------------------------------- report
@@ -349,7 +314,7 @@ def report(results: dict[tuple[str, str], dict[int, Figures]], models: Sequence[
 
 
 def bench_model(
-    model: BenchModel, cluster: Cluster, build: ReadyBuild, peer: Peer, args: argparse.Namespace, root: Path
+    model: BenchModel, cluster: Cluster, build: LlamaCppBuild, peer: Peer, args: argparse.Namespace, root: Path
 ) -> dict[str, dict[int, Figures]]:
     """All three sides up for `model`, measured in turn; their figures by side."""
     path = model.path()
@@ -358,14 +323,14 @@ def bench_model(
     # The same fresh prompts for every side: none has seen them.
     cases = {n: [unique_chats(n, rng) for _ in range(args.rounds)] for n in args.streams}
     with contextlib.ExitStack() as sides:
-        ranges, leader = sides.enter_context(jetshard_split_side(cluster, peer, model, path, args.ready_timeout))
+        leader = sides.enter_context(jetshard_split_side(cluster, peer, model, path, args.ready_timeout))
         jetshard = Side(JETSHARD, f"{cluster.api}/v1", model.jetshard_id, None)
         helper = sides.enter_context(rpc_server(build, peer, root, model.name))
-        split = anchor_arguments(build, path, leader, free_port()) + split_arguments(ranges, [helper], leader)
+        split = anchor_arguments(leader, path, free_port()) + split_arguments([helper], leader)
         print(f"  {ANCHOR}: {' '.join(split[1:])}", flush=True)
-        anchor = sides.enter_context(llama_server(build, split, root / f"anchor-{model.name}.log", ANCHOR))
-        alone = anchor_arguments(build, path, leader, free_port())
-        one_host = sides.enter_context(llama_server(build, alone, root / f"one-host-{model.name}.log", ONE_HOST))
+        anchor, _ = sides.enter_context(llama_server(build, split, root / f"anchor-{model.name}.log", ANCHOR))
+        alone = anchor_arguments(leader, path, free_port())
+        one_host, _ = sides.enter_context(llama_server(build, alone, root / f"one-host-{model.name}.log", ONE_HOST))
         measured = measure([jetshard, anchor, one_host], cases, args.max_tokens)
     # jetshard's dialects take no `ignore_eos`: an answer that ended early shows here, and weighs on its tok/s.
     answered = ", ".join(f"{side} {sum(f.tokens for f in per.values())}" for side, per in measured.items())
@@ -375,12 +340,10 @@ def bench_model(
 
 def inside(args: argparse.Namespace) -> None:
     """In h1: the cluster once, then every model's three sides; the report."""
-    build = ready_build()
-    if build is None:
-        sys.exit("no llama.cpp build passed its probe here: run `jetshard engines build llama.cpp` first")
+    build = llama_cpp_build()
     peer = Peer(os.environ[ENV_H2], os.environ[ENV_H2_ADDRESS], os.environ[ENV_H1_ADDRESS])
     root = Path(os.environ[ENV_ROOT])
-    print(f"llama.cpp build: {build.build.root}; max_tokens {args.max_tokens}, temperature 0, rounds {args.rounds}")
+    print(f"llama.cpp build: {build.root}; max_tokens {args.max_tokens}, temperature 0, rounds {args.rounds}")
     results: dict[tuple[str, str], dict[int, Figures]] = {}
     started = time.monotonic()
     with jetshard_cluster(peer, root) as cluster:

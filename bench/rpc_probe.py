@@ -518,9 +518,9 @@ def exp_throughput(h2: str, h3: str, a2: str, a3: str) -> None:
     rpc = f"{a2}:{RPC_PORT},{a3}:{RPC_PORT}"
     demo = None
     with contextlib.suppress(Exception):
-        from jetshard_downloader.gguf import find_packaged_gguf
+        from _common import demo_gguf
 
-        demo = Path(find_packaged_gguf())
+        demo = demo_gguf()
     models = [WORK / "tiny4-f16.gguf", WORK / "mid4-f16.gguf"] + ([demo] if demo else [])
     for model in models:
         row = {}
