@@ -1,13 +1,16 @@
 """The fast CPU path, measured: float32 matmul GFLOP/s and demo-model decode tok/s at batch 1 and 8, with the
-reference BLAS of the mlx[cpu] wheel and with the BLAS a runner loads (jetshard_worker.blas), for the 4-bit
-checkpoint and its float32 dequantization.
+reference BLAS of the mlx[cpu] wheel and with the BLAS a runner loads, for the 4-bit checkpoint and its float32
+dequantization.
 
     .venv/bin/python bench/cpu_blas.py [--steps 32] [--blas LIBRARY ...]
 
-Each measurement runs in a fresh process started with `runner_environment` (JETSHARD_BLAS=0 for the
-reference, JETSHARD_BLAS=LIBRARY for each other candidate named with --blas), so the BLAS is chosen before MLX
-loads, exactly as for a runner; a candidate that fails the runner's probe here (SIGILL) is reported as such.
-Decode is mlx-lm's own model forward on a (B, 1) batch with a KV cache (no jetshard engine), after a 16-token prompt.
+First `jetshard up` serves the demo on MLX (in a temporary directory, offline): the demo as jetshard converts it is
+the 4-bit checkpoint, and its runner's library variables (LD_PRELOAD, the BLAS threads; read from /proc) say
+which BLAS a runner loads. Each measurement then runs in a fresh process: without a preload for the reference,
+with the runner's variables for the runner's BLAS, with LD_PRELOAD=LIBRARY (and the runner's threads) for each
+other candidate named with --blas, so the BLAS is chosen before MLX loads, exactly as for a runner; a candidate
+that fails here (SIGILL) is reported as such. Decode is mlx-lm's own model forward on a (B, 1) batch with a KV
+cache (no jetshard engine), after a 16-token prompt.
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from jetshard_worker.blas import blas_threads, runner_blas, runner_environment
+from _common import DEMO, jetshard_up, mlx_only_env, model_directory, runner_library_env, runner_pids
 
 BATCHES = (1, 8)
 
@@ -61,15 +64,19 @@ def decode_tps(model_dir: str, batch: int, steps: int) -> float:
     return batch * steps / (time.perf_counter() - start)
 
 
-def prepare(root: Path) -> tuple[Path, Path]:
-    """The demo GGUF converted as jetshard converts it, and mlx-lm's float32 dequantization of that."""
-    from jetshard_downloader.gguf import convert_gguf, packaged_demo_gguf
+def prepare(root: Path) -> tuple[Path, Path, dict[str, str]]:
+    """The demo as jetshard converts it for MLX, mlx-lm's float32 dequantization of that, and the library
+    variables jetshard's runner got."""
     from mlx_lm import convert
 
-    quantized, dequantized = root / "q4", root / "float32"
-    convert_gguf(packaged_demo_gguf(), quantized)
+    with jetshard_up(root / "jetshard", DEMO, env=mlx_only_env(root)) as (_, up):
+        runners = runner_pids(up.pid)
+        if not runners:
+            raise RuntimeError("no runner of jetshard's found: its environment says which BLAS a runner loads")
+        library_env = runner_library_env(runners[0])
+    quantized, dequantized = model_directory(root / "jetshard" / "models", DEMO), root / "float32"
     convert(str(quantized), str(dequantized), dequantize=True, dtype="float32")
-    return quantized, dequantized
+    return quantized, dequantized, library_env
 
 
 def measure_in_child(env: dict[str, str], what: list[str]) -> float:
@@ -93,25 +100,24 @@ def main() -> None:
 
     with tempfile.TemporaryDirectory(prefix="jetshard-cpu-blas-") as tmp:
         root = Path(tmp)
-        quantized, dequantized = prepare(root)
-        threads = blas_threads(os.cpu_count() or 1, 1)
+        quantized, dequantized, library_env = prepare(root)
         base = {k: v for k, v in os.environ.items() if k != "JETSHARD_BLAS"}
-        chosen = runner_blas(base)
-        print(f"machine: {os.cpu_count()} cores; runner BLAS: {chosen.describe()}")
-        envs = {
-            "reference BLAS": runner_environment(threads, {**base, "JETSHARD_BLAS": "0"}),
-            "runner BLAS": runner_environment(threads, base),
-        }
+        threads = {k: v for k, v in library_env.items() if k.endswith("_NUM_THREADS")}
+        print(f"machine: {os.cpu_count()} cores; runner's library variables: {library_env or 'none'}")
+        envs = {"reference BLAS": base, "runner BLAS": {**base, **library_env}}
         for library in args.blas:
-            candidate = runner_blas({**base, "JETSHARD_BLAS": library})
-            if candidate.library is None:
-                print(f"{library}: fails here (see the warning above), not measured")
+            if not Path(library).is_file():  # the loader would skip it silently, and measure the reference
+                print(f"{library}: no such file, not measured")
                 continue
-            print(f"{library}: {candidate.describe()}")
-            envs[Path(library).name] = runner_environment(threads, {**base, "JETSHARD_BLAS": library})
+            preload = ":".join(p for p in (library, base.get("LD_PRELOAD", "")) if p)
+            envs[Path(library).name] = {**base, **threads, "LD_PRELOAD": preload}
         results: dict[str, float] = {}
         for name, env in envs.items():
-            results[f"{name}: float32 matmul 1024 GFLOP/s"] = measure_in_child(env, ["gflops"])
+            try:
+                results[f"{name}: float32 matmul 1024 GFLOP/s"] = measure_in_child(env, ["gflops"])
+            except subprocess.CalledProcessError as error:  # a library built for another processor: SIGILL
+                print(f"{name}: fails here ({error}), not measured")
+                continue
             for label, model_dir in (("4-bit", quantized), ("float32", dequantized)):
                 for batch in BATCHES:
                     key = f"{name}: {label} decode tok/s at batch {batch}"
