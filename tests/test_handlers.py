@@ -987,6 +987,32 @@ def test_placing_a_model_that_does_not_fit_unloads_idle_instances_least_recently
     assert set(cluster.state.instances) == {placed["first"], InstanceId("third")}
 
 
+def test_a_node_s_first_report_since_an_instance_loaded_is_kept_so_that_unloading_it_makes_room(
+    cluster: InMemoryCluster,
+) -> None:
+    """The last report State kept came while the instance loaded (half its memory taken); the next ones moved too
+    little to be kept. Unless the first since it loaded is kept, placement would count the instance as still to
+    come, and making room by unloading it would give back only what it had not taken yet."""
+    other = msgspec.structs.replace(CARD, model_id=ModelId("acme/other"))
+    cluster.run(AddCustomModelCard(card=other))
+
+    def report(available_gib: float) -> ReportNodeProfile:
+        return ReportNodeProfile(node_id=A, session_id="s1", profile=profile(available_gib, total_gib=8))
+
+    cluster.run(report(2.8))
+    first = InstanceId("first")  # 1.6 GiB, as each card here
+    cluster.run(EnsureInstance(instance_id=first, model_id=MODEL, keep_alive_ms=600_000, serving=NATIVE))
+    cluster.run(report(1.5))  # while it loads
+    cluster.make_ready(first)
+    loaded = report(1.2)  # less than 5 % of the node moved
+    assert cluster.run(loaded) == [NodeUpdated(node_id=A, profile=loaded.profile)]
+    assert cluster.run(loaded) == []  # and only the first
+    placed = cluster.run(
+        EnsureInstance(instance_id=InstanceId("other"), model_id=other.model_id, keep_alive_ms=0, serving=NATIVE)
+    )
+    assert [type(e) for e in placed] == [InstanceDeleted, InstancePlaced], placed
+
+
 def test_room_is_never_made_from_an_instance_loading_for_its_request(cluster: InMemoryCluster) -> None:
     other = msgspec.structs.replace(CARD, model_id=ModelId("acme/other"))
     cluster.run(AddCustomModelCard(card=other))

@@ -137,7 +137,12 @@ def _report_node_profile(state: State, command: commands.ReportNodeProfile, ctx:
             joined,
             *(_restart_or_fail(state, state.instances[i], reason, ctx) for i in on_node),
         ]
-    elif profile_changed_meaningfully(known.profile, command.profile):
+    elif profile_changed_meaningfully(known.profile, command.profile) or any(
+        known.profile_seq <= state.instances[i].ready_seq for i in on_node
+    ):
+        # Also the first report since an instance here loaded, however little memory moved: until State holds one,
+        # placement counts the instance's memory as still to come (on top of what the last report saw of its
+        # loading), and cannot give it back when it unloads to make room.
         emitted = [events.NodeUpdated(node_id=command.node_id, profile=command.profile)]
     else:
         return []

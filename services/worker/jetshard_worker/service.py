@@ -13,9 +13,15 @@ from jetshard_bus.connect import connect
 from jetshard_bus.follower import StateFollower
 from jetshard_bus.node import keep_alive, local_address, node_id_for, node_profile, unused_gpu_hint
 from jetshard_schema.commands import ReportNodeProfile
-from jetshard_schema.events import CustomModelCardAdded, CustomModelCardDeleted, EventEnvelope
+from jetshard_schema.events import (
+    CustomModelCardAdded,
+    CustomModelCardDeleted,
+    EventEnvelope,
+    InstanceDeleted,
+    RunnerStatusChanged,
+)
 from jetshard_schema.state import State
-from jetshard_schema.types import NodeProfile
+from jetshard_schema.types import NodeProfile, RunnerReport, RunnerStatus
 
 from jetshard_worker.blas import runner_blas
 from jetshard_worker.cards import CardDirectory
@@ -41,12 +47,21 @@ async def run_worker(config: WorkerConfig, stop: asyncio.Event) -> None:
         config.advertise_host or local_address(client),
     )
 
+    memory_moved = asyncio.Event()
+    """Set when a runner here has loaded its model, or an instance left: the memory report goes out now, so that
+    placement counts the loaded model as taken, and the memory an unloaded one gave back, at once."""
+
     def on_event(envelope: EventEnvelope, state: State, live: bool) -> None:
         match envelope.event:
             case CustomModelCardAdded(card=card):
                 cards.write(card)
             case CustomModelCardDeleted(model_id=model_id):
                 cards.remove(model_id)
+            case RunnerStatusChanged(runner=RunnerReport(node_id=runner_node, status=RunnerStatus.READY)):
+                if runner_node == node_id:
+                    memory_moved.set()
+            case InstanceDeleted():
+                memory_moved.set()
         if live:
             supervisor.on_state(state)
 
@@ -66,7 +81,9 @@ async def run_worker(config: WorkerConfig, stop: asyncio.Event) -> None:
     if (hint := unused_gpu_hint(profile)) is not None:
         log.warning("%s", hint)
     reporting = asyncio.create_task(
-        _report_profile(js, node_id, session_id, profile, measure, engines, config.profile_interval_s, stop)
+        _report_profile(
+            js, node_id, session_id, profile, measure, engines, memory_moved, config.profile_interval_s, stop
+        )
     )
     building = (
         asyncio.create_task(build_llama_cpp(engines, config.llama_cpp_cpu_variants))
@@ -103,22 +120,25 @@ async def _report_profile(  # type: ignore[no-untyped-def]
     first: NodeProfile,
     measure: Callable[[], NodeProfile],
     engines: NodeEngines,
+    memory_moved: asyncio.Event,
     interval_s: float,
     stop: asyncio.Event,
 ) -> None:
-    """Report the profile now, periodically and as soon as the engines change; the sequencer keeps only
-    meaningful changes."""
+    """Report the profile now, periodically and as soon as the engines change or memory moved; the sequencer keeps
+    only meaningful changes."""
     profile = first
     while not stop.is_set():
         try:
             await publish_command(js, ReportNodeProfile(node_id=node_id, session_id=session_id, profile=profile))
         except Exception as error:
             log.warning("profile report failed: %s", error)
-        waits = [asyncio.ensure_future(stop.wait()), asyncio.ensure_future(engines.changed.wait())]
+        events = (stop, engines.changed, memory_moved)
+        waits = [asyncio.ensure_future(event.wait()) for event in events]
         await asyncio.wait(waits, timeout=interval_s, return_when=asyncio.FIRST_COMPLETED)
         for wait in waits:
             wait.cancel()
         engines.changed.clear()
+        memory_moved.clear()
         # NVML's queries can take a while on an idle GPU: off the loop that beats the node's liveness.
         profile = msgspec.structs.replace(
             await asyncio.to_thread(measure), fast_blas=first.fast_blas, engines=engines.engines
