@@ -369,6 +369,11 @@ def test_a_node_waits_for_the_lower_node_fetching_the_whole_model_from_the_hub()
     assert awaited_sources(quiet, NodeId("n3"), model, ModelFormat.GGUF, 4) == ["n1", "n2"]
     assert awaited_sources(quiet, NodeId("n1"), model, ModelFormat.GGUF, 4) == []
     assert awaited_sources(quiet, NodeId("n3"), model, ModelFormat.MLX, 4) == []  # another form (and shards)
+    # MLX's runners of a model that has only a GGUF convert it: each of their nodes fetches the GGUF whole.
+    on_mlx = msgspec.structs.replace(placed, serving=ServingSettings(engine=Engine.MLX))
+    converting = msgspec.structs.replace(quiet, instances={placed.instance_id: on_mlx})
+    assert awaited_sources(converting, NodeId("n2"), model, ModelFormat.GGUF, 4) == []
+    assert awaited_sources(converting, NodeId("n2"), model, ModelFormat.GGUF, 4, mlx_from_gguf=True) == ["n1"]
     # A node that has it all (an import, here) but has not reported it in its storage yet: a source on its way.
     imported = DownloadProgress(status=DownloadStatus.COMPLETED, end_layer=4, formats=(ModelFormat.GGUF,))
     state = _state({"n9": NodeStorage(file_server=server), "n1": NodeStorage(file_server=server)}, {"n9": imported})

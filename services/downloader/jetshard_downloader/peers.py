@@ -60,7 +60,7 @@ HUB_FETCHING = (DownloadStatus.PENDING, DownloadStatus.ONGOING)
 
 
 def awaited_sources(
-    state: State, node_id: NodeId, model_id: ModelId, form: ModelFormat, num_layers: int
+    state: State, node_id: NodeId, model_id: ModelId, form: ModelFormat, num_layers: int, mlx_from_gguf: bool = False
 ) -> list[NodeId]:
     """Nodes about to be sources of all of `model_id` in `form`, for `node_id` to wait for rather than go to the
     Hub. So that each file crosses from the Hub once however many nodes need it at the same time, the node with the
@@ -68,7 +68,8 @@ def awaited_sources(
     or about to (asked for it and not begun, or holding a shard of an instance of the model and not yet reporting
     a download: the shards of one placement start together). Also any node that has all of it (fetched, copied or
     imported) but whose storage report, which makes it a source, has not come yet. A GGUF is fetched whole for any
-    shard; the MLX files of a shard's layers never make a node a source of the whole model."""
+    shard, of llama.cpp's or (`mlx_from_gguf`: the model has no MLX weights) of MLX's, which converts it; the MLX
+    files of a shard's layers never make a node a source of the whole model."""
 
     def whole(start_layer: int, end_layer: int) -> bool:
         return form is ModelFormat.GGUF or (start_layer <= 0 and end_layer >= num_layers)
@@ -90,7 +91,8 @@ def awaited_sources(
         if (fetching and other < node_id) or unreported:
             awaited.add(other)
     for instance in state.instances.values():
-        if instance.model_id != model_id or engine_format(instance.serving.engine) is not form:
+        fetched = engine_format(instance.serving.engine)
+        if instance.model_id != model_id or (fetched is not form and not (mlx_from_gguf and form is ModelFormat.GGUF)):
             continue
         for shard in instance.shards:
             other = shard.node_id
