@@ -296,8 +296,8 @@ Event = (
 )
 
 
-class EventEnvelope(msgspec.Struct, frozen=True, kw_only=True):
-    """What is stored in JETSHARD_EVENTS. `index`/`count`: this event's place among its command's events."""
+class _Envelope(msgspec.Struct, frozen=True, kw_only=True):
+    """Where an event stands: `index`/`count`: its place among its command's events."""
 
     command_id: ValidCommandId
     command_seq: int
@@ -305,15 +305,15 @@ class EventEnvelope(msgspec.Struct, frozen=True, kw_only=True):
     index: int
     count: int
     at_ms: int
+
+
+class EventEnvelope(_Envelope, frozen=True, kw_only=True):
+    """What is stored in JETSHARD_EVENTS."""
+
     event: Event
 
 
-class RawEventEnvelope(msgspec.Struct, frozen=True, kw_only=True):
+class RawEventEnvelope(_Envelope, frozen=True, kw_only=True):
     """The envelope with its event left undecoded, so an event type from a newer version can be skipped."""
 
-    command_id: ValidCommandId
-    command_seq: int
-    index: int
-    count: int
-    at_ms: int
     event: msgspec.Raw
