@@ -193,28 +193,29 @@ class InstanceDeleted(_Event, frozen=True):
     reason: str
 
 
-class RunnerEndpointReported(_Event, frozen=True):
+class _GenerationEvent(_Event, frozen=True):
+    """About one generation of an instance's runners (a whole-instance restart begins the next)."""
+
     instance_id: ValidInstanceId
     generation: int
+
+
+class RunnerEndpointReported(_GenerationEvent, frozen=True):
     node_id: ValidNodeId
     rank: int
     endpoint: Endpoint
 
 
-class RunnerStatusChanged(_Event, frozen=True):
-    instance_id: ValidInstanceId
-    generation: int
+class RunnerStatusChanged(_GenerationEvent, frozen=True):
     runner: RunnerReport
     at_ms: int = 0
     """The sequencer's clock: when the last rank is ready, the instance is idle from then (0 in records from before
     this field)."""
 
 
-class InstanceRestarting(_Event, frozen=True):
+class InstanceRestarting(_GenerationEvent, frozen=True):
     """Every rank stops; runners start again for `generation` no earlier than `not_before_ms`."""
 
-    instance_id: ValidInstanceId
-    generation: int
     attempt: int
     not_before_ms: int
     reason: str
