@@ -193,28 +193,29 @@ class InstanceDeleted(_Event, frozen=True):
     reason: str
 
 
-class RunnerEndpointReported(_Event, frozen=True):
+class _GenerationEvent(_Event, frozen=True):
+    """About one generation of an instance's runners (a whole-instance restart begins the next)."""
+
     instance_id: ValidInstanceId
     generation: int
+
+
+class RunnerEndpointReported(_GenerationEvent, frozen=True):
     node_id: ValidNodeId
     rank: int
     endpoint: Endpoint
 
 
-class RunnerStatusChanged(_Event, frozen=True):
-    instance_id: ValidInstanceId
-    generation: int
+class RunnerStatusChanged(_GenerationEvent, frozen=True):
     runner: RunnerReport
     at_ms: int = 0
     """The sequencer's clock: when the last rank is ready, the instance is idle from then (0 in records from before
     this field)."""
 
 
-class InstanceRestarting(_Event, frozen=True):
+class InstanceRestarting(_GenerationEvent, frozen=True):
     """Every rank stops; runners start again for `generation` no earlier than `not_before_ms`."""
 
-    instance_id: ValidInstanceId
-    generation: int
     attempt: int
     not_before_ms: int
     reason: str
@@ -296,8 +297,8 @@ Event = (
 )
 
 
-class EventEnvelope(msgspec.Struct, frozen=True, kw_only=True):
-    """What is stored in JETSHARD_EVENTS. `index`/`count`: this event's place among its command's events."""
+class _Envelope(msgspec.Struct, frozen=True, kw_only=True):
+    """Where an event stands: `index`/`count`: its place among its command's events."""
 
     command_id: ValidCommandId
     command_seq: int
@@ -305,15 +306,15 @@ class EventEnvelope(msgspec.Struct, frozen=True, kw_only=True):
     index: int
     count: int
     at_ms: int
+
+
+class EventEnvelope(_Envelope, frozen=True, kw_only=True):
+    """What is stored in JETSHARD_EVENTS."""
+
     event: Event
 
 
-class RawEventEnvelope(msgspec.Struct, frozen=True, kw_only=True):
+class RawEventEnvelope(_Envelope, frozen=True, kw_only=True):
     """The envelope with its event left undecoded, so an event type from a newer version can be skipped."""
 
-    command_id: ValidCommandId
-    command_seq: int
-    index: int
-    count: int
-    at_ms: int
     event: msgspec.Raw

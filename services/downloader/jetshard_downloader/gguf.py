@@ -27,7 +27,7 @@ import numpy as np
 
 from .gguf_header import check_gguf_header
 from .gguf_tokenizer import to_python, write_tokenizer
-from .manifest import fsync_dir
+from .manifest import fsync, fsync_dir
 
 __all__ = [
     "SMOLLM2_GGUF_DISTRIBUTION",
@@ -275,14 +275,6 @@ def _plan_shards(units: dict[int, dict[str, mx.array]], max_shard_bytes: int) ->
     return shards
 
 
-def _fsync(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def _write_json(path: Path, data: Any) -> None:
     path.write_text(json.dumps(data, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
 
@@ -349,7 +341,7 @@ def convert_gguf(
         for i, shard in enumerate(shards, start=1):
             filename = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
             mx.save_safetensors(str(tmp / filename), shard, metadata={"format": "mlx"})
-            _fsync(tmp / filename)
+            fsync(tmp / filename)
             for name, tensor in shard.items():
                 weight_map[name] = filename
                 total_size += tensor.nbytes
@@ -369,7 +361,7 @@ def convert_gguf(
         report("writing tokenizer", 1.0)
 
         for path in tmp.iterdir():
-            _fsync(path)
+            fsync(path)
         fsync_dir(tmp)
         # rename(2) would also replace an empty directory created meanwhile; that is harmless.
         os.rename(tmp, out_dir)

@@ -73,15 +73,20 @@ def read_manifest(model_dir: Path) -> Manifest | None:
     return manifest
 
 
+def fsync(path: Path) -> None:
+    """Make what was written to the file at `path` durable."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 def fsync_dir(path: Path) -> None:
     """Make the entries just renamed into or removed from the directory `path` durable: best effort, since not
     every platform can fsync a directory (Windows)."""
     with contextlib.suppress(OSError):
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+        fsync(path)
 
 
 def write_manifest(model_dir: Path, manifest: Manifest) -> Path:

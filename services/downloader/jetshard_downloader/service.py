@@ -258,6 +258,8 @@ class Downloader:
         if config.offline:
             self.environ["JETSHARD_OFFLINE"] = "1"
         self.offline = is_offline(self.environ)
+        self.hub_access: dict[str, Any] = {"token": config.token, "endpoint": config.endpoint, "environ": self.environ}
+        """What each call into `fetch` needs to reach the Hub."""
         self.running: dict[ModelId, _Job] = {}
         self.locks: dict[ModelId, asyncio.Lock] = collections.defaultdict(asyncio.Lock)
         self.generation: dict[ModelId, int] = collections.defaultdict(int)
@@ -553,31 +555,20 @@ class Downloader:
         if attempt == 0:
             await self._report(job, DownloadStatus.PENDING, bytes_total=card.storage_size_bytes)
         repo = hub_gguf_ref(card).repo
-        kwargs: dict[str, Any] = {"token": self.config.token, "endpoint": self.config.endpoint, "environ": self.environ}
-        listing = await asyncio.to_thread(list_remote_files, repo, cancel=job.cancel, **kwargs)
+        listing = await asyncio.to_thread(list_remote_files, repo, cancel=job.cancel, **self.hub_access)
         files = hub_gguf_files(card, listing)
         job.transferring = True
-        needed = sum(remote.size or 0 for remote, _ in files)
-        choice = await self._choose_directory(job, needed)
-        log.info(
-            "downloading %s from %s: %s, %d bytes into %s%s",
-            job.model_id,
-            repo,
-            ", ".join(remote.name for remote, _ in files),
-            needed,
-            choice.model_dir,
-            " (resuming)" if choice.resumes else "",
-        )
-        await self._with_progress(
+        model_dir = await self._write_into_chosen(
             job,
-            lambda on_progress, _on_target: fetch_hub_gguf(
-                card, listing, files, choice.model_dir, on_progress=on_progress, cancel=job.cancel, **kwargs
+            sum(remote.size or 0 for remote, _ in files),
+            f"downloading {job.model_id} from {repo}: {', '.join(remote.name for remote, _ in files)}",
+            lambda model_dir, on_progress: fetch_hub_gguf(
+                card, listing, files, model_dir, on_progress=on_progress, cancel=job.cancel, **self.hub_access
             ),
-            choice.model_dir,
         )
         if job.form is ModelFormat.GGUF:
-            await self._report_completed(job, card, await self._written_into(job, card, choice.model_dir))
-        return choice.model_dir
+            await self._report_completed(job, card, await self._written_into(job, card, model_dir))
+        return model_dir
 
     async def _make(
         self,
@@ -635,6 +626,18 @@ class Downloader:
             await asyncio.wait({reporter}, timeout=REPORT_TIMEOUT_S)
             reporter.cancel()
 
+    async def _write_into_chosen(
+        self, job: _Job, needed: int, what: str, work: Callable[[Path, ProgressCallback], object]
+    ) -> Path:
+        """Run blocking `work(model_dir, on_progress)`, which writes `needed` bytes into the model directory chosen
+        for them, while publishing its progress; that directory. `what` says in the log what is written."""
+        choice = await self._choose_directory(job, needed)
+        log.info("%s, %d bytes into %s%s", what, needed, choice.model_dir, " (resuming)" if choice.resumes else "")
+        await self._with_progress(
+            job, lambda on_progress, _on_target: work(choice.model_dir, on_progress), choice.model_dir
+        )
+        return choice.model_dir
+
     async def _choose_directory(self, job: _Job, needed: int) -> Choice:
         """The models directory `job` downloads `needed` bytes into (the job reserves them there), one choice at a
         time so that two jobs never count the same free space."""
@@ -667,15 +670,19 @@ class Downloader:
         job.source = "hub"
         if attempt == 0:
             await self._report(job, DownloadStatus.PENDING)
-        kwargs: dict[str, Any] = {"token": self.config.token, "endpoint": self.config.endpoint, "environ": self.environ}
-        listing = await asyncio.to_thread(list_remote_files, job.model_id, cancel=job.cancel, **kwargs)
+        listing = await asyncio.to_thread(list_remote_files, job.model_id, cancel=job.cancel, **self.hub_access)
         job.transferring = True
         names = [f.name for f in listing.files]
         sizes = {f.name: f.size or 0 for f in listing.files}
         index = None
         if INDEX_NAME in sizes:
             raw = await asyncio.to_thread(
-                fetch_bytes, job.model_id, listing.revision, INDEX_NAME, size=sizes[INDEX_NAME] or None, **kwargs
+                fetch_bytes,
+                job.model_id,
+                listing.revision,
+                INDEX_NAME,
+                size=sizes[INDEX_NAME] or None,
+                **self.hub_access,
             )
             index = json.loads(raw)
             weights = set(index.get("weight_map", {}).values())
@@ -686,32 +693,21 @@ class Downloader:
             report = ReportModelSize(node_id=self.node_id, model_id=job.model_id, storage_size_bytes=measured)
             await self.publish(report)
         files = listing.select(required_files(names, index, card.num_layers, job.start, job.end))
-        needed = sum(f.size or 0 for f in files)
-        choice = await self._choose_directory(job, needed)
-        log.info(
-            "downloading %s layers [%d, %d): %d files, %d bytes into %s%s",
-            job.model_id,
-            job.start,
-            job.end,
-            len(files),
-            needed,
-            choice.model_dir,
-            " (resuming)" if choice.resumes else "",
-        )
-        await self._with_progress(
+        model_dir = await self._write_into_chosen(
             job,
-            lambda on_progress, _on_target: fetch_files(
+            sum(f.size or 0 for f in files),
+            f"downloading {job.model_id} layers [{job.start}, {job.end}): {len(files)} files",
+            lambda model_dir, on_progress: fetch_files(
                 job.model_id,
                 listing.revision,
-                choice.model_dir,
+                model_dir,
                 files,
                 on_progress=on_progress,
                 cancel=job.cancel,
-                **kwargs,
+                **self.hub_access,
             ),
-            choice.model_dir,
         )
-        await self._report_completed(job, card, await self._written_into(job, card, choice.model_dir))
+        await self._report_completed(job, card, await self._written_into(job, card, model_dir))
 
     # --- copies from other nodes ---------------------------------------------------------------------------
 
@@ -800,35 +796,25 @@ class Downloader:
         needed = sum(listed[name].size for name in names)
         job.source = source.node_id
         await self._report(job, DownloadStatus.PENDING, bytes_total=needed)
-        choice = await self._choose_directory(job, needed)
-        log.info(
-            "copying %s (%s) from node %s: %d files, %d bytes into %s%s",
-            job.model_id,
-            form,
-            source.node_id,
-            len(names),
-            needed,
-            choice.model_dir,
-            " (resuming)" if choice.resumes else "",
-        )
-        await self._with_progress(
+        model_dir = await self._write_into_chosen(
             job,
-            lambda on_progress, _on_target: copy_files(
+            needed,
+            f"copying {job.model_id} ({form}) from node {source.node_id}: {len(names)} files",
+            lambda model_dir, on_progress: copy_files(
                 source,
                 context,
                 manifest,
-                choice.model_dir,
+                model_dir,
                 names,
                 expected_sha256=expected,
                 on_progress=on_progress,
                 cancel=job.cancel,
             ),
-            choice.model_dir,
         )
         if form is ModelFormat.GGUF and GGUF_NAME not in listed:  # a split model: model.gguf names its first part
             first = next(name for name in names if name != MMPROJ_NAME)
-            await asyncio.to_thread(_link_first_part, choice.model_dir, first)
-        return choice.model_dir
+            await asyncio.to_thread(_link_first_part, model_dir, first)
+        return model_dir
 
     # --- imports -----------------------------------------------------------------------------------------
 

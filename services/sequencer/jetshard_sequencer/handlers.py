@@ -61,8 +61,14 @@ is worth an event."""
 FREE_SPACE_CHANGE_BYTES = 256 * 2**20
 
 
-def _reject(command: commands.Command, code: RejectCode, reason: str) -> list[events.Event]:
-    return [events.CommandRejected(command_type=type(command).__name__, code=code, reason=reason)]
+def _reject(
+    command: commands.Command, code: RejectCode, reason: str, retry_after_s: int | None = None
+) -> list[events.Event]:
+    return [
+        events.CommandRejected(
+            command_type=type(command).__name__, code=code, reason=reason, retry_after_s=retry_after_s
+        )
+    ]
 
 
 def misaddressed(command: commands.Command, subject: str) -> events.CommandRejected | None:
@@ -592,14 +598,7 @@ def _placed(
         if room is None:
             return _reject(command, RejectCode.INSUFFICIENT_MEMORY, str(no_room))
         if isinstance(room, str):
-            return [
-                events.CommandRejected(
-                    command_type=type(command).__name__,
-                    code=RejectCode.NO_CAPACITY,
-                    reason=room,
-                    retry_after_s=MAKE_ROOM_RETRY_S,
-                )
-            ]
+            return _reject(command, RejectCode.NO_CAPACITY, room, MAKE_ROOM_RETRY_S)
         victims, placement = room
         unloaded = [
             events.InstanceDeleted(instance_id=victim.instance_id, reason=f"unloaded to make room for {model_id}")
@@ -758,14 +757,7 @@ def _submit_task(state: State, command: commands.SubmitTask, ctx: Context) -> li
     if chosen is None:
         return _reject(command, RejectCode.NO_CAPACITY, f"no ready instance of {task_ref.model_id}")
     if isinstance(chosen, Refused):
-        return [
-            events.CommandRejected(
-                command_type=type(command).__name__,
-                code=RejectCode.QUEUE_FULL,
-                reason=chosen.reason,
-                retry_after_s=chosen.retry_after_s,
-            )
-        ]
+        return _reject(command, RejectCode.QUEUE_FULL, chosen.reason, chosen.retry_after_s)
     return [events.TaskAssigned(task=task_ref, instance_id=chosen.instance_id, generation=chosen.generation)]
 
 
