@@ -12,10 +12,11 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import msgspec
+import psutil
 import pytest
 from jetshard_bus.connect import connect
 from jetshard_bus.follower import StateFollower
-from jetshard_bus.node import node_profile, unused_gpu_hint, visible_gpu_indices
+from jetshard_bus.node import MemoryTaken, node_profile, unused_gpu_hint, visible_gpu_indices
 from jetshard_bus.options import NatsOptions
 from jetshard_bus.streams import BusTimings
 from jetshard_schema.events import NodeJoined, NodeLost
@@ -100,6 +101,18 @@ def test_a_machine_without_an_nvidia_driver_reports_no_gpus_and_computes_on_its_
     profile = node_profile()
     assert profile.gpus == ()
     assert profile.accelerator in {"cpu", "metal"}
+
+
+def test_a_node_lends_neither_what_its_models_hold_nor_what_placement_reserved_for_them_to_grow_into() -> None:
+    """A runner holding 1 GiB of the 1.5 placement reserved for it (its prompt cache still empty): the half GiB the
+    system shows free is not lent again, with a memory limit or without."""
+    gib = 2**30
+    taken = MemoryTaken(held_bytes=gib + gib // 2, unfilled_bytes=gib // 2)
+    limited = node_profile(2 * gib, taken)
+    assert limited.memory_total_bytes == 2 * gib and limited.memory_available_bytes == gib // 2
+    system = psutil.virtual_memory().available
+    lent = node_profile(None, taken).memory_available_bytes
+    assert abs(lent - (system - gib // 2)) < gib // 8, (lent, system)  # the system's own use moves a little
 
 
 class StandInNvml:

@@ -12,6 +12,7 @@ import platform
 import re
 import socket
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -65,15 +66,27 @@ MLX_CUDA_BUILDS = ("mlx-cuda-13", "mlx-cuda-12", "mlx-cuda")
 """The distributions of mlx's CUDA build: with one of them installed, mlx computes on the first NVIDIA GPU."""
 
 
-def node_profile(memory_limit_bytes: int | None = None, used_bytes: int = 0) -> NodeProfile:
-    """This machine as placement sees it. With `memory_limit_bytes`, the node lends at most that much of its memory
-    to models: what its runners hold (`used_bytes`) counts against the limit, the rest of the machine's use does
-    not (its owner's own programs), and it never offers more than the machine has available."""
+@dataclass(frozen=True)
+class MemoryTaken:
+    """What a node's models take of its memory."""
+
+    held_bytes: int = 0
+    """Per runner, the more of what it holds resident and what placement reserved for it."""
+    unfilled_bytes: int = 0
+    """What placement reserved for the runners beyond what they hold yet: the system still shows it free, but the
+    runners will grow into it (prompt caches, KV rows of a full batch), so the node does not lend it again."""
+
+
+def node_profile(memory_limit_bytes: int | None = None, taken: MemoryTaken = MemoryTaken()) -> NodeProfile:
+    """This machine as placement sees it: what its system has available, less what its models will still grow
+    into. With `memory_limit_bytes`, the node lends at most that much of its memory to models: what they hold counts
+    against the limit, the rest of the machine's use does not (its owner's own programs), and it never offers more
+    than the machine has available."""
     memory = psutil.virtual_memory()
-    total, available = memory.total, memory.available
+    total, available = memory.total, max(0, memory.available - taken.unfilled_bytes)
     if memory_limit_bytes is not None:
         total = min(total, memory_limit_bytes)
-        available = max(0, min(available, memory_limit_bytes - used_bytes))
+        available = max(0, min(available, memory_limit_bytes - taken.held_bytes))
     gpus = nvidia_gpus()
     return NodeProfile(
         hostname=socket.gethostname(),

@@ -31,6 +31,9 @@ class RunnerPlan(msgspec.Struct, frozen=True, kw_only=True):
     serving: ServingSettings = ServingSettings()
     weights: WeightsDtype = WeightsDtype.NATIVE
     """What this rank holds its weights as (its shard's own dtype)."""
+    reserved_bytes: int = 0
+    """The memory placement counted for this rank (`ShardAssignment.memory_bytes`): its node holds it back until
+    the runner has grown into it (prompt caches, KV rows of a full batch)."""
 
 
 class Plan(msgspec.Struct, frozen=True, kw_only=True):
@@ -88,6 +91,7 @@ def _startable(state: State, instance: Instance, node_id: NodeId) -> RunnerPlan 
         model_id=instance.model_id,
         serving=instance.serving,
         weights=shard.weights_in(instance.serving),
+        reserved_bytes=shard.memory_bytes,
         rank=shard.rank,
         world_size=len(instance.shards),
         start_layer=shard.start_layer,

@@ -23,7 +23,7 @@ from pathlib import Path
 import msgspec
 import psutil
 from jetshard_bus.commands import publish_command
-from jetshard_bus.node import mlx_cuda_installed
+from jetshard_bus.node import MemoryTaken, mlx_cuda_installed
 from jetshard_bus.options import NatsOptions
 from jetshard_bus.procs import spawn
 from jetshard_schema.cards import GenerationDefaults
@@ -114,6 +114,9 @@ class RunnerSupervisor:
         self._wake = asyncio.Event()
         self._stopping = False
         """Set when shutdown begins: from then on no runner starts, as shutdown would neither stop nor wait for it."""
+        self.memory_moved = asyncio.Event()
+        """Set when a runner has stopped or exited, and (by the worker) when an instance here is ready: the node's
+        memory report goes out at once, so that placement sees a model loaded, or the memory it gave back."""
 
     async def start(self, state: State) -> None:
         blas_candidates()  # a JETSHARD_BLAS naming no file stops the worker here, not each runner's start
@@ -237,16 +240,20 @@ class RunnerSupervisor:
         )
         self._running[key] = RunningRunner(runner_plan, process, time.monotonic(), log_path)
 
-    def memory_used_bytes(self) -> int:
-        """The resident memory of this worker's runners and what they started (llama-server, ggml-rpc-server)."""
-        used = 0
+    def memory_taken(self) -> MemoryTaken:
+        """The memory of this worker's runners and what they started (llama-server, ggml-rpc-server): resident,
+        and what placement reserved for each beyond that."""
+        held = unfilled = 0
         for runner in list(self._running.values()):
+            resident = 0
             with contextlib.suppress(psutil.Error):
                 process = psutil.Process(runner.process.pid)
                 for member in (process, *process.children(recursive=True)):
                     with contextlib.suppress(psutil.Error):
-                        used += member.memory_info().rss
-        return used
+                        resident += member.memory_info().rss
+            held += max(resident, runner.plan.reserved_bytes)
+            unfilled += max(0, runner.plan.reserved_bytes - resident)
+        return MemoryTaken(held_bytes=held, unfilled_bytes=unfilled)
 
     def _scratch_dir(self) -> Path:
         assert self._scratch is not None, "start() makes the scratch directory"
@@ -263,6 +270,7 @@ class RunnerSupervisor:
         _kill_group(runner.process)
         await _exited(runner.process)
         del self._running[key]  # only now: a shutdown that cancelled this wait waits for the runner itself
+        self.memory_moved.set()
 
     async def _check_health(self, state: State) -> None:
         for key, runner in list(self._running.items()):
@@ -276,6 +284,7 @@ class RunnerSupervisor:
             exit_code = runner.process.poll()
             if exit_code is not None:
                 del self._running[key]
+                self.memory_moved.set()
                 if reported is None or reported.status is not RunnerStatus.STOPPED:
                     self._report(
                         key.instance_id,

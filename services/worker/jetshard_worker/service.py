@@ -17,7 +17,6 @@ from jetshard_schema.events import (
     CustomModelCardAdded,
     CustomModelCardDeleted,
     EventEnvelope,
-    InstanceDeleted,
     RunnerStatusChanged,
 )
 from jetshard_schema.state import State
@@ -47,9 +46,7 @@ async def run_worker(config: WorkerConfig, stop: asyncio.Event) -> None:
         config.advertise_host or local_address(client),
     )
 
-    memory_moved = asyncio.Event()
-    """Set when a runner here has loaded its model, or an instance left: the memory report goes out now, so that
-    placement counts the loaded model as taken, and the memory an unloaded one gave back, at once."""
+    memory_moved = supervisor.memory_moved
 
     def on_event(envelope: EventEnvelope, state: State, live: bool) -> None:
         match envelope.event:
@@ -57,11 +54,10 @@ async def run_worker(config: WorkerConfig, stop: asyncio.Event) -> None:
                 cards.write(card)
             case CustomModelCardDeleted(model_id=model_id):
                 cards.remove(model_id)
-            case RunnerStatusChanged(runner=RunnerReport(node_id=runner_node, status=RunnerStatus.READY)):
-                if runner_node == node_id:
-                    memory_moved.set()
-            case InstanceDeleted():
-                memory_moved.set()
+            case RunnerStatusChanged(instance_id=instance_id, runner=RunnerReport(status=RunnerStatus.READY)):
+                instance = state.instances.get(instance_id)
+                if instance is not None and instance.shard_for(node_id) is not None:
+                    memory_moved.set()  # once the last rank is ready, the instance is: State must see it held
         if live:
             supervisor.on_state(state)
 
@@ -73,7 +69,7 @@ async def run_worker(config: WorkerConfig, stop: asyncio.Event) -> None:
     engines = await asyncio.to_thread(NodeEngines)
 
     def measure() -> NodeProfile:
-        return node_profile(config.memory_limit_bytes(), supervisor.memory_used_bytes())
+        return node_profile(config.memory_limit_bytes(), supervisor.memory_taken())
 
     profile = msgspec.structs.replace(
         measure(), fast_blas=await asyncio.to_thread(_fast_blas_here), engines=engines.engines
