@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import msgspec
 import pytest
 from helpers import states
 from helpers.states import fold
@@ -17,6 +18,7 @@ from jetshard_schema.events import (
     InstanceKeepAliveSet,
     InstancePlaced,
     InstanceRestarting,
+    NodeJoined,
     RunnerEndpointReported,
     RunnerStatusChanged,
     TaskAssigned,
@@ -29,6 +31,7 @@ from jetshard_schema.types import (
     KEEP_LOADED,
     Endpoint,
     InstanceStatus,
+    NodeProfile,
     RunnerReport,
     RunnerStatus,
     ShardAssignment,
@@ -136,6 +139,35 @@ def test_deleted_instance_takes_its_tasks_along() -> None:
     state = fold(SAMPLES[0], assigned("task-1"), SAMPLES[1])
     assert state.instances == {}
     assert state.tasks == {}
+
+
+def test_an_instance_that_leaves_gives_its_nodes_memory_back_at_once_as_far_as_their_reports_showed_it() -> None:
+    """A gets back the 3 GiB placement counted for the instance as it leaves, not once it reports again (its runner
+    still stopping); never more than A has. B's last report came while the instance loaded: placement counted the
+    instance there as pending, so nothing is given back until B reports again."""
+    gib = 2**30
+
+    def joined(node: NodeId, available_gib: float) -> NodeJoined:
+        profile = NodeProfile(
+            hostname=node,
+            os="Linux",
+            cpu_cores=2,
+            memory_total_bytes=8 * gib,
+            memory_available_bytes=int(available_gib * gib),
+        )
+        return NodeJoined(node_id=node, session_id="s", profile=profile)
+
+    shards = tuple(msgspec.structs.replace(s, memory_bytes=3 * gib) for s in SHARDS)
+    state = fold(
+        InstancePlaced(instance_id=INST, model_id=MODEL, shards=shards),
+        joined(B, 7),  # while it loaded
+        runner(0, RunnerStatus.READY),
+        runner(1, RunnerStatus.READY),
+        joined(A, 6),  # after it was ready: 2 GiB resident of the 3 reserved
+    )
+    state = fold(InstanceDeleted(instance_id=INST, reason="unloaded"), state=state)
+    assert state.nodes[A].profile.memory_available_bytes == 8 * gib  # 6 + 3, at most all 8
+    assert state.nodes[B].profile.memory_available_bytes == 7 * gib  # as it reported
 
 
 @pytest.mark.parametrize("event", SAMPLES, ids=lambda e: type(e).__name__)

@@ -51,12 +51,11 @@ from msgspec.structs import replace
 from jetshard_schema.card_from_config import TENSOR_PARALLEL_ARCHITECTURES
 from jetshard_schema.cards import ModelCard, ModelSource
 from jetshard_schema.ids import NodeId
-from jetshard_schema.state import Instance, Node, State
+from jetshard_schema.state import Instance, Node, State, freed_by
 from jetshard_schema.types import (
     MAX_NODES,
     DownloadStatus,
     Engine,
-    GpuInfo,
     NodeProfile,
     Parallelism,
     ServingSettings,
@@ -206,26 +205,15 @@ def split_layers(num_layers: int, weights: Sequence[int]) -> list[tuple[int, int
     return ranges
 
 
-def _compute_gpu(profile: NodeProfile) -> GpuInfo | None:
-    """The GPU a CUDA node's runners compute on: the first (one GPU a node for now)."""
-    return profile.gpus[0] if profile.accelerator == "cuda" and profile.gpus else None
-
-
 def compute_memory_bytes(profile: NodeProfile) -> int:
     """The free memory a node's shards are held in: its GPU's on a CUDA node, its system's otherwise."""
-    gpu = _compute_gpu(profile)
+    gpu = profile.compute_gpu()
     return profile.memory_available_bytes if gpu is None else gpu.memory_free_bytes
-
-
-def compute_memory_total_bytes(profile: NodeProfile) -> int:
-    """All the memory of what `compute_memory_bytes` counts the free part of."""
-    gpu = _compute_gpu(profile)
-    return profile.memory_total_bytes if gpu is None else gpu.memory_total_bytes
 
 
 def device_of(profile: NodeProfile) -> str:
     """The device a node's shards run on, for a person: "cuda:0 (NVIDIA H200)", "metal" or "cpu"."""
-    gpu = _compute_gpu(profile)
+    gpu = profile.compute_gpu()
     return profile.accelerator if gpu is None else f"cuda:0 ({gpu.name})"
 
 
@@ -245,7 +233,7 @@ def _gib(n: int) -> str:
 def _checkpoint_weights(card: ModelCard, profile: NodeProfile) -> WeightsDtype:
     """AUTO's dtype on one node before float32 is tried: the checkpoint's own, but 16 bits for a full-precision
     checkpoint on an NVIDIA GPU (bfloat16 from Ampere, compute capability 8.0, on; float16 before)."""
-    gpu = _compute_gpu(profile)
+    gpu = profile.compute_gpu()
     if gpu is None or not _full_precision(card):
         return WeightsDtype.NATIVE
     major = gpu.compute_capability.partition(".")[0]
@@ -660,15 +648,7 @@ def pending_bytes(state: State) -> Counter[NodeId]:
 
 
 def _less_pending(node: Node, pending: int) -> Node:
-    """`node` with `pending` bytes taken from its free memory (given back when negative: never past its total, as
-    the shards that leave may hold less than placement reserved for them)."""
-    profile = node.profile
-    free = min(compute_memory_total_bytes(profile), max(0, compute_memory_bytes(profile) - pending))
-    gpu = _compute_gpu(profile)
-    if gpu is None:
-        return replace(node, profile=replace(profile, memory_available_bytes=free))
-    gpus = (replace(gpu, memory_free_bytes=free), *profile.gpus[1:])
-    return replace(node, profile=replace(profile, gpus=gpus))
+    return replace(node, profile=node.profile.with_compute_freed(-pending))
 
 
 def place_in(
@@ -728,13 +708,9 @@ def faster_placement(state: State, instance: Instance, card: ModelCard) -> Place
 
 def without(state: State, gone: Sequence[Instance]) -> State:
     """`state` as if the `gone` instances were gone: their shards no longer pending, and the memory the nodes'
-    reports show them taking free again."""
-    nodes = dict(state.nodes)
+    reports show them taking free again (`state.freed_by`)."""
     for instance in gone:
-        for shard in instance.shards:
-            node = nodes.get(shard.node_id)
-            if node is not None and instance.ready_seq and node.profile_seq > instance.ready_seq:
-                nodes[shard.node_id] = _less_pending(node, -shard.memory_bytes)
+        state = replace(state, nodes=freed_by(state, instance))
     leaving = {instance.instance_id for instance in gone}
     instances = {k: i for k, i in state.instances.items() if k not in leaving}
-    return replace(state, nodes=nodes, instances=instances)
+    return replace(state, instances=instances)

@@ -442,7 +442,22 @@ def _instance_chosen(event: events.InstanceChosen, state: State) -> State:
 
 @_fold.register
 def _instance_deleted(event: events.InstanceDeleted, state: State) -> State:
-    return _without_tasks_of(replace(state, instances=_without(state.instances, event.instance_id)), event.instance_id)
+    deleted = state.instances.get(event.instance_id)
+    nodes = state.nodes if deleted is None else freed_by(state, deleted)
+    remaining = replace(state, nodes=nodes, instances=_without(state.instances, event.instance_id))
+    return _without_tasks_of(remaining, event.instance_id)
+
+
+def freed_by(state: State, instance: Instance) -> dict[ValidNodeId, Node]:
+    """The nodes with what their reports show `instance` taking given back, as it leaves: placement may use it at
+    once, before each node reports again once the runner has stopped. Those that reported before it was ready
+    showed (part of) it as free already, and placement counted it as pending instead."""
+    nodes = dict(state.nodes)
+    for shard in instance.shards:
+        node = nodes.get(shard.node_id)
+        if node is not None and instance.ready_seq and node.profile_seq > instance.ready_seq:
+            nodes[shard.node_id] = replace(node, profile=node.profile.with_compute_freed(shard.memory_bytes))
+    return nodes
 
 
 @_fold.register

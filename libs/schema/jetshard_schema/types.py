@@ -61,6 +61,23 @@ class NodeProfile(msgspec.Struct, frozen=True, kw_only=True):
     engines: tuple[Engine, ...] = (Engine.MLX,)
     """The engines the node's runners can run now: llama.cpp once its build is ready on the node."""
 
+    def compute_gpu(self) -> GpuInfo | None:
+        """The GPU a CUDA node's runners compute on: the first (one GPU a node for now)."""
+        return self.gpus[0] if self.accelerator == "cuda" and self.gpus else None
+
+    def with_compute_freed(self, freed_bytes: int) -> NodeProfile:
+        """This profile with `freed_bytes` more free in the memory shards are held in (its GPU's on a CUDA node,
+        its system's otherwise; taken when negative), never below none nor past all of it: what leaves may hold
+        less than placement reserved for it."""
+        gpu = self.compute_gpu()
+        if gpu is None:
+            free = min(self.memory_total_bytes, max(0, self.memory_available_bytes + freed_bytes))
+            return msgspec.structs.replace(self, memory_available_bytes=free)
+        free = min(gpu.memory_total_bytes, max(0, gpu.memory_free_bytes + freed_bytes))
+        return msgspec.structs.replace(
+            self, gpus=(msgspec.structs.replace(gpu, memory_free_bytes=free), *self.gpus[1:])
+        )
+
 
 class ModelDirInfo(msgspec.Struct, frozen=True, kw_only=True):
     path: str
