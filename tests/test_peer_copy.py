@@ -21,6 +21,7 @@ from pathlib import Path
 import httpx
 import msgspec
 import pytest
+from helpers.cards import tiny_card
 from helpers.harness import Cluster, until
 from helpers.hub_server import HubServer
 from helpers.model_files import model_files
@@ -294,6 +295,10 @@ async def test_a_copy_cancelled_mid_file_stops_keeps_its_bytes_and_resumes_when_
 # --------------------------------------------------------------------------------------------- pure parts
 
 
+BOTH_FORMS = tiny_card("org/model", num_layers=4, formats=(ModelFormat.MLX, ModelFormat.GGUF))
+GGUF_ONLY = msgspec.structs.replace(BOTH_FORMS, formats=(ModelFormat.GGUF,))
+
+
 def _state(storage: dict[str, NodeStorage], downloads: dict[str, DownloadProgress] | None = None) -> State:
     model = ModelId("org/model")
     return State(
@@ -344,18 +349,18 @@ def test_a_node_waits_for_the_lower_node_fetching_the_whole_model_from_the_hub()
             "n5": fetching,  # a higher id: it waits for n1, not n4 for it
         },
     )
-    assert awaited_sources(state, NodeId("n4"), model, ModelFormat.MLX, 4) == ["n1"]
-    assert awaited_sources(state, NodeId("n4"), model, ModelFormat.GGUF, 4) == []  # another form
-    assert awaited_sources(state, NodeId("n1"), model, ModelFormat.MLX, 4) == []  # the lowest fetches
+    assert awaited_sources(state, NodeId("n4"), BOTH_FORMS, ModelFormat.MLX) == ["n1"]
+    assert awaited_sources(state, NodeId("n4"), BOTH_FORMS, ModelFormat.GGUF) == []  # another form
+    assert awaited_sources(state, NodeId("n1"), BOTH_FORMS, ModelFormat.MLX) == []  # the lowest fetches
     # A GGUF is fetched whole for any shard of llama.cpp's: the node fetching one for its layers is a source to be.
     gguf = msgspec.structs.replace(fetching, start_layer=1, end_layer=3, formats=(ModelFormat.GGUF,))
     shards = _state({name: NodeStorage(file_server=server) for name in ("n1", "n2")}, {"n1": gguf})
-    assert awaited_sources(shards, NodeId("n2"), model, ModelFormat.GGUF, 4) == ["n1"]
+    assert awaited_sources(shards, NodeId("n2"), BOTH_FORMS, ModelFormat.GGUF) == ["n1"]
     # Nodes asked at the same moment (one placement's shards) wait for the lowest before it has begun.
     asked = DownloadProgress(status=DownloadStatus.PENDING, end_layer=4)
     at_once = _state({name: NodeStorage(file_server=server) for name in ("n1", "n2")}, {"n1": asked, "n2": asked})
-    assert awaited_sources(at_once, NodeId("n2"), model, ModelFormat.GGUF, 4) == ["n1"]
-    assert awaited_sources(at_once, NodeId("n1"), model, ModelFormat.GGUF, 4) == []
+    assert awaited_sources(at_once, NodeId("n2"), BOTH_FORMS, ModelFormat.GGUF) == ["n1"]
+    assert awaited_sources(at_once, NodeId("n1"), BOTH_FORMS, ModelFormat.GGUF) == []
     # A placement's shards start at once: before any has reported, each waits for the lowest shard's node.
     shards = tuple(
         ShardAssignment(node_id=NodeId(n), rank=r, start_layer=2 * r, end_layer=2 * r + 2, memory_bytes=1)
@@ -365,21 +370,21 @@ def test_a_node_waits_for_the_lower_node_fetching_the_whole_model_from_the_hub()
     placed = Instance(instance_id=InstanceId("i"), model_id=model, shards=shards, serving=llama_cpp)
     quiet = _state({n: NodeStorage(file_server=server) for n in ("n1", "n2", "n3")})
     quiet = msgspec.structs.replace(quiet, instances={placed.instance_id: placed})
-    assert awaited_sources(quiet, NodeId("n2"), model, ModelFormat.GGUF, 4) == ["n1"]
-    assert awaited_sources(quiet, NodeId("n3"), model, ModelFormat.GGUF, 4) == ["n1", "n2"]
-    assert awaited_sources(quiet, NodeId("n1"), model, ModelFormat.GGUF, 4) == []
-    assert awaited_sources(quiet, NodeId("n3"), model, ModelFormat.MLX, 4) == []  # another form (and shards)
+    assert awaited_sources(quiet, NodeId("n2"), BOTH_FORMS, ModelFormat.GGUF) == ["n1"]
+    assert awaited_sources(quiet, NodeId("n3"), BOTH_FORMS, ModelFormat.GGUF) == ["n1", "n2"]
+    assert awaited_sources(quiet, NodeId("n1"), BOTH_FORMS, ModelFormat.GGUF) == []
+    assert awaited_sources(quiet, NodeId("n3"), BOTH_FORMS, ModelFormat.MLX) == []  # another form (and shards)
     # MLX's runners of a model that has only a GGUF convert it: each of their nodes fetches the GGUF whole.
     on_mlx = msgspec.structs.replace(placed, serving=ServingSettings(engine=Engine.MLX))
     converting = msgspec.structs.replace(quiet, instances={placed.instance_id: on_mlx})
-    assert awaited_sources(converting, NodeId("n2"), model, ModelFormat.GGUF, 4) == []
-    assert awaited_sources(converting, NodeId("n2"), model, ModelFormat.GGUF, 4, mlx_from_gguf=True) == ["n1"]
+    assert awaited_sources(converting, NodeId("n2"), BOTH_FORMS, ModelFormat.GGUF) == []
+    assert awaited_sources(converting, NodeId("n2"), GGUF_ONLY, ModelFormat.GGUF) == ["n1"]
     # A node that has it all (an import, here) but has not reported it in its storage yet: a source on its way.
     imported = DownloadProgress(status=DownloadStatus.COMPLETED, end_layer=4, formats=(ModelFormat.GGUF,))
     state = _state({"n9": NodeStorage(file_server=server), "n1": NodeStorage(file_server=server)}, {"n9": imported})
-    assert awaited_sources(state, NodeId("n1"), model, ModelFormat.GGUF, 4) == ["n9"]
+    assert awaited_sources(state, NodeId("n1"), BOTH_FORMS, ModelFormat.GGUF) == ["n9"]
     listed = _state({"n9": NodeStorage(file_server=server, available_models=(model,))}, {"n9": imported})
-    assert awaited_sources(listed, NodeId("n1"), model, ModelFormat.GGUF, 4) == []
+    assert awaited_sources(listed, NodeId("n1"), BOTH_FORMS, ModelFormat.GGUF) == []
 
 
 async def test_nodes_that_need_a_model_at_once_take_it_from_the_hub_once(

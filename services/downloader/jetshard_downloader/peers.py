@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from jetshard_schema.cards import ModelFormat
+from jetshard_schema.cards import ModelCard, ModelFormat
 from jetshard_schema.ids import ModelId, NodeId
 from jetshard_schema.state import State
 from jetshard_schema.types import DownloadProgress, DownloadStatus, engine_format
@@ -59,20 +59,20 @@ def admitted_certificates(state: State, node_id: NodeId) -> set[str]:
 HUB_FETCHING = (DownloadStatus.PENDING, DownloadStatus.ONGOING)
 
 
-def awaited_sources(
-    state: State, node_id: NodeId, model_id: ModelId, form: ModelFormat, num_layers: int, mlx_from_gguf: bool = False
-) -> list[NodeId]:
-    """Nodes about to be sources of all of `model_id` in `form`, for `node_id` to wait for rather than go to the
+def awaited_sources(state: State, node_id: NodeId, card: ModelCard, form: ModelFormat) -> list[NodeId]:
+    """Nodes about to be sources of all of `card`'s model in `form`, for `node_id` to wait for rather than go to the
     Hub. So that each file crosses from the Hub once however many nodes need it at the same time, the node with the
     lowest id fetches and the others wait: for one with an id before `node_id` fetching all of it from the Hub now,
     or about to (asked for it and not begun, or holding a shard of an instance of the model and not yet reporting
     a download: the shards of one placement start together). Also any node that has all of it (fetched, copied or
     imported) but whose storage report, which makes it a source, has not come yet. A GGUF is fetched whole for any
-    shard, of llama.cpp's or (`mlx_from_gguf`: the model has no MLX weights) of MLX's, which converts it; the MLX
-    files of a shard's layers never make a node a source of the whole model."""
+    shard, of llama.cpp's or (when the model has no MLX weights) of MLX's, which converts it; the MLX files of a
+    shard's layers never make a node a source of the whole model."""
+    model_id = card.model_id
+    mlx_from_gguf = ModelFormat.MLX not in card.formats
 
     def whole(start_layer: int, end_layer: int) -> bool:
-        return form is ModelFormat.GGUF or (start_layer <= 0 and end_layer >= num_layers)
+        return form is ModelFormat.GGUF or (start_layer <= 0 and end_layer >= card.num_layers)
 
     def serves_peers(other: NodeId) -> bool:
         storage = state.node_storage.get(other)

@@ -738,8 +738,7 @@ class Downloader:
         says so, or has given up."""
         state = self.follower.state
         sources = copy_sources(state, self.node_id, job.model_id, form)
-        mlx_from_gguf = ModelFormat.MLX not in card.formats
-        fetching = awaited_sources(state, self.node_id, job.model_id, form, card.num_layers, mlx_from_gguf)
+        fetching = awaited_sources(state, self.node_id, card, form)
         if sources or not fetching:
             return sources
         log.info("copying %s from node %s once it has it all (and says so)", job.model_id, fetching[0])
@@ -748,7 +747,7 @@ class Downloader:
 
         def settled(state: State) -> bool:
             return bool(copy_sources(state, self.node_id, job.model_id, form)) or not awaited_sources(
-                state, self.node_id, job.model_id, form, card.num_layers, mlx_from_gguf
+                state, self.node_id, card, form
             )
 
         quiet_s = 0.0
