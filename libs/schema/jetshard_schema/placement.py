@@ -51,7 +51,7 @@ from msgspec.structs import replace
 from jetshard_schema.card_from_config import TENSOR_PARALLEL_ARCHITECTURES
 from jetshard_schema.cards import ModelCard, ModelSource
 from jetshard_schema.ids import NodeId
-from jetshard_schema.state import Instance, Node, State, freed_by
+from jetshard_schema.state import Instance, Node, State, freed_by, report_shows
 from jetshard_schema.types import (
     MAX_NODES,
     DownloadStatus,
@@ -641,7 +641,7 @@ def pending_bytes(state: State) -> Counter[NodeId]:
             continue
         for shard in instance.shards:
             node = state.nodes.get(shard.node_id)
-            if instance.ready_seq and node is not None and node.profile_seq > instance.ready_seq:
+            if node is not None and report_shows(node, instance):
                 continue
             pending[shard.node_id] += shard.memory_bytes
     return pending

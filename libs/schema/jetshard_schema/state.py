@@ -455,9 +455,15 @@ def freed_by(state: State, instance: Instance) -> dict[ValidNodeId, Node]:
     nodes = dict(state.nodes)
     for shard in instance.shards:
         node = nodes.get(shard.node_id)
-        if node is not None and instance.ready_seq and node.profile_seq > instance.ready_seq:
+        if node is not None and report_shows(node, instance):
             nodes[shard.node_id] = replace(node, profile=node.profile.with_compute_freed(shard.memory_bytes))
     return nodes
+
+
+def report_shows(node: Node, instance: Instance) -> bool:
+    """Whether the node's last recorded report came once `instance` was loaded, and so shows its memory taken
+    (until one does, placement counts the instance's memory as still to come)."""
+    return bool(instance.ready_seq) and node.profile_seq > instance.ready_seq
 
 
 @_fold.register
@@ -481,9 +487,9 @@ def _runner_status_changed(event: events.RunnerStatusChanged, state: State) -> S
     ready_seq = (changing.ready_seq or state.last_seq) if loaded else 0
     # Its keep-alive counts from when it could first serve: a model that took longer to load than its keep-alive
     # must not unload before the request that placed it has run.
-    idle_since_ms = max(changing.idle_since_ms, event.at_ms) if loaded and not changing.ready_seq else None
-    if idle_since_ms is None:
-        return _update_instance(state, event.instance_id, runners=runners, ready_seq=ready_seq)
+    idle_since_ms = changing.idle_since_ms
+    if loaded and not changing.ready_seq:
+        idle_since_ms = max(idle_since_ms, event.at_ms)
     return _update_instance(state, event.instance_id, runners=runners, ready_seq=ready_seq, idle_since_ms=idle_since_ms)
 
 

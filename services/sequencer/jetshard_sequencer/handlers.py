@@ -31,7 +31,7 @@ from jetshard_schema.placement import (
     place_in,
     without,
 )
-from jetshard_schema.state import Instance, State, apply, instance_status
+from jetshard_schema.state import Instance, State, apply, instance_status, report_shows
 from jetshard_schema.types import (
     KEEP_LOADED,
     DownloadProgress,
@@ -144,7 +144,7 @@ def _report_node_profile(state: State, command: commands.ReportNodeProfile, ctx:
             *(_restart_or_fail(state, state.instances[i], reason, ctx) for i in on_node),
         ]
     elif profile_changed_meaningfully(known.profile, command.profile) or any(
-        known.profile_seq <= state.instances[i].ready_seq for i in on_node
+        state.instances[i].ready_seq and not report_shows(known, state.instances[i]) for i in on_node
     ):
         # Also the first report since an instance here loaded, however little memory moved: until State holds one,
         # placement counts the instance's memory as still to come (on top of what the last report saw of its
