@@ -9,7 +9,7 @@ import pytest
 from helpers.cards import tiny_card
 from helpers.states import completed, downloaded, fold
 from jetshard_api.errors import REJECT_STATUS
-from jetshard_schema.cards import ModelFormat
+from jetshard_schema.cards import ModelCard, ModelFormat
 from jetshard_schema.commands import (
     AddCustomModelCard,
     CancelDownload,
@@ -952,6 +952,20 @@ def test_a_keep_alive_set_later_counts_from_then(cluster: InMemoryCluster) -> No
 NATIVE = ServingSettings(weights=WeightsDtype.NATIVE)
 
 
+def other_model(cluster: InMemoryCluster) -> ModelCard:
+    """A second model of the same size as MODEL (1.6 GiB as stored), added to the cluster."""
+    other = msgspec.structs.replace(CARD, model_id=ModelId("acme/other"))
+    cluster.run(AddCustomModelCard(card=other))
+    return other
+
+
+def ensure_other(cluster: InMemoryCluster, other: ModelCard) -> list[Event]:
+    """`other` placed as a request with Ollama's keep_alive 0 would place it."""
+    return cluster.run(
+        EnsureInstance(instance_id=InstanceId("other"), model_id=other.model_id, keep_alive_ms=0, serving=NATIVE)
+    )
+
+
 def test_placing_a_model_that_does_not_fit_unloads_idle_instances_least_recently_used_first(
     cluster: InMemoryCluster,
 ) -> None:
@@ -993,8 +1007,7 @@ def test_a_node_s_first_report_since_an_instance_loaded_is_kept_so_that_unloadin
     """The last report State kept came while the instance loaded (half its memory taken); the next ones moved too
     little to be kept. Unless the first since it loaded is kept, placement would count the instance as still to
     come, and making room by unloading it would give back only what it had not taken yet."""
-    other = msgspec.structs.replace(CARD, model_id=ModelId("acme/other"))
-    cluster.run(AddCustomModelCard(card=other))
+    other = other_model(cluster)
 
     def report(available_gib: float) -> ReportNodeProfile:
         return ReportNodeProfile(node_id=A, session_id="s1", profile=profile(available_gib, total_gib=8))
@@ -1007,23 +1020,18 @@ def test_a_node_s_first_report_since_an_instance_loaded_is_kept_so_that_unloadin
     loaded = report(1.2)  # less than 5 % of the node moved
     assert cluster.run(loaded) == [NodeUpdated(node_id=A, profile=loaded.profile)]
     assert cluster.run(loaded) == []  # and only the first
-    placed = cluster.run(
-        EnsureInstance(instance_id=InstanceId("other"), model_id=other.model_id, keep_alive_ms=0, serving=NATIVE)
-    )
+    placed = ensure_other(cluster, other)
     assert [type(e) for e in placed] == [InstanceDeleted, InstancePlaced], placed
 
 
 def test_room_is_never_made_from_an_instance_loading_for_its_request(cluster: InMemoryCluster) -> None:
-    other = msgspec.structs.replace(CARD, model_id=ModelId("acme/other"))
-    cluster.run(AddCustomModelCard(card=other))
+    other = other_model(cluster)
     cluster.join(A, 2.5)
     loading = InstanceId("loading")
     cluster.run(EnsureInstance(instance_id=loading, model_id=MODEL, keep_alive_ms=1, serving=NATIVE))
     cluster.now_ms += 600_000  # slow to load: far past its keep-alive, and still not idle
     assert idle_past_keep_alive(cluster.state, cluster.now_ms) == []
-    [refused] = cluster.run(
-        EnsureInstance(instance_id=InstanceId("other"), model_id=other.model_id, keep_alive_ms=0, serving=NATIVE)
-    )
+    [refused] = ensure_other(cluster, other)
     assert isinstance(refused, CommandRejected) and refused.code is RejectCode.NO_CAPACITY, refused
     assert "loading for them (loading)" in refused.reason
     cluster.make_ready(loading)
@@ -1031,16 +1039,13 @@ def test_room_is_never_made_from_an_instance_loading_for_its_request(cluster: In
 
 
 def test_room_is_never_made_from_a_busy_instance_nor_one_kept_loaded(cluster: InMemoryCluster) -> None:
-    other = msgspec.structs.replace(CARD, model_id=ModelId("acme/other"))
-    cluster.run(AddCustomModelCard(card=other))
+    other = other_model(cluster)
     cluster.join(A, 2.5)
     busy = InstanceId("busy")
     cluster.run(EnsureInstance(instance_id=busy, model_id=MODEL, keep_alive_ms=600_000, serving=NATIVE))
     cluster.make_ready(busy)
     assert isinstance(submit(cluster, "task-1")[0], TaskAssigned)
-    [refused] = cluster.run(
-        EnsureInstance(instance_id=InstanceId("other"), model_id=other.model_id, keep_alive_ms=0, serving=NATIVE)
-    )
+    [refused] = ensure_other(cluster, other)
     assert isinstance(refused, CommandRejected) and refused.code is RejectCode.NO_CAPACITY
     assert refused.retry_after_s == 5 and "serving requests or loading for them (busy)" in refused.reason
     assert busy in cluster.state.instances
