@@ -17,7 +17,6 @@ from jetshard_schema.commands import (
     PlaceInstance,
     ReportTaskFinished,
     ReportTaskStarted,
-    SubmitTask,
 )
 from jetshard_schema.events import CommandRejected, Event, InstanceChosen, InstanceDeleted, InstancePlaced, TaskAssigned
 from jetshard_schema.ids import CommandId, InstanceId, NodeId, TaskId
@@ -56,7 +55,7 @@ def ensure(cluster: InMemoryCluster, instance: str) -> InstanceId:
 
 def submit(cluster: InMemoryCluster, task: str, start_within_ms: int | None = None, requester: str = "api-1") -> object:
     ref = TaskRef(task_id=TaskId(task), model_id=MODEL, kind=TaskKind.CHAT, requester=requester)
-    (event,) = cluster.run(SubmitTask(task=ref, start_within_ms=start_within_ms))
+    (event,) = cluster.submit(ref, start_within_ms)
     return event
 
 
@@ -157,8 +156,8 @@ def test_a_task_that_could_not_start_in_time_is_refused_with_a_retry_from_the_pa
     # Now the queue is full: the retry is the time one place takes to free, 10 s / 2 rows.
     full = submit(cluster, "one-more", start_within_ms=60_000)
     assert isinstance(full, CommandRejected) and full.retry_after_s == 5
-    negative = SubmitTask(task=TaskRef(task_id=TaskId("t"), model_id=MODEL, kind=TaskKind.CHAT), start_within_ms=-1)
-    rejected(cluster.run(negative), RejectCode.INVALID)
+    negative = TaskRef(task_id=TaskId("t"), model_id=MODEL, kind=TaskKind.CHAT)
+    rejected(cluster.submit(negative, start_within_ms=-1), RejectCode.INVALID)
 
 
 def test_a_node_that_slows_down_refuses_at_once_what_it_can_no_longer_start_in_time(

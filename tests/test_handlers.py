@@ -9,6 +9,7 @@ import pytest
 from helpers.cards import tiny_card
 from helpers.states import completed, downloaded, fold
 from jetshard_api.errors import REJECT_STATUS
+from jetshard_schema.admission import route
 from jetshard_schema.cards import ModelCard, ModelFormat
 from jetshard_schema.commands import (
     AddCustomModelCard,
@@ -119,6 +120,13 @@ class InMemoryCluster:
         for event in events:
             self.state = apply(self.state, event, self.state.last_seq + 1, self.count)
         return events
+
+    def submit(self, task: TaskRef, start_within_ms: int | None = None) -> list[Event]:
+        """Submit `task` as an API does: naming the instance `route` chooses on this State (any instance of the
+        model when none is ready, to be refused)."""
+        chosen = route(self.state, task.model_id, start_within_ms, self.now_ms)
+        named = chosen.instance_id if chosen else InstanceId("none-ready")
+        return self.run(SubmitTask(task=task, instance_id=named, start_within_ms=start_within_ms))
 
     def join(self, node: NodeId, available_gib: float = 16, session: str = "s1") -> None:
         self.run(ReportNodeProfile(node_id=node, session_id=session, profile=profile(available_gib)))
@@ -544,7 +552,7 @@ def test_a_ready_instance_failing_again_starts_counting_from_one(cluster: InMemo
 
 
 def submit(cluster: InMemoryCluster, task: str) -> list[Event]:
-    return cluster.run(SubmitTask(task=TaskRef(task_id=TaskId(task), model_id=MODEL, kind=TaskKind.CHAT)))
+    return cluster.submit(TaskRef(task_id=TaskId(task), model_id=MODEL, kind=TaskKind.CHAT))
 
 
 def test_submit_routes_to_the_ready_instance_with_fewest_tasks(cluster: InMemoryCluster) -> None:
@@ -576,6 +584,29 @@ def test_submit_routes_to_the_ready_instance_with_fewest_tasks(cluster: InMemory
     events = submit(cluster, "task-9")
     assert isinstance(events[0], TaskAssigned) and events[0].instance_id == first
     rejected(submit(cluster, "task-9"), RejectCode.ALREADY_EXISTS)
+
+
+def test_a_task_goes_to_the_instance_its_request_was_stored_for_or_is_refused(cluster: InMemoryCluster) -> None:
+    """The API stores a task's request for the leader of the instance it names: the sequencer assigns the task
+    there while that instance can take it, else refuses it with the instance that can, never elsewhere."""
+    cluster.join(A)
+    cluster.join(B)
+    first, second = cluster.place("inst-1", [A]), cluster.place("inst-2", [B])
+    cluster.make_ready(first)
+
+    def named(task: str, instance_id: str) -> list[Event]:
+        ref = TaskRef(task_id=TaskId(task), model_id=MODEL, kind=TaskKind.CHAT)
+        return cluster.run(SubmitTask(task=ref, instance_id=InstanceId(instance_id)))
+
+    assert isinstance(named("t1", first)[0], TaskAssigned)
+    refused = rejected(named("t2", second), RejectCode.NO_CAPACITY)  # placed, not ready
+    assert first in refused.reason
+    rejected(named("t2", "no-such-instance"), RejectCode.NO_CAPACITY)
+    cluster.make_ready(second)
+    # The named one is taken though it has more tasks than the other: the request waits on its node.
+    events = named("t2", first)
+    assert isinstance(events[0], TaskAssigned) and events[0].instance_id == first
+    assert TaskId("t2") in cluster.state.tasks
 
 
 def test_task_lifecycle_and_cancel(cluster: InMemoryCluster) -> None:
@@ -819,10 +850,10 @@ def test_an_idle_instance_whose_engine_placement_chose_moves_to_llama_cpp_once_i
     for instance_id in (InstanceId("auto"), InstanceId("asked")):
         cluster.make_ready(instance_id)
     busy = TaskRef(task_id=TaskId("t1"), model_id=GGUF_MODEL, kind=TaskKind.CHAT)
-    assert isinstance(cluster.run(SubmitTask(task=busy))[0], TaskAssigned)
+    assert isinstance(cluster.submit(busy)[0], TaskAssigned)
     assert cluster.state.tasks[TaskId("t1")].instance_id == InstanceId("asked")  # the first ready, by id
     busy_auto = TaskRef(task_id=TaskId("t2"), model_id=GGUF_MODEL, kind=TaskKind.CHAT)
-    cluster.run(SubmitTask(task=busy_auto))
+    cluster.submit(busy_auto)
     assert cluster.state.tasks[TaskId("t2")].instance_id == InstanceId("auto")
 
     # llama.cpp's build is done on A: the busy instance waits, the one asked for on MLX stays.
@@ -876,7 +907,7 @@ def test_an_instance_moves_once_the_last_of_the_tasks_ending_together_ends(clust
     cluster.make_ready(InstanceId("auto"))
     for task_id, requester in (("t1", "api-1"), ("t2", "api-1"), ("t3", "api-2")):
         ref = TaskRef(task_id=TaskId(task_id), model_id=GGUF_MODEL, kind=TaskKind.CHAT, requester=requester)
-        assert isinstance(cluster.run(SubmitTask(task=ref))[0], TaskAssigned)
+        assert isinstance(cluster.submit(ref)[0], TaskAssigned)
     assert cluster.run(ReportNodeProfile(node_id=A, session_id="s1", profile=with_llama_cpp())) == [
         NodeUpdated(node_id=A, profile=with_llama_cpp())
     ]

@@ -6,6 +6,11 @@ turn into a timeout. The pace is the recent tasks' time from start to finish (`I
 average), or the age of its oldest running task where that is longer: when the node slows down (another
 program takes its CPU), the running tasks show it at once, long before they finish and move the average. A
 refusal says when to retry, from the same pace. Pure; tested without NATS.
+
+The API names the instance it stored a task's request for (`route`, on its replica of State); the sequencer
+takes the task for that instance when it has room (`admit`), so the runner that runs it finds its request
+stored. Both choose the same way, and a rejection reaches the API after the events it was decided on, so a
+request named for an instance that filled meanwhile is named again for the right one.
 """
 
 from __future__ import annotations
@@ -14,7 +19,7 @@ import math
 
 import msgspec
 
-from jetshard_schema.ids import ModelId
+from jetshard_schema.ids import InstanceId, ModelId
 from jetshard_schema.state import Instance, State, ready_instances
 
 UNKNOWN_PACE_RETRY_AFTER_S = 2
@@ -82,10 +87,12 @@ def _refusal(instance: Instance, queue: Queue, start_within_ms: int | None) -> R
     return None
 
 
-def admit(state: State, model_id: ModelId, start_within_ms: int | None, now_ms: int) -> Instance | Refused | None:
-    """The ready instance of `model_id` a new task goes to (the one with the fewest unfinished tasks among
-    those with room), a refusal naming the soonest retry, or None when no instance is ready. `now_ms` is on the
-    clock of the tasks' `started_at_ms` (the sequencer's)."""
+def admit(
+    state: State, model_id: ModelId, start_within_ms: int | None, now_ms: int, named: InstanceId | None = None
+) -> Instance | Refused | None:
+    """The ready instance of `model_id` a new task goes to (`named` when it has room, else the one with the
+    fewest unfinished tasks among those with room), a refusal naming the soonest retry, or None when no
+    instance is ready. `now_ms` is on the clock of the tasks' `started_at_ms` (the sequencer's)."""
     ready = ready_instances(state, model_id)
     if not ready:
         return None
@@ -93,9 +100,23 @@ def admit(state: State, model_id: ModelId, start_within_ms: int | None, now_ms: 
     refusals = {i.instance_id: _refusal(i, queues[i.instance_id], start_within_ms) for i in ready}
     open_ = [i for i in ready if refusals[i.instance_id] is None]
     if open_:
-        return min(open_, key=lambda i: queues[i.instance_id].running + queues[i.instance_id].waiting)
+        return min(
+            open_,
+            key=lambda i: (i.instance_id != named, queues[i.instance_id].running + queues[i.instance_id].waiting),
+        )
     soonest = min((r for r in refusals.values() if r is not None), key=lambda r: r.retry_after_s)
     return Refused(
         reason=f"{model_id} is busy: {soonest.reason}; retry after {soonest.retry_after_s} s",
         retry_after_s=soonest.retry_after_s,
     )
+
+
+def route(state: State, model_id: ModelId, start_within_ms: int | None, now_ms: int) -> Instance | None:
+    """The instance an API names for a new task: `admit`'s choice on its replica of State, or the least loaded
+    ready one where every queue looks full there (the sequencer, whose State is ahead, refuses or takes it).
+    None when no instance is ready."""
+    chosen = admit(state, model_id, start_within_ms, now_ms)
+    if isinstance(chosen, Refused):
+        ready = ready_instances(state, model_id)
+        return min(ready, key=lambda i: (q := queue_of(state, i, now_ms)).running + q.waiting)
+    return chosen

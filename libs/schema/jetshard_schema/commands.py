@@ -263,6 +263,9 @@ class ReportRunnerStatus(_Command, frozen=True):
 
 class SubmitTask(_Command, frozen=True):
     task: TaskRef
+    instance_id: ValidInstanceId
+    """The instance its API stored the request for (under that instance's leader node): the sequencer assigns
+    the task there, or refuses it (`no_capacity`) when that instance cannot take it but another could."""
     start_within_ms: int | None = None
     """How long the requester waits for the task to start: a task that could not start in that time at its
     instance's measured pace is refused (`queue_full`) instead of queued to time out."""

@@ -158,8 +158,8 @@ class Cluster:
         )
 
     async def store_request(self, request: TaskRequest, instance: Instance) -> None:
-        """Keep an assigned task's request in JETSHARD_TASKS under its instance's leader node, the only node whose
-        identity may read it there, and whose runner reads it as it is stored. Its headers carry the request's
+        """Keep a task's request in JETSHARD_TASKS, before the task is submitted, under the leader node of the
+        instance it is named for: the only node whose identity may read it there. Its headers carry the request's
         trace context to that runner."""
         self.require_broker()
         await self._stored(

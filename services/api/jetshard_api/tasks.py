@@ -2,9 +2,10 @@
 queued, submitted and read back as chunks, and a client that leaves cancels it. The routes only translate
 their request into a TaskRequest and the chunks into their answer.
 
-A task is submitted as a `SubmitTask` command; the sequencer routes it to the ready instance with the fewest
-tasks in flight. The API then stores the request (the prompt) for the node of that instance's leader alone, whose
-runner streams chunks on `jetshard.chunks.<node id>.<task id>`. The API subscribes to the task's chunks from any
+The API names the ready instance with the fewest tasks in flight (`admission.route`), stores the request (the
+prompt) for the node of that instance's leader alone, and submits the task as a `SubmitTask` command naming that
+instance; the sequencer assigns it there, and the leader's runner reads the request once and streams chunks on
+`jetshard.chunks.<node id>.<task id>`. The API subscribes to the task's chunks from any
 node before it submits, keeps only the leader's node's, checks the running index (a gap is an error) and treats
 silence as an error.
 """
@@ -19,11 +20,12 @@ from contextlib import AsyncExitStack
 from dataclasses import dataclass
 from typing import Any
 
+from jetshard_schema.admission import route
 from jetshard_schema.codec import decode_chunk
 from jetshard_schema.commands import CancelTask, SubmitTask
 from jetshard_schema.events import TaskAssigned, TaskFinished
 from jetshard_schema.ids import InstanceId, NodeId
-from jetshard_schema.state import State, ready_instances
+from jetshard_schema.state import Instance, State, ready_instances
 from jetshard_schema.subjects import chunk_sender, task_chunks
 from jetshard_schema.types import Chunk, RejectCode, TaskOutcome, TaskRequest, Usage
 from litestar.types import Receive
@@ -42,6 +44,10 @@ BROKER_CHECK_S = 1.0
 LOST_CHUNK_GRACE_S = 5.0
 """Once the task has finished, how long its remaining chunks may take: they were published before its
 TaskFinished, over core NATS, which drops them when a server fails; past this they are lost."""
+
+SUBMIT_ATTEMPTS = 3
+"""How often a task is named for an instance and submitted: again after the sequencer refused it for the one named
+because another could take it (this API's State was behind), once more for a second race."""
 
 STALLED_QUEUE_SLACK = 2.0
 """An admitted task waits for its turn however slow its instance has become (the sequencer promised it a
@@ -111,32 +117,41 @@ class ChunkStream:
             await subscription.unsubscribe()
 
     async def submit(self) -> None:
-        """Submit the task, or raise ApiError (429: the sequencer found its model's queues full, or too slow to
-        start it within `start_timeout_s`)."""
+        """Store the task's request and submit the task, or raise ApiError (429: the sequencer found its model's
+        queues full, or too slow to start it within `start_timeout_s`)."""
         self._timer.start()
         finishing = self._cluster.expect_finish(self._request.task_id)
         self._submitted = True
         self._submitted_at = time.monotonic()
         start_within_ms = int(self._settings.start_timeout_s * 1000)
         task = self._cluster.task_ref(self._request)
-        submit = SubmitTask(task=task, start_within_ms=start_within_ms)
-        try:
-            events = await self._cluster.submit(submit)
-        except ApiError as error:
-            if error.code != RejectCode.NO_CAPACITY:
-                raise
-            # The instance this API saw ready left before the sequencer took the task (moved to a faster engine,
-            # deleted, its node lost): wait for the one that takes its place, as a first request would.
-            await ensure_ready(self._cluster, self._request.model_id, self._settings)
-            events = await self._cluster.submit(submit)
+        for attempt in range(1, SUBMIT_ATTEMPTS + 1):
+            instance = await self._route(start_within_ms)
+            # Stored before the task exists, for the node of the instance named: its runner reads it once, when
+            # the task is assigned to it.
+            await self._cluster.store_request(self._request, instance)
+            try:
+                events = await self._cluster.submit(
+                    SubmitTask(task=task, instance_id=instance.instance_id, start_within_ms=start_within_ms)
+                )
+                break
+            except ApiError as error:
+                # The instance named filled or left before the sequencer took the task: this API's State now
+                # holds what the sequencer decided on, so the next one named is the sequencer's choice.
+                if error.code != RejectCode.NO_CAPACITY or attempt == SUBMIT_ATTEMPTS:
+                    raise
         assigned = next(e for e in events if isinstance(e, TaskAssigned))
         self._instance_id, self._generation = assigned.instance_id, assigned.generation
-        self._watcher = asyncio.create_task(self._watch(finishing))
-        instance = self._cluster.state.instances.get(assigned.instance_id)
-        if instance is None:  # deleted as soon as it was assigned: the watcher ends the stream
-            return
         self._leader_node = instance.leader_node
-        await self._cluster.store_request(self._request, instance)
+        self._watcher = asyncio.create_task(self._watch(finishing))
+
+    async def _route(self, start_within_ms: int) -> Instance:
+        """The ready instance this task is named for; waits for one to be ready where none is (the one that takes
+        the place of an instance that left: moved to a faster engine, deleted, its node lost)."""
+        model_id = self._request.model_id
+        while (instance := route(self._cluster.state, model_id, start_within_ms, int(time.time() * 1000))) is None:
+            await ensure_ready(self._cluster, model_id, self._settings)
+        return instance
 
     async def _watch(self, finishing: asyncio.Future[TaskFinished]) -> None:
         """Tell the reader when the task leaves State: with its TaskFinished (the index of its last chunk), or
@@ -236,8 +251,9 @@ class ChunkStream:
             # State: its client hears the same end either way.
             self.finished = True
             raise self._gone_error()
-        if chunk.usage is not None or chunk.index == self._last_index:
-            self.finished = True
+        # The one end of a stream: the task's last chunk, which carries its usage. A task that left State
+        # without it (its TaskFinished came, then silence; or none came) fails in `_receive` instead.
+        self.finished = chunk.usage is not None
         self._timer.chunk(chunk)
         return chunk
 

@@ -753,11 +753,18 @@ def _submit_task(state: State, command: commands.SubmitTask, ctx: Context) -> li
         return _reject(command, RejectCode.ALREADY_EXISTS, f"task {task_ref.task_id} already exists")
     if command.start_within_ms is not None and command.start_within_ms < 0:
         return _reject(command, RejectCode.INVALID, "start_within_ms cannot be negative")
-    chosen = admit(state, task_ref.model_id, command.start_within_ms, ctx.now_ms)
+    chosen = admit(state, task_ref.model_id, command.start_within_ms, ctx.now_ms, command.instance_id)
     if chosen is None:
         return _reject(command, RejectCode.NO_CAPACITY, f"no ready instance of {task_ref.model_id}")
     if isinstance(chosen, Refused):
         return _reject(command, RejectCode.QUEUE_FULL, chosen.reason, chosen.retry_after_s)
+    if chosen.instance_id != command.instance_id:
+        # Its request is stored for the named instance's leader alone: the API stores it again for this one.
+        return _reject(
+            command,
+            RejectCode.NO_CAPACITY,
+            f"instance {command.instance_id} cannot take {task_ref.task_id} now; {chosen.instance_id} can",
+        )
     return [events.TaskAssigned(task=task_ref, instance_id=chosen.instance_id, generation=chosen.generation)]
 
 

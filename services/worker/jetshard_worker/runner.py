@@ -23,6 +23,8 @@ import os
 import sys
 import time
 from collections.abc import Coroutine
+from functools import partial
+from operator import contains
 from typing import Any, NoReturn
 
 import msgspec
@@ -63,7 +65,7 @@ from nats.js import JetStreamContext
 from jetshard_worker.engines.base import LoadEngine, Refused, ServingEngine
 from jetshard_worker.publishing import NATS_ERRORS, publish_until_stored
 from jetshard_worker.runner_spec import RunnerSpec
-from jetshard_worker.task_requests import REQUEST_WAIT_S, TaskRequests
+from jetshard_worker.task_requests import RequestLost, read_request
 from jetshard_worker.task_spans import TaskSpans
 from jetshard_worker.text.output import TaskOutput, row_id, split_row_id
 from jetshard_worker.text.toolcalls import ToolCallParsed
@@ -107,7 +109,6 @@ class Runner:
         """The task group of the runner's work while it serves (run_runner); reports sent later join it."""
         self._taken: set[TaskId] = set()
         self._requests: asyncio.Queue[TaskRef] = asyncio.Queue()
-        self.requests = TaskRequests(client, js, spec.node_id, self.plan.key.instance_id)
         self._spans = TaskSpans(self.plan.key.instance_id) if tracing_enabled() else None
         self.engine_kind = self.plan.serving.engine or Engine.MLX
         """An instance placed before placement chose an engine runs on MLX."""
@@ -216,7 +217,6 @@ class Runner:
                     self.engine.cancel(row_id(task_id, choice))
             case TaskCancelled(task_id=task_id) if task_id in self._taken:
                 self._taken.discard(task_id)
-                self.requests.abandon(task_id)
             case InstanceDeleted(instance_id=i) | InstanceFailed(instance_id=i) if i == self.plan.key.instance_id:
                 self.done.set()
             case InstanceRestarting(instance_id=i) if i == self.plan.key.instance_id:
@@ -237,28 +237,29 @@ class Runner:
 
     async def read_requests(self) -> None:
         """One reader, so tasks start in the order they were assigned: each request (the prompt) comes from
-        JETSHARD_TASKS, where the API stored it for this node alone; events and State never hold it."""
+        JETSHARD_TASKS, where the API stored it for this node alone before it submitted the task; events and
+        State never hold it."""
         while True:
             task = await self._requests.get()
-            if task.task_id not in self._taken:
-                continue  # cancelled before its turn
-            stored = await self.requests.take(task.task_id)
-            if task.task_id not in self._taken:
-                continue  # cancelled while it waited for its request
+            task_id = task.task_id
             try:
+                wanted = partial(contains, self._taken, task_id)
+                stored = await read_request(self._js, self.spec.node_id, self.plan.key.instance_id, task_id, wanted)
                 request = decode_task_request(stored.data) if stored is not None else None
-            except Exception as error:
-                log.warning("request of %s unreadable: %s", task.task_id, error)
-                request = None
-            if stored is None or request is None or request.task_id != task.task_id:
-                self._fail_task(
-                    task.task_id,
-                    f"the task's request did not reach its runner within {REQUEST_WAIT_S:.0f} s of its assignment",
-                    "request_lost",
-                )
+            except RequestLost as error:
+                self._fail_task(task_id, f"the task's request did not reach its runner: {error}", "request_lost")
+                continue
+            except Exception as error:  # a hostile or corrupt message: the task fails, the runner lives on
+                log.warning("request of %s unreadable: %s", task_id, error)
+                self._fail_task(task_id, "the task's request is unreadable", "request_lost")
+                continue
+            if stored is None or request is None or task_id not in self._taken:
+                continue  # cancelled before or while its request was read
+            if request.task_id != task_id:
+                self._fail_task(task_id, "the task's stored request is another task's", "request_lost")
                 continue
             if self._spans is not None:
-                self._spans.requested(task.task_id, stored.headers)
+                self._spans.requested(task_id, stored.headers)
             await self._start_task(request)
 
     async def _start_task(self, request: TaskRequest) -> None:
@@ -487,7 +488,6 @@ async def _serve(
         await follower.start()
         runner.tasks.create_task(_named("the chunk publisher", runner.publish_chunks()))
         runner.tasks.create_task(_named("the request reader", runner.read_requests()))
-        await runner.requests.subscribe()
     await runner.report_ready()
     if follower is not None:
         runner.pick_up(follower.state)

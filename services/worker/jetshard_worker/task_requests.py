@@ -1,15 +1,13 @@
-"""A leader runner's task requests (the prompts). The API stores each once the task is assigned, under the node and
-instance that serve it (`subjects.task_subject`), where only this node's identity may read: the runner subscribes
-there, so a request reaches it as it is stored, and reads the stream for one stored before it subscribed."""
+"""A leader runner's task requests (the prompts). The API stores each in JETSHARD_TASKS before it submits the task,
+under the node and instance it names (`subjects.task_subject`), where only this node's identity may read: the
+runner reads it once, when the task is assigned here."""
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
-import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
 
 import nats.errors
 import nats.js.errors
@@ -19,12 +17,14 @@ from nats.js import JetStreamContext
 
 log = logging.getLogger(__name__)
 
-REQUEST_WAIT_S = 10.0
-"""How long an assigned task waits for its request: its API stores it as soon as it sees the assignment."""
-READ_AGAIN_S = 2.0
-"""How often a waiting task asks the stream again, in case the subscription missed the request."""
-UNCLAIMED_KEPT_S = 300.0
-"""How long a request nobody asked for is kept: its task was cancelled, or this runner is of an older generation."""
+UNANSWERED_PATIENCE_S = 30.0
+"""How long a runner asks for a request while JETSHARD_TASKS does not answer: its servers elect a new leader after
+a machine went away, within seconds."""
+MISSING_PATIENCE_S = 2.0
+"""How long a runner asks for a request the stream says it does not hold: a replica that has not applied the
+API's store yet may answer a direct read. Past this the request is lost (the task retention dropped it)."""
+FIRST_RETRY_S = 0.05
+LAST_RETRY_S = 1.0
 
 
 @dataclass(frozen=True)
@@ -35,78 +35,31 @@ class Stored:
     headers: dict[str, str] | None
 
 
-class TaskRequests:
-    def __init__(self, client: Any, js: JetStreamContext, node_id: NodeId, instance_id: InstanceId) -> None:
-        self._client = client
-        self._js = js
-        self._node_id = node_id
-        self._instance_id = instance_id
-        self._arrived: dict[str, tuple[float, Stored]] = {}
-        self._waiting: dict[str, asyncio.Future[Stored | None]] = {}
-        self._subscription: Any = None
+class RequestLost(Exception):
+    """The task's request could not be read: the message says why."""
 
-    async def subscribe(self) -> None:
-        """Subscribe before the runner reports ready: every task is assigned after that."""
-        self._subscription = await self._client.subscribe(
-            task_subject(self._node_id, self._instance_id, "*"), cb=self._on_request
-        )
 
-    async def _on_request(self, msg: Any) -> None:
-        task_id = msg.subject.rsplit(".", 1)[-1]
-        stored = Stored(msg.data, msg.headers)
-        waiter = self._waiting.pop(task_id, None)
-        if waiter is not None and not waiter.done():
-            waiter.set_result(stored)
-            return
-        now = time.monotonic()
-        self._arrived = {k: v for k, v in self._arrived.items() if now - v[0] < UNCLAIMED_KEPT_S}
-        self._arrived[task_id] = (now, stored)
-
-    async def take(self, task_id: TaskId) -> Stored | None:
-        """The task's request; None if it is not stored within `REQUEST_WAIT_S` (its API died before it could
-        store it, the task retention dropped it) or the task was abandoned meanwhile."""
-        arrived = self._arrived.pop(task_id, None)
-        if arrived is not None:
-            return arrived[1]
-        loop = asyncio.get_running_loop()
-        waiter: asyncio.Future[Stored | None] = loop.create_future()
-        self._waiting[task_id] = waiter
-        deadline = loop.time() + REQUEST_WAIT_S
+async def read_request(
+    js: JetStreamContext, node_id: NodeId, instance_id: InstanceId, task_id: TaskId, wanted: Callable[[], bool]
+) -> Stored | None:
+    """The task's stored request; None once the task is no longer `wanted` (cancelled while the stream did not
+    answer). Raises RequestLost when the stream does not hold it, or does not answer, for longer than a
+    replica's lag or a leader election takes."""
+    subject = task_subject(node_id, instance_id, task_id)
+    loop = asyncio.get_running_loop()
+    started = loop.time()
+    pause_s = FIRST_RETRY_S
+    while wanted():
         try:
-            # Stored before this runner subscribed, or while the subscription's interest was still travelling to
-            # the API's server (a cluster of servers learns it within moments): the stream has it either way. It
-            # may not answer while a machine is lost and its servers elect new leaders, so the subscription is
-            # listened to all the while, and the stream asked again until the deadline.
-            while (left_s := deadline - loop.time()) > 0:
-                read = asyncio.ensure_future(self._read(task_id))
-                await asyncio.wait({waiter, read}, timeout=left_s, return_when=asyncio.FIRST_COMPLETED)
-                if not read.done():
-                    read.cancel()
-                elif read.result() is not None:
-                    return read.result()
-                if waiter.done():
-                    return waiter.result()
-                with contextlib.suppress(TimeoutError):
-                    return await asyncio.wait_for(asyncio.shield(waiter), min(READ_AGAIN_S, deadline - loop.time()))
-            return None
-        finally:
-            self._waiting.pop(task_id, None)
-
-    async def _read(self, task_id: TaskId) -> Stored | None:
-        """The stored request; None when the stream does not hold it or does not answer now."""
-        subject = task_subject(self._node_id, self._instance_id, task_id)
-        try:
-            found = await self._js.get_msg(TASKS_STREAM, subject=subject, direct=True)
-        except nats.js.errors.NotFoundError:
-            return None
+            found = await js.get_msg(TASKS_STREAM, subject=subject, direct=True)
+            return Stored(found.data or b"", found.headers)
+        except nats.js.errors.NotFoundError as error:
+            if loop.time() - started >= MISSING_PATIENCE_S:
+                raise RequestLost("JETSHARD_TASKS does not hold the task's request") from error
         except (nats.errors.TimeoutError, nats.errors.NoRespondersError) as error:
-            log.info("JETSHARD_TASKS did not answer for %s (%s); listening and asking again", task_id, error)
-            return None
-        return Stored(found.data or b"", found.headers)
-
-    def abandon(self, task_id: TaskId) -> None:
-        """The task left State (cancelled): stop waiting for its request."""
-        self._arrived.pop(task_id, None)
-        waiter = self._waiting.pop(task_id, None)
-        if waiter is not None and not waiter.done():
-            waiter.set_result(None)
+            if loop.time() - started >= UNANSWERED_PATIENCE_S:
+                raise RequestLost(f"JETSHARD_TASKS did not answer for {UNANSWERED_PATIENCE_S:.0f} s") from error
+            log.info("JETSHARD_TASKS did not answer for %s (%s); asking again", task_id, error)
+        await asyncio.sleep(pause_s)
+        pause_s = min(LAST_RETRY_S, pause_s * 2)
+    return None

@@ -11,9 +11,9 @@ the role's processes read by path (`--nats-nkey FILE`), never on a command line.
 |                       | purging the previous snapshot's chunks), sequencer stats           |                    |
 | api                   | users' commands (`jetshard.cmd.api.>`), task requests (prompts, to | chunks, stats, its |
 |                       | JETSHARD_TASKS), its sessions' liveness keys                       | inbox              |
-| worker (per node)     | its node's worker reports (`jetshard.cmd.node.<node>.worker.>`),   | its node's task    |
-|                       | chunks under its node, its liveness key and runner stats; reads    | requests, its      |
-|                       | the task requests stored for its node only                         | inbox              |
+| worker (per node)     | its node's worker reports (`jetshard.cmd.node.<node>.worker.>`),   | its inbox          |
+|                       | chunks under its node, its liveness key and runner stats; reads    |                    |
+|                       | the task requests stored for its node only                         |                    |
 | downloader (per node) | its node's downloader reports                                      | its inbox          |
 |                       | (`jetshard.cmd.node.<node>.downloader.>`), downloader stats        |                    |
 | viewer                | nothing (`jetshard state`, `jetshard events`)                      | stats, its inbox   |
@@ -157,19 +157,17 @@ def role_permissions(role: str, node_id: str | None = None) -> Permissions | Non
                     subjects.downloader_stats_subject(node_id),
                 )
             )
-        requests = subjects.node_tasks(node_id)
         return Permissions(
             publish=(
                 *FOLLOW,
                 subjects.node_commands(node_id, subjects.WORKER_SENDER),
                 subjects.node_chunks(node_id),
-                # A leader runner reads a request stored before it subscribed by its subject, which names the node:
-                # a read by sequence (STREAM.MSG.GET, or DIRECT.GET with a body) could reach any node's.
-                f"{JS_API}.DIRECT.GET.{subjects.TASKS_STREAM}.{requests}",
+                # A leader runner reads a request by its subject, which names the node: a read by sequence
+                # (STREAM.MSG.GET, or DIRECT.GET with a body) could reach any node's.
+                f"{JS_API}.DIRECT.GET.{subjects.TASKS_STREAM}.{subjects.node_tasks(node_id)}",
                 subjects.runner_stats_subject(node_id, "*"),
                 _liveness_key(node_id),
             ),
-            subscribe=(requests,),
         )
     raise ValueError(f"unknown role {role!r}")
 
