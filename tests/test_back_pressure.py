@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -31,6 +32,8 @@ from helpers.tiny_models import endless_model, make_tiny_model
 
 MODEL = "back-pressure/tiny-llama"
 OTHER = "back-pressure/tiny-other"
+PAIR = "back-pressure/tiny-pair"
+"""Placed twice, each instance with one place in its queue, by the test of a request named for a full instance."""
 COLD = "back-pressure/tiny-cold"
 """Added, never placed by the fixture: the first requests for it place its one instance."""
 ROOMY = ["--max-batch", "2", "--max-queued", "64"]
@@ -61,6 +64,8 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[InferenceClust
         c.serve_one_node(MODEL)
         c.add_model(OTHER)
         c.add_model(COLD)
+        c.hub.add_repo(PAIR, make_tiny_model(root / "repos" / "pair", arch="llama", num_layers=2, num_files=1, seed=7))
+        c.add_model(PAIR)
         yield c
 
 
@@ -287,6 +292,36 @@ async def test_work_queued_on_an_instance_that_slows_down_is_still_answered(
     assert set(statuses) <= {200, 429}, {a.status_code: a.text for a in answers if a.status_code not in (200, 429)}
     assert statuses[200] > max_batch, statuses  # some of them waited in the queue
     assert all(a.json()["usage"]["completion_tokens"] == SHORT_ANSWER for a in answers if a.status_code == 200)
+
+
+async def test_a_request_named_for_an_instance_that_filled_meanwhile_runs_on_the_other(
+    cluster: InferenceCluster,
+) -> None:
+    """An API stores a task's request for the instance it names, before the sequencer assigns it. The window
+    forced open: the sequencer is paused while two requests are submitted, so the API's State shows both
+    instances empty and names the same one for both; that instance has one place. The sequencer gives it to the
+    first and refuses the second for it, and the API stores the second's request again for the other instance:
+    both are answered, one by each."""
+    one_place = {"max_batch": 1, "max_queued": 0}
+    (sequencer,) = [p for p in cluster.processes.started if p.args[-1] == "sequencer"]
+    chat = {"model": PAIR, "messages": MESSAGES, "max_tokens": 4, "temperature": 0}
+    async with httpx.AsyncClient(base_url=cluster.api, timeout=120) as http:
+        placed = [await http.post("/instances", json={"model_id": PAIR, "serving": one_place}) for _ in range(2)]
+        assert [p.status_code for p in placed] == [201, 201], [p.text for p in placed]
+        instance_ids = [p.json()["instance_id"] for p in placed]
+        await asyncio.to_thread(cluster.watch_until_ready, instance_ids)
+        os.killpg(sequencer.pid, signal.SIGSTOP)
+        try:
+            asked = [asyncio.create_task(http.post("/v1/chat/completions", json=chat)) for _ in range(2)]
+            await asyncio.sleep(1)  # deliberate: both requests are stored and submitted to the paused sequencer
+        finally:
+            os.killpg(sequencer.pid, signal.SIGCONT)
+        answers = await asyncio.gather(*asked)
+        assert [a.status_code for a in answers] == [200, 200], [a.text for a in answers]
+        instances = (await http.get("/state")).json()["instances"]
+        assert all(instances[i]["task_ms"] > 0 for i in instance_ids), "each instance finished one of the tasks"
+        for instance_id in instance_ids:
+            assert (await http.delete(f"/instances/{instance_id}")).status_code == 200
 
 
 async def test_a_killed_apis_tasks_are_cancelled_within_the_liveness_ttl(

@@ -162,13 +162,11 @@ class Cluster:
         instance it is named for: the only node whose identity may read it there. Its headers carry the request's
         trace context to that runner."""
         self.require_broker()
+        subject = task_subject(instance.leader_node, instance.instance_id, request.task_id)
+        # The message id makes a repeated store harmless; it names the instance too, since a task refused for
+        # one instance is stored again for another.
         await self._stored(
-            lambda: self.js.publish(
-                task_subject(instance.leader_node, instance.instance_id, request.task_id),
-                encode(request),
-                headers=inject({MSG_ID_HEADER: request.task_id}),
-                timeout=5.0,
-            )
+            lambda: self.js.publish(subject, encode(request), headers=inject({MSG_ID_HEADER: subject}), timeout=5.0)
         )
 
     async def _stored(self, publish: Callable[[], Awaitable[T]]) -> T:
