@@ -605,3 +605,8 @@ def ready_instances(state: State, model_id: ModelId | None = None) -> list[Insta
         ),
         key=lambda i: i.instance_id,
     )
+
+
+def ready_models(state: State) -> set[ModelId]:
+    """The models that can take a task now, as lists and error messages name them."""
+    return {i.model_id for i in ready_instances(state)}

@@ -17,7 +17,7 @@ from litestar.params import FromPath, JSONBody
 from jetshard_api.cluster import Cluster
 from jetshard_api.dialects.strict_body import StrictBody
 from jetshard_api.errors import ERROR_RESPONSES, ApiError
-from jetshard_api.route_steps import checked_model_id
+from jetshard_api.model_steps import checked_model_id
 
 
 class StartDownloadRequest(msgspec.Struct, frozen=True, forbid_unknown_fields=True):

@@ -31,7 +31,7 @@ from litestar.params import FromPath, FromQuery, JSONBody, Parameter
 from jetshard_api.cluster import Cluster
 from jetshard_api.dialects.strict_body import StrictBody
 from jetshard_api.errors import ERROR_RESPONSES, ApiError
-from jetshard_api.route_steps import Deleted, checked_keep_alive, checked_model_id, place_instance, preview_placement
+from jetshard_api.model_steps import Deleted, checked_keep_alive, checked_model_id, place_instance, preview_placement
 from jetshard_api.settings import InferenceSettings
 
 

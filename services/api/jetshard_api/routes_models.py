@@ -21,7 +21,7 @@ from jetshard_api.cluster import Cluster
 from jetshard_api.dialects.strict_body import StrictBody
 from jetshard_api.errors import ERROR_RESPONSES, ApiError
 from jetshard_api.hub import checked_gguf_file, fetch_card, fetch_gguf_card
-from jetshard_api.route_steps import Deleted, checked_model_id
+from jetshard_api.model_steps import Deleted, checked_model_id
 
 
 class AddModelRequest(msgspec.Struct, frozen=True, forbid_unknown_fields=True):

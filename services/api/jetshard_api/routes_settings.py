@@ -12,8 +12,8 @@ from litestar.params import JSONBody
 from jetshard_api.cluster import Cluster
 from jetshard_api.dialects.strict_body import StrictBody
 from jetshard_api.errors import ERROR_RESPONSES
-from jetshard_api.route_steps import checked_keep_alive, default_keep_alive_ms
-from jetshard_api.settings import InferenceSettings
+from jetshard_api.model_steps import checked_keep_alive
+from jetshard_api.settings import InferenceSettings, default_keep_alive_ms
 
 
 class Settings(msgspec.Struct, frozen=True, kw_only=True):

@@ -24,7 +24,7 @@ from litestar.response.sse import ServerSentEventMessage
 
 from jetshard_api.cluster import Cluster
 from jetshard_api.errors import ERROR_RESPONSES, ApiError
-from jetshard_api.route_steps import Deleted
+from jetshard_api.model_steps import Deleted
 
 VIEW_EVERY_S = 0.25
 """A burst of events (a download's progress, a placement) sends one view per this interval, not one each."""

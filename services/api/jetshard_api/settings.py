@@ -7,7 +7,8 @@ from __future__ import annotations
 from typing import Annotated
 
 import msgspec
-from jetshard_schema.types import MAX_KEEP_ALIVE_MS, ServingSettings
+from jetshard_schema.state import State
+from jetshard_schema.types import MAX_KEEP_ALIVE_MS, ServingSettings, keep_alive_ms
 
 Seconds = Annotated[float, msgspec.Meta(gt=0)]
 """A duration that must be above zero."""
@@ -85,3 +86,11 @@ class InferenceSettings(msgspec.Struct, frozen=True):
     """The serving settings of the instances this API places, where a request does not set them."""
     images: ImageSettings = ImageSettings()
     """Where the API may read images a request names by file or web address."""
+
+
+def default_keep_alive_ms(state: State, settings: InferenceSettings) -> int:
+    """How long an instance placed for a request stays loaded once idle: the cluster's setting (the dashboard's,
+    `PUT /settings`), else this API's `--model-keep-alive-s`."""
+    if state.default_keep_alive_ms is not None:
+        return state.default_keep_alive_ms
+    return keep_alive_ms(settings.model_keep_alive_s)

@@ -1,6 +1,7 @@
-"""One request path for every dialect (OpenAI, Ollama, Anthropic, Responses): a `TaskRequest` is placed,
-queued, submitted and read back as chunks, and a client that leaves cancels it. The routes only translate
-their request into a TaskRequest and the chunks into their answer.
+"""One request path for every dialect (OpenAI, Ollama, Anthropic, Responses): a `TaskRequest`'s inputs are checked
+against its model's card, its model placed and waited for, the task submitted and read back as chunks, and a
+client that leaves cancels it. The routes only translate their request into a TaskRequest and the chunks into
+their answer.
 
 The API names the ready instance with the fewest tasks in flight (`admission.route`), stores the request (the
 prompt) for the node of that instance's leader alone, and submits the task as a `SubmitTask` command naming that
@@ -20,22 +21,25 @@ from contextlib import AsyncExitStack
 from dataclasses import dataclass
 from typing import Any
 
+from jetshard_schema import commands
 from jetshard_schema.admission import route
+from jetshard_schema.cards import ModelCard
 from jetshard_schema.codec import decode_chunk
 from jetshard_schema.commands import CancelTask, SubmitTask
-from jetshard_schema.events import TaskAssigned, TaskFinished
-from jetshard_schema.ids import InstanceId, NodeId
-from jetshard_schema.state import Instance, State, ready_instances
+from jetshard_schema.events import InstanceChosen, InstancePlaced, TaskAssigned, TaskFinished
+from jetshard_schema.ids import InstanceId, ModelId, NodeId, new_instance_id
+from jetshard_schema.models import find_card
+from jetshard_schema.state import Instance, State, ready_instances, ready_models
 from jetshard_schema.subjects import chunk_sender, task_chunks
-from jetshard_schema.types import Chunk, RejectCode, TaskOutcome, TaskRequest, Usage
+from jetshard_schema.types import Chunk, ModelFormat, RejectCode, TaskOutcome, TaskRequest, Usage
 from litestar.types import Receive
 
 from jetshard_api.answers import Answer, Choice
 from jetshard_api.cluster import Cluster
 from jetshard_api.disconnect import stopped, unless_disconnected
 from jetshard_api.errors import ApiError
-from jetshard_api.route_steps import check_inputs, ensure_placed, ensure_ready, wait_ready
-from jetshard_api.settings import InferenceSettings
+from jetshard_api.images import has_images
+from jetshard_api.settings import InferenceSettings, default_keep_alive_ms
 
 log = logging.getLogger(__name__)
 
@@ -256,6 +260,98 @@ class ChunkStream:
         self.finished = chunk.usage is not None
         self._timer.chunk(chunk)
         return chunk
+
+
+def check_inputs(state: State, task: TaskRequest, images_param: str = "messages") -> None:
+    """A 400 naming `images_param`, the request field that carries the images, for images sent to a model whose
+    card says it takes none (it would see only their placeholders)."""
+    if not has_images(task):
+        return
+    card = find_card(state, task.model_id)
+    if card is not None and not card.vision:
+        raise ApiError(
+            400, f"{task.model_id} takes no images: {_why_blind(card)}", "model_takes_no_images", images_param
+        )
+
+
+def _why_blind(card: ModelCard) -> str:
+    """Why a model without vision takes no images. A GGUF model sees on llama.cpp only through the projector file
+    that is added with it (a text GGUF and a vision one look alike otherwise): say so, and how to add one."""
+    if ModelFormat.GGUF not in card.formats:
+        return "it is not a vision model"
+    return (
+        "it has no image projector (mmproj), through which llama.cpp sees images; a GGUF model that sees is added "
+        "with its projector: `jetshard models import-gguf FILE --mmproj PROJECTOR`, or `mmproj_file` beside "
+        "`gguf_file` for a Hub repo"
+    )
+
+
+async def ensure_ready(cluster: Cluster, model_id: ModelId, settings: InferenceSettings) -> None:
+    """Place an instance of `model_id` if none is alive (auto-place), then wait until one is ready."""
+    coming = await ensure_placed(cluster, model_id, settings)
+    if coming:
+        await wait_ready(cluster, model_id, coming, settings)
+
+
+async def ensure_placed(cluster: Cluster, model_id: ModelId, settings: InferenceSettings) -> frozenset[InstanceId]:
+    """The instances of `model_id` on their way to ready (none: one is ready now). With auto-place and none
+    alive, the sequencer places one, or names the one that a concurrent request placed first. Raises ApiError
+    (404, or placement refused) before any streaming starts."""
+    state = cluster.state
+    if ready_instances(state, model_id):
+        return frozenset()
+    if find_card(state, model_id) is None:
+        raise ApiError(
+            404,
+            f"unknown model {model_id}; ready models: {sorted(ready_models(state)) or 'none'}",
+            "model_not_found",
+            "model",
+        )
+    alive = frozenset(i.instance_id for i in state.instances.values() if i.model_id == model_id and not i.failed)
+    if alive:
+        return alive
+    if not settings.auto_place:
+        raise ApiError(
+            404,
+            f"{model_id} has no instance and auto-placement is off; ready models: "
+            f"{sorted(ready_models(state)) or 'none'}",
+            "model_not_found",
+            "model",
+        )
+    events = await cluster.submit(
+        commands.EnsureInstance(
+            instance_id=new_instance_id(),
+            model_id=model_id,
+            serving=settings.serving,
+            keep_alive_ms=default_keep_alive_ms(state, settings),
+        )
+    )
+    return frozenset(e.instance_id for e in events if isinstance(e, InstancePlaced | InstanceChosen))
+
+
+async def wait_ready(
+    cluster: Cluster, model_id: ModelId, coming: frozenset[InstanceId], settings: InferenceSettings
+) -> None:
+    """Until an instance of `model_id` is ready; 503 as soon as every instance in `coming` failed or left and none
+    took its place (the sequencer replaces an instance in the command that removes it: one moved to a faster
+    engine, one whose node was lost)."""
+
+    def ready_or_hopeless(s: State) -> bool:
+        if ready_instances(s, model_id):
+            return True
+        return not any(i.model_id == model_id and not i.failed for i in s.instances.values())
+
+    try:
+        state = await cluster.wait_until(ready_or_hopeless, settings.ready_timeout_s)
+    except TimeoutError as error:
+        raise ApiError(
+            504, f"{model_id} did not become ready in {settings.ready_timeout_s:.0f} s", "instance_timeout"
+        ) from error
+    if not ready_instances(state, model_id):
+        failed = [state.instances[i].failed_reason for i in sorted(coming) if i in state.instances]
+        raise ApiError(
+            503, f"{model_id} is unavailable: {'; '.join(failed) or 'its instance was removed'}", "model_unavailable"
+        )
 
 
 def _waiting_for(state: State, request: TaskRequest) -> str:

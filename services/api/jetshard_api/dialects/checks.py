@@ -9,6 +9,7 @@ import re
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from jetshard_schema.ids import MODEL_ID_MAX_LENGTH, ModelId, parse_model_id
 from jetshard_schema.types import (
     CHAT_TEMPLATE_ARGUMENTS,
     MAX_CHOICES,
@@ -313,3 +314,24 @@ def _depth(value: object, level: int = 0) -> int:
     if isinstance(value, list):
         return max((_depth(v, level + 1) for v in value), default=level)
     return level
+
+
+_MODEL_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:/@+-]*")
+"""What another server's model names look like (`gpt-4o`, `claude-sonnet-4-5`, `llama3:8b`,
+`hf.co/org/repo:Q4_K_M`): a name this cluster cannot have, not an attack."""
+
+
+def requested_model_id(value: str, param: str = "model") -> ModelId:
+    """The model an inference request names (every dialect's `model`). A name that cannot be one of this cluster's
+    models, as clients send that were made for another server (`gpt-3.5-turbo`, `llama3`), is a 404
+    `model_not_found`, which is what OpenAI, Anthropic and Ollama answer for a model they do not have; only a
+    hostile value (a path, control characters, an overlong string) is a 400 `invalid_model_id`."""
+    try:
+        return parse_model_id(value)
+    except ValueError as error:
+        hostile = len(value) > MODEL_ID_MAX_LENGTH or not _MODEL_NAME.fullmatch(value) or ".." in value or "//" in value
+        if hostile:
+            raise ApiError(400, str(error), "invalid_model_id", param) from error
+        raise ApiError(
+            404, f"model {value!r} not found: this cluster's models are named 'org/name'", "model_not_found", param
+        ) from error

@@ -39,10 +39,11 @@ from jetshard_api.dialects.anthropic.types import (
     thinks,
     tool_use_block,
 )
+from jetshard_api.dialects.checks import requested_model_id
 from jetshard_api.dialects.streaming import streamed
 from jetshard_api.dialects.strict_body import DialectController
 from jetshard_api.errors import ApiError, answering, error_handlers_answering, inference_responses_in
-from jetshard_api.route_steps import can_think, requested_model_id
+from jetshard_api.model_steps import can_think
 from jetshard_api.settings import InferenceSettings
 from jetshard_api.tasks import answer
 

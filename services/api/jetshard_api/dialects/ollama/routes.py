@@ -4,7 +4,7 @@ as `{"error": message}`), so Ollama's clients can use the cluster.
 
 Model names are `org/name`, with or without `:latest` (this cluster has no other tags). Inference goes
 through the shared request path (`tasks`); `pull` and `delete` are the cluster's steps of getting a model's
-files onto its nodes and deleting them (`route_steps`).
+files onto its nodes and deleting them (`model_steps`).
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from jetshard_schema.cards import ModelCard
 from jetshard_schema.commands import SetInstanceKeepAlive
 from jetshard_schema.ids import ModelId, NodeId, new_task_id
 from jetshard_schema.models import all_cards, find_card
-from jetshard_schema.state import State
+from jetshard_schema.state import State, ready_models
 from jetshard_schema.types import Chunk, TaskRequest, TokenLogprob, Usage
 from jetshard_schema.view import model_unloads_at_ms
 from litestar import Request, Response, delete, get, post
@@ -69,18 +69,9 @@ from jetshard_api.dialects.openai.types import TokenLogprobBody
 from jetshard_api.dialects.strict_body import DialectController
 from jetshard_api.disconnect import unless_disconnected
 from jetshard_api.errors import ApiError, answering, error_handlers_answering, inference_responses_in
-from jetshard_api.route_steps import (
-    can_think,
-    checked_keep_alive,
-    delete_everywhere,
-    ensure_ready,
-    pulling,
-    ready_models,
-    start_pull,
-    until_pulled,
-)
+from jetshard_api.model_steps import can_think, checked_keep_alive, delete_everywhere, pulling, start_pull, until_pulled
 from jetshard_api.settings import InferenceSettings
-from jetshard_api.tasks import LiveTask, Waiting, answer
+from jetshard_api.tasks import LiveTask, Waiting, answer, ensure_ready
 
 AnyRequest = Request[Any, Any, Any]
 NDJSON = "application/x-ndjson"

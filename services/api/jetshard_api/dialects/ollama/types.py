@@ -32,10 +32,10 @@ from jetshard_schema.types import (
 )
 
 from jetshard_api.dialects import checks
+from jetshard_api.dialects.checks import requested_model_id
 from jetshard_api.dialects.openai.types import TokenLogprobBody
 from jetshard_api.errors import ApiError
 from jetshard_api.images import base64_image, check_images
-from jetshard_api.route_steps import requested_model_id
 
 OLLAMA_VERSION = "0.12.0"
 """The Ollama version `/api/version` reports: one whose API these routes follow, so that clients which check

@@ -24,6 +24,7 @@ from litestar.response import ServerSentEvent
 from litestar.response.sse import ServerSentEventMessage
 
 from jetshard_api.cluster import Cluster
+from jetshard_api.dialects.checks import requested_model_id
 from jetshard_api.dialects.openai.types import (
     ChatChoice,
     ChatCompletion,
@@ -51,7 +52,7 @@ from jetshard_api.dialects.streaming import keep_alive_comment, streamed
 from jetshard_api.dialects.strict_body import DialectController
 from jetshard_api.errors import ERROR_RESPONSES, INFERENCE_RESPONSES, ApiError, answering, error_body
 from jetshard_api.images import load_image_urls
-from jetshard_api.route_steps import engines_serving, requested_model_id
+from jetshard_api.model_steps import engines_serving
 from jetshard_api.settings import InferenceSettings
 from jetshard_api.tasks import answer
 

@@ -21,6 +21,7 @@ from litestar.response import ServerSentEvent
 from litestar.response.sse import ServerSentEventMessage
 
 from jetshard_api.cluster import Cluster
+from jetshard_api.dialects.checks import requested_model_id
 from jetshard_api.dialects.responses.types import (
     FunctionCallItem,
     ItemStatus,
@@ -41,9 +42,8 @@ from jetshard_api.dialects.streaming import keep_alive_comment, streamed
 from jetshard_api.dialects.strict_body import DialectController
 from jetshard_api.errors import INFERENCE_RESPONSES, ApiError, answering
 from jetshard_api.images import load_image_urls
-from jetshard_api.route_steps import check_inputs, requested_model_id
 from jetshard_api.settings import InferenceSettings
-from jetshard_api.tasks import answer
+from jetshard_api.tasks import answer, check_inputs
 
 AnyRequest = Request[Any, Any, Any]
 

@@ -1,5 +1,6 @@
-"""Steps the routes share: checking a model id, placing an instance, waiting for a model to be ready, getting
-a model's files onto the nodes that would serve it and deleting them again; and the answer of every DELETE.
+"""Steps the routes that manage models and instances share (the cluster routes, Ollama's pull, show and delete):
+checking a model id and a keep-alive, placing an instance, previewing a placement, getting a model's files onto
+the nodes that would serve it and deleting them again; and the answer of every DELETE.
 
 Route modules call down into this one and never into each other, so a request flows one way.
 """
@@ -8,14 +9,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import re
 from collections.abc import AsyncIterator, Callable
 
 import msgspec
 from jetshard_schema import commands
 from jetshard_schema.cards import ModelCapability, ModelCard
-from jetshard_schema.events import InstanceChosen, InstancePlaced
-from jetshard_schema.ids import MODEL_ID_MAX_LENGTH, InstanceId, ModelId, NodeId, new_instance_id, parse_model_id
+from jetshard_schema.ids import ModelId, NodeId, new_instance_id, parse_model_id
 from jetshard_schema.models import find_card
 from jetshard_schema.placement import (
     EngineMismatch,
@@ -33,29 +32,17 @@ from jetshard_schema.types import (
     DownloadProgress,
     DownloadStatus,
     Engine,
-    ModelFormat,
     ServingSettings,
-    TaskRequest,
     keep_alive_ms,
 )
 
 from jetshard_api.cluster import Cluster
 from jetshard_api.errors import ApiError
 from jetshard_api.hub import fetch_card
-from jetshard_api.images import has_images
-from jetshard_api.settings import InferenceSettings
 
 
 class Deleted(msgspec.Struct, frozen=True):
     deleted: str
-
-
-def default_keep_alive_ms(state: State, settings: InferenceSettings) -> int:
-    """How long an instance placed for a request stays loaded once idle: the cluster's setting (the dashboard's,
-    `PUT /settings`), else this API's `--model-keep-alive-s`."""
-    if state.default_keep_alive_ms is not None:
-        return state.default_keep_alive_ms
-    return keep_alive_ms(settings.model_keep_alive_s)
 
 
 def checked_keep_alive(seconds: float | None, param: str = "keep_alive_s") -> int:
@@ -77,36 +64,10 @@ def checked_model_id(value: str, param: str = "model_id") -> ModelId:
         raise ApiError(400, str(error), "invalid_model_id", param) from error
 
 
-_MODEL_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:/@+-]*")
-"""What another server's model names look like (`gpt-4o`, `claude-sonnet-4-5`, `llama3:8b`,
-`hf.co/org/repo:Q4_K_M`): a name this cluster cannot have, not an attack."""
-
-
-def requested_model_id(value: str, param: str = "model") -> ModelId:
-    """The model an inference request names (every dialect's `model`). A name that cannot be one of this cluster's
-    models, as clients send that were made for another server (`gpt-3.5-turbo`, `llama3`), is a 404
-    `model_not_found`, which is what OpenAI, Anthropic and Ollama answer for a model they do not have; only a
-    hostile value (a path, control characters, an overlong string) is a 400 `invalid_model_id`."""
-    try:
-        return parse_model_id(value)
-    except ValueError as error:
-        hostile = len(value) > MODEL_ID_MAX_LENGTH or not _MODEL_NAME.fullmatch(value) or ".." in value or "//" in value
-        if hostile:
-            raise ApiError(400, str(error), "invalid_model_id", param) from error
-        raise ApiError(
-            404, f"model {value!r} not found: this cluster's models are named 'org/name'", "model_not_found", param
-        ) from error
-
-
 def can_think(state: State, model_id: ModelId) -> bool:
     """Whether the model's card says it thinks; an unknown model passes, for its own error to come later."""
     card = find_card(state, model_id)
     return card is None or ModelCapability.THINKING in card.capabilities
-
-
-def ready_models(state: State) -> set[ModelId]:
-    """The models that can take a task now, as lists and error messages name them."""
-    return {i.model_id for i in ready_instances(state)}
 
 
 def engines_serving(state: State) -> dict[ModelId, list[Engine]]:
@@ -158,98 +119,6 @@ def preview_placement(state: State, card: ModelCard, serving: ServingSettings, m
         raise ApiError(409, str(error), "not_enough_nodes", "min_nodes") from error
     except PlacementError as error:
         raise ApiError(409, str(error), "insufficient_memory") from error
-
-
-def check_inputs(state: State, task: TaskRequest, images_param: str = "messages") -> None:
-    """A 400 naming `images_param`, the request field that carries the images, for images sent to a model whose
-    card says it takes none (it would see only their placeholders)."""
-    if not has_images(task):
-        return
-    card = find_card(state, task.model_id)
-    if card is not None and not card.vision:
-        raise ApiError(
-            400, f"{task.model_id} takes no images: {_why_blind(card)}", "model_takes_no_images", images_param
-        )
-
-
-def _why_blind(card: ModelCard) -> str:
-    """Why a model without vision takes no images. A GGUF model sees on llama.cpp only through the projector file
-    that is added with it (a text GGUF and a vision one look alike otherwise): say so, and how to add one."""
-    if ModelFormat.GGUF not in card.formats:
-        return "it is not a vision model"
-    return (
-        "it has no image projector (mmproj), through which llama.cpp sees images; a GGUF model that sees is added "
-        "with its projector: `jetshard models import-gguf FILE --mmproj PROJECTOR`, or `mmproj_file` beside "
-        "`gguf_file` for a Hub repo"
-    )
-
-
-async def ensure_ready(cluster: Cluster, model_id: ModelId, settings: InferenceSettings) -> None:
-    """Place an instance of `model_id` if none is alive (auto-place), then wait until one is ready."""
-    coming = await ensure_placed(cluster, model_id, settings)
-    if coming:
-        await wait_ready(cluster, model_id, coming, settings)
-
-
-async def ensure_placed(cluster: Cluster, model_id: ModelId, settings: InferenceSettings) -> frozenset[InstanceId]:
-    """The instances of `model_id` on their way to ready (none: one is ready now). With auto-place and none
-    alive, the sequencer places one, or names the one that a concurrent request placed first. Raises ApiError
-    (404, or placement refused) before any streaming starts."""
-    state = cluster.state
-    if ready_instances(state, model_id):
-        return frozenset()
-    if find_card(state, model_id) is None:
-        raise ApiError(
-            404,
-            f"unknown model {model_id}; ready models: {sorted(ready_models(state)) or 'none'}",
-            "model_not_found",
-            "model",
-        )
-    alive = frozenset(i.instance_id for i in state.instances.values() if i.model_id == model_id and not i.failed)
-    if alive:
-        return alive
-    if not settings.auto_place:
-        raise ApiError(
-            404,
-            f"{model_id} has no instance and auto-placement is off; ready models: "
-            f"{sorted(ready_models(state)) or 'none'}",
-            "model_not_found",
-            "model",
-        )
-    events = await cluster.submit(
-        commands.EnsureInstance(
-            instance_id=new_instance_id(),
-            model_id=model_id,
-            serving=settings.serving,
-            keep_alive_ms=default_keep_alive_ms(state, settings),
-        )
-    )
-    return frozenset(e.instance_id for e in events if isinstance(e, InstancePlaced | InstanceChosen))
-
-
-async def wait_ready(
-    cluster: Cluster, model_id: ModelId, coming: frozenset[InstanceId], settings: InferenceSettings
-) -> None:
-    """Until an instance of `model_id` is ready; 503 as soon as every instance in `coming` failed or left and none
-    took its place (the sequencer replaces an instance in the command that removes it: one moved to a faster
-    engine, one whose node was lost)."""
-
-    def ready_or_hopeless(s: State) -> bool:
-        if ready_instances(s, model_id):
-            return True
-        return not any(i.model_id == model_id and not i.failed for i in s.instances.values())
-
-    try:
-        state = await cluster.wait_until(ready_or_hopeless, settings.ready_timeout_s)
-    except TimeoutError as error:
-        raise ApiError(
-            504, f"{model_id} did not become ready in {settings.ready_timeout_s:.0f} s", "instance_timeout"
-        ) from error
-    if not ready_instances(state, model_id):
-        failed = [state.instances[i].failed_reason for i in sorted(coming) if i in state.instances]
-        raise ApiError(
-            503, f"{model_id} is unavailable: {'; '.join(failed) or 'its instance was removed'}", "model_unavailable"
-        )
 
 
 async def start_pull(cluster: Cluster, model_id: ModelId, serving: ServingSettings) -> list[NodeId]:
