@@ -105,6 +105,20 @@ def test_values_llama_server_reads_as_32_bit_ints_keep_their_meaning() -> None:
     assert (row.body["top_k"], row.body["thinking_budget_tokens"]) == (0, 2**31 - 1)
 
 
+def test_logprobs_without_alternatives_still_come_with_each_token() -> None:
+    """llama-server sends a token's logprob only with at least one alternative: it is asked for one, and the
+    answer keeps none, as the task asked."""
+    row = llama.chat_request(
+        "t1#0", _chat(top_logprobs=0), GREEDY, max_tokens=4, seed=None, window=512, template_takes_tools=False
+    )
+    assert row.body["logprobs"] is True and row.body["top_logprobs"] == 1
+    state = llama.StreamState(top_logprobs=row.top_logprobs)
+    entry = {"token": "Paris", "logprob": -0.5, "top_logprobs": [{"token": "Paris", "logprob": -0.5}]}
+    event = {"choices": [{"delta": {"content": "Paris"}, "logprobs": {"content": [entry]}, "finish_reason": None}]}
+    piece, _ = llama.parse_event(llama.CHAT_PATH, json.dumps(event), state)
+    assert piece is not None and [(lp.token, lp.logprob, lp.top) for lp in piece.logprobs] == [("Paris", -0.5, ())]
+
+
 def test_streamed_events_become_pieces_tool_calls_and_an_ending() -> None:
     state = llama.StreamState()
     events = [

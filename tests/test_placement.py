@@ -8,7 +8,7 @@ import itertools
 import msgspec
 import pytest
 from helpers.cards import tiny_card
-from jetshard_schema.cards import MAX_HIDDEN_SIZE, ModelFormat, Quantization
+from jetshard_schema.cards import MAX_HIDDEN_SIZE, ModelCard, ModelFormat, Quantization
 from jetshard_schema.ids import InstanceId, NodeId
 from jetshard_schema.placement import (
     LLAMA_CPP_SLOT_CONTEXT,
@@ -33,7 +33,7 @@ from jetshard_schema.placement import (
     without,
 )
 from jetshard_schema.state import Instance, Node, State
-from jetshard_schema.types import Engine, GpuInfo, NodeProfile, Parallelism, ServingSettings, WeightsDtype
+from jetshard_schema.types import Engine, GpuInfo, KvCacheType, NodeProfile, Parallelism, ServingSettings, WeightsDtype
 from msgspec.structs import replace
 
 GiB = 2**30
@@ -501,6 +501,38 @@ def test_placement_chooses_the_fastest_engine_the_nodes_run_for_a_format_the_car
     assert place(Q4_CARD, running(BOTH, node("a", 64)), serving=SMALL_ROWS).serving.engine is Engine.MLX
     with pytest.raises(EngineUnavailable, match=r"no node runs llama\.cpp \(yet"):
         place(GGUF_ONLY, [node("a", 64)], serving=SMALL_ROWS)
+
+
+def most_slots(card: ModelCard, nodes: list[Node], kv_cache_type: KvCacheType) -> int:
+    """The largest `max_batch` that placement fits on `nodes` with `kv_cache_type`."""
+    fitted = 0
+    for slots in range(1, 257):
+        serving = ServingSettings(max_batch=slots, prefix_cache_bytes=0, kv_cache_type=kv_cache_type)
+        try:
+            place(card, nodes, serving=serving)
+        except PlacementError:
+            break
+        fitted = slots
+    return fitted
+
+
+def test_a_quantized_kv_cache_fits_about_twice_or_four_times_the_slots_in_the_same_memory() -> None:
+    nodes = running(BOTH, node("a", 12))
+    as_computed = most_slots(GGUF_ONLY, nodes, KvCacheType.AUTO)
+    assert as_computed >= 4
+    assert most_slots(GGUF_ONLY, nodes, KvCacheType.Q8_0) >= 1.8 * as_computed
+    assert most_slots(GGUF_ONLY, nodes, KvCacheType.Q4_0) >= 3.2 * as_computed
+    # The placement's own estimate says so too: the same slots need less.
+    q8 = ServingSettings(max_batch=4, prefix_cache_bytes=0, kv_cache_type=KvCacheType.Q8_0)
+    sixteen_bit = place(GGUF_ONLY, nodes, serving=replace(q8, kv_cache_type=KvCacheType.AUTO))
+    assert place(GGUF_ONLY, nodes, serving=q8).required_bytes < sixteen_bit.required_bytes
+    # MLX keeps its cache as it computes: asked of MLX, a quantized cache is refused, and placement that chooses
+    # the engine chooses llama.cpp, or refuses where only MLX could serve.
+    with pytest.raises(EngineMismatch, match=r"kv_cache_type q8_0 is llama\.cpp's"):
+        place(GGUF_AND_MLX, nodes, serving=replace(q8, engine=Engine.MLX))
+    assert place(GGUF_AND_MLX, [node("m", 64, accelerator="metal")], serving=SMALL_ROWS).serving.engine is Engine.MLX
+    with pytest.raises(EngineMismatch, match=r"kv_cache_type q8_0 is llama\.cpp's"):
+        place(GGUF_AND_MLX, [node("m", 64, accelerator="metal")], serving=q8)
 
 
 def test_llama_cpp_goes_to_the_node_with_most_memory_that_runs_it() -> None:

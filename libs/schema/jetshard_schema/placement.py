@@ -42,6 +42,7 @@ MLX's alone.
 
 from __future__ import annotations
 
+import math
 from collections import Counter
 from collections.abc import Sequence
 
@@ -56,6 +57,7 @@ from jetshard_schema.types import (
     MAX_NODES,
     DownloadStatus,
     Engine,
+    KvCacheType,
     NodeProfile,
     Parallelism,
     ServingSettings,
@@ -158,11 +160,12 @@ def llama_cpp_slot_context(card: ModelCard) -> int:
     return max(1, min(card.context_length, LLAMA_CPP_SLOT_CONTEXT))
 
 
-def llama_cpp_kv_cache_bytes(card: ModelCard, slots: int) -> int:
-    """llama.cpp's KV cache for `slots` slots of `llama_cpp_slot_context` tokens: f16 keys and values."""
+def llama_cpp_kv_cache_bytes(card: ModelCard, slots: int, kv_cache_type: KvCacheType = KvCacheType.AUTO) -> int:
+    """llama.cpp's KV cache for `slots` slots of `llama_cpp_slot_context` tokens: keys and values of
+    `kv_cache_type`'s bits each."""
     head_dim = card.hidden_size // card.num_attention_heads
-    context = llama_cpp_slot_context(card) * slots
-    return 2 * card.num_layers * card.num_key_value_heads * head_dim * context * HALF_BYTES
+    values = 2 * card.num_layers * card.num_key_value_heads * head_dim * llama_cpp_slot_context(card) * slots
+    return math.ceil(values * kv_cache_type.bits / 8)
 
 
 def llama_cpp_compute_bytes(card: ModelCard) -> int:
@@ -174,7 +177,7 @@ def required_memory_bytes(card: ModelCard, serving: ServingSettings) -> int:
     if serving.engine is Engine.LLAMA_CPP:
         # The GGUF as it is on disk (llama.cpp maps it whole), each slot's KV cache, the prompt cache llama-server
         # keeps in host memory (`--cache-ram`, sized by prefix_cache_bytes) and its compute buffer.
-        kv_cache = llama_cpp_kv_cache_bytes(card, serving.max_batch)
+        kv_cache = llama_cpp_kv_cache_bytes(card, serving.max_batch, serving.kv_cache_type)
         return card.storage_size_bytes + kv_cache + serving.prefix_cache_bytes + llama_cpp_compute_bytes(card)
     weights = weights_bytes(card, serving.weights)
     kv_caches = kv_cache_bytes(card, serving.weights) * serving.max_batch + serving.prefix_cache_bytes
@@ -348,6 +351,11 @@ def _engine_refusal(
             f"{card.model_id} has no {wanted} weights, which {engine} serves (it has {', '.join(card.formats)}): "
             f"leave engine out for placement to choose, or import the model as {wanted}"
         )
+    if engine is Engine.MLX and serving.kv_cache_type is not KvCacheType.AUTO:
+        return EngineMismatch(
+            f"kv_cache_type {serving.kv_cache_type} is llama.cpp's: MLX keeps its KV cache in the dtype its layers "
+            "compute in (mlx-lm's quantized cache does not batch yet): leave kv_cache_type out, or use engine llama.cpp"
+        )
     if engine is Engine.LLAMA_CPP:
         if serving.parallelism is Parallelism.TENSOR:
             return EngineMismatch(
@@ -436,7 +444,7 @@ class _LlamaCppSizing:
 
     def __init__(self, card: ModelCard, serving: ServingSettings) -> None:
         self.card, self.serving = card, serving
-        self.kv_cache = llama_cpp_kv_cache_bytes(card, serving.max_batch)
+        self.kv_cache = llama_cpp_kv_cache_bytes(card, serving.max_batch, serving.kv_cache_type)
         self.layer_bytes = (card.storage_size_bytes + self.kv_cache) / card.num_layers
         self.compute = llama_cpp_compute_bytes(card)
 

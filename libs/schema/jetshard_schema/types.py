@@ -121,6 +121,23 @@ class WeightsDtype(enum.StrEnum):
     FLOAT16 = "float16"
 
 
+class KvCacheType(enum.StrEnum):
+    """What an instance stores its KV cache as, in llama.cpp's names (`--cache-type-k`, `--cache-type-v`)."""
+
+    AUTO = "auto"
+    """The dtype the layers compute in: 16 bits on llama.cpp."""
+    Q8_0 = "q8_0"
+    """Blocks of 32 8-bit values with a 16-bit scale, 8.5 bits a value: about half of 16 bits' memory, so about
+    twice the slots or context in the same memory."""
+    Q4_0 = "q4_0"
+    """Blocks of 32 4-bit values with a 16-bit scale, 4.5 bits a value: about a quarter."""
+
+    @property
+    def bits(self) -> float:
+        """Bits one cached value takes, on llama.cpp."""
+        return {KvCacheType.AUTO: 16.0, KvCacheType.Q8_0: 8.5, KvCacheType.Q4_0: 4.5}[self]
+
+
 class Parallelism(enum.StrEnum):
     """How an instance splits its model over its nodes."""
 
@@ -187,6 +204,15 @@ class ServingSettings(msgspec.Struct, frozen=True, kw_only=True):
     engine: Engine | None = None
     """None asks placement to choose (the fastest engine every chosen node runs for a format the card has);
     a placement records its choice."""
+    kv_cache_type: Annotated[
+        KvCacheType,
+        msgspec.Meta(
+            description="what an instance stores its KV cache as: auto (16 bits), or q8_0 / q4_0 (about a half / a "
+            "quarter of the memory, so more slots and longer contexts fit; llama.cpp only)"
+        ),
+    ] = KvCacheType.AUTO
+    """Placement sizes the KV cache by it; llama.cpp stores keys and values so (with flash attention, which a
+    quantized V cache needs)."""
 
 
 class ShardAssignment(msgspec.Struct, frozen=True, kw_only=True):

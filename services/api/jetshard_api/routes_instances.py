@@ -13,6 +13,7 @@ from jetshard_schema.placement import device_of
 from jetshard_schema.types import (
     MAX_NODES,
     Engine,
+    KvCacheType,
     MaxBatch,
     MaxQueued,
     MinNodes,
@@ -42,6 +43,7 @@ class ServingRequest(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     max_queued: MaxQueued | msgspec.UnsetType = msgspec.UNSET
     prefix_cache_bytes: PrefixCacheBytes | msgspec.UnsetType = msgspec.UNSET
     weights: WeightsDtype | msgspec.UnsetType = msgspec.UNSET
+    kv_cache_type: KvCacheType | msgspec.UnsetType = msgspec.UNSET
 
     def over(self, defaults: ServingSettings) -> ServingSettings:
         given = {name: getattr(self, name) for name in self.__struct_fields__}

@@ -81,7 +81,7 @@ class LlamaCppEngine:
 
     async def _serve(self, request: LlamaRequest) -> None:
         row = request.row_id
-        state = StreamState()
+        state = StreamState(top_logprobs=request.top_logprobs)
         started = False
         try:
             async with self._slots:

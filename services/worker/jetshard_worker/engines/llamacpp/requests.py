@@ -39,6 +39,9 @@ class LlamaRequest:
     row_id: str
     path: str
     body: dict[str, Any]
+    top_logprobs: int = 0
+    """Alternatives the task asked for at each token: llama-server gives a token's own logprob only with at least
+    one alternative, so it is asked for one more where the task asked for none, and the events are cut back."""
 
 
 @dataclass(frozen=True)
@@ -78,6 +81,8 @@ class StreamState:
     reasoning: bool = False
     """The last piece was reasoning: the tokens the parser consumed before the answer's first (the closing marker,
     whitespace) are reasoning's, as the MLX engine counts them."""
+    top_logprobs: int = 0
+    """The alternatives each token's logprob keeps (`LlamaRequest.top_logprobs`)."""
 
     def parsed_calls(self) -> list[ToolCallParsed]:
         return [ToolCallParsed(parts[0], "".join(parts[1:]) or "{}") for _, parts in sorted(self.calls.items())]
@@ -130,12 +135,12 @@ def chat_request(
         body["parallel_tool_calls"] = tools.parallel
     if request.top_logprobs is not None:
         body["logprobs"] = True
-        body["top_logprobs"] = request.top_logprobs
+        body["top_logprobs"] = max(1, request.top_logprobs)
     if request.chat_template_kwargs:
         body["chat_template_kwargs"] = request.chat_template_kwargs
     if request.thinking_budget is not None:
         body["thinking_budget_tokens"] = min(request.thinking_budget, INT32_MAX)
-    return LlamaRequest(row_id, CHAT_PATH, body)
+    return LlamaRequest(row_id, CHAT_PATH, body, request.top_logprobs or 0)
 
 
 def completion_request(
@@ -151,9 +156,9 @@ def completion_request(
     if request.output_schema is not None:
         body["json_schema"] = request.output_schema
     if request.top_logprobs is not None:
-        body["n_probs"] = request.top_logprobs
+        body["n_probs"] = max(1, request.top_logprobs)
         body["post_sampling_probs"] = False
-    return LlamaRequest(row_id, COMPLETION_PATH, body)
+    return LlamaRequest(row_id, COMPLETION_PATH, body, request.top_logprobs or 0)
 
 
 def _sampling(sampling: ResolvedSampling, repeat_last_n: int | None, seed: int | None, window: int) -> dict[str, Any]:
@@ -260,7 +265,7 @@ def parse_event(path: str, data: str, state: StreamState) -> tuple[Piece | None,
         raise ServerError.of(event)
     if path == CHAT_PATH:
         return _chat_event(event, state)
-    return _completion_event(event)
+    return _completion_event(event, state)
 
 
 def _chat_event(event: dict[str, Any], state: StreamState) -> tuple[Piece | None, Ending | None]:
@@ -277,7 +282,8 @@ def _chat_event(event: dict[str, Any], state: StreamState) -> tuple[Piece | None
             parts[0] += function.get("name") or ""
             if function.get("arguments"):
                 parts.append(function["arguments"])
-        logprobs = tuple(_token_logprob(entry) for entry in ((choice.get("logprobs") or {}).get("content") or ()))
+        entries = (choice.get("logprobs") or {}).get("content") or ()
+        logprobs = tuple(_token_logprob(entry, state.top_logprobs) for entry in entries)
         if reasoning or text or logprobs or delta.get("tool_calls"):
             counted = max(1, len(logprobs), sampled - state.sampled)
             if reasoning and not text:
@@ -301,9 +307,9 @@ def _chat_event(event: dict[str, Any], state: StreamState) -> tuple[Piece | None
     return piece, ending
 
 
-def _completion_event(event: dict[str, Any]) -> tuple[Piece | None, Ending | None]:
+def _completion_event(event: dict[str, Any], state: StreamState) -> tuple[Piece | None, Ending | None]:
     probabilities = event.get("completion_probabilities") or ()
-    logprobs = tuple(_token_logprob(entry) for entry in probabilities)
+    logprobs = tuple(_token_logprob(entry, state.top_logprobs) for entry in probabilities)
     text = event.get("content") or ""
     piece = Piece("", text, logprobs, max(1, len(logprobs))) if text or logprobs else None
     if not event.get("stop"):
@@ -318,9 +324,10 @@ def _completion_event(event: dict[str, Any]) -> tuple[Piece | None, Ending | Non
     return piece, ending
 
 
-def _token_logprob(entry: dict[str, Any]) -> TokenLogprob:
+def _token_logprob(entry: dict[str, Any], alternatives: int) -> TokenLogprob:
     top = tuple(
-        TopLogprob(token=str(t.get("token", "")), logprob=float(t["logprob"])) for t in entry.get("top_logprobs") or ()
+        TopLogprob(token=str(t.get("token", "")), logprob=float(t["logprob"]))
+        for t in (entry.get("top_logprobs") or ())[:alternatives]
     )
     return TokenLogprob(token=str(entry.get("token", "")), logprob=float(entry.get("logprob", 0.0)), top=top)
 

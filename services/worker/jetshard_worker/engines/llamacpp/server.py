@@ -16,6 +16,7 @@ from pathlib import Path
 
 import httpx
 from jetshard_bus.lifeline import lifeline_command
+from jetshard_schema.types import KvCacheType
 
 HEALTH_POLL_S = 0.1
 STOP_GRACE_S = 5.0
@@ -40,6 +41,8 @@ class ServerSettings:
     prompt_cache_bytes: int = 0
     """Prompts llama.cpp keeps beyond its slots for later requests that start alike (`serving.prefix_cache_bytes`,
     as placement counts it); 0 keeps none."""
+    kv_cache_type: KvCacheType = KvCacheType.AUTO
+    """What llama.cpp stores keys and values as (`serving.kv_cache_type`; auto: its f16)."""
     threads: int | None = None
     """None: llama.cpp's own choice (the machine's physical cores)."""
     mmproj: Path | None = None
@@ -73,6 +76,10 @@ class ServerSettings:
             "--no-webui",
             "--metrics",
         ]
+        if self.kv_cache_type is not KvCacheType.AUTO:
+            # A quantized V cache needs flash attention, which llama.cpp's "auto" may leave off.
+            arguments += ["--cache-type-k", self.kv_cache_type, "--cache-type-v", self.kv_cache_type]
+            arguments += ["--flash-attn", "on"]
         if self.rpc_servers:
             arguments += ["--rpc", ",".join(self.rpc_servers), *offload_arguments(self.helper_layers)]
         if self.threads is not None:

@@ -58,6 +58,7 @@ async def load(
         slots=spec.plan.serving.max_batch,
         context_per_slot=spec.context_per_slot,
         prompt_cache_bytes=spec.plan.serving.prefix_cache_bytes,
+        kv_cache_type=spec.plan.serving.kv_cache_type,
         mmproj=mmproj if mmproj.is_file() else None,
     )
     if not settings.model.is_file():
