@@ -94,6 +94,7 @@ def serving_args(image_dirs: tuple[Path, Path]) -> list[str]:
         *("11", "--image-dir", str(image_dirs[0]), "--image-dir", str(image_dirs[1]), "--max-batch", "3"),
         *("--max-queued", "5", "--prefix-cache-bytes", "1000", "--allowed-host", "jetshard.test"),
         *("--cors-origin", "https://app.example", "--kv-cache-type", "q8_0"),
+        *("--draft", "ngram"),
     ]
 
 

@@ -121,7 +121,8 @@ class _FieldFlag:
         elif isinstance(self.kind, msgspec.inspect.IntType | msgspec.inspect.FloatType):
             settings["type"] = _range_of(self.kind)
         elif isinstance(self.kind, msgspec.inspect.EnumType):
-            settings.update(type=click.Choice([member.value for member in self.kind.cls]), default=self.default.value)
+            default = None if self.default is None else self.default.value
+            settings.update(type=click.Choice([member.value for member in self.kind.cls]), default=default)
         elif isinstance(self.kind, msgspec.inspect.VarTupleType):
             settings.update(multiple=True, type=click.Path(file_okay=False) if self.directory else str)
         return option(self.declaration, self.name, help=self.help, **settings)

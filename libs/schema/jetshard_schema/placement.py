@@ -351,6 +351,11 @@ def _engine_refusal(
             f"{card.model_id} has no {wanted} weights, which {engine} serves (it has {', '.join(card.formats)}): "
             f"leave engine out for placement to choose, or import the model as {wanted}"
         )
+    if engine is Engine.MLX and serving.draft is not None:
+        return EngineMismatch(
+            f"draft {serving.draft} is llama.cpp's: MLX decodes without drafting here (mlx-lm drafts only with its "
+            "batching off): leave draft out, or use engine llama.cpp"
+        )
     if engine is Engine.MLX and serving.kv_cache_type is not KvCacheType.AUTO:
         return EngineMismatch(
             f"kv_cache_type {serving.kv_cache_type} is llama.cpp's: MLX keeps its KV cache in the dtype its layers "

@@ -138,6 +138,15 @@ class KvCacheType(enum.StrEnum):
         return {KvCacheType.AUTO: 16.0, KvCacheType.Q8_0: 8.5, KvCacheType.Q4_0: 4.5}[self]
 
 
+class Drafting(enum.StrEnum):
+    """How an instance drafts tokens for its model to check several at a time (speculative decoding): the answer
+    is the one it gives without drafting (greedy: token for token; sampled: the same distribution)."""
+
+    NGRAM = "ngram"
+    """Prompt lookup: the tokens that followed the last few generated ones where they stand earlier in the
+    prompt or the answer, so no second model; it pays where an answer repeats its prompt (a code edit)."""
+
+
 class Parallelism(enum.StrEnum):
     """How an instance splits its model over its nodes."""
 
@@ -213,6 +222,13 @@ class ServingSettings(msgspec.Struct, frozen=True, kw_only=True):
     ] = KvCacheType.AUTO
     """Placement sizes the KV cache by it; llama.cpp stores keys and values so (with flash attention, which a
     quantized V cache needs)."""
+    draft: Annotated[
+        Drafting | None,
+        msgspec.Meta(
+            description="speculative decoding: ngram drafts from the prompt and the answer so far (same answers, "
+            "faster where they repeat the prompt); none by default; llama.cpp only"
+        ),
+    ] = None
 
 
 class ShardAssignment(msgspec.Struct, frozen=True, kw_only=True):
@@ -315,6 +331,10 @@ class ServingCounters(msgspec.Struct, frozen=True, kw_only=True):
     """Prompt tokens those tasks did not prefill."""
     prefix_cache_entries: int = 0
     prefix_cache_bytes: int = 0
+    drafted_tokens: int = 0
+    """Tokens drafted for the model to check (`serving.draft`)."""
+    accepted_tokens: int = 0
+    """Of those, the ones it kept: their share is the drafting's acceptance rate."""
 
 
 class RunnerReport(msgspec.Struct, frozen=True, kw_only=True):

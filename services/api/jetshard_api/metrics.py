@@ -148,6 +148,14 @@ class ClusterCollector:
         cache_bytes = GaugeMetricFamily(
             "jetshard_prefix_cache_bytes", "Size of an instance's saved prefix caches.", labels=labels
         )
+        drafted = CounterMetricFamily(
+            "jetshard_draft_tokens", "Tokens an instance drafted for its model to check (serving.draft).", labels=labels
+        )
+        accepted = CounterMetricFamily(
+            "jetshard_draft_accepted_tokens",
+            "Drafted tokens the model kept: over jetshard_draft_tokens, the acceptance rate.",
+            labels=labels,
+        )
         for instance_id, stats in self._board.instances().items():
             values = [instance_id, stats.model_id]
             tokens_per_s.add_metric(values, stats.tokens_per_s)
@@ -156,6 +164,8 @@ class ClusterCollector:
             hits.add_metric(values, stats.counters.prefix_hits)
             hit_tokens.add_metric(values, stats.counters.prefix_hit_tokens)
             cache_bytes.add_metric(values, stats.counters.prefix_cache_bytes)
+            drafted.add_metric(values, stats.counters.drafted_tokens)
+            accepted.add_metric(values, stats.counters.accepted_tokens)
         queued = GaugeMetricFamily(
             "jetshard_tasks_queued", "Tasks assigned to an instance that have not started.", labels=labels
         )
@@ -166,7 +176,7 @@ class ClusterCollector:
         for instance_id, instance in state.instances.items():
             queued.add_metric([instance_id, instance.model_id], waiting[instance_id])
             running.add_metric([instance_id, instance.model_id], started[instance_id])
-        yield from (tokens_per_s, tokens, batch, queued, running, hits, hit_tokens, cache_bytes)
+        yield from (tokens_per_s, tokens, batch, queued, running, hits, hit_tokens, cache_bytes, drafted, accepted)
 
     def _downloads(self) -> Iterator[Metric]:
         labels = ["node", "model"]

@@ -12,6 +12,7 @@ from jetshard_schema.models import find_card
 from jetshard_schema.placement import device_of
 from jetshard_schema.types import (
     MAX_NODES,
+    Drafting,
     Engine,
     KvCacheType,
     MaxBatch,
@@ -44,6 +45,7 @@ class ServingRequest(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     prefix_cache_bytes: PrefixCacheBytes | msgspec.UnsetType = msgspec.UNSET
     weights: WeightsDtype | msgspec.UnsetType = msgspec.UNSET
     kv_cache_type: KvCacheType | msgspec.UnsetType = msgspec.UNSET
+    draft: Drafting | msgspec.UnsetType | None = msgspec.UNSET
 
     def over(self, defaults: ServingSettings) -> ServingSettings:
         given = {name: getattr(self, name) for name in self.__struct_fields__}

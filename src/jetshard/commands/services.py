@@ -67,7 +67,9 @@ _INFERENCE_FLAGS = FieldFlags(
     ],
 )
 _IMAGE_FLAGS = FieldFlags(ImageSettings, ["fetch_urls", "fetch_timeout_s", "local_dirs"])
-_SERVING_FLAGS = FieldFlags(ServingSettings, ["max_batch", "max_queued", "prefix_cache_bytes", "kv_cache_type"])
+_SERVING_FLAGS = FieldFlags(
+    ServingSettings, ["max_batch", "max_queued", "prefix_cache_bytes", "kv_cache_type", "draft"]
+)
 """The serving settings of the instances an API places where a request does not set them."""
 
 _API_SERVING_FLAGS: list[Decorator] = [

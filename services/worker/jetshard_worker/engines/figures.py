@@ -14,6 +14,8 @@ class EngineFigures:
     prefix_hit_tokens: int = 0  # prompt tokens those tasks did not prefill
     prefix_cache_entries: int = 0  # saved prefix caches
     prefix_cache_bytes: int = 0  # their size, for the whole model
+    drafted_tokens: int = 0  # tokens drafted for the model to check
+    accepted_tokens: int = 0  # of those, the ones it kept
     # How things stand now (leader only): rows in the current decode step, decoding or prefilling, waiting.
     batch_size: int = 0
     running_rows: int = 0

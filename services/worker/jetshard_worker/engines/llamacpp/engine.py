@@ -114,6 +114,8 @@ class LlamaCppEngine:
         if ending.cached_tokens:
             self.stats.prefix_hits += 1
             self.stats.prefix_hit_tokens += ending.cached_tokens
+        self.stats.drafted_tokens += ending.drafted_tokens
+        self.stats.accepted_tokens += ending.accepted_tokens
         try:
             self._on_finished(row, ending, state.parsed_calls())
         except Exception as error:  # the runner could not make the output's end: its task ends, never hangs

@@ -66,6 +66,9 @@ class Ending:
     completion_tokens: int = 0
     cached_tokens: int = 0
     """Prompt tokens served from the slot's cache, not prefilled."""
+    drafted_tokens: int = 0
+    accepted_tokens: int = 0
+    """Drafted tokens, and those the model kept (speculative decoding)."""
 
 
 @dataclass
@@ -303,6 +306,8 @@ def _chat_event(event: dict[str, Any], state: StreamState) -> tuple[Piece | None
             int(usage.get("prompt_tokens", 0)),
             int(usage.get("completion_tokens", 0)),
             int(timings.get("cache_n", 0)),
+            int(timings.get("draft_n", 0)),
+            int(timings.get("draft_n_accepted", 0)),
         )
     return piece, ending
 
@@ -320,6 +325,8 @@ def _completion_event(event: dict[str, Any], state: StreamState) -> tuple[Piece 
         int(event.get("tokens_evaluated", 0)),
         int(event.get("tokens_predicted", 0)),
         int(timings.get("cache_n", 0)),
+        int(timings.get("draft_n", 0)),
+        int(timings.get("draft_n_accepted", 0)),
     )
     return piece, ending
 

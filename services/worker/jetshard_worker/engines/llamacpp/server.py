@@ -16,9 +16,12 @@ from pathlib import Path
 
 import httpx
 from jetshard_bus.lifeline import lifeline_command
-from jetshard_schema.types import KvCacheType
+from jetshard_schema.types import Drafting, KvCacheType
 
 HEALTH_POLL_S = 0.1
+NGRAM_LOOKUP = ("--spec-ngram-simple-size-n", "4", "--spec-ngram-simple-size-m", "16")
+"""Prompt lookup drafts the 16 tokens that followed the last 4 where they stood before: llama.cpp's default (12 and
+48) found almost nothing to draft in a code edit on the demo, and slowed it (bench/drafting.py)."""
 STOP_GRACE_S = 5.0
 
 
@@ -43,6 +46,8 @@ class ServerSettings:
     as placement counts it); 0 keeps none."""
     kv_cache_type: KvCacheType = KvCacheType.AUTO
     """What llama.cpp stores keys and values as (`serving.kv_cache_type`; auto: its f16)."""
+    draft: Drafting | None = None
+    """How it drafts tokens (`serving.draft`)."""
     threads: int | None = None
     """None: llama.cpp's own choice (the machine's physical cores)."""
     mmproj: Path | None = None
@@ -80,6 +85,8 @@ class ServerSettings:
             # A quantized V cache needs flash attention, which llama.cpp's "auto" may leave off.
             arguments += ["--cache-type-k", self.kv_cache_type, "--cache-type-v", self.kv_cache_type]
             arguments += ["--flash-attn", "on"]
+        if self.draft is Drafting.NGRAM:
+            arguments += ["--spec-type", "ngram-simple", *NGRAM_LOOKUP]
         if self.rpc_servers:
             arguments += ["--rpc", ",".join(self.rpc_servers), *offload_arguments(self.helper_layers)]
         if self.threads is not None:

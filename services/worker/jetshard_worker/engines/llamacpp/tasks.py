@@ -59,6 +59,7 @@ async def load(
         context_per_slot=spec.context_per_slot,
         prompt_cache_bytes=spec.plan.serving.prefix_cache_bytes,
         kv_cache_type=spec.plan.serving.kv_cache_type,
+        draft=spec.plan.serving.draft,
         mmproj=mmproj if mmproj.is_file() else None,
     )
     if not settings.model.is_file():
@@ -162,6 +163,13 @@ class LlamaCppServing(LlamaCppEngine):
             )
         if (unreadable := llama_requests.unreadable_image(request)) is not None:
             return Refused(unreadable, "unsupported_by_engine")
+        if request.top_logprobs is not None and self.server.settings.draft is not None:
+            # Its stream leaves out the logprobs of the drafted tokens it keeps: an answer with holes, never given.
+            return Refused(
+                "logprobs are not available from an instance that drafts tokens (llama.cpp streams none for the "
+                "drafted tokens it keeps): ask without logprobs, or place the model without serving.draft",
+                "unsupported_by_engine",
+            )
         resolved = resolve_sampling(request.sampling, self._model_generation, self._card_generation)
         seed = request.sampling.seed
         max_tokens, window = min(resolved.max_tokens, self._context_length), self._context_length
