@@ -209,6 +209,13 @@ def test_a_model_is_added_placed_served_and_removed_from_the_page(
     expect(dialog.get_by_role("button", name="Place", exact=True)).to_be_disabled()
     dialog.get_by_label("Engine").select_option("")
     expect(dialog.locator(f'tr[data-node-id="{node_id}"]')).to_be_visible()
+    expect(dialog).to_contain_text("KV cache auto")
+    # A KV cache in 8 bits is llama.cpp's, and this model has no GGUF: the dialog says why it cannot be.
+    dialog.get_by_label("KV cache").select_option("q8_0")
+    expect(dialog.locator(".impossible")).to_contain_text("kv_cache_type q8_0 is llama.cpp's")
+    expect(dialog.get_by_role("button", name="Place", exact=True)).to_be_disabled()
+    dialog.get_by_label("KV cache").select_option("")
+    expect(dialog.locator(f'tr[data-node-id="{node_id}"]')).to_be_visible()
     page.keyboard.press("Escape")
     expect(dialog).to_be_hidden()
     expect(place).to_be_focused()
@@ -279,15 +286,15 @@ def test_a_model_is_added_placed_served_and_removed_from_the_page(
     assert wait_for(lambda: not any(store.exists() for store in stores), timeout=10), stores
     page.screenshot(path=screenshots / "removed.png", full_page=True)
 
-    # What went wrong on purpose, and nothing else: the unknown repo, the engine that cannot serve the model, the
-    # impossible placement.
+    # What went wrong on purpose, and nothing else: the unknown repo, the engine and the KV cache that cannot serve
+    # the model, the impossible placement.
     # (The page closes the cancelled answer's stream itself, which the browser counts as a failed request when
     # it is quicker than the API.)
     cancelled_chat = f"failed: POST {api}/v1/chat/completions: net::ERR_ABORTED"
     seen = [t for t in troubles.seen if t != cancelled_chat]
     refused = [t.split("?")[0] for t in seen if not t.startswith("console error: Failed to load resource")]
     preview = f"GET {api}/instances/preview"
-    assert refused == [f"404: POST {api}/models", f"400: {preview}", f"409: {preview}"]
+    assert refused == [f"404: POST {api}/models", f"400: {preview}", f"400: {preview}", f"409: {preview}"]
     assert len(seen) == 2 * len(refused)  # the browser's console says the same of each
     page.close()
 

@@ -90,7 +90,7 @@ class PlacementPreview(msgspec.Struct, frozen=True):
     """What would serve it: the engine asked for, or the one placement chooses."""
 
 
-PREVIEW_PARAMETERS = frozenset({"model_id", "min_nodes", "parallelism", "engine"})
+PREVIEW_PARAMETERS = frozenset({"model_id", "min_nodes", "parallelism", "engine", "kv_cache_type", "draft"})
 
 
 class InstancesController(Controller):
@@ -114,15 +114,24 @@ class InstancesController(Controller):
         min_nodes: Annotated[int, Parameter(ge=1, le=MAX_NODES)] = 1,  # a query parameter: Litestar's bounds
         parallelism: FromQuery[Parallelism] = Parallelism.PIPELINE,
         engine: FromQuery[Engine | None] = None,
+        kv_cache_type: FromQuery[KvCacheType | None] = None,
+        draft: FromQuery[Drafting | None] = None,
     ) -> PlacementPreview:
-        """The placement that would be chosen now with the API's serving settings, without placing anything."""
+        """The placement that would be chosen now with the API's serving settings (`kv_cache_type` and `draft` as
+        given, else the API's), without placing anything."""
         unknown = sorted(set(request.query_params) - PREVIEW_PARAMETERS)
         if unknown:
             raise ApiError(400, f"unknown query parameter(s): {', '.join(unknown)}", "invalid_request", unknown[0])
         card = find_card(cluster.state, checked_model_id(model_id))
         if card is None:
             raise ApiError(404, f"unknown model {model_id}", "model_not_found")
-        serving = msgspec.structs.replace(settings.serving, parallelism=parallelism, engine=engine)
+        serving = msgspec.structs.replace(
+            settings.serving,
+            parallelism=parallelism,
+            engine=engine,
+            kv_cache_type=kv_cache_type or settings.serving.kv_cache_type,
+            draft=draft or settings.serving.draft,
+        )
         placement = preview_placement(cluster.state, card, serving, min_nodes)
         return PlacementPreview(
             model_id=card.model_id,

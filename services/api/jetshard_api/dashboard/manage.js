@@ -77,6 +77,7 @@ function previewTable(preview) {
       "p",
       { className: "muted preview-summary" },
       `on ${engine}; ${size(preview.required_bytes)} in all; weights ${serving.weights}; ` +
+        `KV cache ${serving.kv_cache_type}; ${serving.draft ? `drafting ${serving.draft}; ` : ""}` +
         `up to ${serving.max_batch} requests at once`,
     ),
   ];
@@ -94,6 +95,8 @@ async function preview() {
   try {
     const query = new URLSearchParams({ model_id: model, min_nodes: minNodes });
     if ($("place-engine").value) query.set("engine", $("place-engine").value);
+    if ($("place-kv-cache").value) query.set("kv_cache_type", $("place-kv-cache").value);
+    if ($("place-draft").value) query.set("draft", $("place-draft").value);
     const response = await apiFetch(`/instances/preview?${query}`);
     if (response.ok) {
       shown = previewTable(await response.json());
@@ -114,6 +117,8 @@ function openPlace(modelId) {
   $("place-title").textContent = `Place ${modelId}`;
   $("place-min-nodes").value = "1";
   $("place-engine").value = "";
+  $("place-kv-cache").value = "";
+  $("place-draft").value = "";
   $("place-dialog").showModal();
   preview();
 }
@@ -124,6 +129,10 @@ async function place() {
   confirm.disabled = true;
   const body = { model_id: model, min_nodes: Number($("place-min-nodes").value || "1") };
   if ($("place-engine").value) body.engine = $("place-engine").value;
+  const serving = {};
+  if ($("place-kv-cache").value) serving.kv_cache_type = $("place-kv-cache").value;
+  if ($("place-draft").value) serving.draft = $("place-draft").value;
+  if (Object.keys(serving).length) body.serving = serving;
   let failure;
   let placed = null;
   try {
@@ -262,6 +271,8 @@ export function startManaging() {
   });
   $("place-min-nodes").addEventListener("input", preview);
   $("place-engine").addEventListener("change", preview);
+  $("place-kv-cache").addEventListener("change", preview);
+  $("place-draft").addEventListener("change", preview);
   $("place-confirm").addEventListener("click", place);
   $("place-cancel").addEventListener("click", () => $("place-dialog").close());
   $("place-dialog").addEventListener("close", () => {
