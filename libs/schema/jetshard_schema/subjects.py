@@ -5,8 +5,9 @@
 | `JETSHARD_COMMANDS`         | stream (file)        | `jetshard.cmd.>`: requests; `Nats-Msg-Id` = command id      |
 | `JETSHARD_EVENTS`           | stream (file)        | `jetshard.evt.>`: facts, written by the sequencer only      |
 | `JETSHARD_TASKS`            | stream (file, TTL)   | `jetshard.task.<node>.<instance>.<task>`: a task's request  |
-|                             |                      | (the prompt), stored once the task is assigned, under the   |
-|                             |                      | node of its instance's leader; kept for the task retention  |
+|                             |                      | (the prompt), stored before the task is submitted, under    |
+|                             |                      | the node of the leader of the instance the API names; kept  |
+|                             |                      | for the task retention                                      |
 | `jetshard.cmd.api.<type>`   | subject              | a user's command, through an API (`submit_task`)            |
 | `jetshard.cmd.sequencer.…`  | subject              | the sequencer's own observations (`expire_node`)            |
 | `jetshard.cmd.node.<node>.` | subject              | what the node's worker or downloader reports about itself   |

@@ -561,9 +561,9 @@ class TaskRequest(msgspec.Struct, frozen=True, kw_only=True):
 
 
 class TaskRef(msgspec.Struct, frozen=True, kw_only=True):
-    """A task as commands, events and State know it. The request itself (prompt, sampling) is user data: once
-    the task is assigned, its API stores it in JETSHARD_TASKS under the node of the instance's leader (the only
-    node that may read it), for the task retention only, never in a permanent log."""
+    """A task as commands, events and State know it. The request itself (prompt, sampling) is user data: before
+    it submits the task, its API stores it in JETSHARD_TASKS under the node of the leader of the instance it names
+    (the only node that may read it), for the task retention only, never in a permanent log."""
 
     task_id: ValidTaskId
     model_id: ValidModelId
