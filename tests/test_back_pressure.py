@@ -27,8 +27,11 @@ from typing import Any
 import httpx
 import psutil
 import pytest
-from helpers.harness import InferenceCluster, api_until, hub_cluster
+from helpers.harness import InferenceCluster, api_until, hub_cluster, until
 from helpers.tiny_models import endless_model, make_tiny_model
+from jetshard_bus.connect import connect
+from jetshard_bus.options import NatsOptions
+from jetshard_schema.subjects import API_SENDER, COMMANDS_STREAM, command_subject
 
 MODEL = "back-pressure/tiny-llama"
 OTHER = "back-pressure/tiny-other"
@@ -294,6 +297,13 @@ async def test_work_queued_on_an_instance_that_slows_down_is_still_answered(
     assert all(a.json()["usage"]["completion_tokens"] == SHORT_ANSWER for a in answers if a.status_code == 200)
 
 
+async def submitted(js: Any) -> int:
+    """The tasks submitted so far: the `SubmitTask` commands in JETSHARD_COMMANDS."""
+    subject = command_subject("SubmitTask", API_SENDER)
+    info = await js.stream_info(COMMANDS_STREAM, subjects_filter=subject)
+    return int((info.state.subjects or {}).get(subject, 0))
+
+
 async def test_a_request_named_for_an_instance_that_filled_meanwhile_runs_on_the_other(
     cluster: InferenceCluster,
 ) -> None:
@@ -310,12 +320,20 @@ async def test_a_request_named_for_an_instance_that_filled_meanwhile_runs_on_the
         assert [p.status_code for p in placed] == [201, 201], [p.text for p in placed]
         instance_ids = [p.json()["instance_id"] for p in placed]
         await asyncio.to_thread(cluster.watch_until_ready, instance_ids)
+        client, js = await connect(NatsOptions(servers=(cluster.nats.url,)), "test-reader")
+        submitted_before = await submitted(js)
         os.killpg(sequencer.pid, signal.SIGSTOP)
         try:
             asked = [asyncio.create_task(http.post("/v1/chat/completions", json=chat)) for _ in range(2)]
-            await asyncio.sleep(1)  # deliberate: both requests are stored and submitted to the paused sequencer
+
+            async def both_submitted() -> bool:
+                return await submitted(js) >= submitted_before + 2
+
+            # Both stored and submitted to the paused sequencer, however slow the machine.
+            await until(both_submitted, 60, "both requests submitted")
         finally:
             os.killpg(sequencer.pid, signal.SIGCONT)
+            await client.close()
         answers = await asyncio.gather(*asked)
         assert [a.status_code for a in answers] == [200, 200], [a.text for a in answers]
         instances = (await http.get("/state")).json()["instances"]
