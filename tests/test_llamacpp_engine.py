@@ -119,6 +119,14 @@ def test_logprobs_without_alternatives_still_come_with_each_token() -> None:
     assert piece is not None and [(lp.token, lp.logprob, lp.top) for lp in piece.logprobs] == [("Paris", -0.5, ())]
 
 
+def test_a_long_prompts_progress_counts_what_the_slots_cache_held_as_done() -> None:
+    state = llama.StreamState()
+    event = {"choices": [], "prompt_progress": {"total": 3000, "cache": 1000, "processed": 1048, "time_ms": 9}}
+    piece, ending = llama.parse_event(llama.CHAT_PATH, json.dumps(event), state)
+    assert piece is not None and piece.prompt_progress == (2048, 3000) and not piece.has_output
+    assert ending is None
+
+
 def test_streamed_events_become_pieces_tool_calls_and_an_ending() -> None:
     state = llama.StreamState()
     events = [

@@ -609,6 +609,13 @@ class TaskOutcome(enum.StrEnum):
     ERROR = "error"
 
 
+class PromptProgress(msgspec.Struct, frozen=True, kw_only=True):
+    """How far a long prompt is processed, before its task's output starts."""
+
+    done_tokens: int
+    total_tokens: int
+
+
 class Chunk(msgspec.Struct, frozen=True, kw_only=True):
     """One piece of a task's output on `jetshard.chunks.<node id>.<task id>`; `index` runs 0, 1, 2… with no gap."""
 
@@ -631,3 +638,5 @@ class Chunk(msgspec.Struct, frozen=True, kw_only=True):
     """On the task's last chunk only: it ends the output."""
     error: str | None = None
     error_code: str | None = None
+    prompt_progress: PromptProgress | None = None
+    """A chunk of a long prompt's progress carries nothing else: the API shows it to a client that waits."""

@@ -31,7 +31,7 @@ from jetshard_schema.ids import InstanceId, ModelId, NodeId, new_instance_id
 from jetshard_schema.models import find_card
 from jetshard_schema.state import Instance, State, ready_instances, ready_models
 from jetshard_schema.subjects import chunk_sender, task_chunks
-from jetshard_schema.types import Chunk, ModelFormat, RejectCode, TaskOutcome, TaskRequest, Usage
+from jetshard_schema.types import Chunk, ModelFormat, PromptProgress, RejectCode, TaskOutcome, TaskRequest, Usage
 from litestar.types import Receive
 
 from jetshard_api.answers import Answer, Choice
@@ -85,6 +85,9 @@ class ChunkStream:
         self.finished = False
         self._submitted = False
         self._submitted_at = 0.0
+        self._output_started = False
+        self.prompt_progress: PromptProgress | None = None
+        """How far a long prompt is processed, before the output starts."""
         self._started_at: float | None = None
         """When this API first saw the task started (or gone from State): its first-chunk deadline runs from
         there, not from its time in the queue."""
@@ -184,7 +187,7 @@ class ChunkStream:
         first chunk of a started one
         `first_chunk_timeout_s` from its start; any later chunk `chunk_silence_s` from the one before."""
         settings = self._settings
-        if self._next_index > 0:
+        if self._output_started:
             silence = settings.chunk_silence_s
             return waiting_since + silence, ApiError(
                 504, f"the runner sent nothing for {silence:.0f} s", "runner_timeout"
@@ -204,6 +207,14 @@ class ChunkStream:
         return self._started_at + first, ApiError(
             504, f"the runner sent nothing for {first:.0f} s after the task started", "runner_timeout"
         )
+
+    async def _indexed(self) -> Chunk:
+        """The next chunk, in index order: a gap is an error."""
+        chunk = decode_chunk(await self._receive())
+        if chunk.index != self._next_index:
+            raise ApiError(502, f"chunk {self._next_index} of the output was lost (got {chunk.index})", "chunk_gap")
+        self._next_index += 1
+        return chunk
 
     async def _receive(self) -> bytes:
         """The next chunk's bytes; raises ApiError when the task left without finishing, or on silence."""
@@ -242,10 +253,13 @@ class ChunkStream:
             return data
 
     async def next(self) -> Chunk:
-        chunk = decode_chunk(await self._receive())
-        if chunk.index != self._next_index:
-            raise ApiError(502, f"chunk {self._next_index} of the output was lost (got {chunk.index})", "chunk_gap")
-        self._next_index += 1
+        """The next chunk of output; a long prompt's progress before it is kept in `prompt_progress`."""
+        chunk = await self._indexed()
+        while chunk.prompt_progress is not None:
+            self.prompt_progress = chunk.prompt_progress
+            self._started_at = time.monotonic()  # the first output is awaited from the prompt's latest progress
+            chunk = await self._indexed()
+        self._output_started = True
         if chunk.error is not None:
             self.finished = True
             status = 400 if chunk.error_code in REQUEST_ERRORS else 502
@@ -354,11 +368,14 @@ async def wait_ready(
         )
 
 
-def _waiting_for(state: State, request: TaskRequest) -> str:
-    """What a streaming request is waiting for, said in its keep-alive comments."""
+def waiting_for(state: State, request: TaskRequest, progress: PromptProgress | None = None) -> str:
+    """What a streaming request is waiting for, said in its keep-alive comments: with a long prompt's `progress`
+    once it is processed."""
     task = state.tasks.get(request.task_id)
     if task is None:
         return "submitting" if ready_instances(state, request.model_id) else "waiting for the model to be ready"
+    if task.started and progress is not None:
+        return f"processing the prompt: {progress.done_tokens} of {progress.total_tokens} tokens"
     if task.started:
         return "processing the prompt"
     queued = state.unstarted_tasks(task.instance_id, task.generation)
@@ -446,7 +463,7 @@ class LiveTask:
         assert starting is not None
         while not starting.done():
             # At once (the client sees the response start), then every few seconds.
-            yield Waiting(_waiting_for(self._cluster.state, self.task))
+            yield Waiting(waiting_for(self._cluster.state, self.task, self._chunks.prompt_progress))
             await asyncio.wait({starting}, timeout=self._settings.stream_ping_s)
         chunk = starting.result()
         while True:

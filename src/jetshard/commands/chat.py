@@ -8,12 +8,14 @@ keeps what came; Ctrl-C or Ctrl-D at the prompt, or `/bye`, leaves; `/clear` sta
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
 from typing import Any
 
 import click
 import httpx
 from httpx_sse import connect_sse
 from rich.console import Console
+from rich.status import Status
 
 from jetshard.client import ApiClient, CliError, api_headers
 from jetshard.options import COMMAND_CONTEXT, api_url_option
@@ -57,16 +59,22 @@ class Conversation:
                 if source.response.is_error:
                     source.response.read()
                     raise CliError(_error_text(source.response), 1)
-                for message in source.iter_sse():
-                    if message.data == "[DONE]":
-                        break
-                    chunk = json.loads(message.data)
-                    if "error" in chunk:
-                        raise CliError(str(chunk["error"].get("message", chunk["error"])), 1)
-                    for choice in chunk.get("choices", []):
-                        piece = choice.get("delta", {}).get("content") or ""
-                        answer.append(piece)
-                        out.print(piece, end="", markup=False, highlight=False)
+                with _Waiting(out) as waiting:
+                    for comment, data in _sse_lines(source.response):
+                        if comment is not None:
+                            waiting.say(comment)  # "queued; 2 queued before this one", "processing the prompt: …"
+                            continue
+                        if data == "[DONE]":
+                            break
+                        chunk = json.loads(data)
+                        if "error" in chunk:
+                            raise CliError(str(chunk["error"].get("message", chunk["error"])), 1)
+                        for choice in chunk.get("choices", []):
+                            piece = choice.get("delta", {}).get("content") or ""
+                            if piece:
+                                waiting.stop()
+                            answer.append(piece)
+                            out.print(piece, end="", markup=False, highlight=False)
             out.print()
         except KeyboardInterrupt:
             out.print("\n[dim]stopped[/]")
@@ -79,6 +87,40 @@ class Conversation:
             self.messages.pop()
             return
         self.messages.append({"role": "assistant", "content": "".join(answer)})
+
+
+def _sse_lines(response: httpx.Response) -> Iterator[tuple[str | None, str]]:
+    """The stream's comments (what the answer waits for) and its events' data, one line each as the API sends
+    them: httpx-sse, which reads the events, passes comments over."""
+    for line in response.iter_lines():
+        if line.startswith(":"):
+            yield line[1:].strip(), ""
+        elif line.startswith("data:"):
+            yield None, line[len("data:") :].strip()
+
+
+class _Waiting:
+    """What a reply waits for, on one transient line of the terminal until its first text comes."""
+
+    def __init__(self, out: Console) -> None:
+        self._status: Status | None = out.status("waiting", spinner="dots") if out.is_terminal else None
+
+    def __enter__(self) -> _Waiting:
+        if self._status is not None:
+            self._status.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    def say(self, what: str) -> None:
+        if self._status is not None:
+            self._status.update(what)
+
+    def stop(self) -> None:
+        if self._status is not None:
+            self._status.stop()
+            self._status = None
 
 
 def _error_text(response: httpx.Response) -> str:

@@ -47,6 +47,9 @@ class RowEvents(Protocol):
     def started(self, row: str, prompt_tokens: int) -> None:
         """The row's prefill begins (`prompt_tokens`: 0 where the engine counts them only at the end)."""
 
+    def prefilling(self, row: str, done_tokens: int, total_tokens: int) -> None:
+        """The row's prompt is processed this far (an engine tells it of prompts processed in several steps)."""
+
     def produced(self, row: str) -> tuple[TaskOutput, int] | None:
         """The row made output: its task's output and its choice there, for the engine to hand it on; None once the
         task is over."""

@@ -15,12 +15,13 @@ choice's end publish what is held first, so the order of the text never changes.
 from __future__ import annotations
 
 import secrets
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from jetshard_schema.ids import TaskId
-from jetshard_schema.types import Chunk, TaskOutcome, TokenLogprob, ToolCall, TopLogprob, Usage
+from jetshard_schema.types import Chunk, PromptProgress, TaskOutcome, TokenLogprob, ToolCall, TopLogprob, Usage
 
 from jetshard_worker.text.json_closer import minimal_completion
 from jetshard_worker.text.textstream import StopText
@@ -34,6 +35,9 @@ if TYPE_CHECKING:
     from jetshard_worker.text.reasoning import ReasoningText, ReasoningTokens
 
 ROW_SEPARATOR = "#"
+PROGRESS_EVERY_S = 0.5
+"""How often a long prompt's progress is said at most: an engine that processes it between decode steps tells of
+every step."""
 """Between a task id and its choice in an engine row's id: task ids never hold it."""
 
 
@@ -141,6 +145,7 @@ class TaskOutput:
         self.outcome = TaskOutcome.STOP
         """The last choice's reason to end: what the task reports."""
         self._logprobs: dict[int, list[TokenLogprob]] = {}
+        self._progress_at = 0.0
 
     @property
     def last_index(self) -> int:
@@ -303,6 +308,16 @@ class TaskOutput:
         choice, reasonings, texts, logprobs = self._held
         self._held = None
         self._publish(self._next(choice, reasoning="".join(reasonings), text="".join(texts), logprobs=tuple(logprobs)))
+
+    def prompt_progress(self, done_tokens: int, total_tokens: int) -> None:
+        """The prompt is processed this far (before any output): said at most every `PROGRESS_EVERY_S`, and once
+        it is whole."""
+        now = time.monotonic()
+        if done_tokens < total_tokens and now - self._progress_at < PROGRESS_EVERY_S:
+            return
+        self._progress_at = now
+        progress = PromptProgress(done_tokens=done_tokens, total_tokens=total_tokens)
+        self._publish(self._next(0, prompt_progress=progress))
 
     def _next(self, choice: int, **fields: Any) -> Chunk:
         index, self._next_index = self._next_index, self._next_index + 1

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import base64
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from jetshard_schema.sampling import ResolvedSampling
@@ -55,6 +55,12 @@ class Piece:
     """Tokens the event stands for: the ones sampled since the event before, a reasoning token too (the parser
     sends none for the tokens it consumes, such as `</think>`, so they count with the next event)."""
     reasoning_tokens: int = 0
+    prompt_progress: tuple[int, int] | None = None
+    """The prompt's tokens processed so far and in all, while it is processed (llama-server's `return_progress`)."""
+
+    @property
+    def has_output(self) -> bool:
+        return bool(self.reasoning or self.text or self.logprobs or self.tokens)
 
 
 @dataclass(frozen=True)
@@ -143,6 +149,7 @@ def chat_request(
         body["chat_template_kwargs"] = request.chat_template_kwargs
     if request.thinking_budget is not None:
         body["thinking_budget_tokens"] = min(request.thinking_budget, INT32_MAX)
+    body["return_progress"] = True
     return LlamaRequest(row_id, CHAT_PATH, body, request.top_logprobs or 0)
 
 
@@ -161,6 +168,7 @@ def completion_request(
     if request.top_logprobs is not None:
         body["n_probs"] = max(1, request.top_logprobs)
         body["post_sampling_probs"] = False
+    body["return_progress"] = True
     return LlamaRequest(row_id, COMPLETION_PATH, body, request.top_logprobs or 0)
 
 
@@ -266,9 +274,13 @@ def parse_event(path: str, data: str, state: StreamState) -> tuple[Piece | None,
     event = json.loads(data)
     if "error" in event:
         raise ServerError.of(event)
-    if path == CHAT_PATH:
-        return _chat_event(event, state)
-    return _completion_event(event, state)
+    piece, ending = _chat_event(event, state) if path == CHAT_PATH else _completion_event(event, state)
+    if (progress := event.get("prompt_progress")) is not None:
+        # Tokens served from the slot's cache count as done: the progress runs from them to the whole prompt.
+        total = int(progress.get("total", 0))
+        done = min(total, int(progress.get("cache", 0)) + int(progress.get("processed", 0)))
+        piece = replace(piece or Piece(), prompt_progress=(done, total))
+    return piece, ending
 
 
 def _chat_event(event: dict[str, Any], state: StreamState) -> tuple[Piece | None, Ending | None]:

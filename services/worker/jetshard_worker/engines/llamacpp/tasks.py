@@ -260,6 +260,10 @@ class LlamaCppServing(LlamaCppEngine):
         self._events.started(row, 0)
 
     def _piece(self, row: str, piece: Piece) -> None:
+        if piece.prompt_progress is not None:
+            self._events.prefilling(row, *piece.prompt_progress)
+            if not piece.has_output:
+                return
         produced = self._events.produced(row)
         if produced is None:
             return

@@ -70,6 +70,7 @@ StartedCallback = Callable[[str, int], None]
 TokenCallback = Callable[[str, int, int, "TaskOutcome | None", "TokenScores | None"], None]
 FinishedCallback = Callable[[str, TaskOutcome, int, int], None]
 EmbeddingCallback = Callable[[str, list[float]], None]
+PrefillCallback = Callable[[str, int, int], None]
 LogitsProcessor = Callable[[mx.array, mx.array], mx.array]
 """mlx-lm's shape: (the row's prompt and generated token ids, its logprobs (1, vocab)) -> logprobs."""
 
@@ -325,6 +326,7 @@ class PipelineEngine:
         on_token: TokenCallback | None = None,
         on_finished: FinishedCallback | None = None,
         on_embedding: EmbeddingCallback | None = None,
+        on_prefill: PrefillCallback | None = None,
         max_batch: int = 8,
         prefill_step_size: int = 2048,
         interleaved_prefill_tokens: int | None = None,
@@ -373,6 +375,7 @@ class PipelineEngine:
         self.on_token = on_token
         self.on_finished = on_finished
         self.on_embedding = on_embedding
+        self.on_prefill = on_prefill
         self._link = Link(group, ring_listen_port(rank)) if group is not None and size > 1 else None
         self._control: queue.Queue[_Control] = queue.Queue()
         self._lock = threading.Lock()
@@ -748,6 +751,7 @@ class PipelineEngine:
 
     def _send_prefill(self, cohort: _Cohort) -> None:
         """The cohort's next columns, or, once they are all in its cache, its join (or an embedding's end)."""
+        self._report_prefill(cohort)
         if cohort.done >= cohort.width:
             if cohort.tasks[0].request.embed:
                 self._finish_embedding(cohort.tasks[0])
@@ -758,6 +762,16 @@ class PipelineEngine:
         ids = cohort.columns(cohort.done, cohort.done + n)
         cohort.done += n
         self._send(_Sent(Header(Op.PREFILL, cohort.id).with_payload(ids), cohort=cohort), ids)
+
+    def _report_prefill(self, cohort: _Cohort) -> None:
+        """How far each prompt of the cohort is processed: its restored prefix and the columns in its cache (its
+        last token goes in with its first decode step, so a prompt is whole once every column is in)."""
+        for task in cohort.live:
+            if task.request.embed:
+                continue
+            total, left = len(task.request.prompt_tokens), len(task.to_prefill())
+            done = total if cohort.done >= cohort.width else total - left + min(cohort.done, left)
+            _notify(self.on_prefill, task.request.task_id, done, total)
 
     def _prefill_chunk(self, rows: int) -> int:
         """Columns for the next PREFILL of `rows` prompts: `prefill_step_size` tokens while nothing decodes, else

@@ -141,6 +141,7 @@ class MlxServing:
             on_token=self._on_token,
             on_finished=self._on_finished,
             on_embedding=self._on_embedding,
+            on_prefill=self._on_prefill,
             max_batch=spec.plan.serving.max_batch,
             prefix_cache_bytes=spec.plan.serving.prefix_cache_bytes,
         )
@@ -377,6 +378,10 @@ class MlxServing:
     def _on_started(self, row: str, prompt_tokens: int) -> None:
         """Engine thread: a queued row's prefill begins."""
         self._from_engine(self._events.started, row, prompt_tokens)
+
+    def _on_prefill(self, row: str, done_tokens: int, total_tokens: int) -> None:
+        """Engine thread: a prompt is processed this far."""
+        self._from_engine(self._events.prefilling, row, done_tokens, total_tokens)
 
     def _on_token(
         self, row: str, token: int, index: int, reason: TaskOutcome | None, scores: TokenScores | None
