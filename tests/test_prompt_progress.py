@@ -20,11 +20,9 @@ from jetshard_schema.ids import InstanceId, ModelId, TaskId
 from jetshard_schema.state import State, Task
 from jetshard_schema.subjects import CHUNK_PREFIX
 from jetshard_schema.types import PromptProgress, TaskKind, TaskRef, TaskRequest
+from jetshard_worker.text.output import PROGRESS_FROM_TOKENS
 
 pytestmark = pytest.mark.timeout(300)
-
-PROGRESS_FROM_TOKENS = 1024
-"""The runner's threshold (`runner.PROGRESS_FROM_TOKENS`), restated as the behaviour this test holds it to."""
 
 
 async def progress_of(nats_url: str, api: str, model: str, words: int) -> tuple[list[tuple[int, int, int]], int]:

@@ -75,8 +75,6 @@ log = logging.getLogger(__name__)
 CHUNK_BACKLOG_BYTES = 256 * 1024
 """Unwritten chunk bytes past which the publisher waits for NATS before its next round."""
 PROGRESS_INTERVAL_S = 0.5
-PROGRESS_FROM_TOKENS = 1024
-"""A prompt this long tells its client how far it is processed; a shorter one is processed in a moment."""
 COUNTERS_INTERVAL_ENV = "JETSHARD_COUNTERS_INTERVAL_S"
 DEFAULT_COUNTERS_INTERVAL_S = 10.0
 """How often a leader reports its serving counters while they change. Each report is a command and an event kept
@@ -316,7 +314,7 @@ class Runner:
         """A long prompt's progress goes to its client (its first choice's; the others share the prompt)."""
         task_id, choice = split_row_id(row)
         output = self._outputs.get(task_id)
-        if choice == 0 and output is not None and total_tokens >= PROGRESS_FROM_TOKENS:
+        if choice == 0 and output is not None:
             output.prompt_progress(done_tokens, total_tokens)
 
     def produced(self, row: str) -> tuple[TaskOutput, int] | None:

@@ -35,10 +35,12 @@ if TYPE_CHECKING:
     from jetshard_worker.text.reasoning import ReasoningText, ReasoningTokens
 
 ROW_SEPARATOR = "#"
+"""Between a task id and its choice in an engine row's id: task ids never hold it."""
+PROGRESS_FROM_TOKENS = 1024
+"""A prompt this long tells its client how far it is processed; a shorter one is processed in a moment."""
 PROGRESS_EVERY_S = 0.5
 """How often a long prompt's progress is said at most: an engine that processes it between decode steps tells of
 every step."""
-"""Between a task id and its choice in an engine row's id: task ids never hold it."""
 
 
 def row_id(task_id: str, choice: int) -> str:
@@ -310,9 +312,11 @@ class TaskOutput:
         self._publish(self._next(choice, reasoning="".join(reasonings), text="".join(texts), logprobs=tuple(logprobs)))
 
     def prompt_progress(self, done_tokens: int, total_tokens: int) -> None:
-        """The prompt is processed this far (before any output): said at most every `PROGRESS_EVERY_S`, and once
-        it is whole."""
+        """The prompt is processed this far (before any output): said for a prompt of `PROGRESS_FROM_TOKENS` or
+        more, at most every `PROGRESS_EVERY_S`, and once it is whole."""
         now = time.monotonic()
+        if total_tokens < PROGRESS_FROM_TOKENS:
+            return
         if done_tokens < total_tokens and now - self._progress_at < PROGRESS_EVERY_S:
             return
         self._progress_at = now
