@@ -27,6 +27,8 @@ from httpx_sse import connect_sse
 from jetshard_schema import events
 from jetshard_schema.catalogue import builtin_cards
 from jetshard_schema.gist import REASON_CHARS, gist
+from jetshard_schema.ids import InstanceId
+from jetshard_schema.stats import RunnerStats
 from jetshard_schema.types import (
     DownloadProgress,
     DownloadStatus,
@@ -38,6 +40,7 @@ from jetshard_schema.types import (
     Parallelism,
     RunnerReport,
     RunnerStatus,
+    ServingCounters,
     ServingSettings,
     ShardAssignment,
     TaskKind,
@@ -119,6 +122,36 @@ def test_the_view_summarises_nodes_instances_and_tasks() -> None:
     assert [m.model_id for m in view.models if m.in_use] == ["org/m"]
     shown = render_text(view)
     assert "org/m" in shown and not any(model_id in shown for model_id in builtin_cards())
+
+
+def test_the_view_gives_an_instances_speed_and_the_share_of_drafted_tokens_it_kept() -> None:
+    state = fold(
+        events.NodeJoined(node_id="a", session_id="s", profile=PROFILE),
+        events.InstancePlaced(instance_id="i1", model_id="org/m", shards=SHARDS[:1]),
+        events.InstancePlaced(instance_id="i2", model_id="org/m", shards=SHARDS[:1]),
+    )
+
+    def stats(instance_id: str, drafted: int, accepted: int) -> RunnerStats:
+        counters = ServingCounters(tokens=900, drafted_tokens=drafted, accepted_tokens=accepted)
+        return RunnerStats(
+            interval_s=2,
+            node_id="a",
+            instance_id=instance_id,
+            model_id="org/m",
+            counters=counters,
+            tokens_per_s=41.25,
+            batch_size=2,
+            running_rows=2,
+            queued_rows=0,
+        )
+
+    view = cluster_view(state, 0, {InstanceId("i1"): stats("i1", 40, 30), InstanceId("i2"): stats("i2", 0, 0)})
+    drafting, plain = view.instances
+    assert (drafting.tokens_per_s, drafting.batch_size, drafting.draft_acceptance) == (41.25, 2, 0.75)
+    assert plain.draft_acceptance is None  # it drafts nothing: no share to give
+    shown = render_text(view)
+    assert "41.2 tok/s, batch 2, drafts kept 75%" in shown
+    assert shown.count("drafts kept") == 1
 
 
 def test_the_view_says_which_of_a_nodes_directories_holds_each_download() -> None:

@@ -8,7 +8,9 @@ Screenshots are saved in a temporary directory whose path the tests print (`pyte
 
 from __future__ import annotations
 
+import os
 import re
+import signal
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -98,6 +100,21 @@ def test_the_page_shows_the_cluster_streams_a_chat_and_follows_changes(
     second = chat(page, "And more?")
     assert second == greedy_answer(api, dialect_cluster.model, conversation)
     page.screenshot(path=screenshots / "chat.png", full_page=True)
+
+    # A turn that waits: while the sequencer is paused its task is not assigned, and the answer says what it waits
+    # for, as the stream's keep-alive comments tell, until it streams in.
+    (sequencer,) = [p for p in cluster.processes.started if p.args[-1] == "sequencer"]
+    answers = page.locator("#chat-log .message-assistant")
+    os.killpg(sequencer.pid, signal.SIGSTOP)
+    try:
+        page.fill("#chat-input", "Still there?")
+        page.press("#chat-input", "Enter")
+        expect(answers.last.locator(".note.waiting")).to_have_text("submitting", timeout=30_000)
+    finally:
+        os.killpg(sequencer.pid, signal.SIGCONT)
+    expect(page.locator("#chat-stop")).to_be_disabled(timeout=60_000)
+    expect(answers.last.locator(".note")).to_have_count(0)
+    expect(answers.last.locator(".text")).not_to_have_text("")
 
     # A download started through the API: the model appears with its node's progress, then completes.
     cluster.hub.add_repo(

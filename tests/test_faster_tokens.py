@@ -154,6 +154,15 @@ def test_ngram_drafting_answers_token_for_token_as_without_it_and_counts_what_it
         figures = counted()
         assert 0 < figures["jetshard_draft_accepted_tokens_total"] <= figures["jetshard_draft_tokens_total"]
 
+        # The cluster's view (the dashboard's and `jetshard status`'s) gives the share kept.
+        def acceptance() -> float | None:
+            view = httpx.get(f"{llamacpp_cluster.api}/view", timeout=10).json()
+            (shown,) = [i for i in view["instances"] if i["instance_id"] == instance["instance_id"]]
+            return shown["draft_acceptance"]  # type: ignore[no-any-return]
+
+        assert wait_for(lambda: acceptance() is not None, timeout=30)
+        assert 0 < (acceptance() or 0) <= 1
+
 
 @pytest.mark.parametrize(
     ("asked", "says"),

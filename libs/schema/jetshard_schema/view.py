@@ -245,6 +245,9 @@ class InstanceView(InstanceDescription, frozen=True, kw_only=True):
     tokens_per_s: float | None = None
     batch_size: int | None = None
     """Both from the leader's latest stats (core NATS, every few seconds); None until it has published any."""
+    draft_acceptance: float | None = None
+    """Of the tokens its drafting proposed (`serving.draft`), the share the model kept, from the same stats; None
+    until it has drafted any."""
 
 
 class TaskView(msgspec.Struct, frozen=True, kw_only=True):
@@ -336,15 +339,21 @@ def _model_views(state: State) -> list[ModelView]:
 
 
 def cluster_view(state: State, now_ms: int, loads: Mapping[InstanceId, RunnerStats] | None = None) -> ClusterView:
-    """The summary of `state` at `now_ms`, with each instance's tokens per second and batch size where `loads` has
-    its leader's latest stats."""
+    """The summary of `state` at `now_ms`, with each instance's tokens per second, batch size and drafting
+    acceptance where `loads` has its leader's latest stats."""
     loads = loads or {}
     instances = []
     for instance_id, instance in sorted(state.instances.items()):
         description = msgspec.structs.asdict(describe_instance(state, instance, now_ms))
         load = loads.get(instance_id)
         if load is not None:
-            description |= {"tokens_per_s": load.tokens_per_s, "batch_size": load.batch_size}
+            counters = load.counters
+            acceptance = counters.accepted_tokens / counters.drafted_tokens if counters.drafted_tokens else None
+            description |= {
+                "tokens_per_s": load.tokens_per_s,
+                "batch_size": load.batch_size,
+                "draft_acceptance": acceptance,
+            }
         instances.append(InstanceView(**description))
     return ClusterView(
         last_seq=state.last_seq,

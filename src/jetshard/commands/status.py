@@ -76,6 +76,8 @@ def _load(instance: InstanceView) -> str:
     text = f"{running} running, {queued} queued"
     if instance.tokens_per_s is not None:
         text += f"; {instance.tokens_per_s:.1f} tok/s, batch {instance.batch_size}"
+    if instance.draft_acceptance is not None:
+        text += f", drafts kept {instance.draft_acceptance:.0%}"
     return text
 
 

@@ -44,6 +44,8 @@ async function ask(text) {
   // Each piece is appended to one text node, so the answer grows in place and is never parsed as HTML.
   const streamed = document.createTextNode("");
   answer.body.append(streamed);
+  // What the answer waits for (queued, the prompt's progress), as the stream's keep-alives say, until it starts.
+  const waiting = el("div", { className: "note waiting" });
   answer.message.classList.add("streaming");
   scrollToEnd();
 
@@ -58,20 +60,31 @@ async function ask(text) {
       signal: controller.signal,
     });
     if (!response.ok) throw new Error(await errorMessage(response));
-    await readEvents(response, ({ data }) => {
-      if (data === "[DONE]") return;
-      const chunk = JSON.parse(data);
-      if (chunk.error) throw new Error(chunk.error.message);
-      const piece = chunk.choices?.[0]?.delta?.content;
-      if (piece) {
-        streamed.appendData(piece);
+    await readEvents(
+      response,
+      ({ data }) => {
+        if (data === "[DONE]") return;
+        const chunk = JSON.parse(data);
+        if (chunk.error) throw new Error(chunk.error.message);
+        const piece = chunk.choices?.[0]?.delta?.content;
+        if (piece) {
+          waiting.remove();
+          streamed.appendData(piece);
+          scrollToEnd();
+        }
+      },
+      (comment) => {
+        if (streamed.data || !comment) return;
+        waiting.textContent = comment;
+        if (!waiting.isConnected) answer.message.append(waiting);
         scrollToEnd();
-      }
-    });
+      },
+    );
   } catch (error) {
     failure = error.name === "AbortError" ? "stopped" : String(error.message ?? error);
   } finally {
     controller.abort(); // closes the body of an answer that broke off
+    waiting.remove();
     answer.message.classList.remove("streaming");
     setAnswering(null);
   }

@@ -1,7 +1,8 @@
 // Server-sent events read from a fetch body, so requests can carry the API key (EventSource sends no headers).
 
-// Calls onMessage({event, data}) for each message of `response`'s text/event-stream body, until it ends.
-export async function readEvents(response, onMessage) {
+// Calls onMessage({event, data}) for each message of `response`'s text/event-stream body, until it ends, and
+// onComment(text) for each comment (the API's keep-alives say in them what an answer waits for).
+export async function readEvents(response, onMessage, onComment = () => {}) {
   const reader = response.body.pipeThrough(new TextDecoderStream()).getReader();
   let buffered = "";
   let event = "message";
@@ -16,7 +17,9 @@ export async function readEvents(response, onMessage) {
         if (data.length) onMessage({ event, data: data.join("\n") });
         event = "message";
         data = [];
-      } else if (!line.startsWith(":")) {
+      } else if (line.startsWith(":")) {
+        onComment(line.slice(1).replace(/^ /, ""));
+      } else {
         const colon = line.indexOf(":");
         const field = colon < 0 ? line : line.slice(0, colon);
         const text = colon < 0 ? "" : line.slice(colon + 1).replace(/^ /, "");

@@ -200,7 +200,11 @@ function shardRow(shard) {
 
 export function throughput(instance) {
   if (instance.tokens_per_s === null || instance.tokens_per_s === undefined) return null;
-  return `${instance.tokens_per_s.toFixed(1)} tok/s, batch ${instance.batch_size}`;
+  const speed = `${instance.tokens_per_s.toFixed(1)} tok/s, batch ${instance.batch_size}`;
+  const acceptance = instance.draft_acceptance;
+  return acceptance === null || acceptance === undefined
+    ? speed
+    : `${speed}, drafts kept ${Math.round(acceptance * 100)}%`;
 }
 
 function instanceCard(instance) {
