@@ -44,7 +44,10 @@ MAX_CALL_TOKENS = 120
 a call the constraint closed, in a response that says `incomplete`."""
 PERSON = {
     "type": "object",
-    "properties": {"name": {"type": "string", "maxLength": 10}, "age": {"type": "integer", "minimum": 0}},
+    "properties": {
+        "name": {"type": "string", "maxLength": 10},
+        "age": {"type": "integer", "minimum": 0, "maximum": 150},
+    },
     "required": ["name", "age"],
     "additionalProperties": False,
 }

@@ -253,7 +253,7 @@ class Cluster:
     events: list[Event] = field(default_factory=list)
     heartbeats: list[tuple[asyncio.Event, asyncio.Task[None]]] = field(default_factory=list)
 
-    async def submit(self, command: Command, timeout_s: float = 15.0) -> list[Event]:
+    async def submit(self, command: Command, timeout_s: float = 60.0) -> list[Event]:
         command_id = new_command_id()
         outcome = self.follower.expect(command_id)
         await publish_command(self.js, command, command_id)
