@@ -24,7 +24,9 @@ from jetshard_schema.cards import (
 from jetshard_schema.catalogue import DEMO_MODEL_ID, builtin_cards, parse_card
 from jetshard_schema.gguf_card import LLAMA_CPP_ARCHITECTURES, SPLIT_NAME, HubGgufRef
 from jetshard_schema.ids import ModelId, model_dir_name
-from jetshard_schema.types import ModelFormat
+from jetshard_schema.placement import draft_card
+from jetshard_schema.state import State
+from jetshard_schema.types import ModelFormat, ServingSettings
 
 CATALOGUE_FILES = sorted(
     (entry for entry in resources.files("jetshard_schema.catalogue").iterdir() if entry.name.endswith(".toml")),
@@ -455,3 +457,19 @@ def test_a_vision_model_is_carded_as_taking_images_and_the_builtin_card_agrees()
     assert [getattr(builtin, f) for f in shape] == [getattr(card, f) for f in shape] == [30, 576, 9, 3, 49280, 8192]
     assert builtin.vision and builtin.storage_size_bytes == card.storage_size_bytes
     assert not card_from_hub_metadata("org/m", QWEN3_4BIT_CONFIG, None, ONE_FILE).vision
+
+
+def test_the_catalogue_pairs_larger_ggufs_with_a_smaller_one_of_their_vocabulary_that_placement_takes() -> None:
+    cards = builtin_cards()
+    paired = {model_id: card.draft_model for model_id, card in cards.items() if card.draft_model is not None}
+    assert {"Qwen/Qwen3-8B-Q4_K_M", "unsloth/Llama-3.2-3B-Instruct-Q4_K_M"} <= set(paired)
+    for model_id, draft_id in paired.items():
+        card, draft = cards[model_id], cards[draft_id]
+        assert draft.storage_size_bytes < card.storage_size_bytes / 2, model_id
+        assert draft_card(State(), card, ServingSettings(draft=draft_id)) == draft, model_id
+
+
+def test_a_card_does_not_name_itself_as_its_draft() -> None:
+    card = msgspec.to_builtins(builtin_cards()[ModelId("Qwen/Qwen3-8B-Q4_K_M")])
+    with pytest.raises(msgspec.ValidationError, match="draft_model names the model itself"):
+        msgspec.convert({**card, "draft_model": card["model_id"]}, ModelCard)

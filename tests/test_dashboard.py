@@ -233,9 +233,25 @@ def test_a_model_is_added_placed_served_and_removed_from_the_page(
     expect(dialog.get_by_role("button", name="Place", exact=True)).to_be_disabled()
     dialog.get_by_label("KV cache").select_option("")
     expect(dialog.locator(f'tr[data-node-id="{node_id}"]')).to_be_visible()
+    expect(dialog.get_by_label("Drafting").locator("option")).to_have_count(2)  # its card pairs it with no draft
     page.keyboard.press("Escape")
     expect(dialog).to_be_hidden()
     expect(place).to_be_focused()
+
+    # A catalogue model that its card pairs with a smaller one to draft: the dialog offers that one too, and asks
+    # the preview with it (llama.cpp's, which this cluster's node does not run: why not is said).
+    paired, draft = "Qwen/Qwen3-8B-Q4_K_M", "unsloth/Qwen3-0.6B-Q4_K_M"
+    page.get_by_role("button", name=f"Place {paired}").click()
+    paired_dialog = page.get_by_role("dialog", name=f"Place {paired}")
+    drafting = paired_dialog.get_by_label("Drafting")
+    expect(drafting.locator("option")).to_have_text(
+        ["the API's setting", "ngram (prompt lookup; llama.cpp)", f"{draft} (its card's draft model; llama.cpp)"]
+    )
+    with page.expect_request(lambda r: "/instances/preview" in r.url and "draft=unsloth%2FQwen3-0.6B" in r.url):
+        drafting.select_option(draft)
+    expect(paired_dialog.locator(".impossible")).to_contain_text("It cannot be placed now:")
+    page.keyboard.press("Escape")
+    expect(paired_dialog).to_be_hidden()
 
     # Two nodes asked of a one-node cluster: why not, and no Place.
     place.click()
@@ -304,14 +320,15 @@ def test_a_model_is_added_placed_served_and_removed_from_the_page(
     page.screenshot(path=screenshots / "removed.png", full_page=True)
 
     # What went wrong on purpose, and nothing else: the unknown repo, the engine and the KV cache that cannot serve
-    # the model, the impossible placement.
+    # the model, the impossible placements.
     # (The page closes the cancelled answer's stream itself, which the browser counts as a failed request when
     # it is quicker than the API.)
     cancelled_chat = f"failed: POST {api}/v1/chat/completions: net::ERR_ABORTED"
     seen = [t for t in troubles.seen if t != cancelled_chat]
     refused = [t.split("?")[0] for t in seen if not t.startswith("console error: Failed to load resource")]
     preview = f"GET {api}/instances/preview"
-    assert refused == [f"404: POST {api}/models", f"400: {preview}", f"400: {preview}", f"409: {preview}"]
+    impossible = [f"409: {preview}"] * 3  # the paired model without and with its draft, then two nodes
+    assert refused == [f"404: POST {api}/models", f"400: {preview}", f"400: {preview}", *impossible]
     assert len(seen) == 2 * len(refused)  # the browser's console says the same of each
     page.close()
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
+from pathlib import Path
 
 import httpx
 import openai
@@ -40,6 +41,8 @@ PROMPTS = [
 
 
 NGRAM_MODEL = "local/demo-ngram"
+DRAFTED_MODEL = "local/demo-drafted"
+DRAFT_MODEL = "jetshard-test/demo-draft"
 CODE_EDIT = (
     "Repeat this code exactly, with `total` renamed to `result`:\n\n"
     "def add(a, b):\n    total = a + b\n    return total\n\n\n"
@@ -144,24 +147,60 @@ def test_ngram_drafting_answers_token_for_token_as_without_it_and_counts_what_it
         with pytest.raises(openai.BadRequestError, match="logprobs are not available from an instance that drafts"):
             greedy_tokens(client, NGRAM_MODEL, CODE_EDIT)
 
-        def counted() -> dict[str, float]:
-            lines = httpx.get(f"{llamacpp_cluster.api}/metrics", timeout=10).text.splitlines()
-            mine = [line for line in lines if f'instance="{instance["instance_id"]}"' in line]
-            return {line.split("{")[0]: float(line.rsplit(" ", 1)[1]) for line in mine}
+        # The code edit repeats its prompt: drafts were made there, and some of them kept.
+        assert_drafts_counted(llamacpp_cluster.api, str(instance["instance_id"]))
 
-        # The code edit repeats its prompt: drafts were made there, and most of them kept.
-        assert wait_for(lambda: counted().get("jetshard_draft_tokens_total", 0) > 0, timeout=30), counted()
-        figures = counted()
-        assert 0 < figures["jetshard_draft_accepted_tokens_total"] <= figures["jetshard_draft_tokens_total"]
 
-        # The cluster's view (the dashboard's and `jetshard status`'s) gives the share kept.
-        def acceptance() -> float | None:
-            view = httpx.get(f"{llamacpp_cluster.api}/view", timeout=10).json()
-            (shown,) = [i for i in view["instances"] if i["instance_id"] == instance["instance_id"]]
-            return shown["draft_acceptance"]  # type: ignore[no-any-return]
+def assert_drafts_counted(api: str, instance_id: str) -> None:
+    """The instance counted tokens drafted and some kept (`/metrics`), and the cluster's view (the dashboard's and
+    `jetshard status`'s) gives the share kept."""
 
-        assert wait_for(lambda: acceptance() is not None, timeout=30)
-        assert 0 < (acceptance() or 0) <= 1
+    def counted() -> dict[str, float]:
+        lines = httpx.get(f"{api}/metrics", timeout=10).text.splitlines()
+        mine = [line for line in lines if f'instance="{instance_id}"' in line]
+        return {line.split("{")[0]: float(line.rsplit(" ", 1)[1]) for line in mine}
+
+    assert wait_for(lambda: counted().get("jetshard_draft_tokens_total", 0) > 0, timeout=30), counted()
+    figures = counted()
+    assert 0 < figures["jetshard_draft_accepted_tokens_total"] <= figures["jetshard_draft_tokens_total"]
+
+    def acceptance() -> float | None:
+        view = httpx.get(f"{api}/view", timeout=10).json()
+        (shown,) = [i for i in view["instances"] if i["instance_id"] == instance_id]
+        return shown["draft_acceptance"]  # type: ignore[no-any-return]
+
+    assert wait_for(lambda: acceptance() is not None, timeout=30)
+    assert 0 < (acceptance() or 0) <= 1
+
+
+def test_a_draft_model_is_fetched_for_the_leader_and_answers_token_for_token_as_without_it(
+    plain_instance: dict[str, object], llamacpp_cluster: LlamaCppCluster, client: openai.OpenAI, tmp_path: Path
+) -> None:
+    # The draft is the demo's GGUF in a Hub repo of its own: it shares the tokenizer, and most of its drafts are
+    # kept. Its card is added, its files are on no node: placing the model that it drafts for fetches them.
+    api, cluster = llamacpp_cluster.api, llamacpp_cluster.cluster
+    gguf, _ = packaged_gguf_path(builtin_cards()[DEMO_MODEL_ID])
+    repo = tmp_path / "draft-repo"
+    repo.mkdir()
+    (repo / "draft.gguf").symlink_to(gguf)
+    cluster.hub.add_repo(DRAFT_MODEL, repo)
+    added = httpx.post(f"{api}/models", json={"model_id": DRAFT_MODEL, "gguf_file": "draft.gguf"}, timeout=60)
+    assert added.status_code == 201, added.text
+    try:
+        with demo_placed_as(llamacpp_cluster, DRAFTED_MODEL, {"draft": DRAFT_MODEL}) as instance:
+            assert instance["serving"]["draft"] == DRAFT_MODEL  # type: ignore[index]
+            # The model that drafts takes its room on the leader, and runs in the model's llama-server.
+            assert reserved_bytes(instance) > reserved_bytes(plain_instance) + gguf.stat().st_size
+            servers = [
+                p.info["cmdline"] for p in psutil.process_iter(["cmdline"]) if serves(p.info["cmdline"], DRAFTED_MODEL)
+            ]
+            (server,) = servers
+            assert model_dir_name(ModelId(DRAFT_MODEL)) in server[server.index("--model-draft") + 1]
+            for prompt in [CODE_EDIT, *PROMPTS]:
+                assert greedy_text(client, DRAFTED_MODEL, prompt) == greedy_text(client, PLAIN_MODEL, prompt), prompt
+            assert_drafts_counted(api, str(instance["instance_id"]))
+    finally:
+        httpx.delete(f"{api}/models/{DRAFT_MODEL}", timeout=30)
 
 
 @pytest.mark.parametrize(
@@ -171,6 +210,8 @@ def test_ngram_drafting_answers_token_for_token_as_without_it_and_counts_what_it
         ({"serving": {"kv_cache_type": "q3_k"}}, "kv_cache_type"),
         ({"engine": "mlx", "serving": {"draft": "ngram"}}, "draft ngram is llama.cpp's"),
         ({"serving": {"draft": "eagle"}}, "draft"),
+        ({"serving": {"draft": "nobody/nothing"}}, "draft nobody/nothing is not a known model"),
+        ({"serving": {"draft": DEMO_MODEL_ID}}, "is the model itself"),
     ],
 )
 def test_a_kv_cache_type_that_cannot_be_is_a_clear_400(

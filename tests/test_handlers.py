@@ -1091,3 +1091,25 @@ def test_room_is_never_made_from_a_busy_instance_nor_one_kept_loaded(cluster: In
         RejectCode.INSUFFICIENT_MEMORY,
     )
     assert kept in cluster.state.instances
+
+
+def test_a_model_that_drafts_for_an_instance_is_in_use_on_its_leader(cluster: InMemoryCluster) -> None:
+    """Its leader's runner loads it beside the model: its card and its files there stay while the instance does."""
+    gguf = (ModelFormat.GGUF,)
+    model = msgspec.structs.replace(CARD, model_id=ModelId("acme/big-gguf"), formats=gguf)
+    draft = msgspec.structs.replace(CARD, model_id=ModelId("acme/small-gguf"), formats=gguf, num_layers=2)
+    for card in (model, draft):
+        cluster.run(AddCustomModelCard(card=card))
+    for node in (A, B):
+        cluster.run(ReportNodeProfile(node_id=node, session_id="s1", profile=with_llama_cpp()))
+        cluster.run(ReportDownloadProgress(node_id=node, model_id=draft.model_id, progress=completed(0, 2)))
+    serving = ServingSettings(engine=Engine.LLAMA_CPP, draft=draft.model_id)
+    placed = PlaceInstance(instance_id="inst-d", model_id=model.model_id, node_ids=(A, B), serving=serving)
+    assert isinstance(cluster.run(placed)[0], InstancePlaced)
+    says = f"{draft.model_id} is in use by instance(s) inst-d; delete them first"
+    assert rejected(cluster.run(DeleteCustomModelCard(model_id=draft.model_id)), RejectCode.CONFLICT).reason == says
+    in_use = DeleteDownload(model_id=draft.model_id, node_id=A)  # the leader, on llama.cpp the first rank
+    assert rejected(cluster.run(in_use), RejectCode.CONFLICT).reason == says
+    assert cluster.run(DeleteDownload(model_id=draft.model_id, node_id=B)) == [
+        DownloadDeleteRequested(node_id=B, model_id=draft.model_id)
+    ]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import itertools
+import re
 
 import msgspec
 import pytest
@@ -22,6 +23,7 @@ from jetshard_schema.placement import (
     device_of,
     kv_cache_bytes,
     llama_cpp_compute_bytes,
+    llama_cpp_draft_bytes,
     llama_cpp_slot_context,
     parameter_count,
     place,
@@ -533,6 +535,43 @@ def test_a_quantized_kv_cache_fits_about_twice_or_four_times_the_slots_in_the_sa
     assert place(GGUF_AND_MLX, [node("m", 64, accelerator="metal")], serving=SMALL_ROWS).serving.engine is Engine.MLX
     with pytest.raises(EngineMismatch, match=r"kv_cache_type q8_0 is llama\.cpp's"):
         place(GGUF_AND_MLX, [node("m", 64, accelerator="metal")], serving=q8)
+
+
+DRAFT = replace(GGUF_ONLY, model_id="acme/m-draft", num_layers=4, hidden_size=512, storage_size_bytes=200 * 2**20)
+OTHER_VOCABULARY = replace(DRAFT, model_id="acme/other-draft", vocab_size=GGUF_AND_MLX.vocab_size + 129)
+"""One token more than llama.cpp's slack: another tokenizer."""
+
+
+def test_a_model_that_drafts_is_counted_on_the_leader_and_must_be_a_known_gguf_other_than_the_model() -> None:
+    nodes = running(BOTH, node("a", 4), node("b", 3))
+    drafting = replace(SMALL_ROWS, draft=DRAFT.model_id)
+    state = State(nodes={n.node_id: n for n in nodes}, custom_cards={DRAFT.model_id: DRAFT})
+    plain = place_in(state, GGUF_AND_MLX, serving=SMALL_ROWS)
+    drafted = place_in(state, GGUF_AND_MLX, serving=drafting)
+    assert drafted.serving.engine is Engine.LLAMA_CPP and drafted.serving.draft == DRAFT.model_id
+    # The draft's GGUF, its KV cache for the model's slots and context, and its compute buffer: on the leader.
+    extra = llama_cpp_draft_bytes(GGUF_AND_MLX, DRAFT, drafted.serving)
+    assert extra > DRAFT.storage_size_bytes + llama_cpp_compute_bytes(DRAFT)
+    assert drafted.required_bytes == plain.required_bytes + extra
+    assert [s.end_layer for s in drafted.shards] == [s.end_layer for s in plain.shards]
+    leader, other = plain.shards
+    assert [s.memory_bytes for s in drafted.shards] == [leader.memory_bytes + extra, other.memory_bytes]
+    one_node = running(BOTH, node("big", 64))
+    alone = place(GGUF_ONLY, one_node, serving=drafting, draft=DRAFT)
+    assert alone.required_bytes == required_memory_bytes(GGUF_ONLY, alone.serving) + extra
+    # Unknown, the model itself, a model without a GGUF, or on MLX: refused, saying what to do.
+    refusals = [
+        (replace(drafting, draft="acme/nothing"), InvalidPlacement, "draft acme/nothing is not a known model"),
+        (replace(drafting, draft=GGUF_AND_MLX.model_id), InvalidPlacement, "is the model itself"),
+        (replace(drafting, draft=Q4_CARD.model_id), EngineMismatch, "has no GGUF weights"),
+        (replace(drafting, draft=OTHER_VOCABULARY.model_id), InvalidPlacement, "has a vocabulary of 32129 tokens"),
+        (replace(drafting, engine=Engine.MLX), EngineMismatch, "is llama.cpp's"),
+    ]
+    more = {Q4_CARD.model_id: Q4_CARD, OTHER_VOCABULARY.model_id: OTHER_VOCABULARY}
+    with_mlx_card = replace(state, custom_cards={**state.custom_cards, **more})
+    for serving, refusal, says in refusals:
+        with pytest.raises(refusal, match=re.escape(says)):
+            place_in(with_mlx_card, GGUF_AND_MLX, serving=serving)
 
 
 def test_llama_cpp_goes_to_the_node_with_most_memory_that_runs_it() -> None:

@@ -164,3 +164,26 @@ def test_each_rank_loads_its_own_shards_dtype() -> None:
     )
     (start,) = plan(fold(*PLACED[:2], legacy, *ready), B, "s-b", frozenset(), now_ms=0).start
     assert start.weights is WeightsDtype.FLOAT32
+
+
+def test_the_leader_of_an_instance_that_drafts_with_a_model_waits_for_that_models_gguf_too() -> None:
+    draft = ModelId("test/tiny-draft")
+    drafting = ServingSettings(engine=Engine.LLAMA_CPP, draft=draft)
+    placed = InstancePlaced(instance_id=INSTANCE, model_id=MODEL, shards=PLACED[2].shards, serving=drafting)
+    ready = (PLACED[0], PLACED[1], placed, endpoint(A, 0), endpoint(B, 1), gguf(downloaded(A, 0, 2)))
+    ready += (gguf(downloaded(B, 2, 4)),)
+    # The helper rank (B) needs no draft; the leader (A, rank 0 on llama.cpp) waits for it.
+    assert [s.rank for s in plan(fold(*ready), B, "s-b", frozenset(), now_ms=0).start] == [1]
+    assert plan(fold(*ready), A, "s-a", frozenset(), now_ms=0).start == ()
+    draft_as_mlx = states.downloaded(A, draft, 0, 2, "/drafts/a")
+    assert plan(fold(*ready, draft_as_mlx), A, "s-a", frozenset(), now_ms=0).start == ()
+    (start,) = plan(fold(*ready, gguf(draft_as_mlx)), A, "s-a", frozenset(), now_ms=0).start
+    assert (start.rank, start.model_dir, start.draft_dir) == (0, "/models/node-a", "/drafts/a")
+    # Without a draft model (ngram or none), no draft directory.
+    plain_placed = msgspec.structs.replace(placed, serving=ServingSettings(engine=Engine.LLAMA_CPP))
+    (plain,) = plan(fold(*ready[:2], plain_placed, *ready[3:]), A, "s-a", frozenset(), now_ms=0).start
+    assert plain.draft_dir == ""
+
+
+def gguf(event: DownloadCompleted) -> DownloadCompleted:
+    return msgspec.structs.replace(event, progress=msgspec.structs.replace(event.progress, formats=(ModelFormat.GGUF,)))

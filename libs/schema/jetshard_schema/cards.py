@@ -145,6 +145,9 @@ class ModelCard(msgspec.Struct, frozen=True, kw_only=True):
     generation: GenerationDefaults = GenerationDefaults()
     """The model's recommended sampling values, used when neither the request nor the model directory's
     `generation_config.json` sets them."""
+    draft_model: ValidModelId | None = None
+    """A smaller GGUF model with the same tokenizer that drafts well for this one: what the dashboard offers as
+    `serving.draft` when it is placed (the catalogue pairs the models it ships)."""
 
     def __post_init__(self) -> None:
         # Checked here, not as constraints of the fields: msgspec runs this where a card is decoded (a body, a
@@ -178,6 +181,8 @@ class ModelCard(msgspec.Struct, frozen=True, kw_only=True):
             raise ValueError("formats must list one format at least")
         if len(self.file_type) > MAX_NAME_LENGTH:
             raise ValueError(f"file_type must be at most {MAX_NAME_LENGTH} characters")
+        if self.draft_model == self.model_id:
+            raise ValueError("draft_model names the model itself: a model that drafts is a smaller one")
         for field in ("tasks", "capabilities", "formats"):
             if len(set(getattr(self, field))) != len(getattr(self, field)):
                 raise ValueError(f"{field} lists a value more than once")

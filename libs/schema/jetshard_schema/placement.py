@@ -52,12 +52,14 @@ from msgspec.structs import replace
 from jetshard_schema.card_from_config import TENSOR_PARALLEL_ARCHITECTURES
 from jetshard_schema.cards import ModelCard, ModelSource
 from jetshard_schema.ids import NodeId
+from jetshard_schema.models import find_card
 from jetshard_schema.state import Instance, Node, State, freed_by, report_shows
 from jetshard_schema.types import (
     MAX_NODES,
     DownloadStatus,
     Engine,
     KvCacheType,
+    ModelFormat,
     NodeProfile,
     Parallelism,
     ServingSettings,
@@ -72,6 +74,8 @@ FLOAT32_BYTES = 4
 UNQUANTIZED_BITS = 16
 """Checkpoints without quantization whose dtype the card does not name are taken as 16-bit (bf16/fp16)."""
 NARROWED = (WeightsDtype.BFLOAT16, WeightsDtype.FLOAT16)
+DRAFT_VOCABULARY_SLACK = 128
+"""How many tokens a draft's vocabulary may differ by from its model's (padding): llama.cpp's own bound."""
 LLAMA_CPP_SLOT_CONTEXT = 4096
 """The most tokens of context one llama-server slot holds: its KV cache is allocated whole at start, for every
 slot, so a model's full context (128k for many) would take tens of GiB a slot."""
@@ -160,25 +164,42 @@ def llama_cpp_slot_context(card: ModelCard) -> int:
     return max(1, min(card.context_length, LLAMA_CPP_SLOT_CONTEXT))
 
 
-def llama_cpp_kv_cache_bytes(card: ModelCard, slots: int, kv_cache_type: KvCacheType = KvCacheType.AUTO) -> int:
-    """llama.cpp's KV cache for `slots` slots of `llama_cpp_slot_context` tokens: keys and values of
-    `kv_cache_type`'s bits each."""
+def llama_cpp_kv_cache_bytes(
+    card: ModelCard, slots: int, kv_cache_type: KvCacheType = KvCacheType.AUTO, slot_context: int | None = None
+) -> int:
+    """llama.cpp's KV cache for `slots` slots of `slot_context` tokens (by default `llama_cpp_slot_context`):
+    keys and values of `kv_cache_type`'s bits each."""
     head_dim = card.hidden_size // card.num_attention_heads
-    values = 2 * card.num_layers * card.num_key_value_heads * head_dim * llama_cpp_slot_context(card) * slots
+    context = llama_cpp_slot_context(card) if slot_context is None else slot_context
+    values = 2 * card.num_layers * card.num_key_value_heads * head_dim * context * slots
     return math.ceil(values * kv_cache_type.bits / 8)
+
+
+def llama_cpp_draft_bytes(card: ModelCard, draft: ModelCard | None, serving: ServingSettings) -> int:
+    """What the model that drafts for `card` takes beside it on the instance's leader: its GGUF, a KV cache for
+    the same slots and context as the model's (llama-server gives the draft the model's context), and its own
+    compute buffer. 0 without one."""
+    if draft is None:
+        return 0
+    kv_cache = llama_cpp_kv_cache_bytes(draft, serving.max_batch, serving.kv_cache_type, llama_cpp_slot_context(card))
+    return draft.storage_size_bytes + kv_cache + llama_cpp_compute_bytes(draft)
 
 
 def llama_cpp_compute_bytes(card: ModelCard) -> int:
     return LLAMA_CPP_UBATCH * card.vocab_size * FLOAT32_BYTES + LLAMA_CPP_COMPUTE_SLACK_BYTES
 
 
-def required_memory_bytes(card: ModelCard, serving: ServingSettings) -> int:
-    """The whole model's requirement under `serving`, on the engine it names (MLX when it names none)."""
+def required_memory_bytes(card: ModelCard, serving: ServingSettings, draft: ModelCard | None = None) -> int:
+    """The whole model's requirement under `serving`, on the engine it names (MLX when it names none), with the
+    model that drafts for it (`serving.draft`'s card) where it has one."""
     if serving.engine is Engine.LLAMA_CPP:
         # The GGUF as it is on disk (llama.cpp maps it whole), each slot's KV cache, the prompt cache llama-server
-        # keeps in host memory (`--cache-ram`, sized by prefix_cache_bytes) and its compute buffer.
+        # keeps in host memory (`--cache-ram`, sized by prefix_cache_bytes), its compute buffer, and the draft's.
         kv_cache = llama_cpp_kv_cache_bytes(card, serving.max_batch, serving.kv_cache_type)
-        return card.storage_size_bytes + kv_cache + serving.prefix_cache_bytes + llama_cpp_compute_bytes(card)
+        drafting = llama_cpp_draft_bytes(card, draft, serving)
+        return (
+            card.storage_size_bytes + kv_cache + serving.prefix_cache_bytes + llama_cpp_compute_bytes(card) + drafting
+        )
     weights = weights_bytes(card, serving.weights)
     kv_caches = kv_cache_bytes(card, serving.weights) * serving.max_batch + serving.prefix_cache_bytes
     return int(weights * (1 + ACTIVATION_HEADROOM)) + kv_caches
@@ -295,9 +316,10 @@ def place(
     node_ids: Sequence[NodeId] | None = None,
     min_nodes: int = 1,
     serving: ServingSettings = ServingSettings(),
+    draft: ModelCard | None = None,
 ) -> Placement:
-    """Choose nodes, layer ranges and each shard's weights dtype for `card`; raise PlacementError with an
-    actionable reason."""
+    """Choose nodes, layer ranges and each shard's weights dtype for `card` (and room on its leader for `draft`,
+    the card of the model `serving.draft` names); raise PlacementError with an actionable reason."""
     known = {node.node_id: node for node in nodes}
     if node_ids is not None:
         if not node_ids:
@@ -323,8 +345,13 @@ def place(
         if refusal is not None:
             (refusals if engine_format(engine) in card.formats else no_format).append(refusal)
             continue
+        # On the nodes named, or on those of `chosen` that run the engine.
+        on_engine = msgspec.structs.replace(serving, engine=engine)
+        runs = chosen if named else [n for n in chosen if engine in n.profile.engines]
         try:
-            return _place_with(engine, card, chosen, named, min_nodes, serving)
+            if engine is Engine.LLAMA_CPP:
+                return _place_llama_cpp(card, runs, named, min_nodes, on_engine, draft)
+            return _place_mlx(card, runs, named, min_nodes, on_engine)
         except PlacementError as error:
             no_room.append(error)
     # The reason to act on: that of the fastest engine that could serve the model as asked but did not fit it,
@@ -390,20 +417,13 @@ def _not_yet(engine: Engine) -> str:
     return " (yet: its build may still be running)" if engine is Engine.LLAMA_CPP else ""
 
 
-def _place_with(
-    engine: Engine, card: ModelCard, chosen: Sequence[Node], named: bool, min_nodes: int, serving: ServingSettings
-) -> Placement:
-    """Place `card` on `engine`: on the nodes named, or on those of `chosen` that run it."""
-    serving = msgspec.structs.replace(serving, engine=engine)
-    if not named:
-        chosen = [n for n in chosen if engine in n.profile.engines]
-    if engine is Engine.LLAMA_CPP:
-        return _place_llama_cpp(card, chosen, named, min_nodes, serving)
-    return _place_mlx(card, chosen, named, min_nodes, serving)
-
-
 def _place_llama_cpp(
-    card: ModelCard, chosen: Sequence[Node], named: bool, min_nodes: int, serving: ServingSettings
+    card: ModelCard,
+    chosen: Sequence[Node],
+    named: bool,
+    min_nodes: int,
+    serving: ServingSettings,
+    draft: ModelCard | None,
 ) -> Placement:
     """The nodes named, or the fewest (at least `min_nodes`) with the most memory, hold every layer in the GGUF's own
     quantization. The first is the leader: it runs llama-server, keeps the token embedding and the first layers,
@@ -413,7 +433,7 @@ def _place_llama_cpp(
         raise NotEnoughNodes(f"{min_nodes} node(s) requested but only {len(chosen)} run llama.cpp")
     if not named:
         chosen = sorted(chosen, key=lambda n: (-llama_cpp_memory_bytes(n.profile), n.node_id))
-    sizing = _LlamaCppSizing(card, serving)
+    sizing = _LlamaCppSizing(card, serving, draft)
     if not named:
         count, held = 0, 0.0
         for count, node in enumerate(chosen, start=1):
@@ -444,33 +464,36 @@ def _place_llama_cpp(
 
 class _LlamaCppSizing:
     """What llama.cpp takes on each node of an instance: a share of the GGUF and of every slot's KV cache for each
-    layer the node holds, a compute buffer on every node, and the prompt cache (`--cache-ram`) on the leader. One
-    node holding every layer takes exactly `required_memory_bytes`."""
+    layer the node holds, a compute buffer on every node, and the prompt cache (`--cache-ram`) and the model that
+    drafts on the leader. One node holding every layer takes exactly `required_memory_bytes`."""
 
-    def __init__(self, card: ModelCard, serving: ServingSettings) -> None:
-        self.card, self.serving = card, serving
+    def __init__(self, card: ModelCard, serving: ServingSettings, draft: ModelCard | None) -> None:
+        self.card, self.serving, self.draft = card, serving, draft
         self.kv_cache = llama_cpp_kv_cache_bytes(card, serving.max_batch, serving.kv_cache_type)
         self.layer_bytes = (card.storage_size_bytes + self.kv_cache) / card.num_layers
         self.compute = llama_cpp_compute_bytes(card)
+        self.drafting = llama_cpp_draft_bytes(card, draft, serving)
 
     def overhead(self, leader: bool) -> int:
-        return self.compute + (self.serving.prefix_cache_bytes if leader else 0)
+        return self.compute + (self.serving.prefix_cache_bytes + self.drafting if leader else 0)
 
     def layers_held(self, node: Node, leader: bool) -> float:
         return max(0, llama_cpp_memory_bytes(node.profile) - self.overhead(leader)) / self.layer_bytes
 
     def shard_bytes(self, layers: int, leader: bool, nodes: int) -> int:
         if nodes == 1:
-            return required_memory_bytes(self.card, self.serving)
+            return required_memory_bytes(self.card, self.serving, self.draft)
         return int(layers * self.layer_bytes) + self.overhead(leader)
 
     def shortfall(self, chosen: Sequence[Node], named: bool) -> str:
-        card, serving = self.card, self.serving
+        card, serving, draft = self.card, self.serving, self.draft
+        drafting = f", {_gib(self.drafting)} for {draft.model_id} to draft on the leader" if draft else ""
         needs = (
-            f"{card.model_id} on llama.cpp needs {_gib(required_memory_bytes(card, serving))} (the GGUF "
+            f"{card.model_id} on llama.cpp needs {_gib(required_memory_bytes(card, serving, draft))} (the GGUF "
             f"{_gib(card.storage_size_bytes)}{f' as {card.file_type}' if card.file_type else ''}, a KV cache of "
             f"{_gib(self.kv_cache)} for {serving.max_batch} slot(s) of {llama_cpp_slot_context(card)} tokens, a "
-            f"prompt cache of {_gib(serving.prefix_cache_bytes)} and {_gib(self.compute)} to compute on each node)"
+            f"prompt cache of {_gib(serving.prefix_cache_bytes)}{drafting} and {_gib(self.compute)} to compute on "
+            "each node)"
         )
         if len(chosen) == 1:
             which = "" if named else ", the most of any node that runs llama.cpp"
@@ -671,9 +694,11 @@ def place_in(
     min_nodes: int = 1,
     serving: ServingSettings = ServingSettings(),
 ) -> Placement:
-    """`place` on the nodes of `state` that can get the model's files, with the memory that shards placed but
-    not loaded will take counted as taken; ModelUnavailable when no node can get the files."""
-    excluded = cannot_fetch(state, card)
+    """`place` on the nodes of `state` that can get the model's files (and those of the model that drafts for it),
+    with the memory that shards placed but not loaded will take counted as taken; ModelUnavailable when no node
+    can get the files."""
+    draft = draft_card(state, card, serving)
+    excluded = cannot_fetch(state, card) | (cannot_fetch(state, draft) if draft else set())
     offline_named = sorted(excluded & set(node_ids or ()))
     usable = [node for node in state.nodes.values() if node.node_id not in excluded]
     if offline_named or (state.nodes and not usable):
@@ -684,7 +709,37 @@ def place_in(
             "the downloader without --offline"
         )
     pending = pending_bytes(state)
-    return place(card, [_less_pending(node, pending[node.node_id]) for node in usable], node_ids, min_nodes, serving)
+    nodes = [_less_pending(node, pending[node.node_id]) for node in usable]
+    return place(card, nodes, node_ids, min_nodes, serving, draft)
+
+
+def draft_card(state: State, card: ModelCard, serving: ServingSettings) -> ModelCard | None:
+    """The card of the model `serving.draft` names to draft for `card`, if it names one; InvalidPlacement when it
+    cannot: unknown, the model itself, of another vocabulary size, or without a GGUF, which llama.cpp drafts with.
+    (That the tokens themselves match, llama-server checks as it loads both: a runner that fails says so.)"""
+    model_id = serving.draft_model
+    if model_id is None:
+        return None
+    if model_id == card.model_id:
+        raise InvalidPlacement(
+            f"draft {model_id} is the model itself: name a smaller model with the same tokenizer, or ngram"
+        )
+    draft = find_card(state, model_id)
+    if draft is None:
+        raise InvalidPlacement(
+            f"draft {model_id} is not a known model: add it first (POST /models), or see GET /models"
+        )
+    if abs(draft.vocab_size - card.vocab_size) > DRAFT_VOCABULARY_SLACK:
+        raise InvalidPlacement(
+            f"draft {model_id} has a vocabulary of {draft.vocab_size} tokens and {card.model_id} one of "
+            f"{card.vocab_size}: a model that drafts shares the model's tokenizer (see the card's draft_model)"
+        )
+    if ModelFormat.GGUF not in draft.formats:
+        raise EngineMismatch(
+            f"draft {model_id} has no GGUF weights, which llama.cpp drafts with (it has {', '.join(draft.formats)}): "
+            "name a GGUF model, or import it as GGUF"
+        )
+    return draft
 
 
 def faster_engine(state: State, instance: Instance, card: ModelCard) -> Engine | None:

@@ -7,7 +7,15 @@ from typing import Annotated, Any
 
 import msgspec
 
-from jetshard_schema.ids import ValidModelId, ValidNodeId, ValidSessionId, ValidTaskId
+from jetshard_schema.ids import (
+    MODEL_ID_MAX_LENGTH,
+    ModelId,
+    ValidModelId,
+    ValidNodeId,
+    ValidSessionId,
+    ValidTaskId,
+    parse_model_id,
+)
 
 
 class GpuInfo(msgspec.Struct, frozen=True, kw_only=True):
@@ -147,6 +155,11 @@ class Drafting(enum.StrEnum):
     prompt or the answer, so no second model; it pays where an answer repeats its prompt (a code edit)."""
 
 
+DraftSetting = Annotated[str, msgspec.Meta(max_length=MODEL_ID_MAX_LENGTH)]
+"""`serving.draft`: "ngram" (`Drafting.NGRAM`), or the id of a model that drafts (a small one with the same
+tokenizer), run beside the model on the instance's leader (`ServingSettings` checks which)."""
+
+
 class Parallelism(enum.StrEnum):
     """How an instance splits its model over its nodes."""
 
@@ -223,12 +236,27 @@ class ServingSettings(msgspec.Struct, frozen=True, kw_only=True):
     """Placement sizes the KV cache by it; llama.cpp stores keys and values so (with flash attention, which a
     quantized V cache needs)."""
     draft: Annotated[
-        Drafting | None,
+        DraftSetting | None,
         msgspec.Meta(
-            description="speculative decoding: ngram drafts from the prompt and the answer so far (same answers, "
-            "faster where they repeat the prompt); none by default; llama.cpp only"
+            description="speculative decoding (the same answers, faster): ngram drafts from the prompt and the answer "
+            "so far (where they repeat the prompt), a model id drafts with that small model of the same tokenizer "
+            "(on the instance's leader); none by default; llama.cpp only"
         ),
     ] = None
+
+    def __post_init__(self) -> None:
+        # Here rather than as a pattern on the field: the message says what a draft may be, wherever a setting is
+        # decoded (a body, a flag, a command).
+        if self.draft is not None and self.draft != Drafting.NGRAM:
+            try:
+                parse_model_id(self.draft)
+            except ValueError as error:
+                raise ValueError(f"draft must be ngram or the id of a model (org/name): {error}") from None
+
+    @property
+    def draft_model(self) -> ModelId | None:
+        """The model that drafts, where `draft` names one."""
+        return None if self.draft is None or self.draft == Drafting.NGRAM else ModelId(self.draft)
 
 
 class ShardAssignment(msgspec.Struct, frozen=True, kw_only=True):

@@ -239,6 +239,8 @@ class ModelView(msgspec.Struct, frozen=True, kw_only=True):
     """On some node's disk, placed, or added: what `jetshard status` lists (the page lists these first)."""
     downloads: list[DownloadView]
     """One per node that has or is getting some of its layers."""
+    draft_model: ModelId | None = None
+    """The smaller model its card pairs it with to draft (`serving.draft`), if any."""
 
 
 class InstanceView(InstanceDescription, frozen=True, kw_only=True):
@@ -321,6 +323,7 @@ def _model_view(model_id: ModelId, card: ModelCard | None, downloads: list[Downl
         known=card is not None,
         in_use=bool(downloads) or placed or not builtin,
         downloads=downloads,
+        draft_model=card.draft_model if card else None,
     )
 
 

@@ -12,7 +12,7 @@ from jetshard_schema.models import find_card
 from jetshard_schema.placement import device_of
 from jetshard_schema.types import (
     MAX_NODES,
-    Drafting,
+    DraftSetting,
     Engine,
     KvCacheType,
     MaxBatch,
@@ -45,7 +45,11 @@ class ServingRequest(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     prefix_cache_bytes: PrefixCacheBytes | msgspec.UnsetType = msgspec.UNSET
     weights: WeightsDtype | msgspec.UnsetType = msgspec.UNSET
     kv_cache_type: KvCacheType | msgspec.UnsetType = msgspec.UNSET
-    draft: Drafting | msgspec.UnsetType | None = msgspec.UNSET
+    draft: DraftSetting | msgspec.UnsetType | None = msgspec.UNSET
+
+    def __post_init__(self) -> None:
+        if isinstance(self.draft, str):
+            ServingSettings(draft=self.draft)  # a ValueError saying what a draft may be: the body's 400
 
     def over(self, defaults: ServingSettings) -> ServingSettings:
         given = {name: getattr(self, name) for name in self.__struct_fields__}
@@ -115,7 +119,7 @@ class InstancesController(Controller):
         parallelism: FromQuery[Parallelism] = Parallelism.PIPELINE,
         engine: FromQuery[Engine | None] = None,
         kv_cache_type: FromQuery[KvCacheType | None] = None,
-        draft: FromQuery[Drafting | None] = None,
+        draft: FromQuery[str | None] = None,
     ) -> PlacementPreview:
         """The placement that would be chosen now with the API's serving settings (`kv_cache_type` and `draft` as
         given, else the API's), without placing anything."""
@@ -130,7 +134,7 @@ class InstancesController(Controller):
             parallelism=parallelism,
             engine=engine,
             kv_cache_type=kv_cache_type or settings.serving.kv_cache_type,
-            draft=draft or settings.serving.draft,
+            draft=settings.serving.draft if draft is None else _checked_draft(draft),
         )
         placement = preview_placement(cluster.state, card, serving, min_nodes)
         return PlacementPreview(
@@ -183,3 +187,10 @@ class InstancesController(Controller):
     async def remove(self, cluster: NamedDependency[Cluster], instance_id: FromPath[str]) -> Deleted:
         await cluster.submit(DeleteInstance(instance_id=InstanceId(instance_id)))
         return Deleted(deleted=instance_id)
+
+
+def _checked_draft(draft: str) -> str:
+    try:
+        return ServingSettings(draft=draft).draft or ""
+    except ValueError as error:
+        raise ApiError(400, str(error), "invalid_request", "draft") from None

@@ -61,7 +61,7 @@ from jetshard_schema.events import (
 )
 from jetshard_schema.ids import ModelId, NodeId
 from jetshard_schema.models import all_cards, find_card
-from jetshard_schema.state import Download, State
+from jetshard_schema.state import Download, Instance, State
 from jetshard_schema.stats import DownloaderStats, DownloadFigures
 from jetshard_schema.types import (
     DownloadProgress,
@@ -283,10 +283,12 @@ class Downloader:
             ):
                 card = find_card(state, model_id)
                 self.request(model_id, start, end, default_form(card) if card else ModelFormat.MLX)
-            case InstancePlaced(model_id=model_id, shards=shards, serving=serving):
+            case InstancePlaced(instance_id=instance_id, model_id=model_id, shards=shards, serving=serving):
                 for shard in shards:
                     if shard.node_id == self.node_id:
                         self.request(model_id, shard.start_layer, shard.end_layer, engine_format(serving.engine))
+                if instance_id in state.instances:
+                    self._request_draft(state, state.instances[instance_id])
             case DownloadCancelled(node_id=node_id, model_id=model_id) if node_id == self.node_id:
                 self.cancel(model_id)
             case CustomModelCardDeleted(model_id=model_id):
@@ -314,6 +316,18 @@ class Downloader:
             if shard is not None:
                 form = engine_format(instance.serving.engine)
                 self.request(instance.model_id, shard.start_layer, shard.end_layer, form)
+                self._request_draft(state, instance)
+
+    def _request_draft(self, state: State, instance: Instance) -> None:
+        """The model that drafts for `instance` (`serving.draft`), whole and as GGUF, where this node leads it and
+        does not hold it yet."""
+        draft = instance.serving.draft_model
+        if draft is None or instance.failed or instance.leader_node != self.node_id:
+            return
+        download = state.download(self.node_id, draft)
+        card = find_card(state, draft)
+        if card is not None and (download is None or not download.progress.holds(ModelFormat.GGUF)):
+            self.request(draft, 0, card.num_layers, ModelFormat.GGUF)
 
     def request(self, model_id: ModelId, start: int, end: int, form: ModelFormat | None) -> None:
         """Make layers `[start, end)` of `model_id` available here in `form` (None: MLX)."""

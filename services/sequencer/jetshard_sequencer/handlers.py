@@ -377,7 +377,7 @@ def _delete_custom_model_card(
         )
     if command.model_id not in state.custom_cards:
         return _reject(command, RejectCode.NOT_FOUND, f"no custom model card {command.model_id}")
-    users = sorted(i.instance_id for i in state.instances.values() if i.model_id == command.model_id)
+    users = _users(state, command.model_id)
     if users:
         # Its instances need the card (to restart) and its downloads' records (to start their runners).
         return _reject(
@@ -386,6 +386,20 @@ def _delete_custom_model_card(
             f"{command.model_id} is in use by instance(s) {', '.join(users)}; delete them first",
         )
     return [events.CustomModelCardDeleted(model_id=command.model_id)]
+
+
+def _users(state: State, model_id: ModelId, node_id: NodeId | None = None) -> list[InstanceId]:
+    """The instances that serve `model_id` or draft with it (`serving.draft`), those with a shard on `node_id`
+    (that it drafts for: led from there) where one is named."""
+    users = []
+    for instance in state.instances.values():
+        if instance.model_id == model_id:
+            here = node_id is None or instance.shard_for(node_id) is not None
+        else:
+            here = instance.serving.draft_model == model_id and node_id in (None, instance.leader_node)
+        if here:
+            users.append(instance.instance_id)
+    return sorted(users)
 
 
 def _report_model_size(state: State, command: commands.ReportModelSize, ctx: Context) -> list[events.Event]:
@@ -437,11 +451,7 @@ def _delete_download(state: State, command: commands.DeleteDownload, ctx: Contex
             f"{command.model_id} is in the read-only directory {download.progress.directory}; "
             "jetshard never deletes from read-only directories",
         )
-    users = [
-        i.instance_id
-        for i in state.instances.values()
-        if i.model_id == command.model_id and i.shard_for(command.node_id) is not None
-    ]
+    users = _users(state, command.model_id, command.node_id)
     if users:
         return _reject(
             command,

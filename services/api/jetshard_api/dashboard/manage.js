@@ -112,12 +112,22 @@ async function preview() {
   $("place-confirm").disabled = !ready;
 }
 
-function openPlace(modelId) {
+// The drafting choices for a model: the API's setting, prompt lookup, and the model its card pairs it with.
+function draftOptions(draftModel) {
+  return [
+    el("option", { value: "" }, "the API's setting"),
+    el("option", { value: "ngram" }, "ngram (prompt lookup; llama.cpp)"),
+    draftModel ? el("option", { value: draftModel }, `${draftModel} (its card's draft model; llama.cpp)`) : null,
+  ].filter(Boolean);
+}
+
+function openPlace(modelId, draftModel) {
   placing = modelId;
   $("place-title").textContent = `Place ${modelId}`;
   $("place-min-nodes").value = "1";
   $("place-engine").value = "";
   $("place-kv-cache").value = "";
+  $("place-draft").replaceChildren(...draftOptions(draftModel));
   $("place-draft").value = "";
   $("place-dialog").showModal();
   preview();
@@ -158,7 +168,7 @@ async function place() {
 // --- the actions the view's buttons name ---------------------------------------------------------------------
 
 const ACTIONS = {
-  place: ({ modelId }) => openPlace(modelId),
+  place: ({ modelId, draftModel }) => openPlace(modelId, draftModel),
   async "delete-card"({ modelId }) {
     const yes = await confirmAction({
       title: `Delete the card of ${modelId}?`,

@@ -148,7 +148,7 @@ function modelRow(model, nodes) {
       el(
         "span",
         { className: "actions" },
-        model.known ? actionButton("Place", `Place ${id}`, "place", { modelId: id }, "") : null,
+        model.known ? actionButton("Place", `Place ${id}`, "place", { modelId: id, draftModel: model.draft_model }, "") : null,
         model.builtin || !model.known
           ? null
           : actionButton("Delete card", `Delete card ${id}`, "delete-card", { modelId: id }, "danger"),

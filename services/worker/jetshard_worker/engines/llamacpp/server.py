@@ -46,8 +46,10 @@ class ServerSettings:
     as placement counts it); 0 keeps none."""
     kv_cache_type: KvCacheType = KvCacheType.AUTO
     """What llama.cpp stores keys and values as (`serving.kv_cache_type`; auto: its f16)."""
-    draft: Drafting | None = None
-    """How it drafts tokens (`serving.draft`)."""
+    draft: str | None = None
+    """How it drafts tokens (`serving.draft`): ngram, or with the model in `draft_model`."""
+    draft_model: Path | None = None
+    """The GGUF of the model that drafts, when `draft` names one."""
     threads: int | None = None
     """None: llama.cpp's own choice (the machine's physical cores)."""
     mmproj: Path | None = None
@@ -85,8 +87,21 @@ class ServerSettings:
             # A quantized V cache needs flash attention, which llama.cpp's "auto" may leave off.
             arguments += ["--cache-type-k", self.kv_cache_type, "--cache-type-v", self.kv_cache_type]
             arguments += ["--flash-attn", "on"]
-        if self.draft is Drafting.NGRAM:
+        if self.draft == Drafting.NGRAM:
             arguments += ["--spec-type", "ngram-simple", *NGRAM_LOOKUP]
+        if self.draft_model is not None:
+            # The draft runs here, on this node's CPU, never on the other ranks' (RPC) devices: each of its steps
+            # would cross the network. Its KV cache is stored as the model's.
+            arguments += [
+                "--spec-type",
+                "draft-simple",
+                "--model-draft",
+                str(self.draft_model),
+                "--device-draft",
+                "none",
+            ]
+            if self.kv_cache_type is not KvCacheType.AUTO:
+                arguments += ["--cache-type-k-draft", self.kv_cache_type, "--cache-type-v-draft", self.kv_cache_type]
         if self.rpc_servers:
             arguments += ["--rpc", ",".join(self.rpc_servers), *offload_arguments(self.helper_layers)]
         if self.threads is not None:

@@ -60,10 +60,12 @@ async def load(
         prompt_cache_bytes=spec.plan.serving.prefix_cache_bytes,
         kv_cache_type=spec.plan.serving.kv_cache_type,
         draft=spec.plan.serving.draft,
+        draft_model=(Path(spec.plan.draft_dir) / GGUF_FILE).resolve() if spec.plan.draft_dir else None,
         mmproj=mmproj if mmproj.is_file() else None,
     )
-    if not settings.model.is_file():
-        raise RuntimeError(f"{settings.model} is missing: the model's GGUF file did not reach this node")
+    for gguf in (settings.model, settings.draft_model):
+        if gguf is not None and not gguf.is_file():
+            raise RuntimeError(f"{gguf} is missing: the model's GGUF file did not reach this node")
     tunnels = await rpc_helper.reach_helpers(spec, LLAMA_SERVER_LOAD_TIMEOUT_S)
     try:
         if tunnels:
