@@ -207,3 +207,51 @@ def test_the_split_is_shown_in_status(cluster: InferenceCluster, split: dict) ->
     )
     assert shown.returncode == 0, shown.stderr
     assert "(leader)" in shown.stdout and "GGUF (llama.cpp RPC) weights" in shown.stdout, shown.stdout
+
+
+DRAFT_MODEL = "jetshard-test/split-draft"
+
+
+def test_a_split_drafts_on_its_leader_and_answers_as_without_drafting(
+    cluster: InferenceCluster, split: dict, client: openai.OpenAI, tmp_path: Path
+) -> None:
+    """Last here: the split makes room for one that drafts. The draft (the demo's GGUF in a Hub repo of its own,
+    fetched for the leader) runs on the leader's CPU beside its layers, never on the helper's RPC device."""
+    prompts = [ASKED, "Write a short poem about the sea."]
+
+    def greedy(prompt: str) -> str:
+        messages = [{"role": "user", "content": prompt}]
+        reply = client.chat.completions.create(model=DEMO_MODEL_ID, messages=messages, max_tokens=48, temperature=0)  # type: ignore[arg-type]
+        return reply.choices[0].message.content or ""
+
+    without = [greedy(prompt) for prompt in prompts]
+    repo = tmp_path / "draft-repo"
+    repo.mkdir()
+    gguf = next((cluster.root / "node-a" / "models").rglob("model.gguf"), None)
+    (repo / "draft.gguf").symlink_to((gguf or next((cluster.root / "node-b" / "models").rglob("model.gguf"))).resolve())
+    cluster.hub.add_repo(DRAFT_MODEL, repo)
+    added = httpx.post(f"{cluster.api}/models", json={"model_id": DRAFT_MODEL, "gguf_file": "draft.gguf"}, timeout=60)
+    assert added.status_code == 201, added.text
+    assert httpx.delete(f"{cluster.api}/instances/{split['instance_id']}", timeout=60).status_code < 300
+    serving = {"draft": DRAFT_MODEL, "max_batch": 2, "prefix_cache_bytes": 0}
+    body = {"model_id": DEMO_MODEL_ID, "min_nodes": 2, "serving": serving}
+    placed = httpx.post(f"{cluster.api}/instances", json=body, timeout=60)
+    assert placed.status_code == 201, placed.text
+    drafting = cluster.wait_instance(placed.json()["instance_id"], timeout=240)
+    leader = drafting["shards"][0]
+    assert leader["leader"] and len(drafting["shards"]) == 2
+    servers = [
+        p.info["cmdline"] for p in psutil.process_iter(["cmdline"]) if "--model-draft" in (p.info["cmdline"] or [])
+    ]
+    (server,) = servers
+    assert "--rpc" in server and server[server.index("--device-draft") + 1] == "none"
+    leader_name = next(name for name, node_id in cluster.node_ids.items() if node_id == leader["node_id"])
+    assert server[server.index("--model-draft") + 1].startswith(str(cluster.root / leader_name))
+    assert [greedy(prompt) for prompt in prompts] == without
+
+    def drafted() -> float:
+        lines = httpx.get(f"{cluster.api}/metrics", timeout=10).text.splitlines()
+        mine = [line for line in lines if line.startswith("jetshard_draft_accepted_tokens_total{")]
+        return sum(float(line.rsplit(" ", 1)[1]) for line in mine)
+
+    assert wait_for(lambda: drafted() > 0, timeout=30)
