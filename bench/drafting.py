@@ -1,18 +1,23 @@
-"""Speculative decoding by prompt lookup (`serving.draft: "ngram"`) on the llama.cpp engine: one stream's tokens/s
-with drafting and without, on a repetitive prompt (a code edit, whose answer repeats its prompt) and a free-form
-one, through jetshard and beside upstream `llama-server` drafting with the same flags, on the same GGUF.
+"""Speculative decoding on the llama.cpp engine (`serving.draft`): one stream's tokens/s with drafting and without,
+on a repetitive prompt (a code edit, whose answer repeats its prompt) and a free-form one, through jetshard and
+beside upstream `llama-server` drafting with the same flags, on the same GGUF.
+
+Drafting is by prompt lookup (`"ngram"`) unless `--draft-gguf PATH` names a smaller GGUF of the demo's tokenizer:
+jetshard then imports it (`POST /models/import`) and drafts with it (`"draft": "local/bench-draft"`). Without such a
+file here, `--draft-gguf` of the demo's own GGUF checks the path end to end (every draft is kept, but a draft as
+large as its model cannot pay).
 
 Four sides, each alone on the machine in turn, every request a fresh chat at temperature 0 (greedy: drafting must
 give the same text, and the bench says where it does not):
   * llama-server, and llama-server drafting with the flags jetshard's own llama-server was started with (read from
     its command line): the build `jetshard engines status` names, one slot;
-  * jetshard, and jetshard with the demo placed with `"serving": {"draft": "ngram"}`: `jetshard up --offline
+  * jetshard, and jetshard with the demo placed with `"serving": {"draft": ...}`: `jetshard up --offline
     --no-model` in a temporary directory, the demo placed on llama.cpp with `POST /instances`.
 Figure: completion tokens over the request's whole time (non-streamed), the best of `--rounds`.
 Goals (issue 39): drafting >= 1.5x without on the code edit, >= 0.95x on the free-form prompt; jetshard's drafting
 >= 0.9x llama-server's own.
 
-    uv run --group dev python bench/drafting.py
+    uv run --group dev python bench/drafting.py [--draft-gguf PATH]
 """
 
 from __future__ import annotations
@@ -37,6 +42,9 @@ PROMPTS = {
 }
 SPEEDUP_GOAL = {"code edit": 1.5, "free-form": 0.95}
 UPSTREAM_GOAL = 0.9
+DRAFT_ID = "local/bench-draft"
+DRAFTING_FLAGS = ("--spec", "--model-draft", "--device-draft", "--cache-type-k-draft", "--cache-type-v-draft")
+"""The llama-server flags that say how it drafts, as jetshard's runner writes them."""
 
 
 def tokens_per_s(base_url: str, model: str, prompt: str, max_tokens: int, rounds: int) -> tuple[float, str]:
@@ -59,24 +67,41 @@ def upstream(root: Path, drafting: list[str], max_tokens: int, rounds: int) -> d
     arguments = [str(build.llama_server), "--model", str(demo_gguf()), "--host", "127.0.0.1", "--port", str(port)]
     arguments += ["--parallel", "1", "--ctx-size", str(SLOT_CONTEXT), "--jinja", "--no-webui"]
     arguments += drafting
-    name = "llama-server" + (" (ngram)" if drafting else "")
+    name = "llama-server" + (" drafting" if drafting else "")
     with llama_server(build, arguments, root / f"{name}.log", name) as (side, _):
         return {kind: tokens_per_s(side.base_url, side.model, p, max_tokens, rounds) for kind, p in PROMPTS.items()}
 
 
 def drafting_flags() -> list[str]:
-    """The `--spec-*` flags of the llama-server jetshard runs on this machine (one instance at a time here)."""
+    """The drafting flags (and their values) of the llama-server jetshard runs on this machine (one instance at a
+    time here)."""
     for process in psutil.process_iter(["cmdline"]):
         command = process.info["cmdline"] or []
         if command and command[0].endswith("llama-server") and "--spec-type" in command:
-            start = command.index("--spec-type")
-            return [part for part in command[start:] if part.startswith("--spec") or not part.startswith("--")]
+            flags: list[str] = []
+            for part in command[command.index("--spec-type") :]:
+                if part.startswith("--") and not part.startswith(DRAFTING_FLAGS):
+                    break
+                flags.append(part)
+            return flags
     raise SystemExit("jetshard's llama-server was not started with --spec-type")
 
 
-def jetshard(api: str, draft: bool, max_tokens: int, rounds: int) -> tuple[dict[str, tuple[float, str]], list[str]]:
-    """Its figures, and the drafting flags its llama-server was started with (none without drafting)."""
-    serving = {"draft": "ngram"} if draft else {}
+def import_draft(api: str, path: Path) -> None:
+    """`path` imported on this machine's node as DRAFT_ID, as a user imports a GGUF file."""
+    (node,) = httpx.get(f"{api}/nodes", timeout=10).json()
+    body = {"node_id": node["node_id"], "model_id": DRAFT_ID, "path": str(path.resolve())}
+    imported = httpx.post(f"{api}/models/import", json=body, timeout=600)
+    if imported.status_code != 201:
+        raise SystemExit(f"jetshard cannot import {path}: {imported.status_code} {imported.text}")
+
+
+def jetshard(
+    api: str, draft: str | None, max_tokens: int, rounds: int
+) -> tuple[dict[str, tuple[float, str]], list[str]]:
+    """Its figures with `serving.draft` set to `draft`, and the drafting flags its llama-server was started with
+    (none without drafting)."""
+    serving = {"draft": draft} if draft else {}
     body = {"model_id": DEMO, "engine": "llama.cpp", "serving": serving}
     placed = httpx.post(f"{api}/instances", json=body, timeout=60)
     if placed.status_code != 201:
@@ -95,32 +120,36 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--max-tokens", type=int, default=160)
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--draft-gguf", type=Path, help="draft with this GGUF (the demo's tokenizer), not by ngram")
     args = parser.parse_args()
     print(machine_line())
+    mode = "ngram" if args.draft_gguf is None else "draft model"
     with tempfile.TemporaryDirectory(prefix="jetshard-drafting-") as tmp:
         root = Path(tmp)
         with jetshard_up(root / "jetshard", None) as (api, _):
-            plain, _ = jetshard(api, False, args.max_tokens, args.rounds)
-            drafted, flags = jetshard(api, True, args.max_tokens, args.rounds)
+            if args.draft_gguf is not None:
+                import_draft(api, args.draft_gguf)
+            plain, _ = jetshard(api, None, args.max_tokens, args.rounds)
+            drafted, flags = jetshard(api, "ngram" if mode == "ngram" else DRAFT_ID, args.max_tokens, args.rounds)
         print(f"drafting flags: {' '.join(flags)}")
         results = {
             "llama-server": upstream(root, [], args.max_tokens, args.rounds),
-            "llama-server ngram": upstream(root, flags, args.max_tokens, args.rounds),
+            f"llama-server {mode}": upstream(root, flags, args.max_tokens, args.rounds),
             "jetshard": plain,
-            "jetshard ngram": drafted,
+            f"jetshard {mode}": drafted,
         }
     rows = []
     for kind in PROMPTS:
-        plain, drafted = results["jetshard"][kind], results["jetshard ngram"][kind]
-        anchor = results["llama-server ngram"][kind]
-        speedup, of_upstream = drafted[0] / plain[0], drafted[0] / anchor[0]
+        without, drafting = results["jetshard"][kind], results[f"jetshard {mode}"][kind]
+        anchor = results[f"llama-server {mode}"][kind]
+        speedup, of_upstream = drafting[0] / without[0], drafting[0] / anchor[0]
         rows.append(
             [
                 kind,
                 *(f"{results[side][kind][0]:.1f}" for side in results),
                 f"{speedup:.2f}x (goal {SPEEDUP_GOAL[kind]}x)",
                 f"{of_upstream:.2f}x (goal {UPSTREAM_GOAL}x)",
-                "yes" if drafted[1] == plain[1] else "NO",
+                "yes" if drafting[1] == without[1] else "NO",
             ]
         )
     header = ["prompt", *(f"{side} tok/s" for side in results), "drafting / not", "of llama-server's", "same text"]

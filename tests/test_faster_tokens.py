@@ -10,6 +10,7 @@ Asked of MLX, or with a value llama.cpp's names do not have, either is a clear 4
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -151,6 +152,28 @@ def test_ngram_drafting_answers_token_for_token_as_without_it_and_counts_what_it
         assert_drafts_counted(llamacpp_cluster.api, str(instance["instance_id"]))
 
 
+CITY = {
+    "type": "object",
+    "properties": {"city": {"type": "string", "maxLength": 20}, "population": {"type": "integer", "maximum": 10**8}},
+    "required": ["city", "population"],
+    "additionalProperties": False,
+}
+
+
+def structured(client: openai.OpenAI, model: str) -> list[dict[str, object]]:
+    """Two greedy choices of a JSON document for CITY, parsed."""
+    reply = client.chat.completions.create(
+        model=model,
+        messages=[{"role": "user", "content": "Give the capital of France and its population as JSON."}],
+        max_tokens=60,
+        temperature=0,
+        n=2,
+        response_format={"type": "json_schema", "json_schema": {"name": "city", "schema": CITY}},
+    )
+    assert len(reply.choices) == 2
+    return [json.loads(choice.message.content or "") for choice in reply.choices]
+
+
 def assert_drafts_counted(api: str, instance_id: str) -> None:
     """The instance counted tokens drafted and some kept (`/metrics`), and the cluster's view (the dashboard's and
     `jetshard status`'s) gives the share kept."""
@@ -198,6 +221,8 @@ def test_a_draft_model_is_fetched_for_the_leader_and_answers_token_for_token_as_
             assert model_dir_name(ModelId(DRAFT_MODEL)) in server[server.index("--model-draft") + 1]
             for prompt in [CODE_EDIT, *PROMPTS]:
                 assert greedy_text(client, DRAFTED_MODEL, prompt) == greedy_text(client, PLAIN_MODEL, prompt), prompt
+            # With n choices and a grammar too: the same as without drafting.
+            assert structured(client, DRAFTED_MODEL) == structured(client, PLAIN_MODEL)
             assert_drafts_counted(api, str(instance["instance_id"]))
     finally:
         httpx.delete(f"{api}/models/{DRAFT_MODEL}", timeout=30)
