@@ -1113,3 +1113,15 @@ def test_a_model_that_drafts_for_an_instance_is_in_use_on_its_leader(cluster: In
     assert cluster.run(DeleteDownload(model_id=draft.model_id, node_id=B)) == [
         DownloadDeleteRequested(node_id=B, model_id=draft.model_id)
     ]
+
+
+def test_a_request_places_with_the_apis_default_drafting_where_the_model_takes_it(cluster: InMemoryCluster) -> None:
+    """`jetshard api --draft ngram`: a model only MLX serves is placed for a request without drafting; asked of it
+    by name, drafting is refused."""
+    cluster.run(ReportNodeProfile(node_id=A, session_id="s1", profile=with_llama_cpp()))
+    defaults = ServingSettings(draft="ngram")
+    (placed,) = cluster.run(EnsureInstance(instance_id="inst-e", model_id=MODEL, serving=defaults))
+    assert isinstance(placed, InstancePlaced)
+    assert (placed.serving.engine, placed.serving.draft) == (Engine.MLX, None)
+    asked = PlaceInstance(instance_id="inst-p", model_id=MODEL, serving=defaults)
+    assert "draft ngram is llama.cpp's" in rejected(cluster.run(asked), RejectCode.INVALID).reason

@@ -574,6 +574,35 @@ def test_a_model_that_drafts_is_counted_on_the_leader_and_must_be_a_known_gguf_o
             place_in(with_mlx_card, GGUF_AND_MLX, serving=serving)
 
 
+def test_an_apis_default_drafting_and_kv_cache_apply_where_the_model_can_take_them() -> None:
+    """`jetshard api --draft ... --kv-cache-type q8_0` places every model a request asks for: one that only MLX
+    serves, or that the default draft cannot draft for, is served without them; asked of it by name, refused."""
+    nodes = running(BOTH, node("a", 16))
+    defaults = replace(SMALL_ROWS, draft="ngram", kv_cache_type=KvCacheType.Q8_0)
+    state = State(nodes={n.node_id: n for n in nodes}, custom_cards={DRAFT.model_id: DRAFT})
+    mlx_only = place_in(state, Q4_CARD, serving=defaults, as_default=True)
+    assert mlx_only.serving.engine is Engine.MLX
+    assert (mlx_only.serving.draft, mlx_only.serving.kv_cache_type) == (None, KvCacheType.AUTO)
+    with pytest.raises(EngineMismatch, match=r"draft ngram is llama\.cpp's"):
+        place_in(state, Q4_CARD, serving=defaults)
+    # A GGUF on a CPU node: llama.cpp takes both.
+    gguf = place_in(state, GGUF_AND_MLX, serving=defaults, as_default=True)
+    assert (gguf.serving.engine, gguf.serving.draft, gguf.serving.kv_cache_type) == (
+        Engine.LLAMA_CPP,
+        "ngram",
+        KvCacheType.Q8_0,
+    )
+    # A default draft model of another vocabulary (or the model itself) is left out for that model alone.
+    other = replace(defaults, draft=OTHER_VOCABULARY.model_id)
+    with_other = replace(state, custom_cards={**state.custom_cards, OTHER_VOCABULARY.model_id: OTHER_VOCABULARY})
+    without_draft = place_in(with_other, GGUF_AND_MLX, serving=other, as_default=True)
+    assert without_draft.serving.draft is None and without_draft.serving.engine is Engine.LLAMA_CPP
+    with pytest.raises(InvalidPlacement, match="has a vocabulary of"):
+        place_in(with_other, GGUF_AND_MLX, serving=other)
+    drafted = place_in(with_other, GGUF_AND_MLX, serving=replace(defaults, draft=DRAFT.model_id), as_default=True)
+    assert drafted.serving.draft == DRAFT.model_id
+
+
 def test_llama_cpp_goes_to_the_node_with_most_memory_that_runs_it() -> None:
     nodes = [*running(BOTH, node("a", 20)), node("big", 60)]  # "big" has no llama.cpp yet
     assert [s.node_id for s in place(GGUF_AND_MLX, nodes, serving=SMALL_ROWS).shards] == ["a"]

@@ -317,9 +317,12 @@ def place(
     min_nodes: int = 1,
     serving: ServingSettings = ServingSettings(),
     draft: ModelCard | None = None,
+    as_default: bool = False,
 ) -> Placement:
     """Choose nodes, layer ranges and each shard's weights dtype for `card` (and room on its leader for `draft`,
-    the card of the model `serving.draft` names); raise PlacementError with an actionable reason."""
+    the card of the model `serving.draft` names); raise PlacementError with an actionable reason. `as_default`:
+    `serving` is an API's default for every model, not asked of this one, so an engine that cannot draft or
+    quantize its KV cache (MLX) serves without, rather than refusing."""
     known = {node.node_id: node for node in nodes}
     if node_ids is not None:
         if not node_ids:
@@ -341,12 +344,15 @@ def place(
     no_format: list[PlacementError] = []
     no_room: list[PlacementError] = []
     for engine in engines:
-        refusal = _engine_refusal(engine, card, chosen, named, min_nodes, serving)
+        asked = serving
+        if as_default and engine is Engine.MLX:
+            asked = msgspec.structs.replace(serving, draft=None, kv_cache_type=KvCacheType.AUTO)
+        refusal = _engine_refusal(engine, card, chosen, named, min_nodes, asked)
         if refusal is not None:
             (refusals if engine_format(engine) in card.formats else no_format).append(refusal)
             continue
         # On the nodes named, or on those of `chosen` that run the engine.
-        on_engine = msgspec.structs.replace(serving, engine=engine)
+        on_engine = msgspec.structs.replace(asked, engine=engine)
         runs = chosen if named else [n for n in chosen if engine in n.profile.engines]
         try:
             if engine is Engine.LLAMA_CPP:
@@ -693,11 +699,18 @@ def place_in(
     node_ids: Sequence[NodeId] | None = None,
     min_nodes: int = 1,
     serving: ServingSettings = ServingSettings(),
+    as_default: bool = False,
 ) -> Placement:
     """`place` on the nodes of `state` that can get the model's files (and those of the model that drafts for it),
     with the memory that shards placed but not loaded will take counted as taken; ModelUnavailable when no node
-    can get the files."""
-    draft = draft_card(state, card, serving)
+    can get the files. `as_default` as for `place`; a default draft model that cannot draft for this one is left
+    out too."""
+    try:
+        draft = draft_card(state, card, serving)
+    except PlacementError:
+        if not as_default:
+            raise
+        serving, draft = msgspec.structs.replace(serving, draft=None), None
     excluded = cannot_fetch(state, card) | (cannot_fetch(state, draft) if draft else set())
     offline_named = sorted(excluded & set(node_ids or ()))
     usable = [node for node in state.nodes.values() if node.node_id not in excluded]
@@ -710,7 +723,7 @@ def place_in(
         )
     pending = pending_bytes(state)
     nodes = [_less_pending(node, pending[node.node_id]) for node in usable]
-    return place(card, nodes, node_ids, min_nodes, serving, draft)
+    return place(card, nodes, node_ids, min_nodes, serving, draft, as_default)
 
 
 def draft_card(state: State, card: ModelCard, serving: ServingSettings) -> ModelCard | None:
@@ -768,7 +781,8 @@ def faster_placement(state: State, instance: Instance, card: ModelCard) -> Place
         return None
     node_ids = [s.node_id for s in instance.shards]
     try:
-        placement = place_in(without(state, [instance]), card, node_ids, serving=instance.requested)
+        # As asked, where the engine takes it: the settings were checked when the instance was placed.
+        placement = place_in(without(state, [instance]), card, node_ids, serving=instance.requested, as_default=True)
     except PlacementError:
         return None
     return placement if placement.serving.engine is not instance.engine else None

@@ -540,7 +540,17 @@ def _ensure_instance(state: State, command: commands.EnsureInstance, ctx: Contex
         return [events.InstanceChosen(instance_id=alive[0], model_id=command.model_id)]
     if command.instance_id in state.instances:  # a failed one: every instance id is placed once
         return _reject(command, RejectCode.ALREADY_EXISTS, f"instance {command.instance_id} already exists")
-    return _placed(state, command, command.instance_id, command.model_id, command.serving, ctx, command.keep_alive_ms)
+    # The API's defaults, where this model's engine takes them (`place`'s as_default).
+    return _placed(
+        state,
+        command,
+        command.instance_id,
+        command.model_id,
+        command.serving,
+        ctx,
+        command.keep_alive_ms,
+        as_default=True,
+    )
 
 
 def _set_instance_keep_alive(state: State, command: commands.SetInstanceKeepAlive, ctx: Context) -> list[events.Event]:
@@ -588,13 +598,14 @@ def _placed(
     keep_alive_ms: int,
     node_ids: tuple[NodeId, ...] | None = None,
     min_nodes: int = 1,
+    as_default: bool = False,
 ) -> list[events.Event]:
     card = find_card(state, model_id)
     if card is None:
         return _reject(command, RejectCode.NOT_FOUND, f"unknown model {model_id}; add it with POST /models")
     unloaded: list[events.Event] = []
     try:
-        placement = place_in(state, card, node_ids, min_nodes, serving)
+        placement = place_in(state, card, node_ids, min_nodes, serving, as_default)
     except ModelUnavailable as error:
         return _reject(command, RejectCode.MODEL_UNAVAILABLE, str(error))
     except InvalidPlacement as error:
@@ -604,7 +615,7 @@ def _placed(
     except EngineUnavailable as error:
         return _reject(command, RejectCode.CONFLICT, str(error))
     except PlacementError as no_room:
-        room = _room_made(state, card, node_ids, min_nodes, serving)
+        room = _room_made(state, card, node_ids, min_nodes, serving, as_default)
         if room is None:
             return _reject(command, RejectCode.INSUFFICIENT_MEMORY, str(no_room))
         if isinstance(room, str):
@@ -638,6 +649,7 @@ def _room_made(
     node_ids: tuple[NodeId, ...] | None,
     min_nodes: int,
     serving: ServingSettings,
+    as_default: bool,
 ) -> tuple[list[Instance], Placement] | str | None:
     """Room for `card` made by unloading idle instances that have a keep-alive, least recently used first (the
     fewest that make room): those instances and the placement. Never one serving or holding queued tasks, nor one
@@ -652,13 +664,13 @@ def _room_made(
     idle = [i for i in unloadable if i.instance_id not in busy]
     for count in range(1, len(idle) + 1):
         try:
-            return idle[:count], place_in(without(state, idle[:count]), card, node_ids, min_nodes, serving)
+            return idle[:count], place_in(without(state, idle[:count]), card, node_ids, min_nodes, serving, as_default)
         except PlacementError:
             continue
     if len(idle) == len(unloadable):
         return None
     try:
-        place_in(without(state, unloadable), card, node_ids, min_nodes, serving)
+        place_in(without(state, unloadable), card, node_ids, min_nodes, serving, as_default)
     except PlacementError:
         return None
     held = sorted(i.instance_id for i in unloadable if i.instance_id in busy)
