@@ -521,17 +521,7 @@ def _report_download_deleted(state: State, command: commands.ReportDownloadDelet
 def _place_instance(state: State, command: commands.PlaceInstance, ctx: Context) -> list[events.Event]:
     if command.instance_id in state.instances:
         return _reject(command, RejectCode.ALREADY_EXISTS, f"instance {command.instance_id} already exists")
-    return _placed(
-        state,
-        command,
-        command.instance_id,
-        command.model_id,
-        command.serving,
-        ctx,
-        command.keep_alive_ms,
-        command.node_ids,
-        command.min_nodes,
-    )
+    return _placed(state, command, ctx)
 
 
 def _ensure_instance(state: State, command: commands.EnsureInstance, ctx: Context) -> list[events.Event]:
@@ -540,17 +530,7 @@ def _ensure_instance(state: State, command: commands.EnsureInstance, ctx: Contex
         return [events.InstanceChosen(instance_id=alive[0], model_id=command.model_id)]
     if command.instance_id in state.instances:  # a failed one: every instance id is placed once
         return _reject(command, RejectCode.ALREADY_EXISTS, f"instance {command.instance_id} already exists")
-    # The API's defaults, where this model's engine takes them (`place`'s as_default).
-    return _placed(
-        state,
-        command,
-        command.instance_id,
-        command.model_id,
-        command.serving,
-        ctx,
-        command.keep_alive_ms,
-        as_default=True,
-    )
+    return _placed(state, command, ctx)
 
 
 def _set_instance_keep_alive(state: State, command: commands.SetInstanceKeepAlive, ctx: Context) -> list[events.Event]:
@@ -589,17 +569,15 @@ def idle_past_keep_alive(state: State, now_ms: int) -> list[InstanceId]:
 
 
 def _placed(
-    state: State,
-    command: commands.Command,
-    instance_id: InstanceId,
-    model_id: ModelId,
-    serving: ServingSettings,
-    ctx: Context,
-    keep_alive_ms: int,
-    node_ids: tuple[NodeId, ...] | None = None,
-    min_nodes: int = 1,
-    as_default: bool = False,
+    state: State, command: commands.PlaceInstance | commands.EnsureInstance, ctx: Context
 ) -> list[events.Event]:
+    """The instance `command` asks for, placed. An `EnsureInstance` carries the API's default serving settings,
+    which apply where this model's engine takes them (`place`'s as_default); a `PlaceInstance` asks them of it."""
+    instance_id, model_id, serving = command.instance_id, command.model_id, command.serving
+    as_default = isinstance(command, commands.EnsureInstance)
+    node_ids, min_nodes = (
+        (command.node_ids, command.min_nodes) if isinstance(command, commands.PlaceInstance) else (None, 1)
+    )
     card = find_card(state, model_id)
     if card is None:
         return _reject(command, RejectCode.NOT_FOUND, f"unknown model {model_id}; add it with POST /models")
@@ -633,7 +611,7 @@ def _placed(
             shards=placement.shards,
             serving=placement.serving,
             requested=serving,
-            keep_alive_ms=keep_alive_ms,
+            keep_alive_ms=command.keep_alive_ms,
             at_ms=ctx.now_ms,
         ),
     ]
