@@ -1093,26 +1093,44 @@ def test_room_is_never_made_from_a_busy_instance_nor_one_kept_loaded(cluster: In
     assert kept in cluster.state.instances
 
 
-def test_a_model_that_drafts_for_an_instance_is_in_use_on_its_leader(cluster: InMemoryCluster) -> None:
-    """Its leader's runner loads it beside the model: its card and its files there stay while the instance does."""
-    gguf = (ModelFormat.GGUF,)
-    model = msgspec.structs.replace(CARD, model_id=ModelId("acme/big-gguf"), formats=gguf)
-    draft = msgspec.structs.replace(CARD, model_id=ModelId("acme/small-gguf"), formats=gguf, num_layers=2)
-    for card in (model, draft):
+DRAFT = msgspec.structs.replace(CARD, model_id=ModelId("acme/small-gguf"), formats=(ModelFormat.GGUF,), num_layers=2)
+
+
+def place_drafting(cluster: InMemoryCluster) -> InstanceId:
+    """A GGUF model placed on A and B (A leads, on llama.cpp) drafting with DRAFT."""
+    model = msgspec.structs.replace(CARD, model_id=ModelId("acme/big-gguf"), formats=(ModelFormat.GGUF,))
+    for card in (model, DRAFT):
         cluster.run(AddCustomModelCard(card=card))
     for node in (A, B):
         cluster.run(ReportNodeProfile(node_id=node, session_id="s1", profile=with_llama_cpp()))
-        cluster.run(ReportDownloadProgress(node_id=node, model_id=draft.model_id, progress=completed(0, 2)))
-    serving = ServingSettings(engine=Engine.LLAMA_CPP, draft=draft.model_id)
+    serving = ServingSettings(engine=Engine.LLAMA_CPP, draft=DRAFT.model_id)
     placed = PlaceInstance(instance_id="inst-d", model_id=model.model_id, node_ids=(A, B), serving=serving)
     assert isinstance(cluster.run(placed)[0], InstancePlaced)
-    says = f"{draft.model_id} is in use by instance(s) inst-d; delete them first"
-    assert rejected(cluster.run(DeleteCustomModelCard(model_id=draft.model_id)), RejectCode.CONFLICT).reason == says
-    in_use = DeleteDownload(model_id=draft.model_id, node_id=A)  # the leader, on llama.cpp the first rank
+    return InstanceId("inst-d")
+
+
+def test_a_model_that_drafts_for_an_instance_is_in_use_on_its_leader(cluster: InMemoryCluster) -> None:
+    """Its leader's runner loads it beside the model: its card and its files there stay while the instance does."""
+    place_drafting(cluster)
+    for node in (A, B):
+        cluster.run(ReportDownloadProgress(node_id=node, model_id=DRAFT.model_id, progress=completed(0, 2)))
+    says = f"{DRAFT.model_id} is in use by instance(s) inst-d; delete them first"
+    assert rejected(cluster.run(DeleteCustomModelCard(model_id=DRAFT.model_id)), RejectCode.CONFLICT).reason == says
+    in_use = DeleteDownload(model_id=DRAFT.model_id, node_id=A)  # the leader, on llama.cpp the first rank
     assert rejected(cluster.run(in_use), RejectCode.CONFLICT).reason == says
-    assert cluster.run(DeleteDownload(model_id=draft.model_id, node_id=B)) == [
-        DownloadDeleteRequested(node_id=B, model_id=draft.model_id)
+    assert cluster.run(DeleteDownload(model_id=DRAFT.model_id, node_id=B)) == [
+        DownloadDeleteRequested(node_id=B, model_id=DRAFT.model_id)
     ]
+
+
+def test_an_instance_whose_draft_cannot_reach_its_leader_fails_saying_so(cluster: InMemoryCluster) -> None:
+    instance = place_drafting(cluster)
+    failed = DownloadProgress(status=DownloadStatus.FAILED, reason="the Hub is unreachable")
+    on_b = cluster.run(ReportDownloadProgress(node_id=B, model_id=DRAFT.model_id, progress=failed))
+    assert [type(e) for e in on_b] == [DownloadFailed]  # B does not lead: the instance does not need it there
+    (_, failure) = cluster.run(ReportDownloadProgress(node_id=A, model_id=DRAFT.model_id, progress=failed))
+    assert isinstance(failure, InstanceFailed) and failure.instance_id == instance
+    assert failure.reason == f"downloading {DRAFT.model_id} to node {A} failed: the Hub is unreachable"
 
 
 def test_a_request_places_with_the_apis_default_drafting_where_the_model_takes_it(cluster: InMemoryCluster) -> None:

@@ -499,13 +499,11 @@ def _cancelled(state: State, node_id: NodeId, model_id: ModelId) -> bool:
 
 
 def _waiting_for_files(state: State, node_id: NodeId, model_id: ModelId) -> list[Instance]:
-    """Instances of `model_id` with a shard on `node_id` that have not loaded yet: they need its files."""
+    """The instances that need `model_id`'s files on `node_id` (`_users`) and have not loaded yet."""
     return [
         instance
-        for _, instance in sorted(state.instances.items())
-        if instance.model_id == model_id
-        and instance.shard_for(node_id) is not None
-        and instance_status(state, instance) not in (InstanceStatus.READY, InstanceStatus.FAILED)
+        for instance in (state.instances[i] for i in _users(state, model_id, node_id))
+        if instance_status(state, instance) not in (InstanceStatus.READY, InstanceStatus.FAILED)
     ]
 
 
