@@ -40,6 +40,7 @@ from jetshard_worker.text.chat import render_chat
 from mlx.utils import tree_flatten
 from mlx_lm import load as mlx_load
 from mlx_lm.generate import stream_generate
+from mlx_lm.models.cache import QuantizedKVCache
 
 MAX_TOKENS = 20
 ARCHS = ("llama", "qwen3")
@@ -62,14 +63,24 @@ def prompt_ids(model_dir: Path) -> list[list[int]]:
     return [tokenizer.encode(p) for p in PROMPTS]
 
 
-def reference(model_dir: Path, prompts: list[list[int]], prefill_step_size: int = 2048) -> list[list[int]]:
-    """mlx-lm's own greedy output: the tokens stream_generate yields, without a final EOS."""
+@pytest.fixture(scope="module")
+def wide_heads(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Heads 64 values wide, as most models' (the others' are 16): a quantized KV cache groups 32 or 64 of them."""
+    return make_tiny_model(tmp_path_factory.mktemp("wide-heads"), hidden_size=256, num_files=1)
+
+
+def reference(
+    model_dir: Path, prompts: list[list[int]], prefill_step_size: int = 2048, kv_bits: int | None = None
+) -> list[list[int]]:
+    """mlx-lm's own greedy output: the tokens stream_generate yields, without a final EOS; with `kv_bits`, from its
+    own `QuantizedKVCache` of that many bits, quantized from the first token on."""
     model, tokenizer = mlx_load(str(model_dir))
     outputs = []
     for prompt in prompts:
+        cache = None if kv_bits is None else [QuantizedKVCache(group_size=64, bits=kv_bits) for _ in model.layers]
         tokens = []
         for response in stream_generate(
-            model, tokenizer, prompt, max_tokens=MAX_TOKENS, prefill_step_size=prefill_step_size
+            model, tokenizer, prompt, max_tokens=MAX_TOKENS, prefill_step_size=prefill_step_size, prompt_cache=cache
         ):
             if response.finish_reason == "stop" and response.token in tokenizer.eos_token_ids:
                 break
@@ -226,25 +237,34 @@ def assert_within_range(loaded: list[str] | frozenset[str], start: int, end: int
 
 @pytest.mark.timeout(180)
 @pytest.mark.parametrize(
-    ("arch", "bounds", "prefill_step_size"),
+    ("arch", "bounds", "prefill_step_size", "kv_bits"),
     [
-        ("llama", [0, 2, 4], 2048),
-        ("qwen3", [0, 3, 4], 2048),
+        ("llama", [0, 2, 4], 2048, None),
+        ("qwen3", [0, 3, 4], 2048, None),
         # Small prefill chunks: the prompt crosses the ring in several PREFILL steps.
-        ("llama", [0, 1, 3, 4], 3),
-        ("qwen3", [0, 1, 2, 4], 3),
+        ("llama", [0, 1, 3, 4], 3, None),
+        ("qwen3", [0, 1, 2, 4], 3, None),
+        # Each rank stores its layers' KV cache in 8 bits (`serving.kv_cache_type` q8_0).
+        ("llama", [0, 2, 4], 2048, 8),
     ],
-    ids=["llama-2ranks", "qwen3-2ranks", "llama-3ranks-chunked", "qwen3-3ranks-chunked"],
+    ids=["llama-2ranks", "qwen3-2ranks", "llama-3ranks-chunked", "qwen3-3ranks-chunked", "llama-2ranks-kv8"],
 )
 def test_pipeline_greedy_equals_mlx_lm(
-    models: dict[str, Path], tmp_path: Path, arch: str, bounds: list[int], prefill_step_size: int
+    models: dict[str, Path],
+    wide_heads: Path,
+    tmp_path: Path,
+    arch: str,
+    bounds: list[int],
+    prefill_step_size: int,
+    kv_bits: int | None,
 ) -> None:
-    model_dir = models[arch]
+    model_dir = models[arch] if kv_bits is None else wide_heads
     prompts = prompt_ids(model_dir)
-    expected = reference(model_dir, prompts, prefill_step_size)
+    expected = reference(model_dir, prompts, prefill_step_size, kv_bits)
     requests = [{"task_id": f"t{i}", "prompt_tokens": p, "max_tokens": MAX_TOKENS} for i, p in enumerate(prompts)]
+    kv_args = () if kv_bits is None else ("--kv-bits", str(kv_bits))
 
-    outputs = run_pipeline(model_dir, bounds, requests, tmp_path, prefill_step_size)
+    outputs = run_pipeline(model_dir, bounds, requests, tmp_path, prefill_step_size, [kv_args] * (len(bounds) - 1))
 
     results = outputs[-1]["results"]
     assert outputs[-1]["max_rows"] > 1  # the requests decoded as one batch
@@ -524,17 +544,20 @@ def test_single_rank_greedy_equals_mlx_lm(models: dict[str, Path], arch: str, pr
 
 
 @pytest.mark.timeout(60)
+@pytest.mark.parametrize("kv_bits", [None, 8, 4])
 def test_a_cohort_of_a_saved_prefix_fresh_prompts_and_other_lengths_decodes_as_each_does_alone(
-    models: dict[str, Path],
+    wide_heads: Path, kv_bits: int | None
 ) -> None:
     """One cohort mixes a row restored from a saved prefix, fresh rows and prompts of other lengths (padded on the
     right), prefilled in small chunks; a prompt that starts as one of its rows waits, to start from that cache cut
-    shorter. Each row's greedy text is mlx-lm's for its prompt alone."""
-    model_dir = models["llama"]
+    shorter. Each row's greedy text is mlx-lm's for its prompt alone. With a quantized KV cache (`kv_bits`,
+    `serving.kv_cache_type` q8_0 or q4_0) it is mlx-lm's with its own quantized cache of as many bits: batching,
+    padding, saving and cutting lose nothing more."""
+    model_dir = wide_heads
     prompts = prompt_ids(model_dir)
     conversation = prompts[3] * 2  # long enough for the prefix index (16 tokens)
     cohort = [conversation + prompts[1], prompts[1], prompts[0], prompts[2], prompts[3]]
-    expected = reference(model_dir, [conversation, *cohort])
+    expected = reference(model_dir, [conversation, *cohort], kv_bits=kv_bits)
     collector = Collector()
 
     def on_finished(task_id: str, reason: TaskOutcome, prompt_tokens: int, completion_tokens: int) -> None:
@@ -544,7 +567,11 @@ def test_a_cohort_of_a_saved_prefix_fresh_prompts_and_other_lengths_decodes_as_e
         collector.on_finished(task_id, reason, prompt_tokens, completion_tokens)
 
     engine = PipelineEngine(
-        load_shard(model_dir, 0, 4), on_token=collector.on_token, on_finished=on_finished, prefill_step_size=5
+        load_shard(model_dir, 0, 4),
+        on_token=collector.on_token,
+        on_finished=on_finished,
+        prefill_step_size=5,
+        kv_bits=kv_bits,
     )
     later = tuple(f"t{i}" for i in range(len(cohort)))
     run_single(engine, [GenerationRequest("first", conversation, MAX_TOKENS)], collector, submitted_later=later)

@@ -11,6 +11,7 @@ import inspect
 import socket
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import mlx.core as mx
@@ -23,6 +24,7 @@ from jetshard_schema.card_from_config import SUPPORTED_ARCHITECTURES, TENSOR_PAR
 from jetshard_worker import library_boundary as boundary
 from jetshard_worker.text.constrained import JSON_OPTIONS
 from mlx.nn.layers.distributed import AllToShardedLinear, ShardedToAllLinear
+from mlx_lm.models.base import scaled_dot_product_attention
 from mlx_lm.models.cache import BatchKVCache, KVCache
 
 TINY_CONFIG = {
@@ -195,6 +197,26 @@ def test_batch_caches_merge_pad_join_and_split() -> None:
     merged.filter([0, 2])
     assert merged.nbytes > 0 and isinstance(merged.nbytes, int)
     assert merged.state is not None
+
+
+def test_quantized_caches_and_the_attention_that_reads_them() -> None:
+    """What `engines.mlx.quantized_cache` builds on: a `QuantizedKVCache` keeps (packed, scales, biases) triples and
+    its offset, a `BatchKVCache` its left padding, `_idx` and right padding; `dynamic_roll` rolls each row by its
+    own shift; and mlx-lm's attention takes any cache with `bits` and `group_size` as quantized."""
+    row = boundary.QuantizedKVCache(group_size=64, bits=8)
+    keys, _ = row.update_and_fetch(mx.ones((1, 2, 3, 64)), mx.ones((1, 2, 3, 64)))
+    assert len(keys) == 3 and keys[0].dtype == mx.uint32 and row.offset == 3 and row.is_trimmable()
+    batch = boundary.BatchKVCache([1, 0])
+    batch.prepare(right_padding=[0, 2])
+    assert (batch._idx, batch.left_padding.tolist(), batch._right_padding.tolist()) == (0, [1, 0], [0, 2])
+    assert boundary.dynamic_roll(mx.array([[0, 1, 2], [0, 1, 2]]), mx.array([1, 2]), axis=1).tolist() == [
+        [2, 0, 1],
+        [1, 2, 0],
+    ]
+    queries = mx.ones((1, 4, 1, 64))
+    reads = SimpleNamespace(bits=8, group_size=64)
+    out = scaled_dot_product_attention(queries, keys, keys, cache=reads, scale=0.125, mask=None)
+    assert out.shape == (1, 4, 1, 64)
 
 
 def test_prompt_trie_finds_exact_shorter_and_longer_entries() -> None:

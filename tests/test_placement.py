@@ -528,13 +528,21 @@ def test_a_quantized_kv_cache_fits_about_twice_or_four_times_the_slots_in_the_sa
     q8 = ServingSettings(max_batch=4, prefix_cache_bytes=0, kv_cache_type=KvCacheType.Q8_0)
     sixteen_bit = place(GGUF_ONLY, nodes, serving=replace(q8, kv_cache_type=KvCacheType.AUTO))
     assert place(GGUF_ONLY, nodes, serving=q8).required_bytes < sixteen_bit.required_bytes
-    # MLX keeps its cache as it computes: asked of MLX, a quantized cache is refused, and placement that chooses
-    # the engine chooses llama.cpp, or refuses where only MLX could serve.
-    with pytest.raises(EngineMismatch, match=r"kv_cache_type q8_0 is llama\.cpp's"):
-        place(GGUF_AND_MLX, nodes, serving=replace(q8, engine=Engine.MLX))
-    assert place(GGUF_AND_MLX, [node("m", 64, accelerator="metal")], serving=SMALL_ROWS).serving.engine is Engine.MLX
-    with pytest.raises(EngineMismatch, match=r"kv_cache_type q8_0 is llama\.cpp's"):
-        place(GGUF_AND_MLX, [node("m", 64, accelerator="metal")], serving=q8)
+    # MLX quantizes its cache too, with a 16-bit scale and bias a group of 64 (8.5 bits on a GPU or Apple silicon,
+    # where it computes in 16 bits), where each head's width is a multiple of 32.
+    metal = [node("m", 12, accelerator="metal")]
+    mlx_as_computed = most_slots(Q4_CARD, metal, KvCacheType.AUTO)
+    assert mlx_as_computed >= 4
+    assert most_slots(Q4_CARD, metal, KvCacheType.Q8_0) >= 1.8 * mlx_as_computed
+    assert most_slots(Q4_CARD, metal, KvCacheType.Q4_0) >= 3.2 * mlx_as_computed
+    on_mlx = place(GGUF_AND_MLX, nodes, serving=replace(q8, engine=Engine.MLX))
+    assert (on_mlx.serving.engine, on_mlx.serving.kv_cache_type) == (Engine.MLX, KvCacheType.Q8_0)
+    with pytest.raises(EngineMismatch, match=r"groups of 64 or 32, and acme/narrow's heads are 16 wide"):
+        place(NARROW_HEADS, metal, serving=q8)
+
+
+NARROW_HEADS = replace(Q4_CARD, model_id="acme/narrow", num_attention_heads=256)
+"""Heads 16 values wide: too narrow for a group of MLX's quantization."""
 
 
 DRAFT = replace(GGUF_ONLY, model_id="acme/m-draft", num_layers=4, hidden_size=512, storage_size_bytes=200 * 2**20)
@@ -576,13 +584,16 @@ def test_a_model_that_drafts_is_counted_on_the_leader_and_must_be_a_known_gguf_o
 
 def test_an_apis_default_drafting_and_kv_cache_apply_where_the_model_can_take_them() -> None:
     """`jetshard api --draft ... --kv-cache-type q8_0` places every model a request asks for: one that only MLX
-    serves, or that the default draft cannot draft for, is served without them; asked of it by name, refused."""
+    serves without drafting (and with its KV cache as computed where its heads are too narrow to quantize), one that
+    the default draft cannot draft for without it; asked of it by name, refused."""
     nodes = running(BOTH, node("a", 16))
     defaults = replace(SMALL_ROWS, draft="ngram", kv_cache_type=KvCacheType.Q8_0)
     state = State(nodes={n.node_id: n for n in nodes}, custom_cards={DRAFT.model_id: DRAFT})
     mlx_only = place_in(state, Q4_CARD, serving=defaults, as_default=True)
     assert mlx_only.serving.engine is Engine.MLX
-    assert (mlx_only.serving.draft, mlx_only.serving.kv_cache_type) == (None, KvCacheType.AUTO)
+    assert (mlx_only.serving.draft, mlx_only.serving.kv_cache_type) == (None, KvCacheType.Q8_0)
+    narrow = place_in(state, NARROW_HEADS, serving=defaults, as_default=True)
+    assert (narrow.serving.engine, narrow.serving.kv_cache_type) == (Engine.MLX, KvCacheType.AUTO)
     with pytest.raises(EngineMismatch, match=r"draft ngram is llama\.cpp's"):
         place_in(state, Q4_CARD, serving=defaults)
     # A GGUF on a CPU node: llama.cpp takes both.

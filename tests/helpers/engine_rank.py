@@ -2,6 +2,7 @@
 
     python engine_rank.py --model-dir D --start S --end E --out OUT.json \
         [--rank R --hostfile H.json] [--requests REQ.json] [--prefill-step-size N] [--dtype float32] [--tensor]
+        [--kv-bits 8]
 
 Every rank writes OUT.json with the tensor names it loaded; the last rank also serves the
 requests in REQ.json (a list of GenerationRequest fields plus an optional "cancel_after": cancel
@@ -74,6 +75,7 @@ def main() -> None:
     parser.add_argument("--prefill-step-size", type=int, default=2048)
     parser.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), help="hold the weights as this")
     parser.add_argument("--tensor", action="store_true", help="split every layer across the hostfile's ranks")
+    parser.add_argument("--kv-bits", type=int, choices=(8, 4), help="store the KV cache quantized to this many bits")
     parser.add_argument("--idle-before", type=float, default=0.0, help="seconds to idle before submitting")
     args = parser.parse_args()
 
@@ -112,7 +114,12 @@ def main() -> None:
             done.set()
 
     engine = PipelineEngine(
-        shard, group, on_token=on_token, on_finished=on_finished, prefill_step_size=args.prefill_step_size
+        shard,
+        group,
+        on_token=on_token,
+        on_finished=on_finished,
+        prefill_step_size=args.prefill_step_size,
+        kv_bits=args.kv_bits,
     )
     if engine.is_leader:
         errors: list[BaseException] = []

@@ -55,6 +55,7 @@ from jetshard_schema.ids import NodeId
 from jetshard_schema.models import find_card
 from jetshard_schema.state import Instance, Node, State, freed_by, report_shows
 from jetshard_schema.types import (
+    KV_GROUP_SIZES,
     MAX_NODES,
     DownloadStatus,
     Engine,
@@ -66,6 +67,7 @@ from jetshard_schema.types import (
     ShardAssignment,
     WeightsDtype,
     engine_format,
+    kv_group_size,
 )
 
 ACTIVATION_HEADROOM = 0.10
@@ -149,13 +151,23 @@ def weights_bytes(card: ModelCard, weights: WeightsDtype) -> int:
     raise ValueError("weights_bytes needs a concrete dtype; place() resolves AUTO")
 
 
-def kv_cache_bytes(card: ModelCard, weights: WeightsDtype = WeightsDtype.NATIVE) -> int:
-    """The KV cache of one row holding a full context, in the dtype the layers compute in: float32 with float32
-    weights (converted, or a full-precision checkpoint's own), 16 bits otherwise."""
-    head_dim = card.hidden_size // card.num_attention_heads
+def kv_cache_bytes(
+    card: ModelCard, weights: WeightsDtype = WeightsDtype.NATIVE, kv_cache_type: KvCacheType = KvCacheType.AUTO
+) -> int:
+    """The KV cache of one row holding a full context on MLX, in the dtype the layers compute in (float32 with
+    float32 weights, converted or a full-precision checkpoint's own; 16 bits otherwise), or quantized to
+    `kv_cache_type`'s bits with a scale and a bias of that dtype for each group of `kv_group_size` values."""
+    head_dim = _head_dim(card)
     wide = weights is WeightsDtype.FLOAT32 or (weights is WeightsDtype.NATIVE and _full_precision(card))
-    per_value = FLOAT32_BYTES if wide else HALF_BYTES
-    return 2 * card.num_layers * card.num_key_value_heads * head_dim * card.context_length * per_value
+    computed_bits = 8 * (FLOAT32_BYTES if wide else HALF_BYTES)
+    quantized, group = kv_cache_type.quantized_bits, kv_group_size(head_dim)
+    bits = computed_bits if quantized is None or group is None else quantized + 2 * computed_bits / group
+    values = 2 * card.num_layers * card.num_key_value_heads * head_dim * card.context_length
+    return math.ceil(values * bits / 8)
+
+
+def _head_dim(card: ModelCard) -> int:
+    return card.hidden_size // card.num_attention_heads
 
 
 def llama_cpp_slot_context(card: ModelCard) -> int:
@@ -169,7 +181,7 @@ def llama_cpp_kv_cache_bytes(
 ) -> int:
     """llama.cpp's KV cache for `slots` slots of `slot_context` tokens (by default `llama_cpp_slot_context`):
     keys and values of `kv_cache_type`'s bits each."""
-    head_dim = card.hidden_size // card.num_attention_heads
+    head_dim = _head_dim(card)
     context = llama_cpp_slot_context(card) if slot_context is None else slot_context
     values = 2 * card.num_layers * card.num_key_value_heads * head_dim * context * slots
     return math.ceil(values * kv_cache_type.bits / 8)
@@ -201,7 +213,8 @@ def required_memory_bytes(card: ModelCard, serving: ServingSettings, draft: Mode
             card.storage_size_bytes + kv_cache + serving.prefix_cache_bytes + llama_cpp_compute_bytes(card) + drafting
         )
     weights = weights_bytes(card, serving.weights)
-    kv_caches = kv_cache_bytes(card, serving.weights) * serving.max_batch + serving.prefix_cache_bytes
+    kv_caches = kv_cache_bytes(card, serving.weights, serving.kv_cache_type) * serving.max_batch
+    kv_caches += serving.prefix_cache_bytes
     return int(weights * (1 + ACTIVATION_HEADROOM)) + kv_caches
 
 
@@ -346,7 +359,9 @@ def place(
     for engine in engines:
         asked = serving
         if as_default and engine is Engine.MLX:
-            asked = msgspec.structs.replace(serving, draft=None, kv_cache_type=KvCacheType.AUTO)
+            quantizable = kv_group_size(_head_dim(card)) is not None
+            kv_cache_type = serving.kv_cache_type if quantizable else KvCacheType.AUTO
+            asked = msgspec.structs.replace(serving, draft=None, kv_cache_type=kv_cache_type)
         refusal = _engine_refusal(engine, card, chosen, named, min_nodes, asked)
         if refusal is not None:
             (refusals if engine_format(engine) in card.formats else no_format).append(refusal)
@@ -389,10 +404,12 @@ def _engine_refusal(
             f"draft {serving.draft} is llama.cpp's: MLX decodes without drafting here (mlx-lm drafts only with its "
             "batching off): leave draft out, or use engine llama.cpp"
         )
-    if engine is Engine.MLX and serving.kv_cache_type is not KvCacheType.AUTO:
+    quantized = serving.kv_cache_type is not KvCacheType.AUTO
+    if engine is Engine.MLX and quantized and kv_group_size(_head_dim(card)) is None:
         return EngineMismatch(
-            f"kv_cache_type {serving.kv_cache_type} is llama.cpp's: MLX keeps its KV cache in the dtype its layers "
-            "compute in (mlx-lm's quantized cache does not batch yet): leave kv_cache_type out, or use engine llama.cpp"
+            f"kv_cache_type {serving.kv_cache_type} on MLX quantizes each head's keys and values in groups of "
+            f"{' or '.join(map(str, KV_GROUP_SIZES))}, and {card.model_id}'s heads are {_head_dim(card)} wide: "
+            "leave kv_cache_type out, or use engine llama.cpp"
         )
     if engine is Engine.LLAMA_CPP:
         if serving.parallelism is Parallelism.TENSOR:

@@ -145,6 +145,21 @@ class KvCacheType(enum.StrEnum):
         """Bits one cached value takes, on llama.cpp."""
         return {KvCacheType.AUTO: 16.0, KvCacheType.Q8_0: 8.5, KvCacheType.Q4_0: 4.5}[self]
 
+    @property
+    def quantized_bits(self) -> int | None:
+        """Bits of each quantized value, before its group's scale and bias (MLX); None for AUTO."""
+        return {KvCacheType.AUTO: None, KvCacheType.Q8_0: 8, KvCacheType.Q4_0: 4}[self]
+
+
+KV_GROUP_SIZES = (64, 32)
+"""The groups of values an MLX quantized KV cache gives one scale and bias, widest first: mlx's quantization takes
+these, and a head's width must be a multiple of one."""
+
+
+def kv_group_size(head_dim: int) -> int | None:
+    """The widest of `KV_GROUP_SIZES` that divides heads `head_dim` values wide; None where none does."""
+    return next((size for size in KV_GROUP_SIZES if head_dim % size == 0), None)
+
 
 class Drafting(enum.StrEnum):
     """How an instance drafts tokens for its model to check several at a time (speculative decoding): the answer
@@ -229,12 +244,12 @@ class ServingSettings(msgspec.Struct, frozen=True, kw_only=True):
     kv_cache_type: Annotated[
         KvCacheType,
         msgspec.Meta(
-            description="what an instance stores its KV cache as: auto (16 bits), or q8_0 / q4_0 (about a half / a "
-            "quarter of the memory, so more slots and longer contexts fit; llama.cpp only)"
+            description="what an instance stores its KV cache as: auto (the dtype it computes in), or q8_0 / q4_0 "
+            "(about a half / a quarter of 16 bits' memory, so more slots and longer contexts fit)"
         ),
     ] = KvCacheType.AUTO
     """Placement sizes the KV cache by it; llama.cpp stores keys and values so (with flash attention, which a
-    quantized V cache needs)."""
+    quantized V cache needs), and MLX in as many bits with a scale and bias for each group of 64 or 32 values."""
     draft: Annotated[
         DraftSetting | None,
         msgspec.Meta(

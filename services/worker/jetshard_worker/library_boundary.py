@@ -28,7 +28,16 @@ import mlx.nn as nn
 import numpy as np
 from llguidance import LLMatcher, LLTokenizer
 from mlx_lm.models.base import create_attention_mask
-from mlx_lm.models.cache import PromptTrie, can_trim_prompt_cache, make_prompt_cache, trim_prompt_cache
+from mlx_lm.models.cache import (
+    BatchKVCache,
+    KVCache,
+    PromptTrie,
+    QuantizedKVCache,
+    can_trim_prompt_cache,
+    dynamic_roll,
+    make_prompt_cache,
+    trim_prompt_cache,
+)
 from mlx_lm.sample_utils import (
     apply_min_p,
     apply_top_k,
@@ -45,14 +54,18 @@ if TYPE_CHECKING:
     from llguidance._lib import JsonCompileOptions
 
 __all__ = [
+    "BatchKVCache",
+    "KVCache",
     "LLMatcher",
     "LLTokenizer",
     "PromptTrie",
+    "QuantizedKVCache",
     "apply_min_p",
     "apply_top_k",
     "apply_top_p",
     "can_trim_prompt_cache",
     "create_attention_mask",
+    "dynamic_roll",
     "grammar_tokenizer_of",
     "hf_tokenizer_of",
     "infer_quant_config",

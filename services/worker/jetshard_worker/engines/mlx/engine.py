@@ -332,6 +332,7 @@ class PipelineEngine:
         interleaved_prefill_tokens: int | None = None,
         prefix_cache_bytes: int = 512 * 2**20,
         max_prefill_batch: int = 8,
+        kv_bits: int | None = None,
     ) -> None:
         size = 1 if group is None else group.size()
         rank = 0 if group is None else group.rank()
@@ -380,7 +381,8 @@ class PipelineEngine:
         self._control: queue.Queue[_Control] = queue.Queue()
         self._lock = threading.Lock()
         self._task_ids: set[str] = set()  # queued or running, to refuse duplicates
-        self._caches = RankCaches(shard)
+        # Every rank of the instance is given the same `kv_bits`: the leader's step messages do not carry it.
+        self._caches = RankCaches(shard, kv_bits)
         # Prompts' KV caches kept for later prompts that start the same way (a conversation's next turn, a
         # shared system prompt): only the leader decides, the other ranks follow its steps.
         self._prefixes = PrefixIndex(prefix_cache_bytes)

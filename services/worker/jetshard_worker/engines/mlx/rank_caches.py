@@ -12,6 +12,7 @@ from jetshard_worker.library_boundary import trim_prompt_cache
 
 from .images import unpack_prompt
 from .protocol import FLAG_COHORT, GATHER_PREFIX, GATHER_PREFIX_LEN, GATHER_SLOT, GATHER_TOKENS, Header, Op
+from .quantized_cache import quantized_layers
 from .shard import Shard
 
 
@@ -35,10 +36,12 @@ class RankCaches:
     """One rank's KV caches: each prefill cohort's, each micro-batch's (its rows' caches merged; row i of group g
     is slot `rows[g][i]`), and the saved prefixes. The leader and the followers change them through the same
     methods, from the same step headers, in the same order. mlx-lm's batch caches do the padding, merging,
-    extending and extracting, as in its BatchGenerator."""
+    extending and extracting, as in its BatchGenerator; with `kv_bits`, `quantized_cache`'s do, over keys and values
+    stored in that many bits."""
 
-    def __init__(self, shard: Shard) -> None:
+    def __init__(self, shard: Shard, kv_bits: int | None = None) -> None:
         self._shard = shard
+        self._kv_bits = kv_bits
         self._cohorts: dict[int, _CohortCache] = {}
         self._saved: dict[int, tuple[list[Any], int]] = {}  # prefix -> (cache, tokens in it); never mutated
         self.rows: dict[int, list[int]] = {}
@@ -136,7 +139,8 @@ class RankCaches:
     def _start(self, prefix: int, prefix_len: int) -> list[Any]:
         """A row's cache before its prefill: empty, or a copy of saved prefix `prefix` cut to `prefix_len`."""
         if prefix < 0:
-            return self._shard.make_cache()
+            fresh = self._shard.make_cache()
+            return fresh if self._kv_bits is None else quantized_layers(fresh, self._kv_bits)
         if prefix not in self._saved:
             raise RuntimeError(f"a cohort's row starts from saved prefix {prefix}, which this rank lacks")
         saved, tokens = self._saved[prefix]

@@ -144,6 +144,7 @@ class MlxServing:
             on_prefill=self._on_prefill,
             max_batch=spec.plan.serving.max_batch,
             prefix_cache_bytes=spec.plan.serving.prefix_cache_bytes,
+            kv_bits=spec.plan.serving.kv_cache_type.quantized_bits,
         )
         self.tokenizer: Any = None
         self.think_markers: ThinkMarkers | None = None
