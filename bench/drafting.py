@@ -1,6 +1,7 @@
-"""Speculative decoding on the llama.cpp engine (`serving.draft`): one stream's tokens/s with drafting and without,
-on a repetitive prompt (a code edit, whose answer repeats its prompt) and a free-form one, through jetshard and
-beside upstream `llama-server` drafting with the same flags, on the same GGUF.
+"""Speculative decoding (`serving.draft`): one stream's tokens/s with drafting and without, on a repetitive prompt
+(a code edit, whose answer repeats its prompt) and a free-form one, through jetshard and beside the engine it wraps:
+upstream `llama-server` drafting with the same flags on the same GGUF, or with `--engine mlx` `mlx_lm.server` on the
+same MLX directory (mlx-lm has no prompt lookup: its figure is without drafting).
 
 Drafting is by prompt lookup (`"ngram"`) unless `--draft-gguf PATH` names a smaller GGUF of the demo's tokenizer:
 jetshard then imports it (`POST /models/import`) and drafts with it (`"draft": "local/bench-draft"`). Without such a
@@ -12,12 +13,14 @@ give the same text, and the bench says where it does not):
   * llama-server, and llama-server drafting with the flags jetshard's own llama-server was started with (read from
     its command line): the build `jetshard engines status` names, one slot;
   * jetshard, and jetshard with the demo placed with `"serving": {"draft": ...}`: `jetshard up --offline
-    --no-model` in a temporary directory, the demo placed on llama.cpp with `POST /instances`.
+    --no-model` in a temporary directory, the demo placed on the engine with `POST /instances`.
+With `--engine mlx`, three: jetshard's MLX runner without and with prompt lookup, and `mlx_lm.server` on the
+directory jetshard converted the demo into (what drafting there must beat).
 Figure: completion tokens over the request's whole time (non-streamed), the best of `--rounds`.
 Goals (issue 39): drafting >= 1.5x without on the code edit, >= 0.95x on the free-form prompt; jetshard's drafting
 >= 0.9x llama-server's own.
 
-    uv run --group dev python bench/drafting.py [--draft-gguf PATH]
+    uv run --group dev python bench/drafting.py [--draft-gguf PATH | --engine mlx]
 """
 
 from __future__ import annotations
@@ -29,7 +32,17 @@ from pathlib import Path
 
 import httpx
 import psutil
-from _common import DEMO, demo_gguf, free_port, jetshard_up, machine_line, table
+from _common import (
+    DEMO,
+    demo_gguf,
+    free_port,
+    jetshard_up,
+    machine_line,
+    mlx_lm_server,
+    mlx_only_env,
+    model_directory,
+    table,
+)
 from llamacpp import SLOT_CONTEXT, llama_cpp_build, llama_server
 
 CODE = "\n\n".join(
@@ -96,21 +109,26 @@ def import_draft(api: str, path: Path) -> None:
         raise SystemExit(f"jetshard cannot import {path}: {imported.status_code} {imported.text}")
 
 
+def mlx_upstream(model_dir: Path, root: Path, max_tokens: int, rounds: int) -> dict[str, tuple[float, str]]:
+    with mlx_lm_server(model_dir, {}, root / "mlx_lm_server.log") as (url, _):
+        return {kind: tokens_per_s(f"{url}/v1", "default_model", p, max_tokens, rounds) for kind, p in PROMPTS.items()}
+
+
 def jetshard(
-    api: str, draft: str | None, max_tokens: int, rounds: int
+    api: str, engine: str, draft: str | None, max_tokens: int, rounds: int
 ) -> tuple[dict[str, tuple[float, str]], list[str]]:
-    """Its figures with `serving.draft` set to `draft`, and the drafting flags its llama-server was started with
-    (none without drafting)."""
+    """Its figures on `engine` with `serving.draft` set to `draft`, and the drafting flags its llama-server was
+    started with (none without drafting, or on MLX)."""
     serving = {"draft": draft} if draft else {}
-    body = {"model_id": DEMO, "engine": "llama.cpp", "serving": serving}
+    body = {"model_id": DEMO, "engine": engine, "serving": serving}
     placed = httpx.post(f"{api}/instances", json=body, timeout=60)
     if placed.status_code != 201:
-        raise SystemExit(f"jetshard cannot place {DEMO} on llama.cpp: {placed.status_code} {placed.text}")
+        raise SystemExit(f"jetshard cannot place {DEMO} on {engine}: {placed.status_code} {placed.text}")
     instance = f"{api}/instances/{placed.json()['instance_id']}"
     try:
         while httpx.get(instance, timeout=10).json()["status"] != "ready":
             time.sleep(0.2)
-        flags = drafting_flags() if draft else []
+        flags = drafting_flags() if draft and engine == "llama.cpp" else []
         return {kind: tokens_per_s(f"{api}/v1", DEMO, p, max_tokens, rounds) for kind, p in PROMPTS.items()}, flags
     finally:
         httpx.delete(instance, timeout=60)
@@ -121,27 +139,37 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=160)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--draft-gguf", type=Path, help="draft with this GGUF (the demo's tokenizer), not by ngram")
+    parser.add_argument("--engine", choices=("llama.cpp", "mlx"), default="llama.cpp")
     args = parser.parse_args()
+    if args.engine == "mlx" and args.draft_gguf is not None:
+        parser.error("MLX drafts by prompt lookup only: --draft-gguf goes with --engine llama.cpp")
     print(machine_line())
     mode = "ngram" if args.draft_gguf is None else "draft model"
     with tempfile.TemporaryDirectory(prefix="jetshard-drafting-") as tmp:
         root = Path(tmp)
-        with jetshard_up(root / "jetshard", None) as (api, _):
+        env = mlx_only_env(root) if args.engine == "mlx" else None
+        with jetshard_up(root / "jetshard", None, env=env) as (api, _):
             if args.draft_gguf is not None:
                 import_draft(api, args.draft_gguf)
-            plain, _ = jetshard(api, None, args.max_tokens, args.rounds)
-            drafted, flags = jetshard(api, "ngram" if mode == "ngram" else DRAFT_ID, args.max_tokens, args.rounds)
-        print(f"drafting flags: {' '.join(flags)}")
-        results = {
-            "llama-server": upstream(root, [], args.max_tokens, args.rounds),
-            f"llama-server {mode}": upstream(root, flags, args.max_tokens, args.rounds),
-            "jetshard": plain,
-            f"jetshard {mode}": drafted,
-        }
+            plain, _ = jetshard(api, args.engine, None, args.max_tokens, args.rounds)
+            draft = "ngram" if mode == "ngram" else DRAFT_ID
+            drafted, flags = jetshard(api, args.engine, draft, args.max_tokens, args.rounds)
+        if args.engine == "mlx":
+            mlx_dir = model_directory(root / "jetshard" / "models", DEMO)
+            results = {"mlx_lm.server": mlx_upstream(mlx_dir, root, args.max_tokens, args.rounds)}
+            anchor_side = "mlx_lm.server"
+        else:
+            print(f"drafting flags: {' '.join(flags)}")
+            results = {
+                "llama-server": upstream(root, [], args.max_tokens, args.rounds),
+                f"llama-server {mode}": upstream(root, flags, args.max_tokens, args.rounds),
+            }
+            anchor_side = f"llama-server {mode}"
+        results.update({"jetshard": plain, f"jetshard {mode}": drafted})
     rows = []
     for kind in PROMPTS:
         without, drafting = results["jetshard"][kind], results[f"jetshard {mode}"][kind]
-        anchor = results[f"llama-server {mode}"][kind]
+        anchor = results[anchor_side][kind]
         speedup, of_upstream = drafting[0] / without[0], drafting[0] / anchor[0]
         rows.append(
             [
@@ -152,7 +180,7 @@ def main() -> None:
                 "yes" if drafting[1] == without[1] else "NO",
             ]
         )
-    header = ["prompt", *(f"{side} tok/s" for side in results), "drafting / not", "of llama-server's", "same text"]
+    header = ["prompt", *(f"{side} tok/s" for side in results), "drafting / not", f"of {anchor_side}'s", "same text"]
     print(table(header, rows))
 
 

@@ -479,11 +479,82 @@ def test_a_tensor_parallel_cancel_leaves_the_others_and_a_follow_up_starts_from_
     assert results["follow-up"]["tokens"] == expected["t1"]
 
 
+@pytest.fixture(scope="module")
+def demo(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """SmolLM2-135M as the downloader converts it for MLX (30 layers; 4-bit layers, an 8-bit embedding)."""
+    models = ModelDirs.from_options(tmp_path_factory.mktemp("demo") / "models")
+    model_dir, _ = convert_packaged(builtin_cards()[DEMO_MODEL_ID], models)
+    return model_dir
+
+
+CODE_EDIT = (
+    "Repeat this code exactly, with `total` renamed to `result`:\n\n"
+    "def add(a, b):\n    total = a + b\n    return total\n\n\n"
+    "def subtract(a, b):\n    total = a - b\n    return total\n"
+)
+"""A prompt whose answer repeats much of it: prompt lookup's drafts are kept there."""
+
+
+def chat_prompts(model_dir: Path, questions: list[str]) -> list[list[int]]:
+    _, tokenizer = mlx_load(str(model_dir))
+    chats = [[{"role": "user", "content": question}] for question in questions]
+    return [tokenizer.apply_chat_template(chat, add_generation_prompt=True) for chat in chats]
+
+
 @pytest.mark.timeout(300)
-def test_the_quantized_demo_model_over_three_tensor_ranks_answers_as_on_one(tmp_path: Path) -> None:
+def test_prompt_lookup_drafting_answers_token_for_token_as_mlx_lm_without_it(demo: Path) -> None:
+    """`serving.draft: ngram` on MLX: greedy rows propose the tokens that followed their last ones earlier in the
+    prompt or answer, the model checks them in one step, and the cache drops those it did not keep. A sampled row
+    decodes one token a step, and so does its batch while it runs. A prompt that arrives while the first one drafts
+    joins the batch between a checking step and the drop that follows it (which leaves the joined row as it is).
+    Each greedy row's text is mlx-lm's for its prompt alone, without drafting."""
+    prompts = chat_prompts(demo, [CODE_EDIT, f"{CODE_EDIT}\nThen say done."])
+    expected = reference(demo, prompts)
+    collector = Collector()
+
+    def on_token(task_id: str, token: int, index: int, *rest: Any) -> None:
+        if (task_id, index) == ("t0", 8):  # on the engine's thread, as t0 drafts
+            engine.submit(GenerationRequest("t1", prompts[1], MAX_TOKENS))
+        collector.on_token(task_id, token, index, *rest)
+
+    engine = PipelineEngine(
+        load_shard(demo, 0, 30),
+        on_token=on_token,
+        on_finished=collector.on_finished,
+        prefill_step_size=16,
+        draft_tokens=4,
+    )
+    sampled = GenerationRequest("sampled", prompts[0], 4, temperature=1.0, seed=7)
+
+    run_single(engine, [GenerationRequest("t0", prompts[0], MAX_TOKENS), sampled], collector, submitted_later=("t1",))
+
+    for i, tokens in enumerate(expected):
+        assert collector.tokens.get(f"t{i}", []) == tokens, f"prompt {i}"
+    assert len(collector.tokens["sampled"]) == 4
+    assert 0 < engine.stats.accepted_tokens < engine.stats.drafted_tokens
+
+
+@pytest.mark.timeout(300)
+def test_a_pipeline_that_drafts_in_an_8_bit_cache_answers_as_mlx_lm_without_it(demo: Path, tmp_path: Path) -> None:
+    """Two ranks, each dropping the drafted positions its layers' 8-bit caches did not keep (ROLLBACK steps), in
+    step with the leader that chose them."""
+    prompts = chat_prompts(demo, [CODE_EDIT, "What is the capital of France?"])
+    expected = reference(demo, prompts, kv_bits=8)
+    requests = [{"task_id": f"t{i}", "prompt_tokens": p, "max_tokens": MAX_TOKENS} for i, p in enumerate(prompts)]
+    drafting = ("--kv-bits", "8", "--draft-tokens", "4")
+
+    outputs = run_pipeline(demo, [0, 15, 30], requests, tmp_path, rank_args=[drafting, drafting])
+
+    leader = outputs[-1]
+    assert [leader["results"][f"t{i}"]["tokens"] for i in range(len(prompts))] == expected
+    assert 0 < leader["accepted_tokens"] < leader["drafted_tokens"]
+
+
+@pytest.mark.timeout(300)
+def test_the_quantized_demo_model_over_three_tensor_ranks_answers_as_on_one(demo: Path, tmp_path: Path) -> None:
     """SmolLM2-135M (9 attention heads, 3 key/value heads; 4-bit layers, an 8-bit embedding) split over 3 ranks:
     mlx's quantized sharded linears."""
-    model_dir, _ = convert_packaged(builtin_cards()[DEMO_MODEL_ID], ModelDirs.from_options(tmp_path / "models"))
+    model_dir = demo
     _, tokenizer = mlx_load(str(model_dir))
     question = [{"role": "user", "content": "What is the capital of France?"}]
     prompts = [tokenizer.apply_chat_template(question, add_generation_prompt=True)]

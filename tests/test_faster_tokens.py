@@ -4,10 +4,11 @@
 * A quantized KV cache (`serving.kv_cache_type`): placement counts the smaller cache, llama-server stores it so, and
   greedy answers begin as the demo's do: their first `SAME_START` tokens at least. The same on MLX, whose runner
   stores it in as many bits (`engines.mlx.quantized_cache`).
+* Prompt-lookup drafting on MLX too: greedy answers token for token as without it, drafts counted.
 * Prompt-lookup drafting (`serving.draft: ngram`): greedy answers are the demo's token for token, and the instance
   counts what it drafted and what its model kept (`/metrics`).
 
-Drafting asked of MLX, or either with a value llama.cpp's names do not have, is a clear 400."""
+A draft model asked of MLX, or either setting with a value llama.cpp's names do not have, is a clear 400."""
 
 from __future__ import annotations
 
@@ -32,6 +33,7 @@ PLAIN_MODEL = "local/demo-plain"
 Q8_MODEL = "local/demo-kv-q8"
 MLX_PLAIN_MODEL = "local/demo-mlx-plain"
 MLX_Q8_MODEL = "local/demo-mlx-kv-q8"
+MLX_NGRAM_MODEL = "local/demo-mlx-ngram"
 SAME_START = 8
 """Greedy answers begin with at least this many tokens as with the 16-bit cache. Measured on these prompts with the
 demo (a 135M model in 4 bits): the first answer whole, the others part after 10 to 30 tokens; rounding differs a
@@ -135,17 +137,21 @@ def test_an_8_bit_kv_cache_takes_less_memory_and_answers_as_16_bits_do(
         assert_greedy_answers_begin_alike(client, PLAIN_MODEL, Q8_MODEL, PROMPTS)
 
 
+@pytest.fixture(scope="module")
+def mlx_plain(llamacpp_cluster: LlamaCppCluster) -> Iterator[dict[str, object]]:
+    """The demo on MLX, as it ships: its prefix cache gives the same answers as a cold start (`test_engine`)."""
+    with demo_placed_as(llamacpp_cluster, MLX_PLAIN_MODEL, {}, {"engine": "mlx"}) as instance:
+        yield instance
+
+
 def test_an_8_bit_kv_cache_on_mlx_takes_less_memory_and_answers_as_computed_does(
-    llamacpp_cluster: LlamaCppCluster, client: openai.OpenAI
+    mlx_plain: dict[str, object], llamacpp_cluster: LlamaCppCluster, client: openai.OpenAI
 ) -> None:
     """MLX on this CPU computes in float32: 8 bits and a float32 scale and bias a group of 64 take 9 bits a value of
     its 32. Placement reserves less for the same slots, and the prompts' caches the runner saves (the same prompts,
     so the same entries) take 9/32 of the bytes."""
-    mlx = {"engine": "mlx"}
-    with (
-        demo_placed_as(llamacpp_cluster, MLX_PLAIN_MODEL, {}, mlx) as plain,
-        demo_placed_as(llamacpp_cluster, MLX_Q8_MODEL, {"kv_cache_type": "q8_0"}, mlx) as q8,
-    ):
+    plain = mlx_plain
+    with demo_placed_as(llamacpp_cluster, MLX_Q8_MODEL, {"kv_cache_type": "q8_0"}, {"engine": "mlx"}) as q8:
         assert (plain["serving"]["engine"], q8["serving"]["engine"]) == ("mlx", "mlx")  # type: ignore[index]
         assert q8["serving"]["kv_cache_type"] == "q8_0"  # type: ignore[index]
         assert reserved_bytes(q8) < reserved_bytes(plain)
@@ -158,6 +164,17 @@ def test_an_8_bit_kv_cache_on_mlx_takes_less_memory_and_answers_as_computed_does
 
         assert wait_for(lambda: saved_bytes(plain) > 0 and saved_bytes(q8) > 0, timeout=30)
         assert saved_bytes(q8) == pytest.approx(saved_bytes(plain) * 9 / 32, rel=0.01)
+
+
+@pytest.mark.timeout(600)  # four greedy answers on MLX, which computes a drafted position as dearly as a token here
+def test_prompt_lookup_on_mlx_answers_token_for_token_as_without_it(
+    mlx_plain: dict[str, object], llamacpp_cluster: LlamaCppCluster, client: openai.OpenAI
+) -> None:
+    with demo_placed_as(llamacpp_cluster, MLX_NGRAM_MODEL, {"draft": "ngram"}, {"engine": "mlx"}) as drafting:
+        assert (drafting["serving"]["engine"], drafting["serving"]["draft"]) == ("mlx", "ngram")  # type: ignore[index]
+        for prompt in (CODE_EDIT, PROMPTS[0]):
+            assert greedy_text(client, MLX_NGRAM_MODEL, prompt) == greedy_text(client, MLX_PLAIN_MODEL, prompt), prompt
+        assert_drafts_counted(llamacpp_cluster.api, str(drafting["instance_id"]))
 
 
 def assert_greedy_answers_begin_alike(client: openai.OpenAI, plain: str, quantized: str, prompts: list[str]) -> None:
@@ -273,7 +290,7 @@ def test_a_draft_model_is_fetched_for_the_leader_and_answers_token_for_token_as_
     ("asked", "says"),
     [
         ({"serving": {"kv_cache_type": "q3_k"}}, "kv_cache_type"),
-        ({"engine": "mlx", "serving": {"draft": "ngram"}}, "draft ngram is llama.cpp's"),
+        ({"engine": "mlx", "serving": {"draft": "nobody/nothing"}}, "MLX drafts by prompt lookup (draft ngram) only"),
         ({"serving": {"draft": "eagle"}}, "draft"),
         ({"serving": {"draft": "nobody/nothing"}}, "draft nobody/nothing is not a known model"),
         ({"serving": {"draft": DEMO_MODEL_ID}}, "is the model itself"),

@@ -584,18 +584,21 @@ def test_a_model_that_drafts_is_counted_on_the_leader_and_must_be_a_known_gguf_o
 
 def test_an_apis_default_drafting_and_kv_cache_apply_where_the_model_can_take_them() -> None:
     """`jetshard api --draft ... --kv-cache-type q8_0` places every model a request asks for: one that only MLX
-    serves without drafting (and with its KV cache as computed where its heads are too narrow to quantize), one that
-    the default draft cannot draft for without it; asked of it by name, refused."""
+    serves by prompt lookup without a draft model (and with its KV cache as computed where its heads are too narrow
+    to quantize), one that the default draft cannot draft for without it; asked of it by name, refused."""
     nodes = running(BOTH, node("a", 16))
     defaults = replace(SMALL_ROWS, draft="ngram", kv_cache_type=KvCacheType.Q8_0)
     state = State(nodes={n.node_id: n for n in nodes}, custom_cards={DRAFT.model_id: DRAFT})
     mlx_only = place_in(state, Q4_CARD, serving=defaults, as_default=True)
     assert mlx_only.serving.engine is Engine.MLX
-    assert (mlx_only.serving.draft, mlx_only.serving.kv_cache_type) == (None, KvCacheType.Q8_0)
+    assert (mlx_only.serving.draft, mlx_only.serving.kv_cache_type) == ("ngram", KvCacheType.Q8_0)
+    assert place_in(state, Q4_CARD, serving=defaults).serving == mlx_only.serving
     narrow = place_in(state, NARROW_HEADS, serving=defaults, as_default=True)
     assert (narrow.serving.engine, narrow.serving.kv_cache_type) == (Engine.MLX, KvCacheType.AUTO)
-    with pytest.raises(EngineMismatch, match=r"draft ngram is llama\.cpp's"):
-        place_in(state, Q4_CARD, serving=defaults)
+    by_model = place_in(state, Q4_CARD, serving=replace(defaults, draft=DRAFT.model_id), as_default=True)
+    assert (by_model.serving.engine, by_model.serving.draft) == (Engine.MLX, None)
+    with pytest.raises(EngineMismatch, match=r"MLX drafts by prompt lookup \(draft ngram\) only"):
+        place_in(state, Q4_CARD, serving=replace(defaults, draft=DRAFT.model_id))
     # A GGUF on a CPU node: llama.cpp takes both.
     gguf = place_in(state, GGUF_AND_MLX, serving=defaults, as_default=True)
     assert (gguf.serving.engine, gguf.serving.draft, gguf.serving.kv_cache_type) == (

@@ -2,7 +2,7 @@
 
     python engine_rank.py --model-dir D --start S --end E --out OUT.json \
         [--rank R --hostfile H.json] [--requests REQ.json] [--prefill-step-size N] [--dtype float32] [--tensor]
-        [--kv-bits 8]
+        [--kv-bits 8] [--draft-tokens 4]
 
 Every rank writes OUT.json with the tensor names it loaded; the last rank also serves the
 requests in REQ.json (a list of GenerationRequest fields plus an optional "cancel_after": cancel
@@ -76,6 +76,7 @@ def main() -> None:
     parser.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), help="hold the weights as this")
     parser.add_argument("--tensor", action="store_true", help="split every layer across the hostfile's ranks")
     parser.add_argument("--kv-bits", type=int, choices=(8, 4), help="store the KV cache quantized to this many bits")
+    parser.add_argument("--draft-tokens", type=int, default=0, help="draft up to this many tokens by prompt lookup")
     parser.add_argument("--idle-before", type=float, default=0.0, help="seconds to idle before submitting")
     args = parser.parse_args()
 
@@ -120,6 +121,7 @@ def main() -> None:
         on_finished=on_finished,
         prefill_step_size=args.prefill_step_size,
         kv_bits=args.kv_bits,
+        draft_tokens=args.draft_tokens,
     )
     if engine.is_leader:
         errors: list[BaseException] = []
@@ -167,6 +169,8 @@ def main() -> None:
                 "results": results,
                 "max_rows": engine.stats.max_rows,
                 "max_micro_batches": engine.stats.max_micro_batches,
+                "drafted_tokens": engine.stats.drafted_tokens,
+                "accepted_tokens": engine.stats.accepted_tokens,
                 "prefix_hits": engine.stats.prefix_hits,
             }
         )

@@ -361,7 +361,8 @@ def place(
         if as_default and engine is Engine.MLX:
             quantizable = kv_group_size(_head_dim(card)) is not None
             kv_cache_type = serving.kv_cache_type if quantizable else KvCacheType.AUTO
-            asked = msgspec.structs.replace(serving, draft=None, kv_cache_type=kv_cache_type)
+            prompt_lookup = None if serving.draft_model is not None else serving.draft
+            asked = msgspec.structs.replace(serving, draft=prompt_lookup, kv_cache_type=kv_cache_type)
         refusal = _engine_refusal(engine, card, chosen, named, min_nodes, asked)
         if refusal is not None:
             (refusals if engine_format(engine) in card.formats else no_format).append(refusal)
@@ -399,10 +400,10 @@ def _engine_refusal(
             f"{card.model_id} has no {wanted} weights, which {engine} serves (it has {', '.join(card.formats)}): "
             f"leave engine out for placement to choose, or import the model as {wanted}"
         )
-    if engine is Engine.MLX and serving.draft is not None:
+    if engine is Engine.MLX and serving.draft_model is not None:
         return EngineMismatch(
-            f"draft {serving.draft} is llama.cpp's: MLX decodes without drafting here (mlx-lm drafts only with its "
-            "batching off): leave draft out, or use engine llama.cpp"
+            f"draft {serving.draft} is llama.cpp's: MLX drafts by prompt lookup (draft ngram) only: leave draft out, "
+            "use draft ngram, or use engine llama.cpp"
         )
     quantized = serving.kv_cache_type is not KvCacheType.AUTO
     if engine is Engine.MLX and quantized and kv_group_size(_head_dim(card)) is None:
@@ -723,7 +724,8 @@ def place_in(
     can get the files. `as_default` as for `place`; a default draft model that cannot draft for this one is left
     out too."""
     try:
-        draft = draft_card(state, card, serving)
+        # On MLX, which runs no draft model, `place` says so: the draft's own faults are beside the point there.
+        draft = None if serving.engine is Engine.MLX else draft_card(state, card, serving)
     except PlacementError:
         if not as_default:
             raise

@@ -255,7 +255,7 @@ class ServingSettings(msgspec.Struct, frozen=True, kw_only=True):
         msgspec.Meta(
             description="speculative decoding (the same answers, faster): ngram drafts from the prompt and the answer "
             "so far (where they repeat the prompt), a model id drafts with that small model of the same tokenizer "
-            "(on the instance's leader); none by default; llama.cpp only"
+            "(on the instance's leader; llama.cpp only); none by default"
         ),
     ] = None
 

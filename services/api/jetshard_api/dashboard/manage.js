@@ -116,7 +116,7 @@ async function preview() {
 function draftOptions(draftModel) {
   return [
     el("option", { value: "" }, "the API's setting"),
-    el("option", { value: "ngram" }, "ngram (prompt lookup; llama.cpp)"),
+    el("option", { value: "ngram" }, "ngram (prompt lookup)"),
     draftModel ? el("option", { value: draftModel }, `${draftModel} (its card's draft model; llama.cpp)`) : null,
   ].filter(Boolean);
 }

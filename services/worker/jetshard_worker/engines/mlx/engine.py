@@ -45,6 +45,7 @@ from jetshard_worker.ring_hostfile import ring_listen_port
 from .blas_threads import BlasThreads
 from .images import pack_prompt
 from .prefixes import PrefixHit, PrefixIndex
+from .prompt_lookup import ngram_draft
 from .protocol import (
     FLAG_COHORT,
     HELLO_BAD_END,
@@ -95,6 +96,9 @@ MIN_INTERLEAVED_CHUNK = 16
 # short prompts always go together, a long one does not make short ones compute its length.
 COHORT_PADDING = 1.5
 COHORT_PADDING_TOKENS = 64
+
+MAX_UNDRAFTED_STEPS = 16
+"""The most steps a row whose drafts keep missing decodes without drafting before it tries again."""
 
 
 @dataclass(frozen=True)
@@ -166,6 +170,8 @@ class _Task:
     finished: bool = False
     pooled: mx.array | None = None  # an embedding task's sum of final-norm outputs over the prompt so far
     history: mx.array | None = None  # its prompt and generated ids, for its logits processors; grown, never rebuilt
+    drafts_missed: int = 0  # its lookups in a row that proposed nothing the model kept
+    undrafted_steps: int = 0  # steps it decodes without looking up drafts before it looks again
 
     def to_prefill(self) -> Sequence[int]:
         """The prompt tokens its cache still needs: after the restored prefix, and all but the last one, which
@@ -173,6 +179,13 @@ class _Task:
         prompt = self.request.prompt_tokens
         start = 0 if self.restore is None else self.restore.tokens
         return prompt[start:] if self.request.embed else prompt[start:-1]
+
+    def drafted(self, kept: int) -> None:
+        """After a lookup for it: `kept` of the tokens it proposed were kept (0 where it proposed none). Where the
+        text stops repeating itself, a lookup costs a step that waits for the last one's tokens, and a draft widens
+        it for nothing: a row whose lookups keep missing waits twice as many steps each time before the next."""
+        self.drafts_missed = 0 if kept else self.drafts_missed + 1
+        self.undrafted_steps = min(2**self.drafts_missed - 1, MAX_UNDRAFTED_STEPS)
 
     @property
     def processes_logits(self) -> bool:
@@ -245,6 +258,7 @@ class _Sent:
     header: Header
     cohort: _Cohort | None = None  # PREFILL
     rows: list[_Task] | None = None  # DECODE: its rows, in order
+    drafts: list[list[int]] | None = None  # a DECODE that verifies: the tokens drafted after each row's last
     payload: mx.array | None = None  # a single rank's token ids, embedded when the step comes back
 
 
@@ -333,6 +347,7 @@ class PipelineEngine:
         prefix_cache_bytes: int = 512 * 2**20,
         max_prefill_batch: int = 8,
         kv_bits: int | None = None,
+        draft_tokens: int = 0,
     ) -> None:
         size = 1 if group is None else group.size()
         rank = 0 if group is None else group.rank()
@@ -360,6 +375,8 @@ class PipelineEngine:
             raise ValueError(f"interleaved_prefill_tokens must be >= 1, got {interleaved_prefill_tokens}")
         if max_prefill_batch < 1:
             raise ValueError(f"max_prefill_batch must be >= 1, got {max_prefill_batch}")
+        if draft_tokens < 0:
+            raise ValueError(f"draft_tokens must be >= 0, got {draft_tokens}")
         self.shard = shard
         self.rank = rank
         self.size = size
@@ -391,6 +408,9 @@ class PipelineEngine:
         self._cohorts = 0  # cohorts started: the next one's id
         # Whether a saved prefix can be cut to a shorter one (not for sliding-window caches).
         self._trimmable_cache = can_trim_prompt_cache(shard.make_cache())
+        # Prompt lookup proposes up to draft_tokens tokens after each greedy row's last (`_send_decode`); a cache
+        # that cannot be cut (sliding-window, recurrent layers) cannot drop the ones the model does not keep.
+        self.draft_tokens = draft_tokens if self._trimmable_cache else 0
         # The decoding rows, split in micro-batches: with one per rank, each rank computes one while the
         # others compute the rest, so no rank of the ring waits for another. Tensor ranks compute every step
         # together: one.
@@ -506,6 +526,10 @@ class PipelineEngine:
                 case Op.EVICT:
                     caches.evict(header.prefix)
                     self._forward(header)
+                case Op.ROLLBACK:
+                    assert payload is not None
+                    caches.rollback(header, payload)
+                    self._forward(header, payload)
                 case Op.HELLO:
                     assert payload is not None
                     self._link.send(header, self._hello_hop(payload))
@@ -824,12 +848,57 @@ class PipelineEngine:
                 self._send(_Sent(Header(Op.RELEASE, task.slot)))
 
     def _send_decode(self, group: _Group) -> None:
+        drafts = self._drafts(group) if self._drafting(group.rows) else None
+        if drafts is None:
+            for task in group.rows:
+                task.undrafted_steps = max(0, task.undrafted_steps - 1)
         rows = list(group.rows)
-        inputs = self._inputs(rows, group.launched).reshape(-1, 1)
+        if not rows:  # every row ended with the tokens just read
+            return
+        if drafts is None:
+            inputs = self._inputs(rows, group.launched).reshape(-1, 1)
+        else:
+            # Each row's last token and its drafts, padded to the widest: a pad is a draft no row keeps.
+            width = 1 + max(map(len, drafts))
+            lines = [[t.generated[-1], *d, *[0] * (width - 1 - len(d))] for t, d in zip(rows, drafts, strict=True)]
+            inputs = mx.array(lines, dtype=mx.int32)
         self.stats.max_rows = max(self.stats.max_rows, self._decoding())
         group.in_flight = True
         self.stats.max_micro_batches = max(self.stats.max_micro_batches, sum(g.in_flight for g in self._groups))
-        self._send(_Sent(Header(Op.DECODE, group=group.index).with_payload(inputs), rows=rows), inputs)
+        header = Header(Op.DECODE, group=group.index).with_payload(inputs)
+        self._send(_Sent(header, rows=rows, drafts=drafts), inputs)
+
+    def _drafting(self, rows: list[_Task]) -> bool:
+        """Whether the micro-batch drafts its next step: every row greedy, with no logits processor and no
+        logprobs asked (a row of any other kind decodes one token a step, and so does its micro-batch), and one row
+        due to look drafts up."""
+        return (
+            bool(self.draft_tokens)
+            and all(
+                t.sampler.greedy and not t.processes_logits and t.request.top_logprobs is None and t.generated
+                for t in rows
+            )
+            and any(not t.undrafted_steps for t in rows)
+        )
+
+    def _drafts(self, group: _Group) -> list[list[int]] | None:
+        """The tokens prompt lookup proposes after each row's last, once the group's last step is read; None where
+        it proposes none (the step then decodes as without drafting)."""
+        if group.launched is not None:
+            self._read(group.launched)
+            group.launched = None
+        drafts: list[list[int]] = []
+        for task in group.rows:
+            if task.undrafted_steps:
+                task.undrafted_steps -= 1
+                drafts.append([])
+                continue
+            room = task.request.max_tokens - len(task.generated) - 1  # the step's own token comes too
+            draft = ngram_draft([*task.request.prompt_tokens, *task.generated], min(self.draft_tokens, room))
+            if not draft:
+                task.drafted(0)
+            drafts.append(draft)
+        return drafts if any(drafts) else None
 
     def _inputs(self, rows: list[_Task], previous: _Launched | None) -> mx.array:
         """Each row's input token: the one the group's last step sampled for it (maybe still lazy), else the
@@ -890,7 +959,13 @@ class PipelineEngine:
                 self._prefilled(sent.cohort, header, data)
             case Op.DECODE:
                 assert data is not None and sent.rows is not None
-                self._decoded(self._groups[header.group], sent.rows, header, data)
+                if sent.drafts is None:
+                    self._decoded(self._groups[header.group], sent.rows, header, data)
+                else:
+                    self._verified(self._groups[header.group], sent.rows, sent.drafts, header, data)
+            case Op.ROLLBACK:
+                assert data is not None
+                self._caches.rollback(header, data)
             case Op.JOIN:
                 assert data is not None
                 self._caches.join(header, data)
@@ -936,6 +1011,34 @@ class PipelineEngine:
             if group.index == 0:
                 self._timing.read()
             self._read(previous)
+
+    def _verified(
+        self, group: _Group, rows: list[_Task], drafts: list[list[int]], header: Header, hidden: mx.array
+    ) -> None:
+        """A step that checked drafted tokens: each row keeps its drafts up to the first the model would not have
+        chosen, and the model's own token there (greedy: the tokens it gives without drafting). Every rank's caches
+        then drop the positions of the drafts not kept (ROLLBACK), before the group's next step."""
+        group.in_flight = False
+        h = self._run_layers(self._arrived(hidden), self._caches.for_decode(header))
+        chosen = cast("list[list[int]]", mx.argmax(self.shard.head(h), axis=-1).tolist())
+        drops: dict[_Task, int] = {}
+        for task, draft, tokens in zip(rows, drafts, chosen, strict=True):
+            kept = next((i for i, token in enumerate(draft) if tokens[i] != token), len(draft))
+            self.stats.drafted_tokens += len(draft)
+            self.stats.accepted_tokens += kept
+            drops[task] = len(tokens) - 1 - kept
+            if draft:
+                task.drafted(kept)
+            for token in tokens[: kept + 1]:
+                if task.finished:  # it ended before this token: the rest of its step is void
+                    break
+                self._accept(task, token)
+        if group.rows and any(drops.get(t, 0) for t in group.rows):
+            # Rows that joined since the step went out wrote nothing in it.
+            table = mx.array([[drops.get(t, 0)] for t in group.rows], dtype=mx.int32)
+            self._send(_Sent(Header(Op.ROLLBACK, group=group.index).with_payload(table)), table)
+        if group.index == 0:
+            self._timing.read()
 
     def _sample(
         self, rows: list[_Task], logits: mx.array

@@ -5,7 +5,8 @@ last -> rank 0 -> rank 1 -> ... -> last. Each hop carries a fixed-size int32 hea
 then (for compute ops) a payload whose shape and dtype the header declares, because
 `mx.distributed.recv` must know both before any byte arrives.
 
-Payload per hop: last -> rank 0 carries token ids `(batch, length)` int32; rank i -> i+1
+Payload per hop: last -> rank 0 carries token ids `(batch, length)` int32 (a DECODE's length is 1, or 1 and the
+tokens drafted after it); rank i -> i+1
 carries hidden states `(batch, length, width)` in the activation dtype. A vision prompt's images go to rank 0
 once, before its prefill (IMAGES, bytes); rank 0 sends on a byte in their place.
 """
@@ -35,6 +36,7 @@ class Op(IntEnum):
     EVICT = 7  # drop the saved prefix cache `prefix`
     GATHER = 8  # start prefill cohort `slot`: one batched cache of its rows' starting caches (payload: GATHER_*)
     IMAGES = 9  # cohort `slot` (one row) is a vision prompt: rank 0 embeds it with its images (payload: `images`)
+    ROLLBACK = 10  # drop what each row of micro-batch `group` did not keep of its last DECODE (payload: ROLLBACK_*)
 
 
 # HELLO payload (int32): the next layer expected, the model's layer count, and the first rank
@@ -47,6 +49,9 @@ GATHER_SLOT, GATHER_PREFIX, GATHER_PREFIX_LEN, GATHER_TOKENS = range(4)
 # JOIN payload (int32), a row per prompt of the cohort: the saved prefix to keep its cache as (-1: none), and the
 # tokens in that cache.
 JOIN_SAVE, JOIN_SAVE_LEN = range(2)
+# ROLLBACK payload (int32), a row per row of the micro-batch, in its order: how many of the positions its last DECODE
+# wrote (its last token and the drafted ones after it) its cache drops from its end.
+(ROLLBACK_DROP,) = range(1)
 
 FLAG_COHORT = 1  # RELEASE: `slot` names a prefill cohort whose tasks all ended before it joined
 
@@ -96,7 +101,7 @@ class Header:
 
     @property
     def has_payload(self) -> bool:
-        return self.op in (Op.PREFILL, Op.DECODE, Op.HELLO, Op.GATHER, Op.JOIN, Op.IMAGES)
+        return self.op in (Op.PREFILL, Op.DECODE, Op.HELLO, Op.GATHER, Op.JOIN, Op.IMAGES, Op.ROLLBACK)
 
     @property
     def payload_shape(self) -> tuple[int, ...]:

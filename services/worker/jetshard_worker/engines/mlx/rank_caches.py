@@ -11,7 +11,16 @@ import mlx.core as mx
 from jetshard_worker.library_boundary import trim_prompt_cache
 
 from .images import unpack_prompt
-from .protocol import FLAG_COHORT, GATHER_PREFIX, GATHER_PREFIX_LEN, GATHER_SLOT, GATHER_TOKENS, Header, Op
+from .protocol import (
+    FLAG_COHORT,
+    GATHER_PREFIX,
+    GATHER_PREFIX_LEN,
+    GATHER_SLOT,
+    GATHER_TOKENS,
+    ROLLBACK_DROP,
+    Header,
+    Op,
+)
 from .quantized_cache import quantized_layers
 from .shard import Shard
 
@@ -124,6 +133,19 @@ class RankCaches:
             return
         for layer in self._batches[group]:
             layer.filter(keep)
+
+    def rollback(self, header: Header, table: mx.array) -> None:
+        """Cuts each row of micro-batch `header.group` by its `ROLLBACK_DROP` positions: the batch by the fewest,
+        then each row by the rest, as right padding moved to its left (masked from then on), so that all rows
+        still end at the batch's one write index."""
+        drops = [row[ROLLBACK_DROP] for row in cast("list[list[int]]", table.tolist())]
+        fewest = min(drops)
+        for layer in self.for_decode(header):
+            if fewest:
+                layer.trim(fewest)
+            if any(n > fewest for n in drops):
+                layer.prepare(right_padding=[n - fewest for n in drops])
+                layer.finalize()
 
     def evict(self, prefix: int) -> None:
         self._saved.pop(prefix, None)

@@ -17,7 +17,7 @@ import mlx.core as mx
 import numpy as np
 from jetshard_schema.cards import GenerationDefaults
 from jetshard_schema.sampling import resolve_sampling
-from jetshard_schema.types import Parallelism, TaskKind, TaskOutcome, TaskRequest, ToolChoice, WeightsDtype
+from jetshard_schema.types import Drafting, Parallelism, TaskKind, TaskOutcome, TaskRequest, ToolChoice, WeightsDtype
 
 from jetshard_worker.engines.base import Admitted, EngineFigures, OnProgress, Refused, RowEvents
 from jetshard_worker.engines.model_dir import read_generation_config
@@ -39,6 +39,7 @@ from jetshard_worker.text.toolcalls import ToolCallSplitter, forced_call_schema
 
 from .distributed import init_ring
 from .engine import GenerationRequest, PipelineEngine, TokenScores
+from .prompt_lookup import NGRAM_DRAFT_TOKENS
 from .shard import Shard, load_shard
 
 log = logging.getLogger(__name__)
@@ -145,6 +146,7 @@ class MlxServing:
             max_batch=spec.plan.serving.max_batch,
             prefix_cache_bytes=spec.plan.serving.prefix_cache_bytes,
             kv_bits=spec.plan.serving.kv_cache_type.quantized_bits,
+            draft_tokens=NGRAM_DRAFT_TOKENS if spec.plan.serving.draft == Drafting.NGRAM else 0,
         )
         self.tokenizer: Any = None
         self.think_markers: ThinkMarkers | None = None
