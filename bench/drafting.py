@@ -18,7 +18,7 @@ With `--engine mlx`, three: jetshard's MLX runner without and with prompt lookup
 directory jetshard converted the demo into (what drafting there must beat).
 Figure: completion tokens over the request's whole time (non-streamed), the best of `--rounds`.
 Goals (issue 39): drafting >= 1.5x without on the code edit, >= 0.95x on the free-form prompt; jetshard's drafting
->= 0.9x llama-server's own.
+>= 0.9x llama-server's own (on MLX, >= 0.9x mlx_lm.server's, which does not draft by lookup).
 
     uv run --group dev python bench/drafting.py [--draft-gguf PATH | --engine mlx]
 """
