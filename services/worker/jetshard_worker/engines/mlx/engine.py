@@ -504,6 +504,8 @@ class PipelineEngine:
     def _follow(self) -> None:
         assert self._link is not None
         caches = self._caches
+        # The steps that change this rank's caches by the table they carry, and carry it on unchanged.
+        by_table = {Op.GATHER: caches.gather, Op.JOIN: caches.join, Op.ROLLBACK: caches.rollback}
         while True:
             header, payload = self._link.recv()
             if self._tensor:
@@ -515,21 +517,13 @@ class PipelineEngine:
                 case Op.RELEASE:
                     caches.release(header)
                     self._forward(header)
-                case Op.GATHER:
+                case Op.GATHER | Op.JOIN | Op.ROLLBACK:
                     assert payload is not None
-                    caches.gather(header, payload)
-                    self._forward(header, payload)
-                case Op.JOIN:
-                    assert payload is not None
-                    caches.join(header, payload)
+                    by_table[header.op](header, payload)
                     self._forward(header, payload)
                 case Op.EVICT:
                     caches.evict(header.prefix)
                     self._forward(header)
-                case Op.ROLLBACK:
-                    assert payload is not None
-                    caches.rollback(header, payload)
-                    self._forward(header, payload)
                 case Op.HELLO:
                     assert payload is not None
                     self._link.send(header, self._hello_hop(payload))
