@@ -200,12 +200,20 @@ def run_pipeline(
 
 
 def run_tensor_parallel(
-    model_dir: Path, ranks: int, requests: list[dict[str, Any]], work: Path, prefill_step_size: int = 2048
+    model_dir: Path,
+    ranks: int,
+    requests: list[dict[str, Any]],
+    work: Path,
+    prefill_step_size: int = 2048,
+    rank_args: tuple[str, ...] = (),
 ) -> list[dict[str, Any]]:
     """Each rank's output (see engine_rank.py), after all ranks exited cleanly; every rank holds its slice of
-    every layer of the model."""
+    every layer of the model, and has `rank_args` added to its command line."""
     num_layers = json.loads((model_dir / "config.json").read_text())["num_hidden_layers"]
-    codes = launch_ranks(model_dir, [(0, num_layers)] * ranks, requests, work, prefill_step_size, tensor=True)
+    ranges = [(0, num_layers)] * ranks
+    codes = launch_ranks(
+        model_dir, ranges, requests, work, prefill_step_size, rank_args=[rank_args] * ranks, tensor=True
+    )
     return _outputs(work, codes)
 
 
@@ -547,6 +555,19 @@ def test_a_pipeline_that_drafts_in_an_8_bit_cache_answers_as_mlx_lm_without_it(d
 
     leader = outputs[-1]
     assert [leader["results"][f"t{i}"]["tokens"] for i in range(len(prompts))] == expected
+    assert 0 < leader["accepted_tokens"] < leader["drafted_tokens"]
+
+
+@pytest.mark.timeout(300)
+def test_tensor_ranks_that_draft_answer_as_mlx_lm_without_drafting(demo: Path, tmp_path: Path) -> None:
+    """Three tensor ranks check drafts together, and each drops what the leader did not keep (ROLLBACK), as it
+    runs every step with the others: the answer is mlx-lm's without drafting."""
+    prompts = chat_prompts(demo, [CODE_EDIT])
+    requests = [{"task_id": "t0", "prompt_tokens": prompts[0], "max_tokens": MAX_TOKENS}]
+
+    leader = run_tensor_parallel(demo, 3, requests, tmp_path, rank_args=("--draft-tokens", "4"))[-1]
+
+    assert leader["results"]["t0"]["tokens"] == reference(demo, prompts)[0]
     assert 0 < leader["accepted_tokens"] < leader["drafted_tokens"]
 
 
