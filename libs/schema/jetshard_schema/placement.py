@@ -170,6 +170,11 @@ def _head_dim(card: ModelCard) -> int:
     return card.hidden_size // card.num_attention_heads
 
 
+def _mlx_quantizes_kv(card: ModelCard) -> bool:
+    """Whether MLX can store `card`'s KV cache quantized: its heads' width is a multiple of a group size."""
+    return kv_group_size(_head_dim(card)) is not None
+
+
 def llama_cpp_slot_context(card: ModelCard) -> int:
     """The context each llama-server slot holds: the model's, at most `LLAMA_CPP_SLOT_CONTEXT`. The runner starts
     llama-server with `-c` this times `max_batch` and `-np max_batch`, so that placement's accounting holds."""
@@ -359,8 +364,7 @@ def place(
     for engine in engines:
         asked = serving
         if as_default and engine is Engine.MLX:
-            quantizable = kv_group_size(_head_dim(card)) is not None
-            kv_cache_type = serving.kv_cache_type if quantizable else KvCacheType.AUTO
+            kv_cache_type = serving.kv_cache_type if _mlx_quantizes_kv(card) else KvCacheType.AUTO
             prompt_lookup = None if serving.draft_model is not None else serving.draft
             asked = msgspec.structs.replace(serving, draft=prompt_lookup, kv_cache_type=kv_cache_type)
         refusal = _engine_refusal(engine, card, chosen, named, min_nodes, asked)
@@ -406,7 +410,7 @@ def _engine_refusal(
             "use draft ngram, or use engine llama.cpp"
         )
     quantized = serving.kv_cache_type is not KvCacheType.AUTO
-    if engine is Engine.MLX and quantized and kv_group_size(_head_dim(card)) is None:
+    if engine is Engine.MLX and quantized and not _mlx_quantizes_kv(card):
         return EngineMismatch(
             f"kv_cache_type {serving.kv_cache_type} on MLX quantizes each head's keys and values in groups of "
             f"{' or '.join(map(str, KV_GROUP_SIZES))}, and {card.model_id}'s heads are {_head_dim(card)} wide: "
