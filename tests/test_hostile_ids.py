@@ -89,6 +89,9 @@ def hostile_commands(tmp_path: Path) -> list[tuple[str, dict[str, Any]]]:
         # The engine fields: no engine of the enum, of the wrong type; formats and engines a node cannot have.
         ("PlaceInstance", {"instance_id": "i", "model_id": "org/model", "serving": {"engine": "tensorrt"}}),
         ("PlaceInstance", {"instance_id": "i", "model_id": "org/model", "serving": {"engine": ["llama.cpp"]}}),
+        ("PlaceInstance", {"instance_id": "i", "model_id": "org/model", "serving": {"kv_cache_type": "q2"}}),
+        ("PlaceInstance", {"instance_id": "i", "model_id": "org/model", "serving": {"draft": "../../etc"}}),
+        ("EnsureInstance", {"instance_id": "i", "model_id": "org/model", "serving": {"draft": 7}}),
         ("ReportNodeProfile", {"node_id": "n", "session_id": "s", "profile": {**PROFILE, "engines": ["vllm"]}}),
         ("ReportDownloadProgress", {"node_id": "n", "model_id": "org/model", "progress": {**DONE, "formats": ["pt"]}}),
         # An import's id, path and report: a path no node has (too long), an id that would be a subject or a path.
@@ -203,6 +206,12 @@ async def test_hostile_commands_are_rejected_and_the_worker_survives(cluster: Cl
         body |= {"serving": {"parallelism": "tensor"}} | ({"node_ids": node_ids} if node_ids else {})
         rejected = await rejection_of(cluster, "PlaceInstance", body, f"impossible-{n}")
         assert rejected.code is RejectCode.INVALID, rejected
+    # On MLX: a cache quantized in groups wider than the card's 1-value heads, and a draft model MLX cannot run.
+    mlx_refusals = (({"kv_cache_type": "q8_0"}, "heads are 1 wide"), ({"draft": "org/huge"}, "MLX drafts by prompt"))
+    for n, (serving, says) in enumerate(mlx_refusals):
+        body = {"instance_id": f"mlx-{n}", "model_id": "org/huge", "serving": {"engine": "mlx", **serving}}
+        rejected = await rejection_of(cluster, "PlaceInstance", body, f"impossible-mlx-{n}")
+        assert rejected.code is RejectCode.INVALID and says in rejected.reason, rejected
 
     assert not escape_target(tmp_path).exists()
     assert worker.poll() is None, cluster.processes.log("worker")
