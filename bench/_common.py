@@ -518,11 +518,12 @@ def jetshard_up(
 
 @contextlib.contextmanager
 def mlx_lm_server(
-    model_dir: Path, env: dict[str, str], log_path: Path
+    model_dir: Path, env: dict[str, str], log_path: Path, *options: str
 ) -> Iterator[tuple[str, subprocess.Popen[bytes]]]:
-    """`mlx_lm.server` on a free port with its defaults (batching on), in `env`; yields (base URL, process)."""
+    """`mlx_lm.server` on a free port with its defaults (batching on) and `options`, in `env`; yields (base URL,
+    process)."""
     port = free_port()
-    command = [sys.executable, "-m", "mlx_lm", "server", "--model", str(model_dir), "--port", str(port)]
+    command = [sys.executable, "-m", "mlx_lm", "server", "--model", str(model_dir), "--port", str(port), *options]
     with open(log_path, "wb") as log:
         server = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
 

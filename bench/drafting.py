@@ -1,10 +1,11 @@
 """Speculative decoding (`serving.draft`): one stream's tokens/s with drafting and without, on a repetitive prompt
 (a code edit, whose answer repeats its prompt) and a free-form one, through jetshard and beside the engine it wraps:
 upstream `llama-server` drafting with the same flags on the same GGUF, or with `--engine mlx` `mlx_lm.server` on the
-same MLX directory (mlx-lm has no prompt lookup: its figure is without drafting).
+same MLX directory (mlx-lm has no prompt lookup: drafting by ngram, its figure is without drafting).
 
 Drafting is by prompt lookup (`"ngram"`) unless `--draft-gguf PATH` names a smaller GGUF of the demo's tokenizer:
-jetshard then imports it (`POST /models/import`) and drafts with it (`"draft": "local/bench-draft"`). Without such a
+jetshard then imports it (`POST /models/import`) and drafts with it (`"draft": "local/bench-draft"`), and so does
+the engine's own server (mlx_lm.server `--draft-model` on the directory jetshard converted it into). Without such a
 file here, `--draft-gguf` of the demo's own GGUF checks the path end to end (every draft is kept, but a draft as
 large as its model cannot pay).
 
@@ -14,13 +15,13 @@ give the same text, and the bench says where it does not):
     its command line): the build `jetshard engines status` names, one slot;
   * jetshard, and jetshard with the demo placed with `"serving": {"draft": ...}`: `jetshard up --offline
     --no-model` in a temporary directory, the demo placed on the engine with `POST /instances`.
-With `--engine mlx`, three: jetshard's MLX runner without and with prompt lookup, and `mlx_lm.server` on the
-directory jetshard converted the demo into (what drafting there must beat).
+With `--engine mlx`: jetshard's MLX runner without and with drafting, and `mlx_lm.server` on the directory jetshard
+converted the demo into, without drafting and (with `--draft-gguf`) drafting with the same draft model.
 Figure: completion tokens over the request's whole time (non-streamed), the best of `--rounds`.
 Goals (issue 39): drafting >= 1.5x without on the code edit, >= 0.95x on the free-form prompt; jetshard's drafting
->= 0.9x llama-server's own (on MLX, >= 0.9x mlx_lm.server's, which does not draft by lookup).
+>= 0.9x the engine's own server's (by prompt lookup on MLX, >= 0.9x mlx_lm.server's, which does not draft by lookup).
 
-    uv run --group dev python bench/drafting.py [--draft-gguf PATH | --engine mlx]
+    uv run --group dev python bench/drafting.py [--engine mlx] [--draft-gguf PATH]
 """
 
 from __future__ import annotations
@@ -43,6 +44,7 @@ from _common import (
     model_directory,
     table,
 )
+from jetshard_worker.engines.mlx.drafting import DRAFT_MODEL_TOKENS
 from llamacpp import SLOT_CONTEXT, llama_cpp_build, llama_server
 
 CODE = "\n\n".join(
@@ -109,8 +111,16 @@ def import_draft(api: str, path: Path) -> None:
         raise SystemExit(f"jetshard cannot import {path}: {imported.status_code} {imported.text}")
 
 
-def mlx_upstream(model_dir: Path, root: Path, max_tokens: int, rounds: int) -> dict[str, tuple[float, str]]:
-    with mlx_lm_server(model_dir, {}, root / "mlx_lm_server.log") as (url, _):
+def mlx_upstream(
+    model_dir: Path, draft_dir: Path | None, root: Path, max_tokens: int, rounds: int
+) -> dict[str, tuple[float, str]]:
+    """mlx_lm.server's figures, drafting with the model in `draft_dir` (as many tokens a step as jetshard's MLX
+    runner) where one is given."""
+    drafting = []
+    if draft_dir is not None:
+        drafting = ["--draft-model", str(draft_dir), "--num-draft-tokens", str(DRAFT_MODEL_TOKENS)]
+    name = "mlx_lm_server" + ("_drafting" if drafting else "")
+    with mlx_lm_server(model_dir, {}, root / f"{name}.log", *drafting) as (url, _):
         return {kind: tokens_per_s(f"{url}/v1", "default_model", p, max_tokens, rounds) for kind, p in PROMPTS.items()}
 
 
@@ -141,8 +151,6 @@ def main() -> None:
     parser.add_argument("--draft-gguf", type=Path, help="draft with this GGUF (the demo's tokenizer), not by ngram")
     parser.add_argument("--engine", choices=("llama.cpp", "mlx"), default="llama.cpp")
     args = parser.parse_args()
-    if args.engine == "mlx" and args.draft_gguf is not None:
-        parser.error("MLX drafts by prompt lookup only: --draft-gguf goes with --engine llama.cpp")
     print(machine_line())
     mode = "ngram" if args.draft_gguf is None else "draft model"
     with tempfile.TemporaryDirectory(prefix="jetshard-drafting-") as tmp:
@@ -155,9 +163,14 @@ def main() -> None:
             draft = "ngram" if mode == "ngram" else DRAFT_ID
             drafted, flags = jetshard(api, args.engine, draft, args.max_tokens, args.rounds)
         if args.engine == "mlx":
-            mlx_dir = model_directory(root / "jetshard" / "models", DEMO)
-            results = {"mlx_lm.server": mlx_upstream(mlx_dir, root, args.max_tokens, args.rounds)}
+            models = root / "jetshard" / "models"
+            mlx_dir = model_directory(models, DEMO)
+            results = {"mlx_lm.server": mlx_upstream(mlx_dir, None, root, args.max_tokens, args.rounds)}
             anchor_side = "mlx_lm.server"
+            if args.draft_gguf is not None:
+                draft_dir = model_directory(models, DRAFT_ID)  # as jetshard converted it for MLX
+                anchor_side = "mlx_lm.server draft model"
+                results[anchor_side] = mlx_upstream(mlx_dir, draft_dir, root, args.max_tokens, args.rounds)
         else:
             print(f"drafting flags: {' '.join(flags)}")
             results = {

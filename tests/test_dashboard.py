@@ -249,7 +249,7 @@ def test_a_model_is_added_placed_served_and_removed_from_the_page(
     paired_dialog = page.get_by_role("dialog", name=f"Place {paired}")
     drafting = paired_dialog.get_by_label("Drafting")
     expect(drafting.locator("option")).to_have_text(
-        ["the API's setting", "ngram (prompt lookup)", f"{draft} (its card's draft model; llama.cpp)"]
+        ["the API's setting", "ngram (prompt lookup)", f"{draft} (its card's draft model)"]
     )
     with page.expect_request(lambda r: "/instances/preview" in r.url and "draft=unsloth%2FQwen3-0.6B" in r.url):
         drafting.select_option(draft)

@@ -20,7 +20,7 @@ import mlx.core as mx
 import msgspec
 import numpy as np
 import pytest
-from helpers.engine_rank import free_ports, rank_command
+from helpers.engine_rank import drafter, free_ports, rank_command
 from helpers.tiny_models import layer_of, make_tiny_model
 from helpers.tiny_vlm import make_tiny_vlm, mlx_vlm_greedy, png, quantized_vlm
 from jetshard_downloader.convert import convert_packaged
@@ -495,6 +495,19 @@ def demo(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return model_dir
 
 
+@pytest.fixture(scope="module")
+def demo_draft(demo: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A draft made for the tests: the demo's first 6 layers, its embedding and head (the same tokenizer; a
+    layer-skipping draft, which agrees with its model often but not always)."""
+    draft = tmp_path_factory.mktemp("demo-draft")
+    for path in demo.iterdir():
+        (draft / path.name).symlink_to(path)
+    (draft / "config.json").unlink()
+    config = json.loads((demo / "config.json").read_text())
+    (draft / "config.json").write_text(json.dumps({**config, "num_hidden_layers": 6}))
+    return draft
+
+
 CODE_EDIT = (
     "Repeat this code exactly, with `total` renamed to `result`:\n\n"
     "def add(a, b):\n    total = a + b\n    return total\n\n\n"
@@ -510,12 +523,13 @@ def chat_prompts(model_dir: Path, questions: list[str]) -> list[list[int]]:
 
 
 @pytest.mark.timeout(300)
-def test_prompt_lookup_drafting_answers_token_for_token_as_mlx_lm_without_it(demo: Path) -> None:
-    """`serving.draft: ngram` on MLX: greedy rows propose the tokens that followed their last ones earlier in the
-    prompt or answer, the model checks them in one step, and the cache drops those it did not keep. A sampled row
-    decodes one token a step, and so does its batch while it runs. A prompt that arrives while the first one drafts
-    joins the batch between a checking step and the drop that follows it (which leaves the joined row as it is).
-    Each greedy row's text is mlx-lm's for its prompt alone, without drafting."""
+@pytest.mark.parametrize("drafting", ["ngram", "draft model"])
+def test_drafting_answers_token_for_token_as_mlx_lm_without_it(demo: Path, demo_draft: Path, drafting: str) -> None:
+    """`serving.draft` on MLX: greedy rows propose tokens (those that followed their last ones earlier in the prompt
+    or answer, or a smaller model's), the model checks them in one step, and the cache drops those it did not keep.
+    A sampled row decodes one token a step, and so does its batch while it runs. A prompt that arrives while the
+    first one drafts joins the batch between a checking step and the drop that follows it (which leaves the joined
+    row as it is). Each greedy row's text is mlx-lm's for its prompt alone, without drafting."""
     prompts = chat_prompts(demo, [CODE_EDIT, f"{CODE_EDIT}\nThen say done."])
     expected = reference(demo, prompts)
     collector = Collector()
@@ -525,12 +539,13 @@ def test_prompt_lookup_drafting_answers_token_for_token_as_mlx_lm_without_it(dem
             engine.submit(GenerationRequest("t1", prompts[1], MAX_TOKENS))
         collector.on_token(task_id, token, index, *rest)
 
+    shard = load_shard(demo, 0, 30)
     engine = PipelineEngine(
-        load_shard(demo, 0, 30),
+        shard,
         on_token=on_token,
         on_finished=collector.on_finished,
         prefill_step_size=16,
-        draft_tokens=4,
+        drafter=drafter("ngram" if drafting == "ngram" else str(demo_draft), shard),
     )
     sampled = GenerationRequest("sampled", prompts[0], 4, temperature=1.0, seed=7)
 
@@ -543,13 +558,15 @@ def test_prompt_lookup_drafting_answers_token_for_token_as_mlx_lm_without_it(dem
 
 
 @pytest.mark.timeout(300)
-def test_a_pipeline_that_drafts_in_an_8_bit_cache_answers_as_mlx_lm_without_it(demo: Path, tmp_path: Path) -> None:
+def test_a_pipeline_that_drafts_in_an_8_bit_cache_answers_as_mlx_lm_without_it(
+    demo: Path, demo_draft: Path, tmp_path: Path
+) -> None:
     """Two ranks, each dropping the drafted positions its layers' 8-bit caches did not keep (ROLLBACK steps), in
-    step with the leader that chose them."""
+    step with the leader that chose them with the draft model it runs."""
     prompts = chat_prompts(demo, [CODE_EDIT, "What is the capital of France?"])
     expected = reference(demo, prompts, kv_bits=8)
     requests = [{"task_id": f"t{i}", "prompt_tokens": p, "max_tokens": MAX_TOKENS} for i, p in enumerate(prompts)]
-    drafting = ("--kv-bits", "8", "--draft-tokens", "4")
+    drafting = ("--kv-bits", "8", "--draft", str(demo_draft))
 
     outputs = run_pipeline(demo, [0, 15, 30], requests, tmp_path, rank_args=[drafting, drafting])
 
@@ -565,7 +582,7 @@ def test_tensor_ranks_that_draft_answer_as_mlx_lm_without_drafting(demo: Path, t
     prompts = chat_prompts(demo, [CODE_EDIT])
     requests = [{"task_id": "t0", "prompt_tokens": prompts[0], "max_tokens": MAX_TOKENS}]
 
-    leader = run_tensor_parallel(demo, 3, requests, tmp_path, rank_args=("--draft-tokens", "4"))[-1]
+    leader = run_tensor_parallel(demo, 3, requests, tmp_path, rank_args=("--draft", "ngram"))[-1]
 
     assert leader["results"]["t0"]["tokens"] == reference(demo, prompts)[0]
     assert 0 < leader["accepted_tokens"] < leader["drafted_tokens"]

@@ -34,6 +34,7 @@ Q8_MODEL = "local/demo-kv-q8"
 MLX_PLAIN_MODEL = "local/demo-mlx-plain"
 MLX_Q8_MODEL = "local/demo-mlx-kv-q8"
 MLX_NGRAM_MODEL = "local/demo-mlx-ngram"
+MLX_DRAFTED_MODEL = "local/demo-mlx-drafted"
 SAME_START = 8
 """Greedy answers begin with at least this many tokens as with the 16-bit cache. Measured on these prompts with the
 demo (a 135M model in 4 bits): the first answer whole, the others part after 10 to 30 tokens; rounding differs a
@@ -254,11 +255,21 @@ def assert_drafts_counted(api: str, instance_id: str) -> None:
 
 
 @pytest.mark.timeout(600)  # a draft as large as its model halves its speed: on a busy machine, minutes
+@pytest.mark.parametrize("engine", ["llama.cpp", "mlx"])
 def test_a_draft_model_is_fetched_for_the_leader_and_answers_token_for_token_as_without_it(
-    plain_instance: dict[str, object], llamacpp_cluster: LlamaCppCluster, client: openai.OpenAI, tmp_path: Path
+    engine: str,
+    request: pytest.FixtureRequest,
+    llamacpp_cluster: LlamaCppCluster,
+    client: openai.OpenAI,
+    tmp_path: Path,
 ) -> None:
     # The draft is the demo's GGUF in a Hub repo of its own: it shares the tokenizer, and most of its drafts are
-    # kept. Its card is added, its files are on no node: placing the model that it drafts for fetches them.
+    # kept. Its card is added, its files are on no node: placing the model that it drafts for fetches them, in the
+    # form the engine loads (MLX: converted).
+    plain = request.getfixturevalue("plain_instance" if engine == "llama.cpp" else "mlx_plain")
+    plain_model, drafted_model = (
+        (PLAIN_MODEL, DRAFTED_MODEL) if engine == "llama.cpp" else (MLX_PLAIN_MODEL, MLX_DRAFTED_MODEL)
+    )
     api, cluster = llamacpp_cluster.api, llamacpp_cluster.cluster
     gguf, _ = packaged_gguf_path(builtin_cards()[DEMO_MODEL_ID])
     repo = tmp_path / "draft-repo"
@@ -268,19 +279,22 @@ def test_a_draft_model_is_fetched_for_the_leader_and_answers_token_for_token_as_
     added = httpx.post(f"{api}/models", json={"model_id": DRAFT_MODEL, "gguf_file": "draft.gguf"}, timeout=60)
     assert added.status_code == 201, added.text
     try:
-        with demo_placed_as(llamacpp_cluster, DRAFTED_MODEL, {"draft": DRAFT_MODEL}) as instance:
+        with demo_placed_as(llamacpp_cluster, drafted_model, {"draft": DRAFT_MODEL}, {"engine": engine}) as instance:
             assert instance["serving"]["draft"] == DRAFT_MODEL  # type: ignore[index]
-            # The model that drafts takes its room on the leader, and runs in the model's llama-server.
-            assert reserved_bytes(instance) > reserved_bytes(plain_instance) + gguf.stat().st_size
-            servers = [
-                p.info["cmdline"] for p in psutil.process_iter(["cmdline"]) if serves(p.info["cmdline"], DRAFTED_MODEL)
-            ]
-            (server,) = servers
-            assert model_dir_name(ModelId(DRAFT_MODEL)) in server[server.index("--model-draft") + 1]
+            # The model that drafts takes its room on the leader.
+            assert reserved_bytes(instance) > reserved_bytes(plain) + gguf.stat().st_size
+            if engine == "llama.cpp":  # it runs in the model's llama-server
+                servers = [
+                    p.info["cmdline"]
+                    for p in psutil.process_iter(["cmdline"])
+                    if serves(p.info["cmdline"], drafted_model)
+                ]
+                (server,) = servers
+                assert model_dir_name(ModelId(DRAFT_MODEL)) in server[server.index("--model-draft") + 1]
             for prompt in [CODE_EDIT, PROMPTS[0]]:
-                assert greedy_text(client, DRAFTED_MODEL, prompt) == greedy_text(client, PLAIN_MODEL, prompt), prompt
+                assert greedy_text(client, drafted_model, prompt) == greedy_text(client, plain_model, prompt), prompt
             # With n choices and a grammar too: the same as without drafting.
-            assert structured(client, DRAFTED_MODEL) == structured(client, PLAIN_MODEL)
+            assert structured(client, drafted_model) == structured(client, plain_model)
             assert_drafts_counted(api, str(instance["instance_id"]))
     finally:
         httpx.delete(f"{api}/models/{DRAFT_MODEL}", timeout=30)
@@ -290,7 +304,6 @@ def test_a_draft_model_is_fetched_for_the_leader_and_answers_token_for_token_as_
     ("asked", "says"),
     [
         ({"serving": {"kv_cache_type": "q3_k"}}, "kv_cache_type"),
-        ({"engine": "mlx", "serving": {"draft": "nobody/nothing"}}, "MLX drafts by prompt lookup (draft ngram) only"),
         ({"serving": {"draft": "eagle"}}, "draft"),
         ({"serving": {"draft": "nobody/nothing"}}, "draft nobody/nothing is not a known model"),
         ({"serving": {"draft": DEMO_MODEL_ID}}, "is the model itself"),

@@ -1135,7 +1135,7 @@ def test_an_instance_whose_draft_cannot_reach_its_leader_fails_saying_so(cluster
 
 def test_a_request_places_with_the_apis_default_drafting_where_the_model_takes_it(cluster: InMemoryCluster) -> None:
     """`jetshard api --draft ngram`: a model only MLX serves drafts by prompt lookup on MLX, placed for a request or
-    asked by name; a default draft model, which MLX cannot run, is left out of a placement for a request."""
+    asked by name; a default draft model without MLX weights is left out of a placement for a request."""
     cluster.run(ReportNodeProfile(node_id=A, session_id="s1", profile=with_llama_cpp()))
     defaults = ServingSettings(draft="ngram")
     (placed,) = cluster.run(EnsureInstance(instance_id="inst-e", model_id=MODEL, serving=defaults))
@@ -1143,3 +1143,10 @@ def test_a_request_places_with_the_apis_default_drafting_where_the_model_takes_i
     assert (placed.serving.engine, placed.serving.draft) == (Engine.MLX, "ngram")
     (asked,) = cluster.run(PlaceInstance(instance_id="inst-p", model_id=MODEL, serving=defaults))
     assert isinstance(asked, InstancePlaced) and asked.serving.draft == "ngram"
+    other = msgspec.structs.replace(CARD, model_id=ModelId("acme/other-mlx"))
+    for card in (other, DRAFT):
+        cluster.run(AddCustomModelCard(card=card))
+    gguf_draft = ServingSettings(draft=DRAFT.model_id)
+    (without,) = cluster.run(EnsureInstance(instance_id="inst-g", model_id=other.model_id, serving=gguf_draft))
+    assert isinstance(without, InstancePlaced)
+    assert (without.serving.engine, without.serving.draft) == (Engine.MLX, None)

@@ -206,8 +206,8 @@ async def test_hostile_commands_are_rejected_and_the_worker_survives(cluster: Cl
         body |= {"serving": {"parallelism": "tensor"}} | ({"node_ids": node_ids} if node_ids else {})
         rejected = await rejection_of(cluster, "PlaceInstance", body, f"impossible-{n}")
         assert rejected.code is RejectCode.INVALID, rejected
-    # On MLX: a cache quantized in groups wider than the card's 1-value heads, and a draft model MLX cannot run.
-    mlx_refusals = (({"kv_cache_type": "q8_0"}, "heads are 1 wide"), ({"draft": "org/huge"}, "MLX drafts by prompt"))
+    # On MLX: a cache quantized in groups wider than the card's 1-value heads, and the model drafting for itself.
+    mlx_refusals = (({"kv_cache_type": "q8_0"}, "heads are 1 wide"), ({"draft": "org/huge"}, "is the model itself"))
     for n, (serving, says) in enumerate(mlx_refusals):
         body = {"instance_id": f"mlx-{n}", "model_id": "org/huge", "serving": {"engine": "mlx", **serving}}
         rejected = await rejection_of(cluster, "PlaceInstance", body, f"impossible-mlx-{n}")

@@ -25,6 +25,7 @@ from jetshard_schema.placement import (
     llama_cpp_compute_bytes,
     llama_cpp_draft_bytes,
     llama_cpp_slot_context,
+    mlx_draft_bytes,
     parameter_count,
     place,
     place_in,
@@ -567,13 +568,15 @@ def test_a_model_that_drafts_is_counted_on_the_leader_and_must_be_a_known_gguf_o
     one_node = running(BOTH, node("big", 64))
     alone = place(GGUF_ONLY, one_node, serving=drafting, draft=DRAFT)
     assert alone.required_bytes == required_memory_bytes(GGUF_ONLY, alone.serving) + extra
-    # Unknown, the model itself, a model without a GGUF, or on MLX: refused, saying what to do.
+    # Unknown, the model itself, without the weights its engine drafts with, or of another tokenizer: refused,
+    # saying what to do.
+    on_llama_cpp = replace(drafting, engine=Engine.LLAMA_CPP)
     refusals = [
         (replace(drafting, draft="acme/nothing"), InvalidPlacement, "draft acme/nothing is not a known model"),
         (replace(drafting, draft=GGUF_AND_MLX.model_id), InvalidPlacement, "is the model itself"),
-        (replace(drafting, draft=Q4_CARD.model_id), EngineMismatch, "has no GGUF weights"),
+        (replace(on_llama_cpp, draft=Q4_CARD.model_id), EngineMismatch, "has no gguf weights, which llama.cpp drafts"),
         (replace(drafting, draft=OTHER_VOCABULARY.model_id), InvalidPlacement, "has a vocabulary of 32129 tokens"),
-        (replace(drafting, engine=Engine.MLX), EngineMismatch, "is llama.cpp's"),
+        (replace(drafting, engine=Engine.MLX), EngineMismatch, "acme/m-draft has no mlx weights, which mlx drafts"),
     ]
     more = {Q4_CARD.model_id: Q4_CARD, OTHER_VOCABULARY.model_id: OTHER_VOCABULARY}
     with_mlx_card = replace(state, custom_cards={**state.custom_cards, **more})
@@ -582,10 +585,41 @@ def test_a_model_that_drafts_is_counted_on_the_leader_and_must_be_a_known_gguf_o
             place_in(with_mlx_card, GGUF_AND_MLX, serving=serving)
 
 
+MLX_DRAFT = replace(Q4_CARD, model_id="acme/m-q4-draft", num_layers=2, storage_size_bytes=300 * 2**20)
+
+
+def test_an_mlx_draft_model_is_counted_on_the_leader_the_last_rank() -> None:
+    """MLX runs the draft on the instance's leader, its last rank: its weights, their activations' headroom and a
+    KV cache a row. Where placement chooses the engine, it takes the one whose weights the draft has."""
+    nodes = running((Engine.MLX,), node("a", 5), node("b", 3))
+    state = State(nodes={n.node_id: n for n in nodes}, custom_cards={MLX_DRAFT.model_id: MLX_DRAFT})
+    drafting = replace(SMALL_ROWS, draft=MLX_DRAFT.model_id)
+    plain = place_in(state, Q4_CARD, serving=SMALL_ROWS)
+    drafted = place_in(state, Q4_CARD, serving=drafting)
+    extra = mlx_draft_bytes(MLX_DRAFT, drafted.serving)
+    assert extra > MLX_DRAFT.storage_size_bytes + MLX_DRAFT.num_layers * SMALL_ROWS.max_batch
+    assert (drafted.serving.engine, drafted.serving.draft) == (Engine.MLX, MLX_DRAFT.model_id)
+    assert [s.end_layer for s in drafted.shards] == [s.end_layer for s in plain.shards]
+    first, leader = plain.shards
+    assert [s.memory_bytes for s in drafted.shards] == [first.memory_bytes, leader.memory_bytes + extra]
+    assert drafted.required_bytes == plain.required_bytes + extra
+    alone = place(Q4_CARD, running((Engine.MLX,), node("big", 64)), serving=drafting, draft=MLX_DRAFT)
+    assert alone.required_bytes == required_memory_bytes(Q4_CARD, alone.serving, MLX_DRAFT)
+    # A leader without room for the draft beside its layers: refused, saying how much more it needs.
+    native = replace(SMALL_ROWS, weights=WeightsDtype.NATIVE, engine=Engine.MLX)
+    snug = running((Engine.MLX,), node("one", (required_memory_bytes(Q4_CARD, native) + extra // 2) / GiB))
+    place(Q4_CARD, snug, serving=native)
+    with pytest.raises(PlacementError, match=r"the draft acme/m-q4-draft needs 0\.\d\d GiB more there"):
+        place(Q4_CARD, snug, serving=replace(native, draft=MLX_DRAFT.model_id), draft=MLX_DRAFT)
+    # A model both engines serve drafts on MLX with a draft that has only MLX weights, on llama.cpp with a GGUF.
+    both = State(nodes={n.node_id: n for n in running(BOTH, node("c", 16))}, custom_cards=state.custom_cards)
+    assert place_in(both, GGUF_AND_MLX, serving=drafting).serving.engine is Engine.MLX
+
+
 def test_an_apis_default_drafting_and_kv_cache_apply_where_the_model_can_take_them() -> None:
     """`jetshard api --draft ... --kv-cache-type q8_0` places every model a request asks for: one that only MLX
-    serves by prompt lookup without a draft model (and with its KV cache as computed where its heads are too narrow
-    to quantize), one that the default draft cannot draft for without it; asked of it by name, refused."""
+    serves without a draft model it has no MLX weights for (and with its KV cache as computed where its heads are too
+    narrow to quantize), one that the default draft cannot draft for without it; asked of it by name, refused."""
     nodes = running(BOTH, node("a", 16))
     defaults = replace(SMALL_ROWS, draft="ngram", kv_cache_type=KvCacheType.Q8_0)
     state = State(nodes={n.node_id: n for n in nodes}, custom_cards={DRAFT.model_id: DRAFT})
@@ -597,7 +631,7 @@ def test_an_apis_default_drafting_and_kv_cache_apply_where_the_model_can_take_th
     assert (narrow.serving.engine, narrow.serving.kv_cache_type) == (Engine.MLX, KvCacheType.AUTO)
     by_model = place_in(state, Q4_CARD, serving=replace(defaults, draft=DRAFT.model_id), as_default=True)
     assert (by_model.serving.engine, by_model.serving.draft) == (Engine.MLX, None)
-    with pytest.raises(EngineMismatch, match=r"MLX drafts by prompt lookup \(draft ngram\) only"):
+    with pytest.raises(EngineMismatch, match="acme/m-draft has no mlx weights, which mlx drafts with"):
         place_in(state, Q4_CARD, serving=replace(defaults, draft=DRAFT.model_id))
     # A GGUF on a CPU node: llama.cpp takes both.
     gguf = place_in(state, GGUF_AND_MLX, serving=defaults, as_default=True)

@@ -2,7 +2,7 @@
 
     python engine_rank.py --model-dir D --start S --end E --out OUT.json \
         [--rank R --hostfile H.json] [--requests REQ.json] [--prefill-step-size N] [--dtype float32] [--tensor]
-        [--kv-bits 8] [--draft-tokens 4]
+        [--kv-bits 8] [--draft ngram|MODEL_DIR]
 
 Every rank writes OUT.json with the tensor names it loaded; the last rank also serves the
 requests in REQ.json (a list of GenerationRequest fields plus an optional "cancel_after": cancel
@@ -24,7 +24,17 @@ from typing import Any
 import mlx.core as mx
 import numpy as np
 from jetshard_schema.types import TaskOutcome
-from jetshard_worker.engines.mlx import GenerationRequest, PipelineEngine, TokenScores, init_ring, load_shard
+from jetshard_worker.engines.mlx import (
+    Drafter,
+    DraftModel,
+    GenerationRequest,
+    PipelineEngine,
+    PromptLookup,
+    Shard,
+    TokenScores,
+    init_ring,
+    load_shard,
+)
 from mlx.utils import tree_flatten
 
 SCRIPT = Path(__file__)
@@ -63,6 +73,13 @@ def rank_command(
     return cmd
 
 
+def drafter(draft: str, shard: Shard) -> Drafter:
+    """`--draft`: prompt lookup, or the whole model in that directory drafting for `shard`'s."""
+    if draft == "ngram":
+        return PromptLookup()
+    return DraftModel(load_shard(Path(draft), 0, None), shard.config.get("vocab_size"))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--model-dir", type=Path, required=True)
@@ -76,7 +93,7 @@ def main() -> None:
     parser.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), help="hold the weights as this")
     parser.add_argument("--tensor", action="store_true", help="split every layer across the hostfile's ranks")
     parser.add_argument("--kv-bits", type=int, choices=(8, 4), help="store the KV cache quantized to this many bits")
-    parser.add_argument("--draft-tokens", type=int, default=0, help="draft up to this many tokens by prompt lookup")
+    parser.add_argument("--draft", help="on the leader, draft by prompt lookup (ngram) or with this model directory")
     parser.add_argument("--idle-before", type=float, default=0.0, help="seconds to idle before submitting")
     args = parser.parse_args()
 
@@ -121,7 +138,7 @@ def main() -> None:
         on_finished=on_finished,
         prefill_step_size=args.prefill_step_size,
         kv_bits=args.kv_bits,
-        draft_tokens=args.draft_tokens,
+        drafter=drafter(args.draft, shard) if args.draft and (group is None or args.rank == group.size() - 1) else None,
     )
     if engine.is_leader:
         errors: list[BaseException] = []

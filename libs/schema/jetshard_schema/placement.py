@@ -60,7 +60,6 @@ from jetshard_schema.types import (
     DownloadStatus,
     Engine,
     KvCacheType,
-    ModelFormat,
     NodeProfile,
     Parallelism,
     ServingSettings,
@@ -220,7 +219,16 @@ def required_memory_bytes(card: ModelCard, serving: ServingSettings, draft: Mode
     weights = weights_bytes(card, serving.weights)
     kv_caches = kv_cache_bytes(card, serving.weights, serving.kv_cache_type) * serving.max_batch
     kv_caches += serving.prefix_cache_bytes
-    return int(weights * (1 + ACTIVATION_HEADROOM)) + kv_caches
+    return int(weights * (1 + ACTIVATION_HEADROOM)) + kv_caches + mlx_draft_bytes(draft, serving)
+
+
+def mlx_draft_bytes(draft: ModelCard | None, serving: ServingSettings) -> int:
+    """What the model that drafts takes on an MLX instance's leader: its weights as stored, with their activations'
+    headroom, and a full-precision KV cache of a full context for each row (it drafts for every row)."""
+    if draft is None:
+        return 0
+    weights = weights_bytes(draft, WeightsDtype.NATIVE)
+    return int(weights * (1 + ACTIVATION_HEADROOM)) + kv_cache_bytes(draft) * serving.max_batch
 
 
 def split_layers(num_layers: int, weights: Sequence[int]) -> list[tuple[int, int]]:
@@ -362,12 +370,12 @@ def place(
     no_format: list[PlacementError] = []
     no_room: list[PlacementError] = []
     for engine in engines:
-        asked = serving
-        if as_default and engine is Engine.MLX:
-            kv_cache_type = serving.kv_cache_type if _mlx_quantizes_kv(card) else KvCacheType.AUTO
-            prompt_lookup = None if serving.draft_model is not None else serving.draft
-            asked = msgspec.structs.replace(serving, draft=prompt_lookup, kv_cache_type=kv_cache_type)
-        refusal = _engine_refusal(engine, card, chosen, named, min_nodes, asked)
+        asked, drafting = serving, draft
+        if as_default and draft is not None and engine_format(engine) not in draft.formats:
+            asked, drafting = msgspec.structs.replace(asked, draft=None), None
+        if as_default and engine is Engine.MLX and not _mlx_quantizes_kv(card):
+            asked = msgspec.structs.replace(asked, kv_cache_type=KvCacheType.AUTO)
+        refusal = _engine_refusal(engine, card, chosen, named, min_nodes, asked) or _draft_refusal(engine, drafting)
         if refusal is not None:
             (refusals if engine_format(engine) in card.formats else no_format).append(refusal)
             continue
@@ -376,8 +384,8 @@ def place(
         runs = chosen if named else [n for n in chosen if engine in n.profile.engines]
         try:
             if engine is Engine.LLAMA_CPP:
-                return _place_llama_cpp(card, runs, named, min_nodes, on_engine, draft)
-            return _place_mlx(card, runs, named, min_nodes, on_engine)
+                return _place_llama_cpp(card, runs, named, min_nodes, on_engine, drafting)
+            return _with_draft_on_leader(_place_mlx(card, runs, named, min_nodes, on_engine), runs, drafting)
         except PlacementError as error:
             no_room.append(error)
     # The reason to act on: that of the fastest engine that could serve the model as asked but did not fit it,
@@ -393,6 +401,17 @@ def _engines_by_speed(nodes: Sequence[Node]) -> list[Engine]:
     return [Engine.MLX, Engine.LLAMA_CPP]
 
 
+def _draft_refusal(engine: Engine, draft: ModelCard | None) -> PlacementError | None:
+    """Why `engine` cannot draft with `draft`'s model; None if it can (or there is none)."""
+    wanted = engine_format(engine)
+    if draft is None or wanted in draft.formats:
+        return None
+    return EngineMismatch(
+        f"draft {draft.model_id} has no {wanted} weights, which {engine} drafts with (it has "
+        f"{', '.join(draft.formats)}): name another draft, or import it as {wanted}"
+    )
+
+
 def _engine_refusal(
     engine: Engine, card: ModelCard, chosen: Sequence[Node], named: bool, min_nodes: int, serving: ServingSettings
 ) -> PlacementError | None:
@@ -403,11 +422,6 @@ def _engine_refusal(
         return EngineMismatch(
             f"{card.model_id} has no {wanted} weights, which {engine} serves (it has {', '.join(card.formats)}): "
             f"leave engine out for placement to choose, or import the model as {wanted}"
-        )
-    if engine is Engine.MLX and serving.draft_model is not None:
-        return EngineMismatch(
-            f"draft {serving.draft} is llama.cpp's: MLX drafts by prompt lookup (draft ngram) only: leave draft out, "
-            "use draft ngram, or use engine llama.cpp"
         )
     quantized = serving.kv_cache_type is not KvCacheType.AUTO
     if engine is Engine.MLX and quantized and not _mlx_quantizes_kv(card):
@@ -600,6 +614,25 @@ def _place_mlx(
     return Placement(shards=shards, required_bytes=required, serving=msgspec.structs.replace(serving, weights=common))
 
 
+def _with_draft_on_leader(placement: Placement, nodes: Sequence[Node], draft: ModelCard | None) -> Placement:
+    """An MLX placement with room on its leader (the last rank) for the model that drafts, where it has one."""
+    drafting = mlx_draft_bytes(draft, placement.serving)
+    if not drafting:
+        return placement
+    assert draft is not None
+    *rest, leader = placement.shards
+    node = next(n for n in nodes if n.node_id == leader.node_id)
+    needs = leader.memory_bytes + drafting
+    if compute_memory_bytes(node.profile) < needs:
+        raise PlacementError(
+            f"{node.node_id} leads the instance and holds {_gib(leader.memory_bytes)} of it, with "
+            f"{_gib(compute_memory_bytes(node.profile))} available: the draft {draft.model_id} needs "
+            f"{_gib(drafting)} more there; name a smaller draft, lower max_batch, or draft with ngram"
+        )
+    shards = (*rest, msgspec.structs.replace(leader, memory_bytes=needs))
+    return msgspec.structs.replace(placement, shards=shards, required_bytes=placement.required_bytes + drafting)
+
+
 def _some(node_ids: Sequence[str], shown: int = 3) -> str:
     """The first few of `node_ids`, for a message: a request may name thousands."""
     more = f" and {len(node_ids) - shown} more" if len(node_ids) > shown else ""
@@ -728,8 +761,7 @@ def place_in(
     can get the files. `as_default` as for `place`; a default draft model that cannot draft for this one is left
     out too."""
     try:
-        # On MLX, which runs no draft model, `place` says so: the draft's own faults are beside the point there.
-        draft = None if serving.engine is Engine.MLX else draft_card(state, card, serving)
+        draft = draft_card(state, card, serving)
     except PlacementError:
         if not as_default:
             raise
@@ -751,7 +783,7 @@ def place_in(
 
 def draft_card(state: State, card: ModelCard, serving: ServingSettings) -> ModelCard | None:
     """The card of the model `serving.draft` names to draft for `card`, if it names one; InvalidPlacement when it
-    cannot: unknown, the model itself, of another vocabulary size, or without a GGUF, which llama.cpp drafts with.
+    cannot: unknown, the model itself, or of another vocabulary size (whether the engine can load it, `place` asks).
     (That the tokens themselves match, llama-server checks as it loads both: a runner that fails says so.)"""
     model_id = serving.draft_model
     if model_id is None:
@@ -770,11 +802,6 @@ def draft_card(state: State, card: ModelCard, serving: ServingSettings) -> Model
             f"draft {model_id} has a vocabulary of {draft.vocab_size} tokens and {card.model_id} one of "
             f"{card.vocab_size}: a model that drafts shares the model's tokenizer (see the card's draft_model)"
         )
-    if ModelFormat.GGUF not in draft.formats:
-        raise EngineMismatch(
-            f"draft {model_id} has no GGUF weights, which llama.cpp drafts with (it has {', '.join(draft.formats)}): "
-            "name a GGUF model, or import it as GGUF"
-        )
     return draft
 
 
@@ -790,7 +817,9 @@ def faster_engine(state: State, instance: Instance, card: ModelCard) -> Engine |
     fastest = _engines_by_speed(nodes)[0]
     if fastest is instance.engine or any(fastest not in n.profile.engines for n in nodes):
         return None
-    if _engine_refusal(fastest, card, nodes, True, 1, instance.requested) is not None:
+    requested = instance.requested
+    draft = None if requested.draft_model is None else find_card(state, requested.draft_model)
+    if (_engine_refusal(fastest, card, nodes, True, 1, requested) or _draft_refusal(fastest, draft)) is not None:
         return None  # asked for what the faster engine does not do (tensor parallelism, a converted dtype)
     return fastest
 

@@ -319,15 +319,16 @@ class Downloader:
                 self._request_draft(state, instance)
 
     def _request_draft(self, state: State, instance: Instance) -> None:
-        """The model that drafts for `instance` (`serving.draft`), whole and as GGUF, where this node leads it and
-        does not hold it yet."""
+        """The model that drafts for `instance` (`serving.draft`), whole and in the form the instance's engine loads,
+        where this node leads it and does not hold it yet."""
         draft = instance.serving.draft_model
         if draft is None or instance.failed or instance.leader_node != self.node_id:
             return
         download = state.download(self.node_id, draft)
         card = find_card(state, draft)
-        if card is not None and (download is None or not download.progress.holds(ModelFormat.GGUF)):
-            self.request(draft, 0, card.num_layers, ModelFormat.GGUF)
+        form = engine_format(instance.serving.engine)
+        if card is not None and (download is None or not download.progress.holds(form)):
+            self.request(draft, 0, card.num_layers, form)
 
     def request(self, model_id: ModelId, start: int, end: int, form: ModelFormat | None) -> None:
         """Make layers `[start, end)` of `model_id` available here in `form` (None: MLX)."""

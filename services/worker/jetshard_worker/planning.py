@@ -5,7 +5,7 @@ from __future__ import annotations
 import msgspec
 from jetshard_schema.ids import InstanceId, ModelId, NodeId
 from jetshard_schema.state import Instance, State
-from jetshard_schema.types import ModelFormat, RunnerStatus, ServingSettings, WeightsDtype, engine_format
+from jetshard_schema.types import RunnerStatus, ServingSettings, WeightsDtype, engine_format
 
 
 class RunnerKey(msgspec.Struct, frozen=True):
@@ -35,7 +35,8 @@ class RunnerPlan(msgspec.Struct, frozen=True, kw_only=True):
     """The memory placement counted for this rank (`ShardAssignment.memory_bytes`): its node holds it back until
     the runner has grown into it (prompt caches, KV rows of a full batch)."""
     draft_dir: str = ""
-    """On the leader of an instance whose `serving.draft` names a model: where that model's GGUF is."""
+    """On the leader of an instance whose `serving.draft` names a model: where that model's files are, in the form its
+    engine loads."""
 
 
 class Plan(msgspec.Struct, frozen=True, kw_only=True):
@@ -90,7 +91,7 @@ def _startable(state: State, instance: Instance, node_id: NodeId) -> RunnerPlan 
     draft_dir = ""
     if instance.serving.draft_model is not None and shard.rank == instance.leader_rank:
         draft = state.download(node_id, instance.serving.draft_model)
-        if draft is None or not draft.progress.holds(ModelFormat.GGUF):
+        if draft is None or not draft.progress.holds(engine_format(instance.serving.engine)):
             return None  # the model that drafts is not here yet (the downloader fetches it for the leader)
         draft_dir = draft.progress.directory
     reported = [instance.endpoints[s.rank] for s in instance.shards]

@@ -117,7 +117,7 @@ function draftOptions(draftModel) {
   return [
     el("option", { value: "" }, "the API's setting"),
     el("option", { value: "ngram" }, "ngram (prompt lookup)"),
-    draftModel ? el("option", { value: draftModel }, `${draftModel} (its card's draft model; llama.cpp)`) : null,
+    draftModel ? el("option", { value: draftModel }, `${draftModel} (its card's draft model)`) : null,
   ].filter(Boolean);
 }
 

@@ -43,9 +43,9 @@ from jetshard_worker.library_boundary import can_trim_prompt_cache
 from jetshard_worker.ring_hostfile import ring_listen_port
 
 from .blas_threads import BlasThreads
+from .drafting import Drafter
 from .images import pack_prompt
 from .prefixes import PrefixHit, PrefixIndex
-from .prompt_lookup import ngram_draft
 from .protocol import (
     FLAG_COHORT,
     HELLO_BAD_END,
@@ -347,7 +347,7 @@ class PipelineEngine:
         prefix_cache_bytes: int = 512 * 2**20,
         max_prefill_batch: int = 8,
         kv_bits: int | None = None,
-        draft_tokens: int = 0,
+        drafter: Drafter | None = None,
     ) -> None:
         size = 1 if group is None else group.size()
         rank = 0 if group is None else group.rank()
@@ -375,8 +375,6 @@ class PipelineEngine:
             raise ValueError(f"interleaved_prefill_tokens must be >= 1, got {interleaved_prefill_tokens}")
         if max_prefill_batch < 1:
             raise ValueError(f"max_prefill_batch must be >= 1, got {max_prefill_batch}")
-        if draft_tokens < 0:
-            raise ValueError(f"draft_tokens must be >= 0, got {draft_tokens}")
         self.shard = shard
         self.rank = rank
         self.size = size
@@ -408,9 +406,9 @@ class PipelineEngine:
         self._cohorts = 0  # cohorts started: the next one's id
         # Whether a saved prefix can be cut to a shorter one (not for sliding-window caches).
         self._trimmable_cache = can_trim_prompt_cache(shard.make_cache())
-        # Prompt lookup proposes up to draft_tokens tokens after each greedy row's last (`_send_decode`); a cache
-        # that cannot be cut (sliding-window, recurrent layers) cannot drop the ones the model does not keep.
-        self.draft_tokens = draft_tokens if self._trimmable_cache else 0
+        # The drafter proposes tokens after each greedy row's last (`_send_decode`); a cache that cannot be cut
+        # (sliding-window, recurrent layers) cannot drop the ones the model does not keep.
+        self.drafter = drafter if self._trimmable_cache else None
         # The decoding rows, split in micro-batches: with one per rank, each rank computes one while the
         # others compute the rest, so no rank of the ring waits for another. Tensor ranks compute every step
         # together: one.
@@ -867,7 +865,7 @@ class PipelineEngine:
         logprobs asked (a row of any other kind decodes one token a step, and so does its micro-batch), and one row
         due to look drafts up."""
         return (
-            bool(self.draft_tokens)
+            self.drafter is not None
             and all(
                 t.sampler.greedy and not t.processes_logits and t.request.top_logprobs is None and t.generated
                 for t in rows
@@ -876,8 +874,9 @@ class PipelineEngine:
         )
 
     def _drafts(self, group: _Group) -> list[list[int]] | None:
-        """The tokens prompt lookup proposes after each row's last, once the group's last step is read; None where
-        it proposes none (the step then decodes as without drafting)."""
+        """The tokens the drafter proposes after each row's last, once the group's last step is read; None where it
+        proposes none (the step then decodes as without drafting)."""
+        assert self.drafter is not None
         if group.launched is not None:
             self._read(group.launched)
             group.launched = None
@@ -888,7 +887,8 @@ class PipelineEngine:
                 drafts.append([])
                 continue
             room = task.request.max_tokens - len(task.generated) - 1  # the step's own token comes too
-            draft = ngram_draft([*task.request.prompt_tokens, *task.generated], min(self.draft_tokens, room))
+            context = [*task.request.prompt_tokens, *task.generated]
+            draft = self.drafter.propose(task, context, min(self.drafter.most, room))
             if not draft:
                 task.drafted(0)
             drafts.append(draft)
@@ -1105,6 +1105,8 @@ class PipelineEngine:
                     group.rows.remove(task)
             if release:
                 self._send(_Sent(Header(Op.RELEASE, task.slot)))
+        if self.drafter is not None:
+            self.drafter.forget(task)
         request = task.request
         self._forget(request.task_id)
         self._emit_finished(request.task_id, reason, len(request.prompt_tokens), len(task.generated))

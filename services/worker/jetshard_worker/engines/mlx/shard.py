@@ -170,16 +170,16 @@ class Shard:
 def load_shard(
     model_dir: Path,
     start_layer: int,
-    end_layer: int,
+    end_layer: int | None,
     on_progress: ProgressCallback | None = None,
     *,
     dtype: mx.Dtype | None = None,
     tensor_group: mx.distributed.Group | None = None,
 ) -> Shard:
-    """Build the mlx-lm model of `model_dir` holding layers `[start_layer, end_layer)` only,
-    reading only the tensors that range needs. `dtype` (None: the checkpoint's own) dequantizes quantized layers
-    and casts the other floating weights to it: float32 on a CPU with a fast BLAS, which multiplies that several
-    times faster than quantized kernels; bfloat16 or float16 for a full-precision checkpoint on a GPU.
+    """Build the mlx-lm model of `model_dir` holding layers `[start_layer, end_layer)` only (`end_layer` None: to
+    the last), reading only the tensors that range needs. `dtype` (None: the checkpoint's own) dequantizes quantized
+    layers and casts the other floating weights to it: float32 on a CPU with a fast BLAS, which multiplies that
+    several times faster than quantized kernels; bfloat16 or float16 for a full-precision checkpoint on a GPU.
     With a `tensor_group` of several ranks this rank keeps only its slice of each layer (see `split_every_layer`)."""
     if dtype is not None and dtype not in HOLDABLE_DTYPES:
         raise ValueError(f"weights can be held as {', '.join(map(str, HOLDABLE_DTYPES))}, not {dtype}")
@@ -197,6 +197,8 @@ def load_shard(
     if inner is None or not isinstance(getattr(inner, "layers", None), list):
         raise ValueError(f"mlx-lm module {arch!r} has no decoder layer list at model.model.layers")
     num_layers = len(inner.layers)
+    if end_layer is None:
+        end_layer = num_layers
     if not 0 <= start_layer < end_layer <= num_layers:
         raise ValueError(
             f"layer range [{start_layer}, {end_layer}) is not a non-empty range within the model's {num_layers} layers"

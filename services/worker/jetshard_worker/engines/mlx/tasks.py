@@ -38,8 +38,8 @@ from jetshard_worker.text.textstream import StopText
 from jetshard_worker.text.toolcalls import ToolCallSplitter, forced_call_schema
 
 from .distributed import init_ring
+from .drafting import Drafter, DraftModel, PromptLookup
 from .engine import GenerationRequest, PipelineEngine, TokenScores
-from .prompt_lookup import NGRAM_DRAFT_TOKENS
 from .shard import Shard, load_shard
 
 log = logging.getLogger(__name__)
@@ -76,7 +76,13 @@ async def load(spec: RunnerSpec, events: RowEvents, on_progress: OnProgress) -> 
         if tunnels is not None:
             await tunnels.close()
         raise
-    serving = MlxServing(spec, events, shard, group, tunnels)
+    try:
+        drafter = await asyncio.to_thread(_drafter, spec, shard)
+    except BaseException:
+        if tunnels is not None:
+            await tunnels.close()
+        raise
+    serving = MlxServing(spec, events, shard, group, tunnels, drafter)
     if serving.is_leader:
         serving.tokenizer = await asyncio.to_thread(load_tokenizer, model_dir, None, sorted(shard.eos_token_ids))
         markers = think_markers_of(serving.tokenizer)
@@ -86,6 +92,16 @@ async def load(spec: RunnerSpec, events: RowEvents, on_progress: OnProgress) -> 
         serving.context_length = int(shard.config.get("max_position_embeddings") or serving.context_length)
         serving.model_generation = read_generation_config(model_dir)
     return serving
+
+
+def _drafter(spec: RunnerSpec, shard: Shard) -> Drafter | None:
+    """How the leader drafts (`serving.draft`): by prompt lookup, or with the model the downloader put in the plan's
+    `draft_dir` (only the leader's plan names one), loaded whole as stored."""
+    if spec.plan.serving.draft == Drafting.NGRAM:
+        return PromptLookup()
+    if not spec.plan.draft_dir:
+        return None
+    return DraftModel(load_shard(Path(spec.plan.draft_dir), 0, None), shard.config.get("vocab_size"))
 
 
 async def _join_ring(spec: RunnerSpec) -> tuple[mx.distributed.Group | None, RingTunnels | None]:
@@ -123,6 +139,7 @@ class MlxServing:
         shard: Shard,
         group: mx.distributed.Group | None,
         tunnels: RingTunnels | None = None,
+        drafter: Drafter | None = None,
     ) -> None:
         self._spec = spec
         self._tunnels = tunnels
@@ -146,7 +163,7 @@ class MlxServing:
             max_batch=spec.plan.serving.max_batch,
             prefix_cache_bytes=spec.plan.serving.prefix_cache_bytes,
             kv_bits=spec.plan.serving.kv_cache_type.quantized_bits,
-            draft_tokens=NGRAM_DRAFT_TOKENS if spec.plan.serving.draft == Drafting.NGRAM else 0,
+            drafter=drafter,
         )
         self.tokenizer: Any = None
         self.think_markers: ThinkMarkers | None = None
