@@ -497,14 +497,14 @@ def demo(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def demo_draft(demo: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A draft made for the tests: the demo's first 6 layers, its embedding and head (the same tokenizer; a
-    layer-skipping draft, which agrees with its model often but not always)."""
+    """A draft made for the tests: the demo's first 26 of 30 layers, its embedding and head (the same tokenizer; a
+    layer-skipping draft, which agrees with its model often but not always: with fewer layers, seldom)."""
     draft = tmp_path_factory.mktemp("demo-draft")
     for path in demo.iterdir():
         (draft / path.name).symlink_to(path)
     (draft / "config.json").unlink()
     config = json.loads((demo / "config.json").read_text())
-    (draft / "config.json").write_text(json.dumps({**config, "num_hidden_layers": 6}))
+    (draft / "config.json").write_text(json.dumps({**config, "num_hidden_layers": 26}))
     return draft
 
 
@@ -525,11 +525,11 @@ def chat_prompts(model_dir: Path, questions: list[str]) -> list[list[int]]:
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("drafting", ["ngram", "draft model"])
 def test_drafting_answers_token_for_token_as_mlx_lm_without_it(demo: Path, demo_draft: Path, drafting: str) -> None:
-    """`serving.draft` on MLX: greedy rows propose tokens (those that followed their last ones earlier in the prompt
-    or answer, or a smaller model's), the model checks them in one step, and the cache drops those it did not keep.
-    A sampled row decodes one token a step, and so does its batch while it runs. A prompt that arrives while the
-    first one drafts joins the batch between a checking step and the drop that follows it (which leaves the joined
-    row as it is). Each greedy row's text is mlx-lm's for its prompt alone, without drafting."""
+    """`serving.draft` on MLX: rows propose tokens (those that followed their last ones earlier in the prompt or
+    answer, or a smaller model's), the model checks them in one step, and the cache drops those it did not keep.
+    A prompt that arrives while the first one drafts joins the batch between a checking step and the drop that
+    follows it (which leaves the joined row as it is). Each greedy row's text is mlx-lm's for its prompt alone,
+    without drafting; a seeded sampled row's is the engine's without drafting, token for token."""
     prompts = chat_prompts(demo, [CODE_EDIT, f"{CODE_EDIT}\nThen say done."])
     expected = reference(demo, prompts)
     collector = Collector()
@@ -547,13 +547,22 @@ def test_drafting_answers_token_for_token_as_mlx_lm_without_it(demo: Path, demo_
         prefill_step_size=16,
         drafter=drafter("ngram" if drafting == "ngram" else str(demo_draft), shard),
     )
-    sampled = GenerationRequest("sampled", prompts[0], 4, temperature=1.0, seed=7)
+    sampled = GenerationRequest("sampled", prompts[0], 2 * MAX_TOKENS, temperature=0.1, seed=7)
 
     run_single(engine, [GenerationRequest("t0", prompts[0], MAX_TOKENS), sampled], collector, submitted_later=("t1",))
 
     for i, tokens in enumerate(expected):
         assert collector.tokens.get(f"t{i}", []) == tokens, f"prompt {i}"
-    assert len(collector.tokens["sampled"]) == 4
+    assert 0 < engine.stats.accepted_tokens < engine.stats.drafted_tokens
+    undrafted = Collector()
+    plain = PipelineEngine(shard, on_token=undrafted.on_token, on_finished=undrafted.on_finished, prefill_step_size=16)
+    run_single(plain, [sampled], undrafted)
+    assert collector.tokens["sampled"] == undrafted.tokens["sampled"]
+    # Alone, the sampled row drafts: some of its drafts are what it drew, and kept.
+    alone = Collector()
+    engine = PipelineEngine(shard, on_token=alone.on_token, on_finished=alone.on_finished, drafter=engine.drafter)
+    run_single(engine, [sampled], alone)
+    assert alone.tokens["sampled"] == undrafted.tokens["sampled"]
     assert 0 < engine.stats.accepted_tokens < engine.stats.drafted_tokens
 
 

@@ -108,9 +108,10 @@ def serves(cmdline: list[str] | None, model_id: str) -> bool:
     )
 
 
-def greedy_text(client: openai.OpenAI, model: str, prompt: str) -> str:
+def greedy_text(client: openai.OpenAI, model: str, prompt: str, temperature: float = 0, seed: int | None = None) -> str:
+    """The answer to `prompt` (greedy, or drawn at `temperature` from `seed`)."""
     reply = client.chat.completions.create(
-        model=model, messages=[{"role": "user", "content": prompt}], max_tokens=64, temperature=0
+        model=model, messages=[{"role": "user", "content": prompt}], max_tokens=64, temperature=temperature, seed=seed
     )
     return reply.choices[0].message.content or ""
 
@@ -175,6 +176,11 @@ def test_prompt_lookup_on_mlx_answers_token_for_token_as_without_it(
         assert (drafting["serving"]["engine"], drafting["serving"]["draft"]) == ("mlx", "ngram")  # type: ignore[index]
         for prompt in (CODE_EDIT, PROMPTS[0]):
             assert greedy_text(client, MLX_NGRAM_MODEL, prompt) == greedy_text(client, MLX_PLAIN_MODEL, prompt), prompt
+        # A sampled answer drafts too, and keeps what it draws: with the same seed, the same text.
+        drawn = {"temperature": 0.2, "seed": 7}
+        assert greedy_text(client, MLX_NGRAM_MODEL, CODE_EDIT, **drawn) == greedy_text(
+            client, MLX_PLAIN_MODEL, CODE_EDIT, **drawn
+        )
         assert_drafts_counted(llamacpp_cluster.api, str(drafting["instance_id"]))
 
 

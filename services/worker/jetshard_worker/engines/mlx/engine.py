@@ -861,15 +861,11 @@ class PipelineEngine:
         self._send(_Sent(header, rows=rows, drafts=drafts), inputs)
 
     def _drafting(self, rows: list[_Task]) -> bool:
-        """Whether the micro-batch drafts its next step: every row greedy, with no logits processor and no
-        logprobs asked (a row of any other kind decodes one token a step, and so does its micro-batch), and one row
-        due to look drafts up."""
+        """Whether the micro-batch drafts its next step: no row with a logits processor or logprobs asked (a row
+        of either kind decodes one token a step, and so does its micro-batch), and one row due to draft."""
         return (
             self.drafter is not None
-            and all(
-                t.sampler.greedy and not t.processes_logits and t.request.top_logprobs is None and t.generated
-                for t in rows
-            )
+            and all(not t.processes_logits and t.request.top_logprobs is None and t.generated for t in rows)
             and any(not t.undrafted_steps for t in rows)
         )
 
@@ -1009,18 +1005,27 @@ class PipelineEngine:
     def _verified(
         self, group: _Group, rows: list[_Task], drafts: list[list[int]], header: Header, hidden: mx.array
     ) -> None:
-        """A step that checked drafted tokens: each row keeps its drafts up to the first the model would not have
-        chosen, and the model's own token there (greedy: the tokens it gives without drafting). Every rank's caches
-        then drop the positions of the drafts not kept (ROLLBACK), before the group's next step."""
+        """A step that checked drafted tokens: each row draws a token at every position, as it would have there
+        had the drafts before it been its own (`TaskSampler.ahead`), and keeps its drafts up to the first it did
+        not draw, and the token it drew there: the tokens it gives without drafting (a sampled row: with the same
+        seed). Every rank's caches then drop the positions of the drafts not kept (ROLLBACK), before the group's
+        next step."""
         group.in_flight = False
         h = self._run_layers(self._arrived(hidden), self._caches.for_decode(header))
-        chosen = cast("list[list[int]]", mx.argmax(self.shard.head(h), axis=-1).tolist())
+        logits = self.shard.head(h)
+        if all(t.sampler.greedy for t in rows):
+            drawn = mx.argmax(logits, axis=-1)
+        else:
+            logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+            drawn = mx.stack([t.sampler.ahead(logprobs[i]) for i, t in enumerate(rows)])
+        chosen = cast("list[list[int]]", drawn.tolist())
         drops: dict[_Task, int] = {}
         for task, draft, tokens in zip(rows, drafts, chosen, strict=True):
             kept = next((i for i, token in enumerate(draft) if tokens[i] != token), len(draft))
             self.stats.drafted_tokens += len(draft)
             self.stats.accepted_tokens += kept
             drops[task] = len(tokens) - 1 - kept
+            task.sampler.advance(kept + 1)
             if draft:
                 task.drafted(kept)
             for token in tokens[: kept + 1]:

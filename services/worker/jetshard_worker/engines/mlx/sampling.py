@@ -44,6 +44,27 @@ class TaskSampler:
             # Same op as mlx_lm's greedy_sampler, so greedy output matches mlx-lm exactly.
             return mx.argmax(logprobs, axis=-1)
         self._key, key = mx.random.split(self._key)
+        return self._draw(logprobs, key)
+
+    def ahead(self, logprobs: mx.array) -> mx.array:
+        """`logprobs` (positions, vocab), the task's at consecutive positions (a step that checks drafted tokens) ->
+        the token each position draws, with the key it would draw with were the ones before it kept: the tokens it
+        keeps are those it would sample without drafting. `advance` then spends the keys of the tokens kept."""
+        if self.greedy:
+            return mx.argmax(logprobs, axis=-1)
+        key, tokens = self._key, []
+        for position in range(logprobs.shape[0]):
+            key, drawing = mx.random.split(key)
+            tokens.append(self._draw(logprobs[position : position + 1], drawing))
+        return mx.concatenate(tokens)
+
+    def advance(self, kept: int) -> None:
+        """`kept` tokens drawn by `ahead` were kept: the next draws with the key after theirs."""
+        if not self.greedy:
+            for _ in range(kept):
+                self._key, _ = mx.random.split(self._key)
+
+    def _draw(self, logprobs: mx.array, key: mx.array) -> mx.array:
         if 0 < self.top_k < logprobs.shape[-1]:  # mlx-lm refuses a k that keeps the whole vocabulary
             logprobs = apply_top_k(logprobs, self.top_k)
         if self.top_p < 1:
