@@ -44,7 +44,6 @@ from _common import (
     model_directory,
     table,
 )
-from jetshard_worker.engines.mlx.drafting import DRAFT_MODEL_TOKENS
 from llamacpp import SLOT_CONTEXT, llama_cpp_build, llama_server
 
 CODE = "\n\n".join(
@@ -114,11 +113,9 @@ def import_draft(api: str, path: Path) -> None:
 def mlx_upstream(
     model_dir: Path, draft_dir: Path | None, root: Path, max_tokens: int, rounds: int
 ) -> dict[str, tuple[float, str]]:
-    """mlx_lm.server's figures, drafting with the model in `draft_dir` (as many tokens a step as jetshard's MLX
-    runner) where one is given."""
-    drafting = []
-    if draft_dir is not None:
-        drafting = ["--draft-model", str(draft_dir), "--num-draft-tokens", str(DRAFT_MODEL_TOKENS)]
+    """mlx_lm.server's figures, drafting with the model in `draft_dir` where one is given (as many tokens a step as
+    jetshard's MLX runner: mlx_lm.server's default, 3)."""
+    drafting = [] if draft_dir is None else ["--draft-model", str(draft_dir)]
     name = "mlx_lm_server" + ("_drafting" if drafting else "")
     with mlx_lm_server(model_dir, {}, root / f"{name}.log", *drafting) as (url, _):
         return {kind: tokens_per_s(f"{url}/v1", "default_model", p, max_tokens, rounds) for kind, p in PROMPTS.items()}
