@@ -5,6 +5,7 @@ a drafter changes how fast an answer comes, never what it is."""
 from __future__ import annotations
 
 from collections.abc import Hashable, Sequence
+from dataclasses import dataclass, field
 from typing import Any, Protocol, cast
 
 import mlx.core as mx
@@ -46,6 +47,15 @@ class PromptLookup:
         pass
 
 
+@dataclass
+class _DraftRow:
+    """A row's KV cache in the draft model: its first `context_tokens` tokens of context, then `drafts_read`."""
+
+    cache: list[Any]
+    context_tokens: int = 0
+    drafts_read: list[int] = field(default_factory=list)
+
+
 class DraftModel:
     """`serving.draft: <model id>`: a smaller model's greedy tokens, as mlx-lm's speculative decoding drafts. Each row
     keeps a KV cache of its own in the draft model, cut back each step to what the row kept, so the draft reads only
@@ -63,21 +73,23 @@ class DraftModel:
         # A draft's vocabulary may be padded past the model's: it proposes none of the tokens the model has not.
         self._vocab_size = vocab_size
         self.most = most
-        self._rows: dict[Hashable, tuple[list[Any], list[int]]] = {}
+        self._rows: dict[Hashable, _DraftRow] = {}
 
     def propose(self, row: Hashable, context: Sequence[int], most: int) -> list[int]:
         if most < 1:
             return []
-        cache, cached = self._rows.get(row) or (self._shard.make_cache(), [])
-        # What the cache holds that the row kept; at least the context's last token is read again, for its logits.
-        common = 0
-        for held, token in zip(cached, context[:-1], strict=False):
-            if held != token:
+        held = self._rows.get(row) or _DraftRow(self._shard.make_cache())
+        # What the cache holds that the row kept: the context it was last given (a row's context only grows), and
+        # the drafts read after it up to the first the row did not keep. The context's last token is read again
+        # at least, for its logits.
+        kept = held.context_tokens
+        for token in held.drafts_read:
+            if kept >= len(context) - 1 or context[kept] != token:
                 break
-            common += 1
-        if len(cached) > common:
-            trim_prompt_cache(cache, len(cached) - common)
-        unread = list(context[common:])
+            kept += 1
+        trim_prompt_cache(held.cache, held.context_tokens + len(held.drafts_read) - kept)
+        unread = list(context[kept:])
+        cache = held.cache
         while len(unread) > DRAFT_PREFILL_TOKENS:
             self._forward(mx.array([unread[:DRAFT_PREFILL_TOKENS]], dtype=mx.int32), cache)
             mx.eval([c.state for c in cache])
@@ -90,7 +102,7 @@ class DraftModel:
             if step + 1 < most:
                 logits = self._forward(proposed.reshape(1, 1), cache)
         drafts = cast("list[int]", mx.concatenate(tokens).tolist())
-        self._rows[row] = (cache, [*context, *drafts[:-1]])  # the last draft was never read
+        self._rows[row] = _DraftRow(cache, len(context), drafts[:-1])  # the last draft was never read
         return drafts
 
     def forget(self, row: Hashable) -> None:
