@@ -170,8 +170,8 @@ class _Task:
     finished: bool = False
     pooled: mx.array | None = None  # an embedding task's sum of final-norm outputs over the prompt so far
     history: mx.array | None = None  # its prompt and generated ids, for its logits processors; grown, never rebuilt
-    drafts_missed: int = 0  # its lookups in a row that proposed nothing the model kept
-    undrafted_steps: int = 0  # steps it decodes without looking up drafts before it looks again
+    drafts_missed: int = 0  # its drafting steps in a row that proposed nothing the model kept
+    undrafted_steps: int = 0  # steps it decodes without drafting before it drafts again
 
     def to_prefill(self) -> Sequence[int]:
         """The prompt tokens its cache still needs: after the restored prefix, and all but the last one, which
@@ -181,9 +181,9 @@ class _Task:
         return prompt[start:] if self.request.embed else prompt[start:-1]
 
     def drafted(self, kept: int) -> None:
-        """After a lookup for it: `kept` of the tokens it proposed were kept (0 where it proposed none). Where the
-        text stops repeating itself, a lookup costs a step that waits for the last one's tokens, and a draft widens
-        it for nothing: a row whose lookups keep missing waits twice as many steps each time before the next."""
+        """After drafting for it: `kept` of the tokens proposed were kept (0 where none were proposed). Where the
+        drafts stop matching, drafting costs a step that waits for the last one's tokens, and a draft widens it for
+        nothing: a row whose drafts keep missing waits twice as many steps each time before the next."""
         self.drafts_missed = 0 if kept else self.drafts_missed + 1
         self.undrafted_steps = min(2**self.drafts_missed - 1, MAX_UNDRAFTED_STEPS)
 
@@ -406,7 +406,7 @@ class PipelineEngine:
         self._cohorts = 0  # cohorts started: the next one's id
         # Whether a saved prefix can be cut to a shorter one (not for sliding-window caches).
         self._trimmable_cache = can_trim_prompt_cache(shard.make_cache())
-        # The drafter proposes tokens after each greedy row's last (`_send_decode`); a cache that cannot be cut
+        # The drafter proposes tokens after each row's last (`_send_decode`); a cache that cannot be cut
         # (sliding-window, recurrent layers) cannot drop the ones the model does not keep.
         self.drafter = drafter if self._trimmable_cache else None
         # The decoding rows, split in micro-batches: with one per rank, each rank computes one while the

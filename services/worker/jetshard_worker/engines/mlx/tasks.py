@@ -70,14 +70,10 @@ async def load(spec: RunnerSpec, events: RowEvents, on_progress: OnProgress) -> 
             dtype=dtype,
             tensor_group=group,
         )
+        # Before a pipeline rank joins the ring, so that the leader loads its draft while the others load theirs.
+        drafter = await asyncio.to_thread(_drafter, spec, shard)
         if not tensor:
             group, tunnels = await _join_ring(spec)
-    except BaseException:
-        if tunnels is not None:
-            await tunnels.close()
-        raise
-    try:
-        drafter = await asyncio.to_thread(_drafter, spec, shard)
     except BaseException:
         if tunnels is not None:
             await tunnels.close()
