@@ -28,7 +28,7 @@ import psutil
 import pytest
 from helpers.harness import Cluster, free_port, until, wait_for
 from helpers.mounts import tmpfs
-from jetshard_downloader.convert import NotEnoughSpace, convert_packaged, install_gguf
+from jetshard_downloader.convert import NotEnoughSpace, StoreHooks, convert_packaged, install_gguf
 from jetshard_downloader.dirs import ModelDirs, free_bytes
 from jetshard_downloader.fetch import Cancelled
 from jetshard_downloader.gguf import packaged_demo_gguf
@@ -44,7 +44,6 @@ ROOT = Path(__file__).resolve().parent.parent
 DEMO_DIR_NAME = "jetshard--SmolLM2-135M-Instruct-Q4"
 README = Path(__file__).parent.parent / "README.md"
 README_URL = "http://127.0.0.1:52415"
-FINAL = (DownloadStatus.COMPLETED, DownloadStatus.FAILED)
 
 
 def processes_mentioning(text: str) -> list[psutil.Process]:
@@ -357,7 +356,9 @@ def test_a_dir_that_fills_up_mid_conversion_is_cleaned_up_and_the_next_one_used(
         assert free_bytes(tight) >= card.storage_size_bytes
         targets: list[Path] = []
         directory, size = convert_packaged(
-            card, ModelDirs.from_options(tight, [roomy]), on_target=lambda model_dir, _: targets.append(model_dir)
+            card,
+            ModelDirs.from_options(tight, [roomy]),
+            StoreHooks(on_target=lambda model_dir, _: targets.append(model_dir)),
         )
         assert targets == [tight / DEMO_DIR_NAME, roomy / DEMO_DIR_NAME]
         assert directory == roomy / DEMO_DIR_NAME and size > free_bytes(tight)
@@ -383,7 +384,9 @@ def test_a_replacement_that_fails_midway_keeps_the_stored_model(tmp_path: Path) 
             cancel.set()
 
     with pytest.raises(Cancelled):
-        install_gguf(gguf, dirs, "local/demo", on_progress=cancel_once_read, cancel=cancel, replace=True)
+        install_gguf(
+            gguf, dirs, "local/demo", hooks=StoreHooks(on_progress=cancel_once_read, cancel=cancel), replace=True
+        )
     found = find_model(dirs, "local/demo")
     assert found is not None and found.path == directory
     assert (directory / MANIFEST_NAME).read_bytes() == manifest
@@ -448,7 +451,7 @@ async def test_a_killed_conversion_or_a_half_written_model_is_never_complete(clu
     assert not (target / MANIFEST_NAME).exists()
 
     cluster.start_downloader("downloader-again", config, "--offline", "--default-models-dir", str(models))
-    demo = await cluster.wait_download(node, DEMO_MODEL_ID, FINAL, 120)
+    demo = await cluster.wait_download(node, DEMO_MODEL_ID, timeout_s=120)
     assert demo.progress.status is DownloadStatus.COMPLETED, demo.progress.reason
     found = find_model(dirs, DEMO_MODEL_ID)
     assert found is not None and found.path == target

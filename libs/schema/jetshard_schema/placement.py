@@ -455,6 +455,23 @@ def _engine_refusal(
     return None
 
 
+def _pipeline_shards(
+    chosen: Sequence[Node],
+    ranges: Sequence[tuple[int, int]],
+    weights: Sequence[WeightsDtype],
+    memory_bytes: Sequence[int],
+) -> tuple[ShardAssignment, ...]:
+    """A pipeline in the order of `chosen`: each node's rank, its layer range, dtype and memory, one per node."""
+    return tuple(
+        ShardAssignment(
+            node_id=node.node_id, rank=rank, start_layer=start, end_layer=end, memory_bytes=memory, weights=dtype
+        )
+        for rank, (node, (start, end), dtype, memory) in enumerate(
+            zip(chosen, ranges, weights, memory_bytes, strict=True)
+        )
+    )
+
+
 def _not_yet(engine: Engine) -> str:
     return " (yet: its build may still be running)" if engine is Engine.LLAMA_CPP else ""
 
@@ -490,16 +507,14 @@ def _place_llama_cpp(
         raise PlacementError(sizing.shortfall(chosen, named))
     # Layers in proportion to what each node holds (in thousandths of a layer: integer weights for split_layers).
     ranges = split_layers(card.num_layers, [max(1, int(held * 1000)) for held in held_by])
-    shards = tuple(
-        ShardAssignment(
-            node_id=node.node_id,
-            rank=rank,
-            start_layer=start,
-            end_layer=end,
-            memory_bytes=sizing.shard_bytes(end - start, leader=rank == 0, nodes=len(chosen)),
-            weights=WeightsDtype.NATIVE,
-        )
-        for rank, (node, (start, end)) in enumerate(zip(chosen, ranges, strict=True))
+    shards = _pipeline_shards(
+        chosen,
+        ranges,
+        [WeightsDtype.NATIVE] * len(chosen),
+        [
+            sizing.shard_bytes(end - start, leader=rank == 0, nodes=len(chosen))
+            for rank, (start, end) in enumerate(ranges)
+        ],
     )
     return Placement(shards=shards, required_bytes=sum(s.memory_bytes for s in shards), serving=serving)
 
@@ -595,16 +610,11 @@ def _place_mlx(
         compute_memory_bytes(n.profile) * widest // sizing.required(w) for n, w in zip(chosen, dtypes, strict=True)
     ]
     ranges = split_layers(card.num_layers, shares)
-    shards = tuple(
-        ShardAssignment(
-            node_id=node.node_id,
-            rank=rank,
-            start_layer=start,
-            end_layer=end,
-            memory_bytes=sizing.required(weights) * (end - start) // card.num_layers,
-            weights=weights,
-        )
-        for rank, (node, weights, (start, end)) in enumerate(zip(chosen, dtypes, ranges, strict=True))
+    shards = _pipeline_shards(
+        chosen,
+        ranges,
+        dtypes,
+        [sizing.required(w) * (end - start) // card.num_layers for w, (start, end) in zip(dtypes, ranges, strict=True)],
     )
     layers_in: Counter[WeightsDtype] = Counter()
     for shard, weights in zip(shards, dtypes, strict=True):

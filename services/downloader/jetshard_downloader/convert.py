@@ -40,6 +40,18 @@ ProgressCallback = Callable[[int, int], None]
 TargetCallback = Callable[[Path, int], None]
 """Called with the model directory a conversion is about to write and the bytes it expects to write there."""
 
+
+@dataclasses.dataclass(frozen=True)
+class StoreHooks:
+    """How the downloader watches one model stored from a GGUF (converted or placed), on the thread doing it."""
+
+    reserved: Mapping[Path, int] = dataclasses.field(default_factory=dict)
+    """Bytes other work still to come holds back in each models directory."""
+    on_target: TargetCallback | None = None
+    on_progress: ProgressCallback | None = None
+    cancel: threading.Event = dataclasses.field(default_factory=threading.Event)
+
+
 # Shares of the work, for a progress bar: hashing the GGUF, then the converter's own stages.
 _STAGES = {"hashing": (0.0, 0.2), "reading": (0.2, 0.35), "converting": (0.35, 0.9), "writing tokenizer": (0.9, 0.98)}
 _HASH_CHUNK = 8 * 1024 * 1024
@@ -90,64 +102,45 @@ def _sha256(path: Path, cancel: threading.Event, on_bytes: Callable[[int], None]
 def convert_packaged(
     card: ModelCard,
     dirs: ModelDirs,
-    *,
-    reserved: Mapping[Path, int] | None = None,
-    on_target: TargetCallback | None = None,
-    on_progress: ProgressCallback | None = None,
-    cancel: threading.Event | None = None,
+    hooks: StoreHooks = StoreHooks(),
 ) -> tuple[Path, int]:
     """Convert the card's packaged GGUF into its model directory; returns (directory, bytes written).
 
-    Raises IntegrityError when the GGUF's sha256 is not the card's, Cancelled when `cancel` is set (the
+    Raises IntegrityError when the GGUF's sha256 is not the card's, Cancelled when `hooks.cancel` is set (the
     staging directory is removed), FileNotFoundError when the package is missing, NotEnoughSpace when no
     writable directory has room.
     """
     gguf_path, expected = packaged_gguf_path(card)
-    return install_gguf(
-        gguf_path,
-        dirs,
-        card.model_id,
-        expected,
-        bytes_needed=card.storage_size_bytes,
-        reserved=reserved,
-        on_target=on_target,
-        on_progress=on_progress,
-        cancel=cancel,
-    )
+    return install_gguf(gguf_path, dirs, card.model_id, expected, bytes_needed=card.storage_size_bytes, hooks=hooks)
 
 
 def place_packaged(
     card: ModelCard,
     dirs: ModelDirs,
-    *,
-    reserved: Mapping[Path, int] | None = None,
-    on_target: TargetCallback | None = None,
-    on_progress: ProgressCallback | None = None,
-    cancel: threading.Event | None = None,
+    hooks: StoreHooks = StoreHooks(),
 ) -> tuple[Path, int]:
     """Put the card's packaged GGUF into its model directory as `model.gguf` (a hard link where the filesystem
     allows, else a copy), checked against its sha256 on the way; returns (directory, bytes stored).
 
     Raises IntegrityError on a mismatch (nothing is stored), Cancelled, FileNotFoundError, NotEnoughSpace.
     """
-    cancel = cancel or threading.Event()
     gguf_path, expected = packaged_gguf_path(card)
     size = gguf_path.stat().st_size
     dirs = beside(dirs, find_model(dirs, card.model_id))
-    choice = choose_directory(dirs, card.model_id, size, free_bytes, reserved or {}, lambda _: 0)
+    choice = choose_directory(dirs, card.model_id, size, free_bytes, hooks.reserved, lambda _: 0)
     if isinstance(choice, NoSpace):
         raise NotEnoughSpace(choice.message)
-    if on_target is not None:
-        on_target(choice.model_dir, size)
+    if hooks.on_target is not None:
+        hooks.on_target(choice.model_dir, size)
     target = choice.model_dir
     with staged(target) as out:
         out.mkdir()
 
         def advance(done: int) -> None:
-            if cancel.is_set():
+            if hooks.cancel.is_set():
                 raise Cancelled(f"placing the GGUF of {card.model_id} cancelled")
-            if on_progress is not None:
-                on_progress(done, size)
+            if hooks.on_progress is not None:
+                hooks.on_progress(done, size)
 
         actual = link_or_copy(gguf_path, out / GGUF_NAME, advance)
         if actual != expected:
@@ -169,14 +162,11 @@ def install_gguf(
     expected_sha256: str | None = None,
     *,
     bytes_needed: int = 0,
-    reserved: Mapping[Path, int] | None = None,
-    on_target: TargetCallback | None = None,
-    on_progress: ProgressCallback | None = None,
-    cancel: threading.Event | None = None,
+    hooks: StoreHooks = StoreHooks(),
     replace: bool = False,
 ) -> tuple[Path, int]:
     """Convert `gguf_path` into `<models dir>/<org>--<name>` in a writable directory of `dirs` with room for
-    `bytes_needed` (default: the GGUF's size) beyond what `reserved` holds back, manifest included, all or
+    `bytes_needed` (default: the GGUF's size) beyond what `hooks.reserved` holds back, manifest included, all or
     nothing; returns (directory, bytes written).
 
     With `expected_sha256` the file is checked first (IntegrityError on a mismatch). The converted files join
@@ -184,7 +174,7 @@ def install_gguf(
     `replace`: then the new copy takes the directory's place, and a complete copy elsewhere in a writable
     directory is removed once the new one is in.
     """
-    cancel = cancel or threading.Event()
+    cancel = hooks.cancel
     stored = find_model(dirs, model_id)
     previous = stored if replace else None
     dirs = beside(dirs, stored)
@@ -193,8 +183,8 @@ def install_gguf(
     total = max(bytes_needed, 1)
 
     def report(fraction: float) -> None:
-        if on_progress is not None:
-            on_progress(int(total * min(max(fraction, 0.0), 1.0)), total)
+        if hooks.on_progress is not None:
+            hooks.on_progress(int(total * min(max(fraction, 0.0), 1.0)), total)
 
     def stage(name: str, fraction: float) -> None:
         if cancel.is_set():
@@ -212,13 +202,13 @@ def install_gguf(
     ran_out: list[Path] = []
     while True:
         candidates = dataclasses.replace(dirs, writable=tuple(d for d in dirs.writable if d not in ran_out))
-        choice = choose_directory(candidates, model_id, bytes_needed, free_bytes, reserved or {}, lambda _: 0)
+        choice = choose_directory(candidates, model_id, bytes_needed, free_bytes, hooks.reserved, lambda _: 0)
         if isinstance(choice, NoSpace):
             raise NotEnoughSpace(
                 _filled_up_message(model_id, bytes_needed, ran_out, choice) if ran_out else choice.message
             )
-        if on_target is not None:
-            on_target(choice.model_dir, bytes_needed)
+        if hooks.on_target is not None:
+            hooks.on_target(choice.model_dir, bytes_needed)
         try:
             written = _write_converted(
                 gguf_path, choice.model_dir, model_id, f"gguf-sha256-{actual}", stage, cancel, replace

@@ -78,6 +78,7 @@ from jetshard_downloader.choose import Choice, NoSpace, choose_directory
 from jetshard_downloader.config import DownloaderConfig
 from jetshard_downloader.convert import (
     ProgressCallback,
+    StoreHooks,
     TargetCallback,
     convert_packaged,
     install_gguf,
@@ -518,13 +519,7 @@ class Downloader:
                 await self._fetch(job, card, attempt)
         elif card.source is ModelSource.GGUF_PACKAGE:
             place = convert_packaged if job.form is ModelFormat.MLX else place_packaged
-            await self._make(
-                job,
-                card,
-                lambda reserved, on_target, on_progress: place(
-                    card, self.dirs, reserved=reserved, on_target=on_target, on_progress=on_progress, cancel=job.cancel
-                ),
-            )
+            await self._make(job, card, lambda hooks: place(card, self.dirs, hooks))
         elif job.form is ModelFormat.GGUF:
             await self._stored_gguf(job, card, attempt)
         else:  # the MLX directory converted from the GGUF stored here, beside it
@@ -532,15 +527,12 @@ class Downloader:
             await self._make(
                 job,
                 card,
-                lambda reserved, on_target, on_progress: install_gguf(
+                lambda hooks: install_gguf(
                     (stored / GGUF_NAME).resolve(),
                     self.dirs,
                     card.model_id,
                     bytes_needed=card.storage_size_bytes,
-                    reserved=reserved,
-                    on_target=on_target,
-                    on_progress=on_progress,
-                    cancel=job.cancel,
+                    hooks=hooks,
                 ),
             )
 
@@ -589,16 +581,16 @@ class Downloader:
         self,
         job: _Job,
         card: ModelCard,
-        work: Callable[[dict[Path, int], TargetCallback, ProgressCallback], tuple[Path, int]],
+        work: Callable[[StoreHooks], tuple[Path, int]],
     ) -> None:
-        """Make the job's form of the whole model on this node with blocking `work(reserved, on_target,
-        on_progress)` (a conversion, a packaged GGUF placed), reporting its progress, then its completion."""
+        """Make the job's form of the whole model on this node with blocking `work(hooks)` (a conversion, a
+        packaged GGUF placed), reporting its progress, then its completion."""
         job.start, job.end = 0, card.num_layers  # always the whole model
         await self._report(job, DownloadStatus.PENDING, bytes_total=card.storage_size_bytes)
         log.info("making the %s form of %s from its GGUF", job.form, job.model_id)
         reserved = self._reserved_by_others(job)
         target, _ = await self._with_progress(
-            job, lambda on_progress, on_target: work(reserved, on_target, on_progress), None
+            job, lambda on_progress, on_target: work(StoreHooks(reserved, on_target, on_progress, job.cancel)), None
         )
         await self._report_completed(job, card, await self._written_into(job, card, target))
 
