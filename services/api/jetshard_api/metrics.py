@@ -9,10 +9,12 @@ from __future__ import annotations
 
 import time
 from collections import Counter as Tally
-from collections.abc import Callable, Iterator
-from typing import Any
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any, Generic, TypeVar
 
 from jetshard_schema.state import State
+from jetshard_schema.stats import DownloadFigures, RunnerStats, SequencerStats
 from jetshard_schema.types import Chunk
 from prometheus_client import CollectorRegistry, Counter, Histogram, disable_created_metrics
 from prometheus_client.exposition import choose_encoder
@@ -50,21 +52,20 @@ class ApiMetrics:
             ["route", "method", "code"],
             registry=self.registry,
         )
-        self.time_to_first_token = Histogram(
+        self.time_to_first_token = self._per_model_histogram(
             "jetshard_time_to_first_token_seconds",
             "From a task's submission (its model ready) to its first output, streaming or not, by model.",
-            ["model"],
-            buckets=TIME_TO_FIRST_TOKEN_BUCKETS_S,
-            registry=self.registry,
+            TIME_TO_FIRST_TOKEN_BUCKETS_S,
         )
-        self.inter_token_latency = Histogram(
+        self.inter_token_latency = self._per_model_histogram(
             "jetshard_inter_token_latency_seconds",
             "Between two pieces of one choice's output (a piece is mostly one token), by model.",
-            ["model"],
-            buckets=INTER_TOKEN_LATENCY_BUCKETS_S,
-            registry=self.registry,
+            INTER_TOKEN_LATENCY_BUCKETS_S,
         )
         self.registry.register(ClusterCollector(state, board))
+
+    def _per_model_histogram(self, name: str, documentation: str, buckets: tuple[float, ...]) -> Histogram:
+        return Histogram(name, documentation, ["model"], buckets=buckets, registry=self.registry)
 
     def count_response(self, scope: Any, status: int) -> None:
         route = scope.get("path_template") or UNMATCHED_ROUTE
@@ -114,6 +115,116 @@ class TokenTimer:
         self._last[chunk.choice] = now
 
 
+Row = TypeVar("Row")
+
+
+@dataclass(frozen=True)
+class _Series(Generic[Row]):
+    """A family the collector fills at scrape time: a sample per row, of the row's `value`."""
+
+    family: type[GaugeMetricFamily] | type[CounterMetricFamily]
+    name: str
+    documentation: str
+    value: Callable[[Row], float]
+
+
+def _families(
+    series: Sequence[_Series[Row]], labels: list[str], rows: Iterable[tuple[list[str], Row]]
+) -> Sequence[Metric]:
+    """The series' families, with a sample per row (its label values, and each series' value of it)."""
+    families = [s.family(s.name, s.documentation, labels=labels) for s in series]
+    for label_values, row in rows:
+        for s, family in zip(series, families, strict=True):
+            family.add_metric(label_values, s.value(row))
+    return families
+
+
+INSTANCE_SERIES: tuple[_Series[RunnerStats], ...] = (
+    _Series(
+        GaugeMetricFamily,
+        "jetshard_tokens_per_second",
+        "Tokens an instance sampled per second, lately.",
+        lambda s: s.tokens_per_s,
+    ),
+    _Series(
+        CounterMetricFamily,
+        "jetshard_generated_tokens",
+        "Tokens an instance sampled since its leader runner started.",
+        lambda s: s.counters.tokens,
+    ),
+    _Series(
+        GaugeMetricFamily,
+        "jetshard_batch_size",
+        "Rows (a task's choices) in an instance's current decode step.",
+        lambda s: s.batch_size,
+    ),
+    _Series(
+        CounterMetricFamily,
+        "jetshard_prefix_cache_hits",
+        "Tasks whose prompt started from an instance's saved prefix cache.",
+        lambda s: s.counters.prefix_hits,
+    ),
+    _Series(
+        CounterMetricFamily,
+        "jetshard_prefix_cache_hit_tokens",
+        "Prompt tokens prefix-cache hits did not prefill.",
+        lambda s: s.counters.prefix_hit_tokens,
+    ),
+    _Series(
+        GaugeMetricFamily,
+        "jetshard_prefix_cache_bytes",
+        "Size of an instance's saved prefix caches.",
+        lambda s: s.counters.prefix_cache_bytes,
+    ),
+    _Series(
+        CounterMetricFamily,
+        "jetshard_draft_tokens",
+        "Tokens an instance drafted for its model to check (serving.draft).",
+        lambda s: s.counters.drafted_tokens,
+    ),
+    _Series(
+        CounterMetricFamily,
+        "jetshard_draft_accepted_tokens",
+        "Drafted tokens the model kept: over jetshard_draft_tokens, the acceptance rate.",
+        lambda s: s.counters.accepted_tokens,
+    ),
+)
+DOWNLOAD_SERIES: tuple[_Series[DownloadFigures], ...] = (
+    _Series(
+        GaugeMetricFamily,
+        "jetshard_download_done_bytes",
+        "Bytes of a download under way that are on disk.",
+        lambda d: d.done_bytes,
+    ),
+    _Series(
+        GaugeMetricFamily,
+        "jetshard_download_expected_bytes",
+        "Bytes a download under way fetches in all.",
+        lambda d: d.expected_bytes,
+    ),
+)
+SEQUENCER_SERIES: tuple[_Series[SequencerStats], ...] = (
+    _Series(
+        CounterMetricFamily,
+        "jetshard_events_appended",
+        "Events a sequencer appended since it started.",
+        lambda s: s.events_appended,
+    ),
+    _Series(
+        GaugeMetricFamily,
+        "jetshard_sequencer_leader",
+        "1 for the sequencer that leads.",
+        lambda s: 1 if s.leading else 0,
+    ),
+    _Series(
+        GaugeMetricFamily,
+        "jetshard_sequencer_term",
+        "The leadership term a sequencer leads (0: standing by).",
+        lambda s: s.term,
+    ),
+)
+
+
 class ClusterCollector:
     """Gauges and counters read at scrape time from the stats board and State."""
 
@@ -128,44 +239,8 @@ class ClusterCollector:
 
     def _instances(self) -> Iterator[Metric]:
         labels = ["instance", "model"]
-        tokens_per_s = GaugeMetricFamily(
-            "jetshard_tokens_per_second", "Tokens an instance sampled per second, lately.", labels=labels
-        )
-        tokens = CounterMetricFamily(
-            "jetshard_generated_tokens", "Tokens an instance sampled since its leader runner started.", labels=labels
-        )
-        batch = GaugeMetricFamily(
-            "jetshard_batch_size", "Rows (a task's choices) in an instance's current decode step.", labels=labels
-        )
-        hits = CounterMetricFamily(
-            "jetshard_prefix_cache_hits",
-            "Tasks whose prompt started from an instance's saved prefix cache.",
-            labels=labels,
-        )
-        hit_tokens = CounterMetricFamily(
-            "jetshard_prefix_cache_hit_tokens", "Prompt tokens prefix-cache hits did not prefill.", labels=labels
-        )
-        cache_bytes = GaugeMetricFamily(
-            "jetshard_prefix_cache_bytes", "Size of an instance's saved prefix caches.", labels=labels
-        )
-        drafted = CounterMetricFamily(
-            "jetshard_draft_tokens", "Tokens an instance drafted for its model to check (serving.draft).", labels=labels
-        )
-        accepted = CounterMetricFamily(
-            "jetshard_draft_accepted_tokens",
-            "Drafted tokens the model kept: over jetshard_draft_tokens, the acceptance rate.",
-            labels=labels,
-        )
-        for instance_id, stats in self._board.instances().items():
-            values = [instance_id, stats.model_id]
-            tokens_per_s.add_metric(values, stats.tokens_per_s)
-            tokens.add_metric(values, stats.counters.tokens)
-            batch.add_metric(values, stats.batch_size)
-            hits.add_metric(values, stats.counters.prefix_hits)
-            hit_tokens.add_metric(values, stats.counters.prefix_hit_tokens)
-            cache_bytes.add_metric(values, stats.counters.prefix_cache_bytes)
-            drafted.add_metric(values, stats.counters.drafted_tokens)
-            accepted.add_metric(values, stats.counters.accepted_tokens)
+        rows = (([instance_id, stats.model_id], stats) for instance_id, stats in self._board.instances().items())
+        yield from _families(INSTANCE_SERIES, labels, rows)
         queued = GaugeMetricFamily(
             "jetshard_tasks_queued", "Tasks assigned to an instance that have not started.", labels=labels
         )
@@ -176,33 +251,16 @@ class ClusterCollector:
         for instance_id, instance in state.instances.items():
             queued.add_metric([instance_id, instance.model_id], waiting[instance_id])
             running.add_metric([instance_id, instance.model_id], started[instance_id])
-        yield from (tokens_per_s, tokens, batch, queued, running, hits, hit_tokens, cache_bytes, drafted, accepted)
+        yield from (queued, running)
 
     def _downloads(self) -> Iterator[Metric]:
-        labels = ["node", "model"]
-        done = GaugeMetricFamily(
-            "jetshard_download_done_bytes", "Bytes of a download under way that are on disk.", labels=labels
+        rows = (
+            ([node_id, download.model_id], download)
+            for node_id, node in self._board.nodes().items()
+            for download in (node.downloader.downloads if node.downloader else ())
         )
-        expected = GaugeMetricFamily(
-            "jetshard_download_expected_bytes", "Bytes a download under way fetches in all.", labels=labels
-        )
-        for node_id, node in self._board.nodes().items():
-            for download in node.downloader.downloads if node.downloader else ():
-                done.add_metric([node_id, download.model_id], download.done_bytes)
-                expected.add_metric([node_id, download.model_id], download.expected_bytes)
-        yield from (done, expected)
+        yield from _families(DOWNLOAD_SERIES, ["node", "model"], rows)
 
     def _sequencers(self) -> Iterator[Metric]:
-        labels = ["sequencer"]
-        appended = CounterMetricFamily(
-            "jetshard_events_appended", "Events a sequencer appended since it started.", labels=labels
-        )
-        leader = GaugeMetricFamily("jetshard_sequencer_leader", "1 for the sequencer that leads.", labels=labels)
-        term = GaugeMetricFamily(
-            "jetshard_sequencer_term", "The leadership term a sequencer leads (0: standing by).", labels=labels
-        )
-        for sequencer_id, stats in self._board.sequencers().items():
-            appended.add_metric([sequencer_id], stats.events_appended)
-            leader.add_metric([sequencer_id], 1 if stats.leading else 0)
-            term.add_metric([sequencer_id], stats.term)
-        yield from (appended, leader, term)
+        rows = (([sequencer_id], stats) for sequencer_id, stats in self._board.sequencers().items())
+        yield from _families(SEQUENCER_SERIES, ["sequencer"], rows)

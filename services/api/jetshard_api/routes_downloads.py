@@ -9,27 +9,31 @@ from jetshard_schema.commands import CancelDownload, DeleteDownload, StartDownlo
 from jetshard_schema.ids import ModelId, NodeId
 from jetshard_schema.state import Download, State
 from jetshard_schema.types import DownloadProgress
-from litestar import Controller, Response, delete, get, post
+from litestar import Response, delete, get, post
 from litestar.di import NamedDependency
 from litestar.openapi.datastructures import ResponseSpec
 from litestar.params import FromPath, JSONBody
 
 from jetshard_api.cluster import Cluster
-from jetshard_api.dialects.strict_body import StrictBody
+from jetshard_api.dialects.strict_body import StrictController
 from jetshard_api.errors import ERROR_RESPONSES, ApiError
 from jetshard_api.model_steps import checked_model_id
 
 
-class StartDownloadRequest(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+class _DownloadTarget(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """The download a request names: the node may be left out where the cluster has only one."""
+
     model_id: str
     node_id: str | None = None
+
+
+class StartDownloadRequest(_DownloadTarget, frozen=True):
     start_layer: int | None = None
     end_layer: int | None = None
 
 
-class CancelDownloadRequest(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
-    model_id: str
-    node_id: str | None = None
+class CancelDownloadRequest(_DownloadTarget, frozen=True):
+    """Stop a pending or ongoing download."""
 
 
 class DownloadDescription(DownloadProgress, frozen=True, kw_only=True):
@@ -81,14 +85,16 @@ def _node(state: State, node_id: str | None) -> NodeId:
     )
 
 
+def _target(state: State, data: _DownloadTarget) -> tuple[ModelId, NodeId]:
+    return checked_model_id(data.model_id), _node(state, data.node_id)
+
+
 def _current(state: State, node_id: NodeId, model_id: ModelId) -> DownloadDescription | NoDownload:
     download = state.download(node_id, model_id)
     return describe(download) if download else NoDownload(node_id=node_id, model_id=model_id)
 
 
-class DownloadsController(Controller):
-    dto = StrictBody  # a value of the wrong type is refused, not converted ("4" is not 4)
-    return_dto = None
+class DownloadsController(StrictController):
     path = "/downloads"
     tags = ["downloads"]
 
@@ -107,8 +113,7 @@ class DownloadsController(Controller):
         self, cluster: NamedDependency[Cluster], data: JSONBody[StartDownloadRequest]
     ) -> DownloadDescription | NoDownload:
         """Download a model (or a layer range of it) to a node; answers with the download's state."""
-        model_id = checked_model_id(data.model_id)
-        node_id = _node(cluster.state, data.node_id)
+        model_id, node_id = _target(cluster.state, data)
         await cluster.submit(
             StartDownload(model_id=model_id, node_id=node_id, start_layer=data.start_layer, end_layer=data.end_layer)
         )
@@ -118,8 +123,7 @@ class DownloadsController(Controller):
     async def cancel_download(
         self, cluster: NamedDependency[Cluster], data: JSONBody[CancelDownloadRequest]
     ) -> DownloadDescription | NoDownload:
-        model_id = checked_model_id(data.model_id)
-        node_id = _node(cluster.state, data.node_id)
+        model_id, node_id = _target(cluster.state, data)
         await cluster.submit(CancelDownload(model_id=model_id, node_id=node_id))
         return _current(cluster.state, node_id, model_id)
 

@@ -26,12 +26,12 @@ from jetshard_schema.types import (
     WeightsDtype,
 )
 from jetshard_schema.view import InstanceDescription, describe_instance
-from litestar import Controller, Request, delete, get, patch, post
+from litestar import Request, delete, get, patch, post
 from litestar.di import NamedDependency
 from litestar.params import FromPath, FromQuery, JSONBody, Parameter
 
 from jetshard_api.cluster import Cluster
-from jetshard_api.dialects.strict_body import StrictBody
+from jetshard_api.dialects.strict_body import StrictController
 from jetshard_api.errors import ERROR_RESPONSES, ApiError
 from jetshard_api.model_steps import Deleted, checked_keep_alive, checked_model_id, place_instance, preview_placement
 from jetshard_api.settings import InferenceSettings
@@ -97,9 +97,7 @@ class PlacementPreview(msgspec.Struct, frozen=True):
 PREVIEW_PARAMETERS = frozenset({"model_id", "min_nodes", "parallelism", "engine", "kv_cache_type", "draft"})
 
 
-class InstancesController(Controller):
-    dto = StrictBody  # a value of the wrong type is refused, not converted ("4" is not 4)
-    return_dto = None
+class InstancesController(StrictController):
     path = "/instances"
     tags = ["instances"]
 

@@ -12,13 +12,13 @@ from jetshard_schema.ids import NodeId, new_id
 from jetshard_schema.models import all_cards, find_card, is_builtin
 from jetshard_schema.state import Download, State
 from jetshard_schema.types import ImportStatus
-from litestar import Controller, Response, delete, get, post
+from litestar import Response, delete, get, post
 from litestar.di import NamedDependency
 from litestar.openapi.datastructures import ResponseSpec
 from litestar.params import FromPath, JSONBody
 
 from jetshard_api.cluster import Cluster
-from jetshard_api.dialects.strict_body import StrictBody
+from jetshard_api.dialects.strict_body import StrictController
 from jetshard_api.errors import ERROR_RESPONSES, ApiError
 from jetshard_api.hub import checked_gguf_file, fetch_card, fetch_gguf_card
 from jetshard_api.model_steps import Deleted, checked_model_id
@@ -70,9 +70,7 @@ def describe(state: State, card: ModelCard) -> ModelDescription:
     return ModelDescription(**msgspec.structs.asdict(card), downloads=downloads)
 
 
-class ModelsController(Controller):
-    dto = StrictBody  # a value of the wrong type is refused, not converted ("30" is not 30)
-    return_dto = None
+class ModelsController(StrictController):
     path = "/models"
     tags = ["models"]
 

@@ -5,12 +5,12 @@ from __future__ import annotations
 import msgspec
 from jetshard_schema.commands import SetDefaultKeepAlive
 from jetshard_schema.types import KEEP_LOADED
-from litestar import Controller, get, put
+from litestar import get, put
 from litestar.di import NamedDependency
 from litestar.params import JSONBody
 
 from jetshard_api.cluster import Cluster
-from jetshard_api.dialects.strict_body import StrictBody
+from jetshard_api.dialects.strict_body import StrictController
 from jetshard_api.errors import ERROR_RESPONSES
 from jetshard_api.model_steps import checked_keep_alive
 from jetshard_api.settings import InferenceSettings, default_keep_alive_ms
@@ -29,9 +29,7 @@ class SettingsRequest(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     again."""
 
 
-class SettingsController(Controller):
-    dto = StrictBody
-    return_dto = None
+class SettingsController(StrictController):
     path = "/settings"
     tags = ["cluster"]
 

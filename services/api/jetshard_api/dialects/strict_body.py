@@ -2,11 +2,11 @@
 JSON's own types.
 
 Litestar converts a body leniently (`"max_tokens": "5"` becomes 5); OpenAI refuses a value of the wrong type,
-and a client that sends one has a bug to see. A dialect's controller is a `DialectController`, which
-declares `dto=StrictBody` (and `return_dto=None`: its answers are encoded as they are): Litestar then hands
-the raw body to `decode_bytes`, which decodes it into the type of the handler's `data`, and documents that
-type as the request body. A body
-that does not decode is an ApiError, which the controller's exception handlers answer in the dialect's shape.
+and a client that sends one has a bug to see. A dialect's controller (and a placement or download one) is a
+`StrictController`, which declares `dto=StrictBody` (and `return_dto=None`: its answers are encoded as they
+are): Litestar then hands the raw body to `decode_bytes`, which decodes it into the type of the handler's
+`data`, and documents that type as the request body. A body that does not decode is an ApiError, which the
+controller's exception handlers answer in the dialect's shape.
 """
 
 from __future__ import annotations
@@ -101,8 +101,9 @@ class StrictBody(AbstractDTO[Any]):
         return False
 
 
-class DialectController(Controller):
-    """A dialect's routes: bodies decoded by `StrictBody`, answers encoded as the handlers return them."""
+class StrictController(Controller):
+    """Routes whose bodies `StrictBody` decodes (a value of the wrong type is refused, not converted: "4" is not 4),
+    and whose answers are encoded as the handlers return them."""
 
     dto = StrictBody
     return_dto = None

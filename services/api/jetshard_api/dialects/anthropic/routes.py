@@ -41,7 +41,7 @@ from jetshard_api.dialects.anthropic.types import (
 )
 from jetshard_api.dialects.checks import requested_model_id
 from jetshard_api.dialects.streaming import streamed
-from jetshard_api.dialects.strict_body import DialectController
+from jetshard_api.dialects.strict_body import StrictController
 from jetshard_api.errors import ApiError, answering, error_handlers_answering, inference_responses_in
 from jetshard_api.model_steps import can_think
 from jetshard_api.settings import InferenceSettings
@@ -73,7 +73,7 @@ def _event(name: str, payload: dict[str, Any]) -> ServerSentEventMessage:
     return ServerSentEventMessage(event=name, data=msgspec.json.encode({"type": name, **payload}).decode())
 
 
-class AnthropicController(DialectController):
+class AnthropicController(StrictController):
     path = "/v1/messages"
     tags = ["anthropic"]
     exception_handlers = error_handlers_answering(_error_body)

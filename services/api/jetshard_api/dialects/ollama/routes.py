@@ -66,7 +66,7 @@ from jetshard_api.dialects.ollama.types import (
     tool_call_bodies,
 )
 from jetshard_api.dialects.openai.types import TokenLogprobBody
-from jetshard_api.dialects.strict_body import DialectController
+from jetshard_api.dialects.strict_body import StrictController
 from jetshard_api.disconnect import unless_disconnected
 from jetshard_api.errors import ApiError, answering, error_handlers_answering, inference_responses_in
 from jetshard_api.model_steps import can_think, checked_keep_alive, delete_everywhere, pulling, start_pull, until_pulled
@@ -306,7 +306,7 @@ def _card(state: State, name: str) -> ModelCard:
     return card
 
 
-class OllamaController(DialectController):
+class OllamaController(StrictController):
     path = "/api"
     tags = ["ollama"]
     exception_handlers = error_handlers_answering(_ollama_error)

@@ -49,7 +49,7 @@ from jetshard_api.dialects.openai.types import (
     image_urls,
 )
 from jetshard_api.dialects.streaming import keep_alive_comment, streamed
-from jetshard_api.dialects.strict_body import DialectController
+from jetshard_api.dialects.strict_body import StrictController
 from jetshard_api.errors import ERROR_RESPONSES, INFERENCE_RESPONSES, ApiError, answering, error_body
 from jetshard_api.images import load_image_urls
 from jetshard_api.model_steps import engines_serving
@@ -63,7 +63,7 @@ def _sse(payload: object) -> ServerSentEventMessage:
     return ServerSentEventMessage(data=payload if isinstance(payload, str) else msgspec.json.encode(payload).decode())
 
 
-class OpenAIController(DialectController):
+class OpenAIController(StrictController):
     path = "/v1"
     tags = ["openai"]
 

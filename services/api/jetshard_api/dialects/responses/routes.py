@@ -39,7 +39,7 @@ from jetshard_api.dialects.responses.types import (
     response_task,
 )
 from jetshard_api.dialects.streaming import keep_alive_comment, streamed
-from jetshard_api.dialects.strict_body import DialectController
+from jetshard_api.dialects.strict_body import StrictController
 from jetshard_api.errors import INFERENCE_RESPONSES, ApiError, answering
 from jetshard_api.images import load_image_urls
 from jetshard_api.settings import InferenceSettings
@@ -48,7 +48,7 @@ from jetshard_api.tasks import answer, check_inputs
 AnyRequest = Request[Any, Any, Any]
 
 
-class ResponsesController(DialectController):
+class ResponsesController(StrictController):
     path = "/v1/responses"
     tags = ["openai"]
 
