@@ -313,13 +313,8 @@ def _chat_event(event: dict[str, Any], state: StreamState) -> tuple[Piece | None
     state.sampled = max(state.sampled, sampled)
     usage = event.get("usage")
     if usage:
-        ending = Ending(
-            state.reason,
-            int(usage.get("prompt_tokens", 0)),
-            int(usage.get("completion_tokens", 0)),
-            int(timings.get("cache_n", 0)),
-            int(timings.get("draft_n", 0)),
-            int(timings.get("draft_n_accepted", 0)),
+        ending = _ending(
+            state.reason, int(usage.get("prompt_tokens", 0)), int(usage.get("completion_tokens", 0)), timings
         )
     return piece, ending
 
@@ -331,16 +326,26 @@ def _completion_event(event: dict[str, Any], state: StreamState) -> tuple[Piece 
     piece = Piece("", text, logprobs, max(1, len(logprobs))) if text or logprobs else None
     if not event.get("stop"):
         return piece, None
-    timings = event.get("timings") or {}
-    ending = Ending(
+    ending = _ending(
         _STOP_TYPES.get(event.get("stop_type", "eos"), TaskOutcome.STOP),
         int(event.get("tokens_evaluated", 0)),
         int(event.get("tokens_predicted", 0)),
+        event.get("timings") or {},
+    )
+    return piece, ending
+
+
+def _ending(reason: TaskOutcome, prompt_tokens: int, completion_tokens: int, timings: dict[str, Any]) -> Ending:
+    """How a choice ended, with the slot's cache and drafting counts from its last event's `timings` (which chat
+    and completion events carry alike)."""
+    return Ending(
+        reason,
+        prompt_tokens,
+        completion_tokens,
         int(timings.get("cache_n", 0)),
         int(timings.get("draft_n", 0)),
         int(timings.get("draft_n_accepted", 0)),
     )
-    return piece, ending
 
 
 def _token_logprob(entry: dict[str, Any], alternatives: int) -> TokenLogprob:

@@ -33,7 +33,7 @@ from jetshard_worker.runner_spec import RunnerSpec
 
 from . import rpc_cache
 from .probe import ReadyBuild
-from .server import HEALTH_POLL_S, ServerDied, describe_exit, free_port, stop_process
+from .server import ServerDied, describe_exit, free_port, stop_process, wait_until_ready
 
 log = logging.getLogger(__name__)
 
@@ -61,17 +61,17 @@ class RpcServer:
         self._process = await asyncio.create_subprocess_exec(
             *command, env=environment, cwd=self.working_dir, stdin=asyncio.subprocess.DEVNULL
         )
-        deadline = time.monotonic() + timeout_s
-        while not _listening(self.port):
-            if self._process.returncode is not None:
-                raise ServerDied(
-                    f"ggml-rpc-server exited before it listened: {describe_exit(self._process.returncode)}"
-                )
-            if time.monotonic() > deadline:
-                await self.stop()
-                raise ServerDied(f"ggml-rpc-server did not listen on port {self.port} within {timeout_s:.0f} s")
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._process.wait(), HEALTH_POLL_S)
+
+        async def listening() -> bool:
+            return _listening(self.port)
+
+        await wait_until_ready(
+            self._process,
+            listening,
+            timeout_s,
+            exited="ggml-rpc-server exited before it listened",
+            late=f"ggml-rpc-server did not listen on port {self.port} within {timeout_s:.0f} s",
+        )
 
     async def wait(self) -> int:
         assert self._process is not None

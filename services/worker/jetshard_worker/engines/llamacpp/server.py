@@ -10,7 +10,7 @@ import secrets
 import signal
 import socket
 import time
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -173,21 +173,21 @@ class LlamaServer:
         self._process = await asyncio.create_subprocess_exec(
             *command, env=environment, cwd=self.settings.working_dir, stdin=asyncio.subprocess.DEVNULL
         )
-        deadline = time.monotonic() + timeout_s
         async with httpx.AsyncClient(timeout=2.0) as client:
-            while True:
-                if self._process.returncode is not None:
-                    how = describe_exit(self._process.returncode)
-                    raise ServerDied(f"llama-server exited while loading the model: {how}")
+
+            async def healthy() -> bool:
                 with contextlib.suppress(httpx.HTTPError):
                     response = await client.get(f"{self.url}/health", headers=self.headers)
-                    if response.status_code == 200:
-                        return
-                if time.monotonic() > deadline:
-                    await self.stop()
-                    raise ServerDied(f"llama-server did not load the model within {timeout_s:.0f} s")
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(self._process.wait(), HEALTH_POLL_S)
+                    return response.status_code == 200
+                return False
+
+            await wait_until_ready(
+                self._process,
+                healthy,
+                timeout_s,
+                exited="llama-server exited while loading the model",
+                late=f"llama-server did not load the model within {timeout_s:.0f} s",
+            )
 
     async def template_takes_tools(self) -> bool:
         """Whether the model's chat template renders tools, as llama-server read it from the GGUF."""
@@ -213,6 +213,27 @@ class LlamaServer:
 
     async def stop(self) -> None:
         await stop_process(self._process)
+
+
+async def wait_until_ready(
+    process: asyncio.subprocess.Process,
+    ready: Callable[[], Awaitable[bool]],
+    timeout_s: float,
+    *,
+    exited: str,
+    late: str,
+) -> None:
+    """Ask `ready` every `HEALTH_POLL_S` until it says yes. Raises `ServerDied` saying `exited` and how, where the
+    process exits first, or `late`, where `timeout_s` pass first (the process stopped)."""
+    deadline = time.monotonic() + timeout_s
+    while not await ready():
+        if process.returncode is not None:
+            raise ServerDied(f"{exited}: {describe_exit(process.returncode)}")
+        if time.monotonic() > deadline:
+            await stop_process(process)
+            raise ServerDied(late)
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(process.wait(), HEALTH_POLL_S)
 
 
 async def stop_process(process: asyncio.subprocess.Process | None) -> None:

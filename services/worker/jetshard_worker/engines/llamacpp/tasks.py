@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import replace
+from functools import partial
 from pathlib import Path
 
 import httpx
@@ -179,33 +180,24 @@ class LlamaCppServing(LlamaCppEngine):
         schema = forced if forced is not None else request.output_schema
         # A constrained document (a schema's, a forced call's) must not be cut by a stop string: it closes itself.
         stop = () if schema is not None else request.sampling.stop
+        choice_request = (
+            partial(llama_requests.chat_request, template_takes_tools=self._template_takes_tools)
+            if request.kind is TaskKind.CHAT
+            else llama_requests.completion_request
+        )
         rows: list[LlamaRequest | EmbeddingRow] = []
         choices = []
         for i in range(request.n):
-            choice_id = row_id(request.task_id, i)
-            if request.kind is TaskKind.CHAT:
-                rows.append(
-                    llama_requests.chat_request(
-                        choice_id,
-                        request,
-                        resolved,
-                        max_tokens=max_tokens,
-                        seed=choice_seed(seed, i),
-                        window=window,
-                        template_takes_tools=self._template_takes_tools,
-                    )
+            rows.append(
+                choice_request(
+                    row_id(request.task_id, i),
+                    request,
+                    resolved,
+                    max_tokens=max_tokens,
+                    seed=choice_seed(seed, i),
+                    window=window,
                 )
-            else:
-                rows.append(
-                    llama_requests.completion_request(
-                        choice_id,
-                        request,
-                        resolved,
-                        max_tokens=max_tokens,
-                        seed=choice_seed(seed, i),
-                        window=window,
-                    )
-                )
+            )
             choices.append(
                 ChoiceOutput(
                     detokenizer=None,
