@@ -23,16 +23,6 @@ EXTRAS = {"cache_prompt": True, "repetition_penalty_range": 64, "another_servers
 HOSTILE_IDS = ["../../etc/passwd", "org/na\x00me", "x" * 10_000]
 
 
-@pytest.fixture(scope="module")
-def openai_client(dialect_cluster: DialectCluster) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{dialect_cluster.api}/v1", api_key="unused", timeout=120, max_retries=0)
-
-
-@pytest.fixture(scope="module")
-def anthropic_client(dialect_cluster: DialectCluster) -> anthropic.Anthropic:
-    return anthropic.Anthropic(base_url=dialect_cluster.api, api_key="unused", timeout=120, max_retries=0)
-
-
 def test_unknown_top_level_fields_are_ignored_in_every_dialect(
     dialect_cluster: DialectCluster, openai_client: openai.OpenAI, anthropic_client: anthropic.Anthropic
 ) -> None:

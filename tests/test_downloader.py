@@ -21,7 +21,7 @@ import httpx
 import pytest
 from helpers.harness import Cluster, api_until, until
 from helpers.hub_server import HubServer
-from helpers.model_files import model_files
+from helpers.model_files import model_files, sha256
 from helpers.mounts import remount_read_only, tmpfs
 from helpers.tiny_models import make_tiny_model
 from jetshard_downloader.dirs import ModelDirs
@@ -43,12 +43,6 @@ from jetshard_schema.ids import ModelId, new_instance_id
 from jetshard_schema.types import DownloadStatus
 
 pytestmark = pytest.mark.timeout(120)
-
-FINAL = (DownloadStatus.COMPLETED, DownloadStatus.FAILED)
-
-
-def sha256(path: Path) -> str:
-    return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
 def tree_digest(root: Path) -> dict[str, str]:
@@ -87,7 +81,7 @@ async def test_spillover_to_the_second_dir_and_no_space_names_every_dir(
         )
 
         await cluster.submit(StartDownload(model_id=ModelId("tiny/small"), node_id=node))
-        done = await cluster.wait_download(node, "tiny/small", FINAL)
+        done = await cluster.wait_download(node, "tiny/small")
         assert done.progress.status is DownloadStatus.COMPLETED, done.progress.reason
         assert done.progress.directory == str(second / "tiny--small")
         assert model_files(second / "tiny--small") == model_files(small)
@@ -97,7 +91,7 @@ async def test_spillover_to_the_second_dir_and_no_space_names_every_dir(
         assert cluster.follower.state.measured_sizes[ModelId("tiny/small")] == weights
 
         await cluster.submit(StartDownload(model_id=ModelId("tiny/big"), node_id=node))
-        failed = await cluster.wait_download(node, "tiny/big", FINAL)
+        failed = await cluster.wait_download(node, "tiny/big")
         assert failed.progress.status is DownloadStatus.FAILED
         assert "not enough disk space" in failed.progress.reason
         assert str(first) in failed.progress.reason and str(second) in failed.progress.reason
@@ -153,7 +147,7 @@ async def test_read_only_dirs_are_used_without_network_and_never_changed(
                 response = await http.post("/downloads", json={"model_id": model_id})  # the only node
                 assert response.status_code == 202, response.text
                 assert response.json()["node_id"] == node
-                done = await cluster.wait_download(node, model_id, (DownloadStatus.COMPLETED, DownloadStatus.FAILED))
+                done = await cluster.wait_download(node, model_id)
                 assert done.progress.status is DownloadStatus.COMPLETED, done.progress.reason
                 assert done.progress.read_only and done.progress.directory == where
             assert sum(hub_server.requests.values()) == 0, hub_server.requests
@@ -242,7 +236,7 @@ async def test_killed_mid_download_resumes_in_the_same_directory(
     hub_server.release()
     hub_server.reset_counters()
     cluster.start_downloader("downloader-2", config, **env)  # resumes from State: no new request
-    done = await cluster.wait_download(node, repo, FINAL)
+    done = await cluster.wait_download(node, repo)
     assert done.progress.status is DownloadStatus.COMPLETED, done.progress.reason
     assert done.progress.directory == str(models / "tiny--big")
     assert hub_server.bytes_served[(repo, held)] == size - kept  # only the remainder
@@ -279,7 +273,7 @@ async def test_two_nodes_fetch_complementary_shards_once(
     assert not any(isinstance(e, CommandRejected) for e in events), events
     ranges = {}
     for node in nodes:
-        done = await cluster.wait_download(node, repo, FINAL)
+        done = await cluster.wait_download(node, repo)
         assert done.progress.status is DownloadStatus.COMPLETED, done.progress.reason
         ranges[node] = (done.progress.start_layer, done.progress.end_layer)
     assert sorted(ranges.values()) == [(0, 2), (2, 4)]
@@ -308,12 +302,12 @@ async def test_offline_makes_no_request_and_converts_the_packaged_demo(
 
     started = time.monotonic()
     await cluster.submit(StartDownload(model_id=ModelId("tiny/online"), node_id=node))
-    failed = await cluster.wait_download(node, "tiny/online", FINAL)
+    failed = await cluster.wait_download(node, "tiny/online")
     assert failed.progress.status is DownloadStatus.FAILED and "not available offline" in failed.progress.reason
     assert time.monotonic() - started < 10
 
     await cluster.submit(StartDownload(model_id=DEMO_MODEL_ID, node_id=node))
-    demo = await cluster.wait_download(node, DEMO_MODEL_ID, FINAL, 90)
+    demo = await cluster.wait_download(node, DEMO_MODEL_ID, timeout_s=90)
     assert demo.progress.status is DownloadStatus.COMPLETED, demo.progress.reason
     target = models / "jetshard--SmolLM2-135M-Instruct-Q4"
     assert demo.progress.directory == str(target) and not demo.progress.read_only

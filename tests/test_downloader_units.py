@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 
 import pytest
+from helpers.cards import tiny_card
 from helpers.hub_server import HubServer
 from helpers.tiny_models import make_tiny_model
 from jetshard_downloader.dirs import ModelDirs
@@ -13,7 +14,6 @@ from jetshard_downloader.fetch import fetch_bytes, fetch_files, list_remote_file
 from jetshard_downloader.local import find_shard, required_local_files
 from jetshard_downloader.manifest import read_manifest
 from jetshard_downloader.resume import PARTIAL_DIR, partial_path
-from jetshard_schema.cards import ModelCard
 from jetshard_schema.commands import ReportDownloadProgress
 from jetshard_schema.events import CustomModelCardAdded, DownloadCancelled, DownloadRequested
 from jetshard_schema.ids import CommandId, ModelId, NodeId
@@ -22,19 +22,6 @@ from jetshard_schema.types import DownloadProgress, DownloadStatus
 from jetshard_sequencer.handlers import Context, handle
 
 REPO = "tiny/resume"
-
-
-def _card(num_layers: int) -> ModelCard:
-    return ModelCard(
-        model_id=ModelId(REPO),
-        num_layers=num_layers,
-        hidden_size=64,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        vocab_size=512,
-        architecture="llama",
-        storage_size_bytes=1,
-    )
 
 
 def test_a_partial_file_left_by_another_process_is_resumed_with_a_range_request(
@@ -95,7 +82,7 @@ def test_a_partial_file_of_another_revision_is_discarded(hub_server: HubServer, 
 def test_find_shard_uses_the_local_index(tmp_path: Path) -> None:
     source = make_tiny_model(tmp_path / "models" / "tiny--resume", num_layers=4, num_files=4)
     dirs = ModelDirs.from_options(tmp_path / "default", read_only_dirs=[tmp_path / "models"])
-    card = _card(4)
+    card = tiny_card(REPO, num_layers=4)
     assert required_local_files(dirs, card, 0, 2) == {
         "config.json",
         "model.safetensors.index.json",
@@ -114,7 +101,7 @@ def test_find_shard_uses_the_local_index(tmp_path: Path) -> None:
 @pytest.mark.parametrize("status", [DownloadStatus.ONGOING, DownloadStatus.PENDING])
 def test_a_progress_report_sent_before_a_cancel_does_not_revive_the_download(status: DownloadStatus) -> None:
     node, model = NodeId("n1"), ModelId(REPO)
-    state = apply(State(), CustomModelCardAdded(card=_card(2)), 1)
+    state = apply(State(), CustomModelCardAdded(card=tiny_card(REPO, num_layers=2)), 1)
     state = apply(state, DownloadRequested(node_id=node, model_id=model, start_layer=0, end_layer=2), 2)
     state = apply(state, DownloadCancelled(node_id=node, model_id=model), 3)
     late = ReportDownloadProgress(

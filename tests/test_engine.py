@@ -30,6 +30,7 @@ from jetshard_schema.types import ChatMessage, TaskOutcome
 from jetshard_worker.engines.mlx import (
     GenerationRequest,
     PipelineEngine,
+    Shard,
     TokenScores,
     load_shard,
     write_hostfile,
@@ -105,6 +106,10 @@ class Collector:
         got.append(token)
         if scores is not None:
             self.scores.setdefault(task_id, []).append(scores)
+
+    def engine(self, shard: Shard, **settings: Any) -> PipelineEngine:
+        """A one-rank engine on `shard` that reports its tokens and endings here."""
+        return PipelineEngine(shard, on_token=self.on_token, on_finished=self.on_finished, **settings)
 
     def on_embedding(self, task_id: str, vector: list[float]) -> None:
         self.embeddings[task_id] = vector
@@ -383,12 +388,7 @@ def solo_scored(model_dir: Path, prompts: list[list[int]], prefill_step_size: in
     """Greedy output of the whole model on one rank, with each token's top two logprobs."""
     collector = Collector()
     num_layers = json.loads((model_dir / "config.json").read_text())["num_hidden_layers"]
-    engine = PipelineEngine(
-        load_shard(model_dir, 0, num_layers),
-        on_token=collector.on_token,
-        on_finished=collector.on_finished,
-        prefill_step_size=prefill_step_size,
-    )
+    engine = collector.engine(load_shard(model_dir, 0, num_layers), prefill_step_size=prefill_step_size)
     run_single(
         engine, [GenerationRequest(f"t{i}", p, MAX_TOKENS, top_logprobs=2) for i, p in enumerate(prompts)], collector
     )
@@ -637,12 +637,7 @@ def test_single_rank_greedy_equals_mlx_lm(models: dict[str, Path], arch: str, pr
     prompts = prompt_ids(model_dir)
     expected = reference(model_dir, prompts, prefill_step_size)
     collector = Collector()
-    engine = PipelineEngine(
-        load_shard(model_dir, 0, 4),
-        on_token=collector.on_token,
-        on_finished=collector.on_finished,
-        prefill_step_size=prefill_step_size,
-    )
+    engine = collector.engine(load_shard(model_dir, 0, 4), prefill_step_size=prefill_step_size)
     requests = [GenerationRequest(f"t{i}", p, MAX_TOKENS) for i, p in enumerate(prompts)]
 
     run_single(engine, requests, collector)
@@ -804,9 +799,7 @@ def test_a_seeded_row_samples_the_same_tokens_whatever_shares_its_batch(models: 
 
     def run(requests: list[GenerationRequest]) -> tuple[Collector, PipelineEngine]:
         collector = Collector()
-        engine = PipelineEngine(
-            load_shard(model_dir, 0, 4), on_token=collector.on_token, on_finished=collector.on_finished
-        )
+        engine = collector.engine(load_shard(model_dir, 0, 4))
         run_single(engine, requests, collector)
         return collector, engine
 
@@ -867,7 +860,7 @@ def test_logits_processors_apply_to_their_own_row(models: dict[str, Path]) -> No
         return mx.where(mx.arange(logprobs.shape[-1]) == banned, -mx.inf, logprobs)
 
     collector = Collector()
-    engine = PipelineEngine(load_shard(model_dir, 0, 4), on_token=collector.on_token, on_finished=collector.on_finished)
+    engine = collector.engine(load_shard(model_dir, 0, 4))
     requests = [
         GenerationRequest("plain", prompts[0], MAX_TOKENS),
         GenerationRequest("constrained", prompts[1], MAX_TOKENS, logits_processors=(ban,)),
@@ -886,7 +879,7 @@ def test_logprobs_are_mlx_lms_log_softmax(models: dict[str, Path]) -> None:
     model_dir = models["llama"]
     prompts = prompt_ids(model_dir)
     collector = Collector()
-    engine = PipelineEngine(load_shard(model_dir, 0, 4), on_token=collector.on_token, on_finished=collector.on_finished)
+    engine = collector.engine(load_shard(model_dir, 0, 4))
     requests = [
         GenerationRequest("scored", prompts[1], 6, top_logprobs=3),
         GenerationRequest("plain", prompts[0], 6),
@@ -910,10 +903,8 @@ def test_embeddings_are_the_normalised_mean_of_the_last_hidden_states(models: di
     model_dir = models["qwen3"]
     prompts = prompt_ids(model_dir)
     collector = Collector()
-    engine = PipelineEngine(
+    engine = collector.engine(
         load_shard(model_dir, 0, 4),
-        on_token=collector.on_token,
-        on_finished=collector.on_finished,
         on_embedding=collector.on_embedding,
         prefill_step_size=4,  # several chunks pool into one vector
     )
@@ -935,7 +926,7 @@ def test_seeded_sampling_is_reproducible(models: dict[str, Path]) -> None:
     model_dir = models["llama"]
     prompt = prompt_ids(model_dir)[1]
     collector = Collector()
-    engine = PipelineEngine(load_shard(model_dir, 0, 4), on_token=collector.on_token, on_finished=collector.on_finished)
+    engine = collector.engine(load_shard(model_dir, 0, 4))
     # No EOS ids: every task runs to max_tokens, so the sequences are comparable.
     requests = [
         GenerationRequest(task, prompt, MAX_TOKENS, temperature=1.0, top_p=0.9, seed=seed, eos_token_ids=frozenset())
@@ -958,7 +949,7 @@ def test_top_k_1_and_min_p_1_sample_the_greedy_tokens_at_any_temperature(models:
     vocab = json.loads((model_dir / "config.json").read_text())["vocab_size"]
     hot = {"temperature": 2.0, "seed": 5}
     collector = Collector()
-    engine = PipelineEngine(load_shard(model_dir, 0, 4), on_token=collector.on_token, on_finished=collector.on_finished)
+    engine = collector.engine(load_shard(model_dir, 0, 4))
     requests = [
         GenerationRequest("hot", prompts[1], MAX_TOKENS, **hot),
         GenerationRequest("top_k=1", prompts[1], MAX_TOKENS, top_k=1, **hot),
@@ -1024,7 +1015,7 @@ def test_each_penalty_follows_its_formula_on_its_own_row(models: dict[str, Path]
     model_dir = models["llama"]
     prompt = prompt_ids(model_dir)[3]  # a chat turn: its template's tokens repeat in the prompt
     collector = Collector()
-    engine = PipelineEngine(load_shard(model_dir, 0, 4), on_token=collector.on_token, on_finished=collector.on_finished)
+    engine = collector.engine(load_shard(model_dir, 0, 4))
     max_tokens = 2 * MAX_TOKENS  # long enough for plain greedy decoding to repeat a few tokens
     requests = [GenerationRequest("plain", prompt, max_tokens)] + [
         GenerationRequest(name, prompt, max_tokens, **penalties) for name, penalties in PENALTIES.items()
@@ -1055,7 +1046,7 @@ def test_a_strong_repetition_penalty_stops_greedy_decoding_repeating_itself(mode
         return sum(token in tokens[max(0, i - window + 1) : i] for i, token in enumerate(tokens))
 
     collector = Collector()
-    engine = PipelineEngine(load_shard(model_dir, 0, 4), on_token=collector.on_token, on_finished=collector.on_finished)
+    engine = collector.engine(load_shard(model_dir, 0, 4))
     common: dict[str, Any] = {"max_tokens": 150, "eos_token_ids": frozenset()}
     requests = [
         GenerationRequest("greedy", prompt, **common),
@@ -1228,7 +1219,7 @@ def test_a_follow_up_about_the_same_picture_starts_from_the_first_questions_cach
         ChatMessage(role="user", content=follow_up),
     )
     collector = Collector()
-    engine = PipelineEngine(load_shard(vlm, 0, 4), on_token=collector.on_token, on_finished=collector.on_finished)
+    engine = collector.engine(load_shard(vlm, 0, 4))
     thread = threading.Thread(target=engine.run_forever)
     thread.start()
     try:
@@ -1260,12 +1251,7 @@ def test_a_vision_prompt_is_answered_as_mlx_vlm_answers_it(
     """The vision tower and projector run where the embedding is, their features in place of the image tokens,
     also when the prompt is prefilled in chunks; each picture gets its own answer."""
     collector = Collector()
-    engine = PipelineEngine(
-        load_shard(vlm, 0, 4),
-        on_token=collector.on_token,
-        on_finished=collector.on_finished,
-        prefill_step_size=prefill_step_size,
-    )
+    engine = collector.engine(load_shard(vlm, 0, 4), prefill_step_size=prefill_step_size)
     requests = [
         GenerationRequest(f"v{i}", tokens, VISION_MAX_TOKENS, images=arrays)
         for i, (tokens, arrays, _) in enumerate(vision_prompts)
@@ -1287,7 +1273,7 @@ def test_a_4bit_vision_model_is_answered_as_mlx_vlm_answers_it(vlm: Path, tmp_pa
     collector = Collector()
     shard = load_shard(quantized, 0, 4)
     assert shard.weights_dtype == "4-bit affine"
-    engine = PipelineEngine(shard, on_token=collector.on_token, on_finished=collector.on_finished)
+    engine = collector.engine(shard)
 
     run_single(engine, [GenerationRequest("q", tokens, VISION_MAX_TOKENS, images=inputs)], collector)
 

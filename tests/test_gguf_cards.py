@@ -21,6 +21,7 @@ import httpx
 import msgspec
 import numpy as np
 import pytest
+from helpers.cards import tiny_card
 from helpers.harness import Cluster
 from helpers.states import fold
 from jetshard_downloader.dirs import ModelDirs
@@ -291,15 +292,8 @@ def test_an_import_report_adds_the_card_and_the_copy_on_its_node() -> None:
     assert "must be an absolute path" in relative[0].reason  # type: ignore[union-attr]
     state = fold(*handle(state, request, ctx), state=state)
     assert state.imports[ModelId("local/m")].progress.status is ImportStatus.ONGOING
-    from jetshard_schema.cards import ModelCard
-
-    card = ModelCard(
-        model_id=ModelId("local/m"),
-        num_layers=2,
-        hidden_size=64,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        vocab_size=300,
+    card = tiny_card(
+        "local/m",
         architecture="qwen3",
         storage_size_bytes=1000,
         source=ModelSource.LOCAL_GGUF,

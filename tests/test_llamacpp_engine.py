@@ -254,13 +254,19 @@ async def test_the_engine_streams_a_greedy_answer_and_counts_it(demo_server: Lla
     await engine.close()
 
 
-async def test_a_cancelled_row_ends_at_once_and_frees_its_slot(demo_server: LlamaServer) -> None:
+def _a_long_row(server: LlamaServer) -> tuple[_Rows, LlamaCppEngine]:
+    """An engine on `server` answering row t1#0 at length: it is still answering when the test cuts it."""
     rows = _Rows()
-    engine = rows.engine(demo_server)
+    engine = rows.engine(server)
     long = _chat("Write a very long story about a dragon.")
     engine.submit(
         llama.chat_request("t1#0", long, GREEDY, max_tokens=400, seed=None, window=512, template_takes_tools=False)
     )
+    return rows, engine
+
+
+async def test_a_cancelled_row_ends_at_once_and_frees_its_slot(demo_server: LlamaServer) -> None:
+    rows, engine = _a_long_row(demo_server)
     await asyncio.wait_for(rows.first_piece.wait(), 60)
     engine.cancel("t1#0")
     await asyncio.wait_for(rows.finished.wait(), 5)
@@ -276,12 +282,7 @@ async def test_a_cancelled_row_ends_at_once_and_frees_its_slot(demo_server: Llam
 
 
 async def test_a_killed_llama_server_fails_the_rows_and_ends_the_engine(demo_server: LlamaServer) -> None:
-    rows = _Rows()
-    engine = rows.engine(demo_server)
-    long = _chat("Write a very long story about a dragon.")
-    engine.submit(
-        llama.chat_request("t1#0", long, GREEDY, max_tokens=400, seed=None, window=512, template_takes_tools=False)
-    )
+    rows, engine = _a_long_row(demo_server)
     serving = asyncio.create_task(engine.serve())
     await asyncio.wait_for(rows.first_piece.wait(), 60)
     assert demo_server._process is not None

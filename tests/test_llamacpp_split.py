@@ -24,6 +24,7 @@ import openai
 import psutil
 import pytest
 from helpers.harness import InferenceCluster, hub_cluster, runner_spec, wait_for
+from helpers.streams import stream_error
 from jetshard_schema.catalogue import DEMO_MODEL_ID
 from jetshard_schema.events import InstanceRestarting
 from jetshard_worker.engines.llamacpp.probe import ready_build
@@ -33,7 +34,6 @@ MEMORY_LIMIT_GIB = "1.0"
 PROMPT = "The capital of France is"
 ASKED = "What is the capital of France? Answer in one sentence."
 QUESTION = [{"role": "user", "content": ASKED}]
-ERROR_DEADLINE_S = 30
 
 
 @pytest.fixture(scope="module")
@@ -173,11 +173,8 @@ def test_a_killed_helper_ends_every_open_stream_with_an_error_and_the_instance_h
     os.kill((rpc_server if victim == "ggml-rpc-server" else helper).pid, signal.SIGKILL)
     started = time.monotonic()
     for stream in streams:
-        with pytest.raises(openai.APIError) as caught:
-            for _ in stream:
-                assert time.monotonic() - started < ERROR_DEADLINE_S, "the stream did not end after its helper died"
-        assert time.monotonic() - started < ERROR_DEADLINE_S
-        assert "llama" in str(caught.value.message) or "stopped" in str(caught.value.message), caught.value
+        error = stream_error(stream, started, "its helper died")
+        assert "llama" in str(error.message) or "stopped" in str(error.message), error
 
     restarting = cluster.wait_event(lambda e: isinstance(e, InstanceRestarting) and e.instance_id == instance_id, since)
     assert isinstance(restarting, InstanceRestarting) and restarting.generation == generation + 1

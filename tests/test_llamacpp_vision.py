@@ -24,7 +24,7 @@ import pytest
 from helpers.gguf_fixtures import TinyGGUFs
 from helpers.gguf_models import TINY_PROJECTOR
 from helpers.llamacpp_cluster import LlamaCppCluster
-from helpers.tiny_vlm import data_url, image_question, png
+from helpers.tiny_vlm import data_url, image_question, png, responses_answer, streamed_chat_answer
 from PIL import Image
 
 pytestmark = pytest.mark.timeout(300)
@@ -98,23 +98,8 @@ def test_openai_image_url_parts_reach_the_model(client: openai.OpenAI) -> None:
     assert [tokens for tokens, _ in seen] == [text_only + IMAGE_TOKENS] * 2
     assert seen[0][1] != seen[1][1]  # the model saw the picture, not only a placeholder
 
-    stream = client.chat.completions.create(
-        model=SEEING,
-        messages=image_question(data_url(PICTURES[1]), QUESTION),  # type: ignore[arg-type]
-        max_tokens=MAX_TOKENS,
-        temperature=0,
-        stream=True,
-    )
-    assert "".join(c.choices[0].delta.content or "" for c in stream if c.choices) == seen[1][1]
-
-    image = {"type": "input_image", "image_url": data_url(PICTURES[0]), "detail": "auto"}
-    response = client.responses.create(
-        model=SEEING,
-        input=[{"role": "user", "content": [image, {"type": "input_text", "text": QUESTION}]}],  # type: ignore[list-item]
-        max_output_tokens=MAX_TOKENS,
-        temperature=0,
-    )
-    assert response.output_text == seen[0][1]
+    assert streamed_chat_answer(client, SEEING, PICTURES[1], QUESTION, MAX_TOKENS) == seen[1][1]
+    assert responses_answer(client, SEEING, PICTURES[0], QUESTION, MAX_TOKENS) == seen[0][1]
 
 
 @pytest.mark.usefixtures("seeing")

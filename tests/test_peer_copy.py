@@ -9,7 +9,6 @@ hostile paths from a client the cluster vouches for.
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import http.client
 import os
 import signal
@@ -24,7 +23,7 @@ import pytest
 from helpers.cards import tiny_card
 from helpers.harness import Cluster, until
 from helpers.hub_server import HubServer
-from helpers.model_files import model_files
+from helpers.model_files import model_files, sha256
 from helpers.tiny_models import make_tiny_model
 from jetshard_bus.tls_identity import PeerIdentity, client_context
 from jetshard_downloader.dirs import ModelDirs
@@ -49,12 +48,6 @@ from jetshard_schema.types import (
 )
 
 pytestmark = pytest.mark.timeout(180)
-
-FINAL = (DownloadStatus.COMPLETED, DownloadStatus.FAILED)
-
-
-def sha256(path: Path) -> str:
-    return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
 def hub_requests_for(hub: HubServer, repo: str) -> int:
@@ -122,7 +115,7 @@ async def test_a_node_copies_from_the_node_that_has_the_model_and_refuses_a_dama
 
     for model in (repo, other):
         await cluster.submit(StartDownload(model_id=ModelId(model), node_id=a))
-        done = await cluster.wait_download(a, model, FINAL)
+        done = await cluster.wait_download(a, model)
         assert done.progress.status is DownloadStatus.COMPLETED, done.progress.reason
         assert done.progress.source == "hub"
         assert hub_requests_for(hub_server, model) > 0
@@ -134,7 +127,7 @@ async def test_a_node_copies_from_the_node_that_has_the_model_and_refuses_a_dama
     # B copies the model from A: the Hub hears nothing about it.
     hub_server.reset_counters()
     await cluster.submit(StartDownload(model_id=ModelId(repo), node_id=b))
-    copied = await cluster.wait_download(b, repo, FINAL)
+    copied = await cluster.wait_download(b, repo)
     assert copied.progress.status is DownloadStatus.COMPLETED, copied.progress.reason
     assert copied.progress.source == a
     assert copied.progress.directory == str(models["b"] / "tiny--copied")
@@ -152,7 +145,7 @@ async def test_a_node_copies_from_the_node_that_has_the_model_and_refuses_a_dama
     path.write_bytes(bytes(data))
     hub_server.reset_counters()
     await cluster.submit(StartDownload(model_id=ModelId(other), node_id=b))
-    fixed = await cluster.wait_download(b, other, FINAL)
+    fixed = await cluster.wait_download(b, other)
     assert fixed.progress.status is DownloadStatus.COMPLETED, fixed.progress.reason
     for name in model_files(source):
         assert sha256(models["b"] / "tiny--damaged" / name) == sha256(source / name), name
@@ -227,7 +220,7 @@ async def big_copy_begun(cluster: Cluster, hub_server: HubServer, tmp_path: Path
     nodes, models, processes = await start_nodes(cluster, tmp_path, "ab")
     copy = BigCopy(repo, source, nodes["a"], nodes["b"], models, processes)
     await cluster.submit(StartDownload(model_id=ModelId(repo), node_id=copy.a))
-    done = await cluster.wait_download(copy.a, repo, FINAL, 60)
+    done = await cluster.wait_download(copy.a, repo, timeout_s=60)
     assert done.progress.status is DownloadStatus.COMPLETED, done.progress.reason
     await cluster.wait(lambda s: ModelId(repo) in s.node_storage[copy.a].available_models, 30, f"A to list {repo}")
     hub_server.reset_counters()
@@ -238,7 +231,7 @@ async def big_copy_begun(cluster: Cluster, hub_server: HubServer, tmp_path: Path
 
 async def resumed_from(cluster: Cluster, hub_server: HubServer, copy: BigCopy, kept: int) -> None:
     """B's copy completes from A, from the `kept` bytes on, and the Hub heard nothing of it."""
-    finished = await cluster.wait_download(copy.b, copy.repo, FINAL, 60)
+    finished = await cluster.wait_download(copy.b, copy.repo, timeout_s=60)
     assert finished.progress.status is DownloadStatus.COMPLETED, finished.progress.reason
     assert finished.progress.source == copy.a
     assert sha256(copy.models["b"] / model_dir_name(ModelId(copy.repo)) / BIG) == sha256(copy.source / BIG)
@@ -404,7 +397,7 @@ async def test_nodes_that_need_a_model_at_once_take_it_from_the_hub_once(
     for node in sorted(nodes.values())[1:]:
         await cluster.submit(StartDownload(model_id=ModelId(repo), node_id=node))
     for node in nodes.values():
-        done = await cluster.wait_download(node, repo, FINAL)
+        done = await cluster.wait_download(node, repo)
         assert done.progress.status is DownloadStatus.COMPLETED, done.progress.reason
         assert done.progress.source == ("hub" if node == first else first), (node, done.progress)
     weights = [name for name in model_files(source) if name.endswith(".safetensors")]

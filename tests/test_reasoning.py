@@ -40,11 +40,6 @@ def thinking_model(dialect_cluster: DialectCluster, tmp_path_factory: pytest.Tem
         yield THINKING_MODEL
 
 
-@pytest.fixture(scope="module")
-def openai_client(dialect_cluster: DialectCluster) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{dialect_cluster.api}/v1", api_key="unused", timeout=120, max_retries=0)
-
-
 def reasoning_of(message: Any) -> Any:
     return (message.model_extra or {}).get("reasoning_content")
 
@@ -233,11 +228,6 @@ def test_responses_give_a_reasoning_item_before_the_message(openai_client: opena
 # --- Anthropic --------------------------------------------------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def anthropic_client(dialect_cluster: DialectCluster) -> anthropic.Anthropic:
-    return anthropic.Anthropic(base_url=dialect_cluster.api, api_key="unused", timeout=120, max_retries=0)
-
-
 def blocks(message: Any) -> list[tuple[str, str]]:
     return [(b.type, b.thinking if b.type == "thinking" else b.text) for b in message.content]
 
@@ -307,11 +297,6 @@ def test_anthropic_refuses_thinking_for_a_model_that_cannot(
 
 
 # --- Ollama -----------------------------------------------------------------------------------------------------
-
-
-@pytest.fixture(scope="module")
-def ollama_client(dialect_cluster: DialectCluster) -> ollama.Client:
-    return ollama.Client(host=dialect_cluster.api, timeout=120)
 
 
 def test_ollama_think_gives_message_thinking(ollama_client: ollama.Client, thinking_model: str) -> None:

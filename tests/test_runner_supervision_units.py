@@ -145,6 +145,13 @@ WORKER = textwrap.dedent(
 )
 
 
+def assert_dies_with(runner: psutil.Process, worker: subprocess.Popen[str]) -> None:
+    """Kills `worker`: `runner` must be gone within seconds."""
+    worker.kill()
+    worker.wait()
+    assert psutil.wait_procs([runner], timeout=10)[1] == [], "the runner outlived its worker"
+
+
 def test_a_runner_dies_with_its_worker() -> None:
     worker = subprocess.Popen([sys.executable, "-c", WORKER], stdout=subprocess.PIPE, text=True)
     try:
@@ -152,9 +159,7 @@ def test_a_runner_dies_with_its_worker() -> None:
         said = dict(worker.stdout.readline().split() for _ in range(2))
         assert said["armed"] == said["started"], "the runner is not the process the worker started"
         runner = psutil.Process(int(said["armed"]))
-        worker.kill()
-        worker.wait()
-        assert psutil.wait_procs([runner], timeout=10)[1] == [], "the runner outlived its worker"
+        assert_dies_with(runner, worker)
     finally:
         worker.kill()
         worker.wait()
@@ -285,9 +290,7 @@ def test_a_runner_still_starting_dies_with_its_worker(tmp_path: Path) -> None:
     try:
         assert worker.stdout is not None
         runner = psutil.Process(int(worker.stdout.readline()))
-        worker.kill()
-        worker.wait()
-        assert psutil.wait_procs([runner], timeout=10)[1] == [], "the runner outlived its worker"
+        assert_dies_with(runner, worker)
     finally:
         worker.kill()
         worker.wait()

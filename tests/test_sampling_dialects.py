@@ -29,21 +29,6 @@ OPENAIS_OWN = ("temperature", "seed", "presence_penalty", "frequency_penalty")
 """The sampling arguments of the openai client's `chat.completions.create`; vLLM's others go in `extra_body`."""
 
 
-@pytest.fixture(scope="module")
-def openai_client(dialect_cluster: DialectCluster) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{dialect_cluster.api}/v1", api_key="unused", timeout=120, max_retries=0)
-
-
-@pytest.fixture(scope="module")
-def anthropic_client(dialect_cluster: DialectCluster) -> anthropic.Anthropic:
-    return anthropic.Anthropic(base_url=dialect_cluster.api, api_key="unused", timeout=120, max_retries=0)
-
-
-@pytest.fixture(scope="module")
-def ollama_client(dialect_cluster: DialectCluster) -> ollama.Client:
-    return ollama.Client(host=dialect_cluster.api, timeout=120)
-
-
 def openai_chat(client: openai.OpenAI, model: str, max_tokens: int = LONG, **sampling: Any) -> str:
     """The answer, with `sampling`'s values sent as the openai client sends vLLM's extras (`extra_body`) and
     OpenAI's own as arguments."""

@@ -16,7 +16,15 @@ import ollama
 import openai
 import pytest
 from helpers.dialects import DialectCluster
-from helpers.tiny_vlm import data_url, image_question, make_tiny_vlm, mlx_vlm_greedy, png
+from helpers.tiny_vlm import (
+    data_url,
+    image_question,
+    make_tiny_vlm,
+    mlx_vlm_greedy,
+    png,
+    responses_answer,
+    streamed_chat_answer,
+)
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -64,28 +72,14 @@ def test_openai_image_url_parts_are_answered_as_mlx_vlm_answers_them(
     assert answers == expected
     assert answers[0] != answers[1]
 
-    stream = client.chat.completions.create(
-        model=TINY_VLM,
-        messages=image_question(data_url(PICTURES[1]), QUESTION),  # type: ignore[arg-type]
-        max_tokens=MAX_TOKENS,
-        temperature=0,
-        stream=True,
-    )
-    assert "".join(c.choices[0].delta.content or "" for c in stream if c.choices) == expected[1]
+    assert streamed_chat_answer(client, TINY_VLM, PICTURES[1], QUESTION, MAX_TOKENS) == expected[1]
 
 
 @pytest.mark.usefixtures("vision_model")
 def test_responses_input_image_parts_are_answered_as_mlx_vlm_answers_them(
     client: openai.OpenAI, expected: list[str]
 ) -> None:
-    image = {"type": "input_image", "image_url": data_url(PICTURES[0]), "detail": "auto"}
-    response = client.responses.create(
-        model=TINY_VLM,
-        input=[{"role": "user", "content": [image, {"type": "input_text", "text": QUESTION}]}],  # type: ignore[list-item]
-        max_output_tokens=MAX_TOKENS,
-        temperature=0,
-    )
-    assert response.output_text == expected[0]
+    assert responses_answer(client, TINY_VLM, PICTURES[0], QUESTION, MAX_TOKENS) == expected[0]
     with pytest.raises(openai.BadRequestError) as refused:
         client.responses.create(
             model=TINY_VLM,

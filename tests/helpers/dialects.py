@@ -12,6 +12,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import httpx
 import pytest
@@ -19,6 +20,11 @@ from jetshard_schema.ids import ModelId, model_dir_name
 
 from helpers.harness import InferenceCluster, hub_cluster
 from helpers.tiny_models import make_tiny_model
+
+if TYPE_CHECKING:
+    import anthropic
+    import ollama
+    import openai
 
 TINY_MODEL = "jetshard-test/tiny-dialects"
 SHARED_MODEL = "jetshard-test/tiny-shared"
@@ -66,6 +72,30 @@ def restores_the_dialect_cluster(dialect_cluster: DialectCluster) -> Iterator[No
     """For a test that places or adds on the shared cluster: what it leaves is removed, even when it fails."""
     with dialect_cluster.restored():
         yield
+
+
+# The clients are imported as a fixture asks for one: this plugin loads in every session, and they take seconds.
+
+
+@pytest.fixture(scope="module")
+def openai_client(dialect_cluster: DialectCluster) -> openai.OpenAI:
+    import openai
+
+    return openai.OpenAI(base_url=f"{dialect_cluster.api}/v1", api_key="unused", timeout=120, max_retries=0)
+
+
+@pytest.fixture(scope="module")
+def anthropic_client(dialect_cluster: DialectCluster) -> anthropic.Anthropic:
+    import anthropic
+
+    return anthropic.Anthropic(base_url=dialect_cluster.api, api_key="unused", timeout=120, max_retries=0)
+
+
+@pytest.fixture(scope="module")
+def ollama_client(dialect_cluster: DialectCluster) -> ollama.Client:
+    import ollama
+
+    return ollama.Client(host=dialect_cluster.api, timeout=120)
 
 
 @pytest.fixture(scope="session")

@@ -302,8 +302,13 @@ class Cluster:
             raise AssertionError(f"timed out waiting for {what}\n{self.processes.logs()}") from None
 
     async def wait_download(
-        self, node_id: NodeId, model_id: str, statuses: tuple[DownloadStatus, ...], timeout_s: float = 30.0
+        self,
+        node_id: NodeId,
+        model_id: str,
+        statuses: tuple[DownloadStatus, ...] = (DownloadStatus.COMPLETED, DownloadStatus.FAILED),
+        timeout_s: float = 30.0,
     ) -> Download:
+        """The node's download of `model_id` once its status is one of `statuses` (by default: once it has ended)."""
         state = await self.wait(
             lambda s: (d := s.download(node_id, ModelId(model_id))) is not None and d.progress.status in statuses,
             timeout_s,

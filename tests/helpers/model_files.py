@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 from pathlib import Path
 
 
@@ -13,3 +14,7 @@ def model_files(model_dir: Path) -> set[str]:
         for p in model_dir.rglob("*")
         if p.is_file() and not p.relative_to(model_dir).as_posix().startswith(".")
     }
+
+
+def sha256(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()

@@ -11,13 +11,16 @@ import base64
 import io
 import json
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import mlx.core as mx
 import numpy as np
 from mlx.utils import tree_flatten
 
 from helpers.tiny_models import SPECIAL_TOKENS, _model_config, _write_json, _write_tokenizer, layer_of, seeded_weights
+
+if TYPE_CHECKING:
+    import openai
 
 IMAGE_TOKENS = (
     "<fake_token_around_image>",
@@ -148,6 +151,30 @@ def image_question(url: str, question: str) -> list[dict[str, Any]]:
     """One OpenAI user turn: the picture at `url`, then `question`."""
     parts = [{"type": "image_url", "image_url": {"url": url}}, {"type": "text", "text": question}]
     return [{"role": "user", "content": parts}]
+
+
+def streamed_chat_answer(client: openai.OpenAI, model: str, picture: bytes, question: str, max_tokens: int) -> str:
+    """`model`'s greedy answer to `question` about `picture`, streamed through chat completions, as one text."""
+    stream = client.chat.completions.create(
+        model=model,
+        messages=image_question(data_url(picture), question),  # type: ignore[arg-type]
+        max_tokens=max_tokens,
+        temperature=0,
+        stream=True,
+    )
+    return "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
+
+
+def responses_answer(client: openai.OpenAI, model: str, picture: bytes, question: str, max_tokens: int) -> str:
+    """`model`'s greedy answer to `question` about `picture` through the Responses API (an `input_image` part)."""
+    image = {"type": "input_image", "image_url": data_url(picture), "detail": "auto"}
+    response = client.responses.create(
+        model=model,
+        input=[{"role": "user", "content": [image, {"type": "input_text", "text": question}]}],  # type: ignore[list-item]
+        max_output_tokens=max_tokens,
+        temperature=0,
+    )
+    return response.output_text
 
 
 def mlx_vlm_greedy(
