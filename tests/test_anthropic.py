@@ -15,7 +15,7 @@ import anthropic
 import jsonschema
 import msgspec
 import pytest
-from helpers.dialects import DialectCluster
+from helpers.dialects import WEATHER_PARAMETERS, DialectCluster
 from jetshard_api.app import create_app
 from jetshard_api.cluster import Cluster
 from jetshard_api.dialects.anthropic.types import CountTokensRequest, messages_task
@@ -30,12 +30,7 @@ pytestmark = pytest.mark.timeout(240)
 WEATHER_TOOL: Any = {
     "name": "get_weather",
     "description": "The weather in a city",
-    "input_schema": {
-        "type": "object",
-        "properties": {"city": {"type": "string", "maxLength": 12}, "unit": {"enum": ["celsius", "fahrenheit"]}},
-        "required": ["city", "unit"],
-        "additionalProperties": False,
-    },
+    "input_schema": WEATHER_PARAMETERS,
 }
 QUESTION: Any = [{"role": "user", "content": "What is the weather in Paris?"}]
 FORCED: Any = {"type": "tool", "name": "get_weather"}
@@ -88,7 +83,7 @@ def test_a_forced_tool_call_and_its_result(client: anthropic.Anthropic, dialect_
     assert message.stop_reason == "tool_use"
     (call,) = message.content
     assert call.type == "tool_use" and call.name == "get_weather" and call.id.startswith("toolu_")
-    jsonschema.validate(call.input, WEATHER_TOOL["input_schema"])
+    jsonschema.validate(call.input, WEATHER_PARAMETERS)
 
     conversation: Any = [
         *QUESTION,
@@ -122,11 +117,11 @@ def test_a_forced_call_streams_as_input_json_deltas(
     (call,) = final.content
     assert call.type == "tool_use" and call.name == "get_weather"
     assert json.loads(partial) == call.input
-    jsonschema.validate(call.input, WEATHER_TOOL["input_schema"])
+    jsonschema.validate(call.input, WEATHER_PARAMETERS)
 
 
 def test_structured_output_follows_its_schema(client: anthropic.Anthropic, dialect_cluster: DialectCluster) -> None:
-    schema = WEATHER_TOOL["input_schema"]
+    schema = WEATHER_PARAMETERS
     message = client.messages.create(
         model=dialect_cluster.model,
         max_tokens=BUDGET,

@@ -11,11 +11,11 @@ import httpx
 import pytest
 from helpers.cards import tiny_card
 from helpers.harness import api_until
+from helpers.states import envelope_of
 from jetshard_bus.connect import connect
 from jetshard_bus.options import NatsOptions
 from jetshard_schema.codec import encode
-from jetshard_schema.events import CustomModelCardAdded, EventEnvelope
-from jetshard_schema.ids import CommandId
+from jetshard_schema.events import CustomModelCardAdded
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -61,14 +61,7 @@ async def append_card_events(url: str, *model_ids: str) -> None:
                 storage_size_bytes=1,
                 is_custom=True,
             )
-            envelope = EventEnvelope(
-                command_id=CommandId(f"c-{model_id.replace('/', '--')}"),
-                command_seq=0,
-                index=0,
-                count=1,
-                at_ms=0,
-                event=CustomModelCardAdded(card=card),
-            )
+            envelope = envelope_of(CustomModelCardAdded(card=card), f"c-{model_id.replace('/', '--')}", command_seq=0)
             await js.publish(envelope.event.subject, encode(envelope))
     finally:
         await client.close()

@@ -38,10 +38,10 @@ SPLIT_FIRST = "split/Qwen3-Tiny-Q4_K_M-00001-of-00002.gguf"
 SPLIT_SECOND = "split/Qwen3-Tiny-Q4_K_M-00002-of-00002.gguf"
 
 
-def _repo(root: Path) -> Path:
-    """The repo's files: a qwen3 K-quant with 4 MiB of tensors behind its header, one whose header (a
-    vocabulary of 200,000 tokens: 3 MiB) is longer than the first Range request, a split model, a projector, a file that
-    is not GGUF and one of an architecture llama.cpp does not know."""
+def _hub_repo(hub_server: HubServer, root: Path) -> Path:
+    """The repo's files, on the Hub as REPO: a qwen3 K-quant with 4 MiB of tensors behind its header, one whose
+    header (a vocabulary of 200,000 tokens: 3 MiB) is longer than the first Range request, a split model, a projector,
+    a file that is not GGUF and one of an architecture llama.cpp does not know."""
     root.mkdir(parents=True)
     write_gguf(root / Q4, "qwen3", context=40960, template=QWEN3_TEMPLATE, tokens=16384)
     write_gguf(
@@ -59,6 +59,7 @@ def _repo(root: Path) -> Path:
     (root / "not-a-model.gguf").write_bytes(os.urandom(4096))
     write_gguf(root / "odd.gguf", "transmogrifier")
     (root / "README.md").write_text("tiny GGUF files for jetshard's tests\n")
+    hub_server.add_repo(REPO, root)
     return root
 
 
@@ -75,8 +76,7 @@ def _error(response: httpx.Response, status: int) -> dict[str, Any]:
 async def test_a_hub_gguf_becomes_a_card_from_its_header_and_a_llama_cpp_placement_downloads_that_file_alone(
     cluster: Cluster, hub_server: HubServer, tmp_path: Path
 ) -> None:
-    files = _repo(tmp_path / "repo")
-    hub_server.add_repo(REPO, files)
+    files = _hub_repo(hub_server, tmp_path / "repo")
     api = cluster.start_api()
 
     added = _add(api, model_id=REPO, gguf_file=Q4)

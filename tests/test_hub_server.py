@@ -15,7 +15,6 @@ import httpx
 import mlx_lm
 import pytest
 from helpers.harness import wait_for
-from helpers.hub_fixtures import hf_env, hub_server  # noqa: F401
 from helpers.hub_server import DEFAULT_TOKEN, HubServer
 from helpers.tiny_models import greedy_token_ids, layer_of, make_tiny_model
 from huggingface_hub import HfApi, hf_hub_download, snapshot_download
@@ -39,7 +38,7 @@ def tiny_dir(tmp_path: Path) -> Path:
 
 
 @pytest.fixture
-def big_repo(hub_server: HubServer, tmp_path: Path) -> tuple[str, bytes]:  # noqa: F811
+def big_repo(hub_server: HubServer, tmp_path: Path) -> tuple[str, bytes]:
     """A repo with a file larger than one client write chunk, so a partial download reaches disk."""
     root = tmp_path / "big"
     root.mkdir()
@@ -112,7 +111,7 @@ def _tensor_bytes(path: Path, name: str) -> int:
 # ---------------------------------------------------------------------- hub server
 
 
-def test_model_info_lists_siblings_with_sizes(hub_server: HubServer, tiny_dir: Path) -> None:  # noqa: F811
+def test_model_info_lists_siblings_with_sizes(hub_server: HubServer, tiny_dir: Path) -> None:
     hub_server.add_repo(REPO, tiny_dir)
     info = HfApi().model_info(REPO, files_metadata=True)
     assert info.id == REPO
@@ -131,7 +130,7 @@ def test_model_info_lists_siblings_with_sizes(hub_server: HubServer, tiny_dir: P
     assert model_info(REPO, revision="main").sha == info.sha
 
 
-def test_list_repo_tree_and_paths_info(hub_server: HubServer, tiny_dir: Path) -> None:  # noqa: F811
+def test_list_repo_tree_and_paths_info(hub_server: HubServer, tiny_dir: Path) -> None:
     (tiny_dir / "sub").mkdir()
     (tiny_dir / "sub" / "extra.txt").write_text("x")
     hub_server.add_repo(REPO, tiny_dir)
@@ -145,7 +144,7 @@ def test_list_repo_tree_and_paths_info(hub_server: HubServer, tiny_dir: Path) ->
     assert api.file_exists(REPO, "config.json") and not api.file_exists(REPO, "nope.json")
 
 
-def test_hf_hub_download_to_local_dir(hub_server: HubServer, tiny_dir: Path, tmp_path: Path) -> None:  # noqa: F811
+def test_hf_hub_download_to_local_dir(hub_server: HubServer, tiny_dir: Path, tmp_path: Path) -> None:
     hub_server.add_repo(REPO, tiny_dir)
     path = hf_hub_download(REPO, "config.json", local_dir=tmp_path / "out")
     assert Path(path).read_bytes() == (tiny_dir / "config.json").read_bytes()
@@ -157,7 +156,7 @@ def test_hf_hub_download_to_local_dir(hub_server: HubServer, tiny_dir: Path, tmp
 
 
 def test_dropped_connection_is_resumed_with_range(
-    hub_server: HubServer,  # noqa: F811
+    hub_server: HubServer,
     big_repo: tuple[str, bytes],
     tmp_path: Path,
 ) -> None:
@@ -171,7 +170,7 @@ def test_dropped_connection_is_resumed_with_range(
     assert gets[1].headers.get("Range") == f"bytes={CHUNK}-" and gets[1].status == 206
 
 
-def test_server_answers_range_requests(hub_server: HubServer, big_repo: tuple[str, bytes]) -> None:  # noqa: F811
+def test_server_answers_range_requests(hub_server: HubServer, big_repo: tuple[str, bytes]) -> None:
     repo, data = big_repo
     url = f"{hub_server.url}/{repo}/resolve/main/blob.bin"
     r = httpx.get(url, headers={"Range": "bytes=100-"})
@@ -189,8 +188,8 @@ def test_server_answers_range_requests(hub_server: HubServer, big_repo: tuple[st
 
 
 def test_killed_downloader_then_download_again(
-    hub_server: HubServer,  # noqa: F811
-    hf_env: dict[str, str],  # noqa: F811
+    hub_server: HubServer,
+    hf_env: dict[str, str],
     big_repo: tuple[str, bytes],
     tmp_path: Path,
 ) -> None:
@@ -222,11 +221,7 @@ def test_killed_downloader_then_download_again(
     assert hub_server.bytes_served[(repo, "blob.bin")] == len(data)
 
 
-def test_snapshot_download_with_allow_patterns(
-    hub_server: HubServer,  # noqa: F811
-    tiny_dir: Path,
-    tmp_path: Path,
-) -> None:
+def test_snapshot_download_with_allow_patterns(hub_server: HubServer, tiny_dir: Path, tmp_path: Path) -> None:
     hub_server.add_repo(REPO, tiny_dir)
     wanted = ["config.json", "model-00002-of-00003.safetensors"]
     folder = Path(snapshot_download(REPO, allow_patterns=wanted, local_dir=tmp_path / "snap"))
@@ -237,7 +232,7 @@ def test_snapshot_download_with_allow_patterns(
     assert served == set(wanted)
 
 
-def test_missing_repo_file_and_revision(hub_server: HubServer, tiny_dir: Path, tmp_path: Path) -> None:  # noqa: F811
+def test_missing_repo_file_and_revision(hub_server: HubServer, tiny_dir: Path, tmp_path: Path) -> None:
     hub_server.add_repo(REPO, tiny_dir)
     with pytest.raises(RepositoryNotFoundError):
         HfApi().model_info("nobody/nothing")
@@ -249,7 +244,7 @@ def test_missing_repo_file_and_revision(hub_server: HubServer, tiny_dir: Path, t
         hf_hub_download(REPO, "config.json", revision="v9", local_dir=tmp_path / "c")
 
 
-def test_gated_and_private_repos(hub_server: HubServer, tiny_dir: Path, tmp_path: Path) -> None:  # noqa: F811
+def test_gated_and_private_repos(hub_server: HubServer, tiny_dir: Path, tmp_path: Path) -> None:
     hub_server.add_repo("tiny/gated", tiny_dir, gated=True)
     hub_server.add_repo("tiny/private", tiny_dir, private=True)
     # Gated repos are visible to anyone, their files are not.
@@ -267,7 +262,7 @@ def test_gated_and_private_repos(hub_server: HubServer, tiny_dir: Path, tmp_path
     assert HfApi(token=DEFAULT_TOKEN).model_info("tiny/private").private is True
 
 
-def test_rate_limit(hub_server: HubServer, tiny_dir: Path, tmp_path: Path) -> None:  # noqa: F811
+def test_rate_limit(hub_server: HubServer, tiny_dir: Path, tmp_path: Path) -> None:
     hub_server.add_repo(REPO, tiny_dir)
     hub_server.rate_limit(1, retry_after=0)
     with pytest.raises(HfHubHTTPError) as caught:
@@ -277,7 +272,7 @@ def test_rate_limit(hub_server: HubServer, tiny_dir: Path, tmp_path: Path) -> No
     assert HfApi().model_info(REPO).id == REPO  # the limit covered one request only
 
 
-def test_mlx_lm_loads_downloaded_tiny_model(hub_server: HubServer, tmp_path: Path) -> None:  # noqa: F811
+def test_mlx_lm_loads_downloaded_tiny_model(hub_server: HubServer, tmp_path: Path) -> None:
     source = make_tiny_model(tmp_path / "src", arch="qwen3", num_files=2)
     hub_server.add_repo("tiny/qwen3", source)
     folder = snapshot_download("tiny/qwen3", local_dir=tmp_path / "dl")

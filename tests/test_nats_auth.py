@@ -20,6 +20,7 @@ import openai
 import pytest
 import pytest_asyncio
 from helpers.harness import InferenceCluster, hub_cluster, until
+from helpers.states import envelope_of
 from helpers.tiny_models import make_tiny_model
 from jetshard_bus.commands import publish_command
 from jetshard_bus.connect import connect
@@ -121,14 +122,7 @@ def _options(server: NatsServer, identity: Identity | None) -> NatsOptions:
 
 
 def _envelope(command_id: str, model_id: str) -> EventEnvelope:
-    return EventEnvelope(
-        command_id=CommandId(command_id),
-        command_seq=1,
-        index=0,
-        count=1,
-        at_ms=0,
-        event=CustomModelCardDeleted(model_id=ModelId(model_id)),
-    )
+    return envelope_of(CustomModelCardDeleted(model_id=ModelId(model_id)), command_id)
 
 
 def _chat(cluster: SecuredCluster) -> str:

@@ -15,7 +15,7 @@ import jsonschema
 import mlx.core as mx
 import openai
 import pytest
-from helpers.dialects import DialectCluster
+from helpers.dialects import WEATHER_PARAMETERS, DialectCluster
 from helpers.harness import wait_for
 
 pytestmark = pytest.mark.timeout(240)
@@ -25,15 +25,7 @@ WEATHER_TOOL = {
     "function": {
         "name": "get_weather",
         "description": "The weather in a city",
-        "parameters": {
-            "type": "object",
-            "properties": {
-                "city": {"type": "string", "maxLength": 12},
-                "unit": {"enum": ["celsius", "fahrenheit"]},
-            },
-            "required": ["city", "unit"],
-            "additionalProperties": False,
-        },
+        "parameters": WEATHER_PARAMETERS,
     },
 }
 QUESTION = [{"role": "user", "content": "What is the weather in Paris?"}]
@@ -81,7 +73,7 @@ def test_a_named_tool_choice_forces_a_valid_call_and_the_result_goes_back(
     calls = choice.message.tool_calls or []
     assert [c.function.name for c in calls] == ["get_weather"]
     arguments = json.loads(calls[0].function.arguments)
-    jsonschema.validate(arguments, WEATHER_TOOL["function"]["parameters"])  # type: ignore[index]
+    jsonschema.validate(arguments, WEATHER_PARAMETERS)
     assert calls[0].id.startswith("call_")
 
     conversation: list[Any] = [
@@ -115,7 +107,7 @@ def test_a_forced_call_streams_as_tool_call_deltas(client: openai.OpenAI, dialec
                 arguments += (call.function.arguments or "") if call.function else ""
             finish = choice.finish_reason or finish
     assert names == ["get_weather"] and finish == "tool_calls"
-    jsonschema.validate(json.loads(arguments), WEATHER_TOOL["function"]["parameters"])  # type: ignore[index]
+    jsonschema.validate(json.loads(arguments), WEATHER_PARAMETERS)
 
 
 def test_tool_choice_none_answers_in_text(client: openai.OpenAI, dialect_cluster: DialectCluster) -> None:

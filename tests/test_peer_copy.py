@@ -454,10 +454,9 @@ def test_the_file_server_serves_only_whole_manifest_files_inside_the_model(tmp_p
 async def test_a_hub_gguf_and_a_split_one_are_copied_from_the_node_that_has_them(
     cluster: Cluster, hub_server: HubServer, tmp_path: Path
 ) -> None:
-    from test_hub_gguf import Q4, REPO, SPLIT_FIRST, SPLIT_SECOND, _add, _repo
+    from test_hub_gguf import Q4, REPO, SPLIT_FIRST, SPLIT_SECOND, _add, _hub_repo
 
-    files = _repo(tmp_path / "repo")
-    hub_server.add_repo(REPO, files)
+    files = _hub_repo(hub_server, tmp_path / "repo")
     api = cluster.start_api()
     split = "jetshard-test/qwen3-split"
     assert (await asyncio.to_thread(_add, api, model_id=REPO, gguf_file=Q4)).status_code == 201

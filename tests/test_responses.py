@@ -16,7 +16,7 @@ import jsonschema
 import msgspec
 import openai
 import pytest
-from helpers.dialects import DialectCluster
+from helpers.dialects import WEATHER_PARAMETERS, DialectCluster
 from jetshard_api.dialects.responses.types import ResponseRequest, response_task
 from jetshard_api.errors import ApiError
 from jetshard_schema.ids import ModelId, TaskId
@@ -24,12 +24,6 @@ from jetshard_schema.types import ChatMessage, ToolCall, ToolChoice
 
 pytestmark = pytest.mark.timeout(240)
 
-WEATHER_PARAMETERS = {
-    "type": "object",
-    "properties": {"city": {"type": "string", "maxLength": 12}, "unit": {"enum": ["celsius", "fahrenheit"]}},
-    "required": ["city", "unit"],
-    "additionalProperties": False,
-}
 WEATHER_TOOL: Any = {
     "type": "function",
     "name": "get_weather",

@@ -17,6 +17,7 @@ import nats.js.errors
 import pytest
 from helpers.cards import tiny_card
 from helpers.harness import until
+from helpers.states import envelope_of
 from jetshard_bus.commands import publish_command
 from jetshard_bus.connect import connect
 from jetshard_bus.follower import StateFollower
@@ -188,14 +189,8 @@ async def test_a_command_redelivered_after_the_dedupe_window_has_one_outcome(fre
     try:
         command = add_card("dead-leader")
         command_id, command_seq = await publish_command(js, command, CommandId("cmd-dead-leader"))
-        envelope = EventEnvelope(
-            command_id=command_id,
-            command_seq=command_seq,
-            index=0,
-            count=1,
-            at_ms=0,
-            event=CustomModelCardAdded(card=msgspec.structs.replace(command.card, is_custom=True)),
-        )
+        added = CustomModelCardAdded(card=msgspec.structs.replace(command.card, is_custom=True))
+        envelope = envelope_of(added, command_id, command_seq)
         await js.publish(
             envelope.event.subject,
             encode(envelope),
@@ -292,14 +287,7 @@ async def test_fetching_commands_leaves_no_request_open_to_take_the_next_one(bus
 
 async def test_an_append_with_a_stale_expected_sequence_is_refused(bus) -> None:
     _, js = bus
-    envelope = EventEnvelope(
-        command_id=CommandId("c"),
-        command_seq=1,
-        index=0,
-        count=1,
-        at_ms=0,
-        event=CustomModelCardAdded(card=card("stale")),
-    )
+    envelope = envelope_of(CustomModelCardAdded(card=card("stale")))
     headers = {subjects.EXPECTED_LAST_SEQUENCE_HEADER: "0", subjects.MSG_ID_HEADER: "c/0"}
     await js.publish(envelope.event.subject, encode(envelope), headers=headers)
     with pytest.raises(nats.js.errors.APIError) as raised:

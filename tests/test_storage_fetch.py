@@ -8,7 +8,6 @@ import time
 from pathlib import Path
 
 import pytest
-from helpers.hub_fixtures import hub_server  # noqa: F401
 from helpers.hub_server import DEFAULT_TOKEN, HubServer
 from helpers.model_files import model_files
 from helpers.tiny_models import make_tiny_model
@@ -36,18 +35,14 @@ NUM_LAYERS = 4
 
 
 @pytest.fixture
-def repo(hub_server: HubServer, tmp_path: Path) -> Path:  # noqa: F811
+def repo(hub_server: HubServer, tmp_path: Path) -> Path:
     src = make_tiny_model(tmp_path / "src", arch="llama", num_layers=NUM_LAYERS, num_files=4)
     (src / "pytorch_model.bin").write_bytes(b"never fetched")
     hub_server.add_repo(REPO, src)
     return src
 
 
-def test_layer_range_download_fetches_only_its_files(
-    hub_server: HubServer,  # noqa: F811
-    repo: Path,
-    tmp_path: Path,
-) -> None:
+def test_layer_range_download_fetches_only_its_files(hub_server: HubServer, repo: Path, tmp_path: Path) -> None:
     dirs = ModelDirs.from_options(tmp_path / "models")
     listing = list_remote_files(REPO, endpoint=hub_server.url)
     assert listing.revision == hub_server.repo(REPO).sha
@@ -106,10 +101,7 @@ def test_layer_range_download_fetches_only_its_files(
     assert sum(hub_server.bytes_served.values()) == 0  # everything is vouched for by the manifest
 
 
-def test_progress_within_a_file_and_cancel_keeps_finished_files(
-    hub_server: HubServer,  # noqa: F811
-    tmp_path: Path,
-) -> None:
+def test_progress_within_a_file_and_cancel_keeps_finished_files(hub_server: HubServer, tmp_path: Path) -> None:
     src = tmp_path / "src"
     src.mkdir()
     (src / "config.json").write_text("{}")
@@ -153,11 +145,7 @@ def test_progress_within_a_file_and_cancel_keeps_finished_files(
     assert not (target / MANIFEST_NAME).with_suffix(".tmp").exists()
 
 
-def test_dropped_connection_is_resumed_within_the_call(
-    hub_server: HubServer,  # noqa: F811
-    repo: Path,
-    tmp_path: Path,
-) -> None:
+def test_dropped_connection_is_resumed_within_the_call(hub_server: HubServer, repo: Path, tmp_path: Path) -> None:
     listing = list_remote_files(REPO, endpoint=hub_server.url)
     weight = next(f for f in listing.files if f.name.endswith(".safetensors"))
     hub_server.drop_after(REPO, weight.name, (weight.size or 2) // 2)
@@ -165,7 +153,7 @@ def test_dropped_connection_is_resumed_within_the_call(
     assert manifest.files[0].sha256 == sha256_file(repo / weight.name)
 
 
-def test_errors_in_words(hub_server: HubServer, repo: Path, tmp_path: Path) -> None:  # noqa: F811
+def test_errors_in_words(hub_server: HubServer, repo: Path, tmp_path: Path) -> None:
     with pytest.raises(NotFoundOnHub, match="not found on the Hub"):
         list_remote_files("tiny/missing", endpoint=hub_server.url)
     hub_server.add_repo("tiny/private", repo, private=True)
@@ -187,7 +175,7 @@ def test_errors_in_words(hub_server: HubServer, repo: Path, tmp_path: Path) -> N
         listing.select(["nope.safetensors"])
 
 
-def test_rate_limits_are_waited_out_within_a_bound(hub_server: HubServer, repo: Path) -> None:  # noqa: F811
+def test_rate_limits_are_waited_out_within_a_bound(hub_server: HubServer, repo: Path) -> None:
     hub_server.rate_limit(1, retry_after=1, repo_id=REPO)
     start = time.monotonic()
     assert list_remote_files(REPO, endpoint=hub_server.url).files
@@ -200,11 +188,7 @@ def test_rate_limits_are_waited_out_within_a_bound(hub_server: HubServer, repo: 
     assert time.monotonic() - start < 5
 
 
-def test_two_shards_downloading_into_one_directory_at_once(
-    hub_server: HubServer,  # noqa: F811
-    repo: Path,
-    tmp_path: Path,
-) -> None:
+def test_two_shards_downloading_into_one_directory_at_once(hub_server: HubServer, repo: Path, tmp_path: Path) -> None:
     listing = list_remote_files(REPO, endpoint=hub_server.url)
     names = [f.name for f in listing.files]
     index = json.loads((repo / INDEX_NAME).read_text())

@@ -49,6 +49,11 @@ class Troubles:
         page.on("requestfailed", self._failed)
         page.on("response", self._response)
 
+    def take(self) -> list[str]:
+        """The troubles seen so far, for a test that caused them on purpose: from now on they are no longer seen."""
+        taken, self.seen = self.seen, []
+        return taken
+
     def _console(self, message: ConsoleMessage) -> None:
         if message.type in ("error", "warning"):
             self.seen.append(f"console {message.type}: {message.text}")

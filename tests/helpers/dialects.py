@@ -12,7 +12,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import httpx
 import pytest
@@ -28,6 +28,14 @@ if TYPE_CHECKING:
 
 TINY_MODEL = "jetshard-test/tiny-dialects"
 SHARED_MODEL = "jetshard-test/tiny-shared"
+WEATHER_PARAMETERS: dict[str, Any] = {
+    "type": "object",
+    "properties": {"city": {"type": "string", "maxLength": 12}, "unit": {"enum": ["celsius", "fahrenheit"]}},
+    "required": ["city", "unit"],
+    "additionalProperties": False,
+}
+"""The weather tool's arguments, the same in the OpenAI, Anthropic and Responses tests, each sending them in its
+dialect's own tool."""
 
 
 @dataclass

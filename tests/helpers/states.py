@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from jetshard_schema.events import DownloadCompleted, Event
-from jetshard_schema.ids import ModelId, NodeId
+from jetshard_schema.events import DownloadCompleted, Event, EventEnvelope
+from jetshard_schema.ids import CommandId, ModelId, NodeId
 from jetshard_schema.state import State, apply
 from jetshard_schema.types import DownloadProgress, DownloadStatus
 
@@ -15,6 +15,13 @@ def fold(*events: Event, state: State | None = None) -> State:
     for event in events:
         state = apply(state, event, state.last_seq + 1, state.last_command_seq + 1)
     return state
+
+
+def envelope_of(event: Event, command_id: str = "c", command_seq: int = 1) -> EventEnvelope:
+    """The envelope of a command's one event, as the sequencer stores it (at time 0)."""
+    return EventEnvelope(
+        command_id=CommandId(command_id), command_seq=command_seq, index=0, count=1, at_ms=0, event=event
+    )
 
 
 def raw_envelope(event: Any, **fields: Any) -> dict[str, Any]:
