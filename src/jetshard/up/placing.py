@@ -128,7 +128,7 @@ def examples(api_url: str, model_id: str) -> str:
     return f"""  curl {api_url}/v1/chat/completions -H 'Content-Type: application/json' \\
     -d '{{"model": "{model_id}", "messages": [{{"role": "user", "content": "{README_QUESTION}"}}]}}'
 
-  python -c 'from openai import OpenAI
+  python3 -m uv run --no-project --with openai python -c 'from openai import OpenAI
   client = OpenAI(base_url="{api_url}/v1", api_key="unused")
   reply = client.chat.completions.create(model="{model_id}",
       messages=[{{"role": "user", "content": "{README_QUESTION}"}}])
