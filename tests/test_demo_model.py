@@ -15,6 +15,7 @@ import io
 import json
 import os
 import re
+import shlex
 import signal
 import subprocess
 import sys
@@ -121,6 +122,21 @@ def curl_example(output: str) -> dict[str, Any]:
     return parsed
 
 
+PRINTED_PYTHON = "python3 -m uv run --no-project --with openai python -c '"
+
+
+def python_example(output: str) -> str:
+    """What the Python command `up` prints says when pasted into a shell as printed. The serving install has no
+    openai package (the printed command adds it through uv): here the suite's own interpreter, which has it, runs
+    the same quoted code."""
+    start = output.index(PRINTED_PYTHON)
+    end = output.index("'\n", start + len(PRINTED_PYTHON))
+    pasted = output[start : end + 1].replace(PRINTED_PYTHON, f"{shlex.quote(sys.executable)} -c '", 1)
+    result = subprocess.run(["bash", "-c", pasted], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    return result.stdout
+
+
 def run_cli(*args: str, env: dict[str, str]) -> str:
     result = subprocess.run(
         [sys.executable, "-m", "jetshard", *args], capture_output=True, text=True, env=env, timeout=60
@@ -154,6 +170,7 @@ def test_jetshard_up_serves_the_demo_model_offline_stops_in_order_and_restarts_r
         assert curl_example(output)["model"] == DEMO_MODEL_ID  # printed unwrapped though stdout is a file
         assert f"curl {api}/v1/chat/completions" in output
         assert f'OpenAI(base_url="{api}/v1"' in output
+        assert python_example(output).strip()  # an answer printed (sampled: its words may vary)
         # Durable by default: its nats-server syncs every write before acknowledging it.
         assert "sync_interval: always" in (data / "nats" / "nats-server.conf").read_text()
 

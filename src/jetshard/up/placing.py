@@ -125,12 +125,14 @@ README_QUESTION = "What is the capital of France? Answer in one sentence."
 
 
 def examples(api_url: str, model_id: str) -> str:
+    """The README's requests for this API and model, to paste into a shell: the Python code inside its quotes stands
+    flush left, or Python refuses it as indented."""
     return f"""  curl {api_url}/v1/chat/completions -H 'Content-Type: application/json' \\
     -d '{{"model": "{model_id}", "messages": [{{"role": "user", "content": "{README_QUESTION}"}}]}}'
 
   python3 -m uv run --no-project --with openai python -c 'from openai import OpenAI
-  client = OpenAI(base_url="{api_url}/v1", api_key="unused")
-  reply = client.chat.completions.create(model="{model_id}",
-      messages=[{{"role": "user", "content": "{README_QUESTION}"}}])
-  print(reply.choices[0].message.content)'
+client = OpenAI(base_url="{api_url}/v1", api_key="unused")
+reply = client.chat.completions.create(model="{model_id}",
+    messages=[{{"role": "user", "content": "{README_QUESTION}"}}])
+print(reply.choices[0].message.content)'
 """
