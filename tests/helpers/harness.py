@@ -257,7 +257,14 @@ class Cluster:
         command_id = new_command_id()
         outcome = self.follower.expect(command_id)
         await publish_command(self.js, command, command_id)
-        return [e.event for e in await asyncio.wait_for(outcome, timeout_s)]
+        try:
+            return [e.event for e in await asyncio.wait_for(outcome, timeout_s)]
+        except TimeoutError:
+            # A command the sequencer finds nothing to do for (a report about a deleted instance) stores no event.
+            raise AssertionError(
+                f"no event of {type(command).__name__} within {timeout_s} s: the sequencer is down, or it was a "
+                f"no-op\n{self.processes.logs()}"
+            ) from None
 
     async def join(self, config_dir: Path, engines: tuple[Engine, ...] = (Engine.MLX,)) -> NodeId:
         """Make the node of `config_dir` present, as its worker would, running `engines`."""
