@@ -505,7 +505,9 @@ async def test_import_gguf_adds_a_local_model_that_its_node_serves_from_disk(clu
         card: dict[str, Any] = (await http.get(f"{api}/models/local/smol")).json()
     assert card["is_custom"] and card["source"] == "local-gguf" and card["num_layers"] == 30
     smol, gguf_size = models / "local--smol", packaged_demo_gguf().stat().st_size
-    stored = cluster.follower.state.download(node, ModelId("local/smol"))
+    # The API answered once its own replica held the import; the test's may be a moment behind.
+    state = await cluster.wait(lambda s: s.download(node, ModelId("local/smol")) is not None, what="the import")
+    stored = state.download(node, ModelId("local/smol"))
     assert stored is not None and stored.progress.formats == (ModelFormat.GGUF,)  # the import is llama.cpp's form
     # A download that names no engine makes the MLX form: converted from the stored GGUF, into the same directory.
     await cluster.submit(StartDownload(model_id=ModelId("local/smol"), node_id=node))

@@ -280,6 +280,9 @@ def test_a_model_on_one_machine_is_copied_to_another_over_the_lan_and_served_the
     gguf = write_tiny_gguf(tmp_path / "tiny-llama.gguf", "llama", seed=7)
     imported = first.jetshard("models", "import-gguf", str(gguf), "--id", "lan/tiny-copied")
     assert imported.returncode == 0, imported.stdout + imported.stderr
+    # The first machine's API answered the import; the third's replica may be a moment behind it.
+    card = f"{third.api}/models/lan/tiny-copied"
+    until_sync(lambda: third.probe("http", "GET", card)["status"] == 200, 60, "the third machine to know the card")
     body = {"model_id": "lan/tiny-copied", "engine": "llama.cpp", "node_ids": [third.server_name]}
     instance = place(third, body)
     assert [s["node_id"] for s in instance["shards"]] == [third.server_name]

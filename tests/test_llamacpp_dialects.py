@@ -305,12 +305,7 @@ def test_a_killed_llama_server_fails_its_stream_clearly_and_the_instance_heals(
                 errors.append(json.loads(line.removeprefix("data: "))["error"])
     assert errors and "llama" in errors[0]["message"], errors
     assert wait_for(lambda: _gone(server), timeout=30)
-
-    def healed() -> bool:
-        instance = cluster.get(f"/instances/{llamacpp_cluster.instance_id}")
-        return bool(instance["status"] == "ready" and instance["generation"] > generation)
-
-    assert wait_for(healed, timeout=180), cluster.get(f"/instances/{llamacpp_cluster.instance_id}")
+    cluster.wait_instance(llamacpp_cluster.instance_id, "ready", timeout=180, after_generation=generation)
     reply = openai.OpenAI(base_url=f"{llamacpp_cluster.api}/v1", api_key="unused", max_retries=0, timeout=240)
     answer = reply.chat.completions.create(model=llamacpp_cluster.model, messages=ASK, max_tokens=24, temperature=0)
     assert "Paris" in (answer.choices[0].message.content or "")

@@ -35,6 +35,7 @@ from jetshard_downloader.resume import PARTIAL_DIR
 from jetshard_downloader.service import STOPPED
 from jetshard_schema.cards import ModelFormat
 from jetshard_schema.commands import CancelDownload, StartDownload
+from jetshard_schema.events import CommandRejected
 from jetshard_schema.ids import InstanceId, ModelId, NodeId, model_dir_name
 from jetshard_schema.state import Download, Instance, State
 from jetshard_schema.types import (
@@ -270,9 +271,10 @@ async def test_a_copy_cancelled_mid_file_stops_keeps_its_bytes_and_resumes_when_
     # A is held still (SIGSTOP) while the cancel is asked for, so that it lands mid-file.
     os.kill(copy.processes["a"].pid, signal.SIGSTOP)
     try:
-        await cluster.submit(CancelDownload(model_id=model, node_id=copy.b))
+        cancelled = await cluster.submit(CancelDownload(model_id=model, node_id=copy.b))
     finally:
         os.kill(copy.processes["a"].pid, signal.SIGCONT)
+    assert not any(isinstance(e, CommandRejected) for e in cancelled), cancelled
     stopped = await cluster.wait(
         lambda s: (d := s.download(copy.b, model)) is not None and d.progress.reason == STOPPED, 60, "B to stop"
     )

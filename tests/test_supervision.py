@@ -151,12 +151,21 @@ async def test_up_restarts_each_killed_service_and_nats_server_and_loses_no_comm
         assert {c: [type(e.event) for e in per[c]] for c in published} == {c: [CustomModelCardAdded] for c in published}
 
         # Replicas equal: the API's (restarted, following since) and a fresh fold of the whole history.
+        # The node goes on reporting while they are read: the two are compared at one sequence.
         follower = StateFollower(js)
         await follower.start()
-        fresh = msgspec.to_builtins(follower.state)
-        served = (await http.get("/state")).json()
-        await follower.stop()
-        assert served["last_seq"] == fresh["last_seq"]
+        read: list[tuple[Any, Any]] = []
+
+        async def at_one_sequence() -> bool:
+            served = (await http.get("/state")).json()
+            read[:] = [(served, msgspec.to_builtins(follower.state))]
+            return bool(served["last_seq"] == follower.state.last_seq)
+
+        try:
+            await until(at_one_sequence, 30, "the API's State and a fresh fold at one sequence")
+        finally:
+            await follower.stop()
+        ((served, fresh),) = read
         assert json.dumps(served, sort_keys=True) == json.dumps(fresh, sort_keys=True)
         assert len(list((config / "cards").glob("*.json"))) == len(published)
 

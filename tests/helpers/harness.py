@@ -476,9 +476,15 @@ class InferenceCluster:
         self.wait_instance(self.place(model_id, min_nodes=1))
 
     def wait_instance(
-        self, instance_id: str, status: str = "ready", timeout: float = 180, seen: list[str] | None = None
+        self,
+        instance_id: str,
+        status: str = "ready",
+        timeout: float = 180,
+        seen: list[str] | None = None,
+        after_generation: int | None = None,
     ) -> dict[str, Any]:
-        """Poll GET /instances/{id} until `status`; record every distinct status in `seen`."""
+        """Poll GET /instances/{id} until `status`; record every distinct status in `seen`. With
+        `after_generation`, until a later generation has it (the API's replica may still show that one ready)."""
         last: dict[str, Any] = {}
 
         def reached() -> bool:
@@ -491,7 +497,8 @@ class InferenceCluster:
                 seen.append(last["status"])
             if last["status"] == "failed" and status != "failed":
                 raise AssertionError(f"instance failed: {last}\n{self.logs()}")
-            return bool(last["status"] == status)
+            later = after_generation is None or last["generation"] > after_generation
+            return bool(last["status"] == status and later)
 
         assert wait_for(reached, timeout=timeout, interval=0.05), f"{last}\n{self.logs()}"
         return last
