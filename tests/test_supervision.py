@@ -20,7 +20,7 @@ import msgspec
 import nats.errors
 import psutil
 import pytest
-from helpers.harness import free_port, until, wait_for
+from helpers.harness import api_until, free_port, until, wait_for
 from jetshard_bus.commands import publish_command
 from jetshard_bus.connect import connect
 from jetshard_bus.follower import StateFollower
@@ -154,18 +154,11 @@ async def test_up_restarts_each_killed_service_and_nats_server_and_loses_no_comm
         # The node goes on reporting while they are read: the two are compared at one sequence.
         follower = StateFollower(js)
         await follower.start()
-        read: list[tuple[Any, Any]] = []
-
-        async def at_one_sequence() -> bool:
-            served = (await http.get("/state")).json()
-            read[:] = [(served, msgspec.to_builtins(follower.state))]
-            return bool(served["last_seq"] == follower.state.last_seq)
-
         try:
-            await until(at_one_sequence, 30, "the API's State and a fresh fold at one sequence")
+            served = await api_until(http, lambda s: s["last_seq"] == follower.state.last_seq, "/state", 30)
+            fresh = msgspec.to_builtins(follower.state)  # no await since the match: the follower is where it was
         finally:
             await follower.stop()
-        ((served, fresh),) = read
         assert json.dumps(served, sort_keys=True) == json.dumps(fresh, sort_keys=True)
         assert len(list((config / "cards").glob("*.json"))) == len(published)
 
