@@ -26,7 +26,7 @@ from jetshard_schema.types import Chunk, TaskOutcome
 from jetshard_worker.text import constrained
 from jetshard_worker.text.constrained import BudgetTooSmall, JsonConstraint, SchemaError, grammar_tokenizer
 from jetshard_worker.text.json_closer import minimal_completion
-from jetshard_worker.text.output import ChoiceOutput, TaskOutput
+from jetshard_worker.text.output import ChoiceOutput, RowEnd, TaskOutput
 from mlx_lm.generate import generate_step
 from mlx_lm.sample_utils import make_sampler
 
@@ -468,9 +468,10 @@ def run_like_the_runner(
         while len(handed) > behind and not choice.finished:
             item = handed.pop(0)
             if isinstance(item, TaskOutcome):
-                output.finish(0, item, len(prompt))
+                output.finish(0, RowEnd(item, len(prompt)))
             elif (ending := output.token(0, item, None)) is not None:
-                output.finish(0, ending, len(prompt))  # the engine ends the row: what it handed out since is void
+                # The engine ends the row: what it handed out since is void.
+                output.finish(0, RowEnd(ending, len(prompt)))
 
     while not choice.finished and not (handed and isinstance(handed[-1], TaskOutcome)):
         masked = constraint.process(mx.array(tokens), mx.zeros((1, 512)))

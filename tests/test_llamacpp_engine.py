@@ -32,7 +32,7 @@ from jetshard_worker.engines.llamacpp import requests as llama
 from jetshard_worker.engines.llamacpp.engine import LlamaCppEngine
 from jetshard_worker.engines.llamacpp.probe import ready_build
 from jetshard_worker.engines.llamacpp.server import LlamaServer, ServerDied, ServerSettings
-from jetshard_worker.text.output import ChoiceOutput, TaskOutput
+from jetshard_worker.text.output import ChoiceOutput, RowEnd, TaskOutput
 
 DEMO_GGUF, _ = packaged_gguf_path(builtin_cards()[DEMO_MODEL_ID])
 
@@ -322,7 +322,7 @@ def test_a_grammar_document_cut_at_max_tokens_is_closed_into_a_valid_one() -> No
         lambda output: None,  # the runner flushes held text later; the last chunk flushes it here
     )
     output.text(0, "", '{"city": "Par', (), 4, 0)
-    usage = output.finish(0, TaskOutcome.LENGTH, prompt_tokens=9, completion_tokens=4)
+    usage = output.finish(0, RowEnd(TaskOutcome.LENGTH, prompt_tokens=9, completion_tokens=4))
     text = "".join(chunk.text for chunk in published)
     jsonschema.validate(json.loads(text), schema)
     assert text.startswith('{"city": "Par') and published[-1].finish_reason is TaskOutcome.LENGTH

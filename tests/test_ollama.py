@@ -20,7 +20,7 @@ import jsonschema
 import msgspec
 import ollama
 import pytest
-from helpers.dialects import DialectCluster
+from helpers.dialects import PERSON, DialectCluster
 from helpers.harness import wait_for
 from helpers.tiny_models import make_tiny_model
 from jetshard_api.dialects.ollama.types import (
@@ -49,16 +49,6 @@ WEATHER_TOOL = {
         "description": "The weather in a city",
         "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
     },
-}
-PERSON = {
-    "type": "object",
-    "properties": {
-        "name": {"type": "string", "maxLength": 10},
-        "age": {"type": "integer", "minimum": 0, "maximum": 150},
-        "role": {"enum": ["admin", "user", "guest"]},
-    },
-    "required": ["name", "age", "role"],
-    "additionalProperties": False,
 }
 
 

@@ -15,7 +15,7 @@ import jsonschema
 import mlx.core as mx
 import openai
 import pytest
-from helpers.dialects import WEATHER_PARAMETERS, DialectCluster
+from helpers.dialects import PERSON, WEATHER_PARAMETERS, DialectCluster
 from helpers.harness import wait_for
 
 pytestmark = pytest.mark.timeout(240)
@@ -29,18 +29,16 @@ WEATHER_TOOL = {
     },
 }
 QUESTION = [{"role": "user", "content": "What is the weather in Paris?"}]
-PERSON = {
-    "type": "object",
+TAGGED_PERSON = {
+    **PERSON,
     "properties": {
-        "name": {"type": "string", "maxLength": 10},
-        "age": {"type": "integer", "minimum": 0, "maximum": 150},
-        "role": {"enum": ["admin", "user", "guest"]},
+        **PERSON["properties"],
         "active": {"type": "boolean"},
         "tags": {"type": "array", "items": {"type": "string", "maxLength": 6}, "maxItems": 3},
     },
-    "required": ["name", "age", "role", "active", "tags"],
-    "additionalProperties": False,
+    "required": [*PERSON["required"], "active", "tags"],
 }
+"""A person with a boolean and a bounded array too."""
 
 
 @pytest.fixture(scope="module")
@@ -122,7 +120,7 @@ def test_json_schema_output_always_validates_at_temperature_1(
 ) -> None:
     """20 seeds, and a budget too small for some of them (the tiny model's tokens are mostly single bytes): the
     constraint closes open values in time."""
-    response_format: Any = {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON}}
+    response_format: Any = {"type": "json_schema", "json_schema": {"name": "person", "schema": TAGGED_PERSON}}
     for seed in range(20):
         reply = client.chat.completions.create(
             model=dialect_cluster.model,
@@ -134,7 +132,7 @@ def test_json_schema_output_always_validates_at_temperature_1(
         )
         text = reply.choices[0].message.content or ""
         assert text.startswith("{"), (seed, text)
-        jsonschema.validate(json.loads(text), PERSON)
+        jsonschema.validate(json.loads(text), TAGGED_PERSON)
         assert reply.usage is not None and reply.usage.completion_tokens <= (300 if seed % 2 else 90)
 
 
@@ -166,8 +164,8 @@ def test_a_schema_the_grammar_cannot_follow_is_a_400(client: openai.OpenAI, dial
 def test_a_budget_too_small_for_any_valid_document_is_a_400(
     client: openai.OpenAI, dialect_cluster: DialectCluster
 ) -> None:
-    """PERSON's shortest document takes more than 10 tokens: no output could be valid, so none is made."""
-    response_format: Any = {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON}}
+    """TAGGED_PERSON's shortest document takes more than 10 tokens: no output could be valid, so none is made."""
+    response_format: Any = {"type": "json_schema", "json_schema": {"name": "person", "schema": TAGGED_PERSON}}
     with pytest.raises(openai.BadRequestError) as caught:
         client.chat.completions.create(
             model=dialect_cluster.model, messages=QUESTION, response_format=response_format, max_tokens=10

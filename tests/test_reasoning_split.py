@@ -10,7 +10,7 @@ import mlx.core as mx
 import pytest
 from jetshard_schema.ids import TaskId
 from jetshard_schema.types import Chunk, TaskOutcome
-from jetshard_worker.text.output import ChoiceOutput, TaskOutput
+from jetshard_worker.text.output import ChoiceOutput, RowEnd, TaskOutput
 from jetshard_worker.text.reasoning import ReasoningText, ReasoningTokens, ThinkMarkers, opens_in_reasoning
 from jetshard_worker.text.textstream import StopText
 from test_textstream import PieceDetokenizer
@@ -124,7 +124,7 @@ def generate(pieces: list[str], stop: tuple[str, ...]) -> tuple[str, str, TaskOu
     for token in range(len(pieces)):
         if (ending := output.token(0, token, None)) is not None:
             break
-    output.finish(0, ending or TaskOutcome.LENGTH, prompt_tokens=3)
+    output.finish(0, RowEnd(ending or TaskOutcome.LENGTH, prompt_tokens=3))
     reasoning = "".join(chunk.reasoning for chunk in chunks)
     return reasoning, "".join(chunk.text for chunk in chunks), chunks[-1].finish_reason
 

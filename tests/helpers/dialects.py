@@ -28,6 +28,17 @@ if TYPE_CHECKING:
 
 TINY_MODEL = "jetshard-test/tiny-dialects"
 SHARED_MODEL = "jetshard-test/tiny-shared"
+PERSON: dict[str, Any] = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 10},
+        "age": {"type": "integer", "minimum": 0, "maximum": 150},
+        "role": {"enum": ["admin", "user", "guest"]},
+    },
+    "required": ["name", "age", "role"],
+    "additionalProperties": False,
+}
+"""A person's document, for structured output: bounded strings and numbers, and an enum."""
 WEATHER_PARAMETERS: dict[str, Any] = {
     "type": "object",
     "properties": {"city": {"type": "string", "maxLength": 12}, "unit": {"enum": ["celsius", "fahrenheit"]}},

@@ -67,8 +67,7 @@ from jetshard_worker.publishing import NATS_ERRORS, publish_until_stored
 from jetshard_worker.runner_spec import RunnerSpec
 from jetshard_worker.task_requests import RequestLost, read_request
 from jetshard_worker.task_spans import TaskSpans
-from jetshard_worker.text.output import TaskOutput, row_id, split_row_id
-from jetshard_worker.text.toolcalls import ToolCallParsed
+from jetshard_worker.text.output import RowEnd, TaskOutput, row_id, split_row_id
 
 log = logging.getLogger(__name__)
 
@@ -324,22 +323,15 @@ class Runner:
         output = self._outputs.get(task_id)
         return None if output is None else (output, choice)
 
-    def finished(
-        self,
-        row: str,
-        reason: TaskOutcome,
-        prompt_tokens: int,
-        engine_calls: list[ToolCallParsed] | None = None,
-        completion_tokens: int | None = None,
-    ) -> None:
+    def finished(self, row: str, end: RowEnd) -> None:
         task_id, choice = split_row_id(row)
         output = self._outputs.get(task_id)
         if output is None:
             return
-        if reason is TaskOutcome.CANCELLED:
+        if end.reason is TaskOutcome.CANCELLED:
             for other in range(len(output.choices)):
                 self.engine.cancel(row_id(task_id, other))
-        self._ended(task_id, output, output.finish(choice, reason, prompt_tokens, engine_calls, completion_tokens))
+        self._ended(task_id, output, output.finish(choice, end))
 
     def embedded(self, row: str, vector: list[float], prompt_tokens: int) -> None:
         task_id, choice = split_row_id(row)

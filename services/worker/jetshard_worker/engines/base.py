@@ -18,8 +18,7 @@ from jetshard_schema.types import TaskOutcome, TaskRequest
 
 from jetshard_worker.engines.figures import EngineFigures
 from jetshard_worker.runner_spec import RunnerSpec
-from jetshard_worker.text.output import ChoiceOutput, TaskOutput
-from jetshard_worker.text.toolcalls import ToolCallParsed
+from jetshard_worker.text.output import ChoiceOutput, RowEnd, TaskOutput
 
 Row = TypeVar("Row")
 
@@ -54,14 +53,7 @@ class RowEvents(Protocol):
         """The row made output: its task's output and its choice there, for the engine to hand it on; None once the
         task is over."""
 
-    def finished(
-        self,
-        row: str,
-        reason: TaskOutcome,
-        prompt_tokens: int,
-        engine_calls: list[ToolCallParsed] | None = None,
-        completion_tokens: int | None = None,
-    ) -> None:
+    def finished(self, row: str, end: RowEnd) -> None:
         """The row ended (see `TaskOutput.finish`)."""
 
     def embedded(self, row: str, vector: list[float], prompt_tokens: int) -> None:

@@ -57,6 +57,18 @@ def split_row_id(row: str) -> tuple[TaskId, int]:
     return TaskId(task_id), int(choice)
 
 
+@dataclass(frozen=True)
+class RowEnd:
+    """How an engine ended one row: why, and what it counted. An engine that parses tool calls itself (llama.cpp)
+    hands them in `engine_calls`, and its own count of the choice's tokens in `completion_tokens`."""
+
+    reason: TaskOutcome
+    prompt_tokens: int = 0
+    """0 where the engine does not know them (a row cancelled before its prefill)."""
+    engine_calls: tuple[ToolCallParsed, ...] = ()
+    completion_tokens: int | None = None
+
+
 @dataclass(eq=False)
 class ChoiceOutput:
     """One choice's output so far: each token detokenized, split into reasoning and answer, the answer cut at a
@@ -205,24 +217,16 @@ class TaskOutput:
         self._emit(choice, reasoning, text)
         return output.ending
 
-    def finish(
-        self,
-        choice: int,
-        reason: TaskOutcome,
-        prompt_tokens: int,
-        engine_calls: list[ToolCallParsed] | None = None,
-        completion_tokens: int | None = None,
-    ) -> Usage | None:
-        """A choice ended; its last chunk. Returns the task's usage once every choice has ended. An engine that
-        parses tool calls itself (llama.cpp) hands them in `engine_calls`, and its own count of the choice's
-        tokens in `completion_tokens`."""
+    def finish(self, choice: int, end: RowEnd) -> Usage | None:
+        """A choice ended; its last chunk. Returns the task's usage once every choice has ended."""
         output = self.choices[choice]
         if output.finished:
             return None
         output.finished = True
-        if completion_tokens:
-            output.tokens = completion_tokens
-        self._prompt_tokens = max(self._prompt_tokens, prompt_tokens)
+        if end.completion_tokens:
+            output.tokens = end.completion_tokens
+        self._prompt_tokens = max(self._prompt_tokens, end.prompt_tokens)
+        reason = end.reason
         if output.ending is not None:
             # A stop string or a closed document: the reason the output gave, whatever stopped the engine first
             # (the last token may complete a stop string just as max_tokens is reached: that is a stop).
@@ -242,8 +246,8 @@ class TaskOutput:
             shown, calls = output.splitter.add(text)
             rest, more = output.splitter.finish()
             text, calls = shown + rest, calls + more
-        elif engine_calls:
-            calls = engine_calls
+        elif end.engine_calls:
+            calls = list(end.engine_calls)
         if calls or output.called:
             reason = TaskOutcome.TOOL_CALLS if reason is TaskOutcome.STOP else reason
         usage = None

@@ -19,7 +19,7 @@ from jetshard_worker.engines.base import Admitted, OnProgress, Refused, RowEvent
 from jetshard_worker.engines.model_dir import read_generation_config
 from jetshard_worker.peer_tunnel import Tunnel
 from jetshard_worker.runner_spec import RunnerSpec
-from jetshard_worker.text.output import ChoiceOutput, choice_seed, row_id
+from jetshard_worker.text.output import ChoiceOutput, RowEnd, choice_seed, row_id
 from jetshard_worker.text.textstream import StopText
 from jetshard_worker.text.toolcalls import ToolCallParsed
 
@@ -132,7 +132,7 @@ class LlamaCppServing(LlamaCppEngine):
             LLAMA_SERVER_LOAD_TIMEOUT_S,
             on_started=events.started,
             on_embedded=events.embedded,
-            on_cancelled=lambda row: events.finished(row, TaskOutcome.CANCELLED, 0),
+            on_cancelled=lambda row: events.finished(row, RowEnd(TaskOutcome.CANCELLED)),
             on_failed=events.failed,
         )
 
@@ -267,4 +267,4 @@ class LlamaCppServing(LlamaCppEngine):
             self.finish(row, ending)
 
     def _finished(self, row: str, ending: Ending, calls: list[ToolCallParsed]) -> None:
-        self._events.finished(row, ending.reason, ending.prompt_tokens, calls, ending.completion_tokens)
+        self._events.finished(row, RowEnd(ending.reason, ending.prompt_tokens, tuple(calls), ending.completion_tokens))

@@ -32,7 +32,7 @@ from jetshard_worker.rank_tunnels import RingTunnels, open_ring_tunnels
 from jetshard_worker.runner_spec import RunnerSpec
 from jetshard_worker.text.chat import render_chat, tool_spec
 from jetshard_worker.text.constrained import JsonConstraint, SchemaError, grammar_tokenizer
-from jetshard_worker.text.output import ChoiceOutput, choice_seed, row_id
+from jetshard_worker.text.output import ChoiceOutput, RowEnd, choice_seed, row_id
 from jetshard_worker.text.reasoning import ReasoningText, ReasoningTokens, ThinkMarkers, opens_in_reasoning
 from jetshard_worker.text.textstream import StopText
 from jetshard_worker.text.toolcalls import ToolCallSplitter, forced_call_schema
@@ -446,4 +446,4 @@ class MlxServing:
         if vector is not None:
             self._events.embedded(row, vector, prompt_tokens)
         else:
-            self._events.finished(row, reason, prompt_tokens)
+            self._events.finished(row, RowEnd(reason, prompt_tokens))
