@@ -18,7 +18,7 @@ from typing import Any
 
 import httpx
 import pytest
-from helpers.browser import SHOWN_MS, Troubles, chat, chromium
+from helpers.browser import SHOWN_MS, Troubles, chat, chromium, expect_streaming
 from helpers.dialects import SHARED_MODEL, DialectCluster
 from helpers.harness import wait_for
 from helpers.tiny_models import endless_model, make_tiny_model
@@ -82,7 +82,7 @@ def api_call(method: str, url: str, **kwargs: Any) -> Any:
     return response.json()
 
 
-def test_the_page_shows_the_cluster_streams_a_chat_and_follows_changes(
+def test_the_page_shows_the_cluster_answers_a_chat_and_follows_changes(
     browser: Browser, dialect_cluster: DialectCluster, screenshots: Path, tmp_path: Path
 ) -> None:
     cluster, api = dialect_cluster.cluster, dialect_cluster.api
@@ -300,7 +300,7 @@ def test_a_model_is_added_placed_served_and_removed_from_the_page(
         )
         page.screenshot(path=screenshots / "placed-ready.png", full_page=True)
 
-        # A chat with it, as the API answers; then one that would run on until its task is cancelled.
+        # A chat with it, as the API answers; then one that would run on until its task is cancelled, streaming in.
         page.select_option("#chat-model", PAGE_MODEL)
         page.fill("#chat-temperature", "0")
         page.fill("#chat-max-tokens", str(ANSWER_TOKENS))
@@ -310,6 +310,7 @@ def test_a_model_is_added_placed_served_and_removed_from_the_page(
         page.fill("#chat-max-tokens", "60000")  # minutes of tokens: it ends only when cancelled
         page.fill("#chat-input", "Go on for ever.")
         page.press("#chat-input", "Enter")
+        expect_streaming(page)
         cancel = page.get_by_role("button", name=re.compile("^Cancel task "))
         expect(cancel).to_have_count(1, timeout=SHOWN_MS)
         page.screenshot(path=screenshots / "task-running.png", full_page=True)
