@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import secrets
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -65,7 +65,7 @@ class RowEnd:
     reason: TaskOutcome
     prompt_tokens: int = 0
     """0 where the engine does not know them (a row cancelled before its prefill)."""
-    engine_calls: tuple[ToolCallParsed, ...] = ()
+    engine_calls: Sequence[ToolCallParsed] = ()
     completion_tokens: int | None = None
 
 

@@ -267,4 +267,4 @@ class LlamaCppServing(LlamaCppEngine):
             self.finish(row, ending)
 
     def _finished(self, row: str, ending: Ending, calls: list[ToolCallParsed]) -> None:
-        self._events.finished(row, RowEnd(ending.reason, ending.prompt_tokens, tuple(calls), ending.completion_tokens))
+        self._events.finished(row, RowEnd(ending.reason, ending.prompt_tokens, calls, ending.completion_tokens))
