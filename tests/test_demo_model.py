@@ -203,6 +203,9 @@ def test_jetshard_up_serves_the_demo_model_offline_stops_in_order_and_restarts_r
         (instance,) = httpx.get(f"{api}/instances").json()
         assert (instance["serving"]["max_batch"], instance["serving"]["max_queued"]) == (3, 5)
         assert DEMO_MODEL_ID in run_cli("models", "ls", env=env)
+        # The demo's files are on this machine's node: `models show` says so, as the API records it.
+        node_id = instance["shards"][0]["node_id"]
+        assert re.search(rf"download on {node_id}\W+completed", run_cli("models", "show", DEMO_MODEL_ID, env=env))
         # Client commands find the cluster `up` runs with no flags (its data dir says where and as whom).
         status = run_cli("status", env=env)
         assert DEMO_MODEL_ID in status and instance["instance_id"] in status and "[0, 30) ready" in status

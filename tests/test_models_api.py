@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import msgspec
 import pytest
 from helpers.cards import TINY_SHAPE
 from helpers.harness import InferenceCluster, free_port, hub_cluster, wait_for
@@ -27,7 +28,9 @@ from helpers.tiny_models import make_tiny_model
 from jetshard_bus.node import node_id_for
 from jetshard_schema.cards import GenerationDefaults
 from jetshard_schema.events import CustomModelCardAdded, CustomModelCardDeleted, Event
-from jetshard_schema.ids import MODEL_ID_MAX_LENGTH
+from jetshard_schema.ids import MODEL_ID_MAX_LENGTH, ModelId, NodeId
+from jetshard_schema.state import Download
+from jetshard_schema.types import DownloadProgress, DownloadStatus
 from jetshard_worker.scratch import PREFIX
 
 ORG = "jetshard-test"
@@ -555,10 +558,20 @@ def test_cli(cluster: ModelsCluster) -> None:
 
 
 def test_ls_table_shows_download_status_per_node() -> None:
-    """The table `jetshard models ls` prints for downloads in several states (no cluster needed)."""
+    """The table `jetshard models ls` prints for downloads in several states (no cluster needed), from the API's
+    own records as it encodes them."""
     from rich.console import Console
 
     from jetshard.commands.models import models_table
+
+    def download(node: str, deleting: bool = False, **progress: Any) -> dict[str, Any]:
+        record = Download(
+            node_id=NodeId(node),
+            model_id=ModelId(f"{ORG}/downloading"),
+            progress=DownloadProgress(**progress),
+            deleting=deleting,
+        )
+        return msgspec.to_builtins(record)  # type: ignore[no-any-return]
 
     cards = [
         {
@@ -568,9 +581,10 @@ def test_ls_table_shows_download_status_per_node() -> None:
             "quantization": {"bits": 4, "group_size": 64},
             "is_custom": True,
             "downloads": {
-                "node-a": {"status": "ongoing", "bytes_done": 25, "bytes_total": 100},
-                "node-b": {"status": "completed", "bytes_done": 100, "bytes_total": 100},
-                "node-c": {"status": "failed", "reason": "disk full"},
+                "node-a": download("node-a", status=DownloadStatus.ONGOING, bytes_done=25, bytes_total=100),
+                "node-b": download("node-b", status=DownloadStatus.COMPLETED, bytes_done=100, bytes_total=100),
+                "node-c": download("node-c", status=DownloadStatus.FAILED, reason="disk full"),
+                "node-d": download("node-d", deleting=True, status=DownloadStatus.COMPLETED),
             },
         },
         {
@@ -589,5 +603,6 @@ def test_ls_table_shows_download_status_per_node() -> None:
     assert "node-a: ongoing 25%" in text
     assert "node-b: completed" in text
     assert "node-c: failed: disk full" in text
+    assert "node-d: deleting" in text
     assert "2.5 GB" in text and "4-bit/g64" in text
     assert "~335.0 MB" in text  # an estimated size is marked

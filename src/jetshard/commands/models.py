@@ -6,7 +6,10 @@ from typing import Any
 from urllib.parse import quote
 
 import click
+import msgspec
 from jetshard_schema.gist import size
+from jetshard_schema.state import Download
+from jetshard_schema.types import DownloadStatus
 from rich.table import Table
 
 from jetshard.client import ApiClient
@@ -40,21 +43,25 @@ def format_quantization(card: dict[str, Any]) -> str:
     return f"{quantization.get('bits')}-bit/g{quantization.get('group_size')}"
 
 
-def format_download(download: dict[str, Any]) -> str:
-    status = str(download.get("status", "?"))
-    done, total = download.get("bytes_done") or 0, download.get("bytes_total") or 0
-    if status == "ongoing" and total:
-        return f"ongoing {100 * done / total:.0f}%"
-    if status == "failed" and download.get("reason"):
-        return f"failed: {download['reason']}"
-    return status
+def format_download(download: Download) -> str:
+    progress = download.progress
+    if download.deleting:
+        return "deleting"
+    if progress.status is DownloadStatus.ONGOING and progress.bytes_total:
+        return f"ongoing {100 * progress.bytes_done / progress.bytes_total:.0f}%"
+    if progress.status is DownloadStatus.FAILED and progress.reason:
+        return f"failed: {progress.reason}"
+    return progress.status
+
+
+def card_downloads(card: dict[str, Any]) -> list[tuple[str, Download]]:
+    """The card's download records per node, as the API's `Download` structs (a change of their shape fails here,
+    not as a '?' in a table)."""
+    return sorted(msgspec.convert(card.get("downloads") or {}, dict[str, Download]).items())
 
 
 def format_downloads(card: dict[str, Any]) -> str:
-    downloads = card.get("downloads") or {}
-    if not downloads:
-        return "-"
-    return "\n".join(f"{node}: {format_download(d)}" for node, d in sorted(downloads.items()))
+    return "\n".join(f"{node}: {format_download(d)}" for node, d in card_downloads(card)) or "-"
 
 
 def _size_text(card: dict[str, Any]) -> str:
@@ -107,11 +114,10 @@ def card_table(card: dict[str, Any]) -> Table:
     ]
     for name, value in rows:
         table.add_row(name, value)
-    downloads = card.get("downloads") or {}
-    if downloads:
-        for node, download in sorted(downloads.items()):
-            table.add_row(f"download on {node}", format_download(download))
-    else:
+    downloads = card_downloads(card)
+    for node, download in downloads:
+        table.add_row(f"download on {node}", format_download(download))
+    if not downloads:
         table.add_row("downloads", "-")
     return table
 
