@@ -21,7 +21,7 @@ import pytest
 from helpers.browser import SHOWN_MS, Troubles, chat, chromium, expect_streaming
 from helpers.dialects import SHARED_MODEL, DialectCluster
 from helpers.harness import wait_for
-from helpers.tiny_models import endless_model, make_tiny_model
+from helpers.tiny_models import ANSWER, THOUGHT, endless_model, make_tiny_model, thinking_model
 from jetshard_schema.ids import ModelId, model_dir_name
 from openai import OpenAI
 from playwright.sync_api import Browser, Page, expect
@@ -32,6 +32,7 @@ PAGE_MODEL = "jetshard-test/tiny-from-the-page"
 PAGE_GGUF = "jetshard-test/tiny-gguf-from-the-page"
 HELD_MODEL = "jetshard-test/tiny-held"
 GATED_MODEL = "jetshard-test/tiny-gated"
+THINKING_MODEL = "jetshard-test/tiny-thinking-on-the-page"
 KEY = "dashboard-key-0123456789"
 ANSWER_TOKENS = 24
 
@@ -168,6 +169,37 @@ def test_the_page_shows_the_cluster_answers_a_chat_and_follows_changes(
         page.screenshot(path=screenshots / "after-changes.png", full_page=True)
         page.emulate_media(color_scheme="dark")
         page.screenshot(path=screenshots / "dark.png", full_page=True)
+
+
+def test_a_thinking_model_shows_its_reasoning_apart_from_its_answer(
+    browser: Browser, dialect_cluster: DialectCluster, tmp_path: Path
+) -> None:
+    """The reasoning streams into a fold of its own that closes when the answer starts; an answer cut off while the
+    model still reasons keeps its reasoning and its turn."""
+    with (
+        dialect_cluster.serving(THINKING_MODEL, thinking_model(tmp_path / "thinking")),
+        dashboard(browser, dialect_cluster.api) as (page, _),
+    ):
+        expect(page.locator("#chat-model option", has_text=THINKING_MODEL)).to_have_count(1, timeout=SHOWN_MS)
+        page.select_option("#chat-model", THINKING_MODEL)
+        page.fill("#chat-temperature", "0")
+        assert chat(page, "Is it?") == ANSWER
+        answer = page.locator("#chat-log .message-assistant").last
+        expect(answer.locator(".reasoning .thought")).to_have_text(THOUGHT)
+        expect(answer.locator(".reasoning")).not_to_have_attribute("open", "")  # folded once the answer came
+
+        page.fill("#chat-max-tokens", "2")  # `<think>` and the thought's first token
+        page.fill("#chat-input", "Is it?")
+        page.press("#chat-input", "Enter")
+        expect(page.locator("#chat-log .message-assistant")).to_have_count(2, timeout=SHOWN_MS)
+        expect(page.locator("#chat-stop")).to_be_disabled(timeout=60_000)
+        cut = page.locator("#chat-log .message-assistant").last
+        expect(cut.locator(".reasoning .thought")).not_to_have_text("")
+        begun = cut.locator(".reasoning .thought").text_content() or ""
+        assert THOUGHT.startswith(begun) and begun != THOUGHT, begun
+        expect(cut.locator(".reasoning")).to_have_attribute("open", "")
+        expect(cut.locator(".text")).to_have_text("")
+        expect(page.locator("#chat-log .message.dropped")).to_have_count(0)
 
 
 @pytest.mark.usefixtures("restores_the_dialect_cluster")

@@ -44,6 +44,10 @@ async function ask(text) {
   // Each piece is appended to one text node, so the answer grows in place and is never parsed as HTML.
   const streamed = document.createTextNode("");
   answer.body.append(streamed);
+  // A thinking model's reasoning, apart from its answer: open while it comes in, folded once the answer starts.
+  const thought = document.createTextNode("");
+  const reasoning = el("details", { className: "reasoning", open: true }, el("summary", {}, "thinking"));
+  reasoning.append(el("div", { className: "thought" }, thought));
   // What the answer waits for (queued, the prompt's progress), as the stream's keep-alives say, until it starts.
   const waiting = el("div", { className: "note waiting" });
   answer.message.classList.add("streaming");
@@ -66,15 +70,22 @@ async function ask(text) {
         if (data === "[DONE]") return;
         const chunk = JSON.parse(data);
         if (chunk.error) throw new Error(chunk.error.message);
-        const piece = chunk.choices?.[0]?.delta?.content;
-        if (piece) {
+        const delta = chunk.choices?.[0]?.delta;
+        if (delta?.reasoning_content) {
           waiting.remove();
-          streamed.appendData(piece);
+          if (!reasoning.isConnected) answer.body.before(reasoning);
+          thought.appendData(delta.reasoning_content);
+          scrollToEnd();
+        }
+        if (delta?.content) {
+          waiting.remove();
+          reasoning.open = false;
+          streamed.appendData(delta.content);
           scrollToEnd();
         }
       },
       (comment) => {
-        if (streamed.data || !comment) return;
+        if (streamed.data || thought.data || !comment) return;
         waiting.textContent = comment;
         if (!waiting.isConnected) answer.message.append(waiting);
         scrollToEnd();
@@ -90,7 +101,8 @@ async function ask(text) {
   }
 
   if (failure) answer.message.append(el("div", { className: failure === "stopped" ? "note" : "note error" }, failure));
-  if (streamed.data) {
+  if (streamed.data || thought.data) {
+    // The reasoning is not sent back, as with OpenAI's API: the model's chat template leaves past reasoning out.
     conversation.push({ role: "assistant", content: streamed.data });
   } else {
     // Nothing came back: the question is left out of the conversation, and shown so.
