@@ -10,6 +10,7 @@ import tomllib
 from importlib import resources
 from typing import Any
 
+import gguf
 import msgspec
 import pytest
 from jetshard_schema.card_from_config import SUPPORTED_ARCHITECTURES, UnsupportedModelError, card_from_hub_metadata
@@ -147,6 +148,7 @@ def test_demo_card_matches_the_packaged_gguf() -> None:
     assert base64.urlsafe_b64decode(b64 + "=" * (-len(b64) % 4)).hex() == demo.source_sha256
     assert int(size) == demo.storage_size_bytes
     assert (site / path).stat().st_size == demo.storage_size_bytes
+    assert sum(int(tensor.n_elements) for tensor in gguf.GGUFReader(site / path).tensors) == demo.parameter_count
 
 
 def test_parse_card_names_the_file_on_bad_input() -> None:

@@ -118,6 +118,7 @@ def test_a_k_quant_qwen3_is_a_llama_cpp_only_card_with_its_tools_and_thinking(tm
     assert (card.num_attention_heads, card.num_key_value_heads, card.vocab_size) == (4, 2, 300)
     assert card.context_length == 40960 and card.storage_size_bytes == path.stat().st_size
     assert card.file_type == "Q4_K_M" and card.quantization is None
+    assert card.parameter_count == sum(int(tensor.n_elements) for tensor in gguf.GGUFReader(path).tensors)
     assert card.formats == (ModelFormat.GGUF,)  # MLX's converter takes llama alone: llama.cpp only
     assert ModelCapability.TOOLS in card.capabilities and ModelCapability.THINKING in card.capabilities
     assert ModelCapability.VISION not in card.capabilities

@@ -55,6 +55,8 @@ CARD_LIES: list[tuple[dict[str, Any], str]] = [
     ({"num_attention_heads": 4, "num_key_value_heads": 3}, "num_key_value_heads"),
     ({"vocab_size": 0}, "vocab_size"),
     ({"storage_size_bytes": 0}, "storage_size_bytes"),
+    ({"parameter_count": -1}, "parameter_count"),
+    ({"parameter_count": 10**20}, "parameter_count"),  # more weights than bits in any file
     ({"architecture": "../../../../etc/passwd"}, "architecture"),
     ({"display_name": "x" * 300}, "display_name"),
     ({"source_ref": "x" * 5000}, "source_ref"),

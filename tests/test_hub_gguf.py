@@ -94,6 +94,13 @@ async def test_a_hub_gguf_becomes_a_card_from_its_header_and_a_llama_cpp_placeme
     # Ollama's model list digests the model as the file's real sha256 (the Hub's LFS record).
     listed = {m.model: m for m in ollama.Client(host=api).list().models}
     assert listed[f"{REPO}:latest"].digest == hashlib.sha256((files / Q4).read_bytes()).hexdigest()
+    # Its size in parameters counted from the tensors' shapes (gguf-py's reader counts them here), and its type by
+    # the name llama.cpp gives it, as Ollama lists a GGUF's.
+    parameters = sum(int(tensor.n_elements) for tensor in gguf.GGUFReader(files / Q4).tensors)
+    assert card["parameter_count"] == parameters
+    details = listed[f"{REPO}:latest"].details
+    assert details is not None and details.quantization_level == "Q4_K_M"
+    assert 10**6 < parameters < 10**9 and details.parameter_size == f"{parameters / 10**6:.2f}M"
 
     # A second quantization of the same repo takes an id of its own; its header is longer than the first read.
     big = _add(api, model_id="jetshard-test/qwen3-big-vocab", repo=REPO, gguf_file=BIG_HEADER)
@@ -112,6 +119,7 @@ async def test_a_hub_gguf_becomes_a_card_from_its_header_and_a_llama_cpp_placeme
     split = _add(api, model_id="jetshard-test/qwen3-split", repo=REPO, gguf_file=SPLIT_FIRST)
     assert split.status_code == 201, split.text
     assert split.json()["storage_size_bytes"] == sum((files / n).stat().st_size for n in (SPLIT_FIRST, SPLIT_SECOND))
+    assert split.json()["parameter_count"] == 0  # its first part lists its own tensors alone: estimated instead
     seeing = _add(api, model_id="jetshard-test/qwen3-sees", repo=REPO, gguf_file=Q4, mmproj_file="mmproj-F16.gguf")
     assert seeing.status_code == 201, seeing.text
     assert "vision" in seeing.json()["capabilities"]

@@ -128,6 +128,9 @@ class ModelCard(msgspec.Struct, frozen=True, kw_only=True):
     capabilities: tuple[ModelCapability, ...] = DEFAULT_CAPABILITIES
     """What the model does: a custom card's are derived from its config and tokenizer when it is added."""
     quantization: Quantization | None = None
+    parameter_count: int = 0
+    """The weights' exact parameter count where the card knows it (a single-file GGUF's tensor shapes); 0: estimated
+    from the size and the quantization (`placement.parameter_count`)."""
     checkpoint_dtype: str = ""
     """The unquantized weights' dtype in the checkpoint (config.json's `torch_dtype`): "float32", "bfloat16" or
     "float16"; empty where unknown, taken as 16-bit."""
@@ -158,6 +161,11 @@ class ModelCard(msgspec.Struct, frozen=True, kw_only=True):
             value = getattr(self, field)
             if not 1 <= value <= most:
                 raise ValueError(f"{field} must be between 1 and {most}, got {value}")
+        # No weight takes less than one bit (llama.cpp's smallest, IQ1_S, takes 1.56).
+        if not 0 <= self.parameter_count <= 8 * self.storage_size_bytes:
+            raise ValueError(
+                f"parameter_count must be between 0 and 8 per byte of storage_size_bytes, got {self.parameter_count}"
+            )
         heads, kv_heads = self.num_attention_heads, self.num_key_value_heads
         if heads > self.hidden_size:
             raise ValueError(f"num_attention_heads ({heads}) cannot exceed hidden_size ({self.hidden_size})")

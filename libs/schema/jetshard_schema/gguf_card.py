@@ -8,6 +8,7 @@ of any other lists `gguf` alone among its formats: llama.cpp serves it.
 
 from __future__ import annotations
 
+import math
 import re
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -407,6 +408,8 @@ def card_from_gguf(
             context_length=header.integer(f"{arch}.context_length") or 4096,
             capabilities=capabilities_of(chat_template, vision=has_mmproj),
             quantization=_MLX_QUANTIZATION.get(file_type_number or -1) if convertible else None,
+            # The first part of a split model lists only its own tensors.
+            parameter_count=sum(math.prod(t.shape) for t in header.tensors) if split_count(header) == 1 else 0,
             checkpoint_dtype=_CHECKPOINT_DTYPES.get(file_type_number or -1, ""),
             is_custom=True,
             source=source,

@@ -130,8 +130,10 @@ def _full_precision(card: ModelCard) -> bool:
 
 
 def parameter_count(card: ModelCard) -> int:
-    """Parameters, estimated from the checkpoint's size: a quantized weight takes `bits` plus its share of its
-    group's 16-bit scale and bias (MLX's affine quantization)."""
+    """Parameters: the card's count where it has one, else estimated from the checkpoint's size: a quantized weight
+    takes `bits` plus its share of its group's 16-bit scale and bias (MLX's affine quantization)."""
+    if card.parameter_count:
+        return card.parameter_count
     q = card.quantization
     if q is not None:
         bits = q.bits + 2 * 16 / q.group_size

@@ -494,7 +494,8 @@ class ModelDetails(msgspec.Struct, frozen=True, kw_only=True):
             family=card.architecture,
             families=[card.architecture],
             parameter_size=_count(parameter_count(card)),
-            quantization_level=f"Q{q.bits}" if q else "unquantized",
+            # A GGUF's own type (Q4_K_M), as Ollama names it; else the MLX quantization's bits.
+            quantization_level=card.file_type or (f"Q{q.bits}" if q else "unquantized"),
         )
 
 
