@@ -8,7 +8,6 @@ of any other lists `gguf` alone among its formats: llama.cpp serves it.
 
 from __future__ import annotations
 
-import math
 import re
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -409,7 +408,7 @@ def card_from_gguf(
             capabilities=capabilities_of(chat_template, vision=has_mmproj),
             quantization=_MLX_QUANTIZATION.get(file_type_number or -1) if convertible else None,
             # The first part of a split model lists only its own tensors.
-            parameter_count=sum(math.prod(t.shape) for t in header.tensors) if split_count(header) == 1 else 0,
+            parameter_count=sum(t.elements for t in header.tensors) if split_count(header) == 1 else 0,
             checkpoint_dtype=_CHECKPOINT_DTYPES.get(file_type_number or -1, ""),
             is_custom=True,
             source=source,

@@ -13,6 +13,7 @@ request), `NeedMoreBytes` says how far to read; where the *file* ends first, it 
 
 from __future__ import annotations
 
+import math
 import struct
 from dataclasses import dataclass, field
 
@@ -114,6 +115,8 @@ class TensorInfo:
     name: str
     ggml_type: int
     shape: tuple[int, ...]
+    elements: int
+    """The product of `shape`: the weights it holds."""
     offset: int
     """From the start of the data section."""
     size_bytes: int
@@ -253,10 +256,10 @@ def _tensor_infos(reader: _Reader, count: int, tensor_types: frozenset[int], rea
             raise ValueError(f"tensor {name} has ggml type {tensor_type}, which {reader_name} does not read")
         _, per_block, block_bytes = GGML_TYPES[tensor_type]
         offset = reader.number("<Q", f"the data offset of {name}")
-        weights = 1
-        for dim in shape:
-            weights *= dim
-        tensors.append(TensorInfo(name, tensor_type, tuple(shape), offset, -(-weights // per_block) * block_bytes))
+        elements = math.prod(shape)
+        tensors.append(
+            TensorInfo(name, tensor_type, tuple(shape), elements, offset, -(-elements // per_block) * block_bytes)
+        )
     return tensors
 
 
