@@ -5,7 +5,7 @@ from __future__ import annotations
 import msgspec
 import pytest
 from helpers import states
-from helpers.states import fold
+from helpers.states import fold, profile
 from jetshard_schema import codec
 from jetshard_schema.events import (
     DefaultKeepAliveSet,
@@ -31,7 +31,6 @@ from jetshard_schema.types import (
     KEEP_LOADED,
     Endpoint,
     InstanceStatus,
-    NodeProfile,
     RunnerReport,
     RunnerStatus,
     ShardAssignment,
@@ -148,14 +147,7 @@ def test_an_instance_that_leaves_gives_its_nodes_memory_back_at_once_as_far_as_t
     gib = 2**30
 
     def joined(node: NodeId, available_gib: float) -> NodeJoined:
-        profile = NodeProfile(
-            hostname=node,
-            os="Linux",
-            cpu_cores=2,
-            memory_total_bytes=8 * gib,
-            memory_available_bytes=int(available_gib * gib),
-        )
-        return NodeJoined(node_id=node, session_id="s", profile=profile)
+        return NodeJoined(node_id=node, session_id="s", profile=profile(available_gib, total_gib=8))
 
     shards = tuple(msgspec.structs.replace(s, memory_bytes=3 * gib) for s in SHARDS)
     state = fold(

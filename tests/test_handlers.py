@@ -7,7 +7,7 @@ from collections.abc import Sequence
 import msgspec
 import pytest
 from helpers.cards import tiny_card
-from helpers.states import completed, downloaded, fold
+from helpers.states import completed, downloaded, fold, profile
 from jetshard_api.errors import REJECT_STATUS
 from jetshard_schema.admission import route
 from jetshard_schema.cards import ModelCard, ModelFormat
@@ -91,17 +91,6 @@ A, B, C = NodeId("node-a"), NodeId("node-b"), NodeId("node-c")
 BUILTIN = ModelId("mlx-community/Qwen3-0.6B-4bit")
 MODEL = ModelId("acme/tiny-8")
 CARD = tiny_card(MODEL, num_layers=8, vocab_size=1000, storage_size_bytes=GiB, context_length=256)
-
-
-def profile(available_gib: float, total_gib: int = 64) -> NodeProfile:
-    return NodeProfile(
-        hostname="h",
-        os="Linux",
-        cpu_cores=4,
-        memory_total_bytes=total_gib * GiB,
-        memory_available_bytes=int(available_gib * GiB),
-        fast_blas=True,
-    )
 
 
 class InMemoryCluster:

@@ -9,6 +9,7 @@ import re
 import msgspec
 import pytest
 from helpers.cards import tiny_card
+from helpers.states import profile
 from jetshard_schema.cards import MAX_HIDDEN_SIZE, ModelCard, ModelFormat, Quantization
 from jetshard_schema.ids import InstanceId, NodeId
 from jetshard_schema.placement import (
@@ -36,7 +37,7 @@ from jetshard_schema.placement import (
     without,
 )
 from jetshard_schema.state import Instance, Node, State
-from jetshard_schema.types import Engine, GpuInfo, KvCacheType, NodeProfile, Parallelism, ServingSettings, WeightsDtype
+from jetshard_schema.types import Engine, GpuInfo, KvCacheType, Parallelism, ServingSettings, WeightsDtype
 from msgspec.structs import replace
 
 GiB = 2**30
@@ -62,15 +63,7 @@ def node(name: str, available_gib: float, accelerator: str = "cpu", fast_blas: b
     return Node(
         node_id=NodeId(name),
         session_id="s",
-        profile=NodeProfile(
-            hostname=name,
-            os="Linux",
-            cpu_cores=8,
-            memory_total_bytes=128 * GiB,
-            memory_available_bytes=int(available_gib * GiB),
-            accelerator=accelerator,
-            fast_blas=fast_blas,
-        ),
+        profile=profile(available_gib, 128, hostname=name, cpu_cores=8, accelerator=accelerator, fast_blas=fast_blas),
     )
 
 

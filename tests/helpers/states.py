@@ -4,10 +4,13 @@ from __future__ import annotations
 
 from typing import Any
 
+import msgspec
 from jetshard_schema.events import DownloadCompleted, Event, EventEnvelope
 from jetshard_schema.ids import CommandId, ModelId, NodeId
 from jetshard_schema.state import State, apply
-from jetshard_schema.types import DownloadProgress, DownloadStatus
+from jetshard_schema.types import DownloadProgress, DownloadStatus, NodeProfile
+
+GiB = 2**30
 
 
 def fold(*events: Event, state: State | None = None) -> State:
@@ -27,6 +30,19 @@ def envelope_of(event: Event, command_id: str = "c", command_seq: int = 1) -> Ev
 def raw_envelope(event: Any, **fields: Any) -> dict[str, Any]:
     """An event envelope as raw JSON-ready data (the first event of command "c"); `fields` add or override."""
     return {"command_id": "c", "command_seq": 1, "index": 0, "count": 1, "at_ms": 0, **fields, "event": event}
+
+
+def profile(available_gib: float, total_gib: int = 64, **fields: Any) -> NodeProfile:
+    """A Linux node with `available_gib` of its `total_gib` memory free and a fast BLAS; `fields` set the rest."""
+    base = NodeProfile(
+        hostname="h",
+        os="Linux",
+        cpu_cores=4,
+        memory_total_bytes=total_gib * GiB,
+        memory_available_bytes=int(available_gib * GiB),
+        fast_blas=True,
+    )
+    return msgspec.structs.replace(base, **fields)
 
 
 def completed(
