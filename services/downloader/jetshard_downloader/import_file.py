@@ -18,6 +18,7 @@ from __future__ import annotations
 import os
 import threading
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 from jetshard_schema.cards import ModelCard, ModelSource
@@ -102,6 +103,14 @@ def _prefix(first_part: str) -> str:
     return first_part[: -len("-00001-of-00000.gguf")]
 
 
+@dataclass(frozen=True)
+class StoredImport:
+    directory: Path
+    size_bytes: int
+    sha256: str
+    """The model file's (a split model's first part's), read as it was stored: its card's `source_sha256`."""
+
+
 def store_import(
     dirs: ModelDirs,
     model_id: ModelId,
@@ -110,8 +119,8 @@ def store_import(
     replace: bool,
     on_progress: Callable[[int, int], None],
     cancel: threading.Event,
-) -> tuple[Path, int]:
-    """Put `files` into the model directory of `model_id`, all or nothing; returns (directory, bytes stored)."""
+) -> StoredImport:
+    """Put `files` (the model file first) into the model directory of `model_id`, all or nothing."""
     stored = find_model(dirs, model_id)
     if stored is not None and stored.read_only:
         raise ImportRefused(f"{model_id} is in {stored.path}, a read-only directory jetshard never writes to")
@@ -146,4 +155,4 @@ def store_import(
         move_into_place(out, target, manifest, replace=True)
     if stored is not None and stored.path != target:
         remove_model_dir(stored.path)
-    return target, total
+    return StoredImport(target, total, entries[0].sha256)

@@ -853,7 +853,7 @@ class Downloader:
                         progress = ImportProgress(status=ImportStatus.ONGOING, bytes_done=done, bytes_total=total)
                         asyncio.run_coroutine_threadsafe(report(progress), loop)
 
-                directory, total = await asyncio.to_thread(
+                stored = await asyncio.to_thread(
                     store_import,
                     self.dirs,
                     model_id,
@@ -877,11 +877,14 @@ class Downloader:
             finally:
                 if self.running.get(model_id) is job:
                     del self.running[model_id]
-            log.info("imported %s into %s", model_id, directory)
+            log.info("imported %s into %s", model_id, stored.directory)
             done = ImportProgress(
-                status=ImportStatus.COMPLETED, bytes_done=total, bytes_total=total, directory=str(directory)
+                status=ImportStatus.COMPLETED,
+                bytes_done=stored.size_bytes,
+                bytes_total=stored.size_bytes,
+                directory=str(stored.directory),
             )
-            await report(done, card)
+            await report(done, msgspec.structs.replace(card, source_sha256=stored.sha256))
 
     # --- deletes -----------------------------------------------------------------------------------------
 
