@@ -96,3 +96,32 @@ def test_a_hostile_model_id_is_still_a_400_in_every_dialect(
 def test_health_answers_as_llama_servers_does(dialect_cluster: DialectCluster) -> None:
     response = httpx.get(f"{dialect_cluster.api}/health", timeout=30)
     assert response.status_code == 200 and response.json() == {"status": "ok"}
+
+
+def test_an_endpoint_that_is_not_here_is_an_error_in_its_dialects_shape(
+    dialect_cluster: DialectCluster, openai_client: openai.OpenAI
+) -> None:
+    """A path or method no route takes is answered in the shape of the dialect whose path it is under, naming it;
+    Ollama's endpoints for making models that this cluster does not have say what to use instead."""
+    client = ollama.Client(host=dialect_cluster.api, timeout=30)
+    for ask, instead in (
+        (lambda: client.copy(dialect_cluster.model, "mine"), "a model has one name"),
+        (lambda: client.create(model="mine", from_=dialect_cluster.model), "jetshard models import-gguf"),
+        (lambda: client.create_blob(__file__), "jetshard models import-gguf"),
+        (lambda: client.push(dialect_cluster.model), "no registry"),
+    ):
+        with pytest.raises(ollama.ResponseError) as missing:
+            ask()
+        assert missing.value.status_code == 404 and instead in missing.value.error, missing.value.error
+    for method, path, status, error in (
+        ("POST", "/api/nothing", 404, "POST /api/nothing is not an endpoint of this API"),
+        ("GET", "/api/chat", 405, "/api/chat does not take GET"),
+    ):
+        answered = httpx.request(method, f"{dialect_cluster.api}{path}", timeout=30)
+        assert answered.status_code == status and list(answered.json()) == ["error"]
+        assert answered.json()["error"].startswith(error), answered.text
+    anthropic_shaped = httpx.get(f"{dialect_cluster.api}/v1/messages/nothing", timeout=30)
+    assert anthropic_shaped.json()["type"] == "error" and anthropic_shaped.json()["error"]["type"] == "not_found_error"
+    with pytest.raises(openai.NotFoundError) as missing:
+        openai_client.fine_tuning.jobs.list()
+    assert "GET /v1/fine_tuning/jobs is not an endpoint" in missing.value.message

@@ -18,7 +18,7 @@ from jetshard_api.dialects.anthropic.routes import AnthropicController
 from jetshard_api.dialects.ollama.routes import OllamaController
 from jetshard_api.dialects.openai.routes import OpenAIController
 from jetshard_api.dialects.responses.routes import ResponsesController
-from jetshard_api.errors import ERROR_HANDLERS
+from jetshard_api.errors import error_handlers_by_path
 from jetshard_api.routes_cluster import ClusterController
 from jetshard_api.routes_dashboard import dashboard_routes
 from jetshard_api.routes_downloads import DownloadsController
@@ -93,7 +93,12 @@ def create_app(
             "cluster": Provide(provide_cluster, use_cache=True),
             "settings": Provide(provide_inference, use_cache=True),
         },
-        exception_handlers=ERROR_HANDLERS,
+        exception_handlers=error_handlers_by_path(
+            {
+                OllamaController.path: OllamaController.exception_handlers,
+                AnthropicController.path: AnthropicController.exception_handlers,
+            }
+        ),
         middleware=[HttpSafetyMiddleware(safety)],
         before_send=[count_response],
         cors_config=CORSConfig(allow_origins=list(safety.cors_origins)) if safety.cors_origins else None,

@@ -4,7 +4,7 @@ own answers with the same handlers, reshaped (`error_handlers_answering`)."""
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import msgspec
@@ -112,10 +112,19 @@ def api_error_handler(_: Request, error: ApiError) -> Response[dict[str, object]
     )
 
 
-def http_error_handler(_: Request, error: HTTPException) -> Response[dict[str, object]]:
+def routed(request: Request[Any, Any, Any]) -> bool:
+    """Whether a route took the request: an error before that found no route for its path or method."""
+    return "route_handler" in request.scope
+
+
+def http_error_handler(request: Request, error: HTTPException) -> Response[dict[str, object]]:
     message = error.detail
     if isinstance(error, ValidationException) and error.extra:
         message = f"{error.detail}: {error.extra}"
+    elif not routed(request) and error.status_code == 404:
+        message = f"{request.method} {request.url.path} is not an endpoint of this API (they are listed at /openapi)"
+    elif not routed(request) and error.status_code == 405:
+        message = f"{request.url.path} does not take {request.method} (its methods are listed at /openapi)"
     code = "request_too_large" if error.status_code == 413 else None
     return Response(error_body(error.status_code, str(message), code), status_code=error.status_code)
 
@@ -152,6 +161,24 @@ def error_handlers_answering(body: Callable[[int, str], msgspec.Struct]) -> Exce
         return handle
 
     return {kind: reshaped(handler) for kind, handler in ERROR_HANDLERS.items()}
+
+
+def error_handlers_by_path(dialects: Mapping[str, ExceptionHandlersMap]) -> ExceptionHandlersMap:
+    """The app's error handlers, each answering as the dialect whose path prefix (`dialects`, with its controller's
+    handlers) the request is under, else in the OpenAI shape: an error raised before a controller took the
+    request (no route for its path or method) still comes in the shape its client reads."""
+
+    def dispatching(kind: int | type[Exception], handler: Callable[..., Response[Any]]) -> Callable[..., Response[Any]]:
+        def handle(request: Request[Any, Any, Any], error: Exception) -> Response[Any]:
+            path = request.url.path
+            for prefix, handlers in dialects.items():
+                if path == prefix or path.startswith(f"{prefix}/"):
+                    return handlers[kind](request, error)
+            return handler(request, error)
+
+        return handle
+
+    return {kind: dispatching(kind, handler) for kind, handler in ERROR_HANDLERS.items()}
 
 
 def inference_responses_in(body_type: type[msgspec.Struct]) -> dict[int, ResponseSpec]:

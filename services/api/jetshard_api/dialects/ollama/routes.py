@@ -25,8 +25,10 @@ from jetshard_schema.view import model_unloads_at_ms
 from litestar import Request, Response, delete, get, post
 from litestar.background_tasks import BackgroundTask
 from litestar.di import NamedDependency
+from litestar.exceptions import HTTPException
 from litestar.params import JSONBody
 from litestar.response import Stream
+from litestar.types import ExceptionHandlersMap
 
 from jetshard_api.answers import Choice
 from jetshard_api.cluster import Cluster
@@ -68,7 +70,7 @@ from jetshard_api.dialects.ollama.types import (
 from jetshard_api.dialects.openai.types import TokenLogprobBody
 from jetshard_api.dialects.strict_body import StrictController
 from jetshard_api.disconnect import unless_disconnected
-from jetshard_api.errors import ApiError, answering, error_handlers_answering, inference_responses_in
+from jetshard_api.errors import ApiError, answering, error_handlers_answering, inference_responses_in, routed
 from jetshard_api.model_steps import can_think, checked_keep_alive, delete_everywhere, pulling, start_pull, until_pulled
 from jetshard_api.settings import InferenceSettings
 from jetshard_api.tasks import LiveTask, Waiting, answer, ensure_ready
@@ -98,6 +100,34 @@ OLLAMA_RESPONSES = inference_responses_in(OllamaError)
 
 def _ollama_error(status: int, message: str) -> OllamaError:
     return OllamaError(message)
+
+
+_IMPORT_INSTEAD = (
+    "creating a model ('ollama create') is not offered here: import a GGUF file on a node with "
+    "'jetshard models import-gguf' (POST /models/import), or add a model's card with POST /models"
+)
+NOT_OFFERED = {
+    "create": _IMPORT_INSTEAD,
+    "blobs": _IMPORT_INSTEAD,
+    "copy": "copying a model ('ollama cp') is not offered here: a model has one name in this cluster",
+    "push": "pushing a model ('ollama push') is not offered here: this cluster has no registry to push to",
+}
+"""Ollama's endpoints this cluster does not have, each with what to do instead (by the path's part after /api/)."""
+
+
+def _ollama_error_handlers() -> ExceptionHandlersMap:
+    """Errors in Ollama's shape; an endpoint of Ollama's that is not here says so (the app's handlers answer a path
+    under /api that no route takes with these, `error_handlers_by_path`)."""
+    handlers = error_handlers_answering(_ollama_error)
+    shaped = handlers[HTTPException]
+
+    def http_error(request: AnyRequest, error: HTTPException) -> Response[Any]:
+        endpoint = request.url.path.removeprefix(f"{OllamaController.path}/").partition("/")[0]
+        if not routed(request) and endpoint in NOT_OFFERED:
+            return Response(OllamaError(NOT_OFFERED[endpoint]), status_code=404)
+        return shaped(request, error)
+
+    return {**handlers, HTTPException: http_error}
 
 
 class _Clock:
@@ -309,7 +339,7 @@ def _card(state: State, name: str) -> ModelCard:
 class OllamaController(StrictController):
     path = "/api"
     tags = ["ollama"]
-    exception_handlers = error_handlers_answering(_ollama_error)
+    exception_handlers = _ollama_error_handlers()
 
     @post("/chat", status_code=200, responses=answering(ChatAnswer, OLLAMA_RESPONSES))
     async def chat(
