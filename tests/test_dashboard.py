@@ -247,9 +247,9 @@ def test_a_model_is_added_placed_served_and_removed_from_the_page(
         field.fill(f"{PAGE_GGUF}:Tiny-Q4_K_M.gguf")
         field.press("Enter")
         expect(page.locator("#add-model-message")).to_have_text(f"Added {PAGE_GGUF}: its card is on every node")
-        expect(models.locator(f'[data-model-id="{PAGE_GGUF}"]')).to_contain_text(
-            "completion · tools · thinking · embedding", timeout=SHOWN_MS
-        )
+        gguf_card = models.locator(f'[data-model-id="{PAGE_GGUF}"] .capabilities')
+        expect(gguf_card).to_contain_text("completion · tools · thinking · embedding", timeout=SHOWN_MS)
+        expect(gguf_card).to_contain_text("Q4_K_M")  # the type its header gives, as llama.cpp names it
 
         # The preview, in the page's own dialog, opened and closed from the keyboard.
         place = page.get_by_role("button", name=f"Place {PAGE_MODEL}")

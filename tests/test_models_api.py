@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -22,11 +23,11 @@ from typing import Any
 import httpx
 import msgspec
 import pytest
-from helpers.cards import TINY_SHAPE
+from helpers.cards import TINY_SHAPE, tiny_card
 from helpers.harness import InferenceCluster, free_port, hub_cluster, wait_for
 from helpers.tiny_models import make_tiny_model
 from jetshard_bus.node import node_id_for
-from jetshard_schema.cards import GenerationDefaults
+from jetshard_schema.cards import GenerationDefaults, Quantization
 from jetshard_schema.events import CustomModelCardAdded, CustomModelCardDeleted, Event
 from jetshard_schema.ids import MODEL_ID_MAX_LENGTH, ModelId, NodeId
 from jetshard_schema.state import Download
@@ -564,6 +565,8 @@ def test_ls_table_shows_download_status_per_node() -> None:
 
     from jetshard.commands.models import models_table
 
+    mlx_4bit = Quantization(bits=4, group_size=32)
+
     def download(node: str, deleting: bool = False, **progress: Any) -> dict[str, Any]:
         record = Download(
             node_id=NodeId(node),
@@ -596,10 +599,14 @@ def test_ls_table_shows_download_status_per_node() -> None:
             "is_custom": False,
             "downloads": {},
         },
+        # GGUF files: a K-quant only llama.cpp serves, and a Q4_1 that MLX also holds (as the demo is).
+        msgspec.to_builtins(tiny_card(f"{ORG}/k-quant", file_type="Q4_K_M")) | {"downloads": {}},
+        msgspec.to_builtins(tiny_card(f"{ORG}/q4-1", file_type="Q4_1", quantization=mlx_4bit)) | {"downloads": {}},
     ]
     console = Console(width=160, record=True)
     console.print(models_table(cards))
     text = console.export_text()
+    assert re.search(rf"{ORG}/k-quant .* Q4_K_M ", text) and re.search(rf"{ORG}/q4-1 .* Q4_1 \(MLX 4-bit/g32\)", text)
     assert "node-a: ongoing 25%" in text
     assert "node-b: completed" in text
     assert "node-c: failed: disk full" in text

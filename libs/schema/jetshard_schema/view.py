@@ -231,6 +231,8 @@ class ModelView(msgspec.Struct, frozen=True, kw_only=True):
     capabilities: tuple[ModelCapability, ...]
     """What it does: completion, tools, thinking, vision, embedding."""
     quantization_bits: int | None
+    file_type: str = ""
+    """A GGUF's type as llama.cpp names it (`Q4_K_M`); empty for a Hub repository's files."""
     builtin: bool
     """Its card ships with jetshard; the others were added (`POST /models`) and can be deleted."""
     known: bool
@@ -319,6 +321,7 @@ def _model_view(model_id: ModelId, card: ModelCard | None, downloads: list[Downl
         context_length=card.context_length if card else 0,
         capabilities=card.capabilities if card else (),
         quantization_bits=card.quantization.bits if card and card.quantization else None,
+        file_type=card.file_type if card else "",
         builtin=builtin,
         known=card is not None,
         in_use=bool(downloads) or placed or not builtin,

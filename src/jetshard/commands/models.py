@@ -37,10 +37,13 @@ def format_size(n_bytes: int | None) -> str:
 
 
 def format_quantization(card: dict[str, Any]) -> str:
+    """A GGUF's type as llama.cpp names it (Q4_K_M), and the MLX form's bits and group size where MLX holds it."""
     quantization = card.get("quantization")
-    if not quantization:
-        return "-"
-    return f"{quantization.get('bits')}-bit/g{quantization.get('group_size')}"
+    mlx = f"{quantization.get('bits')}-bit/g{quantization.get('group_size')}" if quantization else ""
+    file_type = card.get("file_type") or ""
+    if file_type and mlx:
+        return f"{file_type} (MLX {mlx})"
+    return file_type or mlx or "-"
 
 
 def format_download(download: Download) -> str:

@@ -128,7 +128,8 @@ function downloadRow(modelId, download) {
 
 function capabilities(model) {
   const parts = [`${model.num_layers} layers`, size(model.storage_size_bytes), `${model.context_length} context`];
-  if (model.quantization_bits) parts.push(`${model.quantization_bits}-bit`);
+  if (model.file_type) parts.push(model.file_type);
+  else if (model.quantization_bits) parts.push(`${model.quantization_bits}-bit`);
   return [...parts, model.capabilities.join(" · ")].join(", ");
 }
 
