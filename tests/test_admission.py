@@ -48,8 +48,11 @@ def cluster() -> InMemoryCluster:
 
 
 def ensure(cluster: InMemoryCluster, instance: str) -> InstanceId:
-    (event,) = cluster.run(EnsureInstance(instance_id=InstanceId(instance), model_id=MODEL, serving=SMALL_QUEUE))
+    *replaced, event = cluster.run(
+        EnsureInstance(instance_id=InstanceId(instance), model_id=MODEL, serving=SMALL_QUEUE)
+    )
     assert isinstance(event, InstancePlaced | InstanceChosen), event
+    assert all(isinstance(e, InstanceDeleted) for e in replaced), replaced
     return event.instance_id
 
 
@@ -95,9 +98,10 @@ def test_a_failed_instance_is_replaced_not_reused(cluster: InMemoryCluster) -> N
     cluster.run(cluster.runner(first, 0, RunnerStatus.FAILED, "out of memory"), max_restarts=0)
     assert cluster.state.instances[first].failed
     assert ensure(cluster, "inst-2") == InstanceId("inst-2")
+    assert list(cluster.state.instances) == ["inst-2"]  # it replaced the failed one
     # A retried command whose instance id is taken by a failed instance places nothing twice.
     cluster.run(cluster.runner(InstanceId("inst-2"), 0, RunnerStatus.FAILED, "again"), max_restarts=0)
-    retried = cluster.run(EnsureInstance(instance_id=first, model_id=MODEL))
+    retried = cluster.run(EnsureInstance(instance_id=InstanceId("inst-2"), model_id=MODEL))
     rejected(retried, RejectCode.ALREADY_EXISTS)
 
 

@@ -742,6 +742,26 @@ def test_a_failed_download_fails_the_instances_waiting_for_it_at_once(cluster: I
     assert not cluster.state.instances[elsewhere].failed
 
 
+def test_a_request_placing_a_model_again_replaces_its_failed_instances(cluster: InMemoryCluster) -> None:
+    """A client retrying a model whose files cannot be fetched leaves one failed instance, the latest, saying why;
+    not one per retry until their retention. A placement asked for by name leaves the failures be."""
+    cluster.join(A, 16)
+    unreachable = DownloadProgress(status=DownloadStatus.FAILED, reason="Hub unreachable")
+    failed: list[InstanceId] = []
+    for attempt in range(3):
+        *replaced, placed = cluster.run(EnsureInstance(instance_id=InstanceId(f"auto-{attempt}"), model_id=MODEL))
+        assert isinstance(placed, InstancePlaced), placed
+        assert replaced == (
+            [InstanceDeleted(instance_id=failed[-1], reason=f"replaced by auto-{attempt}")] if failed else []
+        )
+        cluster.run(ReportDownloadProgress(node_id=A, model_id=MODEL, progress=unreachable))
+        failed.append(placed.instance_id)
+        assert list(cluster.state.instances) == [placed.instance_id]
+        assert cluster.state.instances[placed.instance_id].failed
+    by_name = cluster.place("by-name", [A])
+    assert sorted(cluster.state.instances) == [failed[-1], by_name]
+
+
 def test_a_failed_download_leaves_a_ready_instance_alone(cluster: InMemoryCluster) -> None:
     cluster.join(A, 16)
     ready = cluster.place("inst-1", [A])

@@ -362,7 +362,10 @@ async def wait_ready(
             504, f"{model_id} did not become ready in {settings.ready_timeout_s:.0f} s", "instance_timeout"
         ) from error
     if not ready_instances(state, model_id):
-        failed = [state.instances[i].failed_reason for i in sorted(coming) if i in state.instances]
+        # Another request's placement may have replaced those that failed (`EnsureInstance`): its failure says why.
+        failed = [state.instances[i].failed_reason for i in sorted(coming) if i in state.instances] or [
+            i.failed_reason for i in state.instances.values() if i.model_id == model_id and i.failed
+        ]
         raise ApiError(
             503, f"{model_id} is unavailable: {'; '.join(failed) or 'its instance was removed'}", "model_unavailable"
         )

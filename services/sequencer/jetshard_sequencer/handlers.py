@@ -528,7 +528,17 @@ def _ensure_instance(state: State, command: commands.EnsureInstance, ctx: Contex
         return [events.InstanceChosen(instance_id=alive[0], model_id=command.model_id)]
     if command.instance_id in state.instances:  # a failed one: every instance id is placed once
         return _reject(command, RejectCode.ALREADY_EXISTS, f"instance {command.instance_id} already exists")
-    return _placed(state, command, ctx)
+    placed = _placed(state, command, ctx)
+    if not isinstance(placed[-1], events.InstancePlaced):
+        return placed
+    # The new instance replaces the model's failed ones: clients retrying a model that cannot load (its files
+    # cannot be fetched) would otherwise leave a failed instance per request in State until their retention.
+    replaced = [
+        events.InstanceDeleted(instance_id=i.instance_id, reason=f"replaced by {command.instance_id}")
+        for i in sorted(state.instances.values(), key=lambda i: i.instance_id)
+        if i.model_id == command.model_id and i.failed
+    ]
+    return [*replaced, *placed]
 
 
 def _set_instance_keep_alive(state: State, command: commands.SetInstanceKeepAlive, ctx: Context) -> list[events.Event]:
