@@ -414,6 +414,42 @@ def test_files_in_a_read_only_directory_are_shown_there_and_offer_no_delete(
 
 
 @pytest.mark.usefixtures("restores_the_dialect_cluster")
+def test_a_gguf_file_a_node_has_is_imported_from_the_page(
+    browser: Browser, dialect_cluster: DialectCluster, tmp_path: Path
+) -> None:
+    """A file the user downloaded, named by its path on the node: a wrong path gets the downloader's words, the
+    right one is served as `local/<file name>` (the card read from its header), and its files can go again."""
+    cluster, api = dialect_cluster.cluster, dialect_cluster.api
+    node_id = cluster.node_ids["node-a"]
+    (tmp_path / "Downloads").mkdir()
+    gguf = write_gguf(tmp_path / "Downloads" / "page import.Q4_K_M.gguf", "qwen3", template=QWEN3_TEMPLATE)
+    with dashboard(browser, api) as (page, troubles):
+        expect(page.locator("#connection")).to_have_text("live", timeout=SHOWN_MS)
+        expect(page.get_by_label("on", exact=True)).to_have_value(node_id)  # the only node
+        page.get_by_label("GGUF file").fill(str(gguf.with_name("missing.gguf")))
+        page.get_by_role("button", name="Import", exact=True).click()
+        expect(page.locator("#import-message")).to_have_text(
+            f"{gguf.with_name('missing.gguf')} does not exist on this node", timeout=SHOWN_MS
+        )
+
+        page.get_by_label("GGUF file").fill(str(gguf))
+        page.get_by_role("button", name="Import", exact=True).click()
+        imported = "local/page-import.Q4_K_M"
+        expect(page.locator("#import-message")).to_have_text(
+            f"Imported {imported} (Q4_K_M) on {node_id}", timeout=SHOWN_MS
+        )
+        model = page.locator(f'#models [data-model-id="{imported}"]')
+        expect(model.locator(".capabilities")).to_contain_text("Q4_K_M, completion · tools · thinking")
+        expect(model.locator(f'.download[data-node-id="{node_id}"]')).to_have_attribute("data-status", "completed")
+        page.get_by_role("button", name=f"Delete files of {imported} on {node_id}").click()
+        page.get_by_role("dialog").get_by_role("button", name="Delete", exact=True).click()
+        expect(model.locator(".download")).to_have_count(0, timeout=SHOWN_MS)
+        assert gguf.exists()  # the user's own file stays where it was
+        seen = troubles.take()
+        assert [t for t in seen if not t.startswith("console error")] == [f"400: POST {api}/models/import"], seen
+
+
+@pytest.mark.usefixtures("restores_the_dialect_cluster")
 def test_a_download_is_started_cancelled_and_its_files_deleted_from_the_page(
     browser: Browser, dialect_cluster: DialectCluster, screenshots: Path, tmp_path: Path
 ) -> None:

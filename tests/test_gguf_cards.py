@@ -40,7 +40,7 @@ from jetshard_schema.events import (
 )
 from jetshard_schema.gguf_card import UnsupportedGguf, card_from_gguf
 from jetshard_schema.gguf_header import NeedMoreBytes, parse_gguf_header
-from jetshard_schema.ids import CommandId, ModelId, NodeId
+from jetshard_schema.ids import CommandId, ModelId, NodeId, default_import_id, parse_model_id
 from jetshard_schema.types import DownloadStatus, ImportProgress, ImportStatus, NodeProfile
 from jetshard_sequencer.handlers import Context, handle
 
@@ -279,6 +279,21 @@ def test_an_import_takes_the_place_of_leftovers_no_manifest_vouches_for(tmp_path
 
 
 NODE = NodeId("n1")
+
+
+@pytest.mark.parametrize(
+    ("path", "expected"),
+    [
+        ("/home/me/Downloads/Qwen3-0.6B-Q4_K_M.gguf", "local/Qwen3-0.6B-Q4_K_M"),
+        ("my smol (copy).gguf", "local/my-smol-copy"),
+        ("/x/__odd..name--.GGUF", "local/odd-name"),
+        ("/x/" + "long" * 40 + ".gguf", "local/" + ("long" * 40)[:80]),
+    ],
+)
+def test_an_imported_file_is_served_as_local_and_its_name_by_default(path: str, expected: str) -> None:
+    assert parse_model_id(default_import_id(path)) == expected
+    with pytest.raises(ValueError, match="empty part"):  # nothing left of the name: the id must be given
+        parse_model_id(default_import_id("/x/---.gguf"))
 
 
 def test_an_import_report_adds_the_card_and_the_copy_on_its_node() -> None:

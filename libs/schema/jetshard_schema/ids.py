@@ -66,6 +66,14 @@ def parse_model_id(value: str) -> ModelId:
     return ModelId(value)
 
 
+def default_import_id(path: str) -> str:
+    """`local/<file name without its extension>`, the id an imported file is served as unless it is given one, with
+    what a Hub name may not hold replaced (not validated: `parse_model_id` says what is wrong, if anything is)."""
+    stem = path.rsplit("/", 1)[-1].rsplit(".", 1)[0]
+    name = re.sub(r"[^A-Za-z0-9._-]+", "-", stem)
+    return "local/" + re.sub(r"-{2,}|\.{2,}", "-", name).strip("-._")[:80].rstrip("-.")
+
+
 def model_dir_name(model_id: ModelId) -> str:
     """The directory form `org--name` of a validated id: one path component, never '..' or absolute."""
     org, name = parse_model_id(model_id).split("/")

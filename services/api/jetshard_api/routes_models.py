@@ -8,7 +8,7 @@ import msgspec
 from jetshard_schema.cards import ModelCard, ModelSource
 from jetshard_schema.commands import AddCustomModelCard, DeleteCustomModelCard, ImportModelFile
 from jetshard_schema.gguf_card import HubGgufRef
-from jetshard_schema.ids import NodeId, new_id
+from jetshard_schema.ids import NodeId, default_import_id, new_id
 from jetshard_schema.models import all_cards, find_card, is_builtin
 from jetshard_schema.state import Download, State
 from jetshard_schema.types import ImportStatus
@@ -45,9 +45,10 @@ class AddModelRequest(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 class ImportModelRequest(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     node_id: str
     """The node that has the file; its downloader imports it."""
-    model_id: str
     path: str
     """An absolute path on that node."""
+    model_id: str = ""
+    """The id to serve it as; by default `local/<file name>`."""
     mmproj_path: str = ""
     replace: bool = False
 
@@ -149,7 +150,7 @@ class ModelsController(StrictController):
     ) -> ModelDescription:
         """Import a GGUF file on a node: its downloader reads the card from the file's header and stores the file in
         one of its model directories; answers once it has, with the card, or 400 naming what is wrong with it."""
-        model_id = checked_model_id(data.model_id)
+        model_id = checked_model_id(data.model_id or default_import_id(data.path))
         if data.node_id not in cluster.state.nodes:
             raise ApiError(404, f"unknown node {data.node_id}; see GET /nodes", "node_not_found", "node_id")
         import_id = new_id()

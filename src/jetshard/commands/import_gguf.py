@@ -11,12 +11,11 @@ stored copy for the new one in one step. The CLI converts nothing and writes not
 
 from __future__ import annotations
 
-import re
 from pathlib import Path
 
 import click
 from jetshard_bus.node import config_dir
-from jetshard_schema.ids import parse_model_id
+from jetshard_schema.ids import default_import_id, parse_model_id
 from rich.console import Console
 
 from jetshard.client import ApiClient
@@ -24,13 +23,6 @@ from jetshard.commands.models import card_table
 
 IMPORT_TIMEOUT_S = 3660.0
 """Beyond the API's own wait for the import (an hour): it answers first."""
-
-
-def default_id(path: Path) -> str:
-    """`local/<file name without .gguf>`, with characters the Hub does not allow replaced."""
-    name = re.sub(r"[^A-Za-z0-9._-]+", "-", path.stem)
-    name = re.sub(r"-{2,}|\.{2,}", "-", name).strip("-.")[:80] or "model"
-    return f"local/{name}"
 
 
 def _this_node(api: ApiClient) -> str:
@@ -69,7 +61,8 @@ def import_gguf(
 ) -> None:
     """Import a GGUF file on this machine into the cluster's catalogue (any model llama.cpp loads)."""
     try:
-        model_id = parse_model_id(model_id or default_id(path))
+        # By default from the name given: a link's (the Hugging Face cache's layout), not its target's.
+        model_id = parse_model_id(model_id or default_import_id(path.name))
     except ValueError as error:
         raise click.BadParameter(str(error), param_hint="--id") from error
     node = node_id or _this_node(api)

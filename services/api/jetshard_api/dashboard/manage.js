@@ -18,6 +18,11 @@ function say(text, tone = "") {
 
 // Sends one request; the API's error message when it refuses, else null.
 async function send(method, path, body) {
+  return (await answered(method, path, body)).error;
+}
+
+// `send`, with the answer's JSON when there is no error.
+async function answered(method, path, body) {
   const init = { method };
   if (body !== undefined) {
     init.headers = { "Content-Type": "application/json" };
@@ -25,9 +30,9 @@ async function send(method, path, body) {
   }
   try {
     const response = await apiFetch(path, init);
-    return response.ok ? null : await errorMessage(response);
+    return response.ok ? { error: null, answer: await response.json() } : { error: await errorMessage(response) };
   } catch (error) {
-    return String(error?.message ?? error);
+    return { error: String(error?.message ?? error) };
   }
 }
 
@@ -250,6 +255,38 @@ async function addModel(event) {
   if (!error) input.value = "";
 }
 
+// --- importing a GGUF file a node has ----------------------------------------------------------------------
+
+// The nodes a file can be imported on, offered in the picker (the current choice kept while it stays).
+export function setImportNodes(nodeIds) {
+  const select = $("import-node");
+  const shown = [...select.options].map((o) => o.value);
+  if (nodeIds.join("\n") !== shown.join("\n")) {
+    const chosen = select.value;
+    select.replaceChildren(...nodeIds.map((id) => el("option", { value: id }, id)));
+    if (nodeIds.includes(chosen)) select.value = chosen;
+  }
+}
+
+async function importFile(event) {
+  event.preventDefault();
+  const message = $("import-message");
+  const body = { node_id: $("import-node").value, path: $("import-path").value.trim() };
+  const modelId = $("import-id").value.trim();
+  if (modelId) body.model_id = modelId;
+  $("import").disabled = true;
+  message.textContent = `Importing ${body.path} on ${body.node_id}…`;
+  message.className = "form-message";
+  const { error, answer } = await answered("POST", "/models/import", body);
+  $("import").disabled = false;
+  message.textContent = error ?? `Imported ${answer.model_id} (${answer.file_type || "GGUF"}) on ${body.node_id}`;
+  message.className = `form-message ${error ? "error" : "good"}`;
+  if (!error) {
+    $("import-path").value = "";
+    $("import-id").value = "";
+  }
+}
+
 // --- the cluster's keep-alive for models placed by requests ---------------------------------------------------
 
 async function showKeepAlive() {
@@ -273,6 +310,7 @@ async function saveKeepAlive(event) {
 
 export function startManaging() {
   $("add-model-form").addEventListener("submit", addModel);
+  $("import-form").addEventListener("submit", importFile);
   $("keep-alive-form").addEventListener("submit", saveKeepAlive);
   showKeepAlive();
   document.querySelector(".cluster").addEventListener("click", (event) => {
