@@ -46,7 +46,7 @@ from jetshard_schema.types import (
     TaskKind,
     TaskRef,
 )
-from jetshard_schema.view import ClusterView, cluster_view, describe_instance
+from jetshard_schema.view import ClusterView, cluster_view, describe_instance, import_progress
 from rich.console import Console
 
 from jetshard.commands.instances import instances_table
@@ -122,6 +122,26 @@ def test_the_view_summarises_nodes_instances_and_tasks() -> None:
     assert [m.model_id for m in view.models if m.in_use] == ["org/m"]
     shown = render_text(view)
     assert "org/m" in shown and not any(model_id in shown for model_id in builtin_cards())
+
+
+def test_an_import_under_way_shows_how_far_it_is_and_leaves_once_done() -> None:
+    """A GGUF file being imported has no card until it is done: the view lists it with its bytes so far, and the
+    screen shows it among the models (the dashboard too, from the same view)."""
+    requested = events.ModelImportRequested(import_id="im1", node_id="a", model_id="local/big", path="/data/big.gguf")
+
+    def progressed(status: ImportStatus, done: int) -> events.ModelImportProgressed:
+        progress = ImportProgress(status=status, bytes_done=done, bytes_total=4_900_000_000)
+        return events.ModelImportProgressed(import_id="im1", node_id="a", model_id="local/big", progress=progress)
+
+    state = fold(events.NodeJoined(node_id="a", session_id="s", profile=PROFILE), requested)
+    (pending,) = cluster_view(state, 0).imports
+    assert import_progress(pending) == "importing"
+    state = fold(progressed(ImportStatus.ONGOING, 2_205_000_000), state=state)
+    (ongoing,) = cluster_view(state, 0).imports
+    assert (ongoing.model_id, ongoing.node_id, ongoing.path) == ("local/big", "a", "/data/big.gguf")
+    assert import_progress(ongoing) == "importing 45% of 4.9 GB"
+    assert "a: importing 45% of 4.9 GB from /data/big.gguf" in render_text(cluster_view(state, 0))
+    assert cluster_view(fold(progressed(ImportStatus.FAILED, 0), state=state), 0).imports == []
 
 
 def test_the_view_gives_an_instances_speed_and_the_share_of_drafted_tokens_it_kept() -> None:

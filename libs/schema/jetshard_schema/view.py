@@ -16,11 +16,11 @@ import msgspec
 
 from jetshard_schema.cards import ModelCapability, ModelCard
 from jetshard_schema.events import EventEnvelope
-from jetshard_schema.gist import gist
+from jetshard_schema.gist import gist, size
 from jetshard_schema.ids import InstanceId, ModelId, NodeId, TaskId
 from jetshard_schema.models import all_cards, is_builtin
 from jetshard_schema.placement import device_of
-from jetshard_schema.state import Download, Instance, State, instance_status
+from jetshard_schema.state import Download, Instance, ModelImport, State, instance_status
 from jetshard_schema.stats import RunnerStats
 from jetshard_schema.types import (
     KEEP_LOADED,
@@ -28,6 +28,7 @@ from jetshard_schema.types import (
     DownloadStatus,
     Engine,
     GpuInfo,
+    ImportStatus,
     InstanceStatus,
     ModelDirInfo,
     NodeProfile,
@@ -271,6 +272,8 @@ class ClusterView(msgspec.Struct, frozen=True, kw_only=True):
     models: list[ModelView]
     instances: list[InstanceView]
     tasks: list[TaskView]
+    imports: list[ModelImport] = []
+    """The imports of GGUF files under way, with their bytes so far (`import_progress`)."""
 
 
 # A view shows the fields its source has under the same name as they are.
@@ -367,7 +370,16 @@ def cluster_view(state: State, now_ms: int, loads: Mapping[InstanceId, RunnerSta
         models=_model_views(state),
         instances=instances,
         tasks=task_views(state),
+        imports=[i for _, i in sorted(state.imports.items()) if i.progress.status is ImportStatus.ONGOING],
     )
+
+
+def import_progress(record: ModelImport) -> str:
+    """How far an import is, for a person: `importing 45% of 4.9 GB`."""
+    progress = record.progress
+    if not progress.bytes_total:
+        return "importing"
+    return f"importing {100 * progress.bytes_done / progress.bytes_total:.0f}% of {size(progress.bytes_total)}"
 
 
 def task_views(state: State) -> list[TaskView]:

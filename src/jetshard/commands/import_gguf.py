@@ -11,11 +11,14 @@ stored copy for the new one in one step. The CLI converts nothing and writes not
 
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor, wait
 from pathlib import Path
 
 import click
+import msgspec
 from jetshard_bus.node import config_dir
 from jetshard_schema.ids import default_import_id, parse_model_id
+from jetshard_schema.view import ClusterView, import_progress
 from rich.console import Console
 
 from jetshard.client import ApiClient
@@ -23,6 +26,17 @@ from jetshard.commands.models import card_table
 
 IMPORT_TIMEOUT_S = 3660.0
 """Beyond the API's own wait for the import (an hour): it answers first."""
+PROGRESS_INTERVAL_S = 1.0
+
+
+def _progress(api: ApiClient, model_id: str, node: str) -> str:
+    """How far the import of `model_id` on `node` is, as the cluster's view says; empty when it does not say."""
+    try:
+        _, view = api.request("GET", "/view")
+        records = msgspec.convert(view, ClusterView).imports
+    except (click.ClickException, msgspec.ValidationError):  # the answer to the import tells what went wrong
+        return ""
+    return next((import_progress(r) for r in records if (r.model_id, r.node_id) == (model_id, node)), "")
 
 
 def _this_node(api: ApiClient) -> str:
@@ -75,8 +89,13 @@ def import_gguf(
         "replace": replace,
     }
     console = Console(stderr=True)
-    with console.status(f"importing {path.name} on {node}"):
-        _, result = api.request("POST", "/models/import", timeout=IMPORT_TIMEOUT_S, body=body)
+    with console.status(f"importing {path.name} on {node}") as status, ThreadPoolExecutor(1) as pool:
+        answer = pool.submit(api.request, "POST", "/models/import", timeout=IMPORT_TIMEOUT_S, body=body)
+        while not wait([answer], timeout=PROGRESS_INTERVAL_S).done:
+            progress = _progress(api, model_id, node)
+            if progress:
+                status.update(f"{progress} of {path.name} on {node}")
+        _, result = answer.result()
     formats = result.get("formats", [])
     engines = "llama.cpp and MLX" if "mlx" in formats else "llama.cpp only"
     click.echo(f"imported {model_id} ({result.get('file_type') or 'gguf'}, {engines}) on {node}")

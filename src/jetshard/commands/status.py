@@ -12,7 +12,14 @@ import httpx
 import msgspec
 from httpx_sse import connect_sse
 from jetshard_schema.gist import shard_layers, size
-from jetshard_schema.view import ClusterView, DownloadView, InstanceView, NodeView, ShardDescription
+from jetshard_schema.view import (
+    ClusterView,
+    DownloadView,
+    InstanceView,
+    NodeView,
+    ShardDescription,
+    import_progress,
+)
 from rich.console import Group
 from rich.live import Live
 from rich.table import Table
@@ -98,6 +105,10 @@ def render(view: ClusterView) -> Group:
     for model in (m for m in view.models if m.in_use):
         downloads = "\n".join(f"{d.node_id}: {_download(d)}" for d in model.downloads) or "-"
         models.add_row(model.model_id, str(model.num_layers), size(model.storage_size_bytes), downloads)
+    for record in view.imports:
+        progress = f"{record.node_id}: {import_progress(record)} from {record.path}"
+        total = record.progress.bytes_total
+        models.add_row(record.model_id, "-", size(total) if total else "-", progress)
     instances = _table("instances", "instance", "model", "status", "shards (layers, runner)", "tasks")
     for instance in view.instances:
         status = str(instance.status) + (f": {instance.reason}" if instance.reason else "")

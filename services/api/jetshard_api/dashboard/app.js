@@ -4,7 +4,7 @@ import { apiKey, setApiKey } from "./api.js";
 import { setReadyModels, startChat } from "./chat.js";
 import { addEvent, clearEvents } from "./events.js";
 import { followView } from "./live.js";
-import { setImportNodes, startManaging } from "./manage.js";
+import { setImportNodes, showImports, startManaging } from "./manage.js";
 import { renderView } from "./view.js";
 
 const CONNECTION = {
@@ -27,6 +27,7 @@ function showView(view) {
   renderView(view);
   setReadyModels(view.instances.filter((i) => i.status === "ready").map((i) => i.model_id));
   setImportNodes(view.nodes.map((n) => n.node_id));
+  showImports(view.imports);
 }
 
 startChat();

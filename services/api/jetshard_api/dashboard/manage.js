@@ -4,6 +4,7 @@
 
 import { apiFetch, errorMessage } from "./api.js";
 import { el, labelled, size } from "./dom.js";
+import { importProgress } from "./view.js";
 
 const $ = (id) => document.getElementById(id);
 
@@ -257,6 +258,14 @@ async function addModel(event) {
 
 // --- importing a GGUF file a node has ----------------------------------------------------------------------
 
+let importing = null; // the import this page asked for, until its answer comes
+
+// How far the import this page asked for is, in its message while it waits for the answer.
+export function showImports(imports) {
+  const record = importing && imports.find((i) => i.node_id === importing.node_id && i.path === importing.path);
+  if (record) $("import-message").textContent = `Importing ${record.path} on ${record.node_id}… ${importProgress(record.progress)}`;
+}
+
 // The nodes a file can be imported on, offered in the picker (the current choice kept while it stays).
 export function setImportNodes(nodeIds) {
   const select = $("import-node");
@@ -277,7 +286,9 @@ async function importFile(event) {
   $("import").disabled = true;
   message.textContent = `Importing ${body.path} on ${body.node_id}…`;
   message.className = "form-message";
+  importing = body;
   const { error, answer } = await answered("POST", "/models/import", body);
+  importing = null;
   $("import").disabled = false;
   message.textContent = error ?? `Imported ${answer.model_id} (${answer.file_type || "GGUF"}) on ${body.node_id}`;
   message.className = `form-message ${error ? "error" : "good"}`;

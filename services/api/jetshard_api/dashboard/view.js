@@ -126,6 +126,28 @@ function downloadRow(modelId, download) {
   );
 }
 
+// A GGUF file being imported on a node: no card until it is done, so a row of its own.
+export function importProgress(progress) {
+  return progress.bytes_total ? `${percent(progress.bytes_done, progress.bytes_total)} of ${size(progress.bytes_total)}` : "";
+}
+
+function importRow(record) {
+  const progress = record.progress;
+  return el(
+    "article",
+    { className: "model", dataset: { modelId: record.model_id, kind: "importing" } },
+    el("header", {}, el("code", { className: "id" }, record.model_id), badge("importing", "accent")),
+    el(
+      "div",
+      { className: "download", dataset: { nodeId: record.node_id, status: "importing" } },
+      el("code", { className: "id" }, record.node_id),
+      el("span", { className: "muted" }, `from ${record.path}`),
+      bar(progress.bytes_total ? progress.bytes_done / progress.bytes_total : 0, "accent"),
+      el("span", { className: "figure" }, importProgress(progress)),
+    ),
+  );
+}
+
 function capabilities(model) {
   const parts = [`${model.num_layers} layers`, size(model.storage_size_bytes), `${model.context_length} context`];
   if (model.file_type) parts.push(model.file_type);
@@ -277,7 +299,8 @@ function fill(id, count, children, none) {
 
 export function renderView(view) {
   fill("nodes", view.nodes.length, view.nodes.map(nodeCard), "no nodes: start `jetshard worker` (or `jetshard up`)");
-  fill("models", view.models.length, inUseFirst(view.models).map((m) => modelRow(m, view.nodes)), "no models");
+  const models = inUseFirst(view.models).map((m) => modelRow(m, view.nodes));
+  fill("models", view.models.length, [...view.imports.map(importRow), ...models], "no models");
   fill("instances", view.instances.length, view.instances.map(instanceCard), "no instances");
   fill("tasks", view.tasks.length, [taskTable(view.tasks, view.instances)], "none");
   document.getElementById("last-seq").textContent = `at event ${view.last_seq}`;
