@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import os
+import signal
 import struct
 import subprocess
 import sys
@@ -339,7 +340,7 @@ def test_an_import_report_adds_the_card_and_the_copy_on_its_node() -> None:
 async def test_import_gguf_runs_on_the_nodes_downloader_and_refuses_bad_files(cluster: Cluster, tmp_path: Path) -> None:
     config, models = tmp_path / "node", tmp_path / "models"
     node = await cluster.join(config)
-    cluster.start_downloader("downloader", config, "--offline", "--default-models-dir", str(models))
+    downloader = cluster.start_downloader("downloader", config, "--offline", "--default-models-dir", str(models))
     api = cluster.start_api()
     # The CLI writes nothing itself: its models directory is not the downloader's.
     env = {**cluster.env, "JETSHARD_CONFIG_DIR": str(config), "JETSHARD_DEFAULT_MODELS_DIR": str(tmp_path / "cli")}
@@ -389,6 +390,20 @@ async def test_import_gguf_runs_on_the_nodes_downloader_and_refuses_bad_files(cl
     replaced = await asyncio.to_thread(import_gguf, str(qwen), "--id", "local/qwen", "--replace")
     assert replaced.returncode == 0, replaced.stderr
     assert stored.read_bytes() == kept and sorted(p.name for p in models.iterdir()) == ["local--qwen"]
+
+    # Ctrl-C while it waits (here on a paused downloader) ends the command at once; the import goes on without it.
+    os.killpg(downloader.pid, signal.SIGSTOP)
+    try:
+        args = ["-m", "jetshard", "models", "--api", api, "import-gguf", str(qwen), "--id", "local/q"]
+        waiting = await asyncio.create_subprocess_exec(sys.executable, *args, env=env, stderr=subprocess.PIPE)
+        await cluster.wait(lambda s: "local/q" in s.imports, what="the import to be asked for")
+        await asyncio.sleep(1.5)  # a poll of its progress under way
+        waiting.send_signal(signal.SIGINT)
+        _, stderr = await asyncio.wait_for(waiting.communicate(), timeout=5)
+        assert waiting.returncode == 1 and b"Aborted" in stderr, stderr
+    finally:
+        os.killpg(downloader.pid, signal.SIGCONT)
+    await cluster.wait(lambda s: "local/q" in s.custom_cards, what="the import to finish on its node")
 
 
 @pytest.mark.parametrize(("field", "offset"), [("tensor count", 8), ("metadata count", 16)])

@@ -11,8 +11,11 @@ stored copy for the new one in one step. The CLI converts nothing and writes not
 
 from __future__ import annotations
 
-from concurrent.futures import ThreadPoolExecutor, wait
+import threading
+from collections.abc import Callable
+from concurrent.futures import Future, wait
 from pathlib import Path
+from typing import TypeVar
 
 import click
 import msgspec
@@ -27,6 +30,21 @@ from jetshard.commands.models import card_table
 IMPORT_TIMEOUT_S = 3660.0
 """Beyond the API's own wait for the import (an hour): it answers first."""
 PROGRESS_INTERVAL_S = 1.0
+T = TypeVar("T")
+
+
+def _in_background(call: Callable[[], T]) -> Future[T]:
+    """`call`'s outcome, in a daemon thread: Ctrl-C ends the command at once (the import goes on on its node)."""
+    outcome: Future[T] = Future()
+
+    def run() -> None:
+        try:
+            outcome.set_result(call())
+        except BaseException as error:  # the command's own errors (CliError) reach it through the future
+            outcome.set_exception(error)
+
+    threading.Thread(target=run, daemon=True).start()
+    return outcome
 
 
 def _progress(api: ApiClient, model_id: str, node: str) -> str:
@@ -89,8 +107,8 @@ def import_gguf(
         "replace": replace,
     }
     console = Console(stderr=True)
-    with console.status(f"importing {path.name} on {node}") as status, ThreadPoolExecutor(1) as pool:
-        answer = pool.submit(api.request, "POST", "/models/import", timeout=IMPORT_TIMEOUT_S, body=body)
+    with console.status(f"importing {path.name} on {node}") as status:
+        answer = _in_background(lambda: api.request("POST", "/models/import", timeout=IMPORT_TIMEOUT_S, body=body))
         while not wait([answer], timeout=PROGRESS_INTERVAL_S).done:
             progress = _progress(api, model_id, node)
             if progress:
