@@ -21,7 +21,8 @@ import click
 import msgspec
 from jetshard_bus.node import config_dir
 from jetshard_schema.ids import default_import_id, parse_model_id
-from jetshard_schema.view import ClusterView, import_progress
+from jetshard_schema.state import ModelImport
+from jetshard_schema.view import import_progress
 from rich.console import Console
 
 from jetshard.client import ApiClient
@@ -51,8 +52,8 @@ def _progress(api: ApiClient, model_id: str, node: str) -> str:
     """How far the import of `model_id` on `node` is, as the cluster's view says; empty when it does not say."""
     try:
         _, view = api.request("GET", "/view")
-        records = msgspec.convert(view, ClusterView).imports
-    except (click.ClickException, msgspec.ValidationError):  # the answer to the import tells what went wrong
+        records = msgspec.convert(view.get("imports", []), list[ModelImport])
+    except (click.ClickException, AttributeError, msgspec.ValidationError):  # the import's answer says what failed
         return ""
     return next((import_progress(r) for r in records if (r.model_id, r.node_id) == (model_id, node)), "")
 

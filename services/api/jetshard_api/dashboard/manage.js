@@ -19,11 +19,11 @@ function say(text, tone = "") {
 
 // Sends one request; the API's error message when it refuses, else null.
 async function send(method, path, body) {
-  return (await answered(method, path, body)).error;
+  return (await sent(method, path, body)).error;
 }
 
-// `send`, with the answer's JSON when there is no error.
-async function answered(method, path, body) {
+// `send`, with the response itself when there is no error, for a caller that reads its answer.
+async function sent(method, path, body) {
   const init = { method };
   if (body !== undefined) {
     init.headers = { "Content-Type": "application/json" };
@@ -31,7 +31,7 @@ async function answered(method, path, body) {
   }
   try {
     const response = await apiFetch(path, init);
-    return response.ok ? { error: null, answer: await response.json() } : { error: await errorMessage(response) };
+    return response.ok ? { error: null, response } : { error: await errorMessage(response) };
   } catch (error) {
     return { error: String(error?.message ?? error) };
   }
@@ -287,10 +287,11 @@ async function importFile(event) {
   message.textContent = `Importing ${body.path} on ${body.node_id}…`;
   message.className = "form-message";
   importing = body;
-  const { error, answer } = await answered("POST", "/models/import", body);
+  const { error, response } = await sent("POST", "/models/import", body);
+  const card = error ? null : await response.json();
   importing = null;
   $("import").disabled = false;
-  message.textContent = error ?? `Imported ${answer.model_id} (${answer.file_type || "GGUF"}) on ${body.node_id}`;
+  message.textContent = error ?? `Imported ${card.model_id} (${card.file_type || "GGUF"}) on ${body.node_id}`;
   message.className = `form-message ${error ? "error" : "good"}`;
   if (!error) {
     $("import-path").value = "";
