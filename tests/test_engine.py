@@ -26,6 +26,7 @@ from helpers.tiny_vlm import make_tiny_vlm, mlx_vlm_greedy, png, quantized_vlm
 from jetshard_downloader.convert import convert_packaged
 from jetshard_downloader.dirs import ModelDirs
 from jetshard_schema.catalogue import DEMO_MODEL_ID, builtin_cards
+from jetshard_schema.sampling import TokenSampling
 from jetshard_schema.types import ChatMessage, TaskOutcome
 from jetshard_worker.engines.mlx import (
     GenerationRequest,
@@ -547,7 +548,7 @@ def test_drafting_answers_token_for_token_as_mlx_lm_without_it(demo: Path, demo_
         prefill_step_size=16,
         drafter=drafter("ngram" if drafting == "ngram" else str(demo_draft), shard),
     )
-    sampled = GenerationRequest("sampled", prompts[0], 2 * MAX_TOKENS, temperature=0.1, seed=7)
+    sampled = GenerationRequest("sampled", prompts[0], 2 * MAX_TOKENS, TokenSampling(temperature=0.1), seed=7)
 
     run_single(engine, [GenerationRequest("t0", prompts[0], MAX_TOKENS), sampled], collector, submitted_later=("t1",))
 
@@ -795,7 +796,7 @@ def test_a_stop_in_one_row_leaves_the_batch_unchanged(models: dict[str, Path]) -
 def test_a_seeded_row_samples_the_same_tokens_whatever_shares_its_batch(models: dict[str, Path]) -> None:
     model_dir = models["qwen3"]
     prompts = prompt_ids(model_dir)
-    seeded = GenerationRequest("seeded", prompts[1], MAX_TOKENS, temperature=0.8, top_p=0.9, seed=11)
+    seeded = GenerationRequest("seeded", prompts[1], MAX_TOKENS, TokenSampling(temperature=0.8, top_p=0.9), seed=11)
 
     def run(requests: list[GenerationRequest]) -> tuple[Collector, PipelineEngine]:
         collector = Collector()
@@ -807,7 +808,7 @@ def test_a_seeded_row_samples_the_same_tokens_whatever_shares_its_batch(models: 
     shared, engine = run(
         [
             GenerationRequest("greedy", prompts[0], MAX_TOKENS),
-            GenerationRequest("other-seed", prompts[3], MAX_TOKENS, temperature=1.0, seed=12),
+            GenerationRequest("other-seed", prompts[3], MAX_TOKENS, TokenSampling(temperature=1.0), seed=12),
             seeded,
         ]
     )
@@ -929,7 +930,9 @@ def test_seeded_sampling_is_reproducible(models: dict[str, Path]) -> None:
     engine = collector.engine(load_shard(model_dir, 0, 4))
     # No EOS ids: every task runs to max_tokens, so the sequences are comparable.
     requests = [
-        GenerationRequest(task, prompt, MAX_TOKENS, temperature=1.0, top_p=0.9, seed=seed, eos_token_ids=frozenset())
+        GenerationRequest(
+            task, prompt, MAX_TOKENS, TokenSampling(temperature=1.0, top_p=0.9), seed=seed, eos_token_ids=frozenset()
+        )
         for task, seed in [("s1", 7), ("s2", 7), ("s3", 8)]
     ]
     run_single(engine, requests, collector)
@@ -947,14 +950,14 @@ def test_top_k_1_and_min_p_1_sample_the_greedy_tokens_at_any_temperature(models:
     prompts = prompt_ids(model_dir)
     greedy = reference(model_dir, prompts[1:2])[0]
     vocab = json.loads((model_dir / "config.json").read_text())["vocab_size"]
-    hot = {"temperature": 2.0, "seed": 5}
+    hot = TokenSampling(temperature=2.0)
     collector = Collector()
     engine = collector.engine(load_shard(model_dir, 0, 4))
     requests = [
-        GenerationRequest("hot", prompts[1], MAX_TOKENS, **hot),
-        GenerationRequest("top_k=1", prompts[1], MAX_TOKENS, top_k=1, **hot),
-        GenerationRequest("min_p=1", prompts[1], MAX_TOKENS, min_p=1.0, **hot),
-        GenerationRequest("top_k=vocab", prompts[1], MAX_TOKENS, top_k=vocab, **hot),
+        GenerationRequest("hot", prompts[1], MAX_TOKENS, hot, seed=5),
+        GenerationRequest("top_k=1", prompts[1], MAX_TOKENS, msgspec.structs.replace(hot, top_k=1), seed=5),
+        GenerationRequest("min_p=1", prompts[1], MAX_TOKENS, msgspec.structs.replace(hot, min_p=1.0), seed=5),
+        GenerationRequest("top_k=vocab", prompts[1], MAX_TOKENS, msgspec.structs.replace(hot, top_k=vocab), seed=5),
     ]
     run_single(engine, requests, collector)
 
@@ -999,13 +1002,14 @@ def greedy_with(model_dir: Path, prompt: list[int], processor: Any, max_tokens: 
     return tokens
 
 
-PENALTIES: dict[str, dict[str, Any]] = {
-    "repetition": {"repetition_penalty": 1.5},
-    "repetition in a window": {"repetition_penalty": 3.0, "repeat_last_n": 12},
-    "presence": {"presence_penalty": 2.0},
-    "frequency": {"frequency_penalty": 1.0},
-    "all": {"repetition_penalty": 1.2, "presence_penalty": 0.5, "frequency_penalty": 0.5, "repeat_last_n": 16},
+PENALTIES: dict[str, tuple[TokenSampling, int | None]] = {
+    "repetition": (TokenSampling(repetition_penalty=1.5), None),
+    "repetition in a window": (TokenSampling(repetition_penalty=3.0), 12),
+    "presence": (TokenSampling(presence_penalty=2.0), None),
+    "frequency": (TokenSampling(frequency_penalty=1.0), None),
+    "all": (TokenSampling(repetition_penalty=1.2, presence_penalty=0.5, frequency_penalty=0.5), 16),
 }
+"""Each row's penalties and their window (`repeat_last_n`; None: the whole sequence)."""
 
 
 @pytest.mark.timeout(120)
@@ -1018,19 +1022,20 @@ def test_each_penalty_follows_its_formula_on_its_own_row(models: dict[str, Path]
     engine = collector.engine(load_shard(model_dir, 0, 4))
     max_tokens = 2 * MAX_TOKENS  # long enough for plain greedy decoding to repeat a few tokens
     requests = [GenerationRequest("plain", prompt, max_tokens)] + [
-        GenerationRequest(name, prompt, max_tokens, **penalties) for name, penalties in PENALTIES.items()
+        GenerationRequest(name, prompt, max_tokens, penalties, repeat_last_n=window)
+        for name, (penalties, window) in PENALTIES.items()
     ]
     run_single(engine, requests, collector)
 
     greedy = greedy_with(model_dir, prompt, formula_penalties(len(prompt)), max_tokens)
     assert collector.tokens["plain"] == greedy
-    for name, penalties in PENALTIES.items():
+    for name, (penalties, window) in PENALTIES.items():
         formula = formula_penalties(
             len(prompt),
-            penalties.get("repetition_penalty", 1.0),
-            penalties.get("presence_penalty", 0.0),
-            penalties.get("frequency_penalty", 0.0),
-            penalties.get("repeat_last_n", 10**9),
+            penalties.repetition_penalty,
+            penalties.presence_penalty,
+            penalties.frequency_penalty,
+            10**9 if window is None else window,
         )
         assert collector.tokens[name] == greedy_with(model_dir, prompt, formula, max_tokens), name
         assert collector.tokens[name] != greedy, name
@@ -1048,10 +1053,11 @@ def test_a_strong_repetition_penalty_stops_greedy_decoding_repeating_itself(mode
     collector = Collector()
     engine = collector.engine(load_shard(model_dir, 0, 4))
     common: dict[str, Any] = {"max_tokens": 150, "eos_token_ids": frozenset()}
+    strong = TokenSampling(repetition_penalty=10.0)
     requests = [
         GenerationRequest("greedy", prompt, **common),
-        GenerationRequest("penalised", prompt, repetition_penalty=10.0, repeat_last_n=window, **common),
-        GenerationRequest("off", prompt, repetition_penalty=10.0, repeat_last_n=0, **common),
+        GenerationRequest("penalised", prompt, sampling=strong, repeat_last_n=window, **common),
+        GenerationRequest("off", prompt, sampling=strong, repeat_last_n=0, **common),
     ]
     run_single(engine, requests, collector)
 
@@ -1146,18 +1152,18 @@ def test_generation_request_validation() -> None:
     with pytest.raises(ValueError, match="max_tokens"):
         GenerationRequest("x", [1], 0)
     with pytest.raises(ValueError, match="temperature"):
-        GenerationRequest("x", [1], 5, temperature=-1)
+        GenerationRequest("x", [1], 5, TokenSampling(temperature=-1))
     with pytest.raises(ValueError, match="top_p"):
-        GenerationRequest("x", [1], 5, top_p=0)
+        GenerationRequest("x", [1], 5, TokenSampling(top_p=0))
     for seed in (-1, 2**64):
         with pytest.raises(ValueError, match="seed"):
             GenerationRequest("x", [1], 5, seed=seed)
     with pytest.raises(ValueError, match="top_k"):
-        GenerationRequest("x", [1], 5, top_k=-1)
+        GenerationRequest("x", [1], 5, TokenSampling(top_k=-1))
     with pytest.raises(ValueError, match="min_p"):
-        GenerationRequest("x", [1], 5, min_p=1.5)
+        GenerationRequest("x", [1], 5, TokenSampling(min_p=1.5))
     with pytest.raises(ValueError, match="repetition_penalty"):
-        GenerationRequest("x", [1], 5, repetition_penalty=0)
+        GenerationRequest("x", [1], 5, TokenSampling(repetition_penalty=0))
     with pytest.raises(ValueError, match="repeat_last_n"):
         GenerationRequest("x", [1], 5, repeat_last_n=-1)
 

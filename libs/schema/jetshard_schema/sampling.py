@@ -42,14 +42,26 @@ DEFAULT_MAX_TOKENS = 512
 """mlx_lm.server's default. Bounded, so a request without `max_tokens` cannot run to the end of the context."""
 
 
-class ResolvedSampling(msgspec.Struct, frozen=True, kw_only=True):
-    temperature: float
-    top_p: float
+class TokenSampling(msgspec.Struct, frozen=True, kw_only=True):
+    """How an engine draws each next token. What it leaves out draws greedily, with no cut and no penalty: an
+    engine's own default. (A request that leaves values out gets `resolve_sampling`'s, not these.)"""
+
+    temperature: float = 0.0
+    top_p: float = DEFAULT_TOP_P
     top_k: int = DEFAULT_TOP_K
     min_p: float = DEFAULT_MIN_P
     repetition_penalty: float = DEFAULT_REPETITION_PENALTY
     presence_penalty: float = DEFAULT_PRESENCE_PENALTY
     frequency_penalty: float = DEFAULT_FREQUENCY_PENALTY
+
+
+GREEDY = TokenSampling()
+
+
+class ResolvedSampling(TokenSampling, frozen=True, kw_only=True):
+    """A task's sampling from its sources (`resolve_sampling`), and the most tokens it may generate before the
+    runner clamps them to the room its prompt leaves."""
+
     max_tokens: int
 
 

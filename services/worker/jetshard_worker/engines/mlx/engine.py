@@ -36,6 +36,7 @@ from typing import Any, cast
 
 import mlx.core as mx
 import numpy as np
+from jetshard_schema.sampling import GREEDY, TokenSampling
 from jetshard_schema.types import TaskOutcome
 
 from jetshard_worker.engines.figures import EngineFigures
@@ -106,13 +107,8 @@ class GenerationRequest:
     task_id: str
     prompt_tokens: Sequence[int]
     max_tokens: int
-    temperature: float = 0.0
-    top_p: float = 1.0
-    top_k: int = 0
-    min_p: float = 0.0
-    repetition_penalty: float = 1.0
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
+    sampling: TokenSampling = GREEDY
+    """How its tokens are drawn; a `ResolvedSampling`'s own max_tokens is not read (`max_tokens` is the bound)."""
     repeat_last_n: int | None = None
     """The penalties' window (see `Penalties`); None: the whole sequence."""
     seed: int | None = None
@@ -137,16 +133,17 @@ class GenerationRequest:
             raise ValueError(f"task {self.task_id}: prompt_tokens must not be empty")
         if self.max_tokens < 1:
             raise ValueError(f"task {self.task_id}: max_tokens must be >= 1, got {self.max_tokens}")
-        if self.temperature < 0:
-            raise ValueError(f"task {self.task_id}: temperature must be >= 0, got {self.temperature}")
-        if not 0 < self.top_p <= 1:
-            raise ValueError(f"task {self.task_id}: top_p must be in (0, 1], got {self.top_p}")
-        if self.top_k < 0:
-            raise ValueError(f"task {self.task_id}: top_k must be >= 0, got {self.top_k}")
-        if not 0 <= self.min_p <= 1:
-            raise ValueError(f"task {self.task_id}: min_p must be in [0, 1], got {self.min_p}")
-        if self.repetition_penalty <= 0:
-            raise ValueError(f"task {self.task_id}: repetition_penalty must be > 0, got {self.repetition_penalty}")
+        sampling = self.sampling
+        if sampling.temperature < 0:
+            raise ValueError(f"task {self.task_id}: temperature must be >= 0, got {sampling.temperature}")
+        if not 0 < sampling.top_p <= 1:
+            raise ValueError(f"task {self.task_id}: top_p must be in (0, 1], got {sampling.top_p}")
+        if sampling.top_k < 0:
+            raise ValueError(f"task {self.task_id}: top_k must be >= 0, got {sampling.top_k}")
+        if not 0 <= sampling.min_p <= 1:
+            raise ValueError(f"task {self.task_id}: min_p must be in [0, 1], got {sampling.min_p}")
+        if sampling.repetition_penalty <= 0:
+            raise ValueError(f"task {self.task_id}: repetition_penalty must be > 0, got {sampling.repetition_penalty}")
         if self.repeat_last_n is not None and self.repeat_last_n < 0:
             raise ValueError(f"task {self.task_id}: repeat_last_n must be >= 0, got {self.repeat_last_n}")
         if self.seed is not None and not 0 <= self.seed < 2**64:
@@ -708,14 +705,8 @@ class PipelineEngine:
         used = {task.slot for task in self._slots_held()}
         slot = next(s for s in range(len(used) + 1) if s not in used)
         eos = self.shard.eos_token_ids if request.eos_token_ids is None else request.eos_token_ids
-        sampler = TaskSampler(request.temperature, request.top_p, request.seed, request.top_k, request.min_p)
-        penalties = Penalties(
-            len(request.prompt_tokens),
-            request.repetition_penalty,
-            request.presence_penalty,
-            request.frequency_penalty,
-            request.repeat_last_n,
-        )
+        sampler = TaskSampler(request.sampling, request.seed)
+        penalties = Penalties(len(request.prompt_tokens), request.sampling, request.repeat_last_n)
         task = _Task(
             request=request,
             slot=slot,

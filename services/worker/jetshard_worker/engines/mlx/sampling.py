@@ -10,6 +10,7 @@ from __future__ import annotations
 import secrets
 
 import mlx.core as mx
+from jetshard_schema.sampling import TokenSampling
 
 from jetshard_worker.library_boundary import (
     apply_min_p,
@@ -26,17 +27,14 @@ class TaskSampler:
     least `min_p` times as likely as the most likely one (llama.cpp's order and vLLM's), and draws at
     `temperature`; 0, 1 and 0 cut nothing. The values are its request's, which checked them (`GenerationRequest`)."""
 
-    def __init__(self, temperature: float, top_p: float, seed: int | None, top_k: int = 0, min_p: float = 0.0) -> None:
-        self.temperature = temperature
-        self.top_p = top_p
-        self.top_k = top_k
-        self.min_p = min_p
+    def __init__(self, sampling: TokenSampling, seed: int | None) -> None:
+        self.sampling = sampling
         self._key = mx.random.key(secrets.randbits(63) if seed is None else seed)
 
     @property
     def greedy(self) -> bool:
         """Argmax: no cut changes which token is the most likely."""
-        return self.temperature == 0
+        return self.sampling.temperature == 0
 
     def __call__(self, logprobs: mx.array) -> mx.array:
         """`logprobs` (batch, vocab) -> token ids (batch,)."""
@@ -65,13 +63,13 @@ class TaskSampler:
                 self._key, _ = mx.random.split(self._key)
 
     def _draw(self, logprobs: mx.array, key: mx.array) -> mx.array:
-        if 0 < self.top_k < logprobs.shape[-1]:  # mlx-lm refuses a k that keeps the whole vocabulary
-            logprobs = apply_top_k(logprobs, self.top_k)
-        if self.top_p < 1:
-            logprobs = apply_top_p(logprobs, self.top_p)
-        if self.min_p > 0:
-            logprobs = apply_min_p(logprobs, self.min_p)
-        return mx.random.categorical(logprobs * (1.0 / self.temperature), key=key)
+        if 0 < self.sampling.top_k < logprobs.shape[-1]:  # mlx-lm refuses a k that keeps the whole vocabulary
+            logprobs = apply_top_k(logprobs, self.sampling.top_k)
+        if self.sampling.top_p < 1:
+            logprobs = apply_top_p(logprobs, self.sampling.top_p)
+        if self.sampling.min_p > 0:
+            logprobs = apply_min_p(logprobs, self.sampling.min_p)
+        return mx.random.categorical(logprobs * (1.0 / self.sampling.temperature), key=key)
 
 
 class Penalties:
@@ -86,16 +84,18 @@ class Penalties:
     all off. The values are its request's, which checked them (`GenerationRequest`).
     """
 
-    def __init__(
-        self, prompt_length: int, repetition: float, presence: float, frequency: float, last_n: int | None
-    ) -> None:
+    def __init__(self, prompt_length: int, sampling: TokenSampling, last_n: int | None) -> None:
         self.prompt_length = prompt_length
         self.last_n = last_n
         # mlx-lm's processors look at their last `context_size` tokens: here the window is cut before they see it.
+        repetition = sampling.repetition_penalty
         self._repetition = make_repetition_penalty(repetition, 2**31 - 1) if repetition != 1 else None
         self._answer = [
             make(penalty, 2**31 - 1)
-            for make, penalty in ((make_presence_penalty, presence), (make_frequency_penalty, frequency))
+            for make, penalty in (
+                (make_presence_penalty, sampling.presence_penalty),
+                (make_frequency_penalty, sampling.frequency_penalty),
+            )
             if penalty != 0
         ]
 
