@@ -41,7 +41,7 @@ from jetshard_schema.events import (
 )
 from jetshard_schema.gguf_card import UnsupportedGguf, card_from_gguf
 from jetshard_schema.gguf_header import NeedMoreBytes, parse_gguf_header
-from jetshard_schema.ids import CommandId, ModelId, NodeId, default_import_id, parse_model_id
+from jetshard_schema.ids import CommandId, ModelId, NodeId, import_model_id
 from jetshard_schema.types import DownloadStatus, ImportProgress, ImportStatus, NodeProfile
 from jetshard_sequencer.handlers import Context, handle
 
@@ -292,9 +292,10 @@ NODE = NodeId("n1")
     ],
 )
 def test_an_imported_file_is_served_as_local_and_its_name_by_default(path: str, expected: str) -> None:
-    assert parse_model_id(default_import_id(path)) == expected
-    with pytest.raises(ValueError, match="empty part"):  # nothing left of the name: the id must be given
-        parse_model_id(default_import_id("/x/---.gguf"))
+    assert import_model_id(None, path) == expected
+    assert import_model_id("me/mine", path) == "me/mine"
+    with pytest.raises(ValueError, match=r"'---\.gguf' leaves nothing to name the model by: give it an id"):
+        import_model_id(None, "/x/---.gguf")
 
 
 def test_an_import_report_adds_the_card_and_the_copy_on_its_node() -> None:
@@ -373,9 +374,17 @@ async def test_import_gguf_runs_on_the_nodes_downloader_and_refuses_bad_files(cl
     ):
         refused = await asyncio.to_thread(import_gguf, str(bad), "--id", "local/bad")
         assert refused.returncode == 1 and problem in refused.stderr, refused.stderr
+    # A file name that leaves no id: both ask for one.
+    kept, nameless = qwen.read_bytes(), tmp_path / "---.gguf"
+    nameless.write_bytes(kept)
+    refused = await asyncio.to_thread(import_gguf, str(nameless))
+    assert refused.returncode == 2 and "--id" in refused.stderr and "give it an id" in refused.stderr, refused.stderr
+    async with httpx.AsyncClient() as http:
+        response = await http.post(f"{api}/models/import", json={"node_id": node, "path": str(nameless)})
+    assert response.status_code == 400 and response.json()["error"]["param"] == "model_id"
+    assert "'---.gguf' leaves nothing to name the model by: give it an id" in response.json()["error"]["message"]
     # A file rewritten since (a new file in its place, as tools write them) and truncated: the re-import is refused
     # and the copy stored before stays as it was, with nothing left beside it.
-    kept = qwen.read_bytes()
     truncated.replace(qwen)
     refused = await asyncio.to_thread(import_gguf, str(qwen), "--id", "local/qwen", "--replace")
     assert refused.returncode == 1 and "the file is truncated" in refused.stderr, refused.stderr

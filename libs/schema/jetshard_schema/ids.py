@@ -66,12 +66,17 @@ def parse_model_id(value: str) -> ModelId:
     return ModelId(value)
 
 
-def default_import_id(path: str) -> str:
-    """`local/<file name without its extension>`, the id an imported file is served as unless it is given one, with
-    what a Hub name may not hold replaced (not validated: `parse_model_id` says what is wrong, if anything is)."""
-    stem = path.rsplit("/", 1)[-1].rsplit(".", 1)[0]
-    name = re.sub(r"[^A-Za-z0-9._-]+", "-", stem)
-    return "local/" + re.sub(r"-{2,}|\.{2,}", "-", name).strip("-._")[:80].rstrip("-.")
+def import_model_id(model_id: str | None, path: str) -> ModelId:
+    """The id an imported file is served as: `model_id` when given, else `local/<file name without extension>`, with
+    what a Hub name may not hold replaced. ValueError says what is wrong with either."""
+    if model_id:
+        return parse_model_id(model_id)
+    file_name = path.rsplit("/", 1)[-1]
+    name = re.sub(r"[^A-Za-z0-9._-]+", "-", file_name.rsplit(".", 1)[0])
+    name = re.sub(r"-{2,}|\.{2,}", "-", name).strip("-._")[:80].rstrip("-.")
+    if not name:
+        raise ValueError(f"the file name {file_name!r} leaves nothing to name the model by: give it an id")
+    return parse_model_id("local/" + name)
 
 
 def model_dir_name(model_id: ModelId) -> str:

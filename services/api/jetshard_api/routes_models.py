@@ -8,7 +8,7 @@ import msgspec
 from jetshard_schema.cards import ModelCard, ModelSource
 from jetshard_schema.commands import AddCustomModelCard, DeleteCustomModelCard, ImportModelFile
 from jetshard_schema.gguf_card import HubGgufRef
-from jetshard_schema.ids import NodeId, default_import_id, new_id
+from jetshard_schema.ids import NodeId, import_model_id, new_id
 from jetshard_schema.models import all_cards, find_card, is_builtin
 from jetshard_schema.state import Download, State
 from jetshard_schema.types import ImportStatus
@@ -150,7 +150,10 @@ class ModelsController(StrictController):
     ) -> ModelDescription:
         """Import a GGUF file on a node: its downloader reads the card from the file's header and stores the file in
         one of its model directories; answers once it has, with the card, or 400 naming what is wrong with it."""
-        model_id = checked_model_id(data.model_id or default_import_id(data.path))
+        try:
+            model_id = import_model_id(data.model_id, data.path)
+        except ValueError as error:
+            raise ApiError(400, str(error), "invalid_model_id", "model_id") from error
         if data.node_id not in cluster.state.nodes:
             raise ApiError(404, f"unknown node {data.node_id}; see GET /nodes", "node_not_found", "node_id")
         import_id = new_id()

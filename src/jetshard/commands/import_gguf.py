@@ -20,7 +20,7 @@ from typing import TypeVar
 import click
 import msgspec
 from jetshard_bus.node import config_dir
-from jetshard_schema.ids import default_import_id, parse_model_id
+from jetshard_schema.ids import import_model_id
 from jetshard_schema.state import ModelImport
 from jetshard_schema.view import import_progress
 from rich.console import Console
@@ -95,7 +95,7 @@ def import_gguf(
     """Import a GGUF file on this machine into the cluster's catalogue (any model llama.cpp loads)."""
     try:
         # By default from the name given: a link's (the Hugging Face cache's layout), not its target's.
-        model_id = parse_model_id(model_id or default_import_id(path.name))
+        model_id = import_model_id(model_id, path.name)
     except ValueError as error:
         raise click.BadParameter(str(error), param_hint="--id") from error
     node = node_id or _this_node(api)
