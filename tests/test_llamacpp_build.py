@@ -397,8 +397,9 @@ async def test_a_worker_serves_on_mlx_while_it_readies_llama_cpp_then_reports_it
 
 def test_a_build_under_way_shows_how_far_it_has_got_to_engines_and_up(tmp_path: Path) -> None:
     """While the worker compiles llama.cpp in the background, `jetshard engines` and `jetshard up` say so and how far
-    it got (its log's last step), instead of offering to compile it again, and `up` says when it is ready; a build
-    nobody runs any more (a killed one's leftover `.partial`) is no build under way."""
+    it got (its log's last step, however much compiler output follows it), instead of offering to compile it again,
+    and `up` says when it is ready; a build nobody runs any more (a killed one's leftover `.partial`) is no build
+    under way."""
     import fcntl
 
     from jetshard.commands.engines import llama_cpp_hint, llama_cpp_ready_line
@@ -406,8 +407,10 @@ def test_a_build_under_way_shows_how_far_it_has_got_to_engines_and_up(tmp_path: 
     environ = {"JETSHARD_LLAMA_CPP_CACHE": str(tmp_path)}
     key = "llama-cpp-python-0.3.36-gcc-12.2.0-x86_64-all"
     (tmp_path / f"{key}.partial").mkdir()
+    # The last step's line, then megabytes of warnings, as gcc writes them on the vendored sources.
+    warning = "ops.cpp:10139:25: warning: 'sum' may be used uninitialized [-Wmaybe-uninitialized]\n"
     (tmp_path / f"{key}.log").write_text(
-        "-- Configuring done\n[ 12%] Building C object a.o\n[ 43%] Building CXX object b.o\n"
+        "-- Configuring done\n[ 12%] Building C object a.o\n[ 43%] Building CXX object b.o\n" + warning * 40_000
     )
     assert llamacpp_build.builds_under_way(environ) == []  # left by a killed build: its lock is free
     with open(tmp_path / f"{key}.lock", "a") as lock:

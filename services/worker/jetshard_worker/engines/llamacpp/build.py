@@ -335,14 +335,24 @@ def _held(lock_path: Path) -> bool:
     return False
 
 
-def _last_progress(log_path: Path, tail_bytes: int = 16384) -> Progress | None:
+def _last_progress(log_path: Path, block_bytes: int = 1 << 16) -> Progress | None:
+    """The last step the log names, read back from its end a block at a time: gcc's warnings on the vendored
+    sources fill megabytes between two steps of the all-variants build."""
     try:
         with open(log_path, "rb") as log:
-            log.seek(max(0, log.seek(0, os.SEEK_END) - tail_bytes))
-            lines = log.read().decode(errors="replace").splitlines()
+            end, cut_line = log.seek(0, os.SEEK_END), b""
+            while end > 0:
+                start = max(0, end - block_bytes)
+                log.seek(start)
+                lines = (log.read(end - start) + cut_line).split(b"\n")
+                cut_line = lines.pop(0) if start > 0 else b""  # its start is in the block before
+                for line in reversed(lines):
+                    if (progress := parse_progress(line.decode(errors="replace"))) is not None:
+                        return progress
+                end = start
     except OSError:
-        return None
-    return next((p for line in reversed(lines) if (p := parse_progress(line)) is not None), None)
+        pass
+    return None
 
 
 def read_build(root: Path) -> LlamaCppBuild | None:
