@@ -383,6 +383,9 @@ async def test_import_gguf_runs_on_the_nodes_downloader_and_refuses_bad_files(cl
         response = await http.post(f"{api}/models/import", json={"node_id": node, "path": str(nameless)})
     assert response.status_code == 400 and response.json()["error"]["param"] == "model_id"
     assert "'---.gguf' leaves nothing to name the model by: give it an id" in response.json()["error"]["message"]
+    async with httpx.AsyncClient() as http:
+        response = await http.post(f"{api}/models/import", json={"node_id": node, "path": "/" + "x" * 5000})
+    assert response.status_code == 400 and response.json()["error"]["param"] == "path", response.text
     # A file rewritten since (a new file in its place, as tools write them) and truncated: the re-import is refused
     # and the copy stored before stays as it was, with nothing left beside it.
     truncated.replace(qwen)

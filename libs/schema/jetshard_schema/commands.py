@@ -127,6 +127,10 @@ class ReportModelSize(_DownloaderReport, frozen=True):
     storage_size_bytes: StorageBytes
 
 
+NodePath = Annotated[str, msgspec.Meta(max_length=MAX_SOURCE_REF_LENGTH)]
+"""A file's path on a node, as long as a card's `source_ref` may be."""
+
+
 class ImportModelFile(_Command, frozen=True):
     """Make a GGUF file on a node a model: that node's downloader reads its card from the header and puts it in one
     of its model directories (`model.gguf`, with `mmproj.gguf` when a projector is named)."""
@@ -135,9 +139,9 @@ class ImportModelFile(_Command, frozen=True):
     """Names this attempt: its record in State says how it went."""
     node_id: ValidNodeId
     model_id: ValidModelId
-    path: Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_SOURCE_REF_LENGTH)]
+    path: Annotated[NodePath, msgspec.Meta(min_length=1)]
     """An absolute path on that node (a split model: its first part, the others beside it)."""
-    mmproj_path: Annotated[str, msgspec.Meta(max_length=MAX_SOURCE_REF_LENGTH)] = ""
+    mmproj_path: NodePath = ""
     replace: bool = False
     """Replace a copy already stored under this id (atomically: the old one stays until the new one is in)."""
 

@@ -6,7 +6,7 @@ import asyncio
 
 import msgspec
 from jetshard_schema.cards import ModelCard, ModelSource
-from jetshard_schema.commands import AddCustomModelCard, DeleteCustomModelCard, ImportModelFile
+from jetshard_schema.commands import AddCustomModelCard, DeleteCustomModelCard, ImportModelFile, NodePath
 from jetshard_schema.gguf_card import HubGgufRef
 from jetshard_schema.ids import NodeId, import_model_id, new_id
 from jetshard_schema.models import all_cards, find_card, is_builtin
@@ -45,11 +45,11 @@ class AddModelRequest(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 class ImportModelRequest(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     node_id: str
     """The node that has the file; its downloader imports it."""
-    path: str
+    path: NodePath
     """An absolute path on that node."""
     model_id: str = ""
     """The id to serve it as; by default `local/<file name>`."""
-    mmproj_path: str = ""
+    mmproj_path: NodePath = ""
     replace: bool = False
 
 
