@@ -140,6 +140,9 @@ async def test_a_hub_gguf_becomes_a_card_from_its_header_and_a_llama_cpp_placeme
     assert "architecture 'transmogrifier' is not one llama.cpp knows" in refused(400, repo=REPO, gguf_file="odd.gguf")
     assert "is not a projector" in refused(400, repo=REPO, gguf_file=Q4, mmproj_file="odd.gguf")
     assert "without ':'" in refused(400, repo=REPO, gguf_file="a:b.gguf")
+    for outside in ("../../etc/passwd.gguf", "/abs.gguf", "split//a.gguf", "a\x00.gguf"):
+        assert "is not a file's path in a repo" in refused(400, repo=REPO, gguf_file=outside), outside
+    assert "is not a file's path in a repo" in refused(400, repo=REPO, gguf_file=Q4, mmproj_file="../mmproj.gguf")
     assert "goes with gguf_file" in refused(400, repo=REPO)
     hub_server.add_repo("jetshard-test/gated-gguf", files, gated=True)
     assert "is gated" in refused(403, repo="jetshard-test/gated-gguf", gguf_file=Q4)

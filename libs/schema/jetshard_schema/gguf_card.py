@@ -277,6 +277,11 @@ def check_hub_gguf_file(name: str) -> str:
     """`name` as a file of a Hub repo that a `HubGgufRef` can hold; ValueError otherwise."""
     if not name or len(name) > MAX_NAME_LENGTH or ":" in name:
         raise ValueError(f"a GGUF file's path in its repo must be 1 to {MAX_NAME_LENGTH} characters without ':'")
+    if not name.isprintable() or any(part in ("", ".", "..") for part in name.split("/")):
+        raise ValueError(
+            f"{name[:80]!r} is not a file's path in a repo: its parts are names separated by single '/', no '.' "
+            f"or '..' parts, no control characters"
+        )
     return name
 
 
