@@ -3,8 +3,9 @@ own answers with the same handlers, reshaped (`error_handlers_answering`)."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import msgspec
@@ -98,6 +99,16 @@ class ApiError(Exception):
         self.code = code
         self.param = param
         self.headers = headers
+
+
+@contextlib.contextmanager
+def refused_as_bad_request(code: str, param: str | None = None) -> Iterator[None]:
+    """A ValueError raised inside (a check's own message) becomes the request's 400, with `code` and naming
+    `param`, the request field the checked value came from."""
+    try:
+        yield
+    except ValueError as error:
+        raise ApiError(400, str(error), code, param) from error
 
 
 def error_body(status: int, message: str, code: str | None = None, param: str | None = None) -> dict[str, object]:

@@ -32,7 +32,7 @@ from jetshard_schema.gguf_card import (
 from jetshard_schema.gguf_header import MAX_HEADER_BYTES, GgufHeader, NeedMoreBytes, parse_gguf_header
 from jetshard_schema.ids import ModelId
 
-from jetshard_api.errors import ApiError
+from jetshard_api.errors import ApiError, refused_as_bad_request
 
 INDEX_FILE = "model.safetensors.index.json"
 GENERATION_CONFIG_FILE = "generation_config.json"
@@ -203,10 +203,8 @@ def fetch_gguf_card(model_id: ModelId, ref: HubGgufRef) -> ModelCard:
 
 def checked_gguf_file(name: str, param: str) -> str:
     """`name` as a GGUF file's path in its repo, or a 400 naming `param`."""
-    try:
+    with refused_as_bad_request("invalid_request_error", param):
         return check_hub_gguf_file(name)
-    except ValueError as error:
-        raise ApiError(400, str(error), "invalid_request_error", param) from error
 
 
 def _read_gguf_header(repo: ModelId, filename: str, revision: str, size: int, param: str) -> GgufHeader:

@@ -37,7 +37,7 @@ from jetshard_schema.types import (
 )
 
 from jetshard_api.cluster import Cluster
-from jetshard_api.errors import ApiError
+from jetshard_api.errors import ApiError, refused_as_bad_request
 from jetshard_api.hub import fetch_card
 
 
@@ -50,18 +50,14 @@ def checked_keep_alive(seconds: float | None, param: str = "keep_alive_s") -> in
     `param`."""
     if seconds is None:
         return KEEP_LOADED
-    try:
+    with refused_as_bad_request("invalid_request", param):
         return keep_alive_ms(seconds)
-    except ValueError as error:
-        raise ApiError(400, str(error), "invalid_request", param) from error
 
 
 def checked_model_id(value: str, param: str = "model_id") -> ModelId:
     """`value` as a model id, or a 400 naming `param`, the request field it came from."""
-    try:
+    with refused_as_bad_request("invalid_model_id", param):
         return parse_model_id(value)
-    except ValueError as error:
-        raise ApiError(400, str(error), "invalid_model_id", param) from error
 
 
 def can_think(state: State, model_id: ModelId) -> bool:

@@ -32,7 +32,7 @@ from litestar.params import FromPath, FromQuery, JSONBody, Parameter
 
 from jetshard_api.cluster import Cluster
 from jetshard_api.dialects.strict_body import StrictController
-from jetshard_api.errors import ERROR_RESPONSES, ApiError
+from jetshard_api.errors import ERROR_RESPONSES, ApiError, refused_as_bad_request
 from jetshard_api.model_steps import Deleted, checked_keep_alive, checked_model_id, place_instance, preview_placement
 from jetshard_api.settings import InferenceSettings
 
@@ -188,7 +188,5 @@ class InstancesController(StrictController):
 
 
 def _checked_draft(draft: str) -> str:
-    try:
+    with refused_as_bad_request("invalid_request", "draft"):
         return ServingSettings(draft=draft).draft or ""
-    except ValueError as error:
-        raise ApiError(400, str(error), "invalid_request", "draft") from None

@@ -19,7 +19,7 @@ from litestar.params import FromPath, JSONBody
 
 from jetshard_api.cluster import Cluster
 from jetshard_api.dialects.strict_body import StrictController
-from jetshard_api.errors import ERROR_RESPONSES, ApiError
+from jetshard_api.errors import ERROR_RESPONSES, ApiError, refused_as_bad_request
 from jetshard_api.hub import checked_gguf_file, fetch_card, fetch_gguf_card
 from jetshard_api.model_steps import Deleted, checked_model_id
 
@@ -150,10 +150,8 @@ class ModelsController(StrictController):
     ) -> ModelDescription:
         """Import a GGUF file on a node: its downloader reads the card from the file's header and stores the file in
         one of its model directories; answers once it has, with the card, or 400 naming what is wrong with it."""
-        try:
+        with refused_as_bad_request("invalid_model_id", "model_id"):
             model_id = import_model_id(data.model_id, data.path)
-        except ValueError as error:
-            raise ApiError(400, str(error), "invalid_model_id", "model_id") from error
         if data.node_id not in cluster.state.nodes:
             raise ApiError(404, f"unknown node {data.node_id}; see GET /nodes", "node_not_found", "node_id")
         import_id = new_id()
