@@ -37,22 +37,48 @@ class StreamOptions(msgspec.Struct, frozen=True):
     include_usage: bool = False
 
 
-class _Common(msgspec.Struct, frozen=True, kw_only=True):
-    model: str
-    stream: bool = False
-    stream_options: StreamOptions | None = None
-    max_tokens: int | None = None
+class Sampling(msgspec.Struct, frozen=True, kw_only=True):
+    """The sampling fields of chat completions, completions and responses alike."""
+
     temperature: float | None = None
     top_p: float | None = None
-    seed: int | None = None
-    stop: str | list[str] | None = None
-    n: int | None = None
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     top_k: int | None = None
     """vLLM's (the openai client sends it in `extra_body`), as are `min_p` and `repetition_penalty`."""
     min_p: float | None = None
     repetition_penalty: float | None = None
+
+    def checked(
+        self,
+        max_tokens: int | None,
+        seed: int | None = None,
+        stop: str | list[str] | None = None,
+        names: dict[str, str] | None = None,
+    ) -> SamplingParams:
+        return checks.sampling(
+            max_tokens=max_tokens,
+            temperature=self.temperature,
+            top_p=self.top_p,
+            seed=seed,
+            stop=stop,
+            top_k=self.top_k,
+            min_p=self.min_p,
+            repetition_penalty=self.repetition_penalty,
+            presence_penalty=self.presence_penalty,
+            frequency_penalty=self.frequency_penalty,
+            names=names,
+        )
+
+
+class _Common(Sampling, frozen=True, kw_only=True):
+    model: str
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    max_tokens: int | None = None
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    n: int | None = None
     logit_bias: dict[str, float] | None = None
     user: str | None = None
 
@@ -144,18 +170,7 @@ class EmbeddingRequest(msgspec.Struct, frozen=True, kw_only=True):
 def _common(request: _Common, max_tokens: int | None) -> SamplingParams:
     if request.logit_bias:
         raise checks.unsupported("logit_bias")
-    return checks.sampling(
-        max_tokens=max_tokens,
-        temperature=request.temperature,
-        top_p=request.top_p,
-        seed=request.seed,
-        stop=request.stop,
-        top_k=request.top_k,
-        min_p=request.min_p,
-        repetition_penalty=request.repetition_penalty,
-        presence_penalty=request.presence_penalty,
-        frequency_penalty=request.frequency_penalty,
-    )
+    return request.checked(max_tokens, request.seed, request.stop)
 
 
 def image_urls(request: ChatCompletionRequest) -> list[tuple[str, str]]:

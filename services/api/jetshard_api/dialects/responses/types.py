@@ -18,7 +18,7 @@ from jetshard_schema.ids import ModelId, TaskId
 from jetshard_schema.types import ChatMessage, TaskKind, TaskOutcome, TaskRequest, ToolCall, ToolChoice, Tools, Usage
 
 from jetshard_api.dialects import checks
-from jetshard_api.dialects.openai.types import effort_template_kwargs
+from jetshard_api.dialects.openai.types import Sampling, effort_template_kwargs
 from jetshard_api.errors import ApiError
 from jetshard_api.images import check_images
 
@@ -86,21 +86,12 @@ class StreamOptions(msgspec.Struct, frozen=True, kw_only=True):
     """OpenAI pads deltas against side channels; jetshard's deltas carry no padding."""
 
 
-class ResponseRequest(msgspec.Struct, frozen=True, kw_only=True):
+class ResponseRequest(Sampling, frozen=True, kw_only=True):
     model: str
     input: str | list[InputItem]
     instructions: str | None = None
     """A system message before the input."""
     max_output_tokens: int | None = None
-    temperature: float | None = None
-    top_p: float | None = None
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
-    top_k: int | None = None
-    """vLLM's, as in chat completions (the openai client sends it in `extra_body`), as are `min_p` and
-    `repetition_penalty`."""
-    min_p: float | None = None
-    repetition_penalty: float | None = None
     tools: list[FunctionTool] | None = None
     tool_choice: Literal["auto", "none", "required"] | FunctionToolChoice | None = None
     parallel_tool_calls: bool = True
@@ -144,17 +135,7 @@ def response_task(
 ) -> TaskRequest:
     """`loaded`: the images the request names by file or web address (`image_urls`), as the API read them."""
     _refuse_stored_state(request)
-    sampling = checks.sampling(
-        max_tokens=request.max_output_tokens,
-        temperature=request.temperature,
-        top_p=request.top_p,
-        top_k=request.top_k,
-        min_p=request.min_p,
-        repetition_penalty=request.repetition_penalty,
-        presence_penalty=request.presence_penalty,
-        frequency_penalty=request.frequency_penalty,
-        names={"max_tokens": "max_output_tokens"},
-    )
+    sampling = request.checked(request.max_output_tokens, names={"max_tokens": "max_output_tokens"})
     messages = _messages(request.input, loaded or {})
     check_images(messages, "input")
     if request.instructions:
