@@ -94,6 +94,7 @@ from jetshard_downloader.fetch import (
     NotFoundOnHub,
     OfflineUnavailable,
     RateLimited,
+    RepoListing,
     fetch_bytes,
     fetch_files,
     is_offline,
@@ -556,13 +557,8 @@ class Downloader:
 
     async def _fetch_hub_gguf(self, job: _Job, card: ModelCard, attempt: int) -> Path:
         """Fetch the card's GGUF files from its Hub repo into its model directory (`hub_gguf`); the directory."""
-        if self.offline:
-            raise offline_error(job.model_id)
-        job.source = "hub"
-        if attempt == 0:
-            await self._report(job, DownloadStatus.PENDING, bytes_total=card.storage_size_bytes)
         repo = hub_gguf_ref(card).repo
-        listing = await asyncio.to_thread(list_remote_files, repo, cancel=job.cancel, **self.hub_access)
+        listing = await self._list_hub_repo(job, repo, attempt, card.storage_size_bytes)
         files = hub_gguf_files(card, listing)
         job.transferring = True
         model_dir = await self._write_into_chosen(
@@ -671,13 +667,17 @@ class Downloader:
                 reserved[other.models_dir] += other.remaining
         return reserved
 
-    async def _fetch(self, job: _Job, card: ModelCard, attempt: int) -> None:
+    async def _list_hub_repo(self, job: _Job, repo: str, attempt: int, bytes_total: int = 0) -> RepoListing:
+        """The Hub's listing of the repo the job fetches from: refused offline, and PENDING first on a first attempt."""
         if self.offline:
             raise offline_error(job.model_id)
         job.source = "hub"
         if attempt == 0:
-            await self._report(job, DownloadStatus.PENDING)
-        listing = await asyncio.to_thread(list_remote_files, job.model_id, cancel=job.cancel, **self.hub_access)
+            await self._report(job, DownloadStatus.PENDING, bytes_total=bytes_total)
+        return await asyncio.to_thread(list_remote_files, repo, cancel=job.cancel, **self.hub_access)
+
+    async def _fetch(self, job: _Job, card: ModelCard, attempt: int) -> None:
+        listing = await self._list_hub_repo(job, job.model_id, attempt)
         job.transferring = True
         names = [f.name for f in listing.files]
         sizes = {f.name: f.size or 0 for f in listing.files}
