@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import pytest
 from helpers.cards import tiny_card
+from helpers.states import GiB
 from jetshard_schema.admission import Queue, start_wait_ms
 from jetshard_schema.commands import (
     AddCustomModelCard,
@@ -36,7 +37,6 @@ from jetshard_schema.types import (
 from jetshard_sequencer.handlers import Context, handle, past_retention
 from test_handlers import CARD, MODEL, A, InMemoryCluster, rejected
 
-GiB = 2**30
 SMALL_QUEUE = ServingSettings(max_batch=2, max_queued=2, weights=WeightsDtype.NATIVE)
 
 

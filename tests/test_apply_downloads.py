@@ -6,7 +6,7 @@ import logging
 
 import msgspec
 import pytest
-from helpers.states import downloaded, fold, raw_envelope
+from helpers.states import MODEL, A, downloaded, fold, raw_envelope
 from jetshard_schema import codec
 from jetshard_schema.events import (
     DownloadCancelled,
@@ -18,16 +18,13 @@ from jetshard_schema.events import (
     Event,
     EventEnvelope,
 )
-from jetshard_schema.ids import CommandId, ModelId, NodeId
+from jetshard_schema.ids import CommandId, NodeId
 from jetshard_schema.types import DownloadProgress, DownloadStatus
 
-NODE = NodeId("node-a")
-MODEL = ModelId("acme/tiny-7")
-
 SAMPLES: list[Event] = [
-    DownloadRequested(node_id=NODE, model_id=MODEL, start_layer=0, end_layer=4),
+    DownloadRequested(node_id=A, model_id=MODEL, start_layer=0, end_layer=4),
     DownloadProgressed(
-        node_id=NODE,
+        node_id=A,
         model_id=MODEL,
         progress=DownloadProgress(
             status=DownloadStatus.ONGOING,
@@ -38,17 +35,17 @@ SAMPLES: list[Event] = [
             directory="/models",
         ),
     ),
-    downloaded(NODE, MODEL, 0, 4, "/models", size=100),
-    DownloadFailed(node_id=NODE, model_id=MODEL, reason="disk full"),
-    DownloadCancelled(node_id=NODE, model_id=MODEL),
-    DownloadDeleteRequested(node_id=NODE, model_id=MODEL),
-    DownloadDeleted(node_id=NODE, model_id=MODEL),
+    downloaded(A, MODEL, 0, 4, "/models", size=100),
+    DownloadFailed(node_id=A, model_id=MODEL, reason="disk full"),
+    DownloadCancelled(node_id=A, model_id=MODEL),
+    DownloadDeleteRequested(node_id=A, model_id=MODEL),
+    DownloadDeleted(node_id=A, model_id=MODEL),
 ]
 COVERED = {type(e) for e in SAMPLES}
 
 
 def test_requested_is_pending_over_its_layer_range() -> None:
-    download = fold(SAMPLES[0]).download(NODE, MODEL)
+    download = fold(SAMPLES[0]).download(A, MODEL)
     assert download is not None
     assert (download.progress.status, download.progress.start_layer, download.progress.end_layer) == (
         DownloadStatus.PENDING,
@@ -59,7 +56,7 @@ def test_requested_is_pending_over_its_layer_range() -> None:
 
 def test_progress_moves_a_download_along_and_keeps_its_directory() -> None:
     state = fold(SAMPLES[0], SAMPLES[1])
-    download = state.download(NODE, MODEL)
+    download = state.download(A, MODEL)
     assert download is not None
     assert download.progress.status is DownloadStatus.ONGOING
     assert (
@@ -75,26 +72,26 @@ def test_progress_moves_a_download_along_and_keeps_its_directory() -> None:
     )
     state = fold(
         DownloadProgressed(
-            node_id=NODE,
+            node_id=A,
             model_id=MODEL,
             progress=DownloadProgress(status=DownloadStatus.PENDING, bytes_done=20, bytes_total=100),
         ),
         state=state,
     )
-    download = state.download(NODE, MODEL)
+    download = state.download(A, MODEL)
     assert download is not None
     assert download.progress.status is DownloadStatus.PENDING
     assert download.progress.directory == "/models"  # an empty directory in a report keeps the known one
 
 
 def test_progress_of_an_unknown_download_creates_it() -> None:
-    download = fold(SAMPLES[1]).download(NODE, MODEL)
+    download = fold(SAMPLES[1]).download(A, MODEL)
     assert download is not None
     assert download.progress.status is DownloadStatus.ONGOING
 
 
 def test_completed() -> None:
-    download = fold(SAMPLES[0], SAMPLES[1], SAMPLES[2]).download(NODE, MODEL)
+    download = fold(SAMPLES[0], SAMPLES[1], SAMPLES[2]).download(A, MODEL)
     assert download is not None
     assert download.progress.status is DownloadStatus.COMPLETED
     assert (download.progress.bytes_done, download.progress.bytes_total, download.progress.directory) == (
@@ -105,18 +102,18 @@ def test_completed() -> None:
 
 
 def test_requesting_a_range_inside_a_completed_download_keeps_it_completed() -> None:
-    state = fold(SAMPLES[2], DownloadRequested(node_id=NODE, model_id=MODEL, start_layer=1, end_layer=3))
-    download = state.download(NODE, MODEL)
+    state = fold(SAMPLES[2], DownloadRequested(node_id=A, model_id=MODEL, start_layer=1, end_layer=3))
+    download = state.download(A, MODEL)
     assert download is not None
     assert download.progress.status is DownloadStatus.COMPLETED
-    wider = fold(DownloadRequested(node_id=NODE, model_id=MODEL, start_layer=0, end_layer=8), state=state)
-    download = wider.download(NODE, MODEL)
+    wider = fold(DownloadRequested(node_id=A, model_id=MODEL, start_layer=0, end_layer=8), state=state)
+    download = wider.download(A, MODEL)
     assert download is not None
     assert (download.progress.status, download.progress.end_layer) == (DownloadStatus.PENDING, 8)
 
 
 def test_failed_and_cancelled_clear_speed_and_eta() -> None:
-    failed = fold(SAMPLES[0], SAMPLES[1], SAMPLES[3]).download(NODE, MODEL)
+    failed = fold(SAMPLES[0], SAMPLES[1], SAMPLES[3]).download(A, MODEL)
     assert failed is not None
     assert (
         failed.progress.status,
@@ -129,7 +126,7 @@ def test_failed_and_cancelled_clear_speed_and_eta() -> None:
         0.0,
         None,
     )
-    cancelled = fold(SAMPLES[0], SAMPLES[1], SAMPLES[4]).download(NODE, MODEL)
+    cancelled = fold(SAMPLES[0], SAMPLES[1], SAMPLES[4]).download(A, MODEL)
     assert cancelled is not None
     assert (cancelled.progress.status, cancelled.progress.speed_bytes_per_s, cancelled.progress.eta_s) == (
         DownloadStatus.CANCELLED,
@@ -140,12 +137,12 @@ def test_failed_and_cancelled_clear_speed_and_eta() -> None:
 
 def test_delete_requested_then_deleted() -> None:
     state = fold(SAMPLES[2], SAMPLES[5])
-    download = state.download(NODE, MODEL)
+    download = state.download(A, MODEL)
     assert download is not None
     assert download.deleting
     assert download.progress.status is DownloadStatus.COMPLETED
     state = fold(SAMPLES[6], state=state)
-    assert state.download(NODE, MODEL) is None
+    assert state.download(A, MODEL) is None
 
 
 @pytest.mark.parametrize("event", SAMPLES, ids=lambda e: type(e).__name__)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import msgspec
 import pytest
 from helpers import states
-from helpers.states import fold, profile
+from helpers.states import INSTANCE, MODEL, A, B, fold, profile
 from jetshard_schema import codec
 from jetshard_schema.events import (
     DefaultKeepAliveSet,
@@ -25,7 +25,7 @@ from jetshard_schema.events import (
     TaskCancelled,
     TaskFinished,
 )
-from jetshard_schema.ids import CommandId, InstanceId, ModelId, NodeId, TaskId
+from jetshard_schema.ids import CommandId, NodeId, TaskId
 from jetshard_schema.state import instance_status
 from jetshard_schema.types import (
     KEEP_LOADED,
@@ -40,9 +40,6 @@ from jetshard_schema.types import (
     Usage,
 )
 
-A, B = NodeId("node-a"), NodeId("node-b")
-MODEL = ModelId("acme/tiny-7")
-INST = InstanceId("inst-1")
 SHARDS = (
     ShardAssignment(node_id=A, rank=0, start_layer=0, end_layer=5),
     ShardAssignment(node_id=B, rank=1, start_layer=5, end_layer=8),
@@ -51,7 +48,7 @@ SHARDS = (
 
 def runner(rank: int, status: RunnerStatus, generation: int = 0, at_ms: int = 0) -> RunnerStatusChanged:
     return RunnerStatusChanged(
-        instance_id=INST,
+        instance_id=INSTANCE,
         generation=generation,
         at_ms=at_ms,
         runner=RunnerReport(
@@ -61,14 +58,14 @@ def runner(rank: int, status: RunnerStatus, generation: int = 0, at_ms: int = 0)
 
 
 SAMPLES: list[Event] = [
-    InstancePlaced(instance_id=INST, model_id=MODEL, shards=SHARDS),
-    InstanceDeleted(instance_id=INST, reason="deleted on request"),
-    RunnerEndpointReported(instance_id=INST, generation=0, node_id=A, rank=0, endpoint=Endpoint("10.0.0.1", 7000)),
+    InstancePlaced(instance_id=INSTANCE, model_id=MODEL, shards=SHARDS),
+    InstanceDeleted(instance_id=INSTANCE, reason="deleted on request"),
+    RunnerEndpointReported(instance_id=INSTANCE, generation=0, node_id=A, rank=0, endpoint=Endpoint("10.0.0.1", 7000)),
     runner(0, RunnerStatus.LOADING),
-    InstanceRestarting(instance_id=INST, generation=1, attempt=1, not_before_ms=5000, reason="rank 1 failed"),
-    InstanceFailed(instance_id=INST, reason="gave up"),
-    InstanceChosen(instance_id=INST, model_id=MODEL),
-    InstanceKeepAliveSet(instance_id=INST, keep_alive_ms=0, at_ms=7000),
+    InstanceRestarting(instance_id=INSTANCE, generation=1, attempt=1, not_before_ms=5000, reason="rank 1 failed"),
+    InstanceFailed(instance_id=INSTANCE, reason="gave up"),
+    InstanceChosen(instance_id=INSTANCE, model_id=MODEL),
+    InstanceKeepAliveSet(instance_id=INSTANCE, keep_alive_ms=0, at_ms=7000),
     DefaultKeepAliveSet(keep_alive_ms=600_000),
 ]
 COVERED = {type(e) for e in SAMPLES}
@@ -80,29 +77,29 @@ def downloaded(node: NodeId, start: int, end: int) -> DownloadCompleted:
 
 def assigned(task: str) -> TaskAssigned:
     ref = TaskRef(task_id=TaskId(task), model_id=MODEL, kind=TaskKind.CHAT)
-    return TaskAssigned(task=ref, instance_id=INST, generation=0)
+    return TaskAssigned(task=ref, instance_id=INSTANCE, generation=0)
 
 
 def test_placed_instance_goes_from_downloading_to_ready() -> None:
     state = fold(SAMPLES[0])
-    instance = state.instances[INST]
+    instance = state.instances[INSTANCE]
     assert (instance.shards, instance.generation, instance.num_layers) == (SHARDS, 0, 8)
     assert instance.shard_for(B) == SHARDS[1]
     assert instance_status(state, instance) is InstanceStatus.DOWNLOADING
     state = fold(downloaded(A, 0, 5), downloaded(B, 5, 8), state=state)
-    assert instance_status(state, state.instances[INST]) is InstanceStatus.WAITING
+    assert instance_status(state, state.instances[INSTANCE]) is InstanceStatus.WAITING
     state = fold(runner(0, RunnerStatus.LOADING), state=state)
-    assert instance_status(state, state.instances[INST]) is InstanceStatus.LOADING
+    assert instance_status(state, state.instances[INSTANCE]) is InstanceStatus.LOADING
     state = fold(runner(0, RunnerStatus.READY), runner(1, RunnerStatus.READY), state=state)
-    assert instance_status(state, state.instances[INST]) is InstanceStatus.READY
+    assert instance_status(state, state.instances[INSTANCE]) is InstanceStatus.READY
 
 
 def test_endpoint_and_runner_reports_of_another_generation_are_ignored() -> None:
     state = fold(SAMPLES[0], SAMPLES[2], runner(1, RunnerStatus.LOADING))
-    assert state.instances[INST].endpoints == {0: Endpoint("10.0.0.1", 7000)}
-    assert state.instances[INST].runners[1].status is RunnerStatus.LOADING
+    assert state.instances[INSTANCE].endpoints == {0: Endpoint("10.0.0.1", 7000)}
+    assert state.instances[INSTANCE].runners[1].status is RunnerStatus.LOADING
     stale = fold(
-        RunnerEndpointReported(instance_id=INST, generation=3, node_id=B, rank=1, endpoint=Endpoint("h", 1)),
+        RunnerEndpointReported(instance_id=INSTANCE, generation=3, node_id=B, rank=1, endpoint=Endpoint("h", 1)),
         runner(0, RunnerStatus.READY, generation=3),
         state=state,
     )
@@ -117,7 +114,7 @@ def test_reports_about_an_unknown_instance_are_ignored() -> None:
 
 def test_restarting_bumps_the_generation_and_drops_runners_endpoints_and_tasks() -> None:
     state = fold(SAMPLES[0], SAMPLES[2], runner(0, RunnerStatus.READY), assigned("task-1"), SAMPLES[4])
-    instance = state.instances[INST]
+    instance = state.instances[INSTANCE]
     assert (instance.generation, instance.restart_attempt, instance.not_before_ms) == (1, 1, 5000)
     assert (instance.endpoints, instance.runners, instance.failed_reason) == ({}, {}, "rank 1 failed")
     assert state.tasks == {}
@@ -126,7 +123,7 @@ def test_restarting_bumps_the_generation_and_drops_runners_endpoints_and_tasks()
 
 def test_failed_instance_stays_with_its_reason() -> None:
     state = fold(SAMPLES[0], runner(0, RunnerStatus.READY), assigned("task-1"), SAMPLES[5])
-    instance = state.instances[INST]
+    instance = state.instances[INSTANCE]
     assert instance.failed
     assert instance.failed_reason == "gave up"
     assert instance.runners == {}
@@ -151,13 +148,13 @@ def test_an_instance_that_leaves_gives_its_nodes_memory_back_at_once_as_far_as_t
 
     shards = tuple(msgspec.structs.replace(s, memory_bytes=3 * gib) for s in SHARDS)
     state = fold(
-        InstancePlaced(instance_id=INST, model_id=MODEL, shards=shards),
+        InstancePlaced(instance_id=INSTANCE, model_id=MODEL, shards=shards),
         joined(B, 7),  # while it loaded
         runner(0, RunnerStatus.READY),
         runner(1, RunnerStatus.READY),
         joined(A, 6),  # after it was ready: 2 GiB resident of the 3 reserved
     )
-    state = fold(InstanceDeleted(instance_id=INST, reason="unloaded"), state=state)
+    state = fold(InstanceDeleted(instance_id=INSTANCE, reason="unloaded"), state=state)
     assert state.nodes[A].profile.memory_available_bytes == 8 * gib  # 6 + 3, at most all 8
     assert state.nodes[B].profile.memory_available_bytes == 7 * gib  # as it reported
 
@@ -172,37 +169,36 @@ def test_state_json_round_trip_keeps_integer_rank_keys() -> None:
     state = fold(SAMPLES[0], SAMPLES[2], runner(1, RunnerStatus.LOADING))
     decoded = codec.decode_state(codec.encode(state))
     assert decoded == state
-    assert list(decoded.instances[INST].endpoints) == [0]
+    assert list(decoded.instances[INSTANCE].endpoints) == [0]
 
 
 def test_an_instance_unloads_its_keep_alive_after_its_last_task_ended_and_a_request_may_change_it() -> None:
-    placed = InstancePlaced(instance_id=INST, model_id=MODEL, shards=SHARDS, keep_alive_ms=300_000, at_ms=1000)
+    placed = InstancePlaced(instance_id=INSTANCE, model_id=MODEL, shards=SHARDS, keep_alive_ms=300_000, at_ms=1000)
     state = fold(placed, runner(0, RunnerStatus.READY, at_ms=2000))
-    assert state.instances[INST].unloads_at_ms(busy=False) is None  # loading, for the request that placed it
+    assert state.instances[INSTANCE].unloads_at_ms(busy=False) is None  # loading, for the request that placed it
     # Idle from when it could first serve, however long it took to load; a rank that reports again later (a
     # restart of nothing) does not move that.
     ready = runner(1, RunnerStatus.READY, at_ms=400_000)
     state = fold(ready, runner(1, RunnerStatus.READY, at_ms=500_000), state=state)
-    assert state.instances[INST].unloads_at_ms(busy=False) == 700_000
-    assert state.instances[INST].unloads_at_ms(busy=True) is None
+    assert state.instances[INSTANCE].unloads_at_ms(busy=False) == 700_000
+    assert state.instances[INSTANCE].unloads_at_ms(busy=True) is None
     # A request's own keep-alive (Ollama's) replaces the instance's; its end starts the idle time.
     ref = TaskRef(task_id=TaskId("t1"), model_id=MODEL, kind=TaskKind.CHAT, keep_alive_ms=0)
-    state = fold(TaskAssigned(task=ref, instance_id=INST, generation=0), state=state)
-    assert state.instances[INST].keep_alive_ms == 0
+    state = fold(TaskAssigned(task=ref, instance_id=INSTANCE, generation=0), state=state)
+    assert state.instances[INSTANCE].keep_alive_ms == 0
     usage = Usage(prompt_tokens=1, completion_tokens=1)
     state = fold(TaskFinished(task_id=TaskId("t1"), outcome=TaskOutcome.STOP, usage=usage, at_ms=900_000), state=state)
-    assert state.instances[INST].unloads_at_ms(busy=False) == 900_000
+    assert state.instances[INSTANCE].unloads_at_ms(busy=False) == 900_000
     # A cancelled task ends the busy time too; an older end never moves it back.
     state = fold(assigned("t2"), TaskCancelled(task_id=TaskId("t2"), reason="gone", at_ms=912_000), state=state)
-    assert state.instances[INST].idle_since_ms == 912_000
+    assert state.instances[INSTANCE].idle_since_ms == 912_000
     state = fold(assigned("t3"), TaskCancelled(task_id=TaskId("t3"), reason="gone", at_ms=911_000), state=state)
-    assert state.instances[INST].idle_since_ms == 912_000
+    assert state.instances[INSTANCE].idle_since_ms == 912_000
     # Kept loaded (Ollama's negative keep_alive, or placed by hand): it never unloads.
-    state = fold(InstanceKeepAliveSet(instance_id=INST, keep_alive_ms=KEEP_LOADED, at_ms=913_000), state=state)
-    assert state.instances[INST].unloads_at_ms(busy=False) is None
-    assert fold(InstancePlaced(instance_id=INST, model_id=MODEL, shards=SHARDS)).instances[INST].keep_alive_ms == (
-        KEEP_LOADED
-    )
+    state = fold(InstanceKeepAliveSet(instance_id=INSTANCE, keep_alive_ms=KEEP_LOADED, at_ms=913_000), state=state)
+    assert state.instances[INSTANCE].unloads_at_ms(busy=False) is None
+    placed = fold(InstancePlaced(instance_id=INSTANCE, model_id=MODEL, shards=SHARDS))
+    assert placed.instances[INSTANCE].keep_alive_ms == KEEP_LOADED
 
 
 def test_the_cluster_default_keep_alive_is_set_and_given_back_to_each_api() -> None:

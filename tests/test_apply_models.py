@@ -7,7 +7,7 @@ import logging
 import msgspec
 import pytest
 from helpers.cards import tiny_card
-from helpers.states import downloaded, fold, raw_envelope
+from helpers.states import MODEL, A, B, downloaded, fold, raw_envelope
 from jetshard_schema import codec
 from jetshard_schema.events import (
     CustomModelCardAdded,
@@ -20,13 +20,11 @@ from jetshard_schema.events import (
     ModelImportRequested,
     ModelSizeMeasured,
 )
-from jetshard_schema.ids import CommandId, ModelId, NodeId
+from jetshard_schema.ids import CommandId, ModelId
 from jetshard_schema.models import all_cards, find_card
 from jetshard_schema.state import State
 from jetshard_schema.types import ImportProgress, ImportStatus
 
-MODEL = ModelId("acme/tiny-7")
-A, B = NodeId("node-a"), NodeId("node-b")
 CARD = tiny_card(MODEL, num_layers=8, vocab_size=1000, storage_size_estimated=True, is_custom=True)
 
 SAMPLES: list[Event] = [

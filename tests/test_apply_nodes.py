@@ -6,7 +6,7 @@ import logging
 
 import msgspec
 import pytest
-from helpers.states import fold, raw_envelope
+from helpers.states import A, fold, raw_envelope
 from jetshard_schema import codec
 from jetshard_schema.events import (
     CommandRejected,
@@ -21,7 +21,6 @@ from jetshard_schema.ids import CommandId, ModelId, NodeId
 from jetshard_schema.state import Download, State, apply
 from jetshard_schema.types import DownloadProgress, DownloadStatus, ModelDirInfo, NodeProfile, NodeStorage, RejectCode
 
-NODE = NodeId("node-a")
 PROFILE = NodeProfile(
     hostname="a", os="Linux", cpu_cores=8, memory_total_bytes=32 << 30, memory_available_bytes=24 << 30
 )
@@ -33,10 +32,10 @@ STORAGE = NodeStorage(model_dirs=DIRS, offline=True, available_models=(ModelId("
 
 SAMPLES: list[Event] = [
     CommandRejected(command_type="AddCustomModelCard", code=RejectCode.CONFLICT, reason="why"),
-    NodeJoined(node_id=NODE, session_id="s1", profile=PROFILE),
-    NodeUpdated(node_id=NODE, profile=PROFILE),
-    NodeStorageUpdated(node_id=NODE, storage=STORAGE),
-    NodeLost(node_id=NODE, reason="its liveness key expired"),
+    NodeJoined(node_id=A, session_id="s1", profile=PROFILE),
+    NodeUpdated(node_id=A, profile=PROFILE),
+    NodeStorageUpdated(node_id=A, storage=STORAGE),
+    NodeLost(node_id=A, reason="its liveness key expired"),
 ]
 COVERED = {type(e) for e in SAMPLES}
 
@@ -52,49 +51,49 @@ def test_last_command_seq_never_goes_back() -> None:
 
 
 def test_node_joined_then_rejoined_with_a_new_session() -> None:
-    state = fold(NodeJoined(node_id=NODE, session_id="s1", profile=PROFILE))
-    assert state.nodes[NODE].session_id == "s1"
-    assert state.nodes[NODE].profile == PROFILE
-    state = fold(NodeJoined(node_id=NODE, session_id="s2", profile=PROFILE), state=state)
-    assert list(state.nodes) == [NODE]
-    assert state.nodes[NODE].session_id == "s2"
+    state = fold(NodeJoined(node_id=A, session_id="s1", profile=PROFILE))
+    assert state.nodes[A].session_id == "s1"
+    assert state.nodes[A].profile == PROFILE
+    state = fold(NodeJoined(node_id=A, session_id="s2", profile=PROFILE), state=state)
+    assert list(state.nodes) == [A]
+    assert state.nodes[A].session_id == "s2"
 
 
 def test_node_updated_changes_the_profile_of_a_known_node_only() -> None:
     smaller = msgspec.structs.replace(PROFILE, memory_available_bytes=1 << 30)
-    state = fold(NodeJoined(node_id=NODE, session_id="s1", profile=PROFILE), NodeUpdated(node_id=NODE, profile=smaller))
-    assert state.nodes[NODE].profile == smaller
-    assert state.nodes[NODE].session_id == "s1"
+    state = fold(NodeJoined(node_id=A, session_id="s1", profile=PROFILE), NodeUpdated(node_id=A, profile=smaller))
+    assert state.nodes[A].profile == smaller
+    assert state.nodes[A].session_id == "s1"
     unknown = fold(NodeUpdated(node_id=NodeId("ghost"), profile=smaller))
     assert unknown.nodes == {}
     assert unknown.last_seq == 1
 
 
 def test_node_storage_updated() -> None:
-    state = fold(NodeStorageUpdated(node_id=NODE, storage=STORAGE))
-    assert state.node_storage[NODE] == STORAGE
+    state = fold(NodeStorageUpdated(node_id=A, storage=STORAGE))
+    assert state.node_storage[A] == STORAGE
 
 
 def test_node_lost_forgets_the_node_its_storage_and_downloads() -> None:
     other = NodeId("node-b")
     state = fold(
-        NodeJoined(node_id=NODE, session_id="s1", profile=PROFILE),
+        NodeJoined(node_id=A, session_id="s1", profile=PROFILE),
         NodeJoined(node_id=other, session_id="s9", profile=PROFILE),
-        NodeStorageUpdated(node_id=NODE, storage=STORAGE),
+        NodeStorageUpdated(node_id=A, storage=STORAGE),
     )
     completed = DownloadProgress(status=DownloadStatus.COMPLETED, start_layer=0, end_layer=4)
-    download = Download(node_id=NODE, model_id=ModelId("o/m"), progress=completed)
-    state = msgspec.structs.replace(state, downloads={NODE: {download.model_id: download}})
-    state = fold(NodeLost(node_id=NODE, reason="gone"), state=state)
+    download = Download(node_id=A, model_id=ModelId("o/m"), progress=completed)
+    state = msgspec.structs.replace(state, downloads={A: {download.model_id: download}})
+    state = fold(NodeLost(node_id=A, reason="gone"), state=state)
     assert list(state.nodes) == [other]
     assert state.node_storage == {}
     assert state.downloads == {}
 
 
 def test_apply_never_mutates_its_input() -> None:
-    before = fold(NodeJoined(node_id=NODE, session_id="s1", profile=PROFILE))
+    before = fold(NodeJoined(node_id=A, session_id="s1", profile=PROFILE))
     snapshot = codec.encode(before)
-    fold(NodeLost(node_id=NODE, reason="gone"), state=before)
+    fold(NodeLost(node_id=A, reason="gone"), state=before)
     assert codec.encode(before) == snapshot
 
 

@@ -10,7 +10,7 @@ import test_apply_downloads
 import test_apply_instances
 import test_apply_models
 import test_apply_nodes
-from helpers.states import fold
+from helpers.states import INSTANCE, MODEL, fold
 from jetshard_schema import codec
 from jetshard_schema.events import (
     Event,
@@ -21,7 +21,7 @@ from jetshard_schema.events import (
     TaskFinished,
     TaskStarted,
 )
-from jetshard_schema.ids import CommandId, InstanceId, ModelId, NodeId, TaskId
+from jetshard_schema.ids import CommandId, NodeId, TaskId
 from jetshard_schema.state import State, Task, apply
 from jetshard_schema.types import (
     ShardAssignment,
@@ -31,13 +31,11 @@ from jetshard_schema.types import (
     Usage,
 )
 
-MODEL = ModelId("acme/tiny-7")
-INST = InstanceId("inst-1")
 TASK = TaskId("task-1")
 REF = TaskRef(task_id=TASK, model_id=MODEL, kind=TaskKind.CHAT)
 
 SAMPLES: list[Event] = [
-    TaskAssigned(task=REF, instance_id=INST, generation=0),
+    TaskAssigned(task=REF, instance_id=INSTANCE, generation=0),
     TaskStarted(task_id=TASK, prompt_tokens=12),
     TaskFinished(task_id=TASK, outcome=TaskOutcome.STOP, usage=Usage(prompt_tokens=12, completion_tokens=3)),
     TaskCancelled(task_id=TASK, reason="cancelled by the client"),
@@ -45,7 +43,7 @@ SAMPLES: list[Event] = [
 COVERED = {type(e) for e in SAMPLES}
 
 PLACED = InstancePlaced(
-    instance_id=INST,
+    instance_id=INSTANCE,
     model_id=MODEL,
     shards=(ShardAssignment(node_id=NodeId("n"), rank=0, start_layer=0, end_layer=8),),
 )
@@ -66,12 +64,12 @@ def test_every_event_type_is_exercised() -> None:
 
 def test_assigned_then_started() -> None:
     state = fold(PLACED, SAMPLES[0])
-    assert state.tasks == {TASK: Task(ref=REF, instance_id=INST, generation=0, assigned_seq=2)}
-    assert state.unstarted_tasks(INST, 0) == [state.tasks[TASK]]
+    assert state.tasks == {TASK: Task(ref=REF, instance_id=INSTANCE, generation=0, assigned_seq=2)}
+    assert state.unstarted_tasks(INSTANCE, 0) == [state.tasks[TASK]]
     state = fold(SAMPLES[1], state=state)
     assert state.tasks[TASK].started
     assert state.tasks[TASK].prompt_tokens == 12
-    assert state.unstarted_tasks(INST, 0) == []
+    assert state.unstarted_tasks(INSTANCE, 0) == []
 
 
 def test_unstarted_tasks_are_those_of_one_generation_in_assignment_order() -> None:
@@ -79,12 +77,12 @@ def test_unstarted_tasks_are_those_of_one_generation_in_assignment_order() -> No
     other_generation = TaskId("task-3")
     state = fold(
         PLACED,
-        TaskAssigned(task=REF, instance_id=INST, generation=0),
-        TaskAssigned(task=msgspec.structs.replace(REF, task_id=later), instance_id=INST, generation=0),
-        TaskAssigned(task=msgspec.structs.replace(REF, task_id=other_generation), instance_id=INST, generation=1),
+        TaskAssigned(task=REF, instance_id=INSTANCE, generation=0),
+        TaskAssigned(task=msgspec.structs.replace(REF, task_id=later), instance_id=INSTANCE, generation=0),
+        TaskAssigned(task=msgspec.structs.replace(REF, task_id=other_generation), instance_id=INSTANCE, generation=1),
     )
-    assert [t.task_id for t in state.unstarted_tasks(INST, 0)] == [TASK, later]
-    assert [t.task_id for t in state.unstarted_tasks(INST, 1)] == [other_generation]
+    assert [t.task_id for t in state.unstarted_tasks(INSTANCE, 0)] == [TASK, later]
+    assert [t.task_id for t in state.unstarted_tasks(INSTANCE, 1)] == [other_generation]
 
 
 @pytest.mark.parametrize("end", SAMPLES[2:], ids=lambda e: type(e).__name__)

@@ -28,7 +28,7 @@ import httpx
 import psutil
 import pytest
 from helpers.harness import InferenceCluster, api_until, hub_cluster, stream_envelopes, until
-from helpers.tiny_models import endless_model, make_tiny_model
+from helpers.tiny_models import LONG_STORY, endless_model, make_tiny_model
 from jetshard_bus.connect import connect
 from jetshard_bus.options import NatsOptions
 from jetshard_schema.events import CommandRejected
@@ -46,8 +46,7 @@ START_TIMEOUT_S = 2.0
 KEEP_ALIVE_S = 0.3
 API_SERVING = {"max_batch": 1, "max_queued": 1}
 """What `jetshard api`'s flags set (the weights dtype is resolved elsewhere)."""
-MESSAGES = [{"role": "user", "content": "Tell me a long story about the sea."}]
-ENDLESS = {"model": MODEL, "messages": MESSAGES, "max_tokens": 2**40, "temperature": 0, "stream": True}
+ENDLESS = {"model": MODEL, "messages": LONG_STORY, "max_tokens": 2**40, "temperature": 0, "stream": True}
 """Runs until the context is full (minutes) unless its client leaves."""
 
 pytestmark = pytest.mark.timeout(240)
@@ -208,7 +207,7 @@ async def test_a_full_queue_is_429_from_every_api_and_a_queued_stream_is_kept_al
 
 
 def cold_chat(max_tokens: int, stream: bool = False) -> dict[str, Any]:
-    return {"model": COLD, "messages": MESSAGES, "max_tokens": max_tokens, "temperature": 0, "stream": stream}
+    return {"model": COLD, "messages": LONG_STORY, "max_tokens": max_tokens, "temperature": 0, "stream": stream}
 
 
 SHORT_ANSWER = 96
@@ -316,7 +315,7 @@ async def test_a_request_named_for_an_instance_that_filled_meanwhile_runs_on_the
     it is free) and stores its request there: both are answered."""
     one_place = {"max_batch": 1, "max_queued": 0}
     (sequencer,) = [p for p in cluster.processes.started if p.args[-1] == "sequencer"]
-    chat = {"model": PAIR, "messages": MESSAGES, "max_tokens": 4, "temperature": 0}
+    chat = {"model": PAIR, "messages": LONG_STORY, "max_tokens": 4, "temperature": 0}
     async with httpx.AsyncClient(base_url=cluster.api, timeout=120) as http:
         placed = [await http.post("/instances", json={"model_id": PAIR, "serving": one_place}) for _ in range(2)]
         assert [p.status_code for p in placed] == [201, 201], [p.text for p in placed]

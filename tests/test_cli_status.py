@@ -22,7 +22,7 @@ import pytest
 from helpers.dialects import DialectCluster
 from helpers.harness import until_sync, wait_for
 from helpers.states import fold
-from helpers.tiny_models import endless_model
+from helpers.tiny_models import LONG_STORY, endless_model
 from httpx_sse import connect_sse
 from jetshard_schema import events
 from jetshard_schema.catalogue import builtin_cards
@@ -263,7 +263,7 @@ def endless_chat(api: str, outcome: dict[str, Any]) -> threading.Thread:
     """A streaming chat of the endless model, until it is stopped; `outcome` gets its text and how it ended."""
     body = {
         "model": ENDLESS_MODEL,
-        "messages": [{"role": "user", "content": "Tell me a long story about the sea."}],
+        "messages": LONG_STORY,
         "max_tokens": 2**40,
         "temperature": 0,
         "stream": True,

@@ -22,7 +22,7 @@ import psutil
 import pytest
 from helpers.harness import InferenceCluster, hub_cluster, run_async, runner_spec, wait_for
 from helpers.streams import stream_error
-from helpers.tiny_models import make_tiny_model
+from helpers.tiny_models import LONG_STORY, make_tiny_model
 from jetshard_bus.connect import connect
 from jetshard_bus.options import NatsOptions
 from jetshard_schema.events import (
@@ -40,7 +40,6 @@ TENSOR = f"{ORG}/tiny-tensor"
 AUTO = f"{ORG}/tiny-auto"
 NO_AUTO = f"{ORG}/tiny-no-auto"
 DELETED = f"{ORG}/tiny-deleted"
-MESSAGES = [{"role": "user", "content": "Tell me a long story about the sea."}]
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -84,7 +83,7 @@ def client(cluster: InferenceCluster) -> openai.OpenAI:
 def greedy(client: openai.OpenAI, model: str, max_tokens: int = 12) -> str:
     response = client.chat.completions.create(
         model=model,
-        messages=MESSAGES,
+        messages=LONG_STORY,
         temperature=0,  # type: ignore[arg-type]
         max_tokens=max_tokens,
     )
@@ -98,7 +97,7 @@ def scores(client: openai.OpenAI, model: str) -> list[Any]:
     """The greedy answer's first tokens with their logprobs and top two alternatives."""
     reply = client.chat.completions.create(
         model=model,
-        messages=MESSAGES,
+        messages=LONG_STORY,
         temperature=0,  # type: ignore[arg-type]
         max_tokens=6,
         logprobs=True,
@@ -122,7 +121,7 @@ def test_a_tensor_parallel_instance_answers_as_the_pipeline_of_the_same_weights(
     schema = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]}
     response_format: Any = {"type": "json_schema", "json_schema": {"name": "n", "schema": schema}}
     reply = client.chat.completions.create(
-        model=TENSOR, messages=MESSAGES, response_format=response_format, max_tokens=40
+        model=TENSOR, messages=LONG_STORY, response_format=response_format, max_tokens=40
     )
     assert isinstance(json.loads(reply.choices[0].message.content or "")["n"], int)
 
@@ -142,7 +141,7 @@ def test_kill_9_of_a_runner_mid_stream(cluster: InferenceCluster, client: openai
 
     stream = client.chat.completions.create(
         model=model,
-        messages=MESSAGES,
+        messages=LONG_STORY,
         stream=True,  # type: ignore[arg-type]
         max_tokens=1500,
         temperature=0,
@@ -249,7 +248,7 @@ def test_no_auto_place_is_404_listing_ready_models(cluster: InferenceCluster) ->
         with pytest.raises(openai.NotFoundError) as caught:
             no_auto.chat.completions.create(
                 model=NO_AUTO,
-                messages=MESSAGES,
+                messages=LONG_STORY,
                 max_tokens=3,  # type: ignore[arg-type]
                 stream=stream,
             )
@@ -258,13 +257,13 @@ def test_no_auto_place_is_404_listing_ready_models(cluster: InferenceCluster) ->
         assert SPLIT in caught.value.body["message"]
     assert not cluster.instances_of(NO_AUTO)
     # A ready model is served by that API as usual.
-    response = no_auto.chat.completions.create(model=SPLIT, messages=MESSAGES, max_tokens=3)  # type: ignore[arg-type]
+    response = no_auto.chat.completions.create(model=SPLIT, messages=LONG_STORY, max_tokens=3)  # type: ignore[arg-type]
     assert response.usage is not None and response.usage.completion_tokens >= 1
 
 
 def test_auto_place_on_first_request(cluster: InferenceCluster) -> None:
     assert not cluster.instances_of(AUTO)
-    body = {"model": AUTO, "messages": MESSAGES, "max_tokens": 5, "temperature": 0, "stream": True}
+    body = {"model": AUTO, "messages": LONG_STORY, "max_tokens": 5, "temperature": 0, "stream": True}
     comments, data = [], []
     with httpx.stream("POST", f"{cluster.api}/v1/chat/completions", json=body, timeout=180) as response:
         assert response.status_code == 200

@@ -9,7 +9,7 @@ import re
 import msgspec
 import pytest
 from helpers.cards import tiny_card
-from helpers.states import profile
+from helpers.states import GiB, profile
 from jetshard_schema.cards import MAX_HIDDEN_SIZE, ModelCard, ModelFormat, Quantization
 from jetshard_schema.ids import InstanceId, NodeId
 from jetshard_schema.placement import (
@@ -40,7 +40,6 @@ from jetshard_schema.state import Instance, Node, State
 from jetshard_schema.types import Engine, GpuInfo, KvCacheType, Parallelism, ServingSettings, WeightsDtype
 from msgspec.structs import replace
 
-GiB = 2**30
 CARD = tiny_card(
     "acme/m",
     num_layers=32,

@@ -32,7 +32,7 @@ import openai
 import pytest
 from helpers.harness import ChunkTap, InferenceCluster, hub_cluster, wait_for
 from helpers.nats_proxy import Fault, FaultyNatsProxy
-from helpers.tiny_models import make_tiny_model
+from helpers.tiny_models import LONG_STORY, make_tiny_model
 from jetshard_schema.events import InstanceRestarting, TaskAssigned, TaskCancelled, TaskFinished
 from jetshard_schema.subjects import CHUNK_PREFIX
 from jetshard_schema.types import Chunk, TaskOutcome
@@ -44,7 +44,6 @@ OFFLINE = f"{ORG}/tiny-offline"
 LEAVING = f"{ORG}/tiny-leaving"
 LOSSY = f"{ORG}/tiny-lossy"
 REFUSED = f"{ORG}/tiny-refused"
-MESSAGES = [{"role": "user", "content": "Tell me a long story about the sea."}]
 STOPPED_S = 4
 """How long the window test's runner is stopped as it starts."""
 UNAVAILABLE_DEADLINE_S = 30
@@ -91,7 +90,7 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[InferenceClust
         FaultyNatsProxy(c.nats.url, drop_after_the_first_chunk) as lossy_nats,
         FaultyNatsProxy(c.nats.url, refuse_chunks) as refusing_nats,
     ):
-        # Seed 0 with MESSAGES decodes greedily for well over 1,500 tokens without an EOS (REFUSED's too: an
+        # Seed 0 with LONG_STORY decodes greedily for well over 1,500 tokens without an EOS (REFUSED's too: an
         # answer that goes on after the first chunk's refusal).
         seeds = {LEAVING: 0, WINDOW: 1, NO_HUB: 2, OFFLINE: 3, LOSSY: 4, REFUSED: 0}
         for model_id, seed in seeds.items():
@@ -134,7 +133,7 @@ def test_a_task_assigned_as_its_runner_becomes_ready_is_served(
     threading.Timer(STOPPED_S, os.killpg, (runner.pid, signal.SIGCONT)).start()
     assert cluster.get(f"/instances/{instance_id}")["status"] != "ready", "the runner was ready before it was stopped"
     started = time.monotonic()
-    reply = client.chat.completions.create(model=WINDOW, messages=MESSAGES, max_tokens=4, temperature=0)
+    reply = client.chat.completions.create(model=WINDOW, messages=LONG_STORY, max_tokens=4, temperature=0)
     assert reply.choices[0].finish_reason == "length"
     assert reply.usage is not None and reply.usage.completion_tokens == 4
     assert time.monotonic() - started < 60
@@ -152,7 +151,7 @@ def test_chunks_lost_after_the_task_finished_fail_the_request_soon(
     cluster.wait_instance(response.json()["instance_id"])
     started = time.monotonic()
     with pytest.raises(openai.APIStatusError) as raised:
-        client.chat.completions.create(model=LOSSY, messages=MESSAGES, max_tokens=4, temperature=0)
+        client.chat.completions.create(model=LOSSY, messages=LONG_STORY, max_tokens=4, temperature=0)
     assert raised.value.status_code == 502
     assert raised.value.body["code"] == "chunk_gap"  # type: ignore[index]
     assert "of the output were lost" in raised.value.body["message"]  # type: ignore[index]
@@ -172,7 +171,7 @@ def test_a_runner_whose_chunk_publisher_fails_restarts_and_its_client_hears_so_s
     since = cluster.last_seq()
     started = time.monotonic()
     with pytest.raises(openai.APIStatusError) as raised:
-        client.chat.completions.create(model=REFUSED, messages=MESSAGES, max_tokens=200, temperature=0)
+        client.chat.completions.create(model=REFUSED, messages=LONG_STORY, max_tokens=200, temperature=0)
     elapsed = time.monotonic() - started
     print(f"the request failed {elapsed:.1f} s after it was sent")
     assert elapsed < 20
@@ -192,11 +191,11 @@ def test_a_download_that_cannot_reach_the_hub_fails_its_instance_and_answers_503
 
     def non_streaming() -> openai.APIStatusError:
         with pytest.raises(openai.APIStatusError) as caught:
-            client.chat.completions.create(model=NO_HUB, messages=MESSAGES, max_tokens=4)
+            client.chat.completions.create(model=NO_HUB, messages=LONG_STORY, max_tokens=4)
         return caught.value
 
     def streaming() -> dict[str, object]:
-        body = {"model": NO_HUB, "messages": MESSAGES, "max_tokens": 4, "stream": True}
+        body = {"model": NO_HUB, "messages": LONG_STORY, "max_tokens": 4, "stream": True}
         with httpx.stream("POST", f"{cluster.api}/v1/chat/completions", json=body, timeout=90) as response:
             data = [line[5:].strip() for line in response.iter_lines() if line.startswith("data:")]
         assert data[-1] == "[DONE]"
@@ -240,7 +239,7 @@ def test_a_client_that_leaves_cancels_its_task(cluster: InferenceCluster, stream
     cluster.wait_instance(cluster.instances_of(LEAVING)[0]["instance_id"], "ready", timeout=90)
     since = cluster.last_seq() + 1
     # Until the context is full: minutes on this machine, unless the task is cancelled.
-    body = {"model": LEAVING, "messages": MESSAGES, "max_tokens": 2**70, "temperature": 0, "stream": stream}
+    body = {"model": LEAVING, "messages": LONG_STORY, "max_tokens": 2**70, "temperature": 0, "stream": stream}
     with ChunkTap(cluster.nats.url) as tap:
         # The client leaves once its task is generating (a raw socket, closed mid-request).
         payload = json.dumps(body).encode()

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import msgspec
 from helpers import states
-from helpers.states import fold
+from helpers.states import INSTANCE, MODEL, A, B, fold
 from jetshard_schema.cards import ModelFormat
 from jetshard_schema.events import (
     DownloadCompleted,
@@ -14,7 +14,7 @@ from jetshard_schema.events import (
     RunnerEndpointReported,
     RunnerStatusChanged,
 )
-from jetshard_schema.ids import InstanceId, ModelId, NodeId
+from jetshard_schema.ids import ModelId, NodeId
 from jetshard_schema.types import (
     Endpoint,
     Engine,
@@ -27,9 +27,6 @@ from jetshard_schema.types import (
 )
 from jetshard_worker.planning import RunnerKey, plan, runners_on_machine
 
-A, B = NodeId("node-a"), NodeId("node-b")
-MODEL = ModelId("test/tiny")
-INSTANCE = InstanceId("inst-1")
 PROFILE = NodeProfile(hostname="h", os="Linux", cpu_cores=2, memory_total_bytes=2**34, memory_available_bytes=2**33)
 
 

@@ -6,11 +6,15 @@ from typing import Any
 
 import msgspec
 from jetshard_schema.events import DownloadCompleted, Event, EventEnvelope
-from jetshard_schema.ids import CommandId, ModelId, NodeId
+from jetshard_schema.ids import CommandId, InstanceId, ModelId, NodeId
 from jetshard_schema.state import State, apply
 from jetshard_schema.types import DownloadProgress, DownloadStatus, NodeProfile
 
 GiB = 2**30
+A, B, C = NodeId("node-a"), NodeId("node-b"), NodeId("node-c")
+"""The nodes of the tests of State, its handlers and planning."""
+MODEL = ModelId("acme/tiny-7")
+INSTANCE = InstanceId("inst-1")
 
 
 def fold(*events: Event, state: State | None = None) -> State:

@@ -331,6 +331,10 @@ def _write_json(path: Path, data: Any) -> None:
     path.write_text(json.dumps(data, indent=2, ensure_ascii=False) + "\n")
 
 
+LONG_STORY = [{"role": "user", "content": "Tell me a long story about the sea."}]
+"""A chat prompt that the tiny models, greedy, answer at length (the endless model without end)."""
+
+
 def endless_model(out_dir: Path) -> Path:
     """A tiny model whose greedy decoding ends only at its (long) context: the lm_head rows of its end-of-sequence
     tokens are zero, so their logit (0) stays below the largest of the others'."""
