@@ -287,33 +287,31 @@ class RunnerSupervisor:
                 self.memory_moved.set()
                 if reported is None or reported.status is not RunnerStatus.STOPPED:
                     self._report(
-                        key.instance_id,
-                        key.generation,
-                        runner.plan.rank,
+                        runner.plan,
                         RunnerStatus.FAILED,
                         f"runner exited with {exit_code}: {failure_reason(runner.log_path)}",
                     )
             elif not ready and time.monotonic() - runner.started_at > self._start_timeout_s:
                 await self._stop(key)
                 self._report(
-                    key.instance_id,
-                    key.generation,
-                    runner.plan.rank,
+                    runner.plan,
                     RunnerStatus.FAILED,
                     f"did not load and join its peers within {self._start_timeout_s:.0f} s",
                 )
 
-    def _report(self, instance_id: InstanceId, generation: int, rank: int, status: RunnerStatus, reason: str) -> None:
-        """Queue a status report for `_send_reports`; it replaces another of the same runner not stored yet (the
-        same report again, as each pass makes for a stale runner, keeps its place and command id)."""
+    def _report(self, runner_plan: RunnerPlan, status: RunnerStatus, reason: str) -> None:
+        """Queue a status report of the planned runner for `_send_reports`; it replaces another of the same runner
+        not stored yet (the same report again, as each pass makes for a stale runner, keeps its place and command
+        id)."""
+        key, rank = runner_plan.key, runner_plan.rank
         report = ReportRunnerStatus(
-            instance_id=instance_id,
-            generation=generation,
+            instance_id=key.instance_id,
+            generation=key.generation,
             runner=RunnerReport(
                 node_id=self.node_id, rank=rank, worker_session=self.session_id, status=status, reason=reason
             ),
         )
-        runner = (instance_id, generation, rank)
+        runner = (key.instance_id, key.generation, rank)
         unsent = self._unsent.get(runner)
         if unsent is not None and unsent[1] == report:
             return
@@ -343,9 +341,9 @@ class RunnerSupervisor:
         self._running.clear()
         for _, runner in stopping:
             _kill_group(runner.process)
-        for key, runner in stopping:
+        for _, runner in stopping:
             await _exited(runner.process)
-            self._report(key.instance_id, key.generation, runner.plan.rank, RunnerStatus.STOPPED, "the worker stopped")
+            self._report(runner.plan, RunnerStatus.STOPPED, "the worker stopped")
         # Briefly: a worker asked to stop exits within seconds (run_service), sent or not.
         with contextlib.suppress(Exception):
             await asyncio.wait_for(self._send_reports(), 2)
