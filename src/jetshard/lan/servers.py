@@ -235,6 +235,7 @@ class LanServers:
         self.witness = None
         self._save(witness_retired=True)
         shutil.rmtree(self.layout.root / "nats-witness", ignore_errors=True)
+        self.report("the witness is retired: every stream has 3 replicas, and any one machine may go away")
 
     def ensure_replicas(self) -> None:
         """After a restart of a founder whose witness retired: make sure the streams have their three replicas."""
