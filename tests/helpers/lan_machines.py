@@ -161,12 +161,16 @@ def formed_cluster(
             machine.stop()
 
 
+def served_state(machine: Machine) -> dict | None:
+    """The State `machine`'s API serves; None while it answers 503 (its server rejoins the meta group)."""
+    answer = machine.probe("http", "GET", f"{machine.api}/state")
+    return answer["body"] if answer["status"] == 200 else None
+
+
 def every_node_joined(machine: Machine, machines: Sequence[Machine]) -> bool:
     """Every one of `machines` is a node in the State `machine`'s API serves."""
-    answer = machine.probe("http", "GET", f"{machine.api}/state")
-    if answer["status"] != 200:
-        return False  # an API answers 503 while its server rejoins the meta group
-    return {m.server_name for m in machines} <= set(answer["body"]["nodes"])
+    state = served_state(machine)
+    return state is not None and {m.server_name for m in machines} <= set(state["nodes"])
 
 
 def wait_ready(machine: Machine, instance_id: str, timeout_s: float) -> dict:
@@ -190,9 +194,7 @@ def place(machine: Machine, body: dict) -> dict:
 
 def caught_up(returned: Machine, other: Machine) -> bool:
     """`returned` is back: its API serves the same event stream position as `other`'s, and its node is in State."""
-    theirs = returned.probe("http", "GET", f"{returned.api}/state")
-    ours = other.probe("http", "GET", f"{other.api}/state")
-    if theirs["status"] != 200 or ours["status"] != 200:
-        return False  # an API answers 503 while its server rejoins the meta group
-    seqs = theirs["body"]["last_seq"], ours["body"]["last_seq"]
-    return seqs[0] == seqs[1] and returned.server_name in ours["body"]["nodes"]
+    theirs, ours = served_state(returned), served_state(other)
+    if theirs is None or ours is None:
+        return False
+    return theirs["last_seq"] == ours["last_seq"] and returned.server_name in ours["nodes"]
