@@ -363,7 +363,8 @@ def test_a_model_is_added_placed_served_and_removed_from_the_page(
         page.get_by_role("button", name=f"Delete files of {PAGE_MODEL} on {node_id}").click()
         page.get_by_role("dialog").get_by_role("button", name="Delete", exact=True).click()
         expect(row).to_have_count(0, timeout=SHOWN_MS)
-        assert not Path(download["directory"]).exists()
+        # As below: the row goes when the delete is asked for, the files when the downloader has deleted them.
+        assert wait_for(lambda: not Path(download["directory"]).exists(), timeout=30), download
         expect(model.get_by_role("button", name=f"Download {PAGE_MODEL} to {node_id}")).to_be_visible()
         page.get_by_role("button", name=f"Delete card {PAGE_MODEL}").click()
         page.get_by_role("dialog").get_by_role("button", name="Delete", exact=True).click()
@@ -480,7 +481,8 @@ def test_a_download_is_started_cancelled_and_its_files_deleted_from_the_page(
             row.get_by_role("button", name=f"Delete files of {HELD_MODEL} on {node_id}").click()
             page.get_by_role("dialog").get_by_role("button", name="Delete", exact=True).click()
             expect(row).to_have_count(0, timeout=SHOWN_MS)
-            assert not kept.exists()
+            # The row goes once the delete is asked for; the files, once the node's downloader has deleted them.
+            assert wait_for(lambda: not kept.exists(), timeout=30), kept
     finally:
         hub.release()
 
