@@ -28,7 +28,7 @@ from jetshard_bus.options import NatsOptions
 from jetshard_bus.procs import spawn
 from jetshard_schema.cards import GenerationDefaults
 from jetshard_schema.commands import ReportRunnerEndpoint, ReportRunnerStatus
-from jetshard_schema.ids import CommandId, InstanceId, NodeId, ValidInstanceId, new_command_id
+from jetshard_schema.ids import CommandId, NodeId, ValidInstanceId, new_command_id
 from jetshard_schema.models import find_card
 from jetshard_schema.placement import LLAMA_CPP_SLOT_CONTEXT, llama_cpp_slot_context
 from jetshard_schema.state import State
@@ -104,7 +104,7 @@ class RunnerSupervisor:
         self._endpoints_stored: set[RunnerKey] = set()
         self._ring_ports: dict[RunnerKey, socket.socket] = {}
         """The port each endpoint reported names, held until its runner starts (`hold_ring_port`)."""
-        self._unsent: dict[tuple[InstanceId, int, int], tuple[CommandId, ReportRunnerStatus]] = {}
+        self._unsent: dict[tuple[RunnerKey, int], tuple[CommandId, ReportRunnerStatus]] = {}
         """Status reports not stored yet, the latest per (instance, generation, rank), oldest first."""
         self._state = State()
         self._scratch: Path | None = None
@@ -303,15 +303,18 @@ class RunnerSupervisor:
         """Queue a status report of the planned runner for `_send_reports`; it replaces another of the same runner
         not stored yet (the same report again, as each pass makes for a stale runner, keeps its place and command
         id)."""
-        key, rank = runner_plan.key, runner_plan.rank
         report = ReportRunnerStatus(
-            instance_id=key.instance_id,
-            generation=key.generation,
+            instance_id=runner_plan.key.instance_id,
+            generation=runner_plan.key.generation,
             runner=RunnerReport(
-                node_id=self.node_id, rank=rank, worker_session=self.session_id, status=status, reason=reason
+                node_id=self.node_id,
+                rank=runner_plan.rank,
+                worker_session=self.session_id,
+                status=status,
+                reason=reason,
             ),
         )
-        runner = (key.instance_id, key.generation, rank)
+        runner = (runner_plan.key, runner_plan.rank)
         unsent = self._unsent.get(runner)
         if unsent is not None and unsent[1] == report:
             return
@@ -337,11 +340,11 @@ class RunnerSupervisor:
             # The pass under way ends first, so that no runner is being started or stopped behind our back.
             self._watching.cancel()
             await asyncio.wait([self._watching])
-        stopping = list(self._running.items())
+        stopping = list(self._running.values())
         self._running.clear()
-        for _, runner in stopping:
+        for runner in stopping:
             _kill_group(runner.process)
-        for _, runner in stopping:
+        for runner in stopping:
             await _exited(runner.process)
             self._report(runner.plan, RunnerStatus.STOPPED, "the worker stopped")
         # Briefly: a worker asked to stop exits within seconds (run_service), sent or not.
