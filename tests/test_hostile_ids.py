@@ -67,6 +67,11 @@ CARD_LIES: list[tuple[dict[str, Any], str]] = [
 ]
 
 
+FINISHED = {"node_id": "n", "task_id": "t", "instance_id": "i", "outcome": "stop"}
+"""A task's end as its node reports it, but for the usage."""
+ONE_TOKEN_EACH = {"prompt_tokens": 1, "completion_tokens": 1}
+
+
 def escape_target(tmp_path: Path) -> Path:
     return tmp_path / "escaped"
 
@@ -104,6 +109,12 @@ def hostile_commands(tmp_path: Path) -> list[tuple[str, dict[str, Any]]]:
         # No nodes named (not "choose for me", which leaving node_ids out means), or more than a cluster may hold.
         ("PlaceInstance", {"instance_id": "i", "model_id": "org/model", "node_ids": []}),
         ("PlaceInstance", {"instance_id": "i", "model_id": "org/model", "node_ids": [f"n{i}" for i in range(5000)]}),
+        # A node's token counts of its own task: fewer than none, or more than any context holds.
+        ("ReportTaskStarted", {"node_id": "n", "task_id": "t", "instance_id": "i", "prompt_tokens": -5}),
+        ("ReportTaskStarted", {"node_id": "n", "task_id": "t", "instance_id": "i", "prompt_tokens": 2**70}),
+        ("ReportTaskFinished", {**FINISHED, "usage": {"prompt_tokens": 1, "completion_tokens": 2**63}}),
+        ("ReportTaskFinished", {**FINISHED, "usage": {"prompt_tokens": -1, "completion_tokens": 1}}),
+        ("ReportTaskFinished", {**FINISHED, "usage": ONE_TOKEN_EACH, "last_chunk_index": -3}),
         # Cards that lie: each would break placement or every listing for as long as it stayed.
         *(add_card(f"org/liar-{n}", **lies) for n, (lies, _) in enumerate(CARD_LIES)),
     ]

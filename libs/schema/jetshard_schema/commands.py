@@ -46,6 +46,7 @@ from jetshard_schema.types import (
     ServingSettings,
     TaskOutcome,
     TaskRef,
+    TokenCount,
     Usage,
 )
 
@@ -289,7 +290,7 @@ class CancelTask(_Command, frozen=True):
 class ReportTaskStarted(_WorkerReport, frozen=True):
     task_id: ValidTaskId
     instance_id: ValidInstanceId
-    prompt_tokens: int
+    prompt_tokens: TokenCount
 
 
 class ReportTaskFinished(_WorkerReport, frozen=True):
@@ -298,8 +299,9 @@ class ReportTaskFinished(_WorkerReport, frozen=True):
     outcome: TaskOutcome
     usage: Usage
     error: str = ""
-    last_chunk_index: int = 0
-    """The index of the task's last chunk (the one with its finish reason or error)."""
+    last_chunk_index: TokenCount = 0
+    """The index of the task's last chunk (the one with its finish reason or error): a chunk carries a token or
+    more, so there are no more chunks than tokens."""
 
 
 Command = (

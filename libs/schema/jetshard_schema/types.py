@@ -198,6 +198,9 @@ than a cluster may have."""
 MaxBatch = Annotated[int, msgspec.Meta(ge=1, le=256)]
 MaxQueued = Annotated[int, msgspec.Meta(ge=0, le=100_000)]
 PrefixCacheBytes = Annotated[int, msgspec.Meta(ge=0, le=2**40)]
+TokenCount = Annotated[int, msgspec.Meta(ge=0, le=2**31 - 1)]
+"""Tokens of one task (a prompt's, an answer's): no model's context comes near the bound, and a node's report of
+more, or of fewer than none, is malformed."""
 KEEP_LOADED = -1
 """A keep-alive that never unloads: the instance stays until it is removed (Ollama's negative `keep_alive`)."""
 MAX_KEEP_ALIVE_MS = 366 * 24 * 3600 * 1000
@@ -634,9 +637,9 @@ class TokenLogprob(msgspec.Struct, frozen=True, kw_only=True):
 
 
 class Usage(msgspec.Struct, frozen=True, kw_only=True):
-    prompt_tokens: int
-    completion_tokens: int
-    reasoning_tokens: int = 0
+    prompt_tokens: TokenCount
+    completion_tokens: TokenCount
+    reasoning_tokens: TokenCount = 0
     """The completion tokens a thinking model reasoned with, its think markers included."""
 
     @property
