@@ -287,7 +287,7 @@ async def test_a_killed_llama_server_fails_the_rows_and_ends_the_engine(demo_ser
     await asyncio.wait_for(rows.first_piece.wait(), 60)
     assert demo_server._process is not None
     os.kill(demo_server._process.pid, signal.SIGKILL)
-    with pytest.raises(ServerDied, match="SIGKILL"):
+    with pytest.raises(ServerDied, match="llama-server was killed by SIGKILL"):
         await asyncio.wait_for(serving, 10)
     await asyncio.wait_for(rows.finished.wait(), 10)
     message, code = rows.failures["t1#0"]

@@ -326,7 +326,7 @@ async def test_a_runner_that_failed_to_load_is_reported_failed_with_its_own_erro
     (report,) = await reported_by_worker()
     assert report.runner.status is RunnerStatus.FAILED
     error = f"FileNotFoundError: [Errno 2] No such file or directory: '{missing / 'config.json'}'"
-    assert report.runner.reason == f"runner exited with 1: {error}"
+    assert report.runner.reason == f"runner exited with status 1: {error}"
 
 
 LOGGED = "2025-01-02 03:04:05,678 runner/0   {level:<7} jetshard_worker.runner: {message}"

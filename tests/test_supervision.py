@@ -143,6 +143,7 @@ async def test_up_restarts_each_killed_service_and_nats_server_and_loses_no_comm
             recovery[fault] = time.monotonic() - killed_at
             await burst
             assert up.poll() is None, up_log.read_text()
+            assert f"{fault} was killed by SIGKILL; restarting it" in up_log.read_text()
             assert f"{fault} restarted" in up_log.read_text()
 
         assert len(set(published)) == COMMANDS + len(FAULTS)
@@ -242,6 +243,7 @@ def test_a_crash_looping_process_is_restarted_ever_more_slowly_said_so_and_not_r
     assert wait_for(restarted_four_times, timeout=30), lines
     delays = [float(line.split("restarting it in ")[1].split(" s")[0]) for line in lines if "restarting it in" in line]
     assert delays[:4] == [0.1, 0.2, 0.4, 0.4], lines
+    assert lines[0] == "crashing exited with status 3; restarting it in 0.1 s", lines
     assert "keeps failing: 2 restarts so far" in next(line for line in lines if "0.4 s" in line)
     assert lines[0] in log_file.read_text()  # the reason stays in the log, next to the process's own output
 

@@ -65,6 +65,17 @@ def stop_groups(processes: Sequence[subprocess.Popen[bytes]], grace_s: float) ->
         process.wait()
 
 
+def describe_exit(returncode: int) -> str:
+    """How a child ended, for a person: `exited with status 1`, or `was killed by SIGKILL` (a negative return
+    code: the signal that ended it)."""
+    if returncode >= 0:
+        return f"exited with status {returncode}"
+    try:
+        return f"was killed by {signal.Signals(-returncode).name}"
+    except ValueError:
+        return f"was killed by signal {-returncode}"
+
+
 def pid_alive(pid: int) -> bool:
     """Whether a process `pid` exists (a zombie not yet reaped counts)."""
     try:

@@ -35,6 +35,7 @@ from pathlib import Path
 
 import msgspec
 from jetshard_bus.lifeline import lifeline_command
+from jetshard_bus.procs import describe_exit
 
 from jetshard_worker import peer_tunnel
 from jetshard_worker.runner_spec import RunnerSpec
@@ -132,7 +133,7 @@ class RingTunnels:
         code = self.process.returncode
         if code is None:
             return None
-        return f"the ring's tunnel process (pid {self.process.pid}) exited with status {code}; its log says why"
+        return f"the ring's tunnel process (pid {self.process.pid}) {describe_exit(code)}; its log says why"
 
     async def wait(self) -> str:
         await self.process.wait()

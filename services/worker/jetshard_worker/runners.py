@@ -25,7 +25,7 @@ import psutil
 from jetshard_bus.commands import publish_command
 from jetshard_bus.node import MemoryTaken, mlx_cuda_installed
 from jetshard_bus.options import NatsOptions
-from jetshard_bus.procs import spawn
+from jetshard_bus.procs import describe_exit, spawn
 from jetshard_schema.cards import GenerationDefaults
 from jetshard_schema.commands import ReportRunnerEndpoint, ReportRunnerStatus
 from jetshard_schema.ids import CommandId, NodeId, ValidInstanceId, new_command_id
@@ -286,10 +286,11 @@ class RunnerSupervisor:
                 del self._running[key]
                 self.memory_moved.set()
                 if reported is None or reported.status is not RunnerStatus.STOPPED:
+                    why = failure_reason(runner.log_path)
                     self._report(
                         runner.plan,
                         RunnerStatus.FAILED,
-                        f"runner exited with {exit_code}: {failure_reason(runner.log_path)}",
+                        f"runner {describe_exit(exit_code)}" + (f": {why}" if why else ""),
                     )
             elif not ready and time.monotonic() - runner.started_at > self._start_timeout_s:
                 await self._stop(key)

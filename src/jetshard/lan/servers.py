@@ -14,6 +14,7 @@ from pathlib import Path
 import click
 import msgspec
 from jetshard_bus.options import NatsOptions
+from jetshard_bus.procs import describe_exit
 
 from jetshard.lan.discovery import Discovery, Peer
 from jetshard.lan.jetstream import (
@@ -99,7 +100,7 @@ class LanServers:
         while time.monotonic() < deadline:
             if (exited := self.supervisor.exited()) is not None:
                 raise click.ClickException(
-                    f"{exited.name} exited with {exited.process.returncode}; see {exited.log_file}"
+                    f"{exited.name} {describe_exit(exited.process.returncode)}; see {exited.log_file}"
                 )
             try:
                 if meta_leader(self.layout.ports.monitor) is not None:

@@ -14,6 +14,7 @@ import click
 import httpx
 from jetshard_bus.node import node_profile, unused_gpu_hint
 from jetshard_bus.options import DEFAULT_API_PORT
+from jetshard_bus.procs import describe_exit
 from jetshard_schema.catalogue import DEMO_MODEL_ID
 from jetshard_worker.config import WorkerConfig
 from rich.console import Console
@@ -233,7 +234,9 @@ def _wait_healthy(api_url: str, supervisor: Supervisor, logs: Path, timeout_s: f
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if (exited := supervisor.exited()) is not None:
-            raise click.ClickException(f"{exited.name} exited with {exited.process.returncode}; see {exited.log_file}")
+            raise click.ClickException(
+                f"{exited.name} {describe_exit(exited.process.returncode)}; see {exited.log_file}"
+            )
         try:
             if httpx.get(f"{api_url}/healthz", timeout=1).status_code == 200:
                 return

@@ -13,7 +13,7 @@ from enum import StrEnum
 from pathlib import Path
 from urllib.parse import quote
 
-from jetshard_bus.procs import spawn, stop_groups
+from jetshard_bus.procs import describe_exit, spawn, stop_groups
 
 MAX_PAYLOAD_BYTES = 8 * 2**20
 """Raised from NATS's 1 MB default so long prompts fit in one command."""
@@ -188,7 +188,7 @@ def start_nats_server(
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if process.poll() is not None:
-            raise NatsServerError(f"nats-server exited with {process.returncode}; is port {port} in use?")
+            raise NatsServerError(f"nats-server {describe_exit(process.returncode)}; is port {port} in use?")
         for ports_file in settings.ports_dir.glob("*.ports"):
             try:
                 urls = json.loads(ports_file.read_text())["nats"]

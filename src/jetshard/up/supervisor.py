@@ -10,7 +10,7 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from jetshard_bus.procs import signal_group, stop_groups
+from jetshard_bus.procs import describe_exit, signal_group, stop_groups
 
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 FIRST_RESTART_DELAY_S = 0.5
@@ -92,7 +92,7 @@ class Supervisor:
             if managed.restart_at is None and managed.process.poll() is not None:
                 # Helpers of the dead process (a worker's runners) must not outlive it next to its successor.
                 signal_group(managed.process, signal.SIGKILL)
-                self._schedule_restart(managed, f"exited with {managed.process.returncode}", now)
+                self._schedule_restart(managed, describe_exit(managed.process.returncode), now)
             elif managed.restart_at is not None and now >= managed.restart_at:
                 self._restart(managed, now)
 

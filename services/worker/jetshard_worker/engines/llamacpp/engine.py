@@ -11,11 +11,12 @@ import logging
 from collections.abc import Callable
 
 import httpx
+from jetshard_bus.procs import describe_exit
 from jetshard_schema.types import TaskOutcome
 
 from jetshard_worker.engines.figures import EngineFigures
 from jetshard_worker.engines.llamacpp.requests import Ending, LlamaRequest, Piece, ServerError, StreamState, parse_event
-from jetshard_worker.engines.llamacpp.server import LlamaServer, ServerDied, describe_exit
+from jetshard_worker.engines.llamacpp.server import LlamaServer, ServerDied
 from jetshard_worker.text.toolcalls import ToolCallParsed
 
 log = logging.getLogger(__name__)
@@ -71,7 +72,7 @@ class LlamaCppEngine:
         """Returns never: raises `ServerDied` once llama-server exits (killed, crashed), which ends the runner
         with that reason, and its instance restarts."""
         returncode = await self.server.wait()
-        raise ServerDied(f"llama-server stopped: {describe_exit(returncode)}")
+        raise ServerDied(f"llama-server {describe_exit(returncode)}")
 
     async def close(self) -> None:
         for task in list(self._rows.values()):

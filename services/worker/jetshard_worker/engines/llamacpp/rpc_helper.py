@@ -23,6 +23,7 @@ import time
 from pathlib import Path
 
 from jetshard_bus.lifeline import lifeline_command
+from jetshard_bus.procs import describe_exit
 from jetshard_schema.types import TaskOutcome, TaskRequest
 
 from jetshard_worker import peer_tunnel
@@ -33,7 +34,7 @@ from jetshard_worker.runner_spec import RunnerSpec
 
 from . import rpc_cache
 from .probe import ReadyBuild
-from .server import ServerDied, describe_exit, free_port, stop_process, wait_until_ready
+from .server import ServerDied, free_port, stop_process, wait_until_ready
 
 log = logging.getLogger(__name__)
 
@@ -69,7 +70,8 @@ class RpcServer:
             self._process,
             listening,
             timeout_s,
-            exited="ggml-rpc-server exited before it listened",
+            name="ggml-rpc-server",
+            stage="before it listened",
             late=f"ggml-rpc-server did not listen on port {self.port} within {timeout_s:.0f} s",
         )
 
@@ -103,7 +105,7 @@ class RpcHelperServing:
 
     async def serve(self) -> None:
         returncode = await self.server.wait()
-        raise ServerDied(f"ggml-rpc-server stopped: {describe_exit(returncode)}")
+        raise ServerDied(f"ggml-rpc-server {describe_exit(returncode)}")
 
     async def close(self) -> None:
         await self.tunnel.close()

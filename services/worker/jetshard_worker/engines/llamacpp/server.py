@@ -16,6 +16,7 @@ from pathlib import Path
 
 import httpx
 from jetshard_bus.lifeline import lifeline_command
+from jetshard_bus.procs import describe_exit
 from jetshard_schema.types import Drafting, KvCacheType
 
 HEALTH_POLL_S = 0.1
@@ -185,7 +186,8 @@ class LlamaServer:
                 self._process,
                 healthy,
                 timeout_s,
-                exited="llama-server exited while loading the model",
+                name="llama-server",
+                stage="while loading the model",
                 late=f"llama-server did not load the model within {timeout_s:.0f} s",
             )
 
@@ -220,15 +222,17 @@ async def wait_until_ready(
     ready: Callable[[], Awaitable[bool]],
     timeout_s: float,
     *,
-    exited: str,
+    name: str,
+    stage: str,
     late: str,
 ) -> None:
-    """Ask `ready` every `HEALTH_POLL_S` until it says yes. Raises `ServerDied` saying `exited` and how, where the
-    process exits first, or `late`, where `timeout_s` pass first (the process stopped)."""
+    """Ask `ready` every `HEALTH_POLL_S` until it says yes. Raises `ServerDied` saying how `name` ended `stage`
+    ("while loading the model"), where the process exits first, or `late`, where `timeout_s` pass first (the
+    process stopped)."""
     deadline = time.monotonic() + timeout_s
     while not await ready():
         if process.returncode is not None:
-            raise ServerDied(f"{exited}: {describe_exit(process.returncode)}")
+            raise ServerDied(f"{name} {describe_exit(process.returncode)} {stage}")
         if time.monotonic() > deadline:
             await stop_process(process)
             raise ServerDied(late)
@@ -248,15 +252,6 @@ async def stop_process(process: asyncio.subprocess.Process | None) -> None:
         with contextlib.suppress(ProcessLookupError):
             process.kill()
         await process.wait()
-
-
-def describe_exit(returncode: int) -> str:
-    if returncode < 0:
-        try:
-            return f"killed by {signal.Signals(-returncode).name}"
-        except ValueError:
-            return f"killed by signal {-returncode}"
-    return f"exit status {returncode}"
 
 
 def free_port() -> int:
