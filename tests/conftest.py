@@ -4,6 +4,7 @@ Hub in `helpers.hub_fixtures`; tiny GGUF models in `helpers.gguf_fixtures`."""
 from __future__ import annotations
 
 import os
+import signal
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -16,6 +17,14 @@ pytest_plugins = [
     "helpers.llamacpp_cluster",
     "helpers.gguf_fixtures",
 ]
+
+
+def pytest_configure() -> None:
+    # A suite started in the background (`cmd &`, as CI may start it) has SIGINT ignored, and so would every child it
+    # starts: Python makes no KeyboardInterrupt of a SIGINT that was ignored when it started, so a test's Ctrl-C on a
+    # command would go unheard. Take SIGINT back as a run in a terminal has it.
+    if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 @pytest.fixture(scope="session", autouse=True)

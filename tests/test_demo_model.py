@@ -577,14 +577,7 @@ def assert_imports_over_a_stored_model_lose_nothing(
     os.killpg(downloader.pid, signal.SIGSTOP)
     try:
         with open(tmp_path / "interrupted.log", "wb") as log:
-            # Ctrl-C means what it means in a terminal: a suite started in the background (`cmd &`, as CI may be)
-            # passes its children SIGINT ignored, and Python then makes no KeyboardInterrupt of it.
-            interrupted = subprocess.Popen(
-                [*command, gguf, "--id", "local/smol", "--replace"],
-                stderr=log,
-                env=env,
-                preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
-            )
+            interrupted = subprocess.Popen([*command, gguf, "--id", "local/smol", "--replace"], stderr=log, env=env)
 
             def requested() -> bool:
                 return httpx.get(f"{api}/state", timeout=10).json()["imports"]["local/smol"]["import_id"] != before
