@@ -212,7 +212,8 @@ def test_a_runner_death_reported_while_commands_were_refused_is_reported_once_th
 
     restarting = cluster.wait_event(lambda e: isinstance(e, InstanceRestarting) and e.instance_id == instance_id, since)
     assert isinstance(restarting, InstanceRestarting) and restarting.generation == generation + 1
-    assert restarting.reason.startswith("runner was killed by SIGKILL"), restarting.reason
+    # The killed rank's report, or its peer's: that rank's engine failed as the ring broke, and it says so.
+    assert restarting.reason.startswith(("runner was killed by SIGKILL", "runner exited with status 1: ")), restarting
     cluster.wait_instance(instance_id, "ready", timeout=120)
     assert greedy(client, SPLIT)
 

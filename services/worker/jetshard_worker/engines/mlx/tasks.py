@@ -195,25 +195,31 @@ class MlxServing:
 
     async def serve(self) -> None:
         """The engine runs on a thread of its own: mlx's work never holds up the event loop. Ends, failing, if the
-        ring's tunnels do."""
-        engine_thread = threading.Thread(target=self.engine.run_forever, name="engine", daemon=True)
+        engine does (with its error: a rank whose peer is gone, say) or the ring's tunnels do."""
+        failures: list[Exception] = []
+
+        def run() -> None:
+            try:
+                self.engine.run_forever()
+            except Exception as error:  # raised again below, on the event loop: the runner fails with it
+                failures.append(error)
+
+        engine_thread = threading.Thread(target=run, name="engine", daemon=True)
         self._engine_thread = engine_thread
         engine_thread.start()
-        if self._tunnels is None:
-            await asyncio.to_thread(engine_thread.join)
-            return
         joined = asyncio.ensure_future(asyncio.to_thread(engine_thread.join))
-        tunnels_end = asyncio.ensure_future(self._tunnels.wait())
+        waiters = {joined} if self._tunnels is None else {joined, asyncio.ensure_future(self._tunnels.wait())}
         try:
-            done, _ = await asyncio.wait({joined, tunnels_end}, return_when=asyncio.FIRST_COMPLETED)
+            done, _ = await asyncio.wait(waiters, return_when=asyncio.FIRST_COMPLETED)
         finally:
-            for waiter in (joined, tunnels_end):
+            for waiter in waiters:
                 if not waiter.done():
                     waiter.cancel()
-        if joined in done:
-            joined.result()
-            return
-        raise RuntimeError(f"the ring between the ranks broke: {tunnels_end.result()}")
+        if joined not in done:
+            (tunnels_end,) = done
+            raise RuntimeError(f"the ring between the ranks broke: {tunnels_end.result()}")
+        if failures:
+            raise failures[0]
 
     async def close(self) -> None:
         if self.engine.is_leader:
