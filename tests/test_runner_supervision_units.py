@@ -359,12 +359,17 @@ def test_the_reason_for_a_runner_that_died_of_an_uncaught_exception_is_that_exce
     assert failure_reason(log_path) == "ModuleNotFoundError: No module named 'mlx'"
 
 
-def test_a_runner_that_logged_no_error_is_quoted_by_its_last_lines(tmp_path: Path) -> None:
-    """As one killed by a signal: its exit status says how it died, its last lines what it was doing."""
-    lines = [LOGGED.format(level="INFO", message=f"step {n}") for n in range(5)]
+def test_a_runner_that_logged_no_error_is_quoted_by_what_it_wrote_beside_its_routine_records(tmp_path: Path) -> None:
+    """As one a native library aborted (SIGABRT): its exit status says how it died, what the library printed why."""
+    routine = [
+        LOGGED.format(level="INFO", message=f'HTTP Request: GET /health "HTTP/1.1 200 OK" ({n})') for n in range(5)
+    ]
     log_path = tmp_path / "runner.log"
-    log_path.write_text("\n".join(lines))
-    assert failure_reason(log_path) == " | ".join(lines[-3:])
+    log_path.write_text("\n".join(routine))
+    assert failure_reason(log_path) == ""  # killed from outside: nothing in its log says why
+    aborted = ["terminate called without an active exception", "Fatal Python error: Aborted"]
+    log_path.write_text("\n".join([routine[0], aborted[0], *routine[1:], aborted[1]]))
+    assert failure_reason(log_path) == " | ".join(aborted)
 
 
 def test_a_llama_cpp_runner_starts_without_importing_mlx() -> None:

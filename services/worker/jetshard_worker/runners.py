@@ -370,13 +370,16 @@ async def _exited(process: subprocess.Popen[bytes]) -> int:
 
 _LOGGED_ERROR = re.compile(r"^\d{4}-\d\d-\d\d [\d:,]+ \S+\s+(?:ERROR|CRITICAL)\s+\S+: (?P<message>.*)")
 """A record the runner logged at ERROR or above (`jetshard_bus.service.configure_logging`'s format)."""
+_LOGGED_ROUTINE = re.compile(r"^\d{4}-\d\d-\d\d [\d:,]+ \S+\s+(?:DEBUG|INFO)\s")
+"""A record of what the runner did (its requests to llama-server, say), which says nothing of why it died."""
 _UNCAUGHT = re.compile(r"^[A-Za-z_][\w.]*(?:Error|Exception|Exit|Interrupt)(?:: .*)?$")
 """The last line of a traceback: the exception and its message."""
 
 
 def failure_reason(log_path: Path, lines: int = 3) -> str:
-    """Why a runner died, as its log tells: the last error it logged or the exception it died of; failing that (a
-    runner killed by a signal logs nothing), the log's last `lines` lines."""
+    """Why a runner died, as its log tells: the last error it logged or the exception it died of; failing that, the
+    last `lines` lines it wrote that are not routine records (what a native library printed as it aborted, a
+    warning). A runner killed from outside may have written none: its exit status says it all."""
     try:
         logged = log_path.read_text(errors="replace").strip().splitlines()
     except OSError:
@@ -386,4 +389,4 @@ def failure_reason(log_path: Path, lines: int = 3) -> str:
             return record["message"]
         if _UNCAUGHT.match(line):
             return line
-    return " | ".join(logged[-lines:])
+    return " | ".join([line for line in logged if not _LOGGED_ROUTINE.match(line)][-lines:])
