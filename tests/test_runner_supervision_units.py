@@ -365,6 +365,7 @@ def test_a_runner_that_logged_no_error_is_quoted_by_what_it_wrote_beside_its_rou
         LOGGED.format(level="INFO", message=f'HTTP Request: GET /health "HTTP/1.1 200 OK" ({n})') for n in range(4)
     ]
     routine.append("0.03.129.613 I slot get_availabl: id  7 | task -1 | selected slot by LRU")  # its llama-server's
+    routine.append("0.06.855.701 W slot   operator(): id  0 | task 38 | n_past was set to 41")
     log_path = tmp_path / "runner.log"
     log_path.write_text("\n".join(routine))
     assert failure_reason(log_path) == ""  # killed from outside: nothing in its log says why

@@ -370,9 +370,9 @@ async def _exited(process: subprocess.Popen[bytes]) -> int:
 
 _LOGGED_ERROR = re.compile(r"^\d{4}-\d\d-\d\d [\d:,]+ \S+\s+(?:ERROR|CRITICAL)\s+\S+: (?P<message>.*)")
 """A record the runner logged at ERROR or above (`jetshard_bus.service.configure_logging`'s format)."""
-_LOGGED_ROUTINE = re.compile(r"^(?:\d{4}-\d\d-\d\d [\d:,]+ \S+\s+(?:DEBUG|INFO)|\d+\.\d+\.\d+\.\d+ [DI])\s")
-"""A record of what the runner did, or its llama-server (`0.03.129.613 I slot ...`), which says nothing of why it
-died."""
+_LOGGED_ROUTINE = re.compile(r"^(?:\d{4}-\d\d-\d\d [\d:,]+ \S+\s+(?:DEBUG|INFO)|\d+\.\d+\.\d+\.\d+ [DIW])\s")
+"""A record of what the runner did, or its llama-server (`0.03.129.613 I slot ...`; its warnings too, which it gives
+for routine things: "n_past was set to 41"), which says nothing of why it died."""
 _UNCAUGHT = re.compile(r"^[A-Za-z_][\w.]*(?:Error|Exception|Exit|Interrupt)(?:: .*)?$")
 """The last line of a traceback: the exception and its message."""
 
