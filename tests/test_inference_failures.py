@@ -204,11 +204,14 @@ def test_a_runner_death_reported_while_commands_were_refused_is_reported_once_th
     with commands_refused(cluster):
         victim.kill()
 
-        def refused() -> bool:
-            return "runner report not stored" in cluster.processes.log(f"{node}-worker")[logged:]
+        def refused_twice() -> bool:  # a whole pass of the worker went by with the report unsent
+            return cluster.processes.log(f"{node}-worker")[logged:].count("runner report not stored") >= 2
 
-        assert wait_for(refused, timeout=30), cluster.processes.log(f"{node}-worker")[logged:]
+        assert wait_for(refused_twice, timeout=30), cluster.processes.log(f"{node}-worker")[logged:]
         assert cluster.get(f"/instances/{instance_id}")["generation"] == generation  # nothing stored
+        # Its instance restarts as a whole once the report is in: the dead rank is not started again meanwhile.
+        restarted = f"started runner rank 1 of {instance_id} (generation {generation})"
+        assert restarted not in cluster.processes.log(f"{node}-worker")[logged:]
 
     restarting = cluster.wait_event(lambda e: isinstance(e, InstanceRestarting) and e.instance_id == instance_id, since)
     assert isinstance(restarting, InstanceRestarting) and restarting.generation == generation + 1

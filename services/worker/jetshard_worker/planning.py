@@ -47,7 +47,9 @@ class Plan(msgspec.Struct, frozen=True, kw_only=True):
     """Every runner that may run now; anything else running is stopped."""
 
 
-def plan(state: State, node_id: NodeId, session_id: str, running: frozenset[RunnerKey], now_ms: int) -> Plan:
+def plan(state: State, node_id: NodeId, session_id: str, started: frozenset[RunnerKey], now_ms: int) -> Plan:
+    """What this node's worker does next. `started`: the runners this session started, running or ended; each starts
+    once (one that ended is reported FAILED, and its instance restarts as the next generation)."""
     report, start, keep = [], [], set()
     for instance in sorted(state.instances.values(), key=lambda i: i.instance_id):
         shard = instance.shard_for(node_id)
@@ -69,7 +71,7 @@ def plan(state: State, node_id: NodeId, session_id: str, running: frozenset[Runn
         if shard.rank not in instance.endpoints:
             report.append(key)
             continue
-        if key in running or (mine is not None and mine.status in (RunnerStatus.STOPPED, RunnerStatus.FAILED)):
+        if key in started or (mine is not None and mine.status in (RunnerStatus.STOPPED, RunnerStatus.FAILED)):
             continue
         runner_plan = _startable(state, instance, node_id)
         if runner_plan is not None:

@@ -106,6 +106,10 @@ class RunnerSupervisor:
         """The port each endpoint reported names, held until its runner starts (`hold_ring_port`)."""
         self._unsent: dict[tuple[RunnerKey, int], tuple[CommandId, ReportRunnerStatus]] = {}
         """Status reports not stored yet, the latest per (instance, generation, rank), oldest first."""
+        self._failed: set[RunnerKey] = set()
+        """Runners that exited on their own or did not load in time, reported FAILED: never started again, as their
+        instance restarts as a new generation. Without this, one was started again on every pass until State showed
+        the report (every two seconds while JetStream was away and the report could not be stored)."""
         self._state = State()
         self._scratch: Path | None = None
         self._identity: PeerIdentity | None = None
@@ -143,7 +147,8 @@ class RunnerSupervisor:
     async def _reconcile(self) -> None:
         state = self._state
         now_ms = int(time.time() * 1000)
-        wanted = plan(state, self.node_id, self.session_id, frozenset(self._running), now_ms)
+        wanted = plan(state, self.node_id, self.session_id, frozenset(self._running) | self._failed, now_ms)
+        self._failed &= wanted.keep
         for key in list(self._running):
             if key not in wanted.keep:
                 await self._stop(key)
@@ -304,6 +309,8 @@ class RunnerSupervisor:
         """Queue a status report of the planned runner for `_send_reports`; it replaces another of the same runner
         not stored yet (the same report again, as each pass makes for a stale runner, keeps its place and command
         id)."""
+        if status is RunnerStatus.FAILED:
+            self._failed.add(runner_plan.key)
         report = ReportRunnerStatus(
             instance_id=runner_plan.key.instance_id,
             generation=runner_plan.key.generation,
