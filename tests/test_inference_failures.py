@@ -20,11 +20,9 @@ import httpx
 import openai
 import psutil
 import pytest
-from helpers.harness import InferenceCluster, hub_cluster, run_async, runner_spec, wait_for
+from helpers.harness import InferenceCluster, hub_cluster, limit_message_size, run_async, runner_spec, wait_for
 from helpers.streams import stream_error
 from helpers.tiny_models import LONG_STORY, make_tiny_model
-from jetshard_bus.connect import connect
-from jetshard_bus.options import NatsOptions
 from jetshard_schema.events import (
     InstanceDeleted,
     InstancePlaced,
@@ -164,27 +162,15 @@ def test_kill_9_of_a_runner_mid_stream(cluster: InferenceCluster, client: openai
 # ------------------------------------------------------------------------------------------- refused reports
 
 
-async def _limit_command_size(nats_url: str, limit: int) -> int:
-    """Set JETSHARD_COMMANDS's largest message size; the limit it had."""
-    nc, js = await connect(NatsOptions(servers=(nats_url,)), "test-limits", declare_streams=False)
-    try:
-        config = (await js.stream_info(COMMANDS_STREAM)).config
-        before, config.max_msg_size = config.max_msg_size, limit
-        await js.update_stream(config)
-        return int(before or -1)
-    finally:
-        await nc.close()
-
-
 @contextlib.contextmanager
 def commands_refused(cluster: InferenceCluster) -> Iterator[None]:
     """JETSHARD_COMMANDS refuses every command meanwhile (a size limit below any command's): JetStream answers
     each publish with an error and stores nothing, as a stream that cannot take writes for a while does."""
-    limit = run_async(_limit_command_size(cluster.nats.url, 1))
+    limit = run_async(limit_message_size(cluster.nats.url, COMMANDS_STREAM, 1))
     try:
         yield
     finally:
-        run_async(_limit_command_size(cluster.nats.url, limit))
+        run_async(limit_message_size(cluster.nats.url, COMMANDS_STREAM, limit))
 
 
 def test_a_runner_death_reported_while_commands_were_refused_is_reported_once_they_are_not(

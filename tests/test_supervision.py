@@ -20,7 +20,7 @@ import msgspec
 import nats.errors
 import psutil
 import pytest
-from helpers.harness import api_until, free_port, until, wait_for
+from helpers.harness import api_until, free_port, limit_message_size, until, wait_for
 from jetshard_bus.commands import publish_command
 from jetshard_bus.connect import connect
 from jetshard_bus.follower import StateFollower
@@ -28,7 +28,7 @@ from jetshard_bus.options import NatsOptions
 from jetshard_bus.procs import spawn
 from jetshard_schema.events import CustomModelCardAdded
 from jetshard_schema.ids import CommandId
-from jetshard_schema.subjects import COMMANDS_STREAM, DOWNLOADER_SENDER, command_subject
+from jetshard_schema.subjects import COMMANDS_STREAM, DOWNLOADER_SENDER, LIVENESS_BUCKET, command_subject
 from test_demo_model import ctrl_c, processes_mentioning, start_in_own_group, up_command
 from test_sequencer import add_card, all_events, assert_gapless, outcomes_per_command
 
@@ -218,6 +218,36 @@ async def test_the_api_answers_503_at_once_while_nats_is_down_and_serves_again_a
             )
         finally:
             restarted.stop()
+
+
+async def test_an_api_whose_liveness_jetstream_cannot_store_answers_503_until_it_can_again(
+    tmp_path: Path, processes: Any
+) -> None:
+    """An API cut off from the cluster's JetStream, though not from its own NATS server (its machine's cable pulled
+    and put back, while the streams catch up), cannot renew its session's liveness key. The sequencer then cancels
+    every task the API asks for as abandoned: the API says so with a 503 rather than take requests to have them
+    cancelled."""
+    server = start_nats_server(tmp_path / "nats", port=-1)
+    timings = {"JETSHARD_NATS": server.url, "JETSHARD_LIVENESS_TTL_S": "2"}
+    processes.start("sequencer", "sequencer", env=timings)
+    api = processes.start_api("api", env=timings)
+    try:
+        async with httpx.AsyncClient(base_url=api, timeout=30) as http:
+            await until(lambda: _healthz_status(http, 200), 30, "the API to be ready", retry_on=RESTARTING)
+            limit = await limit_message_size(server.url, f"KV_{LIVENESS_BUCKET}", 1)
+            await until(lambda: _healthz_status(http, 503), 30, "/healthz to notice", retry_on=RESTARTING)
+            health = (await http.get("/healthz")).json()
+            assert health["broker"] == "connected" and "liveness" in health["reason"], health
+            chat = {"model": "any/model", "messages": [{"role": "user", "content": "hi"}]}
+            for method, path, body in (("GET", "/health", None), ("POST", "/v1/chat/completions", chat)):
+                response = await http.request(method, path, json=body)
+                assert response.status_code == 503 and "abandoned" in response.text, response.text
+                assert response.json()["error"]["code"] == "broker_unavailable"
+            await limit_message_size(server.url, f"KV_{LIVENESS_BUCKET}", limit)
+            await until(lambda: _healthz_status(http, 200), 30, "/healthz to recover", retry_on=RESTARTING)
+            assert (await http.get("/health")).status_code == 200
+    finally:
+        server.stop()
 
 
 async def _healthz_status(http: httpx.AsyncClient, status: int) -> bool:

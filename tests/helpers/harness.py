@@ -200,6 +200,19 @@ def run_async(coroutine: Any) -> Any:
         return pool.submit(asyncio.run, coroutine).result(timeout=60)
 
 
+async def limit_message_size(nats_url: str, stream: str, limit: int) -> int:
+    """Set `stream`'s largest message size; the limit it had. 1 makes it refuse every write (JetStream answers each
+    publish with an error and stores nothing), as a stream that cannot take writes for a while does."""
+    nc, js = await connect(NatsOptions(servers=(nats_url,)), "test-limits", declare_streams=False)
+    try:
+        config = (await js.stream_info(stream)).config
+        before, config.max_msg_size = config.max_msg_size, limit
+        await js.update_stream(config)
+        return int(before or -1)
+    finally:
+        await nc.close()
+
+
 async def stream_envelopes(nats_url: str, since: int = 1) -> list[tuple[int, EventEnvelope]]:
     """Every decodable event of the event stream from sequence `since` on, with its sequence."""
     client, js = await connect(NatsOptions(servers=(nats_url,)), "test-reader")

@@ -12,7 +12,8 @@ import platform
 import re
 import socket
 import tempfile
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -189,13 +190,33 @@ def _text(value: str | bytes) -> str:
     return value.decode() if isinstance(value, bytes) else value
 
 
-async def keep_alive(js: JetStreamContext, key: str, session_id: str, ttl_s: float, stop: asyncio.Event) -> None:
-    """Refresh a liveness key (a node's, or an API session's) well within its TTL until `stop`; then delete
-    it."""
+@dataclass
+class Liveness:
+    """When a liveness key was last stored, so that its owner knows whether the cluster still counts it alive: the
+    bucket's TTL removes the key `ttl_s` after that."""
+
+    ttl_s: float
+    stored_at: float = field(default_factory=time.monotonic)
+    """`time.monotonic()`; at first its owner's start, which the first store follows at once."""
+
+    def lapsed_s(self) -> float | None:
+        """How long the key has gone unstored, once that is its TTL or more (the cluster counts its owner gone, and
+        cancels what it asked for); None before."""
+        unstored_s = time.monotonic() - self.stored_at
+        return unstored_s if unstored_s >= self.ttl_s else None
+
+
+async def keep_alive(
+    js: JetStreamContext, key: str, session_id: str, ttl_s: float, stop: asyncio.Event, liveness: Liveness | None = None
+) -> None:
+    """Refresh a liveness key (a node's, or an API session's) well within its TTL until `stop`, noting each store in
+    `liveness`; then delete it."""
     kv = await js.key_value(LIVENESS_BUCKET)
     while not stop.is_set():
         try:
             await kv.put(key, session_id.encode())
+            if liveness is not None:
+                liveness.stored_at = time.monotonic()
         except Exception as error:  # NATS down for a moment: the next beat retries
             log.warning("liveness update failed: %s", error)
         with contextlib.suppress(TimeoutError):

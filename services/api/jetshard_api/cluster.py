@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import time
 from collections import deque
 from collections.abc import Awaitable, Callable, Iterator
@@ -13,6 +14,7 @@ from typing import TypeVar
 import nats.errors
 from jetshard_bus.commands import publish_command
 from jetshard_bus.follower import Listener, StateFollower
+from jetshard_bus.node import Liveness
 from jetshard_bus.tracing import inject
 from jetshard_schema.codec import encode
 from jetshard_schema.commands import Command
@@ -58,6 +60,7 @@ class Cluster:
         follower: StateFollower,
         command_timeout_s: float,
         session_id: str | None = None,
+        liveness_ttl_s: float = math.inf,
     ) -> None:
         self.client = client
         self.js = js
@@ -65,6 +68,8 @@ class Cluster:
         self.command_timeout_s = command_timeout_s
         self.session_id = session_id or new_id()
         """This API process's session: its tasks name it, and are cancelled when its liveness key lapses."""
+        self.liveness = Liveness(liveness_ttl_s)
+        """When the session's liveness key was last stored (`keep_alive` notes it)."""
         self._background: set[asyncio.Task[None]] = set()
         self._finishing: dict[TaskId, asyncio.Future[TaskFinished]] = {}
         self._recent: deque[tuple[int, EventEnvelope]] = deque(maxlen=RECENT_EVENTS)
@@ -83,9 +88,15 @@ class Cluster:
         return bool(self.client.is_connected)
 
     def require_broker(self) -> None:
-        """Raise 503 at once while NATS is unreachable: a request would otherwise wait out its timeout."""
+        """Raise 503 at once while NATS is unreachable, or the cluster counts this API's session gone: a request
+        would otherwise wait out its timeout, or be cancelled as soon as the sequencer saw its task."""
         if not self.connected:
             raise broker_unavailable()
+        if (lapsed_s := self.liveness.lapsed_s()) is not None:
+            raise broker_unavailable(
+                f"JetStream has not stored this API's liveness for {lapsed_s:.0f} s, so the cluster takes its "
+                "requests as abandoned"
+            )
 
     async def wait_until(self, predicate: Callable[[State], bool], timeout_s: float) -> State:
         """The first State for which `predicate` holds (this one, or one an event makes); TimeoutError after

@@ -19,7 +19,7 @@ from litestar.params import FromQuery, HeaderParameter
 from litestar.response import ServerSentEvent
 from litestar.response.sse import ServerSentEventMessage
 
-from jetshard_api.cluster import Cluster, broker_unavailable
+from jetshard_api.cluster import Cluster
 from jetshard_api.errors import ERROR_RESPONSES, ApiError
 
 
@@ -49,25 +49,30 @@ holds (`shards_on`)."""
 class ClusterController(Controller):
     tags = ["cluster"]
 
-    @get("/healthz", responses={**ERROR_RESPONSES, 503: ResponseSpec(Health, description="NATS is unreachable")})
+    @get(
+        "/healthz",
+        responses={
+            **ERROR_RESPONSES,
+            503: ResponseSpec(Health, description="NATS is unreachable, or the cluster counts this API gone"),
+        },
+    )
     async def healthz(self, cluster: NamedDependency[Cluster]) -> Response[Health]:
-        """200 while the API reaches the message broker (NATS); 503 with the reason while it does not."""
-        if cluster.connected:
-            return Response(Health(status="ok", broker="connected", last_seq=cluster.state.last_seq))
-        return Response(
-            Health(
-                status="unavailable",
-                broker="unreachable",
-                reason=broker_unavailable().message,
-                last_seq=cluster.state.last_seq,
-            ),
-            status_code=503,
-        )
+        """200 while the API reaches the message broker (NATS) and the cluster counts its session alive; 503 with the
+        reason while not."""
+        try:
+            cluster.require_broker()
+        except ApiError as unavailable:
+            broker = "connected" if cluster.connected else "unreachable"
+            health = Health(
+                status="unavailable", broker=broker, reason=unavailable.message, last_seq=cluster.state.last_seq
+            )
+            return Response(health, status_code=503)
+        return Response(Health(status="ok", broker="connected", last_seq=cluster.state.last_seq))
 
     @get("/health", responses=ERROR_RESPONSES)
     async def health(self, cluster: NamedDependency[Cluster]) -> Serving:
         """The probe of load balancers and of tools made for vLLM and llama-server: 200 `{"status": "ok"}` while
-        this API can take requests, i.e. reaches NATS (as `/healthz`); 503 in the error shape while it cannot. A
+        this API can take requests (as `/healthz`); 503 in the error shape while it cannot. A
         model that is not ready does not make the API unready: a request for it places it and waits."""
         cluster.require_broker()
         return Serving()

@@ -39,7 +39,9 @@ async def run_api(config: ApiConfig, stop: asyncio.Event) -> None:
     client, js = await connect(config.nats, "jetshard-api", config.timings, declare_streams=False)
     follower = StateFollower(js)
     await follower.start()
-    cluster = Cluster(client, js, follower, config.inference.command_timeout_s)
+    cluster = Cluster(
+        client, js, follower, config.inference.command_timeout_s, liveness_ttl_s=config.timings.liveness_ttl_s
+    )
     await cluster.stats.subscribe(client)
     server = uvicorn.Server(
         uvicorn.Config(
@@ -63,6 +65,7 @@ async def run_api(config: ApiConfig, stop: asyncio.Event) -> None:
                     cluster.session_id,
                     config.timings.liveness_ttl_s,
                     stop,
+                    cluster.liveness,
                 )
             )
             serving = group.create_task(_serve(server, config, stop))
