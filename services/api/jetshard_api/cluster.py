@@ -88,10 +88,14 @@ class Cluster:
         return bool(self.client.is_connected)
 
     def require_broker(self) -> None:
-        """Raise 503 at once while NATS is unreachable, or the cluster counts this API's session gone: a request
-        would otherwise wait out its timeout, or be cancelled as soon as the sequencer saw its task."""
+        """Raise 503 at once while NATS is unreachable: a request would otherwise wait out its timeout."""
         if not self.connected:
             raise broker_unavailable()
+
+    def require_session(self) -> None:
+        """As `require_broker`, and raise 503 while the cluster counts this API's session gone: a task it asked for
+        would be cancelled as abandoned as soon as the sequencer saw it."""
+        self.require_broker()
         if (lapsed_s := self.liveness.lapsed_s()) is not None:
             raise broker_unavailable(
                 f"JetStream has not stored this API's liveness for {lapsed_s:.0f} s, so the cluster takes its "
@@ -172,7 +176,7 @@ class Cluster:
         """Keep a task's request in JETSHARD_TASKS, before the task is submitted, under the leader node of the
         instance it is named for: the only node whose identity may read it there. Its headers carry the request's
         trace context to that runner."""
-        self.require_broker()
+        self.require_session()
         subject = task_subject(instance.leader_node, instance.instance_id, request.task_id)
         # The message id makes a repeated store harmless; it names the instance too, since a task refused for
         # one instance is stored again for another.

@@ -60,7 +60,7 @@ class ClusterController(Controller):
         """200 while the API reaches the message broker (NATS) and the cluster counts its session alive; 503 with the
         reason while not."""
         try:
-            cluster.require_broker()
+            cluster.require_session()
         except ApiError as unavailable:
             broker = "connected" if cluster.connected else "unreachable"
             health = Health(
@@ -74,7 +74,7 @@ class ClusterController(Controller):
         """The probe of load balancers and of tools made for vLLM and llama-server: 200 `{"status": "ok"}` while
         this API can take requests (as `/healthz`); 503 in the error shape while it cannot. A
         model that is not ready does not make the API unready: a request for it places it and waits."""
-        cluster.require_broker()
+        cluster.require_session()
         return Serving()
 
     @get("/metrics", include_in_schema=False)
