@@ -187,7 +187,7 @@ def test_an_unknown_field_in_thinking_is_refused_naming_it(
 def test_a_wrong_api_key_is_an_authentication_error() -> None:
     """The key middleware answers before the route's handler, in the route's error shape. No NATS is needed:
     the request never gets that far."""
-    unconnected = Cluster(None, None, StateFollower(None), command_timeout_s=1)  # type: ignore[arg-type]
+    unconnected = Cluster(None, None, StateFollower(None), command_timeout_s=1, liveness_ttl_s=15)  # type: ignore[arg-type]
     app = create_app(unconnected, safety=HttpSafety(api_key="the-key", allowed_hosts=frozenset("*")))
     request = {"model": "org/model", "max_tokens": 5, "messages": QUESTION}
     with TestClient(app) as http:

@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import math
 import time
 from collections import deque
 from collections.abc import Awaitable, Callable, Iterator
@@ -59,8 +58,8 @@ class Cluster:
         js: JetStreamContext,
         follower: StateFollower,
         command_timeout_s: float,
+        liveness_ttl_s: float,
         session_id: str | None = None,
-        liveness_ttl_s: float = math.inf,
     ) -> None:
         self.client = client
         self.js = js

@@ -39,9 +39,7 @@ async def run_api(config: ApiConfig, stop: asyncio.Event) -> None:
     client, js = await connect(config.nats, "jetshard-api", config.timings, declare_streams=False)
     follower = StateFollower(js)
     await follower.start()
-    cluster = Cluster(
-        client, js, follower, config.inference.command_timeout_s, liveness_ttl_s=config.timings.liveness_ttl_s
-    )
+    cluster = Cluster(client, js, follower, config.inference.command_timeout_s, config.timings.liveness_ttl_s)
     await cluster.stats.subscribe(client)
     server = uvicorn.Server(
         uvicorn.Config(
@@ -63,7 +61,7 @@ async def run_api(config: ApiConfig, stop: asyncio.Event) -> None:
                     js,
                     requester_key(cluster.session_id),
                     cluster.session_id,
-                    config.timings.liveness_ttl_s,
+                    cluster.liveness.ttl_s,
                     stop,
                     cluster.liveness,
                 )
