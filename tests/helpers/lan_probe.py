@@ -9,11 +9,14 @@ chats with the official `openai` client, and command traffic on the host's NATS.
     lan_probe.py trespass NATS_URL WORKER_NKEY_FILE VICTIM_NODE
     lan_probe.py stream API_URL MODEL MAX_TOKENS OUT_FILE
     lan_probe.py stranger HOST PORT PEER_CERTIFICATE_FILE
+    lan_probe.py tick NATS_URL SUBJECT
+    lan_probe.py listen NATS_URL SUBJECT OUT_FILE
 """
 
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import sys
 import time
@@ -21,7 +24,9 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
+import nats
 import nats.errors
+from nats.aio.msg import Msg
 
 sys.path[:0] = [str(Path(__file__).parents[1])]
 
@@ -89,6 +94,26 @@ async def traffic(api: str, model: str, nats_url: str, nkey: str, stop_file: Pat
     finally:
         await client.close()
     return {"acked": acked, "chats": chats}
+
+
+async def tick(nats_url: str, subject: str) -> None:
+    """A core NATS message on `subject` every 50 ms, until killed: what a runner's chunks are to the routes."""
+    client = await nats.connect(nats_url, max_reconnect_attempts=-1)
+    for number in itertools.count():
+        await client.publish(subject, str(number).encode())
+        await asyncio.sleep(0.05)
+
+
+async def listen(nats_url: str, subject: str, out: Path) -> None:
+    """A line in `out` for each message on `subject`, until killed."""
+    client = await nats.connect(nats_url, max_reconnect_attempts=-1)
+    with out.open("a", buffering=1) as heard:
+
+        async def note(message: Msg) -> None:
+            heard.write(message.data.decode() + "\n")
+
+        await client.subscribe(subject, cb=note)
+        await asyncio.Event().wait()
 
 
 async def outcomes(nats_url: str, nkey: str, wanted: list[str], timeout_s: float) -> None:
@@ -248,6 +273,10 @@ def main(args: list[str]) -> None:
             stream(api, model, int(max_tokens), Path(out))
         case ["stranger", host, port, peer_certificate]:
             print(json.dumps(stranger(host, int(port), peer_certificate)))
+        case ["tick", nats_url, subject]:
+            asyncio.run(tick(nats_url, subject))
+        case ["listen", nats_url, subject, out]:
+            asyncio.run(listen(nats_url, subject, Path(out)))
         case _:
             raise SystemExit(__doc__)
 

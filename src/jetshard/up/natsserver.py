@@ -21,6 +21,14 @@ ROUTE_USER = "jetshard"
 """The user name routes authenticate with; the password is the cluster's secret."""
 DATA_TAG = "jetshard-data"
 """Server tag of the servers that hold jetshard's streams (every server of a LAN cluster but the witness)."""
+ROUTE_PING_INTERVAL_S = 2
+"""How often a server pings each of its route connections (nats-server pings routes every 30 s at most).
+A cable pulled for a while leaves route connections that one side closed (its writes timed out) and the other
+still holds; that side refuses the peer's new connection as a duplicate until a ping finds the old one dead, and
+meanwhile core messages between the two (a chat's chunks) are dropped: up to 30 s after the cable is back."""
+ROUTE_PINGS_OUT_MAX = 5
+"""Unanswered pings before a route counts as dead: a silent peer is let go after about 10 s (as a write that
+long would be), while a busy peer has as long to answer."""
 
 
 class Fsync(StrEnum):
@@ -116,6 +124,8 @@ def _cluster_block(cluster: ClusterSettings) -> str:
         "listen": f"{cluster.listen_host}:{cluster.route_port}",
         "authorization": {"user": ROUTE_USER, "password": cluster.secret, "timeout": 2},
         "routes": routes,
+        "ping_interval": f"{ROUTE_PING_INTERVAL_S}s",
+        "ping_max": ROUTE_PINGS_OUT_MAX,
     }
     if cluster.tls is not None:
         block["tls"] = {
