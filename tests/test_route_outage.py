@@ -48,7 +48,7 @@ def start_server(host: Host, peer: Host, root: Path) -> None:
     host.popen([str(nats_server_binary()), "-c", str(config)], root / f"{host.name}.log")
 
 
-def routes_of(host: Host) -> int:
+def route_connections(host: Host) -> int:
     """How many route connections the host's server holds (NATS pools several per peer); 0 while it starts."""
     answer = host.run([sys.executable, PROBE, "http", "GET", f"http://127.0.0.1:{MONITOR_PORT}/routez"])
     if answer.returncode != 0:
@@ -68,7 +68,9 @@ def test_messages_cross_again_within_seconds_of_a_cable_coming_back_whose_routes
         listening, publishing = net.hosts
         start_server(listening, publishing, tmp_path)
         start_server(publishing, listening, tmp_path)
-        until_sync(lambda: routes_of(listening) > 0 and routes_of(publishing) > 0, 30, lambda: "routes formed")
+        until_sync(
+            lambda: route_connections(listening) > 0 and route_connections(publishing) > 0, 30, lambda: "routes formed"
+        )
         out = tmp_path / "heard.txt"
         nats_url = "nats://127.0.0.1:4222"
         listening.popen([sys.executable, PROBE, "listen", nats_url, "probe.>", str(out)], tmp_path / "listen.log")
@@ -80,7 +82,7 @@ def test_messages_cross_again_within_seconds_of_a_cable_coming_back_whose_routes
 
         publishing.link_down()
         closed = publishing.run(["ss", "-K", "dst", listening.address])
-        if closed.returncode != 0 or not wait_for(lambda: routes_of(publishing) == 0, 5):
+        if closed.returncode != 0 or not wait_for(lambda: route_connections(publishing) == 0, 5):
             pytest.skip(f"cannot close sockets here (`ss -K` needs CONFIG_INET_DIAG_DESTROY): {closed.stderr}")
         time.sleep(3)  # the publisher's server tries to connect again, and cannot
         before = heard(out)

@@ -21,7 +21,7 @@ from helpers.states import envelope_of
 from jetshard_bus.commands import publish_command
 from jetshard_bus.connect import connect
 from jetshard_bus.follower import StateFollower
-from jetshard_bus.node import keep_alive
+from jetshard_bus.node import Liveness, keep_alive
 from jetshard_bus.options import NatsOptions
 from jetshard_bus.streams import BusTimings, declare, subscribe_events
 from jetshard_schema import subjects
@@ -436,7 +436,7 @@ async def test_a_failing_node_expiry_ends_the_term_and_the_sequencer_leads_again
     first_term = await leading(js, "seq1")
     node = NodeId("node-live")
     stop_heartbeat = asyncio.Event()
-    heartbeat = asyncio.create_task(keep_alive(js, node, "s1", 2.0, stop_heartbeat))
+    heartbeat = asyncio.create_task(keep_alive(js, node, "s1", Liveness(2.0), stop_heartbeat))
     try:
         await publish_command(js, ReportNodeProfile(node_id=node, session_id="s1", profile=PROFILE))
         await follower.wait_until(lambda s: node in s.nodes, 30)

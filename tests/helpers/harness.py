@@ -43,7 +43,7 @@ import pytest_asyncio
 from jetshard_bus.commands import publish_command
 from jetshard_bus.connect import connect
 from jetshard_bus.follower import StateFollower
-from jetshard_bus.node import keep_alive, node_id_for
+from jetshard_bus.node import Liveness, keep_alive, node_id_for
 from jetshard_bus.options import NatsOptions
 from jetshard_bus.procs import stop_groups
 from jetshard_schema.cards import ModelFormat
@@ -283,7 +283,7 @@ class Cluster:
         """Make the node of `config_dir` present, as its worker would, running `engines`."""
         node_id = node_id_for(config_dir)
         stop = asyncio.Event()
-        task = asyncio.create_task(keep_alive(self.js, node_id, "test-session", 10.0, stop))
+        task = asyncio.create_task(keep_alive(self.js, node_id, "test-session", Liveness(10.0), stop))
         self.heartbeats.append((stop, task))
         profile = NodeProfile(
             hostname=node_id,

@@ -206,22 +206,19 @@ class Liveness:
         return unstored_s if unstored_s >= self.ttl_s else None
 
 
-async def keep_alive(
-    js: JetStreamContext, key: str, session_id: str, ttl_s: float, stop: asyncio.Event, liveness: Liveness | None = None
-) -> None:
-    """Refresh a liveness key (a node's, or an API session's) well within its TTL until `stop`, noting each store in
-    `liveness`; then delete it."""
+async def keep_alive(js: JetStreamContext, key: str, session_id: str, liveness: Liveness, stop: asyncio.Event) -> None:
+    """Refresh a liveness key (a node's, or an API session's) well within its TTL (`liveness.ttl_s`) until `stop`,
+    noting each store in `liveness`; then delete it."""
     kv = await js.key_value(LIVENESS_BUCKET)
     while not stop.is_set():
         try:
             await kv.put(key, session_id.encode())
-            if liveness is not None:
-                liveness.stored_at = time.monotonic()
+            liveness.stored_at = time.monotonic()
         except Exception as error:  # NATS down for a moment: the next beat retries
             log.warning("liveness update failed: %s", error)
         with contextlib.suppress(TimeoutError):
             # Five beats per TTL: a node survives a few seconds of a starved CPU without being declared lost.
-            await asyncio.wait_for(stop.wait(), ttl_s / 5)
+            await asyncio.wait_for(stop.wait(), liveness.ttl_s / 5)
     with contextlib.suppress(Exception):
         await kv.delete(key)
 

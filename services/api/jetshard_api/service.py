@@ -57,14 +57,7 @@ async def run_api(config: ApiConfig, stop: asyncio.Event) -> None:
         # cancels the tasks of a session whose key is gone.
         async with asyncio.TaskGroup() as group:
             group.create_task(
-                keep_alive(
-                    js,
-                    requester_key(cluster.session_id),
-                    cluster.session_id,
-                    cluster.liveness.ttl_s,
-                    stop,
-                    cluster.liveness,
-                )
+                keep_alive(js, requester_key(cluster.session_id), cluster.session_id, cluster.liveness, stop)
             )
             serving = group.create_task(_serve(server, config, stop))
             await serving

@@ -11,7 +11,7 @@ import msgspec
 from jetshard_bus.commands import publish_command
 from jetshard_bus.connect import connect
 from jetshard_bus.follower import StateFollower
-from jetshard_bus.node import keep_alive, local_address, node_id_for, node_profile, unused_gpu_hint
+from jetshard_bus.node import Liveness, keep_alive, local_address, node_id_for, node_profile, unused_gpu_hint
 from jetshard_schema.commands import ReportNodeProfile
 from jetshard_schema.events import (
     CustomModelCardAdded,
@@ -65,7 +65,7 @@ async def run_worker(config: WorkerConfig, stop: asyncio.Event) -> None:
     await follower.start()
     # Before the node announces itself: once State shows this session, its card directory matches State.
     cards.reconcile(follower.state.custom_cards)
-    heartbeat = asyncio.create_task(keep_alive(js, node_id, session_id, config.timings.liveness_ttl_s, stop))
+    heartbeat = asyncio.create_task(keep_alive(js, node_id, session_id, Liveness(config.timings.liveness_ttl_s), stop))
     engines = await asyncio.to_thread(NodeEngines)
 
     def measure() -> NodeProfile:
