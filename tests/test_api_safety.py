@@ -69,6 +69,12 @@ async def test_api_key_host_origin_content_type_and_nesting(processes, fresh_nat
         assert assert_openai_error(response, 415)["code"] == "unsupported_media_type"
         response = await client.delete("/instances/inst-x", headers={**bearer, "Origin": "null"})
         assert_openai_error(response, 403)
+        # Ollama's routes read any body as JSON, as Ollama does: a cross-site page is still turned away by its origin.
+        pull = b'{"model": "org/model"}'
+        response = await client.post("/api/pull", content=pull, headers=attack)
+        assert response.status_code == 403, response.text
+        response = await client.post("/api/pull", content=pull, headers={**attack, "Origin": "null"})
+        assert response.status_code == 403, response.text
         # Same-origin (the docs page served by this API) is fine: the request reaches its route.
         response = await client.post("/downloads", json=DOWNLOAD, headers={**bearer, "Origin": base})
         assert response.status_code not in (401, 403, 415), response.text

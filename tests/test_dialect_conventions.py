@@ -122,6 +122,11 @@ def test_an_endpoint_that_is_not_here_is_an_error_in_its_dialects_shape(
         assert answered.json()["error"].startswith(error), answered.text
     anthropic_shaped = httpx.get(f"{dialect_cluster.api}/v1/messages/nothing", timeout=30)
     assert anthropic_shaped.json()["type"] == "error" and anthropic_shaped.json()["error"]["type"] == "not_found_error"
+    # A method a route does not take is the client's mistake, not the server's (`api_error`).
+    wrong_method = httpx.get(f"{dialect_cluster.api}/v1/messages", timeout=30)
+    assert (wrong_method.status_code, wrong_method.json()["error"]["type"]) == (405, "invalid_request_error")
+    wrong_method = httpx.get(f"{dialect_cluster.api}/v1/chat/completions", timeout=30)
+    assert (wrong_method.status_code, wrong_method.json()["error"]["type"]) == (405, "invalid_request_error")
     with pytest.raises(openai.NotFoundError) as missing:
         openai_client.fine_tuning.jobs.list()
     assert "GET /v1/fine_tuning/jobs is not an endpoint" in missing.value.message

@@ -338,6 +338,10 @@ def test_content_as_text_parts_and_neutral_parameters(client: openai.OpenAI, ref
     assert response.choices[0].message.content == references[LLAMA][0]
 
 
+WIDE = {"type": "object", "properties": {"p": {"enum": [*range(400)]}}, "required": ["p"]}
+"""400 choices: three functions of it offer more than a schema may."""
+
+
 @pytest.mark.parametrize(
     "extra",
     [
@@ -348,6 +352,14 @@ def test_content_as_text_parts_and_neutral_parameters(client: openai.OpenAI, ref
         {"tool_choice": {"type": "function", "function": {"name": "absent"}}},
         {"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}},
         {"top_logprobs": 21},
+        # a call's arguments are an object, as OpenAI requires
+        {"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "string"}}}]},
+        # more choices than llama.cpp's grammar sampler walks in a fraction of a second a token
+        {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"enum": [*range(1001)]}}}},
+        {"tools": [{"type": "function", "function": {"name": f"f{i}", "parameters": WIDE}} for i in range(3)]},
+        # OpenAI's deprecated forms of tools and tool_choice would change the answer: refused, not ignored
+        {"functions": [{"name": "f", "parameters": {"type": "object"}}]},
+        {"function_call": "auto"},
     ],
 )
 def test_unsupported_or_invalid_parameters_are_refused(client: openai.OpenAI, extra: dict[str, Any]) -> None:

@@ -19,6 +19,8 @@ import psutil
 import pytest
 from helpers.harness import wait_for
 from helpers.llamacpp_cluster import LlamaCppCluster
+from jetshard_schema.catalogue import builtin_cards
+from jetshard_schema.placement import LLAMA_CPP_SLOT_CONTEXT
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -177,6 +179,40 @@ def test_a_required_tool_call_comes_as_a_call(client: openai.OpenAI, llamacpp_cl
     assert isinstance(json.loads(call.function.arguments)["city"], str)  # type: ignore[union-attr]
 
 
+def test_a_schema_no_value_meets_is_a_400_and_llama_server_keeps_serving(
+    client: openai.OpenAI, llamacpp_cluster: LlamaCppCluster
+) -> None:
+    """llama-server aborts on a grammar no value meets (here a minimum above the maximum), and every request in flight
+    on it fails with it: such a schema, as the output's or as a function's parameters, never gets there."""
+    (runner,) = llamacpp_cluster.cluster.runners_of(llamacpp_cluster.instance_id)
+    servers_before = {p.pid for p in runner.children(recursive=True) if "llama-server" in " ".join(p.cmdline())}
+    impossible = {
+        "type": "object",
+        "properties": {"n": {"type": "integer", "minimum": 5, "maximum": 1}},
+        "required": ["n"],
+    }
+    with pytest.raises(openai.BadRequestError, match="response format is invalid: Unsatisfiable"):
+        client.chat.completions.create(
+            model=llamacpp_cluster.model,
+            messages=ASK,
+            max_tokens=30,
+            response_format={"type": "json_schema", "json_schema": {"name": "n", "schema": impossible}},
+        )
+    count = {"type": "function", "function": {"name": "count", "parameters": impossible}}
+    with pytest.raises(openai.BadRequestError, match="function 'count'"):
+        client.chat.completions.create(
+            model=llamacpp_cluster.model,
+            messages=ASK,
+            max_tokens=30,
+            tools=[count],  # type: ignore[list-item]
+            tool_choice="required",
+        )
+    reply = client.chat.completions.create(model=llamacpp_cluster.model, messages=ASK, max_tokens=8, temperature=0)
+    assert reply.choices[0].message.content
+    servers_after = {p.pid for p in runner.children(recursive=True) if "llama-server" in " ".join(p.cmdline())}
+    assert servers_before <= servers_after  # none of them restarted
+
+
 def test_completions_anthropic_ollama_and_responses_answer_too(llamacpp_cluster: LlamaCppCluster) -> None:
     api, model = llamacpp_cluster.api, llamacpp_cluster.model
     completion = openai.OpenAI(base_url=f"{api}/v1", api_key="unused", max_retries=0).completions.create(
@@ -191,6 +227,9 @@ def test_completions_anthropic_ollama_and_responses_answer_too(llamacpp_cluster:
     assert "Paris" in message.content[0].text  # type: ignore[union-attr]
     chat = ollama.Client(host=api).chat(model=model, messages=ASK, options={"temperature": 0, "num_predict": 24})
     assert "Paris" in chat.message.content
+    # `ollama ps` shows the context a request gets: a llama.cpp slot's, less than the demo's own 8192.
+    (running,) = [m for m in ollama.Client(host=api).ps().models if m.model == f"{model}:latest"]
+    assert running.context_length == LLAMA_CPP_SLOT_CONTEXT < builtin_cards()[model].context_length
     response = openai.OpenAI(base_url=f"{api}/v1", api_key="unused", max_retries=0).responses.create(
         model=model, input=QUESTION, max_output_tokens=24, temperature=0
     )

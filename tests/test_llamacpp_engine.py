@@ -170,16 +170,21 @@ def test_tokens_the_reasoning_parser_consumes_count_as_reasoning() -> None:
 
 
 def test_llama_server_errors_keep_their_meaning() -> None:
-    too_long = {
+    too_long = {  # as llama-server answers it
         "error": {
             "code": 400,
-            "message": "the request exceeds the available context size",
+            "message": "request (631 tokens) exceeds the available context size (256 tokens), try increasing it",
             "type": "exceed_context_size_error",
+            "n_prompt_tokens": 631,
+            "n_ctx": 256,
         }
     }
     with pytest.raises(llama.ServerError) as raised:
         llama.parse_event(llama.CHAT_PATH, json.dumps(too_long), llama.StreamState())
-    assert raised.value.code == "context_length_exceeded" and "context size" in str(raised.value)
+    assert raised.value.code == "context_length_exceeded"
+    # The numbers, and no advice the client cannot follow.
+    assert "631 tokens" in str(raised.value) and "256 of context" in str(raised.value)
+    assert "increasing" not in str(raised.value)
 
 
 def test_a_completion_ends_at_its_limit_with_its_token_counts() -> None:
@@ -327,6 +332,47 @@ def test_a_grammar_document_cut_at_max_tokens_is_closed_into_a_valid_one() -> No
     jsonschema.validate(json.loads(text), schema)
     assert text.startswith('{"city": "Par') and published[-1].finish_reason is TaskOutcome.LENGTH
     assert usage is not None and usage.completion_tokens == 4
+
+
+def test_a_cut_document_no_valid_one_completes_still_parses() -> None:
+    """A schema whose every document nests without end (a required member of its own type): the cut output is
+    closed as plain JSON, not failed."""
+    endless = {"$defs": {"n": {"type": "object", "properties": {"c": {"$ref": "#/$defs/n"}}, "required": ["c"]}}}
+    published: list[Chunk] = []
+    schema = {**endless, "$ref": "#/$defs/n"}
+    output = TaskOutput(
+        TaskId("t1"), [ChoiceOutput(detokenizer=None, grammar_schema=schema)], str, published.append, lambda o: None
+    )
+    output.text(0, "", '{"c": {"c": {"c', (), 8, 0)
+    output.finish(0, RowEnd(TaskOutcome.LENGTH, prompt_tokens=9, completion_tokens=8))
+    text = "".join(chunk.text for chunk in published)
+    assert text.startswith('{"c": {"c": {"c') and isinstance(json.loads(text), dict)
+    assert published[-1].finish_reason is TaskOutcome.LENGTH and published[-1].error is None
+
+
+@pytest.mark.parametrize(
+    ("cut", "kept"),
+    [
+        ('[{"name": "add", "arguments": {"a": 1, "b": 2}}, {"name": "add", "arguments": {"a": 3', [{"a": 1, "b": 2}]),
+        ('{"name": "add", "arguments": {"a": 1', []),
+    ],
+)
+def test_a_forced_call_cut_at_max_tokens_is_left_out_never_given_made_up_arguments(cut: str, kept: list) -> None:
+    """A client runs the calls it gets: the calls completed before the cut come, the one being written does not."""
+    published: list[Chunk] = []
+    output = TaskOutput(
+        TaskId("t1"),
+        [ChoiceOutput(detokenizer=None, forced_calls=True, grammar_schema={"type": "array"})],
+        str,
+        published.append,
+        lambda output: None,
+    )
+    output.text(0, "", cut, (), 20, 0)
+    output.finish(0, RowEnd(TaskOutcome.LENGTH, prompt_tokens=9, completion_tokens=20))
+    calls = [call for chunk in published for call in chunk.tool_calls]
+    assert [json.loads(call.arguments) for call in calls] == kept
+    assert published[-1].finish_reason is TaskOutcome.LENGTH
+    assert not "".join(chunk.text for chunk in published)  # the cut JSON is not shown as the answer either
 
 
 async def test_a_stream_that_ends_before_llama_servers_last_event_fails_its_row() -> None:

@@ -89,6 +89,21 @@ def test_chat_answers_with_ollamas_fields_and_streams_the_same_text(
     assert "".join(p.message.content or "" for p in pieces) == reply.message.content
 
 
+def test_stop_strings_cut_the_answer_and_there_may_be_more_than_openais_four(
+    client: ollama.Client, dialect_cluster: DialectCluster
+) -> None:
+    """Editors built for Ollama send several stop strings; Ollama takes any number."""
+    options = {**SHORT, "temperature": 0}
+    whole = client.generate(model=dialect_cluster.model, prompt="hello", raw=True, options=options).response
+    stop = whole[len(whole) // 2 :][:3]
+    assert stop, whole
+    unseen = [f"<never {i}>" for i in range(7)]
+    cut = client.generate(
+        model=dialect_cluster.model, prompt="hello", raw=True, options={**options, "stop": [*unseen, stop]}
+    )
+    assert cut.response == whole[: whole.index(stop)] and cut.done_reason == "stop"
+
+
 def test_the_http_default_is_a_stream_of_json_lines(dialect_cluster: DialectCluster) -> None:
     body = {"model": dialect_cluster.model, "messages": QUESTION, "options": SHORT}
     response = httpx.post(f"{dialect_cluster.api}/api/chat", json=body, timeout=60)
@@ -229,6 +244,9 @@ def test_embed_returns_normalised_vectors_of_the_hidden_size(
     assert len(short) == 8 and math.fsum(v * v for v in short) == pytest.approx(1.0, abs=1e-4)
     legacy = client.embeddings(model=dialect_cluster.model, prompt="a").embedding
     assert list(legacy) == pytest.approx(list(result.embeddings[1]), abs=1e-6)
+    # No input loads the model, as in Ollama: no vector, no error.
+    for nothing in ("", []):
+        assert client.embed(model=dialect_cluster.model, input=nothing).embeddings == []
 
 
 # --- models -----------------------------------------------------------------------------------------------
@@ -321,9 +339,24 @@ def test_bad_requests_are_400_naming_the_field(
     assert response.status_code == 400 and field in error_of(response)
 
 
-def test_a_body_that_is_not_json_is_an_error_in_ollamas_shape(dialect_cluster: DialectCluster) -> None:
+def test_a_body_is_read_as_json_whatever_its_content_type_and_one_that_is_not_is_an_error_in_ollamas_shape(
+    dialect_cluster: DialectCluster,
+) -> None:
     url = f"{dialect_cluster.api}/api/show"
     response = httpx.post(url, content=b"{not json", headers={"content-type": "application/json"}, timeout=30)
     assert response.status_code == 400 and error_of(response)
-    response = httpx.post(url, content=b"model=x", headers={"content-type": "text/plain"}, timeout=30)
-    assert response.status_code == 415 and error_of(response)
+    # Ollama's own examples (`curl http://localhost:11434/api/show -d '{"model": …}'`) send a form's Content-Type.
+    body = json.dumps({"model": dialect_cluster.model}).encode()
+    for content_type in ("application/x-www-form-urlencoded", "text/plain"):
+        response = httpx.post(url, content=body, headers={"content-type": content_type}, timeout=30)
+        assert response.status_code == 200 and response.json()["details"], response.text
+    response = httpx.post(url, content=b"model=x", headers={"content-type": "application/x-www-form-urlencoded"})
+    assert response.status_code == 400 and error_of(response)
+
+
+def test_the_ollama_cli_finds_the_server_up(dialect_cluster: DialectCluster) -> None:
+    """The `ollama` CLI asks `HEAD /` before each command (its client's Heartbeat); Ollama answers HEAD on its
+    version and tags routes too."""
+    for path in ("/", "/api/version", "/api/tags"):
+        response = httpx.head(f"{dialect_cluster.api}{path}", timeout=30)
+        assert response.status_code == 200, (path, response.status_code)

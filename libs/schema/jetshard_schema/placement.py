@@ -182,6 +182,11 @@ def llama_cpp_slot_context(card: ModelCard) -> int:
     return max(1, min(card.context_length, LLAMA_CPP_SLOT_CONTEXT))
 
 
+def served_context(card: ModelCard, engine: Engine) -> int:
+    """The context a request gets from an instance of `card` on `engine`: the model's on MLX, a slot's on llama.cpp."""
+    return llama_cpp_slot_context(card) if engine is Engine.LLAMA_CPP else card.context_length
+
+
 def llama_cpp_kv_cache_bytes(
     card: ModelCard, slots: int, kv_cache_type: KvCacheType = KvCacheType.AUTO, slot_context: int | None = None
 ) -> int:

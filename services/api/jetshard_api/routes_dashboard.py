@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from litestar import Router, get
+from litestar import Router, get, head
 from litestar.datastructures import CacheControlHeader
 from litestar.handlers import HTTPRouteHandler
 from litestar.response import File
@@ -33,8 +33,13 @@ async def dashboard_page() -> File:
     )
 
 
+@head("/", include_in_schema=False)
+async def server_is_up() -> None:
+    """Ollama's clients (the `ollama` CLI before each command) ask `HEAD /` whether the server is up."""
+
+
 def dashboard_routes() -> list[HTTPRouteHandler | Router]:
     assets = create_static_files_router(
         DASHBOARD_ASSETS_PATH, directories=[DASHBOARD_DIR], name="dashboard", cache_control=REVALIDATE
     )
-    return [dashboard_page, assets]
+    return [dashboard_page, server_is_up, assets]

@@ -5,6 +5,10 @@ without asking first, and let a rebound DNS name reach a loopback port. So every
 allowed `Host`, a state-changing request must come from no foreign `Origin` and carry JSON (which a
 cross-site page cannot send without a CORS preflight that we do not grant), and, when an API key is set,
 every request but the health check must present it.
+
+Ollama's routes (`/api/`) read any body as JSON, whatever its Content-Type, as Ollama does: its own examples
+(`curl … -d '{…}'`) send a form's Content-Type. A browser names the page's origin on every cross-site POST, so the
+Origin check still turns such a page away there.
 """
 
 from __future__ import annotations
@@ -32,6 +36,8 @@ itself."""
 OPEN_PAGE = "/"
 STATE_CHANGING_METHODS = frozenset({"POST", "PUT", "PATCH", "DELETE"})
 BODY_METHODS = frozenset({"POST", "PUT", "PATCH"})
+ANY_BODY_PATHS = "/api/"
+"""Ollama's routes: their bodies are JSON whatever the Content-Type says."""
 
 
 @dataclass(frozen=True)
@@ -83,7 +89,7 @@ class HttpSafetyMiddleware(ASGIMiddleware):
         path = scope["path"]
         if method != "OPTIONS" and path != OPEN_PAGE and not path.startswith(OPEN_PATHS):  # a preflight has no key
             self._check_key(headers)
-        if method in BODY_METHODS:
+        if method in BODY_METHODS and not path.startswith(ANY_BODY_PATHS):
             _check_json(headers.get("content-type", ""))
         await next_app(scope, receive, send)
 

@@ -69,6 +69,7 @@ __all__ = [
     "grammar_tokenizer_of",
     "hf_tokenizer_of",
     "infer_quant_config",
+    "json_schema_errors",
     "json_schema_grammar",
     "load_config",
     "load_tokenizer",
@@ -145,6 +146,14 @@ def json_schema_grammar(schema: dict[str, Any], options: JsonCompileOptions) -> 
     """llguidance's grammar for JSON documents valid for `schema`, compiled with `options`; ValueError if `schema`
     is not a JSON object (llguidance checks the schema itself only when a matcher is made of the grammar)."""
     return LLMatcher.grammar_from_json_schema(schema, overrides=options)
+
+
+def json_schema_errors(schema: dict[str, Any]) -> list[str]:
+    """What llguidance finds wrong with `schema` itself (an unknown type, bounds no value meets), keywords it does
+    not implement passed over (`lenient`); [] when it finds nothing. No tokenizer is needed to check a schema."""
+    grammar = LLMatcher.grammar_from_json_schema(schema, overrides={"lenient": True})
+    is_error, messages = LLMatcher.validate_grammar_with_warnings(grammar, None)
+    return list(messages) if is_error else []
 
 
 def _mlx_vlm(module: str) -> ModuleType:

@@ -30,10 +30,16 @@ MAX_SEED = 2**64 - 1
 """Seeds are unsigned 64-bit, the range MLX's PRNG keys take."""
 MAX_TOOLS = 128
 """OpenAI's bound."""
-MAX_STOP = 4
+MAX_STOP = 16
+"""OpenAI takes 4; vLLM and Ollama take any number, and editors built for Ollama send more than 4."""
 FUNCTION_NAME = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
 """OpenAI's rule for function names (and dots, which Ollama's and Anthropic's tools use)."""
 MAX_SCHEMA_DEPTH = 32
+MAX_SCHEMA_ALTERNATIVES = 1000
+"""OpenAI's bound on a schema's enum values, here on every choice a schema offers (enum values, anyOf and oneOf
+branches, optional properties): llama.cpp's grammar sampler walks them all for each token, while every other request
+on the model waits. On a 2-core x86 CPU 1000 of them cost about 0.25 s a token, 3000 over a second, and a schema of
+20000 held a model for minutes."""
 
 
 def unsupported(param: str, why: str = "") -> ApiError:
@@ -168,12 +174,18 @@ def embedding_inputs(value: EmbeddingInput, param: str = "input") -> tuple[str |
 
 
 def output_schema(schema: object, param: str) -> dict[str, Any]:
-    """A JSON Schema a client asks the output to follow: an object, not too deep. Whether the runner's grammar
-    compiler can follow it is checked where the model is (an error there is a 400 too)."""
+    """A JSON Schema a client asks the output to follow: an object, not too deep, offering not too many choices.
+    Whether the runner's grammar compiler can follow it is checked where the model is (an error there is a 400 too)."""
     if not isinstance(schema, dict):
         raise invalid(param, f"{param} must be a JSON Schema object")
     if _depth(schema) > MAX_SCHEMA_DEPTH:
         raise invalid(param, f"{param} is nested deeper than {MAX_SCHEMA_DEPTH} levels")
+    if (offered := _alternatives(schema)) > MAX_SCHEMA_ALTERNATIVES:
+        raise invalid(
+            param,
+            f"{param} offers {offered} choices (enum values, anyOf and oneOf branches, optional properties); at most "
+            f"{MAX_SCHEMA_ALTERNATIVES} are allowed",
+        )
     return schema
 
 
@@ -192,8 +204,18 @@ def tools(
     for i, (name, description, parameters) in enumerate(functions):
         if not FUNCTION_NAME.match(name):
             raise invalid(f"{param}[{i}]", f"function names are 1 to 64 of a-z, A-Z, 0-9, '_', '.', '-'; got {name!r}")
-        schema = {"type": "object"} if parameters is None else output_schema(parameters, f"{param}[{i}].parameters")
+        field = f"{param}[{i}].parameters"
+        schema = {"type": "object"} if parameters is None else output_schema(parameters, field)
+        if schema.get("type", "object") != "object":
+            raise invalid(field, f"{field} must be a JSON Schema of type 'object' (a call's arguments are an object)")
         checked.append(Tool(name=name, description=description, parameters=schema))
+    if (offered := sum(_alternatives(tool.parameters) for tool in checked)) > MAX_SCHEMA_ALTERNATIVES:
+        # A forced call's grammar (llama.cpp's lazy one for any call, too) holds every function's parameters.
+        raise invalid(
+            param,
+            f"the parameters of {param} offer {offered} choices together (enum values, anyOf and oneOf branches, "
+            f"optional properties); at most {MAX_SCHEMA_ALTERNATIVES} are allowed",
+        )
     names = [tool.name for tool in checked]
     if len(set(names)) != len(names):
         raise invalid(param, f"{param} names a function twice")
@@ -304,6 +326,8 @@ def text_content(content: object, param: str) -> str:
 
 
 _TEXT_PARTS = ("text", "input_text", "output_text")
+_VALUES = frozenset({"enum", "const", "default", "examples"})
+"""Schema keywords whose values are JSON values, not schemas."""
 
 
 def _depth(value: object, level: int = 0) -> int:
@@ -314,6 +338,22 @@ def _depth(value: object, level: int = 0) -> int:
     if isinstance(value, list):
         return max((_depth(v, level + 1) for v in value), default=level)
     return level
+
+
+def _alternatives(schema: object) -> int:
+    """The choices `schema` offers a document, in all its subschemas: enum values, anyOf and oneOf branches, and
+    properties that are not required (an object may hold or leave out each)."""
+    if isinstance(schema, list):
+        return sum(_alternatives(item) for item in schema)
+    if not isinstance(schema, dict):
+        return 0
+    offered = sum(len(schema[key]) for key in ("enum", "anyOf", "oneOf") if isinstance(schema.get(key), list))
+    properties, required = schema.get("properties"), schema.get("required")
+    if isinstance(properties, dict):
+        named = {name for name in required if isinstance(name, str)} if isinstance(required, list) else set()
+        offered += len(set(properties) - named)
+        offered += sum(_alternatives(value) for value in properties.values())
+    return offered + sum(_alternatives(v) for k, v in schema.items() if k not in _VALUES and k != "properties")
 
 
 _MODEL_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:/@+-]*")

@@ -14,6 +14,7 @@ choice's end publish what is held first, so the order of the text never changes.
 
 from __future__ import annotations
 
+import logging
 import secrets
 import time
 from collections.abc import Callable, Sequence
@@ -23,9 +24,9 @@ from typing import TYPE_CHECKING, Any
 from jetshard_schema.ids import TaskId
 from jetshard_schema.types import Chunk, PromptProgress, TaskOutcome, TokenLogprob, ToolCall, TopLogprob, Usage
 
-from jetshard_worker.text.json_closer import minimal_completion
+from jetshard_worker.text.json_closer import agnostic_close, minimal_completion
 from jetshard_worker.text.textstream import StopText
-from jetshard_worker.text.toolcalls import ToolCallParsed, ToolCallSplitter, parse_forced
+from jetshard_worker.text.toolcalls import ToolCallParsed, ToolCallSplitter, parse_forced, parse_forced_cut
 
 if TYPE_CHECKING:
     # MLX's parts, named here only as types: importing them takes seconds (mlx, mlx-lm, transformers, llguidance),
@@ -41,6 +42,19 @@ PROGRESS_FROM_TOKENS = 1024
 PROGRESS_EVERY_S = 0.5
 """How often a long prompt's progress is said at most: an engine that processes it between decode steps tells of
 every step."""
+
+
+log = logging.getLogger(__name__)
+
+
+def _closing(text: str, schema: dict[str, Any]) -> str:
+    """What closes `text`, a document cut short by max_tokens, into one valid for `schema`; where the closer finds
+    none (a schema no finite document meets, or one it does not model), a close that still parses."""
+    try:
+        return minimal_completion(text, schema)
+    except ValueError as error:
+        log.warning("no completion valid for the schema (%s); closing ...%r as plain JSON", error, text[-80:])
+        return agnostic_close(text)
 
 
 def row_id(task_id: str, choice: int) -> str:
@@ -85,7 +99,8 @@ class ChoiceOutput:
     constraint: JsonConstraint | None = None
     grammar_schema: dict[str, Any] | None = None
     """The JSON Schema an engine's own grammar holds the output to (llama.cpp): a document cut short at
-    `max_tokens` is closed with the shortest valid completion, as `constraint` closes one on MLX."""
+    `max_tokens` is closed with the shortest valid completion, as `constraint` closes one on MLX (a forced call cut
+    short is left out instead)."""
     reasoning: tuple[ReasoningText, ReasoningTokens] | None = None
     """A thinking model's chat: its text split into reasoning and answer, its reasoning tokens counted."""
     engine_reasoning_tokens: int = 0
@@ -187,9 +202,11 @@ class TaskOutput:
             # Ending: what the detokenizer still holds back comes first, then what completes the document after it.
             more_reasoning, tail = output.finish()
             closing = output.constraint.completion(output.joined())
+            output.ending = TaskOutcome.LENGTH if closing else TaskOutcome.STOP
+            if output.forced_calls:
+                closing = ""  # a call cut short is left out (`parse_forced_cut`), never given made-up arguments
             reasoning, text = reasoning + more_reasoning, text + tail + closing
             output.text.append(closing)
-            output.ending = TaskOutcome.LENGTH if closing else TaskOutcome.STOP
         self._emit(choice, reasoning, text)
         return output.ending
 
@@ -234,14 +251,15 @@ class TaskOutput:
             reasoning, text = "", ""
         else:
             reasoning, text = output.finish()
-            if output.grammar_schema is not None and reason is TaskOutcome.LENGTH:
-                closing = minimal_completion(output.joined(), output.grammar_schema)
+            if output.grammar_schema is not None and reason is TaskOutcome.LENGTH and not output.forced_calls:
+                closing = _closing(output.joined(), output.grammar_schema)
                 text += closing
                 output.text.append(closing)
         calls: list[ToolCallParsed] = []
         if output.forced_calls:
-            calls = parse_forced(output.joined())
-            text = "" if calls else text
+            cut = reason is TaskOutcome.LENGTH
+            calls = parse_forced_cut(output.joined()) if cut else parse_forced(output.joined())
+            text = "" if calls or cut else text
         elif output.splitter is not None:
             shown, calls = output.splitter.add(text)
             rest, more = output.splitter.finish()

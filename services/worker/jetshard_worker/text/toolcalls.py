@@ -19,6 +19,7 @@ constrained decoder makes the model write the call as JSON of a fixed shape inst
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 from collections.abc import Callable
@@ -188,7 +189,30 @@ def parse_forced(text: str) -> list[ToolCallParsed]:
     """The calls in the output of a decoding constrained by `forced_call_schema`: one object or an array of them.
     Raises ValueError when the text is not that shape (generation was cut short before the JSON closed)."""
     value = json.loads(text)
-    items = value if isinstance(value, list) else [value]
+    return _forced_calls(value if isinstance(value, list) else [value])
+
+
+def parse_forced_cut(text: str) -> list[ToolCallParsed]:
+    """The calls a forced-call output cut short by max_tokens completed: an array's items before the cut. The call
+    being written at the cut is left out: arguments completed for it would be made up, not the model's, and a
+    client would run them."""
+    with contextlib.suppress(ValueError):
+        return parse_forced(text)
+    body = text.lstrip()
+    if not body.startswith("["):
+        return []
+    decoder, at = json.JSONDecoder(), 1
+    items: list[Any] = []
+    while True:
+        at = len(body) - len(body[at:].lstrip(" \t\n\r,"))
+        try:
+            item, at = decoder.raw_decode(body, at)
+        except ValueError:
+            return _forced_calls(items)
+        items.append(item)
+
+
+def _forced_calls(items: list[Any]) -> list[ToolCallParsed]:
     calls = []
     for item in items:
         if not (

@@ -54,6 +54,7 @@ _ERROR_TYPES = {
     401: "authentication_error",
     403: "permission_error",
     404: "not_found_error",
+    405: "invalid_request_error",
     409: "invalid_request_error",
     413: "request_too_large",
     415: "invalid_request_error",

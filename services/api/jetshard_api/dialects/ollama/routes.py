@@ -19,10 +19,11 @@ from jetshard_schema.cards import ModelCard
 from jetshard_schema.commands import SetInstanceKeepAlive
 from jetshard_schema.ids import ModelId, NodeId, new_task_id
 from jetshard_schema.models import all_cards, find_card
-from jetshard_schema.state import State, ready_models
+from jetshard_schema.placement import served_context
+from jetshard_schema.state import State, ready_instances
 from jetshard_schema.types import Chunk, TaskRequest, TokenLogprob, Usage
 from jetshard_schema.view import model_unloads_at_ms
-from litestar import Request, Response, delete, get, post
+from litestar import Request, Response, delete, get, head, post
 from litestar.background_tasks import BackgroundTask
 from litestar.di import NamedDependency
 from litestar.exceptions import HTTPException
@@ -380,7 +381,18 @@ class OllamaController(StrictController):
         request: AnyRequest,
     ) -> EmbedAnswer:
         """One L2-normalised vector per input: the mean of the model's last hidden states (see
-        `/v1/embeddings`); `dimensions` keeps the first ones, normalised again."""
+        `/v1/embeddings`); `dimensions` keeps the first ones, normalised again. No input: load the model and
+        answer no vector (how Ollama's clients load one)."""
+        if not data.input:
+            clock = await _loaded(cluster, settings, model_id_of(data.model), request)
+            loaded = clock.done(None)
+            return EmbedAnswer(
+                model=data.model,
+                embeddings=[],
+                total_duration=loaded["total_duration"],
+                load_duration=loaded["load_duration"],
+                prompt_eval_count=0,
+            )
         task = embed_task(new_task_id(), model_id_of(data.model), data.input)
         task = msgspec.structs.replace(task, keep_alive_ms=keep_alive_of(data.keep_alive))
         clock = await _loaded(cluster, settings, task.model_id, request)
@@ -422,12 +434,14 @@ class OllamaController(StrictController):
     async def ps(self, cluster: NamedDependency[Cluster]) -> RunningList:
         """The models with a ready instance, and when each unloads if nothing more comes for it."""
         state, now_ms = cluster.state, int(time.time() * 1000)
-        ready = ready_models(state)
+        engines = {instance.model_id: instance.engine for instance in ready_instances(state)}
         return RunningList(
             [
-                RunningModel.running(card, model_unloads_at_ms(state, model_id, now_ms))
+                RunningModel.running(
+                    card, model_unloads_at_ms(state, model_id, now_ms), served_context(card, engines[model_id])
+                )
                 for model_id, card in all_cards(state).items()
-                if model_id in ready
+                if model_id in engines
             ]
         )
 
@@ -440,6 +454,11 @@ class OllamaController(StrictController):
     @get("/version", responses=OLLAMA_RESPONSES)
     async def version(self) -> Version:
         return Version(OLLAMA_VERSION)
+
+    @head(["/version", "/tags"])
+    async def alive(self) -> None:
+        """Ollama's clients ask whether the server is up with a HEAD request (the `ollama` CLI before each
+        command), as Ollama answers it on these routes and on `/`."""
 
     @post("/pull", status_code=200, responses=OLLAMA_RESPONSES)
     async def pull(

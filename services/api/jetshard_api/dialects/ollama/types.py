@@ -191,7 +191,8 @@ class GenerateRequest(GenerationRequest, frozen=True, kw_only=True):
 
 class EmbedRequest(msgspec.Struct, frozen=True, kw_only=True):
     model: str
-    input: str | list[str]
+    input: str | list[str] = ""
+    """Left out or empty: the model is loaded and no vector comes back."""
     truncate: bool = True
     """No input is cut here: one longer than the model's context is an error whatever this says."""
     dimensions: int | None = None
@@ -547,12 +548,11 @@ class RunningModel(ListedModel, frozen=True, kw_only=True):
     context_length: int
 
     @classmethod
-    def running(cls, card: ModelCard, unloads_at_ms: int | None) -> RunningModel:
+    def running(cls, card: ModelCard, unloads_at_ms: int | None, context_length: int) -> RunningModel:
+        """`context_length`: what its instance serves (a llama.cpp slot's may be less than the model's)."""
         listed = msgspec.structs.asdict(ListedModel.of(card))
         expires_at = NEVER if unloads_at_ms is None else _rfc3339(unloads_at_ms)
-        return cls(
-            **listed, expires_at=expires_at, size_vram=card.storage_size_bytes, context_length=card.context_length
-        )
+        return cls(**listed, expires_at=expires_at, size_vram=card.storage_size_bytes, context_length=context_length)
 
 
 class RunningList(msgspec.Struct, frozen=True):

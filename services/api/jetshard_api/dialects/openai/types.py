@@ -148,6 +148,10 @@ class ChatCompletionRequest(_Common, frozen=True, kw_only=True):
     """Passed to the chat template as `reasoning_effort`; "none" turns a thinking model's reasoning off."""
     chat_template_kwargs: dict[str, Any] | None = None
     """vLLM's: values for the chat template (`{"enable_thinking": false}`)."""
+    functions: list[Any] | None = None
+    """Chat Completions' deprecated form of `tools`: refused, naming `tools`, never ignored."""
+    function_call: Any = None
+    """The deprecated form of `tool_choice`, refused likewise."""
 
 
 class CompletionRequest(_Common, frozen=True, kw_only=True):
@@ -186,6 +190,9 @@ def chat_task(
     """`loaded`: the images the request names by file or web address (`image_urls`), as the API read them."""
     max_tokens = request.max_completion_tokens if request.max_completion_tokens is not None else request.max_tokens
     sampling = _common(request, max_tokens)
+    for deprecated, instead in (("functions", "tools"), ("function_call", "tool_choice")):
+        if getattr(request, deprecated) is not None:
+            raise checks.unsupported(deprecated, f"(deprecated by OpenAI): use '{instead}'")
     if not request.messages:
         raise checks.invalid("messages", "messages must not be empty")
     output_schema = None

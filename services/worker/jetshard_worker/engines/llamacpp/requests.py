@@ -13,6 +13,7 @@ import json
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from jetshard_schema.placement import LLAMA_CPP_SLOT_CONTEXT
 from jetshard_schema.sampling import ResolvedSampling
 from jetshard_schema.types import ChatMessage, TaskOutcome, TaskRequest, TokenLogprob, ToolChoice, TopLogprob
 
@@ -371,6 +372,13 @@ class ServerError(Exception):
         message = str(error.get("message") or error)
         kind = str(error.get("type") or "")
         if "context" in kind or ("context" in message and "exceed" in message):
+            prompt, window = error.get("n_prompt_tokens"), error.get("n_ctx")
+            if isinstance(prompt, int) and isinstance(window, int):
+                # llama.cpp's own advice ("try increasing it") is not the client's to follow.
+                message = (
+                    f"the request takes {prompt} tokens, more than the {window} of context a llama.cpp slot holds "
+                    f"(the model's own context, at most {LLAMA_CPP_SLOT_CONTEXT} a slot): shorten it"
+                )
             return cls(f"llama.cpp: {message}", "context_length_exceeded")
         if kind == "invalid_request_error" or error.get("code") == 400:
             return cls(f"llama.cpp: {message}", "invalid_request")

@@ -13,10 +13,11 @@ from pathlib import Path
 import httpx
 from jetshard_schema.cards import GenerationDefaults
 from jetshard_schema.sampling import resolve_sampling
-from jetshard_schema.types import TaskKind, TaskOutcome, TaskRequest
+from jetshard_schema.types import TaskKind, TaskOutcome, TaskRequest, ToolChoice
 
 from jetshard_worker.engines.base import Admitted, OnProgress, Refused, RowEvents
 from jetshard_worker.engines.model_dir import read_generation_config
+from jetshard_worker.library_boundary import json_schema_errors
 from jetshard_worker.peer_tunnel import Tunnel
 from jetshard_worker.runner_spec import RunnerSpec
 from jetshard_worker.text.output import ChoiceOutput, RowEnd, choice_seed, row_id
@@ -166,6 +167,8 @@ class LlamaCppServing(LlamaCppEngine):
             )
         if (unreadable := llama_requests.unreadable_image(request)) is not None:
             return Refused(unreadable, "unsupported_by_engine")
+        if (contradiction := _schema_contradiction(request)) is not None:
+            return Refused(contradiction, "invalid_schema")
         if request.top_logprobs is not None and self.server.settings.draft is not None:
             # Its stream leaves out the logprobs of the drafted tokens it keeps: an answer with holes, never given.
             return Refused(
@@ -268,3 +271,16 @@ class LlamaCppServing(LlamaCppEngine):
 
     def _finished(self, row: str, ending: Ending, calls: list[ToolCallParsed]) -> None:
         self._events.finished(row, RowEnd(ending.reason, ending.prompt_tokens, calls, ending.completion_tokens))
+
+
+def _schema_contradiction(request: TaskRequest) -> str | None:
+    """What is wrong with a schema llama.cpp would build a grammar of (the output's, each tool's parameters), as
+    llguidance finds it. llama-server aborts on a grammar no value meets (a minimum above the maximum), and every
+    request in flight on it fails with it, so such a schema never reaches it."""
+    schemas = [("the response format", request.output_schema)] if request.output_schema is not None else []
+    if request.tools is not None and request.tools.choice is not ToolChoice.NONE:
+        schemas += [(f"function {tool.name!r}'s parameters", tool.parameters) for tool in request.tools.functions]
+    for what, schema in schemas:
+        if errors := json_schema_errors(schema):
+            return f"the JSON schema of {what} is invalid: {'; '.join(errors)}"
+    return None
