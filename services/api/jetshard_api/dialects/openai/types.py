@@ -192,7 +192,7 @@ def chat_task(
     sampling = _common(request, max_tokens)
     for deprecated, instead in (("functions", "tools"), ("function_call", "tool_choice")):
         if getattr(request, deprecated) is not None:
-            raise checks.unsupported(deprecated, f"(deprecated by OpenAI): use '{instead}'")
+            raise checks.unsupported(deprecated, f"(deprecated by OpenAI; use '{instead}')")
     if not request.messages:
         raise checks.invalid("messages", "messages must not be empty")
     output_schema = None
