@@ -14,6 +14,7 @@ from typing import Any
 import anthropic
 import jsonschema
 import msgspec
+import ollama
 import pytest
 from helpers.dialects import WEATHER_PARAMETERS, DialectCluster
 from jetshard_api.app import create_app
@@ -155,13 +156,22 @@ def test_refusals_are_anthropic_errors(client: anthropic.Anthropic, dialect_clus
     for wrong in ({"temperature": 1.5}, {"top_k": -1}, {"thinking": {"type": "enabled", "budget_tokens": 1024}}):
         with pytest.raises(anthropic.BadRequestError):
             client.messages.create(model=model, messages=QUESTION, max_tokens=5, extra_body=wrong)
-    prefill: Any = [*QUESTION, {"role": "assistant", "content": "{"}]
-    with pytest.raises(anthropic.BadRequestError):
-        client.messages.create(model=model, messages=prefill, max_tokens=5)
     for stream in (False, True):
         with pytest.raises(anthropic.NotFoundError) as missing:
             client.messages.create(model="nobody/nothing", messages=QUESTION, max_tokens=5, stream=stream)
         assert missing.value.body["error"]["type"] == "not_found_error"  # type: ignore[index]
+
+
+def test_a_prefill_is_continued(client: anthropic.Anthropic, dialect_cluster: DialectCluster) -> None:
+    """An assistant's message last is the start of the answer, as Anthropic takes it: the same continuation as
+    Ollama's for a trailing assistant message (tests/test_ollama.py checks what that continuation is)."""
+    prefill: Any = [*QUESTION, {"role": "assistant", "content": "{"}]
+    greedy = {"top_k": 1}
+    message = client.messages.create(model=dialect_cluster.model, messages=prefill, max_tokens=5, extra_body=greedy)
+    continued = ollama.Client(host=dialect_cluster.api).chat(
+        model=dialect_cluster.model, messages=prefill, options={**greedy, "num_predict": 5}
+    )
+    assert message.content[0].text == continued.message.content  # type: ignore[union-attr]
 
 
 def test_an_unknown_field_in_thinking_is_refused_naming_it(

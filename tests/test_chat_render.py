@@ -87,6 +87,17 @@ def test_a_template_without_tools_gets_them_described_in_a_system_message(model_
     )
 
 
+def test_a_continued_last_message_is_left_open_for_the_answer(model_dir: Path) -> None:
+    """Anthropic's prefill, Ollama's trailing assistant message: the answer goes on from the caller's text, in the
+    same turn, instead of a new turn after it."""
+    tokenizer = tokenizer_with(model_dir, None)  # the tiny model's plain ChatML
+    prefilled = (*CONVERSATION[:1], ChatMessage(role="assistant", content="It is"))
+    assert render_chat(tokenizer, prefilled, None, continue_final=True) == (
+        "<|im_start|>user\nWeather in Paris?<|im_end|>\n<|im_start|>assistant\nIt is"
+    )
+    assert render_chat(tokenizer, prefilled, None).endswith("It is<|im_end|>\n<|im_start|>assistant\n")
+
+
 def test_a_requests_template_values_reach_the_template_but_not_the_renderings_own(model_dir: Path) -> None:
     """`chat_template_kwargs` come from a stored request (untrusted): values the template reads pass, the arguments
     the rendering sets itself are refused."""

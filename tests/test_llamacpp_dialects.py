@@ -236,6 +236,22 @@ def test_completions_anthropic_ollama_and_responses_answer_too(llamacpp_cluster:
     assert "Paris" in response.output_text
 
 
+def test_anthropics_prefill_and_ollamas_last_assistant_message_are_continued(llamacpp_cluster: LlamaCppCluster) -> None:
+    api, model = llamacpp_cluster.api, llamacpp_cluster.model
+    prefilled = [*ASK, {"role": "assistant", "content": "The capital of France is"}]
+    message = anthropic.Anthropic(base_url=api, api_key="unused", max_retries=0).messages.create(
+        model=model,
+        max_tokens=8,
+        messages=prefilled,  # type: ignore[arg-type]
+        extra_body={"top_k": 1},  # greedy: the SDK takes no temperature
+    )
+    text = message.content[0].text  # type: ignore[union-attr]
+    assert "Paris" in text and "capital" not in text, text  # the sentence goes on; no new answer starts
+    options = {"temperature": 0, "num_predict": 8}
+    chat = ollama.Client(host=api).chat(model=model, messages=prefilled, options=options)
+    assert "Paris" in chat.message.content and "capital" not in chat.message.content, chat.message.content
+
+
 def test_embeddings_on_llama_cpp_are_normalised_vectors_of_the_hidden_size(
     client: openai.OpenAI, llamacpp_cluster: LlamaCppCluster
 ) -> None:

@@ -37,6 +37,7 @@ from jetshard_api.dialects.ollama.types import (
 from jetshard_api.errors import ApiError
 from jetshard_schema.models import builtin_cards
 from jetshard_schema.types import SamplingParams, ToolCall
+from jetshard_worker.library_boundary import load_tokenizer
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -102,6 +103,23 @@ def test_stop_strings_cut_the_answer_and_there_may_be_more_than_openais_four(
         model=dialect_cluster.model, prompt="hello", raw=True, options={**options, "stop": [*unseen, stop]}
     )
     assert cut.response == whole[: whole.index(stop)] and cut.done_reason == "stop"
+
+
+def test_a_last_assistant_message_is_continued_not_answered(
+    client: ollama.Client, dialect_cluster: DialectCluster
+) -> None:
+    """As in Ollama, an assistant's message last is text the answer goes on from (a prefill): the answer is what
+    the model generates from the prompt that ends with that text, still in the assistant's turn."""
+    conversation = [*QUESTION, {"role": "assistant", "content": "It is"}]
+    continued = client.chat(model=dialect_cluster.model, messages=conversation, options=SHORT).message.content
+    tokenizer = load_tokenizer(dialect_cluster.model_dir)
+    prompt = tokenizer.apply_chat_template(conversation, continue_final_message=True, tokenize=False)
+    assert prompt.endswith("It is")
+    raw = client.generate(model=dialect_cluster.model, prompt=prompt, raw=True, options=SHORT).response
+    assert continued == raw
+    with pytest.raises(ollama.ResponseError, match="tool calls"):
+        called = {"role": "assistant", "tool_calls": [{"function": {"name": "f", "arguments": {}}}]}
+        client.chat(model=dialect_cluster.model, messages=[*QUESTION, called], options=SHORT)
 
 
 def test_the_http_default_is_a_stream_of_json_lines(dialect_cluster: DialectCluster) -> None:

@@ -604,6 +604,9 @@ class TaskRequest(msgspec.Struct, frozen=True, kw_only=True):
     thinking_budget: Annotated[int, msgspec.Meta(ge=1)] | None = None
     """The most tokens a thinking model may reason for: reaching it ends the reasoning with the model's end
     marker, and the answer follows."""
+    continue_final_message: bool = False
+    """The answer continues the conversation's last message, an assistant's (Anthropic's prefill, Ollama's trailing
+    assistant message, vLLM's `continue_final_message`), instead of opening a new turn after it."""
 
 
 class TaskRef(msgspec.Struct, frozen=True, kw_only=True):

@@ -17,6 +17,7 @@ from jetshard_schema.types import (
     MAX_REPETITION_PENALTY,
     MAX_TOP_LOGPROBS,
     TOKEN_ID_LIMIT,
+    ChatMessage,
     SamplingParams,
     Tool,
     ToolChoice,
@@ -251,6 +252,16 @@ def template_kwargs(
     if effort is not None:
         kwargs.setdefault("reasoning_effort", effort)
     return kwargs
+
+
+def continued(messages: Sequence[ChatMessage], param: str = "messages") -> bool:
+    """Whether the answer continues the last message: an assistant's text, which Anthropic and Ollama continue
+    (a prefill) rather than answer. One that holds tool calls cannot be continued."""
+    if not messages or messages[-1].role != "assistant":
+        return False
+    if messages[-1].tool_calls:
+        raise invalid(param, f"{param} ends with an assistant's tool calls: their results come next, not more of it")
+    return True
 
 
 def thinking_budget(budget: int | None, param: str, max_tokens: int | None = None) -> int | None:

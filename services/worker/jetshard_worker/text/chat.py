@@ -36,16 +36,20 @@ def render_chat(
     template_kwargs: dict[str, Any] | None = None,
     content_parts: bool = False,
     add_generation_prompt: bool = True,
+    continue_final: bool = False,
 ) -> str:
     """The prompt text; the tools are left out when the request's choice is `none`. `template_kwargs` are the
     request's own values for the template (`enable_thinking`...); the ones the rendering itself sets are refused.
     `content_parts`: the template is a vision model's (see the module's doc). Without `add_generation_prompt`, the
-    conversation alone, without the opening of the assistant's turn."""
+    conversation alone, without the opening of the assistant's turn. `continue_final`: the last message, an
+    assistant's, left open for the answer to continue (transformers' `continue_final_message`)."""
     template_kwargs = template_kwargs or {}
     reserved = sorted(set(template_kwargs) & CHAT_TEMPLATE_ARGUMENTS)
     if reserved:
         raise ValueError(f"chat_template_kwargs may not set {', '.join(reserved)}")
-    template_kwargs = {**template_kwargs, "add_generation_prompt": add_generation_prompt}
+    template_kwargs = {**template_kwargs, "add_generation_prompt": add_generation_prompt and not continue_final}
+    if continue_final:
+        template_kwargs["continue_final_message"] = True
     parts = {i: len(m.images) for i, m in enumerate(messages)} if content_parts else None
     plain = _render(tokenizer, [message_dict(m) for m in messages], None, parts, template_kwargs)
     if tools is None or tools.choice is ToolChoice.NONE or not tools.functions:

@@ -179,10 +179,9 @@ def messages_task(
     effort = request.output_config.effort if request.output_config is not None else None
     if not request.messages:
         raise checks.invalid("messages", "messages must not be empty")
-    if request.messages[-1].role == "assistant":
-        raise checks.unsupported("messages", "ending with an assistant message (a prefill to continue)")
     system = _text(request.system or "")
     messages = [ChatMessage(role="system", content=system)] if system else []
+    conversation = (*messages, *_conversation(request.messages))
     choice = request.tool_choice
     if choice is not None and choice.type == "tool" and not choice.name:
         raise checks.invalid("tool_choice.name", "tool_choice of type tool needs the tool's name")
@@ -196,12 +195,13 @@ def messages_task(
         task_id=task_id,
         model_id=model_id,
         kind=TaskKind.CHAT,
-        messages=(*messages, *_conversation(request.messages)),
+        messages=conversation,
         sampling=sampling,
         tools=tools,
         output_schema=_output_schema(request.output_config),
         chat_template_kwargs=checks.template_kwargs(None, thinking=switch, effort=effort),
         thinking_budget=budget,
+        continue_final_message=checks.continued(conversation),
     )
 
 

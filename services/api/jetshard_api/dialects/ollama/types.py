@@ -311,7 +311,13 @@ def chat_task(task_id: TaskId, model_id: ModelId, request: ChatRequest, context_
     tools: Tools | None = checks.tools(functions)  # Ollama has no tool_choice: the model decides
     conversation = messages(request.messages)
     check_images(conversation)
-    return TaskRequest(kind=TaskKind.CHAT, messages=conversation, tools=tools, **common)
+    return TaskRequest(
+        kind=TaskKind.CHAT,
+        messages=conversation,
+        tools=tools,
+        continue_final_message=checks.continued(conversation),
+        **common,
+    )
 
 
 def messages(bodies: list[MessageBody]) -> tuple[ChatMessage, ...]:

@@ -148,6 +148,8 @@ class ChatCompletionRequest(_Common, frozen=True, kw_only=True):
     """Passed to the chat template as `reasoning_effort`; "none" turns a thinking model's reasoning off."""
     chat_template_kwargs: dict[str, Any] | None = None
     """vLLM's: values for the chat template (`{"enable_thinking": false}`)."""
+    continue_final_message: bool = False
+    """vLLM's: the answer continues the last message, an assistant's, instead of answering it in a new turn."""
     functions: list[Any] | None = None
     """Chat Completions' deprecated form of `tools`: refused, naming `tools`, never ignored."""
     function_call: Any = None
@@ -205,11 +207,14 @@ def chat_task(
         output_schema = checks.output_schema(response_format.json_schema.schema, "response_format")
     messages = tuple(_message(m, i, loaded or {}) for i, m in enumerate(request.messages))
     check_images(messages)
+    if request.continue_final_message and not checks.continued(messages):
+        raise checks.invalid("continue_final_message", "continue_final_message needs an assistant's message last")
     return TaskRequest(
         task_id=task_id,
         model_id=model_id,
         kind=TaskKind.CHAT,
         messages=messages,
+        continue_final_message=request.continue_final_message,
         sampling=sampling,
         tools=_tools(request),
         output_schema=output_schema,

@@ -82,7 +82,7 @@ class LlamaCppEngine:
 
     async def _serve(self, request: LlamaRequest) -> None:
         row = request.row_id
-        state = StreamState(top_logprobs=request.top_logprobs)
+        state = StreamState(top_logprobs=request.top_logprobs, echo=request.echo)
         started = False
         try:
             async with self._slots:

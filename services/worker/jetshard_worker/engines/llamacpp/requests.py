@@ -43,6 +43,9 @@ class LlamaRequest:
     top_logprobs: int = 0
     """Alternatives the task asked for at each token: llama-server gives a token's own logprob only with at least
     one alternative, so it is asked for one more where the task asked for none, and the events are cut back."""
+    echo: str = ""
+    """What llama-server repeats before the text it generates: a last assistant message, which it continues (a
+    prefill) and then gives again as the start of the answer."""
 
 
 @dataclass(frozen=True)
@@ -93,6 +96,8 @@ class StreamState:
     whitespace) are reasoning's, as the MLX engine counts them."""
     top_logprobs: int = 0
     """The alternatives each token's logprob keeps (`LlamaRequest.top_logprobs`)."""
+    echo: str = ""
+    """What is still to come of `LlamaRequest.echo`: left out of the answer."""
 
     def parsed_calls(self) -> list[ToolCallParsed]:
         return [ToolCallParsed(parts[0], "".join(parts[1:]) or "{}") for _, parts in sorted(self.calls.items())]
@@ -151,7 +156,11 @@ def chat_request(
     if request.thinking_budget is not None:
         body["thinking_budget_tokens"] = min(request.thinking_budget, INT32_MAX)
     body["return_progress"] = True
-    return LlamaRequest(row_id, CHAT_PATH, body, request.top_logprobs or 0)
+    # llama-server continues an assistant's message last, whatever the dialect asked (vLLM and MLX answer it in a
+    # new turn unless told to continue), and gives it again as the answer's start.
+    last = request.messages[-1] if request.messages else None
+    echo = last.content if last is not None and last.role == "assistant" and not last.tool_calls else ""
+    return LlamaRequest(row_id, CHAT_PATH, body, request.top_logprobs or 0, echo)
 
 
 def completion_request(
@@ -284,6 +293,17 @@ def parse_event(path: str, data: str, state: StreamState) -> tuple[Piece | None,
     return piece, ending
 
 
+def _without_echo(text: str, state: StreamState) -> str:
+    """`text` less what of it repeats the prefill llama-server continued; once the text goes its own way, the echo
+    is over."""
+    if not state.echo:
+        return text
+    same = (i for i, (echoed, given) in enumerate(zip(state.echo, text, strict=False)) if echoed != given)
+    repeated = next(same, min(len(state.echo), len(text)))
+    state.echo = state.echo[repeated:] if repeated == len(text) else ""
+    return text[repeated:]
+
+
 def _chat_event(event: dict[str, Any], state: StreamState) -> tuple[Piece | None, Ending | None]:
     piece = ending = None
     timings = event.get("timings") or {}
@@ -291,7 +311,7 @@ def _chat_event(event: dict[str, Any], state: StreamState) -> tuple[Piece | None
     for choice in event.get("choices") or ():
         delta = choice.get("delta") or {}
         reasoning = delta.get("reasoning_content") or ""
-        text = delta.get("content") or ""
+        text = _without_echo(delta.get("content") or "", state)
         for call in delta.get("tool_calls") or ():
             parts = state.calls.setdefault(int(call.get("index", 0)), [""])
             function = call.get("function") or {}

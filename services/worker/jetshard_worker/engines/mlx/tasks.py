@@ -353,7 +353,10 @@ class MlxServing:
     def _turn_opening(self, request: TaskRequest, tokens: list[int]) -> list[int]:
         """The prompt's tokens after the conversation: what the template opens the assistant's turn with (`<think>`
         in a template that opens the reasoning there). A think marker a user wrote in a message is the
-        conversation's, and opens nothing. The whole prompt where the conversation alone is not its beginning."""
+        conversation's, and opens nothing. The whole prompt where the conversation alone is not its beginning;
+        nothing where the answer continues the caller's last message."""
+        if request.continue_final_message:
+            return []
         conversation = render_chat(
             self.tokenizer, request.messages, request.tools, request.chat_template_kwargs, add_generation_prompt=False
         )
@@ -374,6 +377,7 @@ class MlxServing:
                     request.tools,
                     request.chat_template_kwargs,
                     content_parts=vision is not None,
+                    continue_final=request.continue_final_message,
                 )
                 pictures = [image for message in request.messages for image in message.images]
                 if not pictures:
