@@ -122,6 +122,15 @@ def test_an_endpoint_that_is_not_here_is_an_error_in_its_dialects_shape(
         assert answered.json()["error"].startswith(error), answered.text
     anthropic_shaped = httpx.get(f"{dialect_cluster.api}/v1/messages/nothing", timeout=30)
     assert anthropic_shaped.json()["type"] == "error" and anthropic_shaped.json()["error"]["type"] == "not_found_error"
+    # A request with no body says so, in its dialect's shape.
+    for method, path, message_of in (
+        ("POST", "/v1/chat/completions", lambda body: body["error"]["message"]),
+        ("POST", "/v1/messages", lambda body: body["error"]["message"]),
+        ("DELETE", "/api/delete", lambda body: body["error"]),
+    ):
+        headers = {"content-type": "application/json"}
+        empty = httpx.request(method, f"{dialect_cluster.api}{path}", headers=headers, timeout=30)
+        assert empty.status_code == 400 and "the request has no JSON body" in message_of(empty.json()), empty.text
     # A method a route does not take is the client's mistake, not the server's (`api_error`).
     wrong_method = httpx.get(f"{dialect_cluster.api}/v1/messages", timeout=30)
     assert (wrong_method.status_code, wrong_method.json()["error"]["type"]) == (405, "invalid_request_error")

@@ -218,6 +218,22 @@ def test_completions_report_logprobs_in_the_legacy_shape(
     assert "".join(logprobs.tokens) == reply.choices[0].text
     # Keyed by token text: two tokens that decode alike (partial UTF-8 bytes) share a key.
     assert logprobs.top_logprobs and all(1 <= len(top) <= 2 for top in logprobs.top_logprobs)
+    # Each token's place in the text, streamed or not.
+    starts = [sum(len(t) for t in logprobs.tokens[:i]) for i in range(len(logprobs.tokens))]
+    assert logprobs.text_offset == starts
+    stream = client.completions.create(
+        model=dialect_cluster.model, prompt="hello", max_tokens=4, temperature=0, logprobs=2, stream=True
+    )
+    for empty in ("", [], [""]):
+        with pytest.raises(openai.BadRequestError, match="prompt must not be empty"):
+            client.completions.create(model=dialect_cluster.model, prompt=empty, max_tokens=4)  # type: ignore[arg-type]
+    streamed = [
+        offset
+        for chunk in stream
+        if chunk.choices[0].logprobs
+        for offset in chunk.choices[0].logprobs.text_offset or ()
+    ]
+    assert streamed == starts
 
 
 def test_n_choices_share_one_prefill_and_differ(client: openai.OpenAI, dialect_cluster: DialectCluster) -> None:

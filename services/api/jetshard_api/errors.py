@@ -132,13 +132,25 @@ def routed(request: Request[Any, Any, Any]) -> bool:
 def http_error_handler(request: Request, error: HTTPException) -> Response[dict[str, object]]:
     message = error.detail
     if isinstance(error, ValidationException) and error.extra:
-        message = f"{error.detail}: {error.extra}"
+        message = f"{error.detail}: {_problems(error.extra)}"
     elif not routed(request) and error.status_code == 404:
         message = f"{request.method} {request.url.path} is not an endpoint of this API (they are listed at /openapi)"
     elif not routed(request) and error.status_code == 405:
         message = f"{request.url.path} does not take {request.method} (its methods are listed at /openapi)"
     code = "request_too_large" if error.status_code == 413 else None
     return Response(error_body(error.status_code, str(message), code), status_code=error.status_code)
+
+
+def _problems(extra: object) -> str:
+    """Litestar's list of what failed, in words: an absent body is named as such (Litestar says `'data'`)."""
+    if not isinstance(extra, list) or not all(isinstance(problem, dict) for problem in extra):
+        return str(extra)
+    return "; ".join(
+        "the request has no JSON body"
+        if problem.get("source") == "body" and problem.get("key") == "data"
+        else f"{problem.get('key')} ({problem.get('source')}): {problem.get('message')}"
+        for problem in extra
+    )
 
 
 def nesting_error_handler(_: Request, error: RecursionError) -> Response[dict[str, object]]:

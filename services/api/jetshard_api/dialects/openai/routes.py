@@ -183,6 +183,8 @@ class _Events:
         }
         self._logprobs = task.top_logprobs is not None
         self._tool_calls_sent = [0] * task.n
+        self._text_sent = [0] * task.n
+        """Characters of each choice's text sent: where a completion chunk's tokens start (`text_offset`)."""
         self._started = False
 
     def opening(self) -> list[ServerSentEventMessage]:
@@ -240,5 +242,6 @@ class _Events:
         else:
             entry["text"] = chunk.text
             if self._logprobs:
-                entry["logprobs"] = CompletionLogprobs.of(chunk.logprobs)
+                entry["logprobs"] = CompletionLogprobs.of(chunk.logprobs, self._text_sent[chunk.choice])
+            self._text_sent[chunk.choice] += len(chunk.text)
         return entry

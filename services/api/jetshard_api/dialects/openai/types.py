@@ -278,9 +278,11 @@ def completion_task(task_id: TaskId, model_id: ModelId, request: CompletionReque
         raise checks.unsupported("echo" if request.echo else "suffix")
     prompt = request.prompt
     if isinstance(prompt, list):
-        if len(prompt) != 1:
+        if len(prompt) > 1:
             raise checks.unsupported("prompt", "as a list of several prompts")
-        prompt = prompt[0]
+        prompt = prompt[0] if prompt else ""
+    if not prompt:
+        raise checks.invalid("prompt", "prompt must not be empty: there is nothing to complete")
     return TaskRequest(
         task_id=task_id,
         model_id=model_id,
