@@ -22,7 +22,7 @@ from jetshard_schema.events import (
 )
 from jetshard_schema.ids import CommandId, ModelId
 from jetshard_schema.models import all_cards, find_card
-from jetshard_schema.state import State
+from jetshard_schema.state import FAILED_IMPORTS_KEPT, State
 from jetshard_schema.types import ImportProgress, ImportStatus
 
 CARD = tiny_card(MODEL, num_layers=8, vocab_size=1000, storage_size_estimated=True, is_custom=True)
@@ -115,6 +115,25 @@ def test_an_import_is_followed_until_a_newer_one_replaces_it_and_forgotten_with_
     assert state.imports[MODEL].import_id == again and state.imports[MODEL].progress.status is ImportStatus.ONGOING
     state = fold(CustomModelCardAdded(card=CARD), CustomModelCardDeleted(model_id=MODEL), state=state)
     assert MODEL not in state.imports
+
+
+def test_only_the_latest_failed_imports_are_kept() -> None:
+    """A failed import leaves no card to delete, and its id is whatever the client named: State keeps the latest
+    FAILED_IMPORTS_KEPT of them, so that failing imports cannot grow it without end."""
+    failing = []
+    for n in range(FAILED_IMPORTS_KEPT + 5):
+        model_id, import_id = ModelId(f"spam/x{n}"), f"imp-{n}"
+        failing += [
+            ModelImportRequested(import_id=import_id, node_id=A, model_id=model_id, path="/nonexistent.gguf"),
+            ModelImportProgressed(
+                import_id=import_id, node_id=A, model_id=model_id, progress=ImportProgress(status=ImportStatus.FAILED)
+            ),
+        ]
+    ongoing = ModelImportRequested(import_id="imp-live", node_id=A, model_id=MODEL, path="/data/tiny.gguf")
+    state = fold(ongoing, *failing)
+    failed = [m for m, record in state.imports.items() if record.progress.status is ImportStatus.FAILED]
+    assert failed == [f"spam/x{n}" for n in range(5, FAILED_IMPORTS_KEPT + 5)]
+    assert state.imports[MODEL].progress.status is ImportStatus.ONGOING  # one under way is never dropped
 
 
 def test_measured_size_replaces_the_estimate() -> None:

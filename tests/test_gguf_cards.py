@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import os
+import shutil
 import signal
 import struct
 import subprocess
@@ -242,6 +243,11 @@ def test_a_split_model_with_a_part_missing_is_refused_and_a_whole_one_stores_all
     write_gguf(parts[1], "qwen3", extra={"split.no": 1, "split.count": 3})
     with pytest.raises(ImportRefused, match=r"name its first part"):
         read_import(ModelId("local/big"), parts[1], None)
+    # A file of another model under a part's name: llama-server would fail to load the whole (no split.no).
+    write_gguf(parts[2], "qwen3")
+    with pytest.raises(ImportRefused, match=r"big-00003-of-00003.gguf is not part 3 of the 3 of big-00001-of-00003"):
+        read_import(ModelId("local/big"), parts[0], None)
+    write_gguf(parts[2], "qwen3", extra={"split.no": 2, "split.count": 3})
     card, files = read_import(ModelId("local/big"), parts[0], None)
     assert card.storage_size_bytes == sum(p.stat().st_size for p in parts)
     dirs = ModelDirs.from_options(tmp_path / "models")
@@ -277,6 +283,28 @@ def test_an_import_takes_the_place_of_leftovers_no_manifest_vouches_for(tmp_path
     assert directory == tmp_path / "models" / "local--m"
     assert sorted(p.name for p in directory.iterdir()) == [".jetshard-manifest.json", "model.gguf"]
     assert find_model(dirs, "local/m") is not None
+
+
+def test_an_import_through_a_link_stores_the_file_it_names(tmp_path: Path) -> None:
+    """A Hugging Face cache snapshot names its file by a relative link to a blob (the dashboard sends that path as
+    it is): the stored copy is the file, not the link, and outlives the cache."""
+    snapshot, blobs = (
+        tmp_path / "hub" / "models--org--m" / "snapshots" / "abc",
+        tmp_path / "hub" / "models--org--m" / "blobs",
+    )
+    snapshot.mkdir(parents=True)
+    blobs.mkdir()
+    blob = write_gguf(blobs / "deadbeef", "qwen3")
+    (snapshot / "m-Q4_K_M.gguf").symlink_to(Path("..", "..", "blobs", "deadbeef"))
+    dirs = ModelDirs.from_options(tmp_path / "models")
+    _, files = read_import(ModelId("local/m"), snapshot / "m-Q4_K_M.gguf", None)
+    kept = blob.read_bytes()
+    directory = store_import(
+        dirs, ModelId("local/m"), files, replace=False, on_progress=lambda *_: None, cancel=threading.Event()
+    ).directory
+    shutil.rmtree(tmp_path / "hub")
+    stored = directory / "model.gguf"
+    assert not stored.is_symlink() and stored.read_bytes() == kept
 
 
 NODE = NodeId("n1")

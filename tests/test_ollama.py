@@ -35,6 +35,7 @@ from jetshard_api.dialects.ollama.types import (
     tool_call_bodies,
 )
 from jetshard_api.errors import ApiError
+from jetshard_schema.cards import ModelSource
 from jetshard_schema.models import builtin_cards
 from jetshard_schema.types import SamplingParams, ToolCall
 from jetshard_worker.library_boundary import load_tokenizer
@@ -279,6 +280,10 @@ def test_tags_show_ps_and_version(client: ollama.Client, dialect_cluster: Dialec
     assert model.digest is None, "a Hub repository's files have no one hash: none is invented"
     packaged = [card for card in builtin_cards().values() if card.source_sha256]
     assert packaged and all(listed[f"{card.model_id}:latest"].digest == card.source_sha256 for card in packaged)
+    # A card made of a GGUF file (packaged, imported, or one file of a Hub repo) is listed as one.
+    for card in builtin_cards().values():
+        expected = "gguf" if card.source is not ModelSource.HUB else "safetensors"
+        assert listed[f"{card.model_id}:latest"].details.format == expected, card.model_id  # type: ignore[union-attr]
 
     shown = client.show(name)
     assert shown.capabilities is not None and {"completion", "tools", "embedding"} <= set(shown.capabilities)

@@ -292,12 +292,20 @@ def _model_import_requested(event: events.ModelImportRequested, state: State) ->
     return replace(state, imports=_with(state.imports, event.model_id, record))
 
 
+FAILED_IMPORTS_KEPT = 16
+"""Failed imports State keeps, the latest: one is news for whoever imported, and as its model id is whatever the
+client named, State would otherwise grow with every failed attempt (no card comes of it to delete)."""
+
+
 @_fold.register
 def _model_import_progressed(event: events.ModelImportProgressed, state: State) -> State:
     known = state.imports.get(event.model_id)
     if known is None or known.import_id != event.import_id:
         return state  # an attempt a newer import replaced
-    return replace(state, imports=_with(state.imports, event.model_id, replace(known, progress=event.progress)))
+    imports = {**_without(state.imports, event.model_id), event.model_id: replace(known, progress=event.progress)}
+    failed = [model_id for model_id, record in imports.items() if record.progress.status is ImportStatus.FAILED]
+    forgotten = set(failed[:-FAILED_IMPORTS_KEPT])
+    return replace(state, imports={model_id: r for model_id, r in imports.items() if model_id not in forgotten})
 
 
 @_fold.register

@@ -116,10 +116,22 @@ class ClusterController(Controller):
         if last_event_id is not None:
             start = _after_last_event_id(last_event_id)
         elif since is not None:
-            start = since
+            start = _sequence(since, "since")
         else:
             start = cluster.state.last_seq + 1
         return ServerSentEvent(_follow(cluster, max(start, 1)))
+
+
+MAX_EVENT_SEQ = 2**63 - 1
+"""The last event sequence asked for is at most this (JetStream's are unsigned 64-bit; none comes near)."""
+
+
+def _sequence(value: int, param: str) -> int:
+    if not 0 <= value <= MAX_EVENT_SEQ:
+        raise ApiError(
+            400, f"{param} must be an event sequence, 0 to {MAX_EVENT_SEQ}, got {value}", "invalid_value", param
+        )
+    return value
 
 
 def _after_last_event_id(value: str) -> int:
@@ -131,7 +143,7 @@ def _after_last_event_id(value: str) -> int:
             "invalid_value",
             "Last-Event-ID",
         )
-    return int(text) + 1
+    return _sequence(int(text), "Last-Event-ID") + 1
 
 
 async def _follow(cluster: Cluster, start: int) -> AsyncIterator[ServerSentEventMessage]:

@@ -74,8 +74,18 @@ def read_import(model_id: ModelId, path: Path, mmproj: Path | None) -> tuple[Mod
             raise ImportRefused(
                 f"{path} is part 1 of a model split into {count} files; missing beside it: {', '.join(missing)}"
             )
-        for name in names[1:]:
-            header_of(path.parent / name, f"part of {path.name}")
+        parts = [header, *(header_of(path.parent / name, f"part of {path.name}") for name in names[1:])]
+        # llama.cpp names a part by its place, and fails to load a model whose parts do not say the same.
+        for number, (name, part) in enumerate(zip(names, parts, strict=True)):
+            said = (part.integer("split.no"), part.integer("split.count"))
+            if said != (number, count):
+                raise ImportRefused(
+                    f"{path.parent / name} is not part {number + 1} of the {count} of {path.name}: it says it is "
+                    f"split.no {said[0]} of split.count {said[1]} (llama.cpp counts from split.no 0)"
+                )
+        tensors, expected = sum(len(part.tensors) for part in parts), header.integer("split.tensors.count")
+        if expected is not None and tensors != expected:
+            raise ImportRefused(f"the {count} parts of {path.name} hold {tensors} tensors; its first says {expected}")
         files = [(path.parent / name, name.replace(_prefix(path.name), "model", 1)) for name in names]
     if mmproj is not None:
         projector = header_of(mmproj, "projector")

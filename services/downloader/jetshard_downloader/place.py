@@ -68,7 +68,9 @@ def link_or_copy(source: Path, destination: Path, on_bytes: Callable[[int], None
         return digest.hexdigest()
 
     try:
-        os.link(source, destination)
+        # The file a link names (a Hugging Face cache snapshot's relative one too), never the link itself: Linux's
+        # link(2) links a symbolic link as it is, whatever os.link's follow_symlinks says before Python 3.13.
+        os.link(source.resolve(strict=True), destination)
     except OSError as error:
         if error.errno not in (errno.EXDEV, errno.EPERM, errno.EMLINK, errno.ENOTSUP):
             raise

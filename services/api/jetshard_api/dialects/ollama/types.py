@@ -494,7 +494,7 @@ class ModelDetails(msgspec.Struct, frozen=True, kw_only=True):
 
     @classmethod
     def of(cls, card: ModelCard) -> ModelDetails:
-        gguf = card.source in (ModelSource.GGUF_PACKAGE, ModelSource.LOCAL_GGUF)
+        gguf = card.source in (ModelSource.GGUF_PACKAGE, ModelSource.LOCAL_GGUF, ModelSource.HUB_GGUF)
         q = card.quantization
         return cls(
             format="gguf" if gguf else "safetensors",
