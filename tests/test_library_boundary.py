@@ -22,6 +22,7 @@ from helpers.tiny_models import make_tiny_model
 from helpers.tiny_vlm import make_tiny_vlm, png
 from jetshard_schema.card_from_config import SUPPORTED_ARCHITECTURES, TENSOR_PARALLEL_ARCHITECTURES
 from jetshard_worker import library_boundary as boundary
+from jetshard_worker.schema_check import json_schema_errors
 from jetshard_worker.text.constrained import JSON_OPTIONS
 from mlx.nn.layers.distributed import AllToShardedLinear, ShardedToAllLinear
 from mlx_lm.models.base import scaled_dot_product_attention
@@ -287,6 +288,15 @@ def test_grammar_tokenizer_and_matcher(wrapper: Any) -> None:
     assert not matcher.is_stopped()
     with pytest.raises(ValueError):
         boundary.json_schema_grammar("not a schema", JSON_OPTIONS)  # type: ignore[arg-type]
+
+
+def test_the_llama_cpp_engines_schema_check_finds_contradictions_and_passes_what_llguidance_does_not_implement() -> (
+    None
+):
+    contradiction = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 5, "maximum": 1}}}
+    assert json_schema_errors({**contradiction, "required": ["n"]})[0].startswith("Unsatisfiable schema")
+    assert json_schema_errors({"type": "bogus"}) == ["Invalid type: bogus"]
+    assert json_schema_errors({"type": "array", "uniqueItems": True, "not": {"type": "string"}}) == []
 
 
 # --------------------------------------------------------------------------- mlx's ring socket

@@ -1,9 +1,10 @@
 """The worker's one boundary with mlx-lm, mlx-vlm and llguidance, and with mlx's ring backend's socket.
 
-Every name the worker takes from mlx-lm, mlx-vlm or llguidance is taken here, so that a new version of any is
-checked in one place: tests/test_library_boundary.py pins each of them, and the methods the worker calls on the
-objects they return (mlx-lm's KV caches, its TokenizerWrapper, llguidance's matcher and tokenizer, mlx-vlm's model
-and processor), with the shape used. services/worker/pyproject.toml declares the versions that test passes on.
+Every name the worker takes from mlx-lm, mlx-vlm or llguidance is taken here (save `schema_check`'s one, for
+llama.cpp runners, which never import MLX), so that a new version of any is checked in one place:
+tests/test_library_boundary.py pins each of them, and the methods the worker calls on the objects they return
+(mlx-lm's KV caches, its TokenizerWrapper, llguidance's matcher and tokenizer, mlx-vlm's model and processor), with
+the shape used. services/worker/pyproject.toml declares the versions that test passes on.
 
 mlx-vlm is the optional `vision` extra (it pulls opencv, datasets, audio and web-server packages a node serving
 text models only should not carry), so it is imported only where a vision model is loaded or prompted.
@@ -69,7 +70,6 @@ __all__ = [
     "grammar_tokenizer_of",
     "hf_tokenizer_of",
     "infer_quant_config",
-    "json_schema_errors",
     "json_schema_grammar",
     "load_config",
     "load_tokenizer",
@@ -146,14 +146,6 @@ def json_schema_grammar(schema: dict[str, Any], options: JsonCompileOptions) -> 
     """llguidance's grammar for JSON documents valid for `schema`, compiled with `options`; ValueError if `schema`
     is not a JSON object (llguidance checks the schema itself only when a matcher is made of the grammar)."""
     return LLMatcher.grammar_from_json_schema(schema, overrides=options)
-
-
-def json_schema_errors(schema: dict[str, Any]) -> list[str]:
-    """What llguidance finds wrong with `schema` itself (an unknown type, bounds no value meets), keywords it does
-    not implement passed over (`lenient`); [] when it finds nothing. No tokenizer is needed to check a schema."""
-    grammar = LLMatcher.grammar_from_json_schema(schema, overrides={"lenient": True})
-    is_error, messages = LLMatcher.validate_grammar_with_warnings(grammar, None)
-    return list(messages) if is_error else []
 
 
 def _mlx_vlm(module: str) -> ModuleType:

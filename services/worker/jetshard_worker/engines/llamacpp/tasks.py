@@ -17,9 +17,9 @@ from jetshard_schema.types import TaskKind, TaskOutcome, TaskRequest, ToolChoice
 
 from jetshard_worker.engines.base import Admitted, OnProgress, Refused, RowEvents
 from jetshard_worker.engines.model_dir import read_generation_config
-from jetshard_worker.library_boundary import json_schema_errors
 from jetshard_worker.peer_tunnel import Tunnel
 from jetshard_worker.runner_spec import RunnerSpec
+from jetshard_worker.schema_check import json_schema_errors
 from jetshard_worker.text.output import ChoiceOutput, RowEnd, choice_seed, row_id
 from jetshard_worker.text.textstream import StopText
 from jetshard_worker.text.toolcalls import ToolCallParsed
