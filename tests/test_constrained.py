@@ -27,6 +27,7 @@ from jetshard_worker.text import constrained
 from jetshard_worker.text.constrained import BudgetTooSmall, JsonConstraint, SchemaError, grammar_tokenizer
 from jetshard_worker.text.json_closer import minimal_completion
 from jetshard_worker.text.output import ChoiceOutput, RowEnd, TaskOutput
+from jetshard_worker.text.toolcalls import forced_call_schema
 from mlx_lm.generate import generate_step
 from mlx_lm.sample_utils import make_sampler
 
@@ -269,9 +270,11 @@ def tiny(tmp_path_factory: pytest.TempPathFactory) -> tuple[Any, Any]:
     return model, tokenizer
 
 
-def make_constraint(tokenizer: Any, schema: dict[str, Any], max_tokens: int, vocab_size: int = 512) -> JsonConstraint:
+def make_constraint(
+    tokenizer: Any, schema: dict[str, Any], max_tokens: int, vocab_size: int = 512, closes_at_budget: bool = True
+) -> JsonConstraint:
     encode = lambda text: tokenizer.encode(text, add_special_tokens=False)  # noqa: E731
-    return JsonConstraint(grammar_tokenizer(tokenizer, vocab_size), schema, max_tokens, encode)
+    return JsonConstraint(grammar_tokenizer(tokenizer, vocab_size), schema, max_tokens, encode, closes_at_budget)
 
 
 def accepted(tokenizer: Any, schema: dict[str, Any], text: str) -> bool:
@@ -449,16 +452,23 @@ def test_json_object_under_a_tight_budget(tiny: tuple[Any, Any], max_tokens: int
 
 
 def run_like_the_runner(
-    tokenizer: Any, schema: dict[str, Any], max_tokens: int, choose: Callable[[np.ndarray], int], lag: int
+    tokenizer: Any,
+    schema: dict[str, Any],
+    max_tokens: int,
+    choose: Callable[[np.ndarray], int],
+    lag: int,
+    chunks: list[Chunk] | None = None,
+    forced_calls: bool = False,
 ) -> tuple[str, int, str]:
     """Generate as the engine and the runner do: the engine masks the logits with the constraint and samples (`choose`
     picks one of the allowed token ids), and hands each token (then the row's end) to the runner's `TaskOutput`, which
     handles it `lag` tokens later, as its event loop does when other tasks keep it busy. Once the output says the
     choice ends, the engine ends the row. Returns the text published, the tokens the output counted, and its closing
-    text ("" when the document ended by itself)."""
-    constraint = make_constraint(tokenizer, schema, max_tokens)
-    chunks: list[Chunk] = []
-    choice = ChoiceOutput(detokenizer=tokenizer.detokenizer, constraint=constraint)
+    text ("" when the document ended by itself). `chunks` collects what it published; `forced_calls`: the schema is
+    a forced tool call's, set up as the MLX engine sets one up."""
+    constraint = make_constraint(tokenizer, schema, max_tokens, closes_at_budget=not forced_calls)
+    chunks = [] if chunks is None else chunks
+    choice = ChoiceOutput(detokenizer=tokenizer.detokenizer, constraint=constraint, forced_calls=forced_calls)
     output = TaskOutput(TaskId("task"), [choice], str, chunks.append, lambda _: None)
     prompt = [1, 2, 3]
     tokens = list(prompt)
@@ -511,3 +521,21 @@ def test_any_token_sequence_closes_within_the_budget_however_far_the_runner_lags
     text, generated, closing = run_like_the_runner(tokenizer, RECORD, max_tokens, lambda a: int(draw.choice(a)), lag)
     validate(json.loads(text), RECORD)
     assert generated + len(tokenizer.encode(closing, add_special_tokens=False)) <= max_tokens, (text, closing)
+
+
+def test_a_forced_call_runs_to_the_budget_and_is_not_cut_before_it(tiny: tuple[Any, Any]) -> None:
+    """Two parallel calls that take the whole budget both come: a forced call is not closed near the budget (its cut
+    call would be left out), so it is not ended early to make room for a closing either."""
+    _, tokenizer = tiny
+    add = {"name": "add", "parameters": {"type": "object", "properties": {"a": {"type": "integer"}}}}
+    schema = forced_call_schema([add], None, parallel=True)
+    doc = '[{"name":"add","arguments":{"a":1}},{"name":"add","arguments":{"a":2}}]'
+    tokens = tokenizer.encode(doc, add_special_tokens=False)
+    script = iter([*tokens, min(tokenizer.eos_token_ids)])
+    chunks: list[Chunk] = []
+    _, generated, _ = run_like_the_runner(
+        tokenizer, schema, len(tokens), lambda allowed: next(script), lag=0, chunks=chunks, forced_calls=True
+    )
+    calls = [json.loads(call.arguments) for chunk in chunks for call in chunk.tool_calls]
+    assert (calls, generated) == ([{"a": 1}, {"a": 2}], len(tokens))
+    assert chunks[-1].finish_reason is TaskOutcome.TOOL_CALLS

@@ -372,6 +372,21 @@ def test_a_card_in_use_is_not_deleted(cluster: InMemoryCluster) -> None:
     assert cluster.run(DeleteCustomModelCard(model_id=MODEL)) == [CustomModelCardDeleted(model_id=MODEL)]
 
 
+def test_a_failed_instance_does_not_hold_its_model_or_its_files(cluster: InMemoryCluster) -> None:
+    """A failed instance runs nothing and never restarts: its model and files may go while State keeps it to say
+    why it failed."""
+    cluster.join(A)
+    instance = cluster.place("inst-1", [A])
+    failed = DownloadProgress(status=DownloadStatus.FAILED, reason="disk full")
+    cluster.run(ReportDownloadProgress(node_id=A, model_id=MODEL, progress=failed))
+    assert cluster.state.instances[instance].failed
+    assert cluster.run(DeleteDownload(node_id=A, model_id=MODEL)) == [
+        DownloadDeleteRequested(node_id=A, model_id=MODEL)
+    ]
+    assert cluster.run(DeleteCustomModelCard(model_id=MODEL)) == [CustomModelCardDeleted(model_id=MODEL)]
+    assert cluster.state.instances[instance].failed_reason == f"downloading {MODEL} to node {A} failed: disk full"
+
+
 def test_a_download_ending_after_its_card_was_deleted_is_not_recorded(cluster: InMemoryCluster) -> None:
     """The download was forgotten with its card: the downloader's last report of it must not bring it back."""
     cluster.join(A)

@@ -390,9 +390,12 @@ def _delete_custom_model_card(
 
 def _users(state: State, model_id: ModelId, node_id: NodeId | None = None) -> list[InstanceId]:
     """The instances that serve `model_id` or draft with it (`serving.draft`), those with a shard on `node_id`
-    (that it drafts for: led from there) where one is named."""
+    (that it drafts for: led from there) where one is named. A failed instance uses nothing: its runners are
+    gone, it never restarts, and State keeps it only to say why it failed."""
     users = []
     for instance in state.instances.values():
+        if instance.failed:
+            continue
         if instance.model_id == model_id:
             here = node_id is None or instance.shard_for(node_id) is not None
         else:

@@ -84,11 +84,14 @@ class JsonConstraint:
         schema: dict[str, Any],
         max_tokens: int,
         encode: Callable[[str], list[int]],
+        closes_at_budget: bool = True,
     ) -> None:
         """Compile `schema` into compact JSON (no flexible whitespace); raise SchemaError if llguidance cannot.
 
         `encode` tokenizes text without special tokens; it counts the tokens of a completion against `max_tokens`,
-        the task's budget of generated tokens.
+        the task's budget of generated tokens. `closes_at_budget`: whether a document the budget would cut is ended
+        early enough to be closed (a response format), or runs on to the budget (a forced tool call, whose call cut
+        there is left out rather than closed with arguments the model did not write).
         """
         try:
             grammar = json_schema_grammar(schema, JSON_OPTIONS)
@@ -101,6 +104,7 @@ class JsonConstraint:
         self._schema = schema
         self._max_tokens = max_tokens
         self._encode = encode
+        self._closes_at_budget = closes_at_budget
         self._prompt_len: int | None = None
         self._generated: list[int] = []
         # The engine thread calls `process`, the runner's event loop `ends`: the matcher is used by one at a time.
@@ -160,14 +164,17 @@ class JsonConstraint:
 
         Called after each generated token with the text generated so far (a function, as it is needed only when the
         matcher has stopped or near the budget's end) and the number of tokens generated. True once `text` is a
-        complete document (only EOS allowed), or once the budget requires closing it: the completion's tokens plus a
-        margin of a few tokens reach `max_tokens`. A completion that depends on an unusual token (say, a long
-        property name the next token starts) may overshoot by a few tokens. Where even the shortest document exceeds
-        the budget (one the constructor could not refuse: a schema the closer does not model), that is at once, and
-        the output exceeds `max_tokens` by the completion's tokens, but parses.
+        complete document (only EOS allowed), or, where it `closes_at_budget`, once the budget requires closing it:
+        the completion's tokens plus a margin of a few tokens reach `max_tokens`. A completion that depends on an
+        unusual token (say, a long property name the next token starts) may overshoot by a few tokens. Where even the
+        shortest document exceeds the budget (one the constructor could not refuse: a schema the closer does not
+        model), that is at once, and the output exceeds `max_tokens` by the completion's tokens, but parses.
         """
         with self._lock:
-            near_budget = self._max_tokens - generated <= self._window
+            # Near the budget, `text` is checked whatever the live matcher says. A document that does not close
+            # there is checked at its last token only: the engine ends the row after it without feeding the matcher.
+            window = self._window if self._closes_at_budget else 0
+            near_budget = self._max_tokens - generated <= window
             # The live matcher may be ahead of `text` (see the module's doc): stopped, it says that the engine's
             # document is complete, not `text`; not stopped, `text` is not complete either (it is at most a token
             # ahead of the matcher, whose next step allows EOS if that token completes it).
@@ -176,7 +183,8 @@ class JsonConstraint:
             completion, verified = self._completion(text())
             if verified and not completion:
                 return True
-            return near_budget and generated + len(self._encode(completion)) + _MARGIN >= self._max_tokens
+            closes = self._closes_at_budget and near_budget
+            return closes and generated + len(self._encode(completion)) + _MARGIN >= self._max_tokens
 
     def completion(self, text: str) -> str:
         """The shortest verified text that makes `text` a document valid for the schema: "" when it is one. If none

@@ -204,7 +204,9 @@ class TaskOutput:
             closing = output.constraint.completion(output.joined())
             output.ending = TaskOutcome.LENGTH if closing else TaskOutcome.STOP
             if output.forced_calls:
-                closing = ""  # a call cut short is left out (`parse_forced_cut`), never given made-up arguments
+                # Its constraint ends it complete, not near the budget; a call cut short is left out
+                # (`parse_forced_cut`), never given made-up arguments.
+                closing = ""
             reasoning, text = reasoning + more_reasoning, text + tail + closing
             output.text.append(closing)
         self._emit(choice, reasoning, text)

@@ -284,7 +284,7 @@ class MlxServing:
         thinking = markers is not None and opens_in_reasoning(markers, self._turn_opening(request, tokens))
         choices, rows = [], []
         for i in range(request.n):
-            constraint = None if schema is None else self._constraint(schema, max_tokens)
+            constraint = None if schema is None else self._constraint(schema, max_tokens, closes_at_budget=not forced)
             processors = () if constraint is None else (constraint.process,)
             reasoning = None
             if markers is not None:
@@ -338,13 +338,14 @@ class MlxServing:
         that does not say)."""
         return int(self.shard.config.get("vocab_size") or len(hf_tokenizer_of(self.tokenizer)))
 
-    def _constraint(self, schema: dict[str, Any], max_tokens: int) -> JsonConstraint:
+    def _constraint(self, schema: dict[str, Any], max_tokens: int, closes_at_budget: bool) -> JsonConstraint:
         hf_tokenizer = hf_tokenizer_of(self.tokenizer)
         return JsonConstraint(
             grammar_tokenizer(hf_tokenizer, self._vocab_size),
             schema,
             max_tokens,
             lambda text: list(hf_tokenizer.encode(text, add_special_tokens=False)),
+            closes_at_budget,
         )
 
     def token_text(self, token: int) -> str:
