@@ -239,6 +239,14 @@ def test_options_map_onto_sampling() -> None:
     assert caught.value.status == 400 and caught.value.param == "options.mirostat"
 
 
+def test_integer_options_given_as_floats_are_cut_to_their_whole_part_as_ollama_does(
+    client: ollama.Client, dialect_cluster: DialectCluster
+) -> None:
+    options = {"num_predict": 3.9, "top_k": 1.0, "seed": 7.0, "temperature": 0}
+    reply = client.generate(model=dialect_cluster.model, prompt="hi", options=options)
+    assert reply.eval_count == 3 and reply.done_reason == "length"
+
+
 def test_logprobs_stream_per_piece_and_add_up(client: ollama.Client, dialect_cluster: DialectCluster) -> None:
     options = {"num_predict": 4, "temperature": 0}
     reply = client.generate(model=dialect_cluster.model, prompt="hi", logprobs=True, top_logprobs=2, options=options)
@@ -348,6 +356,7 @@ def test_model_errors_in_ollamas_shape(client: ollama.Client, model: str, status
         ({"options": {"top_k": -2}}, "top_k"),
         ({"options": {"typical_p": 0.9}}, "typical_p"),
         ({"options": {"num_predict": 0}}, "num_predict"),
+        ({"options": {"num_predict": "5"}}, "num_predict"),
         ({"format": "yaml"}, "format"),
         ({"think": True}, "think"),
         ({"messages": [{"role": "user", "content": "hi", "images": ["aGk="]}]}, "images"),

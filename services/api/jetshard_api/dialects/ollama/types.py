@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import json
 from datetime import UTC, datetime
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import msgspec
 from jetshard_schema.cards import ModelCard, ModelSource
@@ -84,14 +84,23 @@ def now() -> str:
 # --- requests ----------------------------------------------------------------------------------------------
 
 
+Integer = int | Annotated[float, msgspec.Meta(ge=-(2**63), le=2**63)]
+"""An integer option as Ollama reads one: any JSON number, cut to its whole part (5.9 is 5), never a string; a
+float as far as Go's int64 reaches (no infinity)."""
+
+
+def _whole(value: Integer | None) -> int | None:
+    return None if value is None else int(value)
+
+
 class Options(msgspec.Struct, frozen=True, kw_only=True):
     """Ollama's model options (the `ollama` client's `Options`, and `min_p`)."""
 
     numa: bool | None = None
-    num_ctx: int | None = None
-    num_batch: int | None = None
-    num_gpu: int | None = None
-    main_gpu: int | None = None
+    num_ctx: Integer | None = None
+    num_batch: Integer | None = None
+    num_gpu: Integer | None = None
+    main_gpu: Integer | None = None
     low_vram: bool | None = None
     f16_kv: bool | None = None
     logits_all: bool | None = None
@@ -99,21 +108,21 @@ class Options(msgspec.Struct, frozen=True, kw_only=True):
     use_mmap: bool | None = None
     use_mlock: bool | None = None
     embedding_only: bool | None = None
-    num_thread: int | None = None
-    num_keep: int | None = None
-    seed: int | None = None
-    num_predict: int | None = None
-    top_k: int | None = None
+    num_thread: Integer | None = None
+    num_keep: Integer | None = None
+    seed: Integer | None = None
+    num_predict: Integer | None = None
+    top_k: Integer | None = None
     top_p: float | None = None
     min_p: float | None = None
     tfs_z: float | None = None
     typical_p: float | None = None
-    repeat_last_n: int | None = None
+    repeat_last_n: Integer | None = None
     temperature: float | None = None
     repeat_penalty: float | None = None
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
-    mirostat: int | None = None
+    mirostat: Integer | None = None
     mirostat_tau: float | None = None
     mirostat_eta: float | None = None
     penalize_newline: bool | None = None
@@ -242,7 +251,7 @@ def sampling(options: Options | None, context_length: int | None) -> SamplingPar
         value = getattr(options, name)
         if value is not None and value != neutral:
             raise checks.unsupported(f"options.{name}", f"other than {neutral}")
-    max_tokens = options.num_predict
+    max_tokens = _whole(options.num_predict)
     if max_tokens in UNTIL_CONTEXT_ENDS:
         max_tokens = context_length
     elif max_tokens is not None and max_tokens < 1:
@@ -255,14 +264,14 @@ def sampling(options: Options | None, context_length: int | None) -> SamplingPar
         max_tokens=max_tokens,
         temperature=options.temperature,
         top_p=options.top_p,
-        seed=None if options.seed == -1 else options.seed,  # Ollama's -1: a random seed
+        seed=None if options.seed == -1 else _whole(options.seed),  # Ollama's -1: a random seed
         stop=options.stop,
-        top_k=options.top_k,
+        top_k=_whole(options.top_k),
         min_p=options.min_p,
         repetition_penalty=options.repeat_penalty,
         presence_penalty=options.presence_penalty,
         frequency_penalty=options.frequency_penalty,
-        repeat_last_n=options.repeat_last_n,
+        repeat_last_n=_whole(options.repeat_last_n),
         names=names,
     )
 
