@@ -250,6 +250,8 @@ def test_a_split_model_with_a_part_missing_is_refused_and_a_whole_one_stores_all
     write_gguf(parts[2], "qwen3", extra={"split.no": 2, "split.count": 3})
     card, files = read_import(ModelId("local/big"), parts[0], None)
     assert card.storage_size_bytes == sum(p.stat().st_size for p in parts)
+    # Each part lists its own tensors: Ollama's parameter size counts them all.
+    assert card.parameter_count == sum(int(t.n_elements) for p in parts for t in gguf.GGUFReader(p).tensors)
     dirs = ModelDirs.from_options(tmp_path / "models")
     stored = store_import(
         dirs, ModelId("local/big"), files, replace=False, on_progress=lambda *_: None, cancel=threading.Event()

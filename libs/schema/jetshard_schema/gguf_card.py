@@ -9,7 +9,7 @@ of any other lists `gguf` alone among its formats: llama.cpp serves it.
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from jetshard_schema.cards import (
@@ -352,19 +352,32 @@ def capabilities_of(chat_template: str, *, vision: bool) -> tuple[ModelCapabilit
     return tuple(capabilities)
 
 
+def _parameter_count(parts: Sequence[GgufHeader], file_sizes_bytes: Sequence[int]) -> int:
+    """The model's parameters, counted from its tensors. A part lists only its own: where the first part of a split
+    model is all that was read (on the Hub), its parameters per byte of weights, over every part's bytes."""
+    count = split_count(parts[0])
+    elements = sum(t.elements for part in parts for t in part.tensors)
+    if len(parts) == count:
+        return elements
+    read_bytes = sum(t.size_bytes for t in parts[0].tensors)
+    return elements * sum(file_sizes_bytes[:count]) // read_bytes if read_bytes else 0
+
+
 def card_from_gguf(
     model_id: str,
     header: GgufHeader,
     *,
-    file_sizes_bytes: Iterable[int],
+    file_sizes_bytes: Sequence[int],
     source: ModelSource,
     source_ref: str,
     source_sha256: str = "",
     has_mmproj: bool = False,
+    other_parts: Sequence[GgufHeader] = (),
 ) -> ModelCard:
     """The card of the model whose (first) GGUF file has `header`; `file_sizes_bytes` are the exact sizes of all its
-    files (every part of a split model, the projector). Raises UnsupportedGguf (a ValueError) naming what is
-    missing or what llama.cpp does not load."""
+    files (every part of a split model, then the projector); `other_parts`: the headers of a split model's other
+    parts, where they were read. Raises UnsupportedGguf (a ValueError) naming what is missing or what llama.cpp
+    does not load."""
     arch = header.text("general.architecture")
     if not arch:
         raise UnsupportedGguf("it has no general.architecture: not a model llama.cpp loads")
@@ -412,8 +425,7 @@ def card_from_gguf(
             context_length=header.integer(f"{arch}.context_length") or 4096,
             capabilities=capabilities_of(chat_template, vision=has_mmproj),
             quantization=_MLX_QUANTIZATION.get(file_type_number or -1) if convertible else None,
-            # The first part of a split model lists only its own tensors.
-            parameter_count=sum(t.elements for t in header.tensors) if split_count(header) == 1 else 0,
+            parameter_count=_parameter_count([header, *other_parts], file_sizes_bytes),
             checkpoint_dtype=_CHECKPOINT_DTYPES.get(file_type_number or -1, ""),
             is_custom=True,
             source=source,

@@ -63,6 +63,7 @@ def read_import(model_id: ModelId, path: Path, mmproj: Path | None) -> tuple[Mod
 
     header = header_of(path, "file")
     files = [(path, GGUF_NAME)]
+    parts = [header]
     count = split_count(header)
     if count > 1:
         try:
@@ -103,6 +104,7 @@ def read_import(model_id: ModelId, path: Path, mmproj: Path | None) -> tuple[Mod
             source=ModelSource.LOCAL_GGUF,
             source_ref=str(path),
             has_mmproj=mmproj is not None,
+            other_parts=parts[1:],
         )
     except ValueError as error:
         raise ImportRefused(f"{path} cannot be imported: {error}") from error
