@@ -20,7 +20,7 @@ import httpx
 import msgspec
 import pytest
 from helpers.dialects import DialectCluster
-from helpers.harness import until_sync, wait_for
+from helpers.harness import free_port, until_sync, wait_for
 from helpers.states import fold
 from helpers.tiny_models import LONG_STORY, endless_model
 from httpx_sse import connect_sse
@@ -392,6 +392,23 @@ def test_events_prints_one_line_per_event_and_json_on_request(dialect_cluster: D
     raw = follow_until(["events", "--nats", nats, "--since", "1", "--json"], bool, tmp_path / "raw")
     first = json.loads(raw[0])
     assert first["seq"] == 1 and "type" in first["event"]
+
+
+def test_values_no_request_can_carry_are_usage_errors_not_tracebacks(tmp_path: Path) -> None:
+    """Refused before anything is sent: numbers JSON has none of, a sequence past JetStream's, a file that holds
+    no nkey seed."""
+    garbage = tmp_path / "not-a-seed"
+    garbage.write_text("root:x:0:0:root:/root:/bin/bash\n")
+    nowhere = f"nats://127.0.0.1:{free_port()}"
+    for args, says in [
+        (["instances", "place", "org/m", "--keep-alive-s", "nan"], "not a finite number"),
+        (["chat", "org/m", "--temperature", "nan"], "not a finite number"),
+        (["events", "--nats", nowhere, "--since", str(2**64)], "--since"),
+        (["state", "--nats", nowhere, "--nats-nkey", str(garbage)], "does not hold an nkey seed"),
+    ]:
+        result = jetshard(*args, check=False)
+        assert result.returncode in (1, 2) and says in result.stderr, (args, result.stderr)
+        assert "Traceback" not in result.stderr
 
 
 def follow_until(args: list[str], enough: Callable[[list[str]], bool], output: Path) -> list[str]:

@@ -193,6 +193,13 @@ def test_the_cluster_default_set_for_every_api_replaces_the_flag(cluster: Infere
         assert refused.status_code == 400
         too_long = httpx.put(f"{cluster.api}/settings", json={"model_keep_alive_s": 1e20}, timeout=30)
         assert too_long.status_code == 400 and too_long.json()["error"]["param"] == "model_keep_alive_s"
+        # What a client reads it may write back as it is: kept loaded stays kept loaded.
+        kept = httpx.put(f"{cluster.api}/settings", json={"model_keep_alive_s": -5}, timeout=30).json()
+        assert kept == {"model_keep_alive_s": -1, "cluster_wide": True}
+        again = httpx.put(
+            f"{cluster.api}/settings", json={"model_keep_alive_s": kept["model_keep_alive_s"]}, timeout=30
+        )
+        assert again.json() == kept == httpx.get(f"{cluster.api}/settings", timeout=10).json()
     finally:
         back = httpx.put(f"{cluster.api}/settings", json={"model_keep_alive_s": None}, timeout=30)
         assert back.json() == {"model_keep_alive_s": DEFAULT_KEEP_ALIVE_S, "cluster_wide": False}

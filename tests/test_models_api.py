@@ -552,10 +552,17 @@ def test_cli(cluster: ModelsCluster) -> None:
     assert not_on_hub.returncode == 1
     assert "not found" in not_on_hub.stderr and "HTTP 404" in not_on_hub.stderr
 
+    # The id becomes the request's path: one that would name another route is refused before any request.
+    for hostile in ("./.", "", "../view"):
+        refused = jetshard_models(cluster, "show", hostile)
+        assert refused.returncode == 2 and "model id" in refused.stderr, refused.stdout + refused.stderr
+
     down = jetshard_models(cluster, "ls", api=f"http://127.0.0.1:{free_port()}")
     assert down.returncode == 3
     assert "cannot reach the jetshard API" in down.stderr
     assert "Traceback" not in down.stderr
+    not_a_url = jetshard_models(cluster, "ls", api="http://[::1")
+    assert not_a_url.returncode == 2 and "is not a URL" in not_a_url.stderr, not_a_url.stderr
 
 
 def test_ls_table_shows_download_status_per_node() -> None:

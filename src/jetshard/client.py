@@ -19,6 +19,7 @@ TIMEOUT_S = 30.0
 
 # Exit statuses: 1 for an error the API reported, 2 is click's usage error, 3 when the API cannot be reached.
 EXIT_API_ERROR = 1
+EXIT_USAGE = 2
 EXIT_UNREACHABLE = 3
 
 
@@ -49,6 +50,8 @@ class ApiClient:
         try:
             with httpx.Client(timeout=timeout, headers=api_headers()) as client:
                 response = client.request(method, url, json=body)
+        except httpx.InvalidURL as error:
+            _fail(f"{self.base_url} is not a URL an API can be reached at ({error}); set --api", EXIT_USAGE)
         except httpx.TimeoutException:
             _fail(f"the API at {self.base_url} did not answer within {timeout:.0f} s", EXIT_UNREACHABLE)
         except httpx.HTTPError as error:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import math
 import re
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -128,17 +129,30 @@ class _FieldFlag:
         return option(self.declaration, self.name, help=self.help, **settings)
 
 
+class FiniteFloat(click.FloatRange):
+    """A float, in a range where one is given, never nan or infinite: click's FloatRange lets nan through (it
+    compares false), and no JSON body or flag value holds one."""
+
+    name = "float"
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Any:
+        number = super().convert(value, param, ctx)
+        if not math.isfinite(number):
+            self.fail(f"{value!r} is not a finite number", param, ctx)
+        return number
+
+
 def _range_of(number: msgspec.inspect.IntType | msgspec.inspect.FloatType) -> click.ParamType:
     """The click type of a number field: a range where the field has bounds."""
     low = number.ge if number.gt is None else number.gt
     high = number.le if number.lt is None else number.lt
     integer = isinstance(number, msgspec.inspect.IntType)
     if low is None and high is None:
-        return click.INT if integer else click.FLOAT
+        return click.INT if integer else FiniteFloat()
     open_ends = {"min_open": number.gt is not None, "max_open": number.lt is not None}
     if integer:
         return click.IntRange(low, high, **open_ends)  # type: ignore[arg-type]  # an IntType's bounds are ints
-    return click.FloatRange(low, high, **open_ends)
+    return FiniteFloat(low, high, **open_ends)
 
 
 TIMING_FLAGS = FieldFlags(BusTimings, ["lease_ttl_s", "liveness_ttl_s", "task_retention_s"])
@@ -147,15 +161,20 @@ TIMING_FLAGS = FieldFlags(BusTimings, ["lease_ttl_s", "liveness_ttl_s", "task_re
 
 def nats_options(command: Callable[..., Any]) -> Callable[..., Any]:
     """Connection and cluster-timing flags every service takes; passed on as `nats` and `timings`."""
-    return _with_nats_options(command, lambda: DEFAULT_NATS_URL, DEFAULT_NATS_URL, lambda: None)
+    return _with_nats_options(command, lambda: DEFAULT_NATS_URL, DEFAULT_NATS_URL, lambda: None, service=True)
 
 
 def client_nats_options(command: Callable[..., Any]) -> Callable[..., Any]:
-    """`nats_options` for the commands that inspect a cluster: without `--nats`, the server `up` runs, as the
-    read-only identity `up` recorded for them."""
+    """The connection flags of `nats_options` for the commands that inspect a cluster, passed on as `nats`:
+    without `--nats`, the server `up` runs, as the read-only identity `up` recorded for them. They declare no
+    stream, so they take no replicas or timings."""
     default_help = f"the one `jetshard up` runs, else {DEFAULT_NATS_URL}"
     return _with_nats_options(
-        command, lambda: recorded("nats") or DEFAULT_NATS_URL, default_help, lambda: recorded("nats_nkey")
+        command,
+        lambda: recorded("nats") or DEFAULT_NATS_URL,
+        default_help,
+        lambda: recorded("nats_nkey"),
+        service=False,
     )
 
 
@@ -164,6 +183,7 @@ def _with_nats_options(
     default_url: Callable[[], str],
     default_help: str,
     default_nkey: Callable[[], str | None],
+    service: bool,
 ) -> Callable[..., Any]:
     decorators = [
         option("--nats", "nats_urls", multiple=True, help=f"NATS server URL; repeat for a cluster [{default_help}]"),
@@ -179,15 +199,18 @@ def _with_nats_options(
         option("--nats-tls-ca", type=click.Path(exists=True, dir_okay=False), help="CA certificate for TLS"),
         option("--nats-tls-cert", type=click.Path(exists=True, dir_okay=False), help="client certificate for TLS"),
         option("--nats-tls-key", type=click.Path(exists=True, dir_okay=False), help="client key for TLS"),
-        option(
-            "--replicas",
-            type=int,
-            default=1,
-            show_default=True,
-            help="replicas of jetshard's streams and buckets (3 on a NATS cluster)",
-        ),
-        *TIMING_FLAGS.options(),
     ]
+    if service:
+        decorators += [
+            option(
+                "--replicas",
+                type=int,
+                default=1,
+                show_default=True,
+                help="replicas of jetshard's streams and buckets (3 on a NATS cluster)",
+            ),
+            *TIMING_FLAGS.options(),
+        ]
 
     @functools.wraps(command)
     def wrapper(**kwargs: Any) -> Any:
@@ -204,10 +227,11 @@ def _with_nats_options(
             tls_ca=kwargs.pop("nats_tls_ca"),
             tls_cert=kwargs.pop("nats_tls_cert"),
             tls_key=kwargs.pop("nats_tls_key"),
-            replicas=kwargs.pop("replicas"),
+            **({"replicas": kwargs.pop("replicas")} if service else {}),
         )
-        timings = TIMING_FLAGS.value(kwargs)
-        return command(nats=nats, timings=timings, **kwargs)
+        if not service:
+            return command(nats=nats, **kwargs)
+        return command(nats=nats, timings=TIMING_FLAGS.value(kwargs), **kwargs)
 
     return with_options(wrapper, decorators)
 

@@ -15,8 +15,17 @@ def inbox_prefix(public_key: str) -> str:
     return f"{INBOX_PREFIX}.{public_key}"
 
 
+class NotASeedError(ValueError):
+    """A file given as an nkey seed holds none."""
+
+
 def public_key_of(seed_file: Path) -> str:
-    key_pair = nkeys.from_seed(bytearray(seed_file.read_bytes().strip()))
+    try:
+        key_pair = nkeys.from_seed(bytearray(seed_file.read_bytes().strip()))
+    except nkeys.NkeysError as error:
+        raise NotASeedError(
+            f"{seed_file} does not hold an nkey seed (`jetshard up` writes them to <data dir>/creds)"
+        ) from error
     try:
         return str(key_pair.public_key.decode())
     finally:

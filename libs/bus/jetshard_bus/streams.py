@@ -216,10 +216,15 @@ a restarted server (or a lost cluster member) forgets ordered consumers, so this
 goes without events after one (nats-py's default, 5 s, left followers ten seconds behind)."""
 
 
+MAX_EVENT_SEQ = 2**63 - 1
+"""The last event sequence one may ask to start from (JetStream's are unsigned 64-bit; none comes near)."""
+
+
 async def subscribe_events(
     js: JetStreamContext, cb: Callable[[Msg], Awaitable[None]], start_seq: int | None = None
 ) -> JetStreamContext.PushSubscription:
-    """An ordered push consumer on JETSHARD_EVENTS from `start_seq` (None: only new events)."""
+    """An ordered push consumer on JETSHARD_EVENTS from `start_seq` (None: only new events), at most
+    `MAX_EVENT_SEQ`."""
     if start_seq is None:
         config = ConsumerConfig(deliver_policy=DeliverPolicy.NEW)
     else:

@@ -7,7 +7,7 @@ from collections.abc import AsyncIterator
 from typing import Annotated, Any
 
 import msgspec
-from jetshard_bus.streams import subscribe_events
+from jetshard_bus.streams import MAX_EVENT_SEQ, subscribe_events
 from jetshard_schema.codec import decode_event
 from jetshard_schema.state import Node, State
 from jetshard_schema.types import NodeStorage
@@ -122,10 +122,6 @@ class ClusterController(Controller):
         return ServerSentEvent(_follow(cluster, max(start, 1)))
 
 
-MAX_EVENT_SEQ = 2**63 - 1
-"""The last event sequence asked for is at most this (JetStream's are unsigned 64-bit; none comes near)."""
-
-
 def _sequence(value: int, param: str) -> int:
     if not 0 <= value <= MAX_EVENT_SEQ:
         raise ApiError(
@@ -136,10 +132,11 @@ def _sequence(value: int, param: str) -> int:
 
 def _after_last_event_id(value: str) -> int:
     text = value.strip()
-    if not (text.isascii() and text.isdigit()):
+    # A number past the longest sequence is refused before `int()`, which refuses over 4300 digits with its own error.
+    if not (text.isascii() and text.isdigit() and len(text) <= len(str(MAX_EVENT_SEQ))):
         raise ApiError(
             400,
-            f"Last-Event-ID must be an event sequence (an integer >= 0), got {value!r}",
+            f"Last-Event-ID must be an event sequence, 0 to {MAX_EVENT_SEQ}, got {value[:40]!r}",
             "invalid_value",
             "Last-Event-ID",
         )

@@ -15,10 +15,14 @@ from jetshard_api.errors import ERROR_RESPONSES
 from jetshard_api.model_steps import checked_keep_alive
 from jetshard_api.settings import InferenceSettings, default_keep_alive_ms
 
+KEPT_LOADED_S = -1
+"""What `model_keep_alive_s` says of models kept loaded: a value a `PUT` takes back as it is (its null means
+something else: each API's own flag)."""
+
 
 class Settings(msgspec.Struct, frozen=True, kw_only=True):
-    model_keep_alive_s: float | None
-    """How long a model placed for a request stays loaded with nothing to do, in seconds; null: until removed."""
+    model_keep_alive_s: float
+    """How long a model placed for a request stays loaded with nothing to do, in seconds; -1: until removed."""
     cluster_wide: bool
     """Whether the cluster sets it (`PUT /settings`), rather than this API's `--model-keep-alive-s`."""
 
@@ -55,6 +59,6 @@ class SettingsController(StrictController):
 def _settings(cluster: Cluster, settings: InferenceSettings) -> Settings:
     keep_alive = default_keep_alive_ms(cluster.state, settings)
     return Settings(
-        model_keep_alive_s=None if keep_alive == KEEP_LOADED else keep_alive / 1000,
+        model_keep_alive_s=KEPT_LOADED_S if keep_alive == KEEP_LOADED else keep_alive / 1000,
         cluster_wide=cluster.state.default_keep_alive_ms is not None,
     )

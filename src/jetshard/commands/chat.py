@@ -18,7 +18,7 @@ from rich.console import Console
 from rich.status import Status
 
 from jetshard.client import ApiClient, CliError, api_headers
-from jetshard.options import COMMAND_CONTEXT, api_url_option
+from jetshard.options import COMMAND_CONTEXT, FiniteFloat, api_url_option
 
 FIRST_TOKEN_TIMEOUT_S = 600.0
 """A first reply may wait for the model to be placed, downloaded and loaded."""
@@ -137,7 +137,7 @@ def _error_text(response: httpx.Response) -> str:
 @click.argument("model", required=False)
 @click.option("--system", default=None, help="a system prompt for the conversation")
 @click.option("--max-tokens", type=click.IntRange(min=1), default=None, help="longest reply [the model's default]")
-@click.option("--temperature", type=click.FloatRange(min=0, max=2), default=None, help="[the model's default]")
+@click.option("--temperature", type=FiniteFloat(min=0, max=2), default=None, help="[the model's default]")
 def chat(
     api_url: str, model: str | None, system: str | None, max_tokens: int | None, temperature: float | None
 ) -> None:

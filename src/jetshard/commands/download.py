@@ -23,7 +23,7 @@ from rich.progress import (
 )
 
 from jetshard.client import api_headers
-from jetshard.options import api_url_option
+from jetshard.options import FiniteFloat, api_url_option
 
 _FINAL = ("completed", "failed", "cancelled")
 
@@ -51,7 +51,7 @@ def _find(downloads: list[dict[str, Any]], node_id: str, model_id: str) -> dict[
 @api_url_option
 @click.option("--start-layer", type=int, default=None, help="first layer of a shard to download")
 @click.option("--end-layer", type=int, default=None, help="end (exclusive) of a shard's layer range")
-@click.option("--timeout-s", type=float, default=None, help="give up after this many seconds")
+@click.option("--timeout-s", type=FiniteFloat(min=0), default=None, help="give up after this many seconds")
 def download(
     model_id: str,
     node_id: str | None,

@@ -13,8 +13,9 @@ import click
 import msgspec
 from jetshard_bus.connect import NatsUnreachableError, connect
 from jetshard_bus.follower import StateFollower
+from jetshard_bus.inbox import NotASeedError
 from jetshard_bus.options import NatsOptions
-from jetshard_bus.streams import BusTimings, StreamsMissingError, subscribe_events
+from jetshard_bus.streams import MAX_EVENT_SEQ, StreamsMissingError, subscribe_events
 from jetshard_schema.codec import decode_event
 from jetshard_schema.state import State
 from jetshard_schema.view import cluster_view, event_line
@@ -73,9 +74,14 @@ async def print_events(nats: NatsOptions, since: int | None, as_json: bool) -> N
 
 @click.command()
 @client_nats_options
-@option("--since", type=int, default=None, help="first event sequence to show (default: only new events)")
+@option(
+    "--since",
+    type=click.IntRange(0, MAX_EVENT_SEQ),
+    default=None,
+    help="first event sequence to show (default: only new events)",
+)
 @option("--json", "as_json", is_flag=True, help="print each event's whole envelope as a JSON line")
-def events(nats: NatsOptions, timings: BusTimings, since: int | None, as_json: bool) -> None:
+def events(nats: NatsOptions, since: int | None, as_json: bool) -> None:
     """Print the event stream live, one readable line per event."""
     run_one_shot(print_events(nats, since, as_json))
 
@@ -83,7 +89,7 @@ def events(nats: NatsOptions, timings: BusTimings, since: int | None, as_json: b
 @click.command()
 @client_nats_options
 @option("--json", "as_json", is_flag=True, help="print the whole State as JSON")
-def state(nats: NatsOptions, timings: BusTimings, as_json: bool) -> None:
+def state(nats: NatsOptions, as_json: bool) -> None:
     """Summarise the cluster State, rebuilt here from the latest snapshot and the events after it."""
     state = run_one_shot(fetch_state(nats))
     if state is not None:
@@ -91,10 +97,11 @@ def state(nats: NatsOptions, timings: BusTimings, as_json: bool) -> None:
 
 
 def run_one_shot(coroutine: Any) -> Any:
-    """Run a one-shot tool's coroutine; Ctrl-C ends it quietly, an unreachable NATS with one clear line."""
+    """Run a one-shot tool's coroutine; Ctrl-C ends it quietly, an unreachable NATS or a file that is no nkey seed
+    with one clear line."""
     try:
         return asyncio.run(coroutine)
     except KeyboardInterrupt:
         return None
-    except (NatsUnreachableError, StreamsMissingError) as error:
+    except (NatsUnreachableError, StreamsMissingError, NotASeedError) as error:
         raise click.ClickException(str(error)) from None

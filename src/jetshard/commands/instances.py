@@ -15,7 +15,7 @@ from jetshard_schema.types import Engine, ShardAssignment
 from rich.table import Table
 
 from jetshard.client import ApiClient
-from jetshard.options import api_group, checked_name, json_option
+from jetshard.options import FiniteFloat, api_group, checked_name, json_option
 from jetshard.output import print_answer
 
 
@@ -133,7 +133,7 @@ add_listing(
 @click.option("--max-batch", type=click.IntRange(1, 256), help="tasks that decode together (default: the API's)")
 @click.option(
     "--keep-alive-s",
-    type=float,
+    type=FiniteFloat(),
     help="unload it after this many seconds with nothing to do (0: as soon as it is idle) [default: it stays "
     "until removed]",
 )

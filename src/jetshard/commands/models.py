@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 from typing import Any
-from urllib.parse import quote
 
 import click
 import msgspec
 from jetshard_schema.gist import size
+from jetshard_schema.ids import ModelId, parse_model_id
 from jetshard_schema.state import Download
 from jetshard_schema.types import DownloadStatus
 from rich.table import Table
@@ -20,16 +20,13 @@ ADD_TIMEOUT_S = 120.0
 """Adding a card fetches config.json and the safetensors index from the Hub, then waits for the sequencer."""
 
 
-def _model_path(model_id: str) -> str:
-    """`org/name` → `/models/org/name`, each part percent-encoded so a hostile id cannot reach another route.
-
-    The API validates ids; this only keeps the request's shape intact (an id without exactly one '/' is
-    sent as one segment, and the API answers 400 or 404 for it).
-    """
-    parts = model_id.split("/")
-    if len(parts) == 2 and all(parts):
-        return "/models/" + "/".join(quote(part, safe="") for part in parts)
-    return "/models/" + quote(model_id, safe="")
+def _model_id(ctx: click.Context, param: click.Parameter, value: str) -> ModelId:
+    """The argument as a model id, checked here as the API checks it: it becomes the request's path, where a
+    hostile one (`..`, an empty part) would name another route."""
+    try:
+        return parse_model_id(value)
+    except ValueError as error:
+        raise click.BadParameter(str(error)) from None
 
 
 def format_size(n_bytes: int | None) -> str:
@@ -158,19 +155,19 @@ def add_model(api: ApiClient, model_id: str, gguf_file: str, repo: str, mmproj_f
 
 
 @models.command("show")
-@click.argument("model_id")
+@click.argument("model_id", callback=_model_id)
 @json_option
 @click.pass_obj
 def show_model(api: ApiClient, model_id: str, as_json: bool) -> None:
     """Show one model card and its download status on each node."""
-    _, card = api.request("GET", _model_path(model_id))
+    _, card = api.request("GET", f"/models/{model_id}")
     print_answer(card, as_json, card_table)
 
 
 @models.command("rm")
-@click.argument("model_id")
+@click.argument("model_id", callback=_model_id)
 @click.pass_obj
 def remove_model(api: ApiClient, model_id: str) -> None:
     """Delete a custom card from every node (downloaded files stay; built-in cards cannot be deleted)."""
-    _, result = api.request("DELETE", _model_path(model_id))
+    _, result = api.request("DELETE", f"/models/{model_id}")
     click.echo(f"deleted {(result or {}).get('deleted', model_id)}")

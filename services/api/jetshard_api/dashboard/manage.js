@@ -305,7 +305,7 @@ async function showKeepAlive() {
   const response = await apiFetch("/settings").catch(() => null);
   if (!response?.ok) return;
   const settings = await response.json();
-  $("keep-alive-s").value = settings.model_keep_alive_s === null ? -1 : settings.model_keep_alive_s;
+  $("keep-alive-s").value = settings.model_keep_alive_s;
 }
 
 async function saveKeepAlive(event) {
