@@ -108,6 +108,24 @@ async def test_cluster_routes(fresh_nats, processes, tmp_path: Path) -> None:
         ):
             message = assert_openai_error(refused, 400)["message"]
             assert "16 attention heads and 8 key/value heads, which do not both divide by 3 nodes" in message
+        # An id in a path that no instance, task or node could have is a 400 naming it, never a command.
+        for method, path, param in [
+            ("GET", "/instances/%E2%98%83", "instance_id"),
+            ("PATCH", "/instances/" + "a" * 5000, "instance_id"),
+            ("DELETE", "/instances/a.b", "instance_id"),
+            ("DELETE", "/tasks/x.y", "task_id"),
+            ("DELETE", "/downloads/-node/org/name", "node_id"),
+        ]:
+            body = {"keep_alive_s": 1} if method == "PATCH" else None
+            error = assert_openai_error(await client.request(method, path, json=body), 400)
+            assert error["param"] == param and "use letters, digits" in str(error["message"]), error
+            assert len(str(error["message"])) < 200
+        # A draft model no placement could use is the request's fault, on the preview as on the placement.
+        for refused in (
+            await client.get("/instances/preview", params={"model_id": qwen, "draft": "nope/nope"}),
+            await client.post("/instances", json={"model_id": qwen, "serving": {"draft": "nope/nope"}}),
+        ):
+            assert "draft nope/nope is not a known model" in assert_openai_error(refused, 400)["message"]
         for refused in (
             await client.get("/instances/preview", params={"model_id": qwen, "paralelism": "tensor"}),
             await client.post("/instances", json={"model_id": qwen, "paralelism": "tensor"}),

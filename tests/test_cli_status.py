@@ -519,6 +519,30 @@ def test_chat_streams_keeps_the_conversation_and_ctrl_c_stops_a_reply(
     assert wait_for(lambda: not story.running(), timeout=10)
 
 
+def test_chat_names_an_unknown_model_before_its_prompt_and_a_piped_chat_exits_with_its_failure(
+    dialect_cluster: DialectCluster,
+) -> None:
+    api = dialect_cluster.api
+    unknown = subprocess.run(
+        [sys.executable, "-m", "jetshard", "chat", "--api", api, "nosuch/model"],
+        input="hi\n",
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert unknown.returncode == 1 and "unknown model nosuch/model" in unknown.stderr, unknown.stderr
+    assert "chatting with" not in unknown.stdout
+    # A reply that fails (a prompt past the model's context) is said, and a piped chat's status says so too.
+    failing = subprocess.run(
+        [sys.executable, "-m", "jetshard", "chat", "--api", api, dialect_cluster.model],
+        input="hello " * 100_000 + "\n",
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert failing.returncode == 1 and "context" in failing.stdout, failing.stdout + failing.stderr
+
+
 def test_status_watch_redraws_when_the_cluster_changes(
     dialect_cluster: DialectCluster, endless: str, terminal: Any
 ) -> None:

@@ -552,7 +552,8 @@ def assert_imports_over_a_stored_model_lose_nothing(
         return found is not None and (smol / MANIFEST_NAME).read_bytes() == manifest and left == [smol.name]
 
     refused = import_gguf(gguf, "--id", "local/smol")
-    assert refused.returncode == 1 and f"local/smol is already stored in {smol}; pass --replace" in refused.stderr
+    already = f"local/smol is already stored in {smol}; import it with replace (--replace)"
+    assert refused.returncode == 1 and already in refused.stderr
     assert kept()
     # A bad file under a new id is refused naming the problem, and nothing is written for it.
     truncated = tmp_path / "truncated.gguf"

@@ -36,6 +36,7 @@ from jetshard_schema.commands import ImportModelFile, ReportModelImport
 from jetshard_schema.events import (
     CustomModelCardAdded,
     DownloadCompleted,
+    InstancePlaced,
     ModelImportProgressed,
     ModelImportRequested,
     NodeJoined,
@@ -43,7 +44,7 @@ from jetshard_schema.events import (
 from jetshard_schema.gguf_card import UnsupportedGguf, card_from_gguf
 from jetshard_schema.gguf_header import NeedMoreBytes, parse_gguf_header
 from jetshard_schema.ids import CommandId, ModelId, NodeId, import_model_id
-from jetshard_schema.types import DownloadStatus, ImportProgress, ImportStatus, NodeProfile
+from jetshard_schema.types import DownloadStatus, ImportProgress, ImportStatus, NodeProfile, ShardAssignment
 from jetshard_sequencer.handlers import Context, handle
 
 QWEN3_TEMPLATE = (
@@ -358,7 +359,7 @@ def test_an_import_report_adds_the_card_and_the_copy_on_its_node() -> None:
     assert state.custom_cards[ModelId("local/m")].is_custom
     assert state.download(NODE, ModelId("local/m")).progress.status is DownloadStatus.COMPLETED  # type: ignore[union-attr]
     again = handle(state, request, ctx)
-    assert "already stored in /models/local--m; pass --replace" in again[0].reason  # type: ignore[union-attr]
+    assert "already stored in /models/local--m; import it with replace" in again[0].reason  # type: ignore[union-attr]
     # A progress report the import's end overtook (its publish retried) changes nothing: the import stays completed,
     # so the next import under this id is not refused as one still running.
     late = ImportProgress(status=ImportStatus.ONGOING, bytes_done=500, bytes_total=1000)
@@ -366,6 +367,11 @@ def test_an_import_report_adds_the_card_and_the_copy_on_its_node() -> None:
     assert handle(state, report, ctx) == []  # nor does the end reported twice
     replacing = msgspec.structs.replace(request, import_id="i2", replace=True)
     assert [type(e) for e in handle(state, replacing, ctx)] == [ModelImportRequested]
+    # Not from under an instance's runners: the files they load (or convert) would go.
+    shard = ShardAssignment(node_id=NODE, rank=0, start_layer=0, end_layer=card.num_layers)
+    state = fold(InstancePlaced(instance_id="inst-1", model_id=ModelId("local/m"), shards=(shard,)), state=state)
+    refused = handle(state, replacing, ctx)
+    assert refused[0].reason == f"local/m is in use by instance(s) inst-1 on {NODE}; delete them first"  # type: ignore[union-attr]
 
 
 async def test_import_gguf_runs_on_the_nodes_downloader_and_refuses_bad_files(cluster: Cluster, tmp_path: Path) -> None:

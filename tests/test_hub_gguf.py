@@ -91,6 +91,8 @@ async def test_a_hub_gguf_becomes_a_card_from_its_header_and_a_llama_cpp_placeme
     # Only the header was read, not the 4 MiB of tensors behind it.
     assert 0 < hub_server.bytes_served[(REPO, Q4)] < size // 2
     assert _add(api, model_id=REPO, gguf_file=Q4).status_code == 200  # known already
+    other = _error(_add(api, model_id=REPO, gguf_file=BIG_HEADER), 409)  # another file is not that card
+    assert other["param"] == "model_id" and f"{REPO} is a card already, of {REPO}:{Q4}" in other["message"]
     # Ollama's model list digests the model as the file's real sha256 (the Hub's LFS record).
     listed = {m.model: m for m in ollama.Client(host=api).list().models}
     assert listed[f"{REPO}:latest"].digest == hashlib.sha256((files / Q4).read_bytes()).hexdigest()

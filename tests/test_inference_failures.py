@@ -29,6 +29,7 @@ from jetshard_schema.events import (
     InstanceRestarting,
     NodeLost,
 )
+from jetshard_schema.ids import ModelId, model_dir_name
 from jetshard_schema.subjects import COMMANDS_STREAM
 
 ORG = "jetshard-test"
@@ -38,6 +39,7 @@ TENSOR = f"{ORG}/tiny-tensor"
 AUTO = f"{ORG}/tiny-auto"
 NO_AUTO = f"{ORG}/tiny-no-auto"
 DELETED = f"{ORG}/tiny-deleted"
+GONE = f"{ORG}/tiny-gone"
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -51,6 +53,7 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[InferenceClust
         AUTO: ("qwen3", 1),
         NO_AUTO: ("llama", 2),
         DELETED: ("qwen3", 3),
+        GONE: ("llama", 4),
     }
     with hub_cluster(root, {"JETSHARD_LIVENESS_TTL_S": "3"}) as c:
         for model_id, (arch, seed) in repos.items():
@@ -205,6 +208,28 @@ def test_a_runner_death_reported_while_commands_were_refused_is_reported_once_th
     assert restarting.reason.startswith(("runner was killed by SIGKILL", "runner exited with status 1: ")), restarting
     cluster.wait_instance(instance_id, "ready", timeout=120)
     assert greedy(client, SPLIT)
+
+
+def test_a_restart_gets_back_the_files_that_went_away_since_the_instance_loaded(
+    cluster: InferenceCluster, client: openai.OpenAI
+) -> None:
+    """Its node's downloader fetches them again for the new runners, as for a placement, rather than the restart
+    waiting for files (or failing on them) until the instance gives up."""
+    instance_id = cluster.place(GONE, min_nodes=1)
+    cluster.wait_instance(instance_id, "ready")
+    before = greedy(client, GONE)
+    described = cluster.get(f"/instances/{instance_id}")
+    [node] = [name for name, node_id in cluster.node_ids.items() if node_id == described["shards"][0]["node_id"]]
+    weights = list((cluster.root / node / "models" / model_dir_name(ModelId(GONE))).glob("*.safetensors"))
+    assert weights
+    for file in weights:
+        file.unlink()
+    [victim] = cluster.runners_of(instance_id)
+    victim.kill()
+    cluster.wait_instance(instance_id, "ready", timeout=120, after_generation=described["generation"])
+    assert all(file.exists() for file in weights)
+    assert greedy(client, GONE) == before
+    assert httpx.delete(f"{cluster.api}/instances/{instance_id}", timeout=30).status_code == 200
 
 
 # ------------------------------------------------------------------------------------------- delete

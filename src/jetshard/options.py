@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import functools
 import math
-import re
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
@@ -14,7 +13,7 @@ import msgspec
 import msgspec.inspect
 from jetshard_bus.options import DEFAULT_API_PORT, DEFAULT_NATS_URL, NatsOptions
 from jetshard_bus.streams import BusTimings
-from jetshard_schema.ids import NAME_MAX_LENGTH, NAME_PATTERN
+from jetshard_schema.ids import parse_name
 
 from jetshard.client import ApiClient
 from jetshard.clusterfile import recorded
@@ -313,6 +312,9 @@ def command_line(options: Sequence[click.Option], values: Mapping[str, Any]) -> 
 def checked_name(_context: click.Context, _parameter: click.Parameter, value: str | None) -> str | None:
     """A click callback for an id that becomes a NATS subject token, a consumer name or a KV key (a task,
     an instance, a sequencer): the rules of `jetshard_schema.ids`, refused here rather than by the API."""
-    if value is not None and (len(value) > NAME_MAX_LENGTH or not re.fullmatch(NAME_PATTERN, value)):
-        raise click.BadParameter(f"use letters, digits, '_' and '-' (at most {NAME_MAX_LENGTH}), not {value!r}")
-    return value
+    if value is None:
+        return None
+    try:
+        return parse_name(value, "id")
+    except ValueError as error:
+        raise click.BadParameter(str(error)) from None

@@ -66,6 +66,16 @@ def parse_model_id(value: str) -> ModelId:
     return ModelId(value)
 
 
+def parse_name(value: str, what: str) -> str:
+    """Validate a node, instance or task id (`NAME_PATTERN`); raise ValueError naming `what` it was to be."""
+    if len(value) > NAME_MAX_LENGTH or not re.fullmatch(NAME_PATTERN, value):
+        raise ValueError(
+            f"{value[:80]!r} is not a valid {what}: use letters, digits, '_' and '-' (at most {NAME_MAX_LENGTH}), "
+            "not starting with '-'"
+        )
+    return value
+
+
 def import_model_id(model_id: str | None, path: str) -> ModelId:
     """The id an imported file is served as: `model_id` when given, else `local/<file name without extension>`, with
     what a Hub name may not hold replaced. ValueError says what is wrong with either."""

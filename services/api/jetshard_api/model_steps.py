@@ -14,11 +14,12 @@ from collections.abc import AsyncIterator, Callable
 import msgspec
 from jetshard_schema import commands
 from jetshard_schema.cards import ModelCapability, ModelCard
-from jetshard_schema.ids import ModelId, NodeId, new_instance_id, parse_model_id
+from jetshard_schema.ids import ModelId, NodeId, new_instance_id, parse_model_id, parse_name
 from jetshard_schema.models import find_card
 from jetshard_schema.placement import (
     EngineMismatch,
     EngineUnavailable,
+    InvalidPlacement,
     ModelUnavailable,
     NotEnoughNodes,
     Placement,
@@ -32,6 +33,7 @@ from jetshard_schema.types import (
     DownloadProgress,
     DownloadStatus,
     Engine,
+    RejectCode,
     ServingSettings,
     keep_alive_ms,
 )
@@ -58,6 +60,12 @@ def checked_model_id(value: str, param: str = "model_id") -> ModelId:
     """`value` as a model id, or a 400 naming `param`, the request field it came from."""
     with refused_as_bad_request("invalid_model_id", param):
         return parse_model_id(value)
+
+
+def checked_name(value: str, param: str) -> str:
+    """`value` as a node, instance or task id, or a 400 naming `param`, the path part it came from."""
+    with refused_as_bad_request("invalid_id", param):
+        return parse_name(value, param.replace("_", " "))
 
 
 def can_think(state: State, model_id: ModelId) -> bool:
@@ -99,8 +107,8 @@ async def place_instance(
 
 
 def preview_placement(state: State, card: ModelCard, serving: ServingSettings, min_nodes: int = 1) -> Placement:
-    """The placement that would be chosen now, without placing anything; 503 when no node can get the
-    model's files, 409 when they have too little memory."""
+    """The placement that would be chosen now, without placing anything; 400 when the request is wrong whatever
+    the nodes, 503 when no node can get the model's files, 409 when they have too little memory."""
     try:
         return place_in(state, card, None, min_nodes, serving)
     except ModelUnavailable as error:
@@ -109,6 +117,8 @@ def preview_placement(state: State, card: ModelCard, serving: ServingSettings, m
         raise ApiError(400, str(error), "invalid_parallelism", "parallelism") from error
     except EngineMismatch as error:
         raise ApiError(400, str(error), "invalid_engine", "engine") from error
+    except InvalidPlacement as error:  # as the sequencer refuses it (`RejectCode.INVALID`)
+        raise ApiError(400, str(error), str(RejectCode.INVALID)) from error
     except EngineUnavailable as error:
         raise ApiError(409, str(error), "engine_unavailable", "engine") from error
     except NotEnoughNodes as error:

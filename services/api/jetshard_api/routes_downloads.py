@@ -17,7 +17,7 @@ from litestar.params import FromPath, JSONBody
 from jetshard_api.cluster import Cluster
 from jetshard_api.dialects.strict_body import StrictController
 from jetshard_api.errors import ERROR_RESPONSES, ApiError
-from jetshard_api.model_steps import checked_model_id
+from jetshard_api.model_steps import checked_model_id, checked_name
 
 
 class _DownloadTarget(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -143,7 +143,7 @@ class DownloadsController(StrictController):
         200 once the node reports the files gone; 202 if it has not within the command timeout (the
         deletion is requested and happens when the node's downloader runs)."""
         model_id = checked_model_id(f"{org}/{name}")
-        node = NodeId(node_id)
+        node = NodeId(checked_name(node_id, "node_id"))
         await cluster.submit(DeleteDownload(model_id=model_id, node_id=node))
         with contextlib.suppress(TimeoutError):
             await cluster.wait_until(lambda state: state.download(node, model_id) is None, cluster.command_timeout_s)

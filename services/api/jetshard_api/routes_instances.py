@@ -33,7 +33,14 @@ from litestar.params import FromPath, FromQuery, JSONBody, Parameter
 from jetshard_api.cluster import Cluster
 from jetshard_api.dialects.strict_body import StrictController
 from jetshard_api.errors import ERROR_RESPONSES, ApiError, refused_as_bad_request
-from jetshard_api.model_steps import Deleted, checked_keep_alive, checked_model_id, place_instance, preview_placement
+from jetshard_api.model_steps import (
+    Deleted,
+    checked_keep_alive,
+    checked_model_id,
+    checked_name,
+    place_instance,
+    preview_placement,
+)
 from jetshard_api.settings import InferenceSettings
 
 
@@ -148,7 +155,7 @@ class InstancesController(StrictController):
 
     @get("/{instance_id:str}", responses=ERROR_RESPONSES)
     async def show(self, cluster: NamedDependency[Cluster], instance_id: FromPath[str]) -> InstanceDescription:
-        instance = cluster.state.instances.get(InstanceId(instance_id))
+        instance = cluster.state.instances.get(InstanceId(checked_name(instance_id, "instance_id")))
         if instance is None:
             raise ApiError(404, f"no instance {instance_id}", "instance_not_found")
         return describe_instance(cluster.state, instance, int(time.time() * 1000))
@@ -174,6 +181,7 @@ class InstancesController(StrictController):
         self, cluster: NamedDependency[Cluster], instance_id: FromPath[str], data: JSONBody[KeepAliveRequest]
     ) -> InstanceDescription:
         """Change how long the instance stays loaded with nothing to do, counted from now."""
+        instance_id = checked_name(instance_id, "instance_id")
         keep_alive = checked_keep_alive(data.keep_alive_s)
         await cluster.submit(SetInstanceKeepAlive(instance_id=InstanceId(instance_id), keep_alive_ms=keep_alive))
         instance = cluster.state.instances.get(InstanceId(instance_id))
@@ -183,7 +191,7 @@ class InstancesController(StrictController):
 
     @delete("/{instance_id:str}", status_code=200, responses=ERROR_RESPONSES)
     async def remove(self, cluster: NamedDependency[Cluster], instance_id: FromPath[str]) -> Deleted:
-        await cluster.submit(DeleteInstance(instance_id=InstanceId(instance_id)))
+        await cluster.submit(DeleteInstance(instance_id=InstanceId(checked_name(instance_id, "instance_id"))))
         return Deleted(deleted=instance_id)
 
 

@@ -122,6 +122,14 @@ class ModelsController(StrictController):
                 400, f"{field} goes with gguf_file, the GGUF file it belongs to", "invalid_request_error", field
             )
         if (existing := find_card(cluster.state, model_id)) is not None:
+            if data.gguf_file and existing.source_ref != str(ref):
+                raise ApiError(
+                    409,
+                    f"{model_id} is a card already, of {existing.source_ref or existing.source}, not {ref}; delete it "
+                    f"first (DELETE /models/{model_id}) or give this file another model_id, with repo",
+                    "already_exists",
+                    "model_id",
+                )
             return Response(describe(cluster.state, existing), status_code=200)
         if data.card is not None:
             if data.card.model_id != model_id or data.card.source is not ModelSource.LOCAL_GGUF:

@@ -24,7 +24,7 @@ from litestar.response.sse import ServerSentEventMessage
 
 from jetshard_api.cluster import Cluster
 from jetshard_api.errors import ERROR_RESPONSES, ApiError
-from jetshard_api.model_steps import Deleted
+from jetshard_api.model_steps import Deleted, checked_name
 
 VIEW_EVERY_S = 0.25
 """A burst of events (a download's progress, a placement) sends one view per this interval, not one each."""
@@ -62,7 +62,7 @@ class ViewController(Controller):
         """Stop a task; its request ends with an error saying it was cancelled (status 502, or the stream's
         error object after what was generated)."""
         # Only an id State holds is published, so a hostile one never reaches a subject.
-        if TaskId(task_id) not in cluster.state.tasks:
+        if TaskId(checked_name(task_id, "task_id")) not in cluster.state.tasks:
             raise ApiError(404, f"no task {task_id} in flight", "task_not_found")
         await cluster.submit(CancelTask(task_id=TaskId(task_id)))
         return Deleted(deleted=task_id)

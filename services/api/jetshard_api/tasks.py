@@ -16,7 +16,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterable
 from contextlib import AsyncExitStack
 from dataclasses import dataclass
 from typing import Any
@@ -317,7 +317,7 @@ async def ensure_placed(cluster: Cluster, model_id: ModelId, settings: Inference
     if find_card(state, model_id) is None:
         raise ApiError(
             404,
-            f"unknown model {model_id}; ready models: {sorted(ready_models(state)) or 'none'}",
+            f"unknown model {model_id}; ready models: {_listed(ready_models(state))}",
             "model_not_found",
             "model",
         )
@@ -327,8 +327,7 @@ async def ensure_placed(cluster: Cluster, model_id: ModelId, settings: Inference
     if not settings.auto_place:
         raise ApiError(
             404,
-            f"{model_id} has no instance and auto-placement is off; ready models: "
-            f"{sorted(ready_models(state)) or 'none'}",
+            f"{model_id} has no instance and auto-placement is off; ready models: {_listed(ready_models(state))}",
             "model_not_found",
             "model",
         )
@@ -483,3 +482,7 @@ class LiveTask:
 
     async def __aexit__(self, *exc: object) -> None:
         await self.close()
+
+
+def _listed(model_ids: Iterable[ModelId]) -> str:
+    return ", ".join(sorted(model_ids)) or "none"

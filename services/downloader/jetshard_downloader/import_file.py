@@ -137,7 +137,9 @@ def store_import(
     if stored is not None and stored.read_only:
         raise ImportRefused(f"{model_id} is in {stored.path}, a read-only directory jetshard never writes to")
     if stored is not None and not replace:
-        raise ImportRefused(f"{model_id} is already stored in {stored.path}; pass --replace to import over it")
+        raise ImportRefused(
+            f"{model_id} is already stored in {stored.path}; import it with replace (--replace) to import over it"
+        )
     dirs = beside(dirs, stored)  # replaced where it is: the model stays in one directory
     total = sum(source.stat().st_size for source, _ in files)
     choice = choose_directory(dirs, model_id, total, free_bytes, {}, lambda _: 0)

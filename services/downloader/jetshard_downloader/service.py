@@ -55,6 +55,7 @@ from jetshard_schema.events import (
     DownloadRequested,
     EventEnvelope,
     InstancePlaced,
+    InstanceRestarting,
     ModelImportRequested,
     NodeLost,
     NodeStorageUpdated,
@@ -285,12 +286,11 @@ class Downloader:
             ):
                 card = find_card(state, model_id)
                 self.request(model_id, start, end, default_form(card) if card else ModelFormat.MLX)
-            case InstancePlaced(instance_id=instance_id, model_id=model_id, shards=shards, serving=serving):
-                for shard in shards:
-                    if shard.node_id == self.node_id:
-                        self.request(model_id, shard.start_layer, shard.end_layer, engine_format(serving.engine))
-                if instance_id in state.instances:
-                    self._request_draft(state, state.instances[instance_id])
+            case InstancePlaced(instance_id=instance_id) | InstanceRestarting(instance_id=instance_id) if (
+                instance_id in state.instances
+            ):
+                # A restart's runners need the files again, and they may be gone since (or the MLX form of them).
+                self._request_for(state, state.instances[instance_id])
             case DownloadCancelled(node_id=node_id, model_id=model_id) if node_id == self.node_id:
                 self.cancel(model_id)
             case CustomModelCardDeleted(model_id=model_id):
@@ -314,11 +314,14 @@ class Downloader:
                 if end > start:
                     self.request(download.model_id, start, end, form or (default_form(card) if card else None))
         for instance in state.instances.values():
-            shard = instance.shard_for(self.node_id)
-            if shard is not None:
-                form = engine_format(instance.serving.engine)
-                self.request(instance.model_id, shard.start_layer, shard.end_layer, form)
-                self._request_draft(state, instance)
+            self._request_for(state, instance)
+
+    def _request_for(self, state: State, instance: Instance) -> None:
+        """The files of `instance`'s shard on this node, if it has one, and of the model that drafts for it."""
+        shard = instance.shard_for(self.node_id)
+        if shard is not None:
+            self.request(instance.model_id, shard.start_layer, shard.end_layer, engine_format(instance.serving.engine))
+            self._request_draft(state, instance)
 
     def _request_draft(self, state: State, instance: Instance) -> None:
         """The model that drafts for `instance` (`serving.draft`), whole and in the form the instance's engine loads,
@@ -551,8 +554,9 @@ class Downloader:
         if card.source is ModelSource.HUB_GGUF:
             return await self._fetch_hub_gguf(job, card, attempt)
         raise FetchError(
-            f"{job.model_id} was imported from a local GGUF file and is not in any model "
-            "directory of this node any more; import it again"
+            f"{job.model_id} was imported from a local GGUF file and no model directory of this node holds it whole "
+            "any more (removed, or changed since: the import links the original file where it can, so rewriting "
+            "that file rewrites the model); import it again"
         )
 
     async def _fetch_hub_gguf(self, job: _Job, card: ModelCard, attempt: int) -> Path:

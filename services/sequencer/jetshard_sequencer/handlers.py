@@ -314,7 +314,16 @@ def _import_model_file(state: State, command: commands.ImportModelFile, ctx: Con
         return _reject(
             command,
             RejectCode.CONFLICT,
-            f"{model_id} is already stored in {stored.progress.directory}; pass --replace to import over it",
+            f"{model_id} is already stored in {stored.progress.directory}; import it with replace (--replace) to "
+            "import over it",
+        )
+    # A replace takes the stored files away (an MLX conversion of them too) from under their runners.
+    users = _users(state, model_id, command.node_id) if command.replace else []
+    if users:
+        return _reject(
+            command,
+            RejectCode.CONFLICT,
+            f"{model_id} is in use by instance(s) {', '.join(users)} on {command.node_id}; delete them first",
         )
     return [
         events.ModelImportRequested(

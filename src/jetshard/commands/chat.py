@@ -8,21 +8,33 @@ keeps what came; Ctrl-C or Ctrl-D at the prompt, or `/bye`, leaves; `/clear` sta
 from __future__ import annotations
 
 import json
+import sys
 from collections.abc import Iterator
 from typing import Any
 
 import click
 import httpx
 from httpx_sse import connect_sse
+from jetshard_schema.ids import parse_model_id
 from rich.console import Console
 from rich.status import Status
 
-from jetshard.client import ApiClient, CliError, api_headers
+from jetshard.client import EXIT_API_ERROR, ApiClient, CliError, api_headers
 from jetshard.options import COMMAND_CONTEXT, FiniteFloat, api_url_option
 
 FIRST_TOKEN_TIMEOUT_S = 600.0
 """A first reply may wait for the model to be placed, downloaded and loaded."""
 PROMPT = ">>> "
+
+
+def known_model(client: ApiClient, model: str) -> str:
+    """`model`, once the API says it has its card (a model without an instance is placed by the first reply)."""
+    try:
+        model_id = parse_model_id(model)
+    except ValueError as error:
+        raise click.BadParameter(str(error), param_hint="MODEL") from None
+    client.request("GET", f"/v1/models/{model_id}")
+    return model_id
 
 
 def ready_model(client: ApiClient) -> str:
@@ -46,8 +58,9 @@ class Conversation:
     def clear(self) -> None:
         self.messages = [{"role": "system", "content": self.system}] if self.system else []
 
-    def reply(self, text: str, out: Console) -> None:
-        """Stream the answer to `text`; on Ctrl-C stop, keeping what came. Errors are printed, not raised."""
+    def reply(self, text: str, out: Console) -> bool:
+        """Stream the answer to `text`; on Ctrl-C stop, keeping what came. Errors are printed, not raised: returns
+        False after one."""
         self.messages.append({"role": "user", "content": text})
         body = {"model": self.model, "messages": self.messages, "stream": True, **self.options}
         answer: list[str] = []
@@ -81,12 +94,13 @@ class Conversation:
         except CliError as error:
             out.print(f"\n[red]{error.message}[/]")
             self.messages.pop()
-            return
+            return False
         except httpx.HTTPError as error:
             out.print(f"\n[red]lost the API at {self.url} ({error})[/]")
             self.messages.pop()
-            return
+            return False
         self.messages.append({"role": "assistant", "content": "".join(answer)})
+        return True
 
 
 def _sse_lines(response: httpx.Response) -> Iterator[tuple[str | None, str]]:
@@ -141,26 +155,31 @@ def _error_text(response: httpx.Response) -> str:
 def chat(
     api_url: str, model: str | None, system: str | None, max_tokens: int | None, temperature: float | None
 ) -> None:
-    """Chat with MODEL (default: the model that is ready) in the terminal."""
+    """Chat with MODEL (default: the model that is ready) in the terminal. Read from a pipe, it exits with status 1
+    if a reply failed."""
     try:
         import readline  # noqa: F401  (line editing and history for input())
     except ImportError:
         pass
-    model = model or ready_model(ApiClient(api_url))
+    client = ApiClient(api_url)
+    model = known_model(client, model) if model else ready_model(client)
     options = {k: v for k, v in {"max_tokens": max_tokens, "temperature": temperature}.items() if v is not None}
     conversation = Conversation(api_url, model, system, options)
     out = Console(highlight=False)
     out.print(f"[dim]chatting with {model}; Ctrl-C stops a reply, /clear forgets, /bye or Ctrl-D leaves[/]")
+    failed = False
     while True:
         try:
             text = input(PROMPT).strip()
         except (EOFError, KeyboardInterrupt):
             out.print()
-            return
+            break
         if text in ("/bye", "/exit"):
-            return
+            break
         if text == "/clear":
             conversation.clear()
             out.print("[dim]new conversation[/]")
         elif text:
-            conversation.reply(text, out)
+            failed = not conversation.reply(text, out) or failed
+    if failed and not sys.stdin.isatty():
+        raise SystemExit(EXIT_API_ERROR)
