@@ -543,6 +543,14 @@ def test_chat_names_an_unknown_model_before_its_prompt_and_a_piped_chat_exits_wi
     assert failing.returncode == 1 and "context" in failing.stdout, failing.stdout + failing.stderr
 
 
+def test_status_watch_piped_prints_each_view_as_it_comes(dialect_cluster: DialectCluster, tmp_path: Path) -> None:
+    model = dialect_cluster.model
+    shown = follow_until(
+        ["status", "--api", dialect_cluster.api, "--watch"], lambda lines: model in "".join(lines), tmp_path / "w"
+    )
+    assert any(model in line for line in shown)
+
+
 def test_status_watch_redraws_when_the_cluster_changes(
     dialect_cluster: DialectCluster, endless: str, terminal: Any
 ) -> None:

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from helpers.harness import Cluster, api_until, until
+from helpers.harness import Cluster, api_until, free_port, until
 from helpers.hub_server import HubServer
 from helpers.model_files import model_files, sha256
 from helpers.mounts import remount_read_only, tmpfs
@@ -175,6 +175,9 @@ async def test_read_only_dirs_are_used_without_network_and_never_changed(
         )
         assert failed.returncode == 1, failed.stdout + failed.stderr
         assert "not found on the Hub" in failed.stderr
+        nowhere = [*cli[:4], "--api", f"http://127.0.0.1:{free_port()}", "tiny/plain"]
+        down = await asyncio.to_thread(subprocess.run, nowhere, capture_output=True, text=True, timeout=90)
+        assert down.returncode == 3 and "cannot reach the jetshard API" in down.stderr, down.stderr
 
         assert tree_digest(ro) == before
 

@@ -258,7 +258,7 @@ def api_group(name: str, help: str) -> click.Group:
     return group
 
 
-json_option = click.option("--json", "as_json", is_flag=True, help="print the API's JSON instead of a table")
+json_option = click.option("--json", "as_json", is_flag=True, help="print JSON instead of a table")
 
 
 _MODEL_DIR_HELP = {

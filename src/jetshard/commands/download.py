@@ -22,17 +22,10 @@ from rich.progress import (
     TransferSpeedColumn,
 )
 
-from jetshard.client import api_headers
+from jetshard.client import ApiClient, api_headers
 from jetshard.options import FiniteFloat, api_url_option
 
 _FINAL = ("completed", "failed", "cancelled")
-
-
-def _error_message(response: httpx.Response) -> str:
-    try:
-        return str(response.json()["error"]["message"])
-    except (ValueError, KeyError, TypeError):
-        return f"HTTP {response.status_code}: {response.text[:500]}"
 
 
 def _find(downloads: list[dict[str, Any]], node_id: str, model_id: str) -> dict[str, Any] | None:
@@ -68,15 +61,9 @@ def download(
         "start_layer": start_layer,
         "end_layer": end_layer,
     }
+    _, current = ApiClient(api_url).request("POST", "/downloads", body={k: v for k, v in body.items() if v is not None})
+    node_id = current["node_id"]
     with httpx.Client(base_url=api_url.rstrip("/"), timeout=60, headers=api_headers()) as client:
-        try:
-            response = client.post("/downloads", json={k: v for k, v in body.items() if v is not None})
-        except httpx.HTTPError as error:
-            raise click.ClickException(f"cannot reach the jetshard API at {api_url}: {error}") from error
-        if response.status_code >= 400:
-            raise click.ClickException(_error_message(response))
-        current = response.json()
-        node_id = current["node_id"]
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         columns = (
             TextColumn("[bold]{task.description}"),

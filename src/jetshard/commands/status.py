@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import click
 import httpx
@@ -20,7 +20,7 @@ from jetshard_schema.view import (
     ShardDescription,
     import_progress,
 )
-from rich.console import Group
+from rich.console import Group, RenderableType
 from rich.live import Live
 from rich.table import Table
 from rich.text import Text
@@ -128,24 +128,32 @@ def render(view: ClusterView) -> Group:
 
 
 def _watch(api_url: str) -> None:
-    """Redraw on every view the stream sends; reconnect (saying so) when the API goes away."""
+    """Redraw on every view the stream sends; reconnect (saying so) when the API goes away. Piped, every view is
+    printed in turn: rich's Live shows only the last one on leaving."""
     out = console()
+    if not out.is_terminal:
+        _follow(api_url, out.print)
+        return
     with Live(Text("connecting…"), console=out, auto_refresh=False) as live:
-        while True:
-            try:
-                with (
-                    httpx.Client(timeout=httpx.Timeout(10, read=None), headers=api_headers()) as client,
-                    connect_sse(client, "GET", f"{api_url.rstrip('/')}/view/stream") as source,
-                ):
-                    source.response.raise_for_status()
-                    for message in source.iter_sse():
-                        if message.event == "view":
-                            live.update(render(msgspec.json.decode(message.data, type=ClusterView)), refresh=True)
-            except httpx.HTTPStatusError as error:
-                raise CliError(f"the API at {api_url} answered {error.response.status_code}", 1) from None
-            except httpx.HTTPError as error:
-                live.update(Text(f"lost the API at {api_url} ({error}); retrying…", style="yellow"), refresh=True)
-                time.sleep(RECONNECT_S)
+        _follow(api_url, lambda shown: live.update(shown, refresh=True))
+
+
+def _follow(api_url: str, show: Callable[[RenderableType], None]) -> None:
+    while True:
+        try:
+            with (
+                httpx.Client(timeout=httpx.Timeout(10, read=None), headers=api_headers()) as client,
+                connect_sse(client, "GET", f"{api_url.rstrip('/')}/view/stream") as source,
+            ):
+                source.response.raise_for_status()
+                for message in source.iter_sse():
+                    if message.event == "view":
+                        show(render(msgspec.json.decode(message.data, type=ClusterView)))
+        except httpx.HTTPStatusError as error:
+            raise CliError(f"the API at {api_url} answered {error.response.status_code}", 1) from None
+        except httpx.HTTPError as error:
+            show(Text(f"lost the API at {api_url} ({error}); retrying…", style="yellow"))
+            time.sleep(RECONNECT_S)
 
 
 @click.command("status", context_settings=COMMAND_CONTEXT)

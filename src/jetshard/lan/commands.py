@@ -43,6 +43,8 @@ def _group() -> MetaGroup:
 def ls(as_json: bool) -> None:
     """Every server of the JetStream meta group, its leader, and which are in touch (`--json`: as JSON)."""
     group = _group()
+    if not group.known:  # a nats-server of its own knows no meta group
+        raise click.ClickException("this machine's nats-server is in no LAN cluster: `jetshard up` runs without --lan")
     rows = [{"server": s, "leader": s == group.leader, "current": s in group.current} for s in sorted(group.known)]
     if as_json:
         click.echo(json.dumps(rows))
