@@ -67,6 +67,10 @@ def test_a_stop_string_cuts_the_answer(client: openai.OpenAI, llamacpp_cluster: 
     content = reply.choices[0].message.content or ""
     assert "Paris" not in content and content.startswith("The capital")
     assert reply.choices[0].finish_reason == "stop"
+    # The row is ended before llama-server's last event, which carries the usage: the prompt is counted all the same.
+    whole = client.chat.completions.create(model=llamacpp_cluster.model, messages=ASK, max_tokens=24, temperature=0)
+    assert reply.usage is not None and whole.usage is not None
+    assert reply.usage.prompt_tokens == whole.usage.prompt_tokens > 0
 
 
 def test_seeds_reproduce_and_n_choices_draw_apart(client: openai.OpenAI, llamacpp_cluster: LlamaCppCluster) -> None:

@@ -92,7 +92,7 @@ class LlamaCppEngine:
                 self._on_started(row)
                 ending = await self._stream(request, state)
         except asyncio.CancelledError:
-            ending = Ending(self._endings.get(row, TaskOutcome.CANCELLED))
+            ending = state.cut(self._endings.get(row, TaskOutcome.CANCELLED))
         except ServerError as error:
             self._on_failed(row, str(error), error.code)
             return

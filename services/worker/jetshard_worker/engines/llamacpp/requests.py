@@ -98,6 +98,15 @@ class StreamState:
     """The alternatives each token's logprob keeps (`LlamaRequest.top_logprobs`)."""
     echo: str = ""
     """What is still to come of `LlamaRequest.echo`: left out of the answer."""
+    timings: dict[str, Any] = field(default_factory=dict)
+    """The last event's `timings` (every event has them: `timings_per_token`)."""
+
+    def cut(self, reason: TaskOutcome) -> Ending:
+        """How the choice ended where it was ended before llama-server's last event (a stop string, a cancel): the
+        prompt and cache counts of the last event's timings (the prompt's tokens, cached ones too), as that last
+        event's usage would have given them; the output counts the tokens it got."""
+        prompt_tokens = int(self.timings.get("cache_n", 0)) + int(self.timings.get("prompt_n", 0))
+        return _ending(reason, prompt_tokens, 0, self.timings)
 
     def parsed_calls(self) -> list[ToolCallParsed]:
         return [ToolCallParsed(parts[0], "".join(parts[1:]) or "{}") for _, parts in sorted(self.calls.items())]
@@ -284,6 +293,7 @@ def parse_event(path: str, data: str, state: StreamState) -> tuple[Piece | None,
     event = json.loads(data)
     if "error" in event:
         raise ServerError.of(event)
+    state.timings = event.get("timings") or state.timings
     piece, ending = _chat_event(event, state) if path == CHAT_PATH else _completion_event(event, state)
     if (progress := event.get("prompt_progress")) is not None:
         # Tokens served from the slot's cache count as done: the progress runs from them to the whole prompt.
