@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -60,11 +61,11 @@ def up_env(tmp_path: Path) -> dict[str, str]:
     }
 
 
-def start_up(tmp_path: Path, name: str, *args: str) -> RunningUp:
+def start_up(tmp_path: Path, name: str, *args: str, env_extra: dict[str, str] | None = None) -> RunningUp:
     """`jetshard up` on `tmp_path`'s data directory, on ports of its own, once it serves."""
     port, nats_port = free_port(), free_port()
     log = tmp_path / f"{name}.log"
-    env = up_env(tmp_path)
+    env = up_env(tmp_path) | (env_extra or {})
     command = [*UP, "--port", str(port), "--nats-port", str(nats_port), *args]
     process = start_in_own_group(command, log, env)
     running = RunningUp(process, log, tmp_path / "data", env, port, nats_port, command[4:])
@@ -125,12 +126,50 @@ def test_up_takes_every_flag_of_the_api_but_those_for_the_nats_it_joins() -> Non
         )
 
 
+def test_a_stopped_up_comes_back_with_the_instances_placed_by_hand(tmp_path: Path) -> None:
+    """Ctrl-C stops the sequencer before the worker, whose stop deletes its liveness key. The other way round, a
+    sequencer that looked at the key in that moment recorded the node as lost and deleted every instance on it:
+    with liveness looked at every half second (a TTL of 2 s), it always did."""
+    first = start_up(tmp_path, "first", env_extra={"JETSHARD_LIVENESS_TTL_S": "2"})
+    body = {"model_id": DEMO_MODEL_ID, "serving": {"max_batch": 3}}
+    placed = httpx.post(f"{first.api}/instances", json=body, timeout=60)
+    assert placed.status_code == 201, placed.text
+    instance_id = placed.json()["instance_id"]
+    ctrl_c(first.process)
+    again = start_up(tmp_path, "again")
+    try:
+        instances = {i["instance_id"]: i for i in httpx.get(f"{again.api}/instances", timeout=30).json()}
+        assert instance_id in instances, (instances, first.output())
+        assert instances[instance_id]["serving"]["max_batch"] == 3
+    finally:
+        ctrl_c(again.process)
+
+
 def test_up_refuses_a_bad_serving_setting_before_it_starts_anything(tmp_path: Path) -> None:
     refused = subprocess.run(
         [*UP, "--max-batch", "0"], env=up_env(tmp_path), capture_output=True, text=True, timeout=60
     )
     assert refused.returncode == 2 and "--max-batch" in refused.stderr, refused.stderr
     assert not (tmp_path / "data" / "nats").exists()
+
+
+def test_up_says_what_is_wrong_with_its_port_or_its_data_dir_before_it_starts_anything(tmp_path: Path) -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = str(taken.getsockname()[1])
+        refused = subprocess.run(
+            [*UP, "--port", port], env=up_env(tmp_path), capture_output=True, text=True, timeout=60
+        )
+    assert refused.returncode == 1 and f"cannot listen on 127.0.0.1:{port}" in refused.stderr, refused.stderr
+    assert "--port" in refused.stderr and not (tmp_path / "data" / "nats").exists()
+    not_a_dir = tmp_path / "a-file"
+    not_a_dir.write_text("")
+    refused = subprocess.run(
+        [*UP, "--data-dir", str(not_a_dir / "data")], env=up_env(tmp_path), capture_output=True, text=True, timeout=60
+    )
+    assert refused.returncode == 1 and "cannot keep the cluster's data in" in refused.stderr, refused.stderr
+    assert "Traceback" not in refused.stderr
 
 
 @pytest.mark.timeout(120)

@@ -493,18 +493,22 @@ class Leader:
 
     async def _housekeep(self, stop: asyncio.Event) -> None:
         """Publish the sequencer's own observations, a few times per liveness TTL: `ExpireNode` for a node in
-        State whose liveness key lapsed (the bucket's TTL removed it), `ExpireRequester` for an API session
-        that holds tasks and whose key lapsed, `ForgetInstance` for a failed instance past its retention,
-        `UnloadIdleInstance` for one idle past its keep-alive.
+        State whose liveness key lapsed (the bucket's TTL removed it; not in the term's first TTL),
+        `ExpireRequester` for an API session that holds tasks and whose key lapsed, `ForgetInstance` for a failed
+        instance past its retention, `UnloadIdleInstance` for one idle past its keep-alive.
 
         Each key is read directly: only the server's own "no such key" counts as lapsed. (Listing the
         bucket's keys is a watch that can come back empty under load, which once declared a live node lost.)
         """
-        interval = self._config.timings.liveness_ttl_s / 4
+        ttl_s = self._config.timings.liveness_ttl_s
+        # A node gets one TTL from the start of this term to be seen alive, as long as its key would have lived: its
+        # worker may be starting again with the whole cluster (a stopping worker deletes its key).
+        nodes_judged_from = time.monotonic() + ttl_s
         kv = await self._js.key_value(subjects.LIVENESS_BUCKET)
-        while not await _stopped_within(stop, interval):
+        while not await _stopped_within(stop, ttl_s / 4):
             state = self.state
-            lapsed = [node for node in list(state.nodes.values()) if not await _alive(kv, node.node_id)]
+            judged = time.monotonic() >= nodes_judged_from
+            lapsed = [node for node in list(state.nodes.values()) if judged and not await _alive(kv, node.node_id)]
             requesters = sorted({t.ref.requester for t in state.tasks.values() if t.ref.requester})
             gone = [r for r in requesters if not await _alive(kv, subjects.requester_key(r))]
             if lapsed or gone:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
+import socket
 import time
 from pathlib import Path
 from urllib.parse import urlsplit, urlunsplit
@@ -33,7 +34,7 @@ from jetshard.up.placing import place_and_wait
 from jetshard.up.services import Services, service_arguments, services_environment
 from jetshard.up.supervisor import STOP_SIGNALS, Supervisor
 
-STOP_GRACE_S = (2.0, 1.0, 0.8, 0.8)
+STOP_GRACE_S = (1.2, 2.0, 1.0, 0.8)
 """Per stop stage, between SIGTERM and SIGKILL: a whole stop takes under 5 s even when a service hangs."""
 LLAMA_CPP_LOOK_S = 5.0
 """How often `up` looks whether the background llama.cpp build is ready, to say so (a few small files read)."""
@@ -109,6 +110,7 @@ def up(
     # remove the first one's cluster file when it stops).
     nats_shown = _without_userinfo(nats_url or f"nats://127.0.0.1:{nats_port}")
     store_lock_fd = lock_data_dir(root, Holder(os.getpid(), api_url, nats_shown))
+    _refuse_a_taken_port(host, port)
     for sig in STOP_SIGNALS:
         signal.signal(sig, _stop_on_signal)
     logs = root / "logs"
@@ -228,6 +230,18 @@ def _stop_on_signal(signum: int, frame: object) -> None:
     for sig in STOP_SIGNALS:
         signal.signal(sig, signal.SIG_IGN)
     raise KeyboardInterrupt
+
+
+def _refuse_a_taken_port(host: str, port: int) -> None:
+    """Said before anything starts: the API would only exit, its reason in its log."""
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the API binds: a closing socket is no user
+        try:
+            probe.bind((host, port))
+        except OSError as error:
+            raise click.ClickException(
+                f"the API cannot listen on {host}:{port}: {error.strerror}; stop what holds the port, or pass --port"
+            ) from None
 
 
 def _wait_healthy(api_url: str, supervisor: Supervisor, logs: Path, timeout_s: float = 120.0) -> None:

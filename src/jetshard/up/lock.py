@@ -38,8 +38,14 @@ def lock_data_dir(root: Path, holder: Holder) -> int:
     """Take `root`'s lock for this process, recording `holder`; the lock's descriptor, which the nats-servers
     started on `root`'s store inherit. Refused (a `click.ClickException` naming the holder) while another
     `up` or a nats-server it started holds it."""
-    root.mkdir(parents=True, exist_ok=True)
-    descriptor = os.open(root / LOCK_NAME, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+        descriptor = os.open(root / LOCK_NAME, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    except OSError as error:
+        raise click.ClickException(
+            f"cannot keep the cluster's data in {root}: {error.strerror}; choose another with --data-dir "
+            "(or JETSHARD_DATA_DIR)"
+        ) from None
     deadline = time.monotonic() + HOLDER_GONE_WAIT_S
     while True:
         try:

@@ -16,9 +16,12 @@ from jetshard_schema.ids import new_id
 from jetshard.up.nats import UpNats
 from jetshard.up.supervisor import Supervisor
 
-SERVICE_STOP_STAGES = {"sequencer": 2, "api": 0, "worker": 0, "downloader": 1}
-"""Started in this order; stopped by stage: what serves users and runs models first, the sequencer after the
-services whose last reports it must still sequence, NATS last."""
+SERVICE_STOP_STAGES = {"sequencer": 0, "api": 0, "worker": 1, "downloader": 2}
+"""Started in this order; stopped by stage: the sequencer and what serves users first, then what runs models,
+NATS last. The sequencer goes before the nodes: a stopping worker deletes its liveness key, and a sequencer still
+running would record its node as lost, deleting every instance on it (the hand-placed ones for good). The nodes'
+last reports wait in the command stream for the next start; in a LAN cluster another machine's sequencer takes
+them, and the node's loss, over."""
 
 
 def services_environment(nats_url: str, offline: bool, model_dirs: Mapping[str, str]) -> dict[str, str]:
