@@ -5,10 +5,12 @@ requester, failed instances forgotten after their retention."""
 
 from __future__ import annotations
 
+from collections import Counter
+
 import pytest
 from helpers.cards import tiny_card
 from helpers.states import GiB
-from jetshard_schema.admission import Queue, start_wait_ms
+from jetshard_schema.admission import Queue, route, start_wait_ms
 from jetshard_schema.commands import (
     AddCustomModelCard,
     CancelTask,
@@ -18,6 +20,7 @@ from jetshard_schema.commands import (
     PlaceInstance,
     ReportTaskFinished,
     ReportTaskStarted,
+    SubmitTask,
 )
 from jetshard_schema.events import CommandRejected, Event, InstanceChosen, InstanceDeleted, InstancePlaced, TaskAssigned
 from jetshard_schema.ids import CommandId, InstanceId, NodeId, TaskId
@@ -129,6 +132,29 @@ def test_placement_counts_what_unloaded_instances_will_take(cluster: InMemoryClu
     cluster.join(A, available_gib=4 - shard.memory_bytes / GiB)
     assert pending_bytes(cluster.state) == {A: shard.memory_bytes}
     rejected(place_native(cluster, "inst-3"), RejectCode.INSUFFICIENT_MEMORY)
+
+
+def test_a_burst_is_spread_over_the_instances_and_a_free_row_comes_before_a_queue(cluster: InMemoryCluster) -> None:
+    """An API names instances on a State behind its own submissions: those it is naming meanwhile count. And a
+    task goes where a row of the batch is free before where it would queue, however few wait there."""
+    cluster.join(A)
+    for name, max_batch in (("inst-wide", 4), ("inst-narrow", 1)):
+        serving = ServingSettings(max_batch=max_batch, max_queued=4, weights=WeightsDtype.NATIVE)
+        cluster.run(PlaceInstance(instance_id=InstanceId(name), model_id=MODEL, serving=serving))
+        cluster.make_ready(InstanceId(name))
+    naming: Counter[InstanceId] = Counter()
+    named = []
+    for _ in range(3):
+        chosen = route(cluster.state, MODEL, None, cluster.now_ms, naming)
+        assert chosen is not None
+        naming[chosen.instance_id] += 1
+        named.append(chosen.instance_id)
+    assert set(named[:2]) == {"inst-wide", "inst-narrow"} and named[2] == "inst-wide", named
+    for n, instance in enumerate(["inst-wide"] * 3 + ["inst-narrow"]):
+        ref = TaskRef(task_id=TaskId(f"task-{n}"), model_id=MODEL, kind=TaskKind.CHAT, requester="api-1")
+        assert isinstance(cluster.run(SubmitTask(task=ref, instance_id=InstanceId(instance)))[0], TaskAssigned)
+    chosen = route(cluster.state, MODEL, None, cluster.now_ms)
+    assert chosen is not None and chosen.instance_id == "inst-wide"  # 3 of 4 rows taken, not 1 of 1 and a queue
 
 
 def test_the_queue_bound_holds_for_every_requester(cluster: InMemoryCluster) -> None:

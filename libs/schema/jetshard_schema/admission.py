@@ -16,6 +16,7 @@ request named for an instance that filled meanwhile is named again for the right
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 
 import msgspec
 
@@ -88,11 +89,18 @@ def _refusal(instance: Instance, queue: Queue, start_within_ms: int | None) -> R
 
 
 def admit(
-    state: State, model_id: ModelId, start_within_ms: int | None, now_ms: int, named: InstanceId | None = None
+    state: State,
+    model_id: ModelId,
+    start_within_ms: int | None,
+    now_ms: int,
+    named: InstanceId | None = None,
+    naming: Mapping[InstanceId, int] | None = None,
 ) -> Instance | Refused | None:
-    """The ready instance of `model_id` a new task goes to (`named` when it has room, else the one with the
-    fewest unfinished tasks among those with room), a refusal naming the soonest retry, or None when no
-    instance is ready. `now_ms` is on the clock of the tasks' `started_at_ms` (the sequencer's)."""
+    """The ready instance of `model_id` a new task goes to (`named` when it has room, else among those with room
+    one with a row of its batch free, the one with the fewest unfinished tasks), a refusal naming the soonest
+    retry, or None when no instance is ready. `now_ms` is on the clock of the tasks' `started_at_ms` (the
+    sequencer's). `naming`: tasks named for an instance that `state` does not hold yet (an API's own, submitted
+    meanwhile), counted in its load, so that a burst is spread."""
     ready = ready_instances(state, model_id)
     if not ready:
         return None
@@ -100,10 +108,12 @@ def admit(
     refusals = {i.instance_id: _refusal(i, queues[i.instance_id], start_within_ms) for i in ready}
     open_ = [i for i in ready if refusals[i.instance_id] is None]
     if open_:
-        return min(
-            open_,
-            key=lambda i: (i.instance_id != named, queues[i.instance_id].running + queues[i.instance_id].waiting),
-        )
+
+        def load(instance: Instance) -> int:
+            queue = queues[instance.instance_id]
+            return queue.running + queue.waiting + (naming or {}).get(instance.instance_id, 0)
+
+        return min(open_, key=lambda i: (i.instance_id != named, load(i) >= i.serving.max_batch, load(i)))
     soonest = min((r for r in refusals.values() if r is not None), key=lambda r: r.retry_after_s)
     return Refused(
         reason=f"{model_id} is busy: {soonest.reason}; retry after {soonest.retry_after_s} s",
@@ -111,11 +121,17 @@ def admit(
     )
 
 
-def route(state: State, model_id: ModelId, start_within_ms: int | None, now_ms: int) -> Instance | None:
-    """The instance an API names for a new task: `admit`'s choice on its replica of State, or the least loaded
-    ready one where every queue looks full there (the sequencer, whose State is ahead, refuses or takes it).
-    None when no instance is ready."""
-    chosen = admit(state, model_id, start_within_ms, now_ms)
+def route(
+    state: State,
+    model_id: ModelId,
+    start_within_ms: int | None,
+    now_ms: int,
+    naming: Mapping[InstanceId, int] | None = None,
+) -> Instance | None:
+    """The instance an API names for a new task: `admit`'s choice on its replica of State (with the tasks it is
+    `naming` meanwhile), or the least loaded ready one where every queue looks full there (the sequencer, whose
+    State is ahead, refuses or takes it). None when no instance is ready."""
+    chosen = admit(state, model_id, start_within_ms, now_ms, naming=naming)
     if isinstance(chosen, Refused):
         ready = ready_instances(state, model_id)
         return min(ready, key=lambda i: (q := queue_of(state, i, now_ms)).running + q.waiting)

@@ -6,7 +6,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Awaitable, Callable, Iterator
 from typing import TypeVar
 
@@ -18,7 +18,7 @@ from jetshard_bus.tracing import inject
 from jetshard_schema.codec import encode
 from jetshard_schema.commands import Command
 from jetshard_schema.events import CommandRejected, Event, EventEnvelope, TaskFinished
-from jetshard_schema.ids import TaskId, new_command_id, new_id
+from jetshard_schema.ids import InstanceId, TaskId, new_command_id, new_id
 from jetshard_schema.state import Instance, State
 from jetshard_schema.subjects import MSG_ID_HEADER, task_subject
 from jetshard_schema.types import TaskRef, TaskRequest
@@ -74,6 +74,8 @@ class Cluster:
         self._recent: deque[tuple[int, EventEnvelope]] = deque(maxlen=RECENT_EVENTS)
         self.stats = StatsBoard()
         """The services' latest figures from `jetshard.stats`, once `run_api` subscribed it."""
+        self.naming: Counter[InstanceId] = Counter()
+        """Tasks this API has named an instance for and not seen assigned yet (`admission.route` counts them)."""
         self.metrics = ApiMetrics(lambda: self.state, self.stats)
         follower.add_listener(self._on_event)
 
@@ -139,6 +141,17 @@ class Cluster:
 
     def forget_finish(self, task_id: TaskId) -> None:
         self._finishing.pop(task_id, None)
+
+    @contextlib.contextmanager
+    def naming_for(self, instance_id: InstanceId) -> Iterator[None]:
+        """A task is named for `instance_id` meanwhile: the routes of the tasks that come then count it."""
+        self.naming[instance_id] += 1
+        try:
+            yield
+        finally:
+            self.naming[instance_id] -= 1
+            if not self.naming[instance_id]:
+                del self.naming[instance_id]
 
     async def submit(self, command: Command, timeout_s: float | None = None) -> list[Event]:
         """Publish `command`; return its events once applied here, or raise ApiError (rejected / 503 / 504)."""

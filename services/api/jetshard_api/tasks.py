@@ -134,19 +134,20 @@ class ChunkStream:
         task = self._cluster.task_ref(self._request)
         for attempt in range(1, SUBMIT_ATTEMPTS + 1):
             instance = await self._route(start_within_ms)
-            # Stored before the task exists, for the node of the instance named: its runner reads it once, when
-            # the task is assigned to it.
-            await self._cluster.store_request(self._request, instance)
-            try:
-                events = await self._cluster.submit(
-                    SubmitTask(task=task, instance_id=instance.instance_id, start_within_ms=start_within_ms)
-                )
-                break
-            except ApiError as error:
-                # The instance named filled or left before the sequencer took the task: this API's State now
-                # holds what the sequencer decided on, so the next one named is the sequencer's choice.
-                if error.code != RejectCode.NO_CAPACITY or attempt == SUBMIT_ATTEMPTS:
-                    raise
+            with self._cluster.naming_for(instance.instance_id):
+                # Stored before the task exists, for the node of the instance named: its runner reads it once, when
+                # the task is assigned to it.
+                await self._cluster.store_request(self._request, instance)
+                try:
+                    events = await self._cluster.submit(
+                        SubmitTask(task=task, instance_id=instance.instance_id, start_within_ms=start_within_ms)
+                    )
+                    break
+                except ApiError as error:
+                    # The instance named filled or left before the sequencer took the task: this API's State now
+                    # holds what the sequencer decided on, so the next one named is the sequencer's choice.
+                    if error.code != RejectCode.NO_CAPACITY or attempt == SUBMIT_ATTEMPTS:
+                        raise
         assigned = next(e for e in events if isinstance(e, TaskAssigned))
         self._instance_id, self._generation = assigned.instance_id, assigned.generation
         self._leader_node = instance.leader_node
@@ -156,7 +157,10 @@ class ChunkStream:
         """The ready instance this task is named for; waits for one to be ready where none is (the one that takes
         the place of an instance that left: moved to a faster engine, deleted, its node lost)."""
         model_id = self._request.model_id
-        while (instance := route(self._cluster.state, model_id, start_within_ms, int(time.time() * 1000))) is None:
+        cluster = self._cluster
+        while (
+            instance := route(cluster.state, model_id, start_within_ms, int(time.time() * 1000), cluster.naming)
+        ) is None:
             await ensure_ready(self._cluster, model_id, self._settings)
         return instance
 
