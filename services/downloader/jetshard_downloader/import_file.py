@@ -62,8 +62,8 @@ def read_import(model_id: ModelId, path: Path, mmproj: Path | None) -> tuple[Mod
             raise ImportRefused(f"{file} is not a readable GGUF {role}: {error}") from error
 
     header = header_of(path, "file")
-    files = [(path, GGUF_NAME)]
     parts = [header]
+    files = [(path, GGUF_NAME)]
     count = split_count(header)
     if count > 1:
         try:

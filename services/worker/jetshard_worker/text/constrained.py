@@ -104,7 +104,6 @@ class JsonConstraint:
         self._schema = schema
         self._max_tokens = max_tokens
         self._encode = encode
-        self._closes_at_budget = closes_at_budget
         self._prompt_len: int | None = None
         self._generated: list[int] = []
         # The engine thread calls `process`, the runner's event loop `ends`: the matcher is used by one at a time.
@@ -129,6 +128,7 @@ class JsonConstraint:
             )
         # A document with many required fields needs more than _LOOKAHEAD tokens to close: start looking earlier.
         self._window = _LOOKAHEAD + len(encode(shortest[0] if shortest else ""))
+        self._closes_at_budget = closes_at_budget
 
     def process(self, tokens: mx.array, logprobs: mx.array) -> mx.array:
         """mlx-lm logits processor: `tokens` is the row's prompt and generated ids so far, `logprobs` (1, vocab).
