@@ -306,13 +306,14 @@ async def submitted(js: Any) -> int:
 
 
 async def test_a_request_named_for_an_instance_that_filled_meanwhile_runs_on_the_other(
-    cluster: InferenceCluster,
+    cluster: InferenceCluster, roomy_api: str
 ) -> None:
     """An API stores a task's request for the instance it names, before the sequencer assigns it. The window
-    forced open: the sequencer is paused while two requests are submitted, so the API's State shows both
-    instances empty and names the same one for both; that instance has one place. The sequencer gives it to the
-    first and refuses the second for it, and the API names the second again (the other instance, or the first once
-    it is free) and stores its request there: both are answered."""
+    forced open: the sequencer is paused while two requests are submitted through two APIs (one spreads its own
+    burst; neither knows of the other's), so each API's State shows both instances empty and both name the same
+    one; that instance has one place. The sequencer gives it to the first and refuses the second for it, and that
+    API names the second again (the other instance, or the first once it is free) and stores its request there:
+    both are answered."""
     one_place = {"max_batch": 1, "max_queued": 0}
     (sequencer,) = [p for p in cluster.processes.started if p.args[-1] == "sequencer"]
     chat = {"model": PAIR, "messages": LONG_STORY, "max_tokens": 4, "temperature": 0}
@@ -326,7 +327,10 @@ async def test_a_request_named_for_an_instance_that_filled_meanwhile_runs_on_the
         since_seq = (await http.get("/state")).json()["last_seq"] + 1
         os.killpg(sequencer.pid, signal.SIGSTOP)
         try:
-            asked = [asyncio.create_task(http.post("/v1/chat/completions", json=chat)) for _ in range(2)]
+            asked = [
+                asyncio.create_task(http.post(f"{api}/v1/chat/completions", json=chat))
+                for api in (cluster.api, roomy_api)
+            ]
 
             async def both_submitted() -> bool:
                 return await submitted(js) >= submitted_before + 2
