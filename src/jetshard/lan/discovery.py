@@ -12,7 +12,7 @@ import threading
 from concurrent.futures import Future, wait
 from dataclasses import dataclass
 
-from jetshard_schema.ids import NAME_MAX_LENGTH, NAME_PATTERN
+from jetshard_schema.ids import parse_name
 from zeroconf import IPVersion, ServiceBrowser, ServiceInfo, ServiceStateChange, Zeroconf
 
 SERVICE_TYPE = "_jetshard._tcp.local."
@@ -71,7 +71,11 @@ def lan_address(explicit: str | None = None) -> str:
 
 
 def _is_name(value: str) -> bool:
-    return len(value) <= NAME_MAX_LENGTH and re.fullmatch(NAME_PATTERN, value) is not None
+    try:
+        parse_name(value, "name")
+    except ValueError:
+        return False
+    return True
 
 
 def _port(value: bytes | int | None) -> int | None:
