@@ -8,6 +8,7 @@ worker process (and no MLX runner) is needed.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import json
 import os
@@ -15,6 +16,7 @@ import shutil
 import subprocess
 import sys
 import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import httpx
@@ -57,6 +59,17 @@ def tree_digest(root: Path) -> dict[str, str]:
         else:
             out[rel] = "dir"
     return out
+
+
+@contextlib.contextmanager
+def read_only_disk(path: Path, fill: Callable[[Path], object]) -> Iterator[Path]:
+    """A small tmpfs at `path` that `fill` writes, then mounted read-only; nothing in it may change in the block."""
+    with tmpfs(path, "8m") as disk:
+        fill(disk)
+        remount_read_only(disk)
+        before = tree_digest(disk)
+        yield disk
+        assert tree_digest(disk) == before
 
 
 # ------------------------------------------------------------------------------------------------------ tests
@@ -122,12 +135,14 @@ async def test_read_only_dirs_are_used_without_network_and_never_changed(
     tmp_path: Path,
 ) -> None:
     source = make_tiny_model(tmp_path / "src", num_layers=4, num_files=2)
-    with tmpfs(tmp_path / "ro", "8m") as ro:
+    snapshot = ""
+
+    def fill(ro: Path) -> None:
+        nonlocal snapshot
         shutil.copytree(source, ro / "tiny--plain")  # jetshard layout, no manifest: another tool put it there
         snapshot = _hf_cache_layout(ro, "tiny/cached", source)
-        remount_read_only(ro)
-        before = tree_digest(ro)
 
+    with read_only_disk(tmp_path / "ro", fill) as ro:
         config = tmp_path / "node"
         node = await cluster.join(config)
         await cluster.add_card("tiny/plain", 4)
@@ -179,7 +194,41 @@ async def test_read_only_dirs_are_used_without_network_and_never_changed(
         down = await asyncio.to_thread(subprocess.run, nowhere, capture_output=True, text=True, timeout=90)
         assert down.returncode == 3 and "cannot reach the jetshard API" in down.stderr, down.stderr
 
-        assert tree_digest(ro) == before
+
+async def test_a_models_dir_on_a_read_only_filesystem_is_only_read(
+    cluster: Cluster,
+    hub_server: HubServer,
+    tmp_path: Path,
+) -> None:
+    """The default directory configured as writable, on a disk mounted read-only (a shared export, a disk the
+    kernel remounted after errors): its models serve, nothing is written there, and a download says why not."""
+    source = make_tiny_model(tmp_path / "src", num_layers=2, num_files=1)
+    hub_server.add_repo("tiny/elsewhere", source)
+    with read_only_disk(tmp_path / "mount", lambda disk: shutil.copytree(source, disk / "tiny--there")) as mount:
+        config = tmp_path / "node"
+        node = await cluster.join(config)
+        await cluster.add_card("tiny/there", 2)
+        await cluster.add_card("tiny/elsewhere", 2)
+        api = cluster.start_api()
+        cluster.start_downloader("downloader", config, JETSHARD_DEFAULT_MODELS_DIR=str(mount))
+        async with httpx.AsyncClient(base_url=api, timeout=30) as http:
+            nodes = await api_until(
+                http,
+                lambda listed: any(n["node_id"] == node and n["model_dirs"] for n in listed),
+                path="/nodes",
+            )
+            (shown,) = [n for n in nodes if n["node_id"] == node]
+            assert [(d["path"], d["read_only"]) for d in shown["model_dirs"]] == [(str(mount), True)]
+
+            for model_id in ("tiny/there", "tiny/elsewhere"):
+                response = await http.post("/downloads", json={"model_id": model_id})
+                assert response.status_code == 202, response.text
+            there = await cluster.wait_download(node, "tiny/there")
+            assert there.progress.status is DownloadStatus.COMPLETED, there.progress.reason
+            assert there.progress.read_only and there.progress.directory == str(mount / "tiny--there")
+            elsewhere = await cluster.wait_download(node, "tiny/elsewhere")
+            assert elsewhere.progress.status is DownloadStatus.FAILED
+            assert "read-only filesystem" in elsewhere.progress.reason, elsewhere.progress.reason
 
 
 async def test_killed_mid_download_resumes_in_the_same_directory(

@@ -61,8 +61,9 @@ def format_bytes(n: int) -> str:
 def _no_space_message(model_id: str, bytes_needed: int, checked: tuple[CheckedDir, ...]) -> str:
     if not checked:
         return (
-            f"cannot store {model_id} ({format_bytes(bytes_needed)}): no writable model directory is "
-            "configured (all are read-only); set JETSHARD_DEFAULT_MODELS_DIR or JETSHARD_MODELS_DIRS"
+            f"cannot store {model_id} ({format_bytes(bytes_needed)}): no writable model directory (each is "
+            "configured read-only or on a read-only filesystem); set JETSHARD_DEFAULT_MODELS_DIR or "
+            "JETSHARD_MODELS_DIRS"
         )
     lines = [f"not enough disk space for {model_id}: {format_bytes(bytes_needed)} needed; checked:"]
     for c in checked:

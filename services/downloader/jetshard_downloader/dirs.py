@@ -151,6 +151,27 @@ def _existing_ancestor(path: Path) -> Path | None:
     return None
 
 
+def on_read_only_filesystem(path: Path) -> bool:
+    """Whether the filesystem `path` is on (or would be created on) is mounted read-only."""
+    anchor = _existing_ancestor(path)
+    if anchor is None:
+        return False
+    try:
+        return bool(os.statvfs(anchor).f_flag & os.ST_RDONLY)
+    except OSError:
+        return False
+
+
+def minding_read_only_filesystems(dirs: ModelDirs) -> ModelDirs:
+    """`dirs` with every writable directory whose filesystem is mounted read-only counted read-only: a download
+    or delete there could only fail, and its free space is none a model can use."""
+    mounted = tuple(d for d in dirs.writable if on_read_only_filesystem(d))
+    if not mounted:
+        return dirs
+    writable = tuple(d for d in dirs.writable if d not in mounted)
+    return ModelDirs(default_dir=dirs.default_dir, writable=writable, read_only=dirs.read_only + mounted)
+
+
 def free_bytes(path: Path, disk_usage: Callable[[Path], DiskUsage] = shutil.disk_usage) -> int:
     """Free bytes where `path` is or would be created; 0 when nothing along the path can be measured."""
     anchor = _existing_ancestor(path)

@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import dataclasses
 import json
 import logging
 import os
@@ -87,7 +88,7 @@ from jetshard_downloader.convert import (
     sweep_staging,
 )
 from jetshard_downloader.delete import ReadOnlyModelError, delete_model, sweep_tombstones
-from jetshard_downloader.dirs import ModelDirs, directory_report, free_bytes
+from jetshard_downloader.dirs import ModelDirs, directory_report, free_bytes, minding_read_only_filesystems
 from jetshard_downloader.fetch import (
     AuthRequired,
     Cancelled,
@@ -939,6 +940,10 @@ def _storage(
 
 async def run_downloader(config: DownloaderConfig, stop: asyncio.Event) -> None:
     node_id = node_id_for(config.config_dir)
+    dirs = minding_read_only_filesystems(config.model_dirs)
+    for mounted in set(dirs.read_only) - set(config.model_dirs.read_only):
+        log.warning("model dir %s is on a read-only filesystem: its models serve, nothing is stored there", mounted)
+    config = dataclasses.replace(config, model_dirs=dirs)
     use_small_download_chunks()
     for models_dir in config.model_dirs.writable:
         with contextlib.suppress(OSError):
