@@ -13,6 +13,7 @@ from pathlib import Path
 import jsonschema
 import msgspec
 import pytest
+from helpers.harness import until
 from jetshard_downloader.convert import packaged_gguf_path
 from jetshard_schema.catalogue import DEMO_MODEL_ID, builtin_cards
 from jetshard_schema.ids import TaskId
@@ -226,10 +227,11 @@ class _Rows:
         self.first_piece = asyncio.Event()
         self.finished = asyncio.Event()
 
-    def engine(self, server: LlamaServer) -> LlamaCppEngine:
+    def engine(self, server: LlamaServer, **options: float) -> LlamaCppEngine:
         return LlamaCppEngine(
             server,
             2,
+            **options,
             on_started=lambda row: None,
             on_piece=self._piece,
             on_finished=self._finished,
@@ -259,10 +261,10 @@ async def test_the_engine_streams_a_greedy_answer_and_counts_it(demo_server: Lla
     await engine.close()
 
 
-def _a_long_row(server: LlamaServer) -> tuple[_Rows, LlamaCppEngine]:
+def _a_long_row(server: LlamaServer, **options: float) -> tuple[_Rows, LlamaCppEngine]:
     """An engine on `server` answering row t1#0 at length: it is still answering when the test cuts it."""
     rows = _Rows()
-    engine = rows.engine(server)
+    engine = rows.engine(server, **options)
     long = _chat("Write a very long story about a dragon.")
     engine.submit(
         llama.chat_request("t1#0", long, GREEDY, max_tokens=400, seed=None, window=512, template_takes_tools=False)
@@ -297,6 +299,30 @@ async def test_a_killed_llama_server_fails_the_rows_and_ends_the_engine(demo_ser
     await asyncio.wait_for(rows.finished.wait(), 10)
     message, code = rows.failures["t1#0"]
     assert code == "engine_error" and "llama.cpp stopped answering" in message
+    await engine.close()
+
+
+async def test_a_stopped_llama_server_is_killed_and_ends_the_engine(demo_server: LlamaServer) -> None:
+    """A hung server (here stopped with SIGSTOP mid-answer) answers nothing: past the engine's patience it is
+    killed, its rows fail and the engine ends, so the instance restarts instead of its tasks waiting forever."""
+    rows, engine = _a_long_row(demo_server, unresponsive_s=3.0)
+    serving = asyncio.create_task(engine.serve())
+    await asyncio.wait_for(rows.first_piece.wait(), 60)
+    await asyncio.sleep(4.5)  # a server at work answers its health checks: it is left alone
+    assert not serving.done()
+    rows.first_piece.clear()
+    count = _chat("Count to a hundred.")
+    engine.submit(
+        llama.chat_request("t2#0", count, GREEDY, max_tokens=400, seed=None, window=512, template_takes_tools=False)
+    )
+    await asyncio.wait_for(rows.first_piece.wait(), 60)
+    assert demo_server._process is not None
+    os.kill(demo_server._process.pid, signal.SIGSTOP)
+    with pytest.raises(ServerDied, match="llama-server answered no health check for 3 s"):
+        await asyncio.wait_for(serving, 20)
+    assert demo_server.exited
+    await until(lambda: "t2#0" in rows.failures, 10, "the answer cut by the kill to fail")
+    assert rows.failures["t2#0"][1] == "engine_error"
     await engine.close()
 
 

@@ -11,12 +11,11 @@ import logging
 from collections.abc import Callable
 
 import httpx
-from jetshard_bus.procs import describe_exit
 from jetshard_schema.types import TaskOutcome
 
 from jetshard_worker.engines.figures import EngineFigures
 from jetshard_worker.engines.llamacpp.requests import Ending, LlamaRequest, Piece, ServerError, StreamState, parse_event
-from jetshard_worker.engines.llamacpp.server import LlamaServer, ServerDied
+from jetshard_worker.engines.llamacpp.server import UNRESPONSIVE_S, LlamaServer, ServerDied
 from jetshard_worker.text.toolcalls import ToolCallParsed
 
 log = logging.getLogger(__name__)
@@ -42,8 +41,10 @@ class LlamaCppEngine:
         on_piece: OnPiece,
         on_finished: OnFinished,
         on_failed: OnFailed,
+        unresponsive_s: float = UNRESPONSIVE_S,
     ) -> None:
         self.server = server
+        self._unresponsive_s = unresponsive_s
         self.stats = EngineFigures()
         self._client = server.client()
         self._slots = asyncio.Semaphore(slots)
@@ -69,10 +70,9 @@ class LlamaCppEngine:
             task.cancel()
 
     async def serve(self) -> None:
-        """Returns never: raises `ServerDied` once llama-server exits (killed, crashed), which ends the runner
-        with that reason, and its instance restarts."""
-        returncode = await self.server.wait()
-        raise ServerDied(f"llama-server {describe_exit(returncode)}")
+        """Returns never: raises `ServerDied` once llama-server exits (killed, crashed) or stops answering (hung,
+        stopped: `LlamaServer.watch`), which ends the runner with that reason, and its instance restarts."""
+        raise ServerDied(await self.server.watch(self._unresponsive_s))
 
     async def close(self) -> None:
         for task in list(self._rows.values()):

@@ -26,6 +26,11 @@ NGRAM_LOOKUP = ("--spec-type", "ngram-map-k", "--spec-ngram-map-k-size-n", "4", 
 free-form text; `ngram-simple` (the latest occurrence) kept too few drafts to pay (1.18x, and 0.99x with 3 and 8);
 llama.cpp's default lengths (12 and 48) found almost nothing to draft in a code edit."""
 STOP_GRACE_S = 5.0
+UNRESPONSIVE_S = 30.0
+"""A loaded llama-server that answers no health check for this long is hung or stopped (a frozen process, a
+machine swapping it out): it is killed, so its instance restarts instead of its tasks waiting forever. Its HTTP
+threads answer `/health` while its slots compute, so a busy server is not taken for a hung one."""
+WATCH_INTERVAL_S = 5.0
 
 
 class ServerDied(RuntimeError):
@@ -209,9 +214,27 @@ class LlamaServer:
     def exited(self) -> bool:
         return self._process is None or self._process.returncode is not None
 
-    async def wait(self) -> int:
-        assert self._process is not None
-        return await self._process.wait()
+    async def watch(self, unresponsive_s: float = UNRESPONSIVE_S) -> str:
+        """Return how the loaded server ended: it exited, or it answered no `/health` for `unresponsive_s`
+        (then it is killed first)."""
+        process = self._process
+        assert process is not None
+        interval_s = min(WATCH_INTERVAL_S, unresponsive_s / 3)
+        answered_at = time.monotonic()
+        async with httpx.AsyncClient(timeout=interval_s, headers=self.headers) as client:
+            while True:
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(process.wait(), interval_s)
+                if process.returncode is not None:
+                    return f"llama-server {describe_exit(process.returncode)}"
+                with contextlib.suppress(httpx.HTTPError):
+                    if (await client.get(f"{self.url}/health")).status_code == 200:
+                        answered_at = time.monotonic()
+                if time.monotonic() - answered_at > unresponsive_s:
+                    with contextlib.suppress(ProcessLookupError):
+                        process.kill()
+                    await process.wait()
+                    return f"llama-server answered no health check for {unresponsive_s:g} s (hung or stopped): killed"
 
     async def stop(self) -> None:
         await stop_process(self._process)
