@@ -26,6 +26,7 @@ from helpers.hub_server import HubServer
 from helpers.model_files import model_files, sha256
 from helpers.mounts import remount_read_only, tmpfs
 from helpers.tiny_models import make_tiny_model
+from jetshard_bus.scratch import DOWNLOADER_PREFIX
 from jetshard_downloader.dirs import ModelDirs
 from jetshard_downloader.locate import find_model
 from jetshard_downloader.paths import MANIFEST_NAME
@@ -251,7 +252,9 @@ async def test_killed_mid_download_resumes_in_the_same_directory(
     node = await cluster.join(config)
     await cluster.add_card(repo, 2, 256)
     api = cluster.start_api()
-    env = {"JETSHARD_DEFAULT_MODELS_DIR": str(models), "JETSHARD_MODELS_DIRS": str(other)}
+    scratch = tmp_path / "tmp"  # where the downloader keeps its file server's key
+    scratch.mkdir()
+    env = {"JETSHARD_DEFAULT_MODELS_DIR": str(models), "JETSHARD_MODELS_DIRS": str(other), "TMPDIR": str(scratch)}
     first = cluster.start_downloader("downloader-1", config, **env)
     async with httpx.AsyncClient(base_url=api, timeout=30) as http:
         response = await http.post("/downloads", json={"model_id": repo, "node_id": node})
@@ -278,6 +281,7 @@ async def test_killed_mid_download_resumes_in_the_same_directory(
     assert find_model(ModelDirs.from_options(models, [other]), repo) is None
     assert not any(isinstance(e, DownloadCompleted) for e in cluster.events)
     cluster.processes.kill(first)
+    (key_left,) = scratch.glob(f"{DOWNLOADER_PREFIX}{first.pid}-*")
     kept = partial.stat().st_size
     assert hold_at <= kept < size
     assert (
@@ -287,8 +291,10 @@ async def test_killed_mid_download_resumes_in_the_same_directory(
 
     hub_server.release()
     hub_server.reset_counters()
-    cluster.start_downloader("downloader-2", config, **env)  # resumes from State: no new request
+    second = cluster.start_downloader("downloader-2", config, **env)  # resumes from State: no new request
     done = await cluster.wait_download(node, repo)
+    assert not key_left.exists()  # the killed one's key, removed by the next start
+    assert [path.name.startswith(f"{DOWNLOADER_PREFIX}{second.pid}-") for path in scratch.iterdir()] == [True]
     assert done.progress.status is DownloadStatus.COMPLETED, done.progress.reason
     assert done.progress.directory == str(models / "tiny--big")
     assert hub_server.bytes_served[(repo, held)] == size - kept  # only the remainder

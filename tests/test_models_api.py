@@ -27,12 +27,12 @@ from helpers.cards import TINY_SHAPE, tiny_card
 from helpers.harness import InferenceCluster, free_port, hub_cluster, wait_for
 from helpers.tiny_models import make_tiny_model
 from jetshard_bus.node import node_id_for
+from jetshard_bus.scratch import WORKER_PREFIX
 from jetshard_schema.cards import GenerationDefaults, Quantization
 from jetshard_schema.events import CustomModelCardAdded, CustomModelCardDeleted, Event
 from jetshard_schema.ids import MODEL_ID_MAX_LENGTH, ModelId, NodeId
 from jetshard_schema.state import Download
 from jetshard_schema.types import DownloadProgress, DownloadStatus
-from jetshard_worker.scratch import PREFIX
 
 ORG = "jetshard-test"
 SPLIT = f"{ORG}/tiny-split"
@@ -474,17 +474,17 @@ def test_a_node_that_was_down_catches_up(cluster: ModelsCluster) -> None:
 def test_a_killed_workers_scratch_directory_is_removed_when_it_next_starts(cluster: ModelsCluster) -> None:
     tmp = cluster.root / "node-b" / "tmp"
     killed = cluster.workers["node-b"].pid
-    assert wait_for(lambda: any(tmp.glob(f"{PREFIX}{killed}-*")), timeout=15), sorted(tmp.iterdir())
-    (left,) = tmp.glob(f"{PREFIX}{killed}-*")
+    assert wait_for(lambda: any(tmp.glob(f"{WORKER_PREFIX}{killed}-*")), timeout=15), sorted(tmp.iterdir())
+    (left,) = tmp.glob(f"{WORKER_PREFIX}{killed}-*")
     (left / "model-0-rank0.log").write_text("a runner's log")
-    another = tmp / f"{PREFIX}{os.getpid()}-live"  # named after a process that runs: not stale
+    another = tmp / f"{WORKER_PREFIX}{os.getpid()}-live"  # named after a process that runs: not stale
     another.mkdir()
     cluster.stop_worker("node-b", signal.SIGKILL)
     assert left.exists()  # nothing removed it: its worker had no chance to
     cluster.start_worker("node-b")
     restarted = cluster.workers["node-b"].pid
     assert wait_for(lambda: not left.exists(), timeout=15), sorted(tmp.iterdir())
-    assert len(list(tmp.glob(f"{PREFIX}{restarted}-*"))) == 1
+    assert len(list(tmp.glob(f"{WORKER_PREFIX}{restarted}-*"))) == 1
     assert another.exists()
     another.rmdir()
 

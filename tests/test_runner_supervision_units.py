@@ -27,6 +27,7 @@ from helpers.slow_imports import slow_runner_imports
 from helpers.states import downloaded, fold
 from jetshard_bus.lifeline import lifeline_command
 from jetshard_bus.options import NatsOptions
+from jetshard_bus.scratch import DOWNLOADER_PREFIX, WORKER_PREFIX, stale_scratch_dirs
 from jetshard_schema.codec import decode_command
 from jetshard_schema.commands import ReportRunnerStatus
 from jetshard_schema.events import InstancePlaced, RunnerEndpointReported
@@ -38,7 +39,6 @@ from jetshard_worker.planning import RunnerKey, RunnerPlan
 from jetshard_worker.publishing import LAST_RETRY_S, publish_until_stored, retry_delay_s
 from jetshard_worker.runner_spec import RunnerSpec
 from jetshard_worker.runners import RunnerSupervisor, failure_reason, hold_ring_port
-from jetshard_worker.scratch import PREFIX, stale_scratch_dirs
 
 from jetshard.up.natsserver import NatsServer
 
@@ -47,16 +47,17 @@ from jetshard.up.natsserver import NatsServer
 
 def test_scratch_dirs_of_dead_workers_and_of_this_pid_are_stale() -> None:
     names = [
-        f"{PREFIX}100-abc",  # a live worker's
-        f"{PREFIX}200-def",  # a dead worker's
-        f"{PREFIX}300-ghi",  # made by an earlier process with this one's pid (a container's pid 1)
-        f"{PREFIX}xyz",  # no pid: an older worker's, owner unknown
-        f"{PREFIX}12x-abc",
+        f"{WORKER_PREFIX}100-abc",  # a live worker's
+        f"{WORKER_PREFIX}200-def",  # a dead worker's
+        f"{WORKER_PREFIX}300-ghi",  # made by an earlier process with this one's pid (a container's pid 1)
+        f"{WORKER_PREFIX}xyz",  # no pid: an older worker's, owner unknown
+        f"{WORKER_PREFIX}12x-abc",
         "jetshard-blas-200-abc",  # not a scratch directory
+        f"{DOWNLOADER_PREFIX}200-jkl",  # a dead downloader's: its own next start removes it
         "unrelated",
     ]
-    stale = stale_scratch_dirs(names, own_pid=300, alive=lambda pid: pid in (100, 300))
-    assert stale == [f"{PREFIX}200-def", f"{PREFIX}300-ghi"]
+    stale = stale_scratch_dirs(names, WORKER_PREFIX, own_pid=300, alive=lambda pid: pid in (100, 300))
+    assert stale == [f"{WORKER_PREFIX}200-def", f"{WORKER_PREFIX}300-ghi"]
 
 
 # ------------------------------------------------------------------------------------------ report retries

@@ -24,8 +24,8 @@ import dataclasses
 import json
 import logging
 import os
+import shutil
 import ssl
-import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterable
@@ -38,6 +38,7 @@ from jetshard_bus.commands import publish_command
 from jetshard_bus.connect import connect
 from jetshard_bus.follower import StateFollower
 from jetshard_bus.node import local_address, node_id_for
+from jetshard_bus.scratch import DOWNLOADER_PREFIX, make_scratch_dir
 from jetshard_bus.stats import publish_stats
 from jetshard_bus.tls_identity import PeerIdentity, client_context
 from jetshard_schema.cards import ModelCard, ModelFormat, ModelSource
@@ -957,8 +958,10 @@ async def run_downloader(config: DownloaderConfig, stop: asyncio.Event) -> None:
         server: PeerFileServer | None = None
         advertised: FileServer | None = None
         if config.peer_copies:
-            # A fresh identity per session, its key in a private scratch directory removed at exit.
-            directory = Path(scratch.enter_context(tempfile.TemporaryDirectory(prefix="jetshard-downloader-")))
+            # A fresh identity per session, its key in a private scratch directory removed at exit (or, where the
+            # downloader was killed, at the next start).
+            directory = make_scratch_dir(DOWNLOADER_PREFIX)
+            scratch.callback(shutil.rmtree, directory, ignore_errors=True)
             downloader.identity = PeerIdentity.create(directory, f"downloader-{node_id}")
             server = PeerFileServer(config.model_dirs, downloader.identity)
             host = config.advertise_host or local_address(client)

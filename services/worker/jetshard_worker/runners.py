@@ -26,6 +26,7 @@ from jetshard_bus.commands import publish_command
 from jetshard_bus.node import MemoryTaken, mlx_cuda_installed
 from jetshard_bus.options import NatsOptions
 from jetshard_bus.procs import describe_exit, spawn
+from jetshard_bus.scratch import WORKER_PREFIX, make_scratch_dir
 from jetshard_schema.cards import GenerationDefaults
 from jetshard_schema.commands import ReportRunnerEndpoint, ReportRunnerStatus
 from jetshard_schema.ids import CommandId, NodeId, ValidInstanceId, new_command_id
@@ -41,7 +42,6 @@ from jetshard_worker.peer_tunnel import PeerIdentity
 from jetshard_worker.planning import RunnerKey, RunnerPlan, plan, runners_on_machine
 from jetshard_worker.publishing import NATS_ERRORS
 from jetshard_worker.runner_spec import PeerIdentityFiles, RunnerSpec
-from jetshard_worker.scratch import make_scratch_dir
 
 log = logging.getLogger(__name__)
 
@@ -124,7 +124,7 @@ class RunnerSupervisor:
 
     async def start(self, state: State) -> None:
         blas_candidates()  # a JETSHARD_BLAS naming no file stops the worker here, not each runner's start
-        self._scratch = make_scratch_dir()
+        self._scratch = make_scratch_dir(WORKER_PREFIX)
         self._identity = PeerIdentity.create(self._scratch, self.node_id)
         self._watching = asyncio.create_task(self._watch())
         self.on_state(state)
