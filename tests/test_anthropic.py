@@ -77,6 +77,29 @@ def test_a_message_and_its_stream_agree(client: anthropic.Anthropic, dialect_clu
     assert set(kinds[2:-3]) == {"content_block_delta"}
 
 
+def test_a_stop_sequence_that_ends_the_answer_is_named(
+    client: anthropic.Anthropic, dialect_cluster: DialectCluster
+) -> None:
+    request: Any = {
+        "model": dialect_cluster.model,
+        "max_tokens": 24,
+        "messages": QUESTION,
+        "extra_body": {"temperature": 0},
+    }
+    whole = client.messages.create(**request).content[0].text  # type: ignore[union-attr]
+    stop = whole[len(whole) // 2 :][:2]  # greedy: the same answer again meets it halfway
+    assert stop.strip(), whole
+    expected = whole[: whole.index(stop)]
+    request["stop_sequences"] = ["a stop it never writes", stop]
+    message = client.messages.create(**request)
+    assert (message.stop_reason, message.stop_sequence) == ("stop_sequence", stop)
+    assert "".join(block.text for block in message.content if block.type == "text") == expected
+    with client.messages.stream(**request) as stream:
+        text = "".join(stream.text_stream)
+        final = stream.get_final_message()
+    assert (text, final.stop_reason, final.stop_sequence) == (expected, "stop_sequence", stop)
+
+
 def test_a_forced_tool_call_and_its_result(client: anthropic.Anthropic, dialect_cluster: DialectCluster) -> None:
     message = client.messages.create(
         model=dialect_cluster.model, max_tokens=BUDGET, messages=QUESTION, tools=[WEATHER_TOOL], tool_choice=FORCED

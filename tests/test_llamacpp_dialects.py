@@ -71,6 +71,14 @@ def test_a_stop_string_cuts_the_answer(client: openai.OpenAI, llamacpp_cluster: 
     whole = client.chat.completions.create(model=llamacpp_cluster.model, messages=ASK, max_tokens=24, temperature=0)
     assert reply.usage is not None and whole.usage is not None
     assert reply.usage.prompt_tokens == whole.usage.prompt_tokens > 0
+    message = anthropic.Anthropic(base_url=llamacpp_cluster.api, api_key="unused", max_retries=0).messages.create(
+        model=llamacpp_cluster.model,
+        max_tokens=24,
+        messages=ASK,  # type: ignore[arg-type]
+        stop_sequences=["Paris"],
+        extra_body={"temperature": 0},
+    )
+    assert (message.stop_reason, message.stop_sequence) == ("stop_sequence", "Paris")
 
 
 def test_seeds_reproduce_and_n_choices_draw_apart(client: openai.OpenAI, llamacpp_cluster: LlamaCppCluster) -> None:

@@ -19,31 +19,32 @@ class PieceDetokenizer:
         self.last_segment = ""
 
 
-def run(pieces: list[str], stop: tuple[str, ...]) -> tuple[str, bool]:
+def run(pieces: list[str], stop: tuple[str, ...]) -> tuple[str, str | None]:
+    """The text let through, and the stop string it ended at."""
     text = StopText(stop)
     out = ""
     for piece in pieces:
         out += text.add(piece)
         if text.stopped:
             break
-    return out + text.finish(), text.stopped
+    return out + text.finish(), text.matched
 
 
 def test_stop_string_split_over_pieces_is_cut_and_not_returned() -> None:
-    assert run(["Hello", " wor", "ld.", " EN", "D more"], ("END",)) == ("Hello world. ", True)
+    assert run(["Hello", " wor", "ld.", " EN", "D more"], ("END",)) == ("Hello world. ", "END")
 
 
 def test_held_back_prefix_is_released_when_it_turns_out_not_to_be_a_stop() -> None:
-    assert run(["a", "E", "N", "x", "b"], ("END",)) == ("aENxb", False)
+    assert run(["a", "E", "N", "x", "b"], ("END",)) == ("aENxb", None)
 
 
 def test_a_held_back_prefix_is_released_when_the_text_ends() -> None:
-    assert run(["a", "EN"], ("END",)) == ("aEN", False)
+    assert run(["a", "EN"], ("END",)) == ("aEN", None)
 
 
 def test_the_earliest_of_several_stop_strings_wins_within_one_piece() -> None:
-    assert run(["one\n\ntwo###"], ("###", "\n\n")) == ("one", True)
+    assert run(["one\n\ntwo###"], ("###", "\n\n")) == ("one", "\n\n")
 
 
 def test_no_stop_strings_passes_text_through() -> None:
-    assert run(["a", "b", "c"], ()) == ("abc", False)
+    assert run(["a", "b", "c"], ()) == ("abc", None)

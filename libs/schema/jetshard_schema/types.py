@@ -683,6 +683,8 @@ class Chunk(msgspec.Struct, frozen=True, kw_only=True):
     embedding: tuple[float, ...] = ()
     finish_reason: TaskOutcome | None = None
     """Why this choice ended."""
+    stop_sequence: str | None = None
+    """The request's stop string that ended this choice, where one did (its `finish_reason` is stop)."""
     usage: Usage | None = None
     """On the task's last chunk only: it ends the output."""
     error: str | None = None

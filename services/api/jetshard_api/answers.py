@@ -19,6 +19,8 @@ class Choice:
     tool_calls: list[ToolCall] = field(default_factory=list)
     logprobs: list[TokenLogprob] = field(default_factory=list)
     finish_reason: TaskOutcome | None = None
+    stop_sequence: str | None = None
+    """The stop string that ended it, where one did."""
     embedding: tuple[float, ...] = ()
 
     def add(self, chunk: Chunk) -> None:
@@ -29,6 +31,7 @@ class Choice:
         self.logprobs += chunk.logprobs
         self.embedding = chunk.embedding or self.embedding
         self.finish_reason = chunk.finish_reason or self.finish_reason
+        self.stop_sequence = chunk.stop_sequence or self.stop_sequence
 
 
 @dataclass

@@ -278,7 +278,8 @@ class TaskOutput:
                 completion_tokens=sum(c.tokens for c in self.choices),
                 reasoning_tokens=sum(c.reasoning_tokens for c in self.choices),
             )
-        self._chunk(choice, text, calls, reasoning, finish_reason=reason, usage=usage)
+        stop_sequence = output.stop.matched if reason is TaskOutcome.STOP else None
+        self._chunk(choice, text, calls, reasoning, finish_reason=reason, stop_sequence=stop_sequence, usage=usage)
         return usage
 
     def embedding(self, choice: int, vector: list[float], prompt_tokens: int) -> Usage | None:

@@ -14,18 +14,23 @@ class StopText:
     def __init__(self, stop: Sequence[str]) -> None:
         self._stop = tuple(stop)
         self._held = ""
-        self.stopped = False
+        self.matched: str | None = None
+        """The stop string the text ended at: the one that starts first (of those, the first given)."""
+
+    @property
+    def stopped(self) -> bool:
+        return self.matched is not None
 
     def add(self, piece: str) -> str:
         """Feed the next piece of text; return the text that is now safe to send (possibly empty)."""
         if self.stopped:
             return ""
         text = self._held + piece
-        found = [at for stop in self._stop if (at := text.find(stop)) != -1]
+        found = [(at, stop) for stop in self._stop if (at := text.find(stop)) != -1]
         if found:
-            self.stopped = True
+            at, self.matched = min(found, key=lambda place: place[0])
             self._held = ""
-            return text[: min(found)]
+            return text[:at]
         keep = max((pending_prefix_length(text, stop) for stop in self._stop), default=0)
         self._held = text[len(text) - keep :] if keep else ""
         return text[: len(text) - keep]

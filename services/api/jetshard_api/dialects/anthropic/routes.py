@@ -99,7 +99,8 @@ class AnthropicController(StrictController):
             id=_message_id(task),
             model=task.model_id,
             content=content_blocks(choice),
-            stop_reason=stop_reason(choice.finish_reason),
+            stop_reason=stop_reason(choice.finish_reason, choice.stop_sequence),
+            stop_sequence=choice.stop_sequence,
             usage=_usage(result.usage),
         )
         # A Response, not the bare body: the route's media type would otherwise be JSON for the stream too.
@@ -201,6 +202,7 @@ class _Events:
         self._task = task
         self._blocks = _Blocks()
         self._reason: TaskOutcome | None = None
+        self._stop_sequence: str | None = None
         self._usage: Usage | None = None
 
     def opening(self) -> list[ServerSentEventMessage]:
@@ -213,6 +215,7 @@ class _Events:
 
     def chunk(self, chunk: Chunk) -> list[ServerSentEventMessage]:
         self._reason = chunk.finish_reason or self._reason
+        self._stop_sequence = chunk.stop_sequence or self._stop_sequence
         self._usage = chunk.usage or self._usage
         blocks = self._blocks
         return [
@@ -222,7 +225,7 @@ class _Events:
         ]
 
     def closing(self) -> list[ServerSentEventMessage]:
-        delta = {"stop_reason": stop_reason(self._reason), "stop_sequence": None}
+        delta = {"stop_reason": stop_reason(self._reason, self._stop_sequence), "stop_sequence": self._stop_sequence}
         return [
             *self._blocks.close(),
             _event("message_delta", {"delta": delta, "usage": _usage(self._usage)}),

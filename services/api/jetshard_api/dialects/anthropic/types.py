@@ -311,9 +311,10 @@ class ErrorBody(msgspec.Struct, frozen=True, kw_only=True):
 _STOP_REASONS = {TaskOutcome.LENGTH: "max_tokens", TaskOutcome.TOOL_CALLS: "tool_use"}
 
 
-def stop_reason(outcome: TaskOutcome | None) -> str | None:
-    """Anthropic's name for why the output ended. A stop sequence is reported as `end_turn`: the runner's
-    chunks do not tell a stop sequence from the model's end of turn."""
+def stop_reason(outcome: TaskOutcome | None, stop_sequence: str | None) -> str | None:
+    """Anthropic's name for why the output ended: `stop_sequence` where one of the request's ended it."""
+    if stop_sequence is not None:
+        return "stop_sequence"
     return None if outcome is None else _STOP_REASONS.get(outcome, "end_turn")
 
 
