@@ -30,7 +30,7 @@ import pytest
 from helpers.harness import Cluster, free_port, until, wait_for
 from helpers.mounts import tmpfs
 from jetshard_downloader.convert import NotEnoughSpace, StoreHooks, convert_packaged, install_gguf
-from jetshard_downloader.dirs import ModelDirs, free_bytes
+from jetshard_downloader.dirs import ModelDirs, room_bytes
 from jetshard_downloader.fetch import Cancelled
 from jetshard_downloader.gguf import packaged_demo_gguf
 from jetshard_downloader.locate import find_model
@@ -374,7 +374,7 @@ def test_a_dir_that_fills_up_mid_conversion_is_cleaned_up_and_the_next_one_used(
     roomy = tmp_path / "roomy"
     # The card's size is the GGUF's, a few MB short of the converted model: this tmpfs looks big enough.
     with tmpfs(tmp_path / "tight", "99000k") as tight:
-        assert free_bytes(tight) >= card.storage_size_bytes
+        assert room_bytes(tight) >= card.storage_size_bytes
         targets: list[Path] = []
         directory, size = convert_packaged(
             card,
@@ -382,7 +382,7 @@ def test_a_dir_that_fills_up_mid_conversion_is_cleaned_up_and_the_next_one_used(
             StoreHooks(on_target=lambda model_dir, _: targets.append(model_dir)),
         )
         assert targets == [tight / DEMO_DIR_NAME, roomy / DEMO_DIR_NAME]
-        assert directory == roomy / DEMO_DIR_NAME and size > free_bytes(tight)
+        assert directory == roomy / DEMO_DIR_NAME and size > room_bytes(tight)
         assert list(tight.iterdir()) == []  # the staging directory went with the failed write
 
         with pytest.raises(NotEnoughSpace) as refused:

@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import json
 import os
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 from jetshard_downloader.choose import Choice, NoSpace, choose_directory
 from jetshard_downloader.delete import ReadOnlyModelError, delete_model, sweep_tombstones
-from jetshard_downloader.dirs import ModelDirs, directory_report, free_bytes
+from jetshard_downloader.dirs import ModelDirs, directory_report, room_bytes
 from jetshard_downloader.fetch import OfflineUnavailable, fetch_files, is_offline, list_remote_files
 from jetshard_downloader.locate import find_model, hf_cache_snapshots, is_complete, partial_bytes_for
 from jetshard_downloader.manifest import Manifest, ManifestFile, read_manifest, write_manifest
@@ -99,7 +100,25 @@ def test_directory_report_measures_missing_dirs_on_their_filesystem(tmp_path: Pa
         (str(tmp_path / "not" / "yet"), False, False, False),
     ]
     assert all(r.free_bytes > 0 and r.total_bytes >= r.free_bytes for r in report)
-    assert free_bytes(tmp_path / "not" / "yet") == report[2].free_bytes
+    assert 0 < room_bytes(tmp_path / "not" / "yet") < report[2].free_bytes  # measured where it will be made
+
+
+@dataclass(frozen=True)
+class DiskMeasured:
+    total: int
+    free: int
+
+
+@pytest.mark.parametrize(
+    ("total", "free", "room"),
+    [
+        (500 << 30, 20 << 30, 19 << 30),  # a large disk keeps 1 GiB free
+        (50 << 30, 10 << 30, (10 << 30) - (50 << 30) // 100),  # a smaller one 1% of it
+        (50 << 30, 100 << 20, 0),  # a disk already fuller than that has no room for models
+    ],
+)
+def test_models_leave_the_last_percent_of_a_disk_free(tmp_path: Path, total: int, free: int, room: int) -> None:
+    assert room_bytes(tmp_path, lambda _: DiskMeasured(total=total, free=free)) == room
 
 
 # ---------------------------------------------------------------------- shard files
@@ -487,8 +506,9 @@ def test_choose_reports_no_space_with_every_directory(tmp_path: Path) -> None:
     assert result.bytes_needed == 8 << 30
     assert [c_.models_dir for c_ in result.checked] == [a, b, c]
     assert "8.0 GiB needed" in result.message
-    assert f"{a}: 1.0 GiB free" in result.message
-    assert f"{b}: 5.0 GiB free, 1.0 GiB reserved" in result.message
+    assert f"{a}: 1.0 GiB free for models\n" in result.message
+    assert result.message.endswith("(models leave 1% of a disk, at most 1.0 GiB, free)")
+    assert f"{b}: 5.0 GiB free for models, 1.0 GiB reserved" in result.message
     assert str(tmp_path / "ro") not in result.message  # read-only directories are not candidates
 
 

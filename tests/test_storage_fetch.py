@@ -12,7 +12,7 @@ from helpers.hub_server import DEFAULT_TOKEN, HubServer
 from helpers.model_files import model_files
 from helpers.tiny_models import make_tiny_model
 from jetshard_downloader.choose import Choice, choose_directory
-from jetshard_downloader.dirs import ModelDirs, free_bytes
+from jetshard_downloader.dirs import ModelDirs, room_bytes
 from jetshard_downloader.fetch import (
     AuthRequired,
     Cancelled,
@@ -50,7 +50,7 @@ def test_layer_range_download_fetches_only_its_files(hub_server: HubServer, repo
 
     # Support files first: the index says which weight files a layer range needs.
     support = listing.select(support_files(names))
-    choice = choose_directory(dirs, REPO, sum(f.size or 0 for f in support), free_bytes, {}, partial_bytes_for(REPO))
+    choice = choose_directory(dirs, REPO, sum(f.size or 0 for f in support), room_bytes, {}, partial_bytes_for(REPO))
     assert isinstance(choice, Choice) and not choice.resumes
     fetch_files(REPO, listing.revision, choice.model_dir, support, endpoint=hub_server.url)
     index = json.loads((choice.model_dir / INDEX_NAME).read_text())
@@ -90,7 +90,7 @@ def test_layer_range_download_fetches_only_its_files(hub_server: HubServer, repo
 
     # The second half goes to the same directory (it holds part of the model) and completes it.
     rest = required_files(names, index, NUM_LAYERS, 2, 4)
-    again = choose_directory(dirs, REPO, 10, free_bytes, {}, partial_bytes_for(REPO))
+    again = choose_directory(dirs, REPO, 10, room_bytes, {}, partial_bytes_for(REPO))
     assert isinstance(again, Choice) and again.resumes and again.model_dir == choice.model_dir
     fetch_files(REPO, listing.revision, choice.model_dir, listing.select(rest), endpoint=hub_server.url)
     assert find_model(dirs, REPO) is not None

@@ -6,7 +6,7 @@ Order:
 2. otherwise the first writable directory (configured order: the default first) where the rest fits;
 3. otherwise NoSpace, with a message naming the space needed and every directory checked.
 
-"Fits" means `free_bytes(dir) - reserved[dir] >= bytes_needed - partial_bytes(dir)`: `reserved` holds
+"Fits" means `room_bytes(dir) - reserved[dir] >= bytes_needed - partial_bytes(dir)`: `reserved` holds
 the bytes still expected by downloads already running into each directory (not counting this one), so
 two downloads started at the same moment cannot both count the same free space.
 """
@@ -19,7 +19,7 @@ from pathlib import Path
 
 from jetshard_schema.ids import ModelId, parse_model_id
 
-from jetshard_downloader.dirs import ModelDirs
+from jetshard_downloader.dirs import KEPT_FREE_FRACTION, KEPT_FREE_MAX_BYTES, ModelDirs
 from jetshard_downloader.paths import model_path
 
 
@@ -37,7 +37,8 @@ class Choice:
 @dataclass(frozen=True)
 class CheckedDir:
     models_dir: Path
-    free_bytes: int
+    room_bytes: int
+    """Its disk's free space less what is kept free (`dirs.room_bytes`)."""
     reserved_bytes: int
     partial_bytes: int
 
@@ -67,13 +68,16 @@ def _no_space_message(model_id: str, bytes_needed: int, checked: tuple[CheckedDi
         )
     lines = [f"not enough disk space for {model_id}: {format_bytes(bytes_needed)} needed; checked:"]
     for c in checked:
-        detail = f"{format_bytes(c.free_bytes)} free"
+        detail = f"{format_bytes(c.room_bytes)} free for models"
         if c.reserved_bytes:
             detail += f", {format_bytes(c.reserved_bytes)} reserved by downloads in progress"
         if c.partial_bytes:
             detail += f", {format_bytes(c.partial_bytes)} of this model already there"
         lines.append(f"  {c.models_dir}: {detail}")
-    lines.append("free some space or add a directory with JETSHARD_MODELS_DIRS")
+    lines.append(
+        "free some space or add a directory with JETSHARD_MODELS_DIRS (models leave "
+        f"{KEPT_FREE_FRACTION:.0%} of a disk, at most {format_bytes(KEPT_FREE_MAX_BYTES)}, free)"
+    )
     return "\n".join(lines)
 
 
@@ -81,13 +85,13 @@ def choose_directory(
     dirs: ModelDirs,
     model_id: ModelId | str,
     bytes_needed: int,
-    free_bytes: Callable[[Path], int],
+    room_bytes: Callable[[Path], int],
     reserved: Mapping[Path, int],
     partial_bytes: Callable[[Path], int],
 ) -> Choice | NoSpace:
     """Pick the writable directory for downloading `bytes_needed` bytes of `model_id` (see module doc).
 
-    `free_bytes(models_dir)` and `partial_bytes(models_dir)` (bytes of this model already in
+    `room_bytes(models_dir)` and `partial_bytes(models_dir)` (bytes of this model already in
     `<models_dir>/<org>--<name>`, e.g. `locate.partial_bytes_for(model_id)`) are called once per writable
     directory.
     """
@@ -98,7 +102,7 @@ def choose_directory(
     checked = tuple(
         CheckedDir(
             models_dir=d,
-            free_bytes=max(0, free_bytes(d)),
+            room_bytes=max(0, room_bytes(d)),
             reserved_bytes=max(0, reserved.get(d, 0)),
             partial_bytes=max(0, partial_bytes(d)),
         )
@@ -109,7 +113,7 @@ def choose_directory(
         return max(0, bytes_needed - c.partial_bytes)
 
     def fits(c: CheckedDir) -> bool:
-        return c.free_bytes - c.reserved_bytes >= remaining(c)
+        return c.room_bytes - c.reserved_bytes >= remaining(c)
 
     def choice(c: CheckedDir) -> Choice:
         return Choice(

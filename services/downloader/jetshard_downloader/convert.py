@@ -27,7 +27,7 @@ from jetshard_schema.cards import ModelCard
 
 from jetshard_downloader.choose import NoSpace, choose_directory, format_bytes
 from jetshard_downloader.delete import remove_model_dir
-from jetshard_downloader.dirs import ModelDirs, free_bytes
+from jetshard_downloader.dirs import ModelDirs, room_bytes
 from jetshard_downloader.fetch import Cancelled, IntegrityError
 from jetshard_downloader.locate import find_model
 from jetshard_downloader.manifest import Manifest, ManifestFile
@@ -127,7 +127,7 @@ def place_packaged(
     gguf_path, expected = packaged_gguf_path(card)
     size = gguf_path.stat().st_size
     dirs = beside(dirs, find_model(dirs, card.model_id))
-    choice = choose_directory(dirs, card.model_id, size, free_bytes, hooks.reserved, lambda _: 0)
+    choice = choose_directory(dirs, card.model_id, size, room_bytes, hooks.reserved, lambda _: 0)
     if isinstance(choice, NoSpace):
         raise NotEnoughSpace(choice.message)
     if hooks.on_target is not None:
@@ -202,7 +202,7 @@ def install_gguf(
     ran_out: list[Path] = []
     while True:
         candidates = dataclasses.replace(dirs, writable=tuple(d for d in dirs.writable if d not in ran_out))
-        choice = choose_directory(candidates, model_id, bytes_needed, free_bytes, hooks.reserved, lambda _: 0)
+        choice = choose_directory(candidates, model_id, bytes_needed, room_bytes, hooks.reserved, lambda _: 0)
         if isinstance(choice, NoSpace):
             raise NotEnoughSpace(
                 _filled_up_message(model_id, bytes_needed, ran_out, choice) if ran_out else choice.message
@@ -235,7 +235,7 @@ def _filled_up_message(model_id: str, bytes_needed: int, ran_out: list[Path], no
     lines = [f"not enough disk space for {model_id}: it needs more than the {format_bytes(bytes_needed)} estimated;"]
     lines += [f"  {d}: filled up while the model was written there" for d in ran_out]
     lines += [
-        f"  {c.models_dir}: {format_bytes(max(0, c.free_bytes - c.reserved_bytes))} available" for c in no_space.checked
+        f"  {c.models_dir}: {format_bytes(max(0, c.room_bytes - c.reserved_bytes))} available" for c in no_space.checked
     ]
     lines.append("free some space or add a directory with JETSHARD_MODELS_DIRS")
     return "\n".join(lines)

@@ -172,15 +172,29 @@ def minding_read_only_filesystems(dirs: ModelDirs) -> ModelDirs:
     return ModelDirs(default_dir=dirs.default_dir, writable=writable, read_only=dirs.read_only + mounted)
 
 
-def free_bytes(path: Path, disk_usage: Callable[[Path], DiskUsage] = shutil.disk_usage) -> int:
-    """Free bytes where `path` is or would be created; 0 when nothing along the path can be measured."""
+KEPT_FREE_FRACTION = 0.01
+KEPT_FREE_MAX_BYTES = 2**30
+"""What no model takes of a disk: 1% of it, at most 1 GiB. The system, and the cluster's history where it shares the
+disk, still have room once models filled the rest: a JetStream stream that finds no room for a write fails until
+nats-server restarts, and with it every command of the cluster."""
+
+
+def kept_free_bytes(total_bytes: int) -> int:
+    """The free space no model takes of a disk of `total_bytes` (see `KEPT_FREE_FRACTION`)."""
+    return min(KEPT_FREE_MAX_BYTES, int(total_bytes * KEPT_FREE_FRACTION))
+
+
+def room_bytes(path: Path, disk_usage: Callable[[Path], DiskUsage] = shutil.disk_usage) -> int:
+    """The bytes a model may take where `path` is or would be created: the free space less what is kept free; 0
+    when nothing along the path can be measured."""
     anchor = _existing_ancestor(path)
     if anchor is None:
         return 0
     try:
-        return int(disk_usage(anchor).free)
+        usage = disk_usage(anchor)
     except OSError:
         return 0
+    return max(0, int(usage.free) - kept_free_bytes(int(usage.total)))
 
 
 def directory_report(

@@ -34,7 +34,7 @@ from jetshard_schema.ids import ModelId
 
 from jetshard_downloader.choose import NoSpace, choose_directory
 from jetshard_downloader.delete import remove_model_dir
-from jetshard_downloader.dirs import ModelDirs, free_bytes
+from jetshard_downloader.dirs import ModelDirs, room_bytes
 from jetshard_downloader.fetch import Cancelled
 from jetshard_downloader.gguf_header import read_gguf_header
 from jetshard_downloader.locate import find_model
@@ -142,7 +142,7 @@ def store_import(
         )
     dirs = beside(dirs, stored)  # replaced where it is: the model stays in one directory
     total = sum(source.stat().st_size for source, _ in files)
-    choice = choose_directory(dirs, model_id, total, free_bytes, {}, lambda _: 0)
+    choice = choose_directory(dirs, model_id, total, room_bytes, {}, lambda _: 0)
     if isinstance(choice, NoSpace):
         raise ImportRefused(choice.message)
     target = choice.model_dir

@@ -89,7 +89,7 @@ from jetshard_downloader.convert import (
     sweep_staging,
 )
 from jetshard_downloader.delete import ReadOnlyModelError, delete_model, sweep_tombstones
-from jetshard_downloader.dirs import ModelDirs, directory_report, free_bytes, minding_read_only_filesystems
+from jetshard_downloader.dirs import ModelDirs, directory_report, minding_read_only_filesystems, room_bytes
 from jetshard_downloader.fetch import (
     AuthRequired,
     Cancelled,
@@ -656,7 +656,7 @@ class Downloader:
                 self.dirs,
                 job.model_id,
                 needed,
-                free_bytes,
+                room_bytes,
                 self._reserved_by_others(job),
                 partial_bytes_for(job.model_id),
             )
