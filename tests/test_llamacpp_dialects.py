@@ -79,6 +79,15 @@ def test_a_stop_string_cuts_the_answer(client: openai.OpenAI, llamacpp_cluster: 
         extra_body={"temperature": 0},
     )
     assert (message.stop_reason, message.stop_sequence) == ("stop_sequence", "Paris")
+    # A plain completion cut by a stop string counts its prompt too.
+    completions = openai.OpenAI(base_url=f"{llamacpp_cluster.api}/v1", api_key="unused", max_retries=0).completions
+    prompt = "The capital of France is"
+    whole_completion = completions.create(model=llamacpp_cluster.model, prompt=prompt, max_tokens=8, temperature=0)
+    assert whole_completion.usage is not None and whole_completion.usage.prompt_tokens > 0
+    stop = whole_completion.choices[0].text.strip()[:3]
+    cut = completions.create(model=llamacpp_cluster.model, prompt=prompt, max_tokens=8, temperature=0, stop=[stop])
+    assert cut.choices[0].finish_reason == "stop" and stop not in cut.choices[0].text
+    assert cut.usage is not None and cut.usage.prompt_tokens == whole_completion.usage.prompt_tokens
 
 
 def test_seeds_reproduce_and_n_choices_draw_apart(client: openai.OpenAI, llamacpp_cluster: LlamaCppCluster) -> None:

@@ -180,6 +180,8 @@ def completion_request(
         "stream": True,
         "n_predict": max_tokens,
         "cache_prompt": True,
+        # Each event then carries the prompt's counts: a completion cut by a stop string ends before the last event.
+        "timings_per_token": True,
         **_sampling(sampling, request.sampling.repeat_last_n, seed, window),
     }
     if request.output_schema is not None:
