@@ -13,6 +13,7 @@ from pathlib import Path
 import jsonschema
 import msgspec
 import pytest
+from helpers.gguf_models import write_tiny_gguf
 from helpers.harness import until
 from jetshard_downloader.convert import packaged_gguf_path
 from jetshard_schema.catalogue import DEMO_MODEL_ID, builtin_cards
@@ -203,18 +204,37 @@ def test_a_completion_ends_at_its_limit_with_its_token_counts() -> None:
     )
 
 
-@pytest.fixture
-async def demo_server() -> LlamaServer:
+def _server_of(model: Path, slots: int = 1, context_per_slot: int = 256, **settings: int) -> LlamaServer:
     build = ready_build()
     assert build is not None, "no llama.cpp build: `bash tests/run` builds it before the suite"
-    server = LlamaServer(
-        ServerSettings(
-            binary=build.llama_server, working_dir=build.build.root, model=DEMO_GGUF, slots=2, context_per_slot=512
-        )
-    )
+    root = build.build.root
+    return LlamaServer(ServerSettings(build.llama_server, root, model, slots, context_per_slot, **settings))
+
+
+@pytest.fixture
+async def demo_server() -> LlamaServer:
+    server = _server_of(DEMO_GGUF, slots=2, context_per_slot=512)
     await asyncio.wait_for(server.start(timeout_s=120), 150)
     yield server
     await server.stop()
+
+
+async def test_a_model_llama_cpp_cannot_load_fails_the_start_with_llama_cpps_reason(tmp_path: Path) -> None:
+    """What llama-server says when it gives up (here on a chat template it cannot parse) is what the runner reports,
+    and so what the client's 503 says: not only its exit status."""
+    model = write_tiny_gguf(tmp_path / "broken.gguf", "llama", chat_template="{{ messages }")
+    with pytest.raises(ServerDied, match=r"exited with status 1 while loading the model: .*Parser Error: Expected }}"):
+        await asyncio.wait_for(_server_of(model).start(timeout_s=120), 150)
+
+
+async def test_a_chat_template_that_runs_away_fails_the_start_within_its_memory_limit(tmp_path: Path) -> None:
+    """A downloaded model's template may build gigabytes when llama-server tries it as it loads (this one 1 GB of
+    'x', which a probe's host paid for in full, out of memory): under the limit the runner sets, the allocation
+    fails, and so does the start, saying so."""
+    model = write_tiny_gguf(tmp_path / "runaway.gguf", "llama", chat_template="{{ 'x' * 1000000000 }}")
+    server = _server_of(model, memory_limit_bytes=768 * 2**20)
+    with pytest.raises(ServerDied, match="std::bad_alloc"):
+        await asyncio.wait_for(server.start(timeout_s=120), 150)
 
 
 class _Rows:

@@ -189,6 +189,20 @@ def test_a_child_through_the_lifeline_takes_sigpipe_as_asked() -> None:
         assert bool(ignored & sigpipe_bit) is ignore_sigpipe
 
 
+def test_a_child_through_the_lifeline_cannot_grow_its_heap_past_its_limit() -> None:
+    """llama-server starts with its heap capped: a runaway (a chat template that builds gigabytes) fails its own
+    allocation instead of taking the machine's memory. Here a Python child asks for 256 MiB under a 128 MiB cap."""
+    allocate = [sys.executable, "-c", "bytearray(256 * 2**20)"]
+    assert subprocess.run(lifeline_command(allocate, signal.SIGKILL), timeout=30).returncode == 0
+    capped = subprocess.run(
+        lifeline_command(allocate, signal.SIGKILL, data_limit_bytes=128 * 2**20),
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+    assert capped.returncode != 0 and "MemoryError" in capped.stderr
+
+
 # ------------------------------------------------------------------------------------------ stopping the worker
 
 NODE = NodeId("node-here")

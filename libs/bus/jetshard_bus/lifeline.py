@@ -3,11 +3,11 @@ whose `up` died still shuts down cleanly: its last reports, a drained connection
 tunnels and llama.cpp's servers (SIGKILL: a runner of a dead worker, or a llama-server of a dead runner, holds a
 model's memory and has nobody to report to).
 
-A child starts as `python -m jetshard_bus.lifeline PARENT_PID SIGNAL [--ignore-sigpipe] PROGRAM ARG...`
-(`lifeline_command`), which
-arms the lifeline and then becomes PROGRAM (exec: same process, same pid, PROGRAM's own command line). So the
-lifeline is armed before PROGRAM starts at all: a runner's imports (mlx, transformers) take seconds, and a worker
-that dies meanwhile must take its runner along at once, not leave it to load a model for nobody.
+A child starts as `python -m jetshard_bus.lifeline PARENT_PID SIGNAL [--ignore-sigpipe] [--data-limit-bytes N]
+PROGRAM ARG...` (`lifeline_command`), which arms the lifeline (and caps the child's heap) and then becomes PROGRAM
+(exec: same process, same pid, PROGRAM's own command line). So the lifeline is armed before PROGRAM starts at all: a
+runner's imports (mlx, transformers) take seconds, and a worker that dies meanwhile must take its runner along at
+once, not leave it to load a model for nobody.
 
 The child arms this itself, in its own process, rather than in a `preexec_fn`: that would run Python in the child of
 a multi-threaded parent between fork and exec, where a lock another thread held at the fork stays locked for ever.
@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+import resource
 import signal
 import sys
 from collections.abc import Sequence
@@ -26,17 +27,26 @@ PR_SET_PDEATHSIG = 1
 
 
 IGNORE_SIGPIPE = "--ignore-sigpipe"
+DATA_LIMIT = "--data-limit-bytes"
 
 
 def lifeline_command(
-    args: Sequence[str], parent_death_signal: signal.Signals, ignore_sigpipe: bool = False
+    args: Sequence[str],
+    parent_death_signal: signal.Signals,
+    ignore_sigpipe: bool = False,
+    data_limit_bytes: int | None = None,
 ) -> list[str]:
     """The command that runs `args` as a child of this process that gets `parent_death_signal` when it dies; with
-    `ignore_sigpipe`, a child that writes to a peer gone away gets an error rather than a signal that kills it.
+    `ignore_sigpipe`, a child that writes to a peer gone away gets an error rather than a signal that kills it; with
+    `data_limit_bytes`, its heap and other private writable memory are capped there (RLIMIT_DATA: files it maps
+    read-only, a model's weights, do not count), so that a runaway fails its own allocations instead of taking the
+    machine's memory.
 
     On Linux the signal follows the thread that forks the child, not the process: fork from one that lives as long
     as the child must."""
     options = [IGNORE_SIGPIPE] if ignore_sigpipe else []
+    if data_limit_bytes is not None:
+        options += [DATA_LIMIT, str(data_limit_bytes)]
     return [sys.executable, "-m", __name__, str(os.getpid()), parent_death_signal.name, *options, *args]
 
 
@@ -56,16 +66,21 @@ def die_with_parent(parent_pid: int, parent_death_signal: signal.Signals) -> Non
 
 
 def main() -> None:
-    """`python -m jetshard_bus.lifeline PARENT_PID SIGNAL [--ignore-sigpipe] PROGRAM ARG...`: arm the lifeline,
-    then exec PROGRAM."""
-    parent_pid, signal_name, *args = sys.argv[1:]
+    """`python -m jetshard_bus.lifeline PARENT_PID SIGNAL [--ignore-sigpipe] [--data-limit-bytes N] PROGRAM ARG...`:
+    arm the lifeline, then exec PROGRAM."""
+    parent_pid, signal_name, *program = sys.argv[1:]
     die_with_parent(int(parent_pid), signal.Signals[signal_name])
-    ignore_sigpipe = args[0] == IGNORE_SIGPIPE
+    ignore_sigpipe = program[0] == IGNORE_SIGPIPE
+    if ignore_sigpipe:
+        program = program[1:]
+    if program[0] == DATA_LIMIT:
+        limit = int(program[1])
+        resource.setrlimit(resource.RLIMIT_DATA, (limit, limit))
+        program = program[2:]
     # This interpreter ignores SIGPIPE and SIGXFSZ, and an ignored signal stays ignored across exec: PROGRAM starts
     # with their defaults, as from subprocess, unless it is to ignore SIGPIPE.
     signal.signal(signal.SIGXFSZ, signal.SIG_DFL)
     signal.signal(signal.SIGPIPE, signal.SIG_IGN if ignore_sigpipe else signal.SIG_DFL)
-    program = args[1:] if ignore_sigpipe else args
     os.execvp(program[0], program)
 
 

@@ -4,11 +4,15 @@ runner. The runner streams from it; llama.cpp batches, samples, follows grammars
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import os
+import re
 import secrets
 import signal
 import socket
+import sys
+import threading
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
@@ -35,6 +39,55 @@ WATCH_INTERVAL_S = 5.0
 
 class ServerDied(RuntimeError):
     """llama-server exited; the message says how and quotes the end of its output."""
+
+
+TELLING_LINE = re.compile(r"error loading model|GGML_ASSERT|what\(\):|parsing error|error:", re.IGNORECASE)
+"""llama.cpp's lines that say why it stopped: a model it could not load (the line after it only says that it
+exits), a failed assertion, an uncaught exception (`std::bad_alloc`), a chat template it could not parse."""
+FAILED_LINE = re.compile(r"error|failed", re.IGNORECASE)
+LOG_PREFIX = re.compile(r"^[\d.]+ [A-Z] ")
+"""llama.cpp's time and level before each line it logs."""
+
+
+class OutputTail:
+    """What a server writes (its stdout and stderr, through one pipe), passed on to the runner's own output (its
+    log) line by line, the last lines kept, so that the reason of a server that stopped is quoted where the runner
+    reports it. Read on a thread of its own: a runner busy elsewhere never holds the server up on a full pipe."""
+
+    def __init__(self, keep_lines: int = 200) -> None:
+        self._lines: collections.deque[str] = collections.deque(maxlen=keep_lines)
+
+    def open(self) -> int:
+        """The pipe's writing end, for the server; `close_writer` once the server holds it."""
+        read_fd, self._write_fd = os.pipe()
+        threading.Thread(target=self._pass_on, args=(read_fd,), name="server output", daemon=True).start()
+        return self._write_fd
+
+    def _pass_on(self, read_fd: int) -> None:
+        with open(read_fd, "rb") as pipe:
+            for line in pipe:
+                sys.stderr.buffer.write(line)
+                sys.stderr.buffer.flush()
+                self._lines.append(" ".join(line.decode(errors="replace").split()))
+
+    def close_writer(self) -> None:
+        """The reading then ends where the server's output does."""
+        os.close(self._write_fd)
+
+    def reason(self) -> str:
+        """The last two lines that say why the server stopped ("" where none does): a template that failed says
+        where in one line and what in the next."""
+        lines = [LOG_PREFIX.sub("", line) for line in self._lines]
+        for pattern in (TELLING_LINE, FAILED_LINE):
+            telling = list(dict.fromkeys(line for line in lines if pattern.search(line)))
+            if telling:
+                return " | ".join(telling[-2:])[:400]
+        return ""
+
+    def quoted(self, message: str) -> str:
+        """`message`, with the reason the server gave where it gave one."""
+        reason = self.reason()
+        return f"{message}: {reason}" if reason else message
 
 
 @dataclass(frozen=True)
@@ -65,6 +118,11 @@ class ServerSettings:
     """Serve embeddings only (`--embeddings`: llama-server then serves nothing else): the mean of the final norm's
     outputs over the prompt, L2-normalised, as the MLX engine makes them. A prompt's embedding is made in one
     physical batch, so the batch is a whole slot's context."""
+
+    memory_limit_bytes: int | None = None
+    """The heap and other private memory it may grow to (`lifeline_command`'s `data_limit_bytes`; the model's weights,
+    mapped read-only, do not count): what placement counted for the instance and some room, so that a runaway
+    (a model's chat template that builds gigabytes as it is loaded) fails its own start instead of the machine."""
 
     rpc_servers: tuple[str, ...] = ()
     """Across nodes: where this node reaches each other rank's `ggml-rpc-server`, in rank order (`host:port`, the
@@ -143,6 +201,7 @@ class LlamaServer:
         self._key = secrets.token_urlsafe(32)
         self.port = 0
         self._process: asyncio.subprocess.Process | None = None
+        self._output = OutputTail()
 
     @property
     def url(self) -> str:
@@ -173,12 +232,21 @@ class LlamaServer:
         command = self.settings.arguments(self.port)
         # The kernel kills it when the runner dies, however the runner dies: a llama-server of a dead runner would
         # hold the model's memory with no one to serve.
-        command = lifeline_command(command, signal.SIGKILL)
+        command = lifeline_command(command, signal.SIGKILL, data_limit_bytes=self.settings.memory_limit_bytes)
         # The key goes in the environment, never on a command line that `ps` shows to every user.
         environment = {**os.environ, "LLAMA_API_KEY": self._key}
-        self._process = await asyncio.create_subprocess_exec(
-            *command, env=environment, cwd=self.settings.working_dir, stdin=asyncio.subprocess.DEVNULL
-        )
+        output = self._output.open()
+        try:
+            self._process = await asyncio.create_subprocess_exec(
+                *command,
+                env=environment,
+                cwd=self.settings.working_dir,
+                stdin=asyncio.subprocess.DEVNULL,
+                stdout=output,
+                stderr=output,
+            )
+        finally:
+            self._output.close_writer()
         async with httpx.AsyncClient(timeout=2.0) as client:
 
             async def healthy() -> bool:
@@ -187,14 +255,17 @@ class LlamaServer:
                     return response.status_code == 200
                 return False
 
-            await wait_until_ready(
-                self._process,
-                healthy,
-                timeout_s,
-                name="llama-server",
-                stage="while loading the model",
-                late=f"llama-server did not load the model within {timeout_s:.0f} s",
-            )
+            try:
+                await wait_until_ready(
+                    self._process,
+                    healthy,
+                    timeout_s,
+                    name="llama-server",
+                    stage="while loading the model",
+                    late=f"llama-server did not load the model within {timeout_s:.0f} s",
+                )
+            except ServerDied as died:
+                raise ServerDied(self._output.quoted(str(died))) from None
 
     async def template_takes_tools(self) -> bool:
         """Whether the model's chat template renders tools, as llama-server read it from the GGUF."""
@@ -226,7 +297,7 @@ class LlamaServer:
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(process.wait(), interval_s)
                 if process.returncode is not None:
-                    return f"llama-server {describe_exit(process.returncode)}"
+                    return self._output.quoted(f"llama-server {describe_exit(process.returncode)}")
                 with contextlib.suppress(httpx.HTTPError):
                     if (await client.get(f"{self.url}/health")).status_code == 200:
                         answered_at = time.monotonic()

@@ -37,6 +37,10 @@ GGUF_FILE = "model.gguf"
 MMPROJ_FILE = "mmproj.gguf"
 """And a vision model's image projector, beside it."""
 LLAMA_SERVER_LOAD_TIMEOUT_S = 600.0
+LLAMA_SERVER_MEMORY_ROOM_BYTES = 2**30
+"""What llama-server may hold beyond what placement counted for its instance (`ServerSettings.memory_limit_bytes`):
+its compute buffers, a projector, a draft model's cache. The demo's, at 8 slots, holds about 1.1 GB of the 1.6 GB
+counted (its weights, mapped, count in the one and not the other)."""
 
 
 async def load(
@@ -64,6 +68,7 @@ async def load(
         draft=spec.plan.serving.draft,
         draft_model=(Path(spec.plan.draft_dir) / GGUF_FILE).resolve() if spec.plan.draft_dir else None,
         mmproj=mmproj if mmproj.is_file() else None,
+        memory_limit_bytes=counted + LLAMA_SERVER_MEMORY_ROOM_BYTES if (counted := spec.plan.reserved_bytes) else None,
     )
     for gguf in (settings.model, settings.draft_model):
         if gguf is not None and not gguf.is_file():
