@@ -60,7 +60,8 @@ def write_gguf(
     hidden: int = 64,
     heads: int = 4,
     kv_heads: int | Sequence[int] = 2,
-    context: int = 2048,
+    context: int | float | None = 2048,
+    name: str | None = None,
     file_type: gguf.LlamaFileType = gguf.LlamaFileType.MOSTLY_Q4_K_M,
     tensor_type: gguf.GGMLQuantizationType = gguf.GGMLQuantizationType.Q4_K,
     template: str = "",
@@ -70,9 +71,10 @@ def write_gguf(
     embedding_rows: int | None = None,
 ) -> Path:
     """A GGUF file of `arch` with the metadata llama.cpp reads, one embedding (a row per token unless
-    `embedding_rows` says) and one weight of `tensor_type`."""
+    `embedding_rows` says) and one weight of `tensor_type`. `context`: a float is written as one (a wrong type),
+    None leaves it out."""
     writer = gguf.GGUFWriter(str(path), arch)
-    writer.add_name(path.stem)
+    writer.add_name(path.stem if name is None else name)
     writer.add_block_count(layers)
     writer.add_embedding_length(hidden)
     writer.add_head_count(heads)
@@ -80,7 +82,10 @@ def write_gguf(
         writer.add_head_count_kv(kv_heads)
     else:
         writer.add_array(f"{arch}.attention.head_count_kv", list(kv_heads))
-    writer.add_context_length(context)
+    if isinstance(context, float):
+        writer.add_float32(f"{arch}.context_length", context)
+    elif context is not None:
+        writer.add_context_length(context)
     writer.add_file_type(file_type)
     writer.add_tokenizer_model("gpt2")
     writer.add_tokenizer_pre(pre)
@@ -173,6 +178,18 @@ def test_bad_files_are_refused_with_the_problem_named(tmp_path: Path) -> None:
     unknown = write_gguf(tmp_path / "unknown.gguf", "transmogrifier")
     with pytest.raises(UnsupportedGguf, match=r"architecture 'transmogrifier' is not one llama\.cpp knows"):
         card_of(unknown)
+    # llama.cpp reads the training context as a positive 32-bit whole number, or does not load the model.
+    with pytest.raises(UnsupportedGguf, match=r"lacks qwen3\.context_length, which llama\.cpp needs"):
+        card_of(write_gguf(tmp_path / "no-context.gguf", "qwen3", context=None))
+    with pytest.raises(UnsupportedGguf, match=r"its qwen3\.context_length is 0, where llama\.cpp needs a positive"):
+        card_of(write_gguf(tmp_path / "zero-context.gguf", "qwen3", context=0))
+    with pytest.raises(UnsupportedGguf, match=r"its qwen3\.context_length is 4096\.0, where llama\.cpp needs"):
+        card_of(write_gguf(tmp_path / "float-context.gguf", "qwen3", context=4096.0))
+
+
+def test_a_name_from_a_file_reaches_no_terminal_with_its_control_characters(tmp_path: Path) -> None:
+    named = write_gguf(tmp_path / "named.gguf", "qwen3", name="\x1b[31mRed\x1b[0m \x1b]52;c;aGk=\x07Model")
+    assert card_of(named).display_name == "[31mRed[0m ]52;c;aGk=Model"
 
 
 def _hostile_header(path: Path, file_size: int, metadata_count: int, entries: Sequence[tuple[bytes, int]]) -> Path:

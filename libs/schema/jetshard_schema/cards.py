@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import enum
 import re
+import unicodedata
 from typing import Annotated
 
 import msgspec
@@ -74,6 +75,14 @@ MAX_STORAGE_BYTES = 1 << 50
 """A pebibyte: the largest checkpoints are a few terabytes."""
 MAX_NAME_LENGTH = 256
 """`display_name`, which every listing and every dashboard update carries."""
+
+
+def printable(text: str) -> str:
+    """`text` without control characters: a name read from a file, shown in a terminal, cannot move its cursor,
+    recolour it or write its clipboard."""
+    return "".join(character for character in text if unicodedata.category(character) != "Cc")
+
+
 MAX_SOURCE_REF_LENGTH = 4096
 """`source_ref`: a package and file, or a path (PATH_MAX)."""
 CHECKPOINT_DTYPES = ("", "float32", "bfloat16", "float16")

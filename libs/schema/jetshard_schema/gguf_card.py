@@ -19,6 +19,7 @@ from jetshard_schema.cards import (
     ModelFormat,
     ModelSource,
     Quantization,
+    printable,
 )
 from jetshard_schema.gguf_header import GGML_TYPES, ArrayInfo, GgufHeader, MetadataValue
 from jetshard_schema.ids import ModelId, parse_model_id
@@ -388,9 +389,15 @@ def card_from_gguf(
         )
 
     def required(key: str) -> int:
-        value = _largest(header.metadata.get(f"{arch}.{key}"))
-        if value is None:
+        raw = header.metadata.get(f"{arch}.{key}")
+        if raw is None:
             raise UnsupportedGguf(f"its metadata lacks {arch}.{key}, which llama.cpp needs to load a {arch} model")
+        value = _largest(raw)
+        if value is None or value < 1:
+            shown = "an array" if isinstance(raw, ArrayInfo) else repr(raw)[:40]
+            raise UnsupportedGguf(
+                f"its {arch}.{key} is {shown}, where llama.cpp needs a positive whole number to load a {arch} model"
+            )
         return value
 
     tokens = header.metadata.get("tokenizer.ggml.tokens")
@@ -411,7 +418,8 @@ def card_from_gguf(
     # The converter writes no projector: a model that sees is llama.cpp's alone.
     convertible = mlx_convertible(header) and not has_mmproj
     formats = (ModelFormat.GGUF, ModelFormat.MLX) if convertible else (ModelFormat.GGUF,)
-    name = header.text("general.name") or model_id.split("/", 1)[-1]
+    # Control characters never reach a terminal or page that shows the name (a file can hold any).
+    name = printable(header.text("general.name") or "") or model_id.split("/", 1)[-1]
     try:
         return ModelCard(
             model_id=ModelId(model_id),
@@ -422,7 +430,7 @@ def card_from_gguf(
             vocab_size=vocab_size,
             architecture=arch,
             storage_size_bytes=sum(file_sizes_bytes),
-            context_length=header.integer(f"{arch}.context_length") or 4096,
+            context_length=required("context_length"),
             capabilities=capabilities_of(chat_template, vision=has_mmproj),
             quantization=_MLX_QUANTIZATION.get(file_type_number or -1) if convertible else None,
             parameter_count=_parameter_count([header, *other_parts], file_sizes_bytes),
