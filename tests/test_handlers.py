@@ -349,6 +349,10 @@ def test_card_add_duplicate_builtin_and_invalid(cluster: InMemoryCluster) -> Non
     refusal = rejected(cluster.run(AddCustomModelCard(card=gpt2)), RejectCode.INVALID)
     assert "architecture 'gpt2' is not supported" in refusal.reason
     assert ModelId("acme/gpt2") not in cluster.state.custom_cards
+    # A name is kept without the control characters a terminal that shows it would obey (a title, a clipboard).
+    named = msgspec.structs.replace(CARD, model_id=ModelId("acme/named"), display_name="\x1b]0;pwned\x07Named\x1b[2J")
+    cluster.run(AddCustomModelCard(card=named))
+    assert cluster.state.custom_cards[ModelId("acme/named")].display_name == "]0;pwnedNamed[2J"
 
 
 def test_card_delete_builtin_is_a_409_conflict_and_unknown_is_404(cluster: InMemoryCluster) -> None:

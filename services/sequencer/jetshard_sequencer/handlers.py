@@ -15,7 +15,7 @@ import msgspec
 from jetshard_schema import commands, events
 from jetshard_schema.admission import Refused, admit
 from jetshard_schema.card_from_config import SUPPORTED_ARCHITECTURES
-from jetshard_schema.cards import VISION_ARCHITECTURES, ModelCard, ModelFormat, ModelSource
+from jetshard_schema.cards import VISION_ARCHITECTURES, ModelCard, ModelFormat, ModelSource, printable
 from jetshard_schema.gguf_card import LLAMA_CPP_ARCHITECTURES
 from jetshard_schema.ids import CommandId, InstanceId, ModelId, NodeId
 from jetshard_schema.models import find_card, is_builtin
@@ -269,7 +269,13 @@ def _add_custom_model_card(state: State, command: commands.AddCustomModelCard, c
         return _reject(command, RejectCode.ALREADY_EXISTS, f"{card.model_id} is already in the catalogue")
     if (why := _unservable(card)) is not None:
         return _reject(command, RejectCode.INVALID, why)
-    return [events.CustomModelCardAdded(card=replace(card, is_custom=True))]
+    return [events.CustomModelCardAdded(card=_as_custom(card))]
+
+
+def _as_custom(card: ModelCard) -> ModelCard:
+    """A card as the catalogue keeps one that was added: custom, and its name without control characters, which a
+    terminal that shows it would obey."""
+    return replace(card, is_custom=True, display_name=printable(card.display_name))
 
 
 def _unservable(card: ModelCard) -> str | None:
@@ -357,7 +363,7 @@ def _report_model_import(state: State, command: commands.ReportModelImport, ctx:
     if card is None or why:
         failed = replace(command.progress, status=ImportStatus.FAILED, reason=why)
         return [replace(progressed, progress=failed)]
-    card = replace(card, is_custom=True)
+    card = _as_custom(card)
     added: list[events.Event] = (
         [] if find_card(state, card.model_id) == card else [events.CustomModelCardAdded(card=card)]
     )
