@@ -336,7 +336,13 @@ NODE = NodeId("n1")
         ("/home/me/Downloads/Qwen3-0.6B-Q4_K_M.gguf", "local/Qwen3-0.6B-Q4_K_M"),
         ("my smol (copy).gguf", "local/my-smol-copy"),
         ("/x/__odd..name--.GGUF", "local/odd-name"),
-        ("/x/" + "long" * 40 + ".gguf", "local/" + ("long" * 40)[:80]),
+        ("/x/" + "long" * 40 + ".gguf", "local/" + ("long" * 10) + "-" + ("long" * 10)[1:]),
+        # Cut in the middle: the quantization at its end tells the files of one model apart.
+        (
+            "/x/Meta-Llama-3.1-8B-Instruct-abliterated-uncensored-roleplay-finetune-v2.5-experimental-imatrix-Q4_K_M.gguf",
+            "local/Meta-Llama-3.1-8B-Instruct-abliterated-v2.5-experimental-imatrix-Q4_K_M",
+        ),
+        ("/x/Qwen3-30B-A3B-Q4_K_M-00001-of-00003.gguf", "local/Qwen3-30B-A3B-Q4_K_M"),
     ],
 )
 def test_an_imported_file_is_served_as_local_and_its_name_by_default(path: str, expected: str) -> None:

@@ -76,17 +76,44 @@ def parse_name(value: str, what: str) -> str:
     return value
 
 
+IMPORTED_NAME_LENGTH = 80
+"""The longest name an imported file's id takes from the file's name."""
+
+
 def import_model_id(model_id: str | None, path: str) -> ModelId:
     """The id an imported file is served as: `model_id` when given, else `local/<file name without extension>`, with
-    what a Hub name may not hold replaced. ValueError says what is wrong with either."""
+    what a Hub name may not hold replaced, a split model's part number left out, and a name too long cut in its
+    middle: its end names the quantization, which tells two files of one model apart. ValueError says what is
+    wrong with either."""
     if model_id:
         return parse_model_id(model_id)
     file_name = path.rsplit("/", 1)[-1]
-    name = re.sub(r"[^A-Za-z0-9._-]+", "-", file_name.rsplit(".", 1)[0])
-    name = re.sub(r"-{2,}|\.{2,}", "-", name).strip("-._")[:80].rstrip("-.")
+    stem = re.sub(r"-\d{5}-of-\d{5}$", "", file_name.rsplit(".", 1)[0])
+    name = re.sub(r"[^A-Za-z0-9._-]+", "-", stem)
+    name = re.sub(r"-{2,}|\.{2,}", "-", name).strip("-._")
+    name = _shortened(name, IMPORTED_NAME_LENGTH)
     if not name:
         raise ValueError(f"the file name {file_name!r} leaves nothing to name the model by: give it an id")
     return parse_model_id("local/" + name)
+
+
+def _shortened(name: str, most: int) -> str:
+    """`name` in at most `most` characters: whole '-'-separated words from its end (up to half), then from its start;
+    cut mid-word only where its words are too few."""
+    if len(name) <= most:
+        return name
+    words = name.split("-")
+    tail: list[str] = []
+    while len(words) > 1 and len("-".join([words[-1], *tail])) <= most // 2:
+        tail.insert(0, words.pop())
+    head: list[str] = []
+    for word in words:
+        if len("-".join([*head, word, *tail])) > most:
+            break
+        head.append(word)
+    if not head or not tail:
+        return name[: most // 2].rstrip("-._") + "-" + name[most // 2 + 1 - most :].lstrip("-._")
+    return "-".join(head + tail)
 
 
 def model_dir_name(model_id: ModelId) -> str:
