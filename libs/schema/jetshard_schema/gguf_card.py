@@ -420,17 +420,19 @@ def card_from_gguf(
     formats = (ModelFormat.GGUF, ModelFormat.MLX) if convertible else (ModelFormat.GGUF,)
     # Control characters never reach a terminal or page that shows the name (a file can hold any).
     name = printable(header.text("general.name") or "") or model_id.split("/", 1)[-1]
+    num_layers, hidden_size = required("block_count"), required("embedding_length")
+    context_length = required("context_length")
     try:
         return ModelCard(
             model_id=ModelId(model_id),
-            num_layers=required("block_count"),
-            hidden_size=required("embedding_length"),
+            num_layers=num_layers,
+            hidden_size=hidden_size,
             num_attention_heads=heads,
             num_key_value_heads=min(kv_heads, heads),
             vocab_size=vocab_size,
             architecture=arch,
             storage_size_bytes=sum(file_sizes_bytes),
-            context_length=required("context_length"),
+            context_length=context_length,
             capabilities=capabilities_of(chat_template, vision=has_mmproj),
             quantization=_MLX_QUANTIZATION.get(file_type_number or -1) if convertible else None,
             parameter_count=_parameter_count([header, *other_parts], file_sizes_bytes),
