@@ -396,15 +396,18 @@ def test_a_cut_document_no_valid_one_completes_still_parses() -> None:
     assert published[-1].finish_reason is TaskOutcome.LENGTH and published[-1].error is None
 
 
+@pytest.mark.parametrize("reason", [TaskOutcome.LENGTH, TaskOutcome.CANCELLED])
 @pytest.mark.parametrize(
     ("cut", "kept"),
     [
         ('[{"name": "add", "arguments": {"a": 1, "b": 2}}, {"name": "add", "arguments": {"a": 3', [{"a": 1, "b": 2}]),
         ('{"name": "add", "arguments": {"a": 1', []),
+        ("", []),
     ],
 )
-def test_a_forced_call_cut_at_max_tokens_is_left_out_never_given_made_up_arguments(cut: str, kept: list) -> None:
-    """A client runs the calls it gets: the calls completed before the cut come, the one being written does not."""
+def test_a_forced_call_cut_is_left_out_never_given_made_up_arguments(cut: str, kept: list, reason: TaskOutcome) -> None:
+    """A client runs the calls it gets: the calls completed before the cut (at max_tokens, or by a cancel) come, the
+    one being written does not."""
     published: list[Chunk] = []
     output = TaskOutput(
         TaskId("t1"),
@@ -414,10 +417,10 @@ def test_a_forced_call_cut_at_max_tokens_is_left_out_never_given_made_up_argumen
         lambda output: None,
     )
     output.text(0, "", cut, (), 20, 0)
-    output.finish(0, RowEnd(TaskOutcome.LENGTH, prompt_tokens=9, completion_tokens=20))
+    output.finish(0, RowEnd(reason, prompt_tokens=9, completion_tokens=20))
     calls = [call for chunk in published for call in chunk.tool_calls]
     assert [json.loads(call.arguments) for call in calls] == kept
-    assert published[-1].finish_reason is TaskOutcome.LENGTH
+    assert published[-1].finish_reason is reason
     assert not "".join(chunk.text for chunk in published)  # the cut JSON is not shown as the answer either
 
 

@@ -259,7 +259,8 @@ class TaskOutput:
                 output.text.append(closing)
         calls: list[ToolCallParsed] = []
         if output.forced_calls:
-            cut = reason is TaskOutcome.LENGTH
+            # Cut at max_tokens or by a cancel: only the calls written whole come.
+            cut = reason in (TaskOutcome.LENGTH, TaskOutcome.CANCELLED)
             calls = parse_forced_cut(output.joined()) if cut else parse_forced(output.joined())
             text = "" if calls or cut else text
         elif output.splitter is not None:
