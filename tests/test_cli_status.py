@@ -122,6 +122,9 @@ def test_the_view_summarises_nodes_instances_and_tasks() -> None:
     assert [m.model_id for m in view.models if m.in_use] == ["org/m"]
     shown = render_text(view)
     assert "org/m" in shown and not any(model_id in shown for model_id in builtin_cards())
+    # A task whose prompt is not counted yet (queued; llama.cpp counts it as it prefills) shows no count, not 0.
+    (task_row,) = [line for line in shown.splitlines() if "t1" in line]
+    assert "queued" in task_row and " 0 " not in task_row and "-" in task_row
 
 
 def test_an_import_under_way_shows_how_far_it_is_and_leaves_once_done() -> None:

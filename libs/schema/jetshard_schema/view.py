@@ -263,6 +263,7 @@ class TaskView(msgspec.Struct, frozen=True, kw_only=True):
     status: str
     """`queued` until its instance's leader starts it, then `running`."""
     prompt_tokens: int
+    """0 until known: an engine that counts them as it prefills (llama.cpp) gives them with the answer's usage."""
 
 
 class ClusterView(msgspec.Struct, frozen=True, kw_only=True):

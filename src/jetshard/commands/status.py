@@ -116,7 +116,8 @@ def render(view: ClusterView) -> Group:
         instances.add_row(instance.instance_id, instance.model_id, status, shards, _load(instance))
     tasks = _table("tasks", "task", "model", "kind", "instance", "status", "prompt tokens")
     for task in view.tasks:
-        tasks.add_row(task.task_id, task.model_id, task.kind, task.instance_id, task.status, str(task.prompt_tokens))
+        prompt_tokens = str(task.prompt_tokens or "-")
+        tasks.add_row(task.task_id, task.model_id, task.kind, task.instance_id, task.status, prompt_tokens)
     parts: list[Table | Text] = []
     for table, empty in ((nodes, "no nodes"), (models, "no models"), (instances, "no instances"), (tasks, "")):
         if table.row_count:

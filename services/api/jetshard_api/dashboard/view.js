@@ -278,7 +278,7 @@ function taskTable(tasks, instances) {
       el("td", {}, task.kind),
       el("td", {}, el("code", { className: "clipped", title: task.instance_id }, task.instance_id)),
       el("td", {}, status(task.status)),
-      el("td", { className: "number" }, String(task.prompt_tokens)),
+      el("td", { className: "number" }, task.prompt_tokens ? String(task.prompt_tokens) : "–"),
       el("td", {}, throughput(byId.get(task.instance_id) ?? {}) ?? "–"),
       el("td", {}, actionButton("Cancel", `Cancel task ${task.task_id}`, "cancel-task", { taskId: task.task_id }, "danger")),
     ),
