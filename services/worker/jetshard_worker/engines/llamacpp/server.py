@@ -11,7 +11,6 @@ import re
 import secrets
 import signal
 import socket
-import sys
 import threading
 import time
 from collections.abc import Awaitable, Callable, Sequence
@@ -66,8 +65,7 @@ class OutputTail:
     def _pass_on(self, read_fd: int) -> None:
         with open(read_fd, "rb") as pipe:
             for line in pipe:
-                sys.stderr.buffer.write(line)
-                sys.stderr.buffer.flush()
+                os.write(2, line)  # the runner's own output, its log, whatever Python's sys.stderr is meanwhile
                 self._lines.append(" ".join(line.decode(errors="replace").split()))
 
     def close_writer(self) -> None:
