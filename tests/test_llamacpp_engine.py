@@ -325,10 +325,10 @@ async def test_a_killed_llama_server_fails_the_rows_and_ends_the_engine(demo_ser
 async def test_a_stopped_llama_server_is_killed_and_ends_the_engine(demo_server: LlamaServer) -> None:
     """A hung server (here stopped with SIGSTOP mid-answer) answers nothing: past the engine's patience it is
     killed, its rows fail and the engine ends, so the instance restarts instead of its tasks waiting forever."""
-    rows, engine = _a_long_row(demo_server, unresponsive_s=3.0)
+    rows, engine = _a_long_row(demo_server, unresponsive_s=5.0)
     serving = asyncio.create_task(engine.serve())
     await asyncio.wait_for(rows.first_piece.wait(), 60)
-    await asyncio.sleep(4.5)  # a server at work answers its health checks: it is left alone
+    await asyncio.sleep(6)  # a server at work answers its health checks: it is left alone
     assert not serving.done()
     rows.first_piece.clear()
     count = _chat("Count to a hundred.")
@@ -338,8 +338,8 @@ async def test_a_stopped_llama_server_is_killed_and_ends_the_engine(demo_server:
     await asyncio.wait_for(rows.first_piece.wait(), 60)
     assert demo_server._process is not None
     os.kill(demo_server._process.pid, signal.SIGSTOP)
-    with pytest.raises(ServerDied, match="llama-server answered no health check for 3 s"):
-        await asyncio.wait_for(serving, 20)
+    with pytest.raises(ServerDied, match="llama-server answered no health check for 5 s"):
+        await asyncio.wait_for(serving, 30)
     assert demo_server.exited
     await until(lambda: "t2#0" in rows.failures, 10, "the answer cut by the kill to fail")
     assert rows.failures["t2#0"][1] == "engine_error"
