@@ -32,7 +32,7 @@ MODEL_ID_PATTERN = rf"^(?!.*(?:\.\.|--)){_PART_PATTERN}/{_PART_PATTERN}$"
 NAME_MAX_LENGTH = 64
 """Node, instance, task and session ids: one path component, one NATS subject token, one KV key."""
 COMMAND_ID_MAX_LENGTH = 160
-"""Room for the sequencer's `expire-<node id>-<session id>`."""
+"""Room for the sequencer's `expire-<node id>-<session id>-<event sequence>`."""
 # No '.', '*', '>' or '/': such ids become file names, subject tokens and KV keys. A leading letter, digit or
 # '_' also keeps them from reading as an option or a hidden file.
 NAME_PATTERN = r"^[A-Za-z0-9_][A-Za-z0-9_-]*$"

@@ -509,20 +509,25 @@ class Leader:
             state = self.state
             judged = time.monotonic() >= nodes_judged_from
             lapsed = [node for node in list(state.nodes.values()) if judged and not await _alive(kv, node.node_id)]
-            requesters = sorted({t.ref.requester for t in state.tasks.values() if t.ref.requester})
-            gone = [r for r in requesters if not await _alive(kv, subjects.requester_key(r))]
+            newest_task: dict[str, int] = {}
+            for task in state.tasks.values():
+                if task.ref.requester:
+                    newest_task[task.ref.requester] = max(newest_task.get(task.ref.requester, 0), task.assigned_seq)
+            gone = [r for r in sorted(newest_task) if not await _alive(kv, subjects.requester_key(r))]
             if lapsed or gone:
                 await _check_liveness_bucket(self._js)
+            # One command per lapse: its id names the node's record (a node back from a network cut keeps its
+            # session, and JetStream drops a command whose id it saw in the last 120 s as a duplicate), or the
+            # requester's newest task.
             for node in lapsed:
                 await publish_command(
                     self._js,
                     ExpireNode(node_id=node.node_id, session_id=node.session_id),
-                    CommandId(f"expire-{node.node_id}-{node.session_id}"),
+                    CommandId(f"expire-{node.node_id}-{node.session_id}-{node.profile_seq}"),
                 )
             for session_id in gone:
-                await publish_command(
-                    self._js, ExpireRequester(session_id=session_id), CommandId(f"expire-api-{session_id}")
-                )
+                command_id = CommandId(f"expire-api-{session_id}-{newest_task[session_id]}")
+                await publish_command(self._js, ExpireRequester(session_id=session_id), command_id)
             now_ms = int(time.time() * 1000)
             for instance_id in past_retention(state, now_ms, self._config.failed_retention_s):
                 await publish_command(
