@@ -241,8 +241,19 @@ def test_deleting_an_instance_stops_its_runners(cluster: InferenceCluster, clien
     assert greedy(client, DELETED)
     runners = cluster.runners_of(instance_id)
     assert len(runners) == 2
+    stream = client.chat.completions.create(
+        model=DELETED,
+        messages=LONG_STORY,
+        stream=True,  # type: ignore[arg-type]
+        max_tokens=1500,
+        temperature=0,
+    )
+    assert next(stream).choices
     response = httpx.delete(f"{cluster.api}/instances/{instance_id}", timeout=30)
     assert response.status_code == 200, response.text
+    # The answer under way ends saying why, as the event does (a node lost names the node).
+    error = stream_error(stream, time.monotonic(), "its instance was deleted")
+    assert "its instance was deleted: deleted on request" in str(error.message), error
     assert httpx.get(f"{cluster.api}/instances/{instance_id}", timeout=10).status_code == 404
     gone = psutil.wait_procs(runners, timeout=60)[1]
     assert not gone, "runners still alive after their instance was deleted"

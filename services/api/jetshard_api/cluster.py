@@ -17,7 +17,7 @@ from jetshard_bus.node import Liveness
 from jetshard_bus.tracing import inject
 from jetshard_schema.codec import encode
 from jetshard_schema.commands import Command
-from jetshard_schema.events import CommandRejected, Event, EventEnvelope, TaskFinished
+from jetshard_schema.events import CommandRejected, Event, EventEnvelope, InstanceDeleted, TaskFinished
 from jetshard_schema.ids import InstanceId, TaskId, new_command_id, new_id
 from jetshard_schema.state import Instance, State
 from jetshard_schema.subjects import MSG_ID_HEADER, task_subject
@@ -123,6 +123,14 @@ class Cluster:
 
     def recent_event_lines(self) -> list[EventLine]:
         return [event_line(seq, envelope) for seq, envelope in self._recent]
+
+    def deletion_reason(self, instance_id: InstanceId) -> str | None:
+        """Why `instance_id` was deleted (its node lost, unloaded, on request), where the recent events still say."""
+        for _, envelope in reversed(self._recent):
+            event = envelope.event
+            if isinstance(event, InstanceDeleted) and event.instance_id == instance_id:
+                return event.reason
+        return None
 
     def _on_event(self, envelope: EventEnvelope, state: State, live: bool) -> None:
         self._recent.append((state.last_seq, envelope))

@@ -176,7 +176,8 @@ class ChunkStream:
         state = self._cluster.state
         instance = state.instances.get(self._instance_id) if self._instance_id else None
         if instance is None:
-            why = "its instance was deleted"
+            reason = self._cluster.deletion_reason(self._instance_id) if self._instance_id else None
+            why = f"its instance was deleted: {reason}" if reason else "its instance was deleted"
         elif instance.failed:
             why = f"its instance failed: {instance.failed_reason}"
         elif instance.generation != self._generation:
