@@ -67,6 +67,7 @@ async def test_a_restarted_worker_is_the_same_node_and_a_stopped_one_is_lost(
     try:
         env = {"JETSHARD_CONFIG_DIR": str(tmp_path / "cfg")}
         processes.start("seq", "sequencer", "--nats", fresh_nats.url, "--liveness-ttl-s", TTL)
+        processes.start_api("api", "--nats", fresh_nats.url, "--liveness-ttl-s", TTL)
         worker = processes.start("w1", "worker", "--nats", fresh_nats.url, "--liveness-ttl-s", TTL, env=env)
         await follower.wait_until(lambda s: len(s.nodes) == 1, 60)
         node_id = (tmp_path / "cfg" / "node_id").read_text().strip()
@@ -103,6 +104,16 @@ async def test_a_restarted_worker_is_the_same_node_and_a_stopped_one_is_lost(
             worker.send_signal(signal.SIGCONT)
             await follower.wait_until(lambda s: len(s.nodes) == 1, 30)
             assert follower.state.nodes[node_id].session_id == session
+
+        # Services whose NATS server is gone (a `jetshard up` killed with -9 takes it) stop all the same (within
+        # run_service's grace, if a call to NATS holds them), without a traceback.
+        fresh_nats.process.kill()
+        services = dict(zip(("seq", "api", "w3"), [*processes.started[:2], worker], strict=True))
+        for service in services.values():
+            service.send_signal(signal.SIGTERM)
+        for name, service in services.items():
+            service.wait(30)
+            assert "Traceback" not in processes.log(name), processes.log(name)[-3000:]
     finally:
         await follower.stop()
         await client.close()

@@ -64,3 +64,14 @@ async def connect(
         await client.close()
         raise
     return client, js
+
+
+async def disconnect(client: Client) -> None:
+    """Drain the connection (what is in flight is sent, subscriptions finish what they hold), as a stopping service
+    does; close it without draining where the server is gone (a killed `jetshard up`): there is nothing to send
+    to, and a stopping service must not end in a traceback."""
+    try:
+        await client.drain()
+    except (nats.errors.ConnectionClosedError, nats.errors.ConnectionReconnectingError, TimeoutError) as error:
+        log.info("NATS connection closed without draining (%s)", type(error).__name__)
+        await client.close()

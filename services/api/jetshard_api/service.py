@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import uvicorn
-from jetshard_bus.connect import connect
+from jetshard_bus.connect import connect, disconnect
 from jetshard_bus.follower import StateFollower
 from jetshard_bus.node import keep_alive
 from jetshard_bus.options import DEFAULT_API_PORT, NatsOptions
@@ -66,7 +66,7 @@ async def run_api(config: ApiConfig, stop: asyncio.Event) -> None:
         await cluster.close()
         await cluster.stats.close()
         await follower.stop()
-        await client.drain()
+        await disconnect(client)
 
 
 async def _serve(server: uvicorn.Server, config: ApiConfig, stop: asyncio.Event) -> None:

@@ -35,7 +35,7 @@ from typing import Any, TypeVar
 
 import msgspec
 from jetshard_bus.commands import publish_command
-from jetshard_bus.connect import connect
+from jetshard_bus.connect import connect, disconnect
 from jetshard_bus.follower import StateFollower
 from jetshard_bus.node import local_address, node_id_for
 from jetshard_bus.scratch import DOWNLOADER_PREFIX, make_scratch_dir
@@ -1018,4 +1018,4 @@ async def run_downloader(config: DownloaderConfig, stop: asyncio.Event) -> None:
             if server is not None:
                 await server.close()
             await follower.stop()
-            await client.drain()
+            await disconnect(client)

@@ -16,9 +16,10 @@ from dataclasses import dataclass
 from typing import Any
 
 import msgspec
+import nats.errors
 import nats.js.errors
 from jetshard_bus.commands import publish_command
-from jetshard_bus.connect import connect
+from jetshard_bus.connect import connect, disconnect
 from jetshard_bus.follower import StateFollower
 from jetshard_bus.snapshots import save_snapshot, stream_created
 from jetshard_bus.stats import publish_stats
@@ -129,13 +130,19 @@ async def run_sequencer(config: SequencerConfig, stop: asyncio.Event) -> None:
         while not stop.is_set():
             try:
                 await _follow_then_lead(client, js, config, stop, standing)
-            except Exception:  # NATS timeouts under load and the like: start over as a standby
-                log.exception("sequencer %s: starting over as a standby", config.sequencer_id)
+            except Exception as error:
+                # NATS timeouts under load, a JetStream still electing its leaders after a network cut: start over
+                # as a standby. Those are expected, and said in a line; anything else is a bug, with its traceback.
+                if isinstance(error, nats.errors.Error | TimeoutError):
+                    name = type(error).__name__
+                    log.warning("sequencer %s: starting over as a standby (%s: %s)", config.sequencer_id, name, error)
+                else:
+                    log.exception("sequencer %s: starting over as a standby", config.sequencer_id)
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(stop.wait(), 1.0)
     finally:
         stats.cancel()
-        await client.drain()
+        await disconnect(client)
 
 
 async def _follow_then_lead(

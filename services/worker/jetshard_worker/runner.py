@@ -30,7 +30,7 @@ from typing import Any, NoReturn
 import msgspec
 import nats.errors
 from jetshard_bus.commands import publish_command
-from jetshard_bus.connect import connect
+from jetshard_bus.connect import connect, disconnect
 from jetshard_bus.follower import StateFollower
 from jetshard_bus.service import run_service
 from jetshard_bus.stats import interval_s, publish_stats
@@ -447,7 +447,7 @@ async def run_runner(spec: RunnerSpec, stop: asyncio.Event) -> None:
     except Exception as error:
         log.exception("runner failed to start")
         await runner.report(RunnerStatus.FAILED, reason=f"rank {spec.plan.rank} failed to start: {error}")
-        await client.drain()
+        await disconnect(client)
         sys.exit(1)
     engine_runs = _named(runner.engine_kind.value, runner.engine.serve())
     follower = StateFollower(js) if runner.engine.is_leader else None
@@ -467,7 +467,7 @@ async def run_runner(spec: RunnerSpec, stop: asyncio.Event) -> None:
         await runner.report(RunnerStatus.STOPPED, reason="stopped")
     if follower is not None:
         await follower.stop()
-    await client.drain()
+    await disconnect(client)
 
 
 async def _serve(

@@ -9,7 +9,7 @@ from collections.abc import Callable
 
 import msgspec
 from jetshard_bus.commands import publish_command
-from jetshard_bus.connect import connect
+from jetshard_bus.connect import connect, disconnect
 from jetshard_bus.follower import StateFollower
 from jetshard_bus.node import Liveness, keep_alive, local_address, node_id_for, node_profile, unused_gpu_hint
 from jetshard_schema.commands import ReportNodeProfile
@@ -100,7 +100,7 @@ async def run_worker(config: WorkerConfig, stop: asyncio.Event) -> None:
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(task, 5)
         await follower.stop()
-        await client.drain()
+        await disconnect(client)
 
 
 def _fast_blas_here() -> bool:
