@@ -127,6 +127,19 @@ def test_a_tensor_parallel_instance_answers_as_the_pipeline_of_the_same_weights(
     assert isinstance(json.loads(reply.choices[0].message.content or "")["n"], int)
 
 
+def long_stream(client: openai.OpenAI, model: str) -> Iterator[object]:
+    """A greedy stream of a long answer, its first chunk taken: still going when the test cuts it."""
+    stream = client.chat.completions.create(
+        model=model,
+        messages=LONG_STORY,
+        stream=True,  # type: ignore[arg-type]
+        max_tokens=1500,
+        temperature=0,
+    )
+    assert next(stream).choices
+    return stream
+
+
 @pytest.mark.parametrize(
     ("model", "rank"),
     [(SPLIT, 1), (SPLIT, 0), (TENSOR, 0)],
@@ -140,15 +153,7 @@ def test_kill_9_of_a_runner_mid_stream(cluster: InferenceCluster, client: openai
     since = cluster.last_seq()
     victim = next(p for p in cluster.runners_of(instance_id) if runner_spec(p).plan.rank == rank)
 
-    stream = client.chat.completions.create(
-        model=model,
-        messages=LONG_STORY,
-        stream=True,  # type: ignore[arg-type]
-        max_tokens=1500,
-        temperature=0,
-    )
-    first = next(stream)
-    assert first.choices
+    stream = long_stream(client, model)
     victim.kill()
     started = time.monotonic()
     error = stream_error(stream, started, "a runner died")
@@ -241,14 +246,7 @@ def test_deleting_an_instance_stops_its_runners(cluster: InferenceCluster, clien
     assert greedy(client, DELETED)
     runners = cluster.runners_of(instance_id)
     assert len(runners) == 2
-    stream = client.chat.completions.create(
-        model=DELETED,
-        messages=LONG_STORY,
-        stream=True,  # type: ignore[arg-type]
-        max_tokens=1500,
-        temperature=0,
-    )
-    assert next(stream).choices
+    stream = long_stream(client, DELETED)
     response = httpx.delete(f"{cluster.api}/instances/{instance_id}", timeout=30)
     assert response.status_code == 200, response.text
     # The answer under way ends saying why, as the event does (a node lost names the node).
